@@ -1,0 +1,213 @@
+"""Backend names, environment probes, per-op capability declarations and backend resolution.
+
+Every op declares an `OpSpec`: its name (the config key), the kernel backends that `"auto"`
+tries in order, and a function giving the input reasons a backend cannot run some inputs.
+`select_backend` turns the requested backend (argument, else the active config) into the
+backend that runs, applying the fallback rule; its decision is cached per op, request and
+an op-chosen key (device, dtype, widths, flags), so the hot path is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal, get_args
+
+import torch
+
+Backend = Literal["auto", "torch", "triton", "tilelang"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+KERNEL_BACKENDS: tuple[str, ...] = ("triton", "tilelang")
+Fallback = Literal["torch", "error"]
+FALLBACKS: tuple[str, ...] = get_args(Fallback)
+
+OP_NAMES: tuple[str, ...] = (
+    "rms_norm",
+    "layer_norm",
+    "l2norm",
+    "flash_attention",
+    "gated_delta_rule",
+    "bce_with_logits",
+    "swiglu",
+    "dropout_add",
+    "embedding_bag_mean",
+    "mhc",
+)
+
+TILELANG_VERSION = "0.1.15"
+TILELANG_MIN_CAPABILITY = (8, 0)
+
+logger = logging.getLogger("runtime.accelerators")
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run these inputs and the fallback rule is "error"."""
+
+
+class BackendFallbackWarning(RuntimeWarning):
+    """An explicitly requested backend cannot run these inputs; the torch reference runs instead."""
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def triton_interpret() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1): the triton backend then accepts CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def library_reasons(backend: str) -> tuple[str, ...]:
+    """Why the backend's library cannot be used in this environment (empty when it can)."""
+    if backend == "triton":
+        try:
+            importlib.import_module("triton")
+        except ImportError as error:
+            return (f"triton is not importable ({error}); install it with `pip install triton` (Linux only)",)
+        return ()
+    if backend == "tilelang":
+        try:
+            version = importlib.metadata.version("tilelang")
+        except importlib.metadata.PackageNotFoundError:
+            return (f"tilelang is not installed; install it with `pip install tilelang=={TILELANG_VERSION}`",)
+        if version != TILELANG_VERSION:
+            return (
+                f"tilelang {version} is installed but this package is written for {TILELANG_VERSION}; "
+                f"install it with `pip install tilelang=={TILELANG_VERSION}`",
+            )
+        return ()
+    return ()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_reasons(backend: str, device: torch.device) -> list[str]:
+    """Why the backend cannot run on this device (empty when it can)."""
+    if backend == "torch":
+        return []
+    if backend == "triton":
+        if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
+            return []
+        return [f"tensors are on {device.type}; the triton backend needs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)"]
+    if backend == "tilelang":
+        if device.type != "cuda":
+            return [f"tensors are on {device.type}; the tilelang backend needs CUDA tensors"]
+        major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        if (major, minor) < TILELANG_MIN_CAPABILITY:
+            need = ".".join(map(str, TILELANG_MIN_CAPABILITY))
+            return [f"GPU compute capability {major}.{minor} is below {need}, the oldest the tilelang kernels target"]
+        return []
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def environment_reasons(backend: str, device: torch.device) -> list[str]:
+    return list(library_reasons(backend)) + device_reasons(backend, device)
+
+
+# --------------------------------------------------------------------------- op declarations
+
+
+InputReasons = Callable[..., list[str]]
+REGISTRY: dict[str, "OpSpec"] = {}  # op name -> spec, filled as the op packages import
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op's capabilities as data.
+
+    name:       the config key (one of OP_NAMES)
+    priority:   kernel backends in the order `"auto"` tries them (chosen from benchmark evidence)
+    reasons:    (backend, **inputs) -> list of reasons this backend cannot run these inputs,
+                beyond the environment (dtype, width, mask kind, gradients...)
+    """
+
+    name: str
+    priority: tuple[str, ...]
+    reasons: InputReasons
+
+    def __post_init__(self) -> None:
+        if self.name not in OP_NAMES:
+            raise ValueError(f"OpSpec: unknown op {self.name!r}; expected one of {OP_NAMES}")
+        REGISTRY[self.name] = self
+
+    def not_supported_reasons(self, backend: str, device: torch.device, **inputs) -> list[str]:
+        """Every reason the backend cannot run these inputs here; empty means supported."""
+        if backend == "torch":
+            return []
+        return environment_reasons(backend, device) + self.reasons(backend, **inputs)
+
+
+def load_kernels(op: str, backend: str):
+    """Import an op's kernel module lazily (so the package imports without triton or tilelang)."""
+    return _load_kernels(op, backend)
+
+
+@functools.cache
+def _load_kernels(op: str, backend: str):
+    return importlib.import_module(f"runtime.accelerators.{op}.{backend}")
+
+
+# --------------------------------------------------------------------------- resolution
+
+_decisions: dict[Hashable, str] = {}
+_warned: set[Hashable] = set()
+
+
+def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, key: Hashable, **inputs) -> str:
+    """The backend ("torch", "triton" or "tilelang") that runs this call.
+
+    `key` must capture everything `spec.reasons` reads from `inputs` (dtype, widths, flags);
+    the decision is cached under it, so the reasons are computed once per distinct key.
+    """
+    from .config import active_config  # local: config imports this module
+
+    config = active_config()
+    requested = backend if backend is not None else config.backend_for(spec.name)
+    cache_key = (spec.name, requested, config.fallback, device, key)
+    decided = _decisions.get(cache_key)
+    if decided is not None:
+        return decided
+    decided = _decide(spec, requested, config.fallback, device, inputs)
+    _decisions[cache_key] = decided
+    return decided
+
+
+def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, inputs: dict) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        skipped = {}
+        for candidate in spec.priority:
+            reasons = spec.not_supported_reasons(candidate, device, **inputs)
+            if not reasons:
+                return candidate
+            skipped[candidate] = reasons
+        logger.debug("%s: auto chose torch; %s", spec.name, skipped)
+        return "torch"
+    reasons = spec.not_supported_reasons(requested, device, **inputs)
+    if not reasons:
+        return requested
+    message = f"{spec.name}: the {requested} backend cannot run these inputs: " + "; ".join(reasons)
+    if fallback == "error":
+        raise BackendUnavailableError(message)
+    warn_key = (spec.name, requested, tuple(reasons))
+    if warn_key not in _warned:
+        _warned.add(warn_key)
+        warnings.warn(message + ". Running the torch reference instead.", BackendFallbackWarning, stacklevel=4)
+    return "torch"
+
+
+def clear_decisions() -> None:
+    """Forget cached decisions and emitted warnings (tests; after changing TRITON_INTERPRET)."""
+    _decisions.clear()
+    _warned.clear()

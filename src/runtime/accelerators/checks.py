@@ -1,0 +1,44 @@
+"""Argument checks shared by the ops: each error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tensor(name: str, value, *, floating: bool = True, min_dim: int = 0) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor (float32, bfloat16 or float16), got {value.dtype}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+
+
+def check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if value.device != ref.device:
+        raise ValueError(f"{name}: expected a tensor on {ref.device} like {ref_name}, got one on {value.device}")
+
+
+def check_feature_param(name: str, value, x: torch.Tensor) -> None:
+    """A per-feature parameter (norm weight or bias): 1-D of x's last size, on x's device."""
+    if value is None:
+        return
+    check_tensor(name, value)
+    if value.dim() != 1 or value.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: expected shape ({x.shape[-1]},) to match the last dimension of x, got {tuple(value.shape)}")
+    check_same_device(name, value, "x", x)
+
+
+def check_rows(name: str, x: torch.Tensor) -> None:
+    """Row-wise ops need a non-empty last dimension; an empty batch is fine."""
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name}: the last dimension (the normalised width) is empty; shape {tuple(x.shape)}")
+
+
+def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> list[str]:
+    if tensor.dtype in allowed:
+        return []
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    return [f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; the kernels take {names}"]

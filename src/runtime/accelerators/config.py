@@ -1,0 +1,90 @@
+"""AcceleratorConfig: which backend each op uses, and what happens when it cannot run."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+from .backends import BACKENDS, FALLBACKS, OP_NAMES, Backend, Fallback
+
+
+@dataclass(frozen=True)
+class AcceleratorConfig:
+    """default: the backend of every op not in `ops`; ops: per-op overrides; fallback: "torch" or "error"."""
+
+    default: Backend = "auto"
+    ops: Mapping[str, Backend] = field(default_factory=dict)
+    fallback: Fallback = "torch"
+
+    def __post_init__(self) -> None:
+        _check_backend("default", self.default)
+        for op, backend in self.ops.items():
+            if op not in OP_NAMES:
+                raise ValueError(f"accelerators.ops: unknown op {op!r}; expected one of {', '.join(OP_NAMES)}")
+            _check_backend(f"ops.{op}", backend)
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"accelerators.fallback: unknown rule {self.fallback!r}; expected one of {', '.join(FALLBACKS)}")
+        object.__setattr__(self, "ops", dict(self.ops))
+
+    def backend_for(self, op: str) -> Backend:
+        return self.ops.get(op, self.default)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "AcceleratorConfig":
+        """Build from a plain or OmegaConf mapping with the keys default, ops and fallback (ops entries may be null)."""
+        unknown = set(values) - {"default", "ops", "fallback"}
+        if unknown:
+            raise ValueError(f"accelerators: unknown keys {sorted(unknown)}; expected default, ops, fallback")
+        ops = {op: backend for op, backend in dict(values.get("ops") or {}).items() if backend is not None}
+        return cls(default=values.get("default", "auto"), ops=ops, fallback=values.get("fallback", "torch"))
+
+
+def _check_backend(where: str, backend: object) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"accelerators.{where}: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+_global_config = AcceleratorConfig()
+_active: contextvars.ContextVar[AcceleratorConfig | None] = contextvars.ContextVar("taac_accelerators", default=None)
+
+
+def active_config() -> AcceleratorConfig:
+    """The config of the innermost `use_accelerators` block, else the process-wide one."""
+    config = _active.get()
+    return _global_config if config is None else config
+
+
+def set_accelerators(config: AcceleratorConfig) -> None:
+    """Set the process-wide config (what training scripts do once at start)."""
+    global _global_config
+    if not isinstance(config, AcceleratorConfig):
+        raise TypeError(f"config: expected an AcceleratorConfig, got {type(config).__name__}")
+    _global_config = config
+
+
+@contextlib.contextmanager
+def use_accelerators(
+    config: AcceleratorConfig | None = None,
+    *,
+    default: Backend | None = None,
+    ops: Mapping[str, Backend] | None = None,
+    fallback: Fallback | None = None,
+) -> Iterator[AcceleratorConfig]:
+    """Run a block with another config: a full `config`, or keyword changes to the active one.
+
+    >>> with use_accelerators(default="triton", ops={"flash_attention": "tilelang"}, fallback="error"):
+    ...     model(batch)
+    """
+    base = config if config is not None else active_config()
+    merged = AcceleratorConfig(
+        default=default if default is not None else base.default,
+        ops={**base.ops, **(ops or {})},
+        fallback=fallback if fallback is not None else base.fallback,
+    )
+    token = _active.set(merged)
+    try:
+        yield merged
+    finally:
+        _active.reset(token)

@@ -1,0 +1,44 @@
+"""explain(): which backend each op takes on this machine, and why the others would not."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import KERNEL_BACKENDS, REGISTRY, environment_reasons
+from .config import active_config
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def explain(op: str | None = None, device: torch.device | str | None = None, **inputs) -> str:
+    """A report, one block per op: the configured backend, what "auto" picks, and each kernel backend's reasons.
+
+    With `op` and sample `inputs` (the op's tensor arguments by name, e.g. explain("rms_norm", x=x)),
+    the input reasons (dtype, width, mask kind...) are added to the environment ones.
+    """
+    if op is not None and op not in REGISTRY:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(sorted(REGISTRY))}")
+    if inputs and op is None:
+        raise ValueError("explain: sample inputs need the op they belong to (op=...)")
+    device = torch.device(device) if device is not None else _inputs_device(inputs) or default_device()
+    config = active_config()
+    lines = [f"device: {device}; fallback rule: {config.fallback}"]
+    for name in [op] if op is not None else sorted(REGISTRY):
+        spec = REGISTRY[name]
+        reasons = {
+            b: (spec.not_supported_reasons(b, device, **inputs) if inputs else environment_reasons(b, device))
+            for b in KERNEL_BACKENDS
+        }
+        auto = next((b for b in spec.priority if not reasons[b]), "torch")
+        configured = config.backend_for(name)
+        runs = auto if configured == "auto" else configured if configured == "torch" or not reasons[configured] else "torch (fallback)"
+        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(spec.priority)} > torch")
+        for backend in KERNEL_BACKENDS:
+            lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
+    return "\n".join(lines)
+
+
+def _inputs_device(inputs) -> torch.device | None:
+    return next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), None)

@@ -1,0 +1,169 @@
+"""The bridge from an op's kernel backends to autograd (eager) and to torch.compile.
+
+Each kernel module `runtime.accelerators.<op>.<backend>` exposes two plain functions:
+
+    forward(*args) -> tuple[Tensor, ...]
+        the op's outputs first (`n_outputs` of them), then whatever backward needs
+    backward(*grad_outputs, *args, *results) -> tuple
+        one gradient (or None) per arg; `results` is everything forward returned
+
+Eager calls run them through one autograd.Function: no dispatcher in between. Under
+torch.compile the same functions run as the custom ops `taac::<op>_forward` and
+`taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
+so graphs hold one node per kernel launch. Backward always runs on the forward's backend.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .backends import load_kernels
+
+
+class KernelOp:
+    """One op's kernel entry point.
+
+    op:            the op's folder name (kernels are loaded from runtime.accelerators.<op>.<backend>)
+    args_schema:   the forward arguments in torch schema syntax, e.g. "Tensor x, Tensor? weight, float eps"
+    n_outputs:     how many leading results of forward are returned to the caller
+    n_saved:       how many further results forward returns for backward
+    fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
+    """
+
+    def __init__(self, op: str, args_schema: str, n_outputs: int, n_saved: int, fake_forward: Callable) -> None:
+        self.op = op
+        self.n_outputs = n_outputs
+        n_results = n_outputs + n_saved
+        results = ", ".join(["Tensor"] * n_results)
+        grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
+        saved = ", ".join(f"Tensor result{i}" for i in range(n_results))
+        returns = "Tensor" if n_results == 1 else f"({results})"
+        self._forward_op = torch.library.custom_op(
+            f"taac::{op}_forward",
+            _run_forward(op, n_results),
+            mutates_args=(),
+            schema=f"(str backend, {args_schema}) -> {returns}",
+        )
+        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake_forward(*args))))
+        self._backward_op = torch.library.custom_op(
+            f"taac::{op}_backward",
+            _run_backward(op, n_outputs, n_results),
+            mutates_args=(),
+            schema=f"(str backend, {grads}, {args_schema}, {saved}) -> Tensor[]",
+        )
+        self._backward_op.register_fake(_fake_backward(n_outputs, n_results))
+        self._forward_op.register_autograd(self._compiled_backward, setup_context=self._setup_context)
+
+    def __call__(self, backend: str, *args):
+        """Run the op on `backend` ("triton" or "tilelang"), differentiably."""
+        if torch.compiler.is_compiling():
+            results = self._forward_op(backend, *args)
+        else:
+            results = _EagerFunction.apply(self, backend, *args)
+        if not isinstance(results, tuple):
+            return results
+        return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
+
+    # torch.compile path -------------------------------------------------------------
+    def _setup_context(self, ctx, inputs, output) -> None:
+        backend, *args = inputs
+        ctx.backend = backend
+        ctx.args_layout, tensors = _split_args(args)
+        ctx.save_for_backward(*tensors, *_as_tuple(output))
+
+    def _compiled_backward(self, ctx, *grads):
+        n_tensors = len(ctx.args_layout[1])
+        tensors, results = ctx.saved_tensors[:n_tensors], ctx.saved_tensors[n_tensors:]
+        args = _join_args(ctx.args_layout, tensors)
+        grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads[: self.n_outputs], results)]
+        flat = self._backward_op(ctx.backend, *grad_outputs, *args, *results)
+        return (None, *_unflatten_grads(args, flat))
+
+
+class _EagerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel_op: KernelOp, backend: str, *args):
+        results = _as_tuple(load_kernels(kernel_op.op, backend).forward(*args))
+        ctx.kernel_op, ctx.backend = kernel_op, backend
+        ctx.args_layout, tensors = _split_args(args)
+        ctx.save_for_backward(*tensors, *results)
+        outputs = results[: kernel_op.n_outputs]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n_tensors = len(ctx.args_layout[1])
+        tensors, results = ctx.saved_tensors[:n_tensors], ctx.saved_tensors[n_tensors:]
+        args = _join_args(ctx.args_layout, tensors)
+        grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads, results)]
+        grads_in = load_kernels(ctx.kernel_op.op, ctx.backend).backward(*grad_outputs, *args, *results)
+        return (None, None, *grads_in)
+
+
+# helpers -------------------------------------------------------------------------------
+
+
+def _as_tuple(results) -> tuple:
+    return tuple(results) if isinstance(results, (tuple, list)) else (results,)
+
+
+def _split_args(args: Sequence):
+    """Separate tensor arguments (saved for backward) from the rest (kept on ctx)."""
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    others = tuple(None if i in positions else a for i, a in enumerate(args))
+    return (others, positions), [args[i] for i in positions]
+
+
+def _join_args(layout, tensors) -> list:
+    others, positions = layout
+    args = list(others)
+    for i, t in zip(positions, tensors):
+        args[i] = t
+    return args
+
+
+def _zeros_if_none(grad, like):
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _unwrap_single(results: tuple):
+    return results[0] if len(results) == 1 else results
+
+
+def _run_forward(op: str, n_results: int):
+    def forward(backend, *args):
+        results = _as_tuple(load_kernels(op, backend).forward(*args))
+        if len(results) != n_results:
+            raise RuntimeError(f"{op}.{backend}.forward returned {len(results)} tensors, expected {n_results}")
+        return _unwrap_single(results)
+
+    return forward
+
+
+def _run_backward(op: str, n_outputs: int, n_results: int):
+    def backward(backend, *flat):
+        grads, rest = flat[:n_outputs], flat[n_outputs:]
+        args, results = rest[: len(rest) - n_results], rest[len(rest) - n_results :]
+        grads_in = load_kernels(op, backend).backward(*grads, *args, *results)
+        # Tensor[] cannot hold None: return the gradients of the tensor arguments present
+        return [g if g is not None else torch.zeros_like(a) for a, g in zip(args, grads_in) if isinstance(a, torch.Tensor)]
+
+    return backward
+
+
+def _fake_backward(n_outputs: int, n_results: int):
+    def fake(backend, *flat):
+        rest = flat[n_outputs:]
+        args = rest[: len(rest) - n_results]
+        return [torch.empty_like(a) for a in args if isinstance(a, torch.Tensor)]
+
+    return fake
+
+
+def _unflatten_grads(args, flat) -> list:
+    grads, it = [], iter(flat)
+    for a in args:
+        grads.append(next(it) if isinstance(a, torch.Tensor) else None)
+    return grads

@@ -1,0 +1,29 @@
+"""rms_norm(x, weight=None, eps=1e-6): x * rsqrt(mean(x^2, -1) + eps) * weight."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..kernel_op import KernelOp
+from ..norms import check_norm_inputs, norm_key, norm_reasons
+from .reference import rms_norm_reference
+
+SPEC = OpSpec(name="rms_norm", priority=("triton", "tilelang"), reasons=norm_reasons)
+
+
+def _fake_forward(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+# kernel modules: forward(x, weight, eps) -> (y, rstd[rows] fp32)
+#                 backward(dy, x, weight, eps, y, rstd) -> (dx, dweight, None)
+KERNEL = KernelOp("rms_norm", "Tensor x, Tensor? weight, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:
+    check_norm_inputs(x, weight)
+    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight), x=x, weight=weight)
+    if chosen == "torch" or x.numel() == 0:
+        return rms_norm_reference(x, weight, eps)
+    return KERNEL(chosen, x, weight, float(eps))

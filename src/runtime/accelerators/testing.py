@@ -1,0 +1,47 @@
+"""Numerics helpers shared by the tests and the benchmark."""
+
+from __future__ import annotations
+
+import torch
+
+# relative RMS error bounds per dtype (gradients get twice these; an issue may set tighter ones)
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+RTOL_ATTENTION_FP32 = 1e-4
+
+
+def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if out has any NaN or inf)."""
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(out64).all():
+        return float("nan")
+    norm = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    return diff / norm if norm > 0 else diff
+
+
+def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.numel() == 0:
+        return 0.0
+    return (out.detach().double().cpu() - ref.detach().double().cpu()).abs().max().item()
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    """Relative RMS error within rtol; NaN never passes. Prints the ratio and the max-abs error."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    error = relative_rms_error(out, ref)
+    message = f"{name}: relative RMS error {error:.3e} (bound {rtol:.1e}), max abs {max_abs_error(out, ref):.3e}"
+    print(message)
+    if not error <= rtol:  # also false for NaN
+        raise AssertionError(message)
+
+
+def poison_(tensor: torch.Tensor) -> torch.Tensor:  # for buffers a test allocates itself
+    """Fill with NaN (floating) or an out-of-range value, so an unwritten element fails the check."""
+    if tensor.is_floating_point():
+        return tensor.fill_(float("nan"))
+    return tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def gradient_tolerance(dtype: torch.dtype, rtol: float | None = None) -> float:
+    return 2 * (rtol if rtol is not None else RTOL[dtype])
