@@ -1,0 +1,29 @@
+"""GPU tier: every kernel backend against float64 references on a CUDA device."""
+
+import os
+
+import pytest
+import torch
+
+from runtime.accelerators.backends import clear_decisions
+from runtime.accelerators.buffers import poison_outputs
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise RuntimeError("tests/gpu must run without TRITON_INTERPRET=1 (it would run the Triton kernels on the CPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="no CUDA device: the GPU tier runs on the GPU machine")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_fresh_dispatch():
+    """Every kernel output starts as NaN; decisions and warnings start fresh; inputs are seeded."""
+    clear_decisions()
+    torch.manual_seed(0)
+    with poison_outputs():
+        yield
+    clear_decisions()
