@@ -42,3 +42,8 @@ def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> lis
         return []
     names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
     return [f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; the kernels take {names}"]
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision inputs, the input's own dtype otherwise (float64 references stay float64)."""
+    return torch.promote_types(tensor.dtype, torch.float32)

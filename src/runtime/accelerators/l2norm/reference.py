@@ -1,8 +1,10 @@
-"""L2Norm in plain torch (fp32 math): always available, CPU-safe, differentiable by autograd."""
+"""L2Norm in plain torch (fp32 math; float64 stays float64): always available, CPU-safe, differentiable by autograd."""
 
 import torch
 
+from ..checks import compute_dtype
+
 
 def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(compute_dtype(x))
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)

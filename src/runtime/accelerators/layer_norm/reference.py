@@ -1,17 +1,19 @@
-"""LayerNorm in plain torch (fp32 math): always available, CPU-safe, differentiable by autograd."""
+"""LayerNorm in plain torch (fp32 math; float64 stays float64): always available, CPU-safe, differentiable by autograd."""
 
 import torch
+
+from ..checks import compute_dtype
 
 
 def layer_norm_reference(
     x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(compute_dtype(x))
     mean = xf.mean(-1, keepdim=True)
     centred = xf - mean
     y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(xf.dtype)
     return y.to(x.dtype)

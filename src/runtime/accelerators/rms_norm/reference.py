@@ -1,11 +1,13 @@
-"""RMSNorm in plain torch (fp32 math): always available, CPU-safe, differentiable by autograd."""
+"""RMSNorm in plain torch (fp32 math; float64 stays float64): always available, CPU-safe, differentiable by autograd."""
 
 import torch
 
+from ..checks import compute_dtype
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(compute_dtype(x))
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     return y.to(x.dtype)

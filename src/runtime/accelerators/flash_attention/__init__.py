@@ -1,0 +1,189 @@
+"""flash_attention(q, k, v, *, causal, key_lengths, attn_mask, dropout_p, scale): SDPA semantics.
+
+q [B, H, Lq, D], k/v [B, Hkv, Lk, D] with H a multiple of Hkv (GQA/MQA); strided views such as
+x.view(B, L, H, D).transpose(1, 2) are passed to the kernels as they are (strides, no copy).
+A query row that sees no key gives zeros where SDPA gives NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor
+from ..kernel_op import KernelOp
+from .reference import flash_attention_reference
+
+# What each kernel backend supports; the reasons below are derived from this table.
+# (The tilelang entry belongs to the TileLang backend's author.)
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...]
+    dropout: bool = True
+    dtype_note: str = ""
+
+
+SUPPORT: dict[str, KernelSupport] = {
+    # fp32 runs with exact fp32 products (tf32 would miss the fp32 accuracy bound); slower than bf16
+    "triton": KernelSupport(dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=(16, 32, 48, 64, 128)),
+    "tilelang": KernelSupport(
+        dtypes=(torch.bfloat16, torch.float16),
+        head_dims=(16, 32, 48, 64, 128),
+        dtype_note="the tilelang kernels compute with bf16/fp16 tensor cores; cast q/k/v to bfloat16 or float16 "
+        "(or run under autocast), or use backend='triton'",
+    ),
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, **_) -> list[str]:
+    """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
+    support = SUPPORT[backend]
+    reasons = []
+    if attn_mask is not None:
+        reasons.append("a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)")
+    if q is not None:
+        if q.dtype not in support.dtypes:
+            allowed = ", ".join(_dtype_name(d) for d in support.dtypes)
+            note = f" ({support.dtype_note})" if support.dtype_note else ""
+            reasons.append(f"q has dtype {_dtype_name(q.dtype)}; the {backend} kernels take {allowed}{note}")
+        if q.shape[-1] not in support.head_dims:
+            dims = ", ".join(map(str, support.head_dims))
+            reasons.append(f"head dim {q.shape[-1]} is not one of the {backend} kernels' head dims ({dims})")
+    if dropout_p > 0 and not support.dropout:
+        reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
+    return reasons
+
+
+SPEC = OpSpec(name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons)
+
+
+def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
+    b, h, lq, d = q.shape
+    return q.new_empty(b, h, lq, d), q.new_empty(b, h, lq, dtype=torch.float32)
+
+
+# kernel modules: forward(q, k, v, key_lengths, causal, scale, dropout_p, seed) -> (o [B,H,Lq,D] in q's dtype, lse [B,H,Lq] fp32)
+#                 backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
+#                     -> (dq, dk, dv, None, None, None, None, None)
+# key_lengths: None or int32 [B] contiguous on q's device, values in [0, Lk]; dk/dv of a kv head sum
+# over its query heads; dropout keeps (b, h, i, j) by a counter-based RNG of `seed` (backward regenerates it).
+KERNEL = KernelOp(
+    "flash_attention",
+    "Tensor q, Tensor k, Tensor v, Tensor? key_lengths, bool causal, float scale, float dropout_p, int seed",
+    n_outputs=1,
+    n_saved=1,
+    fake_forward=_fake_forward,
+)
+
+SEED_BOUND = 2**31 - 1  # seeds stay int32 so Triton keeps one signature
+
+
+def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x)
+        if x.dim() != 4:
+            layout = "[B, H, Lq, D]" if name == "q" else "[B, Hkv, Lk, D]"
+            raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(x.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        check_same_device(name, x, "q", q)
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)} ([B, Hkv, Lk, D]), got {tuple(v.shape)}")
+    b, h, _, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k: expected batch size {b} like q, got {k.shape[0]} (shape {tuple(k.shape)})")
+    if k.shape[3] != d:
+        raise ValueError(f"k: expected head dim {d} like q, got {k.shape[3]} (shape {tuple(k.shape)})")
+    if d == 0:
+        raise ValueError(f"q: the head dim is empty; shape {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"k: the number of kv heads ({hkv}) must divide the number of query heads ({h}) of q")
+    if key_lengths is not None:
+        if not isinstance(key_lengths, torch.Tensor):
+            raise TypeError(f"key_lengths: expected an integer torch.Tensor of shape ({b},), got {type(key_lengths).__name__}")
+        if key_lengths.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"key_lengths: expected dtype int32 or int64, got {_dtype_name(key_lengths.dtype)}")
+        if tuple(key_lengths.shape) != (b,):
+            raise ValueError(f"key_lengths: expected shape ({b},) (one length per batch row), got {tuple(key_lengths.shape)}")
+        check_same_device("key_lengths", key_lengths, "q", q)
+        _check_lengths_range(key_lengths, k.shape[2])
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+            got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+            raise TypeError(f"attn_mask: expected a bool tensor (True = visible), got {got}")
+        check_same_device("attn_mask", attn_mask, "q", q)
+        target = (b, h, q.shape[2], k.shape[2])
+        try:
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            raise ValueError(f"attn_mask: expected a shape broadcastable to {target} ([B, H, Lq, Lk]), got {tuple(attn_mask.shape)}") from None
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attn_mask: expected at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+
+
+def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
+    # Reading the values synchronises with the device: skipped while capturing a CUDA graph or compiling.
+    if key_lengths.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if key_lengths.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    low, high = torch.stack(torch.aminmax(key_lengths)).tolist()  # one synchronisation
+    if low < 0 or high > lk:
+        raise ValueError(f"key_lengths: expected values in [0, {lk}] (Lk of k), got values in [{low}, {high}]")
+
+
+def _autocast(q, k, v):
+    """Under autocast, attention runs in the autocast dtype (as SDPA does)."""
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v per head, as torch.nn.functional.scaled_dot_product_attention.
+
+    q [B, H, Lq, D]; k, v [B, Hkv, Lk, D] with H a multiple of Hkv. causal: query i sees keys j <= i
+    (top-left aligned, as SDPA). key_lengths [B] int: keys j >= key_lengths[b] are hidden. attn_mask:
+    a bool mask broadcastable to [B, H, Lq, Lk], True = visible (torch backend only). dropout_p is
+    applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's default generator,
+    so torch.manual_seed repeats a run. scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
+    """
+    _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
+    q, k, v = _autocast(q, k, v)
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0)
+    chosen = select_backend(SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
+        return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
+    if key_lengths is not None:
+        key_lengths = key_lengths.to(torch.int32).contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    seed = int(torch.randint(SEED_BOUND, (1,)).item()) if dropout_p > 0 else 0
+    return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)

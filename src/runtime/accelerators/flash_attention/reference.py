@@ -1,0 +1,99 @@
+"""Attention in plain torch: the torch backend (SDPA) and a float64 textbook reference for tests.
+
+Both follow the op's semantics: causal is aligned top-left as in SDPA (query i sees keys j <= i),
+`key_lengths[b]` hides keys j >= key_lengths[b], a bool `attn_mask` (True = visible) combines
+with both, and a query row that sees no key gives zeros (SDPA alone gives NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def visible_mask(
+    batch: int,
+    lq: int,
+    lk: int,
+    device: torch.device,
+    causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The bool mask (True = visible) broadcastable to [B, H, Lq, Lk], or None when every key is visible."""
+    mask = None
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    if key_lengths is not None:
+        keys = torch.arange(lk, device=device) < key_lengths.to(device).view(batch, 1, 1, 1)
+        mask = keys if mask is None else mask & keys
+    if attn_mask is not None:
+        mask = attn_mask if mask is None else mask & attn_mask
+    return mask
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, H, L, D], each kv head serving H // Hkv consecutive query heads (GQA)."""
+    b, hkv, length, d = x.shape
+    if hkv == heads:
+        return x
+    return x[:, :, None].expand(b, hkv, heads // hkv, length, d).reshape(b, heads, length, d)
+
+
+def flash_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The torch backend: SDPA with the combined mask; rows that see no key give zeros."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    k, v = repeat_kv(k, h), repeat_kv(v, h)
+    if lk == 0:  # no key at all: every row is empty (keep the graph so q gets a zero gradient)
+        return q * 0
+    if key_lengths is None and attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
+    mask = visible_mask(b, lq, lk, q.device, causal, key_lengths, attn_mask)
+    seen = mask.any(-1, keepdim=True)
+    # SDPA turns a row without a visible key into NaN, whose gradient would then spread NaN into
+    # dk/dv: let such rows see every key, and zero their output afterwards.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, dropout_p=dropout_p, scale=scale)
+    return out.masked_fill(~seen, 0)
+
+
+def attention_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Textbook attention in float64, differentiable, for tests.
+
+    keep: an optional dropout keep mask [B, H, Lq, Lk] (True = kept); kept probabilities are
+    scaled by 1 / (1 - dropout_p). The result is float64.
+    """
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    q, k, v = q.double(), repeat_kv(k.double(), h), repeat_kv(v.double(), h)
+    scores = q @ k.transpose(-1, -2) * scale
+    mask = visible_mask(b, lq, lk, q.device, causal, key_lengths, attn_mask)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True).detach() if lk > 0 else scores.new_zeros(b, h, lq, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    if keep is not None:
+        probs = probs * keep.to(probs.device) / (1.0 - dropout_p)
+    return probs @ v

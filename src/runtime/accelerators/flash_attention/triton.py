@@ -1,0 +1,465 @@
+"""FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), backward preprocess
+(delta = rowsum(o * do)), a dk/dv kernel and a dq kernel.
+
+Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D], any strides (views are read in place); o, lse and the
+gradients are written contiguous. One program handles one block of rows of one (batch, head):
+queries for the forward and dq kernels, keys for the dk/dv kernel, which also loops over the
+H // Hkv query heads of its kv head so GQA gradients are summed without atomics.
+
+Masks: causal (query i sees keys j <= i, top-left as SDPA) and key_lengths (keys j >= length are
+hidden) decide both which key blocks a program visits and, only on the blocks that straddle a
+boundary, an element mask. A row that sees no key gets o = 0 and lse = +inf, so that every
+probability the backward recomputes from it is exp(-inf) = 0.
+
+Dropout keeps element (b, h, i, j) when a Philox draw keyed by the seed on the counter (j, i, b*H+h)
+is >= dropout_p; forward and backward regenerate the same draws, nothing of size L x L is stored.
+
+Sequence lengths, heads and strides are runtime arguments (lengths are not specialised), so one
+compiled kernel per (head dim, dtype, causal, key_lengths, dropout) serves every shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..buffers import empty
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# --------------------------------------------------------------------------- configurations
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for 16-bit inputs.
+# BLOCK_M runs over queries and BLOCK_N over keys in every kernel.
+CONFIGS_16BIT = {
+    "fwd": {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "dkdv": {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 2)},
+    "dq": {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2)},
+}
+# fp32 runs exact fp32 products (tf32 would miss the fp32 accuracy bound) with fewer registers per tile
+CONFIGS_FP32 = {
+    "fwd": {d: (64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "dkdv": {d: (32, 64, 4, 2) for d in (16, 32, 64, 128)},
+    "dq": {d: (64, 32, 4, 2) for d in (16, 32, 64, 128)},
+}
+PREPROCESS_BLOCK_M = 64
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
+    return table[kind][block_d(head_dim)]
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _keep(seed, bh, offs_i, offs_j, dropout_p):
+    """Dropout keep mask for queries offs_i x keys offs_j (broadcast shapes), one Philox draw each."""
+    zero = (offs_i + offs_j) * 0
+    r, _, _, _ = tl.philox(seed, offs_j + zero, offs_i + zero, zero + bh, zero)
+    uniform = (r >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)  # 24 random bits -> [0, 1)
+    return uniform >= dropout_p
+
+
+@triton.jit
+def _load(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile, zero outside the rows < n_rows and the head dim."""
+    if CHECK_ROWS:
+        if PAD_D:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if PAD_D:
+            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _store(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
+    if PAD_D:
+        tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(ptrs, value, mask=rows[:, None] < n_rows)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_block(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+    qk_scale, dropout_p, seed, bh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    cols = start_n + offs_n
+    k = _load(k_ptrs + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    v = _load(v_ptrs + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASK:
+        visible = cols[None, :] < kv_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    # m_i starts finite (-1e30), so a row masked so far gets p = exp2(-inf) = 0, never NaN
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:
+        p = tl.where(_keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p), p, 0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
+def _fwd_kernel(
+    Q, K, V, O, LSE, KL,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som,
+    H, GROUP, LQ, LK, qk_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
+    q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+
+    kv_len = LK
+    if HAS_KL:
+        kv_len = tl.load(KL + b)
+    # blocks below n_full are visible to every row of this program; blocks up to n_end need the mask
+    if CAUSAL:
+        n_end = tl.minimum(kv_len, start_m + BLOCK_M)
+        n_full = (tl.minimum(kv_len, start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        n_end = kv_len
+        n_full = (kv_len // BLOCK_N) * BLOCK_N
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
+        )
+    for start_n in range(n_full, n_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+        )
+
+    empty_row = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty_row, 1.0, l_i)
+    if DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty_row, float("inf"), (m_i + tl.math.log2(l_i)) * 0.6931471805599453)
+    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
+    _store(o_ptrs, out.to(O.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit(do_not_specialize=["H", "LQ"])
+def _bwd_preprocess_kernel(
+    O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, sdod, H, LQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d o * do (fp32)."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
+    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
+    o = _load(o_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
+    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, tl.sum(o * do, 1), mask=offs_m < LQ)
+
+
+@triton.jit
+def _dkdv_block(
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
+    qk_scale, dropout_p, seed, bh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate one query block into dk, dv of this key block, in transposed form ([keys, queries])."""
+    rows = start_m + offs_m
+    q = _load(q_ptrs + start_m * sqm, rows, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    do = _load(do_ptrs + start_m * sdom, rows, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    # rows past LQ load lse = +inf, so their probabilities are 0
+    lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptr + rows, mask=rows < LQ, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    if MASK:
+        visible = offs_n[:, None] < kv_len
+        if CAUSAL:
+            visible = visible & (rows[None, :] >= offs_n[:, None])
+        p_t = tl.where(visible, p_t, 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        keep = _keep(seed, bh, rows[None, :], offs_n[:, None], dropout_p)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        dv = tl.dot(tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "seed"])
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, KL,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
+    k = _load(k_ptrs, offs_n, LK, offs_d, HEAD_DIM, PAD_D, True)
+    v = _load(v_ptrs, offs_n, LK, offs_d, HEAD_DIM, PAD_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    kv_len = LK
+    if HAS_KL:
+        kv_len = tl.load(KL + b)
+    # query blocks from m_lo; the first ones (up to m_full) straddle the causal diagonal and need the
+    # mask, and all of them do when this key block straddles kv_len
+    if CAUSAL:
+        m_lo = (start_n // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = LQ * 0
+    if start_n + BLOCK_N > kv_len:
+        m_full = LQ
+    if start_n < kv_len:  # a block wholly past kv_len gets dk = dv = 0
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            bh = b * H + h
+            q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+            do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
+            lse_ptr = LSE + bh.to(tl.int64) * LQ
+            delta_ptr = DELTA + bh.to(tl.int64) * LQ
+            for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    sqm, sdom, qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+                )
+            for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    sqm, sdom, qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
+                )
+    dk = dk * sm_scale
+    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
+    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
+    _store(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+    _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+
+
+@triton.jit
+def _dq_block(
+    dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+    qk_scale, dropout_p, seed, bh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    cols = start_n + offs_n
+    k = _load(k_ptrs + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    v = _load(v_ptrs + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASK:
+        visible = cols[None, :] < kv_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm,
+    H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
+    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
+    q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+
+    kv_len = LK
+    if HAS_KL:
+        kv_len = tl.load(KL + b)
+    if CAUSAL:
+        n_end = tl.minimum(kv_len, start_m + BLOCK_M)
+        n_full = (tl.minimum(kv_len, start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        n_end = kv_len
+        n_full = (kv_len // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, n_full, BLOCK_N):
+        dq = _dq_block(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
+        )
+    for start_n in range(n_full, n_end, BLOCK_N):
+        dq = _dq_block(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+        )
+    dq = dq * sm_scale
+    dq_ptrs = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :]
+    _store(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float) -> dict:
+    d = q.shape[-1]
+    return dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d(d),
+        CAUSAL=bool(causal),
+        HAS_KL=key_lengths is not None,
+        DROPOUT=dropout_p > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # the latter is ignored for 16-bit inputs
+    )
+
+
+def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None):
+    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; +inf for rows that see no key)."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    o = empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    lse = empty((b, h, lq), dtype=torch.float32, device=q.device)
+    block_m, block_n, warps, stages = cfg or config("fwd", d, q.dtype)
+    grid = (triton.cdiv(lq, block_m), b * h)
+    _fwd_kernel[grid](
+        q, k, v, o, lse, key_lengths if key_lengths is not None else q,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
+        h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        **_flags(q, key_lengths, causal, dropout_p),
+    )
+    return o, lse
+
+
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg_dkdv=None, cfg_dq=None):
+    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    flags = _flags(q, key_lengths, causal, dropout_p)
+    kl = key_lengths if key_lengths is not None else q
+
+    delta = empty((b, h, lq), dtype=torch.float32, device=q.device)
+    _bwd_preprocess_kernel[(triton.cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
+        o, do, delta, *o.stride()[:3], *do.stride(), h, lq,
+        HEAD_DIM=d, BLOCK_D=flags["BLOCK_D"], BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
+    )
+
+    dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = empty(v.shape, dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages = cfg_dkdv or config("dkdv", d, q.dtype)
+    _bwd_dkdv_kernel[(triton.cdiv(lk, block_n), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, kl,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
+        h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+    )
+
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m, block_n, warps, stages = cfg_dq or config("dq", d, q.dtype)
+    _bwd_dq_kernel[(triton.cdiv(lq, block_m), b * h)](
+        q, k, v, do, lse, delta, dq, kl,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
+        h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
+    """The keep mask [B, H, Lq, Lk] the kernels draw for this seed (for tests; materialises L x L)."""
+    keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
+    block = 32
+    _keep_mask_kernel[(triton.cdiv(lq, block), triton.cdiv(lk, block), b * h)](
+        keep, lq, lk, float(dropout_p), seed, BLOCK=block,
+    )
+    return keep.bool()
+
+
+@triton.jit(do_not_specialize=["LQ", "LK", "seed"])
+def _keep_mask_kernel(KEEP, LQ, LK, dropout_p, seed, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    bh = tl.program_id(2)
+    keep = _keep(seed, bh, rows[:, None], cols[None, :], dropout_p)
+    ptrs = KEEP + bh.to(tl.int64) * LQ * LK + rows[:, None] * LK + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < LQ) & (cols[None, :] < LK))
+

@@ -1,0 +1,73 @@
+"""L2Norm in Triton: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math.
+
+Backward (xhat = x * rstd): dx = rstd * (dy - xhat * sum(dy * xhat)). No parameters, so backward
+runs one tile per program like forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from ..norms import as_rows
+from ..norms_triton import n_tiles, row_tiles
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _forward_kernel(
+    x_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n_rows, cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _backward_kernel(
+    dy_ptr, x_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_x,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n_rows, cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xhat = x * rstd
+    dx = (dy - xhat * tl.sum(dy * xhat, axis=1)[:, None]) * rstd
+    tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def forward(x: torch.Tensor, eps: float):
+    x2 = as_rows(x)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    y = buffers.empty_like(x)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    _forward_kernel[(n_tiles(n_rows, tiles),)](
+        x2, y, rstd, n_rows, width, x2.stride(0), eps, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
+    )
+    return y, rstd
+
+
+def backward(dy, x, eps, y, rstd):
+    x2, dy2 = as_rows(x), as_rows(dy)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    dx = buffers.empty_like(x)
+    _backward_kernel[(n_tiles(n_rows, tiles),)](
+        dy2, x2, rstd, dx, n_rows, width, dy2.stride(0), x2.stride(0),
+        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    return dx, None

@@ -1,0 +1,116 @@
+"""LayerNorm in Triton: y = (x - mean) * rstd * weight + bias, rstd = rsqrt(var + eps), fp32 math.
+
+Backward (xhat = (x - mean) * rstd, g = dy * weight):
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dweight = sum over rows of dy * xhat          dbias = sum over rows of dy
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from ..norms import as_rows
+from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, sum_partials
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _forward_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N, stride_x, eps,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n_rows, cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    y = centred * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _backward_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, N, stride_dy, stride_x,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        rows = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w if HAS_W else dy
+        mean_g = tl.sum(g, axis=1) / N
+        mean_gx = tl.sum(g * xhat, axis=1) / N
+        dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+        if HAS_B:
+            db += dy
+    if HAS_W:
+        tl.store(dw_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_B:
+        tl.store(db_ptr + pid * N + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    x2 = as_rows(x)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    y = buffers.empty_like(x)
+    mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    _forward_kernel[(n_tiles(n_rows, tiles),)](
+        x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
+        n_rows, width, x2.stride(0), eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def backward(dy, x, weight, bias, eps, y, mean, rstd):
+    x2, dy2 = as_rows(x), as_rows(dy)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    dx = buffers.empty_like(x)
+    if weight is None and bias is None:
+        programs = n_tiles(n_rows, tiles)
+    else:
+        programs = backward_programs(n_rows, tiles, x.device)
+    dw_partial = x2 if weight is None else partials(programs, width, x.device)
+    db_partial = x2 if bias is None else partials(programs, width, x.device)
+    _backward_kernel[(programs,)](
+        dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
+        n_rows, width, dy2.stride(0), x2.stride(0),
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    if weight is None and bias is None:
+        return dx, None, None, None
+    dweight, dbias = sum_partials(
+        None if weight is None else dw_partial, weight, None if bias is None else db_partial, bias
+    )
+    return dx, dweight, dbias, None

@@ -1,0 +1,113 @@
+"""Launch logic shared by the Triton row-norm kernels (rms_norm, layer_norm, l2norm).
+
+Every kernel works on tiles of `rows` rows x `block` columns (block: the width rounded up to a
+power of two). Narrow rows are packed several to a tile so that small widths are not
+launch-bound; wide rows take one row per tile. Forward kernels run one tile per program.
+Backward kernels with a weight or bias are persistent: `backward_programs` programs stride over
+the tiles, each accumulating its dweight/dbias in registers and writing one fp32 partial row;
+`sum_partials` then reduces those [programs, width] partials (no atomics).
+
+Everything derived from the width is cached, so a call costs a dict lookup plus the launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import buffers
+
+TILE_ELEMENTS = 2048  # elements per program for narrow rows (several rows per tile)
+ELEMENTS_PER_THREAD = 16  # sets the warps: enough threads that each holds ~16 elements of a tile
+MAX_WARPS = 16
+RESIDENT_WARPS = 16  # warps of persistent backward programs resident per SM (register-bound)
+INTERPRETER_PROGRAMS = 2  # backward programs under TRITON_INTERPRET=1 (exercises the partial sums)
+
+
+class RowTiles(NamedTuple):
+    block: int  # columns per tile: the width rounded up to a power of two (>= 16)
+    rows: int  # rows per tile
+    warps: int
+    programs_per_sm: int  # resident backward programs per SM (persistent kernels)
+
+
+@functools.cache
+def row_tiles(width: int) -> RowTiles:
+    block = max(16, triton.next_power_of_2(width))
+    rows = max(1, TILE_ELEMENTS // block)
+    warps = min(MAX_WARPS, max(4, rows * block // (32 * ELEMENTS_PER_THREAD)))
+    return RowTiles(block, rows, warps, max(1, RESIDENT_WARPS // warps))
+
+
+def n_tiles(n_rows: int, tiles: RowTiles) -> int:
+    return (n_rows + tiles.rows - 1) // tiles.rows
+
+
+@functools.cache
+def _resident_programs(device: torch.device, programs_per_sm: int) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
+
+
+def backward_programs(n_rows: int, tiles: RowTiles, device: torch.device) -> int:
+    """How many persistent programs a backward with parameter gradients launches: all resident at once."""
+    return max(1, min(n_tiles(n_rows, tiles), _resident_programs(device, tiles.programs_per_sm)))
+
+
+def partials(n_programs: int, width: int, device: torch.device) -> torch.Tensor:
+    """Per-program fp32 partial sums of a parameter gradient, [programs, width]."""
+    return buffers.empty((n_programs, width), dtype=torch.float32, device=device)
+
+
+REDUCE_PARTS = 32  # partial rows summed per step
+REDUCE_COLUMNS = 64  # columns per program
+
+
+@triton.jit(do_not_specialize=["n_parts"])
+def _sum_partials_kernel(
+    pw_ptr, dw_ptr, pb_ptr, db_ptr, n_parts, N,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < N
+    acc_w = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        offsets = parts[:, None] * N + cols[None, :]
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        if HAS_W:
+            acc_w += tl.load(pw_ptr + offsets, mask=mask, other=0.0)
+        if HAS_B:
+            acc_b += tl.load(pb_ptr + offsets, mask=mask, other=0.0)
+    if HAS_W:
+        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_B:
+        tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partial_w: torch.Tensor | None, weight: torch.Tensor | None, partial_b=None, bias=None):
+    """Reduce [programs, width] partials to dweight (weight's dtype) and dbias (bias's dtype), one launch."""
+    some = partial_w if partial_w is not None else partial_b
+    n_parts, width = some.shape
+    dweight = None if weight is None else buffers.empty_like(weight)
+    dbias = None if bias is None else buffers.empty_like(bias)
+    _sum_partials_kernel[(triton.cdiv(width, REDUCE_COLUMNS),)](
+        some if partial_w is None else partial_w,
+        some if dweight is None else dweight,
+        some if partial_b is None else partial_b,
+        some if dbias is None else dbias,
+        n_parts,
+        width,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        BLOCK_P=REDUCE_PARTS,
+        BLOCK_C=REDUCE_COLUMNS,
+        num_warps=4,
+    )
+    return dweight, dbias

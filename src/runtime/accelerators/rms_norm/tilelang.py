@@ -1,0 +1,160 @@
+"""RMSNorm in TileLang: y = x * rstd * w, rstd = rsqrt(mean(x^2) + eps), fp32 math.
+
+One compiled kernel per (dtype, weight dtype, width) serves every row count (rows are a
+dynamic dimension). Backward is one persistent kernel: each block loops over row groups,
+writes dx and keeps its share of dweight in registers, then one partial row per block;
+a column-sum kernel reduces the partials (no atomics).
+"""
+
+
+import torch
+
+import tilelang.language as T
+
+from .. import buffers
+from ..tilelang_common import (
+    ACCUM,
+    TL_DTYPE,
+    RowPlan,
+    column_sum,
+    compiled,
+    device_of,
+    kernel_rows,
+    persistent_blocks,
+    placeholder,
+    row_layout,
+    row_plan,
+)
+
+
+def forward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan):
+    N, NP, BM = plan.width, plan.padded, plan.block_rows
+    has_w = w_dtype is not None
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def rms_norm_fwd(
+        X: T.Tensor((M, N), dtype),
+        W: T.Tensor((N if has_w else 1,), w_dtype or ACCUM),
+        Y: T.Tensor((M, N), dtype),
+        Rstd: T.Tensor((M,), ACCUM),
+        eps: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
+            x = T.alloc_fragment((BM, NP), ACCUM)
+            sq = T.alloc_fragment((BM, NP), ACCUM)
+            rstd = T.alloc_fragment((BM,), ACCUM)
+            T.annotate_layout({x: row_layout(plan), sq: row_layout(plan)})
+            row0 = bx * BM
+            for i, j in T.Parallel(BM, NP):
+                x[i, j] = T.if_then_else((row0 + i < M) and (j < N), T.cast(X[row0 + i, j], ACCUM), 0.0)
+            for i, j in T.Parallel(BM, NP):
+                sq[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(sq, rstd, dim=1)
+            for i in T.Parallel(BM):
+                rstd[i] = T.rsqrt(rstd[i] / N + eps)
+                if row0 + i < M:
+                    Rstd[row0 + i] = rstd[i]
+            for i, j in T.Parallel(BM, NP):
+                if (row0 + i < M) and (j < N):
+                    if has_w:
+                        Y[row0 + i, j] = T.cast(x[i, j] * rstd[i] * T.cast(W[j], ACCUM), dtype)
+                    else:
+                        Y[row0 + i, j] = T.cast(x[i, j] * rstd[i], dtype)
+
+    return rms_norm_fwd
+
+
+def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: int):
+    N, NP, BM, G = plan.width, plan.padded, plan.block_rows, n_blocks
+    has_w = w_dtype is not None
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def rms_norm_bwd(
+        DY: T.Tensor((M, N), dtype),
+        X: T.Tensor((M, N), dtype),
+        W: T.Tensor((N if has_w else 1,), w_dtype or ACCUM),
+        Rstd: T.Tensor((M,), ACCUM),
+        DX: T.Tensor((M, N), dtype),
+        Partial: T.Tensor((G, N) if has_w else (1,), ACCUM),
+    ):
+        with T.Kernel(G, threads=plan.threads) as bx:
+            x = T.alloc_fragment((BM, NP), ACCUM)
+            g = T.alloc_fragment((BM, NP), ACCUM)  # dy * w
+            gx = T.alloc_fragment((BM, NP), ACCUM)
+            dw = T.alloc_fragment((BM, NP), ACCUM)
+            dw_sum = T.alloc_fragment((NP,), ACCUM)
+            rstd = T.alloc_fragment((BM,), ACCUM)
+            dot = T.alloc_fragment((BM,), ACCUM)
+            T.annotate_layout({x: row_layout(plan), g: row_layout(plan), gx: row_layout(plan), dw: row_layout(plan)})
+            T.clear(dw)
+            for step in T.serial(T.ceildiv(T.ceildiv(M, BM) - bx, G)):
+                row0 = (step * G + bx) * BM
+                for i, j in T.Parallel(BM, NP):
+                    inside = (row0 + i < M) and (j < N)
+                    x[i, j] = T.if_then_else(inside, T.cast(X[row0 + i, j], ACCUM), 0.0)
+                    g[i, j] = T.if_then_else(inside, T.cast(DY[row0 + i, j], ACCUM), 0.0)
+                for i in T.Parallel(BM):
+                    rstd[i] = T.if_then_else(row0 + i < M, Rstd[row0 + i], 0.0)
+                for i, j in T.Parallel(BM, NP):
+                    if has_w:
+                        dw[i, j] += g[i, j] * x[i, j] * rstd[i]
+                        g[i, j] = g[i, j] * T.cast(W[j], ACCUM)
+                    gx[i, j] = g[i, j] * x[i, j]
+                T.reduce_sum(gx, dot, dim=1)
+                for i in T.Parallel(BM):
+                    dot[i] = dot[i] * rstd[i] * rstd[i] / N  # mean(g * xhat) * rstd
+                for i, j in T.Parallel(BM, NP):
+                    if (row0 + i < M) and (j < N):
+                        # dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd
+                        DX[row0 + i, j] = T.cast(rstd[i] * (g[i, j] - x[i, j] * dot[i]), dtype)
+            if has_w:
+                T.reduce_sum(dw, dw_sum, dim=0)
+                for j in T.Parallel(NP):
+                    if j < N:
+                        Partial[bx, j] = dw_sum[j]
+
+    return rms_norm_bwd
+
+
+def _plan(x: torch.Tensor) -> RowPlan:
+    return row_plan(x.shape[-1], x.element_size())
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    rows = kernel_rows(x)
+    n_rows, width = rows.shape
+    y = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, rstd
+    dtype, w_dtype = TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]
+    device = device_of(x)
+    plan = _plan(x)
+    kernel = compiled(("rms_norm_fwd", dtype, w_dtype, width), lambda: forward_kernel(dtype, w_dtype, plan), device)
+    kernel(rows, placeholder(x.device) if weight is None else weight.contiguous(), y.view(n_rows, width), rstd, eps)
+    return y, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, y: torch.Tensor, rstd: torch.Tensor):
+    rows, dy_rows = kernel_rows(x), kernel_rows(dy)
+    n_rows, width = rows.shape
+    dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        dweight = None if weight is None else torch.zeros_like(weight)
+        return dx, dweight, None
+    dtype, w_dtype = TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]
+    device = device_of(x)
+    plan = _plan(x)
+    n_blocks = persistent_blocks(device, plan.threads)
+    kernel = compiled(
+        ("rms_norm_bwd", dtype, w_dtype, width), lambda: backward_kernel(dtype, w_dtype, plan, n_blocks), device
+    )
+    if weight is None:
+        kernel(dy_rows, rows, placeholder(x.device), rstd, dx.view(n_rows, width), placeholder(x.device))
+        return dx, None, None
+    partial = buffers.empty((n_blocks, width), dtype=torch.float32, device=x.device)
+    kernel(dy_rows, rows, weight.contiguous(), rstd, dx.view(n_rows, width), partial)
+    dweight = column_sum(partial, buffers.empty((width,), dtype=weight.dtype, device=weight.device))
+    return dx, dweight, None

@@ -1,0 +1,94 @@
+"""RMSNorm in Triton: y = x * rstd * weight, rstd = rsqrt(mean(x^2) + eps), fp32 math.
+
+Backward (xhat = x * rstd, g = dy * weight):
+    dx = rstd * (g - xhat * mean(g * xhat))     dweight = sum over rows of dy * xhat
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from ..norms import as_rows
+from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, sum_partials
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _forward_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
+    HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n_rows, cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _backward_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, N, stride_dy, stride_x,
+    HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        rows = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xhat = x * rstd
+        g = dy * w if HAS_W else dy
+        dx = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+    if HAS_W:
+        tl.store(dw_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    x2 = as_rows(x)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    y = buffers.empty_like(x)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    _forward_kernel[(n_tiles(n_rows, tiles),)](
+        x2, x2 if weight is None else weight, y, rstd, n_rows, width, x2.stride(0), eps,
+        HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    return y, rstd
+
+
+def backward(dy, x, weight, eps, y, rstd):
+    x2, dy2 = as_rows(x), as_rows(dy)
+    n_rows, width = x2.shape
+    tiles = row_tiles(width)
+    dx = buffers.empty_like(x)
+    if weight is None:
+        programs, dw_partial = n_tiles(n_rows, tiles), x2
+    else:
+        programs = backward_programs(n_rows, tiles, x.device)
+        dw_partial = partials(programs, width, x.device)
+    _backward_kernel[(programs,)](
+        dy2, x2, x2 if weight is None else weight, rstd, dx, dw_partial, n_rows, width, dy2.stride(0), x2.stride(0),
+        HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    dweight = None if weight is None else sum_partials(dw_partial, weight)[0]
+    return dx, dweight, None

@@ -1,0 +1,209 @@
+"""What the TileLang kernel modules share: version check, targets, dtype names, the compile
+cache, and the pieces of row-wise kernels (the per-width plan and the column-sum kernel that
+reduces per-block partial sums of parameter gradients).
+
+Imported only by the tilelang kernel modules, so the package imports without tilelang.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+from .backends import TILELANG_VERSION
+
+
+def _check_version() -> None:
+    try:
+        version = importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(f"the tilelang backend needs tilelang; install it with `pip install tilelang=={TILELANG_VERSION}`") from None
+    if version != TILELANG_VERSION:
+        raise ImportError(
+            f"tilelang {version} is installed but the tilelang kernels are written for {TILELANG_VERSION} "
+            f"(its API changes between releases); install it with `pip install tilelang=={TILELANG_VERSION}`"
+        )
+
+
+_check_version()
+
+import tilelang  # noqa: E402
+import tilelang.language as T  # noqa: E402
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+H100_SMS = 132  # used when compiling without a device (CPU tests)
+
+TL_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ACCUM = "float32"
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    target: tuple  # the compile target as sorted dict items (hashable)
+    sm_count: int
+
+    @property
+    def target_dict(self) -> dict:
+        return dict(self.target)
+
+
+@functools.cache
+def device_info(index: int | None) -> DeviceInfo:
+    """Compile target and SM count of CUDA device `index`; None: an H100 (sm_90a), for compile-only use."""
+    if index is None:
+        return DeviceInfo(tuple(sorted(SM90A.items())), H100_SMS)
+    major, minor = torch.cuda.get_device_capability(index)
+    # the "a" variants unlock wgmma/TMA features on Hopper and Blackwell
+    arch = f"sm_{major}{minor}" + ("a" if major in (9, 10) else "")
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return DeviceInfo(tuple(sorted({"kind": "cuda", "arch": arch}.items())), sms)
+
+
+def device_of(tensor: torch.Tensor) -> DeviceInfo:
+    index = tensor.device.index
+    return device_info(torch.cuda.current_device() if index is None else index)
+
+
+# --------------------------------------------------------------------------- compile cache
+
+_kernels: dict[Hashable, object] = {}
+
+
+def compiled(key: Hashable, build: Callable[[], object], device: DeviceInfo):
+    """The compiled kernel for `key` (what changes the code: kernel, dtypes, width, flags).
+
+    `build()` returns the T.prim_func; it is compiled for `device` once per process (TileLang
+    also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR).
+    """
+    full_key = (key, device)
+    kernel = _kernels.get(full_key)
+    if kernel is None:
+        kernel = tilelang.compile(build(), target=device.target_dict)
+        _kernels[full_key] = kernel
+    return kernel
+
+
+_placeholders: dict[Hashable, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-element tensor passed for an absent optional argument (the kernel never reads it)."""
+    key = (device, dtype)
+    tensor = _placeholders.get(key)
+    if tensor is None:
+        tensor = _placeholders[key] = torch.zeros(1, dtype=dtype, device=device)
+    return tensor
+
+
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous, 16-byte-aligned [rows, width] tensor (the kernels use vector loads)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if rows.data_ptr() % 16:
+        rows = rows.clone()
+    return rows
+
+
+# --------------------------------------------------------------------------- row-wise kernels
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a row-wise kernel lays out rows of `width` elements.
+
+    Each row is padded to `padded` columns (masked loads, zero fill) so that a fragment
+    [block_rows, padded] splits evenly over `threads` threads in 16-byte vectors: TileLang
+    finds no fragment layout for a width wider than the thread count and not a multiple of
+    it. Narrow rows share a block (`block_rows` > 1).
+    """
+
+    width: int
+    padded: int
+    threads: int
+    block_rows: int
+    vec: int  # elements per 16-byte vector of the row dtype
+
+    @property
+    def row_threads(self) -> int:
+        return self.threads // self.block_rows
+
+    @property
+    def exact(self) -> bool:  # no padded columns: the column mask can be left out
+        return self.padded == self.width
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def row_plan(width: int, elem_bytes: int, min_threads: int = 128, max_threads: int = 512) -> RowPlan:
+    vec = 16 // elem_bytes
+    chunks = -(-width // vec)
+    # about two vectors per thread; more for the widest rows, where threads run out
+    row_threads = min(max_threads, _next_pow2(-(-chunks // 2)))
+    padded = -(-width // (row_threads * vec)) * row_threads * vec
+    threads = max(row_threads, min_threads)
+    return RowPlan(width, padded, threads, threads // row_threads, vec)
+
+
+def row_layout(plan: RowPlan):
+    """Fragment layout of a [block_rows, padded] tile: row i belongs to `row_threads`
+    consecutive threads; each holds 16-byte vectors of consecutive columns, the threads of a
+    row covering `row_threads * vec` consecutive columns per step (coalesced). Declared
+    explicitly so every such fragment of a kernel shares it and loads stay 16 bytes wide."""
+    rt, vec = plan.row_threads, plan.vec
+
+    def thread(i, j):
+        return i * rt + (j // vec) % rt
+
+    def index(i, j):
+        return (j // (rt * vec)) * vec + j % vec
+
+    return T.Fragment((plan.block_rows, plan.padded), forward_thread_fn=thread, forward_index_fn=index)
+
+
+def persistent_blocks(device: DeviceInfo, threads: int) -> int:
+    """Grid of the persistent backward kernels: a fixed number of blocks per SM, each looping
+    over row groups and writing one row of parameter-gradient partial sums."""
+    return device.sm_count * max(1, 1024 // threads)
+
+
+@functools.cache
+def column_sum_kernel(out_dtype: str, block_cols: int = 16, block_rows: int = 64, threads: int = 128):
+    """out[k] = sum_g partial[g, k] in fp32, written as out_dtype; both dimensions dynamic."""
+    G, K = T.dynamic("G, K")
+
+    @T.prim_func
+    def column_sum(Partial: T.Tensor((G, K), ACCUM), Out: T.Tensor((K,), out_dtype)):
+        with T.Kernel(T.ceildiv(K, block_cols), threads=threads) as bx:
+            acc = T.alloc_fragment((block_rows, block_cols), ACCUM)
+            total = T.alloc_fragment((block_cols,), ACCUM)
+            T.clear(acc)
+            for step in T.serial(T.ceildiv(G, block_rows)):
+                for i, j in T.Parallel(block_rows, block_cols):
+                    g, k = step * block_rows + i, bx * block_cols + j
+                    acc[i, j] += T.if_then_else((g < G) and (k < K), Partial[g, k], 0.0)
+            T.reduce_sum(acc, total, dim=0)
+            for j in T.Parallel(block_cols):
+                if bx * block_cols + j < K:
+                    Out[bx * block_cols + j] = T.cast(total[j], out_dtype)
+
+    return column_sum
+
+
+def column_sum(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reduce partial [G, K] fp32 over its rows into out [K] (any kernel dtype)."""
+    device = device_of(partial)
+    name = TL_DTYPE[out.dtype]
+    kernel = compiled(("column_sum", name), lambda: column_sum_kernel(name), device)
+    kernel(partial, out)
+    return out

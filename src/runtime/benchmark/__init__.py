@@ -1,0 +1,1 @@
+"""taac-benchmark: every backend of an op side by side with the installed peers."""

@@ -1,0 +1,89 @@
+"""taac-benchmark CLI: python -m runtime.benchmark --operator rms_norm --device cuda --backends torch,triton,tilelang"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+
+import torch
+
+from . import ops as ops_package
+from .case import Case
+from .runner import MODES, Machine, environment, run_case
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def all_cases() -> dict[str, list[Case]]:
+    """Operator name -> its cases, from every module in runtime.benchmark.ops (each exposes CASES)."""
+    cases: dict[str, list[Case]] = {}
+    for module in pkgutil.iter_modules(ops_package.__path__):
+        for case in importlib.import_module(f"{ops_package.__name__}.{module.name}").CASES:
+            cases.setdefault(case.op, []).append(case)
+    return cases
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="taac-benchmark", description=__doc__)
+    parser.add_argument("--operator", help="op to measure (see --list)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backends", default="torch,triton,tilelang", help="comma-separated backends")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--shape", default="all", help="a shape preset of the op (see --list), or all")
+    parser.add_argument("--mode", default="both", choices=[*MODES, "both"])
+    parser.add_argument("--no-peers", action="store_true", help="time only our backends")
+    parser.add_argument("--json", help="write the results to this path")
+    parser.add_argument("--list", action="store_true", help="list operators and shape presets")
+    parser.add_argument("--dry-run", action="store_true", help="resolve the selection and print it, measure nothing")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = all_cases()
+    if args.list or args.operator is None:
+        for op, op_cases in sorted(cases.items()):
+            print(f"{op}: {', '.join(c.shape for c in op_cases)}")
+        return 0 if args.list else 2
+    if args.operator not in cases:
+        print(f"taac-benchmark: unknown operator {args.operator!r}; expected one of {', '.join(sorted(cases))}", file=sys.stderr)
+        return 2
+    selected = [c for c in cases[args.operator] if args.shape in ("all", c.shape)]
+    if not selected:
+        shapes = ", ".join(c.shape for c in cases[args.operator])
+        print(f"taac-benchmark: unknown shape {args.shape!r} for {args.operator}; expected all or one of {shapes}", file=sys.stderr)
+        return 2
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in backends if b not in ("torch", "triton", "tilelang")]
+    if unknown:
+        print(f"taac-benchmark: unknown backends {unknown}; expected torch, triton, tilelang", file=sys.stderr)
+        return 2
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    device = torch.device(args.device)
+    if args.dry_run:
+        for case in selected:
+            print(f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}")
+        return 0
+    machine = Machine.measure(device, need_matmul=any(c.flops is not None for c in selected))
+    rows = []
+    for case in selected:
+        for mode in modes:
+            rows += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine)
+    result = {
+        "command": "taac-benchmark " + " ".join(sys.argv[1:] if argv is None else argv),
+        "environment": environment(),
+        "device": str(device),
+        "copy_tbs": machine.copy_tbs,
+        "matmul_tflops": machine.matmul_tflops,
+        "rows": rows,
+    }
+    from .report import print_table
+
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0

@@ -1,0 +1,1 @@
+"""One module per op; each exposes CASES, a list of runtime.benchmark.case.Case."""

@@ -1,0 +1,150 @@
+"""Runs the cases of an op: correctness against the float64 reference first, then the timings."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..accelerators import use_accelerators
+from ..accelerators.testing import RTOL, relative_rms_error
+from . import timing
+from .case import Case, Inputs
+
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclass
+class Machine:
+    """What one run measures once: the ceilings results are compared with."""
+
+    device: torch.device
+    copy_tbs: float | None = None
+    matmul_tflops: float | None = None
+
+    @classmethod
+    def measure(cls, device: torch.device, need_matmul: bool) -> "Machine":
+        if device.type != "cuda":
+            return cls(device)
+        return cls(device, timing.copy_bandwidth_tbs(device), timing.matmul_tflops(device) if need_matmul else None)
+
+
+def environment() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "tilelang", "liger_kernel", "fla"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # not installed, or no __version__
+            versions[name] = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"commit": _commit(), "gpu": gpu, "versions": versions}
+
+
+def _commit() -> str | None:
+    if os.environ.get("TAAC_COMMIT"):
+        return os.environ["TAAC_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # not a checkout
+        return None
+
+
+def _double(inputs: Inputs) -> Inputs:
+    doubled = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.detach().double().requires_grad_(value.requires_grad)
+        doubled[name] = value
+    return doubled
+
+
+def _grad_inputs(inputs: Inputs) -> list[str]:
+    return [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _pass(fn: Callable[[Inputs], torch.Tensor], inputs: Inputs, mode: str, grad_out: torch.Tensor | None):
+    """A callable running one forward (no autograd graph) or one forward+backward pass."""
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return fn(inputs)
+
+        return forward
+    names = _grad_inputs(inputs)
+
+    def forward_backward():
+        out = fn(inputs)
+        return torch.autograd.grad(out, [inputs[n] for n in names], grad_out)
+
+    return forward_backward
+
+
+def check(case: Case, fn: Callable[[Inputs], torch.Tensor], inputs: Inputs, mode: str, grad_out) -> dict:
+    """Relative RMS errors of the output (and every input gradient) against the float64 reference."""
+    dtype = next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    bound = case.rtol.get(dtype, RTOL.get(dtype, 1e-2))
+    out = fn(inputs)
+    ref_inputs = _double(inputs)
+    ref = case.reference(ref_inputs)
+    errors = {"out": relative_rms_error(out, ref)}
+    if mode == "fwd+bwd":
+        names = _grad_inputs(inputs)
+        grads = torch.autograd.grad(out, [inputs[n] for n in names], grad_out)
+        ref_grads = torch.autograd.grad(ref, [ref_inputs[n] for n in names], grad_out.double())
+        errors.update({f"d{n}": relative_rms_error(g, r) for n, g, r in zip(names, grads, ref_grads)})
+    ok = all(e <= (bound if k == "out" else 2 * bound) for k, e in errors.items())  # NaN fails
+    return {"errors": errors, "bound": bound, "correct": ok}
+
+
+def measure(case: Case, name: str, kind: str, fn, dtype: torch.dtype, mode: str, machine: Machine) -> dict:
+    """One row: correctness, then GPU and eager time, bandwidth/FLOP rates, memory and compile time."""
+    device = machine.device
+    row = {"op": case.op, "shape": case.shape, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "impl": name, "kind": kind}
+    inputs = case.make_inputs(device, dtype)
+    grad_out = None
+    try:
+        compile_s = timing.first_call_seconds(lambda: fn(inputs), device)
+        if mode == "fwd+bwd":
+            with torch.no_grad():
+                grad_out = torch.randn_like(fn(inputs))
+        row.update(check(case, fn, inputs, mode, grad_out))
+    except Exception as error:  # an unsupported or failing implementation is reported, never timed
+        row.update(status="error", error=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        return row
+    if not row["correct"]:
+        row["status"] = "wrong"
+        return row
+    run = _pass(fn, inputs, mode, grad_out)
+    row.update(status="ok", first_call_s=compile_s, eager_ms=timing.eager_time_ms(run, device))
+    if device.type == "cuda":
+        times, captured = timing.gpu_time_ms(run, device)
+        row.update(gpu_ms=times, graph=captured, peak_mem_mb=timing.peak_memory_mb(run, device))
+        seconds = times["median"] * 1e-3
+        passes = ["fwd"] if mode == "fwd" else ["fwd", "bwd"]
+        if case.bytes is not None:
+            moved = sum(case.bytes(inputs, p) for p in passes)
+            row.update(bytes=moved, tbs=moved / seconds / 1e12)
+            if machine.copy_tbs:
+                row["frac_copy"] = row["tbs"] / machine.copy_tbs
+        if case.flops is not None:
+            flops = sum(case.flops(inputs, p) for p in passes)
+            row.update(flops=flops, tflops=flops / seconds / 1e12)
+            if machine.matmul_tflops:
+                row["frac_matmul"] = row["tflops"] / machine.matmul_tflops
+    return row
+
+
+def run_case(case: Case, backends: list[str], peers: bool, dtype: torch.dtype, mode: str, machine: Machine) -> list[dict]:
+    rows = []
+    with use_accelerators(fallback="error"):  # the benchmark never falls back
+        for backend in backends:
+            rows.append(measure(case, backend, "backend", lambda inputs, b=backend: case.run(b, inputs), dtype, mode, machine))
+        if peers:
+            for name, fn in case.peers.items():
+                rows.append(measure(case, name, "peer", fn, dtype, mode, machine))
+    return rows

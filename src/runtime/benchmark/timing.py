@@ -1,0 +1,118 @@
+"""Timing: GPU time (CUDA-graph replays, L2 flushed before each) and eager time per call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"median": statistics.median(ordered), "p20": at(0.2), "p80": at(0.8)}
+
+
+class L2Flusher:
+    """Writes a buffer twice the L2 size so every replay starts with a cold cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+        self.buffer = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.zero_()
+
+
+def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 50) -> tuple[dict[str, float], bool]:
+    """Median/p20/p80 GPU milliseconds of fn, replayed in a CUDA graph with L2 flushed before each replay.
+
+    Falls back to timing eager launches with events when fn cannot be captured (returns graph=False).
+    """
+    flush = L2Flusher(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        launch, captured = graph.replay, True
+    except Exception:  # host syncs or uncapturable launches: time eager launches instead
+        torch.cuda.synchronize(device)
+        launch, captured = fn, False
+    samples = []
+    for _ in range(replays):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return percentiles(samples), captured
+
+
+def eager_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 200, min_seconds: float = 0.2) -> float:
+    """Wall-clock milliseconds per call over back-to-back calls, synchronised once at the end."""
+    for _ in range(3):
+        fn()
+    _sync(device)
+    n = calls
+    while True:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds or n >= 100 * calls:
+            return 1e3 * elapsed / n
+        n *= 4
+
+
+def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def copy_bandwidth_tbs(device: torch.device, nbytes: int = 2**30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), in TB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    times, _ = gpu_time_ms(lambda: dst.copy_(src), device, replays=20)
+    return 2 * nbytes / (times["median"] * 1e-3) / 1e12
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    """Measured bf16 matmul rate on random data, in TFLOP/s."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times, _ = gpu_time_ms(lambda: a @ b, device, replays=10)
+    return 2 * n**3 / (times["median"] * 1e-3) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,27 @@
+"""nn.Module wrappers of the accelerator ops. Each module follows the active accelerator config
+(runtime.accelerators.set_accelerators / use_accelerators) unless given a `backend`."""
+
+from .attention import CrossAttention, MultiHeadAttention
+from .blocks import GatedDeltaBlock, TransformerBlock
+from .embedding import EmbeddingBagMean
+from .feedforward import SwiGLUFeedForward
+from .gated_delta import GatedDeltaRuleMixer, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from .loss import BCEWithLogitsLoss
+from .norms import LayerNorm, RMSNorm
+from .residual import DropoutAdd
+
+__all__ = [
+    "BCEWithLogitsLoss",
+    "CrossAttention",
+    "DropoutAdd",
+    "EmbeddingBagMean",
+    "GatedDeltaBlock",
+    "GatedDeltaRuleMixer",
+    "LayerNorm",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "SwiGLUFeedForward",
+    "TransformerBlock",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_recurrent",
+]

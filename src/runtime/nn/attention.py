@@ -1,0 +1,75 @@
+"""Multi-head self- and cross-attention on `flash_attention` (key padding through key_lengths)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.accelerators.backends import Backend
+from runtime.accelerators.flash_attention import flash_attention
+
+
+def _split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, L, H * D] -> a [B, H, L, D] view (no copy: the op takes strided views)."""
+    b, length, width = x.shape
+    return x.view(b, length, n_heads, width // n_heads).transpose(1, 2)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [B, L, H * D]."""
+    b, h, length, d = x.shape
+    return x.transpose(1, 2).reshape(b, length, h * d)
+
+
+def _check_heads(d_model: int, n_heads: int) -> None:
+    if n_heads <= 0 or d_model % n_heads != 0:
+        raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model}, got {n_heads}")
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention over x [B, L, d_model] with one fused q/k/v projection.
+
+    causal: token i attends to tokens j <= i. key_lengths [B] (forward): tokens j >= key_lengths[b]
+    are padding and are not attended to. dropout is attention dropout, active in training only.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, causal: bool = False, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None) -> None:
+        super().__init__()
+        _check_heads(d_model, n_heads)
+        self.n_heads = n_heads
+        self.causal = causal
+        self.dropout = dropout
+        self.backend = backend
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
+        o = flash_attention(
+            q, k, v,
+            causal=self.causal,
+            key_lengths=key_lengths,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend,
+        )
+        return self.out(_merge_heads(o))
+
+
+class CrossAttention(nn.Module):
+    """Queries from x [B, Lq, d_model] attend to context [B, Lk, d_model] (e.g. a target item over a history)."""
+
+    def __init__(self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None) -> None:
+        super().__init__()
+        _check_heads(d_model, n_heads)
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.backend = backend
+        self.q = nn.Linear(d_model, d_model, bias=bias)
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=bias)
+        self.out = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        q = _split_heads(self.q(x), self.n_heads)
+        k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+        o = flash_attention(q, k, v, key_lengths=key_lengths, dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        return self.out(_merge_heads(o))

@@ -1,0 +1,26 @@
+"""Dropout on a branch plus the residual stream, as one op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.accelerators.backends import Backend
+from runtime.accelerators.dropout_add import dropout_add
+
+
+class DropoutAdd(nn.Module):
+    """residual + dropout(x, p); dropout is active in training mode only."""
+
+    def __init__(self, p: float = 0.0, *, backend: Backend | None = None) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"p: expected a dropout probability in [0, 1), got {p!r}")
+        self.p = p
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return dropout_add(x, residual, self.p, self.training, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, backend={self.backend}"

@@ -1,0 +1,106 @@
+"""The Triton row-norm kernels on CUDA: outputs and every gradient vs float64 (outputs poisoned by conftest)."""
+
+import pytest
+import torch
+
+from runtime.accelerators import l2norm, layer_norm, rms_norm
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
+WIDTHS = (48, 200, 1000, 4095, 8192)
+ROWS = (1, 37, 1000)
+OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
+# parameter variants as (weight, bias); "x" takes x's dtype, "f32" is mixed precision when x is not fp32
+VARIANTS = {
+    "rms_norm": [(None, None), ("x", None), ("f32", None)],
+    "layer_norm": [(None, None), ("x", "x"), ("f32", "f32"), ("x", None), (None, "f32")],
+    "l2norm": [(None, None)],
+}
+
+
+def reference64(op, x, weight=None, bias=None):
+    if op == "rms_norm":
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    elif op == "l2norm":
+        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    else:
+        centred = x - x.mean(-1, keepdim=True)
+        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def check_op(op, shape, dtype, weight_dtype=None, bias_dtype=None):
+    x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+    width = shape[-1]
+    params = {}
+    if weight_dtype is not None:
+        params["weight"] = (1 + 0.5 * torch.randn(width, device="cuda")).to(weight_dtype).requires_grad_()
+    if bias_dtype is not None:
+        params["bias"] = torch.randn(width, dtype=bias_dtype, device="cuda", requires_grad=True)
+    y = OPS[op](x, **params, backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *params.values()], dy)
+
+    x64 = x.detach().double().requires_grad_()
+    params64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+    y64 = reference64(op, x64, **params64)
+    grads64 = torch.autograd.grad(y64, [x64, *params64.values()], dy.double())
+
+    tag = f"{op} {tuple(shape)} {dtype} w={weight_dtype} b={bias_dtype}"
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(f"{tag} y", y, y64, RTOL[dtype])
+    for name, tensor, grad, grad64 in zip(["x", *params], [x, *params.values()], grads, grads64):
+        assert grad.dtype == tensor.dtype
+        assert_close(f"{tag} d{name}", grad, grad64, gradient_tolerance(tensor.dtype))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", list(OPS))
+def test_norm_triton(op, dtype, width):
+    """Parameter variants rotate over the widths, so every variant meets every dtype (one kernel pair per case)."""
+    variants = VARIANTS[op]
+    weight, bias = variants[(WIDTHS.index(width) + list(DTYPES).index(dtype)) % len(variants)]
+    resolve = {None: None, "x": DTYPES[dtype], "f32": f32}
+    for rows in ROWS:
+        check_op(op, (rows, width), DTYPES[dtype], resolve[weight], resolve[bias])
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_norm_triton_3d(op):
+    """Leading dims are flattened; 10000 rows make every persistent backward program loop over tiles."""
+    weight, bias = {"rms_norm": (f32, None), "layer_norm": (f32, bf16), "l2norm": (None, None)}[op]
+    check_op(op, (4, 2500, 200), bf16, weight, bias)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_norm_triton_empty_batch(op):
+    x = torch.randn(0, 3, 200, dtype=bf16, device="cuda", requires_grad=True)
+    params = {} if op == "l2norm" else {"weight": torch.randn(200, device="cuda", requires_grad=True)}
+    y = OPS[op](x, **params, backend="triton")
+    assert y.shape == x.shape and y.dtype == bf16
+    grads = torch.autograd.grad(y, [x, *params.values()], torch.randn_like(y))
+    assert grads[0].shape == x.shape
+    if params:
+        assert torch.equal(grads[1], torch.zeros_like(params["weight"]))
+
+
+def test_layer_norm_triton_compiled():
+    """Under torch.compile the kernels run as custom ops; results and gradients match eager."""
+    x = torch.randn(37, 1000, dtype=bf16, device="cuda", requires_grad=True)
+    weight = torch.randn(1000, device="cuda", requires_grad=True)
+    bias = torch.randn(1000, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    compiled = torch.compile(lambda x, w, b: layer_norm(x, w, b, backend="triton"), fullgraph=True)
+    y = compiled(x, weight, bias)
+    grads = torch.autograd.grad(y, [x, weight, bias], dy)
+    y_eager = layer_norm(x, weight, bias, backend="triton")
+    grads_eager = torch.autograd.grad(y_eager, [x, weight, bias], dy)
+    assert torch.equal(y, y_eager)
+    for grad, grad_eager in zip(grads, grads_eager):
+        assert torch.equal(grad, grad_eager)

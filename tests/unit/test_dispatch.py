@@ -1,0 +1,174 @@
+"""Backend selection, the fallback rule, the config and explain()."""
+
+import warnings
+
+import pytest
+import torch
+
+import runtime.accelerators as acc
+from runtime.accelerators import backends
+from runtime.accelerators.backends import OpSpec, select_backend
+
+
+def _x(dtype=torch.float32):
+    return torch.randn(3, 8, dtype=dtype)
+
+
+def test_auto_on_cpu_runs_a_kernel_only_under_the_interpreter():
+    x = _x()
+    from runtime.accelerators.rms_norm import SPEC as spec
+    assert select_backend(spec, "auto", x.device, ("k",), x=x, weight=None) == "triton"  # TRITON_INTERPRET=1 in this tier
+    assert select_backend(spec, "torch", x.device, ("k",), x=x, weight=None) == "torch"
+
+
+def test_explicit_backend_that_cannot_run_falls_back_to_torch_with_one_warning():
+    x = _x()
+    with pytest.warns(acc.BackendFallbackWarning, match="rms_norm: the tilelang backend cannot run these inputs: tensors are on cpu"):
+        y = acc.rms_norm(x, backend="tilelang")
+    torch.testing.assert_close(y, acc.rms_norm(x, backend="torch"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.rms_norm(x, backend="tilelang")  # the same op, backend and reasons: no second warning
+
+
+def test_fallback_warning_is_a_runtime_warning():
+    assert issubclass(acc.BackendFallbackWarning, RuntimeWarning)
+
+
+def test_fallback_error_lists_every_reason():
+    x = _x(torch.float64)
+    with acc.use_accelerators(fallback="error"):
+        with pytest.raises(acc.BackendUnavailableError) as error:
+            acc.layer_norm(x, backend="tilelang")
+    message = str(error.value)
+    assert "layer_norm" in message and "tilelang" in message
+    assert "tensors are on cpu" in message and "x has dtype float64" in message
+
+
+def test_input_reason_dtype_makes_auto_choose_torch_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = acc.rms_norm(_x(torch.float64))
+    assert y.dtype == torch.float64
+
+
+def test_config_default_and_per_op_override():
+    with acc.use_accelerators(default="torch", ops={"l2norm": "tilelang"}):
+        config = acc.active_config()
+        assert config.backend_for("rms_norm") == "torch"
+        assert config.backend_for("l2norm") == "tilelang"
+        with acc.use_accelerators(fallback="error"):  # nested blocks change only what they name
+            inner = acc.active_config()
+            assert inner.backend_for("l2norm") == "tilelang" and inner.fallback == "error"
+    assert acc.active_config().default == "auto"
+
+
+def test_argument_beats_config():
+    x = _x()
+    with acc.use_accelerators(default="tilelang", fallback="error"):
+        acc.rms_norm(x, backend="torch")  # no error: the argument wins
+        with pytest.raises(acc.BackendUnavailableError):
+            acc.rms_norm(x)
+
+
+def test_set_accelerators_sets_the_process_default():
+    previous = acc.active_config()
+    try:
+        acc.set_accelerators(acc.AcceleratorConfig(default="torch"))
+        assert acc.active_config().default == "torch"
+    finally:
+        acc.set_accelerators(previous)
+    with pytest.raises(TypeError, match="expected an AcceleratorConfig"):
+        acc.set_accelerators({"default": "torch"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"default": "cuda"}, "accelerators.default: unknown backend 'cuda'; expected one of auto, torch, triton, tilelang"),
+        ({"ops": {"rmsnorm": "triton"}}, "unknown op 'rmsnorm'; expected one of rms_norm, layer_norm"),
+        ({"ops": {"rms_norm": "cutlass"}}, "accelerators.ops.rms_norm: unknown backend 'cutlass'"),
+        ({"fallback": "ignore"}, "accelerators.fallback: unknown rule 'ignore'; expected one of torch, error"),
+    ],
+)
+def test_config_rejects_unknown_values(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        acc.AcceleratorConfig(**kwargs)
+
+
+def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
+    config = acc.AcceleratorConfig.from_mapping({"default": "triton", "ops": {"rms_norm": None, "l2norm": "torch"}, "fallback": "error"})
+    assert config.ops == {"l2norm": "torch"} and config.default == "triton" and config.fallback == "error"
+    with pytest.raises(ValueError, match="unknown keys"):
+        acc.AcceleratorConfig.from_mapping({"defaults": "triton"})
+
+
+def test_unknown_backend_argument_is_an_error():
+    with pytest.raises(ValueError, match="rms_norm: unknown backend 'cuda'"):
+        acc.rms_norm(_x(), backend="cuda")
+
+
+def test_decisions_are_cached_per_key():
+    calls = []
+
+    def reasons(backend, x):
+        calls.append(backend)
+        return ["never"]
+
+    previous = backends.REGISTRY.get("mhc")
+    spec = OpSpec("mhc", priority=("triton", "tilelang"), reasons=reasons)
+    try:
+        x = _x()
+        for _ in range(3):
+            assert select_backend(spec, "auto", x.device, ("same",), x=x) == "torch"
+        assert calls == ["triton", "tilelang"]
+        select_backend(spec, "auto", x.device, ("other",), x=x)
+        assert calls == ["triton", "tilelang"] * 2
+    finally:
+        if previous is None:
+            backends.REGISTRY.pop("mhc")
+        else:
+            backends.REGISTRY["mhc"] = previous
+
+
+def test_opspec_rejects_unknown_op_name():
+    with pytest.raises(ValueError, match="unknown op 'softmax'"):
+        OpSpec("softmax", priority=(), reasons=lambda backend: [])
+
+
+def test_tilelang_version_mismatch_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(backends.importlib.metadata, "version", lambda name: "0.1.6")
+    reasons = backends.library_reasons.__wrapped__("tilelang")
+    assert reasons == ("tilelang 0.1.6 is installed but this package is written for 0.1.15; install it with `pip install tilelang==0.1.15`",)
+
+
+def test_missing_tilelang_says_what_to_install(monkeypatch):
+    def missing(name):
+        raise backends.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(backends.importlib.metadata, "version", missing)
+    assert "pip install tilelang==0.1.15" in backends.library_reasons.__wrapped__("tilelang")[0]
+
+
+def test_explain_lists_every_op_and_reason():
+    text = acc.explain()
+    for op in ("rms_norm", "layer_norm", "l2norm"):
+        assert f"{op}: configured 'auto' -> runs triton" in text
+    assert "tilelang: tensors are on cpu; the tilelang backend needs CUDA tensors" in text
+
+
+def test_explain_with_sample_inputs_adds_input_reasons():
+    text = acc.explain("rms_norm", x=_x(torch.float64))
+    assert "x has dtype float64" in text and "runs torch" in text
+    with pytest.raises(ValueError, match="unknown op 'norm'"):
+        acc.explain("norm")
+    with pytest.raises(ValueError, match="need the op"):
+        acc.explain(x=_x())
+
+
+def test_explain_cli_runs():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "runtime.accelerators"], capture_output=True, text=True, check=True).stdout
+    assert "rms_norm: configured 'auto'" in out

@@ -1,0 +1,96 @@
+"""The Triton row-norm kernels under TRITON_INTERPRET=1 (set by conftest), through the public API.
+
+Forward and every gradient against float64 textbook math at tiny odd shapes.
+"""
+
+import pytest
+import torch
+
+from runtime.accelerators import l2norm, layer_norm, rms_norm
+from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
+
+
+def reference64(op, x, weight=None, bias=None):
+    """Textbook float64 math (the ops' default eps)."""
+    if op == "rms_norm":
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    elif op == "l2norm":
+        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    else:
+        centred = x - x.mean(-1, keepdim=True)
+        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def check_op(op, shape, dtype, weight_dtype=None, bias_dtype=None, strided=False):
+    """Forward and all gradients of OPS[op] on the triton backend vs float64; strided: rows with padding."""
+    width = shape[-1]
+    pad = 8 if strided else 0
+    x = torch.randn(*shape[:-1], width + pad, dtype=dtype)[..., :width].requires_grad_()
+    params = {}
+    if weight_dtype is not None:
+        params["weight"] = (1 + 0.5 * torch.randn(width, dtype=weight_dtype)).requires_grad_()
+    if bias_dtype is not None:
+        params["bias"] = torch.randn(width, dtype=bias_dtype).requires_grad_()
+
+    with poison_outputs():
+        y = OPS[op](x, **params, backend="triton")
+        dy = torch.randn(*shape[:-1], width + pad, dtype=dtype)[..., :width]
+        grads = torch.autograd.grad(y, [x, *params.values()], dy)
+
+    x64 = x.detach().double().requires_grad_()
+    params64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+    y64 = reference64(op, x64, **params64)
+    grads64 = torch.autograd.grad(y64, [x64, *params64.values()], dy.double())
+
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(f"{op} y", y, y64, RTOL[dtype])
+    for name, tensor, grad, grad64 in zip(["x", *params], [x, *params.values()], grads, grads64):
+        assert grad.dtype == tensor.dtype, f"d{name} has dtype {grad.dtype}, expected {tensor.dtype}"
+        assert_close(f"{op} d{name}", grad, grad64, gradient_tolerance(tensor.dtype))
+
+
+# (shape, x dtype, weight dtype, bias dtype); (70, 48) spans 3 tiles over 2 persistent backward programs
+NORM_CASES = [
+    pytest.param((3, 48), f32, None, None, id="3x48-f32-noweight"),
+    pytest.param((7, 200), bf16, f32, f32, id="7x200-bf16-f32params"),
+    pytest.param((70, 48), f16, f16, f16, id="70x48-f16-params"),
+    pytest.param((2, 3, 200), bf16, bf16, None, id="2x3x200-bf16-weightonly"),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, weight_dtype, bias_dtype", NORM_CASES)
+def test_layer_norm_triton(shape, dtype, weight_dtype, bias_dtype):
+    check_op("layer_norm", shape, dtype, weight_dtype, bias_dtype)
+
+
+@pytest.mark.parametrize("shape, dtype, weight_dtype, bias_dtype", NORM_CASES)
+def test_rms_norm_triton(shape, dtype, weight_dtype, bias_dtype):
+    check_op("rms_norm", shape, dtype, weight_dtype)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [pytest.param((3, 48), f32, id="3x48-f32"), pytest.param((7, 200), bf16, id="7x200-bf16"), pytest.param((2, 35, 48), f16, id="2x35x48-f16")],
+)
+def test_l2norm_triton(shape, dtype):
+    check_op("l2norm", shape, dtype)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_strided_rows(op):
+    """x and dy whose rows are padded (row stride != width) are read in place, not copied wrong."""
+    params = {"l2norm": (None, None), "rms_norm": (f32, None), "layer_norm": (f32, f32)}[op]
+    check_op(op, (7, 48), f32, *params, strided=True)
+
+
+def test_layer_norm_triton_bias_only():
+    check_op("layer_norm", (70, 48), bf16, None, f32)
