@@ -169,6 +169,8 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
     """
     from .config import active_config  # local: config imports this module
 
+    if torch.compiler.is_compiling():
+        return _decide_while_compiling(spec.name, backend, device, key, _describe(inputs))
     config = active_config()
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, device, key)
@@ -178,6 +180,39 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
     decided = _decide(spec, requested, config.fallback, device, inputs)
     _decisions[cache_key] = decided
     return decided
+
+
+def _describe(inputs: dict) -> tuple:
+    """The inputs as constants for torch.compile: a tensor by dtype, rank, last size and requires_grad.
+
+    Leading sizes may be symbolic under dynamic shapes, so reasons seen while compiling must depend
+    only on the dtype, the rank and the last (feature) size.
+    """
+    return tuple(
+        (name, ("tensor", v.dtype, v.dim(), v.shape[-1] if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor) else ("value", v))
+        for name, v in inputs.items()
+    )
+
+
+@torch.compiler.assume_constant_result
+def _decide_while_compiling(op: str, backend: str | None, device: torch.device, key: Hashable, described: tuple) -> str:
+    """Runs (untraced) while torch.compile traces an op: the decision is a constant of the compiled graph.
+
+    Meta tensors of the same dtype, rank and last size stand in for the inputs (leading sizes 2).
+    """
+    inputs = {}
+    for name, (kind, *rest) in described:
+        if kind == "tensor":
+            dtype, rank, last, requires_grad = rest
+            shape = (2,) * (rank - 1) + (last,) if rank else ()
+            inputs[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
+        else:
+            inputs[name] = rest[0]
+    from .config import active_config
+
+    config = active_config()
+    requested = backend if backend is not None else config.backend_for(op)
+    return _decide(REGISTRY[op], requested, config.fallback, device, inputs)
 
 
 def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, inputs: dict) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -46,22 +45,22 @@ def _check_backend(where: str, backend: object) -> None:
         raise ValueError(f"accelerators.{where}: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
-_global_config = AcceleratorConfig()
-_active: contextvars.ContextVar[AcceleratorConfig | None] = contextvars.ContextVar("taac_accelerators", default=None)
+# A plain list, not a ContextVar: torch.compile traces reads of it (and guards on them), so a
+# compiled model recompiles when the active config changes. [0] is the process-wide config,
+# the rest are the enclosing `use_accelerators` blocks.
+_stack: list[AcceleratorConfig] = [AcceleratorConfig()]
 
 
 def active_config() -> AcceleratorConfig:
     """The config of the innermost `use_accelerators` block, else the process-wide one."""
-    config = _active.get()
-    return _global_config if config is None else config
+    return _stack[-1]
 
 
 def set_accelerators(config: AcceleratorConfig) -> None:
     """Set the process-wide config (what training scripts do once at start)."""
-    global _global_config
     if not isinstance(config, AcceleratorConfig):
         raise TypeError(f"config: expected an AcceleratorConfig, got {type(config).__name__}")
-    _global_config = config
+    _stack[0] = config
 
 
 @contextlib.contextmanager
@@ -83,8 +82,8 @@ def use_accelerators(
         ops={**base.ops, **(ops or {})},
         fallback=fallback if fallback is not None else base.fallback,
     )
-    token = _active.set(merged)
+    _stack.append(merged)
     try:
         yield merged
     finally:
-        _active.reset(token)
+        del _stack[max(i for i, c in enumerate(_stack) if c is merged)]

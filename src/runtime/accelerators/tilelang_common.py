@@ -46,29 +46,20 @@ ACCUM = "float32"
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    target: tuple  # the compile target as sorted dict items (hashable)
+    target: dict  # tilelang.compile's target, in dict form
     sm_count: int
-
-    @property
-    def target_dict(self) -> dict:
-        return dict(self.target)
 
 
 @functools.cache
 def device_info(index: int | None) -> DeviceInfo:
     """Compile target and SM count of CUDA device `index`; None: an H100 (sm_90a), for compile-only use."""
     if index is None:
-        return DeviceInfo(tuple(sorted(SM90A.items())), H100_SMS)
+        return DeviceInfo(SM90A, H100_SMS)
     major, minor = torch.cuda.get_device_capability(index)
     # the "a" variants unlock wgmma/TMA features on Hopper and Blackwell
     arch = f"sm_{major}{minor}" + ("a" if major in (9, 10) else "")
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return DeviceInfo(tuple(sorted({"kind": "cuda", "arch": arch}.items())), sms)
-
-
-def device_of(tensor: torch.Tensor) -> DeviceInfo:
-    index = tensor.device.index
-    return device_info(torch.cuda.current_device() if index is None else index)
+    return DeviceInfo({"kind": "cuda", "arch": arch}, sms)
 
 
 # --------------------------------------------------------------------------- compile cache
@@ -76,17 +67,16 @@ def device_of(tensor: torch.Tensor) -> DeviceInfo:
 _kernels: dict[Hashable, object] = {}
 
 
-def compiled(key: Hashable, build: Callable[[], object], device: DeviceInfo):
-    """The compiled kernel for `key` (what changes the code: kernel, dtypes, width, flags).
+def compiled(key: Hashable, device: torch.device, build: Callable[[DeviceInfo], object]):
+    """The kernel for `key` (what changes the code: kernel, dtypes, width, flags) on `device`.
 
-    `build()` returns the T.prim_func; it is compiled for `device` once per process (TileLang
-    also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR).
+    On the first call `build(device_info)` returns the T.prim_func, compiled once per process
+    (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR).
     """
-    full_key = (key, device)
-    kernel = _kernels.get(full_key)
+    kernel = _kernels.get((key, device))
     if kernel is None:
-        kernel = tilelang.compile(build(), target=device.target_dict)
-        _kernels[full_key] = kernel
+        info = device_info(device.index if device.index is not None else torch.cuda.current_device())
+        kernel = _kernels[(key, device)] = tilelang.compile(build(info), target=info.target)
     return kernel
 
 
@@ -171,6 +161,21 @@ def row_layout(plan: RowPlan):
     return T.Fragment((plan.block_rows, plan.padded), forward_thread_fn=thread, forward_index_fn=index)
 
 
+@T.macro
+def load_rows(Src, tile, row0, n_rows, width):
+    """tile[i, j] = Src[row0 + i, j], zero outside the tensor (rows past the end, padded columns)."""
+    for i, j in T.Parallel(tile.shape[0], tile.shape[1]):
+        tile[i, j] = T.if_then_else((row0 + i < n_rows) and (j < width), Src[row0 + i, j], T.cast(0, tile.dtype))
+
+
+@T.macro
+def store_rows(tile, Dst, row0, n_rows, width):
+    """Dst[row0 + i, j] = tile[i, j] inside the tensor."""
+    for i, j in T.Parallel(tile.shape[0], tile.shape[1]):
+        if (row0 + i < n_rows) and (j < width):
+            Dst[row0 + i, j] = tile[i, j]
+
+
 def persistent_blocks(device: DeviceInfo, threads: int) -> int:
     """Grid of the persistent backward kernels: a fixed number of blocks per SM, each looping
     over row groups and writing one row of parameter-gradient partial sums."""
@@ -202,8 +207,11 @@ def column_sum_kernel(out_dtype: str, block_cols: int = 16, block_rows: int = 64
 
 def column_sum(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Reduce partial [G, K] fp32 over its rows into out [K] (any kernel dtype)."""
-    device = device_of(partial)
     name = TL_DTYPE[out.dtype]
-    kernel = compiled(("column_sum", name), lambda: column_sum_kernel(name), device)
-    kernel(partial, out)
+    compiled(("column_sum", name), partial.device, lambda _: column_sum_kernel(name))(partial, out)
     return out
+
+
+def n_blocks_for(device: torch.device, plan: RowPlan) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return persistent_blocks(device_info(index), plan.threads)

@@ -44,10 +44,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, **_) -> list[str]:
+def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
     reasons = []
+    if scale is not None and scale < 0:
+        reasons.append(f"scale={scale} is negative; the kernels' online softmax takes scale >= 0")
     if attn_mask is not None:
         reasons.append("a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)")
     if q is not None:
@@ -58,6 +60,9 @@ def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_
         if q.shape[-1] not in support.head_dims:
             dims = ", ".join(map(str, support.head_dims))
             reasons.append(f"head dim {q.shape[-1]} is not one of the {backend} kernels' head dims ({dims})")
+        if backend == "triton" and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            # seen with Triton 3.9: the interpreter's tl.dot multiplies bfloat16 operands' raw bits
+            reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
     return reasons
@@ -178,8 +183,11 @@ def flash_attention(
     """
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0)
-    chosen = select_backend(SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p)
+    negative_scale = scale is not None and scale < 0
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, negative_scale)
+    chosen = select_backend(
+        SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+    )
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:

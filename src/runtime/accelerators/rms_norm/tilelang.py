@@ -18,12 +18,13 @@ from ..tilelang_common import (
     RowPlan,
     column_sum,
     compiled,
-    device_of,
     kernel_rows,
-    persistent_blocks,
+    load_rows,
+    n_blocks_for,
     placeholder,
     row_layout,
     row_plan,
+    store_rows,
 )
 
 
@@ -41,14 +42,15 @@ def forward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan):
         eps: T.float32,
     ):
         with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
+            io = T.alloc_fragment((BM, NP), dtype)  # rows as loaded and stored: 16-byte accesses
             x = T.alloc_fragment((BM, NP), ACCUM)
             sq = T.alloc_fragment((BM, NP), ACCUM)
             rstd = T.alloc_fragment((BM,), ACCUM)
-            T.annotate_layout({x: row_layout(plan), sq: row_layout(plan)})
+            T.annotate_layout({io: row_layout(plan), x: row_layout(plan), sq: row_layout(plan)})
             row0 = bx * BM
+            load_rows(X, io, row0, M, N)
             for i, j in T.Parallel(BM, NP):
-                x[i, j] = T.if_then_else((row0 + i < M) and (j < N), T.cast(X[row0 + i, j], ACCUM), 0.0)
-            for i, j in T.Parallel(BM, NP):
+                x[i, j] = T.cast(io[i, j], ACCUM)
                 sq[i, j] = x[i, j] * x[i, j]
             T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
@@ -56,11 +58,11 @@ def forward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan):
                 if row0 + i < M:
                     Rstd[row0 + i] = rstd[i]
             for i, j in T.Parallel(BM, NP):
-                if (row0 + i < M) and (j < N):
-                    if has_w:
-                        Y[row0 + i, j] = T.cast(x[i, j] * rstd[i] * T.cast(W[j], ACCUM), dtype)
-                    else:
-                        Y[row0 + i, j] = T.cast(x[i, j] * rstd[i], dtype)
+                if has_w:
+                    io[i, j] = T.cast(x[i, j] * rstd[i] * T.cast(W[j], ACCUM), dtype)
+                else:
+                    io[i, j] = T.cast(x[i, j] * rstd[i], dtype)
+            store_rows(io, Y, row0, M, N)
 
     return rms_norm_fwd
 
@@ -80,6 +82,8 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
         Partial: T.Tensor((G, N) if has_w else (1,), ACCUM),
     ):
         with T.Kernel(G, threads=plan.threads) as bx:
+            x_io = T.alloc_fragment((BM, NP), dtype)
+            dy_io = T.alloc_fragment((BM, NP), dtype)
             x = T.alloc_fragment((BM, NP), ACCUM)
             g = T.alloc_fragment((BM, NP), ACCUM)  # dy * w
             gx = T.alloc_fragment((BM, NP), ACCUM)
@@ -87,17 +91,19 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
             dw_sum = T.alloc_fragment((NP,), ACCUM)
             rstd = T.alloc_fragment((BM,), ACCUM)
             dot = T.alloc_fragment((BM,), ACCUM)
-            T.annotate_layout({x: row_layout(plan), g: row_layout(plan), gx: row_layout(plan), dw: row_layout(plan)})
+            layout = row_layout(plan)
+            T.annotate_layout({x_io: layout, dy_io: layout, x: layout, g: layout, gx: layout, dw: layout})
             T.clear(dw)
+            # persistent: block bx takes row groups bx, bx + G, bx + 2G, ...
             for step in T.serial(T.ceildiv(T.ceildiv(M, BM) - bx, G)):
                 row0 = (step * G + bx) * BM
-                for i, j in T.Parallel(BM, NP):
-                    inside = (row0 + i < M) and (j < N)
-                    x[i, j] = T.if_then_else(inside, T.cast(X[row0 + i, j], ACCUM), 0.0)
-                    g[i, j] = T.if_then_else(inside, T.cast(DY[row0 + i, j], ACCUM), 0.0)
+                load_rows(X, x_io, row0, M, N)
+                load_rows(DY, dy_io, row0, M, N)
                 for i in T.Parallel(BM):
                     rstd[i] = T.if_then_else(row0 + i < M, Rstd[row0 + i], 0.0)
                 for i, j in T.Parallel(BM, NP):
+                    x[i, j] = T.cast(x_io[i, j], ACCUM)
+                    g[i, j] = T.cast(dy_io[i, j], ACCUM)
                     if has_w:
                         dw[i, j] += g[i, j] * x[i, j] * rstd[i]
                         g[i, j] = g[i, j] * T.cast(W[j], ACCUM)
@@ -106,9 +112,9 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
                 for i in T.Parallel(BM):
                     dot[i] = dot[i] * rstd[i] * rstd[i] / N  # mean(g * xhat) * rstd
                 for i, j in T.Parallel(BM, NP):
-                    if (row0 + i < M) and (j < N):
-                        # dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd
-                        DX[row0 + i, j] = T.cast(rstd[i] * (g[i, j] - x[i, j] * dot[i]), dtype)
+                    # dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd
+                    x_io[i, j] = T.cast(rstd[i] * (g[i, j] - x[i, j] * dot[i]), dtype)
+                store_rows(x_io, DX, row0, M, N)
             if has_w:
                 T.reduce_sum(dw, dw_sum, dim=0)
                 for j in T.Parallel(NP):
@@ -118,10 +124,6 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
     return rms_norm_bwd
 
 
-def _plan(x: torch.Tensor) -> RowPlan:
-    return row_plan(x.shape[-1], x.element_size())
-
-
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     rows = kernel_rows(x)
     n_rows, width = rows.shape
@@ -129,11 +131,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, rstd
-    dtype, w_dtype = TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]
-    device = device_of(x)
-    plan = _plan(x)
-    kernel = compiled(("rms_norm_fwd", dtype, w_dtype, width), lambda: forward_kernel(dtype, w_dtype, plan), device)
-    kernel(rows, placeholder(x.device) if weight is None else weight.contiguous(), y.view(n_rows, width), rstd, eps)
+    key = ("rms_norm_fwd", x.dtype, None if weight is None else weight.dtype, width)
+    kernel = compiled(key, x.device, lambda _: forward_kernel(*_names(x, weight), _plan(x)))
+    kernel(rows, placeholder(x.device) if weight is None else weight, y.view(n_rows, width), rstd, eps)
     return y, rstd
 
 
@@ -142,19 +142,23 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps
     n_rows, width = rows.shape
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
-        dweight = None if weight is None else torch.zeros_like(weight)
-        return dx, dweight, None
-    dtype, w_dtype = TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]
-    device = device_of(x)
+        return dx, None if weight is None else torch.zeros_like(weight), None
     plan = _plan(x)
-    n_blocks = persistent_blocks(device, plan.threads)
-    kernel = compiled(
-        ("rms_norm_bwd", dtype, w_dtype, width), lambda: backward_kernel(dtype, w_dtype, plan, n_blocks), device
-    )
+    n_blocks = n_blocks_for(x.device, plan)
+    key = ("rms_norm_bwd", x.dtype, None if weight is None else weight.dtype, width)
+    kernel = compiled(key, x.device, lambda _: backward_kernel(*_names(x, weight), plan, n_blocks))
     if weight is None:
         kernel(dy_rows, rows, placeholder(x.device), rstd, dx.view(n_rows, width), placeholder(x.device))
         return dx, None, None
     partial = buffers.empty((n_blocks, width), dtype=torch.float32, device=x.device)
-    kernel(dy_rows, rows, weight.contiguous(), rstd, dx.view(n_rows, width), partial)
+    kernel(dy_rows, rows, weight, rstd, dx.view(n_rows, width), partial)
     dweight = column_sum(partial, buffers.empty((width,), dtype=weight.dtype, device=weight.device))
     return dx, dweight, None
+
+
+def _plan(x: torch.Tensor) -> RowPlan:
+    return row_plan(x.shape[-1], x.element_size())
+
+
+def _names(x: torch.Tensor, weight: torch.Tensor | None) -> tuple:
+    return TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]

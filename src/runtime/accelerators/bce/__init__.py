@@ -1,0 +1,184 @@
+"""binary_cross_entropy_with_logits(logits, targets, weight=None, pos_weight=None, reduction="mean"): as torch.
+
+Kernel argument layout (shared by triton.py and tilelang.py): logits and targets are read as flat
+contiguous arrays of N elements. `weight` and `pos_weight` are passed in their own (small) shape
+when their broadcast to the logits can be expressed as one index map,
+
+    operand value at flat logits index i  =  operand.flatten()[(i // inner) % count]
+
+which covers full tensors (inner 1, count N), per-class vectors [C] (inner 1, count C), per-row
+weights [B, 1] (inner C, count B), scalars and any broadcast over leading and trailing dims.
+Other broadcasts (e.g. [B, 1, C] against [B, H, C]) are materialised to the logits' shape first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
+
+# flat indices are 32-bit in the kernels (with room for one block past the end)
+MAX_KERNEL_NUMEL = 2**31 - 2**16
+
+# how a kernel reads weight / pos_weight
+ABSENT, FULL, BROADCAST = 0, 1, 2
+
+
+def broadcast_layout(operand: torch.Tensor, shape: torch.Size) -> tuple[int, int] | None:
+    """(inner, count) such that operand broadcast to `shape`, flattened, is operand.flatten()[(i // inner) % count].
+
+    None when the broadcast is not of that form (a broadcast dimension between two kept ones).
+    """
+    sizes = [1] * (len(shape) - operand.dim()) + list(operand.shape)
+    kept = [d for d, size in enumerate(sizes) if size > 1]
+    if not kept:
+        return 1, 1
+    first, last = kept[0], kept[-1] + 1
+    if any(sizes[d] != shape[d] for d in range(first, last)):
+        return None
+    return math.prod(shape[last:]), math.prod(shape[first:last])
+
+
+def operand_mode(operand: torch.Tensor | None, shape: torch.Size) -> tuple[int, int, int]:
+    """(mode, inner, count) of a kernel operand prepared by `kernel_operand`."""
+    if operand is None:
+        return ABSENT, 1, 1
+    inner, count = broadcast_layout(operand, shape)
+    if inner == 1 and count == math.prod(shape):
+        return FULL, 1, count
+    return BROADCAST, inner, count
+
+
+def kernel_operand(operand: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """weight / pos_weight as the kernels read it: contiguous, materialised only when no index map fits."""
+    if operand is None:
+        return None
+    if broadcast_layout(operand, shape) is None:
+        return operand.expand(shape).contiguous()
+    return operand.contiguous()
+
+
+def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
+    check_tensor("logits", logits)
+    check_tensor("targets", targets)
+    if targets.shape != logits.shape:
+        raise ValueError(
+            f"targets: expected the shape of logits {tuple(logits.shape)}, got {tuple(targets.shape)}"
+        )
+    check_same_device("targets", targets, "logits", logits)
+    for name, operand in (("weight", weight), ("pos_weight", pos_weight)):
+        if operand is None:
+            continue
+        check_tensor(name, operand)
+        check_same_device(name, operand, "logits", logits)
+        try:
+            broadcast = torch.broadcast_shapes(operand.shape, logits.shape)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != logits.shape:
+            raise ValueError(
+                f"{name}: expected a shape broadcastable to the logits' shape {tuple(logits.shape)}, "
+                f"got {tuple(operand.shape)}"
+            )
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+
+
+def check_target_range(targets: torch.Tensor) -> None:
+    """Targets must be probabilities (this reads the tensor: it synchronises with the device)."""
+    outside = ~((targets >= 0) & (targets <= 1))
+    if bool(outside.any()):
+        bad = targets[outside].flatten()[0].item()
+        raise ValueError(
+            f"targets: expected values in [0, 1] (check_targets=True), found {int(outside.sum())} outside, e.g. {bad}"
+        )
+
+
+def _needs_grad(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.requires_grad and torch.is_grad_enabled()
+
+
+def bce_reasons(backend: str, logits, targets, weight=None, pos_weight=None) -> list[str]:
+    reasons = dtype_reasons("logits", logits) + dtype_reasons("targets", targets)
+    for name, operand in (("weight", weight), ("pos_weight", pos_weight)):
+        if operand is None:
+            continue
+        reasons += dtype_reasons(name, operand)
+        if _needs_grad(operand):
+            reasons.append(f"{name} requires grad; the {backend} kernels compute gradients for logits and targets only")
+    if logits.numel() > MAX_KERNEL_NUMEL:
+        reasons.append(f"logits has {logits.numel()} elements; the kernels index at most {MAX_KERNEL_NUMEL}")
+    return reasons
+
+
+def bce_key(logits, targets, weight=None, pos_weight=None) -> tuple:
+    """Everything bce_reasons reads: the decision cache key."""
+    return (
+        logits.dtype,
+        targets.dtype,
+        None if weight is None else (weight.dtype, _needs_grad(weight)),
+        None if pos_weight is None else (pos_weight.dtype, _needs_grad(pos_weight)),
+        logits.numel() > MAX_KERNEL_NUMEL,
+    )
+
+
+SPEC = OpSpec(name="bce_with_logits", priority=("triton", "tilelang"), reasons=bce_reasons)
+
+
+def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+    shape = logits.shape if reduction == "none" else ()
+    return logits.new_empty(shape, dtype=loss_dtype(logits, targets, weight, pos_weight))
+
+
+# kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad) -> loss
+#                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, loss)
+#                     -> (dlogits, dtargets or None, None, None, None, None)
+# weight / pos_weight arrive prepared by kernel_operand; targets_grad says whether to write dtargets.
+KERNEL = KernelOp(
+    "bce",
+    "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_forward,
+)
+
+
+def binary_cross_entropy_with_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    *,
+    check_targets: bool = False,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """As torch.nn.functional.binary_cross_entropy_with_logits, with fp32 math for every input dtype.
+
+    check_targets=True verifies that targets lie in [0, 1] (one device synchronisation).
+    The mean and sum reductions are deterministic (fixed-order, no atomics) on every backend.
+    """
+    check_bce_inputs(logits, targets, weight, pos_weight, reduction)
+    if check_targets:
+        check_target_range(targets)
+    key = bce_key(logits, targets, weight, pos_weight)
+    chosen = select_backend(
+        SPEC, backend, logits.device, key, logits=logits, targets=targets, weight=weight, pos_weight=pos_weight
+    )
+    if chosen == "torch" or logits.numel() == 0:
+        return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)
+    shape = logits.shape
+    return KERNEL(
+        chosen,
+        logits,
+        targets,
+        kernel_operand(weight, shape),
+        kernel_operand(pos_weight, shape),
+        reduction,
+        _needs_grad(targets),
+    )

@@ -1,0 +1,316 @@
+"""BCE with logits in TileLang: a one-pass forward and a one-pass backward over the flat logits.
+
+Each block takes BLOCK consecutive elements as a [ROWS, VEC] tile (VEC contiguous elements per
+thread and row, so full blocks load and store with vector instructions; the last, partial block
+clamps its reads and guards its writes). The mean / sum reductions are deterministic: each block
+writes the fp32 sum of its tile to a partials buffer, then one block adds the partials in a fixed
+order (no atomics). The length is dynamic (T.dynamic): one compiled kernel per dtypes and flags.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which name locals
+import functools
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from .. import buffers
+from ..backends import TILELANG_VERSION
+from . import ABSENT, BROADCAST, FULL, operand_mode
+from .reference import loss_dtype
+
+if tilelang.__version__.split("+")[0] != TILELANG_VERSION:
+    raise ImportError(f"the bce TileLang kernels are written for tilelang {TILELANG_VERSION}, found {tilelang.__version__}")
+
+THREADS = 256
+VEC = 8  # contiguous elements per thread and row: 16-byte accesses for 16-bit dtypes, two for fp32
+ROWS = 512
+BLOCK = ROWS * VEC  # elements per block
+SUM_CHUNK = 1024  # partials added per step by the final reduction
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+F32 = "float32"
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _softplus_neg(x):
+    """log(1 + exp(-x)) for any x."""
+    return T.max(-x, 0.0) + T.log1p(T.exp(-T.abs(x)))
+
+
+def _operand_value(mode, tile, buffer, i, inner, count):
+    """weight / pos_weight at flat index i: a loaded tile when FULL, else the index map of the package docstring."""
+    if mode == FULL:
+        return T.cast(tile, F32)
+    return T.cast(buffer[T.truncmod(T.truncdiv(i, inner), count)], F32)
+
+
+def _operand_shape(mode, n, symbol):
+    return (n,) if mode == FULL else (symbol,)
+
+
+def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce):
+    """The forward prim_func: per-element losses (reduce=False) or per-block fp32 partial sums."""
+    N, WN, PN = T.dynamic("N, WN, PN")
+    out_shape, out_elem = ((T.ceildiv(N, BLOCK),), F32) if reduce else ((N,), out_dtype)
+
+    @T.prim_func
+    def bce_forward(
+        X: T.Tensor((N,), x_dtype),
+        Y: T.Tensor((N,), y_dtype),
+        W: T.Tensor(_operand_shape(w_mode, N, WN), w_dtype),
+        PW: T.Tensor(_operand_shape(pw_mode, N, PN), pw_dtype),
+        w_inner: T.int32,
+        pw_inner: T.int32,
+        Out: T.Tensor(out_shape, out_elem),
+    ):
+        with T.Kernel(T.ceildiv(N, BLOCK), threads=THREADS) as bx:
+            x = T.alloc_fragment((ROWS, VEC), x_dtype)
+            y = T.alloc_fragment((ROWS, VEC), y_dtype)
+            w = T.alloc_fragment((ROWS, VEC), w_dtype)
+            pw = T.alloc_fragment((ROWS, VEC), pw_dtype)
+            loss = T.alloc_fragment((ROWS, VEC), F32)
+            base = bx * BLOCK
+            if base + BLOCK <= N:
+                for r, v in T.Parallel(ROWS, VEC):
+                    x[r, v] = X[base + r * VEC + v]
+                for r, v in T.Parallel(ROWS, VEC):
+                    y[r, v] = Y[base + r * VEC + v]
+                if w_mode == FULL:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        w[r, v] = W[base + r * VEC + v]
+                if pw_mode == FULL:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        pw[r, v] = PW[base + r * VEC + v]
+            else:
+                for r, v in T.Parallel(ROWS, VEC):
+                    x[r, v] = X[T.min(base + r * VEC + v, N - 1)]
+                    y[r, v] = Y[T.min(base + r * VEC + v, N - 1)]
+                    if w_mode == FULL:
+                        w[r, v] = W[T.min(base + r * VEC + v, N - 1)]
+                    if pw_mode == FULL:
+                        pw[r, v] = PW[T.min(base + r * VEC + v, N - 1)]
+            for r, v in T.Parallel(ROWS, VEC):
+                i = base + r * VEC + v
+                xf = T.cast(x[r, v], F32)
+                yf = T.cast(y[r, v], F32)
+                value = (1.0 - yf) * xf + _softplus_neg(xf)
+                if pw_mode != ABSENT:
+                    pwf = _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
+                    value = (1.0 - yf) * xf + (1.0 + (pwf - 1.0) * yf) * _softplus_neg(xf)
+                if w_mode != ABSENT:
+                    value = value * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
+                if reduce:
+                    value = T.if_then_else(i < N, value, 0.0)
+                loss[r, v] = value
+            if reduce:
+                row = T.alloc_fragment((ROWS,), F32)
+                total = T.alloc_fragment((1,), F32)
+                T.reduce_sum(loss, row, dim=1)
+                T.reduce_sum(row, total, dim=0)
+                Out[bx] = total[0]
+            else:
+                if base + BLOCK <= N:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        Out[base + r * VEC + v] = T.cast(loss[r, v], out_dtype)
+                else:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        if base + r * VEC + v < N:
+                            Out[base + r * VEC + v] = T.cast(loss[r, v], out_dtype)
+
+    return bce_forward
+
+
+def sum_func(out_dtype):
+    """Adds the fp32 partials in a fixed order and divides by `divisor` (N for the mean, 1 for the sum)."""
+    P = T.dynamic("P")
+
+    @T.prim_func
+    def bce_sum_partials(Part: T.Tensor((P,), F32), divisor: T.float32, Out: T.Tensor((1,), out_dtype)):
+        with T.Kernel(1, threads=THREADS):
+            acc = T.alloc_fragment((SUM_CHUNK,), F32)
+            total = T.alloc_fragment((1,), F32)
+            T.clear(acc)
+            for k in T.serial(T.ceildiv(P, SUM_CHUNK)):
+                for i in T.Parallel(SUM_CHUNK):
+                    j = k * SUM_CHUNK + i
+                    acc[i] += T.if_then_else(j < P, Part[T.min(j, P - 1)], 0.0)
+            T.reduce_sum(acc, total, dim=0)
+            Out[0] = T.cast(total[0] / divisor, out_dtype)
+
+    return bce_sum_partials
+
+
+def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad):
+    """dlogits (and dtargets when targets_grad) from the incoming gradient: one value (g_scalar) or one per element."""
+    N, WN, PN, GN, DN = T.dynamic("N, WN, PN, GN, DN")
+    g_shape = (GN,) if g_scalar else (N,)
+    dy_shape = (N,) if targets_grad else (DN,)
+
+    @T.prim_func
+    def bce_backward(
+        G: T.Tensor(g_shape, g_dtype),
+        X: T.Tensor((N,), x_dtype),
+        Y: T.Tensor((N,), y_dtype),
+        W: T.Tensor(_operand_shape(w_mode, N, WN), w_dtype),
+        PW: T.Tensor(_operand_shape(pw_mode, N, PN), pw_dtype),
+        w_inner: T.int32,
+        pw_inner: T.int32,
+        g_divisor: T.float32,
+        DX: T.Tensor((N,), x_dtype),
+        DY: T.Tensor(dy_shape, y_dtype),
+    ):
+        with T.Kernel(T.ceildiv(N, BLOCK), threads=THREADS) as bx:
+            x = T.alloc_fragment((ROWS, VEC), x_dtype)
+            y = T.alloc_fragment((ROWS, VEC), y_dtype)
+            w = T.alloc_fragment((ROWS, VEC), w_dtype)
+            pw = T.alloc_fragment((ROWS, VEC), pw_dtype)
+            g = T.alloc_fragment((ROWS, VEC), g_dtype)
+            dx = T.alloc_fragment((ROWS, VEC), x_dtype)
+            dy = T.alloc_fragment((ROWS, VEC), y_dtype)
+            base = bx * BLOCK
+            if base + BLOCK <= N:
+                for r, v in T.Parallel(ROWS, VEC):
+                    x[r, v] = X[base + r * VEC + v]
+                for r, v in T.Parallel(ROWS, VEC):
+                    y[r, v] = Y[base + r * VEC + v]
+                if not g_scalar:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        g[r, v] = G[base + r * VEC + v]
+                if w_mode == FULL:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        w[r, v] = W[base + r * VEC + v]
+                if pw_mode == FULL:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        pw[r, v] = PW[base + r * VEC + v]
+            else:
+                for r, v in T.Parallel(ROWS, VEC):
+                    x[r, v] = X[T.min(base + r * VEC + v, N - 1)]
+                    y[r, v] = Y[T.min(base + r * VEC + v, N - 1)]
+                    if not g_scalar:
+                        g[r, v] = G[T.min(base + r * VEC + v, N - 1)]
+                    if w_mode == FULL:
+                        w[r, v] = W[T.min(base + r * VEC + v, N - 1)]
+                    if pw_mode == FULL:
+                        pw[r, v] = PW[T.min(base + r * VEC + v, N - 1)]
+            for r, v in T.Parallel(ROWS, VEC):
+                i = base + r * VEC + v
+                xf = T.cast(x[r, v], F32)
+                yf = T.cast(y[r, v], F32)
+                scale = T.cast(g[r, v], F32)
+                if g_scalar:
+                    scale = T.cast(G[0], F32) / g_divisor
+                if w_mode != ABSENT:
+                    scale = scale * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
+                # sigmoid(x) without overflow: e = exp(-|x|) <= 1
+                e = T.exp(-T.abs(xf))
+                sig = T.if_then_else(xf >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+                if pw_mode != ABSENT:
+                    pwf = _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
+                    dx[r, v] = T.cast(((1.0 + (pwf - 1.0) * yf) * sig - pwf * yf) * scale, x_dtype)
+                    if targets_grad:
+                        dy[r, v] = T.cast(((pwf - 1.0) * _softplus_neg(xf) - xf) * scale, y_dtype)
+                else:
+                    dx[r, v] = T.cast((sig - yf) * scale, x_dtype)
+                    if targets_grad:
+                        dy[r, v] = T.cast(-xf * scale, y_dtype)
+            if base + BLOCK <= N:
+                for r, v in T.Parallel(ROWS, VEC):
+                    DX[base + r * VEC + v] = dx[r, v]
+                if targets_grad:
+                    for r, v in T.Parallel(ROWS, VEC):
+                        DY[base + r * VEC + v] = dy[r, v]
+            else:
+                for r, v in T.Parallel(ROWS, VEC):
+                    if base + r * VEC + v < N:
+                        DX[base + r * VEC + v] = dx[r, v]
+                        if targets_grad:
+                            DY[base + r * VEC + v] = dy[r, v]
+
+    return bce_backward
+
+
+# --------------------------------------------------------------------------- compilation (cached)
+
+
+def cuda_target(device: torch.device) -> dict:
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"kind": "cuda", "arch": "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"}
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce, arch):
+    func = forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce)
+    return tilelang.compile(func, target={"kind": "cuda", "arch": arch})
+
+
+@functools.lru_cache(maxsize=None)
+def sum_kernel(out_dtype, arch):
+    return tilelang.compile(sum_func(out_dtype), target={"kind": "cuda", "arch": arch})
+
+
+@functools.lru_cache(maxsize=None)
+def backward_kernel(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad, arch):
+    func = backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad)
+    return tilelang.compile(func, target={"kind": "cuda", "arch": arch})
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous 1-D, 16-byte aligned (full blocks use vector loads)."""
+    t = t.contiguous().view(-1)
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _operand(operand, x, shape):
+    """(tensor, dtype name, mode, inner) of weight / pos_weight; when absent, x stands in (it is never read)."""
+    mode, inner, _ = operand_mode(operand, shape)
+    if operand is None:
+        return x, DTYPES[x.dtype], mode, inner
+    flat = _flat(operand)
+    return flat, DTYPES[flat.dtype], mode, inner
+
+
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+    n = logits.numel()
+    x, y = _flat(logits), _flat(targets)
+    w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
+    pw, pw_dtype, pw_mode, pw_inner = _operand(pos_weight, x, logits.shape)
+    dtype = loss_dtype(logits, targets, weight, pos_weight)
+    arch = cuda_target(logits.device)["arch"]
+    reduce = reduction != "none"
+    kernel = forward_kernel(DTYPES[x.dtype], DTYPES[y.dtype], w_dtype, pw_dtype, DTYPES[dtype], w_mode, pw_mode, reduce, arch)
+    if not reduce:
+        loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
+        kernel(x, y, w, pw, w_inner, pw_inner, loss.view(-1))
+        return loss
+    partials = buffers.empty(((n + BLOCK - 1) // BLOCK,), dtype=torch.float32, device=logits.device)
+    kernel(x, y, w, pw, w_inner, pw_inner, partials)
+    loss = buffers.empty((), dtype=dtype, device=logits.device)
+    divisor = float(n) if reduction == "mean" else 1.0
+    sum_kernel(DTYPES[dtype], arch)(partials, divisor, loss.view(1))
+    return loss
+
+
+def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
+    n = logits.numel()
+    x, y = _flat(logits), _flat(targets)
+    w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
+    pw, pw_dtype, pw_mode, pw_inner = _operand(pos_weight, x, logits.shape)
+    # one incoming value for mean / sum, and for `none` when it is broadcast (loss.sum().backward())
+    g_scalar = reduction != "none" or grad.dim() == 0 or all(s == 0 for s in grad.stride())
+    g = grad.as_strided((1,), (1,)) if g_scalar else _flat(grad)
+    g_divisor = float(n) if reduction == "mean" else 1.0
+    dlogits = buffers.empty_like(logits)
+    dtargets = buffers.empty_like(targets) if targets_grad else None
+    kernel = backward_kernel(
+        DTYPES[x.dtype], DTYPES[y.dtype], w_dtype, pw_dtype, DTYPES[g.dtype], w_mode, pw_mode, g_scalar, targets_grad,
+        cuda_target(logits.device)["arch"],
+    )  # fmt: skip
+    # without targets_grad the kernel never writes DY: targets stand in for it
+    kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
+    return dlogits, dtargets, None, None, None, None

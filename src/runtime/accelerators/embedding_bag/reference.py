@@ -1,0 +1,56 @@
+"""Embedding-bag mean in plain torch: always available, CPU-safe, differentiable by autograd."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INDEX_ERROR = (
+    "embedding_bag_mean: an index is outside [0, num_embeddings) or the offsets do not rise "
+    "from 0 to at most len(indices) (check_indices=True)"
+)
+
+
+def bad_indices(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor:
+    """A 0-d bool tensor: True when an index is out of range or the offsets are malformed."""
+    bad = ((indices < 0) | (indices >= weight.shape[0])).any()
+    if offsets is not None and offsets.numel() > 0:
+        ends = offsets if include_last_offset else torch.cat([offsets, offsets.new_tensor([indices.numel()])])
+        bad = bad | (offsets[0] != 0) | (ends[1:] < ends[:-1]).any() | (ends[-1] > indices.numel())
+    return bad
+
+
+def check_indices_(weight, indices, offsets, include_last_offset) -> None:
+    """Raise on bad indices or offsets: IndexError on CPU, a device-side assert (no host sync) on CUDA."""
+    bad = bad_indices(weight, indices, offsets, include_last_offset)
+    if indices.device.type == "cuda":
+        torch._assert_async(~bad, INDEX_ERROR)
+    elif bad.item():
+        raise IndexError(INDEX_ERROR)
+
+
+def embedding_bag_mean_reference(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    padding_idx: int | None = None,
+    include_last_offset: bool = False,
+    sparse: bool = False,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """F.embedding_bag(indices, weight, offsets, mode="mean", ...): the mean of each bag's rows, padding excluded."""
+    if check_indices:
+        check_indices_(weight, indices, offsets, include_last_offset)
+    if indices.dim() == 2 and indices.shape[1] == 0:  # torch cannot build offsets for empty fixed bags
+        indices, offsets, include_last_offset = indices.reshape(-1), indices.new_zeros(indices.shape[0]), False
+    if offsets is not None and offsets.dtype != indices.dtype:
+        offsets = offsets.to(indices.dtype)
+    return F.embedding_bag(
+        indices,
+        weight,
+        offsets,
+        mode="mean",
+        padding_idx=padding_idx,
+        include_last_offset=include_last_offset,
+        sparse=sparse,
+    )

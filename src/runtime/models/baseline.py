@@ -1,0 +1,49 @@
+"""The baseline PCVR model: pooled sparse features + a transformer over the behaviour history + an MLP head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.nn import CrossAttention, RMSNorm, TransformerBlock
+
+from .features import FeatureEncoder, PredictionHead
+from .inputs import FeatureSpec, PCVRBatch
+
+
+class BaselinePCVR(nn.Module):
+    """History events go through bidirectional transformer blocks (padding masked by length); the
+    target item attends over the encoded history (DIN-style interest); the head reads the context
+    tokens, the target, that interest, the mean history item and target * interest."""
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        ffn_mult: int = 4,
+        dropout: float = 0.1,
+        head_hidden: int = 256,
+    ) -> None:
+        super().__init__()
+        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout) for _ in range(n_layers)
+        )
+        self.norm = RMSNorm(d_model)
+        self.target_attention = CrossAttention(d_model, n_heads)
+        self.head = PredictionHead((self.features.n_context + 4) * d_model, head_hidden)
+
+    def forward(self, batch: PCVRBatch) -> torch.Tensor:
+        """Conversion logits [B]."""
+        lengths = batch.seq_lengths
+        x = self.features.history(batch)
+        for block in self.blocks:
+            x = block(x, lengths)
+        x = self.norm(x)
+        target = self.features.target(batch)
+        interest = self.target_attention(target[:, None].to(x.dtype), x, lengths)[:, 0].to(target.dtype)
+        pooled = self.features.history_mean(batch)
+        context = self.features.context(batch).flatten(1)
+        return self.head(torch.cat([context, target, interest, pooled, target * interest], dim=-1))

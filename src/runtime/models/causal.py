@@ -1,0 +1,69 @@
+"""Causal PCVR models: the history and then the target as one token sequence, read out at the target.
+
+The target token (candidate item + projected context + its position) is placed right after each
+row's last history event, at index seq_lengths[b]; causal mixing lets it read the whole history and
+nothing after it, so the padding behind it never matters. TokenFormerPCVR mixes with causal
+attention, GDRMixerPCVR with the gated delta rule (linear in the sequence length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock
+
+from .features import FeatureEncoder, PredictionHead
+from .inputs import FeatureSpec, PCVRBatch
+
+
+class CausalSequencePCVR(nn.Module):
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        ffn_mult: int = 4,
+        dropout: float = 0.1,
+        head_hidden: int = 256,
+    ) -> None:
+        super().__init__()
+        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1)
+        context_width = self.features.n_context * d_model
+        self.context_proj = nn.Linear(context_width, d_model)
+        self.blocks = nn.ModuleList(self.make_block(d_model, n_heads, ffn_mult * d_model, dropout) for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.head = PredictionHead(d_model + context_width, head_hidden)
+
+    def make_block(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, batch: PCVRBatch) -> torch.Tensor:
+        """Conversion logits [B]."""
+        lengths = batch.seq_lengths
+        history = self.features.history(batch)
+        context = self.features.context(batch).flatten(1)
+        target = self.features.target(batch) + self.context_proj(context) + self.features.positions(lengths)
+        tokens = torch.cat([history, history.new_zeros(history.shape[0], 1, history.shape[2])], dim=1)
+        at_target = torch.arange(tokens.shape[1], device=lengths.device) == lengths[:, None]
+        x = torch.where(at_target[..., None], target[:, None].to(tokens.dtype), tokens)
+        for block in self.blocks:
+            x = block(x, lengths + 1)
+        rows = torch.arange(x.shape[0], device=x.device)
+        readout = self.norm(x[rows, lengths])
+        return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
+
+
+class TokenFormerPCVR(CausalSequencePCVR):
+    """Causal transformer over [history..., target]."""
+
+    def make_block(self, d_model, n_heads, ffn_hidden, dropout):
+        return TransformerBlock(d_model, n_heads, ffn_hidden, causal=True, dropout=dropout)
+
+
+class GDRMixerPCVR(CausalSequencePCVR):
+    """Gated-delta-rule mixer blocks over [history..., target]: cost linear in the history length."""
+
+    def make_block(self, d_model, n_heads, ffn_hidden, dropout):
+        return GatedDeltaBlock(d_model, n_heads, ffn_hidden, dropout=dropout)

@@ -1,0 +1,82 @@
+"""Feature embeddings shared by the PCVR models, and their prediction head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.nn import EmbeddingBagMean, LayerNorm, SwiGLUFeedForward
+
+from .inputs import FeatureSpec, PCVRBatch
+
+INIT_STD = 0.02
+
+
+class FeatureEncoder(nn.Module):
+    """Embeds a PCVRBatch: history tokens, the target item, and context (sparse fields + dense) tokens.
+
+    The sparse fields share one table: field f's id i (1-based) is row offset_f + i, and row 0 is the
+    padding that empty bag slots point to (left out of each bag's mean).
+    """
+
+    def __init__(self, spec: FeatureSpec, d_model: int, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.items = nn.Embedding(spec.n_items + 1, d_model, padding_idx=0)
+        self.categories = nn.Embedding(spec.n_categories + 1, d_model, padding_idx=0)
+        self.actions = nn.Embedding(spec.n_actions + 1, d_model, padding_idx=0)
+        self.positions = nn.Embedding(max_positions, d_model)
+        for table in (self.items, self.categories, self.actions, self.positions):
+            nn.init.normal_(table.weight, std=INIT_STD)
+            if table.padding_idx is not None:
+                table.weight.data[table.padding_idx].zero_()
+        vocab = list(spec.sparse_fields.values())
+        offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
+        self.register_buffer("field_offsets", offsets.view(1, -1, 1), persistent=False)
+        # ids come from the data layer, which validates them once: no per-call range check (a device sync)
+        self.sparse = EmbeddingBagMean(sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False)
+        self.dense = nn.Linear(spec.n_dense, d_model)
+
+    @property
+    def n_context(self) -> int:
+        """Context tokens per example: one per sparse field, one for the dense features."""
+        return len(self.spec.sparse_fields) + 1
+
+    def history(self, batch: PCVRBatch) -> torch.Tensor:
+        """[B, L, d]: item + category + action + position of each history event."""
+        positions = torch.arange(batch.seq_items.shape[1], device=batch.seq_items.device)
+        return (
+            self.items(batch.seq_items)
+            + self.categories(batch.seq_categories)
+            + self.actions(batch.seq_actions)
+            + self.positions(positions)
+        )
+
+    def history_mean(self, batch: PCVRBatch) -> torch.Tensor:
+        """[B, d]: the mean item embedding of each history (padding left out)."""
+        return embedding_bag_mean(self.items.weight, batch.seq_items, padding_idx=0, check_indices=False)
+
+    def target(self, batch: PCVRBatch) -> torch.Tensor:
+        """[B, d]: the candidate item."""
+        return self.items(batch.target_item) + self.categories(batch.target_category)
+
+    def context(self, batch: PCVRBatch) -> torch.Tensor:
+        """[B, F + 1, d]: each sparse field's mean-pooled bag, then the projected dense features."""
+        b, n_fields, hotness = batch.sparse.shape
+        ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
+        fields = self.sparse(ids.view(b * n_fields, hotness)).view(b, n_fields, -1)
+        dense = self.dense(batch.dense).to(fields.dtype)
+        return torch.cat([fields, dense[:, None]], dim=1)
+
+
+class PredictionHead(nn.Module):
+    """LayerNorm, then a SwiGLU MLP to one logit per example."""
+
+    def __init__(self, in_features: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = LayerNorm(in_features)
+        self.mlp = SwiGLUFeedForward(in_features, hidden, d_out=1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x)).squeeze(-1)

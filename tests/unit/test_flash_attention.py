@@ -1,0 +1,261 @@
+"""flash_attention on the CPU: references, dispatch, every error, the Triton kernels under the interpreter."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerators import AcceleratorConfig, BackendFallbackWarning, BackendUnavailableError, explain, use_accelerators
+from runtime.accelerators.flash_attention import SEED_BOUND, SPEC, flash_attention, input_reasons
+from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
+from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
+
+
+def make(b, h, hkv, lq, lk, d, dtype=torch.float32, requires_grad=True):
+    q = torch.randn(b, h, lq, d, dtype=dtype)
+    k = torch.randn(b, hkv, lk, d, dtype=dtype)
+    v = torch.randn(b, hkv, lk, d, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def check_against_float64(out, q, k, v, rtol, grad_rtol, **ref_kwargs):
+    """Output and dq/dk/dv of `out` (computed from q, k, v) against the float64 reference."""
+    ref = attention_float64(q, k, v, **ref_kwargs)
+    assert_close("o", out, ref, rtol)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), do.double())
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(name, g, g_ref, grad_rtol)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def test_float64_reference_matches_sdpa():
+    q, k, v = (t.double() for t in make(2, 3, 3, 11, 13, 16, requires_grad=False))
+    for causal in (False, True):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert_close("textbook", attention_float64(q, k, v, causal=causal), expected, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "causal, lengths, gqa, masked",
+    [(False, False, False, False), (True, False, True, False), (False, True, True, False), (True, True, False, True)],
+    ids=["plain", "causal-gqa", "lengths-gqa", "causal-lengths-mask"],
+)
+def test_torch_backend(causal, lengths, gqa, masked):
+    q, k, v = make(3, 4, 2 if gqa else 4, 37, 29, 32)
+    key_lengths = torch.tensor([29, 0, 7]) if lengths else None
+    attn_mask = torch.rand(37, 29) > 0.3 if masked else None
+    if masked:
+        attn_mask[5] = False  # a row with no visible key
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, attn_mask=attn_mask, backend="torch")
+    kwargs = dict(causal=causal, key_lengths=key_lengths, attn_mask=attn_mask)
+    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs)
+
+
+def test_rows_without_keys_give_zeros_and_finite_gradients():
+    q, k, v = make(2, 2, 2, 9, 8, 16)
+    out = flash_attention(q, k, v, key_lengths=torch.tensor([0, 8]), backend="torch")
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+
+
+def test_no_keys_at_all():
+    q, k, v = make(2, 2, 2, 5, 0, 16)
+    out = flash_attention(q, k, v, causal=True, backend="torch")
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+
+
+def test_empty_batch():
+    q, k, v = make(0, 2, 2, 5, 6, 16)
+    assert flash_attention(q, k, v, backend="triton").shape == (0, 2, 5, 16)
+
+
+def test_reference_dropout_keeps_expectation():
+    q, k, v = make(1, 1, 1, 4, 6, 16, requires_grad=False)
+    plain = flash_attention_reference(q, k, v)
+    average = torch.stack([flash_attention_reference(q, k, v, dropout_p=0.5) for _ in range(400)]).mean(0)
+    assert_close("dropout average", average, plain, 0.15)
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    q, k, v = make(1, 2, 2, 7, 7, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flash_attention(q, k, v, backend="torch")
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_reasons_per_backend():
+    q, k, v = make(1, 2, 2, 4, 4, 24, requires_grad=False)
+    assert any("head dim 24" in r for r in input_reasons("triton", q=q, k=k, v=v))
+    assert input_reasons("triton", q=q[..., :16].to(torch.float16)) == []
+    assert any("float32" in r for r in input_reasons("tilelang", q=q[..., :16]))
+    assert any("attn_mask" in r for r in input_reasons("triton", q=q[..., :16], attn_mask=torch.ones(4, 4, dtype=torch.bool)))
+    assert any("scale" in r for r in input_reasons("triton", q=q[..., :16], scale=-1.0))
+    assert input_reasons("triton") == []  # explain() may pass no inputs
+
+
+def test_interpreter_bf16_is_a_reason():
+    q = torch.randn(1, 1, 4, 16, dtype=torch.bfloat16)
+    assert any("interpreter" in r for r in input_reasons("triton", q=q))
+
+
+def test_auto_prefers_triton_under_the_interpreter():
+    q, k, v = make(1, 2, 2, 5, 5, 16, requires_grad=False)
+    assert SPEC.priority[0] == "triton"
+    assert not SPEC.not_supported_reasons("triton", q.device, q=q, k=k, v=v)
+
+
+def test_attn_mask_on_a_kernel_backend_falls_back_with_a_warning():
+    q, k, v = make(1, 2, 2, 5, 6, 16, requires_grad=False)
+    mask = torch.rand(5, 6) > 0.5
+    with pytest.warns(BackendFallbackWarning, match="attn_mask"):
+        out = flash_attention(q, k, v, attn_mask=mask, backend="triton")
+    assert_close("fallback", out, attention_float64(q, k, v, attn_mask=mask), RTOL_ATTENTION_FP32)
+
+
+def test_fallback_error_names_every_reason():
+    q, k, v = make(1, 2, 2, 5, 6, 24, requires_grad=False)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    with use_accelerators(AcceleratorConfig(fallback="error")):
+        with pytest.raises(BackendUnavailableError, match="flash_attention.*triton.*attn_mask.*head dim 24"):
+            flash_attention(q, k, v, attn_mask=mask, backend="triton")
+
+
+def test_auto_without_reasons_does_not_warn():
+    q, k, v = make(1, 2, 2, 5, 6, 24, requires_grad=False)  # head dim 24: auto quietly takes torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attention(q, k, v, backend="auto")
+
+
+def test_explain_lists_input_reasons():
+    q, k, v = make(1, 2, 2, 5, 6, 24, requires_grad=False)
+    text = explain("flash_attention", q=q, k=k, v=v)
+    assert "flash_attention" in text and "head dim 24" in text
+
+
+# --------------------------------------------------------------------------- errors
+
+Q, K = (1, 4, 5, 16), (1, 2, 6, 16)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(q=[1.0]), TypeError, "q: expected a torch.Tensor"),
+        (dict(q=torch.ones(Q, dtype=torch.int32)), TypeError, "q: expected a floating-point"),
+        (dict(q=torch.randn(4, 5, 16)), ValueError, r"q: expected a 4-D tensor \[B, H, Lq, D\]"),
+        (dict(k=torch.randn(1, 2, 6)), ValueError, r"k: expected a 4-D tensor \[B, Hkv, Lk, D\]"),
+        (dict(k=torch.randn(K, dtype=torch.float16)), TypeError, "k: expected dtype float32 like q"),
+        (dict(v=torch.randn(1, 2, 7, 16)), ValueError, "v: expected the shape of k"),
+        (dict(k=torch.randn(2, 2, 6, 16), v=torch.randn(2, 2, 6, 16)), ValueError, "k: expected batch size 1"),
+        (dict(k=torch.randn(1, 2, 6, 32), v=torch.randn(1, 2, 6, 32)), ValueError, "k: expected head dim 16"),
+        (dict(k=torch.randn(1, 3, 6, 16), v=torch.randn(1, 3, 6, 16)), ValueError, r"kv heads \(3\) must divide .* \(4\)"),
+        (dict(q=torch.randn(1, 4, 5, 0), k=torch.randn(1, 2, 6, 0), v=torch.randn(1, 2, 6, 0)), ValueError, "head dim is empty"),
+        (dict(key_lengths=[3]), TypeError, "key_lengths: expected an integer torch.Tensor"),
+        (dict(key_lengths=torch.tensor([3.0])), TypeError, "key_lengths: expected dtype int32 or int64"),
+        (dict(key_lengths=torch.tensor([3, 3])), ValueError, r"key_lengths: expected shape \(1,\)"),
+        (dict(key_lengths=torch.tensor([7])), ValueError, r"key_lengths: expected values in \[0, 6\]"),
+        (dict(key_lengths=torch.tensor([-1])), ValueError, r"key_lengths: expected values in \[0, 6\]"),
+        (dict(attn_mask=torch.ones(5, 6)), TypeError, "attn_mask: expected a bool tensor"),
+        (dict(attn_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError, "attn_mask: expected a shape broadcastable"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+        (dict(dropout_p=-0.1), ValueError, "dropout_p"),
+        (dict(scale="big"), TypeError, "scale: expected a float"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_input(change, error, match):
+    args = dict(q=torch.randn(Q), k=torch.randn(K), v=torch.randn(K))
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(error, match=match):
+        flash_attention(q, k, v, **args)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        flash_attention(torch.randn(Q), torch.randn(K), torch.randn(K), backend="cuda")
+
+
+# --------------------------------------------------------------------------- Triton under the interpreter
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dtype",
+    [
+        (2, 2, 2, 37, 45, 16, False, None, torch.float32),
+        (2, 4, 2, 70, 33, 48, True, None, torch.float32),
+        (3, 2, 1, 37, 63, 32, True, [63, 0, 20], torch.float32),
+        (1, 2, 2, 1, 130, 16, False, [69], torch.float16),
+    ],
+    ids=["plain-d16", "causal-gqa-d48-lq>lk", "causal-lengths-mqa-d32", "lq1-lengths-fp16"],
+)
+def test_triton_interpreter(b, h, hkv, lq, lk, d, causal, lengths, dtype):
+    q, k, v = make(b, h, hkv, lq, lk, d, dtype)
+    key_lengths = torch.tensor(lengths) if lengths is not None else None
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend="triton")
+    rtol = RTOL_ATTENTION_FP32 if dtype == torch.float32 else RTOL[dtype]
+    kwargs = dict(causal=causal, key_lengths=key_lengths)
+    check_against_float64(out, q, k, v, rtol, gradient_tolerance(dtype, rtol), **kwargs)
+    if lengths is not None and 0 in lengths:
+        assert torch.equal(out[lengths.index(0)], torch.zeros_like(out[0]))
+
+
+def test_triton_interpreter_strided_views():
+    b, lq, lk, h, d = 2, 21, 19, 4, 16
+    x = torch.randn(b, lq, h, d)
+    kv = torch.randn(b, lk, 2, 2 * d)  # k and v interleaved in one buffer
+    q = x.transpose(1, 2).requires_grad_()
+    kvt = kv.requires_grad_()
+    k, v = kvt[..., :d].transpose(1, 2), kvt[..., d:].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = flash_attention(q, k, v, causal=True, scale=0.3, backend="triton")
+    ref = attention_float64(q, k, v, causal=True, scale=0.3)
+    assert_close("o", out, ref, RTOL_ATTENTION_FP32)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, kvt), do)
+    grads_ref = torch.autograd.grad(ref, (q, kvt), do.double())
+    for name, g, g_ref in zip(("dq", "dkv"), grads, grads_ref):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
+
+
+def test_triton_interpreter_dropout():
+    from runtime.accelerators.flash_attention.triton import dropout_keep_mask
+
+    p, (b, h, hkv, lq, lk, d) = 0.25, (2, 2, 1, 33, 40, 16)
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    torch.manual_seed(7)
+    out = flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")
+    torch.manual_seed(7)
+    seed = int(torch.randint(SEED_BOUND, (1,)).item())  # the draw flash_attention makes
+    torch.manual_seed(7)
+    assert torch.equal(out, flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")), "not repeatable"
+    keep = dropout_keep_mask(seed, b, h, lq, lk, p, q.device)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.03
+    kwargs = dict(causal=True, keep=keep, dropout_p=p)
+    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs)
+
+
+def test_triton_under_torch_compile():
+    q, k, v = make(2, 2, 1, 9, 12, 16)
+    key_lengths = torch.tensor([12, 5])
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend="triton")
+
+    f(q, k, v)  # the backend decision is made (and cached) eagerly: tracing select_backend's probes breaks the graph
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32),
+                          causal=True, key_lengths=key_lengths)
