@@ -42,3 +42,13 @@ def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     assert rows[("tilelang", "fwd")]["status"] == "error" and "BackendUnavailableError" in rows[("tilelang", "fwd")]["error"]
     page = report.markdown([result])
     assert "| 8192x128 | fwd | torch | ok |" in page
+
+
+def test_update_page_replaces_only_the_generated_section(tmp_path):
+    page = tmp_path / "op.md"
+    page.write_text("# op\n\nhand-written text\n")
+    report.update_page(page, "| table v1 |")
+    report.update_page(page, "| table v2 |")
+    text = page.read_text()
+    assert text.startswith("# op\n\nhand-written text\n") and "| table v2 |" in text and "v1" not in text
+    assert text.count(report.BEGIN) == 1
