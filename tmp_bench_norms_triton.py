@@ -1,6 +1,8 @@
-"""Throwaway timing script for the Triton norms (not part of the package). GPU time: triton do_bench
-(L2 flushed, median ms); eager: wall clock per call over back-to-back calls, one sync at the end."""
+"""Throwaway timing script for the Triton norms (not part of the package). GPU time: one call captured in
+a CUDA graph, replayed under do_bench (L2 flushed, median); eager: wall clock per call over back-to-back
+calls, one sync at the end."""
 
+import math
 import sys
 import time
 
@@ -34,8 +36,8 @@ def eager_us(fn, n=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
-def graph_us(fn, n=20):
-    """Pure GPU time per call: n calls captured in a CUDA graph (no L2 flush)."""
+def graph_us(fn):
+    """GPU time of one call: the call captured in a CUDA graph, replayed by do_bench (L2 flushed between replays)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -44,12 +46,10 @@ def graph_us(fn, n=20):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
+        fn()
     g.replay()
     torch.cuda.synchronize()
-    ms = do_bench(g.replay, warmup=10, rep=50)
-    return ms * 1e3 / n
+    return do_bench(g.replay, warmup=10, rep=60) * 1e3
 
 
 def setup(op, impl, shape):
@@ -86,21 +86,15 @@ def setup(op, impl, shape):
     return {"fwd": (f, 2 * elems + pbytes), "fwd+bwd": (fwdbwd, 5 * elems + 3 * pbytes)}
 
 
-def measure(op, impl, shape, mode, graph=False, eager=True):
+def measure(op, impl, shape, mode, eager=True):
     cases = setup(op, impl, shape)
     if cases is None:
         return None
     fn, nbytes = cases[mode]
-    ms = do_bench(fn, warmup=25, rep=100)
-    out = {"ms": ms, "gbs": nbytes / ms / 1e6}
+    us = graph_us(fn)
+    out = {"us": us, "gbs": nbytes / us / 1e3}
     if eager:
         out["eager_us"] = eager_us(fn)
-    if graph:
-        try:
-            out["graph_us"] = graph_us(fn)
-        except Exception as error:  # noqa: BLE001
-            out["graph_us"] = float("nan")
-            print("graph failed", op, impl, shape, mode, repr(error)[:200])
     return out
 
 
@@ -111,47 +105,92 @@ def copy_bandwidth():
     return 2 * x.numel() * x.element_size() / ms / 1e6
 
 
-def sweep():
-    configs = [  # (TILE_ELEMENTS, ELEMENTS_PER_THREAD, RESIDENT_WARPS)
-        (2048, 16, 16), (2048, 16, 8), (2048, 16, 32), (2048, 8, 16), (2048, 8, 32),
-        (4096, 16, 16), (4096, 8, 32), (1024, 16, 16),
-    ]  # fmt: skip
-    default = (nt.TILE_ELEMENTS, nt.ELEMENTS_PER_THREAD, nt.RESIDENT_WARPS)
-    for cfg in configs:
-        nt.TILE_ELEMENTS, nt.ELEMENTS_PER_THREAD, nt.RESIDENT_WARPS = cfg
-        nt.row_tiles.cache_clear()
-        nt._resident_programs.cache_clear()
-        line = [f"cfg tile={cfg[0]} ept={cfg[1]} resident={cfg[2]}:"]
-        for op in ("rms_norm", "layer_norm"):
-            for shape in SHAPES if op == "rms_norm" else SHAPES[:1]:
-                for mode in ("fwd", "fwd+bwd"):
-                    r = measure(op, "triton", shape, mode, eager=False)
-                    line.append(f"{op[:2]} {shape[0]}x{shape[1]} {mode} {r['gbs']:.0f}GB/s {r['ms'] * 1e3:.1f}us |")
-        print(" ".join(line), flush=True)
-    nt.TILE_ELEMENTS, nt.ELEMENTS_PER_THREAD, nt.RESIDENT_WARPS = default
+def apply(cfg):
+    nt.TILE_ELEMENTS, nt.ELEMENTS_PER_THREAD, nt.RESIDENT_WARPS = cfg
     nt.row_tiles.cache_clear()
     nt._resident_programs.cache_clear()
 
 
+def sweep():
+    """Graph-timed configs; returns the one with the lowest geometric-mean time over the cases."""
+    configs = [  # (TILE_ELEMENTS, ELEMENTS_PER_THREAD, RESIDENT_WARPS)
+        (2048, 16, 16), (2048, 16, 32), (2048, 16, 64), (4096, 16, 32), (2048, 8, 32), (1024, 16, 32), (4096, 32, 32),
+    ]  # fmt: skip
+    cases = [("rms_norm", sh, m) for sh in SHAPES for m in ("fwd", "fwd+bwd")] + [("layer_norm", sh, "fwd+bwd") for sh in SHAPES]
+    times = {}
+    for cfg in configs:
+        apply(cfg)
+        line = [f"cfg tile={cfg[0]} ept={cfg[1]} resident={cfg[2]}:"]
+        for op, shape, mode in cases:
+            try:
+                r = measure(op, "triton", shape, mode, eager=False)
+            except Exception as error:  # noqa: BLE001
+                print("sweep failed", cfg, op, shape, mode, repr(error)[:300])
+                r = {"us": float("inf"), "gbs": 0}
+            times[cfg, op, shape, mode] = r["us"]
+            line.append(f"{op[:2]} {shape[0]}x{shape[1]} {mode} {r['us']:.1f}us {r['gbs']:.0f}GB/s |")
+        print(" ".join(line), flush=True)
+    base = configs[0]
+    score = {c: sum(math.log(times[c, *k] / times[base, *k]) for k in cases) / len(cases) for c in configs}
+    best = min(configs, key=score.get)
+    print("scores (mean log time ratio vs first):", {str(c): round(v, 4) for c, v in score.items()}, "best:", best, flush=True)
+    return best
+
+
+def overheads():
+    """Eager host cost per call (us) of the pieces of one rms_norm call at (8192, 128) bf16."""
+    from runtime.accelerators.rms_norm import triton as rt
+
+    x = torch.randn(8192, 128, dtype=DT, device="cuda")
+    w = torch.randn(128, dtype=DT, device="cuda")
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    y, rstd = rt.forward(x, w, 1e-6)
+    tiles = nt.row_tiles(128)
+    yy = torch.empty_like(x)
+    programs = nt.backward_programs(8192, tiles, x.device)
+    partial = torch.randn(programs, 128, device="cuda")
+    items = {
+        "bare triton launch (fwd kernel)": lambda: rt._forward_kernel[(nt.n_tiles(8192, tiles),)](
+            x, w, yy, rstd, 8192, 128, 128, 1e-6, HAS_W=True, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
+        ),
+        "module forward()": lambda: rt.forward(x, w, 1e-6),
+        "module backward()": lambda: rt.backward(dy, x, w, 1e-6, y, rstd),
+        "sum_partials (triton)": lambda: nt.sum_partials(partial, w),
+        "partial.sum(0).to(bf16) (torch)": lambda: partial.sum(0).to(DT),
+        "rms_norm(no grad)": lambda: rms_norm(x, w, backend="triton"),
+        "rms_norm(grad) fwd": lambda: rms_norm(xg, wg, backend="triton"),
+        "rms_norm(grad) fwd+bwd": lambda: torch.autograd.grad(rms_norm(xg, wg, backend="triton"), [xg, wg], dy),
+        "F.rms_norm(no grad)": lambda: F.rms_norm(x, (128,), w, 1e-6),
+        "F.rms_norm(grad) fwd": lambda: F.rms_norm(xg, (128,), wg, 1e-6),
+        "F.rms_norm(grad) fwd+bwd": lambda: torch.autograd.grad(F.rms_norm(xg, (128,), wg, 1e-6), [xg, wg], dy),
+        "torch.empty_like": lambda: torch.empty_like(x),
+    }
+    for name, fn in items.items():
+        print(f"overhead {name:<34} {eager_us(fn, 500):7.1f} us", flush=True)
+
+
 def main():
     print(f"copy bandwidth (32768x4096 bf16): {copy_bandwidth():.0f} GB/s", flush=True)
+    overheads()
     if "sweep" in sys.argv:
-        sweep()
-    print(f"{'op':<11} {'shape':<12} {'mode':<8} {'impl':<7} {'GPU us':>9} {'GB/s':>7} {'graph us':>9} {'eager us':>9}")
+        best = sweep()
+        apply(best)
+        print("final table with", best)
+    print(f"{'op':<11} {'shape':<12} {'mode':<8} {'impl':<7} {'GPU us':>9} {'GB/s':>7} {'eager us':>9}")
     for op in ("rms_norm", "layer_norm", "l2norm"):
         for shape in SHAPES:
             for mode in ("fwd", "fwd+bwd"):
                 for impl in ("triton", "torch", "liger"):
                     try:
-                        r = measure(op, impl, shape, mode, graph=shape[1] <= 128)
+                        r = measure(op, impl, shape, mode)
                     except Exception as error:  # noqa: BLE001
                         print(op, shape, mode, impl, "failed:", repr(error)[:300])
                         continue
                     if r is None:
                         continue
                     print(
-                        f"{op:<11} {shape[0]}x{shape[1]:<7} {mode:<8} {impl:<7} {r['ms'] * 1e3:9.1f} {r['gbs']:7.0f}"
-                        f" {r.get('graph_us', float('nan')):9.2f} {r['eager_us']:9.1f}",
+                        f"{op:<11} {shape[0]}x{shape[1]:<7} {mode:<8} {impl:<7} {r['us']:9.1f} {r['gbs']:7.0f} {r['eager_us']:9.1f}",
                         flush=True,
                     )
 

@@ -30,10 +30,16 @@ class KernelOp:
     n_outputs:     how many leading results of forward are returned to the caller
     n_saved:       how many further results forward returns for backward
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
+    entry:         for a folder holding several ops (mhc: pre and post): the kernel modules' functions
+                   are then `<entry>_forward` / `<entry>_backward`, the custom ops `taac::<op>_<entry>_*`
     """
 
-    def __init__(self, op: str, args_schema: str, n_outputs: int, n_saved: int, fake_forward: Callable) -> None:
+    def __init__(
+        self, op: str, args_schema: str, n_outputs: int, n_saved: int, fake_forward: Callable, entry: str | None = None
+    ) -> None:
         self.op = op
+        self.forward_name, self.backward_name = (f"{entry}_forward", f"{entry}_backward") if entry else ("forward", "backward")
+        name = f"{op}_{entry}" if entry else op
         self.n_outputs = n_outputs
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
@@ -41,15 +47,15 @@ class KernelOp:
         saved = ", ".join(f"Tensor result{i}" for i in range(n_results))
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
-            f"taac::{op}_forward",
-            _run_forward(op, n_results),
+            f"taac::{name}_forward",
+            _run_forward(op, self.forward_name, n_results),
             mutates_args=(),
             schema=f"(str backend, {args_schema}) -> {returns}",
         )
         self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake_forward(*args))))
         self._backward_op = torch.library.custom_op(
-            f"taac::{op}_backward",
-            _run_backward(op, n_outputs, n_results),
+            f"taac::{name}_backward",
+            _run_backward(op, self.backward_name, n_outputs, n_results),
             mutates_args=(),
             schema=f"(str backend, {grads}, {args_schema}, {saved}) -> Tensor[]",
         )
@@ -85,7 +91,7 @@ class KernelOp:
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel_op: KernelOp, backend: str, *args):
-        results = _as_tuple(load_kernels(kernel_op.op, backend).forward(*args))
+        results = _as_tuple(getattr(load_kernels(kernel_op.op, backend), kernel_op.forward_name)(*args))
         ctx.kernel_op, ctx.backend = kernel_op, backend
         ctx.args_layout, tensors = _split_args(args)
         ctx.save_for_backward(*tensors, *results)
@@ -98,7 +104,7 @@ class _EagerFunction(torch.autograd.Function):
         tensors, results = ctx.saved_tensors[:n_tensors], ctx.saved_tensors[n_tensors:]
         args = _join_args(ctx.args_layout, tensors)
         grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads, results)]
-        grads_in = load_kernels(ctx.kernel_op.op, ctx.backend).backward(*grad_outputs, *args, *results)
+        grads_in = getattr(load_kernels(ctx.kernel_op.op, ctx.backend), ctx.kernel_op.backward_name)(*grad_outputs, *args, *results)
         return (None, None, *grads_in)
 
 
@@ -132,9 +138,9 @@ def _unwrap_single(results: tuple):
     return results[0] if len(results) == 1 else results
 
 
-def _run_forward(op: str, n_results: int):
+def _run_forward(op: str, function: str, n_results: int):
     def forward(backend, *args):
-        results = _as_tuple(load_kernels(op, backend).forward(*args))
+        results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
         if len(results) != n_results:
             raise RuntimeError(f"{op}.{backend}.forward returned {len(results)} tensors, expected {n_results}")
         return _unwrap_single(results)
@@ -142,11 +148,11 @@ def _run_forward(op: str, n_results: int):
     return forward
 
 
-def _run_backward(op: str, n_outputs: int, n_results: int):
+def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
     def backward(backend, *flat):
         grads, rest = flat[:n_outputs], flat[n_outputs:]
         args, results = rest[: len(rest) - n_results], rest[len(rest) - n_results :]
-        grads_in = load_kernels(op, backend).backward(*grads, *args, *results)
+        grads_in = getattr(load_kernels(op, backend), function)(*grads, *args, *results)
         # Tensor[] cannot hold None: return the gradients of the tensor arguments present
         return [g if g is not None else torch.zeros_like(a) for a, g in zip(args, grads_in) if isinstance(a, torch.Tensor)]
 

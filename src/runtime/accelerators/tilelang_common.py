@@ -64,20 +64,38 @@ def device_info(index: int | None) -> DeviceInfo:
 
 # --------------------------------------------------------------------------- compile cache
 
+# A kernel entry is (key, build): key names what changes the code (kernel, dtypes, width,
+# flags); build(device_info) returns the T.prim_func. Keys never hold row counts.
+Entry = tuple[Hashable, Callable[[DeviceInfo], object]]
 _kernels: dict[Hashable, object] = {}
 
 
-def compiled(key: Hashable, device: torch.device, build: Callable[[DeviceInfo], object]):
-    """The kernel for `key` (what changes the code: kernel, dtypes, width, flags) on `device`.
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
-    On the first call `build(device_info)` returns the T.prim_func, compiled once per process
-    (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR).
-    """
+
+def compiled(entry: Entry, device: torch.device):
+    """The compiled kernel of `entry` for `device`: compiled on first use, then one dict lookup
+    (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR)."""
+    key, build = entry
     kernel = _kernels.get((key, device))
     if kernel is None:
-        info = device_info(device.index if device.index is not None else torch.cuda.current_device())
+        info = device_info(_index(device))
         kernel = _kernels[(key, device)] = tilelang.compile(build(info), target=info.target)
     return kernel
+
+
+def precompile(entries: list[Entry], device: torch.device) -> None:
+    """Compile the entries not compiled yet for `device`, in parallel (nvcc runs in subprocesses).
+
+    Useful before a test suite or a benchmark sweep; calls to `compiled` then find them."""
+    info = device_info(_index(device))
+    missing = {key: build for key, build in entries if (key, device) not in _kernels}
+    if not missing:
+        return
+    funcs = [build(info) for build in missing.values()]  # the TileLang builder is not thread-safe
+    for key, kernel in zip(missing, tilelang.par_compile(funcs, target=info.target)):
+        _kernels[(key, device)] = kernel
 
 
 _placeholders: dict[Hashable, torch.Tensor] = {}
@@ -90,6 +108,11 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> tor
     if tensor is None:
         tensor = _placeholders[key] = torch.zeros(1, dtype=dtype, device=device)
     return tensor
+
+
+def param_or_placeholder(param: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A per-feature parameter as the kernels take it (contiguous), or the placeholder when absent."""
+    return placeholder(x.device) if param is None else param.contiguous()
 
 
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +168,10 @@ def row_plan(width: int, elem_bytes: int, min_threads: int = 128, max_threads: i
     return RowPlan(width, padded, threads, threads // row_threads, vec)
 
 
+def plan_for(dtype: torch.dtype, width: int) -> RowPlan:
+    return row_plan(width, dtype.itemsize)
+
+
 def row_layout(plan: RowPlan):
     """Fragment layout of a [block_rows, padded] tile: row i belongs to `row_threads`
     consecutive threads; each holds 16-byte vectors of consecutive columns, the threads of a
@@ -182,7 +209,6 @@ def persistent_blocks(device: DeviceInfo, threads: int) -> int:
     return device.sm_count * max(1, 1024 // threads)
 
 
-@functools.cache
 def column_sum_kernel(out_dtype: str, block_cols: int = 16, block_rows: int = 64, threads: int = 128):
     """out[k] = sum_g partial[g, k] in fp32, written as out_dtype; both dimensions dynamic."""
     G, K = T.dynamic("G, K")
@@ -205,13 +231,15 @@ def column_sum_kernel(out_dtype: str, block_cols: int = 16, block_rows: int = 64
     return column_sum
 
 
+def column_sum_entry(out_dtype: torch.dtype) -> Entry:
+    return ("column_sum", out_dtype), lambda _: column_sum_kernel(TL_DTYPE[out_dtype])
+
+
 def column_sum(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Reduce partial [G, K] fp32 over its rows into out [K] (any kernel dtype)."""
-    name = TL_DTYPE[out.dtype]
-    compiled(("column_sum", name), partial.device, lambda _: column_sum_kernel(name))(partial, out)
+    compiled(column_sum_entry(out.dtype), partial.device)(partial, out)
     return out
 
 
 def n_blocks_for(device: torch.device, plan: RowPlan) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return persistent_blocks(device_info(index), plan.threads)
+    return persistent_blocks(device_info(_index(device)), plan.threads)

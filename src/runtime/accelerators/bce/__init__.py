@@ -63,6 +63,12 @@ def kernel_operand(operand: torch.Tensor | None, shape: torch.Size) -> torch.Ten
     return operand.contiguous()
 
 
+def is_scalar_gradient(grad: torch.Tensor) -> bool:
+    """A loss gradient that is one value everywhere (mean / sum, or `none` after loss.sum().backward()):
+    the backward kernels then read that one value instead of N."""
+    return grad.dim() == 0 or all(s == 0 for s in grad.stride())
+
+
 def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
     check_tensor("logits", logits)
     check_tensor("targets", targets)

@@ -8,19 +8,13 @@ order (no atomics). The length is dynamic (T.dynamic): one compiled kernel per d
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which name locals
-import functools
-
-import tilelang
 import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..backends import TILELANG_VERSION
-from . import ABSENT, BROADCAST, FULL, operand_mode
+from ..tilelang_common import TL_DTYPE, compiled
+from . import ABSENT, FULL, is_scalar_gradient, operand_mode
 from .reference import loss_dtype
-
-if tilelang.__version__.split("+")[0] != TILELANG_VERSION:
-    raise ImportError(f"the bce TileLang kernels are written for tilelang {TILELANG_VERSION}, found {tilelang.__version__}")
 
 THREADS = 256
 VEC = 8  # contiguous elements per thread and row: 16-byte accesses for 16-bit dtypes, two for fp32
@@ -28,7 +22,6 @@ ROWS = 512
 BLOCK = ROWS * VEC  # elements per block
 SUM_CHUNK = 1024  # partials added per step by the final reduction
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 F32 = "float32"
 
 
@@ -232,29 +225,22 @@ def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode,
     return bce_backward
 
 
-# --------------------------------------------------------------------------- compilation (cached)
+# --------------------------------------------------------------------------- compile cache entries
+# (key, build) pairs for tilelang_common.compiled / precompile: keyed by dtype names and flags only
 
 
-def cuda_target(device: torch.device) -> dict:
-    major, minor = torch.cuda.get_device_capability(device)
-    return {"kind": "cuda", "arch": "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"}
+def forward_entry(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce):
+    names = (x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce)
+    return ("bce_forward", *names), lambda _: forward_func(*names)
 
 
-@functools.lru_cache(maxsize=None)
-def forward_kernel(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce, arch):
-    func = forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce)
-    return tilelang.compile(func, target={"kind": "cuda", "arch": arch})
+def sum_entry(out_dtype):
+    return ("bce_sum", out_dtype), lambda _: sum_func(out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def sum_kernel(out_dtype, arch):
-    return tilelang.compile(sum_func(out_dtype), target={"kind": "cuda", "arch": arch})
-
-
-@functools.lru_cache(maxsize=None)
-def backward_kernel(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad, arch):
-    func = backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad)
-    return tilelang.compile(func, target={"kind": "cuda", "arch": arch})
+def backward_entry(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad):
+    names = (x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode, g_scalar, targets_grad)
+    return ("bce_backward", *names), lambda _: backward_func(*names)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -270,47 +256,46 @@ def _operand(operand, x, shape):
     """(tensor, dtype name, mode, inner) of weight / pos_weight; when absent, x stands in (it is never read)."""
     mode, inner, _ = operand_mode(operand, shape)
     if operand is None:
-        return x, DTYPES[x.dtype], mode, inner
+        return x, TL_DTYPE[x.dtype], mode, inner
     flat = _flat(operand)
-    return flat, DTYPES[flat.dtype], mode, inner
+    return flat, TL_DTYPE[flat.dtype], mode, inner
 
 
 def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
-    n = logits.numel()
+    n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
     pw, pw_dtype, pw_mode, pw_inner = _operand(pos_weight, x, logits.shape)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
-    arch = cuda_target(logits.device)["arch"]
     reduce = reduction != "none"
-    kernel = forward_kernel(DTYPES[x.dtype], DTYPES[y.dtype], w_dtype, pw_dtype, DTYPES[dtype], w_mode, pw_mode, reduce, arch)
+    entry = forward_entry(TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[dtype], w_mode, pw_mode, reduce)
+    kernel = compiled(entry, device)
     if not reduce:
-        loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
+        loss = buffers.empty(logits.shape, dtype=dtype, device=device)
         kernel(x, y, w, pw, w_inner, pw_inner, loss.view(-1))
         return loss
-    partials = buffers.empty(((n + BLOCK - 1) // BLOCK,), dtype=torch.float32, device=logits.device)
+    partials = buffers.empty((-(-n // BLOCK),), dtype=torch.float32, device=device)
     kernel(x, y, w, pw, w_inner, pw_inner, partials)
-    loss = buffers.empty((), dtype=dtype, device=logits.device)
+    loss = buffers.empty((), dtype=dtype, device=device)
     divisor = float(n) if reduction == "mean" else 1.0
-    sum_kernel(DTYPES[dtype], arch)(partials, divisor, loss.view(1))
+    compiled(sum_entry(TL_DTYPE[dtype]), device)(partials, divisor, loss.view(1))
     return loss
 
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
-    n = logits.numel()
+    n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
     pw, pw_dtype, pw_mode, pw_inner = _operand(pos_weight, x, logits.shape)
-    # one incoming value for mean / sum, and for `none` when it is broadcast (loss.sum().backward())
-    g_scalar = reduction != "none" or grad.dim() == 0 or all(s == 0 for s in grad.stride())
-    g = grad.as_strided((1,), (1,)) if g_scalar else _flat(grad)
+    g_scalar = reduction != "none" or is_scalar_gradient(grad)
+    g = _flat(grad.as_strided((1,), (1,)) if g_scalar else grad)
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
-    kernel = backward_kernel(
-        DTYPES[x.dtype], DTYPES[y.dtype], w_dtype, pw_dtype, DTYPES[g.dtype], w_mode, pw_mode, g_scalar, targets_grad,
-        cuda_target(logits.device)["arch"],
-    )  # fmt: skip
+    entry = backward_entry(
+        TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[g.dtype], w_mode, pw_mode, g_scalar, targets_grad
+    )
+    kernel = compiled(entry, device)
     # without targets_grad the kernel never writes DY: targets stand in for it
     kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
     return dlogits, dtargets, None, None, None, None

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from . import operand_mode
+from . import is_scalar_gradient, operand_mode
 from .reference import loss_dtype
 
 BLOCK = 4096  # elements per program (forward and backward)
@@ -145,11 +145,6 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     divisor = float(n) if reduction == "mean" else 1.0
     _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
-
-
-def is_scalar_gradient(grad: torch.Tensor) -> bool:
-    """A gradient that is one value broadcast everywhere (e.g. from loss.sum().backward())."""
-    return grad.dim() == 0 or all(s == 0 for s in grad.stride())
 
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):

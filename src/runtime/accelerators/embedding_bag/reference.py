@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 INDEX_ERROR = (
     "embedding_bag_mean: an index is outside [0, num_embeddings) or the offsets do not rise "
-    "from 0 to at most len(indices) (check_indices=True)"
+    "from 0 to len(indices) (check_indices=True)"
 )
 
 
@@ -16,7 +16,7 @@ def bad_indices(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tens
     bad = ((indices < 0) | (indices >= weight.shape[0])).any()
     if offsets is not None and offsets.numel() > 0:
         ends = offsets if include_last_offset else torch.cat([offsets, offsets.new_tensor([indices.numel()])])
-        bad = bad | (offsets[0] != 0) | (ends[1:] < ends[:-1]).any() | (ends[-1] > indices.numel())
+        bad = bad | (offsets[0] != 0) | (ends[1:] < ends[:-1]).any() | (ends[-1] != indices.numel())
     return bad
 
 

@@ -33,9 +33,9 @@ LN2 = 0.6931471805599453
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for 16-bit inputs.
 # BLOCK_M runs over queries and BLOCK_N over keys in every kernel.
 CONFIGS_16BIT = {
-    "fwd": {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
-    "dkdv": {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 2)},
-    "dq": {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2)},
+    "fwd": {16: (128, 64, 4, 2), 32: (64, 64, 4, 2), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
+    "dkdv": {16: (64, 128, 4, 2), 32: (32, 128, 4, 2), 64: (32, 128, 4, 2), 128: (64, 128, 8, 3)},
+    "dq": {16: (64, 64, 4, 2), 32: (128, 32, 4, 2), 64: (64, 64, 4, 2), 128: (128, 64, 8, 3)},
 }
 # fp32 runs exact fp32 products (tf32 would miss the fp32 accuracy bound) with fewer registers per tile
 CONFIGS_FP32 = {
@@ -410,38 +410,54 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None):
     return o, lse
 
 
-def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg_dkdv=None, cfg_dq=None):
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads."""
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    flags = _flags(q, key_lengths, causal, dropout_p)
-    kl = key_lengths if key_lengths is not None else q
+    delta = backward_preprocess(o, do)
+    dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
+    dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
+    return dq, dk, dv, None, None, None, None, None
 
-    delta = empty((b, h, lq), dtype=torch.float32, device=q.device)
+
+def backward_preprocess(o, do):
+    """delta = rowsum(o * do) [B, H, Lq] fp32."""
+    b, h, lq, d = o.shape
+    delta = empty((b, h, lq), dtype=torch.float32, device=o.device)
     _bwd_preprocess_kernel[(triton.cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
         o, do, delta, *o.stride()[:3], *do.stride(), h, lq,
-        HEAD_DIM=d, BLOCK_D=flags["BLOCK_D"], BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
+        HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
     )
+    return delta
 
+
+def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    block_m, block_n, warps, stages = cfg_dkdv or config("dkdv", d, q.dtype)
+    block_m, block_n, warps, stages = cfg or config("dkdv", d, q.dtype)
     _bwd_dkdv_kernel[(triton.cdiv(lk, block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, kl,
+        q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        **_flags(q, key_lengths, causal, dropout_p),
     )
+    return dk, dv
 
+
+def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, block_n, warps, stages = cfg_dq or config("dq", d, q.dtype)
+    block_m, block_n, warps, stages = cfg or config("dq", d, q.dtype)
     _bwd_dq_kernel[(triton.cdiv(lq, block_m), b * h)](
-        q, k, v, do, lse, delta, dq, kl,
+        q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        **_flags(q, key_lengths, causal, dropout_p),
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq
 
 
 def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:

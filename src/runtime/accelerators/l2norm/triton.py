@@ -11,8 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms import as_rows
-from ..norms_triton import n_tiles, row_tiles
+from ..norms_triton import rows_of, n_tiles, row_tiles
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -50,24 +49,24 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, eps: float):
-    x2 = as_rows(x)
-    n_rows, width = x2.shape
+    x2, n_rows, stride_x = rows_of(x)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, y, rstd, n_rows, width, x2.stride(0), eps, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
+        x2, y, rstd, n_rows, width, stride_x, eps, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
     )
     return y, rstd
 
 
 def backward(dy, x, eps, y, rstd):
-    x2, dy2 = as_rows(x), as_rows(dy)
-    n_rows, width = x2.shape
+    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     _backward_kernel[(n_tiles(n_rows, tiles),)](
-        dy2, x2, rstd, dx, n_rows, width, dy2.stride(0), x2.stride(0),
+        dy2, x2, rstd, dx, n_rows, width, stride_dy, stride_x,
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return dx, None

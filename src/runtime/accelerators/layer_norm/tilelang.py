@@ -14,15 +14,19 @@ from .. import buffers
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
+    Entry,
     RowPlan,
     column_sum,
+    column_sum_entry,
     compiled,
     kernel_rows,
     load_rows,
     n_blocks_for,
+    param_or_placeholder,
+    persistent_blocks,
     placeholder,
+    plan_for,
     row_layout,
-    row_plan,
     store_rows,
 )
 
@@ -151,6 +155,31 @@ def backward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: 
     return layer_norm_bwd
 
 
+def kernel_entries(dtype: torch.dtype, width: int, w_dtype: torch.dtype | None, b_dtype: torch.dtype | None) -> list[Entry]:
+    """The kernels (forward, backward, and the parameter-gradient reduction) for these dtypes and width."""
+    params = [d for d in (w_dtype, b_dtype) if d is not None]
+    reduce_dtype = params[0] if params and all(d == params[0] for d in params) else torch.float32
+    return [_forward_entry(dtype, width, w_dtype, b_dtype), _backward_entry(dtype, width, w_dtype, b_dtype)] + (
+        [column_sum_entry(reduce_dtype)] if params else []
+    )
+
+
+def _forward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
+    def build(_):
+        return forward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype), plan_for(dtype, width))
+
+    return ("layer_norm_fwd", dtype, width, w_dtype, b_dtype), build
+
+
+def _backward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
+    def build(info):
+        plan = plan_for(dtype, width)
+        names = TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype)
+        return backward_kernel(*names, plan, persistent_blocks(info, plan.threads))
+
+    return ("layer_norm_bwd", dtype, width, w_dtype, b_dtype), build
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
     rows = kernel_rows(x)
     n_rows, width = rows.shape
@@ -159,9 +188,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, mean, rstd
-    key = ("layer_norm_fwd", x.dtype, _dtype(weight), _dtype(bias), width)
-    kernel = compiled(key, x.device, lambda _: forward_kernel(*_names(x, weight, bias), _plan(x)))
-    kernel(rows, _or_placeholder(weight, x), _or_placeholder(bias, x), y.view(n_rows, width), mean, rstd, eps)
+    kernel = compiled(_forward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
+    kernel(rows, param_or_placeholder(weight, x), param_or_placeholder(bias, x), y.view(n_rows, width), mean, rstd, eps)
     return y, mean, rstd
 
 
@@ -169,18 +197,16 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     rows, dy_rows = kernel_rows(x), kernel_rows(dy)
     n_rows, width = rows.shape
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
-    params = [p for p in (weight, bias) if p is not None]
     if n_rows == 0:
         return dx, _zeros_like(weight), _zeros_like(bias), None
-    plan = _plan(x)
-    n_blocks = n_blocks_for(x.device, plan)
-    key = ("layer_norm_bwd", x.dtype, _dtype(weight), _dtype(bias), width)
-    kernel = compiled(key, x.device, lambda _: backward_kernel(*_names(x, weight, bias), plan, n_blocks))
+    kernel = compiled(_backward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
+    params = [p for p in (weight, bias) if p is not None]
     if not params:
         kernel(dy_rows, rows, placeholder(x.device), mean, rstd, dx.view(n_rows, width), placeholder(x.device))
         return dx, None, None, None
+    n_blocks = n_blocks_for(x.device, plan_for(x.dtype, width))
     partial = buffers.empty((n_blocks, len(params), width), dtype=torch.float32, device=x.device)
-    kernel(dy_rows, rows, _or_placeholder(weight, x), mean, rstd, dx.view(n_rows, width), partial)
+    kernel(dy_rows, rows, param_or_placeholder(weight, x), mean, rstd, dx.view(n_rows, width), partial)
     grads = _reduce_partials(partial.view(n_blocks, -1), params)
     dweight = grads.pop(0) if weight is not None else None
     dbias = grads.pop(0) if bias is not None else None
@@ -188,27 +214,16 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
 
 
 def _reduce_partials(partial: torch.Tensor, params: list) -> list:
-    """One column-sum launch for all parameter gradients; split into one view per parameter."""
+    """One column-sum launch for all parameter gradients, split into one view per parameter
+    (through fp32 when weight and bias dtypes differ)."""
     width = params[0].shape[0]
     dtype = params[0].dtype if all(p.dtype == params[0].dtype for p in params) else torch.float32
     total = column_sum(partial, buffers.empty((partial.shape[1],), dtype=dtype, device=partial.device))
     return [total[k * width : (k + 1) * width].to(p.dtype) for k, p in enumerate(params)]
 
 
-def _plan(x: torch.Tensor) -> RowPlan:
-    return row_plan(x.shape[-1], x.element_size())
-
-
 def _dtype(t: torch.Tensor | None):
     return None if t is None else t.dtype
-
-
-def _names(x, weight, bias) -> tuple:
-    return TL_DTYPE[x.dtype], *(None if t is None else TL_DTYPE[t.dtype] for t in (weight, bias))
-
-
-def _or_placeholder(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return placeholder(x.device) if t is None else t
 
 
 def _zeros_like(t: torch.Tensor | None):

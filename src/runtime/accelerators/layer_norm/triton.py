@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms import as_rows
-from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, sum_partials
+from ..norms_triton import rows_of, backward_programs, n_tiles, partials, row_tiles, sum_partials
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -61,7 +60,7 @@ def _backward_kernel(
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        xhat = (x - mean) * rstd  # not zero in padding columns, but only ever multiplied by dy (zero there)
         g = dy * w if HAS_W else dy
         mean_g = tl.sum(g, axis=1) / N
         mean_gx = tl.sum(g * xhat, axis=1) / N
@@ -78,23 +77,23 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
-    x2 = as_rows(x)
-    n_rows, width = x2.shape
+    x2, n_rows, stride_x = rows_of(x)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
     mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     _forward_kernel[(n_tiles(n_rows, tiles),)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
-        n_rows, width, x2.stride(0), eps,
+        n_rows, width, stride_x, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return y, mean, rstd
 
 
 def backward(dy, x, weight, bias, eps, y, mean, rstd):
-    x2, dy2 = as_rows(x), as_rows(dy)
-    n_rows, width = x2.shape
+    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     if weight is None and bias is None:
@@ -105,7 +104,7 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     db_partial = x2 if bias is None else partials(programs, width, x.device)
     _backward_kernel[(programs,)](
         dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
-        n_rows, width, dy2.stride(0), x2.stride(0),
+        n_rows, width, stride_dy, stride_x,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     if weight is None and bias is None:

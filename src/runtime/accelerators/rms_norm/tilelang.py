@@ -15,15 +15,19 @@ from .. import buffers
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
+    Entry,
     RowPlan,
     column_sum,
+    column_sum_entry,
     compiled,
     kernel_rows,
     load_rows,
     n_blocks_for,
+    param_or_placeholder,
+    persistent_blocks,
     placeholder,
+    plan_for,
     row_layout,
-    row_plan,
     store_rows,
 )
 
@@ -124,6 +128,28 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
     return rms_norm_bwd
 
 
+def kernel_entries(dtype: torch.dtype, width: int, w_dtype: torch.dtype | None) -> list[Entry]:
+    """The kernels (forward, backward, and the dweight reduction) for these dtypes and width."""
+    return [_forward_entry(dtype, width, w_dtype), _backward_entry(dtype, width, w_dtype)] + (
+        [column_sum_entry(w_dtype)] if w_dtype is not None else []
+    )
+
+
+def _forward_entry(dtype, width, w_dtype) -> Entry:
+    def build(_):
+        return forward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan_for(dtype, width))
+
+    return ("rms_norm_fwd", dtype, width, w_dtype), build
+
+
+def _backward_entry(dtype, width, w_dtype) -> Entry:
+    def build(info):
+        plan = plan_for(dtype, width)
+        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan, persistent_blocks(info, plan.threads))
+
+    return ("rms_norm_bwd", dtype, width, w_dtype), build
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     rows = kernel_rows(x)
     n_rows, width = rows.shape
@@ -131,9 +157,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, rstd
-    key = ("rms_norm_fwd", x.dtype, None if weight is None else weight.dtype, width)
-    kernel = compiled(key, x.device, lambda _: forward_kernel(*_names(x, weight), _plan(x)))
-    kernel(rows, placeholder(x.device) if weight is None else weight, y.view(n_rows, width), rstd, eps)
+    kernel = compiled(_forward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
+    kernel(rows, param_or_placeholder(weight, x), y.view(n_rows, width), rstd, eps)
     return y, rstd
 
 
@@ -143,22 +168,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, None if weight is None else torch.zeros_like(weight), None
-    plan = _plan(x)
-    n_blocks = n_blocks_for(x.device, plan)
-    key = ("rms_norm_bwd", x.dtype, None if weight is None else weight.dtype, width)
-    kernel = compiled(key, x.device, lambda _: backward_kernel(*_names(x, weight), plan, n_blocks))
+    kernel = compiled(_backward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
     if weight is None:
         kernel(dy_rows, rows, placeholder(x.device), rstd, dx.view(n_rows, width), placeholder(x.device))
         return dx, None, None
-    partial = buffers.empty((n_blocks, width), dtype=torch.float32, device=x.device)
-    kernel(dy_rows, rows, weight, rstd, dx.view(n_rows, width), partial)
+    partial = buffers.empty((n_blocks_for(x.device, plan_for(x.dtype, width)), width), dtype=torch.float32, device=x.device)
+    kernel(dy_rows, rows, weight.contiguous(), rstd, dx.view(n_rows, width), partial)
     dweight = column_sum(partial, buffers.empty((width,), dtype=weight.dtype, device=weight.device))
     return dx, dweight, None
-
-
-def _plan(x: torch.Tensor) -> RowPlan:
-    return row_plan(x.shape[-1], x.element_size())
-
-
-def _names(x: torch.Tensor, weight: torch.Tensor | None) -> tuple:
-    return TL_DTYPE[x.dtype], None if weight is None else TL_DTYPE[weight.dtype]

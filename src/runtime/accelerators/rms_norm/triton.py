@@ -11,8 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms import as_rows
-from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, sum_partials
+from ..norms_triton import rows_of, backward_programs, n_tiles, partials, row_tiles, sum_partials
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -64,21 +63,21 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
-    x2 = as_rows(x)
-    n_rows, width = x2.shape
+    x2, n_rows, stride_x = rows_of(x)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, x2 if weight is None else weight, y, rstd, n_rows, width, x2.stride(0), eps,
+        x2, x2 if weight is None else weight, y, rstd, n_rows, width, stride_x, eps,
         HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return y, rstd
 
 
 def backward(dy, x, weight, eps, y, rstd):
-    x2, dy2 = as_rows(x), as_rows(dy)
-    n_rows, width = x2.shape
+    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
+    width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     if weight is None:
@@ -87,7 +86,7 @@ def backward(dy, x, weight, eps, y, rstd):
         programs = backward_programs(n_rows, tiles, x.device)
         dw_partial = partials(programs, width, x.device)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, rstd, dx, dw_partial, n_rows, width, dy2.stride(0), x2.stride(0),
+        dy2, x2, x2 if weight is None else weight, rstd, dx, dw_partial, n_rows, width, stride_dy, stride_x,
         HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     dweight = None if weight is None else sum_partials(dw_partial, weight)[0]

@@ -1,0 +1,155 @@
+"""embedding_bag_mean(weight, indices, offsets=None, padding_idx=None): F.embedding_bag(..., mode="mean").
+
+Fixed-hotness 2-D indices [B, L] or ragged 1-D indices with offsets; padding entries are left out
+of each mean; an empty bag gives zeros. The kernel backends sum in fp32 and reduce the weight
+gradient without atomics (segments.py says how); `sparse=True` gives a coalesced sparse COO
+weight gradient, as nn.EmbeddingBag(sparse=True) does (torch's is uncoalesced: same tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, load_kernels, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import embedding_bag_mean_reference
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _reasons(backend: str, weight: torch.Tensor, indices=None, offsets=None) -> list[str]:
+    reasons = dtype_reasons("weight", weight)
+    if weight.dim() == 2 and weight.stride(1) != 1:
+        reasons.append(f"weight has strides {tuple(weight.stride())}; the kernels read rows with a unit column stride")
+    elif backend == "tilelang" and not weight.is_contiguous():
+        reasons.append(f"weight has strides {tuple(weight.stride())}; the tilelang kernels take a contiguous table")
+    return reasons
+
+
+SPEC = OpSpec(name="embedding_bag_mean", priority=("triton", "tilelang"), reasons=_reasons)
+
+
+def _fake_forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices):
+    if indices.dim() == 2:
+        num_bags, entries = indices.shape[0], 0
+    else:
+        num_bags, entries = offsets.shape[0] - int(include_last_offset), indices.shape[0]
+    return (
+        weight.new_empty(num_bags, weight.shape[1]),
+        weight.new_empty(num_bags, dtype=torch.float32),
+        indices.new_empty(entries, dtype=torch.int32),
+    )
+
+
+# kernel modules: forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
+#                     -> (out [B, D], scale [B] fp32, bag_of [N] int32 for ragged bags, else empty)
+#                 backward(grad_out, *args, out, scale, bag_of) -> (dense grad_weight, None x 5)
+#                 backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of)
+#                     -> sparse COO grad_weight
+# padding_idx is -1 for "no padding"; a negative one is normalised first.
+KERNEL = KernelOp(
+    "embedding_bag",
+    "Tensor weight, Tensor indices, Tensor? offsets, int padding_idx, bool include_last_offset, bool check_indices",
+    n_outputs=1,
+    n_saved=2,
+    fake_forward=_fake_forward,
+)
+
+
+class _SparseGradient(torch.autograd.Function):
+    """The kernels' forward with a sparse weight gradient.
+
+    KernelOp's backward returns one dense gradient per tensor argument, and its torch.compile path
+    declares the gradient shaped like the argument, so a sparse COO gradient (whose nnz is only
+    known after the backward runs) cannot go through it; this op has its own Function for it.
+    """
+
+    @staticmethod
+    def forward(ctx, backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
+        kernels = load_kernels("embedding_bag", backend)
+        out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
+        ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
+        ctx.kernels, ctx.padding_idx, ctx.include_last_offset = kernels, padding_idx, include_last_offset
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, indices, offsets, scale, bag_of = ctx.saved_tensors
+        grad = ctx.kernels.backward_sparse(grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of)
+        return None, grad, None, None, None, None, None
+
+
+@torch.compiler.disable  # a sparse gradient has a data-dependent nnz: run eagerly (a graph break)
+def _sparse_call(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
+    return _SparseGradient.apply(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices)
+
+
+def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
+    check_same_device(name, value, "weight", weight)
+
+
+def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices) -> int | None:
+    """Validate the arguments; returns padding_idx normalised to [0, num_embeddings) (or None)."""
+    check_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}")
+    _check_index_tensor("indices", indices, weight)
+    if indices.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets: must be None when indices is 2-D (each row of indices is one bag)")
+    elif indices.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets: required when indices is 1-D (offsets[b] is where bag b starts)")
+        _check_index_tensor("offsets", offsets, weight)
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets: expected a 1-D tensor, got shape {tuple(offsets.shape)}")
+        if include_last_offset and offsets.numel() == 0:
+            raise ValueError("offsets: include_last_offset=True needs at least one offset (the end of the last bag)")
+    else:
+        raise ValueError(f"indices: expected a 2-D [bags, bag_size] or 1-D (with offsets) tensor, got shape {tuple(indices.shape)}")
+    for name, flag in (("include_last_offset", include_last_offset), ("sparse", sparse), ("check_indices", check_indices)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if padding_idx is None:
+        return None
+    num_embeddings = weight.shape[0]
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), got {padding_idx}")
+    return padding_idx % num_embeddings
+
+
+def embedding_bag_mean(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    padding_idx: int | None = None,
+    *,
+    include_last_offset: bool = False,
+    sparse: bool = False,
+    check_indices: bool = True,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """The mean of each bag's rows of `weight`, as F.embedding_bag(indices, weight, offsets, mode="mean").
+
+    check_indices: raise on an index outside [0, num_embeddings) or malformed offsets, checked on the
+    device (a device-side assert on CUDA, no host sync). With it off, such entries give unspecified
+    values (never out-of-bounds memory accesses).
+    """
+    padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
+    key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous())
+    chosen = select_backend(SPEC, backend, weight.device, key, weight=weight, indices=indices, offsets=offsets)
+    if chosen == "torch" or weight.shape[1] == 0:
+        return embedding_bag_mean_reference(weight, indices, offsets, padding, include_last_offset, sparse, check_indices)
+    if indices.dim() == 2:
+        include_last_offset = False  # as torch: fixed bags ignore it
+    pad = -1 if padding is None else padding
+    if sparse and weight.requires_grad and torch.is_grad_enabled():
+        return _sparse_call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
+    return KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)

@@ -1,0 +1,304 @@
+"""Embedding-bag mean in Triton: a gather-and-mean forward and an atomic-free weight gradient.
+
+forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
+    -> (out [B, D], scale [B] fp32 = 1/count or 0, bag_of [N] int32 (ragged bags; empty otherwise))
+backward(grad_out, *args, *results) -> (dense weight gradient, None, ...)
+backward_sparse(grad_out, *args, *results) -> sparse COO weight gradient (coalesced)
+
+The gradient follows segments.py: sort the flat indices, then `_chunk_kernel` sums each chunk
+of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds up the
+partial sums of segments that cross chunks. Index checks set a device flag read by
+torch._assert_async: no host sync, so the forward stays CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from .reference import INDEX_ERROR
+from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+
+CHUNK = 32  # sorted entries per program of the gradient's first pass
+BLOCK_J = 32  # chunk partials summed at once in the second pass
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _forward_kernel(
+    weight_ptr, indices_ptr, offsets_ptr, out_ptr, scale_ptr, bag_of_ptr, ok_ptr,
+    num_bags, num_indices, num_offsets, num_embeddings, dim, bag_len, stride_w, padding_idx,
+    FIXED: tl.constexpr, CHECK: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    bags = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    in_batch = bags < num_bags
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    if FIXED:
+        start = bags.to(tl.int64) * bag_len
+        length = tl.where(in_batch, bag_len, 0).to(tl.int64)
+        bad = tl.zeros([BLOCK_B], dtype=tl.int32)
+        max_len = bag_len
+    else:
+        start = tl.load(offsets_ptr + bags, mask=in_batch, other=0).to(tl.int64)
+        end = tl.load(offsets_ptr + bags + 1, mask=in_batch & (bags + 1 < num_offsets), other=num_indices).to(tl.int64)
+        # offsets must rise from 0 to len(indices) (include_last_offset's last one too)
+        malformed = (start < 0) | (end < start) | ((bags == 0) & (start != 0)) | ((bags == num_bags - 1) & (end != num_indices))
+        bad = (in_batch & malformed).to(tl.int32)
+        start = tl.minimum(tl.maximum(start, 0), num_indices)  # memory-safe even when unchecked
+        end = tl.minimum(tl.maximum(end, start), num_indices)
+        length = tl.where(in_batch, end - start, 0)
+        max_len = tl.max(length, 0)
+
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    count = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for j0 in range(0, max_len, BLOCK_L):
+        # unrolled: every row load of the block is in flight before the first add
+        for jj in tl.static_range(BLOCK_L):
+            in_bag = (j0 + jj) < length
+            idx = tl.load(indices_ptr + start + j0 + jj, mask=in_bag, other=0).to(tl.int64)
+            in_range = (idx >= 0) & (idx < num_embeddings)
+            bad |= (in_bag & ~in_range).to(tl.int32)
+            use = in_bag & in_range & (idx != padding_idx)
+            count += use.to(tl.int32)
+            rows = tl.load(weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
+            acc += rows.to(tl.float32)
+        if not FIXED:
+            if pid_d == 0:  # the entry -> bag map the gradient needs
+                for jj in tl.static_range(BLOCK_L):
+                    tl.store(bag_of_ptr + start + j0 + jj, bags, mask=(j0 + jj) < length)
+
+    scale = tl.where(count > 0, 1.0 / count.to(tl.float32), 0.0)
+    out = acc * scale[:, None]
+    out_offs = bags[:, None].to(tl.int64) * dim + cols[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=in_batch[:, None] & col_ok[None, :])
+    if pid_d == 0:
+        tl.store(scale_ptr + bags, scale, mask=in_batch)
+        if not FIXED:
+            # entries no bag covers (past the last offset, or before a malformed first one) get no bag
+            t = tl.arange(0, BLOCK_T)
+            if pid_b == 0:
+                first_start = tl.min(tl.where(bags == 0, start, num_indices), 0)
+                for t0 in range(0, first_start, BLOCK_T):
+                    tl.store(bag_of_ptr + t0 + t, tl.full([BLOCK_T], -1, tl.int32), mask=t0 + t < first_start)
+            if pid_b == tl.num_programs(0) - 1:
+                last_end = tl.max(tl.where(in_batch, start + length, 0), 0)
+                for t0 in range(last_end, num_indices, BLOCK_T):
+                    tl.store(bag_of_ptr + t0 + t, tl.full([BLOCK_T], -1, tl.int32), mask=t0 + t < num_indices)
+        if CHECK:
+            tl.store(ok_ptr, 0, mask=tl.max(bad, 0) > 0)
+
+
+@triton.jit
+def _segmented_add(a, a_starts, b, b_starts):
+    return tl.where(b_starts != 0, b, a + b), a_starts | b_starts
+
+
+@triton.jit
+def _chunk_kernel(
+    keys_ptr, perm_ptr, first_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
+    out_ptr, rows_ptr, tail_ptr, head_ptr,
+    num_indices, num_bags, num_embeddings, dim, bag_len, stride_g, padding_idx,
+    FIXED: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    i = tl.arange(0, CHUNK)
+    p = c * CHUNK + i
+    valid = p < num_indices
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+
+    key = tl.load(keys_ptr + p, mask=valid, other=-1)
+    next_key = tl.load(keys_ptr + p + 1, mask=p + 1 < num_indices, other=-1)
+    first = tl.load(first_ptr + p, mask=valid, other=0)
+    pos = tl.load(perm_ptr + p, mask=valid, other=0)
+    if FIXED:
+        bag = pos // bag_len
+    else:
+        bag = tl.load(bag_of_ptr + pos, mask=valid, other=-1).to(tl.int64)
+    row_ok = (key >= 0) & (key < num_embeddings) & (key != padding_idx)
+    use = valid & row_ok & (bag >= 0) & (bag < num_bags)
+    s = tl.load(scale_ptr + bag, mask=use, other=0.0)
+    g = tl.load(grad_ptr + bag[:, None] * stride_g + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
+    g = g.to(tl.float32) * s[:, None]
+
+    starts = ((p == first) | (i == 0)).to(tl.int32)
+    sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (CHUNK, BLOCK_D))), 0, _segmented_add)
+
+    seg_end = valid & (key != next_key)  # the last entry of its segment
+    began_here = first >= c * CHUNK
+    done = seg_end & began_here & row_ok  # the whole segment lies in this chunk: write its row
+    if SPARSE:
+        dest = tl.load(ranks_ptr + p, mask=done, other=0).to(tl.int64)
+    else:
+        dest = key.to(tl.int64)
+    tl.store(out_ptr + dest[:, None] * dim + cols[None, :], sums.to(out_ptr.dtype.element_ty), mask=done[:, None] & col_ok[None, :])
+    if SPARSE:
+        if pid_d == 0:
+            tl.store(rows_ptr + dest, key.to(tl.int64), mask=done)
+    # partial sums of segments crossing a chunk edge, for _combine_kernel
+    head = seg_end & ~began_here  # ends here, began in an earlier chunk
+    tail = valid & (i == CHUNK - 1) & ~seg_end  # runs on into the next chunk
+    part_offs = c * dim + cols[None, :] + 0 * i[:, None]
+    tl.store(head_ptr + part_offs, sums, mask=head[:, None] & col_ok[None, :])
+    tl.store(tail_ptr + part_offs, sums, mask=tail[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    keys_ptr, first_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,
+    num_indices, num_embeddings, dim, padding_idx,
+    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    p0 = c * CHUNK
+    key = tl.load(keys_ptr + p0)
+    first = tl.load(first_ptr + p0)
+    next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
+    # this chunk finishes a segment that began in an earlier chunk: it owns the final sum
+    owner = (first < p0) & (next_first != first) & (key >= 0) & (key < num_embeddings) & (key != padding_idx)
+    lo = tl.where(owner, first // CHUNK, c)
+    write = tl.where(owner, col_ok, False)  # (not `col_ok & owner`: the interpreter rejects that mask)
+    acc = tl.load(head_ptr + c * dim + cols, mask=write, other=0.0)
+    for j0 in range(lo, c, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        part = tl.load(tail_ptr + j[:, None] * dim + cols[None, :], mask=(j < c)[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(part, 0)
+    if SPARSE:
+        dest = tl.load(ranks_ptr + p0).to(tl.int64)
+    else:
+        dest = key.to(tl.int64)
+    tl.store(out_ptr + dest * dim + cols, acc.to(out_ptr.dtype.element_ty), mask=write)
+    if SPARSE:
+        if pid_d == 0:
+            tl.store(rows_ptr + dest, key.to(tl.int64), mask=owner)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def forward_config(dim: int, bag_len: int) -> dict:
+    """Block sizes from the row width and the (typical) bag length; about 2K elements per program."""
+    block_d = min(_pow2(dim), 128)
+    block_l = min(_pow2(bag_len), 8)
+    block_b = max(1, min(64, 2048 // block_d))
+    return dict(BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4)
+
+
+_OK_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _ok_flag(device: torch.device) -> torch.Tensor:
+    """A one-element int32 "indices are fine" flag: kernels only ever clear it, on bad input.
+
+    On CUDA one flag per device is reused (a failed check is a device-side assert, which ends
+    the CUDA context anyway), saving a fill kernel per call; inside a CUDA-graph capture with no
+    flag yet, a fresh one is made so that the graph itself initialises it.
+    """
+    if device.type != "cuda":
+        return torch.ones(1, dtype=torch.int32, device=device)
+    flag = _OK_FLAGS.get(device)
+    if flag is None:
+        flag = torch.ones(1, dtype=torch.int32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(device)  # once: the fill must land before any stream reads it
+            _OK_FLAGS[device] = flag
+    return flag
+
+
+def _raise_if_bad(ok: torch.Tensor) -> None:
+    if ok.device.type == "cuda":
+        torch._assert_async(ok, INDEX_ERROR)
+    elif not ok.item():  # CPU (the interpreter): no sync to avoid
+        raise IndexError(INDEX_ERROR)
+
+
+def forward(weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool, config: dict | None = None):
+    bags = bag_layout(indices, offsets, include_last_offset)
+    num_embeddings, dim = weight.shape
+    num_indices = bags.flat.numel()
+    out = buffers.empty((bags.num_bags, dim), dtype=weight.dtype, device=weight.device)
+    scale = buffers.empty((bags.num_bags,), dtype=torch.float32, device=weight.device)
+    fixed = bags.offsets is None
+    bag_of = buffers.empty((0 if fixed else num_indices,), dtype=torch.int32, device=weight.device)
+    if bags.num_bags == 0:
+        return out, scale, bag_of
+    typical_len = bags.bag_len if fixed else -(-num_indices // bags.num_bags)
+    cfg = dict(config or forward_config(dim, typical_len))
+    ok = _ok_flag(weight.device) if check_indices else scale  # never written when not checking
+    grid = (triton.cdiv(bags.num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))
+    _forward_kernel[grid](
+        weight, bags.flat, bags.offsets if not fixed else bags.flat, out, scale, bag_of, ok,
+        bags.num_bags, num_indices, 0 if fixed else bags.offsets.numel(), num_embeddings, dim, bags.bag_len,
+        weight.stride(0), padding_idx,
+        FIXED=fixed, CHECK=check_indices, BLOCK_T=256, **cfg,
+    )  # fmt: skip
+    if check_indices:
+        _raise_if_bad(ok)
+    return out, scale, bag_of
+
+
+def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):
+    """Run both gradient passes; returns the dense gradient, or (rows, values) when sparse."""
+    bags = bag_layout(indices, offsets, include_last_offset)
+    num_embeddings, dim = weight.shape
+    num_indices = bags.flat.numel()
+    device = weight.device
+    if num_indices == 0 or bags.num_bags == 0:
+        if sparse:
+            return torch.empty(0, dtype=torch.int64, device=device), weight.new_empty(0, dim)
+        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    segments = sort_segments(bags.flat, num_embeddings)
+    if sparse:
+        ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
+        out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
+        rows = buffers.empty((count,), dtype=torch.int64, device=device)
+    else:
+        ranks = rows = segments.first  # unused placeholders
+        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
+    chunks = num_chunks(num_indices, CHUNK)
+    block_d = min(_pow2(dim), 128)
+    tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
+    head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
+    grid = (chunks, triton.cdiv(dim, block_d))
+    fixed = bags.offsets is None
+    _chunk_kernel[grid](
+        segments.keys, segments.perm, segments.first, bag_of, scale, grad_out, ranks,
+        out, rows, tail, head,
+        num_indices, bags.num_bags, num_embeddings, dim, max(bags.bag_len, 1), grad_out.stride(0), padding_idx,
+        FIXED=fixed, SPARSE=sparse, CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    if chunks > 1:
+        _combine_kernel[grid](
+            segments.keys, segments.first, ranks, tail, head, out, rows,
+            num_indices, num_embeddings, dim, padding_idx,
+            SPARSE=sparse, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return (rows, out) if sparse else out
+
+
+def backward(grad_out, weight, indices, offsets, padding_idx, include_last_offset, check_indices, out, scale, bag_of):
+    grad = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=False)
+    return grad, None, None, None, None, None
+
+
+def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of):
+    rows, values = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True)
+    return sparse_gradient(rows, values, weight.shape[0])

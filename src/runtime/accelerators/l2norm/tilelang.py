@@ -1,0 +1,112 @@
+"""L2Norm in TileLang: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math.
+
+One compiled kernel per (dtype, width) and direction serves every row count. No
+parameters, so backward needs no partial sums: dx = rstd * (dy - xhat * sum(dy * xhat)).
+"""
+
+import torch
+
+import tilelang.language as T
+
+from .. import buffers
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, RowPlan, compiled, kernel_rows, load_rows, plan_for, row_layout, store_rows
+
+
+def forward_kernel(dtype: str, plan: RowPlan):
+    N, NP, BM = plan.width, plan.padded, plan.block_rows
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def l2norm_fwd(X: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype), Rstd: T.Tensor((M,), ACCUM), eps: T.float32):
+        with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
+            io = T.alloc_fragment((BM, NP), dtype)
+            x = T.alloc_fragment((BM, NP), ACCUM)
+            sq = T.alloc_fragment((BM, NP), ACCUM)
+            rstd = T.alloc_fragment((BM,), ACCUM)
+            layout = row_layout(plan)
+            T.annotate_layout({io: layout, x: layout, sq: layout})
+            row0 = bx * BM
+            load_rows(X, io, row0, M, N)
+            for i, j in T.Parallel(BM, NP):
+                x[i, j] = T.cast(io[i, j], ACCUM)
+                sq[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(sq, rstd, dim=1)
+            for i in T.Parallel(BM):
+                rstd[i] = T.rsqrt(rstd[i] + eps)
+                if row0 + i < M:
+                    Rstd[row0 + i] = rstd[i]
+            for i, j in T.Parallel(BM, NP):
+                io[i, j] = T.cast(x[i, j] * rstd[i], dtype)
+            store_rows(io, Y, row0, M, N)
+
+    return l2norm_fwd
+
+
+def backward_kernel(dtype: str, plan: RowPlan):
+    N, NP, BM = plan.width, plan.padded, plan.block_rows
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def l2norm_bwd(
+        DY: T.Tensor((M, N), dtype),
+        X: T.Tensor((M, N), dtype),
+        Rstd: T.Tensor((M,), ACCUM),
+        DX: T.Tensor((M, N), dtype),
+    ):
+        with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
+            x_io = T.alloc_fragment((BM, NP), dtype)
+            dy_io = T.alloc_fragment((BM, NP), dtype)
+            x = T.alloc_fragment((BM, NP), ACCUM)
+            dy = T.alloc_fragment((BM, NP), ACCUM)
+            dyx = T.alloc_fragment((BM, NP), ACCUM)
+            rstd = T.alloc_fragment((BM,), ACCUM)
+            dot = T.alloc_fragment((BM,), ACCUM)
+            layout = row_layout(plan)
+            T.annotate_layout({x_io: layout, dy_io: layout, x: layout, dy: layout, dyx: layout})
+            row0 = bx * BM
+            load_rows(X, x_io, row0, M, N)
+            load_rows(DY, dy_io, row0, M, N)
+            for i in T.Parallel(BM):
+                rstd[i] = T.if_then_else(row0 + i < M, Rstd[row0 + i], 0.0)
+            for i, j in T.Parallel(BM, NP):
+                x[i, j] = T.cast(x_io[i, j], ACCUM)
+                dy[i, j] = T.cast(dy_io[i, j], ACCUM)
+                dyx[i, j] = dy[i, j] * x[i, j]
+            T.reduce_sum(dyx, dot, dim=1)
+            for i in T.Parallel(BM):
+                dot[i] = dot[i] * rstd[i] * rstd[i]  # sum(dy * xhat) * rstd
+            for i, j in T.Parallel(BM, NP):
+                x_io[i, j] = T.cast(rstd[i] * (dy[i, j] - x[i, j] * dot[i]), dtype)
+            store_rows(x_io, DX, row0, M, N)
+
+    return l2norm_bwd
+
+
+def kernel_entries(dtype: torch.dtype, width: int) -> list[Entry]:
+    """The kernels (forward, backward) for this dtype and width."""
+    return [_entry("fwd", forward_kernel, dtype, width), _entry("bwd", backward_kernel, dtype, width)]
+
+
+def _entry(direction: str, builder, dtype: torch.dtype, width: int) -> Entry:
+    return ("l2norm_" + direction, dtype, width), lambda _: builder(TL_DTYPE[dtype], plan_for(dtype, width))
+
+
+def forward(x: torch.Tensor, eps: float):
+    rows = kernel_rows(x)
+    n_rows, width = rows.shape
+    y = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, rstd
+    compiled(_entry("fwd", forward_kernel, x.dtype, width), x.device)(rows, y.view(n_rows, width), rstd, eps)
+    return y, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor):
+    rows, dy_rows = kernel_rows(x), kernel_rows(dy)
+    n_rows, width = rows.shape
+    dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return dx, None
+    compiled(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, rows, rstd, dx.view(n_rows, width))
+    return dx, None

@@ -1,0 +1,92 @@
+"""mhc_pre / mhc_post: manifold-constrained hyper-connections (see reference.py for the math)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import mhc_post_reference, mhc_pre_reference
+
+MAX_KERNEL_STREAMS = 8
+
+
+def _reasons(backend: str, x: torch.Tensor, streams: int) -> list[str]:
+    reasons = dtype_reasons("x", x)
+    if streams > MAX_KERNEL_STREAMS:
+        reasons.append(f"x has {streams} streams; the mhc kernels take at most {MAX_KERNEL_STREAMS}")
+    return reasons
+
+
+SPEC = OpSpec(name="mhc", priority=("triton", "tilelang"), reasons=_reasons)
+
+
+def _fake_pre(x, phi, alpha, bias, eps, sinkhorn_iters):
+    n, tokens = x.shape[-2], x.numel() // (x.shape[-2] * x.shape[-1])
+    lead = x.shape[:-2]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (
+        x.new_empty(*lead, x.shape[-1]),
+        torch.empty(*lead, n, **f32),
+        torch.empty(*lead, n, n, **f32),
+        torch.empty(tokens, phi.shape[1], **f32),
+        torch.empty(tokens, **f32),
+    )
+
+
+# kernel modules: pre_forward(x, phi, alpha, bias, eps, iters) -> (h_in, H_post, H_res, h[tokens, n*n+2n] fp32, r[tokens] fp32)
+#                 pre_backward(dh_in, dH_post, dH_res, x, phi, alpha, bias, eps, iters, *results) -> (dx, dphi, dalpha, dbias, None, None)
+#                 post_forward(x, y, H_post, H_res) -> (x_next,)
+#                 post_backward(dx_next, x, y, H_post, H_res, x_next) -> (dx, dy, dH_post, dH_res)
+PRE = KernelOp(
+    "mhc", "Tensor x, Tensor phi, Tensor alpha, Tensor bias, float eps, int sinkhorn_iters", n_outputs=3, n_saved=2,
+    fake_forward=_fake_pre, entry="pre",
+)
+POST = KernelOp(
+    "mhc", "Tensor x, Tensor y, Tensor h_post, Tensor h_res", n_outputs=1, n_saved=0,
+    fake_forward=lambda x, y, h_post, h_res: torch.empty_like(x), entry="post",
+)
+
+
+def _check_streams(x: torch.Tensor) -> tuple[int, int]:
+    check_tensor("x", x, min_dim=2)
+    n, width = x.shape[-2], x.shape[-1]
+    if n == 0 or width == 0:
+        raise ValueError(f"x: expected [..., n, C] with n >= 1 streams and C >= 1, got shape {tuple(x.shape)}")
+    return n, width
+
+
+def _check_shape(name: str, value, expected: tuple, x: torch.Tensor) -> None:
+    check_tensor(name, value)
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
+    check_same_device(name, value, "x", x)
+
+
+def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *, backend: Backend | None = None):
+    """(h_in [..., C], H_post [..., n] fp32, H_res [..., n, n] fp32) from the streams x [..., n, C]."""
+    n, width = _check_streams(x)
+    m = n * n + 2 * n
+    _check_shape("phi", phi, (n * width, m), x)
+    _check_shape("alpha", alpha, (3,), x)
+    _check_shape("bias", bias, (m,), x)
+    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
+    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)
+    if chosen == "torch" or x.numel() == 0:
+        return mhc_pre_reference(x, phi, alpha, bias, eps, sinkhorn_iters)
+    return PRE(chosen, x, phi, alpha, bias, float(eps), sinkhorn_iters)
+
+
+def mhc_post(x, y, h_post, h_res, *, backend: Backend | None = None):
+    """x_next [..., n, C] with x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y."""
+    n, width = _check_streams(x)
+    lead = tuple(x.shape[:-2])
+    _check_shape("y", y, (*lead, width), x)
+    _check_shape("h_post", h_post, (*lead, n), x)
+    _check_shape("h_res", h_res, (*lead, n, n), x)
+    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)
+    if chosen == "torch" or x.numel() == 0:
+        return mhc_post_reference(x, y, h_post, h_res)
+    return POST(chosen, x, y, h_post, h_res)

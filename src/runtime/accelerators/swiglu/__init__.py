@@ -1,0 +1,51 @@
+"""swiglu(gate, up): silu(gate) * up, elementwise over tensors of any (equal) shape."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import swiglu_reference
+
+# the tilelang kernels index elements with 32-bit integers (blocks of up to 2^16 elements)
+TILELANG_MAX_NUMEL = 2**31 - 2**16
+
+
+def _reasons(backend: str, gate: torch.Tensor, up: torch.Tensor) -> list[str]:
+    reasons = dtype_reasons("gate", gate)
+    if backend == "tilelang" and gate.numel() > TILELANG_MAX_NUMEL:
+        reasons.append(f"gate has {gate.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    return reasons
+
+
+SPEC = OpSpec(name="swiglu", priority=("triton", "tilelang"), reasons=_reasons)
+
+
+def _fake_forward(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+# kernel modules: forward(gate, up) -> y
+#                 backward(dy, gate, up, y) -> (dgate, dup)
+KERNEL = KernelOp("swiglu", "Tensor gate, Tensor up", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
+
+
+def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+    check_tensor("gate", gate)
+    check_tensor("up", up)
+    if up.shape != gate.shape:
+        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}")
+    check_same_device("up", up, "gate", gate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    check_swiglu_inputs(gate, up)
+    key = (gate.dtype, gate.numel() > TILELANG_MAX_NUMEL)
+    chosen = select_backend(SPEC, backend, gate.device, key, gate=gate, up=up)
+    if chosen == "torch" or gate.numel() == 0:
+        return swiglu_reference(gate, up)
+    return KERNEL(chosen, gate, up)

@@ -1,0 +1,122 @@
+"""binary_cross_entropy_with_logits on CUDA: both kernel backends against float64, outputs and every
+gradient (kernel outputs are poisoned with NaN by conftest), determinism of the reductions, huge logits."""
+
+import pytest
+import torch
+
+from runtime.accelerators.bce import binary_cross_entropy_with_logits as bce
+from runtime.accelerators.bce.reference import bce_with_logits_reference
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+BACKENDS = ("triton", "tilelang")
+DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
+
+
+def check(backend, x, y, weight=None, pos_weight=None, reduction="mean", sum_backward=False):
+    """Loss and the gradients of every input that requires one, against float64 autograd of the reference."""
+    out = bce(x, y, weight, pos_weight, reduction, backend=backend)
+    inputs = [t for t in (x, y) if t.requires_grad]
+    grad_out = torch.ones_like(out).expand(out.shape) if sum_backward else torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+
+    x64 = x.detach().double().requires_grad_(x.requires_grad)
+    y64 = y.detach().double().requires_grad_(y.requires_grad)
+    w64 = None if weight is None else weight.double()
+    pw64 = None if pos_weight is None else pos_weight.double()
+    ref = bce_with_logits_reference(x64, y64, w64, pw64, reduction)
+    ref_grads = torch.autograd.grad(ref, [t for t in (x64, y64) if t.requires_grad], grad_out.double())
+
+    tag = f"{backend} {tuple(x.shape)} {x.dtype}/{y.dtype} {reduction}"
+    assert out.shape == ref.shape and out.dtype == torch.promote_types(x.dtype, y.dtype) if weight is None else True
+    assert_close(f"{tag} loss", out, ref, RTOL[out.dtype])
+    for tensor, grad, ref_grad in zip(inputs, grads, ref_grads):
+        assert grad.dtype == tensor.dtype
+        assert_close(f"{tag} grad", grad, ref_grad, gradient_tolerance(tensor.dtype))
+    return out, grads
+
+
+def logits_targets(shape, dtype, targets_dtype=None, targets_grad=True):
+    x = (4 * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
+    y = torch.rand(shape, device="cuda").to(targets_dtype or dtype).requires_grad_(targets_grad)
+    return x, y
+
+
+@pytest.mark.parametrize("n", [1, 1000, 2**20 + 3])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtypes_and_sizes(backend, dtype, n):
+    check(backend, *logits_targets((n,), dtype))
+
+
+# (shape, reduction, weight shape, pos_weight shape); 37 x 1000 is 9 full blocks and a partial one
+FEATURES = [
+    pytest.param((37, 1000), "none", None, None, id="none"),
+    pytest.param((37, 1000), "sum", None, None, id="sum"),
+    pytest.param((37, 1000), "mean", (37, 1000), None, id="weight-full"),
+    pytest.param((37, 1000), "mean", (1000,), (1000,), id="weight-posweight-per-class"),
+    pytest.param((37, 1000), "none", (37, 1), (1,), id="weight-per-row-posweight-scalar"),
+    pytest.param((5, 37, 200), "sum", (5, 1, 200), (37, 1), id="weight-materialised-posweight-middle"),
+]
+
+
+@pytest.mark.parametrize("shape, reduction, weight_shape, pos_weight_shape", FEATURES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_features(backend, shape, reduction, weight_shape, pos_weight_shape):
+    x, y = logits_targets(shape, f32)
+    weight = None if weight_shape is None else 0.5 + torch.rand(weight_shape, device="cuda")
+    pos_weight = None if pos_weight_shape is None else 0.5 + 2 * torch.rand(pos_weight_shape, device="cuda")
+    check(backend, x, y, weight, pos_weight, reduction)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_dtypes_without_target_gradient(backend):
+    x, y = logits_targets((37, 1000), bf16, targets_dtype=f32, targets_grad=False)
+    weight = 0.5 + torch.rand(1000, device="cuda")
+    out, _ = check(backend, x, y, weight)
+    assert out.dtype == f32  # torch's type promotion
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_pos_weight_none(backend):
+    x, y = logits_targets((37, 1000), f16)
+    check(backend, x, y, pos_weight=(0.5 + 2 * torch.rand(1000, device="cuda")).to(f16), reduction="none")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_none_with_broadcast_gradient_and_strided_logits(backend):
+    base = (4 * torch.randn(37, 2000, device="cuda"))
+    x = base[:, ::2].requires_grad_()  # a strided view
+    y = torch.rand(37, 1000, device="cuda", requires_grad=True)
+    check(backend, x, y, reduction="none", sum_backward=True)  # loss.sum().backward(): a stride-0 gradient
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reductions_are_bitwise_deterministic(backend, reduction):
+    x, y = logits_targets((2**22 + 3,), f32)
+    first = bce(x, y, reduction=reduction, backend=backend)
+    first_grads = torch.autograd.grad(first, (x, y))
+    for _ in range(3):
+        again = bce(x, y, reduction=reduction, backend=backend)
+        assert torch.equal(again, first)
+        for g, g0 in zip(torch.autograd.grad(again, (x, y)), first_grads):
+            assert torch.equal(g, g0)
+
+
+@pytest.mark.parametrize("with_pos_weight", [False, True], ids=["plain", "pos_weight"])
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_logits_are_finite_and_accurate(backend, dtype, with_pos_weight):
+    n = 5000
+    sign = torch.where(torch.rand(n, device="cuda") < 0.5, -1.0, 1.0)
+    magnitude = torch.where(torch.rand(n, device="cuda") < 0.8, 1e4 * (0.5 + torch.rand(n, device="cuda")), 30 * torch.rand(n, device="cuda"))
+    x = (sign * magnitude).to(dtype).requires_grad_()
+    y = torch.rand(n, device="cuda").to(dtype)
+    y[:100] = 0.0
+    y[100:200] = 1.0
+    y.requires_grad_()
+    pos_weight = torch.full((1,), 3.0, device="cuda") if with_pos_weight else None
+    for reduction in ("none", "mean"):
+        out, grads = check(backend, x, y, pos_weight=pos_weight, reduction=reduction)
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)

@@ -1,0 +1,103 @@
+"""mHC: the reference against float64 math, the Triton kernels under the interpreter, errors."""
+
+import pytest
+import torch
+
+from runtime.accelerators.mhc import mhc_post, mhc_pre
+from runtime.accelerators.testing import assert_close
+
+
+def make_inputs(n, C, lead, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    m = n * n + 2 * n
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator)).to(dtype).requires_grad_()
+
+    return {
+        "x": randn(*lead, n, C),
+        "phi": randn(n * C, m, scale=(n * C) ** -0.5),
+        "alpha": (torch.tensor([0.8, 1.1, 1.3]) + 0.1 * torch.randn(3, generator=generator)).to(dtype).requires_grad_(),
+        "bias": randn(m, scale=0.3),
+        "y": randn(*lead, C),
+    }
+
+
+def pre_block_post(inputs, backend):
+    """pre, a stand-in block (h_in * y), post: every output and every gradient path is used."""
+    h_in, h_post, h_res = mhc_pre(inputs["x"], inputs["phi"], inputs["alpha"], inputs["bias"], backend=backend)
+    return h_in, h_post, h_res, mhc_post(inputs["x"], h_in * inputs["y"], h_post, h_res, backend=backend)
+
+
+def check_against_float64(inputs, backend, rtol):
+    doubled = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    outs, refs = pre_block_post(inputs, backend), pre_block_post(doubled, "torch")
+    for name, out, ref in zip(("h_in", "H_post", "H_res", "x_next"), outs, refs):
+        assert_close(name, out, ref, rtol)
+    grads_out = [torch.randn_like(r) for r in refs]
+    grads = torch.autograd.grad(outs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outs)])
+    ref_grads = torch.autograd.grad(refs, list(doubled.values()), grads_out)
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        assert grad.dtype == inputs[name].dtype
+        assert_close(f"d{name}", grad, ref, 2 * rtol)
+
+
+def test_reference_matches_the_definition_in_float64():
+    inputs = {k: v.detach().double() for k, v in make_inputs(4, 24, (3,)).items()}
+    x, phi, alpha, bias = inputs["x"], inputs["phi"], inputs["alpha"], inputs["bias"]
+    h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
+    for t in range(3):
+        v = x[t].flatten()
+        h = (v @ phi) / torch.sqrt((v * v).mean() + 1e-6)
+        pre = 1 / (1 + torch.exp(-(alpha[0] * h[:4] + bias[:4])))
+        post = 2 / (1 + torch.exp(-(alpha[1] * h[4:8] + bias[4:8])))
+        matrix = torch.exp(alpha[2] * h[8:] + bias[8:]).view(4, 4)
+        for _ in range(20):
+            matrix = matrix / matrix.sum(1, keepdim=True)
+            matrix = matrix / matrix.sum(0, keepdim=True)
+        torch.testing.assert_close(h_in[t], (pre[:, None] * x[t]).sum(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h_post[t], post, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h_res[t], matrix, rtol=1e-12, atol=1e-12)
+    y = torch.randn(3, 24, dtype=torch.float64)
+    expected = torch.stack([h_res[t] @ x[t] + h_post[t][:, None] * y[t] for t in range(3)])
+    torch.testing.assert_close(mhc_post(x, y, h_post, h_res, backend="torch"), expected)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_h_res_is_doubly_stochastic(n):
+    # gates as mHC initialises them (small alpha): 20 Sinkhorn rounds converge to 1e-3. Near-permutation
+    # logits (alpha ~ 1 with these inputs) converge more slowly: rows then miss by up to ~2e-3.
+    inputs = {k: v.detach() for k, v in make_inputs(n, 64, (50,), seed=n).items()}
+    alpha = torch.full((3,), 0.1)
+    _, _, matrix = mhc_pre(inputs["x"], inputs["phi"], alpha, inputs["bias"], sinkhorn_iters=20, backend="torch")
+    assert (matrix.sum(-1) - 1).abs().max() < 1e-3 and (matrix.sum(-2) - 1).abs().max() < 1e-3
+    assert (matrix >= 0).all()
+
+
+@pytest.mark.parametrize("n, C, lead", [(4, 40, (3,)), (2, 24, (2, 3)), (8, 16, (5,))], ids=["n4-C40", "n2-C24-2d", "n8-C16"])
+def test_triton_matches_float64_reference(n, C, lead):
+    check_against_float64(make_inputs(n, C, lead), "triton", 1e-4)
+
+
+def test_errors_name_the_argument():
+    inputs = make_inputs(4, 8, (2,))
+    x, phi, alpha, bias, y = (inputs[k].detach() for k in ("x", "phi", "alpha", "bias", "y"))
+    with pytest.raises(ValueError, match=r"phi: expected shape \(32, 24\), got \(32, 20\)"):
+        mhc_pre(x, phi[:, :20], alpha, bias)
+    with pytest.raises(ValueError, match=r"alpha: expected shape \(3,\)"):
+        mhc_pre(x, phi, alpha[:2], bias)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(24,\)"):
+        mhc_pre(x, phi, alpha, bias[:5])
+    with pytest.raises(ValueError, match="sinkhorn_iters: expected an integer >= 1, got 0"):
+        mhc_pre(x, phi, alpha, bias, sinkhorn_iters=0)
+    with pytest.raises(ValueError, match="x: expected at least 2 dimension"):
+        mhc_pre(x[0, 0], phi, alpha, bias)
+    h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
+    with pytest.raises(ValueError, match=r"h_post: expected shape \(2, 4\), got \(2, 2\)"):
+        mhc_post(x, y, h_post[:, :2], h_res)
+    with pytest.raises(ValueError, match=r"h_res: expected shape \(2, 4, 4\)"):
+        mhc_post(x, y, h_post, h_res[:, :2, :2])
+    with pytest.raises(ValueError, match=r"y: expected shape \(2, 8\)"):
+        mhc_post(x, y[:, :4], h_post, h_res)
+    with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
+        mhc_post(x.long(), y, h_post, h_res)
