@@ -173,6 +173,18 @@ def test_triton_huge_logits_are_finite_and_exact():
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)  # also the tiny loss at x = 30, y = 1
 
 
+@pytest.mark.parametrize("pos_weight", [None, 3.0], ids=["plain", "pos_weight"])
+def test_triton_tiny_losses_keep_their_relative_accuracy(pos_weight):
+    """Confident, correct predictions: losses log1p(exp(-|x|)) of 3e-4 down to 2e-9, and their gradients."""
+    magnitude = 8 + 12 * torch.rand(200)
+    x = torch.cat([magnitude, -magnitude]).requires_grad_()
+    y = torch.cat([torch.ones(200), torch.zeros(200)]).requires_grad_()
+    pw = None if pos_weight is None else torch.tensor([pos_weight])
+    out = bce(x, y, pos_weight=pw, reduction="none", backend="triton")
+    grad_out = torch.randn(out.shape)
+    compare(out, torch.autograd.grad(out, (x, y), grad_out), x, y, None, pw, "none", grad_out, RTOL[f32], "tiny", textbook=False)
+
+
 def test_triton_sum_is_deterministic():
     x, y, _, _ = make_inputs((4097,))
     first = bce(x, y, reduction="sum", backend="triton")

@@ -184,6 +184,20 @@ def test_bad_input(change, error, match):
         flash_attention(q, k, v, **args)
 
 
+def test_lengths_changed_in_place_are_checked_again():
+    q, k, v = torch.randn(Q), torch.randn(K), torch.randn(K)
+    key_lengths = torch.tensor([6])
+    flash_attention(q, k, v, key_lengths=key_lengths, backend="torch")
+    key_lengths.fill_(9)
+    with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 6\]"):
+        flash_attention(q, k, v, key_lengths=key_lengths, backend="torch")
+    k7 = torch.randn(1, 2, 7, 16)
+    key_lengths.fill_(7)
+    flash_attention(q, k7, k7, key_lengths=key_lengths, backend="torch")
+    with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 6\]"):
+        flash_attention(q, k, v, key_lengths=key_lengths, backend="torch")
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         flash_attention(torch.randn(Q), torch.randn(K), torch.randn(K), backend="cuda")

@@ -101,3 +101,23 @@ def test_errors_name_the_argument():
         mhc_post(x, y[:, :4], h_post, h_res)
     with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
         mhc_post(x.long(), y, h_post, h_res)
+
+
+@pytest.mark.slow
+def test_tilelang_kernels_compile_for_sm90a():
+    from conftest import NVCC, SM90A
+
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH: TileLang kernels cannot be compiled here")
+    tilelang = pytest.importorskip("tilelang")
+    from runtime.accelerators.mhc import tilelang as kernels
+
+    builders = [
+        kernels.pre_forward_kernel("bfloat16", "float32", 4, 200),
+        kernels.pre_backward_kernel("bfloat16", "float32", 4, 200),
+        kernels.dphi_kernel("bfloat16", "float32", 4, 200, 3),
+        kernels.post_forward_kernel("bfloat16", 4, 200),
+        kernels.post_backward_kernel("bfloat16", 4, 200),
+    ]
+    for kernel in tilelang.par_compile(builders, target=SM90A):
+        assert "__global__" in kernel.get_kernel_source()

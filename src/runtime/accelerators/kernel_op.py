@@ -15,7 +15,7 @@ so graphs hold one node per kernel launch. Backward always runs on the forward's
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -39,8 +39,13 @@ class KernelOp:
     ) -> None:
         self.op = op
         self.forward_name, self.backward_name = (f"{entry}_forward", f"{entry}_backward") if entry else ("forward", "backward")
-        name = f"{op}_{entry}" if entry else op
         self.n_outputs = n_outputs
+        # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
+        kinds = [argument.split()[0].startswith("Tensor") for argument in args_schema.split(",")]
+        self.tensor_slots = tuple(i for i, is_tensor in enumerate(kinds) if is_tensor)
+        self.value_slots = tuple(i for i, is_tensor in enumerate(kinds) if not is_tensor)
+        self.n_args = len(kinds)
+        name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
@@ -60,29 +65,40 @@ class KernelOp:
             schema=f"(str backend, {grads}, {args_schema}, {saved}) -> Tensor[]",
         )
         self._backward_op.register_fake(_fake_backward(n_outputs, n_results))
-        self._forward_op.register_autograd(self._compiled_backward, setup_context=self._setup_context)
+        self._forward_op.register_autograd(self._compiled_backward, setup_context=self._save)
 
     def __call__(self, backend: str, *args):
         """Run the op on `backend` ("triton" or "tilelang"), differentiably."""
         if torch.compiler.is_compiling():
             results = self._forward_op(backend, *args)
-        else:
+        elif torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self.tensor_slots):
             results = _EagerFunction.apply(self, backend, *args)
+        else:  # nothing to differentiate: skip autograd's bookkeeping
+            results = getattr(load_kernels(self.op, backend), self.forward_name)(*args)
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
 
-    # torch.compile path -------------------------------------------------------------
-    def _setup_context(self, ctx, inputs, output) -> None:
+    def _save(self, ctx, inputs, output) -> None:
+        """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
         backend, *args = inputs
         ctx.backend = backend
-        ctx.args_layout, tensors = _split_args(args)
-        ctx.save_for_backward(*tensors, *_as_tuple(output))
+        ctx.values = [args[i] for i in self.value_slots]
+        ctx.save_for_backward(*[args[i] for i in self.tensor_slots], *_as_tuple(output))
+
+    def _saved(self, ctx) -> tuple[list, tuple]:
+        """(the forward's arguments, its results) from ctx."""
+        saved = ctx.saved_tensors
+        n_tensors = len(self.tensor_slots)
+        args = [None] * self.n_args
+        for i, tensor in zip(self.tensor_slots, saved[:n_tensors]):
+            args[i] = tensor
+        for i, value in zip(self.value_slots, ctx.values):
+            args[i] = value
+        return args, saved[n_tensors:]
 
     def _compiled_backward(self, ctx, *grads):
-        n_tensors = len(ctx.args_layout[1])
-        tensors, results = ctx.saved_tensors[:n_tensors], ctx.saved_tensors[n_tensors:]
-        args = _join_args(ctx.args_layout, tensors)
+        args, results = self._saved(ctx)
         grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads[: self.n_outputs], results)]
         flat = self._backward_op(ctx.backend, *grad_outputs, *args, *results)
         return (None, *_unflatten_grads(args, flat))
@@ -92,19 +108,17 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel_op: KernelOp, backend: str, *args):
         results = _as_tuple(getattr(load_kernels(kernel_op.op, backend), kernel_op.forward_name)(*args))
-        ctx.kernel_op, ctx.backend = kernel_op, backend
-        ctx.args_layout, tensors = _split_args(args)
-        ctx.save_for_backward(*tensors, *results)
+        ctx.kernel_op = kernel_op
+        kernel_op._save(ctx, (backend, *args), results)
         outputs = results[: kernel_op.n_outputs]
         return outputs[0] if len(outputs) == 1 else outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        n_tensors = len(ctx.args_layout[1])
-        tensors, results = ctx.saved_tensors[:n_tensors], ctx.saved_tensors[n_tensors:]
-        args = _join_args(ctx.args_layout, tensors)
+        kernel_op = ctx.kernel_op
+        args, results = kernel_op._saved(ctx)
         grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads, results)]
-        grads_in = getattr(load_kernels(ctx.kernel_op.op, ctx.backend), ctx.kernel_op.backward_name)(*grad_outputs, *args, *results)
+        grads_in = getattr(load_kernels(kernel_op.op, ctx.backend), kernel_op.backward_name)(*grad_outputs, *args, *results)
         return (None, None, *grads_in)
 
 
@@ -113,21 +127,6 @@ class _EagerFunction(torch.autograd.Function):
 
 def _as_tuple(results) -> tuple:
     return tuple(results) if isinstance(results, (tuple, list)) else (results,)
-
-
-def _split_args(args: Sequence):
-    """Separate tensor arguments (saved for backward) from the rest (kept on ctx)."""
-    positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-    others = tuple(None if i in positions else a for i, a in enumerate(args))
-    return (others, positions), [args[i] for i in positions]
-
-
-def _join_args(layout, tensors) -> list:
-    others, positions = layout
-    args = list(others)
-    for i, t in zip(positions, tensors):
-        args[i] = t
-    return args
 
 
 def _zeros_if_none(grad, like):
@@ -142,7 +141,7 @@ def _run_forward(op: str, function: str, n_results: int):
     def forward(backend, *args):
         results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
         if len(results) != n_results:
-            raise RuntimeError(f"{op}.{backend}.forward returned {len(results)} tensors, expected {n_results}")
+            raise RuntimeError(f"{op}.{backend}.{function} returned {len(results)} tensors, expected {n_results}")
         return _unwrap_single(results)
 
     return forward

@@ -23,8 +23,8 @@ from . import buffers
 from .norms import as_rows
 
 # Tuned on an H100 (bf16; 32768x4096, 8192x128, 131072x64; CUDA-graph timings): 4096-element tiles
-# beat 1024/2048 at narrow widths, 8 warps per 4096-wide row beat 4 and 16, and 16 resident backward
-# warps per SM (2 programs of 8 warps) beat 32 and 64: more programs only add partial rows to reduce.
+# beat 1024/2048 at narrow widths, 8 warps per 4096-wide row matched or beat 4 and 16, and 16 resident
+# backward warps per SM (2 programs of 8 warps) beat 32 and 64 (LayerNorm 4096: 494 vs 515 vs 561 us).
 TILE_ELEMENTS = 4096  # elements per program for narrow rows (several rows per tile)
 ELEMENTS_PER_THREAD = 16  # sets the warps: enough threads that each holds ~16 elements of a tile
 MAX_WARPS = 16

@@ -203,10 +203,16 @@ def store_rows(tile, Dst, row0, n_rows, width):
             Dst[row0 + i, j] = tile[i, j]
 
 
+def blocks_per_sm(threads: int) -> int:
+    """Resident blocks per SM the persistent backward kernels ask for (__launch_bounds__'s minimum):
+    at most 128 registers a thread, so the fp32 row state fits without spilling."""
+    return max(1, 512 // threads)
+
+
 def persistent_blocks(device: DeviceInfo, threads: int) -> int:
-    """Grid of the persistent backward kernels: a fixed number of blocks per SM, each looping
-    over row groups and writing one row of parameter-gradient partial sums."""
-    return device.sm_count * max(1, 1024 // threads)
+    """Grid of the persistent backward kernels: all resident at once, each looping over row
+    groups and writing one row of parameter-gradient partial sums."""
+    return device.sm_count * blocks_per_sm(threads)
 
 
 def column_sum_kernel(out_dtype: str, block_cols: int = 16, block_rows: int = 64, threads: int = 128):

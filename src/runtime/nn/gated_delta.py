@@ -49,7 +49,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None,
     """
     _check_rule_inputs(q, k, v, g, beta)
     b, t, h, dk = q.shape
-    dtype = _compute_dtype(v)
+    dtype, out_dtype = _compute_dtype(v), v.dtype
     scale = dk**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
@@ -60,8 +60,8 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None,
         update = beta[:, i, :, None] * (v[:, i] - predicted)
         state = state + k[:, i, :, :, None] * update[:, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape, dtype=dtype)
-    return o.to(v.dtype), (state.float() if output_final_state else None)
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    return o.to(out_dtype), (state.float() if output_final_state else None)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
@@ -76,7 +76,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale=None, initial_state=None, o
     _check_rule_inputs(q, k, v, g, beta)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    dtype = _compute_dtype(v)
+    dtype, out_dtype = _compute_dtype(v), v.dtype
     scale = dk**-0.5 if scale is None else scale
     c = chunk_size
     n = max(1, math.ceil(t / c))
@@ -107,7 +107,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale=None, initial_state=None, o
         k_to_end = k[:, :, i] * (last[..., None] - gamma[:, :, i]).exp()[..., None]
         state = state * last.exp()[..., None, None] + k_to_end.transpose(-1, -2) @ u
     o = torch.stack(outputs, dim=2).reshape(b, h, n * c, dv)[:, :, :t].transpose(1, 2)
-    return o.to(v.dtype), (state.float() if output_final_state else None)
+    return o.to(out_dtype), (state.float() if output_final_state else None)
 
 
 class GatedDeltaRuleMixer(nn.Module):

@@ -10,7 +10,11 @@ from runtime.accelerators.dropout_add import dropout_add
 
 
 class DropoutAdd(nn.Module):
-    """residual + dropout(x, p); dropout is active in training mode only."""
+    """residual + dropout(x, p); dropout is active in training mode only.
+
+    Under autocast the branch x comes out of a matmul in bf16 while the residual stream stays in the
+    dtype it started in (fp32 embeddings): x is cast to the residual's dtype, as `residual + x` would.
+    """
 
     def __init__(self, p: float = 0.0, *, backend: Backend | None = None) -> None:
         super().__init__()
@@ -20,7 +24,7 @@ class DropoutAdd(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return dropout_add(x, residual, self.p, self.training, backend=self.backend)
+        return dropout_add(x.to(residual.dtype), residual, self.p, self.training, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, backend={self.backend}"

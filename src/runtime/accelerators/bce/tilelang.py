@@ -28,9 +28,16 @@ F32 = "float32"
 # --------------------------------------------------------------------------- kernels
 
 
-def _softplus_neg(x):
-    """log(1 + exp(-x)) for any x."""
-    return T.max(-x, 0.0) + T.log1p(T.exp(-T.abs(x)))
+def _log1p_exp_neg_abs(x):
+    return T.log1p(T.exp(-T.abs(x)))
+
+
+def _loss(x, y, pw):
+    """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, pw None for 1: as the Triton kernel, with the
+    max(-x, 0) of softplus(-x) = max(-x, 0) + log1p(exp(-|x|)) folded into the first term (no cancellation)."""
+    if pw is None:
+        return T.if_then_else(x >= 0.0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
+    return T.if_then_else(x >= 0.0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
 
 
 def _operand_value(mode, tile, buffer, i, inner, count):
@@ -89,10 +96,10 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
                 i = base + r * VEC + v
                 xf = T.cast(x[r, v], F32)
                 yf = T.cast(y[r, v], F32)
-                value = (1.0 - yf) * xf + _softplus_neg(xf)
-                if pw_mode != ABSENT:
-                    pwf = _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
-                    value = (1.0 - yf) * xf + (1.0 + (pwf - 1.0) * yf) * _softplus_neg(xf)
+                if pw_mode == ABSENT:
+                    value = _loss(xf, yf, None)
+                else:
+                    value = _loss(xf, yf, _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN))
                 if w_mode != ABSENT:
                     value = value * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
                 if reduce:
@@ -197,16 +204,19 @@ def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode,
                     scale = T.cast(G[0], F32) / g_divisor
                 if w_mode != ABSENT:
                     scale = scale * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
-                # sigmoid(x) without overflow: e = exp(-|x|) <= 1
+                # lw sigmoid(x) - pw y with q = sigmoid(-|x|) <= 1/2, as in the Triton kernel (no 1 - q cancels)
                 e = T.exp(-T.abs(xf))
-                sig = T.if_then_else(xf >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+                q = e / (1.0 + e)
                 if pw_mode != ABSENT:
                     pwf = _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
-                    dx[r, v] = T.cast(((1.0 + (pwf - 1.0) * yf) * sig - pwf * yf) * scale, x_dtype)
+                    lw = 1.0 + (pwf - 1.0) * yf
+                    dx[r, v] = T.cast(T.if_then_else(xf >= 0.0, (1.0 - yf) - lw * q, lw * q - pwf * yf) * scale, x_dtype)
                     if targets_grad:
-                        dy[r, v] = T.cast(((pwf - 1.0) * _softplus_neg(xf) - xf) * scale, y_dtype)
+                        # (pw - 1) softplus(-x) - x, the max folded in as in _loss
+                        dyf = T.if_then_else(xf >= 0.0, -xf, -pwf * xf) + (pwf - 1.0) * _log1p_exp_neg_abs(xf)
+                        dy[r, v] = T.cast(dyf * scale, y_dtype)
                 else:
-                    dx[r, v] = T.cast((sig - yf) * scale, x_dtype)
+                    dx[r, v] = T.cast(T.if_then_else(xf >= 0.0, (1.0 - yf) - q, q - yf) * scale, x_dtype)
                     if targets_grad:
                         dy[r, v] = T.cast(-xf * scale, y_dtype)
             if base + BLOCK <= N:

@@ -31,14 +31,22 @@ def _operand(ptr, offs, mask, inner, count, MODE: tl.constexpr):
 
 
 @triton.jit
-def _softplus_neg(x):
-    """log(1 + exp(-x)) for any x: max(-x, 0) + log1p(exp(-|x|)), log1p made accurate for tiny arguments."""
+def _log1p_exp_neg_abs(x):
+    """log(1 + exp(-|x|)), accurate also where exp(-|x|) is tiny (the interpreter has no libdevice log1p)."""
     e = tl.exp(-tl.abs(x))
     u = 1.0 + e
     d = u - 1.0
     # log(u) * e / (u - 1) cancels the rounding of 1 + e (d == 0 means e is below half an ulp of 1)
-    log1p_e = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    return tl.maximum(-x, 0.0) + log1p_e
+    return tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _loss(x, y, pw, HAS_PW: tl.constexpr):
+    """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, with softplus(-x) = max(-x, 0) + log1p(exp(-|x|))
+    and the max folded into the first term, so that small losses do not cancel: for x < 0 it is -pw y x."""
+    if HAS_PW:
+        return tl.where(x >= 0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
+    return tl.where(x >= 0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
 
 
 @triton.jit
@@ -52,12 +60,10 @@ def _forward_kernel(
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    softplus_neg = _softplus_neg(x)
     if PW_MODE != 0:
-        pw = _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE)
-        loss = (1.0 - y) * x + (1.0 + (pw - 1.0) * y) * softplus_neg
+        loss = _loss(x, y, _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE), True)
     else:
-        loss = (1.0 - y) * x + softplus_neg
+        loss = _loss(x, y, 1.0, False)
     if W_MODE != 0:
         loss = loss * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
     if REDUCE:
@@ -93,20 +99,20 @@ def _backward_kernel(
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if W_MODE != 0:
         g = g * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
-    # sigmoid(x) without overflow: e = exp(-|x|) <= 1
+    # d/dx [(1 - y) x + lw softplus(-x)] = lw sigmoid(x) - pw y, with lw = 1 + (pw - 1) y. Written with
+    # q = sigmoid(-|x|) <= 1/2 (no overflow) so that no 1 - q cancels: for x >= 0 it is (1 - y) - lw q
     e = tl.exp(-tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    sig = tl.where(x >= 0, r, e * r)
+    q = e / (1.0 + e)
     if PW_MODE != 0:
         pw = _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE)
-        # d/dx [(1 - y) x + (1 + (pw - 1) y) softplus(-x)] = (1 + (pw - 1) y) sigmoid(x) - pw y
-        dx = (1.0 + (pw - 1.0) * y) * sig - pw * y
+        lw = 1.0 + (pw - 1.0) * y
+        dx = tl.where(x >= 0, (1.0 - y) - lw * q, lw * q - pw * y)
     else:
-        dx = sig - y
+        dx = tl.where(x >= 0, (1.0 - y) - q, q - y)
     tl.store(dx_ptr + offs, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
     if TARGETS_GRAD:
-        if PW_MODE != 0:
-            dy = (pw - 1.0) * _softplus_neg(x) - x
+        if PW_MODE != 0:  # d/dy = (pw - 1) softplus(-x) - x, the max folded in as in _loss
+            dy = tl.where(x >= 0, -x, -pw * x) + (pw - 1.0) * _log1p_exp_neg_abs(x)
         else:
             dy = -x
         tl.store(dy_ptr + offs, (dy * g).to(dy_ptr.dtype.element_ty), mask=mask)

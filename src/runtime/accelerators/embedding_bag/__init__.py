@@ -145,7 +145,7 @@ def embedding_bag_mean(
     padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
     key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous())
     chosen = select_backend(SPEC, backend, weight.device, key, weight=weight, indices=indices, offsets=offsets)
-    if chosen == "torch" or weight.shape[1] == 0:
+    if chosen == "torch" or weight.numel() == 0:
         return embedding_bag_mean_reference(weight, indices, offsets, padding, include_last_offset, sparse, check_indices)
     if indices.dim() == 2:
         include_last_offset = False  # as torch: fixed bags ignore it

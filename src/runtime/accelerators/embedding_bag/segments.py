@@ -71,7 +71,8 @@ def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> t
 
 
 def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, num_embeddings: int) -> torch.Tensor:
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_embeddings, values.shape[1]), is_coalesced=True)
+    shape = (num_embeddings, values.shape[1])
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 
 def num_chunks(num_indices: int, chunk: int) -> int:

@@ -75,7 +75,7 @@ def _forward_kernel(
                 for jj in tl.static_range(BLOCK_L):
                     tl.store(bag_of_ptr + start + j0 + jj, bags, mask=(j0 + jj) < length)
 
-    scale = tl.where(count > 0, 1.0 / count.to(tl.float32), 0.0)
+    scale = tl.where(count > 0, 1.0 / tl.maximum(count, 1).to(tl.float32), 0.0)
     out = acc * scale[:, None]
     out_offs = bags[:, None].to(tl.int64) * dim + cols[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=in_batch[:, None] & col_ok[None, :])
@@ -168,7 +168,7 @@ def _combine_kernel(
     next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
     # this chunk finishes a segment that began in an earlier chunk: it owns the final sum
     owner = (first < p0) & (next_first != first) & (key >= 0) & (key < num_embeddings) & (key != padding_idx)
-    lo = tl.where(owner, first // CHUNK, c)
+    lo = tl.where(owner, first // CHUNK + 1, c)
     write = tl.where(owner, col_ok, False)  # (not `col_ok & owner`: the interpreter rejects that mask)
     acc = tl.load(head_ptr + c * dim + cols, mask=write, other=0.0)
     for j0 in range(lo, c, BLOCK_J):

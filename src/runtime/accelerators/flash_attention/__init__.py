@@ -7,6 +7,7 @@ A query row that sees no key gives zeros where SDPA gives NaN.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -141,15 +142,25 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
 
 
+_checked_lengths: tuple = (None, -1, -1)  # (weakref to the last key_lengths checked, its version, Lk)
+
+
 def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
-    # Reading the values synchronises with the device: skipped while capturing a CUDA graph or compiling.
+    """Values in [0, Lk]. Reading them synchronises with the device, so the check is skipped while
+    capturing a CUDA graph or compiling, and done once for a tensor passed again unchanged (the same
+    lengths given to every attention layer of a model cost one synchronisation, not one per layer)."""
+    global _checked_lengths
     if key_lengths.numel() == 0 or torch.compiler.is_compiling():
         return
     if key_lengths.is_cuda and torch.cuda.is_current_stream_capturing():
         return
+    ref, version, checked_lk = _checked_lengths
+    if ref is not None and ref() is key_lengths and version == key_lengths._version and checked_lk == lk:
+        return
     low, high = torch.stack(torch.aminmax(key_lengths)).tolist()  # one synchronisation
     if low < 0 or high > lk:
         raise ValueError(f"key_lengths: expected values in [0, {lk}] (Lk of k), got values in [{low}, {high}]")
+    _checked_lengths = (weakref.ref(key_lengths), key_lengths._version, lk)
 
 
 def _autocast(q, k, v):

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms_triton import rows_of, n_tiles, row_tiles
+from ..norms_triton import n_tiles, row_tiles, rows_of
 
 
 @triton.jit(do_not_specialize=["n_rows"])

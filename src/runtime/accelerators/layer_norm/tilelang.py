@@ -13,6 +13,7 @@ import tilelang.language as T
 from .. import buffers
 from ..tilelang_common import (
     ACCUM,
+    blocks_per_sm,
     TL_DTYPE,
     Entry,
     RowPlan,
@@ -82,7 +83,14 @@ def forward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: R
     return layer_norm_fwd
 
 
-def backward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: RowPlan, n_blocks: int):
+def backward_kernel(
+    dtype: str,
+    w_dtype: str | None,
+    b_dtype: str | None,
+    plan: RowPlan,
+    n_blocks: int,
+    min_blocks_per_sm: int | None = None,
+):
     N, NP, BM, G = plan.width, plan.padded, plan.block_rows, n_blocks
     has_w, has_b = w_dtype is not None, b_dtype is not None
     n_params = int(has_w) + int(has_b)
@@ -99,6 +107,8 @@ def backward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: 
         Partial: T.Tensor((G, n_params, N) if n_params else (1,), ACCUM),  # [block, (dweight, dbias), column]
     ):
         with T.Kernel(G, threads=plan.threads) as bx:
+            if min_blocks_per_sm is not None:
+                T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             x_io = T.alloc_fragment((BM, NP), dtype)
             dy_io = T.alloc_fragment((BM, NP), dtype)
             xhat = T.alloc_fragment((BM, NP), ACCUM)
@@ -175,7 +185,8 @@ def _backward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
     def build(info):
         plan = plan_for(dtype, width)
         names = TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype)
-        return backward_kernel(*names, plan, persistent_blocks(info, plan.threads))
+        n_blocks = persistent_blocks(info, plan.threads)
+        return backward_kernel(*names, plan, n_blocks, blocks_per_sm(plan.threads))
 
     return ("layer_norm_bwd", dtype, width, w_dtype, b_dtype), build
 

@@ -14,6 +14,7 @@ import tilelang.language as T
 from .. import buffers
 from ..tilelang_common import (
     ACCUM,
+    blocks_per_sm,
     TL_DTYPE,
     Entry,
     RowPlan,
@@ -71,7 +72,9 @@ def forward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan):
     return rms_norm_fwd
 
 
-def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: int):
+def backward_kernel(
+    dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: int, min_blocks_per_sm: int | None = None
+):
     N, NP, BM, G = plan.width, plan.padded, plan.block_rows, n_blocks
     has_w = w_dtype is not None
     M = T.dynamic("M")
@@ -86,6 +89,8 @@ def backward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan, n_blocks: in
         Partial: T.Tensor((G, N) if has_w else (1,), ACCUM),
     ):
         with T.Kernel(G, threads=plan.threads) as bx:
+            if min_blocks_per_sm is not None:
+                T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             x_io = T.alloc_fragment((BM, NP), dtype)
             dy_io = T.alloc_fragment((BM, NP), dtype)
             x = T.alloc_fragment((BM, NP), ACCUM)
@@ -145,7 +150,8 @@ def _forward_entry(dtype, width, w_dtype) -> Entry:
 def _backward_entry(dtype, width, w_dtype) -> Entry:
     def build(info):
         plan = plan_for(dtype, width)
-        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan, persistent_blocks(info, plan.threads))
+        n_blocks = persistent_blocks(info, plan.threads)
+        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan, n_blocks, blocks_per_sm(plan.threads))
 
     return ("rms_norm_bwd", dtype, width, w_dtype), build
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms_triton import rows_of, backward_programs, n_tiles, partials, row_tiles, sum_partials
+from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, rows_of, sum_partials
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -1,0 +1,76 @@
+"""dropout_add(x, residual, p=0.0, training=True): residual + dropout(x, p).
+
+The kernel backends draw the keep mask from a counter-based generator of (seed, element index)
+and store no mask: backward draws it again. The seed comes from torch's default generator, so
+torch.manual_seed repeats a run. Not training, or p == 0, is x + residual (still differentiable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import dropout_add_reference
+
+# the tilelang kernels index elements with 32-bit integers (blocks of up to 2^16 elements);
+# the triton kernels' Philox counters are distinct up to 2^64 / 4 elements, so no limit there
+TILELANG_MAX_NUMEL = 2**31 - 2**16
+
+
+def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor) -> list[str]:
+    reasons = dtype_reasons("x", x)
+    if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
+        reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    return reasons
+
+
+SPEC = OpSpec(name="dropout_add", priority=("triton", "tilelang"), reasons=_reasons)
+
+
+def _fake_forward(x, residual, p, seed):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# kernel modules: forward(x, residual, p, seed) -> out
+#                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
+KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, int seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
+
+
+def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> float:
+    """Validate the arguments; returns p as a float."""
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+    check_same_device("residual", residual, "x", x)
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p: expected a dropout probability (a float in [0, 1)), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:  # also rejects NaN
+        raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
+    return float(p)
+
+
+def draw_seed() -> int:
+    """A 31-bit seed from torch's default (CPU) generator: no device sync, repeatable under torch.manual_seed."""
+    return int(torch.randint(2**31, (), dtype=torch.int64).item())
+
+
+def dropout_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    p: float = 0.0,
+    training: bool = True,
+    *,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    p = check_dropout_add_inputs(x, residual, p)
+    chosen = select_backend(SPEC, backend, x.device, (x.dtype, x.numel() > TILELANG_MAX_NUMEL), x=x, residual=residual)
+    if not training or p == 0.0 or x.numel() == 0:
+        return x + residual
+    if chosen == "torch":
+        return dropout_add_reference(x, residual, p, training)
+    return KERNEL(chosen, x, residual, p, draw_seed())

@@ -1,0 +1,141 @@
+"""dropout_add in TileLang: out = residual + x * keep / (1 - p), the mask regenerated in backward.
+
+Element i draws the 32-bit number mix(mix(i ^ key0) ^ key1), where mix is a bijective
+xorshift-multiply hash and the keys come from the seed (`reference.tilelang_keys`); it is kept
+when the top 24 bits reach `keep_threshold(p)`. The backward computes the same hash again, so no
+mask is stored. `reference.tilelang_keep_mask` rebuilds the mask in torch.
+
+Layout as in swiglu's TileLang kernels: flat arrays of dynamic length N, register tiles of
+16-byte vectors, unguarded full blocks and a guarded last block.
+"""
+
+import torch
+
+import tilelang.language as T
+
+from .. import buffers
+from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
+from .reference import HASH_M1, HASH_M2, keep_threshold, tilelang_keys
+
+U32 = "uint32"
+
+
+@T.macro
+def _mix(h):
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        h[r, v] = (h[r, v] ^ (h[r, v] >> 16)) * T.uint32(HASH_M1)
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        h[r, v] = (h[r, v] ^ (h[r, v] >> 15)) * T.uint32(HASH_M2)
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        h[r, v] = h[r, v] ^ (h[r, v] >> 16)
+
+
+@T.macro
+def keep_scales(h, m, start, key0, key1, threshold, scale):
+    """m[r, v] = scale if element start + r * vec + v is kept, else 0 (h: uint32 scratch tile)."""
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        h[r, v] = T.cast(start + r * h.shape[1] + v, U32) ^ T.cast(key0, U32)
+    _mix(h)
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        h[r, v] = h[r, v] ^ T.cast(key1, U32)
+    _mix(h)
+    for r, v in T.Parallel(h.shape[0], h.shape[1]):
+        m[r, v] = T.cast((h[r, v] >> 8) >= T.cast(threshold, U32), ACCUM) * scale
+
+
+def forward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
+    N = T.dynamic("N")
+    rows, vec = tile_shape(dtype, block)
+
+    @T.macro
+    def dropout_add_tile(X, R, Y, x, r_, h, m, start, key0, key1, threshold, scale, guarded):
+        load_flat(X, x, start, N, guarded)
+        load_flat(R, r_, start, N, guarded)
+        keep_scales(h, m, start, key0, key1, threshold, scale)
+        for r, v in T.Parallel(rows, vec):
+            x[r, v] = r_[r, v] + x[r, v] * m[r, v]
+        store_flat(x, Y, start, N, guarded)
+
+    @T.prim_func
+    def dropout_add_fwd(
+        X: T.Tensor((N,), dtype),
+        R: T.Tensor((N,), dtype),
+        Y: T.Tensor((N,), dtype),
+        key0: T.int32,
+        key1: T.int32,
+        threshold: T.int32,
+        scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(N, block), threads=threads) as bx:
+            x = T.alloc_fragment((rows, vec), ACCUM)
+            r_ = T.alloc_fragment((rows, vec), ACCUM)
+            m = T.alloc_fragment((rows, vec), ACCUM)
+            h = T.alloc_fragment((rows, vec), U32)
+            layout = flat_layout(rows, vec, threads)
+            T.annotate_layout({x: layout, r_: layout, m: layout, h: layout})
+            if bx * block + block <= N:
+                dropout_add_tile(X, R, Y, x, r_, h, m, bx * block, key0, key1, threshold, scale, False)
+            else:
+                dropout_add_tile(X, R, Y, x, r_, h, m, bx * block, key0, key1, threshold, scale, True)
+
+    return dropout_add_fwd
+
+
+def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
+    N = T.dynamic("N")
+    rows, vec = tile_shape(dtype, block)
+
+    @T.macro
+    def dropout_tile(DY, DX, dy, h, m, start, key0, key1, threshold, scale, guarded):
+        load_flat(DY, dy, start, N, guarded)
+        keep_scales(h, m, start, key0, key1, threshold, scale)
+        for r, v in T.Parallel(rows, vec):
+            dy[r, v] = dy[r, v] * m[r, v]
+        store_flat(dy, DX, start, N, guarded)
+
+    @T.prim_func
+    def dropout_add_bwd(
+        DY: T.Tensor((N,), dtype),
+        DX: T.Tensor((N,), dtype),
+        key0: T.int32,
+        key1: T.int32,
+        threshold: T.int32,
+        scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(N, block), threads=threads) as bx:
+            dy = T.alloc_fragment((rows, vec), ACCUM)
+            m = T.alloc_fragment((rows, vec), ACCUM)
+            h = T.alloc_fragment((rows, vec), U32)
+            layout = flat_layout(rows, vec, threads)
+            T.annotate_layout({dy: layout, m: layout, h: layout})
+            if bx * block + block <= N:
+                dropout_tile(DY, DX, dy, h, m, bx * block, key0, key1, threshold, scale, False)
+            else:
+                dropout_tile(DY, DX, dy, h, m, bx * block, key0, key1, threshold, scale, True)
+
+    return dropout_add_bwd
+
+
+def forward_entry(dtype: torch.dtype, block: int = BLOCK, threads: int = THREADS) -> Entry:
+    name = TL_DTYPE[dtype]
+    return ("dropout_add_fwd", name, block, threads), lambda info: forward_kernel(name, block, threads)
+
+
+def backward_entry(dtype: torch.dtype, block: int = BLOCK, threads: int = THREADS) -> Entry:
+    name = TL_DTYPE[dtype]
+    return ("dropout_add_bwd", name, block, threads), lambda info: backward_kernel(name, block, threads)
+
+
+def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, block: int = BLOCK, threads: int = THREADS) -> torch.Tensor:
+    kernel = compiled(forward_entry(x.dtype, block, threads), x.device)
+    out = buffers.empty_like(x)
+    kernel(flat(x), flat(residual), out.view(-1), *tilelang_keys(seed), keep_threshold(p), 1.0 / (1.0 - p))
+    return out
+
+
+def backward(dout, x, residual, p: float, seed: int, out, block: int = BLOCK, threads: int = THREADS):
+    kernel = compiled(backward_entry(x.dtype, block, threads), x.device)
+    dx = buffers.empty_like(x)
+    kernel(flat(dout), dx.view(-1), *tilelang_keys(seed), keep_threshold(p), 1.0 / (1.0 - p))
+    return dx, dout, None, None  # d residual = dout

@@ -1,0 +1,481 @@
+"""FlashAttention in TileLang: forward (online softmax, saves the log-sum-exp), backward
+preprocess (delta = rowsum(o * do), and zeroing of the fp32 dq accumulator) and one backward
+kernel that computes dk/dv per key block and adds dq into the accumulator with TMA reductions.
+
+Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D] are read in place whatever their strides (views such
+as x.view(B, L, H, D).transpose(1, 2)): the kernels take strided tensors and TMA reads them (a
+copy is made only when a stride is not a multiple of 16 bytes or the last one is not 1). o and
+lse are contiguous; dq/dk/dv keep the dimension order of q/k/v (like torch.empty_like).
+
+One compiled kernel serves every batch size, head count, GQA group and sequence length: they are
+dynamic; the code is specialised on (head dim, dtype, causal, key_lengths given, dropout).
+
+Masks: causal is top-left (query i sees keys j <= i) and key_lengths[b] hides keys j >= length;
+both bound the key blocks a program visits and, only on the blocks that straddle a boundary,
+mask elements. A row that sees no key (length 0) gets o = 0 and lse = -inf; the backward never
+visits it (its key blocks are empty), so its gradients are exactly zero.
+
+Dropout: keep(b, h, i, j) is a counter-based hash of (seed, b * H + h, i, j) that the backward
+recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+from .. import buffers
+from ..tilelang_common import TL_DTYPE, Entry, compiled, placeholder, precompile
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ACCUM = "float32"
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
+FAST_MATH = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int  # queries per program
+    block_n: int  # keys per step
+    stages: int  # K/V tiles in flight
+    threads: int  # compute threads; warp specialisation adds a producer warpgroup for TMA
+    min_blocks: int = 1  # > 1: cap registers so that this many programs share an SM
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_n: int  # keys per program (dk/dv rows)
+    block_m: int  # queries per step
+    stages: int
+    threads: int
+    min_blocks: int = 1
+
+
+# Chosen from measurements on an H100 (bf16): small heads are bound by the exponentials and by
+# latency, so they favour several small programs per SM; D=128 favours big tiles.
+FWD_CONFIGS = {
+    16: FwdConfig(64, 128, 2, 128, 2),
+    32: FwdConfig(64, 128, 2, 128, 2),
+    48: FwdConfig(64, 128, 2, 128, 2),
+    64: FwdConfig(128, 128, 2, 256, 1),
+    128: FwdConfig(128, 128, 2, 256, 1),
+}
+BWD_CONFIGS = {
+    16: BwdConfig(128, 64, 2, 256, 2),
+    32: BwdConfig(128, 64, 2, 256, 2),
+    48: BwdConfig(128, 64, 2, 256, 1),
+    64: BwdConfig(128, 64, 2, 256, 1),
+    128: BwdConfig(128, 64, 2, 256, 1),
+}
+PREP_ROWS = 64
+HEAD_DIMS = tuple(FWD_CONFIGS)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def _mix(x):
+    """A 32-bit integer finaliser (lowbias32): every input bit affects every output bit."""
+    x = x ^ (x >> T.uint32(16))
+    x = x * T.uint32(0x7FEB352D)
+    x = x ^ (x >> T.uint32(15))
+    x = x * T.uint32(0x846CA68B)
+    return x ^ (x >> T.uint32(16))
+
+
+def _keep(seed, bh, i, j, threshold):
+    """True when element (bh, query i, key j) survives dropout: 24 random bits >= p * 2^24."""
+    h = _mix(T.Cast("uint32", seed) ^ (T.Cast("uint32", bh) * T.uint32(0x9E3779B9)))
+    h = _mix(h ^ T.Cast("uint32", i))
+    h = _mix(h ^ (T.Cast("uint32", j) * T.uint32(0x85EBCA6B)))
+    return (h >> T.uint32(8)) >= T.Cast("uint32", threshold)
+
+
+def _dropout_args(dropout_p: float) -> tuple[int, float]:
+    """(threshold on 24 random bits, 1 / (1 - p)) as the kernels take them."""
+    return int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig):
+    bM, bN = cfg.block_m, cfg.block_n
+    B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
+    sq = T.dynamic("sq_b, sq_h, sq_l")
+    sk = T.dynamic("sk_b, sk_h, sk_l")
+    sv = T.dynamic("sv_b, sv_h, sv_l")
+
+    @T.prim_func
+    def flash_fwd(
+        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
+        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
+        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
+        Lengths: T.Tensor((NL,), "int32"),
+        O: T.Tensor((B, H, Lq, dim), dtype),
+        LSE: T.Tensor((B, H, Lq), ACCUM),
+        scale: T.float32,
+        groups: T.int32,
+        seed: T.int32,
+        threshold: T.int32,
+        inv_keep: T.float32,
+    ):
+        T.annotate_pass_configs(FAST_MATH)
+        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads) as (bx, by, bz):
+            if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
+            Q_s = T.alloc_shared((bM, dim), dtype)
+            K_s = T.alloc_shared((bN, dim), dtype)
+            V_s = T.alloc_shared((bN, dim), dtype)
+            O_s = T.alloc_shared((bM, dim), dtype)
+            s = T.alloc_fragment((bM, bN), ACCUM)
+            p = T.alloc_fragment((bM, bN), dtype)
+            acc = T.alloc_fragment((bM, dim), ACCUM)
+            m = T.alloc_fragment((bM,), ACCUM)
+            m_prev = T.alloc_fragment((bM,), ACCUM)
+            rescale = T.alloc_fragment((bM,), ACCUM)
+            row_sum = T.alloc_fragment((bM,), ACCUM)
+            l = T.alloc_fragment((bM,), ACCUM)
+
+            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            # causal: the last query of this block sees keys < (bx + 1) * bM
+            n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
+            sl2 = scale * LOG2E  # exponentials in base 2
+            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
+            T.fill(acc, 0)
+            T.fill(l, 0)
+            T.fill(m, -T.infinity(ACCUM))
+            for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
+                T.copy(K[bz, by // groups, k * bN : (k + 1) * bN, :], K_s)
+                T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                # mask only the blocks that straddle the key length or the causal diagonal;
+                # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
+                if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
+                    for i, j in T.Parallel(bM, bN):
+                        if causal:
+                            s[i, j] = T.if_then_else(
+                                (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
+                            )
+                        else:
+                            s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
+                T.copy(m, m_prev)
+                T.reduce_max(s, m, dim=1, clear=False)
+                for i in T.Parallel(bM):
+                    rescale[i] = T.exp2((m_prev[i] - m[i]) * sl2)
+                for i, j in T.Parallel(bM, bN):
+                    s[i, j] = T.exp2(s[i, j] * sl2 - m[i] * sl2)
+                T.reduce_sum(s, row_sum, dim=1)
+                for i in T.Parallel(bM):
+                    l[i] = l[i] * rescale[i] + row_sum[i]
+                if dropout:
+                    for i, j in T.Parallel(bM, bN):
+                        p[i, j] = T.if_then_else(
+                            _keep(seed, bz * H + by, bx * bM + i, k * bN + j, threshold), s[i, j] * inv_keep, 0
+                        )
+                else:
+                    T.copy(s, p)
+                for i, j in T.Parallel(bM, dim):
+                    acc[i, j] *= rescale[i]
+                T.copy(V[bz, by // groups, k * bN : (k + 1) * bN, :], V_s)
+                T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bM, dim):
+                acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
+            T.copy(acc, O_s)
+            T.copy(O_s, O[bz, by, bx * bM : (bx + 1) * bM, :])
+            for i in T.Parallel(bM):
+                l[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m[i] * sl2) * LN2, -T.infinity(ACCUM))
+            T.copy(l, LSE[bz, by, bx * bM : (bx + 1) * bM])
+
+    return flash_fwd
+
+
+def preprocess_kernel(dim: int, dtype: str):
+    """delta = rowsum(o * do) in fp32, and dq_acc = 0 (the backward adds into it)."""
+    blk = PREP_ROWS
+    B, H, Lq = T.dynamic("batch, heads, q_len")
+    sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+    sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
+
+    @T.prim_func
+    def flash_bwd_prep(
+        O: T.Tensor((B, H, Lq, dim), dtype),
+        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
+        Delta: T.Tensor((B, H, Lq), ACCUM),
+        dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
+    ):
+        with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=128) as (bx, by, bz):
+            o_s = T.alloc_shared((blk, dim), dtype)
+            do_s = T.alloc_shared((blk, dim), dtype)
+            prod = T.alloc_fragment((blk, dim), ACCUM)
+            delta = T.alloc_fragment((blk,), ACCUM)
+            T.copy(O[bz, by, bx * blk : (bx + 1) * blk, :], o_s)
+            T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, :], do_s)
+            for i, j in T.Parallel(blk, dim):
+                prod[i, j] = T.cast(o_s[i, j], ACCUM) * T.cast(do_s[i, j], ACCUM)
+            T.reduce_sum(prod, delta, dim=1)
+            T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
+            T.clear(prod)
+            T.copy(prod, dQacc[bz, by, bx * blk : (bx + 1) * blk, :])
+
+    return flash_bwd_prep
+
+
+def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig):
+    """Per key block of one kv head: loop over its query heads and query blocks, accumulating
+    dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
+    bN, bM = cfg.block_n, cfg.block_m
+    B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
+    sq = T.dynamic("sq_b, sq_h, sq_l")
+    sk = T.dynamic("sk_b, sk_h, sk_l")
+    sv = T.dynamic("sv_b, sv_h, sv_l")
+    sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+    sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
+    sdk = T.dynamic("sdk_b, sdk_h, sdk_l")
+    sdv = T.dynamic("sdv_b, sdv_h, sdv_l")
+
+    @T.prim_func
+    def flash_bwd(
+        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
+        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
+        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
+        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
+        LSE: T.Tensor((B, H, Lq), ACCUM),
+        Delta: T.Tensor((B, H, Lq), ACCUM),
+        Lengths: T.Tensor((NL,), "int32"),
+        dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
+        dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
+        dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
+        scale: T.float32,
+        groups: T.int32,
+        seed: T.int32,
+        threshold: T.int32,
+        inv_keep: T.float32,
+    ):
+        T.annotate_pass_configs(FAST_MATH)
+        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads) as (bx, by, bz):
+            if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
+            K_s = T.alloc_shared((bN, dim), dtype)
+            V_s = T.alloc_shared((bN, dim), dtype)
+            Q_s = T.alloc_shared((bM, dim), dtype)
+            dO_s = T.alloc_shared((bM, dim), dtype)
+            lse_s = T.alloc_shared((bM,), ACCUM)
+            delta_s = T.alloc_shared((bM,), ACCUM)
+            ds_s = T.alloc_shared((bN, bM), dtype)
+            dq_s = T.alloc_shared((bM, dim), ACCUM)
+            dk_s = T.alloc_shared((bN, dim), dtype)
+            dv_s = T.alloc_shared((bN, dim), dtype)
+            s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
+            dp = T.alloc_fragment((bN, bM), ACCUM)
+            p_cast = T.alloc_fragment((bN, bM), dtype)
+            ds_cast = T.alloc_fragment((bN, bM), dtype)
+            dk = T.alloc_fragment((bN, dim), ACCUM)
+            dv = T.alloc_fragment((bN, dim), ACCUM)
+            dq = T.alloc_fragment((bM, dim), ACCUM)
+
+            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            # causal: queries before this key block see none of it
+            m_first = (bx * bN) // bM if causal else 0
+            n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
+            sl2 = scale * LOG2E
+            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s)
+            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s)
+            T.clear(dk)
+            T.clear(dv)
+            for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
+                # the step's query head and query block
+                T.copy(Q[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :], Q_s)
+                T.copy(LSE[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM], lse_s)
+                T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for n, i in T.Parallel(bN, bM):
+                    s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i] * LOG2E)
+                if (
+                    (bx + 1) * bN > kv_len
+                    or (m_first + it % n_q + 1) * bM > Lq
+                    or (causal and (bx + 1) * bN > (m_first + it % n_q) * bM + 1)
+                ):
+                    for n, i in T.Parallel(bN, bM):
+                        if causal:
+                            s[n, i] = T.if_then_else(
+                                (bx * bN + n < kv_len)
+                                & ((m_first + it % n_q) * bM + i < Lq)
+                                & (bx * bN + n <= (m_first + it % n_q) * bM + i),
+                                s[n, i],
+                                0,
+                            )
+                        else:
+                            s[n, i] = T.if_then_else(
+                                (bx * bN + n < kv_len) & ((m_first + it % n_q) * bM + i < Lq), s[n, i], 0
+                            )
+                T.copy(dO[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :], dO_s)
+                T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if dropout:
+                    for n, i in T.Parallel(bN, bM):
+                        p_cast[n, i] = T.if_then_else(
+                            _keep(seed, bz * H + by * groups + it // n_q, (m_first + it % n_q) * bM + i, bx * bN + n, threshold),
+                            s[n, i] * inv_keep,
+                            0,
+                        )
+                        dp[n, i] = T.if_then_else(
+                            _keep(seed, bz * H + by * groups + it // n_q, (m_first + it % n_q) * bM + i, bx * bN + n, threshold),
+                            dp[n, i] * inv_keep,
+                            0,
+                        )
+                else:
+                    T.copy(s, p_cast)
+                T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(Delta[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM], delta_s)
+                for n, i in T.Parallel(bN, bM):
+                    ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
+                T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(ds_cast, ds_s)
+                T.gemm(ds_s, K_s, dq, transpose_A=True, clear_accum=True)
+                T.copy(dq, dq_s)
+                T.atomic_add(
+                    dQacc[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :],
+                    dq_s,
+                    use_tma=True,
+                )
+            T.copy(dk, dk_s)
+            T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
+            T.copy(dv, dv_s)
+            T.copy(dv_s, dV[bz, by, bx * bN : (bx + 1) * bN, :])
+
+    return flash_bwd
+
+
+# --------------------------------------------------------------------------- compile entries
+
+
+def forward_entry(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig | None = None) -> Entry:
+    cfg = cfg or FWD_CONFIGS[dim]
+    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, cfg)
+    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
+
+
+def preprocess_entry(dim: int, dtype: torch.dtype) -> Entry:
+    return ("flash_attention_prep", dim, dtype), lambda _: preprocess_kernel(dim, TL_DTYPE[dtype])
+
+
+def backward_entry(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig | None = None) -> Entry:
+    cfg = cfg or BWD_CONFIGS[dim]
+    key = ("flash_attention_bwd", dim, dtype, causal, has_lengths, dropout, cfg)
+    return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
+
+
+def entries(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool) -> list[Entry]:
+    """Every kernel one specialisation runs, forward and backward (for `precompile`)."""
+    return [
+        forward_entry(dim, dtype, causal, has_lengths, dropout),
+        preprocess_entry(dim, dtype),
+        backward_entry(dim, dtype, causal, has_lengths, dropout),
+    ]
+
+
+def warm_up(specs, device: torch.device) -> None:
+    """Compile the kernels of (dim, dtype, causal, has_lengths, dropout) specs in parallel."""
+    precompile([e for spec in specs for e in entries(*spec)], device)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x itself when TMA can read it (last stride 1, other strides and the address 16-byte
+    aligned), else a contiguous copy."""
+    size = x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st > 0 and st * size % 16 == 0 for st in x.stride()[:-1]):
+        return x
+    return x.contiguous()
+
+
+def _dim_order(x: torch.Tensor) -> list[int] | None:
+    """x's dimensions from outermost to innermost when x is dense and non-overlapping, else None."""
+    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+    expected = 1
+    for i in reversed(order):
+        if x.shape[i] != 1 and x.stride(i) != expected:
+            return None
+        expected *= x.shape[i]
+    return order
+
+
+def _empty_as(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor shaped and strided like torch.empty_like(x) would be (x's dimension
+    order when x is dense, else contiguous), allocated through buffers (NaN-poisoned in tests)."""
+    dtype = dtype or x.dtype
+    order = _dim_order(x)
+    if order is None:
+        return buffers.empty(x.shape, dtype=dtype, device=x.device)
+    physical = buffers.empty([x.shape[i] for i in order], dtype=dtype, device=x.device)
+    return physical.permute([order.index(i) for i in range(x.dim())])
+
+
+def _lengths(key_lengths: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    return placeholder(device, torch.int32) if key_lengths is None else key_lengths
+
+
+def _check_grid(q: torch.Tensor, k: torch.Tensor) -> None:
+    b, h = q.shape[:2]
+    if b > MAX_GRID_YZ or h > MAX_GRID_YZ:
+        raise ValueError(f"q: batch {b} and heads {h} must each be at most {MAX_GRID_YZ} for the tilelang kernels")
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
+    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; -inf for rows that see no key)."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    o = buffers.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    lse = buffers.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if lk == 0:
+        return o.zero_(), lse.fill_(-math.inf)
+    _check_grid(q, k)
+    dropout = dropout_p > 0
+    threshold, inv_keep = _dropout_args(dropout_p)
+    kernel = compiled(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout), q.device)
+    kernel(
+        _tma_ready(q), _tma_ready(k), _tma_ready(v), _lengths(key_lengths, q.device), o, lse,
+        float(scale), h // hkv, int(seed), threshold, inv_keep,
+    )
+    return o, lse
+
+
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
+    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes and dimension orders, dk/dv summed
+    over each kv head's query heads."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
+    rest = (None,) * 5
+    if dq.numel() == 0 or lk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), *rest
+    if dk.numel() == 0:
+        return dq.zero_(), dk, dv, *rest
+    _check_grid(q, k)
+    do = _tma_ready(do)
+    delta = buffers.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    dq_acc = _empty_as(dq, torch.float32)  # zeroed by the preprocess kernel
+    compiled(preprocess_entry(d, q.dtype), q.device)(o, do, delta, dq_acc)
+    dropout = dropout_p > 0
+    threshold, inv_keep = _dropout_args(dropout_p)
+    kernel = compiled(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout), q.device)
+    kernel(
+        _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse, delta, _lengths(key_lengths, q.device),
+        dq_acc, dk, dv, float(scale), h // hkv, int(seed), threshold, inv_keep,
+    )
+    dq.copy_(dq_acc)
+    return dq, dk, dv, *rest

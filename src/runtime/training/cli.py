@@ -1,0 +1,43 @@
+"""taac-train: the Hydra entry point (`taac-train key=value ...`, or `python -m runtime.training ...`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from . import distributed
+from .config import config_dir
+from .loop import Trainer
+
+logger = logging.getLogger("runtime.training")
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    run = distributed.setup(cfg.trainer.device)
+    if not run.is_main:
+        logging.getLogger("runtime").setLevel(logging.WARNING)
+    try:
+        metrics = Trainer(cfg, run_dir, run).fit()
+        final = metrics["validation"][-1] if metrics["validation"] else {}
+        if run.is_main:
+            logger.info("done: %s; metrics in %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"), Path(run_dir) / "metrics.json")
+        return metrics
+    finally:
+        distributed.teardown(run)
+
+
+@hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Structured config schemas (registered in Hydra's ConfigStore) for train.yaml and benchmark.yaml.
+
+The accelerators group is typed with Enums built from runtime.accelerators' own lists of op names
+and backends, so a misspelt op or backend fails at composition and the error lists the allowed
+values. `accelerator_config` then turns the composed group into an AcceleratorConfig (its own
+validation runs again there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from runtime.accelerators.backends import BACKENDS, FALLBACKS, OP_NAMES
+from runtime.accelerators.config import AcceleratorConfig
+
+BackendName = Enum("BackendName", {name: name for name in BACKENDS}, module=__name__)
+FallbackRule = Enum("FallbackRule", {name: name for name in FALLBACKS}, module=__name__)
+OpName = Enum("OpName", {name: name for name in OP_NAMES}, module=__name__)
+
+
+class DataSource(Enum):
+    synthetic = "synthetic"
+    parquet = "parquet"
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class DeviceChoice(Enum):
+    auto = "auto"  # CUDA when available
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class AcceleratorsSchema:
+    default: BackendName = BackendName.auto
+    # every op is a key (null: use `default`), so `accelerators.ops.<op>=<backend>` needs no `+`
+    # and a misspelt op name is rejected by the Enum key type with the valid names listed
+    ops: Dict[OpName, Optional[BackendName]] = field(default_factory=lambda: {op: None for op in OpName})
+    fallback: FallbackRule = FallbackRule.torch
+
+
+@dataclass
+class DataSchema:
+    source: DataSource = DataSource.synthetic
+    path: Optional[str] = None  # parquet: a directory with train.parquet and val.parquet
+    batch_size: int = 256  # per process
+    val_batch_size: int = 1024
+    prefetch: int = 2  # batches made ahead in a background thread (0: none)
+    # synthetic only
+    seq_len: int = 256
+    n_items: int = 20000
+    n_categories: int = 64
+    n_dense: int = 8
+    val_size: int = 8192
+
+
+@dataclass
+class TrainerSchema:
+    steps: int = 300
+    log_every: int = 10
+    val_every: int = 100  # 0: only at the end
+    checkpoint_every: int = 100  # 0: only at the end
+    keep_checkpoints: int = 2
+    precision: Precision = Precision.auto
+    grad_clip: float = 1.0
+    device: DeviceChoice = DeviceChoice.auto
+    compile: bool = False  # torch.compile the model
+    resume: Optional[str] = None  # a checkpoint file, or a run directory (its latest checkpoint)
+    progress: bool = True  # a rich progress bar on the main process
+    cpu_threads: Optional[int] = None  # torch.set_num_threads; null keeps torch's default
+
+
+@dataclass
+class OptimSchema:
+    lr: float = 2e-3
+    weight_decay: float = 0.01  # on matrices only (not embeddings, norms, biases)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-8
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
+
+
+@dataclass
+class TrainSchema:
+    seed: int = 0
+    data: DataSchema = field(default_factory=DataSchema)
+    model: Any = MISSING  # a model config with _target_ (instantiated with spec=FeatureSpec)
+    accelerators: AcceleratorsSchema = field(default_factory=AcceleratorsSchema)
+    trainer: TrainerSchema = field(default_factory=TrainerSchema)
+    optim: OptimSchema = field(default_factory=OptimSchema)
+
+
+@dataclass
+class BenchmarkSchema:
+    """Training-step benchmark: each model under each accelerators preset, from one seed."""
+
+    models: List[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
+    accelerators: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])
+    compiled: List[str] = field(default_factory=lambda: ["torch"])  # presets also run under torch.compile
+    steps: int = 200
+    warmup: int = 20  # steps left out of the timing (compilation, autotuning)
+    loss_bound: float = 0.05  # max |mean loss difference| over the last 50 steps vs the torch run
+    overrides: List[str] = field(default_factory=list)  # train.yaml overrides for every run
+    output: str = "training-benchmark.json"
+
+
+def register_configs() -> None:
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainSchema)
+    store.store(name="benchmark_schema", node=BenchmarkSchema)
+
+
+register_configs()
+
+
+def accelerator_config(group: DictConfig | dict) -> AcceleratorConfig:
+    """The composed `accelerators` group as an AcceleratorConfig."""
+    values = OmegaConf.to_container(group, enum_to_str=True) if isinstance(group, DictConfig) else dict(group)
+    return AcceleratorConfig.from_mapping(values)
+
+
+def config_dir() -> str:
+    """Where train.yaml lives: the top-level configs/ of a source checkout, else the copy in the wheel."""
+    source = Path(__file__).resolve().parents[3] / "configs"
+    if (source / "train.yaml").is_file():
+        return str(source)
+    return "pkg://runtime.configs"

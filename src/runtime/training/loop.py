@@ -1,0 +1,263 @@
+"""The training loop: AdamW, bf16 autocast on CUDA, gradient clipping, validation AUC and log-loss,
+exact-resume checkpoints, a JSON metrics file, and DistributedDataParallel under torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from runtime.accelerators import explain, set_accelerators
+from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
+
+from . import checkpoint
+from .config import Precision, accelerator_config
+from .data import batches, build_data
+from .distributed import Run, broadcast_object, gather_objects
+from .metrics import log_loss, roc_auc
+from .progress import ProgressBar
+
+logger = logging.getLogger("runtime.training")
+
+
+def make_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: not embeddings, norms or biases."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda")
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to min_ratio at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _precision(cfg) -> Precision:
+    value = cfg.trainer.precision
+    return value if isinstance(value, Precision) else Precision(str(value))
+
+
+class Trainer:
+    """Builds data, model and optimizer from a composed train config; `fit()` trains, validates and checkpoints.
+
+    run_dir receives metrics.json and checkpoints/ (on the main process). Every process reads its own
+    batches: global batch index data_position + rank, with data_position advancing by world_size a step.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path | str, run: Run | None = None) -> None:
+        self.cfg = cfg
+        self.run = run or Run(torch.device("cpu"))
+        self.run_dir = Path(broadcast_object(self.run, str(run_dir)))
+        self.device = self.run.device
+        if cfg.trainer.cpu_threads:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
+
+        self.accelerators = accelerator_config(cfg.accelerators)
+        set_accelerators(self.accelerators)
+        report = explain(device=self.device)
+        logger.debug("%s", report)
+        resolved = "\n".join(line for line in report.splitlines() if not line.startswith(" "))  # one line per op
+        logger.info("accelerators (precision %s; python -m runtime.accelerators tells why):\n%s", self.precision_name, resolved)
+
+        torch.manual_seed(cfg.seed)  # the same initial weights on every process
+        self.data = build_data(cfg.data, cfg.seed)
+        self.model = instantiate(cfg.model, spec=self.data.spec).to(self.device)
+        self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if self.run.distributed else None
+        trained = self.ddp or self.model
+        self.forward = torch.compile(trained) if cfg.trainer.compile else trained
+        self.criterion = BCEWithLogitsLoss()
+        self.optimizer = make_optimizer(self.model, cfg.optim, self.device)
+        total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio))
+        self.step = 0
+        self.data_position = 0
+        torch.manual_seed(cfg.seed + 1 + self.run.rank)  # dropout streams differ between processes
+        self.metrics = {
+            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            "device": str(self.device),
+            "world_size": self.run.world_size,
+            "precision": self.precision_name,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "losses": [],
+            "log": [],
+            "validation": [],
+        }
+        if cfg.trainer.resume:
+            self.load(checkpoint.resolve(cfg.trainer.resume))
+
+    # ------------------------------------------------------------------ pieces
+
+    @property
+    def precision_name(self) -> str:
+        precision = _precision(self.cfg)
+        if precision is Precision.auto:
+            return "bf16" if self.device.type == "cuda" else "fp32"
+        return precision.value
+
+    def autocast(self):
+        if self.precision_name == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns the loss and the gradient norm (device tensors, no synchronisation)."""
+        self.model.train()
+        with self.autocast():
+            logits = self.forward(batch)
+        loss = self.criterion(logits, batch.label)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.data_position += self.run.world_size
+        return loss.detach(), grad_norm.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """AUC and log-loss on the whole validation set (every process computes the same numbers)."""
+        self.model.eval()
+        val = self.data.val_set()
+        size = self.cfg.data.val_batch_size
+        logits = []
+        for start in range(0, len(val), size):
+            with self.autocast():
+                logits.append(self.model(val.slice(start, start + size).to(self.device)).float().cpu())
+        logits = torch.cat(logits)
+        return {"step": self.step, "val_auc": roc_auc(logits, val.label), "val_logloss": log_loss(logits, val.label)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save(self) -> Path:
+        rng = gather_objects(self.run, checkpoint.rng_state())  # collective: every process calls save
+        path = checkpoint.checkpoint_path(self.checkpoint_dir, self.step)
+        if self.run.is_main:
+            state = {
+                "step": self.step,
+                "data_position": self.data_position,
+                "world_size": self.run.world_size,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng,
+                "metrics": self.metrics,
+                "config": OmegaConf.to_yaml(self.cfg),
+            }
+            checkpoint.save(path, state)
+            checkpoint.prune(self.checkpoint_dir, self.cfg.trainer.keep_checkpoints)
+            logger.info("saved %s", path)
+        return path
+
+    def load(self, path: Path) -> None:
+        state = checkpoint.load(path)
+        if state["world_size"] != self.run.world_size:
+            raise ValueError(
+                f"trainer.resume: {path} was written by {state['world_size']} process(es), this run has {self.run.world_size}; "
+                "resume with the same number of processes"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.data_position = state["step"], state["data_position"]
+        for key in ("losses", "log", "validation"):
+            self.metrics[key] = list(state["metrics"][key])
+        checkpoint.set_rng_state(state["rng"][self.run.rank])
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def write_metrics(self) -> None:
+        if self.run.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "metrics.json.tmp"
+            tmp.write_text(json.dumps(self.metrics, indent=1))
+            os.replace(tmp, self.run_dir / "metrics.json")
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, until: int | None = None) -> dict:
+        """Train to trainer.steps (or stop early at step `until`); returns the metrics."""
+        tcfg = self.cfg.trainer
+        stop = tcfg.steps if until is None else min(until, tcfg.steps)
+        indices = iter(range(self.data_position + self.run.rank, 2**62, self.run.world_size))
+        stream = batches(self.data, indices, self.cfg.data.batch_size, self.cfg.data.prefetch, pin_memory=self.device.type == "cuda")
+        bar = ProgressBar(tcfg.steps, self.step, tcfg.progress and self.run.is_main)
+        pending: list[torch.Tensor] = []
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < stop:
+                batch = next(stream).to(self.device, non_blocking=True)
+                loss, grad_norm = self.train_step(batch)
+                pending.append(loss)
+                window_steps += 1
+                bar.advance()
+                last = self.step == stop
+                validate = (tcfg.val_every and self.step % tcfg.val_every == 0) or self.step == tcfg.steps
+                save = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
+                if self.step % tcfg.log_every == 0 or last or save:
+                    self._log(pending, window_steps, time.perf_counter() - window_start, grad_norm, bar)
+                    pending.clear()
+                    window_start, window_steps = time.perf_counter(), 0
+                if validate:
+                    result = self.evaluate()
+                    self.metrics["validation"].append(result)
+                    logger.info("step %d  val AUC %.4f  val log-loss %.4f", self.step, result["val_auc"], result["val_logloss"])
+                if save:
+                    self.save()
+                if validate or save:
+                    self.write_metrics()
+                    window_start = time.perf_counter()  # validation and checkpoints are not training time
+        finally:
+            bar.close()
+            stream.close()
+        if self.run.distributed:
+            self.metrics["ranks_in_sync"] = self._ranks_in_sync()
+        self.write_metrics()
+        return self.metrics
+
+    def _log(self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar) -> None:
+        losses = torch.stack(pending).tolist()  # the one synchronisation per log window
+        speed = steps * self.cfg.data.batch_size * self.run.world_size / elapsed
+        self.metrics["losses"] += losses
+        entry = {
+            "step": self.step,
+            "loss": sum(losses) / len(losses),
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "samples_per_s": speed,
+            "step_ms": 1000 * elapsed / steps,
+        }
+        self.metrics["log"].append(entry)
+        bar.update(entry["loss"], speed)
+        logger.info(
+            "step %d  loss %.4f  lr %.2e  %.0f samples/s  %.1f ms/step", self.step, entry["loss"], entry["lr"], speed, entry["step_ms"]
+        )
+
+    def _ranks_in_sync(self) -> bool:
+        """DDP keeps the replicas equal; check it once at the end (a cheap guard against silent divergence)."""
+        with torch.no_grad():
+            checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+        sums = gather_objects(self.run, checksum)
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"DDP replicas diverged: parameter checksums per rank {sums}")
+        return True

@@ -1,0 +1,224 @@
+"""embedding_bag_mean on the CPU tier: the reference and the Triton kernels (interpreter) against a
+float64 textbook loop, TileLang compiled for sm_90a, dispatch and every error message."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runtime.accelerators as acc
+from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+
+from conftest import SM90A, requires_nvcc
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def bags_of(indices, offsets=None, include_last_offset=False) -> list[list[int]]:
+    if indices.dim() == 2:
+        return indices.tolist()
+    ends = offsets.tolist()[1:] + ([] if include_last_offset else [indices.numel()])
+    return [indices.tolist()[s:e] for s, e in zip(offsets.tolist(), ends)]
+
+
+def mean_bags64(weight, indices, offsets=None, padding_idx=None, include_last_offset=False):
+    """Textbook float64: each bag's mean over its non-padding rows, zeros for an empty bag."""
+    w = weight.double()
+    if padding_idx is not None:
+        padding_idx %= w.shape[0]
+    rows = []
+    for bag in bags_of(indices, offsets, include_last_offset):
+        kept = [i for i in bag if i != padding_idx]
+        rows.append(torch.stack([w[i] for i in kept]).mean(0) if kept else w.new_zeros(w.shape[1]))
+    return torch.stack(rows) if rows else w.new_zeros(0, w.shape[1])
+
+
+def table(rows, dim, dtype=f32):
+    return torch.randn(rows, dim, dtype=torch.float64).to(dtype).requires_grad_()
+
+
+def check(backend, weight, indices, offsets=None, padding_idx=None, include_last_offset=False, sparse=False):
+    """Output and weight gradient (dense or sparse) of one backend against float64."""
+    with poison_outputs():
+        out = embedding_bag_mean(weight, indices, offsets, padding_idx, include_last_offset=include_last_offset, sparse=sparse, backend=backend)
+        grad_out = torch.randn_like(out)
+        (grad,) = torch.autograd.grad(out, weight, grad_out)
+    weight64 = weight.detach().double().requires_grad_()
+    out64 = mean_bags64(weight64, indices, offsets, padding_idx, include_last_offset)
+    (grad64,) = torch.autograd.grad(out64, weight64, grad_out.double())
+    assert out.dtype == weight.dtype and grad.dtype == weight.dtype
+    assert grad.is_sparse == sparse
+    if sparse:
+        assert grad.is_coalesced() or backend == "torch"  # the kernels coalesce; torch's is not
+        if padding_idx is not None:
+            assert (grad._indices() != padding_idx % weight.shape[0]).all(), "the padding row is in the sparse gradient"
+        grad = grad.to_dense()
+    assert_close("out", out, out64, RTOL[weight.dtype])
+    assert_close("grad weight", grad, grad64, gradient_tolerance(weight.dtype))
+
+
+def hot_indices(n, rows, hot, copies, dtype=torch.int64):
+    """n random indices of which `copies` are the row `hot`, shuffled: a segment that spans chunks."""
+    indices = torch.randint(0, rows, (n,), dtype=dtype)
+    indices[torch.randperm(n)[:copies]] = hot
+    return indices
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("padding_idx", [None, 3, -2], ids=["nopad", "pad3", "pad-2"])
+def test_reference_2d(padding_idx, sparse):
+    indices = torch.randint(0, 9, (7, 5))
+    indices[0] = 3  # an all-padding bag with pad3
+    check("torch", table(9, 37), indices, padding_idx=padding_idx, sparse=sparse)
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True], ids=["offsets", "last_offset"])
+def test_reference_offsets_with_empty_bags_and_int32(include_last_offset):
+    indices = torch.randint(0, 20, (30,), dtype=torch.int32)
+    offsets = torch.tensor([0, 0, 4, 4, 17, 29] + ([30] if include_last_offset else []), dtype=torch.int32)
+    check("torch", table(20, 16), indices, offsets, padding_idx=5, include_last_offset=include_last_offset)
+
+
+def test_reference_matches_torch_embedding_bag():
+    weight, indices = torch.randn(11, 6), torch.randint(0, 11, (4, 3))
+    torch.testing.assert_close(embedding_bag_mean_reference(weight, indices, None, 2), F.embedding_bag(indices, weight, mode="mean", padding_idx=2))
+
+
+# --------------------------------------------------------------------------- triton (interpreter)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse):
+    indices = hot_indices(20 * 5, 50, hot=7, copies=70).reshape(20, 5)  # 100 entries = 4 chunks of 32
+    indices[3] = 11  # an all-padding bag
+    check("triton", table(50, 37), indices, padding_idx=11, sparse=sparse)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_triton_offsets_empty_bags_int32_repeats(sparse):
+    indices = hot_indices(75, 40, hot=2, copies=40, dtype=torch.int32)
+    offsets = torch.tensor([0, 3, 3, 40, 41, 41, 75], dtype=torch.int32)
+    check("triton", table(40, 20), indices, offsets, padding_idx=-1, include_last_offset=True, sparse=sparse)
+
+
+@pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "f16"])
+def test_triton_half_precision(dtype):
+    check("triton", table(30, 24, dtype), torch.randint(0, 30, (6, 4)), padding_idx=0)
+
+
+def test_triton_batch_one_and_no_padding():
+    check("triton", table(8, 3), torch.tensor([[1, 1, 5]]))
+
+
+@pytest.mark.parametrize(
+    "indices, offsets",
+    [
+        (torch.zeros(0, 4, dtype=torch.int64), None),
+        (torch.zeros(3, 0, dtype=torch.int64), None),
+        (torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)),
+    ],
+    ids=["no-bags", "empty-bags-2d", "no-entries"],
+)
+def test_triton_empty_inputs(indices, offsets):
+    weight = table(5, 4)
+    out = embedding_bag_mean(weight, indices, offsets, backend="triton")
+    assert out.shape == (indices.shape[0] if offsets is None else 3, 4) and (out == 0).all()
+    (grad,) = torch.autograd.grad(out.sum(), weight)
+    assert (grad == 0).all()
+
+
+# --------------------------------------------------------------------------- tilelang (compile only)
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_kernels_compile_for_sm90a():
+    tilelang = pytest.importorskip("tilelang")
+    from runtime.accelerators.embedding_bag import tilelang as kernels
+
+    programs = [
+        kernels.forward_program(37, "bfloat16", "int32", "int64"),  # odd width: padded columns
+        kernels.chunk_program(64, "float16", "int32"),
+        kernels.combine_program(128, "float32", "int32"),
+    ]
+    for program in programs:
+        source = tilelang.compile(program, target=SM90A).get_kernel_source()
+        assert "__global__" in source
+    assert "device_assert" in tilelang.compile(programs[0], target=SM90A).get_kernel_source()
+
+
+# --------------------------------------------------------------------------- errors and dispatch
+
+
+BAD_INPUTS = [
+    (torch.tensor([[1, 9]]), None, "index"),  # 9 >= num_embeddings
+    (torch.tensor([[1, -1]]), None, "index"),
+    (torch.tensor([1, 2, 3]), torch.tensor([1, 2]), "offsets[0] != 0"),
+    (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1]), "decreasing offsets"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("indices, offsets, what", BAD_INPUTS, ids=[b[2] for b in BAD_INPUTS])
+def test_bad_indices_or_offsets_raise(backend, indices, offsets, what):
+    with pytest.raises(IndexError, match=r"outside \[0, num_embeddings\) or the offsets do not rise from 0 to len\(indices\)"):
+        embedding_bag_mean(torch.randn(9, 4), indices, offsets, backend=backend)
+
+
+def test_last_offset_must_end_the_indices():
+    with pytest.raises(IndexError, match="offsets do not rise"):
+        embedding_bag_mean(torch.randn(9, 4), torch.tensor([1, 2, 3]), torch.tensor([0, 2]), include_last_offset=True, backend="triton")
+
+
+def test_unchecked_bad_indices_stay_in_bounds():
+    out = embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 90, -5]]), check_indices=False, backend="triton")
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(weight=torch.randn(9)), ValueError, r"weight: expected a 2-D \[num_embeddings, embedding_dim\]"),
+        (dict(weight=torch.ones(9, 4, dtype=torch.int64)), TypeError, "weight: expected a floating-point tensor"),
+        (dict(indices=torch.ones(2, 2)), TypeError, "indices: expected an int32 or int64 tensor, got torch.float32"),
+        (dict(indices=[1, 2]), TypeError, "indices: expected a torch.Tensor"),
+        (dict(indices=torch.ones(1, 2, 2, dtype=torch.int64)), ValueError, "indices: expected a 2-D"),
+        (dict(indices=torch.ones(4, dtype=torch.int64)), ValueError, "offsets: required when indices is 1-D"),
+        (dict(offsets=torch.tensor([0])), ValueError, "offsets: must be None when indices is 2-D"),
+        (dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.ones(1, 1, dtype=torch.int64)), ValueError, "offsets: expected a 1-D"),
+        (dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.tensor([0.0])), TypeError, "offsets: expected an int32 or int64"),
+        (
+            dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.zeros(0, dtype=torch.int64), include_last_offset=True),
+            ValueError,
+            "offsets: include_last_offset=True needs at least one offset",
+        ),
+        (dict(padding_idx=9), ValueError, r"padding_idx: expected a value in \[-9, 9\)"),
+        (dict(padding_idx=1.0), TypeError, "padding_idx: expected an int or None"),
+        (dict(sparse=1), TypeError, "sparse: expected a bool"),
+        (dict(check_indices=None), TypeError, "check_indices: expected a bool"),
+    ],
+)
+def test_argument_errors_name_the_argument(kwargs, error, message):
+    args = dict(weight=torch.randn(9, 4), indices=torch.ones(2, 2, dtype=torch.int64), offsets=None)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        embedding_bag_mean(**args)
+
+
+def test_strided_weight_is_a_reason_and_falls_back():
+    weight = torch.randn(4, 9).t()  # column stride 9
+    with pytest.warns(acc.BackendFallbackWarning, match="embedding_bag_mean: the triton backend cannot run these inputs: weight has strides"):
+        out = embedding_bag_mean(weight, torch.tensor([[1, 2]]), backend="triton")
+    torch.testing.assert_close(out, F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean"))
+    with acc.use_accelerators(fallback="error"), pytest.raises(acc.BackendUnavailableError, match="tilelang.*tensors are on cpu"):
+        embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2]]), backend="tilelang")
+
+
+def test_float64_weight_runs_the_reference_under_auto():
+    weight = torch.randn(9, 4, dtype=torch.float64)
+    torch.testing.assert_close(embedding_bag_mean(weight, torch.tensor([[1, 2]])), F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean"))

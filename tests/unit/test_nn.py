@@ -1,0 +1,226 @@
+"""runtime.nn: each module follows the active accelerator config, matches plain torch math, and the
+gated delta rule's chunked form matches its step-by-step definition (values and every gradient)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerators import BackendUnavailableError, use_accelerators
+from runtime.accelerators.testing import assert_close
+from runtime.nn import (
+    BCEWithLogitsLoss,
+    CrossAttention,
+    DropoutAdd,
+    EmbeddingBagMean,
+    GatedDeltaBlock,
+    GatedDeltaRuleMixer,
+    LayerNorm,
+    MultiHeadAttention,
+    RMSNorm,
+    SwiGLUFeedForward,
+    TransformerBlock,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
+
+D = torch.float64
+TORCH = {"default": "torch"}
+
+
+def _x(*shape, dtype=D):
+    return torch.randn(*shape, dtype=dtype)
+
+
+# each module with inputs that reach its op(s); the config alone (no backend argument) must decide
+MODULE_CASES = {
+    "RMSNorm": lambda: (RMSNorm(8), (_x(3, 8, dtype=torch.float32),)),
+    "LayerNorm": lambda: (LayerNorm(8), (_x(3, 8, dtype=torch.float32),)),
+    "MultiHeadAttention": lambda: (MultiHeadAttention(16, 2), (_x(2, 5, 16, dtype=torch.float32),)),
+    "CrossAttention": lambda: (CrossAttention(16, 2), (_x(2, 1, 16, dtype=torch.float32), _x(2, 5, 16, dtype=torch.float32))),
+    "SwiGLUFeedForward": lambda: (SwiGLUFeedForward(8, 12), (_x(3, 8, dtype=torch.float32),)),
+    "DropoutAdd": lambda: (DropoutAdd(0.1), (_x(3, 8, dtype=torch.float32), _x(3, 8, dtype=torch.float32))),
+    "EmbeddingBagMean": lambda: (EmbeddingBagMean(10, 4, padding_idx=0), (torch.randint(0, 10, (3, 2)),)),
+    "BCEWithLogitsLoss": lambda: (BCEWithLogitsLoss(), (_x(5, dtype=torch.float32), torch.rand(5).round())),
+    "GatedDeltaRuleMixer": lambda: (GatedDeltaRuleMixer(16, 2), (_x(2, 5, 16, dtype=torch.float32),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULE_CASES))
+def test_modules_follow_the_active_config(name):
+    module, inputs = MODULE_CASES[name]()
+    with use_accelerators(default="tilelang", fallback="error"):  # tilelang cannot run CPU tensors
+        with pytest.raises(BackendUnavailableError, match="tilelang"):
+            module(*inputs)
+    with use_accelerators(**TORCH):
+        assert torch.isfinite(module(*inputs)).all()
+
+
+def test_a_module_backend_argument_pins_it():
+    norm = RMSNorm(8, backend="torch")
+    with use_accelerators(default="tilelang", fallback="error"):
+        out = norm(_x(3, 8, dtype=torch.float32))
+    assert out.shape == (3, 8)
+
+
+def _sdpa_reference(q, k, v, causal, lengths):
+    """Textbook attention in float64 with a key-padding and (top-left) causal mask."""
+    lq, lk = q.shape[2], k.shape[2]
+    visible = torch.arange(lk)[None, :] < lengths[:, None]  # [B, Lk]
+    mask = visible[:, None, None, :].expand(-1, 1, lq, lk)
+    if causal:
+        mask = mask & torch.ones(lq, lk, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~mask, -math.inf).softmax(-1).nan_to_num(0.0)
+    return probs @ v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_self_attention_matches_textbook_math(causal):
+    attn = MultiHeadAttention(24, 3, causal=causal).double()
+    x, lengths = _x(2, 7, 24), torch.tensor([7, 4])
+    with use_accelerators(**TORCH):
+        out = attn(x, lengths)
+    q, k, v = (t.view(2, 7, 3, 8).transpose(1, 2) for t in attn.qkv(x).chunk(3, -1))
+    ref = attn.out(_sdpa_reference(q, k, v, causal, lengths).transpose(1, 2).reshape(2, 7, 24))
+    assert_close("self-attention", out, ref, 1e-10)
+
+
+def test_cross_attention_matches_textbook_math():
+    attn = CrossAttention(16, 2).double()
+    x, context, lengths = _x(3, 1, 16), _x(3, 9, 16), torch.tensor([9, 1, 5])
+    with use_accelerators(**TORCH):
+        out = attn(x, context, lengths)
+    q = attn.q(x).view(3, 1, 2, 8).transpose(1, 2)
+    k, v = (t.view(3, 9, 2, 8).transpose(1, 2) for t in attn.kv(context).chunk(2, -1))
+    ref = attn.out(_sdpa_reference(q, k, v, False, lengths).transpose(1, 2).reshape(3, 1, 16))
+    assert_close("cross-attention", out, ref, 1e-10)
+
+
+def test_norms_feedforward_bag_and_loss_match_torch():
+    x = _x(5, 37)
+    with use_accelerators(**TORCH):
+        rms, ln, ffn = RMSNorm(37).double(), LayerNorm(37).double(), SwiGLUFeedForward(37, 20, d_out=3, bias=True).double()
+        assert_close("RMSNorm", rms(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6), 1e-12)
+        assert_close("LayerNorm", ln(x), F.layer_norm(x, (37,), eps=1e-5), 1e-12)
+        gate, up = ffn.gate_up(x).chunk(2, -1)
+        assert_close("SwiGLU FFN", ffn(x), ffn.down(F.silu(gate) * up), 1e-12)
+
+        bag = EmbeddingBagMean(11, 6, padding_idx=0).double()
+        assert torch.equal(bag.weight[0], torch.zeros(6, dtype=D))
+        ids = torch.tensor([[3, 0, 5], [0, 0, 0], [1, 2, 10]])
+        ref = F.embedding_bag(ids, bag.weight, mode="mean", padding_idx=0)
+        assert_close("EmbeddingBagMean", bag(ids), ref, 1e-12)
+
+        logits, targets = _x(200), torch.rand(200, dtype=D).round()
+        loss = BCEWithLogitsLoss(pos_weight=2.0)(logits, targets)
+        ref = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), pos_weight=torch.tensor([2.0]))
+        assert_close("BCE", loss, ref, 1e-5)
+
+
+def test_dropout_add_is_the_sum_in_eval_and_drops_in_training():
+    x, residual = torch.randn(64, 64), torch.randn(64, 64)
+    module = DropoutAdd(0.5)
+    with use_accelerators(**TORCH):
+        module.eval()
+        assert torch.equal(module(x, residual), x + residual)
+        module.train()
+        kept = module(x, residual) != residual
+    assert 0.4 < kept.float().mean() < 0.6
+    with pytest.raises(ValueError, match="p: expected"):
+        DropoutAdd(1.0)
+
+
+def test_dropout_add_takes_a_bf16_branch_on_an_fp32_residual():
+    x, residual = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8)
+    with use_accelerators(**TORCH):
+        out = DropoutAdd(0.0)(x, residual)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, residual + x.float())
+
+
+# ------------------------------------------------------------------ the gated delta rule
+
+
+def _rule_inputs(b, t, h, dk, dv, requires_grad=True):
+    q = _x(b, t, h, dk)
+    k = F.normalize(_x(b, t, h, dk), dim=-1)
+    v = _x(b, t, h, dv)
+    g = -torch.rand(b, t, h, dtype=D) * 0.7  # log-decays <= 0
+    beta = torch.rand(b, t, h, dtype=D)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def test_recurrent_rule_on_one_step_is_the_delta_write():
+    q, k, v, g, beta = _rule_inputs(1, 1, 1, 4, 3, requires_grad=False)
+    s0 = _x(1, 1, 4, 3)
+    o, state = gated_delta_rule_recurrent(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True)
+    decayed = s0[0, 0] * g[0, 0, 0].exp()
+    kk, vv = k[0, 0, 0], v[0, 0, 0]
+    expected_state = decayed + beta[0, 0, 0] * torch.outer(kk, vv - decayed.T @ kk)
+    assert_close("state", state[0, 0], expected_state.float(), 1e-6)
+    assert_close("output", o[0, 0, 0], 0.5 * expected_state.T @ q[0, 0, 0], 1e-12)
+
+
+@pytest.mark.parametrize("t, chunk", [(63, 16), (1, 64), (130, 64)], ids=["T63-C16", "T1", "T130-C64"])
+def test_chunked_rule_matches_the_recurrence_with_every_gradient(t, chunk):
+    inputs = _rule_inputs(2, t, 3, 8, 5)
+    s0 = _x(2, 3, 8, 5).requires_grad_()
+    o_ref, s_ref = gated_delta_rule_recurrent(*inputs, initial_state=s0, output_final_state=True)
+    o, s = gated_delta_rule_chunked(*inputs, initial_state=s0, output_final_state=True, chunk_size=chunk)
+    assert_close("o", o, o_ref, 1e-10)
+    assert_close("final state", s, s_ref, 1e-6)  # fp32 state, as in the op contract
+    do = torch.randn_like(o)
+    grads_ref = torch.autograd.grad((o_ref * do).sum(), [*inputs, s0])
+    grads = torch.autograd.grad((o * do).sum(), [*inputs, s0])
+    for name, grad, ref in zip(["dq", "dk", "dv", "dg", "dbeta", "dstate"], grads, grads_ref):
+        assert_close(name, grad, ref, 1e-9)
+
+
+def test_chunked_rule_keeps_bf16_inputs_accurate():
+    q, k, v, g, beta = _rule_inputs(1, 40, 2, 16, 16, requires_grad=False)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    o_ref, _ = gated_delta_rule_recurrent(q.double(), k.double(), v.double(), g, beta)
+    o, _ = gated_delta_rule_chunked(q, k, v, g.float(), beta.float(), chunk_size=16)
+    assert o.dtype == torch.bfloat16
+    assert_close("bf16 o", o, o_ref, 1e-2)
+
+
+def test_rule_rejects_mismatched_shapes():
+    q, k, v, g, beta = _rule_inputs(1, 4, 2, 8, 8, requires_grad=False)
+    with pytest.raises(ValueError, match="beta: expected shape"):
+        gated_delta_rule_chunked(q, k, v, g, beta[:, :3])
+    with pytest.raises(ValueError, match="v: expected shape"):
+        gated_delta_rule_recurrent(q, k, v[:, :, :1], g, beta)
+
+
+def test_mixer_and_blocks_are_causal():
+    torch.manual_seed(1)
+    mixer = GatedDeltaRuleMixer(16, 2, chunk_size=4).double()
+    gdr_block = GatedDeltaBlock(16, 2, 32, chunk_size=4).double()
+    attn_block = TransformerBlock(16, 2, 32, causal=True).double()
+    x = _x(2, 11, 16)
+    changed = x.clone()
+    changed[:, 7:] += 1.0  # a different future
+    with use_accelerators(**TORCH):
+        for name, module in (("mixer", mixer), ("gdr block", gdr_block), ("attention block", attn_block)):
+            module.eval()
+            before, after = module(x), module(changed)
+            assert torch.allclose(before[:, :7], after[:, :7], atol=1e-12), name
+            assert not torch.allclose(before[:, 7:], after[:, 7:]), name
+
+
+def test_mixer_matches_its_definition():
+    mixer = GatedDeltaRuleMixer(12, 3, chunk_size=5).double()
+    x = _x(2, 9, 12)
+    with use_accelerators(**TORCH):
+        out = mixer(x)
+    q, k, v = (F.silu(z).view(2, 9, 3, 4) for z in mixer.qkv(x).chunk(3, -1))
+    q, k = (z * torch.rsqrt(z.square().sum(-1, keepdim=True) + 1e-6) for z in (q, k))
+    a, b = mixer.decay_beta(x).chunk(2, -1)
+    g = -mixer.A_log.exp() * F.softplus(a + mixer.dt_bias)
+    o, _ = gated_delta_rule_recurrent(q, k, v, g, b.sigmoid())
+    normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + 1e-6)
+    ref = mixer.out((F.silu(mixer.gate(x).view(2, 9, 3, 4)) * normed).reshape(2, 9, 12))
+    assert_close("mixer", out, ref, 1e-10)
