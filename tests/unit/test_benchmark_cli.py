@@ -32,16 +32,16 @@ def test_dry_run(capsys):
 def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     path = tmp_path / "rms.json"
     command = [sys.executable, "-m", "runtime.benchmark", "--operator", "rms_norm", "--shape", "8192x128", "--device", "cpu",
-               "--dtype", "float32", "--backends", "torch,tilelang", "--no-peers", "--json", str(path)]
+               "--dtype", "float32", "--backends", "torch,tilelang", "--mode", "fwd+bwd", "--no-peers", "--json", str(path)]
     subprocess.run(command, check=True, capture_output=True, text=True)
     result = json.loads(path.read_text())
     rows = {(r["impl"], r["mode"]): r for r in result["rows"]}
-    assert rows[("torch", "fwd")]["status"] == "ok" and rows[("torch", "fwd")]["eager_ms"] > 0
+    assert rows[("torch", "fwd+bwd")]["status"] == "ok" and rows[("torch", "fwd+bwd")]["eager_ms"] > 0
     assert rows[("torch", "fwd+bwd")]["errors"]["dx"] < 1e-5
     # the benchmark never falls back: tilelang on the CPU is an error row, not a torch timing
-    assert rows[("tilelang", "fwd")]["status"] == "error" and "BackendUnavailableError" in rows[("tilelang", "fwd")]["error"]
+    assert rows[("tilelang", "fwd+bwd")]["status"] == "error" and "BackendUnavailableError" in rows[("tilelang", "fwd+bwd")]["error"]
     page = report.markdown([result])
-    assert "| 8192x128 | fwd | torch | ok |" in page
+    assert "| 8192x128 | fwd+bwd | torch | ok |" in page
 
 
 def test_update_page_replaces_only_the_generated_section(tmp_path):

@@ -115,6 +115,6 @@ def test_parquet_data_and_experiment_presets():
 def test_benchmark_config_composes():
     cfg = _compose(name="benchmark")
     assert list(cfg.models) == ["baseline", "tokenformer", "gdr"]
-    assert list(cfg.accelerators) == ["torch", "triton", "tilelang"]
+    assert list(cfg.presets) == ["torch", "triton", "tilelang"]
     assert cfg.steps == 200
 

@@ -152,8 +152,14 @@ def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
         grads, rest = flat[:n_outputs], flat[n_outputs:]
         args, results = rest[: len(rest) - n_results], rest[len(rest) - n_results :]
         grads_in = getattr(load_kernels(op, backend), function)(*grads, *args, *results)
-        # Tensor[] cannot hold None: return the gradients of the tensor arguments present
-        return [g if g is not None else torch.zeros_like(a) for a, g in zip(args, grads_in) if isinstance(a, torch.Tensor)]
+        # Tensor[] cannot hold None: return the gradients of the tensor arguments present.
+        # A custom op may not return one of its inputs: copy a gradient passed straight
+        # through (dropout_add's residual gets the incoming gradient; eager needs no copy).
+        return [
+            torch.zeros_like(a) if g is None else g.clone() if any(g is t for t in flat) else g
+            for a, g in zip(args, grads_in)
+            if isinstance(a, torch.Tensor)
+        ]
 
     return backward
 

@@ -78,7 +78,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale=None, initial_state=None, o
     dv = v.shape[-1]
     dtype, out_dtype = _compute_dtype(v), v.dtype
     scale = dk**-0.5 if scale is None else scale
-    c = chunk_size
+    c = max(1, min(chunk_size, t))  # a short sequence is one chunk of its own length
     n = max(1, math.ceil(t / c))
     pad = n * c - t
 
@@ -143,8 +143,10 @@ class GatedDeltaRuleMixer(nn.Module):
         h, d = self.n_heads, self.head_dim
         q, k, v = (F.silu(z).view(b, t, h, d) for z in self.qkv(x).chunk(3, dim=-1))
         q, k = l2norm(q, backend=self.backend), l2norm(k, backend=self.backend)
-        a, beta_logits = self.decay_beta(x).float().chunk(2, dim=-1)
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        gates = self.decay_beta(x)
+        dtype = torch.promote_types(gates.dtype, torch.float32)  # decays in fp32 at least (bf16 under autocast)
+        a, beta_logits = gates.to(dtype).chunk(2, dim=-1)
+        g = -self.A_log.to(dtype).exp() * F.softplus(a + self.dt_bias.to(dtype))
         o, _ = gated_delta_rule_chunked(q, k, v, g, beta_logits.sigmoid(), chunk_size=self.chunk_size)
         gate = self.gate(x).view(b, t, h, d)
         o = swiglu(gate, self.norm(o).to(gate.dtype), backend=self.backend)  # silu(gate) * norm(o)

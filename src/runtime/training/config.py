@@ -106,13 +106,14 @@ class BenchmarkSchema:
     """Training-step benchmark: each model under each accelerators preset, from one seed."""
 
     models: List[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
-    accelerators: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])
+    presets: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
     compiled: List[str] = field(default_factory=lambda: ["torch"])  # presets also run under torch.compile
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.05  # max |mean loss difference| over the last 50 steps vs the torch run
-    overrides: List[str] = field(default_factory=list)  # train.yaml overrides for every run
+    overrides: List[str] = field(default_factory=lambda: ["model.dropout=0.0"])  # train.yaml overrides for every run
     output: str = "training-benchmark.json"
+    time_budget_s: float = 0.0  # > 0: start no new run after this many seconds
 
 
 def register_configs() -> None:

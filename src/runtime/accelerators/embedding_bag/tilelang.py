@@ -283,6 +283,8 @@ def combine_entry(dim: int, dtype: torch.dtype, key_dtype: torch.dtype) -> Entry
 
 def precompile(specs, device: torch.device) -> None:
     """Compile ahead of use, in parallel: specs are (dim, weight dtype, index dtype, offsets dtype)."""
+    if device.index is None:  # the kernels are cached per device as tensors name it ("cuda:0")
+        device = torch.device(device.type, torch.cuda.current_device())
     entries = {}
     for dim, dtype, index_dtype, offset_dtype in specs:
         for key, build in (forward_entry(dim, dtype, index_dtype, offset_dtype), chunk_entry(dim, dtype, torch.int32), combine_entry(dim, dtype, torch.int32)):

@@ -28,7 +28,9 @@ BLOCK_J = 32  # chunk partials summed at once in the second pass
 # --------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# sizes and row numbers are not specialised (one compiled kernel serves every batch); dim and the
+# row strides are, so that 16-byte-aligned rows get vector loads
+@triton.jit(do_not_specialize=["num_bags", "num_indices", "num_offsets", "num_embeddings", "bag_len", "padding_idx"])
 def _forward_kernel(
     weight_ptr, indices_ptr, offsets_ptr, out_ptr, scale_ptr, bag_of_ptr, ok_ptr,
     num_bags, num_indices, num_offsets, num_embeddings, dim, bag_len, stride_w, padding_idx,
@@ -101,7 +103,7 @@ def _segmented_add(a, a_starts, b, b_starts):
     return tl.where(b_starts != 0, b, a + b), a_starts | b_starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_indices", "num_bags", "num_embeddings", "bag_len", "padding_idx"])
 def _chunk_kernel(
     keys_ptr, perm_ptr, first_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
     out_ptr, rows_ptr, tail_ptr, head_ptr,
@@ -152,7 +154,7 @@ def _chunk_kernel(
     tl.store(tail_ptr + part_offs, sums, mask=tail[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_indices", "num_embeddings", "padding_idx"])
 def _combine_kernel(
     keys_ptr, first_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,
     num_indices, num_embeddings, dim, padding_idx,
@@ -168,7 +170,7 @@ def _combine_kernel(
     next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
     # this chunk finishes a segment that began in an earlier chunk: it owns the final sum
     owner = (first < p0) & (next_first != first) & (key >= 0) & (key < num_embeddings) & (key != padding_idx)
-    lo = tl.where(owner, first // CHUNK + 1, c)
+    lo = tl.where(owner, first // CHUNK, c)
     write = tl.where(owner, col_ok, False)  # (not `col_ok & owner`: the interpreter rejects that mask)
     acc = tl.load(head_ptr + c * dim + cols, mask=write, other=0.0)
     for j0 in range(lo, c, BLOCK_J):

@@ -66,6 +66,10 @@ def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_
             reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
+    if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
+        # the kernels are built on TMA loads, wgmma and warp specialisation
+        major, minor = torch.cuda.get_device_capability(q.device)
+        reasons.append(f"GPU compute capability {major}.{minor}: the tilelang flash-attention kernels need Hopper (9.0) or newer")
     return reasons
 
 

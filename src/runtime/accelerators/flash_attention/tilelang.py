@@ -28,7 +28,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import buffers
-from ..tilelang_common import TL_DTYPE, Entry, compiled, placeholder, precompile
+from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -98,6 +98,30 @@ def _keep(seed, bh, i, j, threshold):
     return (h >> T.uint32(8)) >= T.Cast("uint32", threshold)
 
 
+def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
+    """The keep mask [B, H, Lq, Lk] the kernels draw for this seed, rebuilt with torch integer ops
+    (for tests: it materialises L x L)."""
+    u32 = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & u32
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & u32
+        return x ^ (x >> 16)
+
+    def index(n, dim):
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(n, dtype=torch.int64, device=device).view(shape)
+
+    bh = index(b, 0) * h + index(h, 1)
+    x = mix((seed & u32) ^ ((bh * 0x9E3779B9) & u32))
+    x = mix(x ^ index(lq, 2))
+    x = mix(x ^ ((index(lk, 3) * 0x85EBCA6B) & u32))
+    return (x >> 8) >= _dropout_args(dropout_p)[0]
+
+
 def _dropout_args(dropout_p: float) -> tuple[int, float]:
     """(threshold on 24 random bits, 1 / (1 - p)) as the kernels take them."""
     return int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p)
@@ -154,7 +178,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
             for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
-                T.copy(K[bz, by // groups, k * bN : (k + 1) * bN, :], K_s)
+                T.copy(K[bz, T.truncdiv(by, groups), k * bN : (k + 1) * bN, :], K_s)
                 T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 # mask only the blocks that straddle the key length or the causal diagonal;
                 # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
@@ -184,7 +208,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                     T.copy(s, p)
                 for i, j in T.Parallel(bM, dim):
                     acc[i, j] *= rescale[i]
-                T.copy(V[bz, by // groups, k * bN : (k + 1) * bN, :], V_s)
+                T.copy(V[bz, T.truncdiv(by, groups), k * bN : (k + 1) * bN, :], V_s)
                 T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
@@ -198,9 +222,11 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
 
 
 def preprocess_kernel(dim: int, dtype: str):
-    """delta = rowsum(o * do) in fp32, and dq_acc = 0 (the backward adds into it)."""
+    """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
+    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA;
+    and dq_acc = 0, which the backward adds into."""
     blk = PREP_ROWS
-    B, H, Lq = T.dynamic("batch, heads, q_len")
+    B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
     sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
     sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
 
@@ -208,7 +234,9 @@ def preprocess_kernel(dim: int, dtype: str):
     def flash_bwd_prep(
         O: T.Tensor((B, H, Lq, dim), dtype),
         dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
-        Delta: T.Tensor((B, H, Lq), ACCUM),
+        LSE: T.Tensor((B, H, Lq), ACCUM),
+        Delta: T.Tensor((B, H, Lqp), ACCUM),
+        LSE2: T.Tensor((B, H, Lqp), ACCUM),
         dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
     ):
         with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=128) as (bx, by, bz):
@@ -216,12 +244,17 @@ def preprocess_kernel(dim: int, dtype: str):
             do_s = T.alloc_shared((blk, dim), dtype)
             prod = T.alloc_fragment((blk, dim), ACCUM)
             delta = T.alloc_fragment((blk,), ACCUM)
+            lse = T.alloc_fragment((blk,), ACCUM)
             T.copy(O[bz, by, bx * blk : (bx + 1) * blk, :], o_s)
             T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, :], do_s)
             for i, j in T.Parallel(blk, dim):
                 prod[i, j] = T.cast(o_s[i, j], ACCUM) * T.cast(do_s[i, j], ACCUM)
             T.reduce_sum(prod, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
+            T.copy(LSE[bz, by, bx * blk : (bx + 1) * blk], lse)
+            for i in T.Parallel(blk):
+                lse[i] = T.if_then_else(lse[i] == -T.infinity(ACCUM), T.infinity(ACCUM), lse[i] * LOG2E)
+            T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
             T.clear(prod)
             T.copy(prod, dQacc[bz, by, bx * blk : (bx + 1) * blk, :])
 
@@ -232,7 +265,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     """Per key block of one kv head: loop over its query heads and query blocks, accumulating
     dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
     bN, bM = cfg.block_n, cfg.block_m
-    B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
+    split_k = dim * 2 not in (64, 128, 256)
+    B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
@@ -247,8 +281,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
         V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
         dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
-        LSE: T.Tensor((B, H, Lq), ACCUM),
-        Delta: T.Tensor((B, H, Lq), ACCUM),
+        LSE2: T.Tensor((B, H, Lqp), ACCUM),
+        Delta: T.Tensor((B, H, Lqp), ACCUM),
         Lengths: T.Tensor((NL,), "int32"),
         dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
         dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
@@ -265,6 +299,9 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
             K_s = T.alloc_shared((bN, dim), dtype)
+            # K is the A operand of K Q^T and the B operand of dS K; for rows of 32 or 96 bytes
+            # TileLang finds no shared layout serving both, so dS K then reads a transposed copy
+            Kt_s = T.alloc_shared((dim, bN), dtype) if split_k else K_s
             V_s = T.alloc_shared((bN, dim), dtype)
             Q_s = T.alloc_shared((bM, dim), dtype)
             dO_s = T.alloc_shared((bM, dim), dtype)
@@ -286,65 +323,51 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             # causal: queries before this key block see none of it
             m_first = (bx * bN) // bM if causal else 0
             n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
-            sl2 = scale * LOG2E
+            sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
             T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s)
+            if split_k:
+                for j, n in T.Parallel(dim, bN):
+                    Kt_s[j, n] = K_s[n, j]
             T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s)
             T.clear(dk)
             T.clear(dv)
             for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
-                # the step's query head and query block
-                T.copy(Q[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :], Q_s)
-                T.copy(LSE[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM], lse_s)
+                hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
+                mq = m_first + T.truncmod(it, n_q)
+                T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
+                T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
                 T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for n, i in T.Parallel(bN, bM):
-                    s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i] * LOG2E)
-                if (
-                    (bx + 1) * bN > kv_len
-                    or (m_first + it % n_q + 1) * bM > Lq
-                    or (causal and (bx + 1) * bN > (m_first + it % n_q) * bM + 1)
-                ):
+                    s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
+                if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
                     for n, i in T.Parallel(bN, bM):
                         if causal:
                             s[n, i] = T.if_then_else(
-                                (bx * bN + n < kv_len)
-                                & ((m_first + it % n_q) * bM + i < Lq)
-                                & (bx * bN + n <= (m_first + it % n_q) * bM + i),
-                                s[n, i],
-                                0,
+                                (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
                             )
                         else:
-                            s[n, i] = T.if_then_else(
-                                (bx * bN + n < kv_len) & ((m_first + it % n_q) * bM + i < Lq), s[n, i], 0
-                            )
-                T.copy(dO[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :], dO_s)
+                            s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
+                T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
                 T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if dropout:
                     for n, i in T.Parallel(bN, bM):
                         p_cast[n, i] = T.if_then_else(
-                            _keep(seed, bz * H + by * groups + it // n_q, (m_first + it % n_q) * bM + i, bx * bN + n, threshold),
-                            s[n, i] * inv_keep,
-                            0,
+                            _keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), s[n, i] * inv_keep, 0
                         )
                         dp[n, i] = T.if_then_else(
-                            _keep(seed, bz * H + by * groups + it // n_q, (m_first + it % n_q) * bM + i, bx * bN + n, threshold),
-                            dp[n, i] * inv_keep,
-                            0,
+                            _keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), dp[n, i] * inv_keep, 0
                         )
                 else:
                     T.copy(s, p_cast)
                 T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(Delta[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM], delta_s)
+                T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
                 for n, i in T.Parallel(bN, bM):
                     ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
                 T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(ds_cast, ds_s)
-                T.gemm(ds_s, K_s, dq, transpose_A=True, clear_accum=True)
+                T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
                 T.copy(dq, dq_s)
-                T.atomic_add(
-                    dQacc[bz, by * groups + it // n_q, (m_first + it % n_q) * bM : (m_first + it % n_q + 1) * bM, :],
-                    dq_s,
-                    use_tma=True,
-                )
+                T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
             T.copy(dv, dv_s)
@@ -433,8 +456,9 @@ def _check_grid(q: torch.Tensor, k: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
-    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; -inf for rows that see no key)."""
+def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdConfig | None = None):
+    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; -inf for rows that see no key).
+    cfg overrides the tile configuration (benchmark sweeps)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     o = buffers.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
@@ -446,7 +470,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
     _check_grid(q, k)
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
-    kernel = compiled(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout), q.device)
+    kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     kernel(
         _tma_ready(q), _tma_ready(k), _tma_ready(v), _lengths(key_lengths, q.device), o, lse,
         float(scale), h // hkv, int(seed), threshold, inv_keep,
@@ -454,9 +478,9 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
     return o, lse
 
 
-def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg: BwdConfig | None = None):
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes and dimension orders, dk/dv summed
-    over each kv head's query heads."""
+    over each kv head's query heads. cfg overrides the tile configuration (benchmark sweeps)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
@@ -467,14 +491,16 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
         return dq.zero_(), dk, dv, *rest
     _check_grid(q, k)
     do = _tma_ready(do)
-    delta = buffers.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
+    delta = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
+    lse2 = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
     dq_acc = _empty_as(dq, torch.float32)  # zeroed by the preprocess kernel
-    compiled(preprocess_entry(d, q.dtype), q.device)(o, do, delta, dq_acc)
+    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, dq_acc)
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
-    kernel = compiled(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout), q.device)
+    kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     kernel(
-        _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse, delta, _lengths(key_lengths, q.device),
+        _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse2, delta, _lengths(key_lengths, q.device),
         dq_acc, dk, dv, float(scale), h // hkv, int(seed), threshold, inv_keep,
     )
     dq.copy_(dq_acc)

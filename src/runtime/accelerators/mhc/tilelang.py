@@ -117,6 +117,7 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                     Hs[row0 + t, m] = acc[t, m]
 
             _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, matrix, row0, tokens, n, M, MP)
+            T.sync_threads()
             for it in T.serial(iters):
                 _sinkhorn_step(matrix, sums, n)
             for t, i in T.Parallel(BT, n):
@@ -200,8 +201,11 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             for t, e in T.Parallel(BT, NN):
                 grad[t, e] = T.if_then_else(row0 + t < tokens, DHRes[row0 + t, e], 0.0)
             for back in T.serial(iters):
-                for t, e in T.Parallel(BT, NN):
-                    iterate[t, e] = first_s[t, e]
+                # copied row by row: the same threads then normalise those rows (TileLang syncs only them)
+                for t, i in T.Parallel(BT, n):
+                    for j in T.serial(n):
+                        iterate[t, i * n + j] = first_s[t, i * n + j]
+                T.sync_threads()
                 for k in T.serial(iters - 1 - back):
                     _sinkhorn_step(iterate, row_sums, n)
                 for t, i in T.Parallel(BT, n):

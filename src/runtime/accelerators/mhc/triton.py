@@ -16,7 +16,7 @@ from .. import buffers
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
-TINY = 1e-30
+TINY = tl.constexpr(1e-30)
 
 
 def _pow2(value: int, least: int = 1) -> int:

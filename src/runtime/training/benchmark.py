@@ -1,0 +1,188 @@
+"""Training-step benchmark (configs/benchmark.yaml): every model under every accelerators preset.
+
+    python -m runtime.training.benchmark models=[baseline,tokenformer] presets=[torch,triton] steps=200
+
+Each run builds the model from the same seed and trains `steps` optimizer steps on the same batches
+(made once and kept on the device, so data making is not timed). Reported per run: the mean step
+time after `warmup` steps (forward, loss, backward, clipping, AdamW), samples/s, peak memory, and the
+loss curve against the all-torch eager run of the same model, and every fallback to torch that
+happened (a requested backend that could not run an op), so no run silently times torch instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runtime.accelerators import BackendFallbackWarning
+from runtime.accelerators.backends import clear_decisions
+
+from .config import config_dir
+from .distributed import Run
+from .loop import Trainer
+
+logger = logging.getLogger("runtime.training")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(train_cfg, batches, warmup: int, run_dir: Path) -> dict:
+    """Train on the given batches; the step time is measured after `warmup` steps."""
+    trainer = Trainer(train_cfg, run_dir, Run(_device(train_cfg)))
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    _sync(device)
+    start = time.perf_counter()
+    timed_from = start
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            _sync(device)
+            timed_from = time.perf_counter()
+        loss, _ = trainer.train_step(batch)
+        losses.append(loss)
+    _sync(device)
+    end = time.perf_counter()
+    timed = len(batches) - warmup
+    step_s = (end - timed_from) / timed if timed > 0 else float("nan")
+    return {
+        "losses": torch.stack(losses).float().cpu().tolist(),
+        "step_ms": 1000 * step_s,
+        "samples_per_s": train_cfg.data.batch_size / step_s,
+        "warmup_s": timed_from - start,
+        "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "parameters": trainer.metrics["parameters"],
+        "precision": trainer.precision_name,
+    }
+
+
+def _device(cfg) -> torch.device:
+    choice = str(getattr(cfg.trainer.device, "value", cfg.trainer.device))
+    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def compare(losses: list[float], reference: list[float], tail: int = 50) -> dict:
+    """How a loss curve departs from the reference curve (same batches, same initial weights)."""
+    diffs = [abs(a - b) for a, b in zip(losses, reference)]
+    tail = min(tail, len(losses))
+    mean_tail = sum(losses[-tail:]) / tail
+    mean_tail_ref = sum(reference[-tail:]) / tail
+    return {
+        "first_step_abs_diff": diffs[0],
+        "max_abs_diff_first_10": max(diffs[:10]),
+        "mean_abs_diff": sum(diffs) / len(diffs),
+        f"last_{tail}_mean": mean_tail,
+        f"last_{tail}_mean_diff": abs(mean_tail - mean_tail_ref),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        bench = compose("benchmark", overrides=overrides)
+        results = {"benchmark": OmegaConf.to_container(bench), "environment": _environment(), "runs": []}
+        out = Path(bench.output)
+        started = time.perf_counter()
+        # all models under one variant before the next variant: with a time budget, the eager torch
+        # references and the first presets finish first
+        variants = [(preset, False) for preset in bench.presets] + [(preset, True) for preset in bench.compiled]
+        batches, references = {}, {}
+        for preset, compiled in variants:
+            for model in bench.models:
+                if bench.time_budget_s and time.perf_counter() - started > bench.time_budget_s:
+                    print(f"time budget of {bench.time_budget_s} s spent: {model} / {preset} and later runs skipped", flush=True)
+                    results["skipped_after_budget"] = True
+                    _write(out, results)
+                    return results
+                base = [f"model={model}", f"trainer.steps={bench.steps}", "trainer.progress=false", *bench.overrides]
+                if model not in batches:
+                    batches[model] = _make_batches(compose("train", overrides=base), bench.steps)
+                name = f"{model} / {preset}" + (" / torch.compile" if compiled else "")
+                run_overrides = [*base, f"accelerators={preset}", f"trainer.compile={str(compiled).lower()}"]
+                entry = {"model": model, "accelerators": preset, "compiled": compiled}
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always", BackendFallbackWarning)
+                        clear_decisions()  # each run decides (and warns) afresh
+                        cfg = compose("train", overrides=run_overrides)
+                        with tempfile.TemporaryDirectory() as tmp:
+                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp)))
+                    entry["fallbacks"] = sorted({str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)})
+                    for message in entry["fallbacks"]:
+                        print(f"{name}: FALLBACK {message}", flush=True)
+                except Exception as error:  # reported, and the other runs go on
+                    entry["error"] = f"{type(error).__name__}: {error}"
+                    print(f"{name}: FAILED {entry['error'][:2000]}", flush=True)
+                    results["runs"].append(entry)
+                    _write(out, results)
+                    continue
+                if preset == "torch" and not compiled:
+                    references[model] = entry
+                reference = references.get(model)
+                if reference is not None:
+                    entry["vs_torch_eager"] = compare(entry["losses"], reference["losses"])
+                    tail_key = next(k for k in entry["vs_torch_eager"] if k.endswith("_mean_diff"))
+                    entry["speedup_vs_torch_eager"] = reference["step_ms"] / entry["step_ms"]
+                    entry["loss_within_bound"] = entry["vs_torch_eager"][tail_key] <= bench.loss_bound
+                results["runs"].append(entry)
+                _write(out, results)
+                print(_line(name, entry), flush=True)
+    return results
+
+
+def _make_batches(cfg, steps: int) -> list:
+    from .data import build_data
+
+    data = build_data(cfg.data, cfg.seed)
+    device = _device(cfg)
+    return [data.train_batch(i, cfg.data.batch_size).to(device) for i in range(steps)]
+
+
+def _line(name: str, entry: dict) -> str:
+    text = f"{name}: {entry['step_ms']:.2f} ms/step, {entry['samples_per_s']:,.0f} samples/s, first/last loss {entry['losses'][0]:.4f}/{entry['losses'][-1]:.4f}"
+    if "vs_torch_eager" in entry:
+        cmp = entry["vs_torch_eager"]
+        tail_key = next(k for k in cmp if k.endswith("_mean_diff"))
+        text += (
+            f", speedup {entry['speedup_vs_torch_eager']:.2f}x, |dloss| step 1 {cmp['first_step_abs_diff']:.1e}, "
+            f"mean {cmp['mean_abs_diff']:.1e}, {tail_key} {cmp[tail_key]:.1e}"
+        )
+    if entry.get("peak_memory_mib"):
+        text += f", peak {entry['peak_memory_mib']:.0f} MiB"
+    return text
+
+
+def _environment() -> dict:
+    env = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for module in ("triton", "tilelang"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as error:  # noqa: BLE001 - an environment report
+            env[module] = f"unavailable ({type(error).__name__})"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def _write(out: Path, results: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""flash_attention's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
+
+One representative specialisation per kernel (forward, backward preprocess, backward); the GPU
+tier checks the numbers. Also the pieces that need no GPU: the dropout hash the tests rebuild in
+torch, and the tensor-layout helpers.
+"""
+
+import pytest
+import torch
+
+from conftest import SM90A, requires_nvcc
+
+fa = pytest.importorskip(
+    "runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+)
+
+_compiled = {}
+
+
+def compile_entry(entry):
+    import tilelang
+
+    from runtime.accelerators.tilelang_common import device_info
+
+    key, build = entry
+    if key not in _compiled:
+        _compiled[key] = tilelang.compile(build(device_info(None)), target=SM90A)
+    return _compiled[key]
+
+
+# each kernel once, at a head dim and flags that exercise its special paths: D=48 (K transposed in
+# shared memory for dq, 96-byte rows), causal with key_lengths, dropout, fp16
+KERNELS = {
+    "forward-d48-bf16-causal-lengths-dropout": lambda: fa.forward_entry(48, torch.bfloat16, True, True, True),
+    "preprocess-d48-bf16": lambda: fa.preprocess_entry(48, torch.bfloat16),
+    "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
+}
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_compiles_for_sm90a(name):
+    kernel = compile_entry(KERNELS[name]())
+    source = kernel.get_kernel_source()
+    assert "__global__" in source
+    # batch, heads and lengths are runtime arguments: one kernel serves every shape
+    for dynamic in ("batch", "heads", "q_len"):
+        assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
+    if name.startswith(("forward", "backward")):
+        assert "tma_load" in source, f"{name}: q/k/v tiles should be loaded with TMA"
+        assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
+    if name.startswith("backward"):
+        assert "tma_store_add" in source, "dq should be accumulated with TMA reductions"
+
+
+def keep_mask_torch(seed, b, h, lq, lk, p):
+    """The kernels' dropout hash rebuilt with int64 torch ops (uint32 arithmetic by masking)."""
+    return fa.dropout_keep_mask(seed, b, h, lq, lk, p, torch.device("cpu"))
+
+
+def test_dropout_mask_keep_rate_and_determinism():
+    p = 0.3
+    keep = keep_mask_torch(1234, 2, 3, 70, 90, p)
+    assert keep.shape == (2, 3, 70, 90) and keep.dtype == torch.bool
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 0.01, f"keep rate {rate:.4f}, expected {1 - p}"
+    assert torch.equal(keep, keep_mask_torch(1234, 2, 3, 70, 90, p))
+    other = keep_mask_torch(1235, 2, 3, 70, 90, p)
+    assert (keep != other).float().mean().item() > 0.3, "another seed must give another mask"
+    # rows, columns and heads are not copies of each other
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    assert not torch.equal(keep[0, 0, :, 0], keep[0, 0, :, 1])
+    assert not torch.equal(keep[0, 0], keep[0, 1])
+
+
+def test_dropout_threshold():
+    assert fa._dropout_args(0.0) == (0, 1.0)
+    threshold, inv = fa._dropout_args(0.25)
+    assert threshold == 1 << 22 and inv == pytest.approx(1 / 0.75)
+
+
+def test_output_layouts_follow_inputs():
+    x = torch.randn(2, 37, 4, 16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
+    like = fa._empty_as(x, torch.float32)
+    assert like.shape == x.shape and like.stride() == torch.empty_like(x).stride() and like.dtype == torch.float32
+    contiguous = torch.randn(2, 4, 37, 16)
+    assert fa._empty_as(contiguous).stride() == contiguous.stride()
+    strided = torch.randn(2, 4, 37, 32)[..., ::2]  # not dense: contiguous result
+    assert fa._empty_as(strided).is_contiguous()
+
+
+def test_tma_ready_copies_only_when_needed():
+    view = torch.randn(2, 37, 4, 16, dtype=torch.bfloat16).transpose(1, 2)
+    assert fa._tma_ready(view) is view
+    odd_rows = torch.randn(2, 4, 37, 20, dtype=torch.bfloat16)[..., :16]  # 40-byte rows: not 16-byte aligned
+    ready = fa._tma_ready(odd_rows)
+    assert ready is not odd_rows and ready.is_contiguous() and torch.equal(ready, odd_rows)
+    broadcast = torch.randn(1, 1, 1, 16, dtype=torch.bfloat16).expand(2, 4, 37, 16)  # zero strides
+    assert fa._tma_ready(broadcast).is_contiguous()

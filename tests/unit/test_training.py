@@ -1,0 +1,201 @@
+"""Training: synthetic data, Parquet round trip, metrics, the loop (loss falls), exact resume, DDP on gloo."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from runtime.models import PCVRBatch
+from runtime.training import Trainer, config_dir
+from runtime.training.metrics import log_loss, roc_auc
+from runtime.training.synthetic import SyntheticPCVR
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+# a model and data small enough for a few CPU steps; the torch backend (the interpreter would crawl)
+TINY = [
+    "accelerators=torch",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "data.batch_size=32",
+    "data.seq_len=16",
+    "data.n_items=200",
+    "data.n_categories=8",
+    "data.val_size=256",
+    "data.prefetch=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.ffn_mult=2",
+    "model.head_hidden=32",
+]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("train", overrides=[*TINY, *overrides])
+
+
+def _batches_equal(a: PCVRBatch, b: PCVRBatch) -> bool:
+    return all(torch.equal(getattr(a, name), getattr(b, name)) for name in vars(a))
+
+
+# ------------------------------------------------------------------ data
+
+
+def test_synthetic_data_is_deterministic_by_seed_and_index():
+    data = SyntheticPCVR(seed=3, seq_len=20, n_items=100, n_categories=6, val_size=50)
+    again = SyntheticPCVR(seed=3, seq_len=20, n_items=100, n_categories=6, val_size=50)
+    assert _batches_equal(data.train_batch(5, 16), again.train_batch(5, 16))
+    assert _batches_equal(data.val_set(), again.val_set())
+    assert not torch.equal(data.train_batch(5, 16).seq_items, data.train_batch(6, 16).seq_items)
+    other = SyntheticPCVR(seed=4, seq_len=20, n_items=100, n_categories=6, val_size=50)
+    assert not torch.equal(data.train_batch(5, 16).seq_items, other.train_batch(5, 16).seq_items)
+
+
+def test_synthetic_batches_are_well_formed():
+    data = SyntheticPCVR(seed=0, seq_len=24, n_items=100, n_categories=6, val_size=10)
+    batch = data.train_batch(0, 64)
+    spec = data.spec
+    valid = torch.arange(24)[None] < batch.seq_lengths[:, None]
+    assert ((batch.seq_items > 0) == valid).all() and ((batch.seq_actions > 0) == valid).all()
+    assert batch.seq_items.max() <= spec.n_items and batch.seq_actions.max() <= spec.n_actions
+    assert torch.equal(data.item_category[batch.seq_items], batch.seq_categories)  # categories agree with items
+    assert torch.equal(data.item_category[batch.target_item], batch.target_category)
+    assert batch.sparse.shape == (64, len(spec.sparse_fields), spec.sparse_hotness)
+    assert ((batch.sparse > 0).sum(-1) >= 1).all()
+    assert set(batch.label.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_synthetic_data_has_a_learnable_signal():
+    batch, logits = SyntheticPCVR(seed=0, seq_len=64, val_size=4096).val_set_with_logits()
+    assert 0.15 < batch.label.mean() < 0.6
+    assert roc_auc(logits, batch.label) > 0.75  # what a perfect model would score
+
+
+def test_roc_auc_and_log_loss():
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.4, 0.2])
+    labels = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    pairs = [(p, n) for p in scores[labels == 1] for n in scores[labels == 0]]
+    brute = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
+    assert roc_auc(scores, labels) == pytest.approx(brute)
+    assert roc_auc(-scores, labels) == pytest.approx(1 - brute)
+    assert roc_auc(scores, torch.ones(6)) != roc_auc(scores, torch.ones(6))  # NaN: one class only
+    logits = torch.randn(50)
+    targets = torch.rand(50).round()
+    expected = -(targets * torch.sigmoid(logits).log() + (1 - targets) * torch.sigmoid(-logits).log()).mean()
+    assert log_loss(logits, targets) == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_parquet_round_trip(tmp_path):
+    pytest.importorskip("pyarrow")
+    from runtime.training.parquet import ParquetPCVR, main
+
+    main([str(tmp_path), "--train-rows", "96", "--val-rows", "40", "--seq-len", "12", "--n-items", "60", "--n-categories", "5", "--seed", "2"])
+    synthetic = SyntheticPCVR(seed=2, seq_len=12, n_items=60, n_categories=5, val_size=40)
+    loaded = ParquetPCVR(tmp_path, seed=0)
+    assert loaded.spec == synthetic.spec
+    assert _batches_equal(loaded.val_set(), synthetic.val_set())
+    assert _batches_equal(loaded.train, synthetic.train_batch(0, 4096).slice(0, 96))
+    # epochs: every row once per epoch, in a seeded order
+    epoch = PCVRBatch.concat([loaded.train_batch(i, 32) for i in range(3)])
+    assert sorted(epoch.target_item.tolist()) == sorted(loaded.train.target_item.tolist())
+    assert _batches_equal(loaded.train_batch(4, 32), ParquetPCVR(tmp_path, seed=0).train_batch(4, 32))
+
+
+def test_parquet_reader_truncates_infers_and_checks(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from runtime.training.parquet import read_batch, read_spec
+
+    table = pa.table({
+        "label": pa.array([1.0, 0.0], pa.float32()),
+        "dense": pa.array([[0.5, 1.5], [2.0, -1.0]], pa.list_(pa.float32())),
+        "sparse_city": pa.array([[3], [1, 2]], pa.list_(pa.int64())),
+        "seq_items": pa.array([[1, 2, 3, 4, 5], [7]], pa.list_(pa.int64())),
+        "seq_categories": pa.array([[1, 1, 2, 2, 3], [3]], pa.list_(pa.int64())),
+        "seq_actions": pa.array([[1, 1, 1, 2, 3], [1]], pa.list_(pa.int64())),
+        "target_item": pa.array([4, 9], pa.int64()),
+        "target_category": pa.array([2, 3], pa.int64()),
+    })
+    pq.write_table(table, tmp_path / "t.parquet")
+    spec = read_spec(tmp_path / "t.parquet")  # no metadata: inferred
+    assert (spec.n_items, spec.n_categories, spec.n_actions, spec.seq_len, spec.n_dense) == (9, 3, 3, 5, 2)
+    assert spec.sparse_fields == {"city": 3} and spec.sparse_hotness == 2
+    short = type(spec)(**{**spec.to_dict(), "seq_len": 3})
+    batch = read_batch(tmp_path / "t.parquet", short)
+    assert batch.seq_items.tolist() == [[3, 4, 5], [7, 0, 0]]  # the most recent events are kept
+    assert batch.seq_lengths.tolist() == [3, 1]
+    assert batch.sparse[:, 0].tolist() == [[3, 0], [1, 2]]
+    small = type(spec)(**{**spec.to_dict(), "n_items": 8})
+    with pytest.raises(ValueError, match="target_item has ids in"):
+        read_batch(tmp_path / "t.parquet", small)
+    pq.write_table(table.drop(["seq_actions"]), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"missing columns \['seq_actions'\]"):
+        read_batch(tmp_path / "bad.parquet", spec)
+
+
+# ------------------------------------------------------------------ the loop
+
+
+@pytest.mark.parametrize("model", ["baseline", "tokenformer", "gdr"])
+def test_a_few_steps_lower_the_loss(model, tmp_path):
+    cfg = _compose(f"model={model}", "data.batch_size=64", "trainer.steps=40", "trainer.log_every=10", "trainer.val_every=0", "optim.lr=3e-3", "optim.warmup_steps=5")
+    trainer = Trainer(cfg, tmp_path)
+    before = trainer.evaluate()
+    metrics = trainer.fit()
+    after = metrics["validation"][-1]
+    losses = metrics["losses"]
+    assert len(losses) == 40 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert after["val_logloss"] < before["val_logloss"] - 0.03, (before, after)
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, losses
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["losses"] == losses and saved["validation"][-1]["step"] == 40
+    assert (tmp_path / "checkpoints" / "step_0000040.pt").is_file()
+
+
+def test_resume_gives_the_same_next_losses(tmp_path):
+    overrides = ["model=tokenformer", "model.dropout=0.2", "trainer.steps=6", "trainer.log_every=2", "trainer.val_every=3", "trainer.checkpoint_every=3"]
+    straight = Trainer(_compose(*overrides), tmp_path / "straight").fit()
+
+    Trainer(_compose(*overrides), tmp_path / "interrupted").fit(until=4)  # checkpoints at 3 and 4
+    resumed = Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'interrupted' / 'checkpoints' / 'step_0000003.pt'}"), tmp_path / "resumed")
+    assert resumed.step == 3 and resumed.data_position == 3
+    metrics = resumed.fit()
+    assert metrics["losses"] == straight["losses"]  # bit for bit: model, optimizer, RNG and data position restored
+    assert metrics["validation"] == straight["validation"]
+
+    from_dir = Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'interrupted'}"), tmp_path / "again")
+    assert from_dir.step == 4  # a run directory resumes from its latest checkpoint
+
+
+def test_resume_refuses_another_world_size(tmp_path):
+    from runtime.training import checkpoint
+
+    Trainer(_compose("trainer.steps=1"), tmp_path).fit()
+    path = checkpoint.resolve(str(tmp_path))
+    state = checkpoint.load(path)
+    state["world_size"] = 2
+    checkpoint.save(path, state)
+    with pytest.raises(ValueError, match="written by 2 process"):
+        Trainer(_compose(f"trainer.resume={path}"), tmp_path / "next")
+
+
+def test_ddp_with_two_gloo_processes(tmp_path):
+    """torchrun, 2 CPU processes with the gloo backend, through the taac-train entry point."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "runtime.training", *TINY, "trainer.steps=4", "trainer.log_every=2", "trainer.val_every=4", f"hydra.run.dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["ranks_in_sync"] is True
+    assert len(metrics["losses"]) == 4 and all(map(torch.isfinite, torch.tensor(metrics["losses"])))
+    assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
