@@ -19,6 +19,7 @@ dev = torch.device("cuda", 0)
 bf16 = torch.bfloat16
 tc = importlib.import_module("runtime.accelerators.tilelang_common")
 SHAPES = [(32768, 4096), (8192, 128), (131072, 64)]
+BACKENDS = ("triton", "tilelang") if "lite" in sys.argv else ("torch", "triton", "tilelang")
 copy = copy_bandwidth_tbs(dev)
 print(f"copy bandwidth {copy:.3f} TB/s", flush=True)
 
@@ -36,7 +37,7 @@ def make(op, rows, width):
 def fns(op, x, p):
     width = x.shape[-1]
     out = {}
-    for backend in ("torch", "triton", "tilelang"):
+    for backend in BACKENDS:
         if op == "l2norm":
             out[backend] = lambda b=backend: l2norm(x, 1e-6, backend=b)
         else:
@@ -59,8 +60,8 @@ def nbytes(x, p, mode):
 def main_table():
     entries = []
     for _, width in SHAPES:
-        entries += importlib.import_module("runtime.accelerators.rms_norm.tilelang").kernel_entries(bf16, width, bf16)
-        entries += importlib.import_module("runtime.accelerators.layer_norm.tilelang").kernel_entries(bf16, width, bf16, bf16)
+        entries += importlib.import_module("runtime.accelerators.rms_norm.tilelang").kernel_entries(bf16, width, bf16, dev)
+        entries += importlib.import_module("runtime.accelerators.layer_norm.tilelang").kernel_entries(bf16, width, bf16, bf16, dev)
         entries += importlib.import_module("runtime.accelerators.l2norm.tilelang").kernel_entries(bf16, width)
     t0 = time.time()
     tc.precompile(entries, dev)
@@ -127,11 +128,11 @@ def sweep():
             funcs = [ln.backward_kernel("bfloat16", "bfloat16", "bfloat16", p, k * info.sm_count, m) for p, k, m in variants]
         kernels = tilelang.par_compile(funcs, target=info.target, ignore_error=True)
         print(f"sweep {op} {rows}x{width}: compiled {len(kernels)} variants in {time.time() - t0:.1f}s", flush=True)
-        colsum = tc.compiled(tc.column_sum_entry(bf16), dev)
         for (plan, per_sm, min_blocks), k in zip(variants, kernels):
             if k is None:
                 continue
             n_params = 1 if op == "rms_norm" else 2
+            colsum = tc.launcher(tc.column_sum_entry(bf16, per_sm * info.sm_count), dev)
             partial = torch.empty(per_sm * info.sm_count, n_params * width, device=dev)
             dw = torch.empty(n_params * width, device=dev, dtype=bf16)
             if op == "rms_norm":
@@ -155,9 +156,37 @@ def sweep():
             )
 
 
+def overhead(rows=8192, width=128):
+    """Host time per call (wall clock, back-to-back, one sync) of the pieces of an eager rms_norm call."""
+    mod = importlib.import_module("runtime.accelerators.rms_norm.tilelang")
+    x = torch.randn(rows, width, device=dev, dtype=bf16, requires_grad=True)
+    w = torch.randn(width, device=dev, dtype=bf16, requires_grad=True)
+    y, rstd = mod.forward(x.detach(), w.detach(), 1e-6)
+    dy = torch.randn_like(y)
+    entry = mod._forward_entry(bf16, width, bf16)
+    jit, direct = tc.compiled(entry, dev), tc.launcher(entry, dev)
+    out = torch.empty_like(y)
+    pieces = {
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "JITKernel call": lambda: jit(x.detach(), w.detach(), out, rstd, 1e-6),
+        "direct TVM-FFI call": lambda: direct(x.detach(), w.detach(), out, rstd, 1e-6),
+        "module forward()": lambda: mod.forward(x.detach(), w.detach(), 1e-6),
+        "module backward()": lambda: mod.backward(dy, x.detach(), w.detach(), 1e-6, y, rstd),
+        "rms_norm no_grad": lambda: rms_norm(x.detach(), w.detach(), backend="tilelang"),
+        "rms_norm fwd (autograd)": lambda: rms_norm(x, w, backend="tilelang"),
+        "rms_norm fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, backend="tilelang"), [x, w], dy),
+        "F.rms_norm fwd (autograd)": lambda: F.rms_norm(x, (width,), w, 1e-6),
+        "F.rms_norm fwd+bwd": lambda: torch.autograd.grad(F.rms_norm(x, (width,), w, 1e-6), [x, w], dy),
+    }
+    for name, fn in pieces.items():
+        print(f"overhead {rows}x{width} {name:28s} {eager_time_ms(fn, dev) * 1e3:7.1f} us/call", flush=True)
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["table", "sweep"]
+    which = sys.argv[1:] or ["table", "overhead"]
     if "table" in which:
         main_table()
+    if "overhead" in which:
+        overhead()
     if "sweep" in which:
         sweep()

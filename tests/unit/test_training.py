@@ -199,3 +199,12 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert metrics["world_size"] == 2 and metrics["ranks_in_sync"] is True
     assert len(metrics["losses"]) == 4 and all(map(torch.isfinite, torch.tensor(metrics["losses"])))
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
+
+
+def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
+    trainer = Trainer(_compose("trainer.steps=4", "trainer.log_every=2"), tmp_path)
+    original = trainer.criterion.forward
+    monkeypatch.setattr(trainer.criterion, "forward", lambda logits, targets: original(logits, targets) * float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite training loss by step 2"):
+        trainer.fit()
+    assert json.loads((tmp_path / "metrics.json").read_text())["log"][0]["step"] == 2

@@ -7,11 +7,17 @@ from .backends import (
     BackendFallbackWarning,
     BackendUnavailableError,
 )
+from .bce import binary_cross_entropy_with_logits
 from .config import AcceleratorConfig, active_config, set_accelerators, use_accelerators
+from .dropout_add import dropout_add
+from .embedding_bag import embedding_bag_mean
 from .explain import explain
+from .flash_attention import flash_attention
 from .l2norm import l2norm
 from .layer_norm import layer_norm
+from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
+from .swiglu import swiglu
 
 __all__ = [
     "BACKENDS",
@@ -21,10 +27,17 @@ __all__ = [
     "BackendFallbackWarning",
     "BackendUnavailableError",
     "active_config",
+    "binary_cross_entropy_with_logits",
+    "dropout_add",
+    "embedding_bag_mean",
     "explain",
+    "flash_attention",
     "l2norm",
     "layer_norm",
+    "mhc_post",
+    "mhc_pre",
     "rms_norm",
     "set_accelerators",
+    "swiglu",
     "use_accelerators",
 ]

@@ -194,7 +194,6 @@ def _describe(inputs: dict) -> tuple:
     )
 
 
-@torch.compiler.assume_constant_result
 def _decide_while_compiling(op: str, backend: str | None, device: torch.device, key: Hashable, described: tuple) -> str:
     """Runs (untraced) while torch.compile traces an op: the decision is a constant of the compiled graph.
 
@@ -213,6 +212,11 @@ def _decide_while_compiling(op: str, backend: str | None, device: torch.device, 
     config = active_config()
     requested = backend if backend is not None else config.backend_for(op)
     return _decide(REGISTRY[op], requested, config.fallback, device, inputs)
+
+
+# what torch.compiler.assume_constant_result does, without importing torch._dynamo (over a second) at
+# package import; tests/unit/test_compile.py proves the compiler honours it
+_decide_while_compiling._dynamo_marked_constant = True
 
 
 def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, inputs: dict) -> str:

@@ -224,6 +224,7 @@ def store_rows(tile, Dst, row0, n_rows, width):
             Dst[row0 + i, j] = tile[i, j]
 
 
+@functools.cache
 def blocks_per_sm(plan: RowPlan, registers_per_element: int) -> int:
     """Resident blocks per SM of a persistent backward kernel (passed to __launch_bounds__ as the
     minimum, and the grid is this many blocks per SM, so that all of them run at once).
@@ -236,6 +237,11 @@ def blocks_per_sm(plan: RowPlan, registers_per_element: int) -> int:
     per_thread = plan.padded * plan.block_rows // plan.threads
     registers = max(64, registers_per_element * per_thread)
     return max(1, min(4, 65536 // (plan.threads * registers)))
+
+
+def info_for(device: torch.device | None) -> DeviceInfo:
+    """The device's compile target and SM count; None: the compile-only H100 default."""
+    return device_info(None if device is None else _index(device))
 
 
 def column_sum_kernel(out_dtype: str, n_rows: int, block_cols: int = 16, block_rows: int = 64, threads: int = 128):

@@ -110,7 +110,7 @@ class BenchmarkSchema:
     compiled: List[str] = field(default_factory=lambda: ["torch"])  # presets also run under torch.compile
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
-    loss_bound: float = 0.05  # max |mean loss difference| over the last 50 steps vs the torch run
+    loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run
     overrides: List[str] = field(default_factory=lambda: ["model.dropout=0.0"])  # train.yaml overrides for every run
     output: str = "training-benchmark.json"
     time_budget_s: float = 0.0  # > 0: start no new run after this many seconds

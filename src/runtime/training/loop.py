@@ -79,7 +79,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every process
         self.data = build_data(cfg.data, cfg.seed)
         self.model = instantiate(cfg.model, spec=self.data.spec).to(self.device)
-        self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if self.run.distributed else None
+        self.ddp = None
+        if self.run.distributed:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
         trained = self.ddp or self.model
         self.forward = torch.compile(trained) if cfg.trainer.compile else trained
         self.criterion = BCEWithLogitsLoss()
@@ -249,6 +252,12 @@ class Trainer:
         }
         self.metrics["log"].append(entry)
         bar.update(entry["loss"], speed)
+        if not all(math.isfinite(x) for x in losses):
+            self.write_metrics()
+            raise FloatingPointError(
+                f"non-finite training loss by step {self.step} (losses {losses}); with accelerators "
+                f"{self.accelerators}, try running suspect ops on torch (accelerators.ops.<op>=torch) to find the cause"
+            )
         logger.info(
             "step %d  loss %.4f  lr %.2e  %.0f samples/s  %.1f ms/step", self.step, entry["loss"], entry["lr"], speed, entry["step_ms"]
         )

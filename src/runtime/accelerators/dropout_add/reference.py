@@ -1,7 +1,7 @@
 """dropout_add in plain torch, and the kernels' keep masks rebuilt in plain torch.
 
-`dropout_add_reference` is the torch backend: residual + F.dropout(x, p, training) in fp32 math
-(torch's own RNG). The kernel backends draw their masks from counter-based generators of
+`dropout_add_reference` is the torch backend: residual + F.dropout(x, p, training) as eager
+torch computes it (torch's own RNG). The kernel backends draw their masks from counter-based generators of
 (seed, element index); `triton_keep_mask` and `tilelang_keep_mask` rebuild those masks exactly,
 so tests can compare a kernel's mask element by element and compute float64 references.
 
@@ -17,8 +17,7 @@ TRITON_BLOCK = 8192  # elements per program of the Triton kernels: part of their
 
 
 def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float = 0.0, training: bool = True) -> torch.Tensor:
-    compute = torch.promote_types(x.dtype, torch.float32)
-    return (residual.to(compute) + F.dropout(x.to(compute), p, training)).to(x.dtype)
+    return residual + F.dropout(x, p, training)
 
 
 def dropout_add_masked(x: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """FlashAttention in TileLang: forward (online softmax, saves the log-sum-exp), backward
-preprocess (delta = rowsum(o * do), and zeroing of the fp32 dq accumulator) and one backward
-kernel that computes dk/dv per key block and adds dq into the accumulator with TMA reductions.
+preprocess (delta = rowsum(o * do), the log-sum-exp in base 2) and one backward kernel that
+computes dk/dv per key block and adds dq into an fp32 accumulator with TMA reductions.
 
 Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D] are read in place whatever their strides (views such
 as x.view(B, L, H, D).transpose(1, 2)): the kernels take strided tensors and TMA reads them (a
@@ -58,8 +58,9 @@ class BwdConfig:
     min_blocks: int = 1
 
 
-# Chosen from measurements on an H100 (bf16): small heads are bound by the exponentials and by
-# latency, so they favour several small programs per SM; D=128 favours big tiles.
+# Register budgets checked with ptxas on sm_90a (no spills); small heads are bound by the
+# exponentials and by latency, so they run several one-warpgroup programs per SM; D >= 64 runs two
+# compute warpgroups per program with TileLang's default register split (one program per SM).
 FWD_CONFIGS = {
     16: FwdConfig(64, 128, 2, 128, 2),
     32: FwdConfig(64, 128, 2, 128, 2),
@@ -68,13 +69,13 @@ FWD_CONFIGS = {
     128: FwdConfig(128, 128, 2, 256, 1),
 }
 BWD_CONFIGS = {
-    16: BwdConfig(128, 64, 2, 256, 2),
-    32: BwdConfig(128, 64, 2, 256, 2),
+    16: BwdConfig(64, 64, 2, 128, 2),
+    32: BwdConfig(128, 64, 2, 256, 1),
     48: BwdConfig(128, 64, 2, 256, 1),
     64: BwdConfig(128, 64, 2, 256, 1),
     128: BwdConfig(128, 64, 2, 256, 1),
 }
-PREP_ROWS = 64
+PREP_ROWS = 128
 HEAD_DIMS = tuple(FWD_CONFIGS)
 
 
@@ -223,12 +224,10 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
 
 def preprocess_kernel(dim: int, dtype: str):
     """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
-    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA;
-    and dq_acc = 0, which the backward adds into."""
+    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA."""
     blk = PREP_ROWS
     B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
     sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
-    sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
 
     @T.prim_func
     def flash_bwd_prep(
@@ -237,26 +236,22 @@ def preprocess_kernel(dim: int, dtype: str):
         LSE: T.Tensor((B, H, Lq), ACCUM),
         Delta: T.Tensor((B, H, Lqp), ACCUM),
         LSE2: T.Tensor((B, H, Lqp), ACCUM),
-        dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
     ):
-        with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=128) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=blk) as (bx, by, bz):
             o_s = T.alloc_shared((blk, dim), dtype)
             do_s = T.alloc_shared((blk, dim), dtype)
-            prod = T.alloc_fragment((blk, dim), ACCUM)
             delta = T.alloc_fragment((blk,), ACCUM)
             lse = T.alloc_fragment((blk,), ACCUM)
             T.copy(O[bz, by, bx * blk : (bx + 1) * blk, :], o_s)
             T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, :], do_s)
-            for i, j in T.Parallel(blk, dim):
-                prod[i, j] = T.cast(o_s[i, j], ACCUM) * T.cast(do_s[i, j], ACCUM)
-            T.reduce_sum(prod, delta, dim=1)
-            T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
             T.copy(LSE[bz, by, bx * blk : (bx + 1) * blk], lse)
-            for i in T.Parallel(blk):
+            for i in T.Parallel(blk):  # a thread per row (no fragment layout fits every head dim)
+                delta[i] = 0
+                for j in T.serial(dim):
+                    delta[i] += T.cast(o_s[i, j], ACCUM) * T.cast(do_s[i, j], ACCUM)
                 lse[i] = T.if_then_else(lse[i] == -T.infinity(ACCUM), T.infinity(ACCUM), lse[i] * LOG2E)
+            T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
             T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
-            T.clear(prod)
-            T.copy(prod, dQacc[bz, by, bx * blk : (bx + 1) * blk, :])
 
     return flash_bwd_prep
 
@@ -314,6 +309,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
             dp = T.alloc_fragment((bN, bM), ACCUM)
             p_cast = T.alloc_fragment((bN, bM), dtype)
+            kept = T.alloc_fragment((bN, bM) if dropout else (1, 1), dtype)
             ds_cast = T.alloc_fragment((bN, bM), dtype)
             dk = T.alloc_fragment((bN, dim), ACCUM)
             dv = T.alloc_fragment((bN, dim), ACCUM)
@@ -349,14 +345,12 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                             s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
                 T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
                 T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if dropout:
+                if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
                     for n, i in T.Parallel(bN, bM):
-                        p_cast[n, i] = T.if_then_else(
-                            _keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), s[n, i] * inv_keep, 0
-                        )
-                        dp[n, i] = T.if_then_else(
-                            _keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), dp[n, i] * inv_keep, 0
-                        )
+                        kept[n, i] = T.if_then_else(_keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), 1, 0)
+                    for n, i in T.Parallel(bN, bM):
+                        p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
+                        dp[n, i] = dp[n, i] * kept[n, i] * inv_keep
                 else:
                     T.copy(s, p_cast)
                 T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
@@ -494,8 +488,8 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
     delta = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
     lse2 = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
-    dq_acc = _empty_as(dq, torch.float32)  # zeroed by the preprocess kernel
-    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, dq_acc)
+    dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
+    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2)
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)

@@ -9,7 +9,7 @@ import torch
 import tilelang.language as T
 
 from .. import buffers
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, RowPlan, compiled, kernel_rows, load_rows, plan_for, row_layout, store_rows
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, RowPlan, kernel_rows, launcher, load_rows, plan_for, row_layout, store_rows
 
 
 def forward_kernel(dtype: str, plan: RowPlan):
@@ -98,7 +98,7 @@ def forward(x: torch.Tensor, eps: float):
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, rstd
-    compiled(_entry("fwd", forward_kernel, x.dtype, width), x.device)(rows, y.view(n_rows, width), rstd, eps)
+    launcher(_entry("fwd", forward_kernel, x.dtype, width), x.device)(rows, y.view(n_rows, width), rstd, eps)
     return y, rstd
 
 
@@ -108,5 +108,5 @@ def backward(dy: torch.Tensor, x: torch.Tensor, eps: float, y: torch.Tensor, rst
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, None
-    compiled(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, rows, rstd, dx.view(n_rows, width))
+    launcher(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, rows, rstd, dx.view(n_rows, width))
     return dx, None

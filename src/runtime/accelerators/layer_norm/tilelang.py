@@ -19,12 +19,11 @@ from ..tilelang_common import (
     RowPlan,
     column_sum,
     column_sum_entry,
-    compiled,
     kernel_rows,
     load_rows,
-    n_blocks_for,
+    info_for,
+    launcher,
     param_or_placeholder,
-    persistent_blocks,
     placeholder,
     plan_for,
     row_layout,
@@ -165,13 +164,31 @@ def backward_kernel(
     return layer_norm_bwd
 
 
-def kernel_entries(dtype: torch.dtype, width: int, w_dtype: torch.dtype | None, b_dtype: torch.dtype | None) -> list[Entry]:
-    """The kernels (forward, backward, and the parameter-gradient reduction) for these dtypes and width."""
+REGISTERS_PER_ELEMENT = 8  # backward register budget per fp32 row element a thread holds (see blocks_per_sm)
+
+
+def persistent_grid(dtype: torch.dtype, width: int, sm_count: int) -> tuple[RowPlan, int, int]:
+    """(plan, blocks per SM, blocks) of the persistent backward kernel."""
+    plan = plan_for(dtype, width)
+    per_sm = blocks_per_sm(plan, REGISTERS_PER_ELEMENT)
+    return plan, per_sm, per_sm * sm_count
+
+
+def kernel_entries(
+    dtype: torch.dtype,
+    width: int,
+    w_dtype: torch.dtype | None,
+    b_dtype: torch.dtype | None,
+    device: torch.device | None = None,
+) -> list[Entry]:
+    """The kernels (forward, backward, and the parameter-gradient reduction) for these dtypes and
+    width on `device` (None: the compile-only H100 default)."""
+    entries = [_forward_entry(dtype, width, w_dtype, b_dtype), _backward_entry(dtype, width, w_dtype, b_dtype)]
     params = [d for d in (w_dtype, b_dtype) if d is not None]
-    reduce_dtype = params[0] if params and all(d == params[0] for d in params) else torch.float32
-    return [_forward_entry(dtype, width, w_dtype, b_dtype), _backward_entry(dtype, width, w_dtype, b_dtype)] + (
-        [column_sum_entry(reduce_dtype)] if params else []
-    )
+    if params:
+        n_blocks = persistent_grid(dtype, width, info_for(device).sm_count)[2]
+        entries.append(column_sum_entry(_reduce_dtype(params), n_blocks))
+    return entries
 
 
 def _forward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
@@ -183,10 +200,8 @@ def _forward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
 
 def _backward_entry(dtype, width, w_dtype, b_dtype) -> Entry:
     def build(info):
-        plan = plan_for(dtype, width)
-        names = TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype)
-        n_blocks = persistent_blocks(info, plan.threads)
-        return backward_kernel(*names, plan, n_blocks, blocks_per_sm(plan.threads))
+        plan, per_sm, n_blocks = persistent_grid(dtype, width, info.sm_count)
+        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype), plan, n_blocks, per_sm)
 
     return ("layer_norm_bwd", dtype, width, w_dtype, b_dtype), build
 
@@ -199,7 +214,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, mean, rstd
-    kernel = compiled(_forward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
+    kernel = launcher(_forward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
     kernel(rows, param_or_placeholder(weight, x), param_or_placeholder(bias, x), y.view(n_rows, width), mean, rstd, eps)
     return y, mean, rstd
 
@@ -210,12 +225,12 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, _zeros_like(weight), _zeros_like(bias), None
-    kernel = compiled(_backward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
+    kernel = launcher(_backward_entry(x.dtype, width, _dtype(weight), _dtype(bias)), x.device)
     params = [p for p in (weight, bias) if p is not None]
     if not params:
         kernel(dy_rows, rows, placeholder(x.device), mean, rstd, dx.view(n_rows, width), placeholder(x.device))
         return dx, None, None, None
-    n_blocks = n_blocks_for(x.device, plan_for(x.dtype, width))
+    n_blocks = persistent_grid(x.dtype, width, info_for(x.device).sm_count)[2]
     partial = buffers.empty((n_blocks, len(params), width), dtype=torch.float32, device=x.device)
     kernel(dy_rows, rows, param_or_placeholder(weight, x), mean, rstd, dx.view(n_rows, width), partial)
     grads = _reduce_partials(partial.view(n_blocks, -1), params)
@@ -228,9 +243,13 @@ def _reduce_partials(partial: torch.Tensor, params: list) -> list:
     """One column-sum launch for all parameter gradients, split into one view per parameter
     (through fp32 when weight and bias dtypes differ)."""
     width = params[0].shape[0]
-    dtype = params[0].dtype if all(p.dtype == params[0].dtype for p in params) else torch.float32
+    dtype = _reduce_dtype([p.dtype for p in params])
     total = column_sum(partial, buffers.empty((partial.shape[1],), dtype=dtype, device=partial.device))
     return [total[k * width : (k + 1) * width].to(p.dtype) for k, p in enumerate(params)]
+
+
+def _reduce_dtype(dtypes: list) -> torch.dtype:
+    return dtypes[0] if all(d == dtypes[0] for d in dtypes) else torch.float32
 
 
 def _dtype(t: torch.Tensor | None):

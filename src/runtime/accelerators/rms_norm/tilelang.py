@@ -20,12 +20,11 @@ from ..tilelang_common import (
     RowPlan,
     column_sum,
     column_sum_entry,
-    compiled,
     kernel_rows,
     load_rows,
-    n_blocks_for,
+    info_for,
+    launcher,
     param_or_placeholder,
-    persistent_blocks,
     placeholder,
     plan_for,
     row_layout,
@@ -133,11 +132,25 @@ def backward_kernel(
     return rms_norm_bwd
 
 
-def kernel_entries(dtype: torch.dtype, width: int, w_dtype: torch.dtype | None) -> list[Entry]:
-    """The kernels (forward, backward, and the dweight reduction) for these dtypes and width."""
-    return [_forward_entry(dtype, width, w_dtype), _backward_entry(dtype, width, w_dtype)] + (
-        [column_sum_entry(w_dtype)] if w_dtype is not None else []
-    )
+REGISTERS_PER_ELEMENT = 4  # backward register budget per fp32 row element a thread holds (see blocks_per_sm)
+
+
+def persistent_grid(dtype: torch.dtype, width: int, sm_count: int) -> tuple[RowPlan, int, int]:
+    """(plan, blocks per SM, blocks) of the persistent backward kernel."""
+    plan = plan_for(dtype, width)
+    per_sm = blocks_per_sm(plan, REGISTERS_PER_ELEMENT)
+    return plan, per_sm, per_sm * sm_count
+
+
+def kernel_entries(
+    dtype: torch.dtype, width: int, w_dtype: torch.dtype | None, device: torch.device | None = None
+) -> list[Entry]:
+    """The kernels (forward, backward, and the dweight reduction) for these dtypes and width on
+    `device` (None: the compile-only H100 default)."""
+    entries = [_forward_entry(dtype, width, w_dtype), _backward_entry(dtype, width, w_dtype)]
+    if w_dtype is not None:
+        entries.append(column_sum_entry(w_dtype, persistent_grid(dtype, width, info_for(device).sm_count)[2]))
+    return entries
 
 
 def _forward_entry(dtype, width, w_dtype) -> Entry:
@@ -149,9 +162,8 @@ def _forward_entry(dtype, width, w_dtype) -> Entry:
 
 def _backward_entry(dtype, width, w_dtype) -> Entry:
     def build(info):
-        plan = plan_for(dtype, width)
-        n_blocks = persistent_blocks(info, plan.threads)
-        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan, n_blocks, blocks_per_sm(plan.threads))
+        plan, per_sm, n_blocks = persistent_grid(dtype, width, info.sm_count)
+        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), plan, n_blocks, per_sm)
 
     return ("rms_norm_bwd", dtype, width, w_dtype), build
 
@@ -163,22 +175,23 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, rstd
-    kernel = compiled(_forward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
+    kernel = launcher(_forward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
     kernel(rows, param_or_placeholder(weight, x), y.view(n_rows, width), rstd, eps)
     return y, rstd
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, y: torch.Tensor, rstd: torch.Tensor):
+def backward(dy, x, weight, eps, y, rstd):
     rows, dy_rows = kernel_rows(x), kernel_rows(dy)
     n_rows, width = rows.shape
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, None if weight is None else torch.zeros_like(weight), None
-    kernel = compiled(_backward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
+    kernel = launcher(_backward_entry(x.dtype, width, None if weight is None else weight.dtype), x.device)
     if weight is None:
         kernel(dy_rows, rows, placeholder(x.device), rstd, dx.view(n_rows, width), placeholder(x.device))
         return dx, None, None
-    partial = buffers.empty((n_blocks_for(x.device, plan_for(x.dtype, width)), width), dtype=torch.float32, device=x.device)
+    n_blocks = persistent_grid(x.dtype, width, info_for(x.device).sm_count)[2]
+    partial = buffers.empty((n_blocks, width), dtype=torch.float32, device=x.device)
     kernel(dy_rows, rows, weight.contiguous(), rstd, dx.view(n_rows, width), partial)
     dweight = column_sum(partial, buffers.empty((width,), dtype=weight.dtype, device=weight.device))
     return dx, dweight, None

@@ -4,7 +4,8 @@ The tensors are flat arrays of a dynamic length N: one compiled kernel per (dtyp
 threads) serves every shape. Each block loads `block` consecutive elements into register
 tiles, computes, and stores. The tiles have an explicit layout (each thread holds 16-byte
 vectors of consecutive elements) so every global access is a 16-byte vector access. Full
-blocks run unguarded; only the last, partial block checks each element against N.
+blocks run unguarded; only the last, partial block checks each element against N. The
+backward walks the blocks from the last to the first, so it starts on what is still in L2.
 
 The flat-tile helpers here (layout, guarded load/store) are shared with dropout_add.
 """
@@ -124,10 +125,11 @@ def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
             u = T.alloc_fragment((rows, vec), ACCUM)
             layout = flat_layout(rows, vec, threads)
             T.annotate_layout({dy: layout, g: layout, u: layout})
-            if bx * block + block <= N:
-                swiglu_tile(DY, G, U, DG, DU, dy, g, u, bx * block, False)
+            start = (T.ceildiv(N, block) - 1 - bx) * block  # last block first
+            if start + block <= N:
+                swiglu_tile(DY, G, U, DG, DU, dy, g, u, start, False)
             else:
-                swiglu_tile(DY, G, U, DG, DU, dy, g, u, bx * block, True)
+                swiglu_tile(DY, G, U, DG, DU, dy, g, u, start, True)
 
     return swiglu_bwd
 

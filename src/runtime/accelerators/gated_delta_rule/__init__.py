@@ -1,0 +1,188 @@
+"""Gated delta rule (flash-linear-attention semantics): chunk_gated_delta_rule and fused_recurrent_gated_delta_rule.
+
+q/k [B, T, H, K], v [B, T, HV, V] (HV a multiple of H: GVA), g (log decay) and beta [B, T, HV],
+initial_state [N, HV, K, V] (fp32), cu_seqlens [N + 1] for packed sequences (then B == 1).
+Both return (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None); see
+reference.py for the math. The two share the OpSpec "gated_delta_rule".
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
+
+KERNEL_WIDTHS = (16, 32, 64, 128)
+# kernel backends whose chunked kernels have a backward (the others run the chunked op forward-only)
+CHUNK_BACKWARD_BACKENDS: tuple[str, ...] = ()
+
+
+def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: bool) -> list[str]:
+    if backend == "tilelang":
+        return ["the tilelang backend has no gated-delta-rule kernels in this version"]
+    reasons = dtype_reasons("q", q) + dtype_reasons("g", g) + dtype_reasons("beta", beta)
+    if initial_state is not None:
+        reasons += dtype_reasons("initial_state", initial_state)
+    for name, width in (("K (the q/k head dim)", q.shape[-1]), ("V (the v head dim)", v.shape[-1])):
+        if width not in KERNEL_WIDTHS:
+            reasons.append(f"{name} is {width}; the {backend} kernels take {', '.join(map(str, KERNEL_WIDTHS))}")
+    if needs_grad and mode == "recurrent":
+        reasons.append(
+            "gradients are required but the recurrent kernels are forward-only (they serve decoding); "
+            "train with chunk_gated_delta_rule"
+        )
+    if needs_grad and mode == "chunk" and backend not in CHUNK_BACKWARD_BACKENDS:
+        reasons.append(f"gradients are required but the {backend} chunked kernels are forward-only in this version")
+    return reasons
+
+
+SPEC = OpSpec(name="gated_delta_rule", priority=("triton", "tilelang"), reasons=_reasons)
+
+_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+    "bool output_final_state, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens"
+)
+
+
+def _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    n = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = (n, v.shape[2], k.shape[-1], v.shape[-1]) if output_final_state else (0,)
+    return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(shape, dtype=torch.float32)
+
+
+# kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+#                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
+#                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
+# cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
+CHUNK = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="chunk")
+RECURRENT = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_cu_seqlens(cu_seqlens, batch: int, length: int) -> torch.Tensor | None:
+    """The boundaries as a host int64 tensor (one copy from the device if given there)."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens: expected a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected N + 1 >= 2 boundaries, got {cu_seqlens.numel()}")
+    if batch != 1:
+        raise ValueError(f"q: with cu_seqlens the sequences are packed along T and the batch size must be 1, got B={batch}")
+    host = cu_seqlens.detach().to("cpu", torch.int64)
+    if host[0].item() != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got {host[0].item()}")
+    if host[-1].item() != length:
+        raise ValueError(f"cu_seqlens: expected to end at T={length} (the packed length), got {host[-1].item()}")
+    if (host[1:] < host[:-1]).any():
+        raise ValueError(f"cu_seqlens: expected non-decreasing boundaries, got {host.tolist()}")
+    return host
+
+
+def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.Tensor | None:
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_tensor(name, x)
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v: expected [B, T, HV, V] = [{B}, {T}, HV, V], got shape {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or K == 0 or V == 0:
+        raise ValueError(f"q/v: expected H, K and V >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if HV % H != 0:
+        raise ValueError(f"v: the value heads HV={HV} must be a multiple of the q/k heads H={H} (GVA)")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != v.shape[:3]:
+            raise ValueError(f"{name}: expected shape [B, T, HV] = {tuple(v.shape[:3])}, got {tuple(x.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {x.dtype}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_same_device(name, x, "q", q)
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    host_cu = _check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state)
+        n = B if host_cu is None else host_cu.numel() - 1
+        if tuple(initial_state.shape) != (n, HV, K, V):
+            where = "B" if host_cu is None else "the number of sequences in cu_seqlens"
+            raise ValueError(f"initial_state: expected shape [N, HV, K, V] = {(n, HV, K, V)} (N = {where}), got {tuple(initial_state.shape)}")
+        check_same_device("initial_state", initial_state, "q", q)
+    return host_cu
+
+
+def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend):
+    host_cu = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    tensors = (q, k, v, g, beta, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    key = (
+        mode, q.dtype, g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype,
+        q.shape[-1], v.shape[-1], needs_grad,
+    )  # fmt: skip
+    chosen = select_backend(
+        SPEC, backend, q.device, key, q=q, v=v, g=g, beta=beta, initial_state=initial_state, mode=mode, needs_grad=needs_grad
+    )
+    args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel))
+    if chosen == "torch" or q.numel() == 0 or v.numel() == 0:
+        return reference(*args, cu_seqlens if host_cu is None else host_cu)
+    o, final_state = kernel(chosen, *args, host_cu)
+    return o, (final_state if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over chunks of 64 steps (training): (o, final state or None)."""
+    return _run(
+        "chunk", CHUNK, chunk_gated_delta_rule_reference, q, k, v, g, beta, scale, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend,
+    )  # fmt: skip
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule step by step (decoding); the kernels are forward-only: (o, final state or None)."""
+    return _run(
+        "recurrent", RECURRENT, recurrent_gated_delta_rule_reference, q, k, v, g, beta, scale, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend,
+    )  # fmt: skip
+
+
+__all__ = ["CHUNK_SIZE", "SPEC", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]

@@ -1,0 +1,181 @@
+"""Gated delta rule in plain torch: the step-by-step recurrence (ground truth) and the chunked form.
+
+Semantics of flash-linear-attention. For every sequence and value head, with the state S [K, V]
+(fp32, float64 for float64 inputs) and each step t:
+
+    S   <- exp(g_t) * S                         (g is the log decay)
+    u_t  = beta_t * (v_t - S^T k_t)             (the delta rule's correction, on the decayed state)
+    S   <- S + k_t u_t^T
+    o_t  = scale * S^T q_t
+
+q/k are [B, T, H, K] and v is [B, T, HV, V]: value head hv reads q/k head hv // (HV // H) (GVA).
+With cu_seqlens (B == 1) the T axis packs N sequences, each starting from its own initial state.
+
+The chunked form (the torch backend) is the same math over chunks of C steps. Within a chunk, with
+gamma the local cumulative sum of g and S0 the state entering the chunk:
+
+    A[t, j]  = beta_t exp(gamma_t - gamma_j) k_t.k_j      for j < t (strictly lower)
+    (I + A) U = diag(beta) V - diag(beta exp(gamma)) K S0   (U: the chunk's corrections u_t)
+    WY form:  U = u - w S0,  u = (I + A)^-1 diag(beta) V,  w = (I + A)^-1 diag(beta exp(gamma)) K
+    O        = scale * (diag(exp(gamma)) Q S0 + (Q K^T * exp(gamma_t - gamma_j))_{j <= t} U)
+    S_next   = exp(gamma_last) S0 + (K * exp(gamma_last - gamma))^T U
+
+Both are differentiable by autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import compute_dtype
+from ..l2norm.reference import l2norm_reference
+
+CHUNK_SIZE = 64
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """Inputs in the compute dtype, q/k expanded to the value heads, q scaled."""
+    dtype = compute_dtype(q)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_reference(q, 1e-6), l2norm_reference(k, 1e-6)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return q * scale, k, v, g, beta
+
+
+def _initial(initial_state, n: int, heads: int, K: int, V: int, like: torch.Tensor) -> torch.Tensor:
+    if initial_state is None:
+        return like.new_zeros(n, heads, K, V)
+    return initial_state.to(like.dtype)
+
+
+def _segments(cu_seqlens, batch: int, length: int) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of each sequence."""
+    if cu_seqlens is None:
+        return [(b, 0, length) for b in range(batch)]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _finish(o, state, q, output_final_state):
+    return o.to(q.dtype), (state if output_final_state else None)
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+def _recurrent(q, k, v, g, beta, state):
+    """q/k [N, T, HV, K], v [N, T, HV, V], g/beta [N, T, HV] (compute dtype, q scaled), state [N, HV, K, V]."""
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        correction = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], state))
+        state = state + k[:, t, :, :, None] * correction[:, :, None, :]
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
+    o = torch.stack(outputs, 1) if outputs else v.new_zeros(v.shape)
+    return o, state
+
+
+def recurrent_gated_delta_rule_reference(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None
+):
+    """The step-by-step recurrence: returns (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] or None)."""
+    qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, HV, K = ks.shape
+    V = vs.shape[-1]
+    if cu_seqlens is None:
+        o, state = _recurrent(qs, ks, vs, gs, bs, _initial(initial_state, B, HV, K, V, vs))
+        return _finish(o, state, q, output_final_state)
+    segments = _segments(cu_seqlens, B, T)
+    states = _initial(initial_state, len(segments), HV, K, V, vs)
+    outputs, finals = [], []
+    for n, (_, start, end) in enumerate(segments):
+        pieces = (x[:, start:end] for x in (qs, ks, vs, gs, bs))
+        o, state = _recurrent(*pieces, states[n : n + 1])
+        outputs.append(o)
+        finals.append(state)
+    o = torch.cat(outputs, 1) if outputs else vs.new_zeros(vs.shape)
+    state = torch.cat(finals, 0) if finals else states
+    return _finish(o, state, q, output_final_state)
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def _chunked(q, k, v, g, beta, state, chunk: int):
+    """Like _recurrent, over chunks of `chunk` steps; T must be a multiple of `chunk`."""
+    N, T, HV, K = k.shape
+    V = v.shape[-1]
+    n_chunks = T // chunk
+
+    def blocks(x):  # [N, T, HV, ...] -> [N, HV, n_chunks, chunk, ...]
+        x = x.reshape(N, n_chunks, chunk, HV, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
+    gamma = g.cumsum(-1)
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    causal = ones.tril()
+    # exp(gamma_t - gamma_j) for j <= t, zero above the diagonal (masked before exp: no overflow)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~ones.tril(-1), 0.0)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    solve = lambda rhs: torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # noqa: E731
+    w = solve((beta * gamma.exp())[..., None] * k)
+    u = solve(beta[..., None] * v)
+    attention = (q @ k.transpose(-1, -2)) * decay
+    last = gamma[..., -1]
+    k_to_end = k * (last[..., None] - gamma).exp()[..., None]
+    outputs = []
+    for c in range(n_chunks):
+        corrections = u[:, :, c] - w[:, :, c] @ state
+        outputs.append((q[:, :, c] * gamma[:, :, c, :, None].exp()) @ state + attention[:, :, c] @ corrections)
+        state = last[:, :, c, None, None].exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ corrections
+    o = torch.stack(outputs, 2) if outputs else v.new_zeros(N, HV, 0, chunk, V)
+    return o.permute(0, 2, 3, 1, 4).reshape(N, T, HV, V), state
+
+
+def _pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim 1 to `length` (zero g, beta and k leave the state unchanged)."""
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+
+
+def chunk_gated_delta_rule_reference(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+    chunk_size: int = CHUNK_SIZE,
+):  # fmt: skip
+    """The chunked form (the torch backend); same arguments and results as the recurrent reference."""
+    qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, HV, K = ks.shape
+    V = vs.shape[-1]
+    segments = _segments(cu_seqlens, B, T)
+    state = _initial(initial_state, len(segments), HV, K, V, vs)
+    if cu_seqlens is None:
+        padded = -(-T // chunk_size) * chunk_size
+        o, state = _chunked(*(_pad_time(x, padded) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
+        return _finish(o[:, :T], state, q, output_final_state)
+    # varlen: gather the sequences into a zero-padded batch [N, padded, ...], run it, gather back
+    longest = max((end - start for _, start, end in segments), default=0)
+    padded = -(-longest // chunk_size) * chunk_size
+    index = torch.zeros(len(segments), padded, dtype=torch.long)
+    valid = torch.zeros(len(segments), padded, dtype=torch.bool)
+    for n, (_, start, end) in enumerate(segments):
+        index[n, : end - start] = torch.arange(start, end)
+        valid[n, : end - start] = True
+    index, valid = index.to(q.device), valid.to(q.device)
+
+    def gather(x):
+        picked = x[0][index]
+        return picked * valid.view(*valid.shape, *([1] * (picked.dim() - 2))).to(picked.dtype)
+
+    o, state = _chunked(*(gather(x) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
+    o = o.reshape(-1, HV, V)[valid.reshape(-1)].unsqueeze(0)
+    return _finish(o, state, q, output_final_state)

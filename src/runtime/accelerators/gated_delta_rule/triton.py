@@ -1,0 +1,278 @@
+"""Gated delta rule in Triton (forward): the fused recurrent kernel and the chunked kernels.
+
+All state math is fp32. Tokens are addressed as rows of the packed [B*T] axis: a sequence is
+[bos, eos) (fixed length: bos = n*T; varlen: cu_seqlens[n], cu_seqlens[n+1]). Value head hv reads
+q/k head hv // (HV // H).
+
+Recurrent: one program per (sequence, value head, V block) holds its [K, BV] slice of the state
+in registers and walks the steps (l2norm of q/k fused).
+
+Chunked (chunks of BT = 64 steps, see reference.py for the math), two kernels:
+  1. _chunk_prepare_kernel, one program per (chunk, value head): the local cumulative decay gamma,
+     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 by forward substitution,
+     and the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V (fp32).
+  2. _chunk_state_output_kernel, one program per (sequence, value head, V block): walks the
+     chunks with the state in registers, forming the corrections U = u - w S, the chunk's output
+     scale (diag(exp(gamma)) Q S + (Q K^T * decay)_{j<=t} U) and the next state.
+With use_qk_l2norm_in_kernel, q and k are normalised first by the l2norm op's Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+
+BT = 64  # the chunk size (reference.CHUNK_SIZE)
+BT_ = tl.constexpr(BT)
+L2NORM_EPS = tl.constexpr(1e-6)  # the l2norm op's default eps
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 inputs need IEEE dots for the 1e-4 bound; tf32 keeps more mantissa than the half inputs have
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _warps(elements: int) -> int:
+    return 1 if elements <= 512 else 2 if elements <= 2048 else 4
+
+
+def _sequences(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _final_state(output_final_state: bool, n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
+    shape = (n, HV, K, V) if output_final_state else (0,)
+    return buffers.empty(shape, dtype=torch.float32, device=device)
+
+
+def _contiguous(*tensors):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@triton.jit
+def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """[bos, eos) of sequence i_n on the packed token axis (int64)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+@triton.jit(do_not_specialize=["T"])
+def _recurrent_kernel(
+    q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    cols_k = tl.arange(0, K)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    mask_v = cols_v < V
+    state_offsets = i_nh.to(tl.int64) * K * V + cols_k[:, None] * V + cols_v[None, :]
+    state_mask = (cols_k[:, None] < K) & mask_v[None, :]
+    if USE_INITIAL_STATE:
+        state = tl.load(h0 + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([K, BV], dtype=tl.float32)
+    for t in range(bos, eos):
+        b_q = tl.load(q + (t * H + i_h) * K + cols_k).to(tl.float32)
+        b_k = tl.load(k + (t * H + i_h) * K + cols_k).to(tl.float32)
+        b_v = tl.load(v + (t * HV + i_hv) * V + cols_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+        state = state * tl.exp(b_g)
+        correction = b_beta * (b_v - tl.sum(state * b_k[:, None], 0))
+        state += b_k[:, None] * correction[None, :]
+        b_o = tl.sum(state * b_q[:, None], 0) * scale
+        tl.store(o + (t * HV + i_hv) * V + cols_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    if STORE_FINAL_STATE:
+        tl.store(ht + state_offsets, state, mask=state_mask)
+
+
+def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    n = _sequences(v, cu_seqlens)
+    o = buffers.empty(v.shape, dtype=q.dtype, device=q.device)
+    final = _final_state(output_final_state, n, HV, K, V, q.device)
+    BV = min(V, 32)
+    cu = None if cu_seqlens is None else cu_seqlens.to(q.device, non_blocking=True)
+    _recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
+        q, k, v, g, beta, o, initial_state, final, cu, scale, T,
+        H=H, HV=HV, K=K, V=V, BV=BV,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=cu_seqlens is not None, num_warps=_warps(K * BV),
+    )  # fmt: skip
+    return o, final
+
+
+def recurrent_backward(*_):
+    # unreachable: requiring gradients is a not-supported reason of the recurrent kernels
+    raise RuntimeError("gated_delta_rule: the recurrent Triton kernels are forward-only")
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+@triton.jit
+def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
+    """(sequence, first token of the chunk, end of the sequence) of global chunk i_t."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_t)
+        i_c = tl.load(chunk_indices + 2 * i_t + 1)
+    else:
+        i_n = i_t // N_CHUNKS
+        i_c = i_t % N_CHUNKS
+    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    return i_n, bos + i_c.to(tl.int64) * BT_, eos
+
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_prepare_kernel(
+    k, v, g, beta, gamma_out, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    rows = start + tl.arange(0, BT_)
+    row_mask = rows < eos
+    cols_k, cols_v = tl.arange(0, K), tl.arange(0, V)
+    b_g = tl.load(g + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    gamma = tl.cumsum(b_g, 0)
+    tl.store(gamma_out + rows * HV + i_hv, gamma, mask=row_mask)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+
+    r = tl.arange(0, BT_)
+    strictly_lower = r[:, None] > r[None, :]
+    decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], 0.0))
+    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+    a = tl.where(strictly_lower, b_beta[:, None] * decay * kk, 0.0)
+    # (I + A)^-1 by forward substitution: row i = e_i - sum_{j < i} A[i, j] row j
+    inverse = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BT_):
+        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)
+        row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
+        inverse = tl.where(r[:, None] == i, row[None, :], inverse)
+    w = tl.dot(inverse, b_k * (b_beta * tl.exp(gamma))[:, None], input_precision=PRECISION)
+    u = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)
+    tl.store(w_out + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], w, mask=row_mask[:, None])
+    tl.store(u_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], u, mask=row_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_state_output_kernel(
+    q, k, gamma_in, w_in, u_in, o, h0, ht, cu_seqlens, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    cols_k = tl.arange(0, K)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    state_offsets = i_nh.to(tl.int64) * K * V + cols_k[:, None] * V + cols_v[None, :]
+    if USE_INITIAL_STATE:
+        state = tl.load(h0 + state_offsets).to(tl.float32)
+    else:
+        state = tl.zeros([K, BV], dtype=tl.float32)
+    r = tl.arange(0, BT_)
+    causal = r[:, None] >= r[None, :]
+    for start in range(bos, eos, BT_):
+        rows = start + r
+        row_mask = rows < eos
+        mask_k, mask_v = row_mask[:, None], row_mask[:, None]
+        gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+        last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=mask_k, other=0.0)
+        b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
+        corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
+        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
+        attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+        b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
+        b_o += tl.dot(attention, corrections, input_precision=PRECISION)
+        tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=mask_v)
+        k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
+        state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
+    if STORE_FINAL_STATE:
+        tl.store(ht + state_offsets, state)
+
+
+def _state_stages(q: torch.Tensor, K: int) -> int:
+    # the chunk loop's loads are pipelined; fp32 at K=128 with 2 stages would need ~165 KB of shared memory
+    return 1 if q.dtype == torch.float32 and K == 128 else 2
+
+
+def _chunk_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[n_chunks, 2] (sequence, chunk within it) for host boundaries cu_seqlens."""
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
+    sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    from ..l2norm.triton import forward
+
+    return forward(x, 1e-6)[0]
+
+
+def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    n = _sequences(v, cu_seqlens)
+    device, precision = q.device, _precision(q)
+    if cu_seqlens is None:
+        n_chunks, total_chunks, cu, chunk_indices = triton.cdiv(T, BT), B * triton.cdiv(T, BT), None, None
+    else:
+        host_indices = _chunk_indices(cu_seqlens)
+        n_chunks, total_chunks = 0, host_indices.shape[0]
+        cu = cu_seqlens.to(device, non_blocking=True)
+        chunk_indices = host_indices.to(device, torch.int32, non_blocking=True)
+    gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    w = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    u = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
+    if total_chunks > 0:
+        _chunk_prepare_kernel[(total_chunks, HV)](
+            k, v, g, beta, gamma, w, u, cu, chunk_indices, T, n_chunks,
+            H=H, HV=HV, K=K, V=V, IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4,
+        )  # fmt: skip
+    o = buffers.empty(v.shape, dtype=q.dtype, device=device)
+    final = _final_state(output_final_state, n, HV, K, V, device)
+    BV = min(V, 32 if K == 128 else 64)  # the [K, BV] state stays in registers
+    _chunk_state_output_kernel[(triton.cdiv(V, BV), n * HV)](
+        q, k, gamma, w, u, o, initial_state, final, cu, scale, T,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4, num_stages=_state_stages(q, K),
+    )  # fmt: skip
+    return o, final
+
+
+def chunk_backward(*_):
+    # unreachable: gradients through the triton chunked kernels are a not-supported reason in this version
+    raise RuntimeError("gated_delta_rule: the chunked Triton kernels are forward-only in this version")

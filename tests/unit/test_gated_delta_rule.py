@@ -1,0 +1,252 @@
+"""Gated delta rule: the chunked torch backend against the recurrent reference (float64), the Triton
+kernels under the interpreter at tiny shapes, dispatch reasons and every input error."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerators import use_accelerators
+from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
+from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators.gated_delta_rule.reference import (
+    chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule_reference,
+)
+from runtime.accelerators.testing import assert_close
+
+FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
+
+
+def make_inputs(B, T, H, HV, K, V, dtype=torch.float32, state=False, sequences=None, seed=0):
+    """Fresh random inputs: normalised-scale k, log decays in (-inf, 0), beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    inputs = {
+        "q": randn(B, T, H, K),
+        "k": F.normalize(randn(B, T, H, K), dim=-1),
+        "v": randn(B, T, HV, V),
+        "g": F.logsigmoid(randn(B, T, HV) + 2.0),
+        "beta": torch.rand(B, T, HV, generator=gen),
+    }
+    inputs = {name: x.to(dtype) for name, x in inputs.items()}
+    if state:
+        n = B if sequences is None else sequences
+        inputs["initial_state"] = randn(n, HV, K, V).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return inputs
+
+
+def call(function, inputs, backend, **options):
+    x = inputs
+    return function(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options)
+
+
+def doubled(inputs):
+    return {name: x.detach().double().requires_grad_() for name, x in inputs.items()}
+
+
+CU = torch.tensor([0, 20, 63, 63, 130])  # includes an empty sequence and one longer than a chunk
+CASES = {
+    "T63-K16-V32": dict(shape=(2, 63, 2, 2, 16, 32), options={}),
+    "T130-GVA-state": dict(shape=(1, 130, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
+    "T64-l2norm-scale": dict(shape=(3, 64, 1, 3, 8, 24), options=dict(use_qk_l2norm_in_kernel=True, scale=0.37)),
+    "varlen-GVA-l2norm-state": dict(
+        shape=(1, 130, 2, 4, 16, 16), state=True, sequences=4,
+        options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True),
+    ),  # fmt: skip
+    "T1": dict(shape=(2, 1, 1, 1, 16, 16), state=True, options=dict(output_final_state=True)),
+}
+
+
+def _inputs(case, dtype):
+    return make_inputs(*case["shape"], dtype=dtype, state=case.get("state", False), sequences=case.get("sequences"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunked_matches_recurrent_in_float64(name):
+    """Forward and every gradient (including d initial_state): the same math, up to float64 rounding."""
+    case = CASES[name]
+    inputs = doubled(_inputs(case, torch.float64))
+    twin = doubled(inputs)
+    o, state = call(chunk_gated_delta_rule, inputs, "torch", **case["options"])
+    o_ref, state_ref = recurrent_gated_delta_rule_reference(
+        *(twin[n] for n in ("q", "k", "v", "g", "beta")), case["options"].get("scale"), twin.get("initial_state"),
+        case["options"].get("output_final_state", False), case["options"].get("use_qk_l2norm_in_kernel", False),
+        case["options"].get("cu_seqlens"),
+    )  # fmt: skip
+    assert o.dtype == torch.float64
+    assert_close("o", o, o_ref, 1e-12)
+    outputs, refs = [o], [o_ref]
+    if state_ref is not None:
+        assert state.dtype == torch.float64
+        assert_close("final_state", state, state_ref, 1e-12)
+        outputs.append(state)
+        refs.append(state_ref)
+    else:
+        assert state is None
+    grads_out = [torch.randn_like(r) for r in refs]
+    grads = torch.autograd.grad(outputs, list(inputs.values()), grads_out)
+    ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
+    for n, grad, ref in zip(inputs, grads, ref_grads):
+        assert_close(f"d{n}", grad, ref, 1e-11)
+
+
+def test_recurrent_reference_matches_a_hand_written_step():
+    """Two steps written out: S = e^g S; u = beta (v - S^T k); S += k u^T; o = scale S^T q."""
+    x = make_inputs(1, 2, 1, 1, 3, 2, dtype=torch.float64, state=True)
+    q, k, v, g, beta, S = x["q"][0, :, 0], x["k"][0, :, 0], x["v"][0, :, 0], x["g"][0, :, 0], x["beta"][0, :, 0], x["initial_state"][0, 0]
+    expected = []
+    for t in range(2):
+        S = torch.exp(g[t]) * S
+        u = beta[t] * (v[t] - S.T @ k[t])
+        S = S + torch.outer(k[t], u)
+        expected.append(0.5 * S.T @ q[t])
+    o, final = recurrent_gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, x["initial_state"], True)
+    torch.testing.assert_close(o[0, :, 0], torch.stack(expected), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(final[0, 0], S, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+def test_torch_backend_in_low_precision_is_close_to_float64(function, dtype):
+    inputs = make_inputs(2, 63, 2, 4, 16, 16, dtype=dtype, state=True)
+    o, state = call(FUNCTIONS[function], inputs, "torch", output_final_state=True)
+    ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", output_final_state=True)
+    assert o.dtype == dtype and state.dtype == torch.float32
+    rtol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_close("o", o, ref, rtol)
+    assert_close("final_state", state, ref_state, rtol)
+
+
+def test_empty_sequence_axis():
+    inputs = make_inputs(2, 0, 2, 2, 16, 16, state=True)
+    for function in FUNCTIONS.values():
+        for backend in ("torch", "triton"):
+            o, state = call(function, inputs, backend, output_final_state=True)
+            assert o.shape == (2, 0, 2, 16)
+            torch.testing.assert_close(state, inputs["initial_state"])
+
+
+# --------------------------------------------------------------------------- Triton under the interpreter
+
+TRITON_CASES = {
+    "T63-GVA": dict(B=2, T=63, options={}),
+    "T63-GVA-l2norm-state": dict(B=2, T=63, state=True, options=dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    "varlen-state": dict(B=1, T=130, state=True, sequences=4, options=dict(cu_seqlens=CU, output_final_state=True)),
+}
+
+
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+def test_triton_forward_under_the_interpreter(function, name):
+    case = TRITON_CASES[name]
+    inputs = make_inputs(case["B"], case["T"], 2, 4, 16, 16, state=case.get("state", False), sequences=case.get("sequences"))
+    with use_accelerators(fallback="error"), poison_outputs():
+        o, state = call(FUNCTIONS[function], inputs, "triton", **case["options"])
+    ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", **case["options"])
+    assert o.dtype == torch.float32
+    assert_close("o", o, ref, 1e-4)
+    if ref_state is None:
+        assert state is None
+    else:
+        assert state.dtype == torch.float32
+        assert_close("final_state", state, ref_state, 1e-4)
+
+
+def test_triton_forward_bf16_under_the_interpreter():
+    inputs = make_inputs(1, 63, 1, 2, 32, 16, dtype=torch.bfloat16, state=True)
+    ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", output_final_state=True)
+    for function in FUNCTIONS.values():
+        with use_accelerators(fallback="error"), poison_outputs():
+            o, state = call(function, inputs, "triton", output_final_state=True)
+        assert o.dtype == torch.bfloat16
+        assert_close("o", o, ref, 5e-3)
+        assert_close("final_state", state, ref_state, 5e-3)
+
+
+# --------------------------------------------------------------------------- dispatch reasons
+
+
+def test_gradients_through_triton_fall_back_to_torch_with_a_warning():
+    inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 5, 1, 1, 16, 16).items()}
+    for function, phrase in ((fused_recurrent_gated_delta_rule, "recurrent kernels are forward-only"),
+                             (chunk_gated_delta_rule, "chunked kernels are forward-only")):  # fmt: skip
+        with pytest.warns(BackendFallbackWarning, match=phrase):
+            o, _ = call(function, inputs, "triton")
+        o.sum().backward()  # the torch reference ran: gradients flow
+        assert all(x.grad is not None for x in inputs.values())
+        with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match=phrase):
+            call(function, inputs, "triton")
+
+
+def test_kernel_reasons_name_the_problem():
+    cases = [
+        ("tilelang", make_inputs(1, 4, 1, 1, 16, 16), "tilelang backend has no gated-delta-rule kernels"),
+        ("triton", make_inputs(1, 4, 1, 1, 24, 16), "K \\(the q/k head dim\\) is 24"),
+        ("triton", make_inputs(1, 4, 1, 1, 16, 256), "V \\(the v head dim\\) is 256"),
+        ("triton", make_inputs(1, 4, 1, 1, 16, 16, dtype=torch.float64), "q has dtype float64"),
+    ]
+    for backend, inputs, message in cases:
+        for function in FUNCTIONS.values():
+            with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match=message):
+                call(function, inputs, backend)
+
+
+def test_auto_picks_triton_under_the_interpreter_and_torch_when_it_cannot():
+    from runtime.accelerators.backends import select_backend
+    from runtime.accelerators.gated_delta_rule import SPEC
+
+    x = make_inputs(1, 4, 1, 1, 16, 16)
+    common = dict(g=x["g"], beta=x["beta"], initial_state=None, mode="chunk")
+    assert select_backend(SPEC, "auto", x["q"].device, 1, q=x["q"], v=x["v"], needs_grad=False, **common) == "triton"
+    assert select_backend(SPEC, "auto", x["q"].device, 2, q=x["q"], v=x["v"], needs_grad=True, **common) == "torch"
+
+
+# --------------------------------------------------------------------------- input errors
+
+
+def _base():
+    return make_inputs(1, 8, 2, 4, 16, 16)
+
+
+ERRORS = {
+    "q-not-4d": (lambda x: x.update(q=x["q"][0]), ValueError, "q: expected \\[B, T, H, K\\]"),
+    "k-shape": (lambda x: x.update(k=x["k"][:, :, :1]), ValueError, "k: expected the shape of q"),
+    "v-shape": (lambda x: x.update(v=x["v"][:, :7]), ValueError, "v: expected \\[B, T, HV, V\\]"),
+    "HV-not-multiple": (lambda x: x.update(v=x["v"][:, :, :3], g=x["g"][..., :3], beta=x["beta"][..., :3]), ValueError,
+                        "HV=3 must be a multiple of the q/k heads H=2"),
+    "g-shape": (lambda x: x.update(g=x["g"][..., :2]), ValueError, "g: expected shape \\[B, T, HV\\]"),
+    "beta-shape": (lambda x: x.update(beta=x["beta"][:, :4]), ValueError, "beta: expected shape \\[B, T, HV\\]"),
+    "v-dtype": (lambda x: x.update(v=x["v"].half()), TypeError, "v: expected the dtype of q"),
+    "g-integer": (lambda x: x.update(g=x["g"].long()), TypeError, "g: expected a floating-point tensor"),
+    "state-shape": (lambda x: x.update(initial_state=torch.zeros(1, 4, 16, 8)), ValueError,
+                    "initial_state: expected shape \\[N, HV, K, V\\] = \\(1, 4, 16, 16\\)"),
+    "scale-type": (lambda x: x.update(scale="big"), TypeError, "scale: expected a real number"),
+    "cu-not-increasing": (lambda x: x.update(cu_seqlens=torch.tensor([0, 6, 3, 8])), ValueError, "non-decreasing"),
+    "cu-not-from-0": (lambda x: x.update(cu_seqlens=torch.tensor([1, 8])), ValueError, "cu_seqlens: expected to start at 0"),
+    "cu-not-to-T": (lambda x: x.update(cu_seqlens=torch.tensor([0, 7])), ValueError, "cu_seqlens: expected to end at T=8"),
+    "cu-float": (lambda x: x.update(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "cu_seqlens: expected a 1-D integer"),
+    "cu-too-short": (lambda x: x.update(cu_seqlens=torch.tensor([0])), ValueError, "N \\+ 1 >= 2 boundaries"),
+    "cu-state-count": (lambda x: x.update(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 4, 16, 16)),
+                       ValueError, "\\(2, 4, 16, 16\\) \\(N = the number of sequences in cu_seqlens\\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+def test_bad_input_errors_name_the_argument(function, name):
+    edit, error, message = ERRORS[name]
+    x = _base()
+    edit(x)
+    args = [x.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(error, match=message):
+        FUNCTIONS[function](*args, **x)
+
+
+def test_batch_above_one_with_cu_seqlens_is_an_error():
+    x = make_inputs(2, 8, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="batch size must be 1, got B=2"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=torch.tensor([0, 8]))
