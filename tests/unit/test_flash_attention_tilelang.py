@@ -88,6 +88,8 @@ def test_output_layouts_follow_inputs():
     assert fa._empty_as(contiguous).stride() == contiguous.stride()
     strided = torch.randn(2, 4, 37, 32)[..., ::2]  # not dense: contiguous result
     assert fa._empty_as(strided).is_contiguous()
+    head_dim_outer = torch.randn(2, 4, 16, 37).transpose(-1, -2)  # dense, but D is not innermost
+    assert fa._empty_as(head_dim_outer).is_contiguous()
 
 
 def test_tma_ready_copies_only_when_needed():

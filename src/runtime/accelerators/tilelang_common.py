@@ -21,7 +21,9 @@ def _check_version() -> None:
     try:
         version = importlib.metadata.version("tilelang")
     except importlib.metadata.PackageNotFoundError:
-        raise ImportError(f"the tilelang backend needs tilelang; install it with `pip install tilelang=={TILELANG_VERSION}`") from None
+        raise ImportError(
+            f"the tilelang backend needs tilelang; install it with `pip install tilelang=={TILELANG_VERSION}`"
+        ) from None
     if version != TILELANG_VERSION:
         raise ImportError(
             f"tilelang {version} is installed but the tilelang kernels are written for {TILELANG_VERSION} "
@@ -104,17 +106,20 @@ _launchers: dict[Hashable, Callable] = {}
 def launcher(entry: Entry, device: torch.device) -> Callable:
     """The compiled kernel's entry point, called directly with every argument (outputs included).
 
-    JITKernel.__call__ re-packs the arguments in Python on every call; the TVM-FFI function
-    underneath takes torch tensors as they are and launches on torch's current stream, so
-    calling it saves host time per launch. Kernels that allocate their own outputs keep the
-    JITKernel."""
+    JITKernel.__call__ re-packs the arguments in Python on every call and then calls the
+    module's `main`; that TVM-FFI function takes the torch tensors as they are and launches on
+    torch's current stream, so calling it directly saves host time per launch. Kernels that
+    allocate their own outputs (out_idx) keep the JITKernel."""
     fn = _launchers.get((entry[0], device))
     if fn is None:
-        kernel = compiled(entry, device)
-        fn = kernel
+        fn = kernel = compiled(entry, device)
         adapter = getattr(kernel, "adapter", None)
-        if not getattr(adapter, "result_idx", True) and hasattr(adapter, "get_exportable_executable"):
-            fn = adapter.get_exportable_executable().jit()["main"]
+        if adapter is not None and not adapter.result_idx and hasattr(adapter, "get_exportable_executable"):
+            # a fresh compile holds a tvm Executable (to be jitted), a disk-cache hit the loaded Module
+            module = adapter.get_exportable_executable()
+            if getattr(type(module), "jit", None) is not None:
+                module = module.jit()
+            fn = module["main"]
         _launchers[(entry[0], device)] = fn
     return fn
 

@@ -26,7 +26,8 @@ def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor) -> list[str]
     return reasons
 
 
-SPEC = OpSpec(name="dropout_add", priority=("triton", "tilelang"), reasons=_reasons)
+# tilelang first: faster on H100 (8192 x 4096 bf16: 2.85 vs 2.51 TB/s forward+backward, GPU time)
+SPEC = OpSpec(name="dropout_add", priority=("tilelang", "triton"), reasons=_reasons)
 
 
 def _fake_forward(x, residual, p, seed):

@@ -6,8 +6,7 @@ when the top 24 bits reach `keep_threshold(p)`. The backward computes the same h
 mask is stored. `reference.tilelang_keep_mask` rebuilds the mask in torch.
 
 Layout as in swiglu's TileLang kernels: flat arrays of dynamic length N, register tiles of
-16-byte vectors, unguarded full blocks and a guarded last block, the backward walking the
-blocks from the last to the first.
+16-byte vectors, unguarded full blocks and a guarded last block.
 """
 
 import torch
@@ -110,11 +109,10 @@ def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
             h = T.alloc_fragment((rows, vec), U32)
             layout = flat_layout(rows, vec, threads)
             T.annotate_layout({dy: layout, m: layout, h: layout})
-            start = (T.ceildiv(N, block) - 1 - bx) * block  # last block first: the tail of dout is in L2
-            if start + block <= N:
-                dropout_tile(DY, DX, dy, h, m, start, key0, key1, threshold, scale, False)
+            if bx * block + block <= N:
+                dropout_tile(DY, DX, dy, h, m, bx * block, key0, key1, threshold, scale, False)
             else:
-                dropout_tile(DY, DX, dy, h, m, start, key0, key1, threshold, scale, True)
+                dropout_tile(DY, DX, dy, h, m, bx * block, key0, key1, threshold, scale, True)
 
     return dropout_add_bwd
 

@@ -102,8 +102,8 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, b
                         bag_of[p] = bx * block_b + i  # the entry -> bag map the gradient needs
                 for j in T.unroll(block_l):
                     for i, d in T.Parallel(block_b, width):
-                        if rows[i, j] >= 0 and d < dim:
-                            acc[i, d] += T.cast(weight[rows[i, j], d], "float32")
+                        # a select, not an `if`: columns past dim read zeros (TileLang guards the access)
+                        acc[i, d] += T.if_then_else(rows[i, j] >= 0, T.cast(weight[rows[i, j], d], "float32"), T.float32(0))
                     for i in T.Parallel(block_b):
                         count[i] += T.if_then_else(rows[i, j] >= 0, T.float32(1), T.float32(0))
 

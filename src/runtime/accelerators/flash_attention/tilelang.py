@@ -58,9 +58,11 @@ class BwdConfig:
     min_blocks: int = 1
 
 
-# Register budgets checked with ptxas on sm_90a (no spills); small heads are bound by the
-# exponentials and by latency, so they run several one-warpgroup programs per SM; D >= 64 runs two
-# compute warpgroups per program with TileLang's default register split (one program per SM).
+# Not yet tuned on a GPU: register budgets checked with ptxas on sm_90a (no spills). Small heads are
+# bound by the exponentials and by latency, so they run several one-warpgroup programs per SM;
+# D >= 64 runs two compute warpgroups per program with TileLang's default register split (one
+# program per SM). (Two compute warpgroups with 2 programs per SM leave 80 registers: no room for a
+# 64x128 fp32 score tile.)
 FWD_CONFIGS = {
     16: FwdConfig(64, 128, 2, 128, 2),
     32: FwdConfig(64, 128, 2, 128, 2),
@@ -82,21 +84,25 @@ HEAD_DIMS = tuple(FWD_CONFIGS)
 # --------------------------------------------------------------------------- dropout
 
 
-def _mix(x):
-    """A 32-bit integer finaliser (lowbias32): every input bit affects every output bit."""
-    x = x ^ (x >> T.uint32(16))
-    x = x * T.uint32(0x7FEB352D)
-    x = x ^ (x >> T.uint32(15))
-    x = x * T.uint32(0x846CA68B)
-    return x ^ (x >> T.uint32(16))
+# The dropout hash as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
+# lowbias32 round repeats its input, and three rounds make an expression tree too large to compile fast.
+DROPOUT_PRELUDE = """
+__device__ __forceinline__ unsigned taac_mix32(unsigned x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;  // lowbias32
+  return x;
+}
+// 24 random bits for element (bh, query i, key j) of a dropout draw
+__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int i, int j) {
+  unsigned h = taac_mix32((unsigned)seed ^ ((unsigned)bh * 0x9e3779b9u));
+  h = taac_mix32(h ^ (unsigned)i);
+  return taac_mix32(h ^ ((unsigned)j * 0x85ebca6bu)) >> 8;
+}
+"""
 
 
 def _keep(seed, bh, i, j, threshold):
     """True when element (bh, query i, key j) survives dropout: 24 random bits >= p * 2^24."""
-    h = _mix(T.Cast("uint32", seed) ^ (T.Cast("uint32", bh) * T.uint32(0x9E3779B9)))
-    h = _mix(h ^ T.Cast("uint32", i))
-    h = _mix(h ^ (T.Cast("uint32", j) * T.uint32(0x85EBCA6B)))
-    return (h >> T.uint32(8)) >= T.Cast("uint32", threshold)
+    return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, i, j) >= threshold
 
 
 def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
@@ -153,7 +159,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         inv_keep: T.float32,
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -289,7 +295,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         inv_keep: T.float32,
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -416,8 +422,11 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dim_order(x: torch.Tensor) -> list[int] | None:
-    """x's dimensions from outermost to innermost when x is dense and non-overlapping, else None."""
+    """x's dimensions from outermost to innermost when x is dense and non-overlapping with its last
+    dimension innermost (the kernels' layouts), else None."""
     order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+    if order[-1] != x.dim() - 1:
+        return None
     expected = 1
     for i in reversed(order):
         if x.shape[i] != 1 and x.stride(i) != expected:
@@ -428,7 +437,8 @@ def _dim_order(x: torch.Tensor) -> list[int] | None:
 
 def _empty_as(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised tensor shaped and strided like torch.empty_like(x) would be (x's dimension
-    order when x is dense, else contiguous), allocated through buffers (NaN-poisoned in tests)."""
+    order when x is dense with its last dimension innermost, else contiguous), allocated through
+    buffers (NaN-poisoned in tests)."""
     dtype = dtype or x.dtype
     order = _dim_order(x)
     if order is None:
@@ -481,8 +491,6 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     rest = (None,) * 5
     if dq.numel() == 0 or lk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), *rest
-    if dk.numel() == 0:
-        return dq.zero_(), dk, dv, *rest
     _check_grid(q, k)
     do = _tma_ready(do)
     lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs

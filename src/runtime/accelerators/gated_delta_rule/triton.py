@@ -14,7 +14,8 @@ Chunked (chunks of BT = 64 steps, see reference.py for the math), two kernels:
   2. _chunk_state_output_kernel, one program per (sequence, value head, V block): walks the
      chunks with the state in registers, forming the corrections U = u - w S, the chunk's output
      scale (diag(exp(gamma)) Q S + (Q K^T * decay)_{j<=t} U) and the next state.
-With use_qk_l2norm_in_kernel, q and k are normalised first by the l2norm op's Triton kernel.
+With use_qk_l2norm_in_kernel, q and k are normalised in fp32 as they are loaded (the l2norm op's math;
+normalising them first through the l2norm op would round them to the input dtype).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.con
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_prepare_kernel(
     k, v, g, beta, gamma_out, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -160,6 +162,8 @@ def _chunk_prepare_kernel(
     gamma = tl.cumsum(b_g, 0)
     tl.store(gamma_out + rows * HV + i_hv, gamma, mask=row_mask)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if L2NORM:
+        b_k = _l2norm_rows(b_k)
     b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT_)
@@ -183,7 +187,8 @@ def _chunk_prepare_kernel(
 def _chunk_state_output_kernel(
     q, k, gamma_in, w_in, u_in, o, h0, ht, cu_seqlens, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -206,6 +211,8 @@ def _chunk_state_output_kernel(
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
         b_q = tl.load(q + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            b_q, b_k = _l2norm_rows(b_q), _l2norm_rows(b_k)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=mask_k, other=0.0)
         b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
         corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
@@ -225,6 +232,12 @@ def _state_stages(q: torch.Tensor, K: int) -> int:
     return 1 if q.dtype == torch.float32 and K == 128 else 2
 
 
+@triton.jit
+def _l2norm_rows(x):
+    # the l2norm op's math (x * rsqrt(sum(x^2) + eps)) in fp32 on the loaded rows
+    return x * tl.rsqrt(tl.sum(x * x, 1) + L2NORM_EPS)[:, None]
+
+
 def _chunk_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[n_chunks, 2] (sequence, chunk within it) for host boundaries cu_seqlens."""
     counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
@@ -233,16 +246,8 @@ def _chunk_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    from ..l2norm.triton import forward
-
-    return forward(x, 1e-6)[0]
-
-
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _sequences(v, cu_seqlens)
@@ -260,7 +265,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     if total_chunks > 0:
         _chunk_prepare_kernel[(total_chunks, HV)](
             k, v, g, beta, gamma, w, u, cu, chunk_indices, T, n_chunks,
-            H=H, HV=HV, K=K, V=V, IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4,
+            H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=cu_seqlens is not None, PRECISION=precision,
+            num_warps=4,
         )  # fmt: skip
     o = buffers.empty(v.shape, dtype=q.dtype, device=device)
     final = _final_state(output_final_state, n, HV, K, V, device)
@@ -268,7 +274,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     _chunk_state_output_kernel[(triton.cdiv(V, BV), n * HV)](
         q, k, gamma, w, u, o, initial_state, final, cu, scale, T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4, num_stages=_state_stages(q, K),
+        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4, num_stages=_state_stages(q, K),
     )  # fmt: skip
     return o, final
 

@@ -4,8 +4,7 @@ The tensors are flat arrays of a dynamic length N: one compiled kernel per (dtyp
 threads) serves every shape. Each block loads `block` consecutive elements into register
 tiles, computes, and stores. The tiles have an explicit layout (each thread holds 16-byte
 vectors of consecutive elements) so every global access is a 16-byte vector access. Full
-blocks run unguarded; only the last, partial block checks each element against N. The
-backward walks the blocks from the last to the first, so it starts on what is still in L2.
+blocks run unguarded; only the last, partial block checks each element against N.
 
 The flat-tile helpers here (layout, guarded load/store) are shared with dropout_add.
 """
@@ -125,11 +124,10 @@ def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
             u = T.alloc_fragment((rows, vec), ACCUM)
             layout = flat_layout(rows, vec, threads)
             T.annotate_layout({dy: layout, g: layout, u: layout})
-            start = (T.ceildiv(N, block) - 1 - bx) * block  # last block first
-            if start + block <= N:
-                swiglu_tile(DY, G, U, DG, DU, dy, g, u, start, False)
+            if bx * block + block <= N:
+                swiglu_tile(DY, G, U, DG, DU, dy, g, u, bx * block, False)
             else:
-                swiglu_tile(DY, G, U, DG, DU, dy, g, u, start, True)
+                swiglu_tile(DY, G, U, DG, DU, dy, g, u, bx * block, True)
 
     return swiglu_bwd
 

@@ -2,9 +2,7 @@
 
 The tensors are treated as flat arrays of n elements; each program takes BLOCK consecutive
 elements. Full blocks run unmasked (16-byte vector accesses whatever n is); only the last,
-partial block takes the masked path. The backward walks the blocks from the last to the first:
-what was touched last before it (the tail of dy, or of gate and up after the forward) is still
-in L2 when it starts.
+partial block takes the masked path.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ def _swiglu_forward(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _swiglu_backward(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
-    start = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64) * BLOCK  # last block first
+    start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
         _backward_tile(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offs, n, False)
