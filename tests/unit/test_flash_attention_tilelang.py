@@ -80,12 +80,15 @@ def test_dropout_threshold():
     assert threshold == 1 << 22 and inv == pytest.approx(1 / 0.75)
 
 
-def test_output_layouts_follow_inputs():
-    x = torch.randn(2, 37, 4, 16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
-    like = fa._empty_as(x, torch.float32)
-    assert like.shape == x.shape and like.stride() == torch.empty_like(x).stride() and like.dtype == torch.float32
-    contiguous = torch.randn(2, 4, 37, 16)
-    assert fa._empty_as(contiguous).stride() == contiguous.stride()
+def test_gradient_layouts_follow_inputs():
+    for x in (
+        torch.randn(2, 37, 4, 16).transpose(1, 2),  # x.view(B, L, H, D).transpose(1, 2)
+        torch.randn(2, 37, 1, 16).transpose(1, 2),  # a single kv head: a size-1 dimension
+        torch.randn(2, 4, 37, 16),
+    ):
+        like = fa._empty_as(x, torch.float32)
+        assert like.shape == x.shape and like.dtype == torch.float32
+        assert like.stride() == torch.empty_like(x).stride()
     strided = torch.randn(2, 4, 37, 32)[..., ::2]  # not dense: contiguous result
     assert fa._empty_as(strided).is_contiguous()
     head_dim_outer = torch.randn(2, 4, 16, 37).transpose(-1, -2)  # dense, but D is not innermost

@@ -132,18 +132,21 @@ def test_empty_sequence_axis():
 
 # --------------------------------------------------------------------------- Triton under the interpreter
 
-TRITON_CASES = {
-    "T63-GVA": dict(B=2, T=63, options={}),
-    "T63-GVA-l2norm-state": dict(B=2, T=63, state=True, options=dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
-    "varlen-state": dict(B=1, T=130, state=True, sequences=4, options=dict(cu_seqlens=CU, output_final_state=True)),
-}
+TRITON_CASES = {  # shape: (B, T, H, HV, K, V)
+    "T63-GVA": dict(shape=(2, 63, 2, 4, 16, 16), options={}),
+    "T63-GVA-l2norm-state": dict(shape=(2, 63, 2, 4, 16, 16), state=True,
+                                 options=dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    "varlen-state": dict(shape=(1, 130, 2, 4, 16, 16), state=True, sequences=4, options=dict(cu_seqlens=CU, output_final_state=True)),
+    "K128-V64-l2norm-state": dict(shape=(1, 63, 1, 2, 128, 64), state=True,  # several V blocks per head
+                                  options=dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("function", ["chunk", "recurrent"])
 @pytest.mark.parametrize("name", list(TRITON_CASES))
 def test_triton_forward_under_the_interpreter(function, name):
     case = TRITON_CASES[name]
-    inputs = make_inputs(case["B"], case["T"], 2, 4, 16, 16, state=case.get("state", False), sequences=case.get("sequences"))
+    inputs = make_inputs(*case["shape"], state=case.get("state", False), sequences=case.get("sequences"))
     with use_accelerators(fallback="error"), poison_outputs():
         o, state = call(FUNCTIONS[function], inputs, "triton", **case["options"])
     ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", **case["options"])

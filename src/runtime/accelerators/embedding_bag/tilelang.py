@@ -13,7 +13,7 @@ device-side assert inside the forward kernel (no host sync, no extra launch).
 import torch
 
 from .. import buffers
-from ..tilelang_common import Entry, compiled  # first: checks the tilelang version
+from ..tilelang_common import Entry, launcher  # first: checks the tilelang version
 from ..tilelang_common import precompile as precompile_entries
 
 import tilelang.language as T  # noqa: E402  isort: skip
@@ -310,7 +310,7 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
         out.zero_(), scale.zero_()
         return out, scale, bag_of
     offs = bags.flat if fixed else bags.offsets
-    kernel = compiled(forward_entry(dim, weight.dtype, bags.flat.dtype, offs.dtype), weight.device)
+    kernel = launcher(forward_entry(dim, weight.dtype, bags.flat.dtype, offs.dtype), weight.device)
     bag_of_arg = bag_of if not fixed else scale.new_empty(1, dtype=torch.int32)
     kernel(weight, bags.flat, offs, out, scale, bag_of_arg, bags.bag_len, padding_idx, int(check_indices))
     return out, scale, bag_of
@@ -341,12 +341,12 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     key_dtype = segments.keys.dtype
     bag_of_arg = bag_of if bag_of.numel() else placeholder
-    compiled(chunk_entry(dim, weight.dtype, key_dtype), device)(
+    launcher(chunk_entry(dim, weight.dtype, key_dtype), device)(
         segments.keys, segments.perm, segments.first, bag_of_arg, scale, grad_out, ranks,
         out, rows, tail, head, bags.bag_len, num_embeddings, padding_idx, int(sparse),
     )  # fmt: skip
     if chunks > 1:
-        compiled(combine_entry(dim, weight.dtype, key_dtype), device)(
+        launcher(combine_entry(dim, weight.dtype, key_dtype), device)(
             segments.keys, segments.first, ranks, tail, head, out, rows, num_embeddings, padding_idx, int(sparse)
         )
     if sparse:

@@ -421,30 +421,26 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _dim_order(x: torch.Tensor) -> list[int] | None:
-    """x's dimensions from outermost to innermost when x is dense and non-overlapping with its last
-    dimension innermost (the kernels' layouts), else None."""
-    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
-    if order[-1] != x.dim() - 1:
-        return None
+def _is_dense(x: torch.Tensor) -> bool:
+    """x covers its memory exactly once (some permutation of a contiguous tensor)."""
     expected = 1
-    for i in reversed(order):
-        if x.shape[i] != 1 and x.stride(i) != expected:
-            return None
-        expected *= x.shape[i]
-    return order
+    dims = [(size, stride) for size, stride in zip(x.shape, x.stride()) if size != 1]
+    for size, stride in sorted(dims, key=lambda t: t[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _empty_as(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised tensor shaped and strided like torch.empty_like(x) would be (x's dimension
-    order when x is dense with its last dimension innermost, else contiguous), allocated through
-    buffers (NaN-poisoned in tests)."""
+    """An uninitialised tensor with x's strides, as torch.empty_like(x) gives for a dense x (so a
+    view of [B, L, H, D] memory gets gradients in that layout), when TMA can use them; else
+    contiguous. Allocated through buffers (NaN-poisoned in tests)."""
     dtype = dtype or x.dtype
-    order = _dim_order(x)
-    if order is None:
-        return buffers.empty(x.shape, dtype=dtype, device=x.device)
-    physical = buffers.empty([x.shape[i] for i in order], dtype=dtype, device=x.device)
-    return physical.permute([order.index(i) for i in range(x.dim())])
+    size = torch.finfo(dtype).bits // 8
+    if _is_dense(x) and x.stride(-1) == 1 and all(st > 0 and st * size % 16 == 0 for st in x.stride()[:-1]):
+        return buffers.empty((x.numel(),), dtype=dtype, device=x.device).as_strided(x.shape, x.stride())
+    return buffers.empty(x.shape, dtype=dtype, device=x.device)
 
 
 def _lengths(key_lengths: torch.Tensor | None, device: torch.device) -> torch.Tensor:
