@@ -8,6 +8,8 @@ weight gradient, as nn.EmbeddingBag(sparse=True) does (torch's is uncoalesced: s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..backends import Backend, OpSpec, load_kernels, select_backend
@@ -80,9 +82,15 @@ class _SparseGradient(torch.autograd.Function):
         return None, grad, None, None, None, None, None
 
 
-@torch.compiler.disable  # a sparse gradient has a data-dependent nnz: run eagerly (a graph break)
 def _sparse_call(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
     return _SparseGradient.apply(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices)
+
+
+@functools.cache
+def _sparse_call_outside_graphs():
+    """_sparse_call, run eagerly under torch.compile (a sparse gradient's nnz is data-dependent: a graph
+    break). Made on first use: torch.compiler.disable imports torch._dynamo, over a second at import."""
+    return torch.compiler.disable(_sparse_call)
 
 
 def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
@@ -151,5 +159,6 @@ def embedding_bag_mean(
         include_last_offset = False  # as torch: fixed bags ignore it
     pad = -1 if padding is None else padding
     if sparse and weight.requires_grad and torch.is_grad_enabled():
-        return _sparse_call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
+        call = _sparse_call_outside_graphs() if torch.compiler.is_compiling() else _sparse_call
+        return call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
     return KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)

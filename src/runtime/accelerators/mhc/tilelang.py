@@ -14,6 +14,7 @@ import torch
 import tilelang.language as T
 
 from .. import buffers
+from .layout import allocate_pre, token_streams
 from ..tilelang_common import ACCUM, TL_DTYPE, compiled, device_info
 
 BLOCK_TOKENS = 16
@@ -469,25 +470,18 @@ def post_backward_entry(x: torch.Tensor):
 
 def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     n, C = x.shape[-2], x.shape[-1]
-    lead = x.shape[:-2]
-    xs = x.reshape(-1, n * C).contiguous()
-    tokens, m = xs.shape[0], n * n + 2 * n
-    f32 = dict(dtype=torch.float32, device=x.device)
-    h_in = buffers.empty((*lead, C), dtype=x.dtype, device=x.device)
-    h_post = buffers.empty((*lead, n), **f32)
-    h_res = buffers.empty((*lead, n, n), **f32)
-    h = buffers.empty((tokens, m), **f32)
-    r = buffers.empty((tokens,), **f32)
+    out = allocate_pre(x)
+    tokens = out.h.shape[0]
     compiled(pre_entry(x, phi), x.device)(
-        xs, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
-        h_in.view(tokens, C), h_post.view(tokens, n), h_res.view(tokens, n * n), h, r, eps, sinkhorn_iters,
+        out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
+        out.h_in.view(tokens, C), out.h_post.view(tokens, n), out.h_res.view(tokens, n * n), out.h, out.r, eps, sinkhorn_iters,
     )
-    return h_in, h_post, h_res, h, r
+    return out.results
 
 
 def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_iters, h_in, h_post, h_res, h, r):
     n, C = x.shape[-2], x.shape[-1]
-    xs = x.reshape(-1, n * C).contiguous()
+    xs = token_streams(x)
     tokens, m = xs.shape[0], n * n + 2 * n
     f32 = dict(dtype=torch.float32, device=x.device)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
@@ -274,27 +275,19 @@ def _post_block(n: int) -> int:
 
 def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     n, C = x.shape[-2], x.shape[-1]
-    lead = x.shape[:-2]
-    xs = x.reshape(-1, n * C).contiguous()
-    tokens, m = xs.shape[0], n * n + 2 * n
-    f32 = dict(dtype=torch.float32, device=x.device)
-    h_in = buffers.empty((*lead, C), dtype=x.dtype, device=x.device)
-    h_post = buffers.empty((*lead, n), **f32)
-    h_res = buffers.empty((*lead, n, n), **f32)
-    h = buffers.empty((tokens, m), **f32)
-    r = buffers.empty((tokens,), **f32)
-    grid = (triton.cdiv(tokens, BLOCK_TOKENS),)
-    _pre_forward_kernel[grid](
-        xs, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(), h_in, h_post, h_res, h, r,
-        tokens, C, eps, sinkhorn_iters,
+    out = allocate_pre(x)
+    tokens, m = out.h.shape
+    _pre_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+        out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
+        out.h_in, out.h_post, out.h_res, out.h, out.r, tokens, C, eps, sinkhorn_iters,
         n=n, NP=_pow2(n, 2), MP=_pow2(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x),
     )
-    return h_in, h_post, h_res, h, r
+    return out.results
 
 
 def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_iters, h_in, h_post, h_res, h, r):
     n, C = x.shape[-2], x.shape[-1]
-    xs = x.reshape(-1, n * C).contiguous()
+    xs = token_streams(x)
     tokens, m = xs.shape[0], n * n + 2 * n
     programs = triton.cdiv(tokens, BLOCK_TOKENS)
     f32 = dict(dtype=torch.float32, device=x.device)
