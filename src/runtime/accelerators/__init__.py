@@ -13,6 +13,7 @@ from .dropout_add import dropout_add
 from .embedding_bag import embedding_bag_mean
 from .explain import explain
 from .flash_attention import flash_attention
+from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .l2norm import l2norm
 from .layer_norm import layer_norm
 from .mhc import mhc_post, mhc_pre
@@ -28,10 +29,12 @@ __all__ = [
     "BackendUnavailableError",
     "active_config",
     "binary_cross_entropy_with_logits",
+    "chunk_gated_delta_rule",
     "dropout_add",
     "embedding_bag_mean",
     "explain",
     "flash_attention",
+    "fused_recurrent_gated_delta_rule",
     "l2norm",
     "layer_norm",
     "mhc_post",

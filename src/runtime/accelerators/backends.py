@@ -167,11 +167,9 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
     `key` must capture everything `spec.reasons` reads from `inputs` (dtype, widths, flags);
     the decision is cached under it, so the reasons are computed once per distinct key.
     """
-    from .config import active_config  # local: config imports this module
-
     if torch.compiler.is_compiling():
         return _decide_while_compiling(spec.name, backend, device, key, _describe(inputs))
-    config = active_config()
+    config = _config.active_config()
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, device, key)
     decided = _decisions.get(cache_key)
@@ -207,9 +205,7 @@ def _decide_while_compiling(op: str, backend: str | None, device: torch.device, 
             inputs[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
         else:
             inputs[name] = rest[0]
-    from .config import active_config
-
-    config = active_config()
+    config = _config.active_config()
     requested = backend if backend is not None else config.backend_for(op)
     return _decide(REGISTRY[op], requested, config.fallback, device, inputs)
 
@@ -250,3 +246,6 @@ def clear_decisions() -> None:
     """Forget cached decisions and emitted warnings (tests; after changing TRITON_INTERPRET)."""
     _decisions.clear()
     _warned.clear()
+
+
+from . import config as _config  # noqa: E402  (last: config imports the names above)
