@@ -45,6 +45,7 @@ class KernelOp:
         self.tensor_slots = tuple(i for i, is_tensor in enumerate(kinds) if is_tensor)
         self.value_slots = tuple(i for i, is_tensor in enumerate(kinds) if not is_tensor)
         self.n_args = len(kinds)
+        self._modules: dict = {}
         name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
@@ -71,13 +72,28 @@ class KernelOp:
         """Run the op on `backend` ("triton" or "tilelang"), differentiably."""
         if torch.compiler.is_compiling():
             results = self._forward_op(backend, *args)
-        elif torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self.tensor_slots):
+        elif self._needs_grad(args):
             results = _EagerFunction.apply(self, backend, *args)
         else:  # nothing to differentiate: skip autograd's bookkeeping
-            results = getattr(load_kernels(self.op, backend), self.forward_name)(*args)
+            results = self.kernels(backend).__dict__[self.forward_name](*args)
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
+
+    def kernels(self, backend: str):
+        """The backend's kernel module (imported on first use, then a dict lookup)."""
+        module = self._modules.get(backend)
+        if module is None:
+            module = self._modules[backend] = load_kernels(self.op, backend)
+        return module
+
+    def _needs_grad(self, args) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        for i in self.tensor_slots:
+            if args[i] is not None and args[i].requires_grad:
+                return True
+        return False
 
     def _save(self, ctx, inputs, output) -> None:
         """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
@@ -107,18 +123,20 @@ class KernelOp:
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel_op: KernelOp, backend: str, *args):
-        results = _as_tuple(getattr(load_kernels(kernel_op.op, backend), kernel_op.forward_name)(*args))
-        ctx.kernel_op = kernel_op
-        kernel_op._save(ctx, (backend, *args), results)
-        outputs = results[: kernel_op.n_outputs]
-        return outputs[0] if len(outputs) == 1 else outputs
+        results = kernel_op.kernels(backend).__dict__[kernel_op.forward_name](*args)
+        if not isinstance(results, tuple):
+            results = (results,)
+        ctx.kernel_op, ctx.backend = kernel_op, backend
+        ctx.values = [args[i] for i in kernel_op.value_slots]
+        ctx.save_for_backward(*[args[i] for i in kernel_op.tensor_slots], *results)
+        return results[0] if kernel_op.n_outputs == 1 else results[: kernel_op.n_outputs]
 
     @staticmethod
     def backward(ctx, *grads):
         kernel_op = ctx.kernel_op
         args, results = kernel_op._saved(ctx)
         grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads, results)]
-        grads_in = getattr(load_kernels(kernel_op.op, ctx.backend), kernel_op.backward_name)(*grad_outputs, *args, *results)
+        grads_in = kernel_op.kernels(ctx.backend).__dict__[kernel_op.backward_name](*grad_outputs, *args, *results)
         return (None, None, *grads_in)
 
 
