@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import BackendUnavailableError, use_accelerators
+from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from runtime.accelerators.testing import assert_close
 from runtime.nn import (
     BCEWithLogitsLoss,
@@ -21,8 +22,6 @@ from runtime.nn import (
     RMSNorm,
     SwiGLUFeedForward,
     TransformerBlock,
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
 )
 
 D = torch.float64
@@ -143,62 +142,10 @@ def test_dropout_add_takes_a_bf16_branch_on_an_fp32_residual():
 # ------------------------------------------------------------------ the gated delta rule
 
 
-def _rule_inputs(b, t, h, dk, dv, requires_grad=True):
-    q = _x(b, t, h, dk)
-    k = F.normalize(_x(b, t, h, dk), dim=-1)
-    v = _x(b, t, h, dv)
-    g = -torch.rand(b, t, h, dtype=D) * 0.7  # log-decays <= 0
-    beta = torch.rand(b, t, h, dtype=D)
-    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
-
-
-def test_recurrent_rule_on_one_step_is_the_delta_write():
-    q, k, v, g, beta = _rule_inputs(1, 1, 1, 4, 3, requires_grad=False)
-    s0 = _x(1, 1, 4, 3)
-    o, state = gated_delta_rule_recurrent(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True)
-    decayed = s0[0, 0] * g[0, 0, 0].exp()
-    kk, vv = k[0, 0, 0], v[0, 0, 0]
-    expected_state = decayed + beta[0, 0, 0] * torch.outer(kk, vv - decayed.T @ kk)
-    assert_close("state", state[0, 0], expected_state.float(), 1e-6)
-    assert_close("output", o[0, 0, 0], 0.5 * expected_state.T @ q[0, 0, 0], 1e-12)
-
-
-@pytest.mark.parametrize("t, chunk", [(63, 16), (1, 64), (130, 64)], ids=["T63-C16", "T1", "T130-C64"])
-def test_chunked_rule_matches_the_recurrence_with_every_gradient(t, chunk):
-    inputs = _rule_inputs(2, t, 3, 8, 5)
-    s0 = _x(2, 3, 8, 5).requires_grad_()
-    o_ref, s_ref = gated_delta_rule_recurrent(*inputs, initial_state=s0, output_final_state=True)
-    o, s = gated_delta_rule_chunked(*inputs, initial_state=s0, output_final_state=True, chunk_size=chunk)
-    assert_close("o", o, o_ref, 1e-10)
-    assert_close("final state", s, s_ref, 1e-6)  # fp32 state, as in the op contract
-    do = torch.randn_like(o)
-    grads_ref = torch.autograd.grad((o_ref * do).sum(), [*inputs, s0])
-    grads = torch.autograd.grad((o * do).sum(), [*inputs, s0])
-    for name, grad, ref in zip(["dq", "dk", "dv", "dg", "dbeta", "dstate"], grads, grads_ref):
-        assert_close(name, grad, ref, 1e-9)
-
-
-def test_chunked_rule_keeps_bf16_inputs_accurate():
-    q, k, v, g, beta = _rule_inputs(1, 40, 2, 16, 16, requires_grad=False)
-    q, k, v = (x.bfloat16() for x in (q, k, v))
-    o_ref, _ = gated_delta_rule_recurrent(q.double(), k.double(), v.double(), g, beta)
-    o, _ = gated_delta_rule_chunked(q, k, v, g.float(), beta.float(), chunk_size=16)
-    assert o.dtype == torch.bfloat16
-    assert_close("bf16 o", o, o_ref, 1e-2)
-
-
-def test_rule_rejects_mismatched_shapes():
-    q, k, v, g, beta = _rule_inputs(1, 4, 2, 8, 8, requires_grad=False)
-    with pytest.raises(ValueError, match="beta: expected shape"):
-        gated_delta_rule_chunked(q, k, v, g, beta[:, :3])
-    with pytest.raises(ValueError, match="v: expected shape"):
-        gated_delta_rule_recurrent(q, k, v[:, :, :1], g, beta)
-
-
 def test_mixer_and_blocks_are_causal():
     torch.manual_seed(1)
-    mixer = GatedDeltaRuleMixer(16, 2, chunk_size=4).double()
-    gdr_block = GatedDeltaBlock(16, 2, 32, chunk_size=4).double()
+    mixer = GatedDeltaRuleMixer(16, 2).double()
+    gdr_block = GatedDeltaBlock(16, 2, 32).double()
     attn_block = TransformerBlock(16, 2, 32, causal=True).double()
     x = _x(2, 11, 16)
     changed = x.clone()
@@ -212,7 +159,7 @@ def test_mixer_and_blocks_are_causal():
 
 
 def test_mixer_matches_its_definition():
-    mixer = GatedDeltaRuleMixer(12, 3, chunk_size=5).double()
+    mixer = GatedDeltaRuleMixer(12, 3).double()
     x = _x(2, 9, 12)
     with use_accelerators(**TORCH):
         out = mixer(x)
@@ -220,7 +167,7 @@ def test_mixer_matches_its_definition():
     q, k = (z * torch.rsqrt(z.square().sum(-1, keepdim=True) + 1e-6) for z in (q, k))
     a, b = mixer.decay_beta(x).chunk(2, -1)
     g = -mixer.A_log.exp() * F.softplus(a + mixer.dt_bias)
-    o, _ = gated_delta_rule_recurrent(q, k, v, g, b.sigmoid())
+    o, _ = recurrent_gated_delta_rule_reference(q, k, v, g, b.sigmoid())
     normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + 1e-6)
     ref = mixer.out((F.silu(mixer.gate(x).view(2, 9, 3, 4)) * normed).reshape(2, 9, 12))
     assert_close("mixer", out, ref, 1e-10)

@@ -5,7 +5,7 @@ from .attention import CrossAttention, MultiHeadAttention
 from .blocks import GatedDeltaBlock, TransformerBlock
 from .embedding import EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
-from .gated_delta import GatedDeltaRuleMixer, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from .gated_delta import GatedDeltaRuleMixer
 from .loss import BCEWithLogitsLoss
 from .norms import LayerNorm, RMSNorm
 from .residual import DropoutAdd
@@ -22,6 +22,4 @@ __all__ = [
     "RMSNorm",
     "SwiGLUFeedForward",
     "TransformerBlock",
-    "gated_delta_rule_chunked",
-    "gated_delta_rule_recurrent",
 ]

@@ -31,10 +31,10 @@ class TransformerBlock(nn.Module):
 class GatedDeltaBlock(nn.Module):
     """x + gdr(norm(x)), then x + ffn(norm(x)). Causal; padding after a row's length does not reach earlier tokens."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0, chunk_size: int = 64) -> None:
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0) -> None:
         super().__init__()
         self.mixer_norm = RMSNorm(d_model)
-        self.mixer = GatedDeltaRuleMixer(d_model, n_heads, chunk_size=chunk_size)
+        self.mixer = GatedDeltaRuleMixer(d_model, n_heads)
         self.ffn_norm = RMSNorm(d_model)
         self.ffn = SwiGLUFeedForward(d_model, ffn_hidden)
         self.residual = DropoutAdd(dropout)

@@ -180,7 +180,9 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             # causal: the last query of this block sees keys < (bx + 1) * bM
             n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
             sl2 = scale * LOG2E  # exponentials in base 2
-            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
+            # not TMA: its wait would sit in the key loop's first step, so with no key block (length 0)
+            # the load would still be in flight when O_s (sharing Q_s's memory) is written and at exit
+            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s, disable_tma=True)
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
@@ -326,11 +328,15 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             m_first = (bx * bN) // bM if causal else 0
             n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
             sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
-            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s)
+            # not TMA: TileLang waits for these loads only in the query loop's first step, so the
+            # transposed copy below would read K_s before it lands, and with no query step (keys past
+            # the length, causal Lq < Lk) the loads would still be in flight when dk_s/dv_s (sharing
+            # K_s's memory) are written and at exit
+            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=True)
             if split_k:
                 for j, n in T.Parallel(dim, bN):
                     Kt_s[j, n] = K_s[n, j]
-            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s)
+            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=True)
             T.clear(dk)
             T.clear(dv)
             for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):

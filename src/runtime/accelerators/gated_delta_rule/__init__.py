@@ -19,7 +19,7 @@ from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_g
 
 KERNEL_WIDTHS = (16, 32, 64, 128)
 # kernel backends whose chunked kernels have a backward (the others run the chunked op forward-only)
-CHUNK_BACKWARD_BACKENDS: tuple[str, ...] = ()
+CHUNK_BACKWARD_BACKENDS: tuple[str, ...] = ("triton",)
 
 
 def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: bool) -> list[str]:
@@ -55,11 +55,20 @@ def _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(shape, dtype=torch.float32)
 
 
+def _fake_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    o, final = _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    rows, HV = v.shape[0] * v.shape[1], v.shape[2]
+    saved = [(rows, HV), (rows, HV, k.shape[-1]), (rows, HV, v.shape[-1]), (rows, HV, CHUNK_SIZE)]
+    return (o, final, *(v.new_empty(shape, dtype=torch.float32) for shape in saved))
+
+
 # kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 #                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
+# the chunked forward also returns, for its backward, the per-chunk factors (fp32, rows of the packed [B*T]
+# axis): the cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64].
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
-CHUNK = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="chunk")
+CHUNK = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk")
 RECURRENT = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent")
 
 

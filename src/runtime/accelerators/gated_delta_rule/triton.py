@@ -20,6 +20,8 @@ normalising them first through the l2norm op would round them to the input dtype
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -132,6 +134,15 @@ def recurrent_backward(*_):
 
 
 @triton.jit
+def _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN: tl.constexpr):
+    """Global index (int64) of sequence i_n's first chunk: chunks are numbered sequence by sequence."""
+    if IS_VARLEN:
+        return tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        return i_n.to(tl.int64) * N_CHUNKS
+
+
+@triton.jit
 def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
     """(sequence, first token of the chunk, end of the sequence) of global chunk i_t."""
     if IS_VARLEN:
@@ -147,7 +158,7 @@ def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.con
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_prepare_kernel(
-    k, v, g, beta, gamma_out, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    k, v, g, beta, gamma_out, w_out, u_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -181,14 +192,15 @@ def _chunk_prepare_kernel(
     u = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)
     tl.store(w_out + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], w, mask=row_mask[:, None])
     tl.store(u_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], u, mask=row_mask[:, None])
+    tl.store(inverse_out + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], inverse, mask=row_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_state_output_kernel(
-    q, k, gamma_in, w_in, u_in, o, h0, ht, cu_seqlens, scale, T,
+    q, k, gamma_in, w_in, u_in, o, h0, ht, states, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WRITE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -201,9 +213,14 @@ def _chunk_state_output_kernel(
         state = tl.load(h0 + state_offsets).to(tl.float32)
     else:
         state = tl.zeros([K, BV], dtype=tl.float32)
+    # backward: the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c)
+    first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
     causal = r[:, None] >= r[None, :]
     for start in range(bos, eos, BT_):
+        if STORE_STATES:
+            chunk = first_chunk + (start - bos) // BT_
+            tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state)
         rows = start + r
         row_mask = rows < eos
         mask_k, mask_v = row_mask[:, None], row_mask[:, None]
@@ -216,11 +233,12 @@ def _chunk_state_output_kernel(
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=mask_k, other=0.0)
         b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
         corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
-        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
-        attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
-        b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
-        b_o += tl.dot(attention, corrections, input_precision=PRECISION)
-        tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=mask_v)
+        if WRITE_OUTPUT:
+            decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
+            attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+            b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
+            b_o += tl.dot(attention, corrections, input_precision=PRECISION)
+            tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=mask_v)
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
         state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
     if STORE_FINAL_STATE:
@@ -238,47 +256,93 @@ def _l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, 1) + L2NORM_EPS)[:, None]
 
 
-def _chunk_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[n_chunks, 2] (sequence, chunk within it) for host boundaries cu_seqlens."""
+def _chunk_indices(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n_chunks, 2] (sequence, chunk within it), [N] first global chunk of each sequence) for host cu_seqlens."""
     counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
     sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1)
+    offsets = torch.cumsum(counts, 0) - counts
+    first = torch.repeat_interleave(offsets, counts)
+    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1), offsets
 
 
-def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-    B, T, H, K = q.shape
+@dataclass
+class Chunks:
+    """How the packed token axis splits into chunks of BT (shared by the forward and backward launchers)."""
+
+    n: int  # sequences
+    per_sequence: int  # chunks per sequence (fixed length; 0 with cu_seqlens)
+    total: int  # chunks over all sequences
+    cu: torch.Tensor | None  # device cu_seqlens (int64)
+    indices: torch.Tensor | None  # device [total, 2] int32: (sequence, chunk within it)
+    offsets: torch.Tensor | None  # device [N] int32: global index of each sequence's first chunk
+
+    @classmethod
+    def of(cls, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> "Chunks":
+        B, T = v.shape[:2]
+        if cu_seqlens is None:
+            return cls(B, triton.cdiv(T, BT), B * triton.cdiv(T, BT), None, None, None)
+        indices, offsets = _chunk_indices(cu_seqlens)
+        device = v.device
+        return cls(
+            cu_seqlens.numel() - 1, 0, indices.shape[0], cu_seqlens.to(device, non_blocking=True),
+            indices.to(device, torch.int32, non_blocking=True), offsets.to(device, torch.int32, non_blocking=True),
+        )  # fmt: skip
+
+
+def _state_block(K: int, V: int) -> int:
+    return min(V, 32 if K == 128 else 64)  # the [K, BV] state stays in registers
+
+
+def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
+    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V], (I + A)^-1 [B*T, HV, BT] (fp32)."""
+    B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    n = _sequences(v, cu_seqlens)
-    device, precision = q.device, _precision(q)
-    if cu_seqlens is None:
-        n_chunks, total_chunks, cu, chunk_indices = triton.cdiv(T, BT), B * triton.cdiv(T, BT), None, None
-    else:
-        host_indices = _chunk_indices(cu_seqlens)
-        n_chunks, total_chunks = 0, host_indices.shape[0]
-        cu = cu_seqlens.to(device, non_blocking=True)
-        chunk_indices = host_indices.to(device, torch.int32, non_blocking=True)
+    device = k.device
     gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
     w = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     u = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
-    if total_chunks > 0:
-        _chunk_prepare_kernel[(total_chunks, HV)](
-            k, v, g, beta, gamma, w, u, cu, chunk_indices, T, n_chunks,
-            H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=cu_seqlens is not None, PRECISION=precision,
+    inverse = buffers.empty((B * T, HV, BT), dtype=torch.float32, device=device)
+    if chunks.total > 0:
+        _chunk_prepare_kernel[(chunks.total, HV)](
+            k, v, g, beta, gamma, w, u, inverse, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision,
             num_warps=4,
         )  # fmt: skip
-    o = buffers.empty(v.shape, dtype=q.dtype, device=device)
-    final = _final_state(output_final_state, n, HV, K, V, device)
-    BV = min(V, 32 if K == 128 else 64)  # the [K, BV] state stays in registers
-    _chunk_state_output_kernel[(triton.cdiv(V, BV), n * HV)](
-        q, k, gamma, w, u, o, initial_state, final, cu, scale, T,
+    return gamma, w, u, inverse
+
+
+def states_and_output(q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                      chunks: Chunks, write_output: bool, store_states: bool):  # fmt: skip
+    """The inter-chunk recurrence: (o or None, final state, the state entering each chunk [total, HV, K, V] or None)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    o = buffers.empty(v.shape, dtype=q.dtype, device=device) if write_output else None
+    final = _final_state(output_final_state, chunks.n, HV, K, V, device)
+    states = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device) if store_states else None
+    BV = _state_block(K, V)
+    _chunk_state_output_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
+        q, k, gamma, w, u, o, initial_state, final, states, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=4, num_stages=_state_stages(q, K),
+        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
+        WRITE_OUTPUT=write_output, STORE_STATES=store_states, num_warps=4, num_stages=_state_stages(q, K),
     )  # fmt: skip
-    return o, final
+    return o, final, states
 
 
-def chunk_backward(*_):
-    # unreachable: gradients through the triton chunked kernels are a not-supported reason in this version
-    raise RuntimeError("gated_delta_rule: the chunked Triton kernels are forward-only in this version")
+def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(o, final state, and for backward: gamma, w, u, (I + A)^-1, all fp32)."""
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    chunks = Chunks.of(v, cu_seqlens)
+    gamma, w, u, inverse = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
+    o, final, _ = states_and_output(
+        q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks,
+        write_output=True, store_states=False,
+    )  # fmt: skip
+    return o, final, gamma, w, u, inverse
+
+
+def chunk_backward(*args):
+    from .triton_backward import chunk_backward as backward  # the backward kernels live in their own module
+
+    return backward(*args)

@@ -1,0 +1,241 @@
+"""Every launched Triton kernel compiled for sm_90 (Hopper), no GPU needed.
+
+The interpreter (TRITON_INTERPRET=1, set by conftest) runs kernels as Python and so misses what only
+the compiler rejects: a non-constexpr module global read inside a kernel, an op with no GPU lowering,
+tiles that overflow shared memory. Here the launchers run at typical (bf16) shapes with every launch
+intercepted instead of interpreted: Triton's own launch binder works out the signature, constexprs,
+alignment attributes and options a real launch would compile. A fresh process without the
+interpreter (sm90_compile.py) then compiles each recorded specialisation with
+triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
+
+Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py and
+norms_triton.py) gets a test; one that no case below launches fails, naming the missing case.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+import runtime
+import runtime.accelerators as acc
+from runtime.accelerators.flash_attention import triton as fa_triton
+
+H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
+COMPILER = Path(__file__).with_name("sm90_compile.py")
+COMPILE_TIMEOUT_S = 600
+
+bf16, f32 = torch.bfloat16, torch.float32
+
+
+# --------------------------------------------------------------------------- the kernels
+
+
+def kernel_modules() -> list[str]:
+    names = ["runtime.accelerators.norms_triton"]
+    for info in pkgutil.iter_modules(acc.__path__):
+        if info.ispkg and importlib.util.find_spec(f"runtime.accelerators.{info.name}.triton") is not None:
+            names.append(f"runtime.accelerators.{info.name}.triton")
+    return names
+
+
+def launched_kernels() -> dict[str, tuple[str, str]]:
+    """Readable id ("rms_norm._forward_kernel") -> (module, name) of each jit function its module launches."""
+    kernels = {}
+    for module_name in kernel_modules():
+        module = importlib.import_module(module_name)
+        source = inspect.getsource(module)
+        for name, value in vars(module).items():
+            is_jit = isinstance(value, (InterpretedFunction, JITFunction)) and value.fn.__module__ == module_name
+            if is_jit and re.search(rf"\b{re.escape(name)}\[", source):
+                short = module_name.removeprefix("runtime.accelerators.").removesuffix(".triton")
+                kernels[f"{short}.{name}"] = (module_name, name)
+    return kernels
+
+
+KERNELS = launched_kernels()
+
+
+# --------------------------------------------------------------------------- the cases: typical launches
+
+
+def _randn(*shape, dtype=bf16, grad=True):
+    return torch.randn(*shape).to(dtype).requires_grad_(grad)
+
+
+def _backward(*outputs):
+    torch.autograd.backward(outputs, [torch.randn_like(o) for o in outputs])
+
+
+def norms():
+    x = _randn(8, 256)
+    weight, bias = _randn(256, dtype=f32), _randn(256, dtype=f32)  # fp32 parameters under autocast
+    _backward(acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias), acc.l2norm(_randn(8, 4, 32)))
+
+
+def elementwise():
+    _backward(acc.swiglu(_randn(8, 1024), _randn(8, 1024)), acc.dropout_add(_randn(8, 256), _randn(8, 256), p=0.1))
+
+
+def bce():
+    logits, targets = _randn(576), torch.rand(576)
+    _backward(acc.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor(2.0)))
+
+
+def embedding_bag():
+    weight = _randn(1000, 64, dtype=f32)
+    _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))  # > CHUNK entries: both passes
+
+
+def mhc():
+    n, C, m = 4, 256, 4 * 4 + 2 * 4
+    x = _randn(2, 33, n, C)
+    h_in, h_post, h_res = acc.mhc_pre(x, _randn(n * C, m, dtype=f32), _randn(3, dtype=f32), _randn(m, dtype=f32))
+    _backward(acc.mhc_post(x, h_in, h_post, h_res))
+
+
+def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float):
+    """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU."""
+    b, h, hkv, lq, lk = 2, 4, 2, 200, 200
+    q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
+    k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
+    lengths = torch.tensor([lk, 77], dtype=torch.int32) if with_lengths else None
+    args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, 1234)
+    o, lse = fa_triton.forward(*args)
+    fa_triton.backward(do, *args, o, lse)
+
+
+def attention_padded():
+    _attention(head_dim=32, causal=False, with_lengths=True, dropout_p=0.0)
+
+
+def attention_causal_dropout():
+    _attention(head_dim=48, causal=True, with_lengths=False, dropout_p=0.1)
+    fa_triton.dropout_keep_mask(1234, 1, 2, 64, 64, 0.1, torch.device("cpu"))
+
+
+def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None):
+    q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(bf16), F.normalize(torch.randn(B, T, H, K), dim=-1).to(bf16)
+    n = B if sequences is None else len(sequences) - 1
+    return dict(
+        q=q, k=k, v=torch.randn(B, T, HV, V).to(bf16),
+        g=F.logsigmoid(torch.randn(B, T, HV)).to(bf16), beta=torch.rand(B, T, HV).to(bf16),
+        initial_state=torch.randn(n, HV, K, V), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=None if sequences is None else torch.tensor(sequences),
+    )  # fmt: skip
+
+
+def gated_delta_rule():
+    acc.chunk_gated_delta_rule(**_delta_rule_inputs(2, 200, 2, 4, 64, 64))  # forward-only kernels
+    acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))
+
+
+CASES = {
+    "norms": norms,
+    "elementwise": elementwise,
+    "bce": bce,
+    "embedding_bag": embedding_bag,
+    "mhc": mhc,
+    "attention_padded": attention_padded,
+    "attention_causal_dropout": attention_causal_dropout,
+    "gated_delta_rule": gated_delta_rule,
+}
+
+
+# --------------------------------------------------------------------------- recording and compiling
+
+
+class LaunchRecorder:
+    """Stands in for InterpretedFunction.run: records what a GPU launch would compile, runs nothing."""
+
+    def __init__(self):
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders: dict[int, tuple[JITFunction, object]] = {}
+        self.launches: dict[str, dict] = {}  # a key per distinct specialisation
+        self.case = ""
+
+    def run(self, kernel: InterpretedFunction, *args, grid, warmup, **kwargs):
+        if id(kernel) not in self.binders:
+            jit = JITFunction(kernel.fn, **kernel.kwargs)  # same decorator arguments as on the GPU
+            self.binders[id(kernel)] = jit, create_function_from_signature(jit.signature, jit.params, self.backend)
+        jit, binder = self.binders[id(kernel)]
+        bound, specialization, options = binder(*args, **kwargs)
+        _, signature, constexprs, attrs = jit._pack_args(self.backend, kwargs, bound, specialization, options)
+        launch = dict(
+            module=kernel.fn.__module__, name=kernel.fn.__name__, signature=signature,
+            constexprs=constexprs, attrs=attrs, options=dict(options), case=self.case,
+        )  # fmt: skip
+        key = repr({k: v for k, v in launch.items() if k != "case"})
+        self.launches.setdefault(key, launch)
+
+
+def _compile_all(launches: list[dict], tmp: Path) -> list[dict]:
+    (tmp / "launches.pkl").write_bytes(pickle.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(runtime.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default; silences 3.9's warning
+    done = subprocess.run(
+        [sys.executable, str(COMPILER), str(tmp / "launches.pkl"), str(tmp / "results.pkl")],
+        env=env, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, f"sm90_compile.py failed:\n{done.stdout}\n{done.stderr}"
+    return pickle.loads((tmp / "results.pkl").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
+    """Kernel id -> [(launch, result)] for every distinct specialisation the cases launched."""
+    recorder = LaunchRecorder()
+    with pytest.MonkeyPatch.context() as patch, acc.use_accelerators(default="triton", fallback="error"):
+        patch.setattr(InterpretedFunction, "run", lambda kernel, *a, **kw: recorder.run(kernel, *a, **kw))
+        for name, case in CASES.items():
+            recorder.case = name
+            torch.manual_seed(0)
+            case()
+    launches = list(recorder.launches.values())
+    results = _compile_all(launches, tmp_path_factory.mktemp("sm90"))
+    by_kernel: dict[str, list[tuple[dict, dict]]] = {}
+    for launch, result in zip(launches, results):
+        short = launch["module"].removeprefix("runtime.accelerators.").removesuffix(".triton")
+        by_kernel.setdefault(f"{short}.{launch['name']}", []).append((launch, result))
+    return by_kernel
+
+
+def _describe(launch: dict) -> str:
+    names = list(launch["signature"])
+    constexprs = {names[path[0]]: value for path, value in launch["constexprs"].items()}
+    arguments = {name: kind for name, kind in launch["signature"].items() if kind != "constexpr"}
+    return f"case {launch['case']!r}: {arguments} constexprs {constexprs} options {launch['options']}"
+
+
+def test_the_modules_have_kernels():
+    assert len(KERNELS) >= 20, sorted(KERNELS)
+
+
+def test_every_launch_is_of_a_listed_kernel(compiled):
+    assert set(compiled) <= set(KERNELS), f"launched but not found by launched_kernels(): {set(compiled) - set(KERNELS)}"
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_compiles_for_sm90(kernel, compiled):
+    assert kernel in compiled, f"{kernel}: no case in CASES launches it; add one at a typical shape"
+    for launch, result in compiled[kernel]:
+        assert "error" not in result, f"{kernel} does not compile for sm_90 ({_describe(launch)}):\n{result['error']}"
+        assert result["shared"] <= H100_SHARED_BYTES, (
+            f"{kernel} needs {result['shared']} bytes of shared memory, the H100 has {H100_SHARED_BYTES} ({_describe(launch)})"
+        )
