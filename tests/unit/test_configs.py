@@ -83,8 +83,9 @@ def tiny_data():
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_model_instantiates_and_runs(model, tiny_data):
-    cfg = _compose(f"model={model}", "model.d_model=16", "model.n_heads=2", "model.n_layers=1")
+@pytest.mark.parametrize("streams", [0, 2], ids=["residual", "mhc2"])
+def test_every_model_instantiates_and_runs(model, streams, tiny_data):
+    cfg = _compose(f"model={model}", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", f"model.mhc_streams={streams}")
     net = instantiate(cfg.model, spec=tiny_data.spec)
     batch = tiny_data.train_batch(0, 3)
     with use_accelerators(default="torch"):

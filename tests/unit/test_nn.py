@@ -17,11 +17,14 @@ from runtime.nn import (
     EmbeddingBagMean,
     GatedDeltaBlock,
     GatedDeltaRuleMixer,
+    HyperConnection,
     LayerNorm,
     MultiHeadAttention,
     RMSNorm,
     SwiGLUFeedForward,
     TransformerBlock,
+    expand_streams,
+    merge_streams,
 )
 
 D = torch.float64
@@ -171,3 +174,32 @@ def test_mixer_matches_its_definition():
     normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + 1e-6)
     ref = mixer.out((F.silu(mixer.gate(x).view(2, 9, 3, 4)) * normed).reshape(2, 9, 12))
     assert_close("mixer", out, ref, 1e-10)
+
+
+# ------------------------------------------------------------------ hyper-connections (mHC)
+
+
+def test_hyper_connection_is_mhc_pre_block_post():
+    from runtime.accelerators.mhc.reference import mhc_post_reference, mhc_pre_reference
+
+    block = torch.nn.Linear(8, 8).double()
+    hyper = HyperConnection(block, 4, 8).double()
+    x = _x(3, 5, 4, 8)
+    with use_accelerators(**TORCH):
+        out = hyper(x)
+    h_in, h_post, h_res = mhc_pre_reference(x, hyper.phi, hyper.alpha, hyper.bias, 1e-6, 20)
+    assert_close("mhc block", out, mhc_post_reference(x, block(h_in), h_post, h_res), 1e-12)
+
+
+def test_hyper_connection_starts_near_a_residual():
+    block = torch.nn.Linear(8, 8).double()
+    hyper = HyperConnection(block, 4, 8).double()
+    x = _x(6, 8)
+    with use_accelerators(**TORCH):
+        out = merge_streams(hyper(expand_streams(x, 4)))
+    assert_close("near x + block(x)", out, x + block(x), 0.05)
+
+
+def test_hyper_connection_rejects_no_streams():
+    with pytest.raises(ValueError, match="streams: expected at least 1, got 0"):
+        HyperConnection(torch.nn.Identity(), 0, 8)

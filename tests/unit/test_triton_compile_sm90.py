@@ -141,8 +141,11 @@ def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None):
 
 
 def gated_delta_rule():
-    acc.chunk_gated_delta_rule(**_delta_rule_inputs(2, 200, 2, 4, 64, 64))  # forward-only kernels
-    acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))
+    acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
+    for inputs in (_delta_rule_inputs(2, 200, 2, 4, 64, 64), _delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200])):
+        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            inputs[name].requires_grad_()
+        _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
 
 
 CASES = {

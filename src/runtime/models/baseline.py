@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.nn import CrossAttention, RMSNorm, TransformerBlock
+from runtime.nn import CrossAttention, RMSNorm, TransformerBlock, expand_streams, merge_streams
 
 from .features import FeatureEncoder, PredictionHead
 from .inputs import FeatureSpec, PCVRBatch
@@ -14,7 +14,8 @@ from .inputs import FeatureSpec, PCVRBatch
 class BaselinePCVR(nn.Module):
     """History events go through bidirectional transformer blocks (padding masked by length); the
     target item attends over the encoded history (DIN-style interest); the head reads the context
-    tokens, the target, that interest, the mean history item and target * interest."""
+    tokens, the target, that interest, the mean history item and target * interest. With
+    mhc_streams = n > 0 the blocks carry n residual streams joined by mHC hyper-connections."""
 
     def __init__(
         self,
@@ -25,11 +26,13 @@ class BaselinePCVR(nn.Module):
         ffn_mult: int = 4,
         dropout: float = 0.1,
         head_hidden: int = 256,
+        mhc_streams: int = 0,
     ) -> None:
         super().__init__()
+        self.mhc_streams = mhc_streams
         self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout) for _ in range(n_layers)
+            TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout, hyper_streams=mhc_streams) for _ in range(n_layers)
         )
         self.norm = RMSNorm(d_model)
         self.target_attention = CrossAttention(d_model, n_heads)
@@ -39,9 +42,11 @@ class BaselinePCVR(nn.Module):
         """Conversion logits [B]."""
         lengths = batch.seq_lengths
         x = self.features.history(batch)
+        if self.mhc_streams:
+            x = expand_streams(x, self.mhc_streams)
         for block in self.blocks:
             x = block(x, lengths)
-        x = self.norm(x)
+        x = self.norm(merge_streams(x) if self.mhc_streams else x)
         target = self.features.target(batch)
         interest = self.target_attention(target[:, None].to(x.dtype), x, lengths)[:, 0].to(target.dtype)
         pooled = self.features.history_mean(batch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock
+from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock, expand_streams, merge_streams
 
 from .features import FeatureEncoder, PredictionHead
 from .inputs import FeatureSpec, PCVRBatch
@@ -27,16 +27,18 @@ class CausalSequencePCVR(nn.Module):
         ffn_mult: int = 4,
         dropout: float = 0.1,
         head_hidden: int = 256,
+        mhc_streams: int = 0,
     ) -> None:
         super().__init__()
+        self.mhc_streams = mhc_streams  # n > 0: blocks carry n residual streams joined by mHC
         self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1)
         context_width = self.features.n_context * d_model
         self.context_proj = nn.Linear(context_width, d_model)
-        self.blocks = nn.ModuleList(self.make_block(d_model, n_heads, ffn_mult * d_model, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(self.make_block(d_model, n_heads, ffn_mult * d_model, dropout, mhc_streams) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.head = PredictionHead(d_model + context_width, head_hidden)
 
-    def make_block(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float) -> nn.Module:
+    def make_block(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float, hyper_streams: int) -> nn.Module:
         raise NotImplementedError
 
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
@@ -48,8 +50,12 @@ class CausalSequencePCVR(nn.Module):
         tokens = torch.cat([history, history.new_zeros(history.shape[0], 1, history.shape[2])], dim=1)
         at_target = torch.arange(tokens.shape[1], device=lengths.device) == lengths[:, None]
         x = torch.where(at_target[..., None], target[:, None].to(tokens.dtype), tokens)
+        if self.mhc_streams:
+            x = expand_streams(x, self.mhc_streams)
         for block in self.blocks:
             x = block(x, lengths + 1)
+        if self.mhc_streams:
+            x = merge_streams(x)
         rows = torch.arange(x.shape[0], device=x.device)
         readout = self.norm(x[rows, lengths])
         return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
@@ -58,12 +64,12 @@ class CausalSequencePCVR(nn.Module):
 class TokenFormerPCVR(CausalSequencePCVR):
     """Causal transformer over [history..., target]."""
 
-    def make_block(self, d_model, n_heads, ffn_hidden, dropout):
-        return TransformerBlock(d_model, n_heads, ffn_hidden, causal=True, dropout=dropout)
+    def make_block(self, d_model, n_heads, ffn_hidden, dropout, hyper_streams):
+        return TransformerBlock(d_model, n_heads, ffn_hidden, causal=True, dropout=dropout, hyper_streams=hyper_streams)
 
 
 class GDRMixerPCVR(CausalSequencePCVR):
     """Gated-delta-rule mixer blocks over [history..., target]: cost linear in the history length."""
 
-    def make_block(self, d_model, n_heads, ffn_hidden, dropout):
-        return GatedDeltaBlock(d_model, n_heads, ffn_hidden, dropout=dropout)
+    def make_block(self, d_model, n_heads, ffn_hidden, dropout, hyper_streams):
+        return GatedDeltaBlock(d_model, n_heads, ffn_hidden, dropout=dropout, hyper_streams=hyper_streams)

@@ -6,6 +6,7 @@ from .blocks import GatedDeltaBlock, TransformerBlock
 from .embedding import EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
+from .hyper_connections import HyperConnection, expand_streams, merge_streams
 from .loss import BCEWithLogitsLoss
 from .norms import LayerNorm, RMSNorm
 from .residual import DropoutAdd
@@ -17,9 +18,12 @@ __all__ = [
     "EmbeddingBagMean",
     "GatedDeltaBlock",
     "GatedDeltaRuleMixer",
+    "HyperConnection",
     "LayerNorm",
     "MultiHeadAttention",
     "RMSNorm",
     "SwiGLUFeedForward",
     "TransformerBlock",
+    "expand_streams",
+    "merge_streams",
 ]

@@ -1,4 +1,6 @@
-"""Pre-norm residual blocks: attention or gated-delta-rule mixing, then a SwiGLU feed-forward."""
+"""Pre-norm blocks: attention or gated-delta-rule mixing, then a SwiGLU feed-forward, each branch joined
+to the stream by a residual with dropout or, with `hyper_streams` > 0, by an mHC hyper-connection
+(the block then takes and returns [..., n, C] streams)."""
 
 from __future__ import annotations
 
@@ -8,37 +10,62 @@ from torch import nn
 from .attention import MultiHeadAttention
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
+from .hyper_connections import HyperConnection
 from .norms import RMSNorm
 from .residual import DropoutAdd
 
 
-class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then x + ffn(norm(x)); residual dropout on both branches."""
+class PreNorm(nn.Module):
+    """layer(norm(x), *args)."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, causal: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0) -> None:
+    def __init__(self, width: int, layer: nn.Module) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, dropout=attn_dropout)
-        self.ffn_norm = RMSNorm(d_model)
-        self.ffn = SwiGLUFeedForward(d_model, ffn_hidden)
-        self.residual = DropoutAdd(dropout)
+        self.norm = RMSNorm(width)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return self.layer(self.norm(x), *args)
+
+
+class Residual(nn.Module):
+    """x + dropout(branch(x, *args))."""
+
+    def __init__(self, branch: nn.Module, dropout: float) -> None:
+        super().__init__()
+        self.branch = branch
+        self.add = DropoutAdd(dropout)
+
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return self.add(self.branch(x, *args), x)
+
+
+def connect(branch: nn.Module, width: int, dropout: float, hyper_streams: int) -> nn.Module:
+    return HyperConnection(branch, hyper_streams, width) if hyper_streams else Residual(branch, dropout)
+
+
+class TransformerBlock(nn.Module):
+    """x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, ffn_hidden: int, *, causal: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
+        hyper_streams: int = 0,
+    ) -> None:
+        super().__init__()
+        attention = MultiHeadAttention(d_model, n_heads, causal=causal, dropout=attn_dropout)
+        self.mix = connect(PreNorm(d_model, attention), d_model, dropout, hyper_streams)
+        self.ffn = connect(PreNorm(d_model, SwiGLUFeedForward(d_model, ffn_hidden)), d_model, dropout, hyper_streams)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.residual(self.attn(self.attn_norm(x), key_lengths), x)
-        return self.residual(self.ffn(self.ffn_norm(x)), x)
+        return self.ffn(self.mix(x, key_lengths))
 
 
 class GatedDeltaBlock(nn.Module):
     """x + gdr(norm(x)), then x + ffn(norm(x)). Causal; padding after a row's length does not reach earlier tokens."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0, hyper_streams: int = 0) -> None:
         super().__init__()
-        self.mixer_norm = RMSNorm(d_model)
-        self.mixer = GatedDeltaRuleMixer(d_model, n_heads)
-        self.ffn_norm = RMSNorm(d_model)
-        self.ffn = SwiGLUFeedForward(d_model, ffn_hidden)
-        self.residual = DropoutAdd(dropout)
+        self.mix = connect(PreNorm(d_model, GatedDeltaRuleMixer(d_model, n_heads)), d_model, dropout, hyper_streams)
+        self.ffn = connect(PreNorm(d_model, SwiGLUFeedForward(d_model, ffn_hidden)), d_model, dropout, hyper_streams)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.residual(self.mixer(self.mixer_norm(x)), x)
-        return self.residual(self.ffn(self.ffn_norm(x)), x)
+        return self.ffn(self.mix(x))
