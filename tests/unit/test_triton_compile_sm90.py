@@ -22,6 +22,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,12 +130,17 @@ def attention_causal_dropout():
     fa_triton.dropout_keep_mask(1234, 1, 2, 64, 64, 0.1, torch.device("cpu"))
 
 
-def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None):
-    q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(bf16), F.normalize(torch.randn(B, T, H, K), dim=-1).to(bf16)
+def attention_widest():
+    """The widest head dim: the most shared memory (the forward needs ~224 KiB of the H100's 227)."""
+    _attention(head_dim=128, causal=True, with_lengths=True, dropout_p=0.0)
+
+
+def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
+    q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
     return dict(
-        q=q, k=k, v=torch.randn(B, T, HV, V).to(bf16),
-        g=F.logsigmoid(torch.randn(B, T, HV)).to(bf16), beta=torch.rand(B, T, HV).to(bf16),
+        q=q, k=k, v=torch.randn(B, T, HV, V).to(dtype),
+        g=F.logsigmoid(torch.randn(B, T, HV)).to(dtype), beta=torch.rand(B, T, HV).to(dtype),
         initial_state=torch.randn(n, HV, K, V), output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=None if sequences is None else torch.tensor(sequences),
     )  # fmt: skip
@@ -148,6 +154,14 @@ def gated_delta_rule():
         _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
 
 
+def gated_delta_rule_fp32_widest():
+    """fp32 at K = V = 128: the most shared memory per stage (the launcher pipelines fewer stages there)."""
+    inputs = _delta_rule_inputs(1, 128, 1, 2, 128, 128, dtype=f32)
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        inputs[name].requires_grad_()
+    _backward(*acc.chunk_gated_delta_rule(**inputs))
+
+
 CASES = {
     "norms": norms,
     "elementwise": elementwise,
@@ -156,7 +170,9 @@ CASES = {
     "mhc": mhc,
     "attention_padded": attention_padded,
     "attention_causal_dropout": attention_causal_dropout,
+    "attention_widest": attention_widest,
     "gated_delta_rule": gated_delta_rule,
+    "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
 }
 
 
@@ -178,7 +194,9 @@ class LaunchRecorder:
             self.binders[id(kernel)] = jit, create_function_from_signature(jit.signature, jit.params, self.backend)
         jit, binder = self.binders[id(kernel)]
         bound, specialization, options = binder(*args, **kwargs)
-        _, signature, constexprs, attrs = jit._pack_args(self.backend, kwargs, bound, specialization, options)
+        with warnings.catch_warnings():  # 3.9 parses the options here and warns about an fp-fusion default
+            warnings.simplefilter("ignore", UserWarning)
+            _, signature, constexprs, attrs = jit._pack_args(self.backend, kwargs, bound, specialization, options)
         launch = dict(
             module=kernel.fn.__module__, name=kernel.fn.__name__, signature=signature,
             constexprs=constexprs, attrs=attrs, options=dict(options), case=self.case,
@@ -189,7 +207,8 @@ class LaunchRecorder:
 
 def _compile_all(launches: list[dict], tmp: Path) -> list[dict]:
     (tmp / "launches.pkl").write_bytes(pickle.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # strict and real: no interpreter, and no leniency for non-constexpr globals (a GPU run has none)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_ALLOW_NON_CONSTEXPR_GLOBALS")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(runtime.__file__).parents[1]), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default; silences 3.9's warning
     done = subprocess.run(

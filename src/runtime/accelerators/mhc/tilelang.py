@@ -246,6 +246,7 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 dg_s[t, n + i] = T.if_then_else(row0 + t < tokens, DHPost[row0 + t, i], 0.0) * 2.0 * post_s[t, i] * (1.0 - post_s[t, i])
             for t, e in T.Parallel(BT, NN):
                 dg_s[t, 2 * n + e] = grad[t, e] * first_s[t, e]
+            T.sync_threads()  # the loops above and below map threads differently onto dg_s
             for t, m in T.Parallel(BT, MP):
                 if row0 + t >= tokens:
                     dg_s[t, m] = 0.0
