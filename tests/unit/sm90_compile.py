@@ -5,14 +5,17 @@
 Run in a fresh process without TRITON_INTERPRET, so that importing a kernel module defines real
 JITFunctions (under the interpreter they are InterpretedFunctions, which cannot be compiled).
 LAUNCHES.pkl holds a list of dicts (module, name, signature, constexprs, attrs, options) as Triton's
-launch binder works them out; RESULTS.pkl gets one dict per launch: {"shared": bytes} or {"error": text}.
+launch binder works them out; RESULTS.pkl gets one dict per launch: {"shared": bytes, "seconds": compile time} or {"error": text}.
 """
 
 import importlib
+import multiprocessing
 import os
 import pickle
 import sys
+import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 
 SM90 = ("cuda", 90, 32)  # GPUTarget(backend, compute capability, warp size)
 
@@ -22,11 +25,12 @@ def compile_one(launch: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    start = time.perf_counter()
     try:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         source = ASTSource(kernel, launch["signature"], launch["constexprs"], launch["attrs"])
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=launch["options"])
-        return {"shared": compiled.metadata.shared}
+        return {"shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 1)}
     except Exception as error:  # reported per launch; the test shows it
         return {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"}
 
@@ -35,7 +39,10 @@ def main(launches_path: str, results_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET=1"
     with open(launches_path, "rb") as f:
         launches = pickle.load(f)
-    results = [compile_one(launch) for launch in launches]
+    # one compile is single-threaded: spread them over the cores (spawn: no forked torch/LLVM state)
+    workers = max(1, min(len(launches), os.cpu_count() or 1, 4))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(compile_one, launches))
     with open(results_path, "wb") as f:
         pickle.dump(results, f)
 

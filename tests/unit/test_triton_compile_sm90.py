@@ -155,11 +155,9 @@ def gated_delta_rule():
 
 
 def gated_delta_rule_fp32_widest():
-    """fp32 at K = V = 128: the most shared memory per stage (the launcher pipelines fewer stages there)."""
-    inputs = _delta_rule_inputs(1, 128, 1, 2, 128, 128, dtype=f32)
-    for name in ("q", "k", "v", "g", "beta", "initial_state"):
-        inputs[name].requires_grad_()
-    _backward(*acc.chunk_gated_delta_rule(**inputs))
+    """fp32 at K = V = 128, forward: the launcher pipelines fewer stages there to fit shared memory.
+    (Its backward is left out: the fp32 chunk-gradient kernel alone takes ~100 s to compile.)"""
+    acc.chunk_gated_delta_rule(**_delta_rule_inputs(1, 128, 1, 2, 128, 128, dtype=f32))
 
 
 CASES = {

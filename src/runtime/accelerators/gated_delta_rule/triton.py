@@ -532,7 +532,9 @@ def _chunk_grad_kernel(
 
 
 def _grad_block(K: int, V: int) -> int:
-    return min(V, 32 if K == 128 else 64)
+    # sm_90 shared memory (Triton 3.9, 4 warps, 2 stages), bf16: K=128 BV=32 ~176 KB, K=64 BV=64 ~180 KB
+    # but K=64 V=128 BV=64 ~156 KB; BV=32 for K >= 64 keeps a margin below the 227 KB
+    return min(V, 32 if K >= 64 else 64)
 
 
 def chunk_backward(
@@ -570,7 +572,7 @@ def chunk_backward(
             q, k, v, beta, gamma, w, u, inverse, states, dstates, grad_o, du, dq, dk, dv, dbeta, dg,
             chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, BV=_grad_block(K, V), L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen,
-            PRECISION=precision, num_warps=4 if K <= 32 else 8,
+            PRECISION=precision, num_warps=4, num_stages=2,  # 8 warps or 3 stages need more shared memory
         )  # fmt: skip
     groups = HV // H  # GVA: a q/k head's gradient sums over its value heads
     dq = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)

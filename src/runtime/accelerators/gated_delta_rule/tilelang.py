@@ -1,0 +1,479 @@
+"""Gated delta rule in TileLang: the fused recurrent kernel and the chunked kernels, forward only.
+
+The module contract is triton.py's: `recurrent_forward` and `chunk_forward` take (q, k, v, g, beta,
+scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens [host int64]) and return
+(o, final state or an empty tensor) and, for the chunked form, also gamma, w, u and (I + A)^-1 (fp32,
+rows of the packed [B*T] axis). There is no backward: requiring gradients is a not-supported reason.
+
+All state math is fp32. Tokens are rows of the packed [B*T] axis; sequence n is [bos, eos)
+(fixed length: bos = n*T; varlen: cu_seqlens[n], cu_seqlens[n+1]). Value head hv reads q/k head
+hv // (HV // H). Rows, heads, sequences and lengths are dynamic: a kernel is compiled per (dtypes,
+K, V, flags).
+
+Recurrent: one program per (V block, sequence x value head) keeps its [K, BV] state slice in a
+fragment and walks the steps; q/k are normalised in fp32 as they are loaded when asked.
+
+Chunked (chunks of BT = 64 steps; see reference.py for the math):
+  1. prepare, one program per (chunk, value head): gamma = cumsum(g), A = beta exp(gamma_t - gamma_j)
+     k_t.k_j (strictly lower), (I + A)^-1 by forward substitution (a thread per column: the columns
+     are independent), w = (I + A)^-1 diag(beta e^gamma) K and u = (I + A)^-1 diag(beta) V.
+  2. state/output, one program per (V block, sequence x value head): walks the chunks with the
+     [K, BV] state, U = u - w S, O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j<=t} U),
+     S <- e^gamma_last S + (K * e^(gamma_last - gamma))^T U.
+The matmuls are tensor-core gemms on fp32 operands (tf32), so the chunked kernels take half inputs
+only; fp32 inputs get the recurrent kernel's exact fp32 math or the other backends.
+"""
+
+import torch
+
+import tilelang.language as T
+
+from .. import buffers
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
+
+BT = 64  # the chunk size (reference.CHUNK_SIZE)
+L2NORM_EPS = 1e-6  # the l2norm op's default eps
+CU_DTYPE = torch.int32
+
+
+def _threads(elements: int) -> int:
+    """Threads for a [K, BV] state of `elements` fp32 values: about 8 per thread, 32 to 128."""
+    return max(32, min(128, elements // 8))
+
+
+def _state_block(K: int, V: int) -> int:
+    return min(V, 32 if K >= 64 else 64)
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+def recurrent_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype: str,
+                     has_initial: bool, store_final: bool, l2norm: bool, varlen: bool):  # fmt: skip
+    R, H, HV, NS, NC = T.dynamic("rows, heads, v_heads, n_states, n_cu")
+    threads = _threads(K * BV)
+    state_shape = (NS, HV, K, V)
+
+    @T.prim_func
+    def gdr_recurrent_fwd(
+        Q: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), dtype),
+        Vx: T.Tensor((R, HV, V), dtype),
+        G: T.Tensor((R, HV), g_dtype),
+        Beta: T.Tensor((R, HV), beta_dtype),
+        O: T.Tensor((R, HV, V), dtype),
+        H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
+        HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        scale: T.float32,
+        seq_len: T.int32,
+        n_seq: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(V // BV, n_seq * HV, threads=threads) as (bv, bnh):
+            state = T.alloc_fragment((K, BV), ACCUM)
+            prod = T.alloc_fragment((K, BV), ACCUM)
+            col = T.alloc_fragment((BV,), ACCUM)
+            q_s = T.alloc_shared((K,), ACCUM)
+            k_s = T.alloc_shared((K,), ACCUM)
+            v_s = T.alloc_shared((BV,), ACCUM)
+            corr_s = T.alloc_shared((BV,), ACCUM)
+            norms = T.alloc_fragment((2, K), ACCUM)
+            rstd = T.alloc_fragment((2,), ACCUM)
+            rstd_s = T.alloc_shared((2,), ACCUM)
+
+            n = bnh // HV
+            hv = bnh % HV
+            h = hv // groups
+            v0 = bv * BV
+            bos = Cu[n] if varlen else n * seq_len
+            eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+            if has_initial:
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = H0[n, hv, i, v0 + j]
+            else:
+                T.clear(state)
+            for t in T.serial(eos - bos):
+                row = bos + t
+                for i in T.Parallel(K):
+                    q_s[i] = T.cast(Q[row, h, i], ACCUM)
+                    k_s[i] = T.cast(Kx[row, h, i], ACCUM)
+                for j in T.Parallel(BV):
+                    v_s[j] = T.cast(Vx[row, hv, v0 + j], ACCUM)
+                if l2norm:
+                    T.sync_threads()
+                    for r, i in T.Parallel(2, K):
+                        norms[r, i] = T.if_then_else(r == 0, q_s[i] * q_s[i], k_s[i] * k_s[i])
+                    T.reduce_sum(norms, rstd, dim=1)
+                    for r in T.Parallel(2):
+                        rstd_s[r] = T.rsqrt(rstd[r] + L2NORM_EPS)
+                    T.sync_threads()
+                    for i in T.Parallel(K):
+                        q_s[i] = q_s[i] * rstd_s[0]
+                        k_s[i] = k_s[i] * rstd_s[1]
+                T.sync_threads()
+                decay = T.exp(T.cast(G[row, hv], ACCUM))
+                b = T.cast(Beta[row, hv], ACCUM)
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = state[i, j] * decay
+                    prod[i, j] = state[i, j] * k_s[i]
+                T.reduce_sum(prod, col, dim=0)
+                for j in T.Parallel(BV):
+                    corr_s[j] = b * (v_s[j] - col[j])
+                T.sync_threads()
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = state[i, j] + k_s[i] * corr_s[j]
+                    prod[i, j] = state[i, j] * q_s[i]
+                T.reduce_sum(prod, col, dim=0)
+                for j in T.Parallel(BV):
+                    O[row, hv, v0 + j] = T.cast(col[j] * scale, dtype)
+                T.sync_threads()  # q_s/k_s/v_s are overwritten by the next step
+            if store_final:
+                for i, j in T.Parallel(K, BV):
+                    HT[n, hv, i, v0 + j] = state[i, j]
+
+    return gdr_recurrent_fwd
+
+
+def recurrent_entry(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool,
+                    l2norm: bool, varlen: bool) -> Entry:  # fmt: skip
+    BV = _state_block(K, V)
+    flags = (has_initial, store_final, l2norm, varlen)
+    key = ("gdr_recurrent_fwd", K, V, BV, dtype, g_dtype, beta_dtype, flags)
+    return key, lambda _: recurrent_kernel(K, V, BV, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], *flags)
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2norm: bool, varlen: bool):
+    R, H, HV, NC, NT = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows")
+    threads = 128
+
+    @T.prim_func
+    def gdr_chunk_prepare(
+        Kx: T.Tensor((R, H, K), dtype),
+        Vx: T.Tensor((R, HV, V), dtype),
+        G: T.Tensor((R, HV), g_dtype),
+        Beta: T.Tensor((R, HV), beta_dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        W: T.Tensor((R, HV, K), ACCUM),
+        U: T.Tensor((R, HV, V), ACCUM),
+        Inverse: T.Tensor((R, HV, BT), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        Chunks: T.Tensor((NT, 2) if varlen else (1,), "int32"),
+        seq_len: T.int32,
+        n_chunks: T.int32,
+        n_total: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(n_total, HV, threads=threads) as (i_t, hv):
+            k_f = T.alloc_fragment((BT, K), ACCUM)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rstd = T.alloc_fragment((BT,), ACCUM)
+            k_s = T.alloc_shared((BT, K), ACCUM)
+            kb_s = T.alloc_shared((BT, K), ACCUM)
+            vb_s = T.alloc_shared((BT, V), ACCUM)
+            g_s = T.alloc_shared((BT,), ACCUM)
+            beta_s = T.alloc_shared((BT,), ACCUM)
+            kk = T.alloc_fragment((BT, BT), ACCUM)
+            a_s = T.alloc_shared((BT, BT), ACCUM)
+            inv_s = T.alloc_shared((BT, BT), ACCUM)
+            w_f = T.alloc_fragment((BT, K), ACCUM)
+            u_f = T.alloc_fragment((BT, V), ACCUM)
+
+            h = hv // groups
+            if varlen:
+                start = Cu[Chunks[i_t, 0]] + Chunks[i_t, 1] * BT
+                eos = Cu[Chunks[i_t, 0] + 1]
+            else:
+                start = (i_t // n_chunks) * seq_len + (i_t % n_chunks) * BT
+                eos = (i_t // n_chunks + 1) * seq_len
+            for i in T.Parallel(BT):
+                g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
+                beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
+            for i, j in T.Parallel(BT, K):
+                k_f[i, j] = T.if_then_else(start + i < eos, T.cast(Kx[start + i, h, j], ACCUM), 0.0)
+            if l2norm:
+                for i, j in T.Parallel(BT, K):
+                    sq[i, j] = k_f[i, j] * k_f[i, j]
+                T.reduce_sum(sq, rstd, dim=1)
+                for i, j in T.Parallel(BT, K):
+                    k_f[i, j] = k_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
+            T.copy(k_f, k_s)
+            T.sync_threads()
+            T.cumsum(g_s, dim=0)  # gamma, in place
+            T.sync_threads()
+            for i in T.Parallel(BT):
+                if start + i < eos:
+                    Gamma[start + i, hv] = g_s[i]
+            for i, j in T.Parallel(BT, K):
+                kb_s[i, j] = k_s[i, j] * beta_s[i] * T.exp(g_s[i])
+            for i, j in T.Parallel(BT, V):
+                vb_s[i, j] = T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, j], ACCUM), 0.0) * beta_s[i]
+            T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(BT, BT):
+                a_s[i, j] = T.if_then_else(i > j, beta_s[i] * T.exp(g_s[i] - g_s[j]) * kk[i, j], 0.0)
+            T.sync_threads()
+            # (I + A)^-1 column by column (forward substitution; each column is independent)
+            for j in T.Parallel(BT):
+                for i in T.serial(BT):
+                    acc = T.alloc_var(ACCUM)
+                    acc = T.if_then_else(i == j, 1.0, 0.0)
+                    for m in T.serial(i):
+                        acc = acc - a_s[i, m] * inv_s[m, j]
+                    inv_s[i, j] = acc
+            T.sync_threads()
+            T.gemm(inv_s, kb_s, w_f, clear_accum=True)
+            T.gemm(inv_s, vb_s, u_f, clear_accum=True)
+            for i, j in T.Parallel(BT, K):
+                if start + i < eos:
+                    W[start + i, hv, j] = w_f[i, j]
+            for i, j in T.Parallel(BT, V):
+                if start + i < eos:
+                    U[start + i, hv, j] = u_f[i, j]
+            for i, j in T.Parallel(BT, BT):
+                if start + i < eos:
+                    Inverse[start + i, hv, j] = inv_s[i, j]
+
+    return gdr_chunk_prepare
+
+
+def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
+                        varlen: bool):  # fmt: skip
+    R, H, HV, NS, NC = T.dynamic("rows, heads, v_heads, n_states, n_cu")
+    # the state update's gemm [K, BV] needs 16 rows x 8 columns per warp
+    threads = 32 * min(4, (K // 16) * (BV // 8))
+    state_shape = (NS, HV, K, V)
+
+    @T.prim_func
+    def gdr_chunk_state_output(
+        Q: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        W: T.Tensor((R, HV, K), ACCUM),
+        U: T.Tensor((R, HV, V), ACCUM),
+        O: T.Tensor((R, HV, V), dtype),
+        H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
+        HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        scale: T.float32,
+        seq_len: T.int32,
+        n_seq: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(V // BV, n_seq * HV, threads=threads) as (bv, bnh):
+            state = T.alloc_fragment((K, BV), ACCUM)
+            state_s = T.alloc_shared((K, BV), ACCUM)
+            q_f = T.alloc_fragment((BT, K), ACCUM)
+            k_f = T.alloc_fragment((BT, K), ACCUM)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rstd = T.alloc_fragment((BT,), ACCUM)
+            q_s = T.alloc_shared((BT, K), ACCUM)
+            qg_s = T.alloc_shared((BT, K), ACCUM)
+            k_s = T.alloc_shared((BT, K), ACCUM)
+            kd_s = T.alloc_shared((BT, K), ACCUM)
+            w_s = T.alloc_shared((BT, K), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
+            corr = T.alloc_fragment((BT, BV), ACCUM)
+            corr_s = T.alloc_shared((BT, BV), ACCUM)
+            attn = T.alloc_fragment((BT, BT), ACCUM)
+            attn_s = T.alloc_shared((BT, BT), ACCUM)
+            o_state = T.alloc_fragment((BT, BV), ACCUM)
+            o_intra = T.alloc_fragment((BT, BV), ACCUM)
+            update = T.alloc_fragment((K, BV), ACCUM)
+
+            n = bnh // HV
+            hv = bnh % HV
+            h = hv // groups
+            v0 = bv * BV
+            bos = Cu[n] if varlen else n * seq_len
+            eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+            if has_initial:
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = H0[n, hv, i, v0 + j]
+            else:
+                T.clear(state)
+            for c in T.serial(T.ceildiv(eos - bos, BT)):
+                start = bos + c * BT
+                last = Gamma[T.min(start + BT, eos) - 1, hv]
+                for i in T.Parallel(BT):
+                    gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
+                for i, j in T.Parallel(BT, K):
+                    q_f[i, j] = T.if_then_else(start + i < eos, T.cast(Q[start + i, h, j], ACCUM), 0.0)
+                    k_f[i, j] = T.if_then_else(start + i < eos, T.cast(Kx[start + i, h, j], ACCUM), 0.0)
+                    w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
+                if l2norm:
+                    for i, j in T.Parallel(BT, K):
+                        sq[i, j] = q_f[i, j] * q_f[i, j]
+                    T.reduce_sum(sq, rstd, dim=1)
+                    for i, j in T.Parallel(BT, K):
+                        q_f[i, j] = q_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
+                    for i, j in T.Parallel(BT, K):
+                        sq[i, j] = k_f[i, j] * k_f[i, j]
+                    T.reduce_sum(sq, rstd, dim=1)
+                    for i, j in T.Parallel(BT, K):
+                        k_f[i, j] = k_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
+                T.copy(q_f, q_s)
+                T.copy(k_f, k_s)
+                T.copy(state, state_s)
+                T.sync_threads()
+                for i, j in T.Parallel(BT, K):
+                    qg_s[i, j] = q_s[i, j] * T.exp(gamma_s[i])
+                    kd_s[i, j] = T.if_then_else(start + i < eos, k_s[i, j] * T.exp(last - gamma_s[i]), 0.0)
+                # U = u - w S
+                T.gemm(w_s, state_s, corr, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    corr_s[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j], 0.0) - corr[i, j]
+                T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    attn_s[i, j] = T.if_then_else(i >= j, attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0)
+                T.sync_threads()
+                T.gemm(qg_s, state_s, o_state, clear_accum=True)
+                T.gemm(attn_s, corr_s, o_intra, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    if start + i < eos:
+                        O[start + i, hv, v0 + j] = T.cast((o_state[i, j] + o_intra[i, j]) * scale, dtype)
+                T.gemm(kd_s, corr_s, update, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = state[i, j] * T.exp(last) + update[i, j]
+                T.sync_threads()  # the next chunk overwrites the shared tiles
+            if store_final:
+                for i, j in T.Parallel(K, BV):
+                    HT[n, hv, i, v0 + j] = state[i, j]
+
+    return gdr_chunk_state_output
+
+
+def prepare_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varlen: bool) -> Entry:
+    key = ("gdr_chunk_prepare", K, V, dtype, g_dtype, beta_dtype, l2norm, varlen)
+    return key, lambda _: prepare_kernel(K, V, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen)
+
+
+def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool) -> Entry:
+    BV = _state_block(K, V)
+    flags = (has_initial, store_final, l2norm, varlen)
+    key = ("gdr_chunk_state_output", K, V, BV, dtype, flags)
+    return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _contiguous(*tensors):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+def _sequences(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _device_cu(cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    if cu_seqlens is None:
+        return placeholder(device, CU_DTYPE)
+    return cu_seqlens.to(device=device, dtype=CU_DTYPE, non_blocking=True)
+
+
+def _final_state(output_final_state: bool, n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
+    shape = (n, HV, K, V) if output_final_state else (0,)
+    return buffers.empty(shape, dtype=torch.float32, device=device)
+
+
+def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    B, T_, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    n = _sequences(v, cu_seqlens)
+    device = q.device
+    o = buffers.empty(v.shape, dtype=q.dtype, device=device)
+    final = _final_state(output_final_state, n, HV, K, V, device)
+    if n == 0 or q.numel() == 0:
+        if output_final_state:
+            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        return o, final
+    entry = recurrent_entry(
+        K, V, q.dtype, g.dtype, beta.dtype, initial_state is not None, bool(output_final_state),
+        bool(use_qk_l2norm_in_kernel), cu_seqlens is not None,
+    )  # fmt: skip
+    launcher(entry, device)(
+        q.view(B * T_, H, K), k.view(B * T_, H, K), v.view(B * T_, HV, V), g.view(B * T_, HV), beta.view(B * T_, HV),
+        o.view(B * T_, HV, V), placeholder(device) if initial_state is None else initial_state,
+        final if output_final_state else placeholder(device), _device_cu(cu_seqlens, device),
+        float(scale), T_, n, HV // H,
+    )  # fmt: skip
+    return o, final
+
+
+def recurrent_backward(*_):
+    # unreachable: requiring gradients is a not-supported reason of the recurrent kernels
+    raise RuntimeError("gated_delta_rule: the recurrent TileLang kernels are forward-only")
+
+
+def _chunk_table(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[total chunks, 2] (sequence, chunk within it) for host cu_seqlens."""
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
+    sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1)
+
+
+def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward)."""
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    B, T_, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R, n, device = B * T_, _sequences(v, cu_seqlens), q.device
+    l2norm, varlen = bool(use_qk_l2norm_in_kernel), cu_seqlens is not None
+    gamma = buffers.empty((R, HV), dtype=torch.float32, device=device)
+    w = buffers.empty((R, HV, K), dtype=torch.float32, device=device)
+    u = buffers.empty((R, HV, V), dtype=torch.float32, device=device)
+    inverse = buffers.empty((R, HV, BT), dtype=torch.float32, device=device)
+    o = buffers.empty(v.shape, dtype=q.dtype, device=device)
+    final = _final_state(output_final_state, n, HV, K, V, device)
+    if n == 0 or q.numel() == 0:
+        if output_final_state:
+            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        return o, final, gamma, w, u, inverse
+    if varlen:
+        table = _chunk_table(cu_seqlens)
+        per_sequence, total = 0, table.shape[0]
+        chunks = table.to(device=device, dtype=torch.int32, non_blocking=True)
+    else:
+        per_sequence = -(-T_ // BT)
+        total, chunks = B * per_sequence, placeholder(device, torch.int32)
+    cu = _device_cu(cu_seqlens, device)
+    rows = lambda x, *tail: x.view(R, *tail)  # noqa: E731
+    q_rows, k_rows = rows(q, H, K), rows(k, H, K)
+    if total > 0:
+        prepare = launcher(prepare_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)
+        prepare(
+            k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, cu, chunks,
+            T_, max(per_sequence, 1), total, HV // H,
+        )  # fmt: skip
+    entry = state_output_entry(K, V, q.dtype, initial_state is not None, bool(output_final_state), l2norm, varlen)
+    launcher(entry, device)(
+        q_rows, k_rows, gamma, w, u, rows(o, HV, V), placeholder(device) if initial_state is None else initial_state,
+        final if output_final_state else placeholder(device), cu, float(scale), T_, n, HV // H,
+    )  # fmt: skip
+    return o, final, gamma, w, u, inverse
+
+
+def chunk_backward(*_):
+    # unreachable: requiring gradients is a not-supported reason of the tilelang chunked kernels
+    raise RuntimeError("gated_delta_rule: the chunked TileLang kernels are forward-only in this version")
+
+
+def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool, l2norm: bool,
+            varlen: bool) -> list[Entry]:  # fmt: skip
+    """The kernels one specialisation runs, recurrent and chunked (for `precompile`)."""
+    flags = (has_initial, store_final, l2norm, varlen)
+    return [
+        recurrent_entry(K, V, dtype, g_dtype, beta_dtype, *flags),
+        prepare_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
+        state_output_entry(K, V, dtype, *flags),
+    ]
+
+
+def warm_up(specs, device: torch.device) -> None:
+    """Compile the kernels of (K, V, dtype, g_dtype, beta_dtype, has_initial, store_final, l2norm, varlen) specs."""
+    precompile([e for spec in specs for e in entries(*spec)], device)
