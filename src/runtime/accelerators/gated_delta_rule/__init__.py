@@ -23,9 +23,12 @@ CHUNK_BACKWARD_BACKENDS: tuple[str, ...] = ("triton",)
 
 
 def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: bool) -> list[str]:
-    if backend == "tilelang":
-        return ["the tilelang backend has no gated-delta-rule kernels in this version"]
     reasons = dtype_reasons("q", q) + dtype_reasons("g", g) + dtype_reasons("beta", beta)
+    if backend == "tilelang" and mode == "chunk" and q.dtype == torch.float32:
+        reasons.append(
+            "q has dtype float32; the tilelang chunked kernels multiply in tf32 (above the fp32 error bound): "
+            "use bf16/fp16 inputs, the triton backend, or fused_recurrent_gated_delta_rule"
+        )
     if initial_state is not None:
         reasons += dtype_reasons("initial_state", initial_state)
     for name, width in (("K (the q/k head dim)", q.shape[-1]), ("V (the v head dim)", v.shape[-1])):

@@ -360,8 +360,11 @@ def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bo
 # --------------------------------------------------------------------------- launchers
 
 
-def _contiguous(*tensors):
-    return [None if t is None else t.contiguous() for t in tensors]
+def _contiguous(q, k, v, g, beta, initial_state):
+    """The inputs as the kernels read them: contiguous, the initial state in fp32."""
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    return [None if t is None else t.contiguous() for t in (q, k, v, g, beta, initial_state)]
 
 
 def _sequences(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:

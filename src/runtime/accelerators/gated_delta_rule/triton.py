@@ -560,6 +560,7 @@ def chunk_backward(
         q, k, gamma, w, grad_o, du, dstates, grad_final, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_GRAD=bool(output_final_state),
         L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4,
+        num_stages=2 if K == 128 else 3,  # K=128 with 3 stages needs ~258 KB of shared memory (sm_90 has 227)
     )  # fmt: skip
 
     dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
