@@ -165,3 +165,40 @@ def test_gradients_through_the_triton_recurrent_kernel_fall_back():
         o, _ = call(fused_recurrent_gated_delta_rule, inputs, "triton")
     o.float().sum().backward()
     assert inputs["q"].grad is not None
+
+
+# --------------------------------------------------------------------------- tilelang (forward only)
+
+# the chunked TileLang kernels multiply in tf32: fp32 inputs are a not-supported reason there
+TILELANG_CASES = [("recurrent", name) for name in CASES] + [
+    ("chunk", name) for name, case in CASES.items() if case[6] != torch.float32
+]
+
+
+@pytest.mark.parametrize("function, name", TILELANG_CASES)
+def test_tilelang_forward_matches_the_float64_recurrence(function, name):
+    (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
+    with use_accelerators(fallback="error"), torch.no_grad():
+        o, final = call(FUNCTIONS[function], inputs, "tilelang", **options)
+    o_ref, final_ref = reference(inputs, **options)
+    assert o.dtype == dtype
+    assert_close("o", o, o_ref, BOUND[dtype])
+    if final_ref is None:
+        assert final is None
+    else:
+        assert final.dtype == torch.float32
+        assert_close("final_state", final, final_ref, BOUND[dtype])
+
+
+def test_tilelang_chunked_kernels_refuse_fp32_and_gradients():
+    from runtime.accelerators.backends import BackendUnavailableError
+
+    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="tf32"):
+        call(chunk_gated_delta_rule, make_inputs(1, 8, 1, 1, 16, 16, torch.float32), "tilelang")
+    for function in FUNCTIONS.values():
+        inputs = {n: t.requires_grad_() for n, t in make_inputs(1, 8, 1, 1, 16, 16, torch.bfloat16).items()}
+        with pytest.warns(BackendFallbackWarning, match="forward-only"):
+            o, _ = call(function, inputs, "tilelang")
+        o.float().sum().backward()
+        assert inputs["q"].grad is not None

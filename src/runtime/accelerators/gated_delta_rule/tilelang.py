@@ -350,7 +350,8 @@ def prepare_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varl
     return key, lambda _: prepare_kernel(K, V, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen)
 
 
-def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool) -> Entry:
+def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool,
+                       varlen: bool) -> Entry:  # fmt: skip
     BV = _state_block(K, V)
     flags = (has_initial, store_final, l2norm, varlen)
     key = ("gdr_chunk_state_output", K, V, BV, dtype, flags)
