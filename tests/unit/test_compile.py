@@ -36,3 +36,21 @@ def test_compiled_fallback_warns_and_runs_the_reference():
     with pytest.warns(acc.BackendFallbackWarning, match="l2norm: the tilelang backend"):
         y = compiled(x)
     torch.testing.assert_close(y, acc.l2norm(x, backend="torch"))
+
+
+def test_compiled_dropout_draws_a_fresh_seed_per_call_in_a_full_graph():
+    # the seed is drawn from torch's generator inside the graph (a SymInt argument of the custom op),
+    # not frozen into it at trace time
+    x = torch.randn(64, 32, requires_grad=True)
+    residual = torch.zeros(64, 32)
+    compiled = torch.compile(
+        lambda x, r: acc.dropout_add(x, r, 0.5, backend="triton"), backend="aot_eager", fullgraph=True
+    )
+    first, second = compiled(x, residual), compiled(x, residual)
+    assert not torch.equal(first, second)
+    torch.manual_seed(3)
+    again = compiled(x, residual)
+    torch.manual_seed(3)
+    assert torch.equal(compiled(x, residual), again)
+    (grad,) = torch.autograd.grad(again.sum(), [x])
+    torch.testing.assert_close(grad, (again != 0).float() * 2.0)  # the forward's mask, scaled by 1 / (1 - p)

@@ -36,7 +36,7 @@ def _fake_forward(x, residual, p, seed):
 
 # kernel modules: forward(x, residual, p, seed) -> out
 #                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
-KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, int seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
+KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, SymInt seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
 
 
 def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> float:

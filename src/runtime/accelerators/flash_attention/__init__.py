@@ -88,7 +88,7 @@ def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
 # over its query heads; dropout keeps (b, h, i, j) by a counter-based RNG of `seed` (backward regenerates it).
 KERNEL = KernelOp(
     "flash_attention",
-    "Tensor q, Tensor k, Tensor v, Tensor? key_lengths, bool causal, float scale, float dropout_p, int seed",
+    "Tensor q, Tensor k, Tensor v, Tensor? key_lengths, bool causal, float scale, float dropout_p, SymInt seed",
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
