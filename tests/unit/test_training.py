@@ -208,3 +208,21 @@ def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="non-finite training loss by step 2"):
         trainer.fit()
     assert json.loads((tmp_path / "metrics.json").read_text())["log"][0]["step"] == 2
+
+
+def test_training_benchmark_times_and_profiles_a_run(tmp_path):
+    from runtime.training import benchmark
+
+    out = tmp_path / "bench.json"
+    run_overrides = [o for o in TINY if not o.startswith(("accelerators=", "trainer.progress="))]
+    results = benchmark.main([
+        "models=[baseline]", "presets=[torch]", "compiled=[]", "steps=4", "warmup=1", "profile_steps=2",
+        f"output={out}", "overrides=[" + ",".join(f"'{o}'" for o in run_overrides) + "]",
+    ])  # fmt: skip
+    (run,) = results["runs"]
+    assert "error" not in run, run.get("error")
+    assert run["step_ms"] > 0 and len(run["losses"]) == 4
+    profile = run["profile"]
+    assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
+    assert any(op["name"].startswith("aten::") for op in profile["top_host_ops"])
+    assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 2

@@ -29,6 +29,7 @@ from runtime.accelerators.backends import clear_decisions
 from .config import config_dir
 from .distributed import Run
 from .loop import Trainer
+from .profiling import profile_steps
 
 logger = logging.getLogger("runtime.training")
 
@@ -38,8 +39,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(train_cfg, batches, warmup: int, run_dir: Path) -> dict:
-    """Train on the given batches; the step time is measured after `warmup` steps."""
+def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int = 0) -> dict:
+    """Train on the given batches; the step time is measured after `warmup` steps. With
+    `profiled_steps`, that many further steps (on the first batches again) run under the profiler."""
     trainer = Trainer(train_cfg, run_dir, Run(_device(train_cfg)))
     device = trainer.device
     if device.type == "cuda":
@@ -58,7 +60,12 @@ def run_one(train_cfg, batches, warmup: int, run_dir: Path) -> dict:
     end = time.perf_counter()
     timed = len(batches) - warmup
     step_s = (end - timed_from) / timed if timed > 0 else float("nan")
+    profiled = {}
+    if profiled_steps > 0:
+        step = lambda i: trainer.train_step(batches[i % len(batches)])  # noqa: E731
+        profiled["profile"] = profile_steps(step, profiled_steps, device)
     return {
+        **profiled,
         "losses": torch.stack(losses).float().cpu().tolist(),
         "step_ms": 1000 * step_s,
         "samples_per_s": train_cfg.data.batch_size / step_s,
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
                         clear_decisions()  # each run decides (and warns) afresh
                         cfg = compose("train", overrides=run_overrides)
                         with tempfile.TemporaryDirectory() as tmp:
-                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp)))
+                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps))
                     entry["fallbacks"] = sorted({str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)})
                     for message in entry["fallbacks"]:
                         print(f"{name}: FALLBACK {message}", flush=True)
@@ -161,6 +168,12 @@ def _line(name: str, entry: dict) -> str:
         text += (
             f", speedup {entry['speedup_vs_torch_eager']:.2f}x, |dloss| step 1 {cmp['first_step_abs_diff']:.1e}, "
             f"mean {cmp['mean_abs_diff']:.1e}, {tail_key} {cmp[tail_key]:.1e}"
+        )
+    if "profile" in entry:
+        prof = entry["profile"]
+        text += (
+            f", profiled: {prof['wall_ms_per_step']:.2f} ms wall vs {prof['kernel_ms_per_step']:.2f} ms of kernels per step, "
+            f"{prof['kernel_launches_per_step']:.0f} launches"
         )
     if entry.get("peak_memory_mib"):
         text += f", peak {entry['peak_memory_mib']:.0f} MiB"

@@ -114,6 +114,7 @@ class BenchmarkSchema:
     overrides: List[str] = field(default_factory=lambda: ["model.dropout=0.0"])  # train.yaml overrides for every run
     output: str = "training-benchmark.json"
     time_budget_s: float = 0.0  # > 0: start no new run after this many seconds
+    profile_steps: int = 0  # > 0: after timing, profile this many steps (host vs kernel time, top kernels)
 
 
 def register_configs() -> None:
