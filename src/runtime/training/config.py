@@ -107,7 +107,7 @@ class BenchmarkSchema:
 
     models: List[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
     presets: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
-    compiled: List[str] = field(default_factory=lambda: ["torch"])  # presets also run under torch.compile
+    compiled: List[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run

@@ -1,0 +1,70 @@
+"""Where an eager rms_norm call's host time goes on the GPU machine (the issue's eager-per-call target).
+
+    bash .device/gpu python scripts/eager_overhead.py        # (8192, 128) bf16, weight, x requiring grad
+
+Prints microseconds per call, back to back and synchronised once, for the native op, the public
+op on each kernel backend (with and without autograd), the kernel module's forward alone and the
+bare Triton launch, then a cProfile of the triton path (top functions by own time).
+"""
+
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerators import rms_norm
+from runtime.accelerators.norms_triton import n_tiles, row_tiles
+from runtime.accelerators.rms_norm import triton as rms_triton
+
+
+def per_call_us(fn, calls: int = 5000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    rows, width = 8192, 128
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x0, w0 = x.detach(), w.detach()
+    y, rstd = torch.empty_like(x0), torch.empty(rows, device="cuda", dtype=torch.float32)
+    tiles = row_tiles(width)
+
+    def bare_launch():
+        rms_triton._forward_kernel[(n_tiles(rows, tiles),)](
+            x0, w0, y, rstd, rows, width, width, 1e-6, HAS_W=True, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
+        )
+
+    cases = {
+        "F.rms_norm (x requires grad)": lambda: F.rms_norm(x, (width,), w, 1e-6),
+        "F.rms_norm (no grad)": lambda: F.rms_norm(x0, (width,), w0, 1e-6),
+        "rms_norm triton (x requires grad)": lambda: rms_norm(x, w, backend="triton"),
+        "rms_norm triton (no grad)": lambda: rms_norm(x0, w0, backend="triton"),
+        "rms_norm tilelang (x requires grad)": lambda: rms_norm(x, w, backend="tilelang"),
+        "rms_norm tilelang (no grad)": lambda: rms_norm(x0, w0, backend="tilelang"),
+        "triton module forward (allocations + launch)": lambda: rms_triton.forward(x0, w0, 1e-6),
+        "bare Triton launch": bare_launch,
+        "torch.empty_like x2": lambda: (torch.empty_like(x0), torch.empty_like(rstd)),
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rms_norm ({rows}, {width}) bf16, us per call")
+    for name, fn in cases.items():
+        print(f"{name:48s} {per_call_us(fn):8.1f}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5000):
+        rms_norm(x, w, backend="triton")
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
