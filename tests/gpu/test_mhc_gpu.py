@@ -19,6 +19,27 @@ CASES = [  # (n, C, leading dims, dtype): every n, odd widths, fp32 and bf16, se
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compile_tilelang_kernels():
+    """The 25 TileLang kernels of these cases (n and C are static), compiled in parallel up front."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        from runtime.accelerators.mhc import tilelang as kernels
+        from runtime.accelerators.tilelang_common import precompile
+    except ImportError:  # no tilelang: those cases fall back or skip on their own
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    entries = []
+    for n, C, _, dtype in CASES:
+        x = torch.empty(1, n, C, dtype=dtype, device=device)
+        phi = torch.empty(n * C, n * n + 2 * n, dtype=dtype, device=device)
+        splits = kernels._token_splits(device, n, C)
+        entries += [kernels.pre_entry(x, phi), kernels.pre_backward_entry(x, phi), kernels.dphi_entry(x, phi, splits)]
+        entries += [kernels.post_entry(x), kernels.post_backward_entry(x)]
+    precompile(entries, device)
+
+
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 @pytest.mark.parametrize("n, C, lead, dtype", CASES, ids=[f"n{n}-C{c}-{'x'.join(map(str, l))}-{str(d)[6:]}" for n, c, l, d in CASES])
 def test_mhc_matches_float64(backend, n, C, lead, dtype):

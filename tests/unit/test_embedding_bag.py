@@ -219,6 +219,15 @@ def test_strided_weight_is_a_reason_and_falls_back():
         embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2]]), backend="tilelang")
 
 
+def test_tilelang_width_limit_is_a_reason():
+    from runtime.accelerators.embedding_bag import SPEC, TILELANG_MAX_DIM
+
+    (reason,) = SPEC.reasons("tilelang", weight=torch.randn(3, TILELANG_MAX_DIM + 32))
+    assert f"embedding dim {TILELANG_MAX_DIM + 32} exceeds {TILELANG_MAX_DIM}" in reason
+    assert SPEC.reasons("tilelang", weight=torch.randn(3, TILELANG_MAX_DIM)) == []
+    assert SPEC.reasons("triton", weight=torch.randn(3, TILELANG_MAX_DIM + 32)) == []
+
+
 def test_float64_weight_runs_the_reference_under_auto():
     weight = torch.randn(9, 4, dtype=torch.float64)
     torch.testing.assert_close(embedding_bag_mean(weight, torch.tensor([[1, 2]])), F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean"))

@@ -102,6 +102,7 @@ def test_reasons_per_backend():
     assert any("float32" in r for r in input_reasons("tilelang", q=q[..., :16]))
     assert any("attn_mask" in r for r in input_reasons("triton", q=q[..., :16], attn_mask=torch.ones(4, 4, dtype=torch.bool)))
     assert any("scale" in r for r in input_reasons("triton", q=q[..., :16], scale=-1.0))
+    assert any("scale=0.0 is not positive" in r for r in input_reasons("tilelang", q=q[..., :16], scale=0.0))
     assert input_reasons("triton") == []  # explain() may pass no inputs
 
 
@@ -273,3 +274,11 @@ def test_triton_under_torch_compile():
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
     check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32),
                           causal=True, key_lengths=key_lengths)
+
+
+def test_zero_scale_falls_back_to_the_reference():
+    # scale 0 is a plain mean of v without a mask (with masked keys SDPA's own result is NaN)
+    q, k, v = make(1, 2, 2, 5, 5, 16, requires_grad=False)
+    with pytest.warns(BackendFallbackWarning, match="scale=0.0 is not positive"):
+        out = flash_attention(q, k, v, scale=0.0, backend="triton")
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(out))

@@ -119,5 +119,9 @@ def test_tilelang_kernels_compile_for_sm90a():
         kernels.post_forward_kernel("bfloat16", 4, 200),
         kernels.post_backward_kernel("bfloat16", 4, 200),
     ]
-    for kernel in tilelang.par_compile(builders, target=SM90A):
+    compiled = tilelang.par_compile(builders, target=SM90A)
+    for kernel in compiled:
         assert "__global__" in kernel.get_kernel_source()
+    # token blocks run on grid x: gridDim.y stops at 65535 blocks, 1M tokens (batch 576 x 2048 is more)
+    post_forward = compiled[3].get_kernel_source()
+    assert f"blockIdx.y) * {kernels.BLOCK_TOKENS})" not in post_forward and f"blockIdx.x) * {kernels.BLOCK_TOKENS})" in post_forward

@@ -20,12 +20,18 @@ from .reference import embedding_bag_mean_reference
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+TILELANG_MAX_DIM = 1024
+
+
 def _reasons(backend: str, weight: torch.Tensor, indices=None, offsets=None) -> list[str]:
     reasons = dtype_reasons("weight", weight)
     if weight.dim() == 2 and weight.stride(1) != 1:
         reasons.append(f"weight has strides {tuple(weight.stride())}; the kernels read rows with a unit column stride")
     elif backend == "tilelang" and not weight.is_contiguous():
         reasons.append(f"weight has strides {tuple(weight.stride())}; the tilelang kernels take a contiguous table")
+    if backend == "tilelang" and weight.dim() == 2 and weight.shape[1] > TILELANG_MAX_DIM:
+        # the gradient kernel holds a chunk of rows of the whole width in shared memory (32 x 4 bytes per column)
+        reasons.append(f"the embedding dim {weight.shape[1]} exceeds {TILELANG_MAX_DIM}, the widest the tilelang gradient kernel holds")
     return reasons
 
 
@@ -151,7 +157,7 @@ def embedding_bag_mean(
     values (never out-of-bounds memory accesses).
     """
     padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
-    key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous())
+    key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous(), weight.shape[1] > TILELANG_MAX_DIM)
     chosen = select_backend(SPEC, backend, weight.device, key, weight=weight, indices=indices, offsets=offsets)
     if chosen == "torch" or weight.numel() == 0:
         return embedding_bag_mean_reference(weight, indices, offsets, padding, include_last_offset, sparse, check_indices)

@@ -49,8 +49,9 @@ def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
     reasons = []
-    if scale is not None and scale < 0:
-        reasons.append(f"scale={scale} is negative; the kernels' online softmax takes scale >= 0")
+    if scale is not None and scale <= 0:
+        # the kernels scale the masked (-inf) scores: a zero scale would make them NaN, a negative one +inf
+        reasons.append(f"scale={scale} is not positive; the kernels' online softmax takes scale > 0")
     if attn_mask is not None:
         reasons.append("a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)")
     if q is not None:
@@ -198,8 +199,8 @@ def flash_attention(
     """
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
-    negative_scale = scale is not None and scale < 0
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, negative_scale)
+    unscalable = scale is not None and scale <= 0
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable)
     chosen = select_backend(
         SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )

@@ -116,7 +116,9 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 acc[t, m] = acc[t, m] * total[t]
                 if (row0 + t < tokens) and (m < M):
                     Hs[row0 + t, m] = acc[t, m]
-
+            # _coefficients reads back Hs rows that other threads of this block wrote (global memory: the
+            # sync pass guards only shared buffers; today's sync there comes from h_s reusing phi_s's memory)
+            T.sync_threads()
             _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, matrix, row0, tokens, n, M, MP)
             T.sync_threads()
             for it in T.serial(iters):
@@ -344,7 +346,8 @@ def post_forward_kernel(dtype: str, n: int, C: int):
         HRes: T.Tensor((tokens, n * n), ACCUM),
         Out: T.Tensor((tokens, n, C), dtype),
     ):
-        with T.Kernel(T.ceildiv(C, BC), T.ceildiv(tokens, BT), threads=THREADS) as (cx, bx):
+        # tokens on x: gridDim.y is capped at 65535 blocks (1M tokens, reached by batch 576 x 2048)
+        with T.Kernel(T.ceildiv(tokens, BT), T.ceildiv(C, BC), threads=THREADS) as (bx, cx):
             coef = T.alloc_shared((BT, n * n + n), ACCUM)
             acc = T.alloc_fragment((BT, BC), ACCUM)
             row0, col0 = bx * BT, cx * BC

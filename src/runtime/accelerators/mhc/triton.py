@@ -70,6 +70,7 @@ def _pre_forward_kernel(
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
+    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
     K = n * C
     M = n * n + 2 * n
     cols = tl.arange(0, MP)
@@ -113,6 +114,7 @@ def _pre_backward_kernel(
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     row_mask = rows < tokens
+    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
     K = n * C
     M = n * n + 2 * n
     i = tl.arange(0, NP)
@@ -202,6 +204,7 @@ def _pre_dphi_kernel(x, dg, dphi, tokens, K, MP: tl.constexpr, BT: tl.constexpr,
     for t0 in range(0, tokens, BT):
         rows = t0 + tl.arange(0, BT)
         row_mask = rows < tokens
+        rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
         v_t = tl.load(x + rows[None, :] * K + ks[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
         d_g = tl.load(dg + rows[:, None] * M + cols[None, :], mask=row_mask[:, None] & (cols < M)[None, :], other=0.0)
         acc = tl.dot(v_t, d_g, acc, input_precision=PRECISION)
@@ -212,6 +215,7 @@ def _pre_dphi_kernel(x, dg, dphi, tokens, K, MP: tl.constexpr, BT: tl.constexpr,
 def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
+    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
     i = tl.arange(0, NP)
     mask2 = row_mask[:, None] & (i < n)[None, :]
     post = tl.load(h_post + rows[:, None] * n + i[None, :], mask=mask2, other=0.0).to(tl.float32)
@@ -234,6 +238,7 @@ def _post_backward_kernel(
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
+    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
     i = tl.arange(0, NP)
     mask2 = row_mask[:, None] & (i < n)[None, :]
     valid = (i[:, None] < n) & (i[None, :] < n)
