@@ -9,10 +9,12 @@ from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
+from runtime.accelerators.gated_delta_rule.varlen import chunk_table, piece_bounds
 from runtime.accelerators.testing import assert_close
 
 FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
@@ -216,6 +218,116 @@ def test_triton_chunked_backward_bf16_under_the_interpreter():
     for n, grad, ref_grad in zip(inputs, grads, ref_grads):
         assert grad.dtype == inputs[n].dtype
         assert_close(f"d{n}", grad, ref_grad, bounds.get(n, 8e-3))
+
+
+# --------------------------------------------------------------------------- varlen chunk table (device kernel)
+
+TABLE_BOUNDARIES = {
+    "empty-and-odd": [0, 20, 63, 63, 200],
+    "all-empty": [0, 0, 0],
+    "exact-chunks-and-one-token": [0, 64, 128, 129],
+    "leading-empty": [0, 0, 65, 65, 300, 301],
+    "over-a-block": [0, 3, 64 * 300 + 8],  # 301 chunks: the kernel's loop over blocks of 256
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("size", [64, 128])
+@pytest.mark.parametrize("name", list(TABLE_BOUNDARIES))
+def test_chunk_table_matches_the_python_construction(name, size, dtype):
+    cu = TABLE_BOUNDARIES[name]
+    host = torch.tensor(cu)
+    with poison_outputs():
+        table, first = chunk_table(host.to(dtype), host, size)
+    counts = [-(-(end - start) // size) for start, end in zip(cu, cu[1:])]
+    assert table.dtype == torch.int32 and table.shape == (sum(counts), 2)
+    assert table.tolist() == [[n, c] for n, count in enumerate(counts) for c in range(count)]
+    assert first.dtype == torch.int32 and first.tolist() == [sum(counts[:n]) for n in range(len(counts))]
+
+
+@pytest.mark.parametrize("name", list(TABLE_BOUNDARIES))
+def test_piece_bounds_match_the_python_construction(name):
+    """Pieces of 128 tokens as sequences of their own: boundaries and the global index of their first 64-chunk."""
+    cu = TABLE_BOUNDARIES[name]
+    host = torch.tensor(cu)
+    with poison_outputs():
+        bounds, first_chunks, first = piece_bounds(host, host, 128, 64)
+    starts, chunks, first_pieces, chunk = [], [], [], 0
+    for start, end in zip(cu, cu[1:]):
+        first_pieces.append(len(starts))
+        for piece in range(start, end, 128):
+            starts.append(piece)
+            chunks.append(chunk + (piece - start) // 64)
+        chunk += -(-(end - start) // 64)
+    assert bounds.dtype == torch.int64 and bounds.tolist() == starts + [cu[-1]]
+    assert first_chunks.dtype == torch.int32 and first_chunks.tolist() == chunks
+    assert first.tolist() == first_pieces
+
+
+# --------------------------------------------------------------------------- context-parallel split (Triton)
+
+SPLIT_CU = torch.tensor([0, 10, 10, 200, 330])  # a short, an empty, a 3-chunk and a 3-chunk sequence
+SPLIT_CASES = {  # shape: (B, T, H, HV, K, V); segments of `segment` chunks
+    "T320-state-final-seg2": dict(shape=(1, 320, 1, 2, 16, 16), segment=2, state=True, options=dict(output_final_state=True)),
+    "T450-B2-GVA-l2norm-seg3": dict(shape=(2, 450, 1, 2, 16, 16), segment=3, options=dict(use_qk_l2norm_in_kernel=True)),
+    "varlen-state-final-seg2": dict(shape=(1, 330, 1, 2, 16, 16), segment=2, state=True, sequences=4,
+                                    options=dict(cu_seqlens=SPLIT_CU, output_final_state=True)),
+    "K128-V64-state-final-seg1": dict(shape=(1, 200, 1, 1, 128, 64), segment=1, state=True,  # several V and M blocks
+                                      options=dict(output_final_state=True, use_qk_l2norm_in_kernel=True)),
+}  # fmt: skip
+
+
+def _triton_outputs_and_grads(inputs, options, segment_chunks):
+    """o, the final state (when asked) and every gradient, through the Triton kernels cut into segments."""
+    with gdr_triton.split_sequences(segment_chunks), use_accelerators(fallback="error"), poison_outputs():
+        o, state = call(chunk_gated_delta_rule, inputs, "triton", **options)
+        outputs = [o] if state is None else [o, state]
+        gen = torch.Generator().manual_seed(1)
+        grads = torch.autograd.grad(outputs, list(inputs.values()), [torch.randn(x.shape, generator=gen) for x in outputs])
+    return outputs, grads
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_triton_split_matches_the_whole_walk_and_the_recurrence(name):
+    """Forward, final state and every gradient: the split equals the whole-sequence walk up to fp32 rounding."""
+    case = SPLIT_CASES[name]
+    inputs = {n: x.requires_grad_() for n, x in _inputs(case, torch.float32).items()}
+    outputs, grads = _triton_outputs_and_grads(inputs, case["options"], case["segment"])
+    whole_outputs, whole_grads = _triton_outputs_and_grads(inputs, case["options"], 0)
+    labels = ["o", "final_state"] + [f"d{n}" for n in inputs]
+    for label, split, whole in zip(labels, outputs + list(grads), whole_outputs + list(whole_grads)):
+        assert_close(f"{label} (split vs whole)", split, whole, 1e-6)
+    twin = doubled(inputs)
+    refs = [r for r in call(FUNCTIONS["recurrent"], twin, "torch", **case["options"]) if r is not None]
+    gen = torch.Generator().manual_seed(1)
+    ref_grads = torch.autograd.grad(refs, list(twin.values()), [torch.randn(r.shape, generator=gen).double() for r in refs])
+    for label, split, ref in zip(labels, outputs + list(grads), refs + list(ref_grads)):
+        assert_close(f"{label} (split vs float64 recurrence)", split, ref, 1e-4)
+
+
+def test_fixed_length_segments_are_numbered_as_sequences_of_their_own():
+    """B=2, T=450 (8 chunks each) in segments of 3 chunks: boundaries every 192 tokens within each sequence."""
+    x = make_inputs(2, 450, 1, 1, 16, 16)
+    chunks = gdr_triton.Chunks.of(x["v"], None)
+    with gdr_triton.split_sequences(3), poison_outputs():
+        segments = gdr_triton.Segments.of(chunks, x["q"], x["v"], None)
+    assert segments.chunks.cu.tolist() == [0, 192, 384, 450, 642, 834, 900]
+    assert segments.chunks.offsets.tolist() == [0, 3, 6, 8, 11, 14]
+    assert segments.first.tolist() == [0, 3]
+    assert (segments.chunks.n, segments.chunks.total, segments.tokens) == (6, 16, 192)
+
+
+def test_the_occupancy_rule_splits_only_few_long_walks():
+    def chunks(n, per_sequence):
+        return gdr_triton.Chunks(n, per_sequence, n * per_sequence, per_sequence, None, None, None)
+
+    sms = 132  # an H100
+    assert gdr_triton.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
+    assert gdr_triton.split_length(chunks(1, 64), programs=2, sms=sms) == 4
+    assert gdr_triton.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
+    assert gdr_triton.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
+    assert gdr_triton.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
+    assert gdr_triton.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
 
 
 # --------------------------------------------------------------------------- dispatch reasons

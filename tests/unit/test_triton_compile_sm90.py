@@ -8,8 +8,9 @@ alignment attributes and options a real launch would compile. A fresh process wi
 interpreter (sm90_compile.py) then compiles each recorded specialisation with
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 
-Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py and
-norms_triton.py) gets a test; one that no case below launches fails, naming the missing case.
+Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py,
+norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below launches fails,
+naming the missing case.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.flash_attention import triton as fa_triton
+from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
 COMPILER = Path(__file__).with_name("sm90_compile.py")
@@ -48,7 +50,7 @@ bf16, f32 = torch.bfloat16, torch.float32
 
 
 def kernel_modules() -> list[str]:
-    names = ["runtime.accelerators.norms_triton"]
+    names = ["runtime.accelerators.norms_triton", "runtime.accelerators.gated_delta_rule.varlen"]
     for info in pkgutil.iter_modules(acc.__path__):
         if info.ispkg and importlib.util.find_spec(f"runtime.accelerators.{info.name}.triton") is not None:
             names.append(f"runtime.accelerators.{info.name}.triton")
@@ -101,6 +103,11 @@ def bce():
 def embedding_bag():
     weight = _randn(1000, 64, dtype=f32)
     _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))  # > CHUNK entries: both passes
+    # ragged bags (offsets: the entry -> bag map), padding, and the sparse gradient: other specialisations
+    # (autograd.grad, not backward: the kernels do not run here, so the sparse gradient's rows are
+    # garbage, and accumulating it into weight.grad would read out of bounds)
+    out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+    torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
 def mhc():
@@ -160,6 +167,17 @@ def gated_delta_rule_fp32_widest():
     acc.chunk_gated_delta_rule(**_delta_rule_inputs(1, 128, 1, 2, 128, 128, dtype=f32))
 
 
+def gated_delta_rule_split():
+    """The context-parallel split (forced: the occupancy rule decides on a GPU), forward and backward: segment
+    maps and the chain both ways at K = V = 128 (the widest maps), varlen; fp32 forward (IEEE dots in the chain)."""
+    with gdr_triton.split_sequences(2):
+        inputs = _delta_rule_inputs(1, 600, 1, 1, 128, 128, sequences=[0, 100, 600])
+        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            inputs[name].requires_grad_()
+        _backward(*acc.chunk_gated_delta_rule(**inputs))
+        acc.chunk_gated_delta_rule(**_delta_rule_inputs(2, 300, 1, 1, 64, 32, dtype=f32))
+
+
 CASES = {
     "norms": norms,
     "elementwise": elementwise,
@@ -171,6 +189,7 @@ CASES = {
     "attention_widest": attention_widest,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
+    "gated_delta_rule_split": gated_delta_rule_split,
 }
 
 

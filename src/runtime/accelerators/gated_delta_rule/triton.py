@@ -16,20 +16,27 @@ Chunked (chunks of BT = 64 steps, see reference.py for the math), two kernels:
      chunks with the state in registers, forming the corrections U = u - w S, the chunk's output
      scale (diag(exp(gamma)) Q S + (Q K^T * decay)_{j<=t} U) and the next state (in the backward it
      runs again to store the state entering each chunk, writing no output).
-The backward's two kernels are described where they start ("chunked backward").
+With few (sequence, value head, V block) programs for the SMs, long sequences are cut into segments walked
+in parallel ("context-parallel split"). The backward's kernels are described where they start ("chunked
+backward"). Varlen chunk tables are written on the device (varlen.py).
 With use_qk_l2norm_in_kernel, q and k are normalised in fp32 as they are loaded (the l2norm op's math;
 normalising them first through the l2norm op would round them to the input dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import buffers
+from . import varlen
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
@@ -203,8 +210,9 @@ def _chunk_state_output_kernel(
     q, k, gamma_in, w_in, u_in, o, h0, ht, states, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, WRITE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
+    PRECISION: tl.constexpr, WRITE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
 ):  # fmt: skip
+    # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -214,6 +222,8 @@ def _chunk_state_output_kernel(
     state_offsets = i_nh.to(tl.int64) * K * V + cols_k[:, None] * V + cols_v[None, :]
     if USE_INITIAL_STATE:
         state = tl.load(h0 + state_offsets).to(tl.float32)
+    elif TRANSITION:
+        state = tl.where(cols_k[:, None] == cols_v[None, :], 1.0, 0.0)
     else:
         state = tl.zeros([K, BV], dtype=tl.float32)
     # backward: the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c)
@@ -234,8 +244,11 @@ def _chunk_state_output_kernel(
         if L2NORM:
             b_q, b_k = _l2norm_rows(b_q), _l2norm_rows(b_k)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=mask_k, other=0.0)
-        b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
-        corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
+        if TRANSITION:
+            corrections = -tl.dot(b_w, state, input_precision=PRECISION)
+        else:
+            b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
+            corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
         if WRITE_OUTPUT:
             decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
             attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
@@ -259,15 +272,6 @@ def _l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, 1) + L2NORM_EPS)[:, None]
 
 
-def _chunk_indices(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n_chunks, 2] (sequence, chunk within it), [N] first global chunk of each sequence) for host cu_seqlens."""
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
-    sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    offsets = torch.cumsum(counts, 0) - counts
-    first = torch.repeat_interleave(offsets, counts)
-    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1), offsets
-
-
 @dataclass
 class Chunks:
     """How the packed token axis splits into chunks of BT (shared by the forward and backward launchers)."""
@@ -275,6 +279,7 @@ class Chunks:
     n: int  # sequences
     per_sequence: int  # chunks per sequence (fixed length; 0 with cu_seqlens)
     total: int  # chunks over all sequences
+    longest: int  # chunks of the longest sequence
     cu: torch.Tensor | None  # device cu_seqlens (int64)
     indices: torch.Tensor | None  # device [total, 2] int32: (sequence, chunk within it)
     offsets: torch.Tensor | None  # device [N] int32: global index of each sequence's first chunk
@@ -283,13 +288,12 @@ class Chunks:
     def of(cls, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> "Chunks":
         B, T = v.shape[:2]
         if cu_seqlens is None:
-            return cls(B, triton.cdiv(T, BT), B * triton.cdiv(T, BT), None, None, None)
-        indices, offsets = _chunk_indices(cu_seqlens)
-        device = v.device
-        return cls(
-            cu_seqlens.numel() - 1, 0, indices.shape[0], cu_seqlens.to(device, non_blocking=True),
-            indices.to(device, torch.int32, non_blocking=True), offsets.to(device, torch.int32, non_blocking=True),
-        )  # fmt: skip
+            per_sequence = triton.cdiv(T, BT)
+            return cls(B, per_sequence, B * per_sequence, per_sequence, None, None, None)
+        cu = cu_seqlens.to(v.device, non_blocking=True)
+        indices, offsets = varlen.chunk_table(cu, cu_seqlens, BT)
+        longest = int(varlen.piece_counts(cu_seqlens, BT).max())
+        return cls(cu_seqlens.numel() - 1, 0, indices.shape[0], longest, cu, indices, offsets)
 
 
 def _state_block(K: int, V: int) -> int:
@@ -314,23 +318,48 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     return gamma, w, u, inverse
 
 
-def states_and_output(q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                      chunks: Chunks, write_output: bool, store_states: bool):  # fmt: skip
-    """The inter-chunk recurrence: (o or None, final state, the state entering each chunk [total, HV, K, V] or None)."""
+def _walk(q, k, gamma, w, u, scale, l2norm, chunks: Chunks, *, h0=None, ht=None, o=None, states=None, transition=False):
+    """One _chunk_state_output_kernel launch over the sequences of `chunks`: what it stores is what is given."""
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    device = q.device
-    o = buffers.empty(v.shape, dtype=q.dtype, device=device) if write_output else None
-    final = _final_state(output_final_state, chunks.n, HV, K, V, device)
-    states = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device) if store_states else None
+    HV = gamma.shape[1]
+    V = K if transition else u.shape[-1]
     BV = _state_block(K, V)
     _chunk_state_output_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
-        q, k, gamma, w, u, o, initial_state, final, states, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
-        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
-        WRITE_OUTPUT=write_output, STORE_STATES=store_states, num_warps=4, num_stages=_state_stages(q, K),
+        q, k, gamma, w, u, o, h0, ht, states, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), WRITE_OUTPUT=o is not None,
+        STORE_STATES=states is not None, TRANSITION=transition, num_warps=4, num_stages=_state_stages(q, K),
     )  # fmt: skip
-    return o, final, states
+
+
+def _state_buffer(n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
+    return buffers.empty((n, HV, K, V), dtype=torch.float32, device=device)
+
+
+def states_and_output(
+    q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks: Chunks,
+    write_output: bool, store_states: bool, segments: Segments | None = None,
+):  # fmt: skip
+    """The inter-chunk recurrence: (o or None, final state, the state entering each chunk [total, HV, K, V] or None,
+    and with segments their maps M [segments, HV, K, K] for the backward, else None)."""
+    K, (HV, V), device = q.shape[-1], v.shape[2:], q.device
+    o = buffers.empty(v.shape, dtype=q.dtype, device=device) if write_output else None
+    final = _final_state(output_final_state, chunks.n, HV, K, V, device)
+    states = _state_buffer(chunks.total, HV, K, V, device) if store_states else None
+    walk = functools.partial(_walk, q, k, gamma, w, u, scale, use_qk_l2norm_in_kernel)
+    if segments is None:
+        walk(chunks, h0=initial_state, ht=final if output_final_state else None, o=o, states=states)
+        return o, final, states, None
+    # each segment maps the state entering it to S -> M S + b: M and b (from a zero state) in parallel,
+    # then the states entering the segments in order (cheap), then the segments again from those
+    parts = segments.chunks
+    maps, offsets = _state_buffer(parts.n, HV, K, K, device), _state_buffer(parts.n, HV, K, V, device)
+    walk(parts, ht=maps, transition=True)
+    walk(parts, ht=offsets)
+    entering = _state_buffer(parts.n, HV, K, V, device)
+    _combine(segments, maps, offsets, initial_state, entering, final if output_final_state else None, _precision(q))
+    walk(parts, h0=entering, o=o, states=states)
+    return o, final, states, maps
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -338,11 +367,146 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
-    o, final, _ = states_and_output(
+    o, final, _, _ = states_and_output(
         q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks,
-        write_output=True, store_states=False,
+        write_output=True, store_states=False, segments=Segments.of(chunks, q, v, cu_seqlens),
     )  # fmt: skip
     return o, final, gamma, w, u, inverse
+
+
+# --------------------------------------------------------------------------- context-parallel split
+# The walks above run one program per (sequence, value head, V block) through all of a sequence's chunks.
+# When those programs are too few to fill the GPU (few long sequences, few heads), every sequence is cut
+# into segments of the same number of chunks (the last may be shorter; a shorter sequence is one segment).
+# Per chunk the state map is affine, S' = M S + b with M = e^gamma_last I - K~^T w and b = K~^T u
+# (K~ = K e^(gamma_last - gamma)), and so is a segment's: its M (the walk of the linear part from the
+# identity) and b (the walk from a zero state) are computed for all segments in parallel, one short
+# walk per sequence (_segment_combine_kernel) chains them into the state entering each segment, and the
+# segments are walked again in parallel from those states. Segments are handed to the walking kernels as
+# sequences of their own (their boundaries as cu_seqlens, their first global chunk as chunk offsets).
+# The backward's reverse walk is affine in dS' with M^T: the same three steps, the chain run backwards.
+
+SPLIT_PROGRAMS_PER_SM = 2  # split to reach about this many walking programs per SM
+MIN_SEGMENTS = 4  # the split walks each segment about three times: it pays from about four segments per sequence
+MIN_SEGMENT_CHUNKS = 4
+_forced_segment_chunks: int | None = None
+
+
+@contextlib.contextmanager
+def split_sequences(segment_chunks: int) -> Iterator[None]:
+    """Within the block the chunked launchers cut every sequence into segments of `segment_chunks` chunks
+    (0: never split) whatever the occupancy; for tests and benchmarks, where the rule would not split."""
+    global _forced_segment_chunks
+    previous, _forced_segment_chunks = _forced_segment_chunks, segment_chunks
+    try:
+        yield
+    finally:
+        _forced_segment_chunks = previous
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.device) -> int:
+    """Chunks per segment of the split, or 0 to walk every sequence whole."""
+    if _forced_segment_chunks is not None:
+        return _forced_segment_chunks
+    if device.type != "cuda" or chunks.total == 0:
+        return 0
+    programs = chunks.n * HV * triton.cdiv(V, _state_block(K, V))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return split_length(chunks, programs, _sm_count(index))
+
+
+def split_length(chunks: Chunks, programs: int, sms: int) -> int:
+    """The occupancy rule: chunks per segment when `programs` walking programs leave most of `sms` SMs idle, else 0.
+
+    Split when the segments per sequence that would give SPLIT_PROGRAMS_PER_SM programs per SM are at least
+    MIN_SEGMENTS (on an H100's 132 SMs: at most 66 programs), into segments of at least MIN_SEGMENT_CHUNKS,
+    and only when the longest sequence is longer than one segment. Every sequence is cut with the same length.
+    """
+    segments = SPLIT_PROGRAMS_PER_SM * sms // max(programs, 1)
+    if segments < MIN_SEGMENTS:
+        return 0
+    # the chain walks a sequence's segments one by one, each step about a quarter of a chunk's:
+    # segments of ~sqrt(chunks) / 2 balance it against the segment walks
+    length = max(MIN_SEGMENT_CHUNKS, math.isqrt(chunks.longest) // 2, triton.cdiv(chunks.total, chunks.n * segments))
+    return length if length < chunks.longest else 0
+
+
+@dataclass
+class Segments:
+    """The split: `chunks` describes the segments as sequences of their own (for the walking kernels)."""
+
+    chunks: Chunks
+    tokens: int  # per segment (a multiple of BT)
+    cu: torch.Tensor  # device [N + 1] int64: the sequences' boundaries (fixed length: every T tokens)
+    first: torch.Tensor  # device [N] int32: each sequence's first segment
+
+    @classmethod
+    def of(cls, chunks: Chunks, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> "Segments | None":
+        """The split the occupancy asks for (None: none); cu_seqlens on the host, as the launchers get it."""
+        length = _segment_chunks(chunks, v.shape[2], q.shape[-1], v.shape[-1], v.device)
+        if length == 0 or chunks.total == 0:
+            return None
+        B, T = v.shape[:2]
+        cu_host = torch.arange(0, B * T + 1, T) if cu_seqlens is None else cu_seqlens
+        cu = torch.arange(0, B * T + 1, T, device=v.device) if chunks.cu is None else chunks.cu
+        tokens = length * BT
+        bounds, first_chunks, first = varlen.piece_bounds(cu, cu_host, tokens, BT)
+        parts = Chunks(bounds.numel() - 1, 0, chunks.total, length, bounds, None, first_chunks)
+        return cls(parts, tokens, cu, first)
+
+
+@triton.jit(do_not_specialize=["SEGMENT"])
+def _segment_combine_kernel(
+    maps, offsets, start, through, end, cu_seqlens, first_segment, SEGMENT,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_START: tl.constexpr, STORE_END: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Chains the segments of a sequence: x -> M x + b through them in order (REVERSE: x -> M^T x + b from the
+    last one), storing the x each segment is entered with, then the x at the end."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    n_segments = (eos - bos + SEGMENT - 1) // SEGMENT
+    first = tl.load(first_segment + i_n).to(tl.int64)
+    cols_k = tl.arange(0, K)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    block = cols_k[:, None] * V + cols_v[None, :]
+    if REVERSE:
+        map_block = cols_k[None, :] * K + cols_k[:, None]  # M^T
+    else:
+        map_block = cols_k[:, None] * K + cols_k[None, :]
+    if USE_START:
+        x = tl.load(start + i_nh.to(tl.int64) * K * V + block).to(tl.float32)
+    else:
+        x = tl.zeros([K, BV], dtype=tl.float32)
+    for i in range(0, n_segments):
+        if REVERSE:
+            segment = first + n_segments - 1 - i
+        else:
+            segment = first + i
+        base = segment * HV + i_hv
+        tl.store(through + base * K * V + block, x)
+        m = tl.load(maps + base * K * K + map_block)
+        x = tl.dot(m, x, input_precision=PRECISION) + tl.load(offsets + base * K * V + block)
+    if STORE_END:
+        tl.store(end + i_nh.to(tl.int64) * K * V + block, x)
+
+
+def _combine(segments: Segments, maps, offsets, start, through, end, precision: str, reverse: bool = False):
+    """Launches _segment_combine_kernel: `start`/`end` per sequence [N, HV, K, V] or None, the rest per segment."""
+    HV, K, V = offsets.shape[1:]
+    BV = _state_block(K, V)
+    _segment_combine_kernel[(triton.cdiv(V, BV), segments.first.numel() * HV)](
+        maps, offsets, start, through, end, segments.cu, segments.first, segments.tokens,
+        HV=HV, K=K, V=V, BV=BV, USE_START=start is not None, STORE_END=end is not None, REVERSE=reverse,
+        PRECISION=precision, num_warps=4, num_stages=2,  # K=128 with 3 stages needs ~224 KB of shared memory
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- chunked backward
@@ -383,7 +547,7 @@ def _state_grad_kernel(
     q, k, gamma_in, w_in, do, du_out, dstates, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -402,8 +566,8 @@ def _state_grad_kernel(
     n_chunks = (eos - bos + BT_ - 1) // BT_
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        # dS' of chunk c: the gradient of the state leaving it
-        tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate)
+        if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
+            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate)
         start = bos + c * BT_
         rows = start + r
         row_mask = rows < eos
@@ -418,12 +582,26 @@ def _state_grad_kernel(
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
         b_du = tl.dot(tl.trans(attention), b_do, input_precision=PRECISION) * scale
         b_du += tl.dot(k_to_end, dstate, input_precision=PRECISION)
-        tl.store(du_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], b_du, mask=row_mask[:, None])
+        if STORE_GRADS:
+            tl.store(du_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], b_du, mask=row_mask[:, None])
         q_decayed = b_q * (tl.exp(gamma) * scale)[:, None]
         dstate = dstate * tl.exp(last) + tl.dot(tl.trans(q_decayed), b_do, input_precision=PRECISION)
         dstate -= tl.dot(tl.trans(b_w), b_du, input_precision=PRECISION)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
+
+
+def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=None, du=None, dstates=None, dh0=None):
+    """One _state_grad_kernel launch over the sequences of `chunks` (du and dstates are stored together or not)."""
+    B, T, H, K = q.shape
+    HV, V = grad_o.shape[2:]
+    BV = _state_block(K, V)
+    _state_grad_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
+        q, k, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
+        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=du is not None,
+        num_warps=4, num_stages=2 if K == 128 else 3,  # K=128 with 3 stages needs ~258 KB of shared memory (sm_90 has 227)
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
@@ -547,21 +725,25 @@ def chunk_backward(
     device, precision = q.device, _precision(q)
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
-    _, _, states = states_and_output(
+    segments = Segments.of(chunks, q, v, cu_seqlens)
+    _, _, states, maps = states_and_output(
         q, k, v, gamma, w, u, scale, initial_state, False, use_qk_l2norm_in_kernel, chunks,
-        write_output=False, store_states=True,
+        write_output=False, store_states=True, segments=segments,
     )  # fmt: skip
 
-    dstates = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device)
+    dstates = _state_buffer(chunks.total, HV, K, V, device)
     du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
-    dh0 = buffers.empty((chunks.n, HV, K, V), dtype=torch.float32, device=device) if initial_state is not None else None
-    BV = _state_block(K, V)
-    _state_grad_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
-        q, k, gamma, w, grad_o, du, dstates, grad_final, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
-        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=initial_state is not None, USE_FINAL_GRAD=bool(output_final_state),
-        L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4,
-        num_stages=2 if K == 128 else 3,  # K=128 with 3 stages needs ~258 KB of shared memory (sm_90 has 227)
-    )  # fmt: skip
+    dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
+    dht = grad_final if output_final_state else None
+    walk = functools.partial(_state_grad, q, k, gamma, w, grad_o, scale, use_qk_l2norm_in_kernel)
+    if segments is None:
+        walk(chunks, dht=dht, du=du, dstates=dstates, dh0=dh0)
+    else:  # dS = M^T dS' + c per segment: c from a zero dS', the chain backwards, then the segments again
+        parts = segments.chunks
+        offsets, leaving = _state_buffer(parts.n, HV, K, V, device), _state_buffer(parts.n, HV, K, V, device)
+        walk(parts, dh0=offsets)
+        _combine(segments, maps, offsets, dht, leaving, dh0, precision, reverse=True)
+        walk(parts, dht=leaving, du=du, dstates=dstates)
 
     dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)

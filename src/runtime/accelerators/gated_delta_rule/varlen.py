@@ -1,0 +1,84 @@
+"""Packed sequences (cu_seqlens) cut into fixed-size pieces, numbered on the device (shared by the Triton and
+TileLang kernels).
+
+Pieces (the 64-step chunks, or the Triton backend's segments of several chunks) are numbered sequence by
+sequence: sequence n owns cdiv(len_n, size) of them (none when empty), from first[n] on. The boundaries are
+validated on the host, so the number of pieces (the size of what is written) is known there without a
+device sync; one kernel (one program per sequence) writes the per-piece numbers from the device copy.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+
+
+@triton.jit
+def _pieces_kernel(
+    cu_seqlens, first_piece, table, starts, chunk_offsets, first_chunks, SIZE, CHUNK,
+    TABLE: tl.constexpr, BOUNDS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i_n = tl.program_id(0)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    first = tl.load(first_piece + i_n).to(tl.int64)
+    count = (eos - bos + SIZE - 1) // SIZE
+    for block in range(0, count, BLOCK):
+        within = block + tl.arange(0, BLOCK)
+        mask = within < count
+        piece = first + within
+        if TABLE:
+            tl.store(table + piece * 2, tl.full([BLOCK], 0, tl.int32) + i_n, mask=mask)
+            tl.store(table + piece * 2 + 1, within.to(tl.int32), mask=mask)
+        if BOUNDS:
+            tl.store(starts + piece, bos + within * SIZE, mask=mask)
+            sequence_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+            tl.store(first_chunks + piece, (sequence_chunk + within * (SIZE // CHUNK)).to(tl.int32), mask=mask)
+    if BOUNDS and i_n == tl.num_programs(0) - 1:
+        tl.store(starts + first + count, eos)  # the end of the last piece
+
+
+def piece_counts(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
+    """[N] pieces of each sequence (on the tensor's device, in its dtype)."""
+    return (cu_seqlens[1:] - cu_seqlens[:-1] + size - 1) // size
+
+
+def _first_pieces(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
+    counts = piece_counts(cu_seqlens, size)
+    return (torch.cumsum(counts, 0) - counts).to(torch.int32)
+
+
+def _launch(cu_seqlens, first, size: int, table=None, starts=None, chunk_offsets=None, first_chunks=None, chunk=1):
+    _pieces_kernel[(cu_seqlens.numel() - 1,)](
+        cu_seqlens, first, table, starts, chunk_offsets, first_chunks, size, chunk,
+        TABLE=table is not None, BOUNDS=starts is not None, BLOCK=256, num_warps=2,
+    )  # fmt: skip
+
+
+def chunk_table(cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([pieces, 2] int32 (sequence, piece within it), [N] int32 first piece of each sequence) on cu_seqlens' device.
+
+    cu_seqlens: the boundaries on the device (int32 or int64); cu_host: the same boundaries on the host.
+    """
+    total = int(piece_counts(cu_host, size).sum())
+    first = _first_pieces(cu_seqlens, size)
+    table = buffers.empty((total, 2), dtype=torch.int32, device=cu_seqlens.device)
+    _launch(cu_seqlens, first, size, table=table)
+    return table, first
+
+
+def piece_bounds(
+    cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces as sequences of their own, on cu_seqlens' device: ([pieces + 1] int64 boundaries, [pieces] int32
+    global index of each piece's first chunk (chunks of `chunk` tokens, a divisor of size, numbered sequence by
+    sequence), [N] int32 first piece of each sequence)."""
+    total = int(piece_counts(cu_host, size).sum())
+    first = _first_pieces(cu_seqlens, size)
+    device = cu_seqlens.device
+    starts = buffers.empty((total + 1,), dtype=torch.int64, device=device)
+    first_chunks = buffers.empty((total,), dtype=torch.int32, device=device)
+    chunk_offsets = _first_pieces(cu_seqlens, chunk)
+    _launch(cu_seqlens, first, size, starts=starts, chunk_offsets=chunk_offsets, first_chunks=first_chunks, chunk=chunk)
+    return starts, first_chunks, first
