@@ -2,7 +2,11 @@
 the float64 recurrent reference with the issue's bounds (o and final state 5e-3 for half inputs, 1e-4 for
 fp32; gradients dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2 for half inputs, 2e-4 for fp32), and the
 torch backend's forward and every gradient on CUDA. Triton 3.4-3.7 has miscompiled this kind of backward
-elsewhere: every gradient is compared here, on the GPU machine's Triton."""
+elsewhere: every gradient is compared here, on the GPU machine's Triton. The TileLang kernels face the same
+checks: both forwards, and the chunked forward and backward on the half-precision cases (its chunked kernels
+multiply in tf32, so fp32 inputs are a not-supported reason there)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -167,16 +172,79 @@ def test_gradients_through_the_triton_recurrent_kernel_fall_back():
     assert inputs["q"].grad is not None
 
 
-# --------------------------------------------------------------------------- tilelang (forward only)
+# --------------------------------------------------------------------------- context-parallel split (triton)
+
+# few (sequence, value head, V block) walking programs for the SMs: the occupancy rule cuts these into segments
+SPLIT_CASES = {  # name: (B, T, H, HV, K, V, dtype, options)
+    "T4096-K64-fp32-l2norm-state": (1, 4096, 1, 2, 64, 64, torch.float32,
+                                    dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    "varlen-K128-bf16-GVA-state": (1, 3000, 1, 2, 128, 128, torch.bfloat16,
+                                   dict(cu_seqlens=torch.tensor([0, 37, 2100, 2100, 3000]), output_final_state=True)),
+}  # fmt: skip
+
+
+def _triton_outputs_and_grads(inputs, options, grads_out, segment_chunks=None):
+    """o, final state and every gradient; segment_chunks=0 forces the whole-sequence walk, None lets the rule decide."""
+    split = contextlib.nullcontext() if segment_chunks is None else gdr_triton.split_sequences(segment_chunks)
+    with split, use_accelerators(fallback="error"):
+        outputs = call(chunk_gated_delta_rule, inputs, "triton", **options)
+        grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
+    return [*outputs, *grads]
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk(name):
+    B, T, H, HV, K, V, dtype, options = SPLIT_CASES[name]
+    cu = options.get("cu_seqlens")
+    sequences = None if cu is None else len(cu) - 1
+    inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, True, sequences).items()}
+    chunks = gdr_triton.Chunks.of(inputs["v"], cu)
+    assert gdr_triton.Segments.of(chunks, inputs["q"], inputs["v"], cu) is not None, "the occupancy rule should split"
+    twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    refs = recurrent_gated_delta_rule_reference(
+        twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], None, twin["initial_state"], True,
+        options.get("use_qk_l2norm_in_kernel", False), cu,
+    )  # fmt: skip
+    grads_out = [torch.randn_like(r) for r in refs]
+    ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
+    split = _triton_outputs_and_grads(inputs, options, grads_out)
+    whole = _triton_outputs_and_grads(inputs, options, grads_out, segment_chunks=0)
+    labels = ["o", "final_state"] + [f"d{n}" for n in inputs]
+    for i, (label, out, out_whole, ref) in enumerate(zip(labels, split, whole, [*refs, *ref_grads])):
+        bound = BOUND[dtype] if i < 2 else 2 * BOUND[dtype] if dtype == torch.float32 else GRAD_BOUND[label]
+        assert_close(label, out, ref, bound)
+        if dtype == torch.float32:  # IEEE dots: the split only reorders fp32 sums
+            assert_close(f"{label} (split vs whole)", out, out_whole, 1e-5)
+
+
+# --------------------------------------------------------------------------- tilelang
 
 # the chunked TileLang kernels multiply in tf32: fp32 inputs are a not-supported reason there
-TILELANG_CASES = [("recurrent", name) for name in CASES] + [
-    ("chunk", name) for name, case in CASES.items() if case[6] != torch.float32
-]
+TILELANG_CHUNK_CASES = [name for name, case in CASES.items() if case[6] != torch.float32]
+TILELANG_CASES = [("recurrent", name) for name in CASES] + [("chunk", name) for name in TILELANG_CHUNK_CASES]
+
+
+@pytest.fixture(scope="module")
+def tilelang_compiled():
+    """Every TileLang kernel of the cases (forward, and the chunked backward for the half cases), compiled in
+    parallel once: compiled one by one on first use they would take most of the GPU suite's time."""
+    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
+    from runtime.accelerators.tilelang_common import precompile
+
+    entries = []
+    for name in CASES:
+        (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
+        flags = (state, options.get("output_final_state", False), options.get("use_qk_l2norm_in_kernel", False),
+                 "cu_seqlens" in options)  # fmt: skip
+        if name in TILELANG_CHUNK_CASES:
+            entries += gdr_tilelang.entries(K, V, dtype, dtype, dtype, *flags, backward=True)
+        else:
+            entries.append(gdr_tilelang.recurrent_entry(K, V, dtype, dtype, dtype, *flags))
+    precompile(entries, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("function, name", TILELANG_CASES)
-def test_tilelang_forward_matches_the_float64_recurrence(function, name):
+def test_tilelang_forward_matches_the_float64_recurrence(function, name, tilelang_compiled):
     (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
     inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
     with use_accelerators(fallback="error"), torch.no_grad():
@@ -191,14 +259,41 @@ def test_tilelang_forward_matches_the_float64_recurrence(function, name):
         assert_close("final_state", final, final_ref, BOUND[dtype])
 
 
-def test_tilelang_chunked_kernels_refuse_fp32_and_gradients():
+@pytest.mark.parametrize("name", TILELANG_CHUNK_CASES)
+def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
+    """As the Triton test: o, the final state and every gradient (the final state's gradient flowing back too)
+    vs the float64 recurrence, with the same bounds (bf16/fp16: dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2)."""
+    (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
+    inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
+    twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    with use_accelerators(fallback="error"):
+        o, final = call(chunk_gated_delta_rule, inputs, "tilelang", **options)
+    o_ref, final_ref = recurrent_gated_delta_rule_reference(
+        twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], options.get("scale"), twin.get("initial_state"),
+        options.get("output_final_state", False), options.get("use_qk_l2norm_in_kernel", False), options.get("cu_seqlens"),
+    )  # fmt: skip
+    assert o.dtype == dtype
+    assert_close("o", o, o_ref, BOUND[dtype])
+    outputs, refs = [o], [o_ref]
+    if final_ref is not None:
+        assert_close("final_state", final, final_ref, BOUND[dtype])
+        outputs.append(final)
+        refs.append(final_ref)
+    grads_out = [torch.randn_like(r) for r in refs]
+    grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
+    ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
+    for n, grad, ref in zip(inputs, grads, ref_grads):
+        assert grad.dtype == inputs[n].dtype
+        assert_close(f"d{n}", grad, ref, GRAD_BOUND[f"d{n}"])
+
+
+def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back():
     from runtime.accelerators.backends import BackendUnavailableError
 
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="tf32"):
         call(chunk_gated_delta_rule, make_inputs(1, 8, 1, 1, 16, 16, torch.float32), "tilelang")
-    for function in FUNCTIONS.values():
-        inputs = {n: t.requires_grad_() for n, t in make_inputs(1, 8, 1, 1, 16, 16, torch.bfloat16).items()}
-        with pytest.warns(BackendFallbackWarning, match="forward-only"):
-            o, _ = call(function, inputs, "tilelang")
-        o.float().sum().backward()
-        assert inputs["q"].grad is not None
+    inputs = {n: t.requires_grad_() for n, t in make_inputs(1, 8, 1, 1, 16, 16, torch.bfloat16).items()}
+    with pytest.warns(BackendFallbackWarning, match="forward-only"):
+        o, _ = call(fused_recurrent_gated_delta_rule, inputs, "tilelang")
+    o.float().sum().backward()
+    assert inputs["q"].grad is not None

@@ -1,8 +1,12 @@
 """gated_delta_rule's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
-One representative specialisation per kernel (recurrent, chunk prepare, chunk state/output); the GPU
-tier checks the numbers. Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
+One representative specialisation per kernel (recurrent, chunk prepare, chunk state/output, and the chunked
+backward's state store, state gradient and chunk gradient); the GPU tier checks the numbers. The backward
+kernels at K=128 are also checked to fit sm_90's shared memory (a launch-time failure that compiling does not
+catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
 """
+
+import re
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from conftest import SM90A, requires_nvcc
 gt = pytest.importorskip(
     "runtime.accelerators.gated_delta_rule.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
 )
+gb = pytest.importorskip("runtime.accelerators.gated_delta_rule.tilelang_backward", exc_type=ImportError)
 
 from runtime.accelerators.gated_delta_rule import SPEC  # noqa: E402
 
@@ -25,7 +30,25 @@ KERNELS = {
         16, 16, torch.float16, torch.float16, torch.float16, True, True
     ),
     "state-output-K16-V16-bf16-state": lambda: gt.state_output_entry(16, 16, torch.bfloat16, True, True, False, False),
+    # the backward: the forward's state walk storing the state entering each chunk (no output)
+    "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
+        16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
+    ),
+    "state-grad-K128-V128-bf16-varlen-l2norm-state": lambda: gb.state_grad_entry(
+        128, 128, torch.bfloat16, True, True, True, True
+    ),
+    "chunk-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.chunk_grad_entry(
+        128, 128, torch.bfloat16, torch.float32, True, True
+    ),
 }
+# the tensors each kernel must store to (one missing from the source: that store was compiled away)
+STORES = {
+    "state-output": ("O", "HT"),
+    "state-store": ("States",),
+    "state-grad": ("DStates", "DU", "DH0"),
+    "chunk-grad": ("DQ", "DK", "DV", "DBeta", "DG"),
+}
+SM90_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
 def compile_entry(entry):
@@ -35,6 +58,20 @@ def compile_entry(entry):
 
     key, build = entry
     return tilelang.compile(build(device_info(None)), target=SM90A)
+
+
+def dynamic_shared_bytes(entry) -> int:
+    """The dynamic shared memory the lowered kernel asks for (TileLang's own lowering, under the sm_90a target)."""
+    from tilelang import tvm
+    from tilelang.engine.lower import lower
+
+    from runtime.accelerators.tilelang_common import device_info
+
+    key, build = entry
+    with tvm.target.Target(SM90A):
+        artifact = lower(build(device_info(None)), target=SM90A)
+    (func,) = artifact.device_mod.functions.values()
+    return int(func.attrs.get("dyn_shared_memory_buf", 0))
 
 
 @requires_nvcc
@@ -50,8 +87,25 @@ def test_kernel_compiles_for_sm90a(name):
         assert "Cu[" in source, f"{name}: the varlen boundaries should be read on the device"
     if not name.startswith("recurrent"):
         assert "mma_sync" in source, f"{name}: the chunk matmuls should use tensor cores"
-    if name.startswith("state-output"):
-        assert "HT[" in source or "HT +" in source, "the final state should be stored"
+    for kernel, stores in STORES.items():
+        if name.startswith(kernel):
+            for tensor in stores:
+                assert accessed(tensor, source), f"{name}: {tensor} should be stored"
+    if name.startswith("state-store"):
+        assert not accessed("O", source), f"{name}: the backward's state walk writes no output"
+
+
+def accessed(tensor: str, source: str) -> bool:
+    """Whether the CUDA source indexes `tensor` (`T[...]`, or `(T + ...)` in a vector access)."""
+    return re.search(rf"\b{tensor}(\[| \+ )", source) is not None
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in KERNELS if "grad-K128" in name])
+def test_backward_kernels_fit_sm90_shared_memory(name):
+    used = dynamic_shared_bytes(KERNELS[name]())
+    assert 0 < used <= SM90_SHARED_BYTES, f"{name}: {used} bytes of shared memory, sm_90 has {SM90_SHARED_BYTES}"
 
 
 def _inputs(dtype, K=16, V=16):
@@ -67,8 +121,9 @@ def test_tilelang_reasons():
     assert SPEC.reasons("tilelang", **fp32, mode="recurrent", needs_grad=False) == []  # exact fp32 math
     (reason,) = SPEC.reasons("tilelang", **fp32, mode="chunk", needs_grad=False)
     assert "tf32" in reason and "float32" in reason
-    (reason,) = SPEC.reasons("tilelang", **bf16, mode="chunk", needs_grad=True)
-    assert "tilelang chunked kernels are forward-only" in reason
+    assert SPEC.reasons("tilelang", **bf16, mode="chunk", needs_grad=True) == []  # the chunked backward
+    (reason,) = SPEC.reasons("tilelang", **fp32, mode="chunk", needs_grad=True)
+    assert "tf32" in reason
     (reason,) = SPEC.reasons("tilelang", **bf16, mode="recurrent", needs_grad=True)
     assert "recurrent kernels are forward-only" in reason
     (reason,) = SPEC.reasons("tilelang", **_inputs(torch.bfloat16, K=24), mode="recurrent", needs_grad=False)
@@ -76,6 +131,10 @@ def test_tilelang_reasons():
 
 
 def test_chunk_table_numbers_chunks_sequence_by_sequence():
+    """chunk_forward's table (the kernel in varlen.py, on the int32 boundaries the TileLang kernels read)."""
+    from runtime.accelerators.gated_delta_rule.varlen import chunk_table
+
     cu = torch.tensor([0, 20, 63, 63, 200])  # an empty sequence, one over two chunks
-    table = gt._chunk_table(cu)
+    table, first = chunk_table(gt._device_cu(cu, cu.device), cu, gt.BT)
     assert table.tolist() == [[0, 0], [1, 0], [3, 0], [3, 1], [3, 2]]
+    assert first.tolist() == [0, 1, 2, 2]

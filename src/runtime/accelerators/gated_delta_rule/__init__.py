@@ -18,8 +18,6 @@ from ..kernel_op import KernelOp
 from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
 
 KERNEL_WIDTHS = (16, 32, 64, 128)
-# kernel backends whose chunked kernels have a backward (the others run the chunked op forward-only)
-CHUNK_BACKWARD_BACKENDS: tuple[str, ...] = ("triton",)
 
 
 def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: bool) -> list[str]:
@@ -39,8 +37,6 @@ def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: 
             "gradients are required but the recurrent kernels are forward-only (they serve decoding); "
             "train with chunk_gated_delta_rule"
         )
-    if needs_grad and mode == "chunk" and backend not in CHUNK_BACKWARD_BACKENDS:
-        reasons.append(f"gradients are required but the {backend} chunked kernels are forward-only in this version")
     return reasons
 
 

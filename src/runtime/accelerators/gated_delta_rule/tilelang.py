@@ -1,9 +1,11 @@
-"""Gated delta rule in TileLang: the fused recurrent kernel and the chunked kernels, forward only.
+"""Gated delta rule in TileLang: the fused recurrent kernel (forward) and the chunked kernels (forward and backward).
 
 The module contract is triton.py's: `recurrent_forward` and `chunk_forward` take (q, k, v, g, beta,
 scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens [host int64]) and return
 (o, final state or an empty tensor) and, for the chunked form, also gamma, w, u and (I + A)^-1 (fp32,
-rows of the packed [B*T] axis). There is no backward: requiring gradients is a not-supported reason.
+rows of the packed [B*T] axis). `chunk_backward` (tilelang_backward.py, on the helpers here) returns
+triton.chunk_backward's gradients; the recurrent kernel is forward-only (requiring gradients through it
+is a not-supported reason).
 
 All state math is fp32. Tokens are rows of the packed [B*T] axis; sequence n is [bos, eos)
 (fixed length: bos = n*T; varlen: cu_seqlens[n], cu_seqlens[n+1]). Value head hv reads q/k head
@@ -19,10 +21,13 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      are independent), w = (I + A)^-1 diag(beta e^gamma) K and u = (I + A)^-1 diag(beta) V.
   2. state/output, one program per (V block, sequence x value head): walks the chunks with the
      [K, BV] state, U = u - w S, O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j<=t} U),
-     S <- e^gamma_last S + (K * e^(gamma_last - gamma))^T U.
+     S <- e^gamma_last S + (K * e^(gamma_last - gamma))^T U. The backward runs it again with no output,
+     storing the state entering each chunk.
 The matmuls are tensor-core gemms on fp32 operands (tf32), so the chunked kernels take half inputs
 only; fp32 inputs get the recurrent kernel's exact fp32 math or the other backends.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +35,7 @@ import tilelang.language as T
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
+from .varlen import chunk_table
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
@@ -43,6 +49,39 @@ def _threads(elements: int) -> int:
 
 def _state_block(K: int, V: int) -> int:
     return min(V, 32 if K >= 64 else 64)
+
+
+def _state_threads(K: int, BV: int) -> int:
+    """Threads of the kernels walking a [K, BV] state: its gemm needs 16 rows x 8 columns per warp."""
+    return 32 * min(4, (K // 16) * (BV // 8))
+
+
+def chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
+    """First token of global chunk i_t (chunks are numbered sequence by sequence)."""
+    if varlen:
+        return Cu[Chunks[i_t, 0]] + Chunks[i_t, 1] * BT
+    return (i_t // n_chunks) * seq_len + (i_t % n_chunks) * BT
+
+
+def chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
+    """End (exclusive) of the sequence holding global chunk i_t."""
+    if varlen:
+        return Cu[Chunks[i_t, 0] + 1]
+    return (i_t // n_chunks + 1) * seq_len
+
+
+@T.macro
+def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
+    """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
+    (then rsum holds each row's sum of squares)."""
+    for i, j in T.Parallel(BT, x_f.shape[1]):
+        x_f[i, j] = T.if_then_else(start + i < eos, T.cast(X[start + i, h, j], ACCUM), 0.0)
+    if l2norm:
+        for i, j in T.Parallel(BT, x_f.shape[1]):
+            sq[i, j] = x_f[i, j] * x_f[i, j]
+        T.reduce_sum(sq, rsum, dim=1)
+        for i, j in T.Parallel(BT, x_f.shape[1]):
+            x_f[i, j] = x_f[i, j] * T.rsqrt(rsum[i] + L2NORM_EPS)
 
 
 # --------------------------------------------------------------------------- recurrent
@@ -183,23 +222,12 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             u_f = T.alloc_fragment((BT, V), ACCUM)
 
             h = hv // groups
-            if varlen:
-                start = Cu[Chunks[i_t, 0]] + Chunks[i_t, 1] * BT
-                eos = Cu[Chunks[i_t, 0] + 1]
-            else:
-                start = (i_t // n_chunks) * seq_len + (i_t % n_chunks) * BT
-                eos = (i_t // n_chunks + 1) * seq_len
+            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             for i in T.Parallel(BT):
                 g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
                 beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
-            for i, j in T.Parallel(BT, K):
-                k_f[i, j] = T.if_then_else(start + i < eos, T.cast(Kx[start + i, h, j], ACCUM), 0.0)
-            if l2norm:
-                for i, j in T.Parallel(BT, K):
-                    sq[i, j] = k_f[i, j] * k_f[i, j]
-                T.reduce_sum(sq, rstd, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    k_f[i, j] = k_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
+            load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
             T.copy(k_f, k_s)
             T.sync_threads()
             T.cumsum(g_s, dim=0)  # gamma, in place
@@ -240,10 +268,11 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
 
 
 def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
-                        varlen: bool):  # fmt: skip
-    R, H, HV, NS, NC = T.dynamic("rows, heads, v_heads, n_states, n_cu")
-    # the state update's gemm [K, BV] needs 16 rows x 8 columns per warp
-    threads = 32 * min(4, (K // 16) * (BV // 8))
+                        varlen: bool, write_output: bool = True, store_states: bool = False):  # fmt: skip
+    """The forward's state walk; for the backward (store_states, no output) it stores the state entering
+    each chunk at the chunk's global index: States[First[n] + c] (fixed length: n * chunks per sequence + c)."""
+    R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
+    threads = _state_threads(K, BV)
     state_shape = (NS, HV, K, V)
 
     @T.prim_func
@@ -253,10 +282,12 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
         U: T.Tensor((R, HV, V), ACCUM),
-        O: T.Tensor((R, HV, V), dtype),
+        O: T.Tensor((R, HV, V) if write_output else (1,), dtype),
         H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
+        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), ACCUM),
         Cu: T.Tensor((NC,), "int32"),
+        First: T.Tensor((NF,), "int32"),
         scale: T.float32,
         seq_len: T.int32,
         n_seq: T.int32,
@@ -289,6 +320,7 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
             v0 = bv * BV
             bos = Cu[n] if varlen else n * seq_len
             eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+            first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
             if has_initial:
                 for i, j in T.Parallel(K, BV):
                     state[i, j] = H0[n, hv, i, v0 + j]
@@ -296,44 +328,41 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                 T.clear(state)
             for c in T.serial(T.ceildiv(eos - bos, BT)):
                 start = bos + c * BT
+                if store_states:
+                    for i, j in T.Parallel(K, BV):
+                        States[first + c, hv, i, v0 + j] = state[i, j]
                 last = Gamma[T.min(start + BT, eos) - 1, hv]
                 for i in T.Parallel(BT):
                     gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
                 for i, j in T.Parallel(BT, K):
-                    q_f[i, j] = T.if_then_else(start + i < eos, T.cast(Q[start + i, h, j], ACCUM), 0.0)
-                    k_f[i, j] = T.if_then_else(start + i < eos, T.cast(Kx[start + i, h, j], ACCUM), 0.0)
                     w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
-                if l2norm:
-                    for i, j in T.Parallel(BT, K):
-                        sq[i, j] = q_f[i, j] * q_f[i, j]
-                    T.reduce_sum(sq, rstd, dim=1)
-                    for i, j in T.Parallel(BT, K):
-                        q_f[i, j] = q_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
-                    for i, j in T.Parallel(BT, K):
-                        sq[i, j] = k_f[i, j] * k_f[i, j]
-                    T.reduce_sum(sq, rstd, dim=1)
-                    for i, j in T.Parallel(BT, K):
-                        k_f[i, j] = k_f[i, j] * T.rsqrt(rstd[i] + L2NORM_EPS)
-                T.copy(q_f, q_s)
+                if write_output:
+                    load_qk_rows(Q, h, start, eos, q_f, sq, rstd, l2norm)
+                    T.copy(q_f, q_s)
+                load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
                 T.copy(k_f, k_s)
                 T.copy(state, state_s)
                 T.sync_threads()
                 for i, j in T.Parallel(BT, K):
-                    qg_s[i, j] = q_s[i, j] * T.exp(gamma_s[i])
                     kd_s[i, j] = T.if_then_else(start + i < eos, k_s[i, j] * T.exp(last - gamma_s[i]), 0.0)
+                if write_output:
+                    for i, j in T.Parallel(BT, K):
+                        qg_s[i, j] = q_s[i, j] * T.exp(gamma_s[i])
                 # U = u - w S
                 T.gemm(w_s, state_s, corr, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     corr_s[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j], 0.0) - corr[i, j]
-                T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    attn_s[i, j] = T.if_then_else(i >= j, attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0)
+                if write_output:
+                    T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        attn_s[i, j] = T.if_then_else(i >= j, attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0)
                 T.sync_threads()
-                T.gemm(qg_s, state_s, o_state, clear_accum=True)
-                T.gemm(attn_s, corr_s, o_intra, clear_accum=True)
-                for i, j in T.Parallel(BT, BV):
-                    if start + i < eos:
-                        O[start + i, hv, v0 + j] = T.cast((o_state[i, j] + o_intra[i, j]) * scale, dtype)
+                if write_output:
+                    T.gemm(qg_s, state_s, o_state, clear_accum=True)
+                    T.gemm(attn_s, corr_s, o_intra, clear_accum=True)
+                    for i, j in T.Parallel(BT, BV):
+                        if start + i < eos:
+                            O[start + i, hv, v0 + j] = T.cast((o_state[i, j] + o_intra[i, j]) * scale, dtype)
                 T.gemm(kd_s, corr_s, update, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(K, BV):
                     state[i, j] = state[i, j] * T.exp(last) + update[i, j]
@@ -350,10 +379,10 @@ def prepare_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varl
     return key, lambda _: prepare_kernel(K, V, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen)
 
 
-def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool,
-                       varlen: bool) -> Entry:  # fmt: skip
+def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
+                       write_output: bool = True, store_states: bool = False) -> Entry:  # fmt: skip
     BV = _state_block(K, V)
-    flags = (has_initial, store_final, l2norm, varlen)
+    flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
     key = ("gdr_chunk_state_output", K, V, BV, dtype, flags)
     return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
 
@@ -413,12 +442,24 @@ def recurrent_backward(*_):
     raise RuntimeError("gated_delta_rule: the recurrent TileLang kernels are forward-only")
 
 
-def _chunk_table(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[total chunks, 2] (sequence, chunk within it) for host cu_seqlens."""
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
-    sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return torch.stack([sequence, torch.arange(sequence.numel()) - first], 1)
+@dataclass
+class Chunks:
+    """How the packed token axis splits into chunks of BT, as the chunked kernels take it (forward and backward)."""
+
+    per_sequence: int  # chunks per sequence (fixed length; 0 with cu_seqlens)
+    total: int  # chunks over all sequences
+    cu: torch.Tensor  # device cu_seqlens (int32), or a placeholder
+    table: torch.Tensor  # device [total, 2] int32 (sequence, chunk within it) with cu_seqlens, or a placeholder
+    first: torch.Tensor  # device [N] int32 global index of each sequence's first chunk, or a placeholder
+
+    @classmethod
+    def of(cls, B: int, T_: int, cu_seqlens: torch.Tensor | None, device) -> "Chunks":
+        cu = _device_cu(cu_seqlens, device)
+        if cu_seqlens is None:
+            none = placeholder(device, torch.int32)
+            return cls(-(-T_ // BT), B * -(-T_ // BT), cu, none, none)
+        table, first = chunk_table(cu, cu_seqlens, BT)
+        return cls(0, table.shape[0], cu, table, first)
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -438,46 +479,49 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
         if output_final_state:
             final.copy_(initial_state) if initial_state is not None else final.zero_()
         return o, final, gamma, w, u, inverse
-    if varlen:
-        table = _chunk_table(cu_seqlens)
-        per_sequence, total = 0, table.shape[0]
-        chunks = table.to(device=device, dtype=torch.int32, non_blocking=True)
-    else:
-        per_sequence = -(-T_ // BT)
-        total, chunks = B * per_sequence, placeholder(device, torch.int32)
-    cu = _device_cu(cu_seqlens, device)
+    chunks = Chunks.of(B, T_, cu_seqlens, device)
     rows = lambda x, *tail: x.view(R, *tail)  # noqa: E731
     q_rows, k_rows = rows(q, H, K), rows(k, H, K)
-    if total > 0:
+    if chunks.total > 0:
         prepare = launcher(prepare_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)
         prepare(
-            k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, cu, chunks,
-            T_, max(per_sequence, 1), total, HV // H,
+            k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, chunks.cu, chunks.table,
+            T_, max(chunks.per_sequence, 1), chunks.total, HV // H,
         )  # fmt: skip
     entry = state_output_entry(K, V, q.dtype, initial_state is not None, bool(output_final_state), l2norm, varlen)
     launcher(entry, device)(
         q_rows, k_rows, gamma, w, u, rows(o, HV, V), placeholder(device) if initial_state is None else initial_state,
-        final if output_final_state else placeholder(device), cu, float(scale), T_, n, HV // H,
+        final if output_final_state else placeholder(device), placeholder(device), chunks.cu, chunks.first,
+        float(scale), T_, n, HV // H,
     )  # fmt: skip
     return o, final, gamma, w, u, inverse
 
 
-def chunk_backward(*_):
-    # unreachable: requiring gradients is a not-supported reason of the tilelang chunked kernels
-    raise RuntimeError("gated_delta_rule: the chunked TileLang kernels are forward-only in this version")
+def chunk_backward(*args):
+    """The chunked backward: tilelang_backward.chunk_backward (a module of its own, built on the helpers here)."""
+    from .tilelang_backward import chunk_backward as backward
+
+    return backward(*args)
 
 
 def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool, l2norm: bool,
-            varlen: bool) -> list[Entry]:  # fmt: skip
-    """The kernels one specialisation runs, recurrent and chunked (for `precompile`)."""
+            varlen: bool, backward: bool = False) -> list[Entry]:  # fmt: skip
+    """The kernels one specialisation runs, recurrent and chunked, and with `backward` the chunked backward's
+    (for `precompile`)."""
     flags = (has_initial, store_final, l2norm, varlen)
-    return [
+    forward = [
         recurrent_entry(K, V, dtype, g_dtype, beta_dtype, *flags),
         prepare_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
         state_output_entry(K, V, dtype, *flags),
     ]
+    if not backward:
+        return forward
+    from .tilelang_backward import backward_entries
+
+    return forward + backward_entries(K, V, dtype, beta_dtype, *flags)
 
 
 def warm_up(specs, device: torch.device) -> None:
-    """Compile the kernels of (K, V, dtype, g_dtype, beta_dtype, has_initial, store_final, l2norm, varlen) specs."""
+    """Compile the kernels of (K, V, dtype, g_dtype, beta_dtype, has_initial, store_final, l2norm, varlen[, backward])
+    specs."""
     precompile([e for spec in specs for e in entries(*spec)], device)
