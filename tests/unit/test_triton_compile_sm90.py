@@ -226,7 +226,9 @@ def _compile_all(launches: list[dict], tmp: Path) -> list[dict]:
     (tmp / "launches.pkl").write_bytes(pickle.dumps(launches))
     # strict and real: no interpreter, and no leniency for non-constexpr globals (a GPU run has none)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_ALLOW_NON_CONSTEXPR_GLOBALS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(runtime.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    # TAAC_SM90_TRITON: a folder holding another Triton to compile with (.ci/run puts the GPU machine's 3.6 there)
+    paths = [os.environ.get("TAAC_SM90_TRITON", ""), str(Path(runtime.__file__).parents[1]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default; silences 3.9's warning
     done = subprocess.run(
         [sys.executable, str(COMPILER), str(tmp / "launches.pkl"), str(tmp / "results.pkl")],

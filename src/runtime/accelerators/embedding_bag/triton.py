@@ -128,9 +128,12 @@ def _chunk_kernel(
         bag = tl.load(bag_of_ptr + pos, mask=valid, other=-1).to(tl.int64)
     row_ok = (key >= 0) & (key < num_embeddings) & (key != padding_idx)
     use = valid & row_ok & (bag >= 0) & (bag < num_bags)
-    s = tl.load(scale_ptr + bag, mask=use, other=0.0)
-    g = tl.load(grad_ptr + bag[:, None] * stride_g + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
-    g = g.to(tl.float32) * s[:, None]
+    # the bag's scale is loaded as a [CHUNK, BLOCK_D] tile (each row's value repeated): with a [CHUNK] load
+    # Triton 3.6 fails to lay out `use` for both shapes on sm_90 (ragged bags, sparse gradient)
+    use_cols = use[:, None] & col_ok[None, :]
+    s = tl.load(scale_ptr + bag[:, None] + 0 * cols[None, :], mask=use_cols, other=0.0)
+    g = tl.load(grad_ptr + bag[:, None] * stride_g + cols[None, :], mask=use_cols, other=0.0)
+    g = g.to(tl.float32) * s
 
     starts = ((p == first) | (i == 0)).to(tl.int32)
     sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (CHUNK, BLOCK_D))), 0, _segmented_add)
@@ -139,13 +142,15 @@ def _chunk_kernel(
     began_here = first >= c * CHUNK
     done = seg_end & began_here & row_ok  # the whole segment lies in this chunk: write its row
     if SPARSE:
-        dest = tl.load(ranks_ptr + p, mask=done, other=0).to(tl.int64)
+        # the sparse gradient's row for this segment, as a [CHUNK, BLOCK_D] tile (see the scale load)
+        dest = tl.load(ranks_ptr + p[:, None] + 0 * cols[None, :], mask=done[:, None] & col_ok[None, :], other=0).to(tl.int64)
     else:
-        dest = key.to(tl.int64)
-    tl.store(out_ptr + dest[:, None] * dim + cols[None, :], sums.to(out_ptr.dtype.element_ty), mask=done[:, None] & col_ok[None, :])
+        dest = key.to(tl.int64)[:, None] + 0 * cols[None, :]
+    tl.store(out_ptr + dest * dim + cols[None, :], sums.to(out_ptr.dtype.element_ty), mask=done[:, None] & col_ok[None, :])
     if SPARSE:
-        if pid_d == 0:
-            tl.store(rows_ptr + dest, key.to(tl.int64), mask=done)
+        if pid_d == 0:  # the first column of each row stores its key
+            keys = key.to(tl.int64)[:, None] + 0 * cols[None, :]
+            tl.store(rows_ptr + dest, keys, mask=done[:, None] & (cols == 0)[None, :])
     # partial sums of segments crossing a chunk edge, for _combine_kernel
     head = seg_end & ~began_here  # ends here, began in an earlier chunk
     tail = valid & (i == CHUNK - 1) & ~seg_end  # runs on into the next chunk

@@ -604,6 +604,17 @@ def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=No
     )  # fmt: skip
 
 
+@triton.jit
+def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
+    the loaded values exactly in their own dtype, l2-normalised ones (|x| <= 1) in fp16. Kept in fp32, these
+    operands made Triton 3.6 ask for more shared memory than sm_90 has at K = 128 (264 KB at BV = 16)."""
+    if PRECISION == "ieee":
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
+    return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
+
+
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_kernel(
     q, k, v, beta, gamma_in, w_in, u_in, inverse_in, states, dstates, do, du,
@@ -667,7 +678,7 @@ def _chunk_grad_kernel(
 
     # O and S' directly
     dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
-    qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+    qk = _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
     dq = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
     dk = tl.dot(tl.trans(dp), b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
     m = dp * qk
@@ -687,7 +698,7 @@ def _chunk_grad_kernel(
     # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower
     da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
     da = tl.where(strictly_lower, -da, 0.0)
-    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+    kk = _dot_qk(b_k, b_k, q.dtype.element_ty, L2NORM, PRECISION)
     da_decay = da * decay  # zero on and above the diagonal
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
