@@ -102,14 +102,13 @@ def _options(name):
     return (B, T, H, HV, K, V, dtype, state, sequences), options
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_triton_chunked_forward_and_every_gradient(name):
+def check_chunked_forward_and_every_gradient(name, backend):
     """o, the final state and every gradient (the final state's gradient flowing back too) vs the float64 recurrence."""
     (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
     inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
     twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
     with use_accelerators(fallback="error"):
-        o, final = call(chunk_gated_delta_rule, inputs, "triton", **options)
+        o, final = call(chunk_gated_delta_rule, inputs, backend, **options)
     o_ref, final_ref = recurrent_gated_delta_rule_reference(
         twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], options.get("scale"), twin.get("initial_state"),
         options.get("output_final_state", False), options.get("use_qk_l2norm_in_kernel", False), options.get("cu_seqlens"),
@@ -128,6 +127,11 @@ def test_triton_chunked_forward_and_every_gradient(name):
         assert grad.dtype == inputs[n].dtype
         bound = 2 * BOUND[dtype] if dtype == torch.float32 else GRAD_BOUND[f"d{n}"]
         assert_close(f"d{n}", grad, ref, bound)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_chunked_forward_and_every_gradient(name):
+    check_chunked_forward_and_every_gradient(name, "triton")
 
 
 @pytest.mark.parametrize("name", ["T63-K16-fp32", "T37-K32-V128-bf16-GVA-scale", "varlen-K128-bf16-GVA-state"])
@@ -261,30 +265,8 @@ def test_tilelang_forward_matches_the_float64_recurrence(function, name, tilelan
 
 @pytest.mark.parametrize("name", TILELANG_CHUNK_CASES)
 def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
-    """As the Triton test: o, the final state and every gradient (the final state's gradient flowing back too)
-    vs the float64 recurrence, with the same bounds (bf16/fp16: dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2)."""
-    (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
-    inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
-    twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
-    with use_accelerators(fallback="error"):
-        o, final = call(chunk_gated_delta_rule, inputs, "tilelang", **options)
-    o_ref, final_ref = recurrent_gated_delta_rule_reference(
-        twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], options.get("scale"), twin.get("initial_state"),
-        options.get("output_final_state", False), options.get("use_qk_l2norm_in_kernel", False), options.get("cu_seqlens"),
-    )  # fmt: skip
-    assert o.dtype == dtype
-    assert_close("o", o, o_ref, BOUND[dtype])
-    outputs, refs = [o], [o_ref]
-    if final_ref is not None:
-        assert_close("final_state", final, final_ref, BOUND[dtype])
-        outputs.append(final)
-        refs.append(final_ref)
-    grads_out = [torch.randn_like(r) for r in refs]
-    grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
-    ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
-    for n, grad, ref in zip(inputs, grads, ref_grads):
-        assert grad.dtype == inputs[n].dtype
-        assert_close(f"d{n}", grad, ref, GRAD_BOUND[f"d{n}"])
+    """As the Triton test, with the same bounds (bf16/fp16: dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2)."""
+    check_chunked_forward_and_every_gradient(name, "tilelang")
 
 
 def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back():
