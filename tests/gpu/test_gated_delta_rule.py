@@ -269,6 +269,23 @@ def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
     check_chunked_forward_and_every_gradient(name, "tilelang")
 
 
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend):
+    """g = -5 everywhere, T = 100: rows past the end of the last chunk must not turn exp overflow into NaN."""
+    inputs = make_inputs(1, 100, 1, 1, 16, 16, torch.bfloat16)
+    inputs["g"] = torch.full_like(inputs["g"], -5.0)
+    inputs = {n: t.requires_grad_() for n, t in inputs.items()}
+    twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    with use_accelerators(fallback="error"):
+        o, _ = call(chunk_gated_delta_rule, inputs, backend)
+    ref, _ = recurrent_gated_delta_rule_reference(*(twin[n] for n in ("q", "k", "v", "g", "beta")), None, None, False, False, None)
+    assert_close("o", o, ref, BOUND[torch.bfloat16])
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(o, list(inputs.values()), grad_out.to(o.dtype))
+    for n, grad, ref_grad in zip(inputs, grads, torch.autograd.grad(ref, list(twin.values()), grad_out)):
+        assert_close(f"d{n}", grad, ref_grad, GRAD_BOUND[f"d{n}"])
+
+
 def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back():
     from runtime.accelerators.backends import BackendUnavailableError
 

@@ -220,6 +220,24 @@ def test_triton_chunked_backward_bf16_under_the_interpreter():
         assert_close(f"d{n}", grad, ref_grad, bounds.get(n, 8e-3))
 
 
+def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk():
+    # rows past a sequence's end read gamma = 0: exp(-gamma_j) of a strongly decayed chunk overflows there,
+    # and the backward's decay masks must keep the inf * 0 (NaN) out of the gradients
+    inputs = make_inputs(1, 100, 1, 1, 16, 16)
+    inputs["g"] = torch.full_like(inputs["g"], -5.0)
+    inputs = {n: x.requires_grad_() for n, x in inputs.items()}
+    twin = doubled(inputs)
+    with use_accelerators(fallback="error"):
+        o, _ = call(chunk_gated_delta_rule, inputs, "triton")
+    ref, _ = call(FUNCTIONS["recurrent"], twin, "torch")
+    assert_close("o", o, ref, 1e-4)
+    grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad(o, list(inputs.values()), grad_out.float())
+    ref_grads = torch.autograd.grad(ref, list(twin.values()), grad_out)
+    for n, grad, ref_grad in zip(inputs, grads, ref_grads):
+        assert_close(f"d{n}", grad, ref_grad, 1e-4)
+
+
 # --------------------------------------------------------------------------- varlen chunk table (device kernel)
 
 TABLE_BOUNDARIES = {

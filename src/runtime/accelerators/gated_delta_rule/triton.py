@@ -528,6 +528,13 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
 #      u = T diag(beta) V through T (dA = -T^T dT T^T on the strictly lower part), the reverse
 #      cumulative sum dgamma -> dg within the chunk, and the l2norm backward of q and k.
 # dq/dk are written per value head and summed over the value heads of each q/k head (GVA) in torch.
+#
+# No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
+# miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
+# flash-linear-attention issues #640/#984), and the GPU machine has Triton 3.6. The transposed matrices
+# are computed directly from their factors instead, transposes only of tiles loaded from memory:
+#   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
+#   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
 
 
 @triton.jit
@@ -562,7 +569,7 @@ def _state_grad_kernel(
     else:
         dstate = tl.zeros([K, BV], dtype=tl.float32)
     r = tl.arange(0, BT_)
-    causal = r[:, None] >= r[None, :]
+    causal_t = r[:, None] <= r[None, :]  # P^T: key j (row) <= query t (column)
     n_chunks = (eos - bos + BT_ - 1) // BT_
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
@@ -577,10 +584,11 @@ def _state_grad_kernel(
         b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
-        attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+        # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+        decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
+        attention_t = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * decay_t  # P^T (see above)
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
-        b_du = tl.dot(tl.trans(attention), b_do, input_precision=PRECISION) * scale
+        b_du = tl.dot(attention_t, b_do, input_precision=PRECISION) * scale
         b_du += tl.dot(k_to_end, dstate, input_precision=PRECISION)
         if STORE_GRADS:
             tl.store(du_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], b_du, mask=row_mask[:, None])
@@ -631,6 +639,7 @@ def _chunk_grad_kernel(
     cols_k = tl.arange(0, K)
     causal = r[:, None] >= r[None, :]
     strictly_lower = r[:, None] > r[None, :]
+    causal_t, strictly_upper = r[:, None] <= r[None, :], r[:, None] < r[None, :]
 
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     last_row = tl.minimum(start + BT_, eos) - 1
@@ -640,7 +649,9 @@ def _chunk_grad_kernel(
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
-    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
+    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+    decay = tl.exp(tl.where(causal & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
+    decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
     e_gamma = tl.exp(gamma)
     to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
     state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
@@ -649,7 +660,9 @@ def _chunk_grad_kernel(
     dq_state = tl.zeros([BT_, K], dtype=tl.float32)  # dO S^T
     dk_state = tl.zeros([BT_, K], dtype=tl.float32)  # U dS'^T
     dw = tl.zeros([BT_, K], dtype=tl.float32)  # -dU S^T
-    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dO U^T
+    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dO u^T here; dO U^T = dO u^T - (dO S^T) w^T after the loop
+    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dO^T
+    u_du = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dU^T = T dT^T
     d_inverse = tl.zeros([BT_, BT_], dtype=tl.float32)  # dT (u's part: dU (beta V)^T)
     dbeta = tl.zeros([BT_], dtype=tl.float32)
     d_last = tl.zeros([K], dtype=tl.float32)  # summed at the end: d gamma_last
@@ -667,7 +680,9 @@ def _chunk_grad_kernel(
         dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
         dk_state += tl.dot(corrections, tl.trans(b_ds), input_precision=PRECISION)
         dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
-        do_u += tl.dot(b_do, tl.trans(corrections), input_precision=PRECISION)
+        do_u += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
+        u_do += tl.dot(corrections, tl.trans(b_do), input_precision=PRECISION)
+        u_du += tl.dot(corrections, tl.trans(b_du), input_precision=PRECISION)
         # u = T diag(beta) V
         dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
@@ -677,10 +692,12 @@ def _chunk_grad_kernel(
     d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
 
     # O and S' directly
+    do_u -= tl.dot(dq_state, tl.trans(b_w), input_precision=PRECISION)
     dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
+    dp_t = tl.where(causal_t, u_do * decay_t, 0.0) * scale  # its transpose, directly (see above)
     qk = _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
     dq = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
-    dk = tl.dot(tl.trans(dp), b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
+    dk = tl.dot(dp_t, b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
     m = dp * qk
     k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
     d_gamma = scale * e_gamma * tl.sum(b_q * dq_state, 1) + tl.sum(m, 1) - tl.sum(m, 0) - k_to_end_term
@@ -698,13 +715,15 @@ def _chunk_grad_kernel(
     # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower
     da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
     da = tl.where(strictly_lower, -da, 0.0)
+    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)  # dA^T = -T dT^T T
     kk = _dot_qk(b_k, b_k, q.dtype.element_ty, L2NORM, PRECISION)
     da_decay = da * decay  # zero on and above the diagonal
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
     dkk = da_decay * b_beta[:, None]
-    dk += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(tl.trans(dkk), b_k, input_precision=PRECISION)
+    dkk_t = da_t * decay_t * b_beta[None, :]
+    dk += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
 
     # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
     d_gamma += tl.where(rows == last_row, d_gamma_last, 0.0)
@@ -721,8 +740,8 @@ def _chunk_grad_kernel(
 
 
 def _grad_block(K: int, V: int) -> int:
-    # sm_90 shared memory (Triton 3.9, 4 warps, 2 stages), bf16: K=128 BV=32 ~176 KB, K=64 BV=64 ~180 KB
-    # but K=64 V=128 BV=64 ~156 KB; BV=32 for K >= 64 keeps a margin below the 227 KB
+    # sm_90 shared memory (4 warps, 2 stages), bf16, Triton 3.6 / 3.9: K=128 BV=32 216 / 200 KB (BV=16: 184 / 168),
+    # K=64 BV=32 144 / 128 KB, K=64 BV=64 200 / 200 KB; BV=32 for K >= 64 keeps a margin below the 227 KB
     return min(V, 32 if K >= 64 else 64)
 
 
