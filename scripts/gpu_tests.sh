@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
 # The GPU tier on the GPU machine, one test file at a time, each under a time limit, with the whole
-# log kept in $OUT (so a call cut short still brings back what ran).
+# log kept in $OUT (so a call cut short still brings back what ran). PARALLEL=1 runs the files side
+# by side (TileLang compiles are CPU-bound; the GPU machine has 16 cores), each into its own log.
 # Usage (GPU machine, repo root): bash .device/gpu bash scripts/gpu_tests.sh [tests/gpu/test_x.py ...]
 set -uo pipefail
 out=${OUT:-/tmp}
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py)
-for f in "${files[@]}"; do
-  echo "== $f"
-  timeout "${PER_FILE_TIMEOUT:-240}" python -m pytest "$f" -q -rfE -p no:cacheprovider 2>&1 | grep -v "TileLang:tilelang" | tail -15
-done 2>&1 | tee "$out/gpu_tests.log"
+
+run_file() {
+  echo "== $1"
+  timeout "${PER_FILE_TIMEOUT:-240}" python -m pytest "$1" -q -rfE -p no:cacheprovider 2>&1 \
+    | grep -v "TileLang:tilelang" | tail -${TAIL_LINES:-15}
+}
+
+if [ "${PARALLEL:-0}" = 1 ]; then
+  for f in "${files[@]}"; do run_file "$f" > "$out/$(basename "$f" .py).log" 2>&1 & done
+  wait
+  cat "$out"/test_*.log | tee "$out/gpu_tests.log"
+else
+  for f in "${files[@]}"; do run_file "$f"; done 2>&1 | tee "$out/gpu_tests.log"
+fi
