@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tier on the GPU machine, one test file at a time, each under a time limit, with the whole
 # log kept in $OUT (so a call cut short still brings back what ran). PARALLEL=1 runs the files side
-# by side (TileLang compiles are CPU-bound; the GPU machine has 16 cores), each into its own log.
+# by side (TileLang compiles are CPU-bound; the GPU machine has 16 cores). Arguments may be test
+# node ids (file::test) to split one slow file.
 # Usage (GPU machine, repo root): bash .device/gpu bash scripts/gpu_tests.sh [tests/gpu/test_x.py ...]
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -15,9 +16,10 @@ run_file() {
 }
 
 if [ "${PARALLEL:-0}" = 1 ]; then
-  for f in "${files[@]}"; do run_file "$f" > "$out/$(basename "$f" .py).log" 2>&1 & done
+  logs=$(mktemp -d)
+  for f in "${files[@]}"; do run_file "$f" > "$logs/$(echo "$f" | tr -c 'A-Za-z0-9_.\n' _).log" 2>&1 & done
   wait
-  cat "$out"/test_*.log | tee "$out/gpu_tests.log"
+  cat "$logs"/*.log | tee "$out/gpu_tests.log"
 else
   for f in "${files[@]}"; do run_file "$f"; done 2>&1 | tee "$out/gpu_tests.log"
 fi
