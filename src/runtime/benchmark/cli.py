@@ -68,22 +68,21 @@ def main(argv=None) -> int:
             print(f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}")
         return 0
     machine = Machine.measure(device, need_matmul=any(c.flops is not None for c in selected))
-    rows = []
-    for case in selected:
-        for mode in modes:
-            rows += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine)
     result = {
         "command": "taac-benchmark " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(),
         "device": str(device),
         "copy_tbs": machine.copy_tbs,
         "matmul_tflops": machine.matmul_tflops,
-        "rows": rows,
+        "rows": [],
     }
+    for case in selected:
+        for mode in modes:
+            result["rows"] += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine)
+            if args.json:  # after every case: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
     from .report import print_table
 
     print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
     return 0

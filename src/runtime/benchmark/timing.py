@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -33,6 +34,7 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 5
     """Median/p20/p80 GPU milliseconds of fn, replayed in a CUDA graph with L2 flushed before each replay.
 
     Falls back to timing eager launches with events when fn cannot be captured (returns graph=False).
+    Calls slower than 0.1 s get fewer replays (at least 5), so a step-by-step reference stays measurable.
     """
     flush = L2Flusher(device)
     stream = torch.cuda.Stream(device)
@@ -51,7 +53,7 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 5
         torch.cuda.synchronize(device)
         launch, captured = fn, False
     samples = []
-    for _ in range(replays):
+    while len(samples) < replays:
         flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -59,15 +61,21 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 5
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end))
+        if samples[0] > 100.0:
+            replays = min(replays, 5)
     return percentiles(samples), captured
 
 
 def eager_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 200, min_seconds: float = 0.2) -> float:
-    """Wall-clock milliseconds per call over back-to-back calls, synchronised once at the end."""
+    """Wall-clock milliseconds per call over back-to-back calls, synchronised once at the end.
+
+    Slow calls (a step-by-step reference) are timed over as few calls as fill min_seconds, at least one."""
+    start = time.perf_counter()
     for _ in range(3):
         fn()
     _sync(device)
-    n = calls
+    warmup_call = (time.perf_counter() - start) / 3
+    n = max(1, min(calls, math.ceil(min_seconds / max(warmup_call, 1e-9))))
     while True:
         start = time.perf_counter()
         for _ in range(n):
