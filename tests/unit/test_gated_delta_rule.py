@@ -161,6 +161,22 @@ def test_triton_forward_under_the_interpreter(function, name):
         assert_close("final_state", state, ref_state, 1e-4)
 
 
+def test_triton_blockwise_inverse_with_identical_keys_matches_float64():
+    # identical unit keys, beta = 1, no decay: A is all ones below the diagonal, the case whose inverse
+    # mixes the largest terms; a partial chunk (50 of 64 rows) as well
+    T, K = 114, 16
+    k = torch.ones(1, T, 1, K) / K**0.5
+    v = torch.randn(1, T, 1, K)
+    g, beta = torch.zeros(1, T, 1), torch.ones(1, T, 1)
+    chunks = gdr_triton.Chunks.of(v, None)
+    _, _, _, inverse = gdr_triton.prepare(k, v, g, beta, False, chunks, "ieee")
+    for start in range(0, T, gdr_triton.BT):
+        n = min(gdr_triton.BT, T - start)
+        a = torch.tril(torch.ones(n, n, dtype=torch.float64), -1)
+        expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)
+        assert_close("inverse", inverse[start : start + n, 0, :n], expected, 1e-6)
+
+
 def test_triton_forward_bf16_under_the_interpreter():
     inputs = make_inputs(1, 63, 1, 2, 32, 16, dtype=torch.bfloat16, state=True)
     ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", output_final_state=True)

@@ -9,7 +9,7 @@ in registers and walks the steps (l2norm of q/k fused).
 
 Chunked (chunks of BT = 64 steps, see reference.py for the math), two kernels:
   1. _chunk_prepare_kernel, one program per (chunk, value head): the local cumulative decay gamma,
-     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 by forward substitution,
+     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 (blockwise, _unit_lower_inverse),
      and the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V (fp32;
      gamma, w, u and (I + A)^-1 are kept for the backward).
   2. _chunk_state_output_kernel, one program per (sequence, value head, V block): walks the
@@ -40,6 +40,7 @@ from . import varlen
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
+INVERSE_BLOCK = tl.constexpr(16)  # diagonal blocks of (I + A)^-1 solved by substitution (see _unit_lower_inverse)
 L2NORM_EPS = tl.constexpr(1e-6)  # the l2norm op's default eps
 
 
@@ -166,6 +167,29 @@ def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.con
 
 
 
+@triton.jit
+def _unit_lower_inverse(a):
+    """(I + A)^-1 of a strictly lower triangular [BT, BT] A, in fp32 (dots in tf32x3: fp32-accurate on tensor cores).
+
+    The 16 x 16 diagonal blocks first, by forward substitution on the i-th row of every block at once
+    (row r = e_r - sum_{j < r} A[r, j] row j: 15 dots), giving D = (I + A_diag)^-1. Then I + A =
+    (I + A_diag)(I + N) with N = D A_below (A below the diagonal blocks): N is strictly block-lower with
+    four blocks, so N^4 = 0 and (I + A)^-1 = (I - N)(I + N^2) D.
+    """
+    r = tl.arange(0, BT_)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    same_block = (r[:, None] // INVERSE_BLOCK) == (r[None, :] // INVERSE_BLOCK)
+    a_diagonal = tl.where(same_block, a, 0.0)
+    d = eye
+    for i in range(1, INVERSE_BLOCK):
+        rows = (r % INVERSE_BLOCK) == i
+        substituted = eye - tl.dot(tl.where(rows[:, None], a_diagonal, 0.0), d, input_precision="tf32x3")
+        d = tl.where(rows[:, None], substituted, d)
+    n = tl.dot(d, tl.where(same_block, 0.0, a), input_precision="tf32x3")
+    n2 = tl.dot(n, n, input_precision="tf32x3")
+    return tl.dot(eye - n + n2 - tl.dot(n, n2, input_precision="tf32x3"), d, input_precision="tf32x3")
+
+
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_prepare_kernel(
     k, v, g, beta, gamma_out, w_out, u_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
@@ -192,12 +216,7 @@ def _chunk_prepare_kernel(
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], 0.0))
     kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
     a = tl.where(strictly_lower, b_beta[:, None] * decay * kk, 0.0)
-    # (I + A)^-1 by forward substitution: row i = e_i - sum_{j < i} A[i, j] row j
-    inverse = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BT_):
-        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)
-        row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(r[:, None] == i, row[None, :], inverse)
+    inverse = _unit_lower_inverse(a)
     w = tl.dot(inverse, b_k * (b_beta * tl.exp(gamma))[:, None], input_precision=PRECISION)
     u = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)
     tl.store(w_out + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], w, mask=row_mask[:, None])
