@@ -1,0 +1,70 @@
+"""Where the gated delta rule's GPU time goes, per kernel (Triton backend; fla beside it when installed).
+
+    bash .device/gpu python scripts/gdr_profile.py
+
+For the issue's shapes (bf16, l2norm in the kernel): CUDA time per kernel name over a few forward and
+forward+backward calls, from torch.profiler.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
+
+SHAPES = {"B4-T4096-H16-D128": (4, 4096, 16, 128), "B256-T256-H4-D16": (256, 256, 4, 16)}
+CALLS = 3
+
+
+def inputs(B, T, H, D):
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, H, D)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 2.0).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def implementations():
+    ours = lambda *x: chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True, backend="triton")[0]
+    found = {"triton": ours}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        found["fla"] = lambda *x: fla_chunk(*x, use_qk_l2norm_in_kernel=True)[0]
+    except ImportError:
+        pass
+    return found
+
+
+def report(name, fn, tensors, backward):
+    def step():
+        out = fn(*tensors)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / CALLS
+    print(f"\n{name} {'fwd+bwd' if backward else 'fwd'}: {total / 1e3:.3f} ms of kernels per call")
+    for e in events[:12]:
+        print(f"  {e.device_time_total / CALLS / 1e3:8.3f} ms  x{e.count // CALLS:<4d} {e.key[:90]}")
+
+
+def main():
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for shape, dims in SHAPES.items():
+        tensors = inputs(*dims)
+        for impl, fn in implementations().items():
+            for backward in (False, True):
+                report(f"{shape} {impl}", fn, tensors, backward)
+
+
+if __name__ == "__main__":
+    main()
