@@ -77,21 +77,7 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
 @pytest.mark.parametrize("function", ["chunk", "recurrent"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_forward_matches_the_float64_recurrence(function, name):
-    B, T, H, HV, K, V, dtype, state, options = CASES[name]
-    if options.get("cu_seqlens") == "cuda":
-        options = dict(options, cu_seqlens=torch.tensor(VARLEN, device="cuda"))
-    sequences = len(options["cu_seqlens"]) - 1 if "cu_seqlens" in options else None
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
-    with use_accelerators(fallback="error"), torch.no_grad():
-        o, final = call(FUNCTIONS[function], inputs, "triton", **options)
-    o_ref, final_ref = reference(inputs, **options)
-    assert o.dtype == dtype
-    assert_close("o", o, o_ref, BOUND[dtype])
-    if final_ref is None:
-        assert final is None
-    else:
-        assert final.dtype == torch.float32
-        assert_close("final_state", final, final_ref, BOUND[dtype])
+    check_forward_matches_the_float64_recurrence(function, name, "triton")
 
 
 def _options(name):
@@ -100,6 +86,21 @@ def _options(name):
         options = dict(options, cu_seqlens=torch.tensor(VARLEN, device="cuda"))
     sequences = len(options["cu_seqlens"]) - 1 if "cu_seqlens" in options else None
     return (B, T, H, HV, K, V, dtype, state, sequences), options
+
+
+def check_forward_matches_the_float64_recurrence(function, name, backend):
+    (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
+    with use_accelerators(fallback="error"), torch.no_grad():
+        o, final = call(FUNCTIONS[function], inputs, backend, **options)
+    o_ref, final_ref = reference(inputs, **options)
+    assert o.dtype == dtype
+    assert_close("o", o, o_ref, BOUND[dtype])
+    if final_ref is None:
+        assert final is None
+    else:
+        assert final.dtype == torch.float32
+        assert_close("final_state", final, final_ref, BOUND[dtype])
 
 
 def check_chunked_forward_and_every_gradient(name, backend):
@@ -249,18 +250,7 @@ def tilelang_compiled():
 
 @pytest.mark.parametrize("function, name", TILELANG_CASES)
 def test_tilelang_forward_matches_the_float64_recurrence(function, name, tilelang_compiled):
-    (B, T, H, HV, K, V, dtype, state, sequences), options = _options(name)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
-    with use_accelerators(fallback="error"), torch.no_grad():
-        o, final = call(FUNCTIONS[function], inputs, "tilelang", **options)
-    o_ref, final_ref = reference(inputs, **options)
-    assert o.dtype == dtype
-    assert_close("o", o, o_ref, BOUND[dtype])
-    if final_ref is None:
-        assert final is None
-    else:
-        assert final.dtype == torch.float32
-        assert_close("final_state", final, final_ref, BOUND[dtype])
+    check_forward_matches_the_float64_recurrence(function, name, "tilelang")
 
 
 @pytest.mark.parametrize("name", TILELANG_CHUNK_CASES)
