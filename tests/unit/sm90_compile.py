@@ -5,14 +5,18 @@
 Run in a fresh process without TRITON_INTERPRET, so that importing a kernel module defines real
 JITFunctions (under the interpreter they are InterpretedFunctions, which cannot be compiled).
 LAUNCHES.pkl holds a list of dicts (module, name, signature, constexprs, attrs, options) as Triton's
-launch binder works them out; RESULTS.pkl gets one dict per launch: {"shared": bytes, "seconds": compile time} or {"error": text}.
+launch binder works them out; RESULTS.pkl gets one dict per launch: {"shared": bytes, "seconds": compile time,
+"registers" and "stack_bytes" per thread} or {"error": text}.
 """
 
 import importlib
 import multiprocessing
 import os
 import pickle
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -30,9 +34,26 @@ def compile_one(launch: dict) -> dict:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         source = ASTSource(kernel, launch["signature"], launch["constexprs"], launch["attrs"])
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=launch["options"])
-        return {"shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 1)}
+        result = {"shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 1)}
+        return result | register_use(compiled.asm["cubin"], os.path.dirname(triton.__file__))
     except Exception as error:  # reported per launch; the test shows it
         return {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"}
+
+
+def register_use(cubin: bytes, triton_dir: str) -> dict:
+    """{"registers", "stack_bytes"} per thread of the compiled kernel, from the cuobjdump Triton bundles
+    (stack bytes are mostly register spills); {} where it cannot tell."""
+    tool = os.path.join(triton_dir, "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            report = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        except OSError:
+            return {}
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))} if found else {}
 
 
 def main(launches_path: str, results_path: str) -> None:

@@ -238,23 +238,27 @@ def _compile_all(launches: list[dict], tmp: Path) -> list[dict]:
     return pickle.loads((tmp / "results.pkl").read_bytes())
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
-    """Kernel id -> [(launch, result)] for every distinct specialisation the cases launched."""
+def compile_cases(cases: dict, tmp: Path) -> dict[str, list[tuple[dict, dict]]]:
+    """Kernel id -> [(launch, result)] for every distinct specialisation that `cases` launch."""
     recorder = LaunchRecorder()
     with pytest.MonkeyPatch.context() as patch, acc.use_accelerators(default="triton", fallback="error"):
         patch.setattr(InterpretedFunction, "run", lambda kernel, *a, **kw: recorder.run(kernel, *a, **kw))
-        for name, case in CASES.items():
+        for name, case in cases.items():
             recorder.case = name
             torch.manual_seed(0)
             case()
     launches = list(recorder.launches.values())
-    results = _compile_all(launches, tmp_path_factory.mktemp("sm90"))
+    results = _compile_all(launches, tmp)
     by_kernel: dict[str, list[tuple[dict, dict]]] = {}
     for launch, result in zip(launches, results):
         short = launch["module"].removeprefix("runtime.accelerators.").removesuffix(".triton")
         by_kernel.setdefault(f"{short}.{launch['name']}", []).append((launch, result))
     return by_kernel
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
+    return compile_cases(CASES, tmp_path_factory.mktemp("sm90"))
 
 
 def _describe(launch: dict) -> str:
