@@ -194,6 +194,8 @@ TRITON_BACKWARD_CASES = {  # shape: (B, T, H, HV, K, V)
     "varlen-GVA-l2norm-state-final": dict(shape=(1, 130, 2, 4, 16, 16), state=True, sequences=4,
                                           options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True)),
     "K64-V64-state": dict(shape=(1, 63, 1, 2, 64, 64), state=True, options={}),  # two V blocks in the gradient kernel
+    "K128-V32-l2norm-state": dict(shape=(1, 70, 1, 1, 128, 32), state=True,  # two K blocks in the state-gradient kernel
+                                  options=dict(use_qk_l2norm_in_kernel=True)),
 }  # fmt: skip
 
 

@@ -226,7 +226,7 @@ def _chunk_prepare_kernel(
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_state_output_kernel(
-    q, k, gamma_in, w_in, u_in, o, h0, ht, states, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
+    q, k, gamma_in, w_in, u_in, o, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, WRITE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
@@ -245,7 +245,7 @@ def _chunk_state_output_kernel(
         state = tl.where(cols_k[:, None] == cols_v[None, :], 1.0, 0.0)
     else:
         state = tl.zeros([K, BV], dtype=tl.float32)
-    # backward: the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c)
+    # backward: the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c), and the corrections
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
     causal = r[:, None] >= r[None, :]
@@ -268,6 +268,8 @@ def _chunk_state_output_kernel(
         else:
             b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
             corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
+            if STORE_STATES:
+                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], corrections, mask=mask_v)
         if WRITE_OUTPUT:
             decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
             attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
@@ -337,14 +339,15 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     return gamma, w, u, inverse
 
 
-def _walk(q, k, gamma, w, u, scale, l2norm, chunks: Chunks, *, h0=None, ht=None, o=None, states=None, transition=False):
-    """One _chunk_state_output_kernel launch over the sequences of `chunks`: what it stores is what is given."""
+def _walk(q, k, gamma, w, u, scale, l2norm, chunks: Chunks, *, h0=None, ht=None, o=None, states=None, corrections=None, transition=False):
+    """One _chunk_state_output_kernel launch over the sequences of `chunks`: what it stores is what is given
+    (states and corrections together)."""
     B, T, H, K = q.shape
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
     BV = _state_block(K, V)
     _chunk_state_output_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
-        q, k, gamma, w, u, o, h0, ht, states, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+        q, k, gamma, w, u, o, h0, ht, states, corrections, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), WRITE_OUTPUT=o is not None,
         STORE_STATES=states is not None, TRANSITION=transition, num_warps=4, num_stages=_state_stages(q, K),
@@ -359,16 +362,18 @@ def states_and_output(
     q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks: Chunks,
     write_output: bool, store_states: bool, segments: Segments | None = None,
 ):  # fmt: skip
-    """The inter-chunk recurrence: (o or None, final state, the state entering each chunk [total, HV, K, V] or None,
-    and with segments their maps M [segments, HV, K, K] for the backward, else None)."""
+    """The inter-chunk recurrence: (o or None, final state, and for the backward (else None): the state entering
+    each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (fp32), and with segments their maps
+    M [segments, HV, K, K])."""
     K, (HV, V), device = q.shape[-1], v.shape[2:], q.device
     o = buffers.empty(v.shape, dtype=q.dtype, device=device) if write_output else None
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
     states = _state_buffer(chunks.total, HV, K, V, device) if store_states else None
+    corrections = buffers.empty(u.shape, dtype=torch.float32, device=device) if store_states else None
     walk = functools.partial(_walk, q, k, gamma, w, u, scale, use_qk_l2norm_in_kernel)
     if segments is None:
-        walk(chunks, h0=initial_state, ht=final if output_final_state else None, o=o, states=states)
-        return o, final, states, None
+        walk(chunks, h0=initial_state, ht=final if output_final_state else None, o=o, states=states, corrections=corrections)
+        return o, final, states, corrections, None
     # each segment maps the state entering it to S -> M S + b: M and b (from a zero state) in parallel,
     # then the states entering the segments in order (cheap), then the segments again from those
     parts = segments.chunks
@@ -377,8 +382,8 @@ def states_and_output(
     walk(parts, ht=offsets)
     entering = _state_buffer(parts.n, HV, K, V, device)
     _combine(segments, maps, offsets, initial_state, entering, final if output_final_state else None, _precision(q))
-    walk(parts, h0=entering, o=o, states=states)
-    return o, final, states, maps
+    walk(parts, h0=entering, o=o, states=states, corrections=corrections)
+    return o, final, states, corrections, maps
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -386,7 +391,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
-    o, final, _, _ = states_and_output(
+    o, final, _, _, _ = states_and_output(
         q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks,
         write_output=True, store_states=False, segments=Segments.of(chunks, q, v, cu_seqlens),
     )  # fmt: skip
@@ -537,16 +542,19 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
 #     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
 #
 # Backward, given dO and dS' (the gradient of the final state for the last chunk):
-#   0. the forward's states S per chunk are recomputed (states_and_output, no output written);
+#   0. the forward's states S and corrections U per chunk are recomputed and stored (states_and_output, no output);
 #   1. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards:
 #         dU = scale P^T dO + (K * e^(gamma_last - gamma)) dS'
 #         dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU
 #      storing dS' per chunk and dU, and dS of the first chunk as d(initial_state);
-#   2. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
-#      O, S' and U = u - w S (dw = -dU S^T, du = dU), then the WY factors w = T diag(beta e^gamma) K,
+#   2. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
+#      dO S^T, U dS'^T, dw = -dU S^T (written where dq, dk and dw go) and <S, dS'> (for d gamma_last);
+#   3. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
+#      O, S' and U (du = dU), then the WY factors w = T diag(beta e^gamma) K,
 #      u = T diag(beta) V through T (dA = -T^T dT T^T on the strictly lower part), the reverse
 #      cumulative sum dgamma -> dg within the chunk, and the l2norm backward of q and k.
 # dq/dk are written per value head and summed over the value heads of each q/k head (GVA) in torch.
+# Steps 2 and 3 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128.
 #
 # No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
 # miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
@@ -643,12 +651,50 @@ def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_state_kernel(
+    states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
+    cu_seqlens, chunk_indices, T, N_CHUNKS,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    rows = start + tl.arange(0, BT_)
+    row_mask = rows < eos
+    cols_k = i_k * BK + tl.arange(0, BK)
+    state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    dq_state = tl.zeros([BT_, BK], dtype=tl.float32)  # dO S^T
+    dk_state = tl.zeros([BT_, BK], dtype=tl.float32)  # U dS'^T
+    dw = tl.zeros([BT_, BK], dtype=tl.float32)  # -dU S^T
+    d_last = tl.zeros([BK], dtype=tl.float32)  # <S, dS'> per K row
+    for i_v in range(0, V, BV):
+        cols_v = i_v + tl.arange(0, BV)
+        block = cols_k[:, None] * V + cols_v[None, :]
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_s = tl.load(states + state_base + block)
+        b_ds = tl.load(dstates + state_base + block)
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+        dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
+        dk_state += tl.dot(b_corrections, tl.trans(b_ds), input_precision=PRECISION)
+        dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
+        d_last += tl.sum(b_s * b_ds, 1)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
+    tl.store(dk_state_out + heads, dk_state, mask=row_mask[:, None])
+    tl.store(dw_out + heads, dw, mask=row_mask[:, None])
+    tl.store(d_last_out + (i_t * HV + i_hv) * tl.cdiv(K, BK) + i_k, tl.sum(d_last, 0))
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_kernel(
-    q, k, v, beta, gamma_in, w_in, u_in, inverse_in, states, dstates, do, du,
-    dq_out, dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    q, k, v, beta, gamma_in, w_in, u_in, inverse_in, corrections, d_last_in, dw_in, do, du,
+    dq, dk, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel) on entry, the gradients on exit
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -664,69 +710,69 @@ def _chunk_grad_kernel(
     last_row = tl.minimum(start + BT_, eos) - 1
     last = tl.load(gamma_in + last_row * HV + i_hv)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
-    b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
-    b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-    b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
-    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
-    decay = tl.exp(tl.where(causal & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
-    decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
-    e_gamma = tl.exp(gamma)
-    to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
-    state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
 
-    # over V blocks: the terms that need S, dS', dO, dU, u, v
-    dq_state = tl.zeros([BT_, K], dtype=tl.float32)  # dO S^T
-    dk_state = tl.zeros([BT_, K], dtype=tl.float32)  # U dS'^T
-    dw = tl.zeros([BT_, K], dtype=tl.float32)  # -dU S^T
+    # over V blocks: the [BT, BT] products with dO, dU, u, U and v
     do_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dO u^T here; dO U^T = dO u^T - (dO S^T) w^T after the loop
     u_do = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dO^T
     u_du = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dU^T = T dT^T
     d_inverse = tl.zeros([BT_, BT_], dtype=tl.float32)  # dT (u's part: dU (beta V)^T)
     dbeta = tl.zeros([BT_], dtype=tl.float32)
-    d_last = tl.zeros([K], dtype=tl.float32)  # summed at the end: d gamma_last
     for i_v in range(0, V, BV):
         cols_v = i_v + tl.arange(0, BV)
-        block = cols_k[:, None] * V + cols_v[None, :]
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-        b_s = tl.load(states + state_base + block)
-        b_ds = tl.load(dstates + state_base + block)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
         b_u = tl.load(u_in + tokens, mask=row_mask[:, None], other=0.0)
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        corrections = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)
-        dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
-        dk_state += tl.dot(corrections, tl.trans(b_ds), input_precision=PRECISION)
-        dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
         do_u += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
-        u_do += tl.dot(corrections, tl.trans(b_do), input_precision=PRECISION)
-        u_du += tl.dot(corrections, tl.trans(b_du), input_precision=PRECISION)
+        u_do += tl.dot(b_corrections, tl.trans(b_do), input_precision=PRECISION)
+        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
         # u = T diag(beta) V
         dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
         dbeta += tl.sum(dv_beta * b_v, 1)
         d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
-        d_last += tl.sum(b_s * b_ds, 1)  # per K row; e^gamma_last <S, dS'> summed below
+    d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
     d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
 
-    # O and S' directly
-    do_u -= tl.dot(dq_state, tl.trans(b_w), input_precision=PRECISION)
+    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+    decay = tl.exp(tl.where(causal & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
+    decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
+    e_gamma = tl.exp(gamma)
+    to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    # the [BT, K] tiles are loaded where first needed and finished as early as possible (register pressure)
+
+    # O: dq, and dP / dP^T (with dO U^T = dO u^T - (dO S^T) w^T)
+    dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
+    do_u -= tl.dot(dq_state, tl.trans(tl.load(w_in + heads, mask=row_mask[:, None], other=0.0)), input_precision=PRECISION)
     dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
     dp_t = tl.where(causal_t, u_do * decay_t, 0.0) * scale  # its transpose, directly (see above)
-    qk = _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
-    dq = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
-    dk = tl.dot(dp_t, b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
-    m = dp * qk
+    b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
+    b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
+    m = dp * _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
+    d_gamma = scale * e_gamma * tl.sum(b_q * dq_state, 1) + tl.sum(m, 1) - tl.sum(m, 0)
+    dq_new = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
+    if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
+        dq_new = (dq_new - b_q * tl.sum(dq_new * b_q, 1)[:, None]) * q_rstd[:, None]
+    tl.store(dq + heads, dq_new, mask=row_mask[:, None])
+    dk_new = tl.dot(dp_t, b_q, input_precision=PRECISION)
+
+    # S'
+    dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
+    dk_new += dk_state * to_end[:, None]
     k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
-    d_gamma = scale * e_gamma * tl.sum(b_q * dq_state, 1) + tl.sum(m, 1) - tl.sum(m, 0) - k_to_end_term
+    d_gamma -= k_to_end_term
     d_gamma_last += tl.sum(k_to_end_term, 0)
 
     # w = T diag(beta e^gamma) K
+    dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
     k_weight = b_beta * e_gamma
     dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
     d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
-    dk += dk_weighted * k_weight[:, None]
+    dk_new += dk_weighted * k_weight[:, None]
     kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
     dbeta += kdk
     d_gamma += b_beta * kdk
@@ -742,20 +788,20 @@ def _chunk_grad_kernel(
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
     dkk = da_decay * b_beta[:, None]
     dkk_t = da_t * decay_t * b_beta[None, :]
-    dk += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    if L2NORM:
+        dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
+    tl.store(dk + heads, dk_new, mask=row_mask[:, None])
 
     # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
     d_gamma += tl.where(rows == last_row, d_gamma_last, 0.0)
     d_gamma = tl.where(row_mask, d_gamma, 0.0)
     dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
-    if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
-        dq = (dq - b_q * tl.sum(dq * b_q, 1)[:, None]) * q_rstd[:, None]
-        dk = (dk - b_k * tl.sum(dk * b_k, 1)[:, None]) * k_rstd[:, None]
-    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
-    tl.store(dq_out + heads, dq, mask=row_mask[:, None])
-    tl.store(dk_out + heads, dk, mask=row_mask[:, None])
     tl.store(dbeta_out + rows * HV + i_hv, dbeta, mask=row_mask)
     tl.store(dg_out + rows * HV + i_hv, dg, mask=row_mask)
+
+
+STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
 
 
 def _grad_block(K: int, V: int) -> int:
@@ -775,7 +821,7 @@ def chunk_backward(
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
     segments = Segments.of(chunks, q, v, cu_seqlens)
-    _, _, states, maps = states_and_output(
+    _, _, states, corrections, maps = states_and_output(
         q, k, v, gamma, w, u, scale, initial_state, False, use_qk_l2norm_in_kernel, chunks,
         write_output=False, store_states=True, segments=segments,
     )  # fmt: skip
@@ -796,15 +842,22 @@ def chunk_backward(
 
     dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dw = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
     dg = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    block_k = min(K, STATE_GRAD_BLOCK_K)
+    d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
+        _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
+            states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            HV=HV, K=K, V=V, BK=block_k, BV=min(V, 64), IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4, num_stages=2,
+        )  # fmt: skip
         _chunk_grad_kernel[(chunks.total, HV)](
-            q, k, v, beta, gamma, w, u, inverse, states, dstates, grad_o, du, dq, dk, dv, dbeta, dg,
+            q, k, v, beta, gamma, w, u, inverse, corrections, d_last, dw, grad_o, du, dq, dk, dv, dbeta, dg,
             chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BV=_grad_block(K, V), L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen,
-            PRECISION=precision, num_warps=4, num_stages=2,  # 8 warps or 3 stages need more shared memory
+            H=H, HV=HV, K=K, V=V, BV=_grad_block(K, V), K_BLOCKS=K // block_k, L2NORM=use_qk_l2norm_in_kernel,
+            IS_VARLEN=is_varlen, PRECISION=precision, num_warps=8, num_stages=1,
         )  # fmt: skip
     groups = HV // H  # GVA: a q/k head's gradient sums over its value heads
     dq = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
