@@ -7,15 +7,16 @@ q/k head hv // (HV // H).
 Recurrent: one program per (sequence, value head, V block) holds its [K, BV] slice of the state
 in registers and walks the steps (l2norm of q/k fused).
 
-Chunked (chunks of BT = 64 steps, see reference.py for the math), two kernels:
+Chunked (chunks of BT = 64 steps, see reference.py for the math), three kernels:
   1. _chunk_prepare_kernel, one program per (chunk, value head): the local cumulative decay gamma,
      A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 (blockwise, _unit_lower_inverse),
      and the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V (fp32;
      gamma, w, u and (I + A)^-1 are kept for the backward).
-  2. _chunk_state_output_kernel, one program per (sequence, value head, V block): walks the
-     chunks with the state in registers, forming the corrections U = u - w S, the chunk's output
-     scale (diag(exp(gamma)) Q S + (Q K^T * decay)_{j<=t} U) and the next state (in the backward it
-     runs again to store the state entering each chunk, writing no output).
+  2. _chunk_state_kernel, one program per (sequence, value head, V block): the only sequential part; walks
+     the chunks with the state in registers, storing the state S entering each chunk and the corrections
+     U = u - w S (the backward runs it again instead of keeping them).
+  3. _chunk_output_kernel, one program per (chunk, value head, V block), all in parallel: the chunk's output
+     scale (diag(exp(gamma)) Q S + (Q K^T * decay)_{j<=t} U).
 With few (sequence, value head, V block) programs for the SMs, long sequences are cut into segments walked
 in parallel ("context-parallel split"). The backward's kernels are described where they start ("chunked
 backward"). Varlen chunk tables are written on the device (varlen.py).
@@ -225,11 +226,11 @@ def _chunk_prepare_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_state_output_kernel(
-    q, k, gamma_in, w_in, u_in, o, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
+def _chunk_state_kernel(
+    k, gamma_in, w_in, u_in, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, WRITE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
 ):  # fmt: skip
     # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -245,41 +246,61 @@ def _chunk_state_output_kernel(
         state = tl.where(cols_k[:, None] == cols_v[None, :], 1.0, 0.0)
     else:
         state = tl.zeros([K, BV], dtype=tl.float32)
-    # backward: the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c), and the corrections
+    # the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c), and the corrections
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
-    causal = r[:, None] >= r[None, :]
     for start in range(bos, eos, BT_):
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
             tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state)
         rows = start + r
         row_mask = rows < eos
-        mask_k, mask_v = row_mask[:, None], row_mask[:, None]
         gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
-        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         if L2NORM:
-            b_q, b_k = _l2norm_rows(b_q), _l2norm_rows(b_k)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=mask_k, other=0.0)
+            b_k = _l2norm_rows(b_k)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
         else:
-            b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=mask_v, other=0.0)
+            b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
             corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
             if STORE_STATES:
-                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], corrections, mask=mask_v)
-        if WRITE_OUTPUT:
-            decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
-            attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
-            b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
-            b_o += tl.dot(attention, corrections, input_precision=PRECISION)
-            tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=mask_v)
+                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], corrections, mask=row_mask[:, None])
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
         state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_output_kernel(
+    q, k, gamma_in, states, corrections, o, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j <= t} U) of one chunk, from its stored S and U."""
+    i_t, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    r = tl.arange(0, BT_)
+    rows = start + r
+    row_mask = rows < eos
+    cols_k = tl.arange(0, K)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    b_q, _ = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
+    b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
+    state = tl.load(states + (i_t.to(tl.int64) * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :])
+    tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+    b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+    decay = tl.exp(tl.where((r[:, None] >= r[None, :]) & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
+    attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+    b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
+    b_o += tl.dot(attention, b_corrections, input_precision=PRECISION)
+    tl.store(o + tokens, (b_o * scale).to(o.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _state_stages(q: torch.Tensor, K: int) -> int:
@@ -339,41 +360,51 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     return gamma, w, u, inverse
 
 
-def _walk(q, k, gamma, w, u, scale, l2norm, chunks: Chunks, *, h0=None, ht=None, o=None, states=None, corrections=None, transition=False):
-    """One _chunk_state_output_kernel launch over the sequences of `chunks`: what it stores is what is given
+def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False):
+    """One _chunk_state_kernel launch over the sequences of `chunks`: what it stores is what is given
     (states and corrections together)."""
-    B, T, H, K = q.shape
+    B, T, H, K = k.shape
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
     BV = _state_block(K, V)
-    _chunk_state_output_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
-        q, k, gamma, w, u, o, h0, ht, states, corrections, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+    _chunk_state_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
+        k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), WRITE_OUTPUT=o is not None,
-        STORE_STATES=states is not None, TRANSITION=transition, num_warps=4, num_stages=_state_stages(q, K),
+        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
+        TRANSITION=transition, num_warps=4, num_stages=_state_stages(k, K),
     )  # fmt: skip
+
+
+def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_shape) -> torch.Tensor:
+    """The outputs of every chunk in parallel (one program per chunk, value head and V block)."""
+    B, T, H, K = q.shape
+    HV, V = v_shape[2], v_shape[3]
+    o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
+    BV = min(V, 64)
+    if chunks.total > 0:
+        _chunk_output_kernel[(chunks.total, HV, triton.cdiv(V, BV))](
+            q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, V=V, BV=BV, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
+            num_warps=4,
+        )  # fmt: skip
+    return o
 
 
 def _state_buffer(n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
     return buffers.empty((n, HV, K, V), dtype=torch.float32, device=device)
 
 
-def states_and_output(
-    q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks: Chunks,
-    write_output: bool, store_states: bool, segments: Segments | None = None,
-):  # fmt: skip
-    """The inter-chunk recurrence: (o or None, final state, and for the backward (else None): the state entering
-    each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (fp32), and with segments their maps
-    M [segments, HV, K, K])."""
-    K, (HV, V), device = q.shape[-1], v.shape[2:], q.device
-    o = buffers.empty(v.shape, dtype=q.dtype, device=device) if write_output else None
+def walk_states(k, v, gamma, w, u, initial_state, output_final_state, l2norm, chunks: Chunks, segments: "Segments | None"):
+    """The inter-chunk recurrence: (final state, the state entering each chunk [total, HV, K, V], the corrections
+    U = u - w S [B*T, HV, V] (fp32), and with segments their maps M [segments, HV, K, K] for the backward, else None)."""
+    K, (HV, V), device = k.shape[-1], v.shape[2:], k.device
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
-    states = _state_buffer(chunks.total, HV, K, V, device) if store_states else None
-    corrections = buffers.empty(u.shape, dtype=torch.float32, device=device) if store_states else None
-    walk = functools.partial(_walk, q, k, gamma, w, u, scale, use_qk_l2norm_in_kernel)
+    states = _state_buffer(chunks.total, HV, K, V, device)
+    corrections = buffers.empty(u.shape, dtype=torch.float32, device=device)
+    walk = functools.partial(_walk, k, gamma, w, u, l2norm)
     if segments is None:
-        walk(chunks, h0=initial_state, ht=final if output_final_state else None, o=o, states=states, corrections=corrections)
-        return o, final, states, corrections, None
+        walk(chunks, h0=initial_state, ht=final if output_final_state else None, states=states, corrections=corrections)
+        return final, states, corrections, None
     # each segment maps the state entering it to S -> M S + b: M and b (from a zero state) in parallel,
     # then the states entering the segments in order (cheap), then the segments again from those
     parts = segments.chunks
@@ -381,9 +412,9 @@ def states_and_output(
     walk(parts, ht=maps, transition=True)
     walk(parts, ht=offsets)
     entering = _state_buffer(parts.n, HV, K, V, device)
-    _combine(segments, maps, offsets, initial_state, entering, final if output_final_state else None, _precision(q))
-    walk(parts, h0=entering, o=o, states=states, corrections=corrections)
-    return o, final, states, corrections, maps
+    _combine(segments, maps, offsets, initial_state, entering, final if output_final_state else None, _precision(k))
+    walk(parts, h0=entering, states=states, corrections=corrections)
+    return final, states, corrections, maps
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -391,10 +422,11 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
-    o, final, _, _, _ = states_and_output(
-        q, k, v, gamma, w, u, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks,
-        write_output=True, store_states=False, segments=Segments.of(chunks, q, v, cu_seqlens),
-    )  # fmt: skip
+    segments = Segments.of(chunks, q, v, cu_seqlens)
+    final, states, corrections, _ = walk_states(
+        k, v, gamma, w, u, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks, segments
+    )
+    o = _output(q, k, gamma, states, corrections, scale, use_qk_l2norm_in_kernel, chunks, v.shape)
     return o, final, gamma, w, u, inverse
 
 
@@ -542,7 +574,7 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
 #     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
 #
 # Backward, given dO and dS' (the gradient of the final state for the last chunk):
-#   0. the forward's states S and corrections U per chunk are recomputed and stored (states_and_output, no output);
+#   0. the forward's states S and corrections U per chunk are recomputed (walk_states);
 #   1. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards:
 #         dU = scale P^T dO + (K * e^(gamma_last - gamma)) dS'
 #         dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU
@@ -821,10 +853,7 @@ def chunk_backward(
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
     segments = Segments.of(chunks, q, v, cu_seqlens)
-    _, _, states, corrections, maps = states_and_output(
-        q, k, v, gamma, w, u, scale, initial_state, False, use_qk_l2norm_in_kernel, chunks,
-        write_output=False, store_states=True, segments=segments,
-    )  # fmt: skip
+    _, states, corrections, maps = walk_states(k, v, gamma, w, u, initial_state, False, use_qk_l2norm_in_kernel, chunks, segments)
 
     dstates = _state_buffer(chunks.total, HV, K, V, device)
     du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
