@@ -155,8 +155,8 @@ def _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
-    """(sequence, first token of the chunk, end of the sequence) of global chunk i_t."""
+def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
+    """(the BT packed rows of global chunk i_t, which of them lie inside its sequence, its last row)."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_t)
         i_c = tl.load(chunk_indices + 2 * i_t + 1)
@@ -164,8 +164,9 @@ def _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.con
         i_n = i_t // N_CHUNKS
         i_c = i_t % N_CHUNKS
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    return i_n, bos + i_c.to(tl.int64) * BT_, eos
-
+    start = bos + i_c.to(tl.int64) * BT_
+    rows = start + tl.arange(0, BT_)
+    return rows, rows < eos, tl.minimum(start + BT_, eos) - 1
 
 
 @triton.jit
@@ -199,9 +200,7 @@ def _chunk_prepare_kernel(
 ):  # fmt: skip
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
-    rows = start + tl.arange(0, BT_)
-    row_mask = rows < eos
+    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     cols_k, cols_v = tl.arange(0, K), tl.arange(0, V)
     b_g = tl.load(g + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
@@ -283,10 +282,8 @@ def _chunk_output_kernel(
     """O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j <= t} U) of one chunk, from its stored S and U."""
     i_t, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
-    rows = start + r
-    row_mask = rows < eos
     cols_k = tl.arange(0, K)
     cols_v = i_v * BV + tl.arange(0, BV)
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
@@ -690,9 +687,7 @@ def _chunk_grad_state_kernel(
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
-    rows = start + tl.arange(0, BT_)
-    row_mask = rows < eos
+    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     cols_k = i_k * BK + tl.arange(0, BK)
     state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
     dq_state = tl.zeros([BT_, BK], dtype=tl.float32)  # dO S^T
@@ -729,17 +724,14 @@ def _chunk_grad_kernel(
     # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel) on entry, the gradients on exit
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    _, start, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
-    rows = start + r
-    row_mask = rows < eos
     cols_k = tl.arange(0, K)
     causal = r[:, None] >= r[None, :]
     strictly_lower = r[:, None] > r[None, :]
     causal_t, strictly_upper = r[:, None] <= r[None, :], r[:, None] < r[None, :]
 
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
-    last_row = tl.minimum(start + BT_, eos) - 1
     last = tl.load(gamma_in + last_row * HV + i_hv)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
