@@ -141,6 +141,7 @@ TRITON_CASES = {  # shape: (B, T, H, HV, K, V)
     "varlen-state": dict(shape=(1, 130, 2, 4, 16, 16), state=True, sequences=4, options=dict(cu_seqlens=CU, output_final_state=True)),
     "K128-V64-l2norm-state": dict(shape=(1, 63, 1, 2, 128, 64), state=True,  # several V blocks per head
                                   options=dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    "K32-V128": dict(shape=(1, 70, 1, 1, 32, 128), options={}),  # two V blocks in the walk and the output kernel
 }  # fmt: skip
 
 
