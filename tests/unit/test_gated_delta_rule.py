@@ -451,3 +451,22 @@ def test_batch_above_one_with_cu_seqlens_is_an_error():
     x = make_inputs(2, 8, 1, 1, 16, 16)
     with pytest.raises(ValueError, match="batch size must be 1, got B=2"):
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_launch_grids_fit_cuda_limits_at_a_large_batch(monkeypatch):
+    # CUDA caps grid y and z at 65535 blocks: sequences x heads (here 20000 x 4) must go on x
+    from triton.runtime.interpreter import InterpretedFunction
+
+    grids = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda kernel, *args, grid, **kwargs: grids.append((kernel.fn.__name__, grid)))
+    inputs = make_inputs(20000, 1, 4, 4, 16, 16)
+    for name in ("q", "k", "v", "g", "beta"):
+        inputs[name].requires_grad_()
+    with use_accelerators(fallback="error"):
+        with torch.no_grad():  # the recurrent kernel is forward-only
+            fused_recurrent_gated_delta_rule(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
+        o, _ = chunk_gated_delta_rule(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
+        o.sum().backward()  # the kernels do not run here: only their grids are recorded
+    assert len({name for name, _ in grids}) >= 6, grids
+    for name, grid in grids:
+        assert all(size <= 65535 for size in tuple(grid)[1:]), f"{name}: grid {grid}"

@@ -88,7 +88,7 @@ def _recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -128,7 +128,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
     final = _final_state(output_final_state, n, HV, K, V, q.device)
     BV = min(V, 32)
     cu = None if cu_seqlens is None else cu_seqlens.to(q.device, non_blocking=True)
-    _recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
+    _recurrent_kernel[(n * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, o, initial_state, final, cu, scale, T,
         H=H, HV=HV, K=K, V=V, BV=BV,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
@@ -232,7 +232,7 @@ def _chunk_state_kernel(
     PRECISION: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
 ):  # fmt: skip
     # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -364,7 +364,7 @@ def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=No
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
     BV = _state_block(K, V)
-    _chunk_state_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
+    _chunk_state_kernel[(chunks.n * HV, triton.cdiv(V, BV))](
         k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
@@ -521,7 +521,7 @@ def _segment_combine_kernel(
 ):  # fmt: skip
     """Chains the segments of a sequence: x -> M x + b through them in order (REVERSE: x -> M^T x + b from the
     last one), storing the x each segment is entered with, then the x at the end."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -555,7 +555,7 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
     """Launches _segment_combine_kernel: `start`/`end` per sequence [N, HV, K, V] or None, the rest per segment."""
     HV, K, V = offsets.shape[1:]
     BV = _state_block(K, V)
-    _segment_combine_kernel[(triton.cdiv(V, BV), segments.first.numel() * HV)](
+    _segment_combine_kernel[(segments.first.numel() * HV, triton.cdiv(V, BV))](
         maps, offsets, start, through, end, segments.cu, segments.first, segments.tokens,
         HV=HV, K=K, V=V, BV=BV, USE_START=start is not None, STORE_END=end is not None, REVERSE=reverse,
         PRECISION=precision, num_warps=4, num_stages=2,  # K=128 with 3 stages needs ~224 KB of shared memory
@@ -612,7 +612,7 @@ def _state_grad_kernel(
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -660,7 +660,7 @@ def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=No
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
     BV = _state_block(K, V)
-    _state_grad_kernel[(triton.cdiv(V, BV), chunks.n * HV)](
+    _state_grad_kernel[(chunks.n * HV, triton.cdiv(V, BV))](
         q, k, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=du is not None,
@@ -829,8 +829,8 @@ STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three
 
 
 def _grad_block(K: int, V: int) -> int:
-    # sm_90 shared memory (4 warps, 2 stages), bf16, Triton 3.6 / 3.9: K=128 BV=32 216 / 200 KB (BV=16: 184 / 168),
-    # K=64 BV=32 144 / 128 KB, K=64 BV=64 200 / 200 KB; BV=32 for K >= 64 keeps a margin below the 227 KB
+    # V columns per step of _chunk_grad_kernel's loop; sm_90 shared memory with Triton 3.6 (8 warps, 1 stage, bf16):
+    # K=128 192 KB, K=64 128 KB (scripts/triton_resources.py), below the 227 KB
     return min(V, 32 if K >= 64 else 64)
 
 
