@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import buffers
+from .launch_math import cdiv, next_power_of_2
 from .norms import as_rows
 
 # Tuned on an H100 (bf16; 32768x4096, 8192x128, 131072x64; CUDA-graph timings): 4096-element tiles
@@ -41,7 +42,7 @@ class RowTiles(NamedTuple):
 
 @functools.cache
 def row_tiles(width: int) -> RowTiles:
-    block = max(16, triton.next_power_of_2(width))
+    block = max(16, next_power_of_2(width))
     rows = max(1, TILE_ELEMENTS // block)
     warps = min(MAX_WARPS, max(4, rows * block // (32 * ELEMENTS_PER_THREAD)))
     return RowTiles(block, rows, warps, max(1, RESIDENT_WARPS // warps))
@@ -83,7 +84,7 @@ REDUCE_TILE = 2048  # partial elements a reduce program loads per step
 @functools.cache
 def _reduce_blocks(width: int) -> tuple[int, int]:
     """(columns per program, partial rows per step): narrow widths still spread over a few programs."""
-    columns = min(64, max(16, triton.next_power_of_2(width) // 8))
+    columns = min(64, max(16, next_power_of_2(width) // 8))
     return columns, REDUCE_TILE // columns
 
 
@@ -117,7 +118,7 @@ def sum_partials(partial_w: torch.Tensor | None, weight: torch.Tensor | None, pa
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
     columns, parts = _reduce_blocks(width)
-    _sum_partials_kernel[(triton.cdiv(width, columns),)](
+    _sum_partials_kernel[(cdiv(width, columns),)](
         some if partial_w is None else partial_w,
         some if dweight is None else dweight,
         some if partial_b is None else partial_b,

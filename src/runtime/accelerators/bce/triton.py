@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .. import buffers
 from . import is_scalar_gradient, operand_mode
+from ..launch_math import cdiv
 from .reference import loss_dtype
 
 BLOCK = 4096  # elements per program (forward and backward)
@@ -136,7 +137,7 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     x, y = _flat(logits), _flat(targets)
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
-    grid = (triton.cdiv(n, BLOCK),)
+    grid = (cdiv(n, BLOCK),)
     if reduction == "none":
         loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
         _forward_kernel[grid](
@@ -162,7 +163,7 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
-    _backward_kernel[(triton.cdiv(n, BLOCK),)](
+    _backward_kernel[(cdiv(n, BLOCK),)](
         g, x, y, w, pw, dlogits, dtargets if targets_grad else dlogits, n, g_divisor, *maps,
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,
         BLOCK=BLOCK, num_warps=NUM_WARPS,

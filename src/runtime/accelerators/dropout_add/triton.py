@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_math import cdiv
 from .reference import TRITON_BLOCK, keep_threshold
 
 BLOCK = TRITON_BLOCK  # fixed: it shapes the random stream
@@ -108,7 +109,7 @@ def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, warps:
     x, residual = _contiguous(x), _contiguous(residual)
     out = buffers.empty_like(x)
     n = x.numel()
-    grid = (triton.cdiv(n, BLOCK),)
+    grid = (cdiv(n, BLOCK),)
     _dropout_add_forward[grid](x, residual, out, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps)
     return out
 
@@ -116,6 +117,6 @@ def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, warps:
 def backward(dout: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, out: torch.Tensor, warps: int = WARPS):
     dx = buffers.empty_like(x)
     n = x.numel()
-    grid = (triton.cdiv(n, BLOCK),)
+    grid = (cdiv(n, BLOCK),)
     _dropout_add_backward[grid](_contiguous(dout), dx, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps)
     return dx, dout, None, None  # d residual = dout

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_math import cdiv, next_power_of_2
 from .reference import INDEX_ERROR
 from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
@@ -196,7 +197,7 @@ def _combine_kernel(
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_power_of_2(max(int(n), 1))
 
 
 def forward_config(dim: int, bag_len: int) -> dict:
@@ -248,7 +249,7 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     typical_len = bags.bag_len if fixed else -(-num_indices // bags.num_bags)
     cfg = dict(config or forward_config(dim, typical_len))
     ok = _ok_flag(weight.device) if check_indices else scale  # never written when not checking
-    grid = (triton.cdiv(bags.num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))
+    grid = (cdiv(bags.num_bags, cfg["BLOCK_B"]), cdiv(dim, cfg["BLOCK_D"]))
     _forward_kernel[grid](
         weight, bags.flat, bags.offsets if not fixed else bags.flat, out, scale, bag_of, ok,
         bags.num_bags, num_indices, 0 if fixed else bags.offsets.numel(), num_embeddings, dim, bags.bag_len,
@@ -284,7 +285,7 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     block_d = min(_pow2(dim), 128)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
-    grid = (chunks, triton.cdiv(dim, block_d))
+    grid = (chunks, cdiv(dim, block_d))
     fixed = bags.offsets is None
     _chunk_kernel[grid](
         segments.keys, segments.perm, segments.first, bag_of, scale, grad_out, ranks,

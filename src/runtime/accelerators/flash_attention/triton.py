@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv, next_power_of_2
 from ..buffers import empty
 
 LOG2E = 1.4426950408889634
@@ -52,7 +53,7 @@ PREPROCESS_BLOCK_M = 64
 
 
 def block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -405,7 +406,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None):
     o = empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=q.device)
     block_m, block_n, warps, stages = cfg or config("fwd", d, q.dtype)
-    grid = (triton.cdiv(lq, block_m), b * h)
+    grid = (cdiv(lq, block_m), b * h)
     _fwd_kernel[grid](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
@@ -428,7 +429,7 @@ def backward_preprocess(o, do):
     """delta = rowsum(o * do) [B, H, Lq] fp32."""
     b, h, lq, d = o.shape
     delta = empty((b, h, lq), dtype=torch.float32, device=o.device)
-    _bwd_preprocess_kernel[(triton.cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
+    _bwd_preprocess_kernel[(cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
         o, do, delta, *o.stride()[:3], *do.stride(), h, lq,
         HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
     )
@@ -441,7 +442,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
     block_m, block_n, warps, stages = cfg or config("dkdv", d, q.dtype)
-    _bwd_dkdv_kernel[(triton.cdiv(lk, block_n), b * hkv)](
+    _bwd_dkdv_kernel[(cdiv(lk, block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
@@ -456,7 +457,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     block_m, block_n, warps, stages = cfg or config("dq", d, q.dtype)
-    _bwd_dq_kernel[(triton.cdiv(lq, block_m), b * h)](
+    _bwd_dq_kernel[(cdiv(lq, block_m), b * h)](
         q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
@@ -470,7 +471,7 @@ def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: fl
     """The keep mask [B, H, Lq, Lk] the kernels draw for this seed (for tests; materialises L x L)."""
     keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
     block = 32
-    _keep_mask_kernel[(triton.cdiv(lq, block), triton.cdiv(lk, block), b * h)](
+    _keep_mask_kernel[(cdiv(lq, block), cdiv(lk, block), b * h)](
         keep, lq, lk, float(dropout_p), seed, BLOCK=block,
     )
     return keep.bool()

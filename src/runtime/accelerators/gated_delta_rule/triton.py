@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .. import buffers
 from . import varlen
+from ..launch_math import cdiv
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
@@ -128,7 +129,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
     final = _final_state(output_final_state, n, HV, K, V, q.device)
     BV = min(V, 32)
     cu = None if cu_seqlens is None else cu_seqlens.to(q.device, non_blocking=True)
-    _recurrent_kernel[(n * HV, triton.cdiv(V, BV))](
+    _recurrent_kernel[(n * HV, cdiv(V, BV))](
         q, k, v, g, beta, o, initial_state, final, cu, scale, T,
         H=H, HV=HV, K=K, V=V, BV=BV,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
@@ -327,7 +328,7 @@ class Chunks:
     def of(cls, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> "Chunks":
         B, T = v.shape[:2]
         if cu_seqlens is None:
-            per_sequence = triton.cdiv(T, BT)
+            per_sequence = cdiv(T, BT)
             return cls(B, per_sequence, B * per_sequence, per_sequence, None, None, None)
         cu = cu_seqlens.to(v.device, non_blocking=True)
         indices, offsets = varlen.chunk_table(cu, cu_seqlens, BT)
@@ -364,7 +365,7 @@ def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=No
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
     BV = _state_block(K, V)
-    _chunk_state_kernel[(chunks.n * HV, triton.cdiv(V, BV))](
+    _chunk_state_kernel[(chunks.n * HV, cdiv(V, BV))](
         k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
@@ -379,7 +380,7 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
     BV = min(V, 64)
     if chunks.total > 0:
-        _chunk_output_kernel[(chunks.total, HV, triton.cdiv(V, BV))](
+        _chunk_output_kernel[(chunks.total, HV, cdiv(V, BV))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, BV=BV, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
             num_warps=4,
@@ -468,7 +469,7 @@ def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.devic
         return _forced_segment_chunks
     if device.type != "cuda" or chunks.total == 0:
         return 0
-    programs = chunks.n * HV * triton.cdiv(V, _state_block(K, V))
+    programs = chunks.n * HV * cdiv(V, _state_block(K, V))
     index = device.index if device.index is not None else torch.cuda.current_device()
     return split_length(chunks, programs, _sm_count(index))
 
@@ -485,7 +486,7 @@ def split_length(chunks: Chunks, programs: int, sms: int) -> int:
         return 0
     # the chain walks a sequence's segments one by one, each step about a quarter of a chunk's:
     # segments of ~sqrt(chunks) / 2 balance it against the segment walks
-    length = max(MIN_SEGMENT_CHUNKS, math.isqrt(chunks.longest) // 2, triton.cdiv(chunks.total, chunks.n * segments))
+    length = max(MIN_SEGMENT_CHUNKS, math.isqrt(chunks.longest) // 2, cdiv(chunks.total, chunks.n * segments))
     return length if length < chunks.longest else 0
 
 
@@ -555,7 +556,7 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
     """Launches _segment_combine_kernel: `start`/`end` per sequence [N, HV, K, V] or None, the rest per segment."""
     HV, K, V = offsets.shape[1:]
     BV = _state_block(K, V)
-    _segment_combine_kernel[(segments.first.numel() * HV, triton.cdiv(V, BV))](
+    _segment_combine_kernel[(segments.first.numel() * HV, cdiv(V, BV))](
         maps, offsets, start, through, end, segments.cu, segments.first, segments.tokens,
         HV=HV, K=K, V=V, BV=BV, USE_START=start is not None, STORE_END=end is not None, REVERSE=reverse,
         PRECISION=precision, num_warps=4, num_stages=2,  # K=128 with 3 stages needs ~224 KB of shared memory
@@ -660,7 +661,7 @@ def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=No
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
     BV = _state_block(K, V)
-    _state_grad_kernel[(chunks.n * HV, triton.cdiv(V, BV))](
+    _state_grad_kernel[(chunks.n * HV, cdiv(V, BV))](
         q, k, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=du is not None,

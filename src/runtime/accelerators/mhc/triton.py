@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_math import cdiv, next_power_of_2
 from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
@@ -21,7 +22,7 @@ TINY = tl.constexpr(1e-30)
 
 
 def _pow2(value: int, least: int = 1) -> int:
-    return max(least, triton.next_power_of_2(value))
+    return max(least, next_power_of_2(value))
 
 
 @triton.jit
@@ -282,7 +283,7 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     n, C = x.shape[-2], x.shape[-1]
     out = allocate_pre(x)
     tokens, m = out.h.shape
-    _pre_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+    _pre_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
         out.h_in, out.h_post, out.h_res, out.h, out.r, tokens, C, eps, sinkhorn_iters,
         n=n, NP=_pow2(n, 2), MP=_pow2(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x),
@@ -294,7 +295,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     n, C = x.shape[-2], x.shape[-1]
     xs = token_streams(x)
     tokens, m = xs.shape[0], n * n + 2 * n
-    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    programs = cdiv(tokens, BLOCK_TOKENS)
     f32 = dict(dtype=torch.float32, device=x.device)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
     dg = buffers.empty((tokens, m), **f32)
@@ -307,7 +308,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
         dx, dg, dbias_part, dalpha_part, tokens, C, sinkhorn_iters, **common,
     )
     dphi = buffers.empty(phi.shape, dtype=phi.dtype, device=phi.device)
-    _pre_dphi_kernel[(triton.cdiv(n * C, BLOCK_K),)](
+    _pre_dphi_kernel[(cdiv(n * C, BLOCK_K),)](
         xs, dg, dphi, tokens, n * C, MP=common["MP"], BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=common["PRECISION"], M=m
     )
     dbias = dbias_part.sum(0).to(bias.dtype)  # fixed-order reduction of per-program partials: deterministic
@@ -319,7 +320,7 @@ def post_forward(x, y, h_post, h_res):
     n, C = x.shape[-2], x.shape[-1]
     tokens = x.numel() // (n * C)
     out = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
-    _post_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+    _post_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), out, tokens, C,
         n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
     )
@@ -333,7 +334,7 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dy = buffers.empty(y.shape, dtype=y.dtype, device=y.device)
     dh_post = buffers.empty(h_post.shape, dtype=h_post.dtype, device=x.device)
     dh_res = buffers.empty(h_res.shape, dtype=h_res.dtype, device=x.device)
-    _post_backward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+    _post_backward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), d_out.contiguous(), dx, dy, dh_post, dh_res,
         tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
     )

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_math import cdiv
 
 BLOCK = 4096
 WARPS = 8
@@ -78,7 +79,7 @@ def forward(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK, warps: int
     gate, up = _contiguous(gate), _contiguous(up)
     y = buffers.empty_like(gate)
     n = gate.numel()
-    _swiglu_forward[(triton.cdiv(n, block),)](gate, up, y, n, BLOCK=block, num_warps=warps)
+    _swiglu_forward[(cdiv(n, block),)](gate, up, y, n, BLOCK=block, num_warps=warps)
     return y
 
 
@@ -86,5 +87,5 @@ def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Te
     dy, gate, up = _contiguous(dy), _contiguous(gate), _contiguous(up)
     dgate, dup = buffers.empty_like(gate), buffers.empty_like(up)
     n = gate.numel()
-    _swiglu_backward[(triton.cdiv(n, block),)](dy, gate, up, dgate, dup, n, BLOCK=block, num_warps=warps)
+    _swiglu_backward[(cdiv(n, block),)](dy, gate, up, dgate, dup, n, BLOCK=block, num_warps=warps)
     return dgate, dup
