@@ -14,14 +14,14 @@ distinct rows to size the sparse gradient (torch's own sparse backward syncs the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 INT32_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True)
-class Bags:
+class Bags(NamedTuple):  # built on every call: a NamedTuple costs half a frozen dataclass
     """The bags in kernel form. Fixed hotness: bag b is flat[b*L:(b+1)*L] (offsets None).
     Ragged: bag b is flat[offsets[b]:offsets[b+1]], the last one ending at len(flat) unless
     include_last_offset gave its end."""
