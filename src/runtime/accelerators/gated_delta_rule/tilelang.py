@@ -109,7 +109,7 @@ def recurrent_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dty
         n_seq: T.int32,
         groups: T.int32,
     ):
-        with T.Kernel(V // BV, n_seq * HV, threads=threads) as (bv, bnh):
+        with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
             state = T.alloc_fragment((K, BV), ACCUM)
             prod = T.alloc_fragment((K, BV), ACCUM)
             col = T.alloc_fragment((BV,), ACCUM)
@@ -293,7 +293,7 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         n_seq: T.int32,
         groups: T.int32,
     ):
-        with T.Kernel(V // BV, n_seq * HV, threads=threads) as (bv, bnh):
+        with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
             state = T.alloc_fragment((K, BV), ACCUM)
             state_s = T.alloc_shared((K, BV), ACCUM)
             q_f = T.alloc_fragment((BT, K), ACCUM)

@@ -81,7 +81,7 @@ def state_grad_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, fi
         n_seq: T.int32,
         groups: T.int32,
     ):
-        with T.Kernel(V // BV, n_seq * HV, threads=threads) as (bv, bnh):
+        with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
             dstate = T.alloc_fragment((K, BV), ACCUM)
             dstate_s = T.alloc_shared((K, BV), ACCUM)
             q_f = T.alloc_fragment((BT, K), ACCUM)
