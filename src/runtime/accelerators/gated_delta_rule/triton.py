@@ -207,9 +207,7 @@ def _chunk_prepare_kernel(
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     gamma = tl.cumsum(b_g, 0)
     tl.store(gamma_out + rows * HV + i_hv, gamma, mask=row_mask)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    if L2NORM:
-        b_k = _l2norm_rows(b_k)
+    b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT_)
@@ -257,9 +255,7 @@ def _chunk_state_kernel(
         row_mask = rows < eos
         gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        if L2NORM:
-            b_k = _l2norm_rows(b_k)
+        b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
@@ -307,9 +303,16 @@ def _state_stages(q: torch.Tensor, K: int) -> int:
 
 
 @triton.jit
-def _l2norm_rows(x):
-    # the l2norm op's math (x * rsqrt(sum(x^2) + eps)) in fp32 on the loaded rows
-    return x * tl.rsqrt(tl.sum(x * x, 1) + L2NORM_EPS)[:, None]
+def _load_qk(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows of q or k in fp32, l2-normalised when asked with the l2norm op's math (x rsqrt(sum(x^2) + eps)),
+    and the rsqrt factor of each row (1 without L2NORM)."""
+    cols = tl.arange(0, K)
+    raw = tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if L2NORM:
+        rstd = tl.rsqrt(tl.sum(raw * raw, 1) + L2NORM_EPS)
+    else:
+        rstd = tl.full([BT_], 1.0, tl.float32)
+    return raw * rstd[:, None], rstd
 
 
 @dataclass
@@ -592,18 +595,6 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
 # are computed directly from their factors instead, transposes only of tiles loaded from memory:
 #   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
-
-
-@triton.jit
-def _load_qk(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
-    """Rows of q or k in fp32 (l2-normalised when asked) and the rsqrt factor of each row."""
-    cols = tl.arange(0, K)
-    raw = tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    if L2NORM:
-        rstd = tl.rsqrt(tl.sum(raw * raw, 1) + L2NORM_EPS)
-    else:
-        rstd = tl.full([BT_], 1.0, tl.float32)
-    return raw * rstd[:, None], rstd
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
