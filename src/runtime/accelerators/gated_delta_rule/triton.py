@@ -703,7 +703,7 @@ def _chunk_grad_state_kernel(
     tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
     tl.store(dk_state_out + heads, dk_state, mask=row_mask[:, None])
     tl.store(dw_out + heads, dw, mask=row_mask[:, None])
-    tl.store(d_last_out + (i_t * HV + i_hv) * tl.cdiv(K, BK) + i_k, tl.sum(d_last, 0))
+    tl.store(d_last_out + (i_t * HV + i_hv) * (K // BK) + i_k, tl.sum(d_last, 0))  # read as K_BLOCKS per (chunk, head)
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
