@@ -1,0 +1,330 @@
+"""The chunked gated delta rule's backward in Triton (the forward and the helpers shared with it: triton.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from ..launch_math import cdiv
+from .triton import (
+    BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
+    _state_block, _state_buffer, walk_states,
+)
+
+# --------------------------------------------------------------------------- chunked backward
+# The chunked backward (fp32 accumulation throughout).
+#
+# Per chunk (see reference.py), with S the state entering it, S' the state leaving it, P the causal
+# attention (Q K^T * exp(gamma_t - gamma_j))_{j <= t}, T = (I + A)^-1 and the corrections U = u - w S:
+#
+#     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
+#
+# Backward, given dO and dS' (the gradient of the final state for the last chunk):
+#   0. the forward's states S and corrections U per chunk are recomputed (walk_states);
+#   1. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards:
+#         dU = scale P^T dO + (K * e^(gamma_last - gamma)) dS'
+#         dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU
+#      storing dS' per chunk and dU, and dS of the first chunk as d(initial_state);
+#   2. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
+#      dO S^T, U dS'^T, dw = -dU S^T (written where dq, dk and dw go) and <S, dS'> (for d gamma_last);
+#   3. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
+#      O, S' and U (du = dU), then the WY factors w = T diag(beta e^gamma) K,
+#      u = T diag(beta) V through T (dA = -T^T dT T^T on the strictly lower part), the reverse
+#      cumulative sum dgamma -> dg within the chunk, and the l2norm backward of q and k.
+# dq/dk are written per value head and summed over the value heads of each q/k head (GVA) in torch.
+# Steps 2 and 3 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128.
+#
+# No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
+# miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
+# flash-linear-attention issues #640/#984), and the GPU machine has Triton 3.6. The transposed matrices
+# are computed directly from their factors instead, transposes only of tiles loaded from memory:
+#   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
+#   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _state_grad_kernel(
+    q, k, gamma_in, w_in, do, du_out, dstates, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
+):  # fmt: skip
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
+    cols_k = tl.arange(0, K)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    block = cols_k[:, None] * V + cols_v[None, :]
+    if USE_FINAL_GRAD:
+        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block).to(tl.float32)
+    else:
+        dstate = tl.zeros([K, BV], dtype=tl.float32)
+    r = tl.arange(0, BT_)
+    causal_t = r[:, None] <= r[None, :]  # P^T: key j (row) <= query t (column)
+    n_chunks = (eos - bos + BT_ - 1) // BT_
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
+            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate)
+        start = bos + c * BT_
+        rows = start + r
+        row_mask = rows < eos
+        gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+        last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
+        b_q, _ = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
+        b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+        decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
+        attention_t = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * decay_t  # P^T (see above)
+        k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
+        b_du = tl.dot(attention_t, b_do, input_precision=PRECISION) * scale
+        b_du += tl.dot(k_to_end, dstate, input_precision=PRECISION)
+        if STORE_GRADS:
+            tl.store(du_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], b_du, mask=row_mask[:, None])
+        q_decayed = b_q * (tl.exp(gamma) * scale)[:, None]
+        dstate = dstate * tl.exp(last) + tl.dot(tl.trans(q_decayed), b_do, input_precision=PRECISION)
+        dstate -= tl.dot(tl.trans(b_w), b_du, input_precision=PRECISION)
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
+
+
+def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=None, du=None, dstates=None, dh0=None):
+    """One _state_grad_kernel launch over the sequences of `chunks` (du and dstates are stored together or not)."""
+    B, T, H, K = q.shape
+    HV, V = grad_o.shape[2:]
+    BV = _state_block(K, V)
+    _state_grad_kernel[(chunks.n * HV, cdiv(V, BV))](
+        q, k, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
+        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=du is not None,
+        num_warps=4, num_stages=2 if K == 128 else 3,  # K=128 with 3 stages needs ~258 KB of shared memory (sm_90 has 227)
+    )  # fmt: skip
+
+
+@triton.jit
+def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
+    the loaded values exactly in their own dtype, l2-normalised ones (|x| <= 1) in fp16. Kept in fp32, these
+    operands made Triton 3.6 ask for more shared memory than sm_90 has at K = 128 (264 KB at BV = 16)."""
+    if PRECISION == "ieee":
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
+    return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_state_kernel(
+    states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
+    cu_seqlens, chunk_indices, T, N_CHUNKS,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    cols_k = i_k * BK + tl.arange(0, BK)
+    state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    dq_state = tl.zeros([BT_, BK], dtype=tl.float32)  # dO S^T
+    dk_state = tl.zeros([BT_, BK], dtype=tl.float32)  # U dS'^T
+    dw = tl.zeros([BT_, BK], dtype=tl.float32)  # -dU S^T
+    d_last = tl.zeros([BK], dtype=tl.float32)  # <S, dS'> per K row
+    for i_v in range(0, V, BV):
+        cols_v = i_v + tl.arange(0, BV)
+        block = cols_k[:, None] * V + cols_v[None, :]
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_s = tl.load(states + state_base + block)
+        b_ds = tl.load(dstates + state_base + block)
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+        dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
+        dk_state += tl.dot(b_corrections, tl.trans(b_ds), input_precision=PRECISION)
+        dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
+        d_last += tl.sum(b_s * b_ds, 1)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
+    tl.store(dk_state_out + heads, dk_state, mask=row_mask[:, None])
+    tl.store(dw_out + heads, dw, mask=row_mask[:, None])
+    tl.store(d_last_out + (i_t * HV + i_hv) * (K // BK) + i_k, tl.sum(d_last, 0))  # read as K_BLOCKS per (chunk, head)
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_kernel(
+    q, k, v, beta, gamma_in, w_in, u_in, inverse_in, corrections, d_last_in, dw_in, do, du,
+    dq, dk, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel) on entry, the gradients on exit
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    r = tl.arange(0, BT_)
+    cols_k = tl.arange(0, K)
+    causal = r[:, None] >= r[None, :]
+    strictly_lower = r[:, None] > r[None, :]
+    causal_t, strictly_upper = r[:, None] <= r[None, :], r[:, None] < r[None, :]
+
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    last = tl.load(gamma_in + last_row * HV + i_hv)
+    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
+
+    # over V blocks: the [BT, BT] products with dO, dU, u, U and v
+    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dO u^T here; dO U^T = dO u^T - (dO S^T) w^T after the loop
+    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dO^T
+    u_du = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dU^T = T dT^T
+    d_inverse = tl.zeros([BT_, BT_], dtype=tl.float32)  # dT (u's part: dU (beta V)^T)
+    dbeta = tl.zeros([BT_], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        cols_v = i_v + tl.arange(0, BV)
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_u = tl.load(u_in + tokens, mask=row_mask[:, None], other=0.0)
+        b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+        do_u += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
+        u_do += tl.dot(b_corrections, tl.trans(b_do), input_precision=PRECISION)
+        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
+        # u = T diag(beta) V
+        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
+        tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
+        dbeta += tl.sum(dv_beta * b_v, 1)
+        d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
+    d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
+    d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
+
+    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+    decay = tl.exp(tl.where(causal & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
+    decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
+    e_gamma = tl.exp(gamma)
+    to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    # the [BT, K] tiles are loaded where first needed and finished as early as possible (register pressure)
+
+    # O: dq, and dP / dP^T (with dO U^T = dO u^T - (dO S^T) w^T)
+    dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
+    do_u -= tl.dot(dq_state, tl.trans(tl.load(w_in + heads, mask=row_mask[:, None], other=0.0)), input_precision=PRECISION)
+    dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
+    dp_t = tl.where(causal_t, u_do * decay_t, 0.0) * scale  # its transpose, directly (see above)
+    b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
+    b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
+    m = dp * _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
+    d_gamma = scale * e_gamma * tl.sum(b_q * dq_state, 1) + tl.sum(m, 1) - tl.sum(m, 0)
+    dq_new = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
+    if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
+        dq_new = (dq_new - b_q * tl.sum(dq_new * b_q, 1)[:, None]) * q_rstd[:, None]
+    tl.store(dq + heads, dq_new, mask=row_mask[:, None])
+    dk_new = tl.dot(dp_t, b_q, input_precision=PRECISION)
+
+    # S'
+    dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
+    dk_new += dk_state * to_end[:, None]
+    k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
+    d_gamma -= k_to_end_term
+    d_gamma_last += tl.sum(k_to_end_term, 0)
+
+    # w = T diag(beta e^gamma) K
+    dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+    k_weight = b_beta * e_gamma
+    dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
+    d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
+    dk_new += dk_weighted * k_weight[:, None]
+    kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
+    dbeta += kdk
+    d_gamma += b_beta * kdk
+
+    # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower
+    da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
+    da = tl.where(strictly_lower, -da, 0.0)
+    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)  # dA^T = -T dT^T T
+    kk = _dot_qk(b_k, b_k, q.dtype.element_ty, L2NORM, PRECISION)
+    da_decay = da * decay  # zero on and above the diagonal
+    dbeta += tl.sum(da_decay * kk, 1)
+    da_a = da_decay * kk * b_beta[:, None]
+    d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
+    dkk = da_decay * b_beta[:, None]
+    dkk_t = da_t * decay_t * b_beta[None, :]
+    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    if L2NORM:
+        dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
+    tl.store(dk + heads, dk_new, mask=row_mask[:, None])
+
+    # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
+    d_gamma += tl.where(rows == last_row, d_gamma_last, 0.0)
+    d_gamma = tl.where(row_mask, d_gamma, 0.0)
+    dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
+    tl.store(dbeta_out + rows * HV + i_hv, dbeta, mask=row_mask)
+    tl.store(dg_out + rows * HV + i_hv, dg, mask=row_mask)
+
+
+STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
+
+
+def _grad_block(K: int, V: int) -> int:
+    # V columns per step of _chunk_grad_kernel's loop; sm_90 shared memory with Triton 3.6 (8 warps, 1 stage, bf16):
+    # K=128 192 KB, K=64 128 KB (scripts/triton_resources.py), below the 227 KB
+    return min(V, 32 if K >= 64 else 64)
+
+
+def chunk_backward(
+    grad_o, grad_final, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+    o, final, gamma, w, u, inverse,
+):  # fmt: skip
+    q, k, v, g, beta, initial_state, grad_o, grad_final = _contiguous(q, k, v, g, beta, initial_state, grad_o, grad_final)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device, precision = q.device, _precision(q)
+    chunks = Chunks.of(v, cu_seqlens)
+    is_varlen = cu_seqlens is not None
+    segments = Segments.of(chunks, q, v, cu_seqlens)
+    _, states, corrections, maps = walk_states(k, v, gamma, w, u, initial_state, False, use_qk_l2norm_in_kernel, chunks, segments)
+
+    dstates = _state_buffer(chunks.total, HV, K, V, device)
+    du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
+    dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
+    dht = grad_final if output_final_state else None
+    walk = functools.partial(_state_grad, q, k, gamma, w, grad_o, scale, use_qk_l2norm_in_kernel)
+    if segments is None:
+        walk(chunks, dht=dht, du=du, dstates=dstates, dh0=dh0)
+    else:  # dS = M^T dS' + c per segment: c from a zero dS', the chain backwards, then the segments again
+        parts = segments.chunks
+        offsets, leaving = _state_buffer(parts.n, HV, K, V, device), _state_buffer(parts.n, HV, K, V, device)
+        walk(parts, dh0=offsets)
+        _combine(segments, maps, offsets, dht, leaving, dh0, precision, reverse=True)
+        walk(parts, dht=leaving, du=du, dstates=dstates)
+
+    dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dw = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
+    dbeta = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    dg = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    block_k = min(K, STATE_GRAD_BLOCK_K)
+    d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
+    if chunks.total > 0:
+        _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
+            states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            HV=HV, K=K, V=V, BK=block_k, BV=min(V, 64), IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4, num_stages=2,
+        )  # fmt: skip
+        _chunk_grad_kernel[(chunks.total, HV)](
+            q, k, v, beta, gamma, w, u, inverse, corrections, d_last, dw, grad_o, du, dq, dk, dv, dbeta, dg,
+            chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, V=V, BV=_grad_block(K, V), K_BLOCKS=K // block_k, L2NORM=use_qk_l2norm_in_kernel,
+            IS_VARLEN=is_varlen, PRECISION=precision, num_warps=8, num_stages=1,
+        )  # fmt: skip
+    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads
+    dq = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
+    dk = dk.view(B, T, H, groups, K).sum(3).to(k.dtype)
+    dg = dg.view(B, T, HV).to(g.dtype)
+    dbeta = dbeta.view(B, T, HV).to(beta.dtype)
+    dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
