@@ -4,7 +4,7 @@
 
 Prints microseconds per call, back to back and synchronised once, for the native op, the public
 op on each kernel backend (with and without autograd), the kernel module's forward alone and the
-bare Triton launch, then a cProfile of the triton path (top functions by own time).
+bare kernel launch (direct, and through Triton's JIT path), then a cProfile of the triton path (top functions by own time).
 """
 
 import cProfile
@@ -38,8 +38,8 @@ def main() -> None:
     y, rstd = torch.empty_like(x0), torch.empty(rows, device="cuda", dtype=torch.float32)
     tiles = row_tiles(width)
 
-    def bare_launch():
-        rms_triton._forward_kernel[(n_tiles(rows, tiles),)](
+    def launch(kernel):
+        return lambda: kernel[(n_tiles(rows, tiles),)](
             x0, w0, y, rstd, rows, width, width, 1e-6, HAS_W=True, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
         )
 
@@ -51,7 +51,8 @@ def main() -> None:
         "rms_norm tilelang (x requires grad)": lambda: rms_norm(x, w, backend="tilelang"),
         "rms_norm tilelang (no grad)": lambda: rms_norm(x0, w0, backend="tilelang"),
         "triton module forward (allocations + launch)": lambda: rms_triton.forward(x0, w0, 1e-6),
-        "bare Triton launch": bare_launch,
+        "bare launch, direct (triton_launch.py)": launch(rms_triton._forward_kernel),
+        "bare launch, Triton's JIT path": launch(rms_triton._forward_kernel.kernel),
         "torch.empty_like x2": lambda: (torch.empty_like(x0), torch.empty_like(rstd)),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rms_norm ({rows}, {width}) bf16, us per call")

@@ -29,9 +29,12 @@ def compile_one(launch: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from runtime.accelerators.triton_launch import DirectLaunch
+
     start = time.perf_counter()
     try:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+        kernel = kernel.kernel if isinstance(kernel, DirectLaunch) else kernel
         source = ASTSource(kernel, launch["signature"], launch["constexprs"], launch["attrs"])
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=launch["options"])
         result = {"shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 1)}

@@ -8,8 +8,8 @@ alignment attributes and options a real launch would compile. A fresh process wi
 interpreter (sm90_compile.py) then compiles each recorded specialisation with
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 
-Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py,
-norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below launches fails,
+Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py and
+*/triton_backward.py, norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below launches fails,
 naming the missing case.
 """
 
@@ -38,6 +38,7 @@ import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
+from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
 COMPILER = Path(__file__).with_name("sm90_compile.py")
@@ -52,8 +53,9 @@ bf16, f32 = torch.bfloat16, torch.float32
 def kernel_modules() -> list[str]:
     names = ["runtime.accelerators.norms_triton", "runtime.accelerators.gated_delta_rule.varlen"]
     for info in pkgutil.iter_modules(acc.__path__):
-        if info.ispkg and importlib.util.find_spec(f"runtime.accelerators.{info.name}.triton") is not None:
-            names.append(f"runtime.accelerators.{info.name}.triton")
+        for module in ("triton", "triton_backward"):
+            if info.ispkg and importlib.util.find_spec(f"runtime.accelerators.{info.name}.{module}") is not None:
+                names.append(f"runtime.accelerators.{info.name}.{module}")
     return names
 
 
@@ -64,6 +66,7 @@ def launched_kernels() -> dict[str, tuple[str, str]]:
         module = importlib.import_module(module_name)
         source = inspect.getsource(module)
         for name, value in vars(module).items():
+            value = value.kernel if isinstance(value, DirectLaunch) else value
             is_jit = isinstance(value, (InterpretedFunction, JITFunction)) and value.fn.__module__ == module_name
             if is_jit and re.search(rf"\b{re.escape(name)}\[", source):
                 short = module_name.removeprefix("runtime.accelerators.").removesuffix(".triton")
@@ -155,7 +158,8 @@ def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
 
 def gated_delta_rule():
     acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
-    for inputs in (_delta_rule_inputs(2, 200, 2, 4, 64, 64), _delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200])):
+    shapes = [(2, 200, 4, 4, 16, 16), (2, 200, 2, 4, 64, 64)]  # PCVR's K = 16 (HV = H: final dtypes written in kernel)
+    for inputs in [_delta_rule_inputs(*shape) for shape in shapes] + [_delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200])]:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
             inputs[name].requires_grad_()
         _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels

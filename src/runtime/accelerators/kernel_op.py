@@ -73,12 +73,24 @@ class KernelOp:
         if torch.compiler.is_compiling():
             results = self._forward_op(backend, *args)
         elif self._needs_grad(args):
-            results = _EagerFunction.apply(self, backend, *args)
+            results = self._apply_eagerly(backend, args)
         else:  # nothing to differentiate: skip autograd's bookkeeping
             results = self.kernels(backend).__dict__[self.forward_name](*args)
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
+
+    def _apply_eagerly(self, backend: str, args):
+        """_EagerFunction.apply without its Python layer, about 2 us per call: that layer binds default arguments
+        (forward has none) and unwraps dead functorch wrappers, done here for the tensor arguments. Under functorch
+        transforms the full apply runs."""
+        if torch._C._are_functorch_transforms_active():
+            return _EagerFunction.apply(self, backend, *args)
+        args = list(args)
+        for i in self.tensor_slots:
+            if args[i] is not None:
+                args[i] = _unwrap_if_dead(args[i])
+        return _apply_eager_function(self, backend, *args)
 
     def kernels(self, backend: str):
         """The backend's kernel module (imported on first use, then a dict lookup)."""
@@ -139,6 +151,9 @@ class _EagerFunction(torch.autograd.Function):
         grads_in = kernel_op.kernels(ctx.backend).__dict__[kernel_op.backward_name](*grad_outputs, *args, *results)
         return (None, None, *grads_in)
 
+
+_apply_eager_function = super(torch.autograd.Function, _EagerFunction).apply  # what Function.apply ends in
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 # helpers -------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import triton.language as tl
 from . import buffers
 from .launch_math import cdiv, next_power_of_2
 from .norms import as_rows
+from .triton_launch import direct_launch
 
 # Tuned on an H100 (bf16; 32768x4096, 8192x128, 131072x64; CUDA-graph timings): 4096-element tiles
 # beat 1024/2048 at narrow widths, 8 warps per 4096-wide row matched or beat 4 and 16, and 16 resident
@@ -88,6 +89,7 @@ def _reduce_blocks(width: int) -> tuple[int, int]:
     return columns, REDUCE_TILE // columns
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["n_parts"])
 def _sum_partials_kernel(
     pw_ptr, dw_ptr, pb_ptr, db_ptr, n_parts, N,

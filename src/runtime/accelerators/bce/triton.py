@@ -15,6 +15,7 @@ from .. import buffers
 from . import is_scalar_gradient, operand_mode
 from ..launch_math import cdiv
 from .reference import loss_dtype
+from ..triton_launch import direct_launch
 
 BLOCK = 4096  # elements per program (forward and backward)
 NUM_WARPS = 8
@@ -50,6 +51,7 @@ def _loss(x, y, pw, HAS_PW: tl.constexpr):
     return tl.where(x >= 0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
 
 
+@direct_launch
 @triton.jit
 def _forward_kernel(
     x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
@@ -73,6 +75,7 @@ def _forward_kernel(
         tl.store(out_ptr + offs, loss.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@direct_launch
 @triton.jit
 def _sum_partials_kernel(part_ptr, out_ptr, n_parts, divisor, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -83,6 +86,7 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_parts, divisor, BLOCK: tl.constexp
     tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
+@direct_launch
 @triton.jit
 def _backward_kernel(
     g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, n, g_divisor,

@@ -16,6 +16,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv
 from .reference import TRITON_BLOCK, keep_threshold
+from ..triton_launch import direct_launch
 
 BLOCK = TRITON_BLOCK  # fixed: it shapes the random stream
 WARPS = 8
@@ -77,6 +78,7 @@ def _backward_block(dout_ptr, dx_ptr, start, n, m0, m1, m2, m3, Q: tl.constexpr,
     _backward_chunk(dout_ptr, dx_ptr, offs + 3 * Q, n, m3, MASKED)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["seed"])
 def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
@@ -89,6 +91,7 @@ def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed, threshold, scale, BLOCK
         _forward_block(x_ptr, r_ptr, out_ptr, start, n, m0, m1, m2, m3, Q, True)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["seed"])
 def _dropout_add_backward(dout_ptr, dx_ptr, n, seed, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4

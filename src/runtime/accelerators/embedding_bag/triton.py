@@ -21,6 +21,7 @@ from .. import buffers
 from ..launch_math import cdiv, next_power_of_2
 from .reference import INDEX_ERROR
 from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from ..triton_launch import direct_launch
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
@@ -31,6 +32,7 @@ BLOCK_J = 32  # chunk partials summed at once in the second pass
 
 # sizes and row numbers are not specialised (one compiled kernel serves every batch); dim and the
 # row strides are, so that 16-byte-aligned rows get vector loads
+@direct_launch
 @triton.jit(do_not_specialize=["num_bags", "num_indices", "num_offsets", "num_embeddings", "bag_len", "padding_idx"])
 def _forward_kernel(
     weight_ptr, indices_ptr, offsets_ptr, out_ptr, scale_ptr, bag_of_ptr, ok_ptr,
@@ -104,6 +106,7 @@ def _segmented_add(a, a_starts, b, b_starts):
     return tl.where(b_starts != 0, b, a + b), a_starts | b_starts
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["num_indices", "num_bags", "num_embeddings", "bag_len", "padding_idx"])
 def _chunk_kernel(
     keys_ptr, perm_ptr, first_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
@@ -160,6 +163,7 @@ def _chunk_kernel(
     tl.store(tail_ptr + part_offs, sums, mask=tail[:, None] & col_ok[None, :])
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["num_indices", "num_embeddings", "padding_idx"])
 def _combine_kernel(
     keys_ptr, first_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,

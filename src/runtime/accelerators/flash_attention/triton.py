@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..launch_math import cdiv, next_power_of_2
 from ..buffers import empty
+from ..triton_launch import direct_launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -127,6 +128,7 @@ def _fwd_block(
     return acc, l_i, m_new
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
 def _fwd_kernel(
     Q, K, V, O, LSE, KL,
@@ -190,6 +192,7 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------- backward
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["H", "LQ"])
 def _bwd_preprocess_kernel(
     O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, sdod, H, LQ,
@@ -243,6 +246,7 @@ def _dkdv_block(
     return dk, dv
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "seed"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KL,
@@ -331,6 +335,7 @@ def _dq_block(
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KL,
@@ -477,6 +482,7 @@ def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: fl
     return keep.bool()
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["LQ", "LK", "seed"])
 def _keep_mask_kernel(KEEP, LQ, LK, dropout_p, seed, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

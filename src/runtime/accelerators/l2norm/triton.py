@@ -12,8 +12,10 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import n_tiles, row_tiles, rows_of
+from ..triton_launch import direct_launch
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
@@ -30,6 +32,7 @@ def _forward_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
     dy_ptr, x_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_x,

@@ -13,8 +13,10 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, rows_of, sum_partials
+from ..triton_launch import direct_launch
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N, stride_x, eps,
@@ -39,6 +41,7 @@ def _forward_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, N, stride_dy, stride_x,

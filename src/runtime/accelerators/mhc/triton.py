@@ -15,6 +15,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv, next_power_of_2
 from .layout import allocate_pre, token_streams
+from ..triton_launch import direct_launch
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
@@ -64,6 +65,7 @@ def _column(values, index, NP: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, NP)[None, :] == index, values, 0.0), 1)
 
 
+@direct_launch
 @triton.jit
 def _pre_forward_kernel(
     x, phi, alpha, bias, h_in, h_post, h_res, h, r, tokens, C, eps, iters,
@@ -106,6 +108,7 @@ def _pre_forward_kernel(
         tl.store(h_in + rows[:, None] * C + cs[None, :], out.to(h_in.dtype.element_ty), mask=row_mask[:, None] & c_mask[None, :])
 
 
+@direct_launch
 @triton.jit
 def _pre_backward_kernel(
     x, phi, alpha, bias, h, r, dh_in, dh_post, dh_res, dx, dg, dbias_part, dalpha_part, tokens, C, iters,
@@ -195,8 +198,9 @@ def _pre_backward_kernel(
             tl.store(dx + rows[:, None] * K + ks[None, :], out.to(dx.dtype.element_ty), mask=cmask)
 
 
+@direct_launch
 @triton.jit
-def _pre_dphi_kernel(x, dg, dphi, tokens, K, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, M):
+def _pre_dphi_kernel(x, dg, dphi, tokens, K, M, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """dphi[k, m] = sum_t v[t, k] * dg[t, m]: one K-block per program, looping over all tokens (no atomics)."""
     ks = tl.program_id(0) * BK + tl.arange(0, BK)
     k_mask = ks < K
@@ -212,6 +216,7 @@ def _pre_dphi_kernel(x, dg, dphi, tokens, K, MP: tl.constexpr, BT: tl.constexpr,
     tl.store(dphi + ks[:, None] * M + cols[None, :], acc.to(dphi.dtype.element_ty), mask=k_mask[:, None] & (cols < M)[None, :])
 
 
+@direct_launch
 @triton.jit
 def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -233,6 +238,7 @@ def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, N
         tl.store(pointers, acc.to(out.dtype.element_ty), mask=mask2[:, :, None] & (cs < C)[None, None, :])
 
 
+@direct_launch
 @triton.jit
 def _post_backward_kernel(
     x, y, h_post, h_res, d_out, dx, dy, dh_post, dh_res, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr
@@ -309,7 +315,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     )
     dphi = buffers.empty(phi.shape, dtype=phi.dtype, device=phi.device)
     _pre_dphi_kernel[(cdiv(n * C, BLOCK_K),)](
-        xs, dg, dphi, tokens, n * C, MP=common["MP"], BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=common["PRECISION"], M=m
+        xs, dg, dphi, tokens, n * C, m, MP=common["MP"], BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=common["PRECISION"]
     )
     dbias = dbias_part.sum(0).to(bias.dtype)  # fixed-order reduction of per-program partials: deterministic
     dalpha = dalpha_part.sum(0).to(alpha.dtype)

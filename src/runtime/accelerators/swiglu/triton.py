@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..launch_math import cdiv
+from ..triton_launch import direct_launch
 
 BLOCK = 4096
 WARPS = 8
@@ -51,6 +52,7 @@ def _backward_tile(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offs, n, MASKED: tl.con
     _store(dg_ptr, offs, n, dy * u * s * (1.0 + g * (1.0 - s)), MASKED)
 
 
+@direct_launch
 @triton.jit
 def _swiglu_forward(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -61,6 +63,7 @@ def _swiglu_forward(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
         _forward_tile(g_ptr, u_ptr, y_ptr, offs, n, True)
 
 
+@direct_launch
 @triton.jit
 def _swiglu_backward(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK

@@ -1,0 +1,114 @@
+"""Direct launches of compiled Triton kernels: the host time of an eager call.
+
+`kernel[grid](...)` on a JITFunction binds and specialises every argument in Python, reads Triton's
+knobs and checks the module globals the kernel reads, on every call: about 10 us of host time on the
+GPU machine, more than a norm kernel takes on the GPU at PCVR sizes. A kernel decorated with
+`@direct_launch` (over `@triton.jit`) is launched the same way, `kernel[grid](*args, **constexprs)`:
+the first call with a given argument signature goes through Triton (compiling if needed) and keeps
+the CompiledKernel Triton returns; later calls with that signature launch it directly.
+
+The signature (`_arg_key`) holds everything Triton specialises a compiled kernel on, and more: the
+constexprs and launch options as passed, the current device, and per argument its dtype and 16-byte
+alignment (tensors), its integer width class, divisibility by 16 and == 1 (ints), or its type. Two
+calls with the same signature therefore get the same compiled kernel from Triton; a finer key only
+costs an extra first call. Under TRITON_INTERPRET=1 (the CPU tier) every call goes through Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+_INT32 = range(-(2**31), 2**31)
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+def _is_constexpr(parameter: inspect.Parameter) -> bool:
+    return "constexpr" in str(parameter.annotation)  # tl.constexpr, or its name under postponed annotations
+
+
+def _arg_key(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return type(arg)
+    return int, arg == 1, arg % 16 == 0, arg in _INT32, arg >= 2**63
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps a HookChain there, empty unless a profiler adds one)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+@functools.cache
+def _driver():
+    active = triton.runtime.driver.active
+    return active.get_current_device, active.get_current_stream
+
+
+class DirectLaunch:
+    """A @triton.jit kernel launched directly once compiled (see the module docstring)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.direct = isinstance(kernel, JITFunction)  # an InterpretedFunction under TRITON_INTERPRET=1
+        self._tail_names: dict[int, tuple[str, ...]] = {}
+        self._compiled: dict[tuple, tuple] = {}
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch if self.direct else self._interpret, grid)
+
+    def _interpret(self, grid, *args, **constexprs):
+        self._tail(len(args), constexprs)  # the argument rules of a direct launch hold on the CPU tier too
+        return self.kernel[grid](*args, **constexprs)
+
+    def _launch(self, grid, *args, **constexprs):
+        current_device, current_stream = _driver()
+        device = current_device()
+        key = (device, tuple(constexprs.items()), *map(_arg_key, args))
+        found = self._compiled.get(key)
+        if found is None:
+            tail = self._tail(len(args), constexprs)
+            compiled = self.kernel[grid](*args, **constexprs)
+            self._compiled[key] = (compiled, tail)
+            return compiled
+        compiled, tail = found
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        stream = current_stream(device)
+        knobs = triton.knobs.runtime
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        metadata = compiled.launch_metadata(grid, stream, *args, *tail) if _hooked(enter) or _hooked(leave) else None
+        compiled.run(
+            grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args, *tail
+        )
+        return compiled
+
+    def _tail(self, n_positional: int, constexprs: dict) -> tuple:
+        """The values of the parameters after the positional ones, in the kernel's order (Triton's launcher takes
+        every parameter, constexprs included). The key holds keyword values and only the kind of each positional
+        value, so runtime arguments must come by position and constexprs by name."""
+        names = self._tail_names.get(n_positional)
+        if names is None:
+            parameters = list(inspect.signature(self.kernel.fn).parameters.values())
+            by_position = [p.name for p in parameters[:n_positional] if _is_constexpr(p)]
+            by_name = [p.name for p in parameters[n_positional:] if not _is_constexpr(p)]
+            if by_position or by_name:
+                raise TypeError(
+                    f"{self.kernel.fn.__name__}: pass runtime arguments by position and constexprs by name; "
+                    f"got constexprs {by_position} by position, runtime arguments {by_name} by name"
+                )
+            names = self._tail_names[n_positional] = tuple(p.name for p in parameters[n_positional:])
+        missing = [name for name in names if name not in constexprs]
+        unknown = set(constexprs) - set(names) - LAUNCH_OPTIONS
+        if missing or unknown:
+            raise TypeError(f"{self.kernel.fn.__name__}: constexprs missing: {missing}; unknown keywords: {sorted(unknown)}")
+        return tuple(constexprs[name] for name in names)
+
+
+def direct_launch(kernel) -> DirectLaunch:
+    """Decorator over @triton.jit: launches skip Triton's per-call binding once compiled."""
+    return DirectLaunch(kernel)

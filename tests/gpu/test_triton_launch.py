@@ -1,0 +1,79 @@
+"""Direct launches of compiled Triton kernels on CUDA: after the first call per argument signature the kernel is
+launched without Triton's binder, on the current stream, with launch hooks honoured; results stay exact."""
+
+import pytest
+import torch
+import triton
+
+from runtime.accelerators import rms_norm
+from runtime.accelerators.rms_norm import triton as rms_triton
+
+WIDTH = 200
+
+
+def _reference(x, weight):
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * weight.double()).to(x.dtype)
+
+
+@pytest.fixture
+def binder_calls(monkeypatch):
+    """How many launches of rms_norm's forward kernel went through Triton's own JIT path."""
+    jit = rms_triton._forward_kernel.kernel
+    calls, run = [], jit.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(jit, "run", counted)
+    return calls
+
+
+def _check(x, weight):
+    y = rms_norm(x, weight, backend="triton")
+    torch.testing.assert_close(y, _reference(x, weight), rtol=1e-2, atol=1e-2)
+    return y
+
+
+def test_later_calls_of_a_signature_skip_the_binder(binder_calls):
+    weight = torch.randn(WIDTH, device="cuda", dtype=torch.bfloat16)
+    rows = [7, 64, 1000, 3]
+    for n in rows:
+        _check(torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16), weight)
+    compiled = len(binder_calls)
+    assert compiled <= 2  # n_rows % 16 == 0 is a signature of its own
+    for n in rows:
+        _check(torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16), weight)
+    assert len(binder_calls) == compiled
+
+
+def test_misaligned_and_other_dtype_inputs_get_their_own_compiled_kernels(binder_calls):
+    base = torch.randn(65 * WIDTH + 1, device="cuda", dtype=torch.float32)
+    aligned = base[: 64 * WIDTH].view(64, WIDTH)
+    misaligned = base[1 : 64 * WIDTH + 1].view(64, WIDTH)  # 4 bytes off
+    weight = torch.randn(WIDTH, device="cuda", dtype=torch.float32)
+    for _ in range(3):
+        for x in (aligned, misaligned, aligned.half(), misaligned):
+            _check(x, weight if x.dtype == torch.float32 else weight.half())
+    assert 1 <= len(binder_calls) <= 3
+
+
+def test_a_side_stream_and_a_launch_hook(binder_calls):
+    weight = torch.randn(WIDTH, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, WIDTH, device="cuda", dtype=torch.bfloat16)
+    _check(x, weight)
+    compiled = len(binder_calls)
+    seen = []
+    hook = lambda metadata: seen.append(metadata["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            y = rms_norm(x, weight, backend="triton")
+        torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.testing.assert_close(y, _reference(x, weight), rtol=1e-2, atol=1e-2)
+    assert seen == ["_forward_kernel"] and len(binder_calls) == compiled

@@ -1,0 +1,120 @@
+"""Direct launches (accelerators/triton_launch.py): the signature key, the launch arguments and their rules.
+
+The direct path itself only runs on a GPU (tests/gpu/test_triton_launch.py); here a stand-in for a compiled kernel
+records what a direct launch hands Triton's launcher. Every kernel launch of the CPU tier checks the argument rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.accelerators import triton_launch
+from runtime.accelerators.triton_launch import DirectLaunch, _arg_key
+
+
+def test_the_key_separates_everything_triton_specialises_on():
+    base = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(base) == _arg_key(torch.ones(64, dtype=torch.float32))
+    assert _arg_key(base) != _arg_key(base[1:])  # 4 bytes off the 16-byte alignment
+    assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
+    assert _arg_key(base[4:]) == _arg_key(base)  # 16 bytes on: still aligned
+    assert _arg_key(17) == _arg_key(33)
+    for a, b in [(1, 17), (16, 17), (2**31 - 16, 2**31), (-(2**31), -(2**31) - 16), (2**63 - 16, 2**63), (True, 1)]:
+        assert _arg_key(a) != _arg_key(b), (a, b)
+    assert _arg_key(0.5) == _arg_key(2.0) != _arg_key(2)
+    assert _arg_key(None) != _arg_key(0)
+
+
+class _Compiled:
+    function, packed_metadata = "function", (4, 1, 0)
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid)
+
+
+def _kernel_source(x, n, BLOCK: "tl.constexpr", FLAG: "tl.constexpr"):
+    pass
+
+
+class _Kernel:
+    """Stands in for a JITFunction: kernel[grid](...) compiles, launches and returns the compiled kernel."""
+
+    fn = staticmethod(_kernel_source)
+
+    def __init__(self):
+        self.compiled, self.calls = _Compiled(), []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.calls.append((grid, args, constexprs))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(triton_launch, "_driver", lambda: (lambda: 0, lambda device: 1234))
+    kernel = _Kernel()
+    launcher = DirectLaunch(kernel)
+    launcher.direct = True  # what a JITFunction gets (this stand-in is not one)
+    return kernel, launcher
+
+
+def test_first_call_per_signature_goes_through_triton_then_launches_directly(direct):
+    kernel, launcher = direct
+    x = torch.zeros(32)
+    launcher[(5,)](x, 100, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(kernel.calls) == 1 and kernel.compiled.launches == []
+    launcher[(7, 2)](x, 200, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(kernel.calls) == 1
+    # grid padded to 3-D, the current stream, no launch metadata without hooks, constexprs after the arguments
+    (launch,) = kernel.compiled.launches
+    assert launch[:7] == (7, 2, 1, 1234, "function", (4, 1, 0), None)
+    assert launch[9:] == (x, 200, 64, True)
+
+
+def test_a_new_signature_or_constexpr_goes_through_triton_again(direct):
+    kernel, launcher = direct
+    x = torch.zeros(32)
+    launcher[(1,)](x, 100, BLOCK=64, FLAG=True)
+    launcher[(1,)](x[1:], 100, BLOCK=64, FLAG=True)  # misaligned
+    launcher[(1,)](x, 100, BLOCK=128, FLAG=True)
+    launcher[(1,)](x, 100, BLOCK=64, FLAG=True, num_warps=8)
+    launcher[(1,)](x, 1, BLOCK=64, FLAG=True)
+    assert len(kernel.calls) == 5 and kernel.compiled.launches == []
+
+
+def test_launch_hooks_get_their_metadata(direct, monkeypatch):
+    kernel, launcher = direct
+    seen = []
+    hooks = triton_launch.triton.knobs.runtime
+    monkeypatch.setattr(hooks, "launch_enter_hook", seen.append)
+    x = torch.zeros(32)
+    for _ in range(2):
+        launcher[(3,)](x, 100, BLOCK=64, FLAG=False)
+    (launch,) = kernel.compiled.launches
+    assert launch[6] == ("metadata", (3,)) and launch[7] == seen.append
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_arguments_the_key_cannot_hold_are_refused_by_name(direct, interpreted):
+    kernel, launcher = direct
+    launcher.direct = not interpreted
+    x = torch.zeros(32)
+    with pytest.raises(TypeError, match=r"missing: \['FLAG'\]"):
+        launcher[(1,)](x, 100, BLOCK=64)
+    with pytest.raises(TypeError, match=r"constexprs \['BLOCK'\] by position"):
+        launcher[(1,)](x, 100, 64, FLAG=True)
+    with pytest.raises(TypeError, match=r"runtime arguments \['n'\] by name"):
+        launcher[(1,)](x, n=100, BLOCK=64, FLAG=True)
+    with pytest.raises(TypeError, match="BLCOK"):
+        launcher[(1,)](x, 100, BLCOK=64, BLOCK=64, FLAG=True)
+    assert kernel.calls == []
