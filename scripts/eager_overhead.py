@@ -35,7 +35,8 @@ def main() -> None:
     x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     x0, w0 = x.detach(), w.detach()
-    y, rstd = torch.empty_like(x0), torch.empty(rows, device="cuda", dtype=torch.float32)
+    y, rstd = rms_triton.forward(x0, w0, 1e-6)
+    dy = torch.randn_like(x0)
     tiles = row_tiles(width)
 
     def launch(kernel):
@@ -54,17 +55,24 @@ def main() -> None:
         "bare launch, direct (triton_launch.py)": launch(rms_triton._forward_kernel),
         "bare launch, Triton's JIT path": launch(rms_triton._forward_kernel.kernel),
         "torch.empty_like x2": lambda: (torch.empty_like(x0), torch.empty_like(rstd)),
+        "F.rms_norm fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(F.rms_norm(x, (width,), w, 1e-6), [x, w], dy),
+        "rms_norm triton fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, backend="triton"), [x, w], dy),
+        "rms_norm tilelang fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, backend="tilelang"), [x, w], dy),
+        "triton module backward (allocations + 2 launches)": lambda: rms_triton.backward(dy, x0, w0, 1e-6, y, rstd),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rms_norm ({rows}, {width}) bf16, us per call")
     for name, fn in cases.items():
         print(f"{name:48s} {per_call_us(fn):8.1f}")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(5000):
-        rms_norm(x, w, backend="triton")
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    for name, fn in {"public op, x requiring grad": lambda: rms_norm(x, w, backend="triton"),
+                     "module backward": lambda: rms_triton.backward(dy, x0, w0, 1e-6, y, rstd)}.items():
+        print(f"cProfile of the triton {name}")  # the main thread only (autograd runs backward on another)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5000):
+            fn()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def test_a_side_stream_and_a_launch_hook(binder_calls):
     _check(x, weight)
     compiled = len(binder_calls)
     seen = []
-    hook = lambda metadata: seen.append(metadata["name"])  # noqa: E731
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731  (a LazyDict)
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
         stream = torch.cuda.Stream()

@@ -77,7 +77,7 @@ def test_first_call_per_signature_goes_through_triton_then_launches_directly(dir
     assert len(kernel.calls) == 1
     # grid padded to 3-D, the current stream, no launch metadata without hooks, constexprs after the arguments
     (launch,) = kernel.compiled.launches
-    assert launch[:7] == (7, 2, 1, 1234, "function", (4, 1, 0), None)
+    assert launch[:9] == (7, 2, 1, 1234, "function", (4, 1, 0), None, None, None)  # no empty hook chains either
     assert launch[9:] == (x, 200, 64, True)
 
 
