@@ -87,6 +87,8 @@ FEATURES = [
     pytest.param((37, 1000), "mean", (1000,), (1000,), id="weight-posweight-per-class"),
     pytest.param((37, 1000), "none", (37, 1), (1,), id="weight-per-row-posweight-scalar"),
     pytest.param((5, 37, 200), "sum", (5, 1, 200), (37, 1), id="weight-materialised-posweight-middle"),
+    pytest.param((16, 256), "mean", None, (256,), id="one-block-mean"),  # PCVR batches: reduced in one program
+    pytest.param((4096,), "sum", (4096,), None, id="one-full-block-sum"),
 ]
 
 

@@ -55,8 +55,8 @@ def _loss(x, y, pw, HAS_PW: tl.constexpr):
 @triton.jit
 def _forward_kernel(
     x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
-    w_inner, w_count, pw_inner, pw_count,
-    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, BLOCK: tl.constexpr,
+    w_inner, w_count, pw_inner, pw_count, divisor,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, ONE_PROGRAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -70,7 +70,11 @@ def _forward_kernel(
     if W_MODE != 0:
         loss = loss * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
     if REDUCE:
-        tl.store(out_ptr + pid, tl.sum(tl.where(mask, loss, 0.0), axis=0))
+        total = tl.sum(tl.where(mask, loss, 0.0), axis=0)
+        if ONE_PROGRAM:  # the whole reduction in this program: no partials, no second launch
+            tl.store(out_ptr, (total / divisor).to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + pid, total)
     else:
         tl.store(out_ptr + offs, loss.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -142,18 +146,24 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     grid = (cdiv(n, BLOCK),)
+    modes = dict(W_MODE=w_mode, PW_MODE=pw_mode)
     if reduction == "none":
         loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
         _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=False, BLOCK=BLOCK, num_warps=NUM_WARPS
+            x, y, w, pw, loss, n, *maps, 1.0, **modes, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+        return loss
+    loss = buffers.empty((), dtype=dtype, device=logits.device)
+    divisor = float(n) if reduction == "mean" else 1.0
+    if grid[0] == 1:  # PCVR batches: one launch
+        _forward_kernel[grid](
+            x, y, w, pw, loss, n, *maps, divisor, **modes, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
         return loss
     partials = buffers.empty((grid[0],), dtype=torch.float32, device=logits.device)
     _forward_kernel[grid](
-        x, y, w, pw, partials, n, *maps, W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, BLOCK=BLOCK, num_warps=NUM_WARPS
+        x, y, w, pw, partials, n, *maps, 1.0, **modes, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
     )
-    loss = buffers.empty((), dtype=dtype, device=logits.device)
-    divisor = float(n) if reduction == "mean" else 1.0
     _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
 
