@@ -14,7 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runtime.accelerators import rms_norm
+from runtime.accelerators import layer_norm, rms_norm
+from runtime.accelerators.layer_norm import triton as ln_triton
 from runtime.accelerators.norms_triton import n_tiles, row_tiles
 from runtime.accelerators.rms_norm import triton as rms_triton
 
@@ -34,7 +35,8 @@ def main() -> None:
     rows, width = 8192, 128
     x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    x0, w0 = x.detach(), w.detach()
+    b = torch.randn(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x0, w0, b0 = x.detach(), w.detach(), b.detach()
     y, rstd = rms_triton.forward(x0, w0, 1e-6)
     dy = torch.randn_like(x0)
     tiles = row_tiles(width)
@@ -59,20 +61,28 @@ def main() -> None:
         "rms_norm triton fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, backend="triton"), [x, w], dy),
         "rms_norm tilelang fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, backend="tilelang"), [x, w], dy),
         "triton module backward (allocations + 2 launches)": lambda: rms_triton.backward(dy, x0, w0, 1e-6, y, rstd),
+        "F.layer_norm (no grad)": lambda: F.layer_norm(x0, (width,), w0, b0),
+        "layer_norm triton (no grad)": lambda: layer_norm(x0, w0, b0, backend="triton"),
+        "layer_norm triton module forward": lambda: ln_triton.forward(x0, w0, b0, 1e-5),
+        "F.layer_norm fwd+bwd": lambda: torch.autograd.grad(F.layer_norm(x, (width,), w, b), [x, w, b], dy),
+        "layer_norm triton fwd+bwd": lambda: torch.autograd.grad(layer_norm(x, w, b, backend="triton"), [x, w, b], dy),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rms_norm ({rows}, {width}) bf16, us per call")
     for name, fn in cases.items():
         print(f"{name:48s} {per_call_us(fn):8.1f}")
-    for name, fn in {"public op, x requiring grad": lambda: rms_norm(x, w, backend="triton"),
-                     "module backward": lambda: rms_triton.backward(dy, x0, w0, 1e-6, y, rstd)}.items():
-        print(f"cProfile of the triton {name}")  # the main thread only (autograd runs backward on another)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(5000):
-            fn()
-        torch.cuda.synchronize()
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    fwd_bwd = cases["rms_norm triton fwd+bwd"]
+    with torch.autograd.set_multithreading_enabled(False):  # backward on this thread, where cProfile sees it
+        print(f"{'rms_norm triton fwd+bwd, backward on the calling thread':48s} {per_call_us(fwd_bwd):8.1f}")
+        print(f"{'F.rms_norm fwd+bwd, backward on the calling thread':48s} {per_call_us(cases['F.rms_norm fwd+bwd (autograd.grad)']):8.1f}")
+        for name, fn in {"public op, x requiring grad": lambda: rms_norm(x, w, backend="triton"), "fwd+bwd": fwd_bwd}.items():
+            print(f"cProfile of the triton {name}")
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(3000):
+                fn()
+            torch.cuda.synchronize()
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
