@@ -8,9 +8,9 @@ alignment attributes and options a real launch would compile. A fresh process wi
 interpreter (sm90_compile.py) then compiles each recorded specialisation with
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 
-Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py and
-*/triton_backward.py, norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below launches fails,
-naming the missing case.
+Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py,
+*/triton_backward.py, norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below
+launches fails, naming the missing case.
 """
 
 from __future__ import annotations
@@ -158,8 +158,12 @@ def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
 
 def gated_delta_rule():
     acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
-    shapes = [(2, 200, 4, 4, 16, 16), (2, 200, 2, 4, 64, 64)]  # PCVR's K = 16 (HV = H: final dtypes written in kernel)
-    for inputs in [_delta_rule_inputs(*shape) for shape in shapes] + [_delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200])]:
+    cases = [
+        _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
+        _delta_rule_inputs(2, 200, 2, 4, 64, 64),
+        _delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200]),
+    ]
+    for inputs in cases:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
             inputs[name].requires_grad_()
         _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels

@@ -12,7 +12,7 @@ from .. import buffers
 from ..launch_math import cdiv
 from .triton import (
     BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
-    _state_block, _state_buffer, walk_states,
+    _state_buffer, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -21,22 +21,30 @@ from .triton import (
 # Per chunk (see reference.py), with S the state entering it, S' the state leaving it, P the causal
 # attention (Q K^T * exp(gamma_t - gamma_j))_{j <= t}, T = (I + A)^-1 and the corrections U = u - w S:
 #
-#     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
+#     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + K~^T U,   K~ = diag(e^(gamma_last - gamma)) K
 #
 # Backward, given dO and dS' (the gradient of the final state for the last chunk):
 #   0. the forward's states S and corrections U per chunk are recomputed (walk_states);
-#   1. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards:
-#         dU = scale P^T dO + (K * e^(gamma_last - gamma)) dS'
-#         dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU
-#      storing dS' per chunk and dU, and dS of the first chunk as d(initial_state);
-#   2. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
+#   1. _chunk_local_grad_kernel, one program per (chunk, value head), all in parallel: the part of dU that does
+#      not depend on dS', dU_local = scale P^T dO (P^T = (K Q^T) * decay^T), written where dU goes, and the row
+#      factors that turn the raw q/k rows into Q~ = diag(scale e^gamma rstd_q) Q_raw and K~ = diag(e^(gamma_last
+#      - gamma) rstd_k) K_raw (rstd: the l2norm's rsqrt, 1 without it) [B*T, HV] (fp32);
+#   2. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards, three
+#      dots a chunk ([BT, K] x [K, BV] and twice [K, BT] x [BT, BV]) and no exp or l2norm over tiles:
+#         dU = dU_local + K~ dS'          dS = e^gamma_last dS' + Q~^T dO - w^T dU
+#      storing dS' per chunk and dU (in place of dU_local), and dS of the first chunk as d(initial_state);
+#   3. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
 #      dO S^T, U dS'^T, dw = -dU S^T (written where dq, dk and dw go) and <S, dS'> (for d gamma_last);
-#   3. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
+#   4. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
 #      O, S' and U (du = dU), then the WY factors w = T diag(beta e^gamma) K,
 #      u = T diag(beta) V through T (dA = -T^T dT T^T on the strictly lower part), the reverse
 #      cumulative sum dgamma -> dg within the chunk, and the l2norm backward of q and k.
-# dq/dk are written per value head and summed over the value heads of each q/k head (GVA) in torch.
-# Steps 2 and 3 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128.
+# dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head in
+# torch; with HV = H the gradient kernel writes them, and every other gradient, in their final dtype.
+# Steps 3 and 4 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128.
+# Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
+# a [BT, BT] decay and two l2norms, recomputed by every V block): 2.12 ms of the walk at B4-T4096-H16-D128 became
+# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_launch.
 #
 # No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
 # miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
@@ -44,15 +52,66 @@ from .triton import (
 # are computed directly from their factors instead, transposes only of tiles loaded from memory:
 #   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
+# The walk's Q~^T and w^T are transposes of loaded tiles (Q~ scaled by row), and dU enters w^T dU untransposed.
+
+
+@triton.jit
+def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
+    the loaded values exactly in their own dtype, l2-normalised ones (|x| <= 1) in fp16. Kept in fp32, these
+    operands made Triton 3.6 ask for more shared memory than sm_90 has at K = 128 (264 KB at BV = 16)."""
+    if PRECISION == "ieee":
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
+    return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_local_grad_kernel(
+    q, k, gamma_in, do, du_out, q_factor_out, k_factor_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dU_local = scale P^T dO of one chunk, P^T = (K Q^T) * decay^T (key j <= query t), over V blocks; and the
+    row factors of the walk, scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k (rows past the end are not
+    written: the walk loads them masked, as 0)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    r = tl.arange(0, BT_)
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    last = tl.load(gamma_in + last_row * HV + i_hv)
+    b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
+    b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
+    # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
+    causal_t = (r[:, None] <= r[None, :]) & row_mask[None, :]
+    decay_t = tl.exp(tl.where(causal_t, gamma[None, :] - gamma[:, None], float("-inf")))
+    attention_t = _dot_qk(b_k, b_q, q.dtype.element_ty, L2NORM, PRECISION) * decay_t * scale
+    for i_v in range(0, V, BV):
+        tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        tl.store(du_out + tokens, tl.dot(attention_t, b_do, input_precision=PRECISION), mask=row_mask[:, None])
+    tl.store(q_factor_out + rows * HV + i_hv, scale * tl.exp(gamma) * q_rstd, mask=row_mask)
+    tl.store(k_factor_out + rows * HV + i_hv, tl.exp(last - gamma) * k_rstd, mask=row_mask)
+
+
+@triton.jit
+def _load_scaled(x, factor, rows, row_mask, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """diag(factor) X_raw of a chunk's q or k rows (fp32; 0 past the end), the factor per (row, value head)."""
+    cols = tl.arange(0, K)
+    raw = tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0)
+    return raw.to(tl.float32) * tl.load(factor + rows * HV + i_hv, mask=row_mask, other=0.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _state_grad_kernel(
-    q, k, gamma_in, w_in, do, du_out, dstates, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N_CHUNKS,
+    q, k, q_factor, k_factor, gamma_in, w_in, do, du, dstates, dht, dh0, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
 ):  # fmt: skip
+    """The reverse walk over a sequence's chunks: dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU
+    (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS')."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -66,7 +125,6 @@ def _state_grad_kernel(
     else:
         dstate = tl.zeros([K, BV], dtype=tl.float32)
     r = tl.arange(0, BT_)
-    causal_t = r[:, None] <= r[None, :]  # P^T: key j (row) <= query t (column)
     n_chunks = (eos - bos + BT_ - 1) // BT_
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
@@ -75,49 +133,62 @@ def _state_grad_kernel(
         start = bos + c * BT_
         rows = start + r
         row_mask = rows < eos
-        gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
-        last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
-        b_q, _ = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
-        b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
-        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
-        decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
-        attention_t = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * decay_t  # P^T (see above)
-        k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
-        b_du = tl.dot(attention_t, b_do, input_precision=PRECISION) * scale
-        b_du += tl.dot(k_to_end, dstate, input_precision=PRECISION)
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        decay_last = tl.exp(tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv))
+        k_scaled = _load_scaled(k, k_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # K~
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_du = tl.dot(k_scaled, dstate, b_du, input_precision=PRECISION)
         if STORE_GRADS:
-            tl.store(du_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], b_du, mask=row_mask[:, None])
-        q_decayed = b_q * (tl.exp(gamma) * scale)[:, None]
-        dstate = dstate * tl.exp(last) + tl.dot(tl.trans(q_decayed), b_do, input_precision=PRECISION)
-        dstate -= tl.dot(tl.trans(b_w), b_du, input_precision=PRECISION)
+            tl.store(du + tokens, b_du, mask=row_mask[:, None])
+        q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        dstate = tl.dot(tl.trans(q_scaled), b_do, dstate * decay_last, input_precision=PRECISION)
+        dstate = tl.dot(tl.trans(b_w), -b_du, dstate, input_precision=PRECISION)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
 
 
-def _state_grad(q, k, gamma, w, grad_o, scale, l2norm, chunks: Chunks, *, dht=None, du=None, dstates=None, dh0=None):
-    """One _state_grad_kernel launch over the sequences of `chunks` (du and dstates are stored together or not)."""
+def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du):
+    """_chunk_local_grad_kernel over every chunk: dU_local into du; returns the walk's row factors of q and k."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
-    BV = _state_block(K, V)
+    q_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=q.device)
+    k_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=q.device)
+    if chunks.total > 0:
+        _chunk_local_grad_kernel[(chunks.total, HV)](
+            q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, V=V, BV=min(V, 64), L2NORM=l2norm, IS_VARLEN=chunks.cu is not None,
+            PRECISION=_precision(q), num_warps=4, num_stages=2,
+        )  # fmt: skip
+    return q_factor, k_factor
+
+
+def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _state_grad_kernel, from H100 timings (Triton 3.6, bf16) and sm_90 compiles. Half
+    inputs: K = 128 BV 64 with 8 warps (0.70 ms at B4-T4096-H16; BV 32 with 4 warps 1.17 ms, spilling), K = 64
+    BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at B256-T256-H4).
+    fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
+    if precision == "ieee":
+        return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
+    if K == 128:
+        return min(V, 64), 8, 1
+    if K == 64:
+        return min(V, 64), 4, 2
+    return min(V, 32), 2 if K == 16 else 4, 2
+
+
+def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
+    """One _state_grad_kernel launch over the sequences of `chunks` (dU and dS' are stored when dstates is given)."""
+    B, T, H, K = q.shape
+    HV, V = grad_o.shape[2:]
+    BV, warps, stages = _walk_launch(K, V, _precision(q))
     _state_grad_kernel[(chunks.n * HV, cdiv(V, BV))](
-        q, k, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, scale, T, chunks.per_sequence,
+        q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
-        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=du is not None,
-        num_warps=4, num_stages=2 if K == 128 else 3,  # K=128 with 3 stages needs ~258 KB of shared memory (sm_90 has 227)
+        IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
-
-
-@triton.jit
-def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
-    """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
-    the loaded values exactly in their own dtype, l2-normalised ones (|x| <= 1) in fp16. Kept in fp32, these
-    operands made Triton 3.6 ask for more shared memory than sm_90 has at K = 128 (264 KB at BV = 16)."""
-    if PRECISION == "ieee":
-        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
-    dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
-    return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
@@ -158,11 +229,12 @@ def _chunk_grad_state_kernel(
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_kernel(
     q, k, v, beta, gamma_in, w_in, u_in, inverse_in, corrections, d_last_in, dw_in, do, du,
-    dq, dk, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    dq, dk, dq_out, dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel) on entry, the gradients on exit
+    # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel); the gradients go to dq_out and dk_out
+    # (the same fp32 buffers with GVA), dv, dbeta and dg in their tensors' dtypes
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -222,7 +294,7 @@ def _chunk_grad_kernel(
     dq_new = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
     if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
         dq_new = (dq_new - b_q * tl.sum(dq_new * b_q, 1)[:, None]) * q_rstd[:, None]
-    tl.store(dq + heads, dq_new, mask=row_mask[:, None])
+    tl.store(dq_out + heads, dq_new.to(dq_out.dtype.element_ty), mask=row_mask[:, None])
     dk_new = tl.dot(dp_t, b_q, input_precision=PRECISION)
 
     # S'
@@ -256,23 +328,35 @@ def _chunk_grad_kernel(
     dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
     if L2NORM:
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
-    tl.store(dk + heads, dk_new, mask=row_mask[:, None])
+    tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
 
     # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
     d_gamma += tl.where(rows == last_row, d_gamma_last, 0.0)
     d_gamma = tl.where(row_mask, d_gamma, 0.0)
     dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
-    tl.store(dbeta_out + rows * HV + i_hv, dbeta, mask=row_mask)
-    tl.store(dg_out + rows * HV + i_hv, dg, mask=row_mask)
+    tl.store(dbeta_out + rows * HV + i_hv, dbeta.to(dbeta_out.dtype.element_ty), mask=row_mask)
+    tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
 
 
 STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
 
 
-def _grad_block(K: int, V: int) -> int:
-    # V columns per step of _chunk_grad_kernel's loop; sm_90 shared memory with Triton 3.6 (8 warps, 1 stage, bf16):
-    # K=128 192 KB, K=64 128 KB (scripts/triton_resources.py), below the 227 KB
-    return min(V, 32 if K >= 64 else 64)
+def _grad_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _chunk_grad_kernel. Its [BT, BT] fp32 matrices spill at every setting (sm_90, Triton
+    3.6). H100 timings (bf16): K <= 32 4 warps (0.60 ms against 0.73 with 8 at B256-T256-H4-D16); K = 128 3 stages
+    over the V blocks (2.28 ms at B4-T4096-H16, 2.35 with 2, 2.50 with 1). Shared memory: bf16 K = 128 192 KB,
+    fp32 K = 128 (2 stages) 147 KB, below the 227 KB."""
+    if K <= 32:
+        return min(V, 64), 4, 2
+    return min(V, 32), 8, 3 if K == 128 and precision != "ieee" else 2
+
+
+def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Where _chunk_grad_kernel writes the gradient of q or k: its fp32 buffer of dO S^T or U dS'^T itself (GVA:
+    summed over value heads afterwards; fp32 inputs), else a tensor of the input's dtype."""
+    if groups > 1 or x.dtype == torch.float32:
+        return per_value_head
+    return buffers.empty(per_value_head.shape, dtype=x.dtype, device=x.device)
 
 
 def chunk_backward(
@@ -289,25 +373,28 @@ def chunk_backward(
     _, states, corrections, maps = walk_states(k, v, gamma, w, u, initial_state, False, use_qk_l2norm_in_kernel, chunks, segments)
 
     dstates = _state_buffer(chunks.total, HV, K, V, device)
-    du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
+    du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)  # dU_local, then dU
+    factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
-    walk = functools.partial(_state_grad, q, k, gamma, w, grad_o, scale, use_qk_l2norm_in_kernel)
+    walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du)
     if segments is None:
-        walk(chunks, dht=dht, du=du, dstates=dstates, dh0=dh0)
+        walk(chunks, dht=dht, dstates=dstates, dh0=dh0)
     else:  # dS = M^T dS' + c per segment: c from a zero dS', the chain backwards, then the segments again
         parts = segments.chunks
         offsets, leaving = _state_buffer(parts.n, HV, K, V, device), _state_buffer(parts.n, HV, K, V, device)
         walk(parts, dh0=offsets)
         _combine(segments, maps, offsets, dht, leaving, dh0, precision, reverse=True)
-        walk(parts, dht=leaving, du=du, dstates=dstates)
+        walk(parts, dht=leaving, dstates=dstates)
 
+    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (in torch, from fp32)
     dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dq_out, dk_out = _final_buffer(dq, q, groups), _final_buffer(dk, k, groups)
     dw = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
-    dbeta = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-    dg = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
+    dg = buffers.empty((B, T, HV), dtype=g.dtype, device=device)
     block_k = min(K, STATE_GRAD_BLOCK_K)
     d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
@@ -315,16 +402,16 @@ def chunk_backward(
             states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
             HV=HV, K=K, V=V, BK=block_k, BV=min(V, 64), IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4, num_stages=2,
         )  # fmt: skip
+        grad_block, grad_warps, grad_stages = _grad_launch(K, V, precision)
         _chunk_grad_kernel[(chunks.total, HV)](
-            q, k, v, beta, gamma, w, u, inverse, corrections, d_last, dw, grad_o, du, dq, dk, dv, dbeta, dg,
+            q, k, v, beta, gamma, w, u, inverse, corrections, d_last, dw, grad_o, du, dq, dk, dq_out, dk_out, dv, dbeta, dg,
             chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BV=_grad_block(K, V), K_BLOCKS=K // block_k, L2NORM=use_qk_l2norm_in_kernel,
-            IS_VARLEN=is_varlen, PRECISION=precision, num_warps=8, num_stages=1,
+            H=H, HV=HV, K=K, V=V, BV=grad_block, K_BLOCKS=K // block_k, L2NORM=use_qk_l2norm_in_kernel,
+            IS_VARLEN=is_varlen, PRECISION=precision, num_warps=grad_warps, num_stages=grad_stages,
         )  # fmt: skip
-    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads
-    dq = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
-    dk = dk.view(B, T, H, groups, K).sum(3).to(k.dtype)
-    dg = dg.view(B, T, HV).to(g.dtype)
-    dbeta = dbeta.view(B, T, HV).to(beta.dtype)
+    if groups > 1:
+        dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
+        dk_out = dk.view(B, T, H, groups, K).sum(3).to(k.dtype)
+    dq_out, dk_out = dq_out.view(B, T, H, K), dk_out.view(B, T, H, K)
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+    return dq_out, dk_out, dv, dg, dbeta, None, dh0, None, None, None
