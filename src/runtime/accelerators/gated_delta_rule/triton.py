@@ -9,7 +9,7 @@ in registers and walks the steps (l2norm of q/k fused).
 
 Chunked (chunks of BT = 64 steps, see reference.py for the math), three kernels:
   1. _chunk_prepare_kernel, one program per (chunk, value head): the local cumulative decay gamma,
-     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 (blockwise, _unit_lower_inverse),
+     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 (by blocks of 16 rows, the triangle only),
      and the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V (fp32;
      gamma, w, u and (I + A)^-1 are kept for the backward).
   2. _chunk_state_kernel, one program per (sequence, value head, V block): the only sequential part; walks
@@ -42,7 +42,8 @@ from ..launch_math import cdiv
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
-INVERSE_BLOCK = tl.constexpr(16)  # diagonal blocks of (I + A)^-1 solved by substitution (see _unit_lower_inverse)
+SUB = tl.constexpr(16)  # the prepare kernel inverts (I + A) by blocks of 16 rows (see _chunk_prepare_kernel)
+INVERSE_PRECISION = tl.constexpr("tf32x3")  # the dots between blocks of (I + A)^-1: fp32-accurate on tensor cores
 L2NORM_EPS = tl.constexpr(1e-6)  # the l2norm op's default eps
 
 
@@ -156,8 +157,8 @@ def _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
-    """(the BT packed rows of global chunk i_t, which of them lie inside its sequence, its last row)."""
+def _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
+    """(the first packed row of global chunk i_t, the end of its sequence), int64."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_t)
         i_c = tl.load(chunk_indices + 2 * i_t + 1)
@@ -165,62 +166,173 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.const
         i_n = i_t // N_CHUNKS
         i_c = i_t % N_CHUNKS
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    start = bos + i_c.to(tl.int64) * BT_
+    return bos + i_c.to(tl.int64) * BT_, eos
+
+
+@triton.jit
+def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.constexpr):
+    """(the BT packed rows of global chunk i_t, which of them lie inside its sequence, its last row)."""
+    start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     rows = start + tl.arange(0, BT_)
     return rows, rows < eos, tl.minimum(start + BT_, eos) - 1
 
 
-@triton.jit
-def _unit_lower_inverse(a):
-    """(I + A)^-1 of a strictly lower triangular [BT, BT] A, in fp32 (dots in tf32x3: fp32-accurate on tensor cores).
+# --------------------------------------------------------------------------- the chunk's WY factors
+# _chunk_prepare_kernel, per (chunk, value head), with the chunk's rows in four blocks of SUB = 16 (block b: rows
+# 16 b .. 16 b + 15) and T = (I + A)^-1 (lower triangular: T_bb = (I + A_bb)^-1, zero above the diagonal blocks):
+#   1. gamma = cumsum(g), A = beta_t exp(gamma_t - gamma_s) k_t.k_s (s < t): one [64, K] x [K, 64] dot, written to
+#      inverse_out, which holds the chunk's A until T overwrites it;
+#   2. the diagonal blocks' inverses by forward substitution with vector ops on rows of A read back, the four
+#      blocks at once and transposed (E_b = T_bb^T, stacked in Es [64, 16]: the reductions stay within warps),
+#      and the six blocks of A below them (read transposed, A_bm^T);
+#   3. row block b of T from the row blocks above it (block forward substitution, tf32x3 dots), transposed:
+#         T_b = T_bb (S_b - sum_{m < b} A_bm T_m)  ->  T_b^T = S_b^T E_b - (sum_{m < b} T_m^T A_bm^T) E_b
+#      (S_b: ones at block b's columns; T_m^T [64, 16] is a dot result and only ever a left operand), each written
+#      over A's rows;
+#   4. w = T diag(beta e^gamma) K and u = T diag(beta) V: [64, 64] x [64, 64 columns] dots on T read back.
+# The threads of a program exchange A and T through global memory (L1/L2), with tl.debug_barrier (bar.sync)
+# between the writes and the reads. Dots per program: A, 6 + 3 of [64, 16] x [16, 16] for T, and K / 64 + V / 64
+# for w and u (the substitution's work is 4 x 15 vector steps on [64, 16] instead of dots).
 
-    The 16 x 16 diagonal blocks first, by forward substitution on the i-th row of every block at once
-    (row r = e_r - sum_{j < r} A[r, j] row j: 15 dots), giving D = (I + A_diag)^-1. Then I + A =
-    (I + A_diag)(I + N) with N = D A_below (A below the diagonal blocks): N is strictly block-lower with
-    four blocks, so N^4 = 0 and (I + A)^-1 = (I - N)(I + N^2) D.
-    """
+
+@triton.jit
+def _diagonal_inverses_t(a, n_rows, ROW: tl.constexpr):
+    """Es [BT, SUB]: the transposed inverses E_b = ((I + A_bb)^-1)^T of the four diagonal blocks of the strictly
+    lower A (`a` at the chunk's first row, ROW apart), stacked (rows 16 b .. 16 b + 15: E_b). Forward substitution,
+    the four blocks at once: row i of (I + A_bb)^-1 is e_i - sum_{j < i} A[16 b + i, 16 b + j] (row j), i.e.
+    column i of E_b (rows of A past the sequence: 0)."""
     r = tl.arange(0, BT_)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    same_block = (r[:, None] // INVERSE_BLOCK) == (r[None, :] // INVERSE_BLOCK)
-    a_diagonal = tl.where(same_block, a, 0.0)
-    d = eye
-    for i in range(1, INVERSE_BLOCK):
-        rows = (r % INVERSE_BLOCK) == i
-        substituted = eye - tl.dot(tl.where(rows[:, None], a_diagonal, 0.0), d, input_precision="tf32x3")
-        d = tl.where(rows[:, None], substituted, d)
-    n = tl.dot(d, tl.where(same_block, 0.0, a), input_precision="tf32x3")
-    n2 = tl.dot(n, n, input_precision="tf32x3")
-    return tl.dot(eye - n + n2 - tl.dot(n, n2, input_precision="tf32x3"), d, input_precision="tf32x3")
+    j = tl.arange(0, SUB)
+    first = (r // SUB) * SUB  # 16 b of each row of Es
+    es = tl.where((r % SUB)[:, None] == j[None, :], 1.0, 0.0)
+    # rows 1 .. 15 in three rounds of five: a round's reads are issued together (all fifteen at once hold ~40
+    # more registers per thread; one at a time, each waits for L2)
+    for first_i in range(1, SUB, 5):
+        for di in tl.static_range(5):
+            i = first_i + di
+            a_i = _diagonal_row(a, first, j, i, n_rows, ROW)
+            es = tl.where(j[None, :] == i, es - tl.sum(es * a_i, 1)[:, None], es)
+    return es
+
+
+@triton.jit
+def _diagonal_row(a, first, j, i, n_rows, ROW: tl.constexpr):
+    """[BT, SUB]: A[16 b + i, 16 b + j] (j < i) on the rows of block b (0 past the sequence)."""
+    rows = first + i
+    mask = (rows < n_rows)[:, None] & (j < i)[None, :]
+    return tl.load(a + rows[:, None] * ROW + first[:, None] + j[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _a_block_t(a, b: tl.constexpr, m: tl.constexpr, n_rows, ROW: tl.constexpr):
+    """A_bm^T [SUB, SUB]: block (b, m) of A (m < b), transposed, read from `a` (rows past the sequence: 0)."""
+    p = tl.arange(0, SUB)
+    rows = b * SUB + p
+    return tl.load(a + rows[None, :] * ROW + m * SUB + p[:, None], mask=(rows < n_rows)[None, :], other=0.0)
+
+
+@triton.jit
+def _t_row_block(b: tl.constexpr, es, xt):
+    """T_b^T = (S_b^T - X_b^T) E_b [BT, SUB]: row block b of T, transposed, from the stacked Es and
+    xt = X_b^T = sum_{m < b} T_m^T A_bm^T [BT, SUB] (S_b: ones at block b's columns, so S_b^T E_b is Es on
+    block b's rows)."""
+    r = tl.arange(0, BT_)
+    on_block = tl.where((r // SUB == b)[:, None], es, 0.0)
+    if b == 0:
+        return on_block
+    else:
+        blocks = tl.reshape(es, [BT_ // SUB, SUB, SUB])
+        e_b = tl.sum(tl.where((tl.arange(0, BT_ // SUB) == b)[:, None, None], blocks, 0.0), 0)  # E_b, out of Es
+        return on_block - tl.dot(xt, e_b, input_precision=INVERSE_PRECISION)
+
+
+@triton.jit
+def _mm(a, b, acc):
+    """acc + a b between blocks of the inverse (INVERSE_PRECISION)."""
+    return tl.dot(a, b, acc, input_precision=INVERSE_PRECISION)
+
+
+@triton.jit
+def _store_t(inverse, b: tl.constexpr, xt, n_rows, ROW: tl.constexpr):
+    """Row block b of T from its transpose xt [BT, SUB]."""
+    rows = b * SUB + tl.arange(0, SUB)
+    cols = tl.arange(0, BT_)
+    tl.store(inverse + rows[None, :] * ROW + cols[:, None], xt, mask=(rows < n_rows)[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_prepare_kernel(
     k, v, g, beta, gamma_out, w_out, u_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """One (chunk, value head): gamma, T = (I + A)^-1, w = T diag(beta e^gamma) K and u = T diag(beta) V
+    (the steps above)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
-    cols_k, cols_v = tl.arange(0, K), tl.arange(0, V)
-    b_g = tl.load(g + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
-    gamma = tl.cumsum(b_g, 0)
-    tl.store(gamma_out + rows * HV + i_hv, gamma, mask=row_mask)
-    b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-    b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-
+    start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    # every pointer at the chunk's first row: offsets within the chunk are small (int32)
+    k += (start * H + i_h) * K
+    v += (start * HV + i_hv) * V
+    g += start * HV + i_hv
+    beta += start * HV + i_hv
+    gamma_out += start * HV + i_hv
+    w_out += (start * HV + i_hv) * K
+    u_out += (start * HV + i_hv) * V
+    inverse_out += (start * HV + i_hv) * BT_
+    ROW: tl.constexpr = HV * BT_  # between the rows of inverse_out
+    n_rows = tl.minimum(eos - start, BT_).to(tl.int32)  # the chunk's rows inside its sequence
     r = tl.arange(0, BT_)
+    row_mask = r < n_rows
+
+    # 1. gamma and A (into inverse_out)
+    b_g = tl.load(g + r * HV, mask=row_mask, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + r * HV, mask=row_mask, other=0.0).to(tl.float32)
+    gamma = tl.cumsum(b_g, 0)
+    tl.store(gamma_out + r * HV, gamma, mask=row_mask)
+    b_k, rstd = _load_qk(k, r, row_mask, 0, H, K, L2NORM)
     strictly_lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], 0.0))
     kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
     a = tl.where(strictly_lower, b_beta[:, None] * decay * kk, 0.0)
-    inverse = _unit_lower_inverse(a)
-    w = tl.dot(inverse, b_k * (b_beta * tl.exp(gamma))[:, None], input_precision=PRECISION)
-    u = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)
-    tl.store(w_out + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], w, mask=row_mask[:, None])
-    tl.store(u_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], u, mask=row_mask[:, None])
-    tl.store(inverse_out + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], inverse, mask=row_mask[:, None])
+    tl.store(inverse_out + r[:, None] * ROW + r[None, :], a, mask=row_mask[:, None])
+    tl.debug_barrier()
+
+    # 2. the diagonal blocks' inverses (transposed, stacked), and the blocks of A left of them
+    es = _diagonal_inverses_t(inverse_out, n_rows, ROW)
+    a10 = _a_block_t(inverse_out, 1, 0, n_rows, ROW)
+    a20 = _a_block_t(inverse_out, 2, 0, n_rows, ROW)
+    a21 = _a_block_t(inverse_out, 2, 1, n_rows, ROW)
+    a30 = _a_block_t(inverse_out, 3, 0, n_rows, ROW)
+    a31 = _a_block_t(inverse_out, 3, 1, n_rows, ROW)
+    a32 = _a_block_t(inverse_out, 3, 2, n_rows, ROW)
+    tl.debug_barrier()  # A read: T overwrites it
+
+    # 3. T by row blocks (transposed: T_m^T, a dot result, is the left operand of the next ones)
+    zero = tl.zeros([BT_, SUB], dtype=tl.float32)
+    t0 = _t_row_block(0, es, zero)
+    _store_t(inverse_out, 0, t0, n_rows, ROW)
+    t1 = _t_row_block(1, es, _mm(t0, a10, zero))
+    _store_t(inverse_out, 1, t1, n_rows, ROW)
+    t2 = _t_row_block(2, es, _mm(t1, a21, _mm(t0, a20, zero)))
+    _store_t(inverse_out, 2, t2, n_rows, ROW)
+    t3 = _t_row_block(3, es, _mm(t2, a32, _mm(t1, a31, _mm(t0, a30, zero))))
+    _store_t(inverse_out, 3, t3, n_rows, ROW)
+    tl.debug_barrier()  # T written
+
+    # 4. w and u, by column blocks (l2norm: k's rows times their rstd from step 1)
+    t = tl.load(inverse_out + r[:, None] * ROW + r[None, :], mask=row_mask[:, None], other=0.0)
+    k_scale = rstd * b_beta * tl.exp(gamma)
+    for c in tl.static_range(0, K, BK):
+        cols = c + tl.arange(0, BK)
+        raw = tl.load(k + r[:, None] * (H * K) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        w = tl.dot(t, raw * k_scale[:, None], input_precision=PRECISION)
+        tl.store(w_out + r[:, None] * (HV * K) + cols[None, :], w, mask=row_mask[:, None])
+    for c in tl.static_range(0, V, BV):
+        cols = c + tl.arange(0, BV)
+        b_v = tl.load(v + r[:, None] * (HV * V) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        u = tl.dot(t, b_v * b_beta[:, None], input_precision=PRECISION)
+        tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u, mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
@@ -355,8 +467,9 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     if chunks.total > 0:
         _chunk_prepare_kernel[(chunks.total, HV)](
             k, v, g, beta, gamma, w, u, inverse, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision,
-            num_warps=4,
+            H=H, HV=HV, K=K, V=V, BK=min(K, 64), BV=min(V, 64),
+            L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision,
+            num_warps=4,  # one warpgroup: the [64, *] dots are wgmma
         )  # fmt: skip
     return gamma, w, u, inverse
 
