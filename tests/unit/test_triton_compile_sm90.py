@@ -99,8 +99,10 @@ def elementwise():
 
 
 def bce():
-    logits, targets = _randn(576), torch.rand(576)
+    logits, targets = _randn(576), torch.rand(576)  # one block: the reduction ends in the forward kernel
     _backward(acc.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor(2.0)))
+    logits, targets = _randn(5000), torch.rand(5000)  # two blocks: partial sums and _sum_partials_kernel
+    _backward(acc.binary_cross_entropy_with_logits(logits, targets))
 
 
 def embedding_bag():
