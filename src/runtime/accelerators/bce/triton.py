@@ -12,10 +12,10 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from . import is_scalar_gradient, operand_mode
 from ..launch_math import cdiv
-from .reference import loss_dtype
 from ..triton_launch import direct_launch
+from . import is_scalar_gradient, operand_mode
+from .reference import loss_dtype
 
 BLOCK = 4096  # elements per program (forward and backward)
 NUM_WARPS = 8

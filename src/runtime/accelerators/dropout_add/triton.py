@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .. import buffers
 from ..launch_math import cdiv
-from .reference import TRITON_BLOCK, keep_threshold
 from ..triton_launch import direct_launch
+from .reference import TRITON_BLOCK, keep_threshold
 
 BLOCK = TRITON_BLOCK  # fixed: it shapes the random stream
 WARPS = 8

@@ -19,9 +19,9 @@ import triton.language as tl
 
 from .. import buffers
 from ..launch_math import cdiv, next_power_of_2
+from ..triton_launch import direct_launch
 from .reference import INDEX_ERROR
 from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
-from ..triton_launch import direct_launch
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass

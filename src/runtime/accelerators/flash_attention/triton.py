@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_math import cdiv, next_power_of_2
 from ..buffers import empty
+from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
 
 LOG2E = 1.4426950408889634

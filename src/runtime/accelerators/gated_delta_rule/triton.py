@@ -415,11 +415,17 @@ def _state_stages(q: torch.Tensor, K: int) -> int:
 
 
 @triton.jit
+def _qk_rows(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr):
+    """Rows of q or k as stored, in fp32 (0 past the end)."""
+    cols = tl.arange(0, K)
+    return tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_qk(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
     """Rows of q or k in fp32, l2-normalised when asked with the l2norm op's math (x rsqrt(sum(x^2) + eps)),
     and the rsqrt factor of each row (1 without L2NORM)."""
-    cols = tl.arange(0, K)
-    raw = tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    raw = _qk_rows(x, rows, row_mask, i_h, H, K)
     if L2NORM:
         rstd = tl.rsqrt(tl.sum(raw * raw, 1) + L2NORM_EPS)
     else:

@@ -11,7 +11,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv
 from .triton import (
-    BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
+    BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision, _qk_rows,
     _state_buffer, walk_states,
 )
 
@@ -98,9 +98,8 @@ def _chunk_local_grad_kernel(
 @triton.jit
 def _load_scaled(x, factor, rows, row_mask, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
     """diag(factor) X_raw of a chunk's q or k rows (fp32; 0 past the end), the factor per (row, value head)."""
-    cols = tl.arange(0, K)
-    raw = tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0)
-    return raw.to(tl.float32) * tl.load(factor + rows * HV + i_hv, mask=row_mask, other=0.0)[:, None]
+    raw = _qk_rows(x, rows, row_mask, i_h, H, K)
+    return raw * tl.load(factor + rows * HV + i_hv, mask=row_mask, other=0.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from .. import buffers
 from ..launch_math import cdiv, next_power_of_2
-from .layout import allocate_pre, token_streams
 from ..triton_launch import direct_launch
+from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
