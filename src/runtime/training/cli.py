@@ -20,14 +20,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     run = distributed.setup(cfg.trainer.device)
     if not run.is_main:
         logging.getLogger("runtime").setLevel(logging.WARNING)
+    finished = False
     try:
         metrics = Trainer(cfg, run_dir, run).fit()
         final = metrics["validation"][-1] if metrics["validation"] else {}
         if run.is_main:
             logger.info("done: %s; metrics in %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"), Path(run_dir) / "metrics.json")
+        finished = True
         return metrics
     finally:
-        distributed.teardown(run)
+        distributed.teardown(run, finished)
 
 
 @hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")

@@ -50,8 +50,13 @@ def setup(device: DeviceChoice | str = DeviceChoice.auto) -> Run:
     return Run(device, rank, world_size)
 
 
-def teardown(run: Run) -> None:
+def teardown(run: Run, finished: bool) -> None:
+    """Ends the process group. After a finished run every process first waits for the others: a gloo peer
+    that tears its connections down while another process still works in its own transport threads has
+    made that process abort at exit ("terminate called without an active exception")."""
     if run.distributed and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
