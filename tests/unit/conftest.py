@@ -9,10 +9,38 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import shutil  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpreterBuilder, TensorHandle  # noqa: E402
 
 from runtime.accelerators.backends import clear_decisions  # noqa: E402
+
+
+def _round_to_bf16(bits: np.ndarray) -> np.ndarray:
+    """fp32 bit patterns to bf16 ones, rounded to nearest even (NaN stays a quiet NaN)."""
+    bits = bits.astype(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return np.where(is_nan, ((bits >> 16) | 0x0040).astype(np.uint16), rounded)
+
+
+def _rounding_fp32_to_bf16(method):
+    """The interpreter truncates fp32 -> bf16 (a bias of up to one bf16 unit, always towards zero); the GPU's
+    conversion rounds to nearest even. Kernels that keep intermediates in bf16 are judged by what the GPU does."""
+
+    def cast(self, src, dst_type, *rest):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data).view(np.uint32)
+            return TensorHandle(_round_to_bf16(bits), dst_type.scalar)
+        return method(self, src, dst_type, *rest)
+
+    return cast
+
+
+InterpreterBuilder.cast_impl = _rounding_fp32_to_bf16(InterpreterBuilder.cast_impl)
+InterpreterBuilder.create_fp_to_fp = _rounding_fp32_to_bf16(InterpreterBuilder.create_fp_to_fp)
 
 NVCC = shutil.which("nvcc")
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: TileLang kernels cannot be compiled here")

@@ -52,6 +52,13 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def storage_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the per-token factors w and u and of the stored states and corrections: bf16 for half inputs
+    (they are the kernels' largest traffic; all math stays fp32, and the recurrence itself keeps fp32 in
+    registers), fp32 for fp32 inputs (1e-4 bound)."""
+    return torch.float32 if q.dtype == torch.float32 else torch.bfloat16
+
+
 def _warps(elements: int) -> int:
     return 1 if elements <= 512 else 2 if elements <= 2048 else 4
 
@@ -327,12 +334,12 @@ def _chunk_prepare_kernel(
         cols = c + tl.arange(0, BK)
         raw = tl.load(k + r[:, None] * (H * K) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         w = tl.dot(t, raw * k_scale[:, None], input_precision=PRECISION)
-        tl.store(w_out + r[:, None] * (HV * K) + cols[None, :], w, mask=row_mask[:, None])
+        tl.store(w_out + r[:, None] * (HV * K) + cols[None, :], w.to(w_out.dtype.element_ty), mask=row_mask[:, None])
     for c in tl.static_range(0, V, BV):
         cols = c + tl.arange(0, BV)
         b_v = tl.load(v + r[:, None] * (HV * V) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         u = tl.dot(t, b_v * b_beta[:, None], input_precision=PRECISION)
-        tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u, mask=row_mask[:, None])
+        tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u.to(u_out.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
@@ -362,20 +369,21 @@ def _chunk_state_kernel(
     for start in range(bos, eos, BT_):
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
-            tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state)
+            tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
         rows = start + r
         row_mask = rows < eos
         gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
         b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
         else:
             b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
-            corrections = b_u - tl.dot(b_w, state, input_precision=PRECISION)
+            corrections = b_u.to(tl.float32) - tl.dot(b_w, state, input_precision=PRECISION)
             if STORE_STATES:
-                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], corrections, mask=row_mask[:, None])
+                stored = corrections.to(corrections_out.dtype.element_ty)
+                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
         state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
     if STORE_FINAL_STATE:
@@ -398,9 +406,9 @@ def _chunk_output_kernel(
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     b_q, _ = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
     b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-    state = tl.load(states + (i_t.to(tl.int64) * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :])
+    state = tl.load(states + (i_t.to(tl.int64) * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :]).to(tl.float32)
     tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-    b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+    b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
     # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
     decay = tl.exp(tl.where((r[:, None] >= r[None, :]) & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
     attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
@@ -462,13 +470,13 @@ def _state_block(K: int, V: int) -> int:
 
 
 def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
-    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V], (I + A)^-1 [B*T, HV, BT] (fp32)."""
+    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT] (fp32)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     device = k.device
     gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-    w = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
-    u = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)
+    w = buffers.empty((B * T, HV, K), dtype=storage_dtype(k), device=device)
+    u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
     inverse = buffers.empty((B * T, HV, BT), dtype=torch.float32, device=device)
     if chunks.total > 0:
         _chunk_prepare_kernel[(chunks.total, HV)](
@@ -510,17 +518,18 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     return o
 
 
-def _state_buffer(n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
-    return buffers.empty((n, HV, K, V), dtype=torch.float32, device=device)
+def _state_buffer(n: int, HV: int, K: int, V: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return buffers.empty((n, HV, K, V), dtype=dtype, device=device)
 
 
 def walk_states(k, v, gamma, w, u, initial_state, output_final_state, l2norm, chunks: Chunks, segments: "Segments | None"):
     """The inter-chunk recurrence: (final state, the state entering each chunk [total, HV, K, V], the corrections
-    U = u - w S [B*T, HV, V] (fp32), and with segments their maps M [segments, HV, K, K] for the backward, else None)."""
+    U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and with segments their maps M [segments, HV, K, K]
+    for the backward, else None)."""
     K, (HV, V), device = k.shape[-1], v.shape[2:], k.device
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
-    states = _state_buffer(chunks.total, HV, K, V, device)
-    corrections = buffers.empty(u.shape, dtype=torch.float32, device=device)
+    states = _state_buffer(chunks.total, HV, K, V, device, u.dtype)
+    corrections = buffers.empty(u.shape, dtype=u.dtype, device=device)
     walk = functools.partial(_walk, k, gamma, w, u, l2norm)
     if segments is None:
         walk(chunks, h0=initial_state, ht=final if output_final_state else None, states=states, corrections=corrections)

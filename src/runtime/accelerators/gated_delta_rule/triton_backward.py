@@ -140,7 +140,7 @@ def _state_grad_kernel(
         if STORE_GRADS:
             tl.store(du + tokens, b_du, mask=row_mask[:, None])
         q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         dstate = tl.dot(tl.trans(q_scaled), b_do, dstate * decay_last, input_precision=PRECISION)
         dstate = tl.dot(tl.trans(b_w), -b_du, dstate, input_precision=PRECISION)
@@ -209,11 +209,11 @@ def _chunk_grad_state_kernel(
         cols_v = i_v + tl.arange(0, BV)
         block = cols_k[:, None] * V + cols_v[None, :]
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-        b_s = tl.load(states + state_base + block)
+        b_s = tl.load(states + state_base + block).to(tl.float32)
         b_ds = tl.load(dstates + state_base + block)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
         dk_state += tl.dot(b_corrections, tl.trans(b_ds), input_precision=PRECISION)
         dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
@@ -259,9 +259,9 @@ def _chunk_grad_kernel(
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-        b_u = tl.load(u_in + tokens, mask=row_mask[:, None], other=0.0)
+        b_u = tl.load(u_in + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         do_u += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
         u_do += tl.dot(b_corrections, tl.trans(b_do), input_precision=PRECISION)
         u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
@@ -283,7 +283,8 @@ def _chunk_grad_kernel(
 
     # O: dq, and dP / dP^T (with dO U^T = dO u^T - (dO S^T) w^T)
     dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
-    do_u -= tl.dot(dq_state, tl.trans(tl.load(w_in + heads, mask=row_mask[:, None], other=0.0)), input_precision=PRECISION)
+    b_w = tl.load(w_in + heads, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    do_u -= tl.dot(dq_state, tl.trans(b_w), input_precision=PRECISION)
     dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
     dp_t = tl.where(causal_t, u_do * decay_t, 0.0) * scale  # its transpose, directly (see above)
     b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
