@@ -309,6 +309,9 @@ SPLIT_CU = torch.tensor([0, 10, 10, 200, 330])  # a short, an empty, a 3-chunk a
 # weak decay (about e^-0.2 over a 128-step segment): with the default decay a segment forgets the state it was entered
 # with below fp32 rounding, and a wrong chain of the segment maps would go unseen
 SPLIT_DECAY_SHIFT = 7.0
+# split and whole walks round differently: up to 1.0e-6 apart (dg, whose sums cancel, at K = 128; each walk 5e-7 to
+# 1e-6 from float64 there), while a chain of segment maps that is 0.1% off moves o and every gradient by ~1e-3
+SPLIT_VS_WHOLE = 1e-5
 SPLIT_CASES = {  # shape: (B, T, H, HV, K, V); segments of `segment` chunks
     "T320-state-final-seg2": dict(shape=(1, 320, 1, 2, 16, 16), segment=2, state=True, options=dict(output_final_state=True)),
     "T450-B2-GVA-l2norm-seg3": dict(shape=(2, 450, 1, 2, 16, 16), segment=3, options=dict(use_qk_l2norm_in_kernel=True)),
@@ -338,7 +341,7 @@ def test_triton_split_matches_the_whole_walk_and_the_recurrence(name):
     whole_outputs, whole_grads = _triton_outputs_and_grads(inputs, case["options"], 0)
     labels = ["o", "final_state"] + [f"d{n}" for n in inputs]
     for label, split, whole in zip(labels, outputs + list(grads), whole_outputs + list(whole_grads)):
-        assert_close(f"{label} (split vs whole)", split, whole, 1e-6)
+        assert_close(f"{label} (split vs whole)", split, whole, SPLIT_VS_WHOLE)
     twin = doubled(inputs)
     refs = [r for r in call(FUNCTIONS["recurrent"], twin, "torch", **case["options"]) if r is not None]
     gen = torch.Generator().manual_seed(1)

@@ -35,13 +35,15 @@ from .triton import (
 #      storing dS' per chunk and dU (in place of dU_local), and dS of the first chunk as d(initial_state);
 #   3. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
 #      dO S^T, U dS'^T, dw = -dU S^T (written where dq, dk and dw go) and <S, dS'> (for d gamma_last);
-#   4. _chunk_grad_kernel, one program per (chunk, value head): dq, dk, dv, dbeta and dgamma from
-#      O, S' and U (du = dU), then the WY factors w = T diag(beta e^gamma) K,
-#      u = T diag(beta) V through T (dA = -T^T dT T^T on the strictly lower part), the reverse
-#      cumulative sum dgamma -> dg within the chunk, and the l2norm backward of q and k.
+#   4. _chunk_grad_qk_kernel, one program per (chunk, value head): the output's and S''s parts, dq (final, with
+#      the l2norm backward of q), and dk's and dgamma's parts from O and S' (kept in fp32 for step 5);
+#   5. _chunk_grad_wy_kernel, one program per (chunk, value head): through the WY factors w = T diag(beta e^gamma) K
+#      and u = T diag(beta) V and through T (dA = -T^T dT T^T on the strictly lower part): dv, dbeta and the rest
+#      of dk and dgamma, then the l2norm backward of k and the reverse cumulative sum dgamma -> dg within the chunk.
 # dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head in
-# torch; with HV = H the gradient kernel writes them, and every other gradient, in their final dtype.
-# Steps 3 and 4 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128.
+# torch; with HV = H steps 4 and 5 write them, and every other gradient, in their final dtype.
+# Steps 3 to 5 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128;
+# steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
 # Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
 # a [BT, BT] decay and two l2norms, recomputed by every V block): 2.12 ms of the walk at B4-T4096-H16-D128 became
 # 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_launch.
@@ -226,67 +228,44 @@ def _chunk_grad_state_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_grad_kernel(
-    q, k, v, beta, gamma_in, w_in, u_in, inverse_in, corrections, d_last_in, dw_in, do, du,
-    dq, dk, dq_out, dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+def _chunk_grad_qk_kernel(
+    q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, d_gamma_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # dq and dk hold dO S^T and U dS'^T (from _chunk_grad_state_kernel); the gradients go to dq_out and dk_out
-    # (the same fp32 buffers with GVA), dv, dbeta and dg in their tensors' dtypes
+    """Step 4: the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T on entry; dq_out gets dq
+    (its final value: nothing else reaches q), dk gets dk's part P^T-side and S'-side (fp32, finished in step 5),
+    d_gamma_out these parts' dgamma (fp32, with d gamma_last on the last row)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
     cols_k = tl.arange(0, K)
-    causal = r[:, None] >= r[None, :]
-    strictly_lower = r[:, None] > r[None, :]
-    causal_t, strictly_upper = r[:, None] <= r[None, :], r[:, None] < r[None, :]
-
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     last = tl.load(gamma_in + last_row * HV + i_hv)
-    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
-    inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
 
-    # over V blocks: the [BT, BT] products with dO, dU, u, U and v
-    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dO u^T here; dO U^T = dO u^T - (dO S^T) w^T after the loop
-    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dO^T
-    u_du = tl.zeros([BT_, BT_], dtype=tl.float32)  # U dU^T = T dT^T
-    d_inverse = tl.zeros([BT_, BT_], dtype=tl.float32)  # dT (u's part: dU (beta V)^T)
-    dbeta = tl.zeros([BT_], dtype=tl.float32)
+    # dO U^T and its transpose U dO^T, each from loaded tiles (see above)
+    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)
+    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)
     for i_v in range(0, V, BV):
-        cols_v = i_v + tl.arange(0, BV)
-        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-        b_u = tl.load(u_in + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        do_u += tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION)
+        do_u += tl.dot(b_do, tl.trans(b_corrections), input_precision=PRECISION)
         u_do += tl.dot(b_corrections, tl.trans(b_do), input_precision=PRECISION)
-        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
-        # u = T diag(beta) V
-        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
-        tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
-        dbeta += tl.sum(dv_beta * b_v, 1)
-        d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
     d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
     d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
 
     # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
-    decay = tl.exp(tl.where(causal & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
-    decay_t = tl.exp(tl.where(causal_t & row_mask[None, :], gamma[None, :] - gamma[:, None], float("-inf")))
+    causal = (r[:, None] >= r[None, :]) & row_mask[:, None]
+    causal_t = (r[:, None] <= r[None, :]) & row_mask[None, :]
+    dp = tl.where(causal, do_u * tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf"))), 0.0) * scale
+    dp_t = tl.where(causal_t, u_do * tl.exp(tl.where(causal_t, gamma[None, :] - gamma[:, None], float("-inf"))), 0.0) * scale
     e_gamma = tl.exp(gamma)
-    to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
-    # the [BT, K] tiles are loaded where first needed and finished as early as possible (register pressure)
 
-    # O: dq, and dP / dP^T (with dO U^T = dO u^T - (dO S^T) w^T)
+    # O: dq, and dgamma through diag(e^gamma) and the decay
     dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
-    b_w = tl.load(w_in + heads, mask=row_mask[:, None], other=0.0).to(tl.float32)
-    do_u -= tl.dot(dq_state, tl.trans(b_w), input_precision=PRECISION)
-    dp = tl.where(causal, do_u * decay, 0.0) * scale  # d(Q K^T) of the causal attention, decay included
-    dp_t = tl.where(causal_t, u_do * decay_t, 0.0) * scale  # its transpose, directly (see above)
     b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     m = dp * _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
@@ -295,43 +274,88 @@ def _chunk_grad_kernel(
     if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
         dq_new = (dq_new - b_q * tl.sum(dq_new * b_q, 1)[:, None]) * q_rstd[:, None]
     tl.store(dq_out + heads, dq_new.to(dq_out.dtype.element_ty), mask=row_mask[:, None])
-    dk_new = tl.dot(dp_t, b_q, input_precision=PRECISION)
 
-    # S'
+    # S' = e^gamma_last S + K~^T U
+    to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
     dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
-    dk_new += dk_state * to_end[:, None]
+    dk_part = tl.dot(dp_t, b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
+    tl.store(dk + heads, dk_part, mask=row_mask[:, None])
     k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
-    d_gamma -= k_to_end_term
     d_gamma_last += tl.sum(k_to_end_term, 0)
+    d_gamma = d_gamma - k_to_end_term + tl.where(rows == last_row, d_gamma_last, 0.0)
+    tl.store(d_gamma_out + rows * HV + i_hv, d_gamma, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_wy_kernel(
+    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in,
+    dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Step 5: the WY factors' part. dv and dbeta through u = T diag(beta) V, dk and dbeta through
+    w = T diag(beta e^gamma) K, both through T = (I + A)^-1 (dA = -T^T dT T^T, strictly lower); then dk (dk holds
+    step 4's part) and dgamma (d_gamma_in: step 4's part) are finished: the l2norm backward of k, and dg from dgamma
+    by the reverse cumulative sum within the chunk. dk_out, dv, dbeta and dg in their tensors' dtypes."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    r = tl.arange(0, BT_)
+    cols_k = tl.arange(0, K)
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
+
+    # over V blocks: u = T diag(beta) V, and U dU^T = T dT^T (see above)
+    u_du = tl.zeros([BT_, BT_], dtype=tl.float32)
+    d_inverse = tl.zeros([BT_, BT_], dtype=tl.float32)  # dT (u's part: dU (beta V)^T)
+    dbeta = tl.zeros([BT_], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
+        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
+        tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
+        dbeta += tl.sum(dv_beta * b_v, 1)
+        d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
+
+    # the matrices are used up as early as possible (register pressure): first dA^T = -T dT^T T (strictly upper)
+    strictly_lower = (r[:, None] > r[None, :]) & row_mask[:, None]
+    strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
+    decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
+    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
+    dkk_t = da_t * decay_t * b_beta[None, :]
 
     # w = T diag(beta e^gamma) K
+    e_gamma = tl.exp(gamma)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
     k_weight = b_beta * e_gamma
     dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
     d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
-    dk_new += dk_weighted * k_weight[:, None]
+    dk_new = tl.load(dk + heads, mask=row_mask[:, None], other=0.0) + dk_weighted * k_weight[:, None]
+    dk_new += tl.dot(dkk_t, b_k, input_precision=PRECISION)
     kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
     dbeta += kdk
-    d_gamma += b_beta * kdk
+    d_gamma = tl.load(d_gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0) + b_beta * kdk
 
-    # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower
+    # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower: dA = -T^T dT T^T
+    decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
     da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
-    da = tl.where(strictly_lower, -da, 0.0)
-    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)  # dA^T = -T dT^T T
-    kk = _dot_qk(b_k, b_k, q.dtype.element_ty, L2NORM, PRECISION)
-    da_decay = da * decay  # zero on and above the diagonal
+    da_decay = tl.where(strictly_lower, -da, 0.0) * decay
+    kk = _dot_qk(b_k, b_k, k.dtype.element_ty, L2NORM, PRECISION)
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
-    dkk = da_decay * b_beta[:, None]
-    dkk_t = da_t * decay_t * b_beta[None, :]
-    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    dk_new += tl.dot(da_decay * b_beta[:, None], b_k, input_precision=PRECISION)
     if L2NORM:
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
     tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
 
     # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
-    d_gamma += tl.where(rows == last_row, d_gamma_last, 0.0)
     d_gamma = tl.where(row_mask, d_gamma, 0.0)
     dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
     tl.store(dbeta_out + rows * HV + i_hv, dbeta.to(dbeta_out.dtype.element_ty), mask=row_mask)
@@ -342,17 +366,16 @@ STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three
 
 
 def _grad_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _chunk_grad_kernel. Its [BT, BT] fp32 matrices spill at every setting (sm_90, Triton
-    3.6). H100 timings (bf16): K <= 32 4 warps (0.60 ms against 0.73 with 8 at B256-T256-H4-D16); K = 128 3 stages
-    over the V blocks (2.28 ms at B4-T4096-H16, 2.35 with 2, 2.50 with 1). Shared memory: bf16 K = 128 192 KB,
-    fp32 K = 128 (2 stages) 147 KB, below the 227 KB."""
+    """(BV, warps, stages) of _chunk_grad_qk_kernel and _chunk_grad_wy_kernel: 8 warps from K = 64 (their [BT, K]
+    fp32 tiles), V blocks of 32 at K = 128. No spills at these settings (sm_90, Triton 3.6) except fp32 at
+    K = 128, whose IEEE dots run on the FMA units in registers. Not yet timed on a GPU."""
     if K <= 32:
         return min(V, 64), 4, 2
-    return min(V, 32), 8, 3 if K == 128 and precision != "ieee" else 2
+    return min(V, 32 if K == 128 else 64), 8, 2
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Where _chunk_grad_kernel writes the gradient of q or k: its fp32 buffer of dO S^T or U dS'^T itself (GVA:
+    """Where the gradient kernels write the gradient of q or k: its fp32 buffer of dO S^T or U dS'^T itself (GVA:
     summed over value heads afterwards; fp32 inputs), else a tensor of the input's dtype."""
     if groups > 1 or x.dtype == torch.float32:
         return per_value_head
@@ -403,11 +426,18 @@ def chunk_backward(
             HV=HV, K=K, V=V, BK=block_k, BV=min(V, 64), IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4, num_stages=2,
         )  # fmt: skip
         grad_block, grad_warps, grad_stages = _grad_launch(K, V, precision)
-        _chunk_grad_kernel[(chunks.total, HV)](
-            q, k, v, beta, gamma, w, u, inverse, corrections, d_last, dw, grad_o, du, dq, dk, dq_out, dk_out, dv, dbeta, dg,
-            chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BV=grad_block, K_BLOCKS=K // block_k, L2NORM=use_qk_l2norm_in_kernel,
-            IS_VARLEN=is_varlen, PRECISION=precision, num_warps=grad_warps, num_stages=grad_stages,
+        launch = dict(
+            H=H, HV=HV, K=K, V=V, BV=grad_block, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen,
+            PRECISION=precision, num_warps=grad_warps, num_stages=grad_stages,
+        )  # fmt: skip
+        d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+        _chunk_grad_qk_kernel[(chunks.total, HV)](
+            q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, d_gamma,
+            chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k, **launch,
+        )  # fmt: skip
+        _chunk_grad_wy_kernel[(chunks.total, HV)](
+            k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, dk_out, dv, dbeta, dg,
+            chunks.cu, chunks.indices, T, chunks.per_sequence, **launch,
         )  # fmt: skip
     if groups > 1:
         dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
