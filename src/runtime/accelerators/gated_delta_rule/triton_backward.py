@@ -321,13 +321,6 @@ def _chunk_grad_wy_kernel(
         dbeta += tl.sum(dv_beta * b_v, 1)
         d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
 
-    # the matrices are used up as early as possible (register pressure): first dA^T = -T dT^T T (strictly upper)
-    strictly_lower = (r[:, None] > r[None, :]) & row_mask[:, None]
-    strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
-    decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
-    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
-    dkk_t = da_t * decay_t * b_beta[None, :]
-
     # w = T diag(beta e^gamma) K
     e_gamma = tl.exp(gamma)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
@@ -337,20 +330,26 @@ def _chunk_grad_wy_kernel(
     dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
     d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
     dk_new = tl.load(dk + heads, mask=row_mask[:, None], other=0.0) + dk_weighted * k_weight[:, None]
-    dk_new += tl.dot(dkk_t, b_k, input_precision=PRECISION)
     kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
     dbeta += kdk
     d_gamma = tl.load(d_gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0) + b_beta * kdk
 
-    # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower: dA = -T^T dT T^T
+    # T = (I + A)^-1, A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower: dA = -T^T dT T^T, dA^T = -T dT^T T
+    # (this order spills least at K = 128: 304 B against 784 B with dA^T first, sm_90, Triton 3.6)
+    strictly_lower = (r[:, None] > r[None, :]) & row_mask[:, None]
+    strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
+    decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
     da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
     da_decay = tl.where(strictly_lower, -da, 0.0) * decay
+    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
     kk = _dot_qk(b_k, b_k, k.dtype.element_ty, L2NORM, PRECISION)
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
-    dk_new += tl.dot(da_decay * b_beta[:, None], b_k, input_precision=PRECISION)
+    dkk = da_decay * b_beta[:, None]
+    dkk_t = da_t * decay_t * b_beta[None, :]
+    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
     if L2NORM:
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
     tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
