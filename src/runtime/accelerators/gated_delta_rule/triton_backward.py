@@ -366,8 +366,8 @@ STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three
 
 def _grad_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     """(BV, warps, stages) of _chunk_grad_qk_kernel and _chunk_grad_wy_kernel: 8 warps from K = 64 (their [BT, K]
-    fp32 tiles), V blocks of 32 at K = 128. No spills at these settings (sm_90, Triton 3.6) except fp32 at
-    K = 128, whose IEEE dots run on the FMA units in registers. Not yet timed on a GPU."""
+    fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel does not spill, the wy
+    kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little). Not yet timed on a GPU."""
     if K <= 32:
         return min(V, 64), 4, 2
     return min(V, 32 if K == 128 else 64), 8, 2
