@@ -68,6 +68,17 @@ def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl
     return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
 
 
+@triton.jit
+def _chunk_program(
+    gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """A (chunk, value head) program's chunk, value head, q/k head, rows (_chunk_rows) and gamma on them."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    return i_t, i_hv, i_hv // (HV // H), rows, row_mask, last_row, gamma
+
+
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_local_grad_kernel(
     q, k, gamma_in, do, du_out, q_factor_out, k_factor_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
@@ -77,11 +88,10 @@ def _chunk_local_grad_kernel(
     """dU_local = scale P^T dO of one chunk, P^T = (K Q^T) * decay^T (key j <= query t), over V blocks; and the
     row factors of the walk, scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k (rows past the end are not
     written: the walk loads them masked, as 0)."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
+        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
     r = tl.arange(0, BT_)
-    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     last = tl.load(gamma_in + last_row * HV + i_hv)
     b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
@@ -236,12 +246,11 @@ def _chunk_grad_qk_kernel(
     """Step 4: the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T on entry; dq_out gets dq
     (its final value: nothing else reaches q), dk gets dk's part P^T-side and S'-side (fp32, finished in step 5),
     d_gamma_out these parts' dgamma (fp32, with d gamma_last on the last row)."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
+        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
     r = tl.arange(0, BT_)
     cols_k = tl.arange(0, K)
-    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     last = tl.load(gamma_in + last_row * HV + i_hv)
 
     # dO U^T and its transpose U dO^T, each from loaded tiles (see above)
@@ -297,12 +306,11 @@ def _chunk_grad_wy_kernel(
     w = T diag(beta e^gamma) K, both through T = (I + A)^-1 (dA = -T^T dT T^T, strictly lower); then dk (dk holds
     step 4's part) and dgamma (d_gamma_in: step 4's part) are finished: the l2norm backward of k, and dg from dgamma
     by the reverse cumulative sum within the chunk. dk_out, dv, dbeta and dg in their tensors' dtypes."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
+        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
     r = tl.arange(0, BT_)
     cols_k = tl.arange(0, K)
-    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
 
