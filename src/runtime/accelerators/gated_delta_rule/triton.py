@@ -39,6 +39,7 @@ import triton.language as tl
 from .. import buffers
 from . import varlen
 from ..launch_math import cdiv
+from ..triton_launch import direct_launch
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
@@ -91,6 +92,7 @@ def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 # --------------------------------------------------------------------------- recurrent
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(
     q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
@@ -267,6 +269,7 @@ def _store_t(inverse, b: tl.constexpr, xt, n_rows, ROW: tl.constexpr):
     tl.store(inverse + rows[None, :] * ROW + cols[:, None], xt, mask=(rows < n_rows)[None, :])
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_prepare_kernel(
     k, v, g, beta, gamma_out, w_out, u_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
@@ -342,6 +345,7 @@ def _chunk_prepare_kernel(
         tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u.to(u_out.dtype.element_ty), mask=row_mask[:, None])
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_state_kernel(
     k, gamma_in, w_in, u_in, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, T, N_CHUNKS,
@@ -390,6 +394,7 @@ def _chunk_state_kernel(
         tl.store(ht + state_offsets, state)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_output_kernel(
     q, k, gamma_in, states, corrections, o, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
@@ -645,6 +650,7 @@ class Segments:
         return cls(parts, tokens, cu, first)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["SEGMENT"])
 def _segment_combine_kernel(
     maps, offsets, start, through, end, cu_seqlens, first_segment, SEGMENT,

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..launch_math import cdiv
+from ..triton_launch import direct_launch
 from .triton import (
     BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision, _qk_rows,
     _state_buffer, walk_states,
@@ -79,6 +80,7 @@ def _chunk_program(
     return i_t, i_hv, i_hv // (HV // H), rows, row_mask, last_row, gamma
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_local_grad_kernel(
     q, k, gamma_in, do, du_out, q_factor_out, k_factor_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
@@ -114,6 +116,7 @@ def _load_scaled(x, factor, rows, row_mask, i_h, i_hv, H: tl.constexpr, HV: tl.c
     return raw * tl.load(factor + rows * HV + i_hv, mask=row_mask, other=0.0)[:, None]
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _state_grad_kernel(
     q, k, q_factor, k_factor, gamma_in, w_in, do, du, dstates, dht, dh0, cu_seqlens, chunk_offsets, T, N_CHUNKS,
@@ -202,6 +205,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None
     )  # fmt: skip
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_state_kernel(
     states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
@@ -237,6 +241,7 @@ def _chunk_grad_state_kernel(
     tl.store(d_last_out + (i_t * HV + i_hv) * (K // BK) + i_k, tl.sum(d_last, 0))  # read as K_BLOCKS per (chunk, head)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_qk_kernel(
     q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, d_gamma_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
@@ -295,6 +300,7 @@ def _chunk_grad_qk_kernel(
     tl.store(d_gamma_out + rows * HV + i_hv, d_gamma, mask=row_mask)
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_wy_kernel(
     k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in,

@@ -12,8 +12,10 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..triton_launch import direct_launch
 
 
+@direct_launch
 @triton.jit
 def _pieces_kernel(
     cu_seqlens, first_piece, table, starts, chunk_offsets, first_chunks, SIZE, CHUNK,
