@@ -1,4 +1,7 @@
-"""mHC pre/post in Triton: a token block per program, fp32 math, forward and backward.
+"""mHC pre/post in Triton: fp32 math, forward and backward.
+
+Forward and post backward: a block of tokens per program. Pre backward: d H_pre per token block, then the
+per-token gates (a thread per token's n x n matrix), then dx and dphi on a (stream, C block) x token-share grid.
 
 Layout: x is viewed as [tokens, n*C] (stream i of token t at x[t, i*C:(i+1)*C]); h, the normalised
 projection, is kept per token as [tokens, M] fp32 with M = n*n + 2n (pre | post | res, row-major).
@@ -315,8 +318,8 @@ def _precision(x: torch.Tensor) -> str:
 
 def _wide_block(n: int, C: int) -> int:
     """C columns per step of a [BLOCK_TOKENS, NP, BC] tile of 4096 elements: wide enough that the columns, not the
-    streams, take a warp's lanes (the warps then split the tokens, and no sum crosses warps). A quarter of that when C is
-    not a multiple of 16: loads then go element by element, each with its own 64-bit address registers."""
+    streams, take a warp's lanes (the warps then split the tokens, and no sum crosses warps). A quarter of that
+    when C is not a multiple of 16: loads then go element by element, each with its own 64-bit address."""
     return (4096 if C % 16 == 0 else 1024) // (BLOCK_TOKENS * _pow2(n, 2))
 
 
@@ -345,7 +348,7 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
 
 def _gates_block(n: int) -> int:
     """Tokens per program of the gates kernel: enough to spread the tokens of its [BT, NP, NP] tiles over all four
-    warps (each thread then holds whole rows, or half rows at n = 8)."""
+    warps (a thread then holds a token's whole matrix; at n = 8, half of each row, two lanes sharing a token)."""
     return 128 if n <= 4 else 64
 
 
