@@ -79,6 +79,17 @@ def test_triton_matches_float64_reference(n, C, lead):
     check_against_float64(make_inputs(n, C, lead), "triton", 1e-4)
 
 
+@pytest.mark.parametrize("programs, shares", [(40, (4, 3)), (1024, (10, 1))], ids=["uneven-shares", "a-block-a-share"])
+def test_triton_backward_over_token_shares(monkeypatch, programs, shares):
+    """300 tokens: several programs of every backward kernel, partial last blocks, C = 72 (whole and partial C
+    blocks); the dx kernel's 10 token blocks in shares of 3, 3, 3 and 1 (dphi adds four partial sums) or one each."""
+    from runtime.accelerators.mhc import triton as kernels
+
+    monkeypatch.setattr(kernels, "DX_PROGRAMS", programs)
+    assert kernels.dx_splits(300, 4, 72) == shares
+    check_against_float64(make_inputs(4, 72, (3, 100), seed=1), "triton", 1e-4)
+
+
 def test_errors_name_the_argument():
     inputs = make_inputs(4, 8, (2,))
     x, phi, alpha, bias, y = (inputs[k].detach() for k in ("x", "phi", "alpha", "bias", "y"))

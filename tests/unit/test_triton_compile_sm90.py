@@ -116,10 +116,12 @@ def embedding_bag():
 
 
 def mhc():
-    n, C, m = 4, 256, 4 * 4 + 2 * 4
-    x = _randn(2, 33, n, C)
-    h_in, h_post, h_res = acc.mhc_pre(x, _randn(n * C, m, dtype=f32), _randn(3, dtype=f32), _randn(m, dtype=f32))
-    _backward(acc.mhc_post(x, h_in, h_post, h_res))
+    # n = 4 at a C multiple of 16 (vector loads), n = 8 (the widest tiles), C = 1000 (element-by-element loads)
+    for n, C in ((4, 256), (8, 256), (4, 1000)):
+        m = n * n + 2 * n
+        x = _randn(2, 33, n, C)
+        h_in, h_post, h_res = acc.mhc_pre(x, _randn(n * C, m, dtype=f32), _randn(3, dtype=f32), _randn(m, dtype=f32))
+        _backward(acc.mhc_post(x, h_in, h_post, h_res))
 
 
 def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float):

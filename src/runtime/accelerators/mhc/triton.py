@@ -1,4 +1,7 @@
-"""mHC pre/post in Triton: a token block per program, fp32 math, forward and backward.
+"""mHC pre/post in Triton: fp32 math, forward and backward.
+
+Forward and post backward: a block of tokens per program. Pre backward: d H_pre per token block, then the
+per-token gates (a thread per token's n x n matrix), then dx and dphi on a (stream, C block) x token-share grid.
 
 Layout: x is viewed as [tokens, n*C] (stream i of token t at x[t, i*C:(i+1)*C]); h, the normalised
 projection, is kept per token as [tokens, M] fp32 with M = n*n + 2n (pre | post | res, row-major).
@@ -19,6 +22,7 @@ from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
+DX_PROGRAMS = 1024  # about 8 per SM of an H100: the share of tokens per program shrinks until the grid is that big
 TINY = tl.constexpr(1e-30)
 
 
@@ -27,8 +31,8 @@ def _pow2(value: int, least: int = 1) -> int:
 
 
 @triton.jit
-def _coefficients(h, bias, alpha, rows, row_mask, M, iters, n: tl.constexpr, NP: tl.constexpr):
-    """H_pre [BT, NP], the post sigmoid [BT, NP], exp(res logits) A0 and H_res [BT, NP, NP] (zero off the n x n block)."""
+def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr):
+    """H_pre [BT, NP], the post sigmoid [BT, NP] and A0 = exp(res logits - max) [BT, NP, NP] (zero off the n x n block)."""
     i = tl.arange(0, NP)
     j = tl.arange(0, NP)
     i_mask = i < n
@@ -47,16 +51,21 @@ def _coefficients(h, bias, alpha, rows, row_mask, M, iters, n: tl.constexpr, NP:
     res_logit = tl.where(valid[None, :, :], res_logit, float("-inf"))
     peak = tl.max(tl.max(res_logit, 2), 1)
     a_first = tl.where(valid[None, :, :], tl.exp(res_logit - peak[:, None, None]), 0.0)
-    matrix = a_first
-    for _ in range(iters):
-        matrix = _sinkhorn_step(matrix)
-    return tl.sigmoid(pre_logit), tl.sigmoid(post_logit), a_first, matrix
+    return tl.sigmoid(pre_logit), tl.sigmoid(post_logit), a_first
 
 
 @triton.jit
 def _sinkhorn_step(matrix):
     matrix = matrix / tl.maximum(tl.sum(matrix, 2), TINY)[:, :, None]
     return matrix / tl.maximum(tl.sum(matrix, 1), TINY)[:, None, :]
+
+
+@triton.jit
+def _sinkhorn_step_by_reciprocals(matrix):
+    """_sinkhorn_step with one division per row or column, not per entry (within an ulp of it): the backward runs
+    O(iters^2) of these to recompute the iterates."""
+    matrix = matrix * (1.0 / tl.maximum(tl.sum(matrix, 2), TINY))[:, :, None]
+    return matrix * (1.0 / tl.maximum(tl.sum(matrix, 1), TINY))[:, None, :]
 
 
 @triton.jit
@@ -91,7 +100,9 @@ def _pre_forward_kernel(
     tl.store(h + rows[:, None] * M + cols[None, :], acc * rstd[:, None], mask=row_mask[:, None] & (cols < M)[None, :])
     tl.debug_barrier()  # the coefficients below read back h written by other threads of this program
 
-    pre, post_sigmoid, _, matrix = _coefficients(h, bias, alpha, rows, row_mask, M, iters, n, NP)
+    pre, post_sigmoid, matrix = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
+    for _ in range(iters):
+        matrix = _sinkhorn_step(matrix)
     i = tl.arange(0, NP)
     tl.store(h_post + rows[:, None] * n + i[None, :], 2 * post_sigmoid, mask=row_mask[:, None] & (i < n)[None, :])
     res_index = i[:, None] * n + i[None, :]
@@ -110,36 +121,53 @@ def _pre_forward_kernel(
 
 @direct_launch
 @triton.jit
-def _pre_backward_kernel(
-    x, phi, alpha, bias, h, r, dh_in, dh_post, dh_res, dx, dg, dbias_part, dalpha_part, tokens, C, iters,
-    n: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+def _pre_backward_dpre_kernel(
+    x, dh_in, d_pre, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """dx, and per token dg = d(v @ phi) [tokens, M] for the dphi kernel; per-program dbias/dalpha partial sums."""
+    """d H_pre[t, i] = sum_c dh_in[t, c] * x[t, i, c] [tokens, n] fp32: products add up elementwise over the C loop,
+    reduced once at the end."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    row_mask = rows < tokens
+    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
+    i = tl.arange(0, NP)
+    mask2 = row_mask[:, None] & (i < n)[None, :]
+    products = tl.zeros([BT, NP, BC], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        cs = c0 + tl.arange(0, BC)
+        c_mask = cs < C
+        grad = tl.load(dh_in + rows[:, None] * C + cs[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+        streams = tl.load(
+            x + rows[:, None, None] * (n * C) + i[None, :, None] * C + cs[None, None, :],
+            mask=mask2[:, :, None] & c_mask[None, None, :], other=0.0,
+        )
+        products += grad.to(tl.float32)[:, None, :] * streams.to(tl.float32)
+    tl.store(d_pre + rows[:, None] * n + i[None, :], tl.sum(products, 2), mask=mask2)
+
+
+@direct_launch
+@triton.jit
+def _pre_backward_gates_kernel(
+    alpha, bias, h, r, d_pre, dh_post, dh_res, dg, pre_out, scale_out, partials, tokens, K, iters,
+    n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+):
+    """The per-token part from d H_pre, d H_post and d H_res: dg = d(v @ phi) [tokens, M], H_pre [tokens, n] and
+    scale [tokens] (the rstd term of dx) for the dx kernel, and per-program partial sums [programs, M + 3] of dbias
+    (M) and dalpha (3). BT is large enough that the [BT, NP, NP] tiles spread tokens over all warps: the Sinkhorn
+    sums then stay inside a warp."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     row_mask = rows < tokens
-    rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
-    K = n * C
+    rows = rows.to(tl.int64)
     M = n * n + 2 * n
     i = tl.arange(0, NP)
     i_mask = i < n
     mask2 = row_mask[:, None] & i_mask[None, :]
     valid = (i[:, None] < n) & (i[None, :] < n)
     mask3 = row_mask[:, None, None] & valid[None, :, :]
-    pre, post_sigmoid, a_first, matrix = _coefficients(h, bias, alpha, rows, row_mask, M, iters, n, NP)
-
-    # d H_pre[i] = sum_c dh_in[c] * x[i, c]
-    d_pre = tl.zeros([BT, NP], dtype=tl.float32)
-    for c0 in range(0, C, BK):
-        cs = c0 + tl.arange(0, BK)
-        cmask = row_mask[:, None] & (cs < C)[None, :]
-        grad = tl.load(dh_in + rows[:, None] * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
-        for stream in tl.static_range(n):
-            xs = tl.load(x + rows[:, None] * K + stream * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
-            d_pre += tl.where(i[None, :] == stream, tl.sum(grad * xs, 1)[:, None], 0.0)
 
     # back through the sigmoids and the Sinkhorn iterations (recomputing iterate k from the first)
-    d_pre_logit = tl.where(mask2, d_pre * pre * (1 - pre), 0.0)
+    pre, post_sigmoid, a_first = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
+    d_pre_logit = tl.where(mask2, tl.load(d_pre + rows[:, None] * n + i[None, :], mask=mask2, other=0.0) * pre * (1 - pre), 0.0)
     d_post = tl.load(dh_post + rows[:, None] * n + i[None, :], mask=mask2, other=0.0).to(tl.float32)
     d_post_logit = tl.where(mask2, d_post * 2 * post_sigmoid * (1 - post_sigmoid), 0.0)
     res_index = i[:, None] * n + i[None, :]
@@ -147,7 +175,7 @@ def _pre_backward_kernel(
     for back in range(iters):
         iterate = a_first
         for _ in range(iters - 1 - back):
-            iterate = _sinkhorn_step(iterate)
+            iterate = _sinkhorn_step_by_reciprocals(iterate)
         row_sums = tl.maximum(tl.sum(iterate, 2), TINY)
         rows_normal = iterate / row_sums[:, :, None]
         col_sums = tl.maximum(tl.sum(rows_normal, 1), TINY)
@@ -163,57 +191,64 @@ def _pre_backward_kernel(
     h_pre = tl.load(base + i[None, :], mask=mask2, other=0.0)
     h_post_raw = tl.load(base + n + i[None, :], mask=mask2, other=0.0)
     h_res_raw = tl.load(h + rows[:, None, None] * M + 2 * n + res_index[None, :, :], mask=mask3, other=0.0)
-    part = dbias_part + pid * M
+    part = partials + pid * (M + 3)
     tl.store(part + i, tl.sum(d_pre_logit, 0), mask=i_mask)
     tl.store(part + n + i, tl.sum(d_post_logit, 0), mask=i_mask)
     tl.store(part + 2 * n + res_index, tl.sum(d_res_logit, 0), mask=valid)
-    tl.store(dalpha_part + pid * 3, tl.sum(tl.sum(d_pre_logit * h_pre, 1), 0))
-    tl.store(dalpha_part + pid * 3 + 1, tl.sum(tl.sum(d_post_logit * h_post_raw, 1), 0))
-    tl.store(dalpha_part + pid * 3 + 2, tl.sum(tl.sum(tl.sum(d_res_logit * h_res_raw, 2), 1), 0))
+    tl.store(part + M, tl.sum(tl.sum(d_pre_logit * h_pre, 1), 0))
+    tl.store(part + M + 1, tl.sum(tl.sum(d_post_logit * h_post_raw, 1), 0))
+    tl.store(part + M + 2, tl.sum(tl.sum(tl.sum(d_res_logit * h_res_raw, 2), 1), 0))
 
-    # h = r * g with g = v @ phi: dg = r * dh, dr = sum(dh * g) = sum(dh * h) / r
+    # h = r * g with g = v @ phi: dg = r * dh, dr = sum(dh * g) = sum(dh * h) / r, dr/dv = -r^3 v / K
+    a0 = tl.load(alpha)
+    a1 = tl.load(alpha + 1)
+    a2 = tl.load(alpha + 2)
     rstd = tl.load(r + rows, mask=row_mask, other=1.0)
-    d_r = (tl.sum(d_pre_logit * tl.load(alpha) * h_pre, 1) + tl.sum(d_post_logit * tl.load(alpha + 1) * h_post_raw, 1)
-           + tl.sum(tl.sum(d_res_logit * tl.load(alpha + 2) * h_res_raw, 2), 1)) / rstd
+    d_r = (tl.sum(d_pre_logit * a0 * h_pre, 1) + tl.sum(d_post_logit * a1 * h_post_raw, 1)
+           + tl.sum(tl.sum(d_res_logit * a2 * h_res_raw, 2), 1)) / rstd
+    tl.store(scale_out + rows, -d_r * rstd * rstd * rstd / K, mask=row_mask)
+    tl.store(pre_out + rows[:, None] * n + i[None, :], pre, mask=mask2)
     grow = dg + rows[:, None] * M
-    tl.store(grow + i[None, :], rstd[:, None] * tl.load(alpha) * d_pre_logit, mask=mask2)
-    tl.store(grow + n + i[None, :], rstd[:, None] * tl.load(alpha + 1) * d_post_logit, mask=mask2)
-    tl.store(dg + rows[:, None, None] * M + 2 * n + res_index[None, :, :], rstd[:, None, None] * tl.load(alpha + 2) * d_res_logit, mask=mask3)
-    tl.debug_barrier()  # dg is read back below as a [BT, MP] block
-
-    cols = tl.arange(0, MP)
-    d_g = tl.load(dg + rows[:, None] * M + cols[None, :], mask=row_mask[:, None] & (cols < M)[None, :], other=0.0)
-    # dv = dg @ phi^T + dr * dr/dv (dr/dv = -r^3 v / K) ; plus the h_in path: dx[i, c] += H_pre[i] * dh_in[c]
-    scale = -d_r * rstd * rstd * rstd / K
-    for stream in tl.static_range(n):
-        pre_i = _column(pre, stream, NP)
-        for c0 in range(0, C, BK):
-            cs = c0 + tl.arange(0, BK)
-            cmask = row_mask[:, None] & (cs < C)[None, :]
-            ks = stream * C + cs
-            weights_t = tl.load(phi + ks[None, :] * M + cols[:, None], mask=(cs < C)[None, :] & (cols < M)[:, None], other=0.0).to(tl.float32)
-            v = tl.load(x + rows[:, None] * K + ks[None, :], mask=cmask, other=0.0).to(tl.float32)
-            grad = tl.load(dh_in + rows[:, None] * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
-            out = tl.dot(d_g, weights_t, input_precision=PRECISION) + scale[:, None] * v + pre_i[:, None] * grad
-            tl.store(dx + rows[:, None] * K + ks[None, :], out.to(dx.dtype.element_ty), mask=cmask)
+    tl.store(grow + i[None, :], rstd[:, None] * a0 * d_pre_logit, mask=mask2)
+    tl.store(grow + n + i[None, :], rstd[:, None] * a1 * d_post_logit, mask=mask2)
+    tl.store(dg + rows[:, None, None] * M + 2 * n + res_index[None, :, :], rstd[:, None, None] * a2 * d_res_logit, mask=mask3)
 
 
 @direct_launch
 @triton.jit
-def _pre_dphi_kernel(x, dg, dphi, tokens, K, M, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """dphi[k, m] = sum_t v[t, k] * dg[t, m]: one K-block per program, looping over all tokens (no atomics)."""
-    ks = tl.program_id(0) * BK + tl.arange(0, BK)
-    k_mask = ks < K
+def _pre_backward_dx_kernel(
+    x, phi, dh_in, dg, pre, scale, dx, dphi_part, tokens, C, blocks_per_split,
+    n: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """For one (stream, C block) of K and one share of the tokens: dx = dg @ phi^T + scale * v + H_pre[i] * dh_in,
+    and the share's dphi[k, m] = sum_t v[t, k] * dg[t, m] (partial sums; the launcher adds the shares in order)."""
+    stream = tl.program_id(0) % n  # streams vary fastest: the programs that read the same dh_in block run together
+    cs = (tl.program_id(0) // n) * BC + tl.arange(0, BC)
+    split = tl.program_id(1)
+    c_mask = cs < C
+    K = n * C
+    M = n * n + 2 * n
+    ks = stream * C + cs
     cols = tl.arange(0, MP)
-    acc = tl.zeros([BK, MP], dtype=tl.float32)
-    for t0 in range(0, tokens, BT):
-        rows = t0 + tl.arange(0, BT)
+    col_mask = cols < M
+    weights_t = tl.load(phi + ks[None, :] * M + cols[:, None], mask=col_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    acc = tl.zeros([BC, MP], dtype=tl.float32)
+    first = split * blocks_per_split
+    for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(tokens, BT))):
+        rows = block * BT + tl.arange(0, BT)
         row_mask = rows < tokens
         rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
-        v_t = tl.load(x + rows[None, :] * K + ks[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
-        d_g = tl.load(dg + rows[:, None] * M + cols[None, :], mask=row_mask[:, None] & (cols < M)[None, :], other=0.0)
-        acc = tl.dot(v_t, d_g, acc, input_precision=PRECISION)
-    tl.store(dphi + ks[:, None] * M + cols[None, :], acc.to(dphi.dtype.element_ty), mask=k_mask[:, None] & (cols < M)[None, :])
+        mask = row_mask[:, None] & c_mask[None, :]
+        d_g = tl.load(dg + rows[:, None] * M + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        v = tl.load(x + rows[:, None] * K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(dh_in + rows[:, None] * C + cs[None, :], mask=mask, other=0.0).to(tl.float32)
+        pre_i = tl.load(pre + rows * n + stream, mask=row_mask, other=0.0)
+        scale_t = tl.load(scale + rows, mask=row_mask, other=0.0)
+        out = tl.dot(d_g, weights_t, input_precision=PRECISION) + scale_t[:, None] * v + pre_i[:, None] * grad
+        tl.store(dx + rows[:, None] * K + ks[None, :], out.to(dx.dtype.element_ty), mask=mask)
+        acc = tl.dot(tl.trans(v), d_g, acc, input_precision=PRECISION)
+    part = dphi_part + split.to(tl.int64) * K * M
+    tl.store(part + ks[:, None] * M + cols[None, :], acc, mask=c_mask[:, None] & col_mask[None, :])
 
 
 @direct_launch
@@ -281,6 +316,20 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _wide_block(n: int, C: int) -> int:
+    """C columns per step of a [BLOCK_TOKENS, NP, BC] tile of 4096 elements: wide enough that the columns, not the
+    streams, take a warp's lanes (the warps then split the tokens, and no sum crosses warps). A quarter of that
+    when C is not a multiple of 16: loads then go element by element, each with its own 64-bit address."""
+    return (4096 if C % 16 == 0 else 1024) // (BLOCK_TOKENS * _pow2(n, 2))
+
+
+def _dx_blocks(n: int, C: int) -> tuple[int, int]:
+    """(tokens per step, C columns per program) of the dx kernel: 64 x 64; 32 columns where the [BT, MP] dg tile is
+    wide (n = 8: MP = 128); 32 x 32 where the loads go element by element (C not a multiple of 16)."""
+    columns = 64 if n * n + 2 * n <= 32 else 32
+    return (64, columns) if C % 16 == 0 else (32, 32)
+
+
 def _post_block(n: int) -> int:
     return max(16, 1024 // (BLOCK_TOKENS * _pow2(n)))
 
@@ -297,29 +346,53 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     return out.results
 
 
+def _gates_block(n: int) -> int:
+    """Tokens per program of the gates kernel: enough to spread the tokens of its [BT, NP, NP] tiles over all four
+    warps (a thread then holds a token's whole matrix; at n = 8, half of each row, two lanes sharing a token)."""
+    return 128 if n <= 4 else 64
+
+
+def dx_splits(tokens: int, n: int, C: int) -> tuple[int, int]:
+    """(token shares, token blocks per share) of the dx kernel: about DX_PROGRAMS programs in all, fixed by the
+    shape alone, so that dphi adds the same partial sums in the same order on any GPU."""
+    block_tokens, block_c = _dx_blocks(n, C)
+    blocks = cdiv(tokens, block_tokens)
+    per_share = cdiv(blocks, max(1, min(blocks, cdiv(DX_PROGRAMS, n * cdiv(C, block_c)))))
+    return cdiv(blocks, per_share), per_share
+
+
 def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_iters, h_in, h_post, h_res, h, r):
     n, C = x.shape[-2], x.shape[-1]
     xs = token_streams(x)
     tokens, m = xs.shape[0], n * n + 2 * n
-    programs = cdiv(tokens, BLOCK_TOKENS)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
+    d_h_in = d_h_in.reshape(tokens, C).contiguous()
+    d_pre = buffers.empty((tokens, n), **f32)
+    _pre_backward_dpre_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
+        xs, d_h_in, d_pre, tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
+    )
+    block_tokens = _gates_block(n)
+    programs = cdiv(tokens, block_tokens)
     dg = buffers.empty((tokens, m), **f32)
-    dbias_part = buffers.empty((programs, m), **f32)
-    dalpha_part = buffers.empty((programs, 3), **f32)
-    common = dict(n=n, NP=_pow2(n, 2), MP=_pow2(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x))
-    _pre_backward_kernel[(programs,)](
-        xs, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(), h, r,
-        d_h_in.reshape(tokens, C).contiguous(), d_h_post.reshape(tokens, n).contiguous(), d_h_res.reshape(tokens, n * n).contiguous(),
-        dx, dg, dbias_part, dalpha_part, tokens, C, sinkhorn_iters, **common,
+    pre = buffers.empty((tokens, n), **f32)
+    scale = buffers.empty((tokens,), **f32)
+    partials = buffers.empty((programs, m + 3), **f32)
+    _pre_backward_gates_kernel[(programs,)](
+        alpha.float().contiguous(), bias.float().contiguous(), h, r, d_pre,
+        d_h_post.reshape(tokens, n).contiguous(), d_h_res.reshape(tokens, n * n).contiguous(),
+        dg, pre, scale, partials, tokens, n * C, sinkhorn_iters, n=n, NP=_pow2(n, 2), BT=block_tokens,
     )
-    dphi = buffers.empty(phi.shape, dtype=phi.dtype, device=phi.device)
-    _pre_dphi_kernel[(cdiv(n * C, BLOCK_K),)](
-        xs, dg, dphi, tokens, n * C, m, MP=common["MP"], BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=common["PRECISION"]
+    splits, per_split = dx_splits(tokens, n, C)
+    dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
+    dphi_part = buffers.empty((splits, n * C, m), **f32)
+    block_tokens, block_c = _dx_blocks(n, C)
+    _pre_backward_dx_kernel[(n * cdiv(C, block_c), splits)](
+        xs, phi.contiguous(), d_h_in, dg, pre, scale, dx, dphi_part, tokens, C, per_split,
+        n=n, MP=_pow2(m, 16), BT=block_tokens, BC=block_c, PRECISION=_precision(x),
     )
-    dbias = dbias_part.sum(0).to(bias.dtype)  # fixed-order reduction of per-program partials: deterministic
-    dalpha = dalpha_part.sum(0).to(alpha.dtype)
-    return dx.view(x.shape), dphi, dalpha, dbias, None, None
+    sums = partials.sum(0)  # fixed-order reductions of per-program partials: deterministic
+    dphi = dphi_part.sum(0).to(phi.dtype)
+    return dx.view(x.shape), dphi, sums[m:].to(alpha.dtype), sums[:m].to(bias.dtype), None, None
 
 
 def post_forward(x, y, h_post, h_res):
@@ -342,6 +415,6 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dh_res = buffers.empty(h_res.shape, dtype=h_res.dtype, device=x.device)
     _post_backward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), d_out.contiguous(), dx, dy, dh_post, dh_res,
-        tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
+        tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
     )
     return dx, dy, dh_post, dh_res
