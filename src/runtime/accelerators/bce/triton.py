@@ -127,22 +127,23 @@ def _backward_kernel(
         tl.store(dy_ptr + offs, (dy * g).to(dy_ptr.dtype.element_ty), mask=mask)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1)
+# The kernels index flat element offsets from each tensor's data pointer, so a contiguous tensor of any shape is
+# passed as it is: no flattening view (each view is one more ATen op on every eager call).
 
 
 def _operands(logits, weight, pos_weight):
-    """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight."""
+    """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight (contiguous already:
+    see kernel_operand)."""
     w_mode, w_inner, w_count = operand_mode(weight, logits.shape)
     pw_mode, pw_inner, pw_count = operand_mode(pos_weight, logits.shape)
-    w = weight.view(-1) if weight is not None else logits
-    pw = pos_weight.view(-1) if pos_weight is not None else logits
+    w = weight if weight is not None else logits
+    pw = pos_weight if pos_weight is not None else logits
     return (w, pw), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
 def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     n = logits.numel()
-    x, y = _flat(logits), _flat(targets)
+    x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     grid = (cdiv(n, BLOCK),)
@@ -170,10 +171,10 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
     n = logits.numel()
-    x, y = _flat(logits), _flat(targets)
+    x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     g_scalar = reduction != "none" or is_scalar_gradient(grad)
-    g = grad.as_strided((1,), (1,)) if g_scalar else _flat(grad)
+    g = grad if g_scalar else grad.contiguous()  # a scalar gradient: its data pointer is the one value read
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
