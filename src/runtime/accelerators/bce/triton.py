@@ -147,24 +147,26 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     grid = (cdiv(n, BLOCK),)
-    modes = dict(W_MODE=w_mode, PW_MODE=pw_mode)
     if reduction == "none":
         loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
         _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, 1.0, **modes, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            x, y, w, pw, loss, n, *maps, 1.0,
+            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
         return loss
     loss = buffers.empty((), dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
     if grid[0] == 1:  # PCVR batches: one launch
         _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, divisor, **modes, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            x, y, w, pw, loss, n, *maps, divisor,
+            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
         return loss
     partials = buffers.empty((grid[0],), dtype=torch.float32, device=logits.device)
     _forward_kernel[grid](
-        x, y, w, pw, partials, n, *maps, 1.0, **modes, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )
+        x, y, w, pw, partials, n, *maps, 1.0,
+        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
     _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
 
