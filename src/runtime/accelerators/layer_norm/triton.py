@@ -20,7 +20,7 @@ from ..triton_launch import direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -37,8 +37,9 @@ def _forward_kernel(
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STORE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @direct_launch
@@ -84,18 +85,31 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    return _forward(x, weight, bias, eps, store_stats=True)
+
+
+def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    """y alone (no mean and rstd for a backward): two allocations fewer."""
+    return _forward(x, weight, bias, eps, store_stats=False)
+
+
+def _forward(x, weight, bias, eps: float, store_stats: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
-    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if store_stats:
+        mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+        rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    else:
+        mean = rstd = x2  # stand-ins, not written
     _forward_kernel[(n_tiles(n_rows, tiles),)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
         n_rows, width, stride_x, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
+        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    return y, mean, rstd
+    return (y, mean, rstd) if store_stats else (y,)
 
 
 def backward(dy, x, weight, bias, eps, y, mean, rstd):
