@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python scripts/host_overhead.py                      # the table
     PYTHONPATH=src python scripts/host_overhead.py --profile "rms_norm fwd+bwd"   # plus cProfile of one case
-    PYTHONPATH=src python scripts/host_overhead.py --aten               # plus ATen ops per call (torch.profiler)
+    PYTHONPATH=src python scripts/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
+                                                                        # its log lines go to stderr)
 
 The tensors live on the CPU and the kernels are real JITFunctions (TRITON_INTERPRET is not set), so every call
 takes the path an eager call takes on a GPU host: argument checks, backend selection, the autograd Function,
@@ -20,6 +21,7 @@ cost (dispatch, autograd), not a GPU figure.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -138,14 +140,14 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
     return 1e6 * best
 
 
-def aten_ops_per_call(fn, calls: int = 20) -> float:
-    """Top-level ATen ops per call (each is a dispatcher round trip, ~5-10 us on the GPU host)."""
+def aten_ops_per_call(fn, calls: int = 20) -> str:
+    """Top-level ATen ops per call, by name (each is a dispatcher round trip, a few us on the GPU host)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             fn()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
-    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return len(top) / calls
+    top = collections.Counter(e.name for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    return ", ".join(f"{name.removeprefix('aten::')} {count / calls:g}" for name, count in sorted(top.items()))
 
 
 def main() -> None:
@@ -165,7 +167,7 @@ def main() -> None:
             continue
         line = f"{name:40s} {per_call_us(fn, args.calls, args.repeats):8.1f}"
         if args.aten:
-            line += f"   aten ops {aten_ops_per_call(fn):5.1f}"
+            line += f"   ATen ops: {aten_ops_per_call(fn)}"
         print(line, flush=True)
     if args.profile:
         fn = table[args.profile]
