@@ -43,7 +43,7 @@ def main() -> None:
 
     def launch(kernel):
         return lambda: kernel[(n_tiles(rows, tiles),)](
-            x0, w0, y, rstd, rows, width, width, 1e-6, HAS_W=True, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
+            x0, w0, y, rstd, rows, width, width, 1e-6, HAS_W=True, STORE_RSTD=True, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
         )
 
     cases = {

@@ -94,3 +94,21 @@ def test_strided_rows(op):
 
 def test_layer_norm_triton_bias_only():
     check_op("layer_norm", (70, 48), bf16, None, f32)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("shape, dtype, weight_dtype, bias_dtype", NORM_CASES)
+def test_forward_without_autograd_matches_the_differentiable_forward(op, shape, dtype, weight_dtype, bias_dtype):
+    """With nothing to differentiate the kernel module's `infer` runs (no statistics kept): same y, bit for bit."""
+    x = torch.randn(*shape, dtype=dtype)
+    params = {}
+    if weight_dtype is not None:
+        params["weight"] = 1 + 0.5 * torch.randn(shape[-1], dtype=weight_dtype)
+    if bias_dtype is not None and op == "layer_norm":
+        params["bias"] = torch.randn(shape[-1], dtype=bias_dtype)
+    with poison_outputs():
+        with torch.no_grad():
+            inferred = OPS[op](x, **params, backend="triton")
+        trained = OPS[op](x.requires_grad_(), **params, backend="triton")
+    assert inferred.grad_fn is None and trained.grad_fn is not None
+    assert torch.equal(inferred, trained.detach())

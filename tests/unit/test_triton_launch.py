@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.accelerators import triton_launch
-from runtime.accelerators.triton_launch import DirectLaunch, _arg_key
+from runtime.accelerators.triton_launch import DirectLaunch, _arg_key, _signature
 
 
 def test_the_key_separates_everything_triton_specialises_on():
@@ -24,6 +24,15 @@ def test_the_key_separates_everything_triton_specialises_on():
         assert _arg_key(a) != _arg_key(b), (a, b)
     assert _arg_key(0.5) == _arg_key(2.0) != _arg_key(2)
     assert _arg_key(None) != _arg_key(0)
+
+
+
+def test_the_inline_signature_agrees_with_the_key_of_each_argument():
+    base = torch.zeros(64, dtype=torch.float32)
+    args = (base, base[1:], base.to(torch.float16), torch.nn.Parameter(base), 0, 1, 17, 32, -16, 2**31 - 1, 2**31,
+            -(2**31), -(2**31) - 1, 2**63 - 1, 2**63, True, False, 0.5, None)  # fmt: skip
+    assert _signature(args) == [_arg_key(a) for a in args]
+    assert _signature((1,)) != _signature((True,)) and _signature((16,)) != _signature((16.0,))
 
 
 class _Compiled:

@@ -7,6 +7,12 @@ Each kernel module `runtime.accelerators.<op>.<backend>` exposes two plain funct
     backward(*grad_outputs, *args, *results) -> tuple
         one gradient (or None) per arg; `results` is everything forward returned
 
+and may expose a third:
+
+    infer(*args) -> tuple[Tensor, ...]
+        the op's outputs alone, as forward computes them: what an eager call with nothing to
+        differentiate runs, so that it allocates and writes nothing for a backward that will not come
+
 Eager calls run them through one autograd.Function: no dispatcher in between. Under
 torch.compile the same functions run as the custom ops `taac::<op>_forward` and
 `taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
@@ -31,14 +37,16 @@ class KernelOp:
     n_saved:       how many further results forward returns for backward
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
     entry:         for a folder holding several ops (mhc: pre and post): the kernel modules' functions
-                   are then `<entry>_forward` / `<entry>_backward`, the custom ops `taac::<op>_<entry>_*`
+                   are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
+                   `taac::<op>_<entry>_*`
     """
 
     def __init__(
         self, op: str, args_schema: str, n_outputs: int, n_saved: int, fake_forward: Callable, entry: str | None = None
     ) -> None:
         self.op = op
-        self.forward_name, self.backward_name = (f"{entry}_forward", f"{entry}_backward") if entry else ("forward", "backward")
+        prefix = f"{entry}_" if entry else ""
+        self.forward_name, self.backward_name, self.infer_name = f"{prefix}forward", f"{prefix}backward", f"{prefix}infer"
         self.n_outputs = n_outputs
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
         kinds = [argument.split()[0].startswith("Tensor") for argument in args_schema.split(",")]
@@ -74,8 +82,9 @@ class KernelOp:
             results = self._forward_op(backend, *args)
         elif self._needs_grad(args):
             results = self._apply_eagerly(backend, args)
-        else:  # nothing to differentiate: skip autograd's bookkeeping
-            results = self.kernels(backend).__dict__[self.forward_name](*args)
+        else:  # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the module can
+            functions = self.kernels(backend).__dict__
+            results = functions.get(self.infer_name, functions[self.forward_name])(*args)
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]

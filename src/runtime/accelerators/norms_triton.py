@@ -5,7 +5,8 @@ power of two). Narrow rows are packed several to a tile so that small widths are
 launch-bound; wide rows take one row per tile. Forward kernels run one tile per program.
 Backward kernels with a weight or bias are persistent: `backward_programs` programs stride over
 the tiles, each accumulating its dweight/dbias in registers and writing one fp32 partial row;
-`sum_partials` then reduces those [programs, width] partials (no atomics).
+`sum_partials` then reduces those partials (no atomics). The weight's and the bias's partials share
+one buffer, the weight's rows first: one allocation per backward.
 
 Everything derived from the width is cached, so a call costs a dict lookup plus the launch.
 """
@@ -74,9 +75,10 @@ def backward_programs(n_rows: int, tiles: RowTiles, device: torch.device) -> int
     return max(1, min(n_tiles(n_rows, tiles), _resident_programs(device, tiles.programs_per_sm)))
 
 
-def partials(n_programs: int, width: int, device: torch.device) -> torch.Tensor:
-    """Per-program fp32 partial sums of a parameter gradient, [programs, width]."""
-    return buffers.empty((n_programs, width), dtype=torch.float32, device=device)
+def partials(n_programs: int, width: int, device: torch.device, n_params: int = 1) -> torch.Tensor:
+    """Per-program fp32 partial sums of n_params parameter gradients, [n_params * programs, width]: the weight's
+    rows first, then the bias's."""
+    return buffers.empty((n_params * n_programs, width), dtype=torch.float32, device=device)
 
 
 REDUCE_TILE = 2048  # partial elements a reduce program loads per step
@@ -92,11 +94,16 @@ def _reduce_blocks(width: int) -> tuple[int, int]:
 @direct_launch
 @triton.jit(do_not_specialize=["n_parts"])
 def _sum_partials_kernel(
-    pw_ptr, dw_ptr, pb_ptr, db_ptr, n_parts, N,
+    part_ptr, dw_ptr, db_ptr, n_parts, N,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
+    pw_ptr = part_ptr
+    if HAS_W:  # the bias's partial rows follow the weight's
+        pb_ptr = part_ptr + n_parts * N
+    else:
+        pb_ptr = part_ptr
     acc_w = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     for start in range(0, n_parts, BLOCK_P):
@@ -113,18 +120,17 @@ def _sum_partials_kernel(
         tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_partials(partial_w: torch.Tensor | None, weight: torch.Tensor | None, partial_b=None, bias=None):
-    """Reduce [programs, width] partials to dweight (weight's dtype) and dbias (bias's dtype), one launch."""
-    some = partial_w if partial_w is not None else partial_b
-    n_parts, width = some.shape
+def sum_partials(partial: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None):
+    """Reduce the partials (from `partials`) to dweight (weight's dtype) and dbias (bias's dtype), one launch."""
+    rows, width = partial.shape
+    n_parts = rows // ((weight is not None) + (bias is not None))
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
     columns, parts = _reduce_blocks(width)
     _sum_partials_kernel[(cdiv(width, columns),)](
-        some if partial_w is None else partial_w,
-        some if dweight is None else dweight,
-        some if partial_b is None else partial_b,
-        some if dbias is None else dbias,
+        partial,
+        partial if dweight is None else dweight,
+        partial if dbias is None else dbias,
         n_parts,
         width,
         HAS_W=weight is not None,

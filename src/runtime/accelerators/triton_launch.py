@@ -24,6 +24,8 @@ import triton
 from triton.runtime.jit import JITFunction
 
 _INT32 = range(-(2**31), 2**31)
+_U64 = 2**63  # ints from here on are unsigned 64-bit for Triton
+_Tensor = torch.Tensor
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 
 
@@ -36,7 +38,19 @@ def _arg_key(arg):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, bool) or not isinstance(arg, int):
         return type(arg)
-    return int, arg == 1, arg % 16 == 0, arg in _INT32, arg >= 2**63
+    return int, arg == 1, arg % 16 == 0, arg in _INT32, arg >= _U64
+
+
+def _signature(args: tuple) -> list:
+    """[_arg_key(a) for a in args], with plain tensors and ints keyed inline: this runs on every launch, and a
+    function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
+    both agree)."""
+    return [
+        (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor
+        else (int, a == 1, a % 16 == 0, a in _INT32, a >= _U64) if type(a) is int
+        else _arg_key(a)
+        for a in args
+    ]  # fmt: skip
 
 
 def _installed(hook):
@@ -70,12 +84,7 @@ class DirectLaunch:
     def _launch(self, grid, *args, **constexprs):
         current_device, current_stream = _driver()
         device = current_device()
-        # plain tensors keyed inline: a function call per argument is a good part of the host time saved
-        key = (
-            device,
-            tuple(constexprs.items()),
-            *[(a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor else _arg_key(a) for a in args],
-        )
+        key = (device, tuple(constexprs.items()), *_signature(args))
         found = self._compiled.get(key)
         if found is None:
             tail = self._tail(len(args), constexprs)

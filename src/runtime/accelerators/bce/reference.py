@@ -16,9 +16,9 @@ REDUCTIONS = ("none", "mean", "sum")
 
 def loss_dtype(logits: torch.Tensor, targets: torch.Tensor, weight=None, pos_weight=None) -> torch.dtype:
     """The loss dtype torch gives: the promotion of every tensor argument's dtype."""
-    dtype = torch.promote_types(logits.dtype, targets.dtype)
-    for operand in (weight, pos_weight):
-        if operand is not None:
+    dtype = logits.dtype
+    for operand in (targets, weight, pos_weight):
+        if operand is not None and operand.dtype != dtype:  # equal dtypes promote to themselves
             dtype = torch.promote_types(dtype, operand.dtype)
     return dtype
 

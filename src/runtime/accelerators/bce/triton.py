@@ -127,53 +127,56 @@ def _backward_kernel(
         tl.store(dy_ptr + offs, (dy * g).to(dy_ptr.dtype.element_ty), mask=mask)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1)
+# The kernels index flat element offsets from each tensor's data pointer, so a contiguous tensor of any shape is
+# passed as it is: no flattening view (each view is one more ATen op on every eager call).
 
 
 def _operands(logits, weight, pos_weight):
-    """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight."""
+    """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight (contiguous already:
+    see kernel_operand)."""
     w_mode, w_inner, w_count = operand_mode(weight, logits.shape)
     pw_mode, pw_inner, pw_count = operand_mode(pos_weight, logits.shape)
-    w = weight.view(-1) if weight is not None else logits
-    pw = pos_weight.view(-1) if pos_weight is not None else logits
+    w = weight if weight is not None else logits
+    pw = pos_weight if pos_weight is not None else logits
     return (w, pw), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
 def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     n = logits.numel()
-    x, y = _flat(logits), _flat(targets)
+    x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     grid = (cdiv(n, BLOCK),)
-    modes = dict(W_MODE=w_mode, PW_MODE=pw_mode)
     if reduction == "none":
         loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
         _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, 1.0, **modes, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            x, y, w, pw, loss, n, *maps, 1.0,
+            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
         return loss
     loss = buffers.empty((), dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
     if grid[0] == 1:  # PCVR batches: one launch
         _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, divisor, **modes, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            x, y, w, pw, loss, n, *maps, divisor,
+            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
         return loss
     partials = buffers.empty((grid[0],), dtype=torch.float32, device=logits.device)
     _forward_kernel[grid](
-        x, y, w, pw, partials, n, *maps, 1.0, **modes, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )
+        x, y, w, pw, partials, n, *maps, 1.0,
+        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
     _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
 
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
     n = logits.numel()
-    x, y = _flat(logits), _flat(targets)
+    x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     g_scalar = reduction != "none" or is_scalar_gradient(grad)
-    g = grad.as_strided((1,), (1,)) if g_scalar else _flat(grad)
+    g = grad if g_scalar else grad.contiguous()  # a scalar gradient: its data pointer is the one value read
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None

@@ -20,7 +20,7 @@ from ..triton_launch import direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -37,14 +37,15 @@ def _forward_kernel(
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STORE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, N, stride_dy, stride_x,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, n_rows, N, stride_dy, stride_x,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -73,25 +74,42 @@ def _backward_kernel(
             dw += dy * xhat
         if HAS_B:
             db += dy
+    # one partial row per program: the weight's rows, then the bias's (norms_triton.partials)
     if HAS_W:
-        tl.store(dw_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+        tl.store(part_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+        b_row = tl.num_programs(0) + pid
+    else:
+        b_row = pid
     if HAS_B:
-        tl.store(db_ptr + pid * N + cols, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(part_ptr + b_row * N + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    return _forward(x, weight, bias, eps, store_stats=True)
+
+
+def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    """y alone (no mean and rstd for a backward): two allocations fewer."""
+    return _forward(x, weight, bias, eps, store_stats=False)
+
+
+def _forward(x, weight, bias, eps: float, store_stats: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
-    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if store_stats:
+        mean = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+        rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    else:
+        mean = rstd = x2  # stand-ins, not written
     _forward_kernel[(n_tiles(n_rows, tiles),)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
         n_rows, width, stride_x, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
+        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    return y, mean, rstd
+    return (y, mean, rstd) if store_stats else (y,)
 
 
 def backward(dy, x, weight, bias, eps, y, mean, rstd):
@@ -99,20 +117,18 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
-    if weight is None and bias is None:
-        programs = n_tiles(n_rows, tiles)
+    n_params = (weight is not None) + (bias is not None)
+    if n_params == 0:
+        programs, partial = n_tiles(n_rows, tiles), x2
     else:
         programs = backward_programs(n_rows, tiles, x.device)
-    dw_partial = x2 if weight is None else partials(programs, width, x.device)
-    db_partial = x2 if bias is None else partials(programs, width, x.device)
+        partial = partials(programs, width, x.device, n_params)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2, x2, x2 if weight is None else weight, mean, rstd, dx, partial,
         n_rows, width, stride_dy, stride_x,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    if weight is None and bias is None:
+    if n_params == 0:
         return dx, None, None, None
-    dweight, dbias = sum_partials(
-        None if weight is None else dw_partial, weight, None if bias is None else db_partial, bias
-    )
+    dweight, dbias = sum_partials(partial, weight, bias)
     return dx, dweight, dbias, None

@@ -19,7 +19,7 @@ from ..triton_launch import direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_W: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -32,7 +32,8 @@ def _forward_kernel(
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @direct_launch
@@ -66,16 +67,25 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    return _forward(x, weight, eps, store_rstd=True)
+
+
+def infer(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """y alone (no rstd for a backward): one allocation fewer."""
+    return _forward(x, weight, eps, store_rstd=False)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, x2 if weight is None else weight, y, rstd, n_rows, width, stride_x, eps,
-        HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        x2, x2 if weight is None else weight, y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
+        HAS_W=weight is not None, STORE_RSTD=store_rstd, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    return y, rstd
+    return (y, rstd) if store_rstd else (y,)
 
 
 def backward(dy, x, weight, eps, y, rstd):
