@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import importlib
 import os
+import pkgutil
 import pstats
 import time
 
@@ -33,11 +35,11 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 import torch
 import torch.nn.functional as F
 
-from runtime.accelerators import backends, binary_cross_entropy_with_logits, layer_norm, rms_norm, triton_launch
-from runtime.accelerators.bce import triton as bce_triton
-from runtime.accelerators.layer_norm import triton as ln_triton
-from runtime.accelerators.rms_norm import triton as rms_triton
-from runtime.accelerators import norms_triton
+import runtime.accelerators as accelerators
+from runtime.accelerators import (
+    backends, binary_cross_entropy_with_logits, chunk_gated_delta_rule, dropout_add, embedding_bag_mean, flash_attention,
+    layer_norm, rms_norm, swiglu, triton_launch,
+)  # fmt: skip
 
 
 class _StubCompiled:
@@ -63,12 +65,18 @@ class _StubKernel:
         return lambda *args, **constexprs: self.compiled
 
 
+def triton_modules() -> list:
+    """Every module of runtime.accelerators whose name says Triton (the ops' kernel modules)."""
+    names = [m.name for m in pkgutil.walk_packages(accelerators.__path__, "runtime.accelerators.") if "triton" in m.name]
+    return [importlib.import_module(name) for name in names]
+
+
 def stub_launches() -> None:
-    """Make every Triton kernel of the timed ops a direct launch of the stand-in, runnable on CPU tensors."""
+    """Make every Triton kernel a direct launch of the stand-in, runnable on CPU tensors."""
     backends.triton_interpret = lambda: True  # the triton backend accepts CPU tensors
     backends.clear_decisions()
     triton_launch._driver = lambda: (lambda: 0, lambda device: 0)
-    for module in (bce_triton, rms_triton, ln_triton, norms_triton):
+    for module in triton_modules():
         for value in vars(module).values():
             if isinstance(value, triton_launch.DirectLaunch):
                 if not value.direct:
@@ -123,6 +131,41 @@ def cases() -> dict:
             shape = f"{rows}x128"
             out[f"{op} {shape} {impl} fwd"] = _forward(call)
             out[f"{op} {shape} {impl} fwd+bwd"] = _forward_backward(call, params, torch.randn(rows, 128, dtype=torch.bfloat16))
+    out.update(pcvr_layer_cases())
+    return out
+
+
+def _both(out: dict, name: str, call, inputs: list, grad_out) -> None:
+    out[f"{name} fwd"] = _forward(call)
+    out[f"{name} fwd+bwd"] = _forward_backward(call, inputs, grad_out)
+
+
+def pcvr_layer_cases() -> dict:
+    """The other ops at the PCVR model's sizes (batch 256, 257 tokens, d_model 64, 4 heads), Triton only: their
+    kernels are not launched, so the sizes only set what is allocated."""
+    out = {}
+    bf16 = dict(dtype=torch.bfloat16)
+    fp16 = dict(dtype=torch.float16)  # the Triton backend refuses bf16 attention on the CPU (the interpreter's dots)
+    q, k, v = (torch.randn(256, 4, 257, 16, **fp16, requires_grad=True) for _ in range(3))
+    lengths = torch.randint(1, 258, (256,))
+    attention = lambda: flash_attention(q, k, v, causal=True, key_lengths=lengths, backend="triton")  # noqa: E731
+    _both(out, "flash_attention 256x4x257x16 causal+lengths triton", attention, [q, k, v], torch.randn(256, 4, 257, 16, **fp16))
+    gate, up = (torch.randn(256 * 257, 256, **bf16, requires_grad=True) for _ in range(2))
+    _both(out, "swiglu 65792x256 triton", lambda: swiglu(gate, up, backend="triton"), [gate, up], torch.randn(256 * 257, 256, **bf16))
+    x, residual = (torch.randn(256 * 257, 64, **bf16, requires_grad=True) for _ in range(2))
+    _both(
+        out, "dropout_add 65792x64 p=0.1 triton", lambda: dropout_add(x, residual, 0.1, True, backend="triton"),
+        [x, residual], torch.randn(256 * 257, 64, **bf16),
+    )  # fmt: skip
+    # a small table: the dense gradient's zero fill and the index sort run as CPU torch ops here (launches on a GPU)
+    table = torch.randn(1000, 64, **bf16, requires_grad=True)
+    indices = torch.randint(0, 1000, (256, 8))
+    _both(out, "embedding_bag 1000x64 256x8 triton", lambda: embedding_bag_mean(table, indices, backend="triton"), [table], torch.randn(256, 64, **bf16))
+    gdr = [torch.randn(256, 256, 4, 16, **bf16, requires_grad=True) for _ in range(3)]
+    g = (-torch.rand(256, 256, 4)).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(256, 256, 4, **bf16, requires_grad=True)
+    rule = lambda: chunk_gated_delta_rule(*gdr, g, beta, use_qk_l2norm_in_kernel=True, backend="triton")[0]  # noqa: E731
+    _both(out, "gated_delta_rule 256x256x4x16 triton", rule, [*gdr, g, beta], torch.randn(256, 256, 4, 16, **bf16))
     return out
 
 
@@ -159,6 +202,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="cProfile the case with this exact name")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    accelerators.set_accelerators(accelerators.AcceleratorConfig(fallback="error"))  # a case the Triton backend refuses fails, never times torch
     stub_launches()
     table = cases()
     print(f"torch {torch.__version__}, CPU, launches stubbed; thread CPU us per call (fastest of {args.repeats} x {args.calls} calls)")
