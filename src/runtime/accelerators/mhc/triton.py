@@ -56,14 +56,8 @@ def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr)
 
 @triton.jit
 def _sinkhorn_step(matrix):
-    matrix = matrix / tl.maximum(tl.sum(matrix, 2), TINY)[:, :, None]
-    return matrix / tl.maximum(tl.sum(matrix, 1), TINY)[:, None, :]
-
-
-@triton.jit
-def _sinkhorn_step_by_reciprocals(matrix):
-    """_sinkhorn_step with one division per row or column, not per entry (within an ulp of it): the backward runs
-    O(iters^2) of these to recompute the iterates."""
+    """One Sinkhorn iteration, rows then columns normalised to sum 1, with one division per row or column rather
+    than per entry: the backward runs O(iters^2) of these to recompute the iterates (as the forward ran them)."""
     matrix = matrix * (1.0 / tl.maximum(tl.sum(matrix, 2), TINY))[:, :, None]
     return matrix * (1.0 / tl.maximum(tl.sum(matrix, 1), TINY))[:, None, :]
 
@@ -175,7 +169,7 @@ def _pre_backward_gates_kernel(
     for back in range(iters):
         iterate = a_first
         for _ in range(iters - 1 - back):
-            iterate = _sinkhorn_step_by_reciprocals(iterate)
+            iterate = _sinkhorn_step(iterate)
         row_sums = tl.maximum(tl.sum(iterate, 2), TINY)
         rows_normal = iterate / row_sums[:, :, None]
         col_sums = tl.maximum(tl.sum(rows_normal, 1), TINY)
