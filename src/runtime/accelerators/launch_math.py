@@ -15,3 +15,8 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (0 for n <= 0, as triton.next_power_of_2 gives for 0)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def pow2_at_least(n: int, least: int = 1) -> int:
+    """next_power_of_2(n), but at least `least` (a block size that tiles must not go below)."""
+    return max(least, next_power_of_2(n))

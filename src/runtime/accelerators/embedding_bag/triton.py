@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..launch_math import cdiv, next_power_of_2
+from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from .reference import INDEX_ERROR
 from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
@@ -200,14 +200,10 @@ def _combine_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _pow2(n: int) -> int:
-    return next_power_of_2(max(int(n), 1))
-
-
 def forward_config(dim: int, bag_len: int) -> dict:
     """Block sizes from the row width and the (typical) bag length; about 2K elements per program."""
-    block_d = min(_pow2(dim), 128)
-    block_l = min(_pow2(bag_len), 8)
+    block_d = min(pow2_at_least(dim), 128)
+    block_l = min(pow2_at_least(bag_len), 8)
     block_b = max(1, min(64, 2048 // block_d))
     return dict(BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4)
 
@@ -286,7 +282,7 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         ranks = rows = segments.first  # unused placeholders
         out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
     chunks = num_chunks(num_indices, CHUNK)
-    block_d = min(_pow2(dim), 128)
+    block_d = min(pow2_at_least(dim), 128)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     grid = (chunks, cdiv(dim, block_d))

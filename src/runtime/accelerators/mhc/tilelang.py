@@ -14,6 +14,7 @@ import torch
 import tilelang.language as T
 
 from .. import buffers
+from ..launch_math import pow2_at_least
 from .layout import allocate_pre, token_streams
 from ..tilelang_common import ACCUM, TL_DTYPE, compiled, device_info
 
@@ -21,10 +22,6 @@ BLOCK_TOKENS = 16
 BLOCK_K = 64
 THREADS = 128
 TINY = 1e-30
-
-
-def _pow2(value: int, least: int) -> int:
-    return max(least, 1 << (value - 1).bit_length())
 
 
 @T.macro
@@ -65,7 +62,7 @@ def _sinkhorn_step(matrix, sums, n: int):
 
 def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
     K, M = n * C, n * n + 2 * n
-    MP, BT, BK = _pow2(M, 16), BLOCK_TOKENS, BLOCK_K
+    MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -146,7 +143,7 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
 def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
     """dx and dg = d(v @ phi) per token; per-block partial sums of dbias (M) and dalpha (3)."""
     K, M, NN = n * C, n * n + 2 * n, n * n
-    MP, BT, BK = _pow2(M, 16), BLOCK_TOKENS, BLOCK_K
+    MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -303,7 +300,7 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
 def dphi_kernel(dtype: str, phi_dtype: str, n: int, C: int, token_splits: int):
     """Partial dphi[s, k, m] = sum over the s-th share of tokens of v[t, k] * dg[t, m]."""
     K, M = n * C, n * n + 2 * n
-    MP, BT, BK = _pow2(M, 16), BLOCK_TOKENS, BLOCK_K
+    MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
     tokens = T.dynamic("tokens")
 
     @T.prim_func

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..launch_math import cdiv, next_power_of_2
+from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from .layout import allocate_pre, token_streams
 
@@ -24,10 +24,6 @@ BLOCK_TOKENS = 16
 BLOCK_K = 64
 DX_PROGRAMS = 1024  # about 8 per SM of an H100: the share of tokens per program shrinks until the grid is that big
 TINY = tl.constexpr(1e-30)
-
-
-def _pow2(value: int, least: int = 1) -> int:
-    return max(least, next_power_of_2(value))
 
 
 @triton.jit
@@ -314,7 +310,7 @@ def _wide_block(n: int, C: int) -> int:
     """C columns per step of a [BLOCK_TOKENS, NP, BC] tile of 4096 elements: wide enough that the columns, not the
     streams, take a warp's lanes (the warps then split the tokens, and no sum crosses warps). A quarter of that
     when C is not a multiple of 16: loads then go element by element, each with its own 64-bit address."""
-    return (4096 if C % 16 == 0 else 1024) // (BLOCK_TOKENS * _pow2(n, 2))
+    return (4096 if C % 16 == 0 else 1024) // (BLOCK_TOKENS * pow2_at_least(n, 2))
 
 
 def _dx_blocks(n: int, C: int) -> tuple[int, int]:
@@ -325,7 +321,7 @@ def _dx_blocks(n: int, C: int) -> tuple[int, int]:
 
 
 def _post_block(n: int) -> int:
-    return max(16, 1024 // (BLOCK_TOKENS * _pow2(n)))
+    return max(16, 1024 // (BLOCK_TOKENS * pow2_at_least(n)))
 
 
 def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
@@ -335,7 +331,7 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     _pre_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
         out.h_in, out.h_post, out.h_res, out.h, out.r, tokens, C, eps, sinkhorn_iters,
-        n=n, NP=_pow2(n, 2), MP=_pow2(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x),
+        n=n, NP=pow2_at_least(n, 2), MP=pow2_at_least(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x),
     )
     return out.results
 
@@ -363,7 +359,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     d_h_in = d_h_in.reshape(tokens, C).contiguous()
     d_pre = buffers.empty((tokens, n), **f32)
     _pre_backward_dpre_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
-        xs, d_h_in, d_pre, tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
+        xs, d_h_in, d_pre, tokens, C, n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
     )
     block_tokens = _gates_block(n)
     programs = cdiv(tokens, block_tokens)
@@ -374,7 +370,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     _pre_backward_gates_kernel[(programs,)](
         alpha.float().contiguous(), bias.float().contiguous(), h, r, d_pre,
         d_h_post.reshape(tokens, n).contiguous(), d_h_res.reshape(tokens, n * n).contiguous(),
-        dg, pre, scale, partials, tokens, n * C, sinkhorn_iters, n=n, NP=_pow2(n, 2), BT=block_tokens,
+        dg, pre, scale, partials, tokens, n * C, sinkhorn_iters, n=n, NP=pow2_at_least(n, 2), BT=block_tokens,
     )
     splits, per_split = dx_splits(tokens, n, C)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
@@ -382,7 +378,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     block_tokens, block_c = _dx_blocks(n, C)
     _pre_backward_dx_kernel[(n * cdiv(C, block_c), splits)](
         xs, phi.contiguous(), d_h_in, dg, pre, scale, dx, dphi_part, tokens, C, per_split,
-        n=n, MP=_pow2(m, 16), BT=block_tokens, BC=block_c, PRECISION=_precision(x),
+        n=n, MP=pow2_at_least(m, 16), BT=block_tokens, BC=block_c, PRECISION=_precision(x),
     )
     sums = partials.sum(0)  # fixed-order reductions of per-program partials: deterministic
     dphi = dphi_part.sum(0).to(phi.dtype)
@@ -395,7 +391,7 @@ def post_forward(x, y, h_post, h_res):
     out = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     _post_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), out, tokens, C,
-        n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
+        n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
     )
     return out
 
@@ -409,6 +405,6 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dh_res = buffers.empty(h_res.shape, dtype=h_res.dtype, device=x.device)
     _post_backward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
         x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), d_out.contiguous(), dx, dy, dh_post, dh_res,
-        tokens, C, n=n, NP=_pow2(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
+        tokens, C, n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
     )
     return dx, dy, dh_post, dh_res
