@@ -147,26 +147,24 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     grid = (cdiv(n, BLOCK),)
+
+    def launch(out, divisor=1.0, reduce=True, one_program=False):
+        _forward_kernel[grid](
+            x, y, w, pw, out, n, *maps, divisor,
+            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=one_program, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
     if reduction == "none":
         loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
-        _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, 1.0,
-            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=False, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        launch(loss, reduce=False)
         return loss
     loss = buffers.empty((), dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
-    if grid[0] == 1:  # PCVR batches: one launch
-        _forward_kernel[grid](
-            x, y, w, pw, loss, n, *maps, divisor,
-            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=True, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    if grid[0] == 1:  # PCVR batches: the whole reduction in one launch
+        launch(loss, divisor, one_program=True)
         return loss
     partials = buffers.empty((grid[0],), dtype=torch.float32, device=logits.device)
-    _forward_kernel[grid](
-        x, y, w, pw, partials, n, *maps, 1.0,
-        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=True, ONE_PROGRAM=False, BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    launch(partials)
     _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
 
