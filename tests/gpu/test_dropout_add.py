@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from runtime.accelerators.dropout_add import draw_seed, dropout_add
+from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
+from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16

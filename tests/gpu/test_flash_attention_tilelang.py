@@ -7,8 +7,9 @@ they are compiled in parallel before the first test.
 import pytest
 import torch
 
-from runtime.accelerators.flash_attention import SEED_BOUND, flash_attention
+from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
+from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 fa = pytest.importorskip(
@@ -121,7 +122,7 @@ def test_dropout_keep_rate_and_backward_consistency():
     torch.manual_seed(11)
     out = flash_attention(q, k, v, dropout_p=p, backend="tilelang")
     torch.manual_seed(11)
-    seed = int(torch.randint(SEED_BOUND, (1,)).item())  # the draw flash_attention made
+    seed = draw_seed()  # the draw flash_attention made
     torch.manual_seed(11)
     again = flash_attention(q, k, v, dropout_p=p, backend="tilelang")
     assert torch.equal(out, again), "torch.manual_seed must repeat the dropout mask"

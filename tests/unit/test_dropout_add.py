@@ -2,6 +2,7 @@
 float64 math and statistics, the Triton kernels under TRITON_INTERPRET=1 (forward and backward, the
 mask element by element), the TileLang kernels compiled for sm_90a, determinism, dispatch and errors."""
 
+import importlib
 import math
 import re
 
@@ -11,8 +12,9 @@ import torch
 from conftest import SM90A, requires_nvcc
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.config import use_accelerators
-from runtime.accelerators.dropout_add import draw_seed, dropout_add
+from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
+from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -214,6 +216,22 @@ def test_tilelang_on_cpu_falls_back_to_torch_dropout():
     torch.testing.assert_close(out, r + x * kept / 0.5)
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="dropout_add.*tilelang"):
         dropout_add(x, r, 0.5, backend="tilelang")
+
+
+def test_dropout_while_capturing_a_cuda_graph_is_a_reason(monkeypatch):
+    """A captured graph would replay the host-drawn seed: dropout goes to torch (fallback rule) while
+    capturing; without dropout the kernel backend still runs."""
+    op = importlib.import_module("runtime.accelerators.dropout_add")  # the module (the package exports a function of its name)
+    monkeypatch.setattr(op, "capturing_graph", lambda device: True)
+    x, r = torch.randn(64), torch.randn(64)
+    with use_accelerators(default="triton", fallback="error"):
+        with pytest.raises(BackendUnavailableError, match="dropout_add.*triton.*CUDA graph is being captured"):
+            dropout_add(x, r, 0.5)
+        torch.testing.assert_close(dropout_add(x, r, 0.0), x + r, rtol=0, atol=0)
+    with use_accelerators(default="triton", fallback="torch"), pytest.warns(BackendFallbackWarning, match="CUDA graph"):
+        out = dropout_add(x, r, 0.5)
+    kept = (out - r).abs() > 1e-6
+    torch.testing.assert_close(out, r + x * kept / 0.5)
 
 
 def test_unsupported_dtype_falls_back():

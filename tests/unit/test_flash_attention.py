@@ -1,5 +1,6 @@
 """flash_attention on the CPU: references, dispatch, every error, the Triton kernels under the interpreter."""
 
+import importlib
 import warnings
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import AcceleratorConfig, BackendFallbackWarning, BackendUnavailableError, explain, use_accelerators
-from runtime.accelerators.flash_attention import SEED_BOUND, SPEC, flash_attention, input_reasons
+from runtime.accelerators.flash_attention import SPEC, flash_attention, input_reasons
 from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
+from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
 
 
@@ -123,6 +125,19 @@ def test_attn_mask_on_a_kernel_backend_falls_back_with_a_warning():
     with pytest.warns(BackendFallbackWarning, match="attn_mask"):
         out = flash_attention(q, k, v, attn_mask=mask, backend="triton")
     assert_close("fallback", out, attention_float64(q, k, v, attn_mask=mask), RTOL_ATTENTION_FP32)
+
+
+def test_dropout_while_capturing_a_cuda_graph_is_a_reason(monkeypatch):
+    """The kernels' seed is a host integer that a captured graph would replay: only dropout is refused."""
+    op = importlib.import_module("runtime.accelerators.flash_attention")  # the module (the package exports a function of its name)
+    monkeypatch.setattr(op, "capturing_graph", lambda device: True)
+    q, k, v = make(1, 2, 2, 5, 6, 16, requires_grad=False)
+    assert any("CUDA graph is being captured" in r for r in input_reasons("triton", q=q, dropout_p=0.1, capturing=True))
+    with use_accelerators(AcceleratorConfig(fallback="error")):
+        with pytest.raises(BackendUnavailableError, match="flash_attention.*triton.*CUDA graph is being captured"):
+            flash_attention(q, k, v, dropout_p=0.1, backend="triton")
+        out = flash_attention(q, k, v, backend="triton")  # no dropout: the kernel runs while capturing
+    assert_close("no dropout", out, attention_float64(q, k, v), RTOL_ATTENTION_FP32)
 
 
 def test_fallback_error_names_every_reason():
@@ -255,7 +270,7 @@ def test_triton_interpreter_dropout():
     torch.manual_seed(7)
     out = flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")
     torch.manual_seed(7)
-    seed = int(torch.randint(SEED_BOUND, (1,)).item())  # the draw flash_attention makes
+    seed = draw_seed()  # the draw flash_attention makes
     torch.manual_seed(7)
     assert torch.equal(out, flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")), "not repeatable"
     keep = dropout_keep_mask(seed, b, h, lq, lk, p, q.device)

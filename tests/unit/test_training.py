@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
+from runtime.training.loop import _check_graphable
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
 
@@ -199,6 +200,15 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert metrics["world_size"] == 2 and metrics["ranks_in_sync"] is True
     assert len(metrics["losses"]) == 4 and all(map(torch.isfinite, torch.tensor(metrics["losses"])))
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
+
+
+def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
+    with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
+        Trainer(_compose("trainer.cuda_graph=true"), tmp_path)
+    with pytest.raises(ValueError, match="trainer.cuda_graph and trainer.compile"):
+        _check_graphable(_compose("trainer.cuda_graph=true", "trainer.compile=true"), torch.device("cuda"), False)
+    with pytest.raises(ValueError, match="not supported with DistributedDataParallel"):
+        _check_graphable(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
 
 
 def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):

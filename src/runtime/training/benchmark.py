@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
         started = time.perf_counter()
         # all models under one variant before the next variant: with a time budget, the eager torch
         # references and the first presets finish first
-        variants = [(preset, False) for preset in bench.presets] + [(preset, True) for preset in bench.compiled]
+        variants = [(preset, "eager") for preset in bench.presets] + [(preset, "compile") for preset in bench.compiled]
+        variants += [(preset, "cuda_graph") for preset in bench.graphed]
         batches, references = {}, {}
-        for preset, compiled in variants:
+        for preset, mode in variants:
             for model in bench.models:
                 if bench.time_budget_s and time.perf_counter() - started > bench.time_budget_s:
                     print(f"time budget of {bench.time_budget_s} s spent: {model} / {preset} and later runs skipped", flush=True)
@@ -119,9 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
                 base = [f"model={model}", f"trainer.steps={bench.steps}", "trainer.progress=false", *bench.overrides]
                 if model not in batches:
                     batches[model] = _make_batches(compose("train", overrides=base), bench.steps)
-                name = f"{model} / {preset}" + (" / torch.compile" if compiled else "")
-                run_overrides = [*base, f"accelerators={preset}", f"trainer.compile={str(compiled).lower()}"]
-                entry = {"model": model, "accelerators": preset, "compiled": compiled}
+                name = f"{model} / {preset}" + {"eager": "", "compile": " / torch.compile", "cuda_graph": " / CUDA graph"}[mode]
+                run_overrides = [
+                    *base, f"accelerators={preset}", f"trainer.compile={str(mode == 'compile').lower()}",
+                    f"trainer.cuda_graph={str(mode == 'cuda_graph').lower()}",
+                ]
+                entry = {"model": model, "accelerators": preset, "compiled": mode == "compile", "cuda_graph": mode == "cuda_graph"}
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always", BackendFallbackWarning)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                     results["runs"].append(entry)
                     _write(out, results)
                     continue
-                if preset == "torch" and not compiled:
+                if preset == "torch" and mode == "eager":
                     references[model] = entry
                 reference = references.get(model)
                 if reference is not None:

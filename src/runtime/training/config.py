@@ -76,6 +76,7 @@ class TrainerSchema:
     grad_clip: float = 1.0
     device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile the model
+    cuda_graph: bool = False  # capture the whole step as one CUDA graph after 3 eager steps (CUDA, one process)
     resume: Optional[str] = None  # a checkpoint file, or a run directory (its latest checkpoint)
     progress: bool = True  # a rich progress bar on the main process
     cpu_threads: Optional[int] = None  # torch.set_num_threads; null keeps torch's default
@@ -108,6 +109,7 @@ class BenchmarkSchema:
     models: List[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
     presets: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
     compiled: List[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
+    graphed: List[str] = field(default_factory=list)  # presets also run with trainer.cuda_graph=true (CUDA only)
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run

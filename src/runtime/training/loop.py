@@ -22,6 +22,7 @@ from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
 
 from . import checkpoint
 from .config import Precision, accelerator_config
+from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects
 from .metrics import log_loss, roc_auc
@@ -30,15 +31,28 @@ from .progress import ProgressBar
 logger = logging.getLogger("runtime.training")
 
 
-def make_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: not embeddings, norms or biases."""
+def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool = False) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
+    CUDA-graphed step, with the learning rate a device tensor (the scheduler fills it in place)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda")
+    lr = torch.tensor(cfg.lr, device=device) if capturable else cfg.lr
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr  # a float: the scheduler's rates stay host numbers (no sync to fill a tensor)
+    return optimizer
+
+
+def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Learning rates as device tensors (a checkpoint of an eager run holds floats)."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device):
+            group["lr"] = torch.tensor(float(lr), device=device)
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -47,6 +61,15 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _check_graphable(cfg, device: torch.device, distributed: bool) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"trainer.cuda_graph: needs a CUDA device, the run is on {device}")
+    if distributed:
+        raise ValueError("trainer.cuda_graph: not supported with DistributedDataParallel (torchrun); set trainer.cuda_graph=false")
+    if cfg.trainer.compile:
+        raise ValueError("trainer.cuda_graph and trainer.compile: use one of the two (torch.compile has its own mode='reduce-overhead')")
 
 
 def _precision(cfg) -> Precision:
@@ -86,7 +109,10 @@ class Trainer:
         trained = self.ddp or self.model
         self.forward = torch.compile(trained) if cfg.trainer.compile else trained
         self.criterion = BCEWithLogitsLoss()
-        self.optimizer = make_optimizer(self.model, cfg.optim, self.device)
+        graphed = bool(cfg.trainer.cuda_graph)
+        if graphed:
+            _check_graphable(cfg, self.device, self.run.distributed)
+        self.optimizer = make_optimizer(self.model, cfg.optim, self.device, capturable=graphed)
         total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio))
         self.step = 0
@@ -104,6 +130,10 @@ class Trainer:
         }
         if cfg.trainer.resume:
             self.load(checkpoint.resolve(cfg.trainer.resume))
+        self.graphed_step = None
+        if graphed:
+            device_learning_rates(self.optimizer, self.device)
+            self.graphed_step = GraphedStep(self._optimizer_step, self.optimizer, self.device)
 
     # ------------------------------------------------------------------ pieces
 
@@ -116,12 +146,21 @@ class Trainer:
 
     def autocast(self):
         if self.precision_name == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            # autocast's cache of casted weights would outlive a captured graph's replay
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.cfg.trainer.cuda_graph)
         return contextlib.nullcontext()
 
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the loss and the gradient norm (device tensors, no synchronisation)."""
         self.model.train()
+        loss, grad_norm = (self.graphed_step or self._optimizer_step)(batch)
+        self.scheduler.step()
+        self.step += 1
+        self.data_position += self.run.world_size
+        return loss, grad_norm
+
+    def _optimizer_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss, backward, clipping and the AdamW update (what a CUDA graph captures)."""
         with self.autocast():
             logits = self.forward(batch)
         loss = self.criterion(logits, batch.label)
@@ -129,9 +168,6 @@ class Trainer:
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        self.data_position += self.run.world_size
         return loss.detach(), grad_norm.detach()
 
     @torch.no_grad()
@@ -246,7 +282,7 @@ class Trainer:
             "step": self.step,
             "loss": sum(losses) / len(losses),
             "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
             "samples_per_s": speed,
             "step_ms": 1000 * elapsed / steps,
         }

@@ -12,6 +12,7 @@ import torch
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
+from ..seeds import GRAPH_CAPTURE_REASON, capturing_graph, draw_seed
 from .reference import dropout_add_reference
 
 # the tilelang kernels index elements with 32-bit integers (blocks of up to 2^16 elements);
@@ -19,10 +20,12 @@ from .reference import dropout_add_reference
 TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
-def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor) -> list[str]:
+def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor, capturing: bool = False) -> list[str]:
     reasons = dtype_reasons("x", x)
     if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
         reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    if capturing:
+        reasons.append(GRAPH_CAPTURE_REASON)
     return reasons
 
 
@@ -55,11 +58,6 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     return float(p)
 
 
-def draw_seed() -> int:
-    """A 31-bit seed from torch's default (CPU) generator: no device sync, repeatable under torch.manual_seed."""
-    return int(torch.randint(2**31, (), dtype=torch.int64).item())
-
-
 def dropout_add(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -69,7 +67,9 @@ def dropout_add(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     p = check_dropout_add_inputs(x, residual, p)
-    chosen = select_backend(SPEC, backend, x.device, (x.dtype, x.numel() > TILELANG_MAX_NUMEL), x=x, residual=residual)
+    capturing = training and p > 0 and capturing_graph(x.device)
+    key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL, capturing)
+    chosen = select_backend(SPEC, backend, x.device, key, x=x, residual=residual, capturing=capturing)
     if not training or p == 0.0 or x.numel() == 0:
         return x + residual
     if chosen == "torch":

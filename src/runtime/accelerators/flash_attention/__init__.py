@@ -15,6 +15,7 @@ import torch
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
+from ..seeds import GRAPH_CAPTURE_REASON, capturing_graph, draw_seed
 from .reference import flash_attention_reference
 
 # What each kernel backend supports; the reasons below are derived from this table.
@@ -45,7 +46,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_) -> list[str]:
+def input_reasons(
+    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, capturing: bool = False, **_
+) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
     reasons = []
@@ -67,6 +70,8 @@ def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_
             reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
+    if capturing:
+        reasons.append(GRAPH_CAPTURE_REASON)
     if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
         # the kernels are built on TMA loads, wgmma and warp specialisation
         major, minor = torch.cuda.get_device_capability(q.device)
@@ -94,9 +99,6 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
 )
-
-SEED_BOUND = 2**31 - 1  # seeds stay int32 so Triton keeps one signature
-
 
 def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -200,14 +202,15 @@ def flash_attention(
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     unscalable = scale is not None and scale <= 0
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable)
+    capturing = dropout_p > 0 and capturing_graph(q.device)
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable, capturing)
     chosen = select_backend(
-        SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+        SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, capturing=capturing
     )
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:
         key_lengths = key_lengths.to(torch.int32).contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    seed = int(torch.randint(SEED_BOUND, (1,)).item()) if dropout_p > 0 else 0
+    seed = draw_seed() if dropout_p > 0 else 0
     return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)
