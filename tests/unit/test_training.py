@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from runtime.accelerators import active_config, set_accelerators
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
 from runtime.training.loop import _check_graphable
@@ -34,6 +35,14 @@ TINY = [
     "model.ffn_mult=2",
     "model.head_hidden=32",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _restore_accelerators():
+    """A Trainer sets the process-wide accelerator config; later test files expect the default."""
+    saved = active_config()
+    yield
+    set_accelerators(saved)
 
 
 def _compose(*overrides: str):
