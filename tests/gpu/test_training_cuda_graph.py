@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from runtime.accelerators import BackendFallbackWarning
 from runtime.training import Trainer, config_dir
 from runtime.training.data import build_data
+from runtime.training.distributed import Run
 
 STEPS = 12
 SMALL = [
@@ -23,7 +24,7 @@ def _compose(*overrides: str):
 
 
 def _train(cfg, tmp_path, name: str) -> tuple[Trainer, list[float]]:
-    trainer = Trainer(cfg, tmp_path / name)
+    trainer = Trainer(cfg, tmp_path / name, Run(torch.device("cuda", torch.cuda.current_device())))
     data = build_data(cfg.data, cfg.seed)
     losses = [trainer.train_step(data.train_batch(i, cfg.data.batch_size).to("cuda"))[0] for i in range(STEPS)]
     return trainer, torch.stack(losses).float().cpu().tolist()
