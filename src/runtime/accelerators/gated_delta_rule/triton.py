@@ -191,9 +191,10 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.const
 # 16 b .. 16 b + 15) and T = (I + A)^-1 (lower triangular: T_bb = (I + A_bb)^-1, zero above the diagonal blocks):
 #   1. gamma = cumsum(g), A = beta_t exp(gamma_t - gamma_s) k_t.k_s (s < t): one [64, K] x [K, 64] dot, written to
 #      inverse_out, which holds the chunk's A until T overwrites it;
-#   2. the diagonal blocks' inverses by forward substitution with vector ops on rows of A read back, the four
-#      blocks at once and transposed (E_b = T_bb^T, stacked in Es [64, 16]: the reductions stay within warps),
-#      and the six blocks of A below them (read transposed, A_bm^T);
+#   2. the six blocks of A below the diagonal (read transposed, A_bm^T), then the diagonal blocks' inverses by
+#      forward substitution with vector ops on rows of A read back, the four blocks at once and transposed
+#      (E_b = T_bb^T, stacked in Es [64, 16]: the reductions stay within warps); for half inputs all these reads
+#      are issued together after one barrier (before, the 15 rows came in three dependent rounds after it);
 #   3. row block b of T from the row blocks above it (block forward substitution, tf32x3 dots), transposed:
 #         T_b = T_bb (S_b - sum_{m < b} A_bm T_m)  ->  T_b^T = S_b^T E_b - (sum_{m < b} T_m^T A_bm^T) E_b
 #      (S_b: ones at block b's columns; T_m^T [64, 16] is a dot result and only ever a left operand), each written
@@ -205,31 +206,27 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.const
 
 
 @triton.jit
-def _diagonal_inverses_t(a, n_rows, ROW: tl.constexpr):
+def _diagonal_inverses_t(a, n_rows, ROW: tl.constexpr, ROUND: tl.constexpr):
     """Es [BT, SUB]: the transposed inverses E_b = ((I + A_bb)^-1)^T of the four diagonal blocks of the strictly
     lower A (`a` at the chunk's first row, ROW apart), stacked (rows 16 b .. 16 b + 15: E_b). Forward substitution,
-    the four blocks at once: row i of (I + A_bb)^-1 is e_i - sum_{j < i} A[16 b + i, 16 b + j] (row j), i.e.
-    column i of E_b (rows of A past the sequence: 0)."""
-    r = tl.arange(0, BT_)
-    j = tl.arange(0, SUB)
-    first = (r // SUB) * SUB  # 16 b of each row of Es
-    es = tl.where((r % SUB)[:, None] == j[None, :], 1.0, 0.0)
-    # rows 1 .. 15 in three rounds of five: a round's reads are issued together (all fifteen at once hold ~40
-    # more registers per thread; one at a time, each waits for L2)
-    for first_i in range(1, SUB, 5):
-        for di in tl.static_range(5):
-            i = first_i + di
-            a_i = _diagonal_row(a, first, j, i, n_rows, ROW)
-            es = tl.where(j[None, :] == i, es - tl.sum(es * a_i, 1)[:, None], es)
-    return es
-
-
-@triton.jit
-def _diagonal_row(a, first, j, i, n_rows, ROW: tl.constexpr):
-    """[BT, SUB]: A[16 b + i, 16 b + j] (j < i) on the rows of block b (0 past the sequence)."""
-    rows = first + i
-    mask = (rows < n_rows)[:, None] & (j < i)[None, :]
-    return tl.load(a + rows[:, None] * ROW + first[:, None] + j[None, :], mask=mask, other=0.0)
+    the four blocks at once ([4, SUB, SUB], E[b, p, i] = E_b[p, i]): row i of (I + A_bb)^-1 is
+    e_i - sum_{j < i} A[16 b + i, 16 b + j] (row j), i.e. column i of E_b. Each step's reduction stays within a warp;
+    the rows of A it reads (each broadcast over p) do not depend on the earlier steps, so each round of ROUND unrolled
+    steps can issue its reads together ahead of the arithmetic (all 15 in one round: no waiting on L2 round after
+    round; fp32 inputs, whose IEEE dots already spill, take rounds of 5). Reducing rows out of one read of the blocks
+    instead needs a barrier a step (the four blocks' rows span warps)."""
+    blk = tl.arange(0, BT_ // SUB)[:, None, None]
+    p = tl.arange(0, SUB)[None, :, None]
+    j = tl.arange(0, SUB)[None, None, :]
+    es = tl.where(p == j, 1.0, tl.zeros([BT_ // SUB, SUB, SUB], dtype=tl.float32))
+    for first in range(1, SUB, ROUND):
+        for di in tl.static_range(ROUND):
+            i = first + di
+            row = blk * SUB + i  # rows past the sequence: 0
+            columns = blk * SUB + tl.broadcast_to(j, [1, SUB, SUB])
+            a_i = tl.load(a + row * ROW + columns, mask=(row < n_rows) & (j < i), other=0.0)
+            es = tl.where(j == i, es - tl.sum(es * a_i, 2)[:, :, None], es)
+    return tl.reshape(es, [BT_, SUB])
 
 
 @triton.jit
@@ -309,13 +306,16 @@ def _chunk_prepare_kernel(
     tl.debug_barrier()
 
     # 2. the diagonal blocks' inverses (transposed, stacked), and the blocks of A left of them
-    es = _diagonal_inverses_t(inverse_out, n_rows, ROW)
     a10 = _a_block_t(inverse_out, 1, 0, n_rows, ROW)
     a20 = _a_block_t(inverse_out, 2, 0, n_rows, ROW)
     a21 = _a_block_t(inverse_out, 2, 1, n_rows, ROW)
     a30 = _a_block_t(inverse_out, 3, 0, n_rows, ROW)
     a31 = _a_block_t(inverse_out, 3, 1, n_rows, ROW)
     a32 = _a_block_t(inverse_out, 3, 2, n_rows, ROW)
+    if PRECISION == "ieee":
+        es = _diagonal_inverses_t(inverse_out, n_rows, ROW, 5)
+    else:
+        es = _diagonal_inverses_t(inverse_out, n_rows, ROW, SUB - 1)
     tl.debug_barrier()  # A read: T overwrites it
 
     # 3. T by row blocks (transposed: T_m^T, a dot result, is the left operand of the next ones)
