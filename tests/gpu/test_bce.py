@@ -136,6 +136,26 @@ def test_reductions_are_bitwise_deterministic(backend, reduction):
             assert torch.equal(g, g0)
 
 
+LOOPING_LAUNCHES = {  # what scripts/bce_sweep.py tries besides the default: programs looping over blocks
+    "4xSM-reverse": dict(programs_per_sm=4, reverse=True),
+    "6xSM-3-stages": dict(block=2048, num_warps=4, programs_per_sm=6, stages=3),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("launch", LOOPING_LAUNCHES.values(), ids=LOOPING_LAUNCHES.keys())
+def test_triton_looping_launches(launch, reduction, monkeypatch):
+    from runtime.accelerators.bce import triton as kernels
+
+    monkeypatch.setattr(kernels, "FORWARD", kernels.Launch(**launch))
+    monkeypatch.setattr(kernels, "BACKWARD", kernels.Launch(**launch))
+    x, y = logits_targets((2**22 + 3,), bf16)  # several blocks per program and a partial one
+    pos_weight = 0.5 + 2 * torch.rand(1, device="cuda")
+    out, _ = check("triton", x, y, pos_weight=pos_weight, reduction=reduction)
+    if reduction == "mean":  # bit-identical run to run
+        assert torch.equal(bce(x, y, pos_weight=pos_weight, backend="triton"), out)
+
+
 @pytest.mark.parametrize("dtype, with_pos_weight", [(f32, False), (f32, True), (bf16, False)], ids=["f32", "f32-pos_weight", "bf16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_logits_are_finite_and_accurate(backend, dtype, with_pos_weight):

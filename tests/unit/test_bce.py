@@ -12,6 +12,7 @@ from conftest import SM90A, requires_nvcc
 
 import runtime.accelerators as acc
 from runtime.accelerators.bce import ABSENT, BROADCAST, FULL, binary_cross_entropy_with_logits as bce, broadcast_layout
+from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.bce.reference import bce_with_logits_reference
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
@@ -134,6 +135,30 @@ def test_triton_forward_backward(shape, reduction, weight_shape, pos_weight_shap
         grad_out = torch.randn(out.shape)
         grads = torch.autograd.grad(out, (x, y), grad_out)
     compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], "triton")
+
+
+LAUNCHES = {
+    "block-per-program": bce_triton.Launch(block=512, num_warps=4),
+    "3-programs-looping": bce_triton.Launch(block=512, num_warps=4, programs_per_sm=3),
+    "2-programs-reverse-staged": bce_triton.Launch(block=1024, programs_per_sm=2, reverse=True, stages=2),
+}
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
+def test_triton_large_input_launches(launch, reduction, monkeypatch):
+    """Inputs above SMALL.block take the FORWARD / BACKWARD launches (one CPU "SM" under the interpreter): programs
+    that loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map."""
+    monkeypatch.setattr(bce_triton, "FORWARD", launch)
+    monkeypatch.setattr(bce_triton, "BACKWARD", launch)
+    x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,))
+    with poison_outputs():
+        out = bce(x, y, w, pw, reduction, backend="triton")
+        grad_out = torch.randn(out.shape)
+        grads = torch.autograd.grad(out, (x, y), grad_out)
+    compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], f"triton {launch}")
+    if reduction != "none":
+        assert torch.equal(out, bce(x, y, w, pw, reduction, backend="triton"))
 
 
 def test_triton_mixed_dtypes_and_no_target_gradient():

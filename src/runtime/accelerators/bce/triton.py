@@ -1,11 +1,18 @@
 """BCE with logits in Triton: a one-pass forward and a one-pass backward over the flat logits.
 
-The mean / sum reductions are deterministic: each program writes the fp32 sum of its block to a
-partials buffer, then one program adds the partials in a fixed order (no atomics), so the same
-inputs give the same bits on every run.
+Each program walks blocks of BLOCK elements: full blocks without a mask (vector loads for any N), then the
+one partial block, masked, in the program it would fall to. By default there is one program per block; a
+launch with fewer programs (Launch.programs_per_sm) makes each loop over several.
+
+The mean / sum reductions are deterministic: each program writes the fp32 sum of its blocks to a partials
+buffer, then one program adds the partials in a fixed order (no atomics), so the same inputs give the same
+bits on every run of a device.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,9 +24,47 @@ from ..triton_launch import direct_launch
 from . import is_scalar_gradient, operand_mode
 from .reference import loss_dtype
 
-BLOCK = 4096  # elements per program (forward and backward)
-NUM_WARPS = 8
+
+@dataclass(frozen=True)
+class Launch:
+    block: int = 4096  # elements per program and step
+    num_warps: int = 8
+    programs_per_sm: int = 0  # 0: one program per block; k > 0: at most k programs per SM, each looping over blocks
+    reverse: bool = False  # walk the blocks last to first (a backward then first reads what its forward left in L2)
+    stages: int = 1  # > 1: loads of the next blocks are issued (cp.async) while a program works on one (loops only)
+
+
+# Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction. Larger
+# ones take FORWARD / BACKWARD: module globals that scripts/bce_sweep.py replaces to compare launches.
+SMALL = Launch()
+FORWARD = Launch()
+BACKWARD = Launch()
 SUM_BLOCK = 1024  # partials added per step by the final reduction
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _plan(n: int, large: Launch, tensor: torch.Tensor) -> tuple[Launch, int]:
+    """The launch and its number of programs for n elements."""
+    if n <= SMALL.block:
+        return SMALL, 1
+    blocks = cdiv(n, large.block)
+    if large.programs_per_sm:
+        return large, min(blocks, large.programs_per_sm * _sm_count(tensor.device))
+    return large, blocks
+
+
+@triton.jit
+def _load(ptr, mask):
+    """fp32 values at ptr; mask None in full blocks (no predicate, vector loads)."""
+    if mask is None:
+        value = tl.load(ptr)
+    else:
+        value = tl.load(ptr, mask=mask, other=0.0)
+    return value.to(tl.float32)
 
 
 @triton.jit
@@ -29,17 +74,25 @@ def _operand(ptr, offs, mask, inner, count, MODE: tl.constexpr):
         index = offs
     else:  # BROADCAST (Triton specialises inner == 1, so a per-class vector costs one modulo)
         index = (offs // inner) % count
-    return tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
+    return _load(ptr + index, mask)
 
 
 @triton.jit
 def _log1p_exp_neg_abs(x):
-    """log(1 + exp(-|x|)), accurate also where exp(-|x|) is tiny (the interpreter has no libdevice log1p)."""
+    """log(1 + e) for e = exp(-|x|) in (0, 1], as 2 atanh(s) with s = e / (2 + e) in (0, 1/3]: the series
+    2 (s + s^3/3 + ... + s^13/13) is within 2e-8 relative there, keeps tiny losses relatively accurate (no 1 + e
+    is rounded) and costs a few FMAs where a libdevice log costs about 30 instructions."""
     e = tl.exp(-tl.abs(x))
-    u = 1.0 + e
-    d = u - 1.0
-    # log(u) * e / (u - 1) cancels the rounding of 1 + e (d == 0 means e is below half an ulp of 1)
-    return tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
+    s = e / (2.0 + e)
+    t = s * s
+    p = 2.0 / 13.0
+    p = p * t + 2.0 / 11.0
+    p = p * t + 2.0 / 9.0
+    p = p * t + 2.0 / 7.0
+    p = p * t + 2.0 / 5.0
+    p = p * t + 2.0 / 3.0
+    p = p * t + 2.0
+    return s * p
 
 
 @triton.jit
@@ -51,32 +104,67 @@ def _loss(x, y, pw, HAS_PW: tl.constexpr):
     return tl.where(x >= 0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
 
 
-@direct_launch
 @triton.jit
-def _forward_kernel(
-    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
-    w_inner, w_count, pw_inner, pw_count, divisor,
-    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, ONE_PROGRAM: tl.constexpr, BLOCK: tl.constexpr,
+def _block_index(step, n_full, REVERSE: tl.constexpr):
+    if REVERSE:
+        return n_full - 1 - step
+    return step
+
+
+@triton.jit
+def _forward_block(
+    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, mask, acc,
+    w_inner, w_count, pw_inner, pw_count,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """acc plus the block's losses (REDUCE), or acc after storing them."""
+    x = _load(x_ptr + offs, mask)
+    y = _load(y_ptr + offs, mask)
     if PW_MODE != 0:
         loss = _loss(x, y, _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE), True)
     else:
         loss = _loss(x, y, 1.0, False)
     if W_MODE != 0:
         loss = loss * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
+    if not REDUCE:
+        tl.store(out_ptr + offs, loss.to(out_ptr.dtype.element_ty), mask=mask)
+    elif mask is None:
+        acc += loss
+    else:
+        acc += tl.where(mask, loss, 0.0)
+    return acc
+
+
+@direct_launch
+@triton.jit
+def _forward_kernel(
+    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
+    w_inner, w_count, pw_inner, pw_count, divisor,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+    REVERSE: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    n_full = n // BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for step in tl.range(pid, n_full, programs, num_stages=NUM_STAGES):
+        offs = _block_index(step, n_full, REVERSE) * BLOCK + tl.arange(0, BLOCK)
+        acc = _forward_block(
+            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, None, acc, w_inner, w_count, pw_inner, pw_count,
+            W_MODE, PW_MODE, REDUCE,
+        )  # fmt: skip
+    if pid == n_full % programs and n_full * BLOCK < n:
+        offs = n_full * BLOCK + tl.arange(0, BLOCK)
+        acc = _forward_block(
+            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, offs < n, acc, w_inner, w_count, pw_inner, pw_count,
+            W_MODE, PW_MODE, REDUCE,
+        )  # fmt: skip
     if REDUCE:
-        total = tl.sum(tl.where(mask, loss, 0.0), axis=0)
+        total = tl.sum(acc, axis=0)
         if ONE_PROGRAM:  # the whole reduction in this program: no partials, no second launch
             tl.store(out_ptr, (total / divisor).to(out_ptr.dtype.element_ty))
         else:
             tl.store(out_ptr + pid, total)
-    else:
-        tl.store(out_ptr + offs, loss.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @direct_launch
@@ -90,22 +178,18 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_parts, divisor, BLOCK: tl.constexp
     tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
-@direct_launch
 @triton.jit
-def _backward_kernel(
-    g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, n, g_divisor,
+def _backward_block(
+    g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, offs, mask, g_scalar,
     w_inner, w_count, pw_inner, pw_count,
     W_MODE: tl.constexpr, PW_MODE: tl.constexpr, G_SCALAR: tl.constexpr, TARGETS_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if G_SCALAR:  # mean / sum: one incoming gradient (divided by N for the mean)
-        g = tl.load(g_ptr).to(tl.float32) / g_divisor
+    x = _load(x_ptr + offs, mask)
+    y = _load(y_ptr + offs, mask)
+    if G_SCALAR:
+        g = g_scalar
     else:
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _load(g_ptr + offs, mask)
     if W_MODE != 0:
         g = g * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
     # d/dx [(1 - y) x + lw softplus(-x)] = lw sigmoid(x) - pw y, with lw = 1 + (pw - 1) y. Written with
@@ -127,6 +211,34 @@ def _backward_kernel(
         tl.store(dy_ptr + offs, (dy * g).to(dy_ptr.dtype.element_ty), mask=mask)
 
 
+@direct_launch
+@triton.jit
+def _backward_kernel(
+    g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, n, g_divisor,
+    w_inner, w_count, pw_inner, pw_count,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, G_SCALAR: tl.constexpr, TARGETS_GRAD: tl.constexpr,
+    REVERSE: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    n_full = n // BLOCK
+    g_scalar = 0.0
+    if G_SCALAR:  # mean / sum: one incoming gradient (divided by N for the mean)
+        g_scalar = tl.load(g_ptr).to(tl.float32) / g_divisor
+    for step in tl.range(pid, n_full, programs, num_stages=NUM_STAGES):
+        offs = _block_index(step, n_full, REVERSE) * BLOCK + tl.arange(0, BLOCK)
+        _backward_block(
+            g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, offs, None, g_scalar, w_inner, w_count, pw_inner,
+            pw_count, W_MODE, PW_MODE, G_SCALAR, TARGETS_GRAD,
+        )  # fmt: skip
+    if pid == n_full % programs and n_full * BLOCK < n:
+        offs = n_full * BLOCK + tl.arange(0, BLOCK)
+        _backward_block(
+            g_ptr, x_ptr, y_ptr, w_ptr, pw_ptr, dx_ptr, dy_ptr, offs, offs < n, g_scalar, w_inner, w_count, pw_inner,
+            pw_count, W_MODE, PW_MODE, G_SCALAR, TARGETS_GRAD,
+        )  # fmt: skip
+
+
 # The kernels index flat element offsets from each tensor's data pointer, so a contiguous tensor of any shape is
 # passed as it is: no flattening view (each view is one more ATen op on every eager call).
 
@@ -146,26 +258,21 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
-    grid = (cdiv(n, BLOCK),)
-
-    def launch(out, divisor=1.0, reduce=True, one_program=False):
-        _forward_kernel[grid](
-            x, y, w, pw, out, n, *maps, divisor,
-            W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=one_program, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
-
-    if reduction == "none":
-        loss = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
-        launch(loss, reduce=False)
-        return loss
-    loss = buffers.empty((), dtype=dtype, device=logits.device)
+    launch, programs = _plan(n, FORWARD, logits)
+    reduce = reduction != "none"
+    if reduce:
+        loss = buffers.empty((), dtype=dtype, device=logits.device)
+        out = loss if programs == 1 else buffers.empty((programs,), dtype=torch.float32, device=logits.device)
+    else:
+        loss = out = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
-    if grid[0] == 1:  # PCVR batches: the whole reduction in one launch
-        launch(loss, divisor, one_program=True)
-        return loss
-    partials = buffers.empty((grid[0],), dtype=torch.float32, device=logits.device)
-    launch(partials)
-    _sum_partials_kernel[(1,)](partials, loss, grid[0], divisor, BLOCK=SUM_BLOCK, num_warps=4)
+    _forward_kernel[(programs,)](
+        x, y, w, pw, out, n, *maps, divisor,
+        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=programs == 1,
+        REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
+    )  # fmt: skip
+    if reduce and programs > 1:
+        _sum_partials_kernel[(1,)](out, loss, programs, divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
 
 
@@ -178,10 +285,10 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
-    _backward_kernel[(cdiv(n, BLOCK),)](
+    launch, programs = _plan(n, BACKWARD, logits)
+    _backward_kernel[(programs,)](
         g, x, y, w, pw, dlogits, dtargets if targets_grad else dlogits, n, g_divisor, *maps,
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
     return dlogits, dtargets, None, None, None, None
-
