@@ -4,7 +4,7 @@
 
 Every row is timed as `python -m runtime.benchmark` times it (CUDA-graph replays, L2 flushed before each, median
 ms), after a check against a float64 torch reference (relative RMS error, the benchmark's bounds; the mean also
-bit-identical over two calls). The variants replace the module globals FORWARD / BACKWARD of
+bit-identical over two calls). The variants replace the module globals FORWARD / FORWARD_NONE / BACKWARD of
 runtime.accelerators.bce.triton, which inputs above SMALL.block elements use:
 
 - forward (mean, none): elements per program and warps (8 to 32 values a thread: bytes in flight against
@@ -54,6 +54,20 @@ BACKWARD_VARIANTS = {
 SHORT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 FP32_AFTER_S = 150  # the fp32 rows are left out when the bf16 ones took longer (compiles on a slow machine)
 PERSISTENT = "4096/8w 4xSM"  # the persistent variant fp32 repeats (forward); its reversed twin for the backward
+
+
+DEFAULTS = (kernels.FORWARD, kernels.FORWARD_NONE, kernels.BACKWARD)
+
+
+def set_forward(reduction: str, launch: Launch) -> None:
+    if reduction == "none":
+        kernels.FORWARD_NONE = launch
+    else:
+        kernels.FORWARD = launch
+
+
+def restore_defaults() -> None:
+    kernels.FORWARD, kernels.FORWARD_NONE, kernels.BACKWARD = DEFAULTS
 
 
 def torch_bce(logits, targets, reduction):
@@ -117,7 +131,7 @@ class Sweep:
         self.copy("fwd", reduction, dtype)
         best, best_ms = "4096/8w (default)", float("inf")
         for name, launch in variants.items():
-            kernels.FORWARD = launch
+            set_forward(reduction, launch)
             with torch.no_grad():
                 run = lambda: binary_cross_entropy_with_logits(x, y, reduction=reduction, backend="triton")  # noqa: E731
                 out = run()
@@ -128,7 +142,7 @@ class Sweep:
                 print(f"  {name}: WRONG (error {error:.1e}, bound {RTOL[dtype]:.0e}, or the mean not deterministic)")
             elif ms < best_ms:
                 best, best_ms = name, ms
-        kernels.FORWARD = Launch()
+        restore_defaults()
         return best
 
     def forward_backward(self, reduction, dtype, forward: Launch, variants: dict[str, Launch]) -> str:
@@ -155,7 +169,7 @@ class Sweep:
         def ours(x, y, reduction):
             return binary_cross_entropy_with_logits(x, y, reduction=reduction, backend="triton")
 
-        kernels.FORWARD = forward
+        set_forward(reduction, forward)
         best, best_ms = "4096/8w (default)", float("inf")
         for name, launch in variants.items():
             kernels.BACKWARD = launch
@@ -166,7 +180,7 @@ class Sweep:
                     best, best_ms = name, ms
             else:
                 print(f"  {name}: WRONG (loss error {out_error:.1e}, dlogits error {dx_error:.1e})")
-        kernels.FORWARD, kernels.BACKWARD = Launch(), Launch()
+        restore_defaults()
         return best
 
 

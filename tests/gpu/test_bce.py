@@ -148,6 +148,7 @@ def test_triton_looping_launches(launch, reduction, monkeypatch):
     from runtime.accelerators.bce import triton as kernels
 
     monkeypatch.setattr(kernels, "FORWARD", kernels.Launch(**launch))
+    monkeypatch.setattr(kernels, "FORWARD_NONE", kernels.Launch(**launch))
     monkeypatch.setattr(kernels, "BACKWARD", kernels.Launch(**launch))
     x, y = logits_targets((2**22 + 3,), bf16)  # several blocks per program and a partial one
     pos_weight = 0.5 + 2 * torch.rand(1, device="cuda")

@@ -150,6 +150,7 @@ def test_triton_large_input_launches(launch, reduction, monkeypatch):
     """Inputs above SMALL.block take the FORWARD / BACKWARD launches (one CPU "SM" under the interpreter): programs
     that loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map."""
     monkeypatch.setattr(bce_triton, "FORWARD", launch)
+    monkeypatch.setattr(bce_triton, "FORWARD_NONE", launch)
     monkeypatch.setattr(bce_triton, "BACKWARD", launch)
     x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,))
     with poison_outputs():

@@ -35,10 +35,12 @@ class Launch:
 
 
 # Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction. Larger
-# ones take FORWARD / BACKWARD: module globals that scripts/bce_sweep.py replaces to compare launches.
+# ones take FORWARD (mean / sum), FORWARD_NONE or BACKWARD: module globals that scripts/bce_sweep.py replaces to
+# compare launches. Chosen from its H100 run of 2026-11-23 at 2^24 (bf16 and fp32; docs/benchmark/bce_with_logits.md).
 SMALL = Launch()
 FORWARD = Launch()
-BACKWARD = Launch()
+FORWARD_NONE = Launch(block=1024, num_warps=4)
+BACKWARD = Launch(block=2048, num_warps=4, programs_per_sm=8, reverse=True, stages=3)
 SUM_BLOCK = 1024  # partials added per step by the final reduction
 
 
@@ -258,8 +260,8 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
-    launch, programs = _plan(n, FORWARD, logits)
     reduce = reduction != "none"
+    launch, programs = _plan(n, FORWARD if reduce else FORWARD_NONE, logits)
     if reduce:
         loss = buffers.empty((), dtype=dtype, device=logits.device)
         out = loss if programs == 1 else buffers.empty((programs,), dtype=torch.float32, device=logits.device)
