@@ -180,6 +180,33 @@ def test_triton_blockwise_inverse_with_identical_keys_matches_float64():
         assert_close("inverse", inverse[start : start + n, 0, :n], expected, 1e-6)
 
 
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_triton_prepare_factors_match_float64(l2norm):
+    # gamma, (I + A)^-1 (whole rows: zeros above the diagonal) and the WY factors of every chunk, varlen with
+    # partial chunks and GVA (value head 1 reads k head 0)
+    inputs = make_inputs(1, 130, 1, 2, 32, 16, sequences=4)
+    k, v, g, beta = (inputs[name] for name in ("k", "v", "g", "beta"))
+    k = 3 * k if l2norm else k  # rows of norm 3: the kernel must normalise them
+    chunks = gdr_triton.Chunks.of(v, CU)
+    with poison_outputs():
+        gamma, w, u, inverse = gdr_triton.prepare(k, v, g, beta, l2norm, chunks, "ieee")
+    kd = F.normalize(k.double(), dim=-1, eps=0) if l2norm else k.double()
+    for n in range(CU.numel() - 1):
+        for start in range(int(CU[n]), int(CU[n + 1]), gdr_triton.BT):
+            rows = slice(start, min(start + gdr_triton.BT, int(CU[n + 1])))
+            for hv in range(2):
+                kc, vc = kd[0, rows, 0], v[0, rows, hv].double()
+                gc, bc = g[0, rows, hv].double().cumsum(0), beta[0, rows, hv].double()
+                a = torch.tril(bc[:, None] * torch.exp(gc[:, None] - gc[None, :]) * (kc @ kc.T), -1)
+                t = torch.linalg.inv(torch.eye(len(gc), dtype=torch.float64) + a)
+                full = torch.zeros(len(gc), gdr_triton.BT, dtype=torch.float64)
+                full[:, : len(gc)] = t
+                assert_close("gamma", gamma[rows, hv], gc, 1e-5)
+                assert_close("inverse", inverse[rows, hv], full, 1e-5)
+                assert_close("w", w[rows, hv], t @ (kc * (bc * gc.exp())[:, None]), 1e-5)
+                assert_close("u", u[rows, hv], t @ (vc * bc[:, None]), 1e-5)
+
+
 def test_triton_forward_bf16_under_the_interpreter():
     inputs = make_inputs(1, 63, 1, 2, 32, 16, dtype=torch.bfloat16, state=True)
     ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", output_final_state=True)

@@ -7,11 +7,11 @@ q/k head hv // (HV // H).
 Recurrent: one program per (sequence, value head, V block) holds its [K, BV] slice of the state
 in registers and walks the steps (l2norm of q/k fused).
 
-Chunked (chunks of BT = 64 steps, see reference.py for the math), three kernels:
-  1. _chunk_prepare_kernel, one program per (chunk, value head): the local cumulative decay gamma,
-     A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower), (I + A)^-1 (by blocks of 16 rows, the triangle only),
-     and the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V (fp32;
-     gamma, w, u and (I + A)^-1 are kept for the backward).
+Chunked (chunks of BT = 64 steps, see reference.py for the math), three steps:
+  1. prepare, two kernels of one program per (chunk, value head): _chunk_inverse_kernel, the local cumulative decay
+     gamma, A = beta exp(gamma_t - gamma_j) k_t.k_j (strictly lower) and (I + A)^-1 (by blocks of 16 rows);
+     _chunk_wy_kernel, the WY factors w = (I + A)^-1 diag(beta exp(gamma)) K, u = (I + A)^-1 diag(beta) V
+     (gamma, w, u and (I + A)^-1 are kept for the backward).
   2. _chunk_state_kernel, one program per (sequence, value head, V block): the only sequential part; walks
      the chunks with the state in registers, storing the state S entering each chunk and the corrections
      U = u - w S (the backward runs it again instead of keeping them).
@@ -43,7 +43,7 @@ from ..triton_launch import direct_launch
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
-SUB = tl.constexpr(16)  # the prepare kernel inverts (I + A) by blocks of 16 rows (see _chunk_prepare_kernel)
+SUB = tl.constexpr(16)  # (I + A) is inverted by blocks of 16 rows (see _chunk_inverse_kernel)
 INVERSE_PRECISION = tl.constexpr("tf32x3")  # the dots between blocks of (I + A)^-1: fp32-accurate on tensor cores
 L2NORM_EPS = tl.constexpr(1e-6)  # the l2norm op's default eps
 
@@ -187,69 +187,16 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.const
 
 
 # --------------------------------------------------------------------------- the chunk's WY factors
-# _chunk_prepare_kernel, per (chunk, value head), with the chunk's rows in four blocks of SUB = 16 (block b: rows
-# 16 b .. 16 b + 15) and T = (I + A)^-1 (lower triangular: T_bb = (I + A_bb)^-1, zero above the diagonal blocks):
-#   1. gamma = cumsum(g), A = beta_t exp(gamma_t - gamma_s) k_t.k_s (s < t): one [64, K] x [K, 64] dot, written to
-#      inverse_out, which holds the chunk's A until T overwrites it;
-#   2. the six blocks of A below the diagonal (read transposed, A_bm^T), then the diagonal blocks' inverses by
-#      forward substitution with vector ops on rows of A read back, the four blocks at once and transposed
-#      (E_b = T_bb^T, stacked in Es [64, 16]: the reductions stay within warps); for half inputs all these reads
-#      are issued together after one barrier (before, the 15 rows came in three dependent rounds after it);
-#   3. row block b of T from the row blocks above it (block forward substitution, tf32x3 dots), transposed:
-#         T_b = T_bb (S_b - sum_{m < b} A_bm T_m)  ->  T_b^T = S_b^T E_b - (sum_{m < b} T_m^T A_bm^T) E_b
-#      (S_b: ones at block b's columns; T_m^T [64, 16] is a dot result and only ever a left operand), each written
-#      over A's rows;
-#   4. w = T diag(beta e^gamma) K and u = T diag(beta) V: [64, 64] x [64, 64 columns] dots on T read back.
-# The threads of a program exchange A and T through global memory (L1/L2), with tl.debug_barrier (bar.sync)
-# between the writes and the reads. Dots per program: A, 6 + 3 of [64, 16] x [16, 16] for T, and K / 64 + V / 64
-# for w and u (the substitution's work is 4 x 15 vector steps on [64, 16] instead of dots).
-
-
-@triton.jit
-def _diagonal_inverses_t(a, n_rows, ROW: tl.constexpr, ROUND: tl.constexpr):
-    """Es [BT, SUB]: the transposed inverses E_b = ((I + A_bb)^-1)^T of the four diagonal blocks of the strictly
-    lower A (`a` at the chunk's first row, ROW apart), stacked (rows 16 b .. 16 b + 15: E_b). Forward substitution,
-    the four blocks at once ([4, SUB, SUB], E[b, p, i] = E_b[p, i]): row i of (I + A_bb)^-1 is
-    e_i - sum_{j < i} A[16 b + i, 16 b + j] (row j), i.e. column i of E_b. Each step's reduction stays within a warp;
-    the rows of A it reads (each broadcast over p) do not depend on the earlier steps, so each round of ROUND unrolled
-    steps can issue its reads together ahead of the arithmetic (all 15 in one round: no waiting on L2 round after
-    round; fp32 inputs, whose IEEE dots already spill, take rounds of 5). Reducing rows out of one read of the blocks
-    instead needs a barrier a step (the four blocks' rows span warps)."""
-    blk = tl.arange(0, BT_ // SUB)[:, None, None]
-    p = tl.arange(0, SUB)[None, :, None]
-    j = tl.arange(0, SUB)[None, None, :]
-    es = tl.where(p == j, 1.0, tl.zeros([BT_ // SUB, SUB, SUB], dtype=tl.float32))
-    for first in range(1, SUB, ROUND):
-        for di in tl.static_range(ROUND):
-            i = first + di
-            row = blk * SUB + i  # rows past the sequence: 0
-            columns = blk * SUB + tl.broadcast_to(j, [1, SUB, SUB])
-            a_i = tl.load(a + row * ROW + columns, mask=(row < n_rows) & (j < i), other=0.0)
-            es = tl.where(j == i, es - tl.sum(es * a_i, 2)[:, :, None], es)
-    return tl.reshape(es, [BT_, SUB])
-
-
-@triton.jit
-def _a_block_t(a, b: tl.constexpr, m: tl.constexpr, n_rows, ROW: tl.constexpr):
-    """A_bm^T [SUB, SUB]: block (b, m) of A (m < b), transposed, read from `a` (rows past the sequence: 0)."""
-    p = tl.arange(0, SUB)
-    rows = b * SUB + p
-    return tl.load(a + rows[None, :] * ROW + m * SUB + p[:, None], mask=(rows < n_rows)[None, :], other=0.0)
-
-
-@triton.jit
-def _t_row_block(b: tl.constexpr, es, xt):
-    """T_b^T = (S_b^T - X_b^T) E_b [BT, SUB]: row block b of T, transposed, from the stacked Es and
-    xt = X_b^T = sum_{m < b} T_m^T A_bm^T [BT, SUB] (S_b: ones at block b's columns, so S_b^T E_b is Es on
-    block b's rows)."""
-    r = tl.arange(0, BT_)
-    on_block = tl.where((r // SUB == b)[:, None], es, 0.0)
-    if b == 0:
-        return on_block
-    else:
-        blocks = tl.reshape(es, [BT_ // SUB, SUB, SUB])
-        e_b = tl.sum(tl.where((tl.arange(0, BT_ // SUB) == b)[:, None, None], blocks, 0.0), 0)  # E_b, out of Es
-        return on_block - tl.dot(xt, e_b, input_precision=INVERSE_PRECISION)
+# Two kernels per (chunk, value head), the chunk's rows in four blocks of SUB = 16 (block b: rows 16 b .. 16 b + 15):
+#   _chunk_inverse_kernel, one warp: gamma = cumsum(g) and T = (I + A)^-1, A = beta_t exp(gamma_t - gamma_s) k_t.k_s
+#     (s < t), all in registers. The ten blocks A_bm (m <= b) are [16, K] x [K, 16] dots of k's row blocks as stored
+#     (half inputs are exact in tf32), the l2norm's rsqrt factors scaling the result; the diagonal blocks are
+#     inverted by forward substitution on rows, whose reductions stay in the program's one warp (no barrier, no
+#     memory round trip), and the blocks below them follow by block forward substitution in [16, 16] dots:
+#         T_bm = -T_bb sum_{m <= j < b} A_bj T_jm.
+#     T is written whole (zeros above the diagonal blocks; the backward reads it).
+#   _chunk_wy_kernel, one warpgroup: w = T diag(beta e^gamma) K and u = T diag(beta) V ([64, 64] x [64, 64 columns]
+#     dots, wgmma), from the T and gamma the first kernel wrote.
 
 
 @triton.jit
@@ -259,79 +206,191 @@ def _mm(a, b, acc):
 
 
 @triton.jit
-def _store_t(inverse, b: tl.constexpr, xt, n_rows, ROW: tl.constexpr):
-    """Row block b of T from its transpose xt [BT, SUB]."""
+def _k_block(k, b: tl.constexpr, c, n_rows, ROW: tl.constexpr, BK: tl.constexpr):
+    """Columns c .. c + BK of k's rows in block b, as stored, in fp32 (0 past the sequence); `k` at the chunk's first
+    row."""
     rows = b * SUB + tl.arange(0, SUB)
-    cols = tl.arange(0, BT_)
-    tl.store(inverse + rows[None, :] * ROW + cols[:, None], xt, mask=(rows < n_rows)[None, :])
+    x = tl.load(k + rows[:, None] * ROW + c + tl.arange(0, BK)[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _squares(x):
+    return tl.sum(x * x, 1)
+
+
+@triton.jit
+def _kk(x, y, acc, PRECISION: tl.constexpr):
+    return tl.dot(x, tl.trans(y), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _block_gamma(g, gamma_out, b: tl.constexpr, before, n_rows, HV: tl.constexpr):
+    """gamma on block b's rows, given the sum of g over the rows before it (stored); and that sum past block b."""
+    rows = b * SUB + tl.arange(0, SUB)
+    b_g = tl.load(g + rows * HV, mask=rows < n_rows, other=0.0).to(tl.float32)
+    gamma = before + tl.cumsum(b_g, 0)
+    tl.store(gamma_out + rows * HV, gamma, mask=rows < n_rows)
+    return gamma, before + tl.sum(b_g, 0)
+
+
+@triton.jit
+def _block_rows(x, b: tl.constexpr, n_rows, HV: tl.constexpr):
+    rows = b * SUB + tl.arange(0, SUB)
+    return tl.load(x + rows * HV, mask=rows < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rstd(squares, L2NORM: tl.constexpr):
+    if L2NORM:
+        return tl.rsqrt(squares + L2NORM_EPS)
+    else:
+        return tl.full([SUB], 1.0, tl.float32)
+
+
+@triton.jit
+def _a_block(kk, beta_b, gamma_b, rstd_b, gamma_m, rstd_m):
+    """A_bm (m < b) from k_b k_m^T."""
+    return kk * (beta_b * rstd_b)[:, None] * rstd_m[None, :] * tl.exp(gamma_b[:, None] - gamma_m[None, :])
+
+
+@triton.jit
+def _diagonal_inverse(kk, beta, gamma, rstd):
+    """T_bb = (I + A_bb)^-1 from k_b k_b^T, by rows, T[i] = e_i - sum_{s < i} A[i, s] T[s], computed transposed
+    (E = T_bb^T, one column a step): a step's reduction runs along axis 1, the shorter one across lanes in the dot
+    layout, and row i of A, reduced along axis 0 (longer), does not depend on E, so those reductions are off the
+    dependent chain. Neither needs a layout conversion."""
+    p = tl.arange(0, SUB)
+    row, col = p[:, None], p[None, :]
+    below = row > col
+    decay = tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], 0.0))
+    a = tl.where(below, kk * (beta * rstd)[:, None] * rstd[None, :] * decay, 0.0)
+    e = tl.where(row == col, 1.0, 0.0)
+    for i in tl.static_range(1, SUB):
+        a_i = tl.sum(tl.where(row == i, a, 0.0), 0)  # A[i, s] along s
+        e = tl.where(col == i, e - tl.sum(e * a_i[None, :], 1)[:, None], e)
+    return tl.trans(e)
+
+
+@triton.jit
+def _store_block(inverse, b: tl.constexpr, m: tl.constexpr, x, n_rows, ROW: tl.constexpr):
+    p = tl.arange(0, SUB)
+    rows = b * SUB + p
+    tl.store(inverse + rows[:, None] * ROW + m * SUB + p[None, :], x, mask=(rows < n_rows)[:, None])
+
+
+@triton.jit
+def _store_row_block(inverse, b: tl.constexpr, x0, x1, x2, x3, n_rows, ROW: tl.constexpr):
+    """Row block b of T, from its four blocks (rows past the sequence are not written)."""
+    _store_block(inverse, b, 0, x0, n_rows, ROW)
+    _store_block(inverse, b, 1, x1, n_rows, ROW)
+    _store_block(inverse, b, 2, x2, n_rows, ROW)
+    _store_block(inverse, b, 3, x3, n_rows, ROW)
 
 
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_prepare_kernel(
-    k, v, g, beta, gamma_out, w_out, u_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _chunk_inverse_kernel(
+    k, g, beta, gamma_out, inverse_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, value head): gamma, T = (I + A)^-1, w = T diag(beta e^gamma) K and u = T diag(beta) V
-    (the steps above)."""
+    """One (chunk, value head): gamma and T = (I + A)^-1 (fp32), in one warp (see above)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
     # every pointer at the chunk's first row: offsets within the chunk are small (int32)
     k += (start * H + i_h) * K
-    v += (start * HV + i_hv) * V
     g += start * HV + i_hv
     beta += start * HV + i_hv
     gamma_out += start * HV + i_hv
-    w_out += (start * HV + i_hv) * K
-    u_out += (start * HV + i_hv) * V
     inverse_out += (start * HV + i_hv) * BT_
     ROW: tl.constexpr = HV * BT_  # between the rows of inverse_out
     n_rows = tl.minimum(eos - start, BT_).to(tl.int32)  # the chunk's rows inside its sequence
+
+    gamma0, before = _block_gamma(g, gamma_out, 0, 0.0, n_rows, HV)
+    gamma1, before = _block_gamma(g, gamma_out, 1, before, n_rows, HV)
+    gamma2, before = _block_gamma(g, gamma_out, 2, before, n_rows, HV)
+    gamma3, _ = _block_gamma(g, gamma_out, 3, before, n_rows, HV)
+    beta0 = _block_rows(beta, 0, n_rows, HV)
+    beta1 = _block_rows(beta, 1, n_rows, HV)
+    beta2 = _block_rows(beta, 2, n_rows, HV)
+    beta3 = _block_rows(beta, 3, n_rows, HV)
+
+    # k_b k_m^T (m <= b) and the squared norms of k's rows, over column blocks of k
+    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
+    kk00, kk10, kk11, kk20, kk21 = zero, zero, zero, zero, zero
+    kk22, kk30, kk31, kk32, kk33 = zero, zero, zero, zero, zero
+    none = tl.zeros([SUB], dtype=tl.float32)
+    sq0, sq1, sq2, sq3 = none, none, none, none
+    for c in range(0, K, BK):  # not unrolled: the loads of all column blocks at once would spill
+        k0 = _k_block(k, 0, c, n_rows, H * K, BK)
+        k1 = _k_block(k, 1, c, n_rows, H * K, BK)
+        k2 = _k_block(k, 2, c, n_rows, H * K, BK)
+        k3 = _k_block(k, 3, c, n_rows, H * K, BK)
+        if L2NORM:
+            sq0, sq1, sq2, sq3 = sq0 + _squares(k0), sq1 + _squares(k1), sq2 + _squares(k2), sq3 + _squares(k3)
+        kk00 = _kk(k0, k0, kk00, PRECISION)
+        kk10 = _kk(k1, k0, kk10, PRECISION)
+        kk11 = _kk(k1, k1, kk11, PRECISION)
+        kk20 = _kk(k2, k0, kk20, PRECISION)
+        kk21 = _kk(k2, k1, kk21, PRECISION)
+        kk22 = _kk(k2, k2, kk22, PRECISION)
+        kk30 = _kk(k3, k0, kk30, PRECISION)
+        kk31 = _kk(k3, k1, kk31, PRECISION)
+        kk32 = _kk(k3, k2, kk32, PRECISION)
+        kk33 = _kk(k3, k3, kk33, PRECISION)
+    rstd0, rstd1, rstd2, rstd3 = _rstd(sq0, L2NORM), _rstd(sq1, L2NORM), _rstd(sq2, L2NORM), _rstd(sq3, L2NORM)
+
+    # by row blocks, each stored once done (zeros right of its diagonal block): fewer blocks held at once
+    t00 = _diagonal_inverse(kk00, beta0, gamma0, rstd0)
+    _store_row_block(inverse_out, 0, t00, zero, zero, zero, n_rows, ROW)
+    t11 = _diagonal_inverse(kk11, beta1, gamma1, rstd1)
+    a10 = _a_block(kk10, beta1, gamma1, rstd1, gamma0, rstd0)
+    t10 = -_mm(t11, _mm(a10, t00, zero), zero)
+    _store_row_block(inverse_out, 1, t10, t11, zero, zero, n_rows, ROW)
+    t22 = _diagonal_inverse(kk22, beta2, gamma2, rstd2)
+    a20 = _a_block(kk20, beta2, gamma2, rstd2, gamma0, rstd0)
+    a21 = _a_block(kk21, beta2, gamma2, rstd2, gamma1, rstd1)
+    t21 = -_mm(t22, _mm(a21, t11, zero), zero)
+    t20 = -_mm(t22, _mm(a21, t10, _mm(a20, t00, zero)), zero)
+    _store_row_block(inverse_out, 2, t20, t21, t22, zero, n_rows, ROW)
+    t33 = _diagonal_inverse(kk33, beta3, gamma3, rstd3)
+    a30 = _a_block(kk30, beta3, gamma3, rstd3, gamma0, rstd0)
+    a31 = _a_block(kk31, beta3, gamma3, rstd3, gamma1, rstd1)
+    a32 = _a_block(kk32, beta3, gamma3, rstd3, gamma2, rstd2)
+    t32 = -_mm(t33, _mm(a32, t22, zero), zero)
+    t31 = -_mm(t33, _mm(a32, t21, _mm(a31, t11, zero)), zero)
+    t30 = -_mm(t33, _mm(a32, t20, _mm(a31, t10, _mm(a30, t00, zero))), zero)
+    _store_row_block(inverse_out, 3, t30, t31, t32, t33, n_rows, ROW)
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_wy_kernel(
+    k, v, beta, gamma_in, inverse_in, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, value head): w = T diag(beta e^gamma) K and u = T diag(beta) V by column blocks, T and gamma as
+    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    k += (start * H + i_h) * K
+    v += (start * HV + i_hv) * V
+    beta += start * HV + i_hv
+    gamma_in += start * HV + i_hv
+    inverse_in += (start * HV + i_hv) * BT_
+    w_out += (start * HV + i_hv) * K
+    u_out += (start * HV + i_hv) * V
+    n_rows = tl.minimum(eos - start, BT_).to(tl.int32)
     r = tl.arange(0, BT_)
     row_mask = r < n_rows
-
-    # 1. gamma and A (into inverse_out)
-    b_g = tl.load(g + r * HV, mask=row_mask, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + r * HV, mask=row_mask, other=0.0).to(tl.float32)
-    gamma = tl.cumsum(b_g, 0)
-    tl.store(gamma_out + r * HV, gamma, mask=row_mask)
-    b_k, rstd = _load_qk(k, r, row_mask, 0, H, K, L2NORM)
-    strictly_lower = r[:, None] > r[None, :]
-    decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], 0.0))
-    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-    a = tl.where(strictly_lower, b_beta[:, None] * decay * kk, 0.0)
-    tl.store(inverse_out + r[:, None] * ROW + r[None, :], a, mask=row_mask[:, None])
-    tl.debug_barrier()
-
-    # 2. the diagonal blocks' inverses (transposed, stacked), and the blocks of A left of them
-    a10 = _a_block_t(inverse_out, 1, 0, n_rows, ROW)
-    a20 = _a_block_t(inverse_out, 2, 0, n_rows, ROW)
-    a21 = _a_block_t(inverse_out, 2, 1, n_rows, ROW)
-    a30 = _a_block_t(inverse_out, 3, 0, n_rows, ROW)
-    a31 = _a_block_t(inverse_out, 3, 1, n_rows, ROW)
-    a32 = _a_block_t(inverse_out, 3, 2, n_rows, ROW)
-    if PRECISION == "ieee":
-        es = _diagonal_inverses_t(inverse_out, n_rows, ROW, 5)
-    else:
-        es = _diagonal_inverses_t(inverse_out, n_rows, ROW, SUB - 1)
-    tl.debug_barrier()  # A read: T overwrites it
-
-    # 3. T by row blocks (transposed: T_m^T, a dot result, is the left operand of the next ones)
-    zero = tl.zeros([BT_, SUB], dtype=tl.float32)
-    t0 = _t_row_block(0, es, zero)
-    _store_t(inverse_out, 0, t0, n_rows, ROW)
-    t1 = _t_row_block(1, es, _mm(t0, a10, zero))
-    _store_t(inverse_out, 1, t1, n_rows, ROW)
-    t2 = _t_row_block(2, es, _mm(t1, a21, _mm(t0, a20, zero)))
-    _store_t(inverse_out, 2, t2, n_rows, ROW)
-    t3 = _t_row_block(3, es, _mm(t2, a32, _mm(t1, a31, _mm(t0, a30, zero))))
-    _store_t(inverse_out, 3, t3, n_rows, ROW)
-    tl.debug_barrier()  # T written
-
-    # 4. w and u, by column blocks (l2norm: k's rows times their rstd from step 1)
-    t = tl.load(inverse_out + r[:, None] * ROW + r[None, :], mask=row_mask[:, None], other=0.0)
+    gamma = tl.load(gamma_in + r * HV, mask=row_mask, other=0.0)
+    t = tl.load(inverse_in + r[:, None] * (HV * BT_) + r[None, :], mask=row_mask[:, None], other=0.0)
+    _, rstd = _load_qk(k, r, row_mask, 0, H, K, L2NORM)
     k_scale = rstd * b_beta * tl.exp(gamma)
     for c in tl.static_range(0, K, BK):
         cols = c + tl.arange(0, BK)
@@ -484,10 +543,16 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
     inverse = buffers.empty((B * T, HV, BT), dtype=torch.float32, device=device)
     if chunks.total > 0:
-        _chunk_prepare_kernel[(chunks.total, HV)](
-            k, v, g, beta, gamma, w, u, inverse, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BK=min(K, 64), BV=min(V, 64),
-            L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision,
+        common = dict(L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision)
+        wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
+        _chunk_inverse_kernel[(chunks.total, HV)](
+            k, g, beta, gamma, inverse, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, BK=16, **common,  # wider column steps spill at K = 32 (sm_90)
+            num_warps=1,  # the substitution's reductions stay within the warp
+        )  # fmt: skip
+        _chunk_wy_kernel[(chunks.total, HV)](
+            k, v, beta, gamma, inverse, w, u, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            H=H, HV=HV, K=K, V=V, BK=min(K, wide), BV=min(V, wide), **common,
             num_warps=4,  # one warpgroup: the [64, *] dots are wgmma
         )  # fmt: skip
     return gamma, w, u, inverse
