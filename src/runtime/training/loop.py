@@ -33,22 +33,20 @@ logger = logging.getLogger("runtime.training")
 
 def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool = False) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
-    CUDA-graphed step, with the learning rate a device tensor (the scheduler fills it in place)."""
+    CUDA-graphed step (which then needs device_learning_rates)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    lr = torch.tensor(cfg.lr, device=device) if capturable else cfg.lr
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = cfg.lr  # a float: the scheduler's rates stay host numbers (no sync to fill a tensor)
-    return optimizer
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable)
 
 
 def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Learning rates as device tensors (a checkpoint of an eager run holds floats)."""
+    """Learning rates as device tensors, which a captured step reads and the scheduler fills in place.
+    Called after the scheduler is built, so its base rates stay floats (filling a tensor from a float
+    needs no sync)."""
     for group in optimizer.param_groups:
         lr = group["lr"]
         if not (isinstance(lr, torch.Tensor) and lr.device == device):
