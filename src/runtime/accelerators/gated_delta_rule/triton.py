@@ -225,19 +225,20 @@ def _kk(x, y, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _block_gamma(g, gamma_out, b: tl.constexpr, before, n_rows, HV: tl.constexpr):
-    """gamma on block b's rows, given the sum of g over the rows before it (stored); and that sum past block b."""
+def _block_rows(x, b: tl.constexpr, n_rows, HV: tl.constexpr):
+    """A per-row value (g, beta) on block b's rows, fp32 (0 past the sequence)."""
     rows = b * SUB + tl.arange(0, SUB)
-    b_g = tl.load(g + rows * HV, mask=rows < n_rows, other=0.0).to(tl.float32)
-    gamma = before + tl.cumsum(b_g, 0)
-    tl.store(gamma_out + rows * HV, gamma, mask=rows < n_rows)
-    return gamma, before + tl.sum(b_g, 0)
+    return tl.load(x + rows * HV, mask=rows < n_rows, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _block_rows(x, b: tl.constexpr, n_rows, HV: tl.constexpr):
+def _block_gamma(g, gamma_out, b: tl.constexpr, before, n_rows, HV: tl.constexpr):
+    """gamma on block b's rows, given the sum of g over the rows before it (stored); and that sum past block b."""
     rows = b * SUB + tl.arange(0, SUB)
-    return tl.load(x + rows * HV, mask=rows < n_rows, other=0.0).to(tl.float32)
+    b_g = _block_rows(g, b, n_rows, HV)
+    gamma = before + tl.cumsum(b_g, 0)
+    tl.store(gamma_out + rows * HV, gamma, mask=rows < n_rows)
+    return gamma, before + tl.sum(b_g, 0)
 
 
 @triton.jit
@@ -250,7 +251,7 @@ def _rstd(squares, L2NORM: tl.constexpr):
 
 @triton.jit
 def _a_block(kk, beta_b, gamma_b, rstd_b, gamma_m, rstd_m):
-    """A_bm (m < b) from k_b k_m^T."""
+    """A_bm from k_b k_m^T (its strictly lower part when m = b)."""
     return kk * (beta_b * rstd_b)[:, None] * rstd_m[None, :] * tl.exp(gamma_b[:, None] - gamma_m[None, :])
 
 
@@ -262,9 +263,7 @@ def _diagonal_inverse(kk, beta, gamma, rstd):
     dependent chain. Neither needs a layout conversion."""
     p = tl.arange(0, SUB)
     row, col = p[:, None], p[None, :]
-    below = row > col
-    decay = tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], 0.0))
-    a = tl.where(below, kk * (beta * rstd)[:, None] * rstd[None, :] * decay, 0.0)
+    a = tl.where(row > col, _a_block(kk, beta, gamma, rstd, gamma, rstd), 0.0)  # above: exp may overflow, unused
     e = tl.where(row == col, 1.0, 0.0)
     for i in tl.static_range(1, SUB):
         a_i = tl.sum(tl.where(row == i, a, 0.0), 0)  # A[i, s] along s
