@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -22,7 +23,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         logging.getLogger("runtime").setLevel(logging.WARNING)
     finished = False
     try:
-        metrics = Trainer(cfg, run_dir, run).fit()
+        trainer = Trainer(cfg, run_dir, run)
+        metrics = trainer.fit()
+        # DDP's reducer holds the process group: freed now, the group's worker threads are joined when
+        # teardown destroys it, instead of at interpreter exit (where a joinable thread aborts the process)
+        del trainer
+        gc.collect()
         final = metrics["validation"][-1] if metrics["validation"] else {}
         if run.is_main:
             logger.info("done: %s; metrics in %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"), Path(run_dir) / "metrics.json")

@@ -53,7 +53,8 @@ def setup(device: DeviceChoice | str = DeviceChoice.auto) -> Run:
 def teardown(run: Run, finished: bool) -> None:
     """Ends the process group. After a finished run every process first waits for the others: a gloo peer
     that tears its connections down while another process still works in its own transport threads has
-    made that process abort at exit ("terminate called without an active exception")."""
+    made that process abort at exit ("terminate called without an active exception"). Callers free what
+    still holds the group (a DistributedDataParallel module) before, so that destroying it really ends it."""
     if run.distributed and dist.is_initialized():
         if finished:
             dist.barrier()
