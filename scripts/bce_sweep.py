@@ -9,8 +9,7 @@ runtime.accelerators.bce.triton, which inputs above SMALL.block elements use:
 
 - forward (mean, none): elements per program and warps (8 to 32 values a thread: bytes in flight against
   registers), one program per block vs a persistent grid of k x SM programs looping over blocks, with and
-  without cp.async prefetch of the next blocks, and (mean) the partials added by a second launch or by the
-  last program to arrive;
+  without cp.async prefetch of the next blocks;
 - backward (timed as forward + backward, the forward the fastest of the forward rows): the same, and blocks walked
   last to first, so that the backward first reads what its forward left in L2.
 
@@ -33,7 +32,7 @@ from runtime.benchmark.timing import copy_bandwidth_tbs, gpu_time_ms
 N = 2**24
 Launch = kernels.Launch
 FORWARD_VARIANTS = {
-    "4096/8w (default)": Launch(),
+    "4096/8w": Launch(),
     "2048/4w": Launch(block=2048, num_warps=4),
     "1024/4w": Launch(block=1024, num_warps=4),
     "8192/8w": Launch(block=8192, num_warps=8),
@@ -42,15 +41,9 @@ FORWARD_VARIANTS = {
     # the staged reductions need about 70 registers a thread: 3 (4096/8w) or 7 (2048/4w) programs fit on an SM
     "4096/8w 3xSM 2st": Launch(programs_per_sm=3, stages=2),
     "2048/4w 6xSM 3st": Launch(block=2048, num_warps=4, programs_per_sm=6, stages=3),
-    # mean / sum finished by the last program to arrive: one launch instead of two (no effect on `none`)
-    "4096/8w last": Launch(last_finishes=True),
-    "2048/4w last": Launch(block=2048, num_warps=4, last_finishes=True),
-    "8192/8w last": Launch(block=8192, num_warps=8, last_finishes=True),
-    "4096/8w 4xSM last": Launch(programs_per_sm=4, last_finishes=True),
-    "2048/4w 8xSM last": Launch(block=2048, num_warps=4, programs_per_sm=8, last_finishes=True),
 }
 BACKWARD_VARIANTS = {
-    "4096/8w (default)": Launch(),
+    "4096/8w": Launch(),
     "4096/8w rev": Launch(reverse=True),
     "2048/4w rev": Launch(block=2048, num_warps=4, reverse=True),
     "8192/8w rev": Launch(block=8192, num_warps=8, reverse=True),
@@ -136,7 +129,7 @@ class Sweep:
             error = relative_rms_error(compiled_bce(x, y, reduction), ref)
             self.row("fwd", reduction, dtype, "compile", "", lambda: compiled_bce(x, y, reduction), error)
         self.copy("fwd", reduction, dtype)
-        best, best_ms = "4096/8w (default)", float("inf")
+        best, best_ms = "4096/8w", float("inf")
         for name, launch in variants.items():
             set_forward(reduction, launch)
             with torch.no_grad():
@@ -177,7 +170,7 @@ class Sweep:
             return binary_cross_entropy_with_logits(x, y, reduction=reduction, backend="triton")
 
         set_forward(reduction, forward)
-        best, best_ms = "4096/8w (default)", float("inf")
+        best, best_ms = "4096/8w", float("inf")
         for name, launch in variants.items():
             kernels.BACKWARD = launch
             out_error, dx_error = errors(ours)
@@ -195,8 +188,7 @@ def main(device: torch.device) -> None:
     sweep = Sweep(device)
     fastest = {}
     for reduction in ("mean", "none"):
-        variants = {k: v for k, v in FORWARD_VARIANTS.items() if reduction == "mean" or not v.last_finishes}
-        best = fastest[reduction] = sweep.forward(reduction, torch.bfloat16, variants)
+        best = fastest[reduction] = sweep.forward(reduction, torch.bfloat16, FORWARD_VARIANTS)
         print(f"-- fastest bf16 forward ({reduction}): {best}")
     for reduction in ("mean", "none"):
         best = sweep.forward_backward(reduction, torch.bfloat16, FORWARD_VARIANTS[fastest[reduction]], BACKWARD_VARIANTS)
@@ -206,11 +198,9 @@ def main(device: torch.device) -> None:
         if time.perf_counter() - sweep.start > FP32_AFTER_S:
             print(f"-- fp32 {reduction} left out: past {FP32_AFTER_S} s")
             continue
-        names = dict.fromkeys(["4096/8w (default)", fastest[reduction], PERSISTENT])
-        if reduction == "mean":  # the case: every variant
-            names = dict.fromkeys(FORWARD_VARIANTS)
+        names = dict.fromkeys(["4096/8w", fastest[reduction], PERSISTENT])
         best = sweep.forward(reduction, torch.float32, {name: FORWARD_VARIANTS[name] for name in names})
-        names = dict.fromkeys(["4096/8w (default)", fastest[reduction, "bwd"], PERSISTENT + " rev"])
+        names = dict.fromkeys(["4096/8w", fastest[reduction, "bwd"], PERSISTENT + " rev"])
         variants = {name: BACKWARD_VARIANTS[name] for name in names}
         sweep.forward_backward(reduction, torch.float32, FORWARD_VARIANTS[best], variants)
     print(f"done in {time.perf_counter() - sweep.start:.0f} s")

@@ -15,7 +15,6 @@ launches fails, naming the missing case.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import os
@@ -37,7 +36,6 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import runtime
 import runtime.accelerators as acc
-from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.triton_launch import DirectLaunch
@@ -107,12 +105,6 @@ def bce():
     _backward(acc.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor(2.0)))
     logits, targets = _randn(5000), torch.rand(5000)  # two blocks: partial sums and _sum_partials_kernel
     _backward(acc.binary_cross_entropy_with_logits(logits, targets))
-    default = bce_triton.FORWARD
-    bce_triton.FORWARD = dataclasses.replace(default, last_finishes=True)  # the last program adds the partials
-    try:
-        acc.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
-    finally:
-        bce_triton.FORWARD = default
 
 
 def embedding_bag():

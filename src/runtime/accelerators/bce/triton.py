@@ -5,9 +5,8 @@ one partial block, masked, in the program it would fall to. By default there is 
 launch with fewer programs (Launch.programs_per_sm) makes each loop over several.
 
 The mean / sum reductions are deterministic: each program writes the fp32 sum of its blocks to a partials
-buffer, then one program adds the partials in a fixed order, so the same inputs give the same bits on every run
-of a device. That program is either a second launch or (Launch.last_finishes) the forward program that arrives
-last, which it learns from an arrival counter: one launch instead of two, and the same sum either way.
+buffer, then one program adds the partials in a fixed order (no atomics), so the same inputs give the same
+bits on every run of a device.
 """
 
 from __future__ import annotations
@@ -33,16 +32,16 @@ class Launch:
     programs_per_sm: int = 0  # 0: one program per block; k > 0: at most k programs per SM, each looping over blocks
     reverse: bool = False  # walk the blocks last to first (a backward then first reads what its forward left in L2)
     stages: int = 1  # > 1: loads of the next blocks are issued (cp.async) while a program works on one (loops only)
-    last_finishes: bool = False  # mean / sum: the last program to finish adds the partials (no second launch)
 
 
 # Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction. Larger
 # ones take FORWARD (mean / sum), FORWARD_NONE or BACKWARD: module globals that scripts/bce_sweep.py replaces to
-# compare launches. Chosen from its H100 run of 2026-11-23 at 2^24 (bf16 and fp32; docs/benchmark/bce_with_logits.md).
+# compare launches. Chosen from its H100 run of session 14 at 2^24, the first with back-to-back replays (bf16 and
+# fp32; docs/benchmark/bce_with_logits.md, results/bce_with_logits-sweep-2026-11-23-h100-s14.txt).
 SMALL = Launch()
-FORWARD = Launch()
+FORWARD = Launch(programs_per_sm=3, stages=2)
 FORWARD_NONE = Launch(block=1024, num_warps=4)
-BACKWARD = Launch(block=2048, num_warps=4, programs_per_sm=8, reverse=True, stages=3)
+BACKWARD = Launch(block=2048, num_warps=4, reverse=True)
 SUM_BLOCK = 1024  # partials added per step by the final reduction
 
 
@@ -142,11 +141,10 @@ def _forward_block(
 @direct_launch
 @triton.jit
 def _forward_kernel(
-    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, loss_ptr, arrivals_ptr, n,
+    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
     w_inner, w_count, pw_inner, pw_count, divisor,
     W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, ONE_PROGRAM: tl.constexpr,
-    LAST_FINISHES: tl.constexpr, REVERSE: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr,
-    SUM_BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -167,32 +165,20 @@ def _forward_kernel(
     if REDUCE:
         total = tl.sum(acc, axis=0)
         if ONE_PROGRAM:  # the whole reduction in this program: no partials, no second launch
-            tl.store(loss_ptr, (total / divisor).to(loss_ptr.dtype.element_ty))
+            tl.store(out_ptr, (total / divisor).to(out_ptr.dtype.element_ty))
         else:
             tl.store(out_ptr + pid, total)
-            if LAST_FINISHES:
-                tl.debug_barrier()  # the partial is stored before this program counts itself in (release below)
-                arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
-                if arrived == programs - 1:  # every other partial is written: add them up, reset the counter
-                    _sum_partials(out_ptr, loss_ptr, programs, divisor, SUM_BLOCK)
-                    tl.atomic_xchg(arrivals_ptr, 0)
-
-
-@triton.jit
-def _sum_partials(part_ptr, out_ptr, n_parts, divisor, BLOCK: tl.constexpr):
-    """out = sum(partials) / divisor, in a fixed order. The loads skip L1 (.cg): other SMs wrote the partials."""
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(part_ptr + offs, mask=offs < n_parts, other=0.0, cache_modifier=".cg")
-    total = tl.sum(acc, axis=0) / divisor
-    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
 @direct_launch
 @triton.jit
 def _sum_partials_kernel(part_ptr, out_ptr, n_parts, divisor, BLOCK: tl.constexpr):
-    _sum_partials(part_ptr, out_ptr, n_parts, divisor, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(part_ptr + offs, mask=offs < n_parts, other=0.0)
+    total = tl.sum(acc, axis=0) / divisor
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -282,37 +268,15 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
         out = loss if programs == 1 else buffers.empty((programs,), dtype=torch.float32, device=logits.device)
     else:
         loss = out = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
-    last_finishes = reduce and programs > 1 and launch.last_finishes
-    arrivals = arrival_counter(logits.device) if last_finishes else out
     divisor = float(n) if reduction == "mean" else 1.0
     _forward_kernel[(programs,)](
-        x, y, w, pw, out, loss, arrivals, n, *maps, divisor,
-        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=programs == 1, LAST_FINISHES=last_finishes,
-        REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, SUM_BLOCK=SUM_BLOCK,
-        num_warps=launch.num_warps,
+        x, y, w, pw, out, n, *maps, divisor,
+        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=programs == 1,
+        REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
-    if reduce and programs > 1 and not last_finishes:
+    if reduce and programs > 1:
         _sum_partials_kernel[(1,)](out, loss, programs, divisor, BLOCK=SUM_BLOCK, num_warps=4)
     return loss
-
-
-_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def arrival_counter(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 counter for a last_finishes launch; the launch leaves it zeroed again.
-
-    One per (device, stream): launches on one stream run one after another, so they can share it, and launches
-    on different streams never do. Inside a CUDA-graph capture it is a fresh zeroed tensor, so the graph resets it
-    on every replay and two graphs never share one.
-    """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    counter = _ARRIVALS.get(key)
-    if counter is None:
-        counter = _ARRIVALS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
 
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
