@@ -28,14 +28,19 @@ def _forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # the parameters are loaded before the reductions, so that their latency overlaps x's
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     mean = tl.sum(x, axis=1) / N
     centred = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
     y = centred * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y * w
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y + b
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=row_mask)
