@@ -82,29 +82,32 @@ def _operand(ptr, offs, mask, inner, count, MODE: tl.constexpr):
 
 @triton.jit
 def _log1p_exp_neg_abs(x):
-    """log(1 + e) for e = exp(-|x|) in (0, 1], as 2 atanh(s) with s = e / (2 + e) in (0, 1/3]: the series
-    2 (s + s^3/3 + ... + s^13/13) is within 2e-8 relative there, keeps tiny losses relatively accurate (no 1 + e
-    is rounded) and costs a few FMAs where a libdevice log costs about 30 instructions."""
+    """log(1 + e) for e = exp(-|x|) in (0, 1], as e p(e) with p(e) ~ log1p(e) / e on [0, 1] a degree-9 least-squares
+    fit in the Chebyshev basis, in powers of e (Horner, ten FMAs): within 2.4e-7 relative
+    in fp32 for |x| < 87, tiny losses stay relatively accurate (no 1 + e is rounded), and it costs no log (about
+    30 instructions in libdevice) and no division."""
     e = tl.exp(-tl.abs(x))
-    s = e / (2.0 + e)
-    t = s * s
-    p = 2.0 / 13.0
-    p = p * t + 2.0 / 11.0
-    p = p * t + 2.0 / 9.0
-    p = p * t + 2.0 / 7.0
-    p = p * t + 2.0 / 5.0
-    p = p * t + 2.0 / 3.0
-    p = p * t + 2.0
-    return s * p
+    p = -0.003214032156392932
+    p = p * e + 0.019649142399430275
+    p = p * e - 0.05643497034907341
+    p = p * e + 0.10533220320940018
+    p = p * e - 0.15251445770263672
+    p = p * e + 0.19651488959789276
+    p = p * e - 0.24947808682918549
+    p = p * e + 0.3332909941673279
+    p = p * e - 0.4999985098838806
+    p = p * e + 1.0
+    return e * p
 
 
 @triton.jit
 def _loss(x, y, pw, HAS_PW: tl.constexpr):
-    """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, with softplus(-x) = max(-x, 0) + log1p(exp(-|x|))
-    and the max folded into the first term, so that small losses do not cancel: for x < 0 it is -pw y x."""
+    """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, with softplus(-x) = max(-x, 0) + log1p(exp(-|x|)) and
+    the max folded into the first term, so that small losses do not cancel: for x < 0 it is -pw y x. Without
+    pos_weight that is max(x, 0) - x y (one FMA: x (1 - y) rounded once for x >= 0, exactly -x y below)."""
     if HAS_PW:
         return tl.where(x >= 0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
-    return tl.where(x >= 0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
+    return (tl.maximum(x, 0.0) - x * y) + _log1p_exp_neg_abs(x)
 
 
 @triton.jit
