@@ -1,10 +1,12 @@
 """Where the gated delta rule's GPU time goes, per kernel (Triton backend; fla beside it when installed).
 
-    bash .device/gpu python scripts/gdr_profile.py
+    bash .device/gpu python scripts/gdr_profile.py [shape ...]      (default: every shape below)
 
 For the issue's shapes (bf16, l2norm in the kernel): CUDA time per kernel name over a few forward and
 forward+backward calls, from torch.profiler.
 """
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +59,11 @@ def report(name, fn, tensors, backward):
         print(f"  {e.device_time_total / CALLS / 1e3:8.3f} ms  x{e.count // CALLS:<4d} {e.key[:90]}")
 
 
-def main():
+def main(names: list[str]):
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for shape, dims in SHAPES.items():
+        if names and shape not in names:
+            continue
         tensors = inputs(*dims)
         for impl, fn in implementations().items():
             for backward in (False, True):
@@ -67,4 +71,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
