@@ -19,13 +19,32 @@ Dtypes: bf16 and fp16 run on tensor cores with fp32 accumulation; fp32 inputs ru
 
 Sequence lengths, heads and strides are runtime arguments (lengths are not specialised), so one
 compiled kernel per (head dim, dtype, causal, key_lengths, dropout) serves every shape.
+
+Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; scripts/fa_sweep.py times them):
+- tma: Q/K/V tiles through Hopper TMA tensor descriptors made in the kernel (one per program and tensor, rows
+  ending at Lq / key_lengths[b] so the hardware zero-fills past them). Only on CUDA capability >= 9.0, compiled
+  (never under the interpreter unless a test forces it), and where the strides allow (16-byte aligned base and
+  row strides, contiguous head dim); anything else takes the pointer loads. Needs Triton's global scratch
+  allocator: set to a torch one on first use if none is set.
+- heavy_first (causal): programs of the last query blocks, which see the most keys, are scheduled first, so the
+  short ones fill the last wave.
+- warp_specialize (tma, not causal): Triton's automatic warp specialisation of the unmasked key loop (on Hopper,
+  Triton 3.6 builds it with 8 warps, not with 4).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.4: the scratch allocator of in-kernel tensor descriptors
+    from triton.runtime import _allocation
+except ImportError:
+    _allocation = None
 
 from ..buffers import empty
 from ..launch_math import cdiv, next_power_of_2
@@ -35,18 +54,37 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # --------------------------------------------------------------------------- configurations
+
+
+class FwdConfig(NamedTuple):
+    """A forward launch: tiles, warps, pipeline stages and the variant (see the module docstring)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    heavy_first: bool = False
+    warp_specialize: bool = False
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for 16-bit inputs.
 # BLOCK_M runs over queries and BLOCK_N over keys in every kernel. Chosen per kernel from a sweep
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
-# head dim 64 shares the 48 column (both pad to 64).
+# head dim 64 shares the 48 column (both pad to 64). The forward has a table for causal attention apart.
+_FWD_16BIT = {
+    16: FwdConfig(64, 64, 4, 3), 32: FwdConfig(64, 64, 4, 3), 64: FwdConfig(128, 64, 8, 4), 128: FwdConfig(128, 128, 8, 3)
+}  # fmt: skip
 CONFIGS_16BIT = {
-    "fwd": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (128, 64, 8, 4), 128: (128, 128, 8, 3)},
+    "fwd": dict(_FWD_16BIT),
+    "fwd_causal": dict(_FWD_16BIT),
     "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2)},
     "dq": {16: (64, 64, 4, 3), 32: (128, 32, 4, 4), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)},
 }
 # fp32 runs exact fp32 products (tf32 would miss the fp32 accuracy bound) with fewer registers per tile
 CONFIGS_FP32 = {
-    "fwd": {d: (64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "fwd": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "fwd_causal": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "dkdv": {d: (32, 64, 4, 2) for d in (16, 32, 64, 128)},
     "dq": {d: (64, 32, 4, 2) for d in (16, 32, 64, 128)},
 }
@@ -57,9 +95,40 @@ def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple:
     table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
     return table[kind][block_d(head_dim)]
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """TMA hardware (Hopper on) and a Triton with device-side tensor descriptors (3.4 on)."""
+    descriptors = _allocation is not None and hasattr(tl, "make_tensor_descriptor")
+    return descriptors and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma_layout(x: torch.Tensor) -> bool:
+    """Whether a [B, H, L, D] view can be read through per-(batch, head) [L, D] descriptors: a 16-byte aligned
+    base for every (b, h) and row stride, and a contiguous head dim."""
+    step = 16 // x.element_size()
+    b, h, _, _ = x.shape
+    sb, sh, sl, sd = x.stride()
+    return (
+        x.data_ptr() % 16 == 0 and sd == 1 and sl % step == 0
+        and (b == 1 or sb % step == 0) and (h == 1 or sh % step == 0)
+    )  # fmt: skip
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # on the current device and stream, as the launch; torch's blocks are 512-byte aligned
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Kernels that make tensor descriptors need Triton's global scratch allocator (a context variable: per thread);
+    set a torch one where none is set, never replacing one the user set."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -102,14 +171,19 @@ def _store(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.
 
 @triton.jit
 def _fwd_block(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+    acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
     qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
+    """One key block into the online softmax; k_src/v_src are descriptors (TMA) or row pointers."""
     cols = start_n + offs_n
-    k = _load(k_ptrs + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
-    v = _load(v_ptrs + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    if TMA:  # the descriptors end at kv_len rows and HEAD_DIM columns: zeros past them
+        k = k_src.load([start_n, 0])
+        v = v_src.load([start_n, 0])
+    else:
+        k = _load(k_src + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+        v = _load(v_src + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK:
         visible = cols[None, :] < kv_len
@@ -136,9 +210,13 @@ def _fwd_kernel(
     H, GROUP, LQ, LK, qk_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_m = tl.program_id(0) * BLOCK_M
+    if HEAVY_FIRST:
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -147,14 +225,23 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-    q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    if TMA:
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        q = tl.make_tensor_descriptor(q_base, [LQ, HEAD_DIM], [sqm, 1], [BLOCK_M, BLOCK_D]).load([start_m, 0])
+    else:
+        q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
+        q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
 
     kv_len = LK
     if HAS_KL:
         kv_len = tl.load(KL + b)
+    if TMA:  # K/V descriptors of kv_len rows (at least one: a program with kv_len = 0 loads nothing through them)
+        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        k_src = tl.make_tensor_descriptor(k_base, [tl.maximum(kv_len, 1), HEAD_DIM], [skn, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [tl.maximum(kv_len, 1), HEAD_DIM], [svn, 1], [BLOCK_N, BLOCK_D])
     # blocks below n_full are visible to every row of this program; blocks up to n_end need the mask
     if CAUSAL:
         n_end = tl.minimum(kv_len, start_m + BLOCK_M)
@@ -166,15 +253,22 @@ def _fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
-        )
+    if WARP_SPECIALIZE:  # apart, so that a Triton without the keyword compiles the other variants
+        for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=True):
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+                qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+            )
+    else:
+        for start_n in range(0, n_full, BLOCK_N):
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+                qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+            )
     for start_n in range(n_full, n_end, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
         )
 
     empty_row = l_i == 0.0
@@ -404,20 +498,38 @@ def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float) -> dict
     )
 
 
-def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None):
-    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; +inf for rows that see no key)."""
+def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfig, dict]:
+    """The forward's config and variant constexprs for these inputs.
+
+    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: None lets the config decide, on a
+    compiled CUDA device of capability >= 9.0 only; True/False force the descriptor path on or off (tests: the
+    interpreter runs it too). Either way the strides must suit descriptors, else the pointer path runs."""
+    cfg = config("fwd_causal" if causal else "fwd", q.shape[-1], q.dtype) if cfg is None else cfg
+    if not isinstance(cfg, FwdConfig):
+        cfg = FwdConfig(*cfg)
+    if tma is None:
+        tma = cfg.tma and _fwd_kernel.direct and q.is_cuda and _has_tma(q.device)
+    tma = bool(tma) and _tma_layout(q) and _tma_layout(k) and _tma_layout(v)
+    specialise = bool(cfg.warp_specialize and tma and not causal)
+    return cfg, dict(TMA=tma, HEAVY_FIRST=bool(cfg.heavy_first and causal), WARP_SPECIALIZE=specialise)
+
+
+def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
+    """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; +inf for rows that see no key). cfg, tma: see
+    forward_variant."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     o = empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = cfg or config("fwd", d, q.dtype)
-    grid = (cdiv(lq, block_m), b * h)
-    _fwd_kernel[grid](
+    cfg, variant = forward_variant(q, k, v, causal, cfg, tma)
+    if variant["TMA"] and _fwd_kernel.direct:
+        _ensure_scratch_allocator()
+    _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_flags(q, key_lengths, causal, dropout_p),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return o, lse
 

@@ -1,0 +1,132 @@
+"""The forward variants of the Triton flash attention (FwdConfig): TMA descriptor loads, heavy-first causal order,
+warp specialisation. Under the interpreter the descriptor path runs only when forced (tma=True); its sm_90 build
+is checked by compiling it without a GPU, as test_triton_compile_sm90.py does for the defaults."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_triton_compile_sm90 as sm90
+from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.flash_attention import flash_attention
+from runtime.accelerators.flash_attention import triton as fa
+from runtime.accelerators.flash_attention.reference import attention_float64
+from runtime.accelerators.testing import RTOL, assert_close
+
+FwdConfig = fa.FwdConfig
+f16 = torch.float16  # the interpreter's bfloat16 dots are wrong (see input_reasons)
+
+
+def make(b, h, hkv, lq, lk, d, dtype=f16):
+    q = torch.randn(b, h, lq, d, dtype=dtype)
+    return q, torch.randn(b, hkv, lk, d, dtype=dtype), torch.randn(b, hkv, lk, d, dtype=dtype)
+
+
+def run_forward(q, k, v, lengths, causal, cfg, tma):
+    key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
+    with poison_outputs():
+        return fa.forward(q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, 0.0, 0, cfg=cfg, tma=tma)
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, cfg",
+    [
+        (2, 4, 2, 70, 45, 48, True, [45, 0], FwdConfig(32, 16, 4, 2, tma=True, heavy_first=True)),
+        (1, 2, 2, 37, 130, 16, False, [69], FwdConfig(16, 32, 4, 2, tma=True, warp_specialize=True)),
+        (3, 2, 1, 65, 63, 32, False, None, FwdConfig(32, 32, 4, 2, tma=True)),
+        (2, 2, 2, 33, 80, 64, True, [80, 17], FwdConfig(16, 16, 4, 2, tma=True)),
+    ],
+    ids=["causal-gqa-d48-lengths-heavy", "lengths-d16-ws", "mqa-d32-odd", "causal-lq<lk-d64-lengths"],
+)
+def test_tma_path_matches_the_pointer_path(b, h, hkv, lq, lk, d, causal, lengths, cfg):
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    key_lengths = torch.tensor(lengths) if lengths is not None else None
+    expected = attention_float64(q, k, v, causal=causal, key_lengths=key_lengths)
+    for i, length in enumerate(lengths or []):  # keys past a length are never read: NaN there changes nothing
+        k[i, :, length:], v[i, :, length:] = float("nan"), float("nan")
+    assert fa.forward_variant(q, k, v, causal, cfg, tma=True)[1]["TMA"]
+    o, lse = run_forward(q, k, v, lengths, causal, cfg, tma=True)
+    assert_close("o", o, expected, RTOL[f16])
+    # the same products in the same order: bit-identical to the pointer loads
+    o_ptr, lse_ptr = run_forward(q, k, v, lengths, causal, cfg, tma=False)
+    assert torch.equal(o, o_ptr) and torch.equal(lse, lse_ptr)
+
+
+def test_tma_path_reads_strided_views():
+    b, lq, lk, h, d = 2, 21, 19, 4, 16
+    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
+    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)  # k and v interleaved in one buffer
+    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    cfg = FwdConfig(16, 16, 4, 2, tma=True)
+    assert fa.forward_variant(q, k, v, True, cfg, tma=True)[1]["TMA"]
+    o, _ = run_forward(q, k, v, None, True, cfg, tma=True)
+    assert_close("o", o, attention_float64(q, k, v, causal=True), RTOL[f16])
+
+
+def test_unaligned_views_take_the_pointer_path():
+    q, k, v = make(2, 2, 2, 20, 20, 16)
+    wide = torch.randn(2, 2, 20, 17, dtype=f16)
+    cases = {
+        "base": wide[..., 1:],  # 2-byte aligned start
+        "row stride": wide[..., :16],  # rows 34 bytes apart
+        "head stride": torch.randn(2, 2 * 20 * 16 + 1, dtype=f16)[:, 1:].view(2, 2, 20, 16),
+    }
+    for name, bad in cases.items():
+        assert not fa.forward_variant(bad, k, v, False, FwdConfig(16, 16, 4, 2, tma=True), tma=True)[1]["TMA"], name
+        o, _ = run_forward(bad, k, v, [20, 5], False, FwdConfig(16, 16, 4, 2, tma=True), tma=True)
+        assert_close(f"o ({name})", o, attention_float64(bad, k, v, key_lengths=torch.tensor([20, 5])), RTOL[f16])
+
+
+def test_the_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
+    """A table entry asking for TMA runs the pointer path here; heavy_first applies to causal calls only."""
+    variant = FwdConfig(16, 16, 4, 2, tma=True, heavy_first=True, warp_specialize=True)
+    monkeypatch.setitem(fa.CONFIGS_16BIT["fwd"], 16, variant)
+    monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 16, variant)
+    q, k, v = make(2, 2, 1, 40, 37, 16)
+    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=False, WARP_SPECIALIZE=False)
+    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=True, WARP_SPECIALIZE=False)
+    for causal in (False, True):
+        out = flash_attention(q, k, v, causal=causal, backend="triton")
+        assert_close("o", out, attention_float64(q, k, v, causal=causal), RTOL[f16])
+
+
+def test_plain_tuples_still_configure_the_forward():
+    q, k, v = make(1, 2, 2, 30, 30, 32)
+    cfg, flags = fa.forward_variant(q, k, v, True, (32, 16, 4, 2))
+    assert cfg == FwdConfig(32, 16, 4, 2) and not any(flags.values())
+    o, _ = run_forward(q, k, v, None, True, (32, 16, 4, 2), tma=None)
+    assert_close("o", o, attention_float64(q, k, v, causal=True), RTOL[f16])
+
+
+# --------------------------------------------------------------------------- the sm_90 build, no GPU
+
+
+def _variant_launch(d, causal, lengths, cfg):
+    def case():
+        b, h, hkv, length = 2, 4, 2, 300
+        q, k, v = (t.to(torch.bfloat16) for t in make(b, h, hkv, length, length, d, torch.float32))
+        run_forward(q, k, v, [length, 77] if lengths else None, causal, cfg, tma=cfg.tma)
+
+    return case
+
+
+VARIANT_CASES = {
+    # the H100 candidates of scripts/fa_sweep.py: the widest tiles, padded head dims, key lengths
+    "tma_d128_causal_heavy_lengths": _variant_launch(
+        128, True, True, FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True)
+    ),
+    "tma_d48_lengths": _variant_launch(48, False, True, FwdConfig(128, 64, 8, 4, tma=True)),
+    "tma_ws_d128": _variant_launch(128, False, False, FwdConfig(128, 128, 8, 2, tma=True, warp_specialize=True)),
+}
+
+
+@pytest.mark.slow
+def test_variants_compile_for_sm90(tmp_path):
+    compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
+    launches = compiled["flash_attention._fwd_kernel"]
+    assert {launch["case"] for launch, _ in launches} == set(VARIANT_CASES)
+    for launch, result in launches:
+        assert "error" not in result, f"{launch['case']} does not compile for sm_90:\n{result['error']}"
+        shared = result["shared"]
+        assert shared <= sm90.H100_SHARED_BYTES, f"{launch['case']} needs {shared} bytes of shared memory"
