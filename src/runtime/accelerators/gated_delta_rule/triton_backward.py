@@ -378,13 +378,25 @@ def _chunk_grad_wy_kernel(
 STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
 
 
-def _grad_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _chunk_grad_qk_kernel and _chunk_grad_wy_kernel: 8 warps from K = 64 (their [BT, K]
-    fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel does not spill, the wy
-    kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little). Not yet timed on a GPU."""
+# (kernel, K) -> (BV, warps, stages) replacing the rules below, kernel one of "qk", "wy", "state";
+# scripts/gdr_sweep.py sets entries to compare launches on a GPU
+LAUNCH_OVERRIDES: dict[tuple[str, int], tuple[int, int, int]] = {}
+
+
+def _grad_launch(kernel: str, K: int, V: int, precision: str) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _chunk_grad_qk_kernel ("qk") and _chunk_grad_wy_kernel ("wy"): 8 warps from K = 64
+    (their [BT, K] fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel does not
+    spill, the wy kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little)."""
+    if (kernel, K) in LAUNCH_OVERRIDES:
+        return LAUNCH_OVERRIDES[kernel, K]
     if K <= 32:
         return min(V, 64), 4, 2
     return min(V, 32 if K == 128 else 64), 8, 2
+
+
+def _grad_state_launch(K: int, V: int) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _chunk_grad_state_kernel."""
+    return LAUNCH_OVERRIDES.get(("state", K), (min(V, 64), 4, 2))
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -434,23 +446,24 @@ def chunk_backward(
     block_k = min(K, STATE_GRAD_BLOCK_K)
     d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
+        state_block, state_warps, state_stages = _grad_state_launch(K, V)
         _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
             states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            HV=HV, K=K, V=V, BK=block_k, BV=min(V, 64), IS_VARLEN=is_varlen, PRECISION=precision, num_warps=4, num_stages=2,
+            HV=HV, K=K, V=V, BK=block_k, BV=state_block, IS_VARLEN=is_varlen, PRECISION=precision,
+            num_warps=state_warps, num_stages=state_stages,
         )  # fmt: skip
-        grad_block, grad_warps, grad_stages = _grad_launch(K, V, precision)
-        launch = dict(
-            H=H, HV=HV, K=K, V=V, BV=grad_block, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen,
-            PRECISION=precision, num_warps=grad_warps, num_stages=grad_stages,
-        )  # fmt: skip
+        shared = dict(H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision)
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+        block_v, warps, stages = _grad_launch("qk", K, V, precision)
         _chunk_grad_qk_kernel[(chunks.total, HV)](
             q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, d_gamma,
-            chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k, **launch,
+            chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k,
+            BV=block_v, num_warps=warps, num_stages=stages, **shared,
         )  # fmt: skip
+        block_v, warps, stages = _grad_launch("wy", K, V, precision)
         _chunk_grad_wy_kernel[(chunks.total, HV)](
             k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, dk_out, dv, dbeta, dg,
-            chunks.cu, chunks.indices, T, chunks.per_sequence, **launch,
+            chunks.cu, chunks.indices, T, chunks.per_sequence, BV=block_v, num_warps=warps, num_stages=stages, **shared,
         )  # fmt: skip
     if groups > 1:
         dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
