@@ -1,13 +1,21 @@
 """embedding_bag_mean on the CPU tier: the reference and the Triton kernels (interpreter) against a
 float64 textbook loop, TileLang compiled for sm_90a, dispatch and every error message."""
 
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag import embedding_bag_mean, segments
+from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -132,6 +140,94 @@ def test_triton_empty_inputs(indices, offsets):
     assert (grad == 0).all()
 
 
+TRITON_LAUNCHES = {
+    "tile": triton_kernels.ForwardLaunch(tile=True),
+    "tile-int32-1warp": triton_kernels.ForwardLaunch(block_b=4, num_warps=1, tile=True, int32=True),
+    "loop-int32": triton_kernels.ForwardLaunch(block_b=8, num_warps=2, int32=True),
+}
+
+
+@pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
+@pytest.mark.parametrize("bag_len", [3, 20], ids=["bag3", "bag20"])  # one tile step (BLOCK_L 4), two (BLOCK_L 16)
+def test_triton_forward_variants(monkeypatch, launch, bag_len):
+    """The forward launches the sweep compares (triton.FORWARD), on odd bags: padding, an all-padding bag."""
+    monkeypatch.setattr(triton_kernels, "FORWARD", launch)
+    indices = torch.randint(0, 40, (13, bag_len))
+    indices[4] = 6  # an all-padding bag
+    check("triton", table(40, 37), indices, padding_idx=6)
+    with pytest.raises(IndexError, match="outside"):
+        embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2, 3], [4, 9, 5]]), backend="triton")
+    flat = torch.randint(0, 40, (30,))  # ragged bags take the loop gather whatever FORWARD says
+    check("triton", table(40, 16), flat, torch.tensor([0, 4, 4, 29]), padding_idx=1)
+
+
+def test_triton_int32_offsets_only_where_the_table_fits():
+    """Every element offset of the table (the last row's end included) must stay below 2^31."""
+    assert triton_kernels.int32_offsets(torch.empty(2**19, 4095, device="meta"))
+    assert not triton_kernels.int32_offsets(torch.empty(2**19, 4096, device="meta"))
+    assert not triton_kernels.int32_offsets(torch.empty(2**20, 4096, device="meta")[:, :64])  # strided rows
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_dense_gradient_and_segments_is_zeros_and_the_sort(dtype):
+    flat = hot_indices(100, 30, hot=4, copies=40, dtype=dtype)
+    grad, got = segments.dense_gradient_and_segments(flat, 30, 7, bf16)
+    want = segments.sort_segments(flat, 30)
+    assert grad.shape == (30, 7) and grad.dtype == bf16 and (grad == 0).all()
+    assert got.keys.dtype == torch.int32 and got.perm.dtype == torch.int64 and got.first.dtype == torch.int32
+    for name in ("keys", "perm", "first"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.keys.long(), torch.sort(flat.long(), stable=True).values)
+    assert torch.equal(got.perm, torch.sort(flat, stable=True).indices)
+
+
+@pytest.mark.slow
+def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
+    """The CUDA index check (CHECK_ASSERT, debug=True) compiled for sm_90: exactly one assert, ours.
+
+    debug=True also makes Triton check int32 arithmetic for overflow (one assert each): the kernel avoids that."""
+    from test_triton_compile_sm90 import LaunchRecorder
+
+    recorder = LaunchRecorder()
+    weight, indices = torch.randn(1000, 64).to(bf16), torch.randint(0, 1000, (256,))
+    out, scale = torch.empty(64, 64, dtype=bf16), torch.empty(64)
+    for launch in TRITON_LAUNCHES.values():
+        kernel = triton_kernels._forward_kernel.kernel  # the InterpretedFunction: its run() is what records
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(kernel), "run", lambda k, *a, **kw: recorder.run(k, *a, **kw, debug=True))  # as on a GPU
+            patch.setattr(triton_kernels, "FORWARD", launch)
+            cfg = triton_kernels.forward_config(64, 4)
+            kernel[(4, 1)](
+                weight, indices, indices, out, scale, torch.empty(0, dtype=torch.int32), scale,
+                64, 256, 0, 1000, 64, 4, 64, 0,
+                FIXED=True, CHECK=triton_kernels.CHECK_ASSERT, INT32=launch.int32, BLOCK_T=256, **cfg,
+            )  # fmt: skip
+    launches = [{k: v for k, v in launch.items() if k != "case"} for launch in recorder.launches.values()]
+    assert len(launches) == len(TRITON_LAUNCHES) and all(launch["options"]["debug"] for launch in launches)
+    (tmp_path / "launches.pkl").write_bytes(pickle.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    paths = [os.environ.get("TAAC_SM90_TRITON", ""), str(Path(runtime.__file__).parents[1])]  # as the sm_90 tier
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths + [env.get("PYTHONPATH", "")] if p)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", COUNT_ASSERTS, str(tmp_path / "launches.pkl")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = [int(line) for line in done.stdout.split()]
+    assert counts == [1] * len(TRITON_LAUNCHES), f"__assertfail call sites per launch: {counts}"
+
+
+COUNT_ASSERTS = """
+import importlib, pickle, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for launch in pickle.load(open(sys.argv[1], "rb")):
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"]).kernel
+    source = ASTSource(kernel, launch["signature"], launch["constexprs"], launch["attrs"])
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"]).asm["ptx"]
+    print(ptx.count("call.uni __assertfail"))
+"""
+
+
 # --------------------------------------------------------------------------- tilelang (compile only)
 
 
@@ -143,6 +239,7 @@ def test_tilelang_kernels_compile_for_sm90a():
 
     programs = [
         kernels.forward_program(37, "bfloat16", "int32", "int64"),  # odd width: padded columns
+        kernels.forward_program(64, "bfloat16", "int64", "int64", kernels.ForwardLaunch(block_b=8, block_l=4, threads=64)),
         kernels.chunk_program(64, "float16", "int32"),
         kernels.combine_program(128, "float32", "int32"),
     ]

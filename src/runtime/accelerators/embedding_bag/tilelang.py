@@ -5,11 +5,13 @@ forward(weight, indices, offsets, padding_idx, include_last_offset, check_indice
 backward / backward_sparse: the weight gradient, dense or sparse COO (see segments.py).
 
 Batch, entry count, vocabulary and bag length are dynamic (T.dynamic / scalar arguments); the
-compiled kernels are cached by (dtypes, embedding width, target). Bad indices or offsets trip a
+compiled kernels are cached by (dtypes, embedding width, target; the forward also by its FORWARD tiling). Bad indices or offsets trip a
 device-side assert inside the forward kernel (no host sync, no extra launch).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the kernels' annotations, which name closure variables
+from dataclasses import dataclass
+
 import torch
 
 from .. import buffers
@@ -18,13 +20,23 @@ from ..tilelang_common import precompile as precompile_entries
 
 import tilelang.language as T  # noqa: E402  isort: skip
 from .reference import INDEX_ERROR
-from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import bag_layout, dense_gradient_and_segments, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
-BLOCK_B = 16  # bags per forward block
-BLOCK_L = 8  # bag entries gathered per unrolled step
 CHUNK = 32  # sorted entries per block of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
-THREADS = 128
+THREADS = 128  # gradient kernels
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """The forward kernel's tiling; FORWARD is a module global that scripts/embedding_bag_sweep.py replaces."""
+
+    block_b: int = 16  # bags per block
+    block_l: int = 8  # bag entries gathered per unrolled step (their indices are loaded together first)
+    threads: int = 128
+
+
+FORWARD = ForwardLaunch()
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int32: "int32", torch.int64: "int64"}
 
@@ -39,8 +51,9 @@ def padded_width(dim: int) -> int:
 # --------------------------------------------------------------------------- kernel builders
 
 
-def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, block_b: int = BLOCK_B, block_l: int = BLOCK_L):
+def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, launch: ForwardLaunch = ForwardLaunch()):
     width = padded_width(dim)
+    block_b, block_l, threads = launch.block_b, launch.block_l, launch.threads
     num_embeddings, num_indices, num_offsets, num_bags, num_bag_of = T.dynamic("V N NO B NB")
 
     @T.prim_func
@@ -55,7 +68,7 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, b
         padding_idx: T.int64,  # -1: none
         check: T.int32,
     ):
-        with T.Kernel(T.ceildiv(num_bags, block_b), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(num_bags, block_b), threads=threads) as bx:
             start = T.alloc_shared((block_b,), "int64")
             length = T.alloc_shared((block_b,), "int64")
             rows = T.alloc_shared((block_b, block_l), "int64")  # row to add, or -1
@@ -117,16 +130,16 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, b
             if bag_len == 0 and bx == T.ceildiv(num_bags, block_b) - 1:
                 # entries no bag covers (only with malformed, unchecked offsets) get no bag
                 first = T.min(T.max(T.cast(offsets[0], "int64"), T.int64(0)), T.cast(num_indices, "int64"))
-                for t0 in T.serial(T.ceildiv(first, THREADS)):
-                    for t in T.Parallel(THREADS):
-                        if t0 * THREADS + t < first:
-                            bag_of[t0 * THREADS + t] = -1
+                for t0 in T.serial(T.ceildiv(first, threads)):
+                    for t in T.Parallel(threads):
+                        if t0 * threads + t < first:
+                            bag_of[t0 * threads + t] = -1
                 end = T.if_then_else(num_bags < num_offsets, T.cast(offsets[T.min(num_bags, num_offsets - 1)], "int64"), T.int64(0) + num_indices)
                 last = T.min(T.max(end, T.int64(0)), T.cast(num_indices, "int64"))
-                for t0 in T.serial(T.ceildiv(num_indices - last, THREADS)):
-                    for t in T.Parallel(THREADS):
-                        if last + t0 * THREADS + t < num_indices:
-                            bag_of[last + t0 * THREADS + t] = -1
+                for t0 in T.serial(T.ceildiv(num_indices - last, threads)):
+                    for t in T.Parallel(threads):
+                        if last + t0 * threads + t < num_indices:
+                            bag_of[last + t0 * threads + t] = -1
 
     return embedding_bag_forward
 
@@ -269,8 +282,9 @@ def combine_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK, bl
 
 
 def forward_entry(dim: int, dtype: torch.dtype, index_dtype: torch.dtype, offset_dtype: torch.dtype) -> Entry:
-    key = ("embedding_bag_forward", dim, dtype, index_dtype, offset_dtype)
-    return key, lambda _: forward_program(dim, _DTYPES[dtype], _DTYPES[index_dtype], _DTYPES[offset_dtype])
+    launch = FORWARD
+    key = ("embedding_bag_forward", dim, dtype, index_dtype, offset_dtype, launch)
+    return key, lambda _: forward_program(dim, _DTYPES[dtype], _DTYPES[index_dtype], _DTYPES[offset_dtype], launch)
 
 
 def chunk_entry(dim: int, dtype: torch.dtype, key_dtype: torch.dtype) -> Entry:
@@ -326,16 +340,16 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
             return torch.empty(0, dtype=torch.int64, device=device), weight.new_empty(0, dim)
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
     grad_out = grad_out.contiguous()
-    segments = sort_segments(bags.flat, num_embeddings)
-    placeholder = segments.first[:1]
     if sparse:
+        segments = sort_segments(bags.flat, num_embeddings)
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((max(count, 1), dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((max(count, 1),), dtype=torch.int64, device=device)
     else:
-        ranks, count = placeholder, num_embeddings
-        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
+        out, segments = dense_gradient_and_segments(bags.flat, num_embeddings, dim, weight.dtype)
+        ranks, count = segments.first[:1], num_embeddings
         rows = torch.empty(1, dtype=torch.int64, device=device)
+    placeholder = segments.first[:1]
     chunks = num_chunks(num_indices, CHUNK)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
