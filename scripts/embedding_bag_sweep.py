@@ -1,0 +1,194 @@
+"""Forward and forward+backward variants of embedding_bag_mean at the issue's shapes, beside F.embedding_bag.
+
+    bash .device/gpu python scripts/embedding_bag_sweep.py        (GPU machine, repo root; about 2-3 minutes with compiles)
+
+The shapes and inputs are the benchmark's (runtime.benchmark.ops.embedding_bag): a 1M-row bf16 table of width 64
+or 128, 8192 fixed-size bags of 4 or 8 entries, 25% padding, uniform or Zipf indices. Every row is checked against
+float64 torch first (relative RMS error of the output, and of the dense weight gradient for fwd+bwd, within the
+bounds of runtime.accelerators.testing), then timed as `python -m runtime.benchmark` times it: CUDA-graph replays,
+L2 flushed before each, median ms. "x peer" is F.embedding_bag's time over the row's (the issue's targets: 3x
+forward, 2x forward+backward).
+
+Variants replace module globals:
+- forward: runtime.accelerators.embedding_bag.triton.FORWARD (bags per program, warps, the "tile" gather that loads
+  a [bags, entries] tile of indices then all of its rows at once, int32 row offsets, and the index check as a
+  device assert in the kernel or, as before it, a flag that a torch._assert_async launch reads) and
+  tilelang.FORWARD (bags per block, entries per step, threads); "unchecked" is the default with check_indices=False;
+- forward+backward: runtime.accelerators.embedding_bag.segments.OVERLAP, how the dense gradient's zero fill meets
+  the sort: "serial" (as before), "fill_beside" (the fill on a side stream), "sort_beside" (the sort on a
+  high-priority side stream; the default).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runtime.accelerators.embedding_bag import embedding_bag_mean, segments
+from runtime.accelerators.embedding_bag import tilelang as tilelang_kernels
+from runtime.accelerators.embedding_bag import triton as triton_kernels
+from runtime.accelerators.testing import RTOL, gradient_tolerance, relative_rms_error
+from runtime.accelerators.tilelang_common import precompile
+from runtime.benchmark.ops.embedding_bag import CASES, PAD
+from runtime.benchmark.timing import gpu_time_ms
+
+DTYPE = torch.bfloat16
+TritonLaunch, TileLangLaunch = triton_kernels.ForwardLaunch, tilelang_kernels.ForwardLaunch
+TRITON_VARIANTS = {
+    "default": TritonLaunch(),
+    "flag+_assert_async (old)": TritonLaunch(device_assert=False),
+    "loop 16/4w": TritonLaunch(block_b=16),
+    "loop 8/2w": TritonLaunch(block_b=8, num_warps=2),
+    "loop 64/8w": TritonLaunch(block_b=64, num_warps=8),
+    "loop auto/4w i32": TritonLaunch(int32=True),
+    "tile auto/4w": TritonLaunch(tile=True),
+    "tile 32/8w": TritonLaunch(block_b=32, num_warps=8, tile=True),
+    "tile 16/4w": TritonLaunch(block_b=16, tile=True),
+    "tile 8/2w": TritonLaunch(block_b=8, num_warps=2, tile=True),
+    "tile 4/1w": TritonLaunch(block_b=4, num_warps=1, tile=True),
+    "tile 16/4w i32": TritonLaunch(block_b=16, tile=True, int32=True),
+}
+TILELANG_VARIANTS = {
+    "default": TileLangLaunch(),
+    "16x4/128t": TileLangLaunch(block_b=16, block_l=4),
+    "8x4/64t": TileLangLaunch(block_b=8, block_l=4, threads=64),
+    "32x4/128t": TileLangLaunch(block_b=32, block_l=4),
+    "32x8/256t": TileLangLaunch(block_b=32, block_l=8, threads=256),
+}
+OVERLAPS = ("sort_beside", "fill_beside", "serial")  # the default first
+VARIANTS_UNTIL_S = 200  # past this, only the default rows run (compiles on a slow machine)
+DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD, segments.OVERLAP)
+
+
+def restore_defaults() -> None:
+    triton_kernels.FORWARD, tilelang_kernels.FORWARD, segments.OVERLAP = DEFAULTS
+
+
+class Sweep:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = time.perf_counter()
+        self.best: dict[tuple[str, str], tuple[str, float]] = {}  # (shape, mode) -> fastest (impl, ms)
+        self.peer_ms: dict[tuple[str, str], float] = {}
+        print(f"{torch.cuda.get_device_name(device)}, bf16, GPU time (CUDA graph, L2 flushed), median ms")
+        print(f"{'shape':<26}{'mode':<9}{'impl':<10}{'variant':<26}{'ms':>8}{'x peer':>8}{'error':>10}{'at s':>6}")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def row(self, shape, mode, impl, variant, fn, error) -> None:
+        times, captured = gpu_time_ms(fn, self.device)
+        ms = times["median"]
+        key = (shape, mode)
+        if impl == "peer":
+            self.peer_ms[key] = ms
+        else:
+            fastest = self.best.get(key)
+            if fastest is None or ms < fastest[1]:
+                self.best[key] = (f"{impl} {variant}", ms)
+        ratio = self.peer_ms[key] / ms if key in self.peer_ms else float("nan")
+        note = "" if captured else "  (not captured: eager launches timed)"
+        print(f"{shape:<26}{mode:<9}{impl:<10}{variant:<26}{ms:8.4f}{ratio:7.2f}x{error:10.1e}{self.elapsed():6.0f}{note}")
+
+    def shape(self, case, variants: bool) -> None:
+        inputs = case.make_inputs(self.device, DTYPE)
+        weight, indices = inputs["weight"], inputs["indices"]
+        weight64 = weight.detach().double().requires_grad_()
+        ref = case.reference({"weight": weight64, "indices": indices})
+        grad_out = torch.randn(ref.shape, device=self.device, dtype=DTYPE)
+        (ref_grad,) = torch.autograd.grad(ref, weight64, grad_out.double())
+        ref, ref_grad = ref.detach().cpu(), ref_grad.cpu()  # compared on the CPU: kept there once
+        del weight64
+
+        def forward(fn):
+            def run():
+                with torch.no_grad():
+                    return fn()
+
+            return run
+
+        def forward_backward(fn):
+            def run():
+                return torch.autograd.grad(fn(), weight, grad_out)
+
+            return run
+
+        def timed(mode, impl, variant, fn) -> None:
+            """Check, then time one row; a wrong row is printed, never timed."""
+            if mode == "fwd":
+                errors = {"out": relative_rms_error(forward(fn)(), ref)}
+                bounds = {"out": RTOL[DTYPE]}
+            else:
+                out = fn()
+                (grad,) = torch.autograd.grad(out, weight, grad_out)
+                errors = {"out": relative_rms_error(out, ref), "grad": relative_rms_error(grad, ref_grad)}
+                bounds = {"out": RTOL[DTYPE], "grad": gradient_tolerance(DTYPE)}
+                del out, grad
+            if all(errors[k] <= bounds[k] for k in errors):  # NaN fails
+                self.row(case.shape, mode, impl, variant, (forward if mode == "fwd" else forward_backward)(fn), max(errors.values()))
+            else:
+                print(f"{case.shape:<26}{mode:<9}{impl:<10}{variant:<26} WRONG: errors {errors}, bounds {bounds}")
+
+        peer = case.peers["F.embedding_bag"]
+
+        def ours(backend, check_indices=True):
+            return lambda: embedding_bag_mean(weight, indices, padding_idx=PAD, check_indices=check_indices, backend=backend)
+
+        timed("fwd", "peer", "F.embedding_bag", lambda: peer(inputs))
+        for name, launch in TRITON_VARIANTS.items() if variants else [("default", DEFAULTS[0])]:
+            triton_kernels.FORWARD = launch
+            timed("fwd", "triton", name, ours("triton"))
+        restore_defaults()
+        if variants:
+            timed("fwd", "triton", "default, unchecked", ours("triton", check_indices=False))
+        for name, launch in TILELANG_VARIANTS.items() if variants else [("default", DEFAULTS[1])]:
+            tilelang_kernels.FORWARD = launch
+            timed("fwd", "tilelang", name, ours("tilelang"))
+        restore_defaults()
+
+        timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
+        for backend in ("triton", "tilelang"):
+            for overlap in OVERLAPS if variants else OVERLAPS[:1]:
+                segments.OVERLAP = overlap
+                timed("fwd+bwd", backend, f"{overlap}{' (default)' if overlap == DEFAULTS[2] else ''}", ours(backend))
+        restore_defaults()
+
+    def summary(self) -> None:
+        print("-- fastest per shape (the issue's targets: fwd >= 3x, fwd+bwd >= 2x F.embedding_bag)")
+        for (shape, mode), (impl, ms) in self.best.items():
+            ratio = self.peer_ms[shape, mode] / ms
+            target = 3.0 if mode == "fwd" else 2.0
+            print(f"{shape:<26}{mode:<9}{impl:<36}{ms:8.4f}{ratio:7.2f}x  {'met' if ratio >= target else 'MISSED'}")
+
+
+def precompile_tilelang(device: torch.device) -> None:
+    """Every TileLang forward variant and the gradient kernels at both widths, in parallel, before the timings."""
+    entries = {}
+    for dim in (64, 128):
+        for launch in TILELANG_VARIANTS.values():
+            tilelang_kernels.FORWARD = launch
+            key, build = tilelang_kernels.forward_entry(dim, DTYPE, torch.int64, torch.int64)
+            entries[key] = build
+        for entry in (tilelang_kernels.chunk_entry(dim, DTYPE, torch.int32), tilelang_kernels.combine_entry(dim, DTYPE, torch.int32)):
+            entries[entry[0]] = entry[1]
+    restore_defaults()
+    precompile(list(entries.items()), device)
+
+
+def main(device: torch.device) -> None:
+    sweep = Sweep(device)
+    precompile_tilelang(device)
+    print(f"-- TileLang kernels compiled at {sweep.elapsed():.0f} s")
+    for case in CASES:
+        variants = sweep.elapsed() < VARIANTS_UNTIL_S
+        if not variants:
+            print(f"-- {case.shape}: defaults only (past {VARIANTS_UNTIL_S} s)")
+        sweep.shape(case, variants)
+        torch.cuda.empty_cache()
+    sweep.summary()
+    print(f"done in {sweep.elapsed():.0f} s")
+
+
+if __name__ == "__main__":
+    main(torch.device("cuda", torch.cuda.current_device()))
