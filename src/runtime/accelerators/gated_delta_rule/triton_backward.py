@@ -386,17 +386,24 @@ LAUNCH_OVERRIDES: dict[tuple[str, int], tuple[int, int, int]] = {}
 def _grad_launch(kernel: str, K: int, V: int, precision: str) -> tuple[int, int, int]:
     """(BV, warps, stages) of _chunk_grad_qk_kernel ("qk") and _chunk_grad_wy_kernel ("wy"): 8 warps from K = 64
     (their [BT, K] fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel does not
-    spill, the wy kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little)."""
+    spill, the wy kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little).
+    From scripts/gdr_sweep.py on an H100 (session 14, forward + backward ms): PCVR (K = 16) qk with 2 warps and
+    1 stage 0.641 against 0.670 at 4 warps; K = 128 qk with 3 stages 4.090 against 4.158."""
     if (kernel, K) in LAUNCH_OVERRIDES:
         return LAUNCH_OVERRIDES[kernel, K]
     if K <= 32:
-        return min(V, 64), 4, 2
-    return min(V, 32 if K == 128 else 64), 8, 2
+        return (min(V, 64), 2, 1) if kernel == "qk" else (min(V, 64), 4, 2)
+    return min(V, 32 if K == 128 else 64), 8, 3 if kernel == "qk" and K == 128 else 2
 
 
 def _grad_state_launch(K: int, V: int) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _chunk_grad_state_kernel."""
-    return LAUNCH_OVERRIDES.get(("state", K), (min(V, 64), 4, 2))
+    """(BV, warps, stages) of _chunk_grad_state_kernel; the sweep: 1 stage at K = 16 (0.664 against 0.670 ms),
+    8 warps and 3 stages at K = 128 (4.103 against 4.158 ms)."""
+    if ("state", K) in LAUNCH_OVERRIDES:
+        return LAUNCH_OVERRIDES["state", K]
+    if K == 128:
+        return min(V, 64), 8, 3
+    return min(V, 64), 4, 1 if K <= 32 else 2
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
