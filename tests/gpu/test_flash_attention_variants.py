@@ -1,5 +1,6 @@
-"""The Triton flash attention's forward variants (FwdConfig: TMA descriptor loads, heavy-first causal order, warp
-specialisation) on CUDA against the float64 reference, each forced at a few shapes whatever the tables say."""
+"""The Triton flash attention's forward variants (FwdConfig: TMA descriptor loads, heavy-first causal order) on CUDA
+against the float64 reference, each forced at a few shapes whatever the tables say, and the tables' own TMA entries
+through the public API."""
 
 import pytest
 import torch
@@ -62,30 +63,20 @@ def test_tma_forward(case):
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ptr))
 
 
-@needs_tma
-def test_warp_specialised_forward():
-    q, k, v = make(2, 4, 4, 1000, 1000, 128, torch.bfloat16, "bhld")
-    key_lengths = lengths_for(2, 1000)
-    cfg = Fwd(128, 128, 8, 2, tma=True, warp_specialize=True)
-    assert fa.forward_variant(q, k, v, False, cfg)[1]["WARP_SPECIALIZE"]
-    o, _ = fa.forward(q, k, v, key_lengths, False, 128**-0.5, 0.0, 0, cfg=cfg)
-    assert_close("o", o, attention_float64(q, k, v, key_lengths=key_lengths), RTOL[torch.bfloat16])
-
-
 def test_heavy_first_pointer_forward():
     q, k, v = make(2, 4, 4, 1000, 1000, 64, torch.bfloat16, "bhld")
     o, _ = fa.forward(q, k, v, None, True, 0.125, 0.0, 0, cfg=Fwd(128, 64, 8, 4, heavy_first=True), tma=False)
     assert_close("o", o, attention_float64(q, k, v, causal=True), RTOL[torch.bfloat16])
 
 
-def test_table_variant_through_the_public_api(monkeypatch):
-    """A variant in the table serves flash_attention; the backward reads its lse."""
-    variant = Fwd(128, 128, 8, 3, tma=True, heavy_first=True)
-    monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 128, variant)
-    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, 128, torch.bfloat16, "blhd"))
-    assert fa.forward_variant(q, k, v, True)[1]["TMA"] == hopper()
-    out = flash_attention(q, k, v, causal=True, backend="triton")
-    ref = attention_float64(q, k, v, causal=True)
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, False), (48, False)])
+def test_table_variant_through_the_public_api(d, causal):
+    """The tables' TMA entries (as shipped) serve flash_attention on Hopper; the backward reads their lse."""
+    assert fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16).tma
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
+    assert fa.forward_variant(q, k, v, causal)[1]["TMA"] == hopper()
+    out = flash_attention(q, k, v, causal=causal, backend="triton")
+    ref = attention_float64(q, k, v, causal=causal)
     assert_close("o", out, ref, RTOL[torch.bfloat16])
     do = torch.randn_like(out)
     grads, grads_ref = torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.double())

@@ -1,6 +1,7 @@
-"""The forward variants of the Triton flash attention (FwdConfig): TMA descriptor loads, heavy-first causal order,
-warp specialisation. Under the interpreter the descriptor path runs only when forced (tma=True); its sm_90 build
-is checked by compiling it without a GPU, as test_triton_compile_sm90.py does for the defaults."""
+"""The forward variants of the Triton flash attention (FwdConfig): TMA descriptor loads, heavy-first causal order.
+Under the interpreter the descriptor path runs only when forced (tma=True), never from the tables (whose 16-bit
+entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
+test_triton_compile_sm90.py does for the tables' pointer path."""
 
 from pathlib import Path
 
@@ -33,11 +34,11 @@ def run_forward(q, k, v, lengths, causal, cfg, tma):
     "b, h, hkv, lq, lk, d, causal, lengths, cfg",
     [
         (2, 4, 2, 70, 45, 48, True, [45, 0], FwdConfig(32, 16, 4, 2, tma=True, heavy_first=True)),
-        (1, 2, 2, 37, 130, 16, False, [69], FwdConfig(16, 32, 4, 2, tma=True, warp_specialize=True)),
+        (1, 2, 2, 37, 130, 16, False, [69], FwdConfig(16, 32, 4, 2, tma=True)),
         (3, 2, 1, 65, 63, 32, False, None, FwdConfig(32, 32, 4, 2, tma=True)),
         (2, 2, 2, 33, 80, 64, True, [80, 17], FwdConfig(16, 16, 4, 2, tma=True)),
     ],
-    ids=["causal-gqa-d48-lengths-heavy", "lengths-d16-ws", "mqa-d32-odd", "causal-lq<lk-d64-lengths"],
+    ids=["causal-gqa-d48-lengths-heavy", "lengths-d16", "mqa-d32-odd", "causal-lq<lk-d64-lengths"],
 )
 def test_tma_path_matches_the_pointer_path(b, h, hkv, lq, lk, d, causal, lengths, cfg):
     q, k, v = make(b, h, hkv, lq, lk, d)
@@ -80,15 +81,25 @@ def test_unaligned_views_take_the_pointer_path():
 
 def test_the_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
     """A table entry asking for TMA runs the pointer path here; heavy_first applies to causal calls only."""
-    variant = FwdConfig(16, 16, 4, 2, tma=True, heavy_first=True, warp_specialize=True)
+    variant = FwdConfig(16, 16, 4, 2, tma=True, heavy_first=True)
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd"], 16, variant)
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 16, variant)
     q, k, v = make(2, 2, 1, 40, 37, 16)
-    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=False, WARP_SPECIALIZE=False)
-    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=True, WARP_SPECIALIZE=False)
+    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=False)
+    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=True)
     for causal in (False, True):
         out = flash_attention(q, k, v, causal=causal, backend="triton")
         assert_close("o", out, attention_float64(q, k, v, causal=causal), RTOL[f16])
+
+
+@pytest.mark.parametrize("d", [48, 64, 128])
+def test_the_default_tma_entries_take_the_pointer_path_here(d):
+    """The tables' own TMA entries (as shipped, no monkeypatch) never reach the descriptor path on the CPU."""
+    q, k, v = make(1, 2, 2, 8, 8, d)
+    for causal in (False, True):
+        cfg, flags = fa.forward_variant(q, k, v, causal)
+        assert cfg == fa.config("fwd_causal" if causal else "fwd", d, f16) and not flags["TMA"]
+    assert fa.config("fwd", d, f16).tma  # the entries ask for it: only forward_variant keeps it off
 
 
 def test_plain_tuples_still_configure_the_forward():
@@ -106,26 +117,38 @@ def _variant_launch(d, causal, lengths, cfg):
     def case():
         b, h, hkv, length = 2, 4, 2, 300
         q, k, v = (t.to(torch.bfloat16) for t in make(b, h, hkv, length, length, d, torch.float32))
-        run_forward(q, k, v, [length, 77] if lengths else None, causal, cfg, tma=cfg.tma)
+        run_forward(q, k, v, [length, 77] if lengths else None, causal, cfg, tma=True)
 
     return case
 
 
+def _table_launch(d, causal, lengths):
+    """The 16-bit table's own entry (TMA forced on: the interpreter would take the pointer path)."""
+    return _variant_launch(d, causal, lengths, fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16))
+
+
 VARIANT_CASES = {
-    # the H100 candidates of scripts/fa_sweep.py: the widest tiles, padded head dims, key lengths
-    "tma_d128_causal_heavy_lengths": _variant_launch(
-        128, True, True, FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True)
-    ),
-    "tma_d48_lengths": _variant_launch(48, False, True, FwdConfig(128, 64, 8, 4, tma=True)),
-    "tma_ws_d128": _variant_launch(128, False, False, FwdConfig(128, 128, 8, 2, tma=True, warp_specialize=True)),
+    # the tables' TMA defaults (the launches test_triton_compile_sm90.py cannot make under the interpreter):
+    # the widest tiles, padded and unpadded head dims, key lengths
+    "table_d128_causal_lengths": _table_launch(128, True, True),
+    "table_d128": _table_launch(128, False, False),
+    "table_d64": _table_launch(64, False, False),
+    "table_d48_lengths": _table_launch(48, False, True),
 }
 
 
 @pytest.mark.slow
 def test_variants_compile_for_sm90(tmp_path):
+    assert fa.config("fwd", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True)
+    assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True)
+    assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True)
     compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
     launches = compiled["flash_attention._fwd_kernel"]
     assert {launch["case"] for launch, _ in launches} == set(VARIANT_CASES)
+    for launch, _ in launches:
+        names = list(launch["signature"])
+        constexprs = {names[path[0]]: value for path, value in launch["constexprs"].items()}
+        assert constexprs["TMA"], launch["case"]
     for launch, result in launches:
         assert "error" not in result, f"{launch['case']} does not compile for sm_90:\n{result['error']}"
         shared = result["shared"]

@@ -28,8 +28,7 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   allocator: set to a torch one on first use if none is set.
 - heavy_first (causal): programs of the last query blocks, which see the most keys, are scheduled first, so the
   short ones fill the last wave.
-- warp_specialize (tma, not causal): Triton's automatic warp specialisation of the unmasked key loop (on Hopper,
-  Triton 3.6 builds it with 8 warps, not with 4).
+The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at causal 128.
 """
 
 from __future__ import annotations
@@ -65,19 +64,30 @@ class FwdConfig(NamedTuple):
     num_stages: int
     tma: bool = False
     heavy_first: bool = False
-    warp_specialize: bool = False
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for 16-bit inputs.
 # BLOCK_M runs over queries and BLOCK_N over keys in every kernel. Chosen per kernel from a sweep
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
 # head dim 64 shares the 48 column (both pad to 64). The forward has a table for causal attention apart.
-_FWD_16BIT = {
-    16: FwdConfig(64, 64, 4, 3), 32: FwdConfig(64, 64, 4, 3), 64: FwdConfig(128, 64, 8, 4), 128: FwdConfig(128, 128, 8, 3)
-}  # fmt: skip
+# The forward's TMA entries come from scripts/fa_sweep.py on an H100 (session 14, bf16, GPU time), same tiles
+# as the pointer entries they replace: "fwd"[128] 1.136 -> 0.983 ms at (4,16,4096,128) (cuDNN 0.865),
+# "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
+# (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
+# (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
 CONFIGS_16BIT = {
-    "fwd": dict(_FWD_16BIT),
-    "fwd_causal": dict(_FWD_16BIT),
+    "fwd": {
+        16: FwdConfig(64, 64, 4, 3),
+        32: FwdConfig(64, 64, 4, 3),
+        64: FwdConfig(128, 64, 8, 4, tma=True),
+        128: FwdConfig(128, 128, 8, 3, tma=True),
+    },
+    "fwd_causal": {
+        16: FwdConfig(64, 64, 4, 3),
+        32: FwdConfig(64, 64, 4, 3),
+        64: FwdConfig(128, 64, 8, 4),
+        128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True),
+    },
     "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2)},
     "dq": {16: (64, 64, 4, 3), 32: (128, 32, 4, 4), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)},
 }
@@ -210,7 +220,7 @@ def _fwd_kernel(
     H, GROUP, LQ, LK, qk_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     if HEAVY_FIRST:
@@ -253,18 +263,11 @@ def _fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if WARP_SPECIALIZE:  # apart, so that a Triton without the keyword compiles the other variants
-        for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-                qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
-            )
-    else:
-        for start_n in range(0, n_full, BLOCK_N):
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-                qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
-            )
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+        )
     for start_n in range(n_full, n_end, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
@@ -510,8 +513,7 @@ def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfi
     if tma is None:
         tma = cfg.tma and _fwd_kernel.direct and q.is_cuda and _has_tma(q.device)
     tma = bool(tma) and _tma_layout(q) and _tma_layout(k) and _tma_layout(v)
-    specialise = bool(cfg.warp_specialize and tma and not causal)
-    return cfg, dict(TMA=tma, HEAVY_FIRST=bool(cfg.heavy_first and causal), WARP_SPECIALIZE=specialise)
+    return cfg, dict(TMA=tma, HEAVY_FIRST=bool(cfg.heavy_first and causal))
 
 
 def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
