@@ -551,10 +551,21 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
         )  # fmt: skip
         _chunk_wy_kernel[(chunks.total, HV)](
             k, v, beta, gamma, inverse, w, u, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BK=min(K, wide), BV=min(V, wide), **common,
-            num_warps=4,  # one warpgroup: the [64, *] dots are wgmma
+            H=H, HV=HV, K=K, V=V, BK=min(K, wide), **common,
+            **launch_options("wy", K, BV=min(V, wide), num_warps=4),  # one warpgroup: the [64, *] dots are wgmma
         )  # fmt: skip
     return gamma, w, u, inverse
+
+
+# (kernel, K) -> launch options (num_warps, num_stages, BV) replacing a launcher's defaults; scripts/gdr_sweep.py
+# sets entries to compare launches on a GPU. Kernels: "wy" (prepare), "output", "local", "grad_state", "grad_qk",
+# "grad_wy" (backward).
+LAUNCH_OVERRIDES: dict[tuple[str, int], dict] = {}
+
+
+def launch_options(kernel: str, K: int, **defaults) -> dict:
+    """The launcher's defaults, with what LAUNCH_OVERRIDES[(kernel, K)] replaces."""
+    return {**defaults, **LAUNCH_OVERRIDES.get((kernel, K), {})}
 
 
 def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False):
@@ -577,12 +588,11 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     B, T, H, K = q.shape
     HV, V = v_shape[2], v_shape[3]
     o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
-    BV = min(V, 64)
+    options = launch_options("output", K, BV=min(V, 64), num_warps=4)
     if chunks.total > 0:
-        _chunk_output_kernel[(chunks.total, HV, cdiv(V, BV))](
+        _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BV=BV, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
-            num_warps=4,
+            H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), **options,
         )  # fmt: skip
     return o
 

@@ -13,7 +13,7 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision, _qk_rows,
-    _state_buffer, walk_states,
+    _state_buffer, launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -47,7 +47,7 @@ from .triton import (
 # steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
 # Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
 # a [BT, BT] decay and two l2norms, recomputed by every V block): 2.12 ms of the walk at B4-T4096-H16-D128 became
-# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_launch.
+# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_launch, _grad_state_launch.
 #
 # No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
 # miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
@@ -172,8 +172,8 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du):
     if chunks.total > 0:
         _chunk_local_grad_kernel[(chunks.total, HV)](
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BV=min(V, 64), L2NORM=l2norm, IS_VARLEN=chunks.cu is not None,
-            PRECISION=_precision(q), num_warps=4, num_stages=2,
+            H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
+            **launch_options("local", K, BV=min(V, 64), num_warps=4, num_stages=2),
         )  # fmt: skip
     return q_factor, k_factor
 
@@ -378,32 +378,29 @@ def _chunk_grad_wy_kernel(
 STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
 
 
-# (kernel, K) -> (BV, warps, stages) replacing the rules below, kernel one of "qk", "wy", "state";
-# scripts/gdr_sweep.py sets entries to compare launches on a GPU
-LAUNCH_OVERRIDES: dict[tuple[str, int], tuple[int, int, int]] = {}
-
-
-def _grad_launch(kernel: str, K: int, V: int, precision: str) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _chunk_grad_qk_kernel ("qk") and _chunk_grad_wy_kernel ("wy"): 8 warps from K = 64
-    (their [BT, K] fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel does not
-    spill, the wy kernel 152 B at K = 64 and 304 B at K = 128 (V blocks and stages change that little).
-    From scripts/gdr_sweep.py on an H100 (session 14, forward + backward ms): PCVR (K = 16) qk with 2 warps and
-    1 stage 0.641 against 0.670 at 4 warps; K = 128 qk with 3 stages 4.090 against 4.158."""
-    if (kernel, K) in LAUNCH_OVERRIDES:
-        return LAUNCH_OVERRIDES[kernel, K]
+def _grad_launch(kernel: str, K: int, V: int) -> dict:
+    """Launch options of _chunk_grad_qk_kernel ("grad_qk") and _chunk_grad_wy_kernel ("grad_wy"): 8 warps from
+    K = 64 (their [BT, K] fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel
+    spills 184 B at K = 16 with 2 warps (none with 4) and none from K = 64, the wy kernel 152 B at K = 64 and 304 B
+    at K = 128. From scripts/gdr_sweep.py on an H100 (session 14, forward + backward ms): PCVR (K = 16) qk with
+    2 warps and 1 stage 0.641 against 0.670 with 4 warps and 2 stages; K = 128 qk with 3 stages 4.090 against 4.158."""
     if K <= 32:
-        return (min(V, 64), 2, 1) if kernel == "qk" else (min(V, 64), 4, 2)
-    return min(V, 32 if K == 128 else 64), 8, 3 if kernel == "qk" and K == 128 else 2
+        qk, wy = dict(num_warps=2, num_stages=1), dict(num_warps=4, num_stages=2)
+    else:
+        qk = dict(num_warps=8, num_stages=3 if K == 128 else 2)
+        wy = dict(num_warps=8, num_stages=2)
+    defaults = qk if kernel == "grad_qk" else wy
+    return launch_options(kernel, K, BV=min(V, 32 if K == 128 else 64), **defaults)
 
 
-def _grad_state_launch(K: int, V: int) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _chunk_grad_state_kernel; the sweep: 1 stage at K = 16 (0.664 against 0.670 ms),
+def _grad_state_launch(K: int, V: int) -> dict:
+    """Launch options of _chunk_grad_state_kernel; the sweep: 1 stage at K = 16 (0.664 against 0.670 ms),
     8 warps and 3 stages at K = 128 (4.103 against 4.158 ms)."""
-    if ("state", K) in LAUNCH_OVERRIDES:
-        return LAUNCH_OVERRIDES["state", K]
     if K == 128:
-        return min(V, 64), 8, 3
-    return min(V, 64), 4, 1 if K <= 32 else 2
+        defaults = dict(num_warps=8, num_stages=3)
+    else:
+        defaults = dict(num_warps=4, num_stages=1 if K <= 32 else 2)
+    return launch_options("grad_state", K, BV=min(V, 64), **defaults)
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -453,24 +450,20 @@ def chunk_backward(
     block_k = min(K, STATE_GRAD_BLOCK_K)
     d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
-        state_block, state_warps, state_stages = _grad_state_launch(K, V)
         _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
             states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            HV=HV, K=K, V=V, BK=block_k, BV=state_block, IS_VARLEN=is_varlen, PRECISION=precision,
-            num_warps=state_warps, num_stages=state_stages,
+            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, **_grad_state_launch(K, V),
         )  # fmt: skip
         shared = dict(H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision)
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-        block_v, warps, stages = _grad_launch("qk", K, V, precision)
         _chunk_grad_qk_kernel[(chunks.total, HV)](
             q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, d_gamma,
             chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k,
-            BV=block_v, num_warps=warps, num_stages=stages, **shared,
+            **_grad_launch("grad_qk", K, V), **shared,
         )  # fmt: skip
-        block_v, warps, stages = _grad_launch("wy", K, V, precision)
         _chunk_grad_wy_kernel[(chunks.total, HV)](
             k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, dk_out, dv, dbeta, dg,
-            chunks.cu, chunks.indices, T, chunks.per_sequence, BV=block_v, num_warps=warps, num_stages=stages, **shared,
+            chunks.cu, chunks.indices, T, chunks.per_sequence, **_grad_launch("grad_wy", K, V), **shared,
         )  # fmt: skip
     if groups > 1:
         dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
