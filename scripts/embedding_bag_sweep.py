@@ -1,6 +1,6 @@
-"""Forward and forward+backward variants of embedding_bag_mean at the issue's shapes, beside F.embedding_bag.
+"""Forward launch variants and the forward+backward defaults of embedding_bag_mean at the issue's shapes, beside F.embedding_bag.
 
-    bash .device/gpu python scripts/embedding_bag_sweep.py        (GPU machine, repo root; about 2-3 minutes with compiles)
+    bash .device/gpu python scripts/embedding_bag_sweep.py        (GPU machine, repo root; under 2 minutes with compiles)
 
 The shapes and inputs are the benchmark's (runtime.benchmark.ops.embedding_bag): a 1M-row bf16 table of width 64
 or 128, 8192 fixed-size bags of 4 or 8 entries, 25% padding, uniform or Zipf indices. Every row is checked against
@@ -9,14 +9,10 @@ bounds of runtime.accelerators.testing), then timed as `python -m runtime.benchm
 L2 flushed before each, median ms. "x peer" is F.embedding_bag's time over the row's (the issue's targets: 3x
 forward, 2x forward+backward).
 
-Variants replace module globals:
-- forward: runtime.accelerators.embedding_bag.triton.FORWARD (bags per program, warps, the "tile" gather that loads
-  a [bags, entries] tile of indices then all of its rows at once, int32 row offsets, and the index check as a
-  device assert in the kernel or, as before it, a flag that a torch._assert_async launch reads) and
-  tilelang.FORWARD (bags per block, entries per step, threads); "unchecked" is the default with check_indices=False;
-- forward+backward: runtime.accelerators.embedding_bag.segments.OVERLAP, how the dense gradient's zero fill meets
-  the sort: "serial" (as before), "fill_beside" (the fill on a side stream), "sort_beside" (the sort on a
-  high-priority side stream; the default).
+Forward variants replace module globals: runtime.accelerators.embedding_bag.triton.FORWARD (bags per program,
+warps) and tilelang.FORWARD (bags per block, entries per step, threads); "default, unchecked" is Triton's default
+with check_indices=False (the index check is a device assert in the kernel). Forward+backward runs each backend's
+default only. Past VARIANTS_UNTIL_S, the remaining shapes run the defaults only.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import time
 
 import torch
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean, segments
+from runtime.accelerators.embedding_bag import embedding_bag_mean
 from runtime.accelerators.embedding_bag import tilelang as tilelang_kernels
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.testing import RTOL, gradient_tolerance, relative_rms_error
@@ -37,17 +33,9 @@ DTYPE = torch.bfloat16
 TritonLaunch, TileLangLaunch = triton_kernels.ForwardLaunch, tilelang_kernels.ForwardLaunch
 TRITON_VARIANTS = {
     "default": TritonLaunch(),
-    "flag+_assert_async (old)": TritonLaunch(device_assert=False),
-    "loop 16/4w": TritonLaunch(block_b=16),
-    "loop 8/2w": TritonLaunch(block_b=8, num_warps=2),
-    "loop 64/8w": TritonLaunch(block_b=64, num_warps=8),
-    "loop auto/4w i32": TritonLaunch(int32=True),
-    "tile auto/4w": TritonLaunch(tile=True),
-    "tile 32/8w": TritonLaunch(block_b=32, num_warps=8, tile=True),
-    "tile 16/4w": TritonLaunch(block_b=16, tile=True),
-    "tile 8/2w": TritonLaunch(block_b=8, num_warps=2, tile=True),
-    "tile 4/1w": TritonLaunch(block_b=4, num_warps=1, tile=True),
-    "tile 16/4w i32": TritonLaunch(block_b=16, tile=True, int32=True),
+    "16/4w": TritonLaunch(block_b=16),
+    "8/2w": TritonLaunch(block_b=8, num_warps=2),
+    "64/8w": TritonLaunch(block_b=64, num_warps=8),
 }
 TILELANG_VARIANTS = {
     "default": TileLangLaunch(),
@@ -56,13 +44,12 @@ TILELANG_VARIANTS = {
     "32x4/128t": TileLangLaunch(block_b=32, block_l=4),
     "32x8/256t": TileLangLaunch(block_b=32, block_l=8, threads=256),
 }
-OVERLAPS = ("sort_beside", "fill_beside", "serial")  # the default first
 VARIANTS_UNTIL_S = 200  # past this, only the default rows run (compiles on a slow machine)
-DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD, segments.OVERLAP)
+DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD)
 
 
 def restore_defaults() -> None:
-    triton_kernels.FORWARD, tilelang_kernels.FORWARD, segments.OVERLAP = DEFAULTS
+    triton_kernels.FORWARD, tilelang_kernels.FORWARD = DEFAULTS
 
 
 class Sweep:
@@ -149,10 +136,7 @@ class Sweep:
 
         timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
         for backend in ("triton", "tilelang"):
-            for overlap in OVERLAPS if variants else OVERLAPS[:1]:
-                segments.OVERLAP = overlap
-                timed("fwd+bwd", backend, f"{overlap}{' (default)' if overlap == DEFAULTS[2] else ''}", ours(backend))
-        restore_defaults()
+            timed("fwd+bwd", backend, "default", ours(backend))
 
     def summary(self) -> None:
         print("-- fastest per shape (the issue's targets: fwd >= 3x, fwd+bwd >= 2x F.embedding_bag)")

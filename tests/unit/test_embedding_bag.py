@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import embedding_bag_mean, segments
+from runtime.accelerators.embedding_bag import embedding_bag_mean
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
@@ -141,49 +141,29 @@ def test_triton_empty_inputs(indices, offsets):
 
 
 TRITON_LAUNCHES = {
-    "tile": triton_kernels.ForwardLaunch(tile=True),
-    "tile-int32-1warp": triton_kernels.ForwardLaunch(block_b=4, num_warps=1, tile=True, int32=True),
-    "loop-int32": triton_kernels.ForwardLaunch(block_b=8, num_warps=2, int32=True),
+    "8-bags-2-warps": triton_kernels.ForwardLaunch(block_b=8, num_warps=2),
+    "64-bags-8-warps": triton_kernels.ForwardLaunch(block_b=64, num_warps=8),
 }
 
 
 @pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
-@pytest.mark.parametrize("bag_len", [3, 20], ids=["bag3", "bag20"])  # one tile step (BLOCK_L 4), two (BLOCK_L 16)
-def test_triton_forward_variants(monkeypatch, launch, bag_len):
-    """The forward launches the sweep compares (triton.FORWARD), on odd bags: padding, an all-padding bag."""
+@pytest.mark.parametrize("bag_len", [3, 20], ids=["bag3", "bag20"])  # one step of BLOCK_L 4; three of BLOCK_L 8, the last partial
+def test_triton_forward_block_sizes(monkeypatch, launch, bag_len):
+    """Other forward launches than the default (triton.FORWARD, as the sweep sets it), on odd bags: padding, an all-padding bag."""
     monkeypatch.setattr(triton_kernels, "FORWARD", launch)
     indices = torch.randint(0, 40, (13, bag_len))
     indices[4] = 6  # an all-padding bag
     check("triton", table(40, 37), indices, padding_idx=6)
     with pytest.raises(IndexError, match="outside"):
         embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2, 3], [4, 9, 5]]), backend="triton")
-    flat = torch.randint(0, 40, (30,))  # ragged bags take the loop gather whatever FORWARD says
+    flat = torch.randint(0, 40, (30,))
     check("triton", table(40, 16), flat, torch.tensor([0, 4, 4, 29]), padding_idx=1)
-
-
-def test_triton_int32_offsets_only_where_the_table_fits():
-    """Every element offset of the table (the last row's end included) must stay below 2^31."""
-    assert triton_kernels.int32_offsets(torch.empty(2**19, 4095, device="meta"))
-    assert not triton_kernels.int32_offsets(torch.empty(2**19, 4096, device="meta"))
-    assert not triton_kernels.int32_offsets(torch.empty(2**20, 4096, device="meta")[:, :64])  # strided rows
-
-
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_dense_gradient_and_segments_is_zeros_and_the_sort(dtype):
-    flat = hot_indices(100, 30, hot=4, copies=40, dtype=dtype)
-    grad, got = segments.dense_gradient_and_segments(flat, 30, 7, bf16)
-    want = segments.sort_segments(flat, 30)
-    assert grad.shape == (30, 7) and grad.dtype == bf16 and (grad == 0).all()
-    assert got.keys.dtype == torch.int32 and got.perm.dtype == torch.int64 and got.first.dtype == torch.int32
-    for name in ("keys", "perm", "first"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert torch.equal(got.keys.long(), torch.sort(flat.long(), stable=True).values)
-    assert torch.equal(got.perm, torch.sort(flat, stable=True).indices)
 
 
 @pytest.mark.slow
 def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
-    """The CUDA index check (CHECK_ASSERT, debug=True) compiled for sm_90: exactly one assert, ours.
+    """The CUDA index check (CHECK_ASSERT, debug=True) compiled for sm_90, at the default launch and the test's
+    others: exactly one assert, ours.
 
     debug=True also makes Triton check int32 arithmetic for overflow (one assert each): the kernel avoids that."""
     from test_triton_compile_sm90 import LaunchRecorder
@@ -191,7 +171,8 @@ def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
     recorder = LaunchRecorder()
     weight, indices = torch.randn(1000, 64).to(bf16), torch.randint(0, 1000, (256,))
     out, scale = torch.empty(64, 64, dtype=bf16), torch.empty(64)
-    for launch in TRITON_LAUNCHES.values():
+    launches = [triton_kernels.ForwardLaunch(), *TRITON_LAUNCHES.values()]
+    for launch in launches:
         kernel = triton_kernels._forward_kernel.kernel  # the InterpretedFunction: its run() is what records
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(type(kernel), "run", lambda k, *a, **kw: recorder.run(k, *a, **kw, debug=True))  # as on a GPU
@@ -200,11 +181,11 @@ def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
             kernel[(4, 1)](
                 weight, indices, indices, out, scale, torch.empty(0, dtype=torch.int32), scale,
                 64, 256, 0, 1000, 64, 4, 64, 0,
-                FIXED=True, CHECK=triton_kernels.CHECK_ASSERT, INT32=launch.int32, BLOCK_T=256, **cfg,
+                FIXED=True, CHECK=triton_kernels.CHECK_ASSERT, BLOCK_T=256, **cfg,
             )  # fmt: skip
-    launches = [{k: v for k, v in launch.items() if k != "case"} for launch in recorder.launches.values()]
-    assert len(launches) == len(TRITON_LAUNCHES) and all(launch["options"]["debug"] for launch in launches)
-    (tmp_path / "launches.pkl").write_bytes(pickle.dumps(launches))
+    recorded = [{k: v for k, v in launch.items() if k != "case"} for launch in recorder.launches.values()]
+    assert len(recorded) == len(launches) and all(launch["options"]["debug"] for launch in recorded)
+    (tmp_path / "launches.pkl").write_bytes(pickle.dumps(recorded))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     paths = [os.environ.get("TAAC_SM90_TRITON", ""), str(Path(runtime.__file__).parents[1])]  # as the sm_90 tier
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths + [env.get("PYTHONPATH", "")] if p)
@@ -212,7 +193,7 @@ def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, "-c", COUNT_ASSERTS, str(tmp_path / "launches.pkl")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = [int(line) for line in done.stdout.split()]
-    assert counts == [1] * len(TRITON_LAUNCHES), f"__assertfail call sites per launch: {counts}"
+    assert counts == [1] * len(launches), f"__assertfail call sites per launch: {counts}"
 
 
 COUNT_ASSERTS = """

@@ -20,7 +20,7 @@ from ..tilelang_common import precompile as precompile_entries
 
 import tilelang.language as T  # noqa: E402  isort: skip
 from .reference import INDEX_ERROR
-from .segments import bag_layout, dense_gradient_and_segments, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per block of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
@@ -346,7 +346,8 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         out = buffers.empty((max(count, 1), dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((max(count, 1),), dtype=torch.int64, device=device)
     else:
-        out, segments = dense_gradient_and_segments(bags.flat, num_embeddings, dim, weight.dtype)
+        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
+        segments = sort_segments(bags.flat, num_embeddings)
         ranks, count = segments.first[:1], num_embeddings
         rows = torch.empty(1, dtype=torch.int64, device=device)
     placeholder = segments.first[:1]

@@ -7,9 +7,8 @@ backward_sparse(grad_out, *args, *results) -> sparse COO weight gradient (coales
 
 The gradient follows segments.py: sort the flat indices, then `_chunk_kernel` sums each chunk
 of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds up the
-partial sums of segments that cross chunks; on CUDA the dense gradient's zero fill runs beside
-the sort (segments.dense_gradient_and_segments). The forward's index check is a device-side assert
-in the kernel on CUDA (no host sync, no extra launch: the forward stays one CUDA-graph node); under
+partial sums of segments that cross chunks. The forward's index check is a device-side assert in
+the kernel on CUDA (no host sync, no extra launch: the forward stays one CUDA-graph node); under
 the CPU interpreter, which ignores device asserts, the kernel clears a flag that is read after it.
 """
 
@@ -25,7 +24,7 @@ from .. import buffers
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from .reference import INDEX_ERROR
-from .segments import bag_layout, dense_gradient_and_segments, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
@@ -35,29 +34,20 @@ BLOCK_J = 32  # chunk partials summed at once in the second pass
 
 
 INDEX_MESSAGE = tl.constexpr(INDEX_ERROR)  # a device_assert message must be a constexpr string
-CHECK_OFF, CHECK_FLAG, CHECK_ASSERT = 0, 1, 2  # the forward's index check: none, a flag cleared on bad input, device_assert
-
-
-@triton.jit
-def _row_offsets(idx, stride_w, INT32: tl.constexpr):
-    """idx * stride_w: in int32 where the launcher found every offset of the table below 2^31, else in int64.
-    (The int32 product skips Triton's overflow check, which the forward's debug=True would otherwise add.)"""
-    if INT32:
-        return tl.mul(idx.to(tl.int32), stride_w, sanitize_overflow=False)
-    else:
-        return idx.to(tl.int64) * stride_w
+# the forward's index check: none, a flag cleared on bad input (the CPU interpreter), device_assert (CUDA)
+CHECK_OFF, CHECK_FLAG, CHECK_ASSERT = 0, 1, 2
 
 
 # Sizes and row numbers are not specialised (one compiled kernel serves every batch); dim and the row strides
 # are, so that 16-byte-aligned rows get vector loads. debug=True compiles in tl.device_assert (the CUDA index
 # check, CHECK_ASSERT); it also makes Triton check every int32 add, subtract and multiply for overflow, so the
-# integer math here is int64 (or an explicit int32 product without that check), and the only assert is ours.
+# integer math here is int64, and the only assert is ours.
 @direct_launch
 @triton.jit(debug=True, do_not_specialize=["num_bags", "num_indices", "num_offsets", "num_embeddings", "bag_len", "padding_idx"])
 def _forward_kernel(
     weight_ptr, indices_ptr, offsets_ptr, out_ptr, scale_ptr, bag_of_ptr, ok_ptr,
     num_bags, num_indices, num_offsets, num_embeddings, dim, bag_len, stride_w, padding_idx,
-    FIXED: tl.constexpr, CHECK: tl.constexpr, TILE: tl.constexpr, INT32: tl.constexpr,
+    FIXED: tl.constexpr, CHECK: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0).to(tl.int64)
@@ -84,36 +74,21 @@ def _forward_kernel(
 
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     count = tl.zeros([BLOCK_B], dtype=tl.float32)  # float: an int32 sum would carry the overflow checks
-    if TILE and FIXED:
-        # a [BLOCK_B, BLOCK_L] tile of indices in one load, then all of its rows at once
-        e = tl.arange(0, BLOCK_L)
-        for j0 in range(0, max_len, BLOCK_L):
-            in_bag = in_batch[:, None] & (e[None, :] < max_len - j0)
-            idx = tl.load(indices_ptr + start[:, None] + j0 + e[None, :], mask=in_bag, other=0)
+    for j0 in range(0, max_len, BLOCK_L):
+        # unrolled: every row load of the block is in flight before the first add
+        for jj in tl.static_range(BLOCK_L):
+            in_bag = jj < length - j0
+            idx = tl.load(indices_ptr + start + j0 + jj, mask=in_bag, other=0).to(tl.int64)
             in_range = (idx >= 0) & (idx < num_embeddings)
-            bad |= tl.max((in_bag & ~in_range).to(tl.int32), 1)
+            bad |= (in_bag & ~in_range).to(tl.int32)
             use = in_bag & in_range & (idx != padding_idx)
-            count += tl.sum(use.to(tl.float32), 1)
-            row_ptrs = weight_ptr + _row_offsets(idx, stride_w, INT32)
-            rows = tl.load(row_ptrs[:, :, None] + cols[None, None, :], mask=use[:, :, None] & col_ok[None, None, :], other=0.0)
-            acc += tl.sum(rows.to(tl.float32), 1)
-    else:
-        for j0 in range(0, max_len, BLOCK_L):
-            # unrolled: every row load of the block is in flight before the first add
-            for jj in tl.static_range(BLOCK_L):
-                in_bag = jj < length - j0
-                idx = tl.load(indices_ptr + start + j0 + jj, mask=in_bag, other=0)
-                in_range = (idx >= 0) & (idx < num_embeddings)
-                bad |= (in_bag & ~in_range).to(tl.int32)
-                use = in_bag & in_range & (idx != padding_idx)
-                count += use.to(tl.float32)
-                row_ptrs = weight_ptr + _row_offsets(idx, stride_w, INT32)
-                rows = tl.load(row_ptrs[:, None] + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
-                acc += rows.to(tl.float32)
-            if not FIXED:
-                if pid_d == 0:  # the entry -> bag map the gradient needs
-                    for jj in tl.static_range(BLOCK_L):
-                        tl.store(bag_of_ptr + start + j0 + jj, bags.to(tl.int32), mask=jj < length - j0)
+            count += use.to(tl.float32)
+            rows = tl.load(weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
+            acc += rows.to(tl.float32)
+        if not FIXED:
+            if pid_d == 0:  # the entry -> bag map the gradient needs
+                for jj in tl.static_range(BLOCK_L):
+                    tl.store(bag_of_ptr + start + j0 + jj, bags.to(tl.int32), mask=jj < length - j0)
 
     scale = tl.where(count > 0, 1.0 / tl.maximum(count, 1.0), 0.0)
     out = acc * scale[:, None]
@@ -243,14 +218,6 @@ class ForwardLaunch:
 
     block_b: int = 0  # bags per program; 0: about 2K [bags, columns] elements per program, at most 64 bags
     num_warps: int = 4
-    # fixed-size bags: each step loads a [BLOCK_B, BLOCK_L] tile of indices, then all of its rows at once
-    # ([BLOCK_B, BLOCK_L, BLOCK_D]); otherwise one [BLOCK_B] vector of indices and its rows per bag entry,
-    # BLOCK_L entries unrolled
-    tile: bool = False
-    int32: bool = False  # row offsets in int32 when the table has fewer than 2^31 elements
-    # CUDA index check: a device-side assert in the kernel; False: a flag the kernel clears, then read by
-    # torch._assert_async (one more launch)
-    device_assert: bool = True
 
 
 FORWARD = ForwardLaunch()
@@ -260,42 +227,9 @@ def forward_config(dim: int, bag_len: int) -> dict:
     """Block sizes (constexprs) and warps of the forward kernel: FORWARD, for the row width and the (typical) bag length."""
     launch = FORWARD
     block_d = min(pow2_at_least(dim), 128)
-    block_l = min(pow2_at_least(bag_len), 16 if launch.tile else 8)
+    block_l = min(pow2_at_least(bag_len), 8)
     block_b = launch.block_b or max(1, min(64, 2048 // block_d))
-    return dict(BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, TILE=launch.tile, num_warps=launch.num_warps)
-
-
-_OK_FLAGS: dict[torch.device, torch.Tensor] = {}
-
-
-def _ok_flag(device: torch.device) -> torch.Tensor:
-    """A one-element int32 "indices are fine" flag: kernels only ever clear it, on bad input.
-
-    On CUDA one flag per device is reused (a failed check is a device-side assert, which ends
-    the CUDA context anyway), saving a fill kernel per call; inside a CUDA-graph capture with no
-    flag yet, a fresh one is made so that the graph itself initialises it.
-    """
-    if device.type != "cuda":
-        return torch.ones(1, dtype=torch.int32, device=device)
-    flag = _OK_FLAGS.get(device)
-    if flag is None:
-        flag = torch.ones(1, dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize(device)  # once: the fill must land before any stream reads it
-            _OK_FLAGS[device] = flag
-    return flag
-
-
-def _raise_if_bad(ok: torch.Tensor) -> None:
-    if ok.device.type == "cuda":
-        torch._assert_async(ok, INDEX_ERROR)
-    elif not ok.item():  # CPU (the interpreter): no sync to avoid
-        raise IndexError(INDEX_ERROR)
-
-
-def int32_offsets(weight: torch.Tensor) -> bool:
-    """Whether every element offset of the table fits in int32 (ForwardLaunch.int32)."""
-    return (weight.shape[0] - 1) * weight.stride(0) + weight.shape[1] < 2**31
+    return dict(BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=launch.num_warps)
 
 
 def forward(weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool):
@@ -310,21 +244,20 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
         return out, scale, bag_of
     typical_len = bags.bag_len if fixed else -(-num_indices // bags.num_bags)
     cfg = forward_config(dim, typical_len)
-    # the interpreter ignores device_assert: on the CPU the kernel clears a flag, read here
+    # the interpreter ignores device_assert: on the CPU the kernel clears a flag, read after it
     check = CHECK_OFF
     if check_indices:
-        check = CHECK_ASSERT if weight.device.type == "cuda" and FORWARD.device_assert else CHECK_FLAG
-    ok = _ok_flag(weight.device) if check == CHECK_FLAG else scale  # never written otherwise
-    int32 = FORWARD.int32 and int32_offsets(weight)
+        check = CHECK_ASSERT if weight.device.type == "cuda" else CHECK_FLAG
+    ok = torch.ones(1, dtype=torch.int32, device=weight.device) if check == CHECK_FLAG else scale  # never written otherwise
     grid = (cdiv(bags.num_bags, cfg["BLOCK_B"]), cdiv(dim, cfg["BLOCK_D"]))
     _forward_kernel[grid](
         weight, bags.flat, bags.offsets if not fixed else bags.flat, out, scale, bag_of, ok,
         bags.num_bags, num_indices, 0 if fixed else bags.offsets.numel(), num_embeddings, dim, bags.bag_len,
         weight.stride(0), padding_idx,
-        FIXED=fixed, CHECK=check, INT32=int32, BLOCK_T=256, **cfg,
+        FIXED=fixed, CHECK=check, BLOCK_T=256, **cfg,
     )  # fmt: skip
-    if check == CHECK_FLAG:
-        _raise_if_bad(ok)
+    if check == CHECK_FLAG and not ok.item():  # the CPU: no sync to avoid
+        raise IndexError(INDEX_ERROR)
     return out, scale, bag_of
 
 
@@ -346,7 +279,8 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((count,), dtype=torch.int64, device=device)
     else:
-        out, segments = dense_gradient_and_segments(bags.flat, num_embeddings, dim, weight.dtype)
+        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
+        segments = sort_segments(bags.flat, num_embeddings)
         ranks = rows = segments.first  # unused placeholders
     chunks = num_chunks(num_indices, CHUNK)
     block_d = min(pow2_at_least(dim), 128)
