@@ -10,9 +10,8 @@ pass adds those partials up. No row waits on another, however skewed the indices
 Nothing here synchronises with the host except `sparse_ranks`, which must learn the number of
 distinct rows to size the sparse gradient (torch's own sparse backward syncs there too).
 
-The dense gradient is a [num_embeddings, dim] zero fill, then the sort, on the current stream. Running
-the two concurrently (the sort on a high-priority side stream, or the fill) gained nothing on an H100
-(within 1%, session 14 sweep), so they run one after the other.
+The sort and the dense gradient's [num_embeddings, dim] zero fill run one after the other on the current
+stream: running them concurrently on two streams gained nothing on an H100 (within 1%, session 14 sweep).
 """
 
 from __future__ import annotations

@@ -340,17 +340,16 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
             return torch.empty(0, dtype=torch.int64, device=device), weight.new_empty(0, dim)
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
     grad_out = grad_out.contiguous()
+    segments = sort_segments(bags.flat, num_embeddings)
+    placeholder = segments.first[:1]
     if sparse:
-        segments = sort_segments(bags.flat, num_embeddings)
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((max(count, 1), dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((max(count, 1),), dtype=torch.int64, device=device)
     else:
+        ranks, count = placeholder, num_embeddings
         out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
-        segments = sort_segments(bags.flat, num_embeddings)
-        ranks, count = segments.first[:1], num_embeddings
         rows = torch.empty(1, dtype=torch.int64, device=device)
-    placeholder = segments.first[:1]
     chunks = num_chunks(num_indices, CHUNK)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
     head = buffers.empty((chunks, dim), dtype=torch.float32, device=device)

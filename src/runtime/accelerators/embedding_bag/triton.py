@@ -273,15 +273,14 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    segments = sort_segments(bags.flat, num_embeddings)
     if sparse:
-        segments = sort_segments(bags.flat, num_embeddings)
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((count,), dtype=torch.int64, device=device)
     else:
-        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
-        segments = sort_segments(bags.flat, num_embeddings)
         ranks = rows = segments.first  # unused placeholders
+        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
     chunks = num_chunks(num_indices, CHUNK)
     block_d = min(pow2_at_least(dim), 128)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
