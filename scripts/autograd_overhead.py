@@ -2,10 +2,15 @@
 
     bash .device/gpu python scripts/autograd_overhead.py
 
-Microseconds per call (back to back, synchronised once) of torch.autograd.grad over small CUDA tensors, for native
-ops, trivial autograd.Functions (one launch each way), the public BCE / LayerNorm ops, and two ways to hand autograd
-a gradient the forward already computed: a Python backward that multiplies it by the incoming gradient, and native
-ops whose backward does the same (no Python runs in backward).
+Microseconds per call of torch.autograd.grad over small CUDA tensors (medians over rounds in which the cases take
+turns; calls back to back, synchronised once per case and round): native ops, a trivial autograd.Function (one launch
+each way: the floor of a Python backward), the public BCE and LayerNorm ops; with the autograd engine's device
+threads (the default) and without (torch.autograd.set_multithreading_enabled(False): backward on the calling thread).
+
+Session 15's second run (results/autograd-overhead-2026-11-23-h100-s15-run2.txt) also timed stand-ins for a BCE
+forward that writes the logits' gradient: with a Python backward scaling it, 288 / 251 us at 256 / 4096 logits
+against 384 / 346 (two launch paths) and torch eager's 286 / 271; with native autograd ops carrying it (no Python in
+backward: loss + (x - x.detach()) . gradient), 424 us: slower. The first became bce's GRAD_IN_FORWARD_MAX_NUMEL path.
 """
 
 import statistics
@@ -17,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import binary_cross_entropy_with_logits, layer_norm
-from runtime.accelerators.bce import triton as bce_triton
 
 
 def per_call_us(cases: dict, rounds: int = 15, calls: int = 500) -> dict:
@@ -52,50 +56,7 @@ class SumThenScale(torch.autograd.Function):
         return g * x
 
 
-class PrecomputedGrad(torch.autograd.Function):
-    """The loss and its unit gradient from the forward; backward scales the saved gradient (one ATen op)."""
-
-    @staticmethod
-    def forward(ctx, x, y, fused):
-        loss, unit = fused_forward(x, y) if fused else loss_and_unit_grad(x, y)
-        ctx.save_for_backward(unit)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        (unit,) = ctx.saved_tensors
-        return g * unit, None, None
-
-
-ONE = None
-
-
-def loss_and_unit_grad(x, y):
-    """Stands in for a fused forward: the forward kernel, then the backward kernel with an incoming gradient of one."""
-    x0, y0 = x.detach(), y.detach()
-    loss = bce_triton.forward(x0, y0, None, None, "mean", False)
-    unit = bce_triton.backward(ONE, x0, y0, None, None, "mean", False, loss)[0]
-    return loss, unit
-
-
-def fused_forward(x, y):
-    """The host cost of a forward kernel that also writes the unit gradient: one launch, one more allocation (the
-    gradient it returns is not computed: timing only)."""
-    x0 = x.detach()
-    return bce_triton.forward(x0, y.detach(), None, None, "mean", False), torch.empty_like(x0)
-
-
-def native_backward_bce(x, y, fused=False):
-    """loss + (x - x.detach()) . unit: the value is the loss (the product is exactly zero for finite x), the
-    gradient of x is g * unit, and every backward node is a native one."""
-    loss, unit = fused_forward(x, y) if fused else loss_and_unit_grad(x, y)
-    zero = x - x.detach()
-    return torch.addmv(loss.view(1), zero.view(1, -1), unit).view(())
-
-
 def main() -> None:
-    global ONE
-    ONE = torch.ones((), device="cuda")
     print("threads:", [t.name for t in threading.enumerate()], "switch interval", sys.getswitchinterval())
     for multithreaded in (True, False):
         torch.autograd.set_multithreading_enabled(multithreaded)
@@ -109,10 +70,7 @@ def main() -> None:
                 "native F.bce fwd+bwd": lambda: grad(F.binary_cross_entropy_with_logits(x, y)),
                 "Function sum/scale fwd+bwd": lambda: grad(SumThenScale.apply(x)),
                 "ours triton fwd+bwd": lambda: grad(binary_cross_entropy_with_logits(x, y, backend="triton")),
-                "precomputed (2 launches), Python bwd": lambda: grad(PrecomputedGrad.apply(x, y, False)),
-                "precomputed (2 launches), native bwd": lambda: grad(native_backward_bce(x, y)),
-                "fused stand-in, Python bwd": lambda: grad(PrecomputedGrad.apply(x, y, True)),
-                "fused stand-in, native bwd": lambda: grad(native_backward_bce(x, y, True)),
+                "ours tilelang fwd+bwd": lambda: grad(binary_cross_entropy_with_logits(x, y, backend="tilelang")),
             }
             for name, us in per_call_us(cases).items():
                 print(f"bce {n:5d} {name:40s} {us:8.1f}", flush=True)
@@ -129,13 +87,6 @@ def main() -> None:
         for name, us in per_call_us(cases).items():
             print(f"ln 8192x128 {name:40s} {us:8.1f}", flush=True)
     torch.autograd.set_multithreading_enabled(True)
-    check_x = (3 * torch.randn(4096, device="cuda")).requires_grad_()
-    check_y = torch.rand(4096, device="cuda")
-    expected = F.binary_cross_entropy_with_logits(check_x, check_y)
-    ref = torch.autograd.grad(expected, [check_x])[0]
-    out = native_backward_bce(check_x, check_y)
-    got = torch.autograd.grad(out, [check_x])[0]
-    print("native-backward trick: loss diff", (out - expected).abs().item(), "grad max diff", (got - ref).abs().max().item())
 
 
 if __name__ == "__main__":

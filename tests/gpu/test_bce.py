@@ -38,7 +38,10 @@ def _tilelang_kernels_compiled_in_parallel():
     ]
     entries = [kernels.sum_entry(d) for d in (f, b, h)]
     for names, reduce, targets_grad in [(n, True, True) for n in plain] + used:
-        entries += [kernels.forward_entry(*names, reduce), kernels.backward_entry(*names, reduce, targets_grad)]
+        entries += [kernels.forward_entry(*names, reduce, False), kernels.backward_entry(*names, reduce, targets_grad)]
+    for names, reduce, targets_grad in [(n, True, False) for n in plain] + used:
+        if not targets_grad:  # small inputs whose targets need no gradient: the forward writes dlogits
+            entries.append(kernels.forward_entry(*names, reduce, True))
     precompile(entries, torch.device("cuda", torch.cuda.current_device()))
 
 

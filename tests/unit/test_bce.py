@@ -29,9 +29,9 @@ def textbook64(x, y, weight=None, pos_weight=None, reduction="mean"):
     return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
 
 
-def make_inputs(shape, dtype=f32, target_dtype=None, weight_shape=None, pos_weight_shape=None, scale=3.0):
+def make_inputs(shape, dtype=f32, target_dtype=None, weight_shape=None, pos_weight_shape=None, scale=3.0, targets_grad=True):
     x = (scale * torch.randn(shape)).to(dtype).requires_grad_()
-    y = torch.rand(shape).to(target_dtype or dtype).requires_grad_()
+    y = torch.rand(shape).to(target_dtype or dtype).requires_grad_(targets_grad)
     w = None if weight_shape is None else (0.5 + torch.rand(weight_shape))
     pw = None if pos_weight_shape is None else (0.5 + 2 * torch.rand(pos_weight_shape))
     return x, y, w, pw
@@ -127,13 +127,15 @@ TRITON_CASES = [
 ]
 
 
+@pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 @pytest.mark.parametrize("shape, reduction, weight_shape, pos_weight_shape", TRITON_CASES)
-def test_triton_forward_backward(shape, reduction, weight_shape, pos_weight_shape):
-    x, y, w, pw = make_inputs(shape, weight_shape=weight_shape, pos_weight_shape=pos_weight_shape)
+def test_triton_forward_backward(shape, reduction, weight_shape, pos_weight_shape, targets_grad):
+    """Without a target gradient these small inputs take the path where the forward kernel writes dlogits."""
+    x, y, w, pw = make_inputs(shape, weight_shape=weight_shape, pos_weight_shape=pos_weight_shape, targets_grad=targets_grad)
     with poison_outputs():
         out = bce(x, y, w, pw, reduction, backend="triton")
         grad_out = torch.randn(out.shape)
-        grads = torch.autograd.grad(out, (x, y), grad_out)
+        grads = torch.autograd.grad(out, (x, y) if targets_grad else (x,), grad_out)
     compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], "triton")
 
 
@@ -144,22 +146,45 @@ LAUNCHES = {
 }
 
 
+@pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
-def test_triton_large_input_launches(launch, reduction, monkeypatch):
+def test_triton_large_input_launches(launch, reduction, targets_grad, monkeypatch):
     """Inputs above SMALL.block take the FORWARD / BACKWARD launches (one CPU "SM" under the interpreter): programs
-    that loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map."""
+    that loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map;
+    without a target gradient the looping forward writes dlogits too."""
     monkeypatch.setattr(bce_triton, "FORWARD", launch)
     monkeypatch.setattr(bce_triton, "FORWARD_NONE", launch)
     monkeypatch.setattr(bce_triton, "BACKWARD", launch)
-    x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,))
+    x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,), targets_grad=targets_grad)
     with poison_outputs():
         out = bce(x, y, w, pw, reduction, backend="triton")
         grad_out = torch.randn(out.shape)
-        grads = torch.autograd.grad(out, (x, y), grad_out)
+        grads = torch.autograd.grad(out, (x, y) if targets_grad else (x,), grad_out)
     compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], f"triton {launch}")
     if reduction != "none":
         assert torch.equal(out, bce(x, y, w, pw, reduction, backend="triton"))
+
+
+@pytest.mark.parametrize("limit, targets_grad, expected", [(37, False, True), (36, False, False), (37, True, False)])
+def test_triton_dlogits_from_the_forward_only_for_small_inputs_without_target_gradient(
+    limit, targets_grad, expected, monkeypatch
+):
+    """Up to GRAD_IN_FORWARD_MAX_NUMEL logits, with no target gradient, backward scales the forward's dlogits;
+    otherwise the backward kernel computes them. Both give the same gradient."""
+    import runtime.accelerators.bce as package
+
+    scaled = []
+    monkeypatch.setattr(package, "GRAD_IN_FORWARD_MAX_NUMEL", limit)
+    monkeypatch.setattr(bce_triton, "scale_unit_gradient", lambda *args: scaled.append(1) or package.scale_unit_gradient(*args))
+    x, y, _, _ = make_inputs((37,), bf16, targets_grad=targets_grad)
+    out = bce(x, y, backend="triton")
+    (dx,) = torch.autograd.grad(out, x, torch.tensor(0.75, dtype=bf16))
+    assert bool(scaled) == expected
+    x64 = x.detach().double().requires_grad_()
+    ref = textbook64(x64, y.detach().double())
+    assert dx.dtype == bf16
+    assert_close("dlogits", dx, torch.autograd.grad(ref, x64, torch.tensor(0.75, dtype=torch.float64))[0], gradient_tolerance(bf16))
 
 
 def test_triton_mixed_dtypes_and_no_target_gradient():
@@ -253,9 +278,10 @@ def test_compiled_custom_op_matches_eager():
 # --------------------------------------------------------------------------- TileLang, compiled for sm_90a
 
 TILELANG_VARIANTS = [
-    # forward: (x, y, weight, pos_weight, loss dtypes, weight mode, pos_weight mode, reduce)
-    ("forward", ("float32", "float32", "float32", "float32", "float32", ABSENT, ABSENT, True)),
-    ("forward", ("bfloat16", "float32", "float32", "bfloat16", "float32", FULL, BROADCAST, False)),
+    # forward: (x, y, weight, pos_weight, loss dtypes, weight mode, pos_weight mode, reduce, unit gradient)
+    ("forward", ("float32", "float32", "float32", "float32", "float32", ABSENT, ABSENT, True, False)),
+    ("forward", ("bfloat16", "float32", "float32", "bfloat16", "float32", FULL, BROADCAST, False, False)),
+    ("forward", ("bfloat16", "bfloat16", "float32", "float32", "bfloat16", BROADCAST, FULL, True, True)),
     ("sum", ("bfloat16",)),
     # backward: (x, y, weight, pos_weight, grad dtypes, weight mode, pos_weight mode, scalar grad, targets grad)
     ("backward", ("float16", "float16", "float32", "float16", "float32", BROADCAST, FULL, True, True)),

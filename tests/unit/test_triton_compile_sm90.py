@@ -38,6 +38,7 @@ import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
+from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
@@ -104,6 +105,8 @@ def bce():
     logits, targets = _randn(576), torch.rand(576)  # one block: the reduction ends in the forward kernel
     _backward(acc.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor(2.0)))
     logits, targets = _randn(5000), torch.rand(5000)  # two blocks: partial sums and _sum_partials_kernel
+    _backward(acc.binary_cross_entropy_with_logits(logits, targets))  # dlogits written by the forward
+    logits, targets = _randn(5000), torch.rand(5000, requires_grad=True)  # a target gradient: the backward kernel
     _backward(acc.binary_cross_entropy_with_logits(logits, targets))
 
 
@@ -126,15 +129,22 @@ def mhc():
         _backward(acc.mhc_post(x, h_in, h_post, h_res))
 
 
-def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float):
-    """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU."""
+def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None):
+    """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU.
+    backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles (the
+    interpreter never takes it by itself); None runs the module's backward as autograd does."""
     b, h, hkv, lq, lk = 2, 4, 2, 200, 200
     q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
     k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
     lengths = torch.tensor([lk, 77], dtype=torch.int32) if with_lengths else None
     args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, 1234)
     o, lse = fa_triton.forward(*args)
-    fa_triton.backward(do, *args, o, lse)
+    if backward_tma is None:
+        fa_triton.backward(do, *args, o, lse)
+    else:
+        delta = fa_triton.backward_preprocess(o, do)
+        fa_triton.backward_dkdv(do, *args, lse, delta, tma=backward_tma)
+        fa_triton.backward_dq(do, *args, lse, delta, tma=backward_tma)
 
 
 def attention_padded():
@@ -149,6 +159,15 @@ def attention_causal_dropout():
 def attention_widest():
     """The widest head dim: the most shared memory (the forward needs ~224 KiB of the H100's 227)."""
     _attention(head_dim=128, causal=True, with_lengths=True, dropout_p=0.0)
+
+
+def attention_tma_backward():
+    """The backward kernels' TMA variants (dk/dv and dq) with the tables' tiles: at head dim 128 beside
+    attention_widest's pointer launch, at 64 beside a pointer launch of its own, and padded (48 -> 64)."""
+    _attention(head_dim=128, causal=True, with_lengths=True, dropout_p=0.0, backward_tma=True)
+    for tma in (False, True):
+        _attention(head_dim=64, causal=False, with_lengths=False, dropout_p=0.0, backward_tma=tma)
+    _attention(head_dim=48, causal=False, with_lengths=True, dropout_p=0.0, backward_tma=True)
 
 
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
@@ -173,6 +192,15 @@ def gated_delta_rule():
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
             inputs[name].requires_grad_()
         _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
+
+
+def gated_delta_rule_grad_wy_variants():
+    """The backward's step 5 as its GRAD_WY variants ("split": two kernels, "fused": one), at the shapes of
+    gated_delta_rule (K = 16, 64, 128)."""
+    for variant in ("split", "fused"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gdr_backward, "GRAD_WY", variant)
+            gated_delta_rule()
 
 
 def gated_delta_rule_fp32_widest():
@@ -201,7 +229,9 @@ CASES = {
     "attention_padded": attention_padded,
     "attention_causal_dropout": attention_causal_dropout,
     "attention_widest": attention_widest,
+    "attention_tma_backward": attention_tma_backward,
     "gated_delta_rule": gated_delta_rule,
+    "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
     "gated_delta_rule_split": gated_delta_rule_split,
 }

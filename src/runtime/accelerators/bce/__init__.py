@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .. import buffers
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
@@ -27,6 +28,13 @@ MAX_KERNEL_NUMEL = 2**31 - 2**16
 
 # how a kernel reads weight / pos_weight
 ABSENT, FULL, BROADCAST = 0, 1, 2
+
+# Up to this many logits (PCVR batches: launch-bound), when the logits alone need a gradient, the forward kernel
+# also writes that gradient for an incoming gradient of one (fp32), and backward only scales it: one ATen multiply
+# where a kernel launch path ran. An eager forward+backward then pays one launch path, not two. H100 host, 256 / 4096
+# logits, us per call (scripts/autograd_overhead.py, session 15): 384 / 346 with two launch paths, 288 / 251 with
+# one, torch eager 286 / 271. Larger inputs keep the one-pass backward kernel (no fp32 gradient written and read).
+GRAD_IN_FORWARD_MAX_NUMEL = 2**16
 
 
 def broadcast_layout(operand: torch.Tensor, shape: torch.Size) -> tuple[int, int] | None:
@@ -67,6 +75,18 @@ def is_scalar_gradient(grad: torch.Tensor) -> bool:
     """A loss gradient that is one value everywhere (mean / sum, or `none` after loss.sum().backward()):
     the backward kernels then read that one value instead of N."""
     return grad.dim() == 0 or all(s == 0 for s in grad.stride())
+
+
+def unit_gradient_buffer(logits: torch.Tensor, grad_in_forward: bool) -> torch.Tensor:
+    """Where a forward kernel writes the logits' fp32 gradient for an incoming gradient of one: logits-shaped when
+    grad_in_forward, else empty (the custom op's second result still has to be a tensor)."""
+    shape = logits.shape if grad_in_forward else (0,)
+    return buffers.empty(shape, dtype=torch.float32, device=logits.device)
+
+
+def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """dlogits = grad * unit (fp32 math) in the logits' dtype: the backward of a forward that ran with grad_in_forward."""
+    return torch.mul(unit, grad, out=buffers.empty_like(logits))
 
 
 def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
@@ -138,20 +158,25 @@ def bce_key(logits, targets, weight=None, pos_weight=None) -> tuple:
 SPEC = OpSpec(name="bce_with_logits", priority=("tilelang", "triton"), reasons=bce_reasons)
 
 
-def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
     shape = logits.shape if reduction == "none" else ()
-    return logits.new_empty(shape, dtype=loss_dtype(logits, targets, weight, pos_weight))
+    loss = logits.new_empty(shape, dtype=loss_dtype(logits, targets, weight, pos_weight))
+    return loss, logits.new_empty(logits.shape if grad_in_forward else (0,), dtype=torch.float32)
 
 
-# kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad) -> loss
-#                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, loss)
-#                     -> (dlogits, dtargets or None, None, None, None, None)
-# weight / pos_weight arrive prepared by kernel_operand; targets_grad says whether to write dtargets.
+# kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)
+#                     -> (loss, unit gradient: see unit_gradient_buffer)
+#                 infer(same arguments) -> loss
+#                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss,
+#                          unit) -> (dlogits, dtargets or None, None, None, None, None, None)
+# weight / pos_weight arrive prepared by kernel_operand; targets_grad says whether to write dtargets;
+# grad_in_forward (never with targets_grad) that the forward writes the unit gradient (GRAD_IN_FORWARD_MAX_NUMEL).
 KERNEL = KernelOp(
     "bce",
-    "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad",
+    "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad, "
+    "bool grad_in_forward",
     n_outputs=1,
-    n_saved=0,
+    n_saved=1,
     fake_forward=_fake_forward,
 )
 
@@ -181,6 +206,8 @@ def binary_cross_entropy_with_logits(
     if chosen == "torch" or logits.numel() == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)
     shape = logits.shape
+    targets_grad = _needs_grad(targets)
+    grad_in_forward = not targets_grad and logits.numel() <= GRAD_IN_FORWARD_MAX_NUMEL and _needs_grad(logits)
     return KERNEL(
         chosen,
         logits,
@@ -188,5 +215,6 @@ def binary_cross_entropy_with_logits(
         kernel_operand(weight, shape),
         kernel_operand(pos_weight, shape),
         reduction,
-        _needs_grad(targets),
+        targets_grad,
+        grad_in_forward,
     )

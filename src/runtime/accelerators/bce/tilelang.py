@@ -13,7 +13,7 @@ import torch
 
 from .. import buffers
 from ..tilelang_common import TL_DTYPE, compiled
-from . import ABSENT, FULL, is_scalar_gradient, operand_mode
+from . import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
 THREADS = 256
@@ -40,6 +40,29 @@ def _loss(x, y, pw):
     return T.if_then_else(x >= 0.0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
 
 
+def _dloss_dx(x, y, pw):
+    """lw sigmoid(x) - pw y, lw = 1 + (pw - 1) y, pw None for 1: with q = sigmoid(-|x|) <= 1/2, as in the Triton
+    kernel (no 1 - q cancels)."""
+    e = T.exp(-T.abs(x))
+    q = e / (1.0 + e)
+    if pw is None:
+        return T.if_then_else(x >= 0.0, (1.0 - y) - q, q - y)
+    lw = 1.0 + (pw - 1.0) * y
+    return T.if_then_else(x >= 0.0, (1.0 - y) - lw * q, lw * q - pw * y)
+
+
+@T.macro
+def _store_block(Out, tile, base, N, out_dtype):
+    """tile's elements to Out[base:], the last block guarded."""
+    if base + BLOCK <= N:
+        for r, v in T.Parallel(ROWS, VEC):
+            Out[base + r * VEC + v] = T.cast(tile[r, v], out_dtype)
+    else:
+        for r, v in T.Parallel(ROWS, VEC):
+            if base + r * VEC + v < N:
+                Out[base + r * VEC + v] = T.cast(tile[r, v], out_dtype)
+
+
 def _operand_value(mode, tile, buffer, i, inner, count):
     """weight / pos_weight at flat index i: a loaded tile when FULL, else the index map of the package docstring."""
     if mode == FULL:
@@ -51,9 +74,10 @@ def _operand_shape(mode, n, symbol):
     return (n,) if mode == FULL else (symbol,)
 
 
-def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce):
-    """The forward prim_func: per-element losses (reduce=False) or per-block fp32 partial sums."""
-    N, WN, PN = T.dynamic("N, WN, PN")
+def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce, unit_grad):
+    """The forward prim_func: per-element losses (reduce=False) or per-block fp32 partial sums; with unit_grad also
+    the fp32 gradient of the loss for an incoming gradient of one (divided by g_divisor) in Unit."""
+    N, WN, PN, UN = T.dynamic("N, WN, PN, UN")
     out_shape, out_elem = ((T.ceildiv(N, BLOCK),), F32) if reduce else ((N,), out_dtype)
 
     @T.prim_func
@@ -64,7 +88,9 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
         PW: T.Tensor(_operand_shape(pw_mode, N, PN), pw_dtype),
         w_inner: T.int32,
         pw_inner: T.int32,
+        g_divisor: T.float32,
         Out: T.Tensor(out_shape, out_elem),
+        Unit: T.Tensor((N,) if unit_grad else (UN,), F32),
     ):
         with T.Kernel(T.ceildiv(N, BLOCK), threads=THREADS) as bx:
             x = T.alloc_fragment((ROWS, VEC), x_dtype)
@@ -72,6 +98,7 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
             w = T.alloc_fragment((ROWS, VEC), w_dtype)
             pw = T.alloc_fragment((ROWS, VEC), pw_dtype)
             loss = T.alloc_fragment((ROWS, VEC), F32)
+            unit = T.alloc_fragment((ROWS, VEC), F32)
             base = bx * BLOCK
             if base + BLOCK <= N:
                 for r, v in T.Parallel(ROWS, VEC):
@@ -96,12 +123,15 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
                 i = base + r * VEC + v
                 xf = T.cast(x[r, v], F32)
                 yf = T.cast(y[r, v], F32)
-                if pw_mode == ABSENT:
-                    value = _loss(xf, yf, None)
-                else:
-                    value = _loss(xf, yf, _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN))
+                pwf = None if pw_mode == ABSENT else _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
+                value = _loss(xf, yf, pwf)
+                scale = 1.0 / g_divisor
                 if w_mode != ABSENT:
-                    value = value * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
+                    wf = _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
+                    value = value * wf
+                    scale = scale * wf
+                if unit_grad:
+                    unit[r, v] = _dloss_dx(xf, yf, pwf) * scale
                 if reduce:
                     value = T.if_then_else(i < N, value, 0.0)
                 loss[r, v] = value
@@ -112,13 +142,9 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
                 T.reduce_sum(row, total, dim=0)
                 Out[bx] = total[0]
             else:
-                if base + BLOCK <= N:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        Out[base + r * VEC + v] = T.cast(loss[r, v], out_dtype)
-                else:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        if base + r * VEC + v < N:
-                            Out[base + r * VEC + v] = T.cast(loss[r, v], out_dtype)
+                _store_block(Out, loss, base, N, out_dtype)
+            if unit_grad:
+                _store_block(Unit, unit, base, N, F32)
 
     return bce_forward
 
@@ -204,33 +230,18 @@ def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode,
                     scale = T.cast(G[0], F32) / g_divisor
                 if w_mode != ABSENT:
                     scale = scale * _operand_value(w_mode, w[r, v], W, i, w_inner, WN)
-                # lw sigmoid(x) - pw y with q = sigmoid(-|x|) <= 1/2, as in the Triton kernel (no 1 - q cancels)
-                e = T.exp(-T.abs(xf))
-                q = e / (1.0 + e)
-                if pw_mode != ABSENT:
-                    pwf = _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
-                    lw = 1.0 + (pwf - 1.0) * yf
-                    dx[r, v] = T.cast(T.if_then_else(xf >= 0.0, (1.0 - yf) - lw * q, lw * q - pwf * yf) * scale, x_dtype)
-                    if targets_grad:
+                pwf = None if pw_mode == ABSENT else _operand_value(pw_mode, pw[r, v], PW, i, pw_inner, PN)
+                dx[r, v] = T.cast(_dloss_dx(xf, yf, pwf) * scale, x_dtype)
+                if targets_grad:
+                    if pw_mode != ABSENT:
                         # (pw - 1) softplus(-x) - x, the max folded in as in _loss
                         dyf = T.if_then_else(xf >= 0.0, -xf, -pwf * xf) + (pwf - 1.0) * _log1p_exp_neg_abs(xf)
                         dy[r, v] = T.cast(dyf * scale, y_dtype)
-                else:
-                    dx[r, v] = T.cast(T.if_then_else(xf >= 0.0, (1.0 - yf) - q, q - yf) * scale, x_dtype)
-                    if targets_grad:
+                    else:
                         dy[r, v] = T.cast(-xf * scale, y_dtype)
-            if base + BLOCK <= N:
-                for r, v in T.Parallel(ROWS, VEC):
-                    DX[base + r * VEC + v] = dx[r, v]
-                if targets_grad:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        DY[base + r * VEC + v] = dy[r, v]
-            else:
-                for r, v in T.Parallel(ROWS, VEC):
-                    if base + r * VEC + v < N:
-                        DX[base + r * VEC + v] = dx[r, v]
-                        if targets_grad:
-                            DY[base + r * VEC + v] = dy[r, v]
+            _store_block(DX, dx, base, N, x_dtype)
+            if targets_grad:
+                _store_block(DY, dy, base, N, y_dtype)
 
     return bce_backward
 
@@ -239,8 +250,8 @@ def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode,
 # (key, build) pairs for tilelang_common.compiled / precompile: keyed by dtype names and flags only
 
 
-def forward_entry(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce):
-    names = (x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce)
+def forward_entry(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce, unit_grad):
+    names = (x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode, reduce, unit_grad)
     return ("bce_forward", *names), lambda _: forward_func(*names)
 
 
@@ -271,28 +282,33 @@ def _operand(operand, x, shape):
     return flat, TL_DTYPE[flat.dtype], mode, inner
 
 
-def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
     n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
     pw, pw_dtype, pw_mode, pw_inner = _operand(pos_weight, x, logits.shape)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     reduce = reduction != "none"
-    entry = forward_entry(TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[dtype], w_mode, pw_mode, reduce)
+    divisor = float(n) if reduction == "mean" else 1.0
+    unit = unit_gradient_buffer(logits, grad_in_forward)
+    entry = forward_entry(
+        TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[dtype], w_mode, pw_mode, reduce, grad_in_forward
+    )
     kernel = compiled(entry, device)
     if not reduce:
         loss = buffers.empty(logits.shape, dtype=dtype, device=device)
-        kernel(x, y, w, pw, w_inner, pw_inner, loss.view(-1))
-        return loss
+        kernel(x, y, w, pw, w_inner, pw_inner, divisor, loss.view(-1), unit.view(-1))
+        return loss, unit
     partials = buffers.empty((-(-n // BLOCK),), dtype=torch.float32, device=device)
-    kernel(x, y, w, pw, w_inner, pw_inner, partials)
+    kernel(x, y, w, pw, w_inner, pw_inner, divisor, partials, unit.view(-1))
     loss = buffers.empty((), dtype=dtype, device=device)
-    divisor = float(n) if reduction == "mean" else 1.0
     compiled(sum_entry(TL_DTYPE[dtype]), device)(partials, divisor, loss.view(1))
-    return loss
+    return loss, unit
 
 
-def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
+def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
+    if grad_in_forward:
+        return scale_unit_gradient(unit, grad, logits), None, None, None, None, None, None
     n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
@@ -308,4 +324,4 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     kernel = compiled(entry, device)
     # without targets_grad the kernel never writes DY: targets stand in for it
     kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
-    return dlogits, dtargets, None, None, None, None
+    return dlogits, dtargets, None, None, None, None, None

@@ -21,7 +21,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from . import is_scalar_gradient, operand_mode
+from . import is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
 
@@ -118,20 +118,40 @@ def _block_index(step, n_full, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def _dloss_dx(x, y, pw, HAS_PW: tl.constexpr):
+    """d/dx [(1 - y) x + lw softplus(-x)] = lw sigmoid(x) - pw y, with lw = 1 + (pw - 1) y. Written with
+    q = sigmoid(-|x|) <= 1/2 (no overflow) so that no 1 - q cancels: for x >= 0 it is (1 - y) - lw q."""
+    e = tl.exp(-tl.abs(x))
+    q = e / (1.0 + e)
+    if HAS_PW:
+        lw = 1.0 + (pw - 1.0) * y
+        return tl.where(x >= 0, (1.0 - y) - lw * q, lw * q - pw * y)
+    return tl.where(x >= 0, (1.0 - y) - q, q - y)
+
+
+@triton.jit
 def _forward_block(
-    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, mask, acc,
-    w_inner, w_count, pw_inner, pw_count,
-    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr,
+    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, unit_ptr, offs, mask, acc,
+    w_inner, w_count, pw_inner, pw_count, divisor,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, UNIT_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """acc plus the block's losses (REDUCE), or acc after storing them."""
+    """acc plus the block's losses (REDUCE), or acc after storing them. UNIT_GRAD: also stores the fp32 gradient of
+    the (reduced) loss for an incoming gradient of one."""
     x = _load(x_ptr + offs, mask)
     y = _load(y_ptr + offs, mask)
+    pw = 1.0
     if PW_MODE != 0:
-        loss = _loss(x, y, _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE), True)
-    else:
-        loss = _loss(x, y, 1.0, False)
+        pw = _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE)
+    loss = _loss(x, y, pw, PW_MODE != 0)
+    if UNIT_GRAD:
+        dx = _dloss_dx(x, y, pw, PW_MODE != 0) / divisor
     if W_MODE != 0:
-        loss = loss * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
+        w = _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
+        loss = loss * w
+        if UNIT_GRAD:
+            dx = dx * w
+    if UNIT_GRAD:
+        tl.store(unit_ptr + offs, dx, mask=mask)
     if not REDUCE:
         tl.store(out_ptr + offs, loss.to(out_ptr.dtype.element_ty), mask=mask)
     elif mask is None:
@@ -144,9 +164,9 @@ def _forward_block(
 @direct_launch
 @triton.jit
 def _forward_kernel(
-    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, n,
+    x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, unit_ptr, n,
     w_inner, w_count, pw_inner, pw_count, divisor,
-    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+    W_MODE: tl.constexpr, PW_MODE: tl.constexpr, REDUCE: tl.constexpr, UNIT_GRAD: tl.constexpr, ONE_PROGRAM: tl.constexpr,
     REVERSE: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -156,14 +176,14 @@ def _forward_kernel(
     for step in tl.range(pid, n_full, programs, num_stages=NUM_STAGES):
         offs = _block_index(step, n_full, REVERSE) * BLOCK + tl.arange(0, BLOCK)
         acc = _forward_block(
-            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, None, acc, w_inner, w_count, pw_inner, pw_count,
-            W_MODE, PW_MODE, REDUCE,
+            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, unit_ptr, offs, None, acc, w_inner, w_count, pw_inner, pw_count,
+            divisor, W_MODE, PW_MODE, REDUCE, UNIT_GRAD,
         )  # fmt: skip
     if pid == n_full % programs and n_full * BLOCK < n:
         offs = n_full * BLOCK + tl.arange(0, BLOCK)
         acc = _forward_block(
-            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, offs, offs < n, acc, w_inner, w_count, pw_inner, pw_count,
-            W_MODE, PW_MODE, REDUCE,
+            x_ptr, y_ptr, w_ptr, pw_ptr, out_ptr, unit_ptr, offs, offs < n, acc, w_inner, w_count, pw_inner, pw_count,
+            divisor, W_MODE, PW_MODE, REDUCE, UNIT_GRAD,
         )  # fmt: skip
     if REDUCE:
         total = tl.sum(acc, axis=0)
@@ -198,16 +218,10 @@ def _backward_block(
         g = _load(g_ptr + offs, mask)
     if W_MODE != 0:
         g = g * _operand(w_ptr, offs, mask, w_inner, w_count, W_MODE)
-    # d/dx [(1 - y) x + lw softplus(-x)] = lw sigmoid(x) - pw y, with lw = 1 + (pw - 1) y. Written with
-    # q = sigmoid(-|x|) <= 1/2 (no overflow) so that no 1 - q cancels: for x >= 0 it is (1 - y) - lw q
-    e = tl.exp(-tl.abs(x))
-    q = e / (1.0 + e)
+    pw = 1.0
     if PW_MODE != 0:
         pw = _operand(pw_ptr, offs, mask, pw_inner, pw_count, PW_MODE)
-        lw = 1.0 + (pw - 1.0) * y
-        dx = tl.where(x >= 0, (1.0 - y) - lw * q, lw * q - pw * y)
-    else:
-        dx = tl.where(x >= 0, (1.0 - y) - q, q - y)
+    dx = _dloss_dx(x, y, pw, PW_MODE != 0)
     tl.store(dx_ptr + offs, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
     if TARGETS_GRAD:
         if PW_MODE != 0:  # d/dy = (pw - 1) softplus(-x) - x, the max folded in as in _loss
@@ -259,7 +273,17 @@ def _operands(logits, weight, pos_weight):
     return (w, pw), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
-def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
+    unit = unit_gradient_buffer(logits, grad_in_forward)
+    return _forward(logits, targets, weight, pos_weight, reduction, unit if grad_in_forward else None), unit
+
+
+def infer(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
+    return _forward(logits, targets, weight, pos_weight, reduction, None)
+
+
+def _forward(logits, targets, weight, pos_weight, reduction, unit):
+    """The loss; with `unit`, also the logits' gradient for an incoming gradient of one, in it."""
     n = logits.numel()
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
@@ -273,8 +297,8 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
         loss = out = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
     _forward_kernel[(programs,)](
-        x, y, w, pw, out, n, *maps, divisor,
-        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, ONE_PROGRAM=programs == 1,
+        x, y, w, pw, out, x if unit is None else unit, n, *maps, divisor,
+        W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, UNIT_GRAD=unit is not None, ONE_PROGRAM=programs == 1,
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
     if reduce and programs > 1:
@@ -282,7 +306,9 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
     return loss
 
 
-def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss):
+def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
+    if grad_in_forward:
+        return scale_unit_gradient(unit, grad, logits), None, None, None, None, None, None
     n = logits.numel()
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
@@ -297,4 +323,4 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
-    return dlogits, dtargets, None, None, None, None
+    return dlogits, dtargets, None, None, None, None, None
