@@ -1,6 +1,9 @@
 """What a Python backward costs an eager forward+backward call on the GPU machine, against native autograd nodes.
 
-    bash .device/gpu python scripts/autograd_overhead.py
+    bash .device/gpu python scripts/autograd_overhead.py [--profile]
+
+--profile: instead, cProfile of the Triton BCE forward+backward at 256 logits on one thread (the engine's device
+threads off, so that the profiler sees the backward too), top functions by own time.
 
 Microseconds per call of torch.autograd.grad over small CUDA tensors (medians over rounds in which the cases take
 turns; calls back to back, synchronised once per case and round): native ops, a trivial autograd.Function (one launch
@@ -13,6 +16,8 @@ against 384 / 346 (two launch paths) and torch eager's 286 / 271; with native au
 backward: loss + (x - x.detach()) . gradient), 424 us: slower. The first became bce's GRAD_IN_FORWARD_MAX_NUMEL path.
 """
 
+import cProfile
+import pstats
 import statistics
 import sys
 import threading
@@ -56,7 +61,30 @@ class SumThenScale(torch.autograd.Function):
         return g * x
 
 
+def profile_bce() -> None:
+    torch.autograd.set_multithreading_enabled(False)
+    x = (3 * torch.randn(256, device="cuda")).requires_grad_()
+    y = torch.rand(256, device="cuda")
+    g = torch.randn((), device="cuda")
+
+    def step():
+        torch.autograd.grad(binary_cross_entropy_with_logits(x, y, backend="triton"), [x], g)
+
+    for _ in range(100):
+        step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3000):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+
+
 def main() -> None:
+    if "--profile" in sys.argv:
+        profile_bce()
+        return
     print("threads:", [t.name for t in threading.enumerate()], "switch interval", sys.getswitchinterval())
     for multithreaded in (True, False):
         torch.autograd.set_multithreading_enabled(multithreaded)

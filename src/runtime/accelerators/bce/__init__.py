@@ -80,8 +80,9 @@ def is_scalar_gradient(grad: torch.Tensor) -> bool:
 def unit_gradient_buffer(logits: torch.Tensor, grad_in_forward: bool) -> torch.Tensor:
     """Where a forward kernel writes the logits' fp32 gradient for an incoming gradient of one: logits-shaped when
     grad_in_forward, else empty (the custom op's second result still has to be a tensor)."""
-    shape = logits.shape if grad_in_forward else (0,)
-    return buffers.empty(shape, dtype=torch.float32, device=logits.device)
+    if grad_in_forward:  # empty_like: about 1 us less host time than torch.empty on the GPU machine
+        return buffers.empty_like(logits, dtype=torch.float32)
+    return buffers.empty((0,), dtype=torch.float32, device=logits.device)
 
 
 def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
