@@ -52,3 +52,12 @@ def test_update_page_replaces_only_the_generated_section(tmp_path):
     text = page.read_text()
     assert text.startswith("# op\n\nhand-written text\n") and "| table v2 |" in text and "v1" not in text
     assert text.count(report.BEGIN) == 1
+
+
+def test_table_lists_each_rows_kernels(capsys):
+    row = {"op": "rms_norm", "shape": "8192x128", "dtype": "bfloat16", "mode": "fwd", "impl": "triton", "kind": "backend",
+           "status": "ok", "kernels": [{"kernel": "_rms_forward_kernel", "us": 5.25, "per_call": 1.0}]}  # fmt: skip
+    result = {"environment": {"commit": "abc", "gpu": "H100", "versions": {"torch": "2.11"}}, "device": "cuda", "rows": [row]}
+    report.print_table(result)
+    out = capsys.readouterr().out
+    assert "8192x128 fwd triton: kernels" in out and "5.2" in out and "_rms_forward_kernel" in out

@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-peers", action="store_true", help="time only our backends")
     parser.add_argument("--json", help="write the results to this path")
     parser.add_argument("--list", action="store_true", help="list operators and shape presets")
+    parser.add_argument("--kernels", action="store_true", help="also profile each row's kernels (GPU time per call)")
     parser.add_argument("--dry-run", action="store_true", help="resolve the selection and print it, measure nothing")
     return parser.parse_args(argv)
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     }
     for case in selected:
         for mode in modes:
-            result["rows"] += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine)
+            result["rows"] += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine, args.kernels)
             if args.json:  # after every case: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)

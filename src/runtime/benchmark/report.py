@@ -56,7 +56,13 @@ def print_table(result: dict) -> None:
         table.add_column(column)
     for row in result["rows"]:
         table.add_row(*row_cells(row))
-    Console(width=240).print(table)
+    console = Console(width=240)
+    console.print(table)
+    for row in result["rows"]:
+        if row.get("kernels"):
+            console.print(f"{row['shape']} {row['mode']} {row['impl']}: kernels, GPU us per call (eager, torch.profiler)")
+            for k in row["kernels"]:
+                console.print(f"  {k['us']:9.1f}  x{k['per_call']:<5g} {k['kernel']}", markup=False, highlight=False)
 
 
 def markdown(results: list[dict]) -> str:

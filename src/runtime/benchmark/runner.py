@@ -103,8 +103,11 @@ def check(case: Case, fn: Callable[[Inputs], torch.Tensor], inputs: Inputs, mode
     return {"errors": errors, "bound": bound, "correct": ok}
 
 
-def measure(case: Case, name: str, kind: str, fn, dtype: torch.dtype, mode: str, machine: Machine) -> dict:
-    """One row: correctness, then GPU and eager time, bandwidth/FLOP rates, memory and compile time."""
+def measure(
+    case: Case, name: str, kind: str, fn, dtype: torch.dtype, mode: str, machine: Machine, kernels: bool = False
+) -> dict:
+    """One row: correctness, then GPU and eager time, bandwidth/FLOP rates, memory and compile time; with kernels,
+    the GPU time of each kernel launched (torch.profiler)."""
     device = machine.device
     row = {"op": case.op, "shape": case.shape, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "impl": name, "kind": kind}
     inputs = case.make_inputs(device, dtype)
@@ -126,6 +129,8 @@ def measure(case: Case, name: str, kind: str, fn, dtype: torch.dtype, mode: str,
     if device.type == "cuda":
         times, captured = timing.gpu_time_ms(run, device)
         row.update(gpu_ms=times, graph=captured, peak_mem_mb=timing.peak_memory_mb(run, device))
+        if kernels:
+            row["kernels"] = timing.kernel_breakdown(run)
         seconds = times["median"] * 1e-3
         passes = ["fwd"] if mode == "fwd" else ["fwd", "bwd"]
         if case.bytes is not None:
@@ -141,12 +146,15 @@ def measure(case: Case, name: str, kind: str, fn, dtype: torch.dtype, mode: str,
     return row
 
 
-def run_case(case: Case, backends: list[str], peers: bool, dtype: torch.dtype, mode: str, machine: Machine) -> list[dict]:
+def run_case(
+    case: Case, backends: list[str], peers: bool, dtype: torch.dtype, mode: str, machine: Machine, kernels: bool = False
+) -> list[dict]:
     rows = []
     with use_accelerators(fallback="error"):  # the benchmark never falls back
         for backend in backends:
-            rows.append(measure(case, backend, "backend", lambda inputs, b=backend: case.run(b, inputs), dtype, mode, machine))
+            run = lambda inputs, b=backend: case.run(b, inputs)  # noqa: E731
+            rows.append(measure(case, backend, "backend", run, dtype, mode, machine, kernels))
         if peers:
             for name, fn in case.peers.items():
-                rows.append(measure(case, name, "peer", fn, dtype, mode, machine))
+                rows.append(measure(case, name, "peer", fn, dtype, mode, machine, kernels))
     return rows

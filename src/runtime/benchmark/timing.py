@@ -102,6 +102,20 @@ def eager_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 2
         n *= 4
 
 
+def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int = 12) -> list[dict]:
+    """GPU time per call of each kernel fn launches (torch.profiler, eager calls), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:100], "us": e.device_time_total / calls, "per_call": e.count / calls} for e in events[:top]]
+
+
 def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
     start = time.perf_counter()
     fn()
