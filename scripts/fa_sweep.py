@@ -1,8 +1,10 @@
-"""Forward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
+"""Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
-    bash .device/gpu python scripts/fa_sweep.py        (GPU machine, repo root; about 2 minutes with compiles)
+    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both]     (GPU machine, repo root; default both)
 
-Each row puts one FwdConfig (tiles, warps, stages and the variant flags tma / heavy_first, see
+fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
+
+Forward (fwd): each row puts one FwdConfig (tiles, warps, stages and the variant flags tma / heavy_first, see
 runtime/accelerators/flash_attention/triton.py) in CONFIGS_16BIT["fwd"] or ["fwd_causal"] at the shape's padded head
 dim and runs the public flash_attention(backend="triton"), as a model would. It is checked first against SDPA's
 math backend in float32 (relative RMS error within the bf16 bound of runtime.accelerators.testing, outputs poisoned
@@ -16,11 +18,23 @@ script ends with the fastest config per table entry.
 "default" is the table's entry as imported: since session 14 (H100) the TMA winners of this sweep, at (4,16,4096,128)
 tma 0.983 ms (pointer 1.136, cuDNN 0.865), causal tma+heavy 0.596 ms (pointer 0.664, cuDNN 0.486); the other rows
 are the alternatives, pointer loads with the same tiles among them, to check the defaults still win.
+
+Backward (bwd): each row puts one BwdConfig (tiles, warps, stages, tma) in CONFIGS_16BIT["dkdv"] or ["dq"] at the
+shape's padded head dim, the other backward kernel and the forward at their table entries, and times forward +
+backward of flash_attention(backend="triton") (torch.autograd.grad of q, k, v) beside cuDNN's forward + backward.
+dq, dk and dv are checked first against SDPA's math backend in float32 (each within the bf16 gradient bound,
+gradient_tolerance: twice the forward's, as the benchmark checks gradients; "error" is the largest of the three).
+TFLOP/s counts the backward as 2.5 forwards. The dkdv/dq tables are not split by causality: the summary ranks a
+config by its total time over the shapes swept at its entry (at head dim 128, causal and not). Candidates were
+picked from sm_90 builds (scripts/triton_resources.py): the tiles that spill least, each with TMA, beside the
+pointer default.
 """
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
+import math
 import time
 
 import torch
@@ -30,10 +44,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import triton as kernels
-from runtime.accelerators.testing import RTOL, relative_rms_error
+from runtime.accelerators.testing import RTOL, gradient_tolerance, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
 Fwd = kernels.FwdConfig
+Bwd = kernels.BwdConfig
 DTYPE = torch.bfloat16
 REFERENCE_BYTES = 2 * 2**30  # float32 scores of the math reference per batch chunk
 ROW_LIMIT_S = 90  # compile, check and timing of one row take seconds; past this a kernel hangs
@@ -65,6 +80,46 @@ SWEEP = [
     }),
 ]  # fmt: skip
 
+BWD_128 = {
+    "dkdv": {  # default (64, 128, 8, 2): 255 registers and 304 bytes of spills on sm_90
+        "tma": Bwd(64, 128, 8, 2, tma=True),
+        "tma m32": Bwd(32, 128, 8, 2, tma=True),
+        "tma m32 3st": Bwd(32, 128, 8, 3, tma=True),
+        "tma m16": Bwd(16, 128, 8, 2, tma=True),
+        "ptr m16": Bwd(16, 128, 8, 2),
+        "tma n64": Bwd(32, 64, 8, 2, tma=True),
+    },
+    "dq": {  # default (128, 64, 8, 3): 203 registers; with TMA 158
+        "tma": Bwd(128, 64, 8, 3, tma=True),
+        "tma 2st": Bwd(128, 64, 8, 2, tma=True),
+        "tma 4st": Bwd(128, 64, 8, 4, tma=True),
+        "tma n128": Bwd(128, 128, 8, 2, tma=True),
+        "tma m64": Bwd(64, 64, 4, 3, tma=True),
+        "tma n32": Bwd(128, 32, 8, 4, tma=True),
+    },
+}
+# ((B, H, L, D), causal, {kernel: {label: config}}); each kernel's "default" (the table's entry as imported) is added
+BWD_SWEEP = [
+    ((4, 16, 4096, 128), False, BWD_128),
+    ((4, 16, 4096, 128), True, BWD_128),
+    ((64, 4, 2048, 48), False, {
+        "dkdv": {
+            "tma": Bwd(32, 128, 4, 3, tma=True),
+            "tma 8w": Bwd(32, 128, 8, 2, tma=True),
+            "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
+        },
+        "dq": {"tma": Bwd(64, 64, 4, 3, tma=True), "tma m128": Bwd(128, 64, 8, 3, tma=True)},
+    }),
+    ((128, 8, 1024, 32), False, {
+        "dkdv": {"tma": Bwd(32, 128, 4, 3, tma=True), "tma 8w": Bwd(32, 128, 8, 2, tma=True)},
+        "dq": {"tma": Bwd(128, 32, 4, 4, tma=True), "tma m64": Bwd(64, 64, 4, 3, tma=True)},
+    }),
+    ((256, 4, 256, 16), False, {
+        "dkdv": {"tma": Bwd(32, 128, 4, 3, tma=True)},
+        "dq": {"tma": Bwd(64, 64, 4, 3, tma=True)},
+    }),
+]  # fmt: skip
+
 
 def table(causal: bool) -> dict:
     return kernels.CONFIGS_16BIT["fwd_causal" if causal else "fwd"]
@@ -74,10 +129,10 @@ def describe(cfg: Fwd) -> str:
     return f"{cfg.block_m}x{cfg.block_n} {cfg.num_warps}w {cfg.num_stages}st"
 
 
-def code(cfg: Fwd) -> str:
+def code(cfg: Fwd | Bwd) -> str:
     """FwdConfig(128, 128, 8, 3, tma=True): the flags that are set, as one would write it in the table."""
-    flags = "".join(f", {name}=True" for name in ("tma", "heavy_first") if getattr(cfg, name))
-    return f"FwdConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"
+    flags = "".join(f", {name}=True" for name in ("tma", "heavy_first") if getattr(cfg, name, False))
+    return f"{type(cfg).__name__}({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"
 
 
 def path(flags: dict) -> str:
@@ -101,9 +156,9 @@ def reference(q, k, v, causal: bool) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def compiled_resources(before: set) -> str:
+def compiled_resources(before: set, kernel=kernels._fwd_kernel) -> str:
     """Registers and spilled bytes of the kernel the last call compiled (new in the direct-launch cache)."""
-    new = [compiled for key, (compiled, _) in kernels._fwd_kernel._compiled.items() if key not in before]
+    new = [compiled for key, (compiled, _) in kernel._compiled.items() if key not in before]
     if not new or getattr(new[0], "n_regs", None) is None:
         return "-"
     return f"{new[0].n_regs}/{new[0].n_spills}"
@@ -197,13 +252,156 @@ class Sweep:
             print(f'  CONFIGS_16BIT["{kind}"][{bd}] = {code(cfg)}  # {ms:.3f} ms, default {default_ms:.3f} ms')
 
 
-def main(device: torch.device) -> None:
-    sweep = Sweep(device)
-    for shape, causal, variants in SWEEP:
-        sweep.shape(shape, causal, {"default": table(causal)[kernels.block_d(shape[3])]} | variants)
-    sweep.summary()
-    print(f"done in {time.perf_counter() - sweep.start:.0f} s")
+# --------------------------------------------------------------------------- backward
+
+
+def bwd_flops(shape, causal: bool) -> float:
+    return 3.5 * flops(shape, causal)  # forward + backward (5 products against the forward's 2)
+
+
+def reference_grads(q, k, v, do, causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of SDPA's math backend in float32, a few batch rows at a time."""
+    b, h, length, _ = q.shape
+    chunk = max(1, REFERENCE_BYTES // (h * length * length * 4))
+    parts = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for i in range(0, b, chunk):
+            rows = slice(i, i + chunk)
+            inputs = [x[rows].detach().float().requires_grad_() for x in (q, k, v)]
+            out = F.scaled_dot_product_attention(*inputs, is_causal=causal)
+            parts.append(torch.autograd.grad(out, inputs, do[rows].float()))
+    return tuple(torch.cat(grads) for grads in zip(*parts))
+
+
+def grads_error(grads, expected) -> float:
+    """The largest relative RMS error of dq, dk, dv (NaN if any is)."""
+    errors = [relative_rms_error(g, e) for g, e in zip(grads, expected)]
+    return float("nan") if any(math.isnan(e) for e in errors) else max(errors)
+
+
+class BackwardSweep:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = time.perf_counter()
+        self.ms: dict[tuple[str, int], dict[Bwd, dict[tuple, float]]] = {}  # (kernel, padded D) -> config -> case -> ms
+        self.defaults: dict[tuple[str, int], Bwd] = {}
+        self.cases: dict[tuple, tuple] = {}
+        print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, forward + backward")
+        print(f"{'shape':<20}{'causal':<7}{'kernel':<7}{'variant':<13}{'config':<17}{'path':<6}{'ms':>8}{'TFLOP/s':>9}"
+              f"{'x cuDNN':>8}{'error':>10}{'regs/spill':>11}{'at s':>6}")  # fmt: skip
+
+    def row(self, shape, causal, kernel, label, config, route, ms, cudnn_ms, error, resources) -> None:
+        name = "x".join(map(str, shape))
+        print(f"{name:<20}{str(causal):<7}{kernel:<7}{label:<13}{config:<17}{route:<6}{ms:8.3f}"
+              f"{bwd_flops(shape, causal) / ms / 1e9:9.0f}{cudnn_ms / ms:8.2f}{error:10.1e}{resources:>11}"
+              f"{time.perf_counter() - self.start:6.0f}")  # fmt: skip
+
+    def inputs(self, shape, causal: bool):
+        """(q, k, v, do, the float32 reference gradients, cuDNN's ms), made and timed once per case."""
+        key = (shape, causal)
+        if key not in self.cases:
+            b, h, length, d = shape
+            torch.manual_seed(0)
+            q, k, v, do = (torch.randn(b, h, length, d, device=self.device, dtype=DTYPE) for _ in range(4))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            expected = reference_grads(q, k, v, do, causal)
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return torch.autograd.grad(out, (q, k, v), do)
+
+            cudnn_ms = gpu_time_ms(cudnn, self.device)[0]["median"]
+            self.row(shape, causal, "", "sdpa cudnn", "", "", cudnn_ms, cudnn_ms, grads_error(cudnn(), expected), "-")
+            self.cases[key] = (q, k, v, do, expected, cudnn_ms)
+        return self.cases[key]
+
+    def shape(self, shape, causal: bool, kernel: str, variants: dict[str, Bwd]) -> None:
+        q, k, v, do, expected, cudnn_ms = self.inputs(shape, causal)
+        bd = kernels.block_d(shape[3])
+        entries = kernels.CONFIGS_16BIT[kernel]
+        default = entries[bd]
+        self.defaults[kernel, bd] = default
+        times = self.ms.setdefault((kernel, bd), {})
+        best_ms, best_cfg = float("inf"), default
+        for label, cfg in variants.items():
+            entries[bd] = cfg
+            faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
+            try:
+                ms = self.variant(shape, causal, kernel, label, cfg, q, k, v, do, expected, cudnn_ms)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+                entries[bd] = default
+            times.setdefault(cfg, {})[shape, causal] = ms
+            if ms < best_ms:
+                best_ms, best_cfg = ms, cfg
+        if best_ms < float("inf"):
+            print(f"-- fastest {kernel}: {code(best_cfg)} ({best_ms:.3f} ms, {cudnn_ms / best_ms:.2f}x cuDNN)")
+
+    def variant(self, shape, causal, kernel, label, cfg, q, k, v, do, expected, cudnn_ms) -> float:
+        """The row of one config (already in the table): forward + backward ms, or inf when it fails or is wrong."""
+
+        def run():
+            out = flash_attention(q, k, v, causal=causal, backend="triton")
+            return torch.autograd.grad(out, (q, k, v), do)
+
+        jit = kernels._bwd_dkdv_kernel if kernel == "dkdv" else kernels._bwd_dq_kernel
+        before = set(jit._compiled)
+        try:
+            with poison_outputs():
+                grads = run()
+        except Exception as exc:  # a compile failure: report it, go on with the other rows
+            reason = str(exc).strip().splitlines()[0][:150]
+            print(f"  {kernel} {label} {describe(cfg)}: FAILED {type(exc).__name__}: {reason}")
+            return float("inf")
+        error = grads_error(grads, expected)
+        route = "tma" if kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"] else "ptr"
+        bound = gradient_tolerance(DTYPE)
+        if not error <= bound:  # also NaN
+            wrong = f"WRONG, relative RMS error {error:.1e}, bound {bound:.0e}"
+            print(f"  {kernel} {label} {describe(cfg)} ({route}): {wrong}")
+            return float("inf")
+        ms = gpu_time_ms(run, self.device)[0]["median"]
+        resources = compiled_resources(before, jit)
+        self.row(shape, causal, kernel, label, describe(cfg), route, ms, cudnn_ms, error, resources)
+        return ms
+
+    def summary(self) -> None:
+        print("fastest per table entry (total forward + backward ms over the shapes swept at it, against the default):")
+        for (kernel, bd), times in sorted(self.ms.items()):
+            cases = set().union(*(set(t) for t in times.values()))
+            total = {cfg: sum(t.get(case, float("inf")) for case in cases) for cfg, t in times.items()}
+            best = min(total, key=total.get)
+            if total[best] == float("inf"):
+                continue
+            default_ms = total.get(self.defaults[kernel, bd], float("nan"))
+            per_case = ", ".join(
+                f"{'x'.join(map(str, shape))}{' causal' if causal else ''} {times[best][shape, causal]:.3f}"
+                for shape, causal in sorted(cases)
+            )
+            print(f'  CONFIGS_16BIT["{kernel}"][{bd}] = {code(best)}  # {total[best]:.3f} ms ({per_case}), '
+                  f"default {default_ms:.3f} ms")  # fmt: skip
+
+
+def main(device: torch.device, parts: str) -> None:
+    start = time.perf_counter()
+    if parts in ("fwd", "both"):
+        sweep = Sweep(device)
+        for shape, causal, variants in SWEEP:
+            sweep.shape(shape, causal, {"default": table(causal)[kernels.block_d(shape[3])]} | variants)
+        sweep.summary()
+    if parts in ("bwd", "both"):
+        backward = BackwardSweep(device)
+        for shape, causal, per_kernel in BWD_SWEEP:
+            for kernel, variants in per_kernel.items():
+                default = kernels.CONFIGS_16BIT[kernel][kernels.block_d(shape[3])]
+                backward.shape(shape, causal, kernel, {"default": default} | variants)
+        backward.summary()
+    print(f"done in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
-    main(torch.device("cuda", torch.cuda.current_device()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="?", choices=("fwd", "bwd", "both"), default="both", help="which sweep to run")
+    parts = parser.parse_args().parts
+    main(torch.device("cuda", torch.cuda.current_device()), parts)

@@ -1,10 +1,11 @@
-"""The Triton flash attention's forward variants (FwdConfig: TMA descriptor loads, heavy-first causal order) on CUDA
-against the float64 reference, each forced at a few shapes whatever the tables say, and the tables' own TMA entries
-through the public API."""
+"""The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
+loads, heavy-first causal order) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels), each
+forced at a few shapes whatever the tables say, and TMA table entries through the public API."""
 
 import pytest
 import torch
 
+from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
@@ -81,4 +82,83 @@ def test_table_variant_through_the_public_api(d, causal):
     do = torch.randn_like(out)
     grads, grads_ref = torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.double())
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- backward (BwdConfig)
+
+Bwd = fa.BwdConfig
+
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, layout, dk/dv config, dq config)
+BWD_CASES = [
+    (2, 4, 2, 1000, 1000, 128, True, True, "blhd", Bwd(64, 128, 8, 2, tma=True), Bwd(128, 64, 8, 3, tma=True)),
+    (2, 4, 4, 777, 1000, 128, False, True, "bhld", Bwd(32, 128, 8, 2, tma=True), Bwd(128, 128, 8, 2, tma=True)),
+    (3, 4, 2, 300, 200, 48, False, True, "bhld", Bwd(32, 128, 4, 3, tma=True), Bwd(64, 64, 4, 3, tma=True)),
+    (2, 4, 2, 500, 500, 48, True, True, "blhd", Bwd(64, 128, 8, 2, tma=True), Bwd(128, 64, 8, 3, tma=True)),
+    (2, 2, 2, 500, 500, 64, True, False, "blhd", Bwd(32, 128, 4, 3, tma=True), Bwd(64, 64, 4, 3, tma=True)),
+    (2, 4, 1, 300, 300, 64, False, False, "bhld", Bwd(16, 128, 8, 2, tma=True), Bwd(128, 32, 8, 4, tma=True)),
+]  # fmt: skip
+BWD_IDS = [
+    "d128-causal-lengths-gqa-view", "d128-lengths-lq<lk", "d48-lengths-gqa-lq>lk", "d48-causal-lengths-view",
+    "d64-causal-view", "d64-mqa",
+]  # fmt: skip
+
+
+def backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma):
+    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, 0.0, 0)
+    o, lse = fa.forward(*args)
+    delta = fa.backward_preprocess(o, do)
+    with poison_outputs():
+        dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=dkdv_cfg, tma=tma)
+        dq = fa.backward_dq(do, *args, lse, delta, cfg=dq_cfg, tma=tma)
+    return dq, dk, dv
+
+
+def reference_grads(do, q, k, v, key_lengths, causal):
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out = attention_float64(*inputs, causal=causal, key_lengths=key_lengths)
+    return torch.autograd.grad(out, inputs, do.double())
+
+
+@needs_tma
+@pytest.mark.parametrize("case", BWD_CASES, ids=BWD_IDS)
+def test_tma_backward(case):
+    b, h, hkv, lq, lk, d, causal, lengths, layout, dkdv_cfg, dq_cfg = case
+    dtype = torch.bfloat16
+    q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
+    do = torch.randn_like(q)  # q's layout
+    key_lengths = lengths_for(b, lk) if lengths else None
+    assert fa.backward_variant("dkdv", q, k, v, do, dkdv_cfg)[1]["TMA"]
+    assert fa.backward_variant("dq", q, k, v, do, dq_cfg)[1]["TMA"]
+    grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma=None)
+    pointer = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma=False)
+    expected = reference_grads(do, q, k, v, key_lengths, causal)
+    for name, g, g_ref, g_ptr in zip(("dq", "dk", "dv"), grads, expected, pointer):
+        assert_close(name, g, g_ref, gradient_tolerance(dtype))
+        assert_close(f"{name} against the pointer path", g, g_ptr, 1e-3)  # the same tiles and products
+
+
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (48, False)])
+def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
+    """TMA entries in the dkdv/dq tables (as a sweep may make them) serve flash_attention's backward on Hopper."""
+    bd = fa.block_d(d)
+    for kind in ("dkdv", "dq"):
+        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], bd, fa.CONFIGS_16BIT[kind][bd]._replace(tma=True))
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
+    out = flash_attention(q, k, v, causal=causal, backend="triton")
+    do = torch.randn_like(out)
+    assert fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"] == hopper()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, causal)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+def test_an_expanded_upstream_gradient_takes_the_pointer_path():
+    """The gradient of a mean over the sequence reaches the backward expanded (rows 0 apart): no descriptor."""
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, 128, torch.bfloat16, "bhld"))
+    do = torch.randn(2, 4, 1, 128, device=CUDA, dtype=torch.bfloat16).expand(2, 4, 300, 128)
+    assert not fa.backward_variant("dq", q, k, v, do, Bwd(128, 64, 8, 3, tma=True))[1]["TMA"]
+    out = flash_attention(q, k, v, backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, False)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))

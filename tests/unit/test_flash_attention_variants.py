@@ -1,7 +1,9 @@
-"""The forward variants of the Triton flash attention (FwdConfig): TMA descriptor loads, heavy-first causal order.
+"""The variants of the Triton flash attention: forward (FwdConfig: TMA descriptor loads, heavy-first causal order) and
+backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels).
 Under the interpreter the descriptor path runs only when forced (tma=True), never from the tables (whose 16-bit
-entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
-test_triton_compile_sm90.py does for the tables' pointer path."""
+forward entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
+test_triton_compile_sm90.py does for the tables' pointer path (and, for the backward, its attention_tma_backward
+case)."""
 
 from pathlib import Path
 
@@ -13,9 +15,10 @@ from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
-from runtime.accelerators.testing import RTOL, assert_close
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 FwdConfig = fa.FwdConfig
+BwdConfig = fa.BwdConfig
 f16 = torch.float16  # the interpreter's bfloat16 dots are wrong (see input_reasons)
 
 
@@ -108,6 +111,108 @@ def test_plain_tuples_still_configure_the_forward():
     assert cfg == FwdConfig(32, 16, 4, 2) and not any(flags.values())
     o, _ = run_forward(q, k, v, None, True, (32, 16, 4, 2), tma=None)
     assert_close("o", o, attention_float64(q, k, v, causal=True), RTOL[f16])
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0):
+    """(dq, dk, dv) of the dk/dv and dq kernels launched with cfg (the forward and preprocess as the tables say)."""
+    key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
+    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, 1234)
+    o, lse = fa.forward(*args)
+    delta = fa.backward_preprocess(o, do)
+    with poison_outputs():
+        dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=tma)
+        dq = fa.backward_dq(do, *args, lse, delta, cfg=cfg, tma=tma)
+    return dq, dk, dv
+
+
+def reference_grads(q, k, v, do, lengths, causal, dropout_p=0.0):
+    """(dq, dk, dv) of the float64 reference; with dropout, under the keep mask the kernels draw for seed 1234."""
+    b, h, lq, _ = q.shape
+    keep = fa.dropout_keep_mask(1234, b, h, lq, k.shape[2], dropout_p, q.device) if dropout_p > 0 else None
+    key_lengths = torch.tensor(lengths) if lengths is not None else None
+    inputs = [x.double().requires_grad_() for x in (q, k, v)]
+    out = attention_float64(*inputs, causal=causal, key_lengths=key_lengths, keep=keep, dropout_p=dropout_p)
+    return torch.autograd.grad(out, inputs, do.double())
+
+
+def assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p=0.0):
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(q, k, v, do, lengths, causal, dropout_p)):
+        assert_close(name, g, g_ref, gradient_tolerance(g.dtype))
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
+    [
+        (2, 4, 2, 70, 45, 48, True, [45, 0], 0.0, BwdConfig(32, 16, 4, 2, tma=True)),
+        (1, 2, 2, 37, 130, 16, False, [69], 0.0, BwdConfig(16, 32, 4, 2, tma=True)),
+        (3, 2, 1, 65, 63, 32, False, None, 0.0, BwdConfig(32, 32, 4, 2, tma=True)),
+        (2, 2, 2, 33, 80, 64, True, [80, 17], 0.0, BwdConfig(16, 16, 4, 2, tma=True)),
+        (2, 2, 1, 40, 40, 48, True, [40, 23], 0.2, BwdConfig(16, 32, 4, 2, tma=True)),
+    ],
+    ids=["causal-gqa-d48-lengths", "lengths-d16-lq<lk", "mqa-d32-odd", "causal-d64-lengths", "causal-dropout-mqa-d48"],
+)
+def test_backward_tma_path_matches_the_pointer_path(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg):
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    do = torch.randn_like(q)
+    for kind in ("dkdv", "dq"):
+        assert fa.backward_variant(kind, q, k, v, do, cfg, tma=True)[1]["TMA"]
+    grads = run_backward(q, k, v, do, lengths, causal, cfg, tma=True, dropout_p=dropout_p)
+    assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p)
+    # the same tiles (zeros past the ends either way) and products in the same order: bit-identical
+    pointer = run_backward(q, k, v, do, lengths, causal, cfg, tma=False, dropout_p=dropout_p)
+    for name, g, g_ptr in zip(("dq", "dk", "dv"), grads, pointer):
+        assert torch.equal(g, g_ptr), name
+
+
+def test_backward_tma_path_reads_strided_views():
+    b, lq, lk, h, d = 2, 21, 19, 4, 16
+    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
+    do = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)
+    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)  # k and v interleaved in one buffer
+    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    cfg = BwdConfig(16, 16, 4, 2, tma=True)
+    assert fa.backward_variant("dkdv", q, k, v, do, cfg, tma=True)[1]["TMA"]
+    assert_gradients(run_backward(q, k, v, do, [19, 7], True, cfg, tma=True), q, k, v, do, [19, 7], True)
+
+
+def test_backward_unsuitable_strides_take_the_pointer_path():
+    """An expanded upstream gradient (rows 0 apart, as the gradient of a mean over the sequence) or an unaligned
+    view anywhere: the pointer path, the same gradients."""
+    q, k, v = make(2, 2, 2, 20, 20, 16)
+    cfg = BwdConfig(16, 16, 4, 2, tma=True)
+    wide = torch.randn(2, 2, 20, 17, dtype=f16)
+    cases = {
+        "expanded do": (q, k, v, torch.randn(2, 2, 1, 16, dtype=f16).expand(2, 2, 20, 16)),
+        "unaligned do": (q, k, v, wide[..., 1:]),
+        "unaligned v": (q, k, wide[..., :16], torch.randn_like(q)),
+    }
+    for name, (q_, k_, v_, do) in cases.items():
+        for kind in ("dkdv", "dq"):
+            assert not fa.backward_variant(kind, q_, k_, v_, do, cfg, tma=True)[1]["TMA"], name
+        assert_gradients(run_backward(q_, k_, v_, do, [20, 5], False, cfg, tma=True), q_, k_, v_, do, [20, 5], False)
+
+
+def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
+    monkeypatch.setitem(fa.CONFIGS_16BIT["dkdv"], 16, BwdConfig(16, 16, 4, 2, tma=True))
+    monkeypatch.setitem(fa.CONFIGS_16BIT["dq"], 16, BwdConfig(16, 16, 4, 2, tma=True))
+    q, k, v = (x.requires_grad_() for x in make(2, 2, 1, 40, 37, 16))
+    do = torch.randn_like(q)
+    for kind in ("dkdv", "dq"):
+        assert fa.backward_variant(kind, q, k, v, do) == (BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False))
+    out = flash_attention(q, k, v, causal=True, backend="triton")
+    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
+
+
+def test_plain_tuples_still_configure_the_backward():
+    q, k, v = make(1, 2, 2, 30, 30, 32)
+    do = torch.randn_like(q)
+    assert fa.backward_variant("dq", q, k, v, do, (32, 16, 4, 2)) == (BwdConfig(32, 16, 4, 2), dict(TMA=False))
+    assert_gradients(run_backward(q, k, v, do, None, True, (32, 16, 4, 2), tma=None), q, k, v, do, None, True)
+    for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32):
+        assert all(isinstance(cfg, BwdConfig) for kind in ("dkdv", "dq") for cfg in table[kind].values())
 
 
 # --------------------------------------------------------------------------- the sm_90 build, no GPU

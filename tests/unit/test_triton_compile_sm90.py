@@ -305,11 +305,14 @@ def compiled(tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
     return compile_cases(CASES, tmp_path_factory.mktemp("sm90"))
 
 
-def _describe(launch: dict) -> str:
+def constexprs(launch: dict) -> dict:
     names = list(launch["signature"])
-    constexprs = {names[path[0]]: value for path, value in launch["constexprs"].items()}
+    return {names[path[0]]: value for path, value in launch["constexprs"].items()}
+
+
+def _describe(launch: dict) -> str:
     arguments = {name: kind for name, kind in launch["signature"].items() if kind != "constexpr"}
-    return f"case {launch['case']!r}: {arguments} constexprs {constexprs} options {launch['options']}"
+    return f"case {launch['case']!r}: {arguments} constexprs {constexprs(launch)} options {launch['options']}"
 
 
 def test_the_modules_have_kernels():
@@ -318,6 +321,13 @@ def test_the_modules_have_kernels():
 
 def test_every_launch_is_of_a_listed_kernel(compiled):
     assert set(compiled) <= set(KERNELS), f"launched but not found by launched_kernels(): {set(compiled) - set(KERNELS)}"
+
+
+def test_the_backward_attention_kernels_compile_both_paths(compiled):
+    """attention_tma_backward forces the descriptor path (no CPU launch takes it by itself)."""
+    for kernel in ("flash_attention._bwd_dkdv_kernel", "flash_attention._bwd_dq_kernel"):
+        launches = [launch for launch, _ in compiled[kernel] if launch["case"] == "attention_tma_backward"]
+        assert {constexprs(launch)["TMA"] for launch in launches} == {False, True}, kernel
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -29,6 +29,12 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
 - heavy_first (causal): programs of the last query blocks, which see the most keys, are scheduled first, so the
   short ones fill the last wave.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at causal 128.
+
+Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
+- tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
+  its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V;
+  lse and delta stay pointer loads. Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv
+  kernel's K/V at Lk, the dq kernel's at key_lengths[b]), so both paths read the same tiles.
 """
 
 from __future__ import annotations
@@ -66,7 +72,18 @@ class FwdConfig(NamedTuple):
     heavy_first: bool = False
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for 16-bit inputs.
+class BwdConfig(NamedTuple):
+    """A launch of the dk/dv or the dq kernel: tiles, warps, pipeline stages and whether the query/key tiles come
+    through TMA descriptors (see the module docstring)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+
+
+# A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
 # BLOCK_M runs over queries and BLOCK_N over keys in every kernel. Chosen per kernel from a sweep
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
 # head dim 64 shares the 48 column (both pad to 64). The forward has a table for causal attention apart.
@@ -75,6 +92,8 @@ class FwdConfig(NamedTuple):
 # "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
 # (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
 # (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
+# The backward entries are still the pointer ones of the first sweep; scripts/fa_sweep.py bwd times their TMA
+# variants (backward_variant decides as forward_variant does).
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -88,15 +107,25 @@ CONFIGS_16BIT = {
         64: FwdConfig(128, 64, 8, 4),
         128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True),
     },
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2)},
-    "dq": {16: (64, 64, 4, 3), 32: (128, 32, 4, 4), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "dkdv": {
+        16: BwdConfig(32, 128, 4, 3),
+        32: BwdConfig(32, 128, 4, 3),
+        64: BwdConfig(32, 128, 4, 3),
+        128: BwdConfig(64, 128, 8, 2),
+    },
+    "dq": {
+        16: BwdConfig(64, 64, 4, 3),
+        32: BwdConfig(128, 32, 4, 4),
+        64: BwdConfig(64, 64, 4, 3),
+        128: BwdConfig(128, 64, 8, 3),
+    },
 }
 # fp32 runs exact fp32 products (tf32 would miss the fp32 accuracy bound) with fewer registers per tile
 CONFIGS_FP32 = {
     "fwd": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "fwd_causal": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
-    "dkdv": {d: (32, 64, 4, 2) for d in (16, 32, 64, 128)},
-    "dq": {d: (64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "dkdv": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
+    "dq": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
 }
 PREPROCESS_BLOCK_M = 64
 
@@ -119,12 +148,13 @@ def _has_tma(device: torch.device) -> bool:
 
 def _tma_layout(x: torch.Tensor) -> bool:
     """Whether a [B, H, L, D] view can be read through per-(batch, head) [L, D] descriptors: a 16-byte aligned
-    base for every (b, h) and row stride, and a contiguous head dim."""
+    base for every (b, h) and row stride, rows apart (not expanded: an upstream gradient can be), and a contiguous
+    head dim."""
     step = 16 // x.element_size()
     b, h, _, _ = x.shape
     sb, sh, sl, sd = x.stride()
     return (
-        x.data_ptr() % 16 == 0 and sd == 1 and sl % step == 0
+        x.data_ptr() % 16 == 0 and sd == 1 and sl % step == 0 and sl > 0
         and (b == 1 or sb % step == 0) and (h == 1 or sh % step == 0)
     )  # fmt: skip
 
@@ -135,9 +165,9 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def _ensure_scratch_allocator() -> None:
-    """Kernels that make tensor descriptors need Triton's global scratch allocator (a context variable: per thread);
-    set a torch one where none is set, never replacing one the user set."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    """Compiled kernels that make tensor descriptors need Triton's global scratch allocator (a context variable: per
+    thread); set a torch one where none is set, never replacing one the user set (nothing under the interpreter)."""
+    if _fwd_kernel.direct and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
 
 
@@ -176,6 +206,50 @@ def _store(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.
         tl.store(ptrs, value, mask=rows[:, None] < n_rows)
 
 
+@triton.jit
+def _rows_src(
+    X, b, h, sb, sh, s_row, s_d, n_rows, offs_r, offs_d,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+):
+    """Where _tile reads the [n_rows, HEAD_DIM] matrix of (b, h) of a [B, H, L, D] input from: a TMA descriptor of
+    [BLOCK_R, BLOCK_D] tiles ending at n_rows rows and HEAD_DIM columns (the hardware zero-fills past them; the head
+    dim must be contiguous), or the pointers of rows offs_r (for _tile: the tile at row 0, arange(0, BLOCK_R))."""
+    base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
+    if TMA:
+        return tl.make_tensor_descriptor(base, [n_rows, HEAD_DIM], [s_row, 1], [BLOCK_R, BLOCK_D])
+    else:
+        return base + offs_r[:, None] * s_row + offs_d[None, :] * s_d
+
+
+@triton.jit
+def _tile(
+    src, start, s_row, n_rows, offs_r, offs_d,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+):
+    """Rows start + offs_r of a _rows_src source, zero past the head dim and at rows >= n_rows (pointers: where
+    CHECK_ROWS; a descriptor: past the rows it was made with)."""
+    if TMA:
+        return src.load([start, 0])
+    else:
+        return _load(src + start * s_row, start + offs_r, n_rows, offs_d, HEAD_DIM, PAD_D, CHECK_ROWS)
+
+
+@triton.jit
+def _tile_once(
+    X, b, h, sb, sh, s_row, s_d, start, n_rows, offs_r, offs_d,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, TMA: tl.constexpr,
+):
+    """The tile at rows start + offs_r of a matrix a program reads one tile of: through a descriptor of its own, or
+    pointers made at those rows (the pointer path's code as it was before descriptors: the same registers)."""
+    if TMA:
+        src = _rows_src(X, b, h, sb, sh, s_row, s_d, n_rows, offs_r, offs_d, HEAD_DIM, BLOCK_R, BLOCK_D, TMA)
+        return src.load([start, 0])
+    else:
+        rows = start + offs_r
+        src = _rows_src(X, b, h, sb, sh, s_row, s_d, n_rows, rows, offs_d, HEAD_DIM, BLOCK_R, BLOCK_D, TMA)
+        return _load(src, rows, n_rows, offs_d, HEAD_DIM, PAD_D, True)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -186,14 +260,10 @@ def _fwd_block(
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One key block into the online softmax; k_src/v_src are descriptors (TMA) or row pointers."""
+    """One key block into the online softmax; k_src/v_src: _rows_src sources of kv_len rows."""
     cols = start_n + offs_n
-    if TMA:  # the descriptors end at kv_len rows and HEAD_DIM columns: zeros past them
-        k = k_src.load([start_n, 0])
-        v = v_src.load([start_n, 0])
-    else:
-        k = _load(k_src + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
-        v = _load(v_src + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    k = _tile(k_src, start_n, skn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
+    v = _tile(v_src, start_n, svn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK:
         visible = cols[None, :] < kv_len
@@ -231,27 +301,19 @@ def _fwd_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    if TMA:
-        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        q = tl.make_tensor_descriptor(q_base, [LQ, HEAD_DIM], [sqm, 1], [BLOCK_M, BLOCK_D]).load([start_m, 0])
-    else:
-        q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-        q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
-
+    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
     kv_len = LK
     if HAS_KL:
         kv_len = tl.load(KL + b)
-    if TMA:  # K/V descriptors of kv_len rows (at least one: a program with kv_len = 0 loads nothing through them)
-        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-        k_src = tl.make_tensor_descriptor(k_base, [tl.maximum(kv_len, 1), HEAD_DIM], [skn, 1], [BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, [tl.maximum(kv_len, 1), HEAD_DIM], [svn, 1], [BLOCK_N, BLOCK_D])
+    # K/V of kv_len rows (descriptors: at least one, a program with kv_len = 0 loads nothing through them)
+    kv_rows = tl.maximum(kv_len, 1)
+    k_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = _rows_src(V, b, hk, svb, svh, svn, svd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     # blocks below n_full are visible to every row of this program; blocks up to n_end need the mask
     if CAUSAL:
         n_end = tl.minimum(kv_len, start_m + BLOCK_M)
@@ -311,15 +373,16 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
+    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
     qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Accumulate one query block into dk, dv of this key block, in transposed form ([keys, queries])."""
+    """Accumulate one query block into dk, dv of this key block, in transposed form ([keys, queries]);
+    q_src/do_src: _rows_src sources of LQ rows."""
     rows = start_m + offs_m
-    q = _load(q_ptrs + start_m * sqm, rows, LQ, offs_d, HEAD_DIM, PAD_D, True)
-    do = _load(do_ptrs + start_m * sdom, rows, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
+    do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
     # rows past LQ load lse = +inf, so their probabilities are 0
     lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + rows, mask=rows < LQ, other=0.0)
@@ -352,20 +415,30 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_j
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-    k = _load(k_ptrs, offs_n, LK, offs_d, HEAD_DIM, PAD_D, True)
-    v = _load(v_ptrs, offs_n, LK, offs_d, HEAD_DIM, PAD_D, True)
+    if TMA:  # both descriptors, then both loads: fewer spills on sm_90 (280 bytes at head dim 128, against 312)
+        k_src = _rows_src(K, b, hk, skb, skh, skn, skd, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        v_src = _rows_src(V, b, hk, svb, svh, svn, svd, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        k = _tile(k_src, start_n, skn, LK, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
+        v = _tile(v_src, start_n, svn, LK, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
+    else:
+        k = _tile_once(
+            K, b, hk, skb, skh, skn, skd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
+        )
+        v = _tile_once(
+            V, b, hk, svb, svh, svn, svd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
+        )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -386,19 +459,21 @@ def _bwd_dkdv_kernel(
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
-            q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-            do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
+            q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+            do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             lse_ptr = LSE + bh.to(tl.int64) * LQ
             delta_ptr = DELTA + bh.to(tl.int64) * LQ
             for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
-                    sqm, sdom, qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+                    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
                 )
             for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
-                    sqm, sdom, qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
+                    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
                 )
     dk = dk * sm_scale
     dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
@@ -409,14 +484,15 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_block(
-    dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+    dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
     qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
+    """One key block into dq; k_src/v_src: _rows_src sources of kv_len rows."""
     cols = start_n + offs_n
-    k = _load(k_ptrs + start_n * skn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
-    v = _load(v_ptrs + start_n * svn, cols, kv_len, offs_d, HEAD_DIM, PAD_D, MASK)
+    k = _tile(k_src, start_n, skn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
+    v = _tile(v_src, start_n, svn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
@@ -440,6 +516,7 @@ def _bwd_dq_kernel(
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_m = tl.program_id(0) * BLOCK_M
@@ -447,22 +524,25 @@ def _bwd_dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
-    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-    q = _load(q_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
-    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
+    do = _tile_once(
+        DO, b, h, sdob, sdoh, sdom, sdod, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA
+    )
     lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=0.0)
 
     kv_len = LK
     if HAS_KL:
         kv_len = tl.load(KL + b)
+    # K/V of kv_len rows (descriptors: at least one, a program with kv_len = 0 loads nothing through them)
+    kv_rows = tl.maximum(kv_len, 1)
+    k_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = _rows_src(V, b, hk, svb, svh, svn, svd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     if CAUSAL:
         n_end = tl.minimum(kv_len, start_m + BLOCK_M)
         n_full = (tl.minimum(kv_len, start_m + 1) // BLOCK_N) * BLOCK_N
@@ -473,13 +553,13 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
         dq = _dq_block(
-            dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION,
+            dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
         dq = _dq_block(
-            dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION,
+            dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
+            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
         )
     dq = dq * sm_scale
     dq_ptrs = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :]
@@ -501,19 +581,32 @@ def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float) -> dict
     )
 
 
+def _use_tma(cfg, tensors, tma) -> bool:
+    """Whether a launch reads `tensors` through descriptors. tma: None lets the config decide, on a compiled CUDA
+    device of capability >= 9.0 only; True/False force the descriptor path on or off (tests: the interpreter runs it
+    too). Either way the strides of every tensor must suit descriptors, else the pointer path runs."""
+    x = tensors[0]
+    if tma is None:
+        tma = cfg.tma and _fwd_kernel.direct and x.is_cuda and _has_tma(x.device)
+    return bool(tma) and all(_tma_layout(t) for t in tensors)
+
+
 def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfig, dict]:
     """The forward's config and variant constexprs for these inputs.
 
-    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: None lets the config decide, on a
-    compiled CUDA device of capability >= 9.0 only; True/False force the descriptor path on or off (tests: the
-    interpreter runs it too). Either way the strides must suit descriptors, else the pointer path runs."""
+    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: see _use_tma."""
     cfg = config("fwd_causal" if causal else "fwd", q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, FwdConfig):
         cfg = FwdConfig(*cfg)
-    if tma is None:
-        tma = cfg.tma and _fwd_kernel.direct and q.is_cuda and _has_tma(q.device)
-    tma = bool(tma) and _tma_layout(q) and _tma_layout(k) and _tma_layout(v)
-    return cfg, dict(TMA=tma, HEAVY_FIRST=bool(cfg.heavy_first and causal))
+    return cfg, dict(TMA=_use_tma(cfg, (q, k, v), tma), HEAVY_FIRST=bool(cfg.heavy_first and causal))
+
+
+def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None) -> tuple[BwdConfig, dict]:
+    """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do).
+
+    cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma."""
+    cfg = BwdConfig(*(config(kind, q.shape[-1], q.dtype) if cfg is None else cfg))
+    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma))
 
 
 def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
@@ -524,7 +617,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     o = empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=q.device)
     cfg, variant = forward_variant(q, k, v, causal, cfg, tma)
-    if variant["TMA"] and _fwd_kernel.direct:
+    if variant["TMA"]:
         _ensure_scratch_allocator()
     _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
@@ -555,33 +648,39 @@ def backward_preprocess(o, do):
     return delta
 
 
-def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None):
-    b, h, lq, d = q.shape
+def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
+    """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant."""
+    b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    block_m, block_n, warps, stages = cfg or config("dkdv", d, q.dtype)
-    _bwd_dkdv_kernel[(cdiv(lk, block_n), b * hkv)](
+    cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, tma)
+    if variant["TMA"]:
+        _ensure_scratch_allocator()
+    _bwd_dkdv_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_flags(q, key_lengths, causal, dropout_p),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return dk, dv
 
 
-def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None):
-    b, h, lq, d = q.shape
+def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
+    """dq in q's dtype. cfg, tma: see backward_variant."""
+    b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, block_n, warps, stages = cfg or config("dq", d, q.dtype)
-    _bwd_dq_kernel[(cdiv(lq, block_m), b * h)](
+    cfg, variant = backward_variant("dq", q, k, v, do, cfg, tma)
+    if variant["TMA"]:
+        _ensure_scratch_allocator()
+    _bwd_dq_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_flags(q, key_lengths, causal, dropout_p),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return dq
 
