@@ -1,12 +1,15 @@
-"""Launch sweep of the gated delta rule's Triton backward kernels (warps and pipeline stages per kernel).
+"""Launch sweep of the gated delta rule's Triton kernels (warps and pipeline stages per kernel), and step 5's variants.
 
-    bash .device/gpu python scripts/gdr_sweep.py [pcvr] [large]      (GPU machine, repo root; default: pcvr)
+    bash .device/gpu python scripts/gdr_sweep.py [pcvr] [large] [kernel ...]      (GPU machine, repo root)
 
-For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel) and each kernel of
-KERNELS (see triton.LAUNCH_OVERRIDES), one row per (warps, stages), the other kernels at their defaults: the GPU
-time of forward + backward as the benchmark takes it (CUDA graph, L2 flushed), after checking the output and every
-gradient against the default launch's (relative RMS error within the bf16 bound). The last lines name the fastest
-launch per kernel.
+For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel; default: pcvr) and
+each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUNCHES, the other kernels at their
+defaults: the GPU time of forward + backward as the benchmark takes it (CUDA graph, L2 flushed), after checking the
+output and every gradient against the default launch's (relative RMS error within the bf16 bound). Then each
+variant of the backward's step 5 (triton_backward.GRAD_WY, see GRAD_WY_KERNELS) at its default launches
+("GRAD_WY=split"), and its kernels' launches. The last lines name the fastest launch per kernel. Kernel names after
+the shapes keep only those kernels' rows ("grad_wy": step 5's, every variant and its kernels); the whole sweep of
+both shapes should take about four minutes on an H100 (session 14, before the variants: 71 s + 52 s).
 """
 
 from __future__ import annotations
@@ -19,14 +22,21 @@ import torch.nn.functional as F
 
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
 from runtime.accelerators.gated_delta_rule import triton as kernels
+from runtime.accelerators.gated_delta_rule import triton_backward as backward
 from runtime.accelerators.testing import RTOL, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
 SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
-KERNELS = ("grad_qk", "grad_wy", "grad_state", "local", "wy", "output")
-GRID = {  # (warps, stages) per kernel and K
-    16: [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)],
-    128: [(4, 2), (8, 1), (8, 2), (8, 3)],
+KERNELS = ("grad_qk", "grad_state", "local", "wy", "output")  # and step 5's, by variant:
+GRAD_WY_KERNELS = {"single": ("grad_wy",), "split": ("grad_wy_values", "grad_wy_keys"), "fused": ("grad_wy_fused",)}
+LAUNCHES = {  # launch options per K (the kernel's other options at their defaults)
+    16: [dict(num_warps=w, num_stages=s) for w, s in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]],
+    128: [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (8, 3)]],
+}
+EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants
+    ("grad_wy_values", 128): [dict(BV=32)],
+    ("grad_wy_keys", 128): [dict(BK=32)],
+    ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
 }
 
 
@@ -39,10 +49,19 @@ def inputs(B, T, H, D):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def main(shapes: list[str]) -> None:
+def describe(options: dict) -> str:
+    return " ".join(f"{key.removeprefix('num_')}={value}" for key, value in options.items())
+
+
+def main(args: list[str]) -> None:
+    shapes = [a for a in args if a in SHAPES] or ["pcvr"]
+    wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
+    unknown = set(wanted) - {*KERNELS, "grad_wy"}
+    assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS} and grad_wy"
     start = time.perf_counter()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    print(f"{'shape':<7}{'kernel':<11}{'warps':>6}{'stages':>7}{'ms':>9}{'/default':>9}{'max grad err':>14}{'at s':>6}")
+    default_grad_wy = backward.GRAD_WY
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy)
+    print(f"{'shape':<7}{'kernel':<16}{'launch':<24}{'ms':>9}{'/default':>9}{'max grad err':>14}{'at s':>6}")
     for shape in shapes:
         B, T, H, D = SHAPES[shape]
         tensors = inputs(B, T, H, D)
@@ -52,33 +71,54 @@ def main(shapes: list[str]) -> None:
             o = chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, backend="triton")[0]
             return (o.detach(), *torch.autograd.grad(o, tensors, grad_o))
 
+        def row(kernel: str, launch: str) -> float | None:
+            """Checks and times the current settings; prints their row; their ms or None."""
+            try:
+                error = max(relative_rms_error(a, b) for a, b in zip(step(), reference))
+            except Exception as failure:  # a launch that does not compile or fit
+                print(f"{shape:<7}{kernel:<16}{launch:<24}  FAILED {type(failure).__name__}: {str(failure)[:80]}")
+                return None
+            if not error <= RTOL[torch.bfloat16]:
+                print(f"{shape:<7}{kernel:<16}{launch:<24}  WRONG {error:.1e}")
+                return None
+            ms = gpu_time_ms(step, torch.device("cuda"))[0]["median"]
+            print(f"{shape:<7}{kernel:<16}{launch:<24}{ms:9.4f}{ms / default_ms:9.3f}{error:14.1e}"
+                  f"{time.perf_counter() - start:6.0f}")  # fmt: skip
+            return ms
+
+        def sweep(kernel: str) -> None:
+            best = None
+            for options in LAUNCHES[D] + EXTRA_LAUNCHES.get((kernel, D), []):
+                kernels.LAUNCH_OVERRIDES.clear()
+                kernels.LAUNCH_OVERRIDES[kernel, D] = options
+                ms = row(kernel, describe(options))
+                if ms is not None and (best is None or ms < best[0]):
+                    best = (ms, options)
+            kernels.LAUNCH_OVERRIDES.clear()
+            if best:
+                print(f"-- {shape} {kernel} (GRAD_WY={backward.GRAD_WY}): fastest {describe(best[1])} "
+                      f"({best[0]:.4f} ms vs default {default_ms:.4f})")  # fmt: skip
+
         kernels.LAUNCH_OVERRIDES.clear()
         reference = step()
         default_ms = gpu_time_ms(step, torch.device("cuda"))[0]["median"]
-        print(f"{shape:<7}{'all':<11}{'':>6}{'default':>7}{default_ms:9.4f}{1.0:9.3f}{0.0:14.1e}{time.perf_counter() - start:6.0f}")
+        print(f"{shape:<7}{'all':<16}{'default':<24}{default_ms:9.4f}{1.0:9.3f}{0.0:14.1e}"
+              f"{time.perf_counter() - start:6.0f}")  # fmt: skip
         for kernel in KERNELS:
-            best = None
-            for warps, stages in GRID[D]:
-                kernels.LAUNCH_OVERRIDES.clear()
-                kernels.LAUNCH_OVERRIDES[kernel, D] = dict(num_warps=warps, num_stages=stages)
-                try:
-                    error = max(relative_rms_error(a, b) for a, b in zip(step(), reference))
-                except Exception as failure:  # a launch that does not compile or fit
-                    print(f"{shape:<7}{kernel:<11}{warps:6d}{stages:7d}  FAILED {type(failure).__name__}")
-                    continue
-                if error > RTOL[torch.bfloat16]:
-                    print(f"{shape:<7}{kernel:<11}{warps:6d}{stages:7d}  WRONG {error:.1e}")
-                    continue
-                ms = gpu_time_ms(step, torch.device("cuda"))[0]["median"]
-                print(f"{shape:<7}{kernel:<11}{warps:6d}{stages:7d}{ms:9.4f}{ms / default_ms:9.3f}{error:14.1e}"
-                      f"{time.perf_counter() - start:6.0f}")  # fmt: skip
-                if best is None or ms < best[0]:
-                    best = (ms, warps, stages)
-            if best:
-                print(f"-- {shape} {kernel}: fastest {best[1]} warps, {best[2]} stages ({best[0]:.4f} ms vs default {default_ms:.4f})")
-        kernels.LAUNCH_OVERRIDES.clear()
+            if kernel in wanted:
+                sweep(kernel)
+        if "grad_wy" not in wanted:
+            continue
+        try:  # step 5: each variant at its default launches (the default one is the first row), then its kernels'
+            for variant, names in GRAD_WY_KERNELS.items():
+                backward.GRAD_WY = variant
+                if variant == default_grad_wy or row("all", f"GRAD_WY={variant}") is not None:
+                    for kernel in names:
+                        sweep(kernel)
+        finally:
+            backward.GRAD_WY = default_grad_wy
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["pcvr"])
+    main(sys.argv[1:])

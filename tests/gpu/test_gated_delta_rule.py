@@ -16,6 +16,7 @@ from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
+from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -133,6 +134,14 @@ def check_chunked_forward_and_every_gradient(name, backend):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_chunked_forward_and_every_gradient(name):
+    check_chunked_forward_and_every_gradient(name, "triton")
+
+
+@pytest.mark.parametrize("grad_wy", ["split", "fused"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_grad_wy_variants_forward_and_every_gradient(name, grad_wy, monkeypatch):
+    """The backward's step 5 as its other variants (triton_backward.GRAD_WY; the test above runs the default)."""
+    monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
     check_chunked_forward_and_every_gradient(name, "triton")
 
 
@@ -264,9 +273,14 @@ def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
     check_chunked_forward_and_every_gradient(name, "tilelang")
 
 
-@pytest.mark.parametrize("backend", ["triton", "tilelang"])
-def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend):
-    """g = -5 everywhere, T = 100: rows past the end of the last chunk must not turn exp overflow into NaN."""
+@pytest.mark.parametrize(
+    "backend, grad_wy", [("triton", "single"), ("triton", "split"), ("triton", "fused"), ("tilelang", None)]
+)
+def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy, monkeypatch):
+    """g = -5 everywhere, T = 100: rows past the end of the last chunk must not turn exp overflow into NaN (the Triton
+    backward with each variant of its step 5, triton_backward.GRAD_WY)."""
+    if grad_wy is not None:
+        monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
     inputs = make_inputs(1, 100, 1, 1, 16, 16, torch.bfloat16)
     inputs["g"] = torch.full_like(inputs["g"], -5.0)
     inputs = {n: t.requires_grad_() for n, t in inputs.items()}

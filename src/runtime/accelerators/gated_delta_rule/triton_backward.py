@@ -12,8 +12,8 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
-    BT_, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision, _qk_rows,
-    _state_buffer, launch_options, walk_states,
+    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
+    _qk_rows, _state_buffer, launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -41,6 +41,7 @@ from .triton import (
 #   5. _chunk_grad_wy_kernel, one program per (chunk, value head): through the WY factors w = T diag(beta e^gamma) K
 #      and u = T diag(beta) V and through T (dA = -T^T dT T^T on the strictly lower part): dv, dbeta and the rest
 #      of dk and dgamma, then the l2norm backward of k and the reverse cumulative sum dgamma -> dg within the chunk.
+#      (GRAD_WY: or in two parts through dA = -T^T dU U^T, as two kernels or one; see "step 5 through" below.)
 # dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head in
 # torch; with HV = H steps 4 and 5 write them, and every other gradient, in their final dtype.
 # Steps 3 to 5 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128;
@@ -376,6 +377,205 @@ def _chunk_grad_wy_kernel(
     tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
 
 
+# --------------------------------------------------------------------------- step 5 through dA = -T^T dU U^T
+# T's gradient needs no dT of its own: with dw = -dU S^T (U = u - w S is w's only use),
+#     dT T^T = dU (T diag(beta) V)^T + dw (T diag(beta e^gamma) K)^T = dU u^T + dw w^T = dU U^T,
+# so dA = -T^T dT T^T = -T^T (dU U^T): one [BT, BT] accumulator over V blocks of loaded tiles and one
+# [BT, BT] x [BT, BT] dot, where _chunk_grad_wy_kernel accumulates dT = dU (beta V)^T + dw (beta e^gamma K)^T and
+# U dU^T and takes three [BT, BT] dots besides dw (beta e^gamma K)^T. (U is stored in bf16 for half inputs: the
+# single kernel's dA^T takes the same route.) The rest splits into two parts that share only dA~ = dA * decay
+# (strictly lower) and dbeta's part from v:
+#   the values' part (_grad_wy_values), over V blocks: dv = diag(beta) T^T dU, dbeta's part sum_v (T^T dU) V, and
+#     dA~, stored (fp32);
+#   the keys' part (_grad_wy_keys), over K blocks: dk and dbeta through w, and dk, dbeta and dgamma through A, from
+#     dA~ loaded twice, as stored and transposed through its addresses (no transpose in registers: see above), so
+#     that dk = dk + diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K takes two dots per K block;
+#     then the l2norm backward of k and dg.
+# GRAD_WY picks how chunk_backward runs step 5 (scripts/gdr_sweep.py times the three): "single",
+# _chunk_grad_wy_kernel; "split", the parts as two kernels of one program per (chunk, value head) each,
+# _chunk_grad_wy_values_kernel then _chunk_grad_wy_keys_kernel (dA~, dbeta's part and T make a round trip through
+# memory); "fused", both parts in one program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier).
+# Registers a thread at sm_90 (Triton 3.6, bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three (4 warps
+# at K = 16, then 8), spilling 152 B at K = 64 and 304 B at K = 128; with 8 warps values 80 / 95 / 128, keys
+# 172 / 128 / 128, fused 199 / 158 / 134, none spilling (with 4 warps keys and fused 220 to 255; blocks of 32 or
+# 64 columns of k keep more live). Not yet timed on a GPU: GRAD_WY stays "single" until the sweep says otherwise.
+GRAD_WY = "single"
+
+
+@triton.jit
+def _grad_wy_values(
+    v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_out,
+    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The values' part: stores dv and dA * decay (rows past the end are not written), returns dbeta's part."""
+    r = tl.arange(0, BT_)
+    du_u = tl.zeros([BT_, BT_], dtype=tl.float32)  # dU U^T = dT T^T
+    dbeta = tl.zeros([BT_], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        du_u += tl.dot(b_du, tl.trans(b_corrections), input_precision=PRECISION)
+        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
+        tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
+        b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        dbeta += tl.sum(dv_beta * b_v, 1)
+    strictly_lower = (r[:, None] > r[None, :]) & row_mask[:, None]
+    decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
+    da = tl.dot(tl.trans(inverse), du_u, input_precision=PRECISION)
+    da_decay = tl.where(strictly_lower, -da, 0.0) * decay
+    tl.store(da_out + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], da_decay, mask=row_mask[:, None])
+    return dbeta
+
+
+@triton.jit
+def _k_columns(k, rows, row_mask, i_h, c, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Columns c .. c + BK of a chunk's k rows as stored, in fp32 (0 past the end)."""
+    columns = (rows[:, None] * H + i_h) * K + c + tl.arange(0, BK)[None, :]
+    return tl.load(k + columns, mask=row_mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _grad_wy_keys(
+    k, dw_in, dk, d_gamma_in, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out, dg_out,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The keys' part, given dbeta's part from the values and dA * decay in da_in: stores dk, dbeta and dg. Over
+    blocks of BK columns of k twice (only [BT, BK] and [BT, BT] tiles live): first K K^T and per row (T^T dw).k,
+    |k|^2 and dk.k; then dk = dk + (diag(beta) dA~ + dA~^T diag(beta)) K + diag(beta e^gamma) T^T dw and the l2norm
+    backward, whose projection dk.k_n follows from the first pass's sums (T^T dw is computed in both passes)."""
+    r = tl.arange(0, BT_)
+    cols = tl.arange(0, BK)
+    kk = tl.zeros([BT_, BT_], dtype=tl.float32)  # of k as stored (raw)
+    kdk = tl.zeros([BT_], dtype=tl.float32)
+    squares = tl.zeros([BT_], dtype=tl.float32)
+    dk_k = tl.zeros([BT_], dtype=tl.float32)
+    for c in range(0, K, BK):
+        heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
+        raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
+        kk += tl.dot(raw, tl.trans(raw), input_precision=PRECISION)  # half inputs are exact in tf32
+        dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+        kdk += tl.sum(tl.dot(tl.trans(inverse), dw, input_precision=PRECISION) * raw, 1)
+        if L2NORM:
+            squares += tl.sum(raw * raw, 1)
+            dk_k += tl.sum(tl.load(dk + heads, mask=row_mask[:, None], other=0.0) * raw, 1)
+    if L2NORM:
+        rstd = tl.rsqrt(squares + L2NORM_EPS)
+        kk = kk * rstd[:, None] * rstd[None, :]
+    else:
+        rstd = tl.full([BT_], 1.0, tl.float32)
+
+    # w = T diag(beta e^gamma) K
+    e_gamma = tl.exp(gamma)
+    kdk = e_gamma * rstd * kdk
+    dbeta += kdk
+    d_gamma = tl.load(d_gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0) + b_beta * kdk
+
+    # A = beta_t e^(gamma_t - gamma_j) k_t.k_j strictly lower, through dA~ = dA * decay as stored, and its transpose
+    da_decay = tl.load(da_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
+    da_kk = da_decay * kk
+    dbeta += tl.sum(da_kk, 1)
+    da_a_rows = b_beta * tl.sum(da_kk, 1)  # row and column sums of dA~ * A~ (A~ = diag(beta) kk): gamma_t's part
+    da_a_cols = tl.sum(da_kk * b_beta[:, None], 0)  # and -gamma_j's
+    d_gamma += da_a_rows - da_a_cols
+    da_decay_t = tl.load(da_in + (rows[None, :] * HV + i_hv) * BT_ + r[:, None], mask=row_mask[None, :], other=0.0)
+    dkk = da_decay * b_beta[:, None] + da_decay_t * b_beta[None, :]
+
+    # dk; with k_n = diag(rstd) K the l2norm's dk.k_n per row is the sum of its three terms' (dk as loaded, through w
+    # and through A): rstd dk.k, beta kdk and sum_j dkk_tj kk_tj = (row + column sums of dA~ * A~)_t
+    projection = rstd * dk_k + b_beta * kdk + da_a_rows + da_a_cols
+    dkk = dkk * rstd[None, :]  # dkk K_n = (dkk diag(rstd)) K
+    k_weight = b_beta * e_gamma
+    for c in range(0, K, BK):
+        heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
+        raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
+        dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+        dk_new = tl.dot(dkk, raw, tl.load(dk + heads, mask=row_mask[:, None], other=0.0), input_precision=PRECISION)
+        dk_new += tl.dot(tl.trans(inverse), dw, input_precision=PRECISION) * k_weight[:, None]
+        if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
+            dk_new = (dk_new - raw * (rstd * projection)[:, None]) * rstd[:, None]
+        tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
+
+    # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
+    d_gamma = tl.where(row_mask, d_gamma, 0.0)
+    dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
+    tl.store(dbeta_out + rows * HV + i_hv, dbeta.to(dbeta_out.dtype.element_ty), mask=row_mask)
+    tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _wy_program(
+    beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """A (chunk, value head) program of step 5: _chunk_program's values, beta and T on the chunk's rows."""
+    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
+        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
+    b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    inverse_rows = (rows[:, None] * HV + i_hv) * BT_ + tl.arange(0, BT_)[None, :]
+    inverse = tl.load(inverse_in + inverse_rows, mask=row_mask[:, None], other=0.0)
+    return i_hv, i_h, rows, row_mask, gamma, b_beta, inverse
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_wy_values_kernel(
+    v, beta, gamma_in, inverse_in, corrections, du, dv_out, da_out, dbeta_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """GRAD_WY "split", first kernel: the values' part; dbeta_out gets dbeta's part (fp32)."""
+    i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
+        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
+    dbeta = _grad_wy_values(
+        v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_out, HV, V, BV, PRECISION
+    )
+    tl.store(dbeta_out + rows * HV + i_hv, dbeta, mask=row_mask)
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_wy_keys_kernel(
+    k, beta, gamma_in, inverse_in, dw_in, dk, d_gamma_in, da_in, dbeta_in, dk_out, dbeta_out, dg_out,
+    cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """GRAD_WY "split", second kernel: the keys' part, from the first kernel's dA * decay and dbeta part."""
+    i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
+        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
+    dbeta = tl.load(dbeta_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    _grad_wy_keys(
+        k, dw_in, dk, d_gamma_in, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out,
+        dg_out, H, HV, K, BK, L2NORM, PRECISION,
+    )  # fmt: skip
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_wy_fused_kernel(
+    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, da_scratch,
+    dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """GRAD_WY "fused": both parts in one program, dA * decay through da_scratch (read back by other threads)."""
+    i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
+        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
+    dbeta = _grad_wy_values(
+        v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_scratch, HV, V, BV, PRECISION
+    )
+    tl.debug_barrier()  # the program's stores of dA * decay before its loads
+    _grad_wy_keys(
+        k, dw_in, dk, d_gamma_in, da_scratch, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out,
+        dbeta_out, dg_out, H, HV, K, BK, L2NORM, PRECISION,
+    )  # fmt: skip
+
+
 STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
 
 
@@ -402,6 +602,50 @@ def _grad_state_launch(K: int, V: int) -> dict:
     else:
         defaults = dict(num_warps=4, num_stages=1 if K <= 32 else 2)
     return launch_options("grad_state", K, BV=min(V, 64), **defaults)
+
+
+
+def _grad_wy_launch(kernel: str, K: int, V: int, precision: str) -> dict:
+    """Launch options of the GRAD_WY "split" and "fused" kernels ("grad_wy_values", "grad_wy_keys",
+    "grad_wy_fused"), from sm_90 compiles (Triton 3.6), not yet timed on a GPU: 8 warps (4 keep [64, 64] fp32 tiles
+    in 32 registers a thread: 255 registers, spilling at K = 64 in the keys' part), k in blocks of 16 columns (the
+    fewest registers), v in blocks of 64 (32 with IEEE dots, which run on the FMA units in registers)."""
+    if kernel == "grad_wy_keys":
+        return launch_options(kernel, K, BK=min(K, 16), num_warps=8, num_stages=2)
+    BV = min(V, 32 if precision == "ieee" else 64)
+    if kernel == "grad_wy_values":
+        return launch_options(kernel, K, BV=BV, num_warps=8, num_stages=2)
+    return launch_options(kernel, K, BK=min(K, 16), BV=BV, num_warps=8, num_stages=1)
+
+
+def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict) -> None:
+    """Step 5 as GRAD_WY says: inputs (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma), outputs
+    (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
+    k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma = inputs
+    dk_out, dv, dbeta, dg = outputs
+    K, V, precision = shared["K"], shared["V"], shared["PRECISION"]
+    tail = (chunks.cu, chunks.indices, T, chunks.per_sequence)
+    grid = (chunks.total, shared["HV"])
+    if GRAD_WY == "single":
+        _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **shared)
+        return
+    da = buffers.empty(inverse.shape, dtype=torch.float32, device=inverse.device)  # dA * decay per chunk
+    if GRAD_WY == "fused":
+        options = _grad_wy_launch("grad_wy_fused", K, V, precision)
+        _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **options, **shared)
+        return
+    assert GRAD_WY == "split", f"GRAD_WY is {GRAD_WY!r}: 'single', 'split' or 'fused'"
+    dbeta_values = buffers.empty(gamma.shape, dtype=torch.float32, device=gamma.device)
+    values = {name: shared[name] for name in ("H", "HV", "V", "IS_VARLEN", "PRECISION")}
+    keys = {name: shared[name] for name in ("H", "HV", "K", "L2NORM", "IS_VARLEN", "PRECISION")}
+    _chunk_grad_wy_values_kernel[grid](
+        v, beta, gamma, inverse, corrections, du, dv, da, dbeta_values, *tail,
+        **_grad_wy_launch("grad_wy_values", K, V, precision), **values,
+    )  # fmt: skip
+    _chunk_grad_wy_keys_kernel[grid](
+        k, beta, gamma, inverse, dw, dk, d_gamma, da, dbeta_values, dk_out, dbeta, dg, *tail,
+        **_grad_wy_launch("grad_wy_keys", K, V, precision), **keys,
+    )  # fmt: skip
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -462,10 +706,8 @@ def chunk_backward(
             chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k,
             **_grad_launch("grad_qk", K, V), **shared,
         )  # fmt: skip
-        _chunk_grad_wy_kernel[(chunks.total, HV)](
-            k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, dk_out, dv, dbeta, dg,
-            chunks.cu, chunks.indices, T, chunks.per_sequence, **_grad_launch("grad_wy", K, V), **shared,
-        )  # fmt: skip
+        wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma)
+        _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared)
     if groups > 1:
         dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
         dk_out = dk.view(B, T, H, groups, K).sum(3).to(k.dtype)
