@@ -92,8 +92,9 @@ class BwdConfig(NamedTuple):
 # "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
 # (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
 # (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
-# The backward entries are still the pointer ones of the first sweep; scripts/fa_sweep.py bwd times their TMA
-# variants (backward_variant decides as forward_variant does).
+# The backward's TMA variants (scripts/fa_sweep.py bwd, session 15, H100, forward+backward ms) won only for dk/dv at
+# head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
+# 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -110,7 +111,7 @@ CONFIGS_16BIT = {
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
-        64: BwdConfig(32, 128, 4, 3),
+        64: BwdConfig(32, 128, 4, 3, tma=True),
         128: BwdConfig(64, 128, 8, 2),
     },
     "dq": {
