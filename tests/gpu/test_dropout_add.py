@@ -4,16 +4,21 @@ Each kernel's keep mask is compared element by element with its generator rebuil
 (reference.triton_keep_mask / tilelang_keep_mask), the output and dx against float64 with that
 mask (outputs are poisoned with NaN by conftest). The keep rate and the independence of
 neighbouring elements are checked on millions of elements, the backward's mask against the
-forward's without the rebuilt generators, and torch.manual_seed repeats a run."""
+forward's without the rebuilt generators, and torch.manual_seed repeats a run. The seed is a
+device tensor drawn by the CUDA generator: forward and backward captured in a CUDA graph run the
+kernels and draw a new mask on every replay."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
+from runtime.accelerators.backends import BackendFallbackWarning
+from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
-from runtime.accelerators.seeds import draw_seed
+from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -35,12 +40,12 @@ def _tilelang_kernels_compiled_in_parallel():
 
 
 def run(backend, x, r, p, seed_from):
-    """dropout_add seeded by torch.manual_seed(seed_from): out, dx, dresidual, dout and the kernel's seed."""
+    """dropout_add seeded by torch.manual_seed(seed_from): out, dx, dresidual, dout and the kernel's seed tensor."""
     x, r = x.detach().requires_grad_(), r.detach().requires_grad_()
     torch.manual_seed(seed_from)
-    out = dropout_add(x, r, p, backend=backend)
-    torch.manual_seed(seed_from)
-    seed = draw_seed()  # the draw the public function made
+    with ref.saved_seeds() as seeds:
+        out = dropout_add(x, r, p, backend=backend)
+    (seed,) = seeds  # the seed tensor the kernels got (saved for backward)
     dout = torch.randn_like(out)
     dx, dr = torch.autograd.grad(out, (x, r), dout)
     return out, dx, dr, dout, seed
@@ -116,3 +121,80 @@ def test_identity(backend, training, p):
     dout = torch.randn_like(out)
     dx, dr = torch.autograd.grad(out, (x, r), dout)
     assert torch.equal(dx, dout) and torch.equal(dr, dout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_seed_is_drawn_on_the_device_by_the_cuda_generator(backend):
+    x, r = torch.randn(1000, device="cuda", requires_grad=True), torch.randn(1000, device="cuda")
+    torch.manual_seed(31)
+    with ref.saved_seeds() as seeds:
+        dropout_add(x, r, 0.5, backend=backend)
+    (seed,) = seeds
+    assert seed.device == x.device and seed.dtype == torch.int64 and seed.shape == (1,)
+    torch.manual_seed(31)
+    assert torch.equal(seed, draw_seed_tensor(x.device))
+    torch.manual_seed(31)
+    torch.rand(1)  # advances the CPU generator only: the CUDA one draws the seed
+    assert torch.equal(seed, draw_seed_tensor(x.device))
+
+
+def capture(fn, warmup: int = 3):
+    """(graph, fn's result in the graph): `warmup` eager calls on a side stream first (kernel compilation, autograd
+    and allocator warm-up), as PyTorch's CUDA graph docs do, then fn captured once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_backward_in_a_cuda_graph_run_the_kernels_with_a_new_mask_per_replay(backend):
+    """Forward + backward captured in one CUDA graph, replayed twice. Each replay: the mask is the kernel's
+    generator's for the seed that replay drew (read from the graph's own seed tensor), so the kernel ran in the
+    graph; dx is zero exactly where out dropped x; the keep rate is 1 - p. The two replays drew different seeds
+    and masks (independent: they agree on a fraction p^2 + (1 - p)^2)."""
+    n, p = (1 << 20) + 5, 0.3  # not a multiple of either kernel's block
+    x = ((1 + torch.rand(n, device="cuda")) * torch.randn(n, device="cuda").sign()).to(bf16).requires_grad_()  # |x| >= 1
+    r = (1e-3 * torch.randn(n, device="cuda")).to(bf16).requires_grad_()  # x * scale never rounds away against r
+    dout = ((0.5 + torch.rand(n, device="cuda")) * torch.randn(n, device="cuda").sign()).to(bf16)  # nonzero
+    seeds: list[torch.Tensor] = []
+
+    def step():
+        with ref.saved_seeds() as saved:
+            out = dropout_add(x, r, p, backend=backend)
+        seeds[:] = saved  # after capture: the graph's seed tensor, which every replay refills
+        dx, dr = torch.autograd.grad(out, (x, r), dout)
+        return out, dx, dr
+
+    with use_accelerators(fallback="error"), warnings.catch_warnings():
+        warnings.simplefilter("error", BackendFallbackWarning)
+        graph, (out, dx, dr) = capture(step)
+    (seed,) = seeds
+
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append((out.clone(), dx.clone(), dr.clone(), seed.item()))
+
+    for i, (out_i, dx_i, dr_i, seed_i) in enumerate(replays):
+        tag = f"{backend} replay {i} (seed {seed_i})"
+        keep = out_i != r
+        assert torch.equal(keep, MASKS[backend](n, seed_i, p, device="cuda")), f"{tag}: not the kernel's mask for the replay's seed"
+        assert_close(f"{tag} out", out_i, ref.dropout_add_masked(x.double(), r.double(), keep, p), RTOL[bf16])
+        assert torch.equal(dx_i != 0, keep), f"{tag}: dx must be zero exactly where out dropped x"
+        assert_close(f"{tag} dx", dx_i, dout.double() * keep / (1 - p), gradient_tolerance(bf16))
+        assert torch.equal(dr_i, dout)
+        assert_rate(keep.sum().item(), n, 1 - p, f"{tag} kept")
+
+    (out_a, _, _, seed_a), (out_b, _, _, seed_b) = replays
+    assert seed_a != seed_b, "the two replays drew one seed"
+    keep_a, keep_b = out_a != r, out_b != r
+    assert not torch.equal(keep_a, keep_b)
+    assert_rate((keep_a == keep_b).sum().item(), n, p**2 + (1 - p) ** 2, f"{backend} agreement of two replays' masks")

@@ -39,8 +39,8 @@ def test_compiled_fallback_warns_and_runs_the_reference():
 
 
 def test_compiled_dropout_draws_a_fresh_seed_per_call_in_a_full_graph():
-    # the seed is drawn from torch's generator inside the graph (a SymInt argument of the custom op),
-    # not frozen into it at trace time
+    # the seed is drawn from torch's generator inside the graph (a device tensor argument of the custom
+    # op), not frozen into it at trace time
     x = torch.randn(64, 32, requires_grad=True)
     residual = torch.zeros(64, 32)
     compiled = torch.compile(

@@ -1,8 +1,8 @@
 """dropout_add on the CPU: the reference and the kernels' mask generators (rebuilt in torch) against
 float64 math and statistics, the Triton kernels under TRITON_INTERPRET=1 (forward and backward, the
-mask element by element), the TileLang kernels compiled for sm_90a, determinism, dispatch and errors."""
+mask element by element, the seed read from its device tensor), the TileLang kernels compiled for
+sm_90a, determinism, dispatch and errors."""
 
-import importlib
 import math
 import re
 
@@ -14,7 +14,7 @@ from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavail
 from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
-from runtime.accelerators.seeds import draw_seed
+from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -94,12 +94,12 @@ def test_generators_seeds_give_independent_masks(backend):
 
 
 def run_kernel(backend, x, r, p, seed_from):
-    """dropout_add seeded by torch.manual_seed(seed_from); returns out, grads, the kernel seed."""
+    """dropout_add seeded by torch.manual_seed(seed_from); returns out, grads, the kernel's seed tensor."""
     x, r = x.clone().requires_grad_(), r.clone().requires_grad_()
     torch.manual_seed(seed_from)
-    out = dropout_add(x, r, p, backend=backend)
-    torch.manual_seed(seed_from)
-    seed = draw_seed()  # the draw the public function made
+    with ref.saved_seeds() as seeds:
+        out = dropout_add(x, r, p, backend=backend)
+    (seed,) = seeds  # the seed tensor the kernel got, saved for backward
     dout = torch.randn_like(out)
     dx, dr = torch.autograd.grad(out, (x, r), dout)
     return out, dx, dr, dout, seed
@@ -145,6 +145,75 @@ def test_manual_seed_repeats_a_run_and_new_draws_differ():
     again = dropout_add(x, r, 0.5, backend="triton")
     assert torch.equal(first, again)
     assert not torch.equal(first, second)
+
+
+def test_another_manual_seed_gives_another_mask():
+    x, r = torch.ones(20000), torch.zeros(20000)
+    torch.manual_seed(5)
+    a = dropout_add(x, r, 0.5, backend="triton") != 0
+    torch.manual_seed(6)
+    b = dropout_add(x, r, 0.5, backend="triton") != 0
+    assert_keep_rate(a == b, 0.5, "agreement of the masks of two manual seeds")  # independent, not equal
+
+
+def test_the_seed_is_a_device_tensor_drawn_by_the_devices_generator():
+    """The kernel gets a one-element int64 tensor on x's device: the draw of draw_seed_tensor after the same
+    torch.manual_seed (the generator of x's device: the CPU one here, the CUDA one on a GPU)."""
+    x, r = torch.randn(37, requires_grad=True), torch.randn(37)
+    torch.manual_seed(9)
+    with ref.saved_seeds() as seeds:
+        dropout_add(x, r, 0.5, backend="triton")
+    (seed,) = seeds
+    assert seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == x.device
+    torch.manual_seed(9)
+    assert torch.equal(seed, draw_seed_tensor(x.device))
+    assert 0 <= seed.item() < 2**31
+
+
+def test_the_kernels_load_the_seed_from_the_tensor():
+    """The kernel module's functions with a chosen seed tensor: the mask of that seed, forward and backward."""
+    from runtime.accelerators.dropout_add import triton as kernels
+
+    n, p = 8193, 0.3
+    x, r, dout = torch.randn(n), torch.randn(n), torch.randn(n)
+    for value in (0, 1234, 2**31 - 1):
+        seed = torch.tensor([value])
+        keep = ref.triton_keep_mask(n, value, p)
+        out = kernels.forward(x, r, p, seed)
+        assert torch.equal((out - r) != 0, keep), f"seed {value}: forward"
+        dx, dr, *_ = kernels.backward(dout, x, r, p, seed, out)
+        assert torch.equal(dx != 0, keep), f"seed {value}: backward"
+        assert dr is dout
+
+
+def test_backward_uses_the_forwards_seed_after_other_draws():
+    """Backward reads the forward's (saved) seed tensor, not the generator: draws in between change nothing."""
+    x, r = torch.randn(3, 50, requires_grad=True), torch.randn(3, 50)
+    out = dropout_add(x, r, 0.5, backend="triton")
+    dropout_add(torch.randn(3, 50), r, 0.5, backend="triton")  # advances the generator
+    torch.rand(100)
+    dout = torch.rand(3, 50) + 0.5  # nonzero
+    (dx,) = torch.autograd.grad(out, (x,), dout)
+    kept = (out - r).abs() > 1e-6
+    assert torch.equal(dx != 0, kept)
+    torch.testing.assert_close(dx, dout * kept / 0.5)
+
+
+@pytest.mark.parametrize("training, p", [(False, 0.5), (True, 0.0)], ids=["eval", "p0"])
+def test_identity_draws_no_seed(training, p):
+    x, r = torch.randn(37, requires_grad=True), torch.randn(37)
+    state = torch.get_rng_state()
+    with ref.saved_seeds() as seeds:
+        dropout_add(x, r, p, training, backend="triton")
+    assert seeds == [] and torch.equal(torch.get_rng_state(), state)
+
+
+def test_reference_masks_take_the_seed_as_a_tensor_or_an_int():
+    for mask in MASKS.values():
+        assert torch.equal(mask(1000, torch.tensor([77]), 0.4), mask(1000, 77, 0.4))
+    assert ref.tilelang_keys(torch.tensor([2**31 - 1])) == ref.tilelang_keys(2**31 - 1)
+    with pytest.raises(ValueError, match="seed: expected a one-element integer tensor"):
+        ref.seed_value(torch.tensor([1.0]))
 
 
 @pytest.mark.parametrize("training, p", [(False, 0.5), (True, 0.0)], ids=["eval", "p0"])
@@ -203,6 +272,9 @@ def test_tilelang_kernels_compile_for_sm90a(direction):
     tensors = "X|R|Y" if direction == "forward" else "DY|DX"
     assert len(re.findall(rf"\*\(uint4\*\)\(({tensors}) \+", source)) == (3 if direction == "forward" else 2)
     assert str(ref.HASH_M1) in source and str(ref.HASH_M2) in source  # the hash the torch rebuild uses
+    # the keys come from the seed tensor (one int64 load), not from constants or host scalars
+    assert re.search(r"int64_t\* __restrict__ Seed", source) and "Seed[0]" in source
+    assert str(ref.KEY_MULTIPLIER) in source
 
 
 # --------------------------------------------------------------------------- dispatch and errors
@@ -218,20 +290,13 @@ def test_tilelang_on_cpu_falls_back_to_torch_dropout():
         dropout_add(x, r, 0.5, backend="tilelang")
 
 
-def test_dropout_while_capturing_a_cuda_graph_is_a_reason(monkeypatch):
-    """A captured graph would replay the host-drawn seed: dropout goes to torch (fallback rule) while
-    capturing; without dropout the kernel backend still runs."""
-    op = importlib.import_module("runtime.accelerators.dropout_add")  # the module (the package exports a function of its name)
-    monkeypatch.setattr(op, "capturing_graph", lambda device: True)
+def test_dropout_has_no_graph_capture_reason():
+    """The seed is drawn on the device (graph-safe): capturing a CUDA graph is no reason to leave the kernels."""
+    from runtime.accelerators.dropout_add import SPEC
+
     x, r = torch.randn(64), torch.randn(64)
-    with use_accelerators(default="triton", fallback="error"):
-        with pytest.raises(BackendUnavailableError, match="dropout_add.*triton.*CUDA graph is being captured"):
-            dropout_add(x, r, 0.5)
-        torch.testing.assert_close(dropout_add(x, r, 0.0), x + r, rtol=0, atol=0)
-    with use_accelerators(default="triton", fallback="torch"), pytest.warns(BackendFallbackWarning, match="CUDA graph"):
-        out = dropout_add(x, r, 0.5)
-    kept = (out - r).abs() > 1e-6
-    torch.testing.assert_close(out, r + x * kept / 0.5)
+    assert SPEC.reasons("triton", x, r) == []
+    assert SPEC.reasons("tilelang", x, r) == []  # tilelang's device reason comes from the environment, not here
 
 
 def test_unsupported_dtype_falls_back():

@@ -9,8 +9,9 @@ copies its batch into those buffers and replays.
 What a graph needs from the step: the same shapes every step, no host synchronisation, device
 tensors for everything that changes between steps (the learning rate is a tensor the scheduler
 fills in place, the optimizer is capturable), and random numbers from torch's CUDA generator
-(dropout on the kernel backends draws its seed on the host, so under capture the fallback rule
-sends it to torch: see the dropout_add and flash_attention backends' reasons).
+(dropout_add's kernels take a seed tensor drawn by it, so they run in the graph with a new mask per
+replay; flash_attention's dropout draws its seed on the host, so under capture the fallback rule
+sends attention dropout to torch: see that backend's reasons).
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """dropout_add(x, residual, p=0.0, training=True): residual + dropout(x, p).
 
 The kernel backends draw the keep mask from a counter-based generator of (seed, element index)
-and store no mask: backward draws it again. The seed comes from torch's default generator, so
-torch.manual_seed repeats a run. Not training, or p == 0, is x + residual (still differentiable).
+and store no mask: backward draws it again. The seed is a one-element int64 tensor on x's device,
+drawn by torch's generator of that device (`seeds.draw_seed_tensor`) and loaded by the kernels;
+backward reuses the forward's seed tensor (an argument of the op, saved for backward). So
+torch.manual_seed repeats a run, no host sync is needed, and the op runs on its kernel backends
+inside CUDA graphs: every replay draws a new seed, hence a new mask. Not training, or p == 0, is
+x + residual (still differentiable) and draws nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
-from ..seeds import GRAPH_CAPTURE_REASON, capturing_graph, draw_seed
+from ..seeds import draw_seed_tensor
 from .reference import dropout_add_reference
 
 # the tilelang kernels index elements with 32-bit integers (blocks of up to 2^16 elements);
@@ -20,12 +24,10 @@ from .reference import dropout_add_reference
 TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
-def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor, capturing: bool = False) -> list[str]:
+def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor) -> list[str]:
     reasons = dtype_reasons("x", x)
     if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
         reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
-    if capturing:
-        reasons.append(GRAPH_CAPTURE_REASON)
     return reasons
 
 
@@ -39,7 +41,8 @@ def _fake_forward(x, residual, p, seed):
 
 # kernel modules: forward(x, residual, p, seed) -> out
 #                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
-KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, SymInt seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
+# seed: the int64 tensor of shape (1,) from draw_seed_tensor, on x's device
+KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, Tensor seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
 
 
 def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> float:
@@ -67,11 +70,10 @@ def dropout_add(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     p = check_dropout_add_inputs(x, residual, p)
-    capturing = training and p > 0 and capturing_graph(x.device)
-    key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL, capturing)
-    chosen = select_backend(SPEC, backend, x.device, key, x=x, residual=residual, capturing=capturing)
+    key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL)
+    chosen = select_backend(SPEC, backend, x.device, key, x=x, residual=residual)
     if not training or p == 0.0 or x.numel() == 0:
         return x + residual
     if chosen == "torch":
         return dropout_add_reference(x, residual, p, training)
-    return KERNEL(chosen, x, residual, p, draw_seed())
+    return KERNEL(chosen, x, residual, p, draw_seed_tensor(x.device))

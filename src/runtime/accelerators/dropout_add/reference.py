@@ -3,17 +3,49 @@
 `dropout_add_reference` is the torch backend: residual + F.dropout(x, p, training) as eager
 torch computes it (torch's own RNG). The kernel backends draw their masks from counter-based generators of
 (seed, element index); `triton_keep_mask` and `tilelang_keep_mask` rebuild those masks exactly,
-so tests can compare a kernel's mask element by element and compute float64 references.
+so tests can compare a kernel's mask element by element and compute float64 references. They take
+the seed as the kernels get it (the one-element int64 tensor the op drew, read back here with one
+host sync) or as a plain integer.
 
 Both kernels keep an element when the top 24 bits of its 32-bit random number are at least
 `keep_threshold(p)`, and scale kept elements by 1 / (1 - p).
 """
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 TRITON_BLOCK = 8192  # elements per program of the Triton kernels: part of their random stream
+
+
+def seed_value(seed: int | torch.Tensor) -> int:
+    """The seed as a Python int: a one-element seed tensor (the kernels' argument) is read back."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex:
+            raise ValueError(f"seed: expected a one-element integer tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+        return int(seed.reshape(()).item())
+    return int(seed)
+
+
+@contextlib.contextmanager
+def saved_seeds() -> Iterator[list[torch.Tensor]]:
+    """The seed tensors of the kernel calls made inside, in order (through autograd's saved-tensor hooks).
+
+    A kernel call that autograd records (an input requires grad) saves its seed tensor for backward;
+    this list holds those very tensors, so after a CUDA graph replay they hold that replay's draws.
+    """
+    seeds: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.int64 and t.shape == (1,):
+            seeds.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seeds
 
 
 def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float = 0.0, training: bool = True) -> torch.Tensor:
@@ -56,12 +88,13 @@ def _philox(seed: int, c0: torch.Tensor, c1: torch.Tensor) -> list[torch.Tensor]
     return [c0, c1, c2, c3]
 
 
-def triton_keep_mask(numel: int, seed: int, p: float, device=None) -> torch.Tensor:
-    """The Triton kernels' keep mask of elements 0..numel-1.
+def triton_keep_mask(numel: int, seed: int | torch.Tensor, p: float, device=None) -> torch.Tensor:
+    """The Triton kernels' keep mask of elements 0..numel-1 for a seed (int or the kernels' seed tensor).
 
     A program covers TRITON_BLOCK elements as 4 chunks of Q = TRITON_BLOCK / 4; element k of chunk
     j takes output j of Philox at counter (program * Q + k): one Philox call serves 4 elements.
     """
+    seed = seed_value(seed)
     q = TRITON_BLOCK // 4
     index = torch.arange(numel, dtype=torch.int64, device=device)
     program, within = index // TRITON_BLOCK, index % TRITON_BLOCK
@@ -78,9 +111,13 @@ def triton_keep_mask(numel: int, seed: int, p: float, device=None) -> torch.Tens
 HASH_M1, HASH_M2 = 0x7FEB352D, 0x846CA68B
 
 
-def tilelang_keys(seed: int) -> tuple[int, int]:
-    """The two 31-bit hash keys the TileLang kernels derive from a seed."""
-    return seed & 0x7FFFFFFF, (seed * 0x9E3779B1 >> 7) & 0x7FFFFFFF
+KEY_MULTIPLIER = 0x9E3779B1
+
+
+def tilelang_keys(seed: int | torch.Tensor) -> tuple[int, int]:
+    """The two 31-bit hash keys the TileLang kernels derive (in the kernel, with int64 math) from a seed."""
+    seed = seed_value(seed) & 0x7FFFFFFF
+    return seed, (seed * KEY_MULTIPLIER >> 7) & 0x7FFFFFFF
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
@@ -90,8 +127,8 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def tilelang_keep_mask(numel: int, seed: int, p: float, device=None) -> torch.Tensor:
-    """The TileLang kernels' keep mask: element i draws mix(mix(i ^ key0) ^ key1)."""
+def tilelang_keep_mask(numel: int, seed: int | torch.Tensor, p: float, device=None) -> torch.Tensor:
+    """The TileLang kernels' keep mask for a seed (int or the kernels' seed tensor): element i draws mix(mix(i ^ key0) ^ key1)."""
     k0, k1 = tilelang_keys(seed)
     index = torch.arange(numel, dtype=torch.int64, device=device)
     random = _mix(_mix(index ^ k0) ^ k1)

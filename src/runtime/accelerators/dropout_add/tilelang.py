@@ -2,8 +2,10 @@
 
 Element i draws the 32-bit number mix(mix(i ^ key0) ^ key1), where mix is a bijective
 xorshift-multiply hash and the keys come from the seed (`reference.tilelang_keys`); it is kept
-when the top 24 bits reach `keep_threshold(p)`. The backward computes the same hash again, so no
-mask is stored. `reference.tilelang_keep_mask` rebuilds the mask in torch.
+when the top 24 bits reach `keep_threshold(p)`. The seed is a one-element int64 tensor (drawn on
+the device, so CUDA graphs replay a new draw each time); each thread loads it once, at the start,
+and derives the keys in registers. The backward loads the forward's seed tensor and computes the
+same hash again, so no mask is stored. `reference.tilelang_keep_mask` rebuilds the mask in torch.
 
 Layout as in swiglu's TileLang kernels: flat arrays of dynamic length N, register tiles of
 16-byte vectors, unguarded full blocks and a guarded last block.
@@ -16,9 +18,10 @@ import tilelang.language as T
 from .. import buffers
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
-from .reference import HASH_M1, HASH_M2, keep_threshold, tilelang_keys
+from .reference import HASH_M1, HASH_M2, KEY_MULTIPLIER, keep_threshold
 
 U32 = "uint32"
+SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
 
 
 @T.macro
@@ -31,14 +34,19 @@ def _mix(h):
         h[r, v] = h[r, v] ^ (h[r, v] >> 16)
 
 
+def seed_keys(seed):
+    """reference.tilelang_keys as expressions of an int64 variable holding the 31-bit seed (int64 math)."""
+    return T.cast(seed, U32), T.cast(((seed * T.int64(KEY_MULTIPLIER)) >> 7) & T.int64(0x7FFFFFFF), U32)
+
+
 @T.macro
 def keep_scales(h, m, start, key0, key1, threshold, scale):
     """m[r, v] = scale if element start + r * vec + v is kept, else 0 (h: uint32 scratch tile)."""
     for r, v in T.Parallel(h.shape[0], h.shape[1]):
-        h[r, v] = T.cast(start + r * h.shape[1] + v, U32) ^ T.cast(key0, U32)
+        h[r, v] = T.cast(start + r * h.shape[1] + v, U32) ^ key0
     _mix(h)
     for r, v in T.Parallel(h.shape[0], h.shape[1]):
-        h[r, v] = h[r, v] ^ T.cast(key1, U32)
+        h[r, v] = h[r, v] ^ key1
     _mix(h)
     for r, v in T.Parallel(h.shape[0], h.shape[1]):
         m[r, v] = T.cast((h[r, v] >> 8) >= T.cast(threshold, U32), ACCUM) * scale
@@ -62,8 +70,7 @@ def forward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
         X: T.Tensor((N,), dtype),
         R: T.Tensor((N,), dtype),
         Y: T.Tensor((N,), dtype),
-        key0: T.int32,
-        key1: T.int32,
+        Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         scale: T.float32,
     ):
@@ -72,6 +79,11 @@ def forward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
             r_ = T.alloc_fragment((rows, vec), ACCUM)
             m = T.alloc_fragment((rows, vec), ACCUM)
             h = T.alloc_fragment((rows, vec), U32)
+            seed = T.alloc_var(SEED)
+            key0 = T.alloc_var(U32)
+            key1 = T.alloc_var(U32)
+            seed = Seed[0] & T.int64(0x7FFFFFFF)  # the one load of the seed tensor; the keys then live in registers
+            key0, key1 = seed_keys(seed)
             layout = flat_layout(rows, vec, threads)
             T.annotate_layout({x: layout, r_: layout, m: layout, h: layout})
             if bx * block + block <= N:
@@ -98,8 +110,7 @@ def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
     def dropout_add_bwd(
         DY: T.Tensor((N,), dtype),
         DX: T.Tensor((N,), dtype),
-        key0: T.int32,
-        key1: T.int32,
+        Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         scale: T.float32,
     ):
@@ -107,6 +118,11 @@ def backward_kernel(dtype: str, block: int = BLOCK, threads: int = THREADS):
             dy = T.alloc_fragment((rows, vec), ACCUM)
             m = T.alloc_fragment((rows, vec), ACCUM)
             h = T.alloc_fragment((rows, vec), U32)
+            seed = T.alloc_var(SEED)
+            key0 = T.alloc_var(U32)
+            key1 = T.alloc_var(U32)
+            seed = Seed[0] & T.int64(0x7FFFFFFF)  # the one load of the seed tensor; the keys then live in registers
+            key0, key1 = seed_keys(seed)
             layout = flat_layout(rows, vec, threads)
             T.annotate_layout({dy: layout, m: layout, h: layout})
             if bx * block + block <= N:
@@ -127,15 +143,16 @@ def backward_entry(dtype: torch.dtype, block: int = BLOCK, threads: int = THREAD
     return ("dropout_add_bwd", name, block, threads), lambda info: backward_kernel(name, block, threads)
 
 
-def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, block: int = BLOCK, threads: int = THREADS) -> torch.Tensor:
+def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, block: int = BLOCK, threads: int = THREADS) -> torch.Tensor:
+    """seed: the one-element int64 tensor of seeds.draw_seed_tensor, on x's device."""
     kernel = compiled(forward_entry(x.dtype, block, threads), x.device)
     out = buffers.empty_like(x)
-    kernel(flat(x), flat(residual), out.view(-1), *tilelang_keys(seed), keep_threshold(p), 1.0 / (1.0 - p))
+    kernel(flat(x), flat(residual), out.view(-1), seed, keep_threshold(p), 1.0 / (1.0 - p))
     return out
 
 
-def backward(dout, x, residual, p: float, seed: int, out, block: int = BLOCK, threads: int = THREADS):
+def backward(dout, x, residual, p: float, seed: torch.Tensor, out, block: int = BLOCK, threads: int = THREADS):
     kernel = compiled(backward_entry(x.dtype, block, threads), x.device)
     dx = buffers.empty_like(x)
-    kernel(flat(dout), dx.view(-1), *tilelang_keys(seed), keep_threshold(p), 1.0 / (1.0 - p))
+    kernel(flat(dout), dx.view(-1), seed, keep_threshold(p), 1.0 / (1.0 - p))
     return dx, dout, None, None  # d residual = dout

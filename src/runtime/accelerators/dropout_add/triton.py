@@ -2,8 +2,10 @@
 
 The keep mask comes from Philox4x32-10 on (seed, counter): a program covers BLOCK elements as
 4 chunks of Q = BLOCK / 4, and one Philox call at counter (program * Q + k) gives the random
-numbers of element k of all 4 chunks. Nothing is stored between forward and backward; the
-backward draws the same numbers again. `reference.triton_keep_mask` rebuilds the mask in torch.
+numbers of element k of all 4 chunks. The seed is a one-element int64 tensor (drawn on the device,
+so CUDA graphs replay a new draw each time) that every program loads once. Nothing is stored between
+forward and backward; the backward loads the forward's seed tensor and draws the same numbers again.
+`reference.triton_keep_mask` rebuilds the mask in torch.
 Full blocks run unmasked (16-byte vector accesses); only the last block checks against n.
 """
 
@@ -79,12 +81,12 @@ def _backward_block(dout_ptr, dx_ptr, start, n, m0, m1, m2, m3, Q: tl.constexpr,
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed, threshold, scale, BLOCK: tl.constexpr):
+@triton.jit
+def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed_ptr, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
     program = tl.program_id(0).to(tl.int64)
     start = program * BLOCK
-    m0, m1, m2, m3 = _keep_scales(seed, program, threshold, scale, Q)
+    m0, m1, m2, m3 = _keep_scales(tl.load(seed_ptr), program, threshold, scale, Q)
     if start + BLOCK <= n:
         _forward_block(x_ptr, r_ptr, out_ptr, start, n, m0, m1, m2, m3, Q, False)
     else:
@@ -92,12 +94,12 @@ def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed, threshold, scale, BLOCK
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_add_backward(dout_ptr, dx_ptr, n, seed, threshold, scale, BLOCK: tl.constexpr):
+@triton.jit
+def _dropout_add_backward(dout_ptr, dx_ptr, n, seed_ptr, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
     program = tl.program_id(0).to(tl.int64)
     start = program * BLOCK
-    m0, m1, m2, m3 = _keep_scales(seed, program, threshold, scale, Q)
+    m0, m1, m2, m3 = _keep_scales(tl.load(seed_ptr), program, threshold, scale, Q)
     if start + BLOCK <= n:
         _backward_block(dout_ptr, dx_ptr, start, n, m0, m1, m2, m3, Q, False)
     else:
@@ -108,7 +110,8 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, warps: int = WARPS) -> torch.Tensor:
+def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, warps: int = WARPS) -> torch.Tensor:
+    """seed: the one-element int64 tensor of seeds.draw_seed_tensor, on x's device."""
     x, residual = _contiguous(x), _contiguous(residual)
     out = buffers.empty_like(x)
     n = x.numel()
@@ -117,7 +120,7 @@ def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, warps:
     return out
 
 
-def backward(dout: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, p: float, seed: int, out: torch.Tensor, warps: int = WARPS):
+def backward(dout: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor, warps: int = WARPS):
     dx = buffers.empty_like(x)
     n = x.numel()
     grid = (cdiv(n, BLOCK),)
