@@ -60,7 +60,7 @@ def main(args: list[str]) -> None:
     assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS} and grad_wy"
     start = time.perf_counter()
     default_grad_wy = backward.GRAD_WY
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy or "by K")
     print(f"{'shape':<7}{'kernel':<16}{'launch':<24}{'ms':>9}{'/default':>9}{'max grad err':>14}{'at s':>6}")
     for shape in shapes:
         B, T, H, D = SHAPES[shape]

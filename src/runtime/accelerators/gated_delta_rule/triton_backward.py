@@ -398,8 +398,15 @@ def _chunk_grad_wy_kernel(
 # Registers a thread at sm_90 (Triton 3.6, bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three (4 warps
 # at K = 16, then 8), spilling 152 B at K = 64 and 304 B at K = 128; with 8 warps values 80 / 95 / 128, keys
 # 172 / 128 / 128, fused 199 / 158 / 134, none spilling (with 4 warps keys and fused 220 to 255; blocks of 32 or
-# 64 columns of k keep more live). Not yet timed on a GPU: GRAD_WY stays "single" until the sweep says otherwise.
-GRAD_WY = "single"
+# 64 columns of k keep more live). GRAD_WY None (the default) picks by K, from scripts/gdr_sweep.py on an H100
+# (session 15, bf16, forward + backward ms, results/gated_delta_rule-grad_wy-sweep-2026-11-23-h100-s15.txt):
+# "fused" at K = 128 (B4-T4096-H16: 3.767 with 4 warps against single's 3.995; split 3.834-3.925), "single" below
+# (PCVR, K = 16: single 0.637, fused 0.634, split 0.751; K = 32 and 64 were not timed).
+GRAD_WY = None
+
+
+def grad_wy_variant(K: int) -> str:
+    return GRAD_WY or ("fused" if K == 128 else "single")
 
 
 @triton.jit
@@ -607,15 +614,16 @@ def _grad_state_launch(K: int, V: int) -> dict:
 
 def _grad_wy_launch(kernel: str, K: int, V: int, precision: str) -> dict:
     """Launch options of the GRAD_WY "split" and "fused" kernels ("grad_wy_values", "grad_wy_keys",
-    "grad_wy_fused"), from sm_90 compiles (Triton 3.6), not yet timed on a GPU: 8 warps (4 keep [64, 64] fp32 tiles
-    in 32 registers a thread: 255 registers, spilling at K = 64 in the keys' part), k in blocks of 16 columns (the
-    fewest registers), v in blocks of 64 (32 with IEEE dots, which run on the FMA units in registers)."""
+    "grad_wy_fused"): k in blocks of 16 columns (the fewest registers), v in blocks of 64 (32 with IEEE dots, which
+    run on the FMA units in registers). The split kernels take 8 warps (from sm_90 compiles: with 4, [64, 64] fp32
+    tiles keep 32 registers a thread and the keys' part spills at K = 64); the fused one 4 warps and 2 stages, the
+    fastest in the session-15 sweep at K = 16 and 128 (at K = 128: 3.767 ms against 4.256 with 8 warps)."""
     if kernel == "grad_wy_keys":
         return launch_options(kernel, K, BK=min(K, 16), num_warps=8, num_stages=2)
     BV = min(V, 32 if precision == "ieee" else 64)
     if kernel == "grad_wy_values":
         return launch_options(kernel, K, BV=BV, num_warps=8, num_stages=2)
-    return launch_options(kernel, K, BK=min(K, 16), BV=BV, num_warps=8, num_stages=1)
+    return launch_options(kernel, K, BK=min(K, 16), BV=BV, num_warps=4, num_stages=2)
 
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict) -> None:
@@ -626,15 +634,16 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
     K, V, precision = shared["K"], shared["V"], shared["PRECISION"]
     tail = (chunks.cu, chunks.indices, T, chunks.per_sequence)
     grid = (chunks.total, shared["HV"])
-    if GRAD_WY == "single":
+    variant = grad_wy_variant(K)
+    if variant == "single":
         _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **shared)
         return
     da = buffers.empty(inverse.shape, dtype=torch.float32, device=inverse.device)  # dA * decay per chunk
-    if GRAD_WY == "fused":
+    if variant == "fused":
         options = _grad_wy_launch("grad_wy_fused", K, V, precision)
         _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **options, **shared)
         return
-    assert GRAD_WY == "split", f"GRAD_WY is {GRAD_WY!r}: 'single', 'split' or 'fused'"
+    assert variant == "split", f"GRAD_WY is {variant!r}: 'single', 'split' or 'fused'"
     dbeta_values = buffers.empty(gamma.shape, dtype=torch.float32, device=gamma.device)
     values = {name: shared[name] for name in ("H", "HV", "V", "IS_VARLEN", "PRECISION")}
     keys = {name: shared[name] for name in ("H", "HV", "K", "L2NORM", "IS_VARLEN", "PRECISION")}
