@@ -47,6 +47,17 @@ def per_call_us(cases: dict, rounds: int = 15, calls: int = 500) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def print_profile(fn, calls: int = 3000, top: int = 22) -> None:
+    """cProfile of `calls` back-to-back calls of fn (synchronised at the end), the top functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 class SumThenScale(torch.autograd.Function):
     """One launch forward (sum), one launch backward (g * x)."""
 
@@ -72,13 +83,7 @@ def profile_bce() -> None:
 
     for _ in range(100):
         step()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(3000):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+    print_profile(step, top=35)
 
 
 def main() -> None:

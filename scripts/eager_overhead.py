@@ -7,8 +7,6 @@ op on each kernel backend (with and without autograd), the kernel module's forwa
 bare kernel launch (direct, and through Triton's JIT path), then a cProfile of the triton path (top functions by own time).
 """
 
-import cProfile
-import pstats
 import time
 
 import torch
@@ -18,6 +16,8 @@ from runtime.accelerators import layer_norm, rms_norm
 from runtime.accelerators.layer_norm import triton as ln_triton
 from runtime.accelerators.norms_triton import n_tiles, row_tiles
 from runtime.accelerators.rms_norm import triton as rms_triton
+
+from autograd_overhead import print_profile  # scripts/ is on sys.path when a script runs
 
 
 def per_call_us(fn, calls: int = 5000) -> float:
@@ -76,13 +76,7 @@ def main() -> None:
         print(f"{'F.rms_norm fwd+bwd, backward on the calling thread':48s} {per_call_us(cases['F.rms_norm fwd+bwd (autograd.grad)']):8.1f}")
         for name, fn in {"public op, x requiring grad": lambda: rms_norm(x, w, backend="triton"), "fwd+bwd": fwd_bwd}.items():
             print(f"cProfile of the triton {name}")
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(3000):
-                fn()
-            torch.cuda.synchronize()
-            profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+            print_profile(fn)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
+from runtime.benchmark.timing import kernel_breakdown
 
 SHAPES = {"B4-T4096-H16-D128": (4, 4096, 16, 128), "B256-T256-H4-D16": (256, 256, 4, 16)}
 CALLS = 3
@@ -44,19 +44,11 @@ def report(name, fn, tensors, backward):
         if backward:
             out.backward(torch.ones_like(out))
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / CALLS
+    kernels = kernel_breakdown(step, calls=CALLS, top=None)
+    total = sum(k["us"] for k in kernels)
     print(f"\n{name} {'fwd+bwd' if backward else 'fwd'}: {total / 1e3:.3f} ms of kernels per call")
-    for e in events[:12]:
-        print(f"  {e.device_time_total / CALLS / 1e3:8.3f} ms  x{e.count // CALLS:<4d} {e.key[:90]}")
+    for k in kernels[:12]:
+        print(f"  {k['us'] / 1e3:8.3f} ms  x{k['per_call']:<4g} {k['kernel'][:90]}")
 
 
 def main(names: list[str]):

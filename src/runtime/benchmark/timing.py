@@ -102,8 +102,9 @@ def eager_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 2
         n *= 4
 
 
-def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int = 12) -> list[dict]:
-    """GPU time per call of each kernel fn launches (torch.profiler, eager calls), largest first."""
+def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int | None = 12) -> list[dict]:
+    """GPU time per call of each kernel fn launches (torch.profiler, eager calls), largest first (the top ones, or
+    all with top None)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
