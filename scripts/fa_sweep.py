@@ -1,6 +1,6 @@
 """Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
-    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both]     (GPU machine, repo root; default both)
+    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD]     (GPU machine, repo root; default both)
 
 fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
 
@@ -78,6 +78,16 @@ SWEEP = [
         "tma": Fwd(64, 64, 4, 3, tma=True),
         "tma m128": Fwd(128, 64, 8, 3, tma=True),
     }),
+    ((256, 4, 256, 16), False, {
+        "m128": Fwd(128, 64, 4, 3),
+        "n128": Fwd(64, 128, 4, 3),
+        "m32": Fwd(32, 64, 4, 3),
+        "2st": Fwd(64, 64, 4, 2),
+    }),
+    ((256, 4, 256, 16), True, {
+        "m128": Fwd(128, 64, 4, 3),
+        "m32": Fwd(32, 64, 4, 3),
+    }),
 ]  # fmt: skip
 
 BWD_128 = {
@@ -115,8 +125,20 @@ BWD_SWEEP = [
         "dq": {"tma": Bwd(128, 32, 4, 4, tma=True), "tma m64": Bwd(64, 64, 4, 3, tma=True)},
     }),
     ((256, 4, 256, 16), False, {
-        "dkdv": {"tma": Bwd(32, 128, 4, 3, tma=True)},
-        "dq": {"tma": Bwd(64, 64, 4, 3, tma=True)},
+        "dkdv": {
+            "tma": Bwd(32, 128, 4, 3, tma=True),
+            "m64": Bwd(64, 128, 4, 3),
+            "n64": Bwd(32, 64, 4, 3),
+            "m16": Bwd(16, 128, 4, 3),
+            "2st": Bwd(32, 128, 4, 2),
+        },
+        "dq": {
+            "tma": Bwd(64, 64, 4, 3, tma=True),
+            "m128": Bwd(128, 64, 4, 3),
+            "n128": Bwd(64, 128, 4, 3),
+            "m32": Bwd(32, 64, 4, 3),
+            "2st": Bwd(64, 64, 4, 2),
+        },
     }),
 ]  # fmt: skip
 
@@ -383,16 +405,20 @@ class BackwardSweep:
                   f"default {default_ms:.3f} ms")  # fmt: skip
 
 
-def main(device: torch.device, parts: str) -> None:
+def main(device: torch.device, parts: str, only: str | None = None) -> None:
     start = time.perf_counter()
+
+    def wanted(shape) -> bool:
+        return only is None or "x".join(map(str, shape)) == only
+
     if parts in ("fwd", "both"):
         sweep = Sweep(device)
-        for shape, causal, variants in SWEEP:
+        for shape, causal, variants in filter(lambda entry: wanted(entry[0]), SWEEP):
             sweep.shape(shape, causal, {"default": table(causal)[kernels.block_d(shape[3])]} | variants)
         sweep.summary()
     if parts in ("bwd", "both"):
         backward = BackwardSweep(device)
-        for shape, causal, per_kernel in BWD_SWEEP:
+        for shape, causal, per_kernel in filter(lambda entry: wanted(entry[0]), BWD_SWEEP):
             for kernel, variants in per_kernel.items():
                 default = kernels.CONFIGS_16BIT[kernel][kernels.block_d(shape[3])]
                 backward.shape(shape, causal, kernel, {"default": default} | variants)
@@ -403,5 +429,6 @@ def main(device: torch.device, parts: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="?", choices=("fwd", "bwd", "both"), default="both", help="which sweep to run")
-    parts = parser.parse_args().parts
-    main(torch.device("cuda", torch.cuda.current_device()), parts)
+    parser.add_argument("--only", help="one shape, as BxHxLxD (e.g. 256x4x256x16)")
+    args = parser.parse_args()
+    main(torch.device("cuda", torch.cuda.current_device()), args.parts, args.only)
