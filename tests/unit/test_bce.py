@@ -258,18 +258,21 @@ def test_empty_input_matches_torch():
         torch.testing.assert_close(out, F.binary_cross_entropy_with_logits(x, y, reduction=reduction), equal_nan=True)
 
 
-def test_compiled_custom_op_matches_eager():
-    """Under torch.compile the kernels run as the custom ops taac::bce_forward / taac::bce_backward."""
-    x, y, w, pw = make_inputs((3, 50), weight_shape=(50,), pos_weight_shape=(50,))
+@pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
+def test_compiled_custom_op_matches_eager(targets_grad):
+    """Under torch.compile the kernels run as the custom ops taac::bce_forward / taac::bce_backward (with the unit
+    gradient as the forward's second result when the targets need none)."""
+    x, y, w, pw = make_inputs((3, 50), weight_shape=(50,), pos_weight_shape=(50,), targets_grad=targets_grad)
+    inputs = (x, y) if targets_grad else (x,)
 
     def loss(x, y):
         return bce(x, y, w, pw, backend="triton")
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     out_c = compiled(x, y)
-    grads_c = torch.autograd.grad(out_c, (x, y))
+    grads_c = torch.autograd.grad(out_c, inputs)
     out_e = loss(x, y)
-    grads_e = torch.autograd.grad(out_e, (x, y))
+    grads_e = torch.autograd.grad(out_e, inputs)
     torch.testing.assert_close(out_c, out_e)
     for g_c, g_e in zip(grads_c, grads_e):
         torch.testing.assert_close(g_c, g_e)
