@@ -1,6 +1,6 @@
 """Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
-    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD]     (GPU machine, repo root; default both)
+    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD]    (GPU machine, repo root; default both)
 
 fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
 
@@ -186,6 +186,19 @@ def compiled_resources(before: set, kernel=kernels._fwd_kernel) -> str:
     return f"{new[0].n_regs}/{new[0].n_spills}"
 
 
+def with_config(entries: dict, bd: int, cfg, run):
+    """run() with entries[bd] = cfg (the table entry restored after); a kernel that hangs past ROW_LIMIT_S ends the
+    script with a traceback."""
+    default = entries[bd]
+    entries[bd] = cfg
+    faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
+    try:
+        return run()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        entries[bd] = default
+
+
 class Sweep:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -230,13 +243,8 @@ class Sweep:
             default = entries[bd]
             best_ms, best_cfg = float("inf"), default
             for label, cfg in variants.items():
-                entries[bd] = cfg
-                faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
-                try:
-                    ms = self.variant(shape, causal, label, cfg, q, k, v, expected, cudnn_ms)
-                finally:
-                    faulthandler.cancel_dump_traceback_later()
-                    entries[bd] = default
+                run = lambda: self.variant(shape, causal, label, cfg, q, k, v, expected, cudnn_ms)  # noqa: E731
+                ms = with_config(entries, bd, cfg, run)
                 if label == "default":
                     self.default_ms[causal, bd] = ms
                 if ms < best_ms:
@@ -347,13 +355,8 @@ class BackwardSweep:
         times = self.ms.setdefault((kernel, bd), {})
         best_ms, best_cfg = float("inf"), default
         for label, cfg in variants.items():
-            entries[bd] = cfg
-            faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
-            try:
-                ms = self.variant(shape, causal, kernel, label, cfg, q, k, v, do, expected, cudnn_ms)
-            finally:
-                faulthandler.cancel_dump_traceback_later()
-                entries[bd] = default
+            run = lambda: self.variant(shape, causal, kernel, label, cfg, q, k, v, do, expected, cudnn_ms)  # noqa: E731
+            ms = with_config(entries, bd, cfg, run)
             times.setdefault(cfg, {})[shape, causal] = ms
             if ms < best_ms:
                 best_ms, best_cfg = ms, cfg
