@@ -7,7 +7,7 @@ each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUN
 defaults: the GPU time of forward + backward as the benchmark takes it (CUDA graph, L2 flushed), after checking the
 output and every gradient against the default launch's (relative RMS error within the bf16 bound). Then each
 variant of the backward's step 5 (triton_backward.GRAD_WY, see GRAD_WY_KERNELS) at its default launches
-("GRAD_WY=split"), and its kernels' launches. The last lines name the fastest launch per kernel. Kernel names after
+("GRAD_WY=fused"), and its kernels' launches. The last lines name the fastest launch per kernel. Kernel names after
 the shapes keep only those kernels' rows ("grad_wy": step 5's, every variant and its kernels); the whole sweep of
 both shapes should take about four minutes on an H100 (session 14, before the variants: 71 s + 52 s).
 """
@@ -28,14 +28,12 @@ from runtime.benchmark.timing import gpu_time_ms
 
 SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
 KERNELS = ("grad_qk", "grad_state", "local", "wy", "output")  # and step 5's, by variant:
-GRAD_WY_KERNELS = {"single": ("grad_wy",), "split": ("grad_wy_values", "grad_wy_keys"), "fused": ("grad_wy_fused",)}
+GRAD_WY_KERNELS = {"single": ("grad_wy",), "fused": ("grad_wy_fused",)}
 LAUNCHES = {  # launch options per K (the kernel's other options at their defaults)
     16: [dict(num_warps=w, num_stages=s) for w, s in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]],
     128: [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (8, 3)]],
 }
 EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants
-    ("grad_wy_values", 128): [dict(BV=32)],
-    ("grad_wy_keys", 128): [dict(BK=32)],
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
 }
 

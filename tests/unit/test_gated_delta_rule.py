@@ -269,7 +269,7 @@ def test_triton_chunked_backward_bf16_under_the_interpreter():
         assert_close(f"d{n}", grad, ref_grad, bounds.get(n, 8e-3))
 
 
-@pytest.mark.parametrize("grad_wy", ["single", "split", "fused"])
+@pytest.mark.parametrize("grad_wy", ["single", "fused"])
 def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy, monkeypatch):
     # rows past a sequence's end read gamma = 0: exp(-gamma_j) of a strongly decayed chunk overflows there,
     # and the backward's decay masks must keep the inf * 0 (NaN) out of the gradients (each variant of step 5)
@@ -315,7 +315,7 @@ def _outputs_and_grads(inputs, options, grad_wy, monkeypatch):
         return list(torch.autograd.grad(outputs, list(inputs.values()), grads_out)), grads_out
 
 
-@pytest.mark.parametrize("grad_wy", ["split", "fused"])
+@pytest.mark.parametrize("grad_wy", ["fused"])
 @pytest.mark.parametrize("name", list(WY_CASES))
 def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name, grad_wy, monkeypatch):
     """Every gradient of the variant against the single kernel's (fp32 rounding apart) and the float64 recurrence."""
@@ -332,7 +332,7 @@ def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name
         assert_close(f"d{n} ({grad_wy} vs float64 recurrence)", grad, ref, 1e-4)
 
 
-@pytest.mark.parametrize("grad_wy", ["split", "fused"])
+@pytest.mark.parametrize("grad_wy", ["fused"])
 def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, monkeypatch):
     """bf16: dA from the stored (bf16) corrections U, within the GPU tier's bounds of the float64 recurrence."""
     case = dict(shape=(1, 130, 2, 4, 32, 16), state=True, sequences=4,

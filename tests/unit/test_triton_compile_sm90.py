@@ -195,9 +195,8 @@ def gated_delta_rule():
 
 
 def gated_delta_rule_grad_wy_variants():
-    """The backward's step 5 as its GRAD_WY variants ("split": two kernels, "fused": one), at the shapes of
-    gated_delta_rule (K = 16, 64, 128)."""
-    for variant in ("split", "fused"):
+    """The backward's step 5 as each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
+    for variant in ("single", "fused"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(gdr_backward, "GRAD_WY", variant)
             gated_delta_rule()

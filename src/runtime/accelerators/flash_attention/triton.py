@@ -606,7 +606,9 @@ def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None) -> tuple[BwdCon
     """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do).
 
     cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma."""
-    cfg = BwdConfig(*(config(kind, q.shape[-1], q.dtype) if cfg is None else cfg))
+    cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
+    if not isinstance(cfg, BwdConfig):
+        cfg = BwdConfig(*cfg)
     return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma))
 
 

@@ -391,17 +391,15 @@ def _chunk_grad_wy_kernel(
 #     dA~ loaded twice, as stored and transposed through its addresses (no transpose in registers: see above), so
 #     that dk = dk + diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K takes two dots per K block;
 #     then the l2norm backward of k and dg.
-# GRAD_WY picks how chunk_backward runs step 5 (scripts/gdr_sweep.py times the three): "single",
-# _chunk_grad_wy_kernel; "split", the parts as two kernels of one program per (chunk, value head) each,
-# _chunk_grad_wy_values_kernel then _chunk_grad_wy_keys_kernel (dA~, dbeta's part and T make a round trip through
-# memory); "fused", both parts in one program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier).
+# GRAD_WY picks how chunk_backward runs step 5 (scripts/gdr_sweep.py times both): "single", _chunk_grad_wy_kernel;
+# "fused", both parts in one program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier).
 # Registers a thread at sm_90 (Triton 3.6, bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three (4 warps
-# at K = 16, then 8), spilling 152 B at K = 64 and 304 B at K = 128; with 8 warps values 80 / 95 / 128, keys
-# 172 / 128 / 128, fused 199 / 158 / 134, none spilling (with 4 warps keys and fused 220 to 255; blocks of 32 or
-# 64 columns of k keep more live). GRAD_WY None (the default) picks by K, from scripts/gdr_sweep.py on an H100
-# (session 15, bf16, forward + backward ms, results/gated_delta_rule-grad_wy-sweep-2026-11-23-h100-s15.txt):
-# "fused" at K = 128 (B4-T4096-H16: 3.767 with 4 warps against single's 3.995; split 3.834-3.925), "single" below
-# (PCVR, K = 16: single 0.637, fused 0.634, split 0.751; K = 32 and 64 were not timed).
+# at K = 16, then 8), spilling 152 B at K = 64 and 304 B at K = 128; fused 199 / 158 / 134 with 8 warps, none
+# spilling (220 to 255 with 4; blocks of 32 or 64 columns of k keep more live). GRAD_WY None (the default) picks by
+# K, from scripts/gdr_sweep.py on an H100 (session 15, bf16, forward + backward ms,
+# results/gated_delta_rule-grad_wy-sweep-2026-11-23-h100-s15.txt): "fused" at K = 128 (B4-T4096-H16: 3.767 with 4
+# warps against single's 3.995), "single" below (PCVR, K = 16: single 0.637, fused 0.634; K = 32 and 64 were not
+# timed). The parts as two kernels ("split", session 15) were slower at both: 3.834 and 0.751 ms.
 GRAD_WY = None
 
 
@@ -527,42 +525,6 @@ def _wy_program(
 
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_grad_wy_values_kernel(
-    v, beta, gamma_in, inverse_in, corrections, du, dv_out, da_out, dbeta_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """GRAD_WY "split", first kernel: the values' part; dbeta_out gets dbeta's part (fp32)."""
-    i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
-        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
-    )
-    dbeta = _grad_wy_values(
-        v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_out, HV, V, BV, PRECISION
-    )
-    tl.store(dbeta_out + rows * HV + i_hv, dbeta, mask=row_mask)
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_grad_wy_keys_kernel(
-    k, beta, gamma_in, inverse_in, dw_in, dk, d_gamma_in, da_in, dbeta_in, dk_out, dbeta_out, dg_out,
-    cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """GRAD_WY "split", second kernel: the keys' part, from the first kernel's dA * decay and dbeta part."""
-    i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
-        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
-    )
-    dbeta = tl.load(dbeta_in + rows * HV + i_hv, mask=row_mask, other=0.0)
-    _grad_wy_keys(
-        k, dw_in, dk, d_gamma_in, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out,
-        dg_out, H, HV, K, BK, L2NORM, PRECISION,
-    )  # fmt: skip
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_wy_fused_kernel(
     k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, da_scratch,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
@@ -612,18 +574,12 @@ def _grad_state_launch(K: int, V: int) -> dict:
 
 
 
-def _grad_wy_launch(kernel: str, K: int, V: int, precision: str) -> dict:
-    """Launch options of the GRAD_WY "split" and "fused" kernels ("grad_wy_values", "grad_wy_keys",
-    "grad_wy_fused"): k in blocks of 16 columns (the fewest registers), v in blocks of 64 (32 with IEEE dots, which
-    run on the FMA units in registers). The split kernels take 8 warps (from sm_90 compiles: with 4, [64, 64] fp32
-    tiles keep 32 registers a thread and the keys' part spills at K = 64); the fused one 4 warps and 2 stages, the
-    fastest in the session-15 sweep at K = 16 and 128 (at K = 128: 3.767 ms against 4.256 with 8 warps)."""
-    if kernel == "grad_wy_keys":
-        return launch_options(kernel, K, BK=min(K, 16), num_warps=8, num_stages=2)
+def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
+    """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): k in blocks of 16 columns (the fewest
+    registers), v in blocks of 64 (32 with IEEE dots, which run on the FMA units in registers), 4 warps and 2 stages,
+    the fastest in the session-15 sweep at K = 16 and 128 (at K = 128: 3.767 ms against 4.256 with 8 warps)."""
     BV = min(V, 32 if precision == "ieee" else 64)
-    if kernel == "grad_wy_values":
-        return launch_options(kernel, K, BV=BV, num_warps=8, num_stages=2)
-    return launch_options(kernel, K, BK=min(K, 16), BV=BV, num_warps=4, num_stages=2)
+    return launch_options("grad_wy_fused", K, BK=min(K, 16), BV=BV, num_warps=4, num_stages=2)
 
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict) -> None:
@@ -638,23 +594,9 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
     if variant == "single":
         _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **shared)
         return
+    assert variant == "fused", f"GRAD_WY is {variant!r}: 'single' or 'fused'"
     da = buffers.empty(inverse.shape, dtype=torch.float32, device=inverse.device)  # dA * decay per chunk
-    if variant == "fused":
-        options = _grad_wy_launch("grad_wy_fused", K, V, precision)
-        _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **options, **shared)
-        return
-    assert variant == "split", f"GRAD_WY is {variant!r}: 'single', 'split' or 'fused'"
-    dbeta_values = buffers.empty(gamma.shape, dtype=torch.float32, device=gamma.device)
-    values = {name: shared[name] for name in ("H", "HV", "V", "IS_VARLEN", "PRECISION")}
-    keys = {name: shared[name] for name in ("H", "HV", "K", "L2NORM", "IS_VARLEN", "PRECISION")}
-    _chunk_grad_wy_values_kernel[grid](
-        v, beta, gamma, inverse, corrections, du, dv, da, dbeta_values, *tail,
-        **_grad_wy_launch("grad_wy_values", K, V, precision), **values,
-    )  # fmt: skip
-    _chunk_grad_wy_keys_kernel[grid](
-        k, beta, gamma, inverse, dw, dk, d_gamma, da, dbeta_values, dk_out, dbeta, dg, *tail,
-        **_grad_wy_launch("grad_wy_keys", K, V, precision), **keys,
-    )  # fmt: skip
+    _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **_grad_wy_launch(K, V, precision), **shared)
 
 
 def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
