@@ -1,6 +1,7 @@
 """Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
-    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD]    (GPU machine, repo root; default both)
+    bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD] [--kernel dkdv|dq|fused]
+    (GPU machine, repo root; default both)
 
 fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
 
@@ -27,7 +28,9 @@ gradient_tolerance: twice the forward's, as the benchmark checks gradients; "err
 TFLOP/s counts the backward as 2.5 forwards. The dkdv/dq tables are not split by causality: the summary ranks a
 config by its total time over the shapes swept at its entry (at head dim 128, causal and not). Candidates were
 picked from sm_90 builds (scripts/triton_resources.py): the tiles that spill least, each with TMA, beside the
-pointer default.
+pointer default. Rows of the "fused" kernel (one kernel for dq, dk and dv; session 16) run it forced
+(triton.BACKWARD = "fused"); "path" says whether dq was stored (every key in one block) or added with atomics.
+The dkdv and dq rows force the split kernels.
 """
 
 from __future__ import annotations
@@ -108,10 +111,23 @@ BWD_128 = {
         "tma n32": Bwd(128, 32, 8, 4, tma=True),
     },
 }
+# the fused kernel (dq stored where L <= block_n, else added with atomics) against the split kernels' default rows
+FUSED_16 = {
+    "m16": Bwd(16, 256, 8, 2),
+    "m64": Bwd(64, 256, 8, 2),
+    "4w": Bwd(32, 256, 4, 2),
+    "1st": Bwd(32, 256, 8, 1),
+    "atom n128": Bwd(32, 128, 4, 2),
+    "atom n128 m64": Bwd(64, 128, 4, 2),
+    "atom n64": Bwd(64, 64, 4, 2),
+}
+FUSED_ATOMIC = {"atom n128": Bwd(32, 128, 4, 2), "atom n128 8w": Bwd(64, 128, 8, 2), "atom n64": Bwd(64, 64, 4, 2)}
 # ((B, H, L, D), causal, {kernel: {label: config}}); each kernel's "default" (the table's entry as imported) is added
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
-    ((4, 16, 4096, 128), True, BWD_128),
+    ((4, 16, 4096, 128), True, BWD_128 | {"fused": FUSED_ATOMIC}),
+    ((64, 4, 2048, 48), True, {"fused": FUSED_ATOMIC}),
+    ((128, 8, 1024, 32), True, {"fused": FUSED_ATOMIC}),
     ((64, 4, 2048, 48), False, {
         "dkdv": {
             "tma": Bwd(32, 128, 4, 3, tma=True),
@@ -124,7 +140,9 @@ BWD_SWEEP = [
         "dkdv": {"tma": Bwd(32, 128, 4, 3, tma=True), "tma 8w": Bwd(32, 128, 8, 2, tma=True)},
         "dq": {"tma": Bwd(128, 32, 4, 4, tma=True), "tma m64": Bwd(64, 64, 4, 3, tma=True)},
     }),
+    ((256, 4, 256, 16), True, {"fused": FUSED_16}),
     ((256, 4, 256, 16), False, {
+        "fused": FUSED_16,
         "dkdv": {
             "tma": Bwd(32, 128, 4, 3, tma=True),
             "m64": Bwd(64, 128, 4, 3),
@@ -370,7 +388,8 @@ class BackwardSweep:
             out = flash_attention(q, k, v, causal=causal, backend="triton")
             return torch.autograd.grad(out, (q, k, v), do)
 
-        jit = kernels._bwd_dkdv_kernel if kernel == "dkdv" else kernels._bwd_dq_kernel
+        jit = {"dkdv": kernels._bwd_dkdv_kernel, "dq": kernels._bwd_dq_kernel, "fused": kernels._bwd_fused_kernel}[kernel]
+        kernels.BACKWARD = "fused" if kernel == "fused" else "split"
         before = set(jit._compiled)
         try:
             with poison_outputs():
@@ -378,15 +397,20 @@ class BackwardSweep:
         except Exception as exc:  # a compile failure: report it, go on with the other rows
             reason = str(exc).strip().splitlines()[0][:150]
             print(f"  {kernel} {label} {describe(cfg)}: FAILED {type(exc).__name__}: {reason}")
+            kernels.BACKWARD = None
             return float("inf")
         error = grads_error(grads, expected)
-        route = "tma" if kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"] else "ptr"
+        if kernel == "fused":
+            route = "store" if shape[2] <= cfg.block_n else "atom"
+        else:
+            route = "tma" if kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"] else "ptr"
         bound = gradient_tolerance(DTYPE)
         if not error <= bound:  # also NaN
             wrong = f"WRONG, relative RMS error {error:.1e}, bound {bound:.0e}"
             print(f"  {kernel} {label} {describe(cfg)} ({route}): {wrong}")
             return float("inf")
         ms = gpu_time_ms(run, self.device)[0]["median"]
+        kernels.BACKWARD = None
         resources = compiled_resources(before, jit)
         self.row(shape, causal, kernel, label, describe(cfg), route, ms, cudnn_ms, error, resources)
         return ms
@@ -408,7 +432,7 @@ class BackwardSweep:
                   f"default {default_ms:.3f} ms")  # fmt: skip
 
 
-def main(device: torch.device, parts: str, only: str | None = None) -> None:
+def main(device: torch.device, parts: str, only: str | None = None, kernel_only: str | None = None) -> None:
     start = time.perf_counter()
 
     def wanted(shape) -> bool:
@@ -423,6 +447,8 @@ def main(device: torch.device, parts: str, only: str | None = None) -> None:
         backward = BackwardSweep(device)
         for shape, causal, per_kernel in filter(lambda entry: wanted(entry[0]), BWD_SWEEP):
             for kernel, variants in per_kernel.items():
+                if kernel_only not in (None, kernel):
+                    continue
                 default = kernels.CONFIGS_16BIT[kernel][kernels.block_d(shape[3])]
                 backward.shape(shape, causal, kernel, {"default": default} | variants)
         backward.summary()
@@ -433,5 +459,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="?", choices=("fwd", "bwd", "both"), default="both", help="which sweep to run")
     parser.add_argument("--only", help="one shape, as BxHxLxD (e.g. 256x4x256x16)")
+    parser.add_argument("--kernel", choices=("dkdv", "dq", "fused"), help="backward: sweep only this kernel's table")
     args = parser.parse_args()
-    main(torch.device("cuda", torch.cuda.current_device()), args.parts, args.only)
+    main(torch.device("cuda", torch.cuda.current_device()), args.parts, args.only, args.kernel)

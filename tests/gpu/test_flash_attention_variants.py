@@ -162,3 +162,46 @@ def test_an_expanded_upstream_gradient_takes_the_pointer_path():
     grads = torch.autograd.grad(out, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, False)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, config): dq stored (Lk <= block_n) or added with atomics
+FUSED_CASES = [
+    (4, 4, 2, 256, 256, 16, True, True, torch.bfloat16, "blhd", None),
+    (3, 4, 4, 63, 200, 32, False, True, torch.float16, "bhld", None),
+    (2, 4, 1, 300, 128, 48, True, False, torch.bfloat16, "bhld", None),
+    (2, 2, 2, 129, 100, 128, False, True, torch.bfloat16, "blhd", None),
+    (2, 4, 2, 1000, 1000, 32, True, True, torch.bfloat16, "blhd", Bwd(32, 128, 4, 2)),
+    (2, 2, 1, 500, 777, 128, False, False, torch.float16, "bhld", Bwd(64, 128, 8, 2)),
+    (2, 2, 2, 200, 300, 64, True, True, torch.float32, "bhld", None),
+]  # fmt: skip
+FUSED_IDS = [
+    "d16-causal-lengths-gqa-view", "d32-fp16-lengths-lq<lk", "d48-causal-mqa-lq>lk", "d128-lengths-view",
+    "atomic-d32-causal-lengths", "atomic-d128-fp16-mqa", "atomic-fp32-d64-causal-lengths",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=FUSED_IDS)
+def test_fused_backward(case):
+    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, cfg = case
+    q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
+    do = torch.randn_like(q)
+    key_lengths = lengths_for(b, lk) if lengths else None
+    args = (q, k, v, key_lengths, causal, d**-0.5, 0.0, 0)
+    o, lse = fa.forward(*args)
+    with poison_outputs():
+        grads = fa.backward_fused(do, *args, o, lse, cfg=cfg)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
+        assert g.dtype == dtype
+        assert_close(name, g, g_ref, gradient_tolerance(dtype))
+
+
+def test_the_public_op_takes_the_fused_backward_at_pcvr_shapes():
+    q, k, v = (t.requires_grad_() for t in make(256, 4, 4, 256, 256, 16, torch.bfloat16, "blhd"))
+    assert fa.use_fused(q, k)
+    key_lengths = lengths_for(256, 256)
+    out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend="triton")
+    do = torch.randn_like(out)
+    with poison_outputs():
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, True)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))

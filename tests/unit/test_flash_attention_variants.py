@@ -215,6 +215,67 @@ def test_plain_tuples_still_configure_the_backward():
         assert all(isinstance(cfg, BwdConfig) for kind in ("dkdv", "dq") for cfg in table[kind].values())
 
 
+# --------------------------------------------------------------------------- the fused backward
+
+
+def run_fused(q, k, v, do, lengths, causal, cfg, dropout_p=0.0):
+    key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
+    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, 1234)
+    o, lse = fa.forward(*args)
+    with poison_outputs():
+        return fa.backward_fused(do, *args, o, lse, cfg=cfg)
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
+    [
+        # one key block: dq stored
+        (2, 4, 2, 70, 45, 48, True, [45, 0], 0.0, BwdConfig(16, 64, 4, 2)),
+        (1, 2, 2, 37, 30, 16, False, [19], 0.0, BwdConfig(16, 32, 4, 2)),
+        (3, 2, 1, 65, 32, 32, False, None, 0.0, BwdConfig(32, 32, 4, 2)),
+        (2, 2, 1, 40, 40, 64, True, [40, 23], 0.2, BwdConfig(16, 64, 4, 2)),
+        # several key blocks: dq summed with atomics
+        (2, 4, 2, 50, 70, 48, True, [70, 33], 0.0, BwdConfig(16, 32, 4, 2)),
+        (1, 2, 1, 21, 90, 16, False, None, 0.1, BwdConfig(16, 16, 4, 2)),
+    ],
+    ids=["causal-gqa-d48-lengths", "lengths-d16", "mqa-d32-full-block", "causal-dropout-mqa-d64",
+         "atomic-causal-gqa-d48-lengths", "atomic-dropout-mqa-d16"],
+)  # fmt: skip
+def test_fused_backward_matches_float64(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg):
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    do = torch.randn_like(q)
+    grads = run_fused(q, k, v, do, lengths, causal, cfg, dropout_p)
+    assert all(g.dtype == f16 for g in grads)
+    assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p)
+
+
+def test_fused_backward_reads_strided_views():
+    b, lq, lk, h, d = 2, 21, 19, 4, 16
+    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)
+    do = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)
+    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)
+    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    grads = run_fused(q, k, v, do, [19, 7], True, BwdConfig(16, 32, 4, 2))
+    assert_gradients(grads, q, k, v, do, [19, 7], True)
+
+
+def test_the_public_op_takes_the_fused_backward_where_keys_fit_one_block(monkeypatch):
+    monkeypatch.setitem(fa.CONFIGS_16BIT["fused"], 16, BwdConfig(16, 64, 4, 2))
+    monkeypatch.setattr(fa, "FUSED_MIN_PROGRAMS", 4)
+    calls = []
+    monkeypatch.setattr(fa, "_bwd_dq_kernel", None)  # the split kernels must not run
+    real = fa.backward_fused
+    monkeypatch.setattr(fa, "backward_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 64, 16))
+    do = torch.randn_like(q)
+    lengths = torch.tensor([64, 9])
+    out = flash_attention(q, k, v, causal=True, key_lengths=lengths, backend="triton")
+    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, [64, 9], True)
+    assert calls == [1]
+    assert not fa.use_fused(*make(2, 4, 2, 40, 65, 16)[:2])  # a key past the block
+    assert not fa.use_fused(*make(1, 4, 2, 40, 64, 16)[:2])  # too few (batch, kv head) pairs
+
+
 # --------------------------------------------------------------------------- the sm_90 build, no GPU
 
 

@@ -170,6 +170,19 @@ def attention_tma_backward():
     _attention(head_dim=48, causal=False, with_lengths=True, dropout_p=0.0, backward_tma=True)
 
 
+def attention_fused_backward():
+    """The fused backward at every padded head dim with the table's tiles: dq stored (every key in one block) with
+    causal + key lengths, and dq summed with atomics (two key blocks)."""
+    for head_dim in (16, 32, 48, 128):
+        block_n = fa_triton.config("fused", head_dim, bf16).block_n
+        for lk, causal, lengths in ((block_n, True, [block_n, 77]), (block_n + 1, False, None)):
+            q, do = torch.randn(2, 4, 90, head_dim).to(bf16), torch.randn(2, 4, 90, head_dim).to(bf16)
+            k, v = torch.randn(2, 2, lk, head_dim).to(bf16), torch.randn(2, 2, lk, head_dim).to(bf16)
+            key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
+            args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, 1234)
+            fa_triton.backward_fused(do, *args, *fa_triton.forward(*args))
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -229,6 +242,7 @@ CASES = {
     "attention_causal_dropout": attention_causal_dropout,
     "attention_widest": attention_widest,
     "attention_tma_backward": attention_tma_backward,
+    "attention_fused_backward": attention_fused_backward,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,

@@ -114,6 +114,13 @@ CONFIGS_16BIT = {
         64: BwdConfig(32, 128, 4, 3, tma=True),
         128: BwdConfig(64, 128, 8, 2),
     },
+    # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
+    "fused": {
+        16: BwdConfig(32, 256, 8, 2),
+        32: BwdConfig(32, 256, 8, 2),
+        64: BwdConfig(32, 128, 4, 2),
+        128: BwdConfig(32, 128, 8, 2),
+    },
     "dq": {
         16: BwdConfig(64, 64, 4, 3),
         32: BwdConfig(128, 32, 4, 4),
@@ -127,8 +134,11 @@ CONFIGS_FP32 = {
     "fwd_causal": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "dkdv": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
     "dq": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
 PREPROCESS_BLOCK_M = 64
+FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
+BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
 
 
 def block_d(head_dim: int) -> int:
@@ -567,6 +577,121 @@ def _bwd_dq_kernel(
     _store(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
 
 
+@triton.jit
+def _fused_block(
+    dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+    sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):
+    """One query block against this program's key block: dk, dv accumulate (transposed form, [keys, queries]) and
+    the block's dq part is stored (the key block holds every key) or added to the fp32 dq (DQ_ATOMIC)."""
+    rows = start_m + offs_m
+    q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
+    do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
+    o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
+    # rows past LQ load lse = +inf, so their probabilities are 0
+    lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    if MASK:
+        visible = offs_n[:, None] < kv_len
+        if CAUSAL:
+            visible = visible & (rows[None, :] >= offs_n[:, None])
+        p_t = tl.where(visible, p_t, 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        keep = _keep(seed, bh, rows[None, :], offs_n[:, None], dropout_p)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        dv = tl.dot(tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
+    dq_ptrs = dq_base + rows[:, None] * sdqm + offs_d[None, :]
+    if DQ_ATOMIC:
+        tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+    else:
+        _store(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, LQ, offs_d, HEAD_DIM, PAD_D)
+    return dk, dv
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "seed"])
+def _bwd_fused_kernel(
+    Q, K, V, O, DO, LSE, DK, DV, DQ, KL,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sdob, sdoh, sdom, sdod,
+    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, sdqb, sdqh, sdqm,
+    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):
+    """dq, dk and dv in one kernel, no preprocess: the dk/dv kernel's loop, which also computes each query block's
+    delta and its dq part (5 products and one exp per score, against the two kernels' 7 and two)."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_j
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _tile_once(K, b, hk, skb, skh, skn, skd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, False)
+    v = _tile_once(V, b, hk, svb, svh, svn, svd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, False)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    kv_len = LK
+    if HAS_KL:
+        kv_len = tl.load(KL + b)
+    if CAUSAL:
+        m_lo = (start_n // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = LQ * 0
+    if start_n + BLOCK_N > kv_len:
+        m_full = LQ
+    # a key block wholly past kv_len adds nothing; the one key block of a stored dq (start_n = 0, so m_lo = 0: it
+    # visits every query block) runs anyway, its dq rows are written only here (zeros where no key is visible)
+    if DQ_ATOMIC:
+        active = start_n < kv_len
+    else:
+        active = start_n <= kv_len
+    if active:
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            bh = b * H + h
+            q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+            do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+            o_src = _rows_src(O, b, h, sob, soh, som, 1, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+            lse_ptr = LSE + bh.to(tl.int64) * LQ
+            dq_base = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
+            for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
+                dk, dv = _fused_block(
+                    dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d,
+                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, DQ_ATOMIC,
+                )
+            for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
+                dk, dv = _fused_block(
+                    dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d,
+                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, DQ_ATOMIC,
+                )
+    dk = dk * sm_scale
+    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
+    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
+    _store(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+    _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -634,10 +759,41 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
 
 def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads."""
-    delta = backward_preprocess(o, do)
-    dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
-    dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
+    if BACKWARD == "fused" or (BACKWARD is None and use_fused(q, k)):
+        dq, dk, dv = backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
+    else:
+        delta = backward_preprocess(o, do)
+        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
+        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
     return dq, dk, dv, None, None, None, None, None
+
+
+def use_fused(q, k) -> bool:
+    """The fused kernel where every key fits its block (it then stores dq: no atomics) and there are enough
+    (batch, kv head) pairs to fill the GPU, one program each; else the preprocess and the dk/dv and dq kernels."""
+    b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
+    return lk <= config("fused", q.shape[-1], q.dtype).block_n and b * hkv >= FUSED_MIN_PROGRAMS
+
+
+def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg=None):
+    """(dq, dk, dv) of _bwd_fused_kernel. dq is stored where Lk fits the config's key block, else summed over the
+    key blocks with fp32 atomics (not deterministic in its last bits) and cast. cfg: a BwdConfig instead of the
+    table's "fused" entry (tma is ignored: pointer loads only)."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    cfg = config("fused", d, q.dtype) if cfg is None else BwdConfig(*cfg)
+    atomic = lk > cfg.block_n
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = empty(v.shape, dtype=v.dtype, device=v.device)
+    _bwd_fused_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
+        q, k, v, o, do, lse, dk, dv, dq, key_lengths if key_lengths is not None else q,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
+        *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DQ_ATOMIC=atomic, **_flags(q, key_lengths, causal, dropout_p),
+    )
+    return (dq.to(q.dtype) if atomic else dq), dk, dv
 
 
 def backward_preprocess(o, do):
