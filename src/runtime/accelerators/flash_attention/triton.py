@@ -81,6 +81,7 @@ class BwdConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = False
+    heavy_first: bool = False  # dq kernel, causal: the last query blocks (the most keys) first, as the forward's
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -104,7 +105,7 @@ CONFIGS_16BIT = {
     },
     "fwd_causal": {
         16: FwdConfig(64, 64, 4, 3),
-        32: FwdConfig(64, 64, 4, 3),
+        32: FwdConfig(64, 64, 4, 3, heavy_first=True),
         64: FwdConfig(128, 64, 8, 4),
         128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True),
     },
@@ -116,8 +117,8 @@ CONFIGS_16BIT = {
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
     "fused": {
-        16: BwdConfig(32, 256, 8, 2),
-        32: BwdConfig(32, 256, 8, 2),
+        16: BwdConfig(32, 256, 4, 1),
+        32: BwdConfig(32, 128, 4, 2),  # not chosen by use_fused (see FUSED_HEAD_DIMS)
         64: BwdConfig(32, 128, 4, 2),
         128: BwdConfig(32, 128, 8, 2),
     },
@@ -138,6 +139,12 @@ CONFIGS_FP32 = {
 }
 PREPROCESS_BLOCK_M = 64
 FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
+# Padded head dims where use_fused may pick the fused backward. Sweep (scripts/fa_sweep.py bwd, session 16, H100,
+# forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
+# 0.124 / 0.169; 128x4x128x128 causal 0.132 / 0.170. Not 32: 256x4x256x32 0.228 / 0.202 (dq added with atomics
+# over two key blocks: 0.217 / 0.202, causal 0.193 / 0.192). Longer keys (atomics): 128x8x1024x32 causal 1.407 /
+# 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay.
+FUSED_HEAD_DIMS = frozenset({16, 64, 128})
 BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
 
 
@@ -527,10 +534,13 @@ def _bwd_dq_kernel(
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_m = tl.program_id(0) * BLOCK_M
+    if HEAVY_FIRST:
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -769,10 +779,15 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
 
 
 def use_fused(q, k) -> bool:
-    """The fused kernel where every key fits its block (it then stores dq: no atomics) and there are enough
-    (batch, kv head) pairs to fill the GPU, one program each; else the preprocess and the dk/dv and dq kernels."""
+    """The fused kernel for 16-bit inputs at the head dims where it won, where every key fits its block (it then
+    stores dq: no atomics) and there are enough (batch, kv head) pairs to fill the GPU, one program each; else the
+    preprocess and the dk/dv and dq kernels."""
     b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
-    return lk <= config("fused", q.shape[-1], q.dtype).block_n and b * hkv >= FUSED_MIN_PROGRAMS
+    d = block_d(q.shape[-1])
+    return (
+        q.dtype != torch.float32 and d in FUSED_HEAD_DIMS and b * hkv >= FUSED_MIN_PROGRAMS
+        and lk <= config("fused", d, q.dtype).block_n
+    )  # fmt: skip
 
 
 def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg=None):
@@ -839,7 +854,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **variant, **_flags(q, key_lengths, causal, dropout_p),
+        HEAVY_FIRST=bool(cfg.heavy_first and causal), **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return dq
 
