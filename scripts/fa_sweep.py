@@ -140,11 +140,7 @@ BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
     ((4, 16, 4096, 128), True, BWD_128 | {"fused": FUSED_ATOMIC}),
     ((64, 4, 2048, 48), True, {"fused": FUSED_ATOMIC}),
-    ((128, 8, 1024, 32), True, {
-        "fused": FUSED_ATOMIC,
-        "dkdv": {},
-        "dq": {"heavy": Bwd(128, 32, 4, 4, heavy_first=True), "heavy m64": Bwd(64, 64, 4, 3, heavy_first=True)},
-    }),
+    ((128, 8, 1024, 32), True, {"fused": FUSED_ATOMIC, "dkdv": {}}),
     # keys in one block at the wider head dims: the fused kernel against the split kernels (the dkdv default row)
     ((256, 4, 256, 32), False, {"fused": FUSED_SHORT, "dkdv": {}}),
     ((256, 4, 256, 32), True, {"fused": FUSED_SHORT, "dkdv": {}}),
@@ -426,7 +422,6 @@ class BackwardSweep:
             route = "store" if shape[2] <= cfg.block_n else "atom"
         else:
             route = "tma" if kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"] else "ptr"
-            route += " heavy" if causal and cfg.heavy_first else ""
         bound = gradient_tolerance(DTYPE)
         if not error <= bound:  # also NaN
             wrong = f"WRONG, relative RMS error {error:.1e}, bound {bound:.0e}"

@@ -278,13 +278,6 @@ def test_the_public_op_takes_the_fused_backward_where_keys_fit_one_block(monkeyp
     assert not fa.use_fused(*make(2, 4, 2, 40, 64, 32)[:2])  # head dim 32: the split kernels won
 
 
-def test_heavy_first_dq_matches_the_float64_reference():
-    q, k, v = make(2, 2, 1, 70, 50, 32)
-    do = torch.randn_like(q)
-    for causal in (True, False):
-        grads = run_backward(q, k, v, do, [50, 20], causal, BwdConfig(16, 16, 4, 2, heavy_first=True), tma=False)
-        assert_gradients(grads, q, k, v, do, [50, 20], causal)
-
 
 # --------------------------------------------------------------------------- the sm_90 build, no GPU
 

@@ -1,5 +1,6 @@
 """FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), backward preprocess
-(delta = rowsum(o * do)), a dk/dv kernel and a dq kernel.
+(delta = rowsum(o * do)), a dk/dv kernel and a dq kernel; or, where every key fits one block (short
+sequences, see use_fused), one fused backward kernel that also computes delta and stores dq.
 
 Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D], any strides (views are read in place); o, lse and the
 gradients are written contiguous. One program handles one block of rows of one (batch, head):
@@ -81,7 +82,6 @@ class BwdConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = False
-    heavy_first: bool = False  # dq kernel, causal: the last query blocks (the most keys) first, as the forward's
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -143,7 +143,8 @@ FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two p
 # forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
 # 0.124 / 0.169; 128x4x128x128 causal 0.132 / 0.170. Not 32: 256x4x256x32 0.228 / 0.202 (dq added with atomics
 # over two key blocks: 0.217 / 0.202, causal 0.193 / 0.192). Longer keys (atomics): 128x8x1024x32 causal 1.407 /
-# 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay.
+# 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay. (The dq kernel's programs in heavy-first order
+# were tried too at 128x8x1024x32 causal: 1.386 against 1.369 ms, not kept.)
 FUSED_HEAD_DIMS = frozenset({16, 64, 128})
 BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
 
@@ -534,13 +535,10 @@ def _bwd_dq_kernel(
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    if HEAVY_FIRST:
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -854,7 +852,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        HEAVY_FIRST=bool(cfg.heavy_first and causal), **variant, **_flags(q, key_lengths, causal, dropout_p),
+        **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return dq
 
