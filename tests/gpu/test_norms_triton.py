@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.accelerators import l2norm, layer_norm, rms_norm
+from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -104,3 +104,89 @@ def test_layer_norm_triton_compiled():
     assert torch.equal(y, y_eager)
     for grad, grad_eager in zip(grads, grads_eager):
         assert torch.equal(grad, grad_eager)
+
+
+def _norm_step(op, rows=8192, width=128):
+    """step() runs the op forward and backward on the triton backend and returns every gradient; step.check(grads)
+    compares them with float64."""
+    x = torch.randn(rows, width, dtype=bf16, device="cuda", requires_grad=True)
+    params = {"weight": (1 + 0.5 * torch.randn(width, device="cuda")).to(bf16).requires_grad_()}
+    if op == "layer_norm":
+        params["bias"] = torch.randn(width, dtype=bf16, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        y = OPS[op](x, **params, backend="triton")
+        return torch.autograd.grad(y, [x, *params.values()], dy)
+
+    def check(grads):
+        x64 = x.detach().double().requires_grad_()
+        params64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+        grads64 = torch.autograd.grad(reference64(op, x64, **params64), [x64, *params64.values()], dy.double())
+        for name, grad, grad64 in zip(["x", *params], grads, grads64):
+            assert_close(f"{op} d{name}", grad, grad64, gradient_tolerance(bf16))
+
+    step.check = check
+    return step
+
+
+def _assert_equal(tag, got, expected):
+    for name, a, b in zip(("dx", "dweight", "dbias"), got, expected):
+        assert torch.equal(a, b), f"{tag}: {name} differs"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_one_launch_backward_under_cuda_graphs_and_streams(op, monkeypatch):
+    """8192x128: the backward's last program adds the partials (no sum_partials launch), counting on a counter kept
+    per stream, or one per call while a graph is captured. Eager runs repeat bit for bit; so do two graphs captured
+    on one stream, replayed many times, alone and concurrently on two streams, with eager calls in between; and
+    eager calls on two streams at once. Every counter is back at zero afterwards."""
+    launches = []
+    kernel = norms_triton._sum_partials_kernel
+    monkeypatch.setattr(kernel, "_launch", lambda grid, *a, **kw: launches.append(grid))
+    step = _norm_step(op)
+    expected = step()
+    step.check(expected)
+    _assert_equal("eager rerun", step(), expected)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as torch.cuda.graph asks
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outputs = [], []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(step())
+        graphs.append(graph)
+    for i in range(20):
+        for graph, out in zip(graphs, outputs):
+            graph.replay()
+            _assert_equal(f"replay {i}", out, expected)
+        _assert_equal(f"eager between replays {i}", step(), expected)
+
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for i in range(20):  # the two graphs at once, then eager calls at once, on two streams
+        for stream, graph in zip(streams, graphs):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        for out in outputs:
+            _assert_equal(f"concurrent replay {i}", out, expected)
+        results = []
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                results.append(step())
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        for got in results:
+            _assert_equal(f"concurrent eager {i}", got, expected)
+    torch.cuda.synchronize()
+    assert not launches, "the 8192x128 backward took the two-launch path"
+    for counter, _ in norms_triton._scratch.values():
+        assert counter.item() == 0

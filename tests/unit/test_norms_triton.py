@@ -3,11 +3,14 @@
 Forward and every gradient against float64 textbook math at tiny odd shapes.
 """
 
+import threading
+
 import pytest
 import torch
 
-from runtime.accelerators import l2norm, layer_norm, rms_norm
+from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.norms_triton import n_tiles
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -112,3 +115,77 @@ def test_forward_without_autograd_matches_the_differentiable_forward(op, shape, 
         trained = OPS[op](x.requires_grad_(), **params, backend="triton")
     assert inferred.grad_fn is None and trained.grad_fn is not None
     assert torch.equal(inferred, trained.detach())
+
+
+def _count_sum_partials_launches(monkeypatch) -> list:
+    kernel = norms_triton._sum_partials_kernel
+    launches, interpret = [], kernel._interpret
+    monkeypatch.setattr(kernel, "_interpret", lambda grid, *args, **kw: launches.append(grid) or interpret(grid, *args, **kw))
+    return launches
+
+
+def _param_grads(op, x, params, dy):
+    y = OPS[op](x, **params, backend="triton")
+    return torch.autograd.grad(y, [x, *params.values()], dy)
+
+
+def _norm_inputs(op, rows, width, dtype):
+    x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+    params = {"weight": (1 + 0.5 * torch.randn(width)).requires_grad_()}
+    if op == "layer_norm":
+        params["bias"] = torch.randn(width, requires_grad=True)
+    return x, params, torch.randn(rows, width, dtype=dtype)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_one_launch_backward_with_several_programs(op, monkeypatch):
+    """The last of several persistent programs (each looping over tiles) adds every program's partials: the
+    gradients match float64 and the two-launch path (sum_partials), and repeat bit for bit; the counter is back at
+    zero after each backward, so a second backward over the same graph gives the same bits."""
+    monkeypatch.setattr(norms_triton, "backward_programs", lambda n_rows, tiles, device: min(5, n_tiles(n_rows, tiles)))
+    launches = _count_sum_partials_launches(monkeypatch)
+    check_op(op, (1000, 48), bf16, f32, f32 if op == "layer_norm" else None)  # 16 tiles over 5 programs
+    assert not launches, "the backward took the two-launch path"
+
+    x, params, dy = _norm_inputs(op, 1000, 48, bf16)
+    with poison_outputs():
+        y = OPS[op](x, **params, backend="triton")
+        first = torch.autograd.grad(y, [x, *params.values()], dy, retain_graph=True)
+        counter, _ = norms_triton.backward_scratch(x.device, 0)
+        assert counter.item() == 0
+        again = torch.autograd.grad(y, [x, *params.values()], dy)
+        assert counter.item() == 0
+        rerun = _param_grads(op, x, params, dy)
+    for a, b, c in zip(first, again, rerun):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+    monkeypatch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)  # every backward adds its partials in sum_partials
+    with poison_outputs():
+        two_launches = _param_grads(op, x, params, dy)
+    assert len(launches) == 1
+    assert torch.equal(first[0], two_launches[0])
+    for a, b in zip(first[1:], two_launches[1:]):
+        assert_close(f"{op} one vs two launches", a, b.double(), 1e-6)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_two_launch_backward(op, monkeypatch):
+    """Wide rows over many programs add their partials in a second launch (sum_partials): forced here."""
+    monkeypatch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
+    launches = _count_sum_partials_launches(monkeypatch)
+    check_op(op, (150, 48), f16, f16, f16 if op == "layer_norm" else None)
+    check_op(op, (7, 200), bf16, f32, None)
+    assert len(launches) == 2
+
+
+def test_backward_scratch_grows_and_is_kept_per_thread():
+    device = torch.device("cpu")
+    counter, small = norms_triton.backward_scratch(device, 10)
+    same_counter, large = norms_triton.backward_scratch(device, 10**5)
+    assert same_counter is counter and large.numel() >= 10**5
+    assert norms_triton.backward_scratch(device, 10)[1] is large
+    others = []
+    thread = threading.Thread(target=lambda: others.append(norms_triton.backward_scratch(device, 10)))
+    thread.start()
+    thread.join()
+    assert others[0][0] is not counter

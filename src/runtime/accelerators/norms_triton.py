@@ -4,9 +4,17 @@ Every kernel works on tiles of `rows` rows x `block` columns (block: the width r
 power of two). Narrow rows are packed several to a tile so that small widths are not
 launch-bound; wide rows take one row per tile. Forward kernels run one tile per program.
 Backward kernels with a weight or bias are persistent: `backward_programs` programs stride over
-the tiles, each accumulating its dweight/dbias in registers and writing one fp32 partial row;
-`sum_partials` then reduces those partials (no atomics). The weight's and the bias's partials share
-one buffer, the weight's rows first: one allocation per backward.
+the tiles, each accumulating its dweight/dbias in registers and writing one fp32 partial row.
+The weight's and the bias's partials share one buffer, the weight's rows first: one allocation per
+backward. Those partials are then added up in program order (deterministic: no atomic adds of
+values), in one of two ways:
+
+- in the backward kernel itself, where they are few (`parameter_backward` decides): each program
+  counts itself done on an int32 counter, and the one that comes last adds the partials
+  (`add_partials_if_last`) and sets the counter back to zero for the next launch. Counter and
+  partials are then scratch kept per device and stream (`backward_scratch`): nothing to allocate;
+- else in a second launch, `sum_partials`, spread over column blocks (wide rows: one program
+  adding megabytes of partials would take longer than the launch it saves).
 
 Everything derived from the width is cached, so a call costs a dict lookup plus the launch.
 """
@@ -14,6 +22,7 @@ Everything derived from the width is cached, so a call costs a dict lookup plus 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -75,6 +84,82 @@ def backward_programs(n_rows: int, tiles: RowTiles, device: torch.device) -> int
     return max(1, min(n_tiles(n_rows, tiles), _resident_programs(device, tiles.programs_per_sm)))
 
 
+# The last backward program adds the partials when that takes at most this many steps of one tile per parameter
+# (each step about one L2 round trip): widths up to 128 at the H100's 264 programs. Wider rows take sum_partials.
+FINISH_MAX_STEPS = 16
+
+
+def parameter_backward(
+    n_rows: int, width: int, tiles: RowTiles, device: torch.device, n_params: int, stand_in: torch.Tensor
+) -> tuple[int, bool, torch.Tensor, torch.Tensor]:
+    """(programs, finish, counter, partials) of a backward launch with n_params parameter gradients; finish: its last
+    program adds the partials, else `sum_partials` must, after it. Without parameters one program per tile (counter
+    and partials the stand-in, not accessed)."""
+    if n_params == 0:
+        return n_tiles(n_rows, tiles), False, stand_in, stand_in
+    programs = backward_programs(n_rows, tiles, device)
+    if programs <= FINISH_MAX_STEPS * tiles.rows:
+        return programs, True, *backward_scratch(device, n_params * programs * width)
+    return programs, False, stand_in, partials(programs, width, device, n_params)
+
+
+_scratch: dict = {}
+
+
+def backward_scratch(device: torch.device, n_partials: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counter, partials) for a backward that adds its partials in the kernel: an int32 counter, zero before each
+    launch (the last program sets it back), and room for n_partials fp32 partial sums, read within the launch.
+
+    One pair per device and stream, reused by every such launch on it (launches on one stream never overlap), so
+    a call allocates nothing; while a CUDA graph is captured, a fresh pair per call (the counter zeroed within the
+    graph), so that no two graphs, replayed on any streams, and no eager launch ever share one."""
+    if device.type != "cuda":  # the interpreter: one pair per thread
+        key = device, threading.get_ident()
+    elif torch.cuda.is_current_stream_capturing():
+        return _new_counter(device), torch.empty(n_partials, dtype=torch.float32, device=device)
+    else:
+        key = device, torch._C._cuda_getCurrentRawStream(device.index)
+    found = _scratch.get(key)
+    if found is None or found[1].numel() < n_partials:
+        counter = _new_counter(device) if found is None else found[0]
+        found = _scratch[key] = counter, torch.empty(n_partials, dtype=torch.float32, device=device)
+    return found
+
+
+def _new_counter(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def add_partials_if_last(
+    part_ptr, dw_ptr, db_ptr, counter_ptr, N,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Called by every program of a backward after storing its partial rows (the weight's, then the bias's): the last
+    one to arrive adds all of them, in program order, into dweight / dbias and sets the counter back to zero."""
+    programs = tl.num_programs(0)
+    tl.debug_barrier()  # every thread's partial stores come before the count's release (one thread does the atomic)
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.store(counter_ptr, 0)
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        pb_ptr = part_ptr + programs * N if HAS_W else part_ptr
+        acc_w = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc_b = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, programs, ROWS):
+            parts = start + tl.arange(0, ROWS)
+            offsets = parts[:, None] * N + cols[None, :]
+            mask = (parts < programs)[:, None] & col_mask[None, :]
+            if HAS_W:  # .cg: read from L2, where the other programs' stores went
+                acc_w += tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_B:
+                acc_b += tl.load(pb_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_W:
+            tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+        if HAS_B:
+            tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
 def partials(n_programs: int, width: int, device: torch.device, n_params: int = 1) -> torch.Tensor:
     """Per-program fp32 partial sums of n_params parameter gradients, [n_params * programs, width]: the weight's
     rows first, then the bias's."""
@@ -120,12 +205,10 @@ def _sum_partials_kernel(
         tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_partials(partial: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None):
-    """Reduce the partials (from `partials`) to dweight (weight's dtype) and dbias (bias's dtype), one launch."""
+def sum_partials(partial: torch.Tensor, dweight: torch.Tensor | None, dbias: torch.Tensor | None = None) -> None:
+    """Reduce the partials (from `partials`) into dweight and dbias (either may be None), one launch."""
     rows, width = partial.shape
-    n_parts = rows // ((weight is not None) + (bias is not None))
-    dweight = None if weight is None else buffers.empty_like(weight)
-    dbias = None if bias is None else buffers.empty_like(bias)
+    n_parts = rows // ((dweight is not None) + (dbias is not None))
     columns, parts = _reduce_blocks(width)
     _sum_partials_kernel[(cdiv(width, columns),)](
         partial,
@@ -133,10 +216,9 @@ def sum_partials(partial: torch.Tensor, weight: torch.Tensor | None, bias: torch
         partial if dbias is None else dbias,
         n_parts,
         width,
-        HAS_W=weight is not None,
-        HAS_B=bias is not None,
+        HAS_W=dweight is not None,
+        HAS_B=dbias is not None,
         BLOCK_P=parts,
         BLOCK_C=columns,
         num_warps=4,
     )
-    return dweight, dbias

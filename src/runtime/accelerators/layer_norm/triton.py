@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, rows_of, sum_partials
+from ..norms_triton import (
+    add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
+)
 from ..triton_launch import direct_launch
 
 
@@ -50,8 +52,9 @@ def _forward_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, n_rows, N, stride_dy, stride_x,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, dw_ptr, db_ptr, counter_ptr,
+    n_rows, N, stride_dy, stride_x,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, FINISH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -87,6 +90,8 @@ def _backward_kernel(
         b_row = pid
     if HAS_B:
         tl.store(part_ptr + b_row * N + cols, tl.sum(db, axis=0), mask=col_mask)
+    if FINISH:
+        add_partials_if_last(part_ptr, dw_ptr, db_ptr, counter_ptr, N, HAS_W, HAS_B, BLOCK_N, ROWS)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
@@ -123,17 +128,15 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     n_params = (weight is not None) + (bias is not None)
-    if n_params == 0:
-        programs, partial = n_tiles(n_rows, tiles), x2
-    else:
-        programs = backward_programs(n_rows, tiles, x.device)
-        partial = partials(programs, width, x.device, n_params)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
+    dweight = None if weight is None else buffers.empty_like(weight)
+    dbias = None if bias is None else buffers.empty_like(bias)
     _backward_kernel[(programs,)](
         dy2, x2, x2 if weight is None else weight, mean, rstd, dx, partial,
-        n_rows, width, stride_dy, stride_x,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        x2 if dweight is None else dweight, x2 if dbias is None else dbias, counter, n_rows, width, stride_dy, stride_x,
+        HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
+        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    if n_params == 0:
-        return dx, None, None, None
-    dweight, dbias = sum_partials(partial, weight, bias)
+    if n_params and not finish:
+        sum_partials(partial, dweight, dbias)
     return dx, dweight, dbias, None

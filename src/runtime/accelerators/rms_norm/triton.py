@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms_triton import backward_programs, n_tiles, partials, row_tiles, rows_of, sum_partials
+from ..norms_triton import (
+    add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
+)
 from ..triton_launch import direct_launch
 
 
@@ -41,8 +43,8 @@ def _forward_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, N, stride_dy, stride_x,
-    HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, dw_ptr, counter_ptr, n_rows, N, stride_dy, stride_x,
+    HAS_W: tl.constexpr, FINISH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -65,7 +67,9 @@ def _backward_kernel(
         if HAS_W:
             dw += dy * xhat
     if HAS_W:
-        tl.store(dw_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+        tl.store(part_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+        if FINISH:
+            add_partials_if_last(part_ptr, dw_ptr, dw_ptr, counter_ptr, N, True, False, BLOCK_N, ROWS)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
@@ -95,14 +99,14 @@ def backward(dy, x, weight, eps, y, rstd):
     width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
-    if weight is None:
-        programs, dw_partial = n_tiles(n_rows, tiles), x2
-    else:
-        programs = backward_programs(n_rows, tiles, x.device)
-        dw_partial = partials(programs, width, x.device)
+    n_params = int(weight is not None)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
+    dweight = None if weight is None else buffers.empty_like(weight)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, rstd, dx, dw_partial, n_rows, width, stride_dy, stride_x,
-        HAS_W=weight is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        dy2, x2, x2 if weight is None else weight, rstd, dx, partial, x2 if dweight is None else dweight, counter,
+        n_rows, width, stride_dy, stride_x,
+        HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    dweight = None if weight is None else sum_partials(dw_partial, weight)[0]
+    if n_params and not finish:
+        sum_partials(partial, dweight)
     return dx, dweight, None
