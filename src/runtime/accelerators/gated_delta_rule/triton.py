@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import triton_interpret
 from . import varlen
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
@@ -53,10 +54,34 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _half_dots(q: torch.Tensor) -> int:
+    """How the state walk and the output take their products (_storage_dot's HALF): for half inputs, whose w, u,
+    states and corrections are stored in bf16 anyway (see storage_dtype), on bf16 operands with fp32 accumulation,
+    as fla does (1; 2 under the interpreter, whose bf16 dots are wrong: the same operands in an fp32 dot); fp32
+    inputs on fp32 operands (0)."""
+    if q.dtype == torch.float32:
+        return 0
+    return 2 if triton_interpret() else 1
+
+
+@triton.jit
+def _storage_dot(a, b, PRECISION: tl.constexpr, HALF: tl.constexpr):
+    """a @ b in fp32. HALF 1: on bf16 operands (tensor cores at twice the tf32 rate, half the registers); 2: the
+    operands rounded to bf16, in an exact fp32 dot (the interpreter's stand-in for 1); 0: fp32 operands at
+    PRECISION."""
+    if HALF == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif HALF == 2:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
 def storage_dtype(q: torch.Tensor) -> torch.dtype:
     """The dtype of the per-token factors w and u and of the stored states and corrections: bf16 for half inputs
-    (they are the kernels' largest traffic; all math stays fp32, and the recurrence itself keeps fp32 in
-    registers), fp32 for fp32 inputs (1e-4 bound)."""
+    (they are the kernels' largest traffic; the math stays fp32 but for the products of the state walk and the
+    output, on bf16 operands (_half_dots), and the recurrence itself keeps fp32 in registers), fp32 for fp32 inputs
+    (1e-4 bound)."""
     return torch.float32 if q.dtype == torch.float32 else torch.bfloat16
 
 
@@ -409,7 +434,7 @@ def _chunk_state_kernel(
     k, gamma_in, w_in, u_in, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
@@ -442,12 +467,15 @@ def _chunk_state_kernel(
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
         else:
             b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
-            corrections = b_u.to(tl.float32) - tl.dot(b_w, state, input_precision=PRECISION)
+            corrections = b_u.to(tl.float32) - _storage_dot(b_w, state, PRECISION, HALF)
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
                 tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
         k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
-        state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
+        if TRANSITION:
+            state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
+        else:
+            state = state * tl.exp(last) + _storage_dot(tl.trans(k_to_end), corrections, PRECISION, HALF)
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
 
@@ -457,7 +485,7 @@ def _chunk_state_kernel(
 def _chunk_output_kernel(
     q, k, gamma_in, states, corrections, o, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j <= t} U) of one chunk, from its stored S and U."""
     i_t, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -474,9 +502,9 @@ def _chunk_output_kernel(
     b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
     # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
     decay = tl.exp(tl.where((r[:, None] >= r[None, :]) & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
-    attention = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
-    b_o = tl.dot(b_q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
-    b_o += tl.dot(attention, b_corrections, input_precision=PRECISION)
+    attention = _storage_dot(b_q, tl.trans(b_k), PRECISION, HALF) * decay
+    b_o = _storage_dot(b_q * tl.exp(gamma)[:, None], state, PRECISION, HALF)
+    b_o += _storage_dot(attention, b_corrections, PRECISION, HALF)
     tl.store(o + tokens, (b_o * scale).to(o.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -580,7 +608,7 @@ def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=No
         k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
-        TRANSITION=transition, num_warps=4, num_stages=_state_stages(k, K),
+        TRANSITION=transition, HALF=0 if transition else _half_dots(k), num_warps=4, num_stages=_state_stages(k, K),
     )  # fmt: skip
 
 
@@ -593,7 +621,8 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     if chunks.total > 0:
         _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), **options,
+            H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
+            HALF=_half_dots(q), **options,
         )  # fmt: skip
     return o
 
