@@ -120,7 +120,12 @@ def test_forward_without_autograd_matches_the_differentiable_forward(op, shape, 
 def _count_sum_partials_launches(monkeypatch) -> list:
     kernel = norms_triton._sum_partials_kernel
     launches, interpret = [], kernel._interpret
-    monkeypatch.setattr(kernel, "_interpret", lambda grid, *args, **kw: launches.append(grid) or interpret(grid, *args, **kw))
+
+    def counted(grid, *args, **constexprs):
+        launches.append(grid)
+        return interpret(grid, *args, **constexprs)
+
+    monkeypatch.setattr(kernel, "_interpret", counted)
     return launches
 
 

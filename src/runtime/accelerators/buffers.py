@@ -16,17 +16,21 @@ _poison = False
 
 
 def _fill(tensor: torch.Tensor) -> torch.Tensor:
-    if _poison:
-        tensor.fill_(float("nan") if tensor.is_floating_point() else torch.iinfo(tensor.dtype).min)
+    tensor.fill_(float("nan") if tensor.is_floating_point() else torch.iinfo(tensor.dtype).min)
     return tensor
 
 
+# Both run on every kernel call: the fill is looked up only when poisoning, and the shape goes by keyword (torch's
+# argument parser takes `size=` about 0.5 us faster than a positional tuple).
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _fill(torch.empty(shape, dtype=dtype, device=device))
+    """shape: a tuple, list or torch.Size."""
+    tensor = torch.empty(size=shape, dtype=dtype, device=device)
+    return _fill(tensor) if _poison else tensor
 
 
 def empty_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _fill(torch.empty_like(tensor, dtype=dtype, memory_format=torch.contiguous_format))
+    out = torch.empty_like(tensor, dtype=dtype, memory_format=torch.contiguous_format)
+    return _fill(out) if _poison else out
 
 
 @contextlib.contextmanager

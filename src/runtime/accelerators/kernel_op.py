@@ -13,6 +13,10 @@ and may expose a third:
         the op's outputs alone, as forward computes them: what an eager call with nothing to
         differentiate runs, so that it allocates and writes nothing for a backward that will not come
 
+A backward that never reads the op's outputs (results[:n_outputs]) says so with backward_reads_outputs=False:
+eager calls then do not save them (an output kept for backward costs more to save and unpack than an input) and
+pass None in their place.
+
 Eager calls run them through one autograd.Function: no dispatcher in between. Under
 torch.compile the same functions run as the custom ops `taac::<op>_forward` and
 `taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
@@ -21,6 +25,7 @@ so graphs hold one node per kernel launch. Backward always runs on the forward's
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -39,20 +44,36 @@ class KernelOp:
     entry:         for a folder holding several ops (mhc: pre and post): the kernel modules' functions
                    are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
                    `taac::<op>_<entry>_*`
+    backward_reads_outputs: False when no backend's backward reads the op's outputs (see the module docstring)
     """
 
     def __init__(
-        self, op: str, args_schema: str, n_outputs: int, n_saved: int, fake_forward: Callable, entry: str | None = None
+        self,
+        op: str,
+        args_schema: str,
+        n_outputs: int,
+        n_saved: int,
+        fake_forward: Callable,
+        entry: str | None = None,
+        backward_reads_outputs: bool = True,
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
         self.forward_name, self.backward_name, self.infer_name = f"{prefix}forward", f"{prefix}backward", f"{prefix}infer"
         self.n_outputs = n_outputs
+        self.backward_reads_outputs = backward_reads_outputs
+        self.unsaved_outputs = () if backward_reads_outputs else (None,) * n_outputs
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
         kinds = [argument.split()[0].startswith("Tensor") for argument in args_schema.split(",")]
         self.tensor_slots = tuple(i for i, is_tensor in enumerate(kinds) if is_tensor)
         self.value_slots = tuple(i for i, is_tensor in enumerate(kinds) if not is_tensor)
         self.n_args = len(kinds)
+        self.n_tensors = len(self.tensor_slots)
+        # tuple pickers (C-level, no Python loop per call): the tensor arguments, the plain values, and the
+        # arguments in schema order from (tensor arguments + plain values); None where that is the order already
+        self.tensors_of, self.values_of = _picker(self.tensor_slots), _picker(self.value_slots)
+        order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
+        self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
         self._modules: dict = {}
         name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
@@ -80,10 +101,14 @@ class KernelOp:
         """Run the op on `backend` ("triton" or "tilelang"), differentiably."""
         if torch.compiler.is_compiling():
             results = self._forward_op(backend, *args)
-        elif self._needs_grad(args):
-            results = self._apply_eagerly(backend, args)
-        else:  # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the module can
-            functions = self.kernels(backend).__dict__
+        else:
+            if torch.is_grad_enabled():
+                for i in self.tensor_slots:
+                    arg = args[i]
+                    if arg is not None and arg.requires_grad:
+                        return self._apply_eagerly(backend, args)
+            # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the module can
+            functions = (self._modules.get(backend) or self.kernels(backend)).__dict__
             results = functions.get(self.infer_name, functions[self.forward_name])(*args)
         if not isinstance(results, tuple):
             return results
@@ -92,7 +117,7 @@ class KernelOp:
     def _apply_eagerly(self, backend: str, args):
         """_EagerFunction.apply without its Python layer, about 2 us per call: that layer binds default arguments
         (forward has none) and unwraps dead functorch wrappers, done here for the tensor arguments. Under functorch
-        transforms the full apply runs."""
+        transforms the full apply runs. Returns what the op returns."""
         if torch._C._are_functorch_transforms_active():
             return _EagerFunction.apply(self, backend, *args)
         args = list(args)
@@ -108,31 +133,22 @@ class KernelOp:
             module = self._modules[backend] = load_kernels(self.op, backend)
         return module
 
-    def _needs_grad(self, args) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        for i in self.tensor_slots:
-            if args[i] is not None and args[i].requires_grad:
-                return True
-        return False
-
     def _save(self, ctx, inputs, output) -> None:
         """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
         backend, *args = inputs
         ctx.backend = backend
-        ctx.values = [args[i] for i in self.value_slots]
-        ctx.save_for_backward(*[args[i] for i in self.tensor_slots], *_as_tuple(output))
+        ctx.values = self.values_of(args)
+        ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output))
 
-    def _saved(self, ctx) -> tuple[list, tuple]:
+    def _saved(self, ctx) -> tuple[tuple, tuple]:
         """(the forward's arguments, its results) from ctx."""
         saved = ctx.saved_tensors
-        n_tensors = len(self.tensor_slots)
-        args = [None] * self.n_args
-        for i, tensor in zip(self.tensor_slots, saved[:n_tensors]):
-            args[i] = tensor
-        for i, value in zip(self.value_slots, ctx.values):
-            args[i] = value
-        return args, saved[n_tensors:]
+        return self.arguments(saved[: self.n_tensors], ctx.values), saved[self.n_tensors :]
+
+    def arguments(self, tensors: tuple, values: tuple) -> tuple:
+        """The forward's arguments in schema order, from its tensor arguments and its plain values."""
+        merged = tensors + values
+        return merged if self.in_schema_order is None else self.in_schema_order(merged)
 
     def _compiled_backward(self, ctx, *grads):
         args, results = self._saved(ctx)
@@ -144,20 +160,25 @@ class KernelOp:
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel_op: KernelOp, backend: str, *args):
-        results = kernel_op.kernels(backend).__dict__[kernel_op.forward_name](*args)
+        module = kernel_op._modules.get(backend) or kernel_op.kernels(backend)
+        results = module.__dict__[kernel_op.forward_name](*args)
         if not isinstance(results, tuple):
             results = (results,)
-        ctx.kernel_op, ctx.backend = kernel_op, backend
-        ctx.values = [args[i] for i in kernel_op.value_slots]
-        ctx.save_for_backward(*[args[i] for i in kernel_op.tensor_slots], *results)
-        return results[0] if kernel_op.n_outputs == 1 else results[: kernel_op.n_outputs]
+        n_outputs = kernel_op.n_outputs
+        ctx.kernel_op, ctx.module, ctx.values = kernel_op, module, kernel_op.values_of(args)
+        saved_results = results if kernel_op.backward_reads_outputs else results[n_outputs:]
+        ctx.save_for_backward(*kernel_op.tensors_of(args), *saved_results)
+        return results[0] if n_outputs == 1 else results[:n_outputs]
 
     @staticmethod
     def backward(ctx, *grads):
+        # grads are never None here: autograd materialises missing output gradients as zeros (materialize_grads)
         kernel_op = ctx.kernel_op
-        args, results = kernel_op._saved(ctx)
-        grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads, results)]
-        grads_in = kernel_op.kernels(ctx.backend).__dict__[kernel_op.backward_name](*grad_outputs, *args, *results)
+        saved = ctx.saved_tensors
+        n_tensors = kernel_op.n_tensors
+        args = kernel_op.arguments(saved[:n_tensors], ctx.values)
+        backward = ctx.module.__dict__[kernel_op.backward_name]
+        grads_in = backward(*grads, *args, *kernel_op.unsaved_outputs, *saved[n_tensors:])
         return (None, None, *grads_in)
 
 
@@ -165,6 +186,13 @@ _apply_eager_function = super(torch.autograd.Function, _EagerFunction).apply  # 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 # helpers -------------------------------------------------------------------------------
+
+
+def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """items -> tuple(items[i] for i in indices), without a Python frame where there are two or more."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    return (lambda items: (items[indices[0]],)) if indices else (lambda items: ())
 
 
 def _as_tuple(results) -> tuple:

@@ -87,6 +87,8 @@ def unit_gradient_buffer(logits: torch.Tensor, grad_in_forward: bool) -> torch.T
 
 def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """dlogits = grad * unit (fp32 math) in the logits' dtype: the backward of a forward that ran with grad_in_forward."""
+    if logits.dtype == grad.dtype == torch.float32:  # the product has the logits' dtype: one ATen op, not two
+        return torch.mul(unit, grad)
     return torch.mul(unit, grad, out=buffers.empty_like(logits))
 
 
@@ -98,6 +100,10 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
             f"targets: expected the shape of logits {tuple(logits.shape)}, got {tuple(targets.shape)}"
         )
     check_same_device("targets", targets, "logits", logits)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    if weight is None and pos_weight is None:
+        return
     for name, operand in (("weight", weight), ("pos_weight", pos_weight)):
         if operand is None:
             continue
@@ -112,8 +118,6 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
                 f"{name}: expected a shape broadcastable to the logits' shape {tuple(logits.shape)}, "
                 f"got {tuple(operand.shape)}"
             )
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
 
 
 def check_target_range(targets: torch.Tensor) -> None:
@@ -170,8 +174,9 @@ def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, 
 #                 infer(same arguments) -> loss
 #                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss,
 #                          unit) -> (dlogits, dtargets or None, None, None, None, None, None)
-# weight / pos_weight arrive prepared by kernel_operand; targets_grad says whether to write dtargets;
-# grad_in_forward (never with targets_grad) that the forward writes the unit gradient (GRAD_IN_FORWARD_MAX_NUMEL).
+# (loss is None in eager calls: unread). weight / pos_weight arrive prepared by kernel_operand; targets_grad says
+# whether to write dtargets; grad_in_forward (never with targets_grad) that the forward writes the unit gradient
+# (GRAD_IN_FORWARD_MAX_NUMEL).
 KERNEL = KernelOp(
     "bce",
     "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad, "
@@ -179,6 +184,7 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
+    backward_reads_outputs=False,
 )
 
 
@@ -204,18 +210,12 @@ def binary_cross_entropy_with_logits(
     chosen = select_backend(
         SPEC, backend, logits.device, key, logits=logits, targets=targets, weight=weight, pos_weight=pos_weight
     )
-    if chosen == "torch" or logits.numel() == 0:
+    n = logits.numel()
+    if chosen == "torch" or n == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)
-    shape = logits.shape
-    targets_grad = _needs_grad(targets)
-    grad_in_forward = not targets_grad and logits.numel() <= GRAD_IN_FORWARD_MAX_NUMEL and _needs_grad(logits)
-    return KERNEL(
-        chosen,
-        logits,
-        targets,
-        kernel_operand(weight, shape),
-        kernel_operand(pos_weight, shape),
-        reduction,
-        targets_grad,
-        grad_in_forward,
-    )
+    if weight is not None or pos_weight is not None:
+        weight, pos_weight = kernel_operand(weight, logits.shape), kernel_operand(pos_weight, logits.shape)
+    grad_enabled = torch.is_grad_enabled()
+    targets_grad = grad_enabled and targets.requires_grad
+    grad_in_forward = grad_enabled and logits.requires_grad and not targets_grad and n <= GRAD_IN_FORWARD_MAX_NUMEL
+    return KERNEL(chosen, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)

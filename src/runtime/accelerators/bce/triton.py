@@ -21,7 +21,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from . import is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
+from . import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
 
@@ -266,6 +266,8 @@ def _backward_kernel(
 def _operands(logits, weight, pos_weight):
     """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight (contiguous already:
     see kernel_operand)."""
+    if weight is None and pos_weight is None:
+        return (logits, logits), (1, 1, 1, 1), (ABSENT, ABSENT)
     w_mode, w_inner, w_count = operand_mode(weight, logits.shape)
     pw_mode, pw_inner, pw_count = operand_mode(pos_weight, logits.shape)
     w = weight if weight is not None else logits

@@ -17,8 +17,10 @@ def _fake_forward(x, eps):
 
 
 # kernel modules: forward(x, eps) -> (y, rstd[rows] fp32)
-#                 backward(dy, x, eps, y, rstd) -> (dx, None)
-KERNEL = KernelOp("l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward)
+#                 backward(dy, x, eps, y, rstd) -> (dx, None); y is None in eager calls (unread)
+KERNEL = KernelOp(
+    "l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward, backward_reads_outputs=False
+)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:

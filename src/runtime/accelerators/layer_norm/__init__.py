@@ -18,9 +18,11 @@ def _fake_forward(x, weight, bias, eps):
 
 
 # kernel modules: forward(x, weight, bias, eps) -> (y, mean[rows] fp32, rstd[rows] fp32)
-#                 backward(dy, x, weight, bias, eps, y, mean, rstd) -> (dx, dweight, dbias, None)
+#                 backward(dy, x, weight, bias, eps, y, mean, rstd) -> (dx, dweight, dbias, None); y is None in eager
+#                 calls (unread)
 KERNEL = KernelOp(
-    "layer_norm", "Tensor x, Tensor? weight, Tensor? bias, float eps", n_outputs=1, n_saved=2, fake_forward=_fake_forward
+    "layer_norm", "Tensor x, Tensor? weight, Tensor? bias, float eps", n_outputs=1, n_saved=2, fake_forward=_fake_forward,
+    backward_reads_outputs=False,
 )
 
 
