@@ -27,14 +27,17 @@ from runtime.accelerators.testing import RTOL, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
 SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
-KERNELS = ("grad_qk", "grad_state", "local", "wy", "output")  # and step 5's, by variant:
+KERNELS = ("grad_qk", "grad_state", "local", "wy", "walk", "output")  # and step 5's, by variant:
 GRAD_WY_KERNELS = {"single": ("grad_wy",), "fused": ("grad_wy_fused",)}
 LAUNCHES = {  # launch options per K (the kernel's other options at their defaults)
     16: [dict(num_warps=w, num_stages=s) for w, s in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]],
     128: [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (8, 3)]],
 }
-EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants
+EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants, the V blocks of the
+    # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
+    ("walk", 128): [dict(BV=64), dict(BV=64, num_warps=8), dict(BV=16)],
+    ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
 
 

@@ -54,25 +54,27 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _half_dots(q: torch.Tensor) -> int:
-    """How the state walk and the output take their products (_storage_dot's HALF): for half inputs, whose w, u,
-    states and corrections are stored in bf16 anyway (see storage_dtype), on bf16 operands with fp32 accumulation,
-    as fla does (1; 2 under the interpreter, whose bf16 dots are wrong: the same operands in an fp32 dot); fp32
-    inputs on fp32 operands (0)."""
-    if q.dtype == torch.float32:
-        return 0
-    return 2 if triton_interpret() else 1
+def _half_dots(q: torch.Tensor) -> bool:
+    """Whether the state walk and the output take their products on bf16 operands with fp32 accumulation, as fla
+    does (_storage_dot's HALF): for half inputs, whose w, u, states and corrections are stored in bf16 anyway (see
+    storage_dtype)."""
+    return q.dtype != torch.float32
+
+
+# The interpreter's bf16 dots are wrong: under it, HALF takes the same bf16-rounded operands in an exact fp32 dot.
+# Read at import, so that the sm_90 compile tier (a process without TRITON_INTERPRET) builds the GPU's path.
+_EMULATE_HALF_DOTS = tl.constexpr(triton_interpret())
 
 
 @triton.jit
 def _storage_dot(a, b, PRECISION: tl.constexpr, HALF: tl.constexpr):
-    """a @ b in fp32. HALF 1: on bf16 operands (tensor cores at twice the tf32 rate, half the registers); 2: the
-    operands rounded to bf16, in an exact fp32 dot (the interpreter's stand-in for 1); 0: fp32 operands at
-    PRECISION."""
-    if HALF == 1:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif HALF == 2:
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    """a @ b in fp32: with HALF on bf16 operands (tensor cores at twice the tf32 rate, half the registers), else on
+    fp32 operands at PRECISION."""
+    if HALF:
+        if _EMULATE_HALF_DOTS:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
@@ -587,8 +589,8 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
 
 
 # (kernel, K) -> launch options (num_warps, num_stages, BV) replacing a launcher's defaults; scripts/gdr_sweep.py
-# sets entries to compare launches on a GPU. Kernels: "wy" (prepare), "output", "local", "grad_state", "grad_qk",
-# "grad_wy" (backward).
+# sets entries to compare launches on a GPU. Kernels: "wy" (prepare), "walk" (the state walk, not the transition
+# walk), "output", "local", "grad_state", "grad_qk", "grad_wy" (backward).
 LAUNCH_OVERRIDES: dict[tuple[str, int], dict] = {}
 
 
@@ -603,12 +605,14 @@ def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=No
     B, T, H, K = k.shape
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
-    BV = _state_block(K, V)
-    _chunk_state_kernel[(chunks.n * HV, cdiv(V, BV))](
+    options = dict(BV=_state_block(K, V), num_warps=4, num_stages=_state_stages(k, K))
+    if not transition:
+        options = launch_options("walk", K, **options)
+    _chunk_state_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
-        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+        H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
-        TRANSITION=transition, HALF=0 if transition else _half_dots(k), num_warps=4, num_stages=_state_stages(k, K),
+        TRANSITION=transition, HALF=_half_dots(k) and not transition, **options,
     )  # fmt: skip
 
 
@@ -617,7 +621,9 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     B, T, H, K = q.shape
     HV, V = v_shape[2], v_shape[3]
     o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
-    options = launch_options("output", K, BV=min(V, 64), num_warps=4)
+    # with bf16 products the whole value width fits one program (Q K^T once per chunk): 3.642 -> 3.560 ms forward +
+    # backward at B4-T4096-H16-D128 (H100, scripts/gdr_sweep.py large output, session 16)
+    options = launch_options("output", K, BV=min(V, 128 if _half_dots(q) else 64), num_warps=4)
     if chunks.total > 0:
         _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
