@@ -12,8 +12,8 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
-    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dots, _load_qk,
-    _precision, _qk_rows, _state_buffer, _storage_dot, launch_options, walk_states,
+    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
+    _qk_rows, _state_buffer, launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -123,11 +123,10 @@ def _state_grad_kernel(
     q, k, q_factor, k_factor, gamma_in, w_in, do, du, dstates, dht, dh0, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr, HALF: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
 ):  # fmt: skip
     """The reverse walk over a sequence's chunks: dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU
-    (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). HALF: the products on
-    bf16 operands, as the forward walk's (_storage_dot); dS stays fp32 in registers."""
+    (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS')."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -153,14 +152,14 @@ def _state_grad_kernel(
         decay_last = tl.exp(tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv))
         k_scaled = _load_scaled(k, k_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # K~
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-        b_du += _storage_dot(k_scaled, dstate, PRECISION, HALF)
+        b_du = tl.dot(k_scaled, dstate, b_du, input_precision=PRECISION)
         if STORE_GRADS:
             tl.store(du + tokens, b_du, mask=row_mask[:, None])
         q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dstate = dstate * decay_last + _storage_dot(tl.trans(q_scaled), b_do, PRECISION, HALF)
-        dstate -= _storage_dot(tl.trans(b_w), b_du, PRECISION, HALF)
+        dstate = tl.dot(tl.trans(q_scaled), b_do, dstate * decay_last, input_precision=PRECISION)
+        dstate = tl.dot(tl.trans(b_w), -b_du, dstate, input_precision=PRECISION)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
 
@@ -204,7 +203,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
-        HALF=_half_dots(q), num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -214,7 +213,7 @@ def _chunk_grad_state_kernel(
     states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
     cu_seqlens, chunk_indices, T, N_CHUNKS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -233,9 +232,9 @@ def _chunk_grad_state_kernel(
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dq_state += _storage_dot(b_do, tl.trans(b_s), PRECISION, HALF)
-        dk_state += _storage_dot(b_corrections, tl.trans(b_ds), PRECISION, HALF)
-        dw -= _storage_dot(b_du, tl.trans(b_s), PRECISION, HALF)
+        dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
+        dk_state += tl.dot(b_corrections, tl.trans(b_ds), input_precision=PRECISION)
+        dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
         d_last += tl.sum(b_s * b_ds, 1)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
     tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
@@ -649,8 +648,7 @@ def chunk_backward(
     if chunks.total > 0:
         _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
             states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, HALF=_half_dots(q),
-            **_grad_state_launch(K, V),
+            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, **_grad_state_launch(K, V),
         )  # fmt: skip
         shared = dict(H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision)
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
