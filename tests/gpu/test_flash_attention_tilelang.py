@@ -87,9 +87,8 @@ FUSED_SPECS = sorted(
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_in_parallel():
-    split = [(fa.forward_entry(*spec), fa.preprocess_entry(*spec[:2]), fa.backward_entry(*spec)) for spec in SPECS]
-    fused = [(fa.forward_entry(*spec), fa.fused_backward_entry(*spec)) for spec in FUSED_SPECS]
-    precompile([entry for entries in split + fused for entry in entries], torch.device(CUDA))
+    entries = [e for spec in SPECS + FUSED_SPECS for e in fa.entries(*spec)]
+    precompile(entries + [fa.fused_backward_entry(*spec) for spec in FUSED_SPECS], torch.device(CUDA))
 
 
 def _id(case):
