@@ -169,7 +169,7 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
     """
     if torch.compiler.is_compiling():
         return _decide_while_compiling(spec.name, backend, device, key, _describe(inputs))
-    config = _config.active_config()
+    config = _config._stack[-1]  # _config.active_config(), inline (this runs on every call of every op)
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, device, key)
     decided = _decisions.get(cache_key)

@@ -12,7 +12,7 @@ def check_tensor(name: str, value, *, floating: bool = True, min_dim: int = 0) -
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if floating and not value.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor (float32, bfloat16 or float16), got {value.dtype}")
-    if value.dim() < min_dim:
+    if min_dim and value.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
 
 

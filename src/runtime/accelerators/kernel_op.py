@@ -106,7 +106,7 @@ class KernelOp:
                 for i in self.tensor_slots:
                     arg = args[i]
                     if arg is not None and arg.requires_grad:
-                        return self._apply_eagerly(backend, args)
+                        return self._apply_eagerly(backend, args)  # what the op returns
             # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the module can
             functions = (self._modules.get(backend) or self.kernels(backend)).__dict__
             results = functions.get(self.infer_name, functions[self.forward_name])(*args)
@@ -176,7 +176,9 @@ class _EagerFunction(torch.autograd.Function):
         kernel_op = ctx.kernel_op
         saved = ctx.saved_tensors
         n_tensors = kernel_op.n_tensors
-        args = kernel_op.arguments(saved[:n_tensors], ctx.values)
+        args = saved[:n_tensors] + ctx.values  # as kernel_op.arguments, inline
+        if kernel_op.in_schema_order is not None:
+            args = kernel_op.in_schema_order(args)
         backward = ctx.module.__dict__[kernel_op.backward_name]
         grads_in = backward(*grads, *args, *kernel_op.unsaved_outputs, *saved[n_tensors:])
         return (None, None, *grads_in)

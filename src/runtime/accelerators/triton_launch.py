@@ -11,7 +11,9 @@ The signature (`_arg_key`) holds everything Triton specialises a compiled kernel
 constexprs and launch options as passed, the current device, and per argument its dtype and 16-byte
 alignment (tensors), its integer width class, divisibility by 16 and == 1 (ints), or its type. Two
 calls with the same signature therefore get the same compiled kernel from Triton; a finer key only
-costs an extra first call. Under TRITON_INTERPRET=1 (the CPU tier) every call goes through Triton.
+costs an extra first call. The key is one flat tuple of scalars (hashing and comparing nested tuples
+was a good part of a launch's host time). Under TRITON_INTERPRET=1 (the CPU tier) every call goes
+through Triton.
 """
 
 from __future__ import annotations
@@ -34,29 +36,37 @@ def _is_constexpr(parameter: inspect.Parameter) -> bool:
 
 
 def _arg_key(arg):
+    """One hashable value per argument: a tensor's dtype (paired with False when its data is not 16-byte aligned),
+    an int's flags as bits (== 1, divisible by 16, 32-bit, unsigned 64-bit), else the argument's type."""
     if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
+        return arg.dtype if arg.data_ptr() % 16 == 0 else (arg.dtype, False)
     if isinstance(arg, bool) or not isinstance(arg, int):
         return type(arg)
-    return int, arg == 1, arg % 16 == 0, arg in _INT32, arg >= _U64
+    return (arg == 1) | (arg % 16 == 0) << 1 | (arg in _INT32) << 2 | (arg >= _U64) << 3
 
 
 def _signature(args: tuple) -> list:
-    """[_arg_key(a) for a in args], with plain tensors and ints keyed inline: this runs on every launch, and a
-    function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
+    """[_arg_key(a) for a in args], with plain tensors, ints and floats keyed inline: this runs on every launch, and
+    a function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
     both agree)."""
     return [
-        (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor
-        else (int, a == 1, a % 16 == 0, a in _INT32, a >= _U64) if type(a) is int
+        (a.dtype if a.data_ptr() % 16 == 0 else (a.dtype, False)) if type(a) is _Tensor
+        else (a == 1) | (a % 16 == 0) << 1 | (a in _INT32) << 2 | (a >= _U64) << 3 if type(a) is int
+        else float if type(a) is float
         else _arg_key(a)
         for a in args
     ]  # fmt: skip
 
 
-def _installed(hook):
-    """The hook, or None when there is none: Triton 3.6 keeps an empty HookChain until a profiler adds a hook, and
-    the launcher calls whatever it is given around every launch."""
-    return hook if hook is not None and getattr(hook, "calls", True) else None
+def _launch_hooks() -> tuple:
+    """(enter, exit) launch hooks, None where there is none: Triton 3.6 keeps empty HookChains until a profiler
+    adds a hook, and the launcher calls whatever it is given around every launch."""
+    hooks = triton.knobs.runtime
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return (
+        enter if enter is not None and getattr(enter, "calls", True) else None,
+        leave if leave is not None and getattr(leave, "calls", True) else None,
+    )
 
 
 @functools.cache
@@ -84,7 +94,8 @@ class DirectLaunch:
     def _launch(self, grid, *args, **constexprs):
         current_device, current_stream = _driver()
         device = current_device()
-        key = (device, tuple(constexprs.items()), *_signature(args))
+        # the number of constexprs first: the names, values and argument keys that follow split one way only
+        key = (device, len(constexprs), *constexprs, *constexprs.values(), *_signature(args))
         found = self._compiled.get(key)
         if found is None:
             tail = self._tail(len(args), constexprs)
@@ -94,8 +105,7 @@ class DirectLaunch:
         compiled, tail = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         stream = current_stream(device)
-        hooks = triton.knobs.runtime
-        enter, leave = _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook)
+        enter, leave = _launch_hooks()
         metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args, *tail)
         compiled.run(
             grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args, *tail
