@@ -402,9 +402,24 @@ def _dkdv_block(
     rows = start_m + offs_m
     q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
+    delta = tl.load(delta_ptr + rows, mask=rows < LQ, other=0.0)
+    dv, ds_t = _dv_and_ds_t(
+        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
+        MASK, CAUSAL, DROPOUT, DOT_PRECISION,
+    )
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dv_and_ds_t(
+    dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """For a key block and the query rows `rows`, in transposed form ([keys, queries]): dv plus P^T dO (P after
+    dropout), and dS^T = P^T * (dP^T - delta) in fp32."""
     # rows past LQ load lse = +inf, so their probabilities are 0
     lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + rows, mask=rows < LQ, other=0.0)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK:
@@ -420,9 +435,7 @@ def _dkdv_block(
         dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
     else:
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+    return dv, p_t * (dp_t - delta[None, :])
 
 
 @direct_launch
@@ -599,25 +612,14 @@ def _fused_block(
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
-    # rows past LQ load lse = +inf, so their probabilities are 0
-    lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-    if MASK:
-        visible = offs_n[:, None] < kv_len
-        if CAUSAL:
-            visible = visible & (rows[None, :] >= offs_n[:, None])
-        p_t = tl.where(visible, p_t, 0.0)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        keep = _keep(seed, bh, rows[None, :], offs_n[:, None], dropout_p)
-        inv_keep = 1.0 / (1.0 - dropout_p)
-        dv = tl.dot(tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
-    else:
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dv, ds_t = _dv_and_ds_t(
+        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
+        MASK, CAUSAL, DROPOUT, DOT_PRECISION,
+    )
+    ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    # the transpose of a tile computed in registers as a dot operand: Triton 3.4-3.7 can miscompile that on Hopper
+    # (see gated_delta_rule/triton_backward.py); tests/gpu checks this dq at padded head dims 16, 32, 64 and 128
     dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
     dq_ptrs = dq_base + rows[:, None] * sdqm + offs_d[None, :]
     if DQ_ATOMIC:
