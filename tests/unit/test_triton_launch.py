@@ -35,6 +35,16 @@ def test_the_inline_signature_agrees_with_the_key_of_each_argument():
     assert _signature((1,)) != _signature((True,)) and _signature((16,)) != _signature((16.0,))
 
 
+def test_int_keys_are_remembered_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr(triton_launch, "_INT_KEYS", {})
+    monkeypatch.setattr(triton_launch, "_INT_KEYS_MAX", 4)
+    ints = (1, 17, 32, 2**31, 2**31 + 1, 2**63, -16)
+    first = _signature(ints)
+    assert len(triton_launch._INT_KEYS) == 4
+    assert _signature(ints) == first == [_arg_key(a) for a in ints]
+    assert first[2] == first[6] and len(set(first)) == len(first) - 1  # 32 and -16 alike, the others not
+
+
 class _Compiled:
     function, packed_metadata = "function", (4, 1, 0)
 

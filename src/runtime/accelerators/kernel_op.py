@@ -17,7 +17,8 @@ A backward that never reads the op's outputs (results[:n_outputs]) says so with 
 eager calls then do not save them (an output kept for backward costs more to save and unpack than an input) and
 pass None in their place.
 
-Eager calls run them through one autograd.Function: no dispatcher in between. Under
+Eager calls run them through an autograd.Function (one subclass per op and backend, holding both, so that
+neither passes through autograd as an argument): no dispatcher in between. Under
 torch.compile the same functions run as the custom ops `taac::<op>_forward` and
 `taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
 so graphs hold one node per kernel launch. Backward always runs on the forward's backend.
@@ -75,6 +76,7 @@ class KernelOp:
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
         self._modules: dict = {}
+        self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
         name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
@@ -115,16 +117,23 @@ class KernelOp:
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
 
     def _apply_eagerly(self, backend: str, args):
-        """_EagerFunction.apply without its Python layer, about 2 us per call: that layer binds default arguments
+        """Function.apply without its Python layer, about 2 us per call: that layer binds default arguments
         (forward has none) and unwraps dead functorch wrappers, done here for the tensor arguments. Under functorch
         transforms the full apply runs. Returns what the op returns."""
+        apply, function = self._eager.get(backend) or self._eager_function(backend)
         if torch._C._are_functorch_transforms_active():
-            return _EagerFunction.apply(self, backend, *args)
+            return function.apply(*args)
         args = list(args)
         for i in self.tensor_slots:
             if args[i] is not None:
                 args[i] = _unwrap_if_dead(args[i])
-        return _apply_eager_function(self, backend, *args)
+        return apply(*args)
+
+    def _eager_function(self, backend: str) -> tuple:
+        name, attributes = f"{self.op}_{self.forward_name}_{backend}", {"kernel_op": self, "module": self.kernels(backend)}
+        function = type(name, (_EagerFunction,), attributes)
+        found = self._eager[backend] = super(torch.autograd.Function, function).apply, function  # what apply ends in
+        return found
 
     def kernels(self, backend: str):
         """The backend's kernel module (imported on first use, then a dict lookup)."""
@@ -135,7 +144,7 @@ class KernelOp:
 
     def _save(self, ctx, inputs, output) -> None:
         """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
-        backend, *args = inputs
+        backend, args = inputs[0], inputs[1:]
         ctx.backend = backend
         ctx.values = self.values_of(args)
         ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output))
@@ -158,14 +167,20 @@ class KernelOp:
 
 
 class _EagerFunction(torch.autograd.Function):
+    """Subclassed per op and backend (KernelOp._eager_function), with these two class attributes."""
+
+    kernel_op: KernelOp
+    module: object  # the backend's kernel module
+
     @staticmethod
-    def forward(ctx, kernel_op: KernelOp, backend: str, *args):
-        module = kernel_op._modules.get(backend) or kernel_op.kernels(backend)
-        results = module.__dict__[kernel_op.forward_name](*args)
+    def forward(ctx, *args):
+        function = ctx._forward_cls
+        kernel_op = function.kernel_op
+        results = function.module.__dict__[kernel_op.forward_name](*args)
         if not isinstance(results, tuple):
             results = (results,)
         n_outputs = kernel_op.n_outputs
-        ctx.kernel_op, ctx.module, ctx.values = kernel_op, module, kernel_op.values_of(args)
+        ctx.values = kernel_op.values_of(args)
         saved_results = results if kernel_op.backward_reads_outputs else results[n_outputs:]
         ctx.save_for_backward(*kernel_op.tensors_of(args), *saved_results)
         return results[0] if n_outputs == 1 else results[:n_outputs]
@@ -173,28 +188,31 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         # grads are never None here: autograd materialises missing output gradients as zeros (materialize_grads)
-        kernel_op = ctx.kernel_op
+        function = ctx._forward_cls
+        kernel_op = function.kernel_op
         saved = ctx.saved_tensors
         n_tensors = kernel_op.n_tensors
         args = saved[:n_tensors] + ctx.values  # as kernel_op.arguments, inline
         if kernel_op.in_schema_order is not None:
             args = kernel_op.in_schema_order(args)
-        backward = ctx.module.__dict__[kernel_op.backward_name]
-        grads_in = backward(*grads, *args, *kernel_op.unsaved_outputs, *saved[n_tensors:])
-        return (None, None, *grads_in)
+        backward = function.module.__dict__[kernel_op.backward_name]
+        return tuple(backward(*grads, *args, *kernel_op.unsaved_outputs, *saved[n_tensors:]))  # a list would be 1
 
 
-_apply_eager_function = super(torch.autograd.Function, _EagerFunction).apply  # what Function.apply ends in
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 # helpers -------------------------------------------------------------------------------
 
 
 def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
-    """items -> tuple(items[i] for i in indices), without a Python frame where there are two or more."""
-    if len(indices) > 1:
-        return operator.itemgetter(*indices)
-    return (lambda items: (items[indices[0]],)) if indices else (lambda items: ())
+    """A tuple -> tuple(items[i] for i in indices), C-level (no Python frame): a slice where the indices follow one
+    another (none, one, or tensors then values as most schemas have them), else an itemgetter of two or more."""
+    if not indices:
+        return operator.itemgetter(slice(0, 0))
+    first, last = indices[0], indices[-1]
+    if indices == tuple(range(first, last + 1)):
+        return operator.itemgetter(slice(first, last + 1))
+    return operator.itemgetter(*indices)
 
 
 def _as_tuple(results) -> tuple:

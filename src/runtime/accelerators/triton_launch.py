@@ -37,21 +37,34 @@ def _is_constexpr(parameter: inspect.Parameter) -> bool:
 
 def _arg_key(arg):
     """One hashable value per argument: a tensor's dtype (paired with False when its data is not 16-byte aligned),
-    an int's flags as bits (== 1, divisible by 16, 32-bit, unsigned 64-bit), else the argument's type."""
+    an int's flags as bits (_int_key), else the argument's type."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype if arg.data_ptr() % 16 == 0 else (arg.dtype, False)
     if isinstance(arg, bool) or not isinstance(arg, int):
         return type(arg)
-    return (arg == 1) | (arg % 16 == 0) << 1 | (arg in _INT32) << 2 | (arg >= _U64) << 3
+    return _int_key(arg)
+
+
+_INT_KEYS: dict[int, int] = {}  # int argument -> _int_key: kernels see the same sizes and strides call after call
+_INT_KEYS_MAX = 1 << 16
+
+
+def _int_key(arg: int) -> int:
+    """An int's flags as bits: == 1, divisible by 16, 32-bit, unsigned 64-bit (working them out costs several times
+    the lookup in _INT_KEYS)."""
+    key = (arg == 1) | (arg % 16 == 0) << 1 | (arg in _INT32) << 2 | (arg >= _U64) << 3
+    if len(_INT_KEYS) < _INT_KEYS_MAX:
+        _INT_KEYS[arg] = key
+    return key
 
 
 def _signature(args: tuple) -> list:
     """[_arg_key(a) for a in args], with plain tensors, ints and floats keyed inline: this runs on every launch, and
     a function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
-    both agree)."""
+    both agree). An int whose key is 0 (falsy) has it worked out again: the same key."""
     return [
         (a.dtype if a.data_ptr() % 16 == 0 else (a.dtype, False)) if type(a) is _Tensor
-        else (a == 1) | (a % 16 == 0) << 1 | (a in _INT32) << 2 | (a >= _U64) << 3 if type(a) is int
+        else _INT_KEYS.get(a) or _int_key(a) if type(a) is int
         else float if type(a) is float
         else _arg_key(a)
         for a in args
@@ -71,8 +84,14 @@ def _launch_hooks() -> tuple:
 
 @functools.cache
 def _driver():
+    """(current device, current stream) getters. torch.cuda.current_device, Triton's, first checks CUDA's lazy
+    initialisation in two more Python frames per call: a launch reads the device of CUDA tensors, so CUDA is
+    initialised, and torch's C getter alone answers the same."""
     active = triton.runtime.driver.active
-    return active.get_current_device, active.get_current_stream
+    current_device = active.get_current_device
+    if current_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+        current_device = torch._C._cuda_getDevice
+    return current_device, active.get_current_stream
 
 
 class DirectLaunch:

@@ -93,6 +93,14 @@ def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, logits: torch.Te
 
 
 def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
+    # Every call: the common case (plain tensors, no weights), when valid, in one frame; any other input goes through
+    # the checks that name what is wrong.
+    if (
+        weight is None and pos_weight is None and type(logits) is torch.Tensor and type(targets) is torch.Tensor
+        and logits.is_floating_point() and targets.is_floating_point() and targets.shape == logits.shape
+        and targets.device == logits.device and reduction in REDUCTIONS
+    ):  # fmt: skip
+        return
     check_tensor("logits", logits)
     check_tensor("targets", targets)
     if targets.shape != logits.shape:
