@@ -97,7 +97,7 @@ def test_first_call_per_signature_goes_through_triton_then_launches_directly(dir
     # grid padded to 3-D, the current stream, no launch metadata without hooks, constexprs after the arguments
     (launch,) = kernel.compiled.launches
     assert launch[:9] == (7, 2, 1, 1234, "function", (4, 1, 0), None, None, None)  # no empty hook chains either
-    assert launch[9:] == (x, 200, 64, True)
+    assert launch[9] is x and launch[10:] == (200, 64, True)
 
 
 def test_a_new_signature_or_constexpr_goes_through_triton_again(direct):
@@ -109,6 +109,41 @@ def test_a_new_signature_or_constexpr_goes_through_triton_again(direct):
     launcher[(1,)](x, 100, BLOCK=64, FLAG=True, num_warps=8)
     launcher[(1,)](x, 1, BLOCK=64, FLAG=True)
     assert len(kernel.calls) == 5 and kernel.compiled.launches == []
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.6's launcher: a Python __call__ that adds four arguments and calls the C `launch`."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.launches, self.calls = [], 0
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
+        self.calls += 1
+        flags = self.launch_cooperative_grid, self.launch_pdl
+        self.launch(grid_x, grid_y, grid_z, stream, function, *flags, None, None, *args)
+
+
+@pytest.mark.parametrize("version, scratch", [("3.6.0", 0), ("3.6.0", 128), ("3.9.0", 0)])
+def test_triton_36_launcher_is_called_past_its_python_layer(direct, monkeypatch, version, scratch):
+    """Only Triton 3.6.0's CudaLauncher without scratch memory is skipped to its C launch, with the same arguments."""
+    kernel, launcher = direct
+    monkeypatch.setattr(triton_launch.triton, "__version__", version)
+    run = CudaLauncher()
+    run.global_scratch_size = scratch
+    monkeypatch.setattr(kernel.compiled, "run", run, raising=False)
+    x = torch.zeros(32)
+    for _ in range(2):
+        launcher[(3,)](x, 100, BLOCK=64, FLAG=False)
+    (launch,) = run.launches
+    assert launch[:9] == (3, 1, 1, 1234, "function", False, True, None, None)  # the flags, no scratch memory
+    assert launch[9:13] == ((4, 1, 0), None, None, None) and launch[13] is x and launch[14:] == (100, 64, False)
+    assert run.calls == (0 if (version, scratch) == ("3.6.0", 0) else 1)
 
 
 def test_launch_hooks_get_their_metadata(direct, monkeypatch):

@@ -82,6 +82,21 @@ def _launch_hooks() -> tuple:
     )
 
 
+def _launcher(compiled) -> tuple:
+    """(launch, extra): launch(grid_x, grid_y, grid_z, stream, function, *extra, packed metadata, launch metadata,
+    enter hook, exit hook, *arguments, *constexprs) runs `compiled`. That is compiled.run (a property in Triton 3.6:
+    read here once), or, for Triton 3.6.0's CudaLauncher (the GPU machine's) when it has no scratch memory to
+    allocate, the launch function it calls, given the four arguments its Python __call__ adds (three frames and a
+    closure per launch). Other versions change that __call__, so they keep compiled.run."""
+    run = compiled.run
+    if (
+        triton.__version__ == "3.6.0" and type(run).__name__ == "CudaLauncher"
+        and not run.global_scratch_size and not run.profile_scratch_size
+    ):  # fmt: skip
+        return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    return run, ()
+
+
 @functools.cache
 def _driver():
     """(current device, current stream) getters. torch.cuda.current_device, Triton's, first checks CUDA's lazy
@@ -119,16 +134,17 @@ class DirectLaunch:
         if found is None:
             tail = self._tail(len(args), constexprs)
             compiled = self.kernel[grid](*args, **constexprs)
-            self._compiled[key] = (compiled, tail)
+            self._compiled[key] = (compiled, tail, *_launcher(compiled))
             return compiled
-        compiled, tail = found
+        compiled, tail, launch, extra = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         stream = current_stream(device)
         enter, leave = _launch_hooks()
         metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args, *tail)
-        compiled.run(
-            grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args, *tail
-        )
+        launch(
+            grid_x, grid_y, grid_z, stream, compiled.function, *extra, compiled.packed_metadata, metadata, enter, leave,
+            *args, *tail,
+        )  # fmt: skip
         return compiled
 
     def _tail(self, n_positional: int, constexprs: dict) -> tuple:
