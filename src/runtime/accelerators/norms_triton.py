@@ -115,19 +115,23 @@ def backward_scratch(device: torch.device, n_partials: int) -> tuple[torch.Tenso
     graph), so that no two graphs, replayed on any streams, and no eager launch ever share one."""
     if device.type != "cuda":  # the interpreter: one pair per thread
         key = device, threading.get_ident()
-    elif torch.cuda.is_current_stream_capturing():
-        return _new_counter(device), torch.empty(n_partials, dtype=torch.float32, device=device)
+    elif torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda.is_current_stream_capturing(), one frame less
+        return _new_counter(device), _new_partials(n_partials, device)
     else:
         key = device, torch._C._cuda_getCurrentRawStream(device.index)
     found = _scratch.get(key)
-    if found is None or found[1].numel() < n_partials:
+    if found is None or found[2] < n_partials:
         counter = _new_counter(device) if found is None else found[0]
-        found = _scratch[key] = counter, torch.empty(n_partials, dtype=torch.float32, device=device)
-    return found
+        found = _scratch[key] = counter, _new_partials(n_partials, device), n_partials
+    return found[0], found[1]
 
 
 def _new_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _new_partials(n_partials: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(n_partials, dtype=torch.float32, device=device)
 
 
 @triton.jit

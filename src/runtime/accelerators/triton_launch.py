@@ -71,17 +71,6 @@ def _signature(args: tuple) -> list:
     ]  # fmt: skip
 
 
-def _launch_hooks() -> tuple:
-    """(enter, exit) launch hooks, None where there is none: Triton 3.6 keeps empty HookChains until a profiler
-    adds a hook, and the launcher calls whatever it is given around every launch."""
-    hooks = triton.knobs.runtime
-    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-    return (
-        enter if enter is not None and getattr(enter, "calls", True) else None,
-        leave if leave is not None and getattr(leave, "calls", True) else None,
-    )
-
-
 def _launcher(compiled) -> tuple:
     """(launch, extra): launch(grid_x, grid_y, grid_z, stream, function, *extra, packed metadata, launch metadata,
     enter hook, exit hook, *arguments, *constexprs) runs `compiled`. That is compiled.run (a property in Triton 3.6:
@@ -139,7 +128,14 @@ class DirectLaunch:
         compiled, tail, launch, extra = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         stream = current_stream(device)
-        enter, leave = _launch_hooks()
+        # launch hooks, None where there is none: Triton 3.6 keeps empty HookChains until a profiler adds a hook, and
+        # the launcher calls whatever it is given around every launch
+        hooks = triton.knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if enter is not None and not getattr(enter, "calls", True):
+            enter = None
+        if leave is not None and not getattr(leave, "calls", True):
+            leave = None
         metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args, *tail)
         launch(
             grid_x, grid_y, grid_z, stream, compiled.function, *extra, compiled.packed_metadata, metadata, enter, leave,
