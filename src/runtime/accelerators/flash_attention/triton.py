@@ -391,6 +391,32 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _query_blocks(start_n, kv_len, LQ, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(m_lo, m_full) for the key block at start_n: its query blocks start at m_lo; those below m_full straddle the
+    causal diagonal and need the mask, and all of them do when the key block straddles kv_len."""
+    if CAUSAL:
+        m_lo = (start_n // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = LQ * 0
+    if start_n + BLOCK_N > kv_len:
+        m_full = LQ
+    return m_lo, m_full
+
+
+@triton.jit
+def _store_dkdv(
+    DK, DV, dk, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+):
+    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
+    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
+    _store(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+    _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+
+
+@triton.jit
 def _dkdv_block(
     dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
     qk_scale, dropout_p, seed, bh,
@@ -477,16 +503,7 @@ def _bwd_dkdv_kernel(
     kv_len = LK
     if HAS_KL:
         kv_len = tl.load(KL + b)
-    # query blocks from m_lo; the first ones (up to m_full) straddle the causal diagonal and need the
-    # mask, and all of them do when this key block straddles kv_len
-    if CAUSAL:
-        m_lo = (start_n // BLOCK_M) * BLOCK_M
-        m_full = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = LQ * 0
-    if start_n + BLOCK_N > kv_len:
-        m_full = LQ
+    m_lo, m_full = _query_blocks(start_n, kv_len, LQ, BLOCK_M, BLOCK_N, CAUSAL)
     if start_n < kv_len:  # a block wholly past kv_len gets dk = dv = 0
         for g in range(0, GROUP):
             h = hk * GROUP + g
@@ -507,11 +524,9 @@ def _bwd_dkdv_kernel(
                     sqm, sdom, qk_scale, dropout_p, seed, bh,
                     HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
                 )
-    dk = dk * sm_scale
-    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
-    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
-    _store(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
-    _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+    _store_dkdv(
+        DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK, HEAD_DIM, PAD_D
+    )
 
 
 @triton.jit
@@ -660,14 +675,7 @@ def _bwd_fused_kernel(
     kv_len = LK
     if HAS_KL:
         kv_len = tl.load(KL + b)
-    if CAUSAL:
-        m_lo = (start_n // BLOCK_M) * BLOCK_M
-        m_full = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = LQ * 0
-    if start_n + BLOCK_N > kv_len:
-        m_full = LQ
+    m_lo, m_full = _query_blocks(start_n, kv_len, LQ, BLOCK_M, BLOCK_N, CAUSAL)
     # a key block wholly past kv_len adds nothing; the one key block of a stored dq (start_n = 0, so m_lo = 0: it
     # visits every query block) runs anyway, its dq rows are written only here (zeros where no key is visible)
     if DQ_ATOMIC:
@@ -695,11 +703,9 @@ def _bwd_fused_kernel(
                     kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
                     HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, DQ_ATOMIC,
                 )
-    dk = dk * sm_scale
-    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
-    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
-    _store(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
-    _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, LK, offs_d, HEAD_DIM, PAD_D)
+    _store_dkdv(
+        DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK, HEAD_DIM, PAD_D
+    )
 
 
 # --------------------------------------------------------------------------- launchers
