@@ -59,13 +59,13 @@ def _int_key(arg: int) -> int:
 
 
 def _signature(args: tuple) -> list:
-    """[_arg_key(a) for a in args], with plain tensors, ints and floats keyed inline: this runs on every launch, and
-    a function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
+    """[_arg_key(a) for a in args], with plain tensors, ints, floats and None keyed inline: this runs on every launch,
+    and a function call per argument was a good part of its host time (tests/unit/test_triton_launch.py checks that
     both agree). An int whose key is 0 (falsy) has it worked out again: the same key."""
     return [
         (a.dtype if a.data_ptr() % 16 == 0 else (a.dtype, False)) if type(a) is _Tensor
         else _INT_KEYS.get(a) or _int_key(a) if type(a) is int
-        else float if type(a) is float
+        else type(a) if a is None or type(a) is float
         else _arg_key(a)
         for a in args
     ]  # fmt: skip

@@ -263,16 +263,22 @@ def _backward_kernel(
 # passed as it is: no flattening view (each view is one more ATen op on every eager call).
 
 
+# An absent operand's pointer and index map are passed as None, which Triton takes as a constexpr: a launch then
+# keys and passes nothing for them (and the kernels never read them).
+_ABSENT_OPERANDS = (None, None), (None, None, None, None), (ABSENT, ABSENT)
+
+
 def _operands(logits, weight, pos_weight):
-    """Pointers (a stand-in where absent), modes and index maps of weight and pos_weight (contiguous already:
-    see kernel_operand)."""
+    """Pointers, index maps and modes of weight and pos_weight (contiguous already: see kernel_operand)."""
     if weight is None and pos_weight is None:
-        return (logits, logits), (1, 1, 1, 1), (ABSENT, ABSENT)
+        return _ABSENT_OPERANDS
     w_mode, w_inner, w_count = operand_mode(weight, logits.shape)
     pw_mode, pw_inner, pw_count = operand_mode(pos_weight, logits.shape)
-    w = weight if weight is not None else logits
-    pw = pos_weight if pos_weight is not None else logits
-    return (w, pw), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
+    if weight is None:
+        w_inner = w_count = None
+    if pos_weight is None:
+        pw_inner = pw_count = None
+    return (weight, pos_weight), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
 def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
@@ -299,7 +305,7 @@ def _forward(logits, targets, weight, pos_weight, reduction, unit):
         loss = out = buffers.empty(logits.shape, dtype=dtype, device=logits.device)
     divisor = float(n) if reduction == "mean" else 1.0
     _forward_kernel[(programs,)](
-        x, y, w, pw, out, x if unit is None else unit, n, *maps, divisor,
+        x, y, w, pw, out, unit, n, *maps, divisor,
         W_MODE=w_mode, PW_MODE=pw_mode, REDUCE=reduce, UNIT_GRAD=unit is not None, ONE_PROGRAM=programs == 1,
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
@@ -321,7 +327,7 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     dtargets = buffers.empty_like(targets) if targets_grad else None
     launch, programs = _plan(n, BACKWARD, logits)
     _backward_kernel[(programs,)](
-        g, x, y, w, pw, dlogits, dtargets if targets_grad else dlogits, n, g_divisor, *maps,
+        g, x, y, w, pw, dlogits, dtargets, n, g_divisor, *maps,
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
