@@ -7,6 +7,8 @@ import runtime.accelerators as acc
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
 from runtime.accelerators.layer_norm import KERNEL as LAYER_NORM
+from runtime.accelerators.bce import triton as bce_triton
+from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 
 
@@ -22,19 +24,43 @@ def test_arguments_come_back_in_schema_order():
 
 
 def test_backward_that_reads_no_output_gets_none_and_the_output_is_not_saved(monkeypatch):
-    x = torch.randn(5, 48, requires_grad=True)
-    weight = torch.randn(48, requires_grad=True)
+    """bce (backward_reads_outputs=False): the loss is neither saved nor passed; the unit gradient is."""
+    logits, targets = torch.randn(6, requires_grad=True), torch.rand(6)
     received = []
-    backward = rms_norm_triton.backward
-    monkeypatch.setattr(rms_norm_triton, "backward", lambda *args: received.append(args) or backward(*args))
-    y = acc.rms_norm(x, weight, backend="triton")
-    assert len(y.grad_fn.saved_tensors) == 3  # x, weight, rstd: not y
-    grads = torch.autograd.grad(y, [x, weight], torch.randn_like(y))
-    dy, x_, weight_, eps, y_, rstd = received[0]
-    assert x_ is x and weight_ is weight and eps == 1e-6 and y_ is None and rstd.shape == (5,)
-    expected = torch.autograd.grad(acc.rms_norm(x, weight, backend="torch"), [x, weight], dy)
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    backward = bce_triton.backward
+    monkeypatch.setattr(bce_triton, "backward", lambda *args: received.append(args) or backward(*args))
+    loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
+    saved = loss.grad_fn.saved_tensors
+    assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (6,)
+    torch.autograd.grad(loss, logits)
+    *_, loss_, unit = received[0]
+    assert loss_ is None and unit.shape == (6,)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_backward_that_reads_no_result_gets_the_arguments_alone(op, monkeypatch):
+    """The Triton norms recompute their statistics (BACKWARD_READS_RESULTS = False): an eager forward runs infer and
+    saves the arguments alone; backward gets None for every result, and the gradients of the custom ops' path."""
+    module = {"rms_norm": rms_norm_triton, "layer_norm": layer_norm_triton}[op]
+    x = torch.randn(5, 48, requires_grad=True)
+    params = {"weight": torch.randn(48, requires_grad=True)}
+    if op == "layer_norm":
+        params["bias"] = torch.randn(48, requires_grad=True)
+    received = []
+    backward = module.backward
+    monkeypatch.setattr(module, "backward", lambda *args: received.append(args) or backward(*args))
+    y = getattr(acc, op)(x, **params, backend="triton")
+    saved = y.grad_fn.saved_tensors
+    assert len(saved) == 1 + len(params) and all(a is b for a, b in zip(saved, (x, *params.values())))
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *params.values()], dy)
+    n_results = 3 if op == "layer_norm" else 2
+    assert received[0][-n_results:] == (None,) * n_results
+    # the results the custom ops pass (the forward's mean / rstd) change nothing
+    args = (x.detach(), *(p.detach() for p in params.values()), 1e-5 if op == "layer_norm" else 1e-6)
+    results = module.forward(*args)
+    for got, want in zip(grads, backward(dy, *args, *results)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -40,6 +40,8 @@ from runtime.accelerators import norms_triton
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
@@ -97,8 +99,9 @@ def norms():
     with pytest.MonkeyPatch.context() as patch:  # the partials added in a second launch, as wide rows do on a GPU
         patch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
         _backward(acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias))
-    with torch.no_grad():  # the forward kernels without the statistics a backward reads (infer)
+    with torch.no_grad():  # the forward kernels without the statistics (infer), and with them (the custom ops' path)
         acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias)
+        rms_norm_triton.forward(x, weight, 1e-6), layer_norm_triton.forward(x, weight, bias, 1e-5)
 
 
 def elementwise():

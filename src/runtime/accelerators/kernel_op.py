@@ -15,7 +15,10 @@ and may expose a third:
 
 A backward that never reads the op's outputs (results[:n_outputs]) says so with backward_reads_outputs=False:
 eager calls then do not save them (an output kept for backward costs more to save and unpack than an input) and
-pass None in their place.
+pass None in their place. A kernel module whose backward reads none of forward's results (it recomputes what it
+needs from the arguments) sets `BACKWARD_READS_RESULTS = False`: its eager calls then run `infer` (when it has one)
+also where gradients are needed, keep only the arguments, and pass None for every result; the custom ops, whose
+schema is the op's, still run forward and pass its results.
 
 Eager calls run them through an autograd.Function (one subclass per op and backend, holding both, so that
 neither passes through autograd as an argument): no dispatcher in between. Under
@@ -62,8 +65,8 @@ class KernelOp:
         prefix = f"{entry}_" if entry else ""
         self.forward_name, self.backward_name, self.infer_name = f"{prefix}forward", f"{prefix}backward", f"{prefix}infer"
         self.n_outputs = n_outputs
+        self.n_saved = n_saved
         self.backward_reads_outputs = backward_reads_outputs
-        self.unsaved_outputs = () if backward_reads_outputs else (None,) * n_outputs
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
         kinds = [argument.split()[0].startswith("Tensor") for argument in args_schema.split(",")]
         self.tensor_slots = tuple(i for i, is_tensor in enumerate(kinds) if is_tensor)
@@ -130,8 +133,18 @@ class KernelOp:
         return apply(*args)
 
     def _eager_function(self, backend: str) -> tuple:
-        name, attributes = f"{self.op}_{self.forward_name}_{backend}", {"kernel_op": self, "module": self.kernels(backend)}
-        function = type(name, (_EagerFunction,), attributes)
+        module = self.kernels(backend)
+        n_results = self.n_outputs + self.n_saved
+        if getattr(module, "BACKWARD_READS_RESULTS", True):
+            forward_name, first_saved = self.forward_name, 0 if self.backward_reads_outputs else self.n_outputs
+        else:  # infer where there is one: no results to save
+            forward_name = self.infer_name if hasattr(module, self.infer_name) else self.forward_name
+            first_saved = n_results
+        attributes = {
+            "kernel_op": self, "module": module, "forward_name": forward_name,
+            "first_saved": first_saved, "unsaved": (None,) * first_saved,
+        }  # fmt: skip
+        function = type(f"{self.op}_{self.forward_name}_{backend}", (_EagerFunction,), attributes)
         found = self._eager[backend] = super(torch.autograd.Function, function).apply, function  # what apply ends in
         return found
 
@@ -167,23 +180,24 @@ class KernelOp:
 
 
 class _EagerFunction(torch.autograd.Function):
-    """Subclassed per op and backend (KernelOp._eager_function), with these two class attributes."""
+    """Subclassed per op and backend (KernelOp._eager_function), with these class attributes."""
 
     kernel_op: KernelOp
     module: object  # the backend's kernel module
+    forward_name: str  # the module function forward runs: the op's forward, or infer (BACKWARD_READS_RESULTS)
+    first_saved: int  # the results from this one on are saved for backward
+    unsaved: tuple  # None for each result not saved, passed to backward in its place
 
     @staticmethod
     def forward(ctx, *args):
         function = ctx._forward_cls
         kernel_op = function.kernel_op
-        results = function.module.__dict__[kernel_op.forward_name](*args)
+        results = function.module.__dict__[function.forward_name](*args)
         if not isinstance(results, tuple):
             results = (results,)
-        n_outputs = kernel_op.n_outputs
         ctx.values = kernel_op.values_of(args)
-        saved_results = results if kernel_op.backward_reads_outputs else results[n_outputs:]
-        ctx.save_for_backward(*kernel_op.tensors_of(args), *saved_results)
-        return results[0] if n_outputs == 1 else results[:n_outputs]
+        ctx.save_for_backward(*kernel_op.tensors_of(args), *results[function.first_saved :])
+        return results[0] if kernel_op.n_outputs == 1 else results[: kernel_op.n_outputs]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -196,7 +210,7 @@ class _EagerFunction(torch.autograd.Function):
         if kernel_op.in_schema_order is not None:
             args = kernel_op.in_schema_order(args)
         backward = function.module.__dict__[kernel_op.backward_name]
-        return tuple(backward(*grads, *args, *kernel_op.unsaved_outputs, *saved[n_tensors:]))  # a list would be 1
+        return tuple(backward(*grads, *args, *function.unsaved, *saved[n_tensors:]))  # a list would be 1
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead

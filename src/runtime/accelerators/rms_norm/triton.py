@@ -2,6 +2,11 @@
 
 Backward (xhat = x * rstd, g = dy * weight):
     dx = rstd * (g - xhat * mean(g * xhat))     dweight = sum over rows of dy * xhat
+
+The backward kernel works rstd out again from x, as the forward does (_rstd): it reads x anyway, so that costs one
+row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
+`infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
+still returns rstd, as the op's schema has it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,14 @@ from ..norms_triton import (
     add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
 )
 from ..triton_launch import direct_launch
+
+BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
+
+
+@triton.jit
+def _rstd(x, N, eps):
+    """rsqrt(mean(x^2) + eps) of each row of a tile: the forward's, and the backward's."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
 
 
 @direct_launch
@@ -31,7 +44,7 @@ def _forward_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_W:  # loaded before the reduction, so that its latency overlaps x's
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    rstd = _rstd(x, N, eps)
     y = x * rstd[:, None]
     if HAS_W:
         y = y * w
@@ -43,7 +56,7 @@ def _forward_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, dw_ptr, counter_ptr, n_rows, N, stride_dy, stride_x,
+    dy_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, dw_ptr, counter_ptr, n_rows, N, stride_dy, stride_x, eps,
     HAS_W: tl.constexpr, FINISH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -56,10 +69,10 @@ def _backward_kernel(
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = _rstd(x, N, eps)[:, None]
         xhat = x * rstd
         g = dy * w if HAS_W else dy
         dx = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
@@ -95,6 +108,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
 
 
 def backward(dy, x, weight, eps, y, rstd):
+    """y and rstd are not read (None in eager calls)."""
     (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
     width = x.shape[-1]
     tiles = row_tiles(width)
@@ -103,8 +117,8 @@ def backward(dy, x, weight, eps, y, rstd):
     programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
     dweight = None if weight is None else buffers.empty_like(weight)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, rstd, dx, partial, x2 if dweight is None else dweight, counter,
-        n_rows, width, stride_dy, stride_x,
+        dy2, x2, x2 if weight is None else weight, dx, partial, x2 if dweight is None else dweight, counter,
+        n_rows, width, stride_dy, stride_x, eps,
         HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     if n_params and not finish:
