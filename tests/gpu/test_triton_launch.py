@@ -77,3 +77,16 @@ def test_a_side_stream_and_a_launch_hook(binder_calls):
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     torch.testing.assert_close(y, _reference(x, weight), rtol=1e-2, atol=1e-2)
     assert seen == ["_forward_kernel"] and len(binder_calls) == compiled
+
+
+def test_triton_36_direct_launches_call_the_launch_function(binder_calls):
+    """On Triton 3.6.0 (the GPU machine's) a direct launch calls CudaLauncher's launch function itself, with the four
+    arguments its Python __call__ adds (triton_launch._launcher); results stay exact."""
+    if triton.__version__ != "3.6.0":
+        pytest.skip(f"Triton {triton.__version__}: direct launches call compiled.run")
+    weight = torch.randn(WIDTH, device="cuda", dtype=torch.bfloat16)
+    for n in (64, 64, 37):
+        _check(torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16), weight)
+    entries = list(rms_triton._forward_kernel._compiled.values())
+    assert entries and all(type(compiled.run).__name__ == "CudaLauncher" for compiled, *_ in entries)
+    assert all(launch == compiled.run.launch and len(extra) == 4 for compiled, _, launch, extra in entries)

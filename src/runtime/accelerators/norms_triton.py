@@ -5,16 +5,16 @@ power of two). Narrow rows are packed several to a tile so that small widths are
 launch-bound; wide rows take one row per tile. Forward kernels run one tile per program.
 Backward kernels with a weight or bias are persistent: `backward_programs` programs stride over
 the tiles, each accumulating its dweight/dbias in registers and writing one fp32 partial row.
-The weight's and the bias's partials share one buffer, the weight's rows first: one allocation per
-backward. Those partials are then added up in program order (deterministic: no atomic adds of
-values), in one of two ways:
+The weight's and the bias's partials share one buffer, the weight's rows first. Those partials are
+then added up in program order (deterministic: no atomic adds of values), in one of two ways:
 
 - in the backward kernel itself, where they are few (`parameter_backward` decides): each program
   counts itself done on an int32 counter, and the one that comes last adds the partials
   (`add_partials_if_last`) and sets the counter back to zero for the next launch. Counter and
   partials are then scratch kept per device and stream (`backward_scratch`): nothing to allocate;
 - else in a second launch, `sum_partials`, spread over column blocks (wide rows: one program
-  adding megabytes of partials would take longer than the launch it saves).
+  adding megabytes of partials would take longer than the launch it saves); the partials are then
+  one allocation per backward.
 
 Everything derived from the width is cached, so a call costs a dict lookup plus the launch.
 """
