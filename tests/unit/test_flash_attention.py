@@ -94,6 +94,19 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert q.grad.dtype == torch.float32
 
 
+def test_autocast_takes_mixed_dtypes_as_sdpa():
+    # a learned fp32 query against keys and values from bf16 autocast matmuls
+    q, k, v = make(1, 2, 2, 7, 7, 16)
+    k16, v16 = k.detach().bfloat16().requires_grad_(), v.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flash_attention(q, k16, v16, backend="torch")
+        expected = F.scaled_dot_product_attention(q, k16, v16)
+    assert out.dtype == torch.bfloat16
+    assert_close("o", out, expected, RTOL[torch.bfloat16])
+    out.float().sum().backward()
+    assert (q.grad.dtype, k16.grad.dtype, v16.grad.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
