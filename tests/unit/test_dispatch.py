@@ -166,6 +166,23 @@ def test_explain_with_sample_inputs_adds_input_reasons():
         acc.explain(x=_x())
 
 
+def test_explain_takes_each_op_called_by_its_own_argument_names():
+    x, q = _x(), torch.randn(1, 5, 2, 24)  # K = 24: no gated-delta-rule kernel
+    samples = {
+        "rms_norm": dict(x=x, weight=torch.ones(8), eps=1e-6),
+        "dropout_add": dict(x=x, residual=x, p=0.1, training=True),
+        "bce_with_logits": dict(logits=x, targets=x, reduction="sum"),
+        "gated_delta_rule": dict(q=q, k=q, v=q, g=torch.randn(1, 5, 2), beta=torch.rand(1, 5, 2), scale=None),
+        "mhc": dict(x=torch.randn(3, 9, 8), phi=torch.randn(72, 99), alpha=torch.ones(3), bias=torch.zeros(99), eps=1e-6),
+    }
+    for op, inputs in samples.items():
+        assert f"{op}: configured 'auto'" in acc.explain(op, **inputs)
+    assert "K (the q/k head dim) is 24" in acc.explain("gated_delta_rule", **samples["gated_delta_rule"])
+    assert "x has 9 streams" in acc.explain("mhc", **samples["mhc"])
+    with pytest.raises(TypeError, match="sample inputs of swiglu lack an argument .*'up'"):
+        acc.explain("swiglu", gate=x)
+
+
 def test_explain_cli_runs():
     import subprocess
     import sys

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .backends import KERNEL_BACKENDS, REGISTRY, environment_reasons
@@ -27,10 +29,11 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
     lines = [f"device: {device}; fallback rule: {config.fallback}"]
     for name in [op] if op is not None else sorted(REGISTRY):
         spec = REGISTRY[name]
-        reasons = {
-            b: (spec.not_supported_reasons(b, device, **inputs) if inputs else environment_reasons(b, device))
-            for b in KERNEL_BACKENDS
-        }
+        if inputs:
+            accepted = _accepted(name, spec.reasons, inputs)
+            reasons = {b: spec.not_supported_reasons(b, device, **accepted) for b in KERNEL_BACKENDS}
+        else:
+            reasons = {b: environment_reasons(b, device) for b in KERNEL_BACKENDS}
         auto = next((b for b in spec.priority if not reasons[b]), "torch")
         configured = config.backend_for(name)
         runs = auto if configured == "auto" else configured if configured == "torch" or not reasons[configured] else "torch (fallback)"
@@ -42,3 +45,15 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
 
 def _inputs_device(inputs) -> torch.device | None:
     return next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _accepted(op: str, reasons, inputs: dict) -> dict:
+    """The sample inputs the op's reasons read: its other arguments (k, eps, p...) are left out."""
+    signature = inspect.signature(reasons)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        inputs = {name: value for name, value in inputs.items() if name in signature.parameters}
+    try:
+        signature.bind("backend", **inputs)
+    except TypeError as error:
+        raise TypeError(f"explain: the sample inputs of {op} lack an argument its reasons read ({error})") from None
+    return inputs

@@ -20,7 +20,8 @@ from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_g
 KERNEL_WIDTHS = (16, 32, 64, 128)
 
 
-def _reasons(backend: str, q, v, g, beta, initial_state, mode: str, needs_grad: bool) -> list[str]:
+def _reasons(backend: str, q, v, g, beta, initial_state=None, mode: str = "chunk", needs_grad: bool = False) -> list[str]:
+    """mode ("chunk" or "recurrent") and needs_grad come from the op; explain() leaves them at the chunked op's."""
     reasons = dtype_reasons("q", q) + dtype_reasons("g", g) + dtype_reasons("beta", beta)
     if backend == "tilelang" and mode == "chunk" and q.dtype == torch.float32:
         reasons.append(

@@ -12,8 +12,10 @@ from .reference import mhc_post_reference, mhc_pre_reference
 MAX_KERNEL_STREAMS = 8
 
 
-def _reasons(backend: str, x: torch.Tensor, streams: int) -> list[str]:
+def _reasons(backend: str, x: torch.Tensor, streams: int | None = None) -> list[str]:
+    """streams: x.shape[-2], passed as a value (leading sizes are symbolic while compiling); explain() reads it from x."""
     reasons = dtype_reasons("x", x)
+    streams = x.shape[-2] if streams is None else streams
     if streams > MAX_KERNEL_STREAMS:
         reasons.append(f"x has {streams} streams; the mhc kernels take at most {MAX_KERNEL_STREAMS}")
     return reasons
