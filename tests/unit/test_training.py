@@ -211,6 +211,20 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 0), ("trainer.log_every", 0)])
+def test_counts_out_of_range_are_refused_by_name(key, least, tmp_path):
+    with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got -1"):
+        Trainer(_compose(f"{key}=-1"), tmp_path)
+    if least:
+        with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got 0"):
+            Trainer(_compose(f"{key}=0"), tmp_path)
+
+
+def test_log_every_zero_logs_only_at_the_end(tmp_path):
+    metrics = Trainer(_compose("trainer.steps=3", "trainer.log_every=0", "trainer.val_every=0", "trainer.checkpoint_every=0"), tmp_path).fit()
+    assert [entry["step"] for entry in metrics["log"]] == [3] and len(metrics["losses"]) == 3
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
     with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)

@@ -68,7 +68,7 @@ class DataSchema:
 @dataclass
 class TrainerSchema:
     steps: int = 300
-    log_every: int = 10
+    log_every: int = 10  # 0: only at the end (and at checkpoints)
     val_every: int = 100  # 0: only at the end
     checkpoint_every: int = 100  # 0: only at the end
     keep_checkpoints: int = 2
@@ -126,6 +126,17 @@ def register_configs() -> None:
 
 
 register_configs()
+
+
+def check_counts(cfg: DictConfig) -> None:
+    """The bounds the schema's int types cannot state: each error names the key and what it expects."""
+    for key, least in (
+        ("data.batch_size", 1), ("data.val_batch_size", 1), ("data.prefetch", 0), ("trainer.steps", 0),
+        ("trainer.log_every", 0), ("trainer.val_every", 0), ("trainer.checkpoint_every", 0),
+    ):  # fmt: skip
+        value = OmegaConf.select(cfg, key)
+        if value < least:
+            raise ValueError(f"{key}: expected an integer >= {least}, got {value}")
 
 
 def accelerator_config(group: DictConfig | dict) -> AcceleratorConfig:

@@ -21,7 +21,7 @@ from runtime.accelerators import explain, set_accelerators
 from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
 
 from . import checkpoint
-from .config import Precision, accelerator_config
+from .config import Precision, accelerator_config, check_counts
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects
@@ -83,6 +83,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path | str, run: Run | None = None) -> None:
+        check_counts(cfg)
         self.cfg = cfg
         self.run = run or Run(torch.device("cpu"))
         self.run_dir = Path(broadcast_object(self.run, str(run_dir)))
@@ -251,7 +252,7 @@ class Trainer:
                 last = self.step == stop
                 validate = (tcfg.val_every and self.step % tcfg.val_every == 0) or self.step == tcfg.steps
                 save = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
-                if self.step % tcfg.log_every == 0 or last or save:
+                if (tcfg.log_every and self.step % tcfg.log_every == 0) or last or save:
                     self._log(pending, window_steps, time.perf_counter() - window_start, grad_norm, bar)
                     pending.clear()
                     window_start, window_steps = time.perf_counter(), 0
