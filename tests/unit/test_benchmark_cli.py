@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from runtime.benchmark import report
 from runtime.benchmark.cli import all_cases, main
 
@@ -22,6 +25,16 @@ def test_list_and_bad_selection(capsys):
     assert main(["--operator", "rms_norm", "--shape", "3x3"]) == 2
     assert "unknown shape '3x3' for rms_norm" in capsys.readouterr().err
     assert main(["--operator", "rms_norm", "--backends", "torch,cuda"]) == 2
+    assert main(["--operator", "rms_norm", "--device", "gpu", "--dry-run"]) == 2
+    assert "unknown device 'gpu'; expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert main(["--operator", "rms_norm", "--device", "meta", "--dry-run"]) == 2
+    assert "unknown device 'meta'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_an_argument_error(capsys):
+    assert main(["--operator", "rms_norm", "--device", "cuda", "--shape", "8192x128", "--no-peers"]) == 2
+    assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
 
 
 def test_dry_run(capsys):

@@ -42,6 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _device(name: str) -> torch.device | None:
+    """The --device as a torch.device, or None after saying on stderr why it cannot be used here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        print(f"taac-benchmark: unknown device {name!r}; expected cpu, cuda or cuda:N", file=sys.stderr)
+        return None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"taac-benchmark: --device {name}: CUDA is not available here; use --device cpu --dtype float32", file=sys.stderr)
+        return None
+    return device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cases = all_cases()
@@ -63,7 +78,9 @@ def main(argv=None) -> int:
         print(f"taac-benchmark: unknown backends {unknown}; expected torch, triton, tilelang", file=sys.stderr)
         return 2
     modes = list(MODES) if args.mode == "both" else [args.mode]
-    device = torch.device(args.device)
+    device = _device(args.device)
+    if device is None:
+        return 2
     if args.dry_run:
         for case in selected:
             print(f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}")
