@@ -257,13 +257,21 @@ def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
         args, results = rest[: len(rest) - n_results], rest[len(rest) - n_results :]
         grads_in = getattr(load_kernels(op, backend), function)(*grads, *args, *results)
         # Tensor[] cannot hold None: return the gradients of the tensor arguments present.
-        # A custom op may not return one of its inputs: copy a gradient passed straight
-        # through (dropout_add's residual gets the incoming gradient; eager needs no copy).
-        return [
-            torch.zeros_like(a) if g is None else g.clone() if any(g is t for t in flat) else g
-            for a, g in zip(args, grads_in)
-            if isinstance(a, torch.Tensor)
-        ]
+        # A custom op's outputs may alias neither its inputs nor one another: copy a gradient passed
+        # straight through (dropout_add's residual gets the incoming gradient) or sharing memory with
+        # another (mhc's dalpha and dbias are slices of one sum); eager calls need no copy.
+        taken = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+        returned = []
+        for a, g in zip(args, grads_in):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if g is None:
+                g = torch.zeros_like(a)
+            elif g.untyped_storage().data_ptr() in taken:
+                g = g.clone()
+            taken.add(g.untyped_storage().data_ptr())
+            returned.append(g)
+        return returned
 
     return backward
 
