@@ -30,6 +30,24 @@ def test_compiled_graph_serves_new_batch_sizes():
         torch.testing.assert_close(compiled(x), acc.rms_norm(x, w, backend="torch"), rtol=1e-5, atol=1e-5)
 
 
+ELEMENTWISE = {
+    "swiglu": lambda x: acc.swiglu(x, x * 2, backend="triton"),
+    "dropout_add": lambda x: acc.dropout_add(x, x * 2, 0.0, backend="triton"),
+    "bce_with_logits": lambda x: acc.binary_cross_entropy_with_logits(x, x.sigmoid(), reduction="none", backend="triton"),
+    "rms_norm": lambda x: acc.rms_norm(x, backend="triton"),
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+@pytest.mark.parametrize("op", sorted(ELEMENTWISE))
+def test_compiled_full_graph_with_dynamic_shapes(op, dynamic):
+    # the decision keys of these ops hold numel() or the last size, symbolic once shapes are dynamic
+    compiled = torch.compile(ELEMENTWISE[op], backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for rows in (3, 5, 9):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(compiled(x), ELEMENTWISE[op](x))
+
+
 def test_compiled_fallback_warns_and_runs_the_reference():
     x = torch.randn(4, 32)
     compiled = torch.compile(lambda x: acc.l2norm(x, backend="tilelang"), backend="aot_eager", fullgraph=True)

@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.metadata
 import logging
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -167,8 +168,8 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
     `key` must capture everything `spec.reasons` reads from `inputs` (dtype, widths, flags);
     the decision is cached under it, so the reasons are computed once per distinct key.
     """
-    if torch.compiler.is_compiling():
-        return _decide_while_compiling(spec.name, backend, device, key, _describe(inputs))
+    if torch.compiler.is_compiling():  # key is not passed: under dynamic shapes it may hold symbolic sizes
+        return _decide_while_compiling(spec.name, backend, device, _describe(inputs))
     config = _config._stack[-1]  # _config.active_config(), inline (this runs on every call of every op)
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, device, key)
@@ -184,15 +185,26 @@ def _describe(inputs: dict) -> tuple:
     """The inputs as constants for torch.compile: a tensor by dtype, rank, last size and requires_grad.
 
     Leading sizes may be symbolic under dynamic shapes, so reasons seen while compiling must depend
-    only on the dtype, the rank and the last (feature) size.
+    only on the dtype, the rank and the last (feature) size. A symbolic last size, int or bool value
+    (dynamic=True) is specialised: the graph guards on it.
     """
     return tuple(
-        (name, ("tensor", v.dtype, v.dim(), v.shape[-1] if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor) else ("value", v))
+        (name, ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor)
+         else ("value", _constant(v)))
         for name, v in inputs.items()
     )
 
 
-def _decide_while_compiling(op: str, backend: str | None, device: torch.device, key: Hashable, described: tuple) -> str:
+def _constant(value):
+    """A symbolic int or bool as the constant the graph then guards on (int() and bool() would keep it symbolic)."""
+    if isinstance(value, torch.SymInt):
+        return operator.index(value)
+    if isinstance(value, torch.SymBool):
+        return True if value else False
+    return value
+
+
+def _decide_while_compiling(op: str, backend: str | None, device: torch.device, described: tuple) -> str:
     """Runs (untraced) while torch.compile traces an op: the decision is a constant of the compiled graph.
 
     Meta tensors of the same dtype, rank and last size stand in for the inputs (leading sizes 2).
