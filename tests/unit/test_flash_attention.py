@@ -71,6 +71,8 @@ def test_no_keys_at_all():
     q, k, v = make(2, 2, 2, 5, 0, 16)
     out = flash_attention(q, k, v, causal=True, backend="torch")
     assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))  # empty gradients for the empty k and v
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == v.shape
 
 
 def test_empty_batch():

@@ -54,8 +54,8 @@ def flash_attention_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     k, v = repeat_kv(k, h), repeat_kv(v, h)
-    if lk == 0:  # no key at all: every row is empty (keep the graph so q gets a zero gradient)
-        return q * 0
+    if lk == 0:  # no key at all: every row is empty; an empty product keeps q, k and v in the graph (zero gradients)
+        return q @ k.transpose(-1, -2) @ v
     if key_lengths is None and attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
     mask = visible_mask(b, lq, lk, q.device, causal, key_lengths, attn_mask)
