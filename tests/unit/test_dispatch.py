@@ -166,6 +166,13 @@ def test_explain_with_sample_inputs_adds_input_reasons():
         acc.explain(x=_x())
 
 
+def test_explain_follows_the_fallback_rule():
+    with acc.use_accelerators(default="tilelang"):
+        assert "rms_norm: configured 'tilelang' -> runs torch (fallback)" in acc.explain("rms_norm")
+    with acc.use_accelerators(default="tilelang", fallback="error"):
+        assert "rms_norm: configured 'tilelang' -> runs nothing: raises BackendUnavailableError" in acc.explain("rms_norm")
+
+
 def test_explain_takes_each_op_called_by_its_own_argument_names():
     x, q = _x(), torch.randn(1, 5, 2, 24)  # K = 24: no gated-delta-rule kernel
     samples = {

@@ -36,7 +36,12 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
             reasons = {b: environment_reasons(b, device) for b in KERNEL_BACKENDS}
         auto = next((b for b in spec.priority if not reasons[b]), "torch")
         configured = config.backend_for(name)
-        runs = auto if configured == "auto" else configured if configured == "torch" or not reasons[configured] else "torch (fallback)"
+        if configured == "auto":
+            runs = auto
+        elif configured == "torch" or not reasons[configured]:
+            runs = configured
+        else:
+            runs = "torch (fallback)" if config.fallback == "torch" else "nothing: raises BackendUnavailableError (fallback 'error')"
         lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(spec.priority)} > torch")
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
