@@ -34,15 +34,17 @@ def reference64(op, x, weight=None, bias=None):
 
 
 def check_op(op, shape, dtype, weight_dtype=None, bias_dtype=None, strided=False):
-    """Forward and all gradients of OPS[op] on the triton backend vs float64; strided: rows with padding."""
+    """Forward and all gradients of OPS[op] on the triton backend vs float64; strided: rows with padding and
+    parameters that are every other element of a tensor."""
     width = shape[-1]
     pad = 8 if strided else 0
+    step = 2 if strided else 1
     x = torch.randn(*shape[:-1], width + pad, dtype=dtype)[..., :width].requires_grad_()
     params = {}
     if weight_dtype is not None:
-        params["weight"] = (1 + 0.5 * torch.randn(width, dtype=weight_dtype)).requires_grad_()
+        params["weight"] = (1 + 0.5 * torch.randn(width * step, dtype=weight_dtype))[::step].requires_grad_()
     if bias_dtype is not None:
-        params["bias"] = torch.randn(width, dtype=bias_dtype).requires_grad_()
+        params["bias"] = torch.randn(width * step, dtype=bias_dtype)[::step].requires_grad_()
 
     with poison_outputs():
         y = OPS[op](x, **params, backend="triton")
@@ -90,7 +92,8 @@ def test_l2norm_triton(shape, dtype):
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_strided_rows(op):
-    """x and dy whose rows are padded (row stride != width) are read in place, not copied wrong."""
+    """x and dy whose rows are padded (row stride != width) are read in place, not copied wrong; strided
+    parameters are read as what they hold."""
     params = {"l2norm": (None, None), "rms_norm": (f32, None), "layer_norm": (f32, f32)}[op]
     check_op(op, (7, 48), f32, *params, strided=True)
 

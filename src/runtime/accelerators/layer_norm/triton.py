@@ -127,7 +127,7 @@ def _forward(x, weight, bias, eps: float, store_stats: bool):
     else:
         mean = rstd = x2  # stand-ins, not written
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
+        x2, x2 if weight is None else weight.contiguous(), x2 if bias is None else bias.contiguous(), y, mean, rstd,
         n_rows, width, stride_x, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
@@ -146,7 +146,7 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, dx, partial, x2 if dweight is None else dweight,
+        dy2, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight,
         x2 if dbias is None else dbias, counter, n_rows, width, stride_dy, stride_x, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,

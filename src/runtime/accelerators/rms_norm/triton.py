@@ -101,7 +101,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
     y = buffers.empty_like(x)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, x2 if weight is None else weight, y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
+        x2, x2 if weight is None else weight.contiguous(), y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
         HAS_W=weight is not None, STORE_RSTD=store_rstd, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return (y, rstd) if store_rstd else (y,)
@@ -117,7 +117,7 @@ def backward(dy, x, weight, eps, y, rstd):
     programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
     dweight = None if weight is None else buffers.empty_like(weight)
     _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, dx, partial, x2 if dweight is None else dweight, counter,
+        dy2, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight, counter,
         n_rows, width, stride_dy, stride_x, eps,
         HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
