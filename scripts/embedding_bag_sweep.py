@@ -1,6 +1,8 @@
-"""Forward launch variants and the forward+backward defaults of embedding_bag_mean at the issue's shapes, beside F.embedding_bag.
+"""Forward launch variants and the forward+backward defaults of embedding_bag_mean at the issue's shapes, beside F.embedding_bag;
+the Triton gradient's sort: SORT="radix" against "torch", in the backward and alone.
 
     bash .device/gpu python scripts/embedding_bag_sweep.py        (GPU machine, repo root; under 2 minutes with compiles)
+    bash .device/gpu python scripts/embedding_bag_sweep.py sort   (the sort rows only: alone, then fwd+bwd by SORT)
 
 The shapes and inputs are the benchmark's (runtime.benchmark.ops.embedding_bag): a 1M-row bf16 table of width 64
 or 128, 8192 fixed-size bags of 4 or 8 entries, 25% padding, uniform or Zipf indices. Every row is checked against
@@ -12,16 +14,23 @@ forward, 2x forward+backward).
 Forward variants replace module globals: runtime.accelerators.embedding_bag.triton.FORWARD (bags per program,
 warps) and tilelang.FORWARD (bags per block, entries per step, threads); "default, unchecked" is Triton's default
 with check_indices=False (the index check is a device assert in the kernel). Forward+backward runs each backend's
-default only. Past VARIANTS_UNTIL_S, the remaining shapes run the defaults only.
+default only, and Triton's again with SORT="radix" (runtime.accelerators.embedding_bag.triton.SORT; the radix sort
+where radix_sort.fits, torch.sort past it). Past VARIANTS_UNTIL_S, the remaining shapes run the defaults only.
+
+Sort rows (mode "sort", shape "<keys>k-over-1M"): the sort alone of 32768 and 65536 uniform int64 indices over 1M rows,
+checked first (keys and permutation equal to torch.sort's). The peer is the torch path (segments.sort_segments:
+int32 cast, torch.sort, searchsorted); "radix" rows are radix_sort.sort for each of RADIX_VARIANTS
+(radix_sort.RadixLaunch: digit bits, tile, warps).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort, segments
 from runtime.accelerators.embedding_bag import tilelang as tilelang_kernels
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.testing import RTOL, gradient_tolerance, relative_rms_error
@@ -44,12 +53,23 @@ TILELANG_VARIANTS = {
     "32x4/128t": TileLangLaunch(block_b=32, block_l=4),
     "32x8/256t": TileLangLaunch(block_b=32, block_l=8, threads=256),
 }
+RadixLaunch = radix_sort.RadixLaunch
+RADIX_VARIANTS = {
+    "default": radix_sort.RADIX,
+    "1024/8w": RadixLaunch(num_warps=8),
+    "512/4w": RadixLaunch(tile=512),
+    "2048/8w": RadixLaunch(tile=2048, num_warps=8),
+    "7-bit/1024/4w": RadixLaunch(digit_bits=7),  # three passes, 128 buckets
+}
+SORT_KEYS = (32768, 65536)  # bags of 4 and 8 at the benchmark's 8192 bags
+VOCAB = 1_000_000
 VARIANTS_UNTIL_S = 200  # past this, only the default rows run (compiles on a slow machine)
 DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD)
 
 
 def restore_defaults() -> None:
     triton_kernels.FORWARD, tilelang_kernels.FORWARD = DEFAULTS
+    triton_kernels.SORT = "torch"
 
 
 class Sweep:
@@ -78,7 +98,8 @@ class Sweep:
         note = "" if captured else "  (not captured: eager launches timed)"
         print(f"{shape:<26}{mode:<9}{impl:<10}{variant:<26}{ms:8.4f}{ratio:7.2f}x{error:10.1e}{self.elapsed():6.0f}{note}")
 
-    def shape(self, case, variants: bool) -> None:
+    def shape(self, case, variants: bool, sort_only: bool = False) -> None:
+        """sort_only: fwd+bwd rows of F.embedding_bag and of Triton by SORT, nothing else."""
         inputs = case.make_inputs(self.device, DTYPE)
         weight, indices = inputs["weight"], inputs["indices"]
         weight64 = weight.detach().double().requires_grad_()
@@ -122,6 +143,14 @@ class Sweep:
         def ours(backend, check_indices=True):
             return lambda: embedding_bag_mean(weight, indices, padding_idx=PAD, check_indices=check_indices, backend=backend)
 
+        if sort_only:
+            timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
+            for sort in triton_kernels.SORTS:
+                triton_kernels.SORT = sort
+                timed("fwd+bwd", "triton", f"SORT={sort}", ours("triton"))
+            restore_defaults()
+            return
+
         timed("fwd", "peer", "F.embedding_bag", lambda: peer(inputs))
         for name, launch in TRITON_VARIANTS.items() if variants else [("default", DEFAULTS[0])]:
             triton_kernels.FORWARD = launch
@@ -137,12 +166,32 @@ class Sweep:
         timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
         for backend in ("triton", "tilelang"):
             timed("fwd+bwd", backend, "default", ours(backend))
+        triton_kernels.SORT = "radix"
+        timed("fwd+bwd", "triton", "SORT=radix", ours("triton"))
+        restore_defaults()
+
+    def sorts(self) -> None:
+        """The gradient's sort alone: torch's path (the peer) against the radix sort's launches."""
+        for num_keys in SORT_KEYS:
+            shape = f"{num_keys // 1024}k-over-1M"
+            flat = torch.randint(0, VOCAB, (num_keys,), device=self.device)
+            expected = segments.sort_segments(flat, VOCAB)
+            self.row(shape, "sort", "peer", "torch.sort+searchsorted", lambda: segments.sort_segments(flat, VOCAB), 0.0)
+            for name, launch in RADIX_VARIANTS.items():
+                keys, perm = radix_sort.sort(flat, VOCAB, launch)
+                if torch.equal(keys, expected.keys) and torch.equal(perm.long(), expected.perm):
+                    self.row(shape, "sort", "radix", name, lambda launch=launch: radix_sort.sort(flat, VOCAB, launch), 0.0)
+                else:
+                    print(f"{shape:<26}{'sort':<9}{'radix':<10}{name:<26} WRONG: not torch.sort's keys and permutation")
 
     def summary(self) -> None:
         print("-- fastest per shape (the issue's targets: fwd >= 3x, fwd+bwd >= 2x F.embedding_bag)")
         for (shape, mode), (impl, ms) in self.best.items():
             ratio = self.peer_ms[shape, mode] / ms
-            target = 3.0 if mode == "fwd" else 2.0
+            target = {"fwd": 3.0, "fwd+bwd": 2.0}.get(mode)
+            if target is None:  # the sort rows: the radix sort over torch's path, no target
+                print(f"{shape:<26}{mode:<9}{impl:<36}{ms:8.4f}{ratio:7.2f}x")
+                continue
             print(f"{shape:<26}{mode:<9}{impl:<36}{ms:8.4f}{ratio:7.2f}x  {'met' if ratio >= target else 'MISSED'}")
 
 
@@ -160,8 +209,16 @@ def precompile_tilelang(device: torch.device) -> None:
     precompile(list(entries.items()), device)
 
 
-def main(device: torch.device) -> None:
+def main(device: torch.device, sort_only: bool) -> None:
     sweep = Sweep(device)
+    sweep.sorts()
+    if sort_only:
+        for case in CASES:
+            sweep.shape(case, variants=False, sort_only=True)
+            torch.cuda.empty_cache()
+        sweep.summary()
+        print(f"done in {sweep.elapsed():.0f} s")
+        return
     precompile_tilelang(device)
     print(f"-- TileLang kernels compiled at {sweep.elapsed():.0f} s")
     for case in CASES:
@@ -175,4 +232,6 @@ def main(device: torch.device) -> None:
 
 
 if __name__ == "__main__":
-    main(torch.device("cuda", torch.cuda.current_device()))
+    if sys.argv[1:] not in ([], ["sort"]):
+        sys.exit(f"usage: {sys.argv[0]} [sort]")
+    main(torch.device("cuda", torch.cuda.current_device()), sort_only=sys.argv[1:] == ["sort"])

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort, segments
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -173,6 +173,67 @@ def test_forward_and_backward_capture_in_a_cuda_graph(backend):
     (grad64,) = torch.autograd.grad(out64, weight64, grad_out.double())
     assert_close(f"{backend} graph out", out, out64, RTOL[f16])
     assert_close(f"{backend} graph grad", grad, grad64, gradient_tolerance(f16))
+
+
+# --------------------------------------------------------------------------- the Triton radix sort (SORT="radix")
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+@pytest.mark.parametrize("layout", ["2d", "offsets"])
+def test_triton_radix_sort_gradients(monkeypatch, layout, dist, index_dtype):
+    """Dense and sparse gradients with the radix sort behind them (1000 rows: one 10-bit pass; 4000: two 6-bit passes)."""
+    monkeypatch.setattr(triton_kernels, "SORT", "radix")
+    num_bags, rows = (1500, 4000) if dist == "zipf" else (63, 1000)
+    weight = torch.randn(rows, 64, device="cuda").to(bf16).requires_grad_()
+    indices, offsets, bag_ids = make_bags(layout, num_bags, rows, dist, padding=True)
+    indices = indices.to(index_dtype)
+    assert triton_kernels.sort_for_gradient(indices.reshape(-1), rows).first is None, "the radix sort did not run"
+    check("triton", weight, indices, offsets, bag_ids, PAD, tag=f"triton radix {layout} {dist} {index_dtype}")
+
+
+RADIX_LAUNCHES = {  # the sweep's (scripts/embedding_bag_sweep.py), and 4-bit digits: five passes over 1M rows
+    "default": radix_sort.RadixLaunch(),
+    "1024-8w": radix_sort.RadixLaunch(num_warps=8),
+    "512-4w": radix_sort.RadixLaunch(tile=512),
+    "2048-8w": radix_sort.RadixLaunch(tile=2048, num_warps=8),
+    "7bit": radix_sort.RadixLaunch(digit_bits=7),
+    "4bit-256": radix_sort.RadixLaunch(digit_bits=4, tile=256),
+}
+
+
+@pytest.mark.parametrize("launch", list(RADIX_LAUNCHES.values()), ids=list(RADIX_LAUNCHES))
+def test_radix_sort_equals_stable_torch_sort(launch):
+    """Keys and permutation equal to the torch path's at the sweep's sizes (32768 and 65536 keys over 1M rows), Zipf
+    (long runs of equal keys) and uniform, int32 and int64; out-of-range keys as the sentinel num_embeddings."""
+    rows = 1_000_000
+    for num_keys, dist, dtype in ((32768, "zipf", torch.int64), (65536, "uniform", torch.int32), (5000, "uniform", torch.int64)):
+        flat = sample(num_keys, rows, dist).to(dtype)
+        if num_keys == 5000:
+            flat[::9] = torch.tensor([-1, rows, 2**31 - 1], device="cuda", dtype=dtype).repeat(1000)[: flat[::9].numel()]
+        keys, perm = radix_sort.sort(flat, rows, launch)
+        mapped = torch.where((flat >= 0) & (flat < rows), flat, rows).to(torch.int32)
+        expected = torch.sort(mapped, stable=True)
+        assert torch.equal(keys, expected.values) and torch.equal(perm.long(), expected.indices), f"{num_keys} {dist} {dtype}"
+        if num_keys != 5000:
+            assert torch.equal(keys, segments.sort_segments(flat, rows).keys)
+
+
+def test_radix_sort_backward_captures_in_a_cuda_graph(monkeypatch):
+    """SORT="radix" has no host sync: captured, then replayed with new indices."""
+    monkeypatch.setattr(triton_kernels, "SORT", "radix")
+    test_forward_and_backward_capture_in_a_cuda_graph("triton")
+
+
+def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch):
+    weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
+    indices, _, _ = make_bags("2d", 4000, 4000, "zipf", padding=True, bag_len=8)
+    grads = {}
+    for sort in triton_kernels.SORTS:
+        monkeypatch.setattr(triton_kernels, "SORT", sort)
+        out = embedding_bag_mean(weight, indices, padding_idx=PAD, backend="triton")
+        (grads[sort],) = torch.autograd.grad(out, weight, torch.ones_like(out))
+    assert torch.equal(grads["torch"], grads["radix"])
 
 
 TRITON_LAUNCHES = {

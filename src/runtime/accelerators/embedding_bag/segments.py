@@ -7,6 +7,9 @@ CHUNK entries: a segment inside one chunk is summed and written there; a segment
 chunks (a hot row with thousands of entries) leaves one partial sum per chunk, and a second
 pass adds those partials up. No row waits on another, however skewed the indices.
 
+`sort_segments` sorts with torch.sort and finds each entry's segment start with searchsorted; the Triton backend
+can sort with radix_sort.py instead (triton.SORT), whose kernels find segment edges from the sorted keys.
+
 Nothing here synchronises with the host except `sparse_ranks`, which must learn the number of
 distinct rows to size the sparse gradient (torch's own sparse backward syncs there too).
 
@@ -45,8 +48,10 @@ def bag_layout(indices: torch.Tensor, offsets: torch.Tensor | None, include_last
 @dataclass(frozen=True)
 class Segments:
     keys: torch.Tensor  # sorted flat indices (int32 when every row number fits)
-    perm: torch.Tensor  # int64: each sorted entry's position in the flat indices
-    first: torch.Tensor  # int32: each sorted entry's segment start (a position in sorted order)
+    perm: torch.Tensor  # int64 (torch.sort) or int32 (radix_sort.py): each sorted entry's position in the flat indices
+    # int32: each sorted entry's segment start (a position in sorted order); None where the kernels find segment
+    # edges from the sorted keys (the Triton kernels after radix_sort.py)
+    first: torch.Tensor | None
 
 
 def sort_segments(flat: torch.Tensor, num_embeddings: int) -> Segments:
@@ -66,7 +71,8 @@ def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> t
     Rows are the distinct in-range, non-padding indices in ascending order (a coalesced gradient).
     """
     keys = segments.keys
-    starts = segments.first == torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
+    starts = torch.ones(keys.shape, dtype=torch.bool, device=keys.device)  # where the sorted key changes
+    torch.ne(keys[1:], keys[:-1], out=starts[1:])
     starts &= (keys >= 0) & (keys < num_embeddings) & (keys != padding_idx)
     ranks = torch.cumsum(starts, 0, dtype=torch.int32) - 1
     count = int(ranks[-1]) + 1 if keys.numel() else 0  # the sparse path's one host sync: the gradient's nnz

@@ -5,9 +5,11 @@ forward(weight, indices, offsets, padding_idx, include_last_offset, check_indice
 backward(grad_out, *args, *results) -> (dense weight gradient, None, ...)
 backward_sparse(grad_out, *args, *results) -> sparse COO weight gradient (coalesced)
 
-The gradient follows segments.py: sort the flat indices, then `_chunk_kernel` sums each chunk
-of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds up the
-partial sums of segments that cross chunks. The forward's index check is a device-side assert in
+The gradient follows segments.py: sort the flat indices (SORT: torch.sort, or radix_sort.py's), then
+`_chunk_kernel` sums each chunk of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds
+up the partial sums of segments that cross chunks. Both find segment edges from each entry's segment start
+(`first`, torch.sort's path) or, without it (FIRST=False, the radix sort's path), from the sorted keys alone:
+the same sums in the same order. The forward's index check is a device-side assert in
 the kernel on CUDA (no host sync, no extra launch: the forward stays one CUDA-graph node); under
 the CPU interpreter, which ignores device asserts, the kernel clears a flag that is read after it.
 """
@@ -23,11 +25,17 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
+from . import radix_sort
 from .reference import INDEX_ERROR
-from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import Segments, bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
+# the weight gradient's sort, a module global that tests and scripts/embedding_bag_sweep.py replace:
+# "torch": torch.sort + searchsorted (segments.sort_segments, timed on the H100);
+# "radix": radix_sort.py (GPU timing pending) where it fits (radix_sort.fits), else torch.sort
+SORT = "torch"
+SORTS = ("torch", "radix")
 
 
 # --------------------------------------------------------------------------- kernels
@@ -124,7 +132,7 @@ def _chunk_kernel(
     keys_ptr, perm_ptr, first_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
     out_ptr, rows_ptr, tail_ptr, head_ptr,
     num_indices, num_bags, num_embeddings, dim, bag_len, stride_g, padding_idx,
-    FIXED: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXED: tl.constexpr, SPARSE: tl.constexpr, FIRST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -136,8 +144,16 @@ def _chunk_kernel(
 
     key = tl.load(keys_ptr + p, mask=valid, other=-1)
     next_key = tl.load(keys_ptr + p + 1, mask=p + 1 < num_indices, other=-1)
-    first = tl.load(first_ptr + p, mask=valid, other=0)
-    pos = tl.load(perm_ptr + p, mask=valid, other=0)
+    if FIRST:
+        first = tl.load(first_ptr + p, mask=valid, other=0)
+        starts = (p == first) | (i == 0)
+        began_here = first >= c * CHUNK
+    else:  # sorted keys: a segment starts where the key changes
+        prev_key = tl.load(keys_ptr + p - 1, mask=valid & (i > 0), other=0)
+        before_chunk = tl.load(keys_ptr + c * CHUNK - 1, mask=c > 0, other=0)  # the previous chunk's last key
+        starts = (key != prev_key) | (i == 0)
+        began_here = (key != before_chunk) | (p < CHUNK)  # (c == 0, as a tensor: the interpreter rejects mixing)
+    pos = tl.load(perm_ptr + p, mask=valid, other=0).to(tl.int64)  # int64 (torch.sort) or int32 (radix sort)
     if FIXED:
         bag = pos // bag_len
     else:
@@ -151,11 +167,10 @@ def _chunk_kernel(
     g = tl.load(grad_ptr + bag[:, None] * stride_g + cols[None, :], mask=use_cols, other=0.0)
     g = g.to(tl.float32) * s
 
-    starts = ((p == first) | (i == 0)).to(tl.int32)
+    starts = starts.to(tl.int32)
     sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (CHUNK, BLOCK_D))), 0, _segmented_add)
 
     seg_end = valid & (key != next_key)  # the last entry of its segment
-    began_here = first >= c * CHUNK
     done = seg_end & began_here & row_ok  # the whole segment lies in this chunk: write its row
     if SPARSE:
         # the sparse gradient's row for this segment, as a [CHUNK, BLOCK_D] tile (see the scale load)
@@ -175,12 +190,26 @@ def _chunk_kernel(
     tl.store(tail_ptr + part_offs, sums, mask=tail[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _first_chunk(keys_ptr, key, c, search, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The chunk where the segment of `key`, which goes on into chunk c, begins (c when not `search`): the chunks
+    before c whose last key is `key` (sorted keys: a run of chunks ending at c - 1), BLOCK_J last keys at a time."""
+    lo = c
+    while search:
+        j = lo - BLOCK_J + tl.arange(0, BLOCK_J)
+        last = tl.load(keys_ptr + (j + 1) * CHUNK - 1, mask=j >= 0, other=0)
+        found = tl.sum(((j >= 0) & (last == key)).to(tl.int32), 0)  # a run ending at lo - 1
+        lo -= found
+        search = found == BLOCK_J
+    return lo
+
+
 @direct_launch
 @triton.jit(do_not_specialize=["num_indices", "num_embeddings", "padding_idx"])
 def _combine_kernel(
     keys_ptr, first_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,
     num_indices, num_embeddings, dim, padding_idx,
-    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, FIRST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -188,11 +217,18 @@ def _combine_kernel(
     col_ok = cols < dim
     p0 = c * CHUNK
     key = tl.load(keys_ptr + p0)
-    first = tl.load(first_ptr + p0)
-    next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
-    # this chunk finishes a segment that began in an earlier chunk: it owns the final sum
-    owner = (first < p0) & (next_first != first) & (key >= 0) & (key < num_embeddings) & (key != padding_idx)
-    lo = tl.where(owner, first // CHUNK, c)
+    row_ok = (key >= 0) & (key < num_embeddings) & (key != padding_idx)
+    # this chunk finishes a segment that began in an earlier chunk (lo, below): it owns the final sum
+    if FIRST:
+        first = tl.load(first_ptr + p0)
+        next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
+        owner = (first < p0) & (next_first != first) & row_ok
+        lo = tl.where(owner, first // CHUNK, c)
+    else:  # sorted keys: the segment goes on while the key does
+        prev_key = tl.load(keys_ptr + p0 - 1, mask=c > 0, other=0)
+        next_key = tl.load(keys_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=0)
+        owner = (c > 0) & (prev_key == key) & ((p0 + CHUNK >= num_indices) | (next_key != key)) & row_ok
+        lo = _first_chunk(keys_ptr, key, c, owner, CHUNK, BLOCK_J)
     write = tl.where(owner, col_ok, False)  # (not `col_ok & owner`: the interpreter rejects that mask)
     acc = tl.load(head_ptr + c * dim + cols, mask=write, other=0.0)
     for j0 in range(lo, c, BLOCK_J):
@@ -261,6 +297,16 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     return out, scale, bag_of
 
 
+def sort_for_gradient(flat: torch.Tensor, num_embeddings: int) -> Segments:
+    """The sorted indices behind the weight gradient, by SORT."""
+    if SORT == "radix":
+        if radix_sort.fits(flat.numel(), num_embeddings):
+            return radix_sort.sort_segments(flat, num_embeddings)
+    elif SORT != "torch":
+        raise ValueError(f"embedding_bag triton.SORT: expected one of {SORTS}, got {SORT!r}")
+    return sort_segments(flat, num_embeddings)
+
+
 def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):
     """Run both gradient passes; returns the dense gradient, or (rows, values) when sparse."""
     bags = bag_layout(indices, offsets, include_last_offset)
@@ -273,13 +319,14 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    segments = sort_segments(bags.flat, num_embeddings)
+    segments = sort_for_gradient(bags.flat, num_embeddings)
+    first = segments.first is not None
     if sparse:
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((count,), dtype=torch.int64, device=device)
     else:
-        ranks = rows = segments.first  # unused placeholders
+        ranks = rows = segments.keys  # unused placeholders
         out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
     chunks = num_chunks(num_indices, CHUNK)
     block_d = min(pow2_at_least(dim), 128)
@@ -288,16 +335,16 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     grid = (chunks, cdiv(dim, block_d))
     fixed = bags.offsets is None
     _chunk_kernel[grid](
-        segments.keys, segments.perm, segments.first, bag_of, scale, grad_out, ranks,
+        segments.keys, segments.perm, segments.first if first else segments.keys, bag_of, scale, grad_out, ranks,
         out, rows, tail, head,
         num_indices, bags.num_bags, num_embeddings, dim, max(bags.bag_len, 1), grad_out.stride(0), padding_idx,
-        FIXED=fixed, SPARSE=sparse, CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4,
+        FIXED=fixed, SPARSE=sparse, FIRST=first, CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     if chunks > 1:
         _combine_kernel[grid](
-            segments.keys, segments.first, ranks, tail, head, out, rows,
+            segments.keys, segments.first if first else segments.keys, ranks, tail, head, out, rows,
             num_indices, num_embeddings, dim, padding_idx,
-            SPARSE=sparse, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
+            SPARSE=sparse, FIRST=first, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return (rows, out) if sparse else out
 
