@@ -9,8 +9,8 @@ interpreter (sm90_compile.py) then compiles each recorded specialisation with
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 
 Every kernel that a module launches (`name[grid](...)` in src/runtime/accelerators/*/triton.py,
-*/triton_backward.py, norms_triton.py and gated_delta_rule/varlen.py) gets a test; one that no case below
-launches fails, naming the missing case.
+*/triton_backward.py, norms_triton.py, gated_delta_rule/varlen.py and embedding_bag/radix_sort.py) gets a test;
+one that no case below launches fails, naming the missing case.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import runtime
 import runtime.accelerators as acc
 from runtime.accelerators import norms_triton
+from runtime.accelerators.embedding_bag import radix_sort
+from runtime.accelerators.embedding_bag import triton as embedding_bag_triton
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
@@ -56,6 +58,7 @@ bf16, f32 = torch.bfloat16, torch.float32
 
 def kernel_modules() -> list[str]:
     names = ["runtime.accelerators.norms_triton", "runtime.accelerators.gated_delta_rule.varlen"]
+    names.append("runtime.accelerators.embedding_bag.radix_sort")
     for info in pkgutil.iter_modules(acc.__path__):
         for module in ("triton", "triton_backward"):
             if info.ispkg and importlib.util.find_spec(f"runtime.accelerators.{info.name}.{module}") is not None:
@@ -125,6 +128,23 @@ def embedding_bag():
     # garbage, and accumulating it into weight.grad would read out of bounds)
     out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
     torch.autograd.grad(out, weight, torch.randn_like(out))
+
+
+def embedding_bag_radix():
+    """SORT="radix": the radix sort's kernels over a 1M-row table (two 10-bit passes: the first and the last) from int32
+    and int64 indices, and at the sweep's largest tile (2048 keys, 8 warps), over 2**26 rows (three 9-bit passes: a
+    middle one), and the gradient kernels that find segment edges from the keys (FIRST=False, int32 permutation; 1000
+    rows: one pass), dense and sparse (as embedding_bag)."""
+    for dtype in (torch.int32, torch.int64):
+        radix_sort.sort(torch.randint(0, 1_000_000, (32768,), dtype=dtype), 1_000_000)
+    radix_sort.sort(torch.randint(0, 1_000_000, (32768,)), 1_000_000, radix_sort.RadixLaunch(tile=2048, num_warps=8))
+    radix_sort.sort(torch.randint(0, 1 << 26, (4096,)), 1 << 26)
+    weight = _randn(1000, 64, dtype=f32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(embedding_bag_triton, "SORT", "radix")
+        _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
+        out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+        torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
 def mhc():
@@ -244,6 +264,7 @@ CASES = {
     "elementwise": elementwise,
     "bce": bce,
     "embedding_bag": embedding_bag,
+    "embedding_bag_radix": embedding_bag_radix,
     "mhc": mhc,
     "attention_padded": attention_padded,
     "attention_causal_dropout": attention_causal_dropout,
