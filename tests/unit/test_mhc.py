@@ -61,6 +61,7 @@ def test_reference_matches_the_definition_in_float64():
     y = torch.randn(3, 24, dtype=torch.float64)
     expected = torch.stack([h_res[t] @ x[t] + h_post[t][:, None] * y[t] for t in range(3)])
     torch.testing.assert_close(mhc_post(x, y, h_post, h_res, backend="torch"), expected)
+    torch.testing.assert_close(mhc_post(x, y, H_post=h_post, H_res=h_res, backend="torch"), expected)  # DESIGN.md's names
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -116,9 +117,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="x: expected at least 2 dimension"):
         mhc_pre(x[0, 0], phi, alpha, bias)
     h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
-    with pytest.raises(ValueError, match=r"h_post: expected shape \(2, 4\), got \(2, 2\)"):
+    with pytest.raises(ValueError, match=r"H_post: expected shape \(2, 4\), got \(2, 2\)"):
         mhc_post(x, y, h_post[:, :2], h_res)
-    with pytest.raises(ValueError, match=r"h_res: expected shape \(2, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"H_res: expected shape \(2, 4, 4\)"):
         mhc_post(x, y, h_post, h_res[:, :2, :2])
     with pytest.raises(ValueError, match=r"y: expected shape \(2, 8\)"):
         mhc_post(x, y[:, :4], h_post, h_res)

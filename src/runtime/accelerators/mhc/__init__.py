@@ -81,14 +81,14 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     return PRE(chosen, x, phi, alpha, bias, float(eps), sinkhorn_iters)
 
 
-def mhc_post(x, y, h_post, h_res, *, backend: Backend | None = None):
+def mhc_post(x, y, H_post, H_res, *, backend: Backend | None = None):  # noqa: N803 (DESIGN.md's names)
     """x_next [..., n, C] with x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y."""
     n, width = _check_streams(x)
     lead = tuple(x.shape[:-2])
     _check_shape("y", y, (*lead, width), x)
-    _check_shape("h_post", h_post, (*lead, n), x)
-    _check_shape("h_res", h_res, (*lead, n, n), x)
+    _check_shape("H_post", H_post, (*lead, n), x)
+    _check_shape("H_res", H_res, (*lead, n, n), x)
     chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)
     if chosen == "torch" or x.numel() == 0:
-        return mhc_post_reference(x, y, h_post, h_res)
-    return POST(chosen, x, y, h_post, h_res)
+        return mhc_post_reference(x, y, H_post, H_res)
+    return POST(chosen, x, y, H_post, H_res)
