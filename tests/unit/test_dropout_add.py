@@ -6,6 +6,7 @@ sm_90a, determinism, dispatch and errors."""
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -309,6 +310,14 @@ def test_unsupported_dtype_falls_back():
 def test_p_out_of_range_is_an_error_naming_p(p):
     with pytest.raises(ValueError, match=r"p: expected a dropout probability in \[0, 1\)"):
         dropout_add(torch.randn(3), torch.randn(3), p)
+
+
+def test_p_may_be_any_real_number():
+    x, r = torch.randn(64), torch.randn(64)
+    torch.manual_seed(3)
+    expected = dropout_add(x, r, 0.25, backend="torch")
+    torch.manual_seed(3)
+    torch.testing.assert_close(dropout_add(x, r, np.float32(0.25), backend="torch"), expected)
 
 
 @pytest.mark.parametrize("p", ["0.1", True, torch.tensor(0.1)], ids=["str", "bool", "tensor"])

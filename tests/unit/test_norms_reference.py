@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,22 @@ def test_errors_name_the_argument(op):
         fn(torch.randn(3, 0))
     with pytest.raises(ValueError, match="x: expected at least 1 dimension"):
         fn(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "l2norm"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_eps_errors_name_eps(op, backend):
+    fn, x = getattr(acc, op), torch.randn(2, 8)
+    for eps in (-1e-6, float("nan"), math.inf):
+        with pytest.raises(ValueError, match="eps: expected a finite float >= 0"):
+            fn(x, eps=eps, backend=backend)
+    for eps in (None, "1e-6", True):
+        with pytest.raises(TypeError, match="eps: expected a float >= 0"):
+            fn(x, eps=eps, backend=backend)
+    expected = fn(x, eps=1e-3, backend="torch")
+    for eps in (np.float32(1e-3), np.float64(1e-3), 0):  # any real number
+        torch.testing.assert_close(fn(x, eps=eps, backend=backend), fn(x, eps=float(eps), backend="torch"))
+    torch.testing.assert_close(fn(x, eps=np.float32(1e-3), backend=backend), expected)
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .checks import check_feature_param, check_rows, check_tensor, dtype_reasons
@@ -10,10 +13,10 @@ from .checks import check_feature_param, check_rows, check_tensor, dtype_reasons
 MAX_KERNEL_WIDTH = 16384
 
 
-def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+def check_norm_inputs(x: torch.Tensor, eps, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
     # Every call: inputs that pass everything below pass this first test too, in one frame and few tensor attribute
     # reads (each a few hundred instructions); any other input goes through the checks that name what is wrong.
-    if type(x) is torch.Tensor and x.is_floating_point() and x.dim():
+    if type(x) is torch.Tensor and x.is_floating_point() and x.dim() and type(eps) is float and 0.0 <= eps < math.inf:
         width, device = x.shape[-1], x.device
         if width and _is_feature_param(weight, width, device) and _is_feature_param(bias, width, device):
             return
@@ -21,6 +24,15 @@ def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None = None, bias:
     check_rows("x", x)
     check_feature_param("weight", weight, x)
     check_feature_param("bias", bias, x)
+    check_eps(eps)
+
+
+def check_eps(eps) -> None:
+    """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a float >= 0, got {type(eps).__name__}")
+    if not 0.0 <= eps < math.inf:  # also rejects NaN
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
 
 
 def _is_feature_param(param, width: int, device: torch.device) -> bool:

@@ -11,6 +11,8 @@ x + residual (still differentiable) and draws nothing.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
@@ -54,7 +56,7 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     if residual.dtype != x.dtype:
         raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
     check_same_device("residual", residual, "x", x)
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if type(p) is not float and (isinstance(p, bool) or not isinstance(p, numbers.Real)):  # numpy floats are Real
         raise TypeError(f"p: expected a dropout probability (a float in [0, 1)), got {type(p).__name__}")
     if not 0.0 <= p < 1.0:  # also rejects NaN
         raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")

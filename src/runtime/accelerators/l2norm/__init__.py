@@ -24,7 +24,7 @@ KERNEL = KernelOp(
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:
-    check_norm_inputs(x)
+    check_norm_inputs(x, eps)
     chosen = select_backend(SPEC, backend, x.device, norm_key(x), x=x)
     if chosen == "torch" or x.numel() == 0:
         return l2norm_reference(x, eps)

@@ -34,7 +34,7 @@ def layer_norm(
     *,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    check_norm_inputs(x, weight, bias)
+    check_norm_inputs(x, eps, weight, bias)
     chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight, bias), x=x, weight=weight, bias=bias)
     if chosen == "torch" or x.numel() == 0:
         return layer_norm_reference(x, weight, bias, eps)
