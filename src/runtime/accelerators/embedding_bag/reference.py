@@ -26,7 +26,20 @@ def check_indices_(weight, indices, offsets, include_last_offset) -> None:
     if indices.device.type == "cuda":
         torch._assert_async(~bad, INDEX_ERROR)
     elif bad.item():
-        raise IndexError(INDEX_ERROR)
+        raise index_error(weight, indices, offsets, include_last_offset)
+
+
+def index_error(weight, indices, offsets, include_last_offset) -> IndexError:
+    """The error for inputs bad_indices rejected, naming the argument at fault (a device assert cannot: CPU only)."""
+    n = weight.shape[0]
+    outside = (indices < 0) | (indices >= n)
+    if outside.any():
+        at = int(outside.reshape(-1).nonzero()[0])
+        value = int(indices.reshape(-1)[at])
+        return IndexError(f"embedding_bag_mean: indices: {value} (flat position {at}) is outside [0, num_embeddings={n}) (check_indices=True)")
+    end = f"len(indices)={indices.numel()}" + (" at the last offset (include_last_offset=True)" if include_last_offset else "")
+    got = offsets.tolist() if offsets.numel() <= 16 else "a longer sequence that does not"
+    return IndexError(f"embedding_bag_mean: offsets: expected to start at 0 and rise to {end}, got {got} (check_indices=True)")
 
 
 def embedding_bag_mean_reference(

@@ -26,7 +26,7 @@ from .. import buffers
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from . import radix_sort
-from .reference import INDEX_ERROR
+from .reference import INDEX_ERROR, index_error
 from .segments import Segments, bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
@@ -293,7 +293,7 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
         FIXED=fixed, CHECK=check, BLOCK_T=256, **cfg,
     )  # fmt: skip
     if check == CHECK_FLAG and not ok.item():  # the CPU: no sync to avoid
-        raise IndexError(INDEX_ERROR)
+        raise index_error(weight, indices, offsets, include_last_offset)
     return out, scale, bag_of
 
 
