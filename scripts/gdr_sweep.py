@@ -1,6 +1,8 @@
-"""Launch sweep of the gated delta rule's Triton kernels (warps and pipeline stages per kernel), and step 5's variants.
+"""Launch sweep of the gated delta rule's Triton kernels (warps and pipeline stages per kernel), step 5's variants,
+and the backward's products on bf16 operands (triton_backward.HALF_BACKWARD).
 
     bash .device/gpu python scripts/gdr_sweep.py [pcvr] [large] [kernel ...]      (GPU machine, repo root)
+    bash .device/gpu python scripts/gdr_sweep.py pcvr large half_backward         (HALF_BACKWARD on against off)
 
 For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel; default: pcvr) and
 each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUNCHES, the other kernels at their
@@ -10,6 +12,11 @@ variant of the backward's step 5 (triton_backward.GRAD_WY, see GRAD_WY_KERNELS) 
 ("GRAD_WY=fused"), and its kernels' launches. The last lines name the fastest launch per kernel. Kernel names after
 the shapes keep only those kernels' rows ("grad_wy": step 5's, every variant and its kernels); the whole sweep of
 both shapes should take about four minutes on an H100 (session 14, before the variants: 71 s + 52 s).
+"half_backward": after the default row (HALF_BACKWARD off: the time and the reference of every row), HALF_BACKWARD on
+at the default launches (row "HALF_BACKWARD=on": "/default" is its time over off's, its error the largest relative RMS
+difference of the output and the gradients from off's), then, with it on, the launches of the backward's kernels
+(BACKWARD_KERNELS; "-- ... HALF_BACKWARD=True" lines) and each variant of step 5 ("GRAD_WY=... HALF=on") with its
+kernels' launches. The numerics against the float64 recurrence are tests/gpu's (pytest tests/gpu -k half_backward).
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from runtime.accelerators.testing import RTOL, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
 SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
-KERNELS = ("grad_qk", "grad_state", "local", "wy", "walk", "output")  # and step 5's, by variant:
+KERNELS = ("grad_qk", "grad_state", "local", "state_grad", "wy", "walk", "output")  # and step 5's, by variant:
 GRAD_WY_KERNELS = {"single": ("grad_wy",), "fused": ("grad_wy_fused",)}
+BACKWARD_KERNELS = ("local", "state_grad", "grad_state", "grad_qk")  # with half_backward: swept with it on
 LAUNCHES = {  # launch options per K (the kernel's other options at their defaults)
     16: [dict(num_warps=w, num_stages=s) for w, s in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]],
     128: [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (8, 3)]],
@@ -37,6 +45,7 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
     ("walk", 128): [dict(BV=64), dict(BV=64, num_warps=8), dict(BV=16)],
+    ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=4), dict(BV=128)],  # the reverse walk (default BV 64)
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
 
@@ -57,11 +66,12 @@ def describe(options: dict) -> str:
 def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
-    unknown = set(wanted) - {*KERNELS, "grad_wy"}
-    assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS} and grad_wy"
+    unknown = set(wanted) - {*KERNELS, "grad_wy", "half_backward"}
+    assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, grad_wy, half_backward"
     start = time.perf_counter()
-    default_grad_wy = backward.GRAD_WY
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy or "by K")
+    default_grad_wy, default_half = backward.GRAD_WY, backward.HALF_BACKWARD
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy or "by K",
+          "HALF_BACKWARD", default_half)  # fmt: skip
     print(f"{'shape':<7}{'kernel':<16}{'launch':<24}{'ms':>9}{'/default':>9}{'max grad err':>14}{'at s':>6}")
     for shape in shapes:
         B, T, H, D = SHAPES[shape]
@@ -97,8 +107,20 @@ def main(args: list[str]) -> None:
                     best = (ms, options)
             kernels.LAUNCH_OVERRIDES.clear()
             if best:
-                print(f"-- {shape} {kernel} (GRAD_WY={backward.GRAD_WY}): fastest {describe(best[1])} "
-                      f"({best[0]:.4f} ms vs default {default_ms:.4f})")  # fmt: skip
+                print(f"-- {shape} {kernel} (GRAD_WY={backward.GRAD_WY}, HALF_BACKWARD={backward.HALF_BACKWARD}): "
+                      f"fastest {describe(best[1])} ({best[0]:.4f} ms vs default {default_ms:.4f})")  # fmt: skip
+
+        def grad_wy_variants() -> None:
+            """Step 5: each variant at its default launches (the default one is the first row), then its kernels'."""
+            try:
+                for variant, names in GRAD_WY_KERNELS.items():
+                    backward.GRAD_WY = variant
+                    label = f"GRAD_WY={variant}{' HALF=on' if backward.HALF_BACKWARD else ''}"
+                    if variant == default_grad_wy or row("all", label) is not None:
+                        for kernel in names:
+                            sweep(kernel)
+            finally:
+                backward.GRAD_WY = default_grad_wy
 
         kernels.LAUNCH_OVERRIDES.clear()
         reference = step()
@@ -108,16 +130,17 @@ def main(args: list[str]) -> None:
         for kernel in KERNELS:
             if kernel in wanted:
                 sweep(kernel)
-        if "grad_wy" not in wanted:
-            continue
-        try:  # step 5: each variant at its default launches (the default one is the first row), then its kernels'
-            for variant, names in GRAD_WY_KERNELS.items():
-                backward.GRAD_WY = variant
-                if variant == default_grad_wy or row("all", f"GRAD_WY={variant}") is not None:
-                    for kernel in names:
+        if "grad_wy" in wanted:
+            grad_wy_variants()
+        if "half_backward" in wanted:
+            try:
+                backward.HALF_BACKWARD = not default_half
+                if row("all", f"HALF_BACKWARD={'on' if backward.HALF_BACKWARD else 'off'}") is not None:
+                    for kernel in BACKWARD_KERNELS:
                         sweep(kernel)
-        finally:
-            backward.GRAD_WY = default_grad_wy
+                    grad_wy_variants()
+            finally:
+                backward.HALF_BACKWARD = default_half
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 

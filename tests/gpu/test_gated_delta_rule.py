@@ -146,6 +146,19 @@ def test_triton_grad_wy_variants_forward_and_every_gradient(name, grad_wy, monke
     check_chunked_forward_and_every_gradient(name, "triton")
 
 
+HALF_CASES = [name for name, case in CASES.items() if case[6] != torch.float32]
+
+
+@pytest.mark.parametrize("grad_wy", ["single", "fused"])
+@pytest.mark.parametrize("name", HALF_CASES)
+def test_triton_half_backward_forward_and_every_gradient(name, grad_wy, monkeypatch):
+    """triton_backward.HALF_BACKWARD on (the backward's products on bf16 operands, fp32 accumulation; off by default
+    until this passes on the GPU machine), each variant of step 5, every half-precision case: the same bounds."""
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", True)
+    monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
+    check_chunked_forward_and_every_gradient(name, "triton")
+
+
 @pytest.mark.parametrize("name", ["T63-K16-fp32", "T37-K32-V128-bf16-GVA-scale", "varlen-K128-bf16-GVA-state"])
 def test_torch_backend_forward_and_every_gradient(name):
     B, T, H, HV, K, V, dtype, state, options = CASES[name]
@@ -211,8 +224,15 @@ def _triton_outputs_and_grads(inputs, options, grads_out, segment_chunks=None):
     return [*outputs, *grads]
 
 
-@pytest.mark.parametrize("name", list(SPLIT_CASES))
-def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk(name):
+# the split's walks of the backward (segment offsets, then the segments again) with HALF_BACKWARD on as well
+SPLIT_RUNS = [(name, False) for name in SPLIT_CASES] + [
+    (name, True) for name, case in SPLIT_CASES.items() if case[6] != torch.float32
+]
+
+
+@pytest.mark.parametrize("name, half_backward", SPLIT_RUNS, ids=[f"{n}-half_backward-{h}" for n, h in SPLIT_RUNS])
+def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk(name, half_backward, monkeypatch):
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
     B, T, H, HV, K, V, dtype, options = SPLIT_CASES[name]
     cu = options.get("cu_seqlens")
     sequences = None if cu is None else len(cu) - 1
@@ -275,11 +295,14 @@ def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
 
 
 @pytest.mark.parametrize(
-    "backend, grad_wy", [("triton", "single"), ("triton", "fused"), ("tilelang", None)]
-)
-def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy, monkeypatch):
+    "backend, grad_wy, half_backward",
+    [("triton", "single", False), ("triton", "fused", False), ("triton", "single", True), ("triton", "fused", True),
+     ("tilelang", None, False)],
+)  # fmt: skip
+def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy, half_backward, monkeypatch):
     """g = -5 everywhere, T = 100: rows past the end of the last chunk must not turn exp overflow into NaN (the Triton
-    backward with each variant of its step 5, triton_backward.GRAD_WY)."""
+    backward with each variant of its step 5, triton_backward.GRAD_WY, its products on fp32 or bf16 operands)."""
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
     if grad_wy is not None:
         monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
     inputs = make_inputs(1, 100, 1, 1, 16, 16, torch.bfloat16)

@@ -254,7 +254,14 @@ def test_triton_chunked_backward_under_the_interpreter(name):
         assert_close(f"d{n}", grad, ref_grad, 1e-4)
 
 
-def test_triton_chunked_backward_bf16_under_the_interpreter():
+HALF_BACKWARD = {"tf32-products": False, "bf16-products": True}  # triton_backward.HALF_BACKWARD
+
+
+@pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
+def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, monkeypatch):
+    """bf16, GVA, l2norm and an initial state, the backward's products on fp32 (tf32) or bf16 operands: every gradient
+    within the GPU tier's bounds of the float64 recurrence (the interpreter takes bf16 products as the GPU rounds)."""
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
     inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, 32, 16, dtype=torch.bfloat16, state=True).items()}
     twin = doubled(inputs)
     with use_accelerators(fallback="error"), poison_outputs():
@@ -332,9 +339,12 @@ def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name
         assert_close(f"d{n} ({grad_wy} vs float64 recurrence)", grad, ref, 1e-4)
 
 
+@pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
 @pytest.mark.parametrize("grad_wy", ["fused"])
-def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, monkeypatch):
-    """bf16: dA from the stored (bf16) corrections U, within the GPU tier's bounds of the float64 recurrence."""
+def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, half_backward, monkeypatch):
+    """bf16: dA from the stored (bf16) corrections U, within the GPU tier's bounds of the float64 recurrence (the
+    backward's products on fp32 or bf16 operands, triton_backward.HALF_BACKWARD)."""
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
     case = dict(shape=(1, 130, 2, 4, 32, 16), state=True, sequences=4,
                 options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True))  # fmt: skip
     inputs = {n: x.requires_grad_() for n, x in _inputs(case, torch.bfloat16).items()}

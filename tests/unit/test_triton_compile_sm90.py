@@ -242,6 +242,14 @@ def gated_delta_rule_grad_wy_variants():
             gated_delta_rule()
 
 
+def gated_delta_rule_half_backward():
+    """The backward with triton_backward.HALF_BACKWARD on (its products on bf16 operands), each GRAD_WY variant, at
+    the shapes of gated_delta_rule (K = 16, 64, 128)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gdr_backward, "HALF_BACKWARD", True)
+        gated_delta_rule_grad_wy_variants()
+
+
 def gated_delta_rule_fp32_widest():
     """fp32 at K = V = 128, forward: the launcher pipelines fewer stages there to fit shared memory.
     (Its backward is left out: the fp32 chunk-gradient kernel alone takes ~100 s to compile.)"""
@@ -273,6 +281,7 @@ CASES = {
     "attention_fused_backward": attention_fused_backward,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
+    "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
     "gated_delta_rule_split": gated_delta_rule_split,
 }
@@ -369,6 +378,17 @@ def test_the_backward_attention_kernels_compile_both_paths(compiled):
     for kernel in ("flash_attention._bwd_dkdv_kernel", "flash_attention._bwd_dq_kernel"):
         launches = [launch for launch, _ in compiled[kernel] if launch["case"] == "attention_tma_backward"]
         assert {constexprs(launch)["TMA"] for launch in launches} == {False, True}, kernel
+
+
+def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compiled):
+    """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without."""
+    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_state_kernel", "_chunk_grad_qk_kernel",
+             "_chunk_grad_wy_kernel", "_chunk_grad_wy_fused_kernel")  # fmt: skip
+    for name in names:
+        kernel = f"gated_delta_rule.triton_backward.{name}"
+        assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel
+        on = {constexprs(launch)["K"] for launch, _ in compiled[kernel] if constexprs(launch)["HALF"]}
+        assert on == {16, 64, 128}, f"{kernel}: HALF compiled at K = {sorted(on)} only"
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

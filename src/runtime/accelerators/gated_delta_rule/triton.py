@@ -61,22 +61,29 @@ def _half_dots(q: torch.Tensor) -> bool:
     return q.dtype != torch.float32
 
 
-# The interpreter's bf16 dots are wrong: under it, HALF takes the same bf16-rounded operands in an exact fp32 dot.
+# The interpreter's bf16 dots are wrong (it multiplies the bits as integers): under it, _half_dot takes the same
+# rounded operands in an exact fp32 dot.
 # Read at import, so that the sm_90 compile tier (a process without TRITON_INTERPRET) builds the GPU's path.
 _EMULATE_HALF_DOTS = tl.constexpr(triton_interpret())
 
 
 @triton.jit
-def _storage_dot(a, b, PRECISION: tl.constexpr, HALF: tl.constexpr):
-    """a @ b in fp32: with HALF on bf16 operands (tensor cores at twice the tf32 rate, half the registers), else on
-    fp32 operands at PRECISION."""
-    if HALF:
-        if _EMULATE_HALF_DOTS:
-            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
-        else:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+def _half_dot(a, b, DTYPE: tl.constexpr, acc=None):
+    """a @ b (+ acc) in fp32 on operands rounded to the 16-bit DTYPE (under the interpreter: in an exact fp32 dot)."""
+    if _EMULATE_HALF_DOTS:
+        return tl.dot(a.to(DTYPE).to(tl.float32), b.to(DTYPE).to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=PRECISION)
+        return tl.dot(a.to(DTYPE), b.to(DTYPE), acc)
+
+
+@triton.jit
+def _storage_dot(a, b, PRECISION: tl.constexpr, HALF: tl.constexpr, acc=None):
+    """a @ b (+ acc) in fp32: with HALF on bf16 operands (tensor cores at twice the tf32 rate, half the registers),
+    else on fp32 operands at PRECISION."""
+    if HALF:
+        return _half_dot(a, b, tl.bfloat16, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 def storage_dtype(q: torch.Tensor) -> torch.dtype:
@@ -590,7 +597,8 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
 
 # (kernel, K) -> launch options (num_warps, num_stages, BV) replacing a launcher's defaults; scripts/gdr_sweep.py
 # sets entries to compare launches on a GPU. Kernels: "wy" (prepare), "walk" (the state walk, not the transition
-# walk), "output", "local", "grad_state", "grad_qk", "grad_wy" (backward).
+# walk), "output", "local", "state_grad" (the reverse walk), "grad_state", "grad_qk", "grad_wy", "grad_wy_fused"
+# (backward).
 LAUNCH_OVERRIDES: dict[tuple[str, int], dict] = {}
 
 

@@ -12,8 +12,8 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
-    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _load_qk, _precision,
-    _qk_rows, _state_buffer, launch_options, walk_states,
+    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
+    _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -58,6 +58,27 @@ from .triton import (
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
 # The walk's Q~^T and w^T are transposes of loaded tiles (Q~ scaled by row), and dU enters w^T dU untransposed.
 
+# HALF_BACKWARD: bf16 operands in the backward's products for half inputs (_storage_dot's HALF; the accumulators stay
+# fp32, as in the forward's walk and output and in fla's backward); off until verified on the GPU machine
+# (tests/gpu/test_gated_delta_rule.py -k half_backward; timed by scripts/gdr_sweep.py half_backward). Read at each call,
+# as GRAD_WY. Off, the products take fp32 operands at PRECISION (tf32), but q k^T (_dot_qk: 16-bit either way).
+# On, every product of steps 1 to 5 takes bf16 operands: under the interpreter (which rounds them as the GPU does) none
+# brought a gradient near its bound. Worst relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16
+# cases (K 16 to 128, T up to 1000, GVA, varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound
+# 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact
+# in tf32: dv 3e-4 -> 3e-3). The products that move a gradient most: those with dS' (K~ dS' in the walk: dv, dbeta;
+# U dS'^T: dk, dg), T^T dU (dv, dbeta) and the single kernel's dA = -T^T dT T^T (dg: its dT T^T = dU u^T + dw w^T
+# cancels down to U dU^T, which the fused kernel takes directly). sm_90 (Triton 3.6) registers / spill bytes a thread,
+# off -> on, at K = 16 / 64 / 128: fused step 5 255/0 -> 255/0, 255/0 -> 252/0, 254/0 -> 255/0; single 255/0 -> 255/0,
+# 255/152 -> 255/192, 255/304 -> 255/992 (not used at K = 128); qk 255/184 -> 255/208 at K = 16; the reverse walk
+# 255/16 -> 247/0 at K = 64; the others do not spill.
+HALF_BACKWARD: bool = False
+
+
+def _half_backward(q: torch.Tensor) -> bool:
+    """The HALF constexpr of the backward's kernels: HALF_BACKWARD, for half inputs (_half_dots)."""
+    return HALF_BACKWARD and _half_dots(q)
+
 
 @triton.jit
 def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
@@ -67,7 +88,17 @@ def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl
     if PRECISION == "ieee":
         return tl.dot(a, tl.trans(b), input_precision=PRECISION)
     dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
-    return tl.dot(a.to(dtype), tl.trans(b.to(dtype)))
+    return _half_dot(a, tl.trans(b), dtype)
+
+
+@triton.jit
+def _operand(x, HALF: tl.constexpr):
+    """x that only enters products (_storage_dot): kept in bf16 with HALF, as the products round it (half the
+    registers of fp32), else as is."""
+    if HALF:
+        return x.to(tl.bfloat16)
+    else:
+        return x
 
 
 @triton.jit
@@ -86,7 +117,7 @@ def _chunk_program(
 def _chunk_local_grad_kernel(
     q, k, gamma_in, do, du_out, q_factor_out, k_factor_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """dU_local = scale P^T dO of one chunk, P^T = (K Q^T) * decay^T (key j <= query t), over V blocks; and the
     row factors of the walk, scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k (rows past the end are not
@@ -105,7 +136,7 @@ def _chunk_local_grad_kernel(
     for i_v in range(0, V, BV):
         tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        tl.store(du_out + tokens, tl.dot(attention_t, b_do, input_precision=PRECISION), mask=row_mask[:, None])
+        tl.store(du_out + tokens, _storage_dot(attention_t, b_do, PRECISION, HALF), mask=row_mask[:, None])
     tl.store(q_factor_out + rows * HV + i_hv, scale * tl.exp(gamma) * q_rstd, mask=row_mask)
     tl.store(k_factor_out + rows * HV + i_hv, tl.exp(last - gamma) * k_rstd, mask=row_mask)
 
@@ -123,10 +154,11 @@ def _state_grad_kernel(
     q, k, q_factor, k_factor, gamma_in, w_in, do, du, dstates, dht, dh0, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """The reverse walk over a sequence's chunks: dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU
-    (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS')."""
+    (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). dS stays fp32 in
+    registers (HALF: the products on bf16 operands, as the forward walk's)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -152,14 +184,14 @@ def _state_grad_kernel(
         decay_last = tl.exp(tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv))
         k_scaled = _load_scaled(k, k_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # K~
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-        b_du = tl.dot(k_scaled, dstate, b_du, input_precision=PRECISION)
+        b_du = _storage_dot(k_scaled, dstate, PRECISION, HALF, b_du)
         if STORE_GRADS:
             tl.store(du + tokens, b_du, mask=row_mask[:, None])
         q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dstate = tl.dot(tl.trans(q_scaled), b_do, dstate * decay_last, input_precision=PRECISION)
-        dstate = tl.dot(tl.trans(b_w), -b_du, dstate, input_precision=PRECISION)
+        dstate = _storage_dot(tl.trans(q_scaled), b_do, PRECISION, HALF, dstate * decay_last)
+        dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
 
@@ -174,6 +206,7 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du):
         _chunk_local_grad_kernel[(chunks.total, HV)](
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
+            HALF=_half_backward(q),
             # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100, scripts/gdr_sweep.py)
             **launch_options("local", K, BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
         )  # fmt: skip
@@ -199,11 +232,12 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
     BV, warps, stages = _walk_launch(K, V, _precision(q))
-    _state_grad_kernel[(chunks.n * HV, cdiv(V, BV))](
+    options = launch_options("state_grad", K, BV=BV, num_warps=warps, num_stages=stages)
+    _state_grad_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
-        H=H, HV=HV, K=K, V=V, BV=BV, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
+        H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
-        num_warps=warps, num_stages=stages,
+        HALF=_half_backward(q), **options,
     )  # fmt: skip
 
 
@@ -213,7 +247,7 @@ def _chunk_grad_state_kernel(
     states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
     cu_seqlens, chunk_indices, T, N_CHUNKS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -232,9 +266,9 @@ def _chunk_grad_state_kernel(
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dq_state += tl.dot(b_do, tl.trans(b_s), input_precision=PRECISION)
-        dk_state += tl.dot(b_corrections, tl.trans(b_ds), input_precision=PRECISION)
-        dw -= tl.dot(b_du, tl.trans(b_s), input_precision=PRECISION)
+        dq_state += _storage_dot(b_do, tl.trans(b_s), PRECISION, HALF)
+        dk_state += _storage_dot(b_corrections, tl.trans(b_ds), PRECISION, HALF)
+        dw -= _storage_dot(b_du, tl.trans(b_s), PRECISION, HALF)
         d_last += tl.sum(b_s * b_ds, 1)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
     tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
@@ -248,7 +282,7 @@ def _chunk_grad_state_kernel(
 def _chunk_grad_qk_kernel(
     q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, d_gamma_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """Step 4: the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T on entry; dq_out gets dq
     (its final value: nothing else reaches q), dk gets dk's part P^T-side and S'-side (fp32, finished in step 5),
@@ -267,8 +301,8 @@ def _chunk_grad_qk_kernel(
         tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        do_u += tl.dot(b_do, tl.trans(b_corrections), input_precision=PRECISION)
-        u_do += tl.dot(b_corrections, tl.trans(b_do), input_precision=PRECISION)
+        do_u += _storage_dot(b_do, tl.trans(b_corrections), PRECISION, HALF)
+        u_do += _storage_dot(b_corrections, tl.trans(b_do), PRECISION, HALF)
     d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
     d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
 
@@ -286,7 +320,7 @@ def _chunk_grad_qk_kernel(
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     m = dp * _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
     d_gamma = scale * e_gamma * tl.sum(b_q * dq_state, 1) + tl.sum(m, 1) - tl.sum(m, 0)
-    dq_new = dq_state * (e_gamma * scale)[:, None] + tl.dot(dp, b_k, input_precision=PRECISION)
+    dq_new = dq_state * (e_gamma * scale)[:, None] + _storage_dot(dp, b_k, PRECISION, HALF)
     if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
         dq_new = (dq_new - b_q * tl.sum(dq_new * b_q, 1)[:, None]) * q_rstd[:, None]
     tl.store(dq_out + heads, dq_new.to(dq_out.dtype.element_ty), mask=row_mask[:, None])
@@ -294,7 +328,7 @@ def _chunk_grad_qk_kernel(
     # S' = e^gamma_last S + K~^T U
     to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
     dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
-    dk_part = tl.dot(dp_t, b_q, input_precision=PRECISION) + dk_state * to_end[:, None]
+    dk_part = _storage_dot(dp_t, b_q, PRECISION, HALF) + dk_state * to_end[:, None]
     tl.store(dk + heads, dk_part, mask=row_mask[:, None])
     k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
     d_gamma_last += tl.sum(k_to_end_term, 0)
@@ -308,7 +342,7 @@ def _chunk_grad_wy_kernel(
     k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """Step 5: the WY factors' part. dv and dbeta through u = T diag(beta) V, dk and dbeta through
     w = T diag(beta e^gamma) K, both through T = (I + A)^-1 (dA = -T^T dT T^T, strictly lower); then dk (dk holds
@@ -321,6 +355,7 @@ def _chunk_grad_wy_kernel(
     cols_k = tl.arange(0, K)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
+    inverse = _operand(inverse, HALF)
 
     # over V blocks: u = T diag(beta) V, and U dU^T = T dT^T (see above)
     u_du = tl.zeros([BT_, BT_], dtype=tl.float32)
@@ -331,11 +366,11 @@ def _chunk_grad_wy_kernel(
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
-        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
+        u_du += _storage_dot(b_corrections, tl.trans(b_du), PRECISION, HALF)
+        dv_beta = _storage_dot(tl.trans(inverse), b_du, PRECISION, HALF)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
         dbeta += tl.sum(dv_beta * b_v, 1)
-        d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
+        d_inverse += _storage_dot(b_du, tl.trans(b_v * b_beta[:, None]), PRECISION, HALF)
 
     # w = T diag(beta e^gamma) K
     e_gamma = tl.exp(gamma)
@@ -343,8 +378,8 @@ def _chunk_grad_wy_kernel(
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
     k_weight = b_beta * e_gamma
-    dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
-    d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
+    dk_weighted = _storage_dot(tl.trans(inverse), dw, PRECISION, HALF)
+    d_inverse += _storage_dot(dw, tl.trans(b_k * k_weight[:, None]), PRECISION, HALF)
     dk_new = tl.load(dk + heads, mask=row_mask[:, None], other=0.0) + dk_weighted * k_weight[:, None]
     kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
     dbeta += kdk
@@ -356,16 +391,19 @@ def _chunk_grad_wy_kernel(
     strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
     decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
-    da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
+    da = _storage_dot(_storage_dot(tl.trans(inverse), d_inverse, PRECISION, HALF), tl.trans(inverse), PRECISION, HALF)
     da_decay = tl.where(strictly_lower, -da, 0.0) * decay
-    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
+    da_t = tl.where(strictly_upper, -_storage_dot(u_du, inverse, PRECISION, HALF), 0.0)
     kk = _dot_qk(b_k, b_k, k.dtype.element_ty, L2NORM, PRECISION)
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
     dkk = da_decay * b_beta[:, None]
     dkk_t = da_t * decay_t * b_beta[None, :]
-    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    if HALF:  # one product (dkk strictly lower, dkk_t strictly upper add exactly): no spill at K = 16 (40 B with two)
+        dk_new += _storage_dot(dkk + dkk_t, b_k, PRECISION, HALF)
+    else:
+        dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
     if L2NORM:
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
     tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
@@ -410,7 +448,7 @@ def grad_wy_variant(K: int) -> str:
 @triton.jit
 def _grad_wy_values(
     v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_out,
-    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """The values' part: stores dv and dA * decay (rows past the end are not written), returns dbeta's part."""
     r = tl.arange(0, BT_)
@@ -418,16 +456,16 @@ def _grad_wy_values(
     dbeta = tl.zeros([BT_], dtype=tl.float32)
     for i_v in range(0, V, BV):
         tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_du = _operand(tl.load(du + tokens, mask=row_mask[:, None], other=0.0), HALF)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        du_u += tl.dot(b_du, tl.trans(b_corrections), input_precision=PRECISION)
-        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
+        du_u += _storage_dot(b_du, tl.trans(b_corrections), PRECISION, HALF)
+        dv_beta = _storage_dot(tl.trans(inverse), b_du, PRECISION, HALF)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         dbeta += tl.sum(dv_beta * b_v, 1)
     strictly_lower = (r[:, None] > r[None, :]) & row_mask[:, None]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
-    da = tl.dot(tl.trans(inverse), du_u, input_precision=PRECISION)
+    da = _storage_dot(tl.trans(inverse), du_u, PRECISION, HALF)
     da_decay = tl.where(strictly_lower, -da, 0.0) * decay
     tl.store(da_out + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], da_decay, mask=row_mask[:, None])
     return dbeta
@@ -444,6 +482,7 @@ def _k_columns(k, rows, row_mask, i_h, c, H: tl.constexpr, K: tl.constexpr, BK: 
 def _grad_wy_keys(
     k, dw_in, dk, d_gamma_in, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out, dg_out,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
     """The keys' part, given dbeta's part from the values and dA * decay in da_in: stores dk, dbeta and dg. Over
     blocks of BK columns of k twice (only [BT, BK] and [BT, BT] tiles live): first K K^T and per row (T^T dw).k,
@@ -458,9 +497,9 @@ def _grad_wy_keys(
     for c in range(0, K, BK):
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
         raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
-        kk += tl.dot(raw, tl.trans(raw), input_precision=PRECISION)  # half inputs are exact in tf32
+        kk += _storage_dot(raw, tl.trans(raw), PRECISION, HALF)  # half inputs are exact in tf32 (bf16 ones with HALF)
         dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
-        kdk += tl.sum(tl.dot(tl.trans(inverse), dw, input_precision=PRECISION) * raw, 1)
+        kdk += tl.sum(_storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * raw, 1)
         if L2NORM:
             squares += tl.sum(raw * raw, 1)
             dk_k += tl.sum(tl.load(dk + heads, mask=row_mask[:, None], other=0.0) * raw, 1)
@@ -495,8 +534,8 @@ def _grad_wy_keys(
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
         raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
         dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
-        dk_new = tl.dot(dkk, raw, tl.load(dk + heads, mask=row_mask[:, None], other=0.0), input_precision=PRECISION)
-        dk_new += tl.dot(tl.trans(inverse), dw, input_precision=PRECISION) * k_weight[:, None]
+        dk_new = _storage_dot(dkk, raw, PRECISION, HALF, tl.load(dk + heads, mask=row_mask[:, None], other=0.0))
+        dk_new += _storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * k_weight[:, None]
         if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
             dk_new = (dk_new - raw * (rstd * projection)[:, None]) * rstd[:, None]
         tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
@@ -511,16 +550,17 @@ def _grad_wy_keys(
 @triton.jit
 def _wy_program(
     beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    """A (chunk, value head) program of step 5: _chunk_program's values, beta and T on the chunk's rows."""
+    """A (chunk, value head) program of step 5: _chunk_program's values, beta and T on the chunk's rows (T only
+    enters products: _operand)."""
     i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
         gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
     )
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     inverse_rows = (rows[:, None] * HV + i_hv) * BT_ + tl.arange(0, BT_)[None, :]
     inverse = tl.load(inverse_in + inverse_rows, mask=row_mask[:, None], other=0.0)
-    return i_hv, i_h, rows, row_mask, gamma, b_beta, inverse
+    return i_hv, i_h, rows, row_mask, gamma, b_beta, _operand(inverse, HALF)
 
 
 @direct_launch
@@ -529,19 +569,19 @@ def _chunk_grad_wy_fused_kernel(
     k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, da_scratch,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """GRAD_WY "fused": both parts in one program, dA * decay through da_scratch (read back by other threads)."""
     i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
-        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+        beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN, HALF
     )
     dbeta = _grad_wy_values(
-        v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_scratch, HV, V, BV, PRECISION
+        v, corrections, du, inverse, b_beta, gamma, rows, row_mask, i_hv, dv_out, da_scratch, HV, V, BV, PRECISION, HALF
     )
     tl.debug_barrier()  # the program's stores of dA * decay before its loads
     _grad_wy_keys(
         k, dw_in, dk, d_gamma_in, da_scratch, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out,
-        dbeta_out, dg_out, H, HV, K, BK, L2NORM, PRECISION,
+        dbeta_out, dg_out, H, HV, K, BK, L2NORM, PRECISION, HALF,
     )  # fmt: skip
 
 
@@ -644,13 +684,17 @@ def chunk_backward(
     dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
     dg = buffers.empty((B, T, HV), dtype=g.dtype, device=device)
     block_k = min(K, STATE_GRAD_BLOCK_K)
+    half = _half_backward(q)
     d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
         _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
             states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, **_grad_state_launch(K, V),
+            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, HALF=half,
+            **_grad_state_launch(K, V),
         )  # fmt: skip
-        shared = dict(H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision)
+        shared = dict(
+            H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision, HALF=half
+        )
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
         _chunk_grad_qk_kernel[(chunks.total, HV)](
             q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, d_gamma,
