@@ -6,6 +6,7 @@ set -uo pipefail
 out=${OUT:-/tmp}
 G=tests/gpu/test_gated_delta_rule.py
 tests=(test_triton_forward_matches_the_float64_recurrence test_triton_chunked_forward_and_every_gradient
+       test_triton_half_backward_forward_and_every_gradient
        test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk
        test_strong_decay_in_a_partial_chunk_keeps_gradients_finite test_tilelang_forward_matches_the_float64_recurrence
        test_tilelang_chunked_forward_and_every_gradient)
