@@ -133,6 +133,12 @@ def test_empty_sequence_axis():
             o, state = call(function, inputs, backend, output_final_state=True)
             assert o.shape == (2, 0, 2, 16)
             torch.testing.assert_close(state, inputs["initial_state"])
+            # a backward through zero steps runs: every input gets its (empty) gradient, the state's passes through
+            leaves = [inputs[name].detach().requires_grad_() for name in ("q", "k", "v", "g", "beta", "initial_state")]
+            o, state = function(*leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend)
+            grads = torch.autograd.grad(o.sum() + (2 * state).sum(), leaves)
+            assert [g.shape for g in grads] == [x.shape for x in leaves]
+            torch.testing.assert_close(grads[5], torch.full_like(leaves[5], 2.0))
 
 
 # --------------------------------------------------------------------------- Triton under the interpreter

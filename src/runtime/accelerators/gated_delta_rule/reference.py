@@ -62,6 +62,12 @@ def _segments(cu_seqlens, batch: int, length: int) -> list[tuple[int, int, int]]
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
+def _no_steps(q, k, v, g, beta):
+    """The output of zero time steps ([N, 0, HV, V]): empty, but in the graph of q, k, v, g and beta, so that a
+    backward through it runs and gives them their (empty) gradients."""
+    return v + (q.sum(-1) + k.sum(-1) + g + beta)[..., None]
+
+
 def _finish(o, state, q, output_final_state):
     return o.to(q.dtype), (state if output_final_state else None)
 
@@ -71,13 +77,15 @@ def _finish(o, state, q, output_final_state):
 
 def _recurrent(q, k, v, g, beta, state):
     """q/k [N, T, HV, K], v [N, T, HV, V], g/beta [N, T, HV] (compute dtype, q scaled), state [N, HV, K, V]."""
+    if q.shape[1] == 0:  # an empty sequence of a varlen batch
+        return _no_steps(q, k, v, g, beta), state
     outputs = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         correction = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], state))
         state = state + k[:, t, :, :, None] * correction[:, :, None, :]
         outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
-    o = torch.stack(outputs, 1) if outputs else v.new_zeros(v.shape)
+    o = torch.stack(outputs, 1)
     return o, state
 
 
@@ -88,6 +96,9 @@ def recurrent_gated_delta_rule_reference(
     qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, HV, K = ks.shape
     V = vs.shape[-1]
+    if T == 0:
+        state = _initial(initial_state, len(_segments(cu_seqlens, B, T)), HV, K, V, vs)
+        return _finish(_no_steps(qs, ks, vs, gs, bs), state, q, output_final_state)
     if cu_seqlens is None:
         o, state = _recurrent(qs, ks, vs, gs, bs, _initial(initial_state, B, HV, K, V, vs))
         return _finish(o, state, q, output_final_state)
@@ -99,8 +110,8 @@ def recurrent_gated_delta_rule_reference(
         o, state = _recurrent(*pieces, states[n : n + 1])
         outputs.append(o)
         finals.append(state)
-    o = torch.cat(outputs, 1) if outputs else vs.new_zeros(vs.shape)
-    state = torch.cat(finals, 0) if finals else states
+    o = torch.cat(outputs, 1)
+    state = torch.cat(finals, 0)
     return _finish(o, state, q, output_final_state)
 
 
@@ -136,7 +147,7 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
         corrections = u[:, :, c] - w[:, :, c] @ state
         outputs.append((q[:, :, c] * gamma[:, :, c, :, None].exp()) @ state + attention[:, :, c] @ corrections)
         state = last[:, :, c, None, None].exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ corrections
-    o = torch.stack(outputs, 2) if outputs else v.new_zeros(N, HV, 0, chunk, V)
+    o = torch.stack(outputs, 2)
     return o.permute(0, 2, 3, 1, 4).reshape(N, T, HV, V), state
 
 
@@ -158,6 +169,8 @@ def chunk_gated_delta_rule_reference(
     V = vs.shape[-1]
     segments = _segments(cu_seqlens, B, T)
     state = _initial(initial_state, len(segments), HV, K, V, vs)
+    if T == 0:
+        return _finish(_no_steps(qs, ks, vs, gs, bs), state, q, output_final_state)
     if cu_seqlens is None:
         padded = -(-T // chunk_size) * chunk_size
         o, state = _chunked(*(_pad_time(x, padded) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
