@@ -12,9 +12,10 @@ variant of the backward's step 5 (triton_backward.GRAD_WY, see GRAD_WY_KERNELS) 
 ("GRAD_WY=fused"), and its kernels' launches. The last lines name the fastest launch per kernel. Kernel names after
 the shapes keep only those kernels' rows ("grad_wy": step 5's, every variant and its kernels); the whole sweep of
 both shapes should take about four minutes on an H100 (session 14, before the variants: 71 s + 52 s).
-"half_backward": after the default row (HALF_BACKWARD off: the time and the reference of every row), HALF_BACKWARD on
-at the default launches (row "HALF_BACKWARD=on": "/default" is its time over off's, its error the largest relative RMS
-difference of the output and the gradients from off's), then, with it on, the launches of the backward's kernels
+"half_backward": after the default row (HALF_BACKWARD as the shape's default resolves it: on at K = 128, off below; the
+time and the reference of every row), HALF_BACKWARD forced the other way at the default launches (row
+"HALF_BACKWARD=on/off": "/default" is its time over the default's, its error the largest relative RMS difference of
+the output and the gradients from the default's), then, with it so, the launches of the backward's kernels
 (BACKWARD_KERNELS; "-- ... HALF_BACKWARD=True" lines) and each variant of step 5 ("GRAD_WY=... HALF=on") with its
 kernels' launches. The numerics against the float64 recurrence are tests/gpu's (pytest tests/gpu -k half_backward).
 """
@@ -134,7 +135,7 @@ def main(args: list[str]) -> None:
             grad_wy_variants()
         if "half_backward" in wanted:
             try:
-                backward.HALF_BACKWARD = not default_half
+                backward.HALF_BACKWARD = not backward._half_backward(tensors[0])  # the other side of this shape's default
                 if row("all", f"HALF_BACKWARD={'on' if backward.HALF_BACKWARD else 'off'}") is not None:
                     for kernel in BACKWARD_KERNELS:
                         sweep(kernel)

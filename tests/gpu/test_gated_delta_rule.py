@@ -152,8 +152,9 @@ HALF_CASES = [name for name, case in CASES.items() if case[6] != torch.float32]
 @pytest.mark.parametrize("grad_wy", ["single", "fused"])
 @pytest.mark.parametrize("name", HALF_CASES)
 def test_triton_half_backward_forward_and_every_gradient(name, grad_wy, monkeypatch):
-    """triton_backward.HALF_BACKWARD on (the backward's products on bf16 operands, fp32 accumulation; off by default
-    until this passes on the GPU machine), each variant of step 5, every half-precision case: the same bounds."""
+    """triton_backward.HALF_BACKWARD forced on (the backward's products on bf16 operands, fp32 accumulation; by default
+    on where step 5 runs fused), each variant of step 5 (the single one keeps tf32), every half-precision case: the
+    same bounds."""
     monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", True)
     monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
     check_chunked_forward_and_every_gradient(name, "triton")

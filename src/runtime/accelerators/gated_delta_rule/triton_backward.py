@@ -59,25 +59,28 @@ from .triton import (
 # The walk's Q~^T and w^T are transposes of loaded tiles (Q~ scaled by row), and dU enters w^T dU untransposed.
 
 # HALF_BACKWARD: bf16 operands in the backward's products for half inputs (_storage_dot's HALF; the accumulators stay
-# fp32, as in the forward's walk and output and in fla's backward); off until verified on the GPU machine
-# (tests/gpu/test_gated_delta_rule.py -k half_backward; timed by scripts/gdr_sweep.py half_backward). Read at each call,
-# as GRAD_WY. Off, the products take fp32 operands at PRECISION (tf32), but q k^T (_dot_qk: 16-bit either way).
-# On, every product of steps 1 to 5 takes bf16 operands: under the interpreter (which rounds them as the GPU does) none
-# brought a gradient near its bound. Worst relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16
-# cases (K 16 to 128, T up to 1000, GVA, varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound
-# 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact
-# in tf32: dv 3e-4 -> 3e-3). The products that move a gradient most: those with dS' (K~ dS' in the walk: dv, dbeta;
-# U dS'^T: dk, dg), T^T dU (dv, dbeta) and the single kernel's dA = -T^T dT T^T (dg: its dT T^T = dU u^T + dw w^T
-# cancels down to U dU^T, which the fused kernel takes directly). sm_90 (Triton 3.6) registers / spill bytes a thread,
-# off -> on, at K = 16 / 64 / 128: fused step 5 255/0 -> 255/0, 255/0 -> 252/0, 254/0 -> 255/0; single 255/0 -> 255/0,
-# 255/152 -> 255/192, 255/304 -> 255/992 (not used at K = 128); qk 255/184 -> 255/208 at K = 16; the reverse walk
-# 255/16 -> 247/0 at K = 64; the others do not spill.
-HALF_BACKWARD: bool = False
+# fp32, as in the forward's walk and output and in fla's backward), in every kernel of steps 1 to 5 but the single
+# step-5 kernel (_chunk_grad_wy_kernel), which always takes tf32: on bf16 operands it faulted on the H100 (illegal
+# memory access at K = 16 and 32, Triton 3.6, session 17; the fused step 5 passed every GPU case). Read at each call,
+# as GRAD_WY. None (the default): on where step 5 runs fused (K = 128 by default), where it pays; True / False force.
+# H100, session 17, forward + backward (bf16, l2norm): B4-T4096-H16-D128 3.111 ms on against 3.544 off (fused step 5);
+# PCVR B256-T256-H4-D16 with the fused step 5 0.622 on against 0.616 off, and 0.617 with the single one (the default).
+# Under the interpreter (which rounds the operands as the GPU does) no product brought a gradient near its bound. Worst
+# relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16 cases (K 16 to 128, T up to 1000, GVA,
+# varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta
+# 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact in tf32: dv 3e-4 -> 3e-3). The
+# products that move a gradient most: those with dS' (K~ dS' in the walk: dv, dbeta; U dS'^T: dk, dg) and T^T dU (dv,
+# dbeta). sm_90 (Triton 3.6) registers / spill bytes a thread, off -> on, at K = 16 / 64 / 128: fused step 5 255/0 ->
+# 255/0, 255/0 -> 252/0, 254/0 -> 255/0; qk 255/184 -> 255/208 at K = 16; the reverse walk 255/16 -> 247/0 at K = 64;
+# the others do not spill.
+HALF_BACKWARD: bool | None = None
 
 
 def _half_backward(q: torch.Tensor) -> bool:
-    """The HALF constexpr of the backward's kernels: HALF_BACKWARD, for half inputs (_half_dots)."""
-    return HALF_BACKWARD and _half_dots(q)
+    """The HALF constexpr of the backward's kernels, for half inputs (_half_dots): HALF_BACKWARD, or when None
+    whether step 5 runs fused at q's K."""
+    on = grad_wy_variant(q.shape[-1]) == "fused" if HALF_BACKWARD is None else HALF_BACKWARD
+    return on and _half_dots(q)
 
 
 @triton.jit
@@ -342,7 +345,7 @@ def _chunk_grad_wy_kernel(
     k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Step 5: the WY factors' part. dv and dbeta through u = T diag(beta) V, dk and dbeta through
     w = T diag(beta e^gamma) K, both through T = (I + A)^-1 (dA = -T^T dT T^T, strictly lower); then dk (dk holds
@@ -355,7 +358,6 @@ def _chunk_grad_wy_kernel(
     cols_k = tl.arange(0, K)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
     inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
-    inverse = _operand(inverse, HALF)
 
     # over V blocks: u = T diag(beta) V, and U dU^T = T dT^T (see above)
     u_du = tl.zeros([BT_, BT_], dtype=tl.float32)
@@ -366,11 +368,11 @@ def _chunk_grad_wy_kernel(
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        u_du += _storage_dot(b_corrections, tl.trans(b_du), PRECISION, HALF)
-        dv_beta = _storage_dot(tl.trans(inverse), b_du, PRECISION, HALF)
+        u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
+        dv_beta = tl.dot(tl.trans(inverse), b_du, input_precision=PRECISION)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
         dbeta += tl.sum(dv_beta * b_v, 1)
-        d_inverse += _storage_dot(b_du, tl.trans(b_v * b_beta[:, None]), PRECISION, HALF)
+        d_inverse += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
 
     # w = T diag(beta e^gamma) K
     e_gamma = tl.exp(gamma)
@@ -378,8 +380,8 @@ def _chunk_grad_wy_kernel(
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
     k_weight = b_beta * e_gamma
-    dk_weighted = _storage_dot(tl.trans(inverse), dw, PRECISION, HALF)
-    d_inverse += _storage_dot(dw, tl.trans(b_k * k_weight[:, None]), PRECISION, HALF)
+    dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
+    d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
     dk_new = tl.load(dk + heads, mask=row_mask[:, None], other=0.0) + dk_weighted * k_weight[:, None]
     kdk = e_gamma * tl.sum(dk_weighted * b_k, 1)
     dbeta += kdk
@@ -391,19 +393,16 @@ def _chunk_grad_wy_kernel(
     strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
     decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
-    da = _storage_dot(_storage_dot(tl.trans(inverse), d_inverse, PRECISION, HALF), tl.trans(inverse), PRECISION, HALF)
+    da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
     da_decay = tl.where(strictly_lower, -da, 0.0) * decay
-    da_t = tl.where(strictly_upper, -_storage_dot(u_du, inverse, PRECISION, HALF), 0.0)
+    da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
     kk = _dot_qk(b_k, b_k, k.dtype.element_ty, L2NORM, PRECISION)
     dbeta += tl.sum(da_decay * kk, 1)
     da_a = da_decay * kk * b_beta[:, None]
     d_gamma += tl.sum(da_a, 1) - tl.sum(da_a, 0)
     dkk = da_decay * b_beta[:, None]
     dkk_t = da_t * decay_t * b_beta[None, :]
-    if HALF:  # one product (dkk strictly lower, dkk_t strictly upper add exactly): no spill at K = 16 (40 B with two)
-        dk_new += _storage_dot(dkk + dkk_t, b_k, PRECISION, HALF)
-    else:
-        dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
+    dk_new += tl.dot(dkk, b_k, input_precision=PRECISION) + tl.dot(dkk_t, b_k, input_precision=PRECISION)
     if L2NORM:
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
     tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
@@ -632,7 +631,8 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
     grid = (chunks.total, shared["HV"])
     variant = grad_wy_variant(K)
     if variant == "single":
-        _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **shared)
+        tf32 = {name: value for name, value in shared.items() if name != "HALF"}  # see HALF_BACKWARD
+        _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **tf32)
         return
     assert variant == "fused", f"GRAD_WY is {variant!r}: 'single' or 'fused'"
     da = buffers.empty(inverse.shape, dtype=torch.float32, device=inverse.device)  # dA * decay per chunk
