@@ -32,9 +32,10 @@ from .segments import Segments, bag_layout, num_chunks, sort_segments, sparse_gr
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
 # the weight gradient's sort, a module global that tests and scripts/embedding_bag_sweep.py replace:
-# "torch": torch.sort + searchsorted (segments.sort_segments, timed on the H100);
-# "radix": radix_sort.py (GPU timing pending) where it fits (radix_sort.fits), else torch.sort
-SORT = "torch"
+# "torch": torch.sort + searchsorted (segments.sort_segments);
+# "radix": radix_sort.py where it fits (radix_sort.fits), else torch.sort. On the H100 (session 17) the sort of 32768
+# keys over 1M rows takes 0.036 ms against 0.060 for torch's, and 65536 keys 0.041 against 0.063.
+SORT = "radix"
 SORTS = ("torch", "radix")
 
 
