@@ -1,5 +1,4 @@
-"""flash_attention's TileLang backend on CUDA against the float64 reference: outputs and dq/dk/dv,
-by the split backward (preprocess and dk/dv kernel adding dq) and by the fused one (keys in one block).
+"""flash_attention's TileLang backend on CUDA against the float64 reference: outputs and dq/dk/dv.
 
 Few specialisations (head dim, dtype, causal, key_lengths, dropout) so compilation stays short;
 they are compiled in parallel before the first test.
@@ -12,7 +11,6 @@ from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-from runtime.accelerators.tilelang_common import precompile
 
 fa = pytest.importorskip(
     "runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -65,31 +63,10 @@ CASES = [
 DROPOUT_SPEC = (64, bf16, False, False, True)
 SPECS = sorted({(c[5], c[8], c[6], c[7], False) for c in CASES} | {DROPOUT_SPEC}, key=str)
 
-# the fused backward, every key of a (batch, kv head) in one block (Lk <= FUSED_CONFIGS[D].block_n): the same
-# case fields; head dims 16 (256 keys), 32, 48, 64, 128, both dtypes, GQA/MQA, views, Lq above and below Lk
-FUSED_CASES = [
-    (4, 4, 2, 256, 256, 16, True, True, bf16, "blhd"),  # all 256 keys of the block
-    (3, 4, 4, 63, 200, 16, False, True, f16, "bhld"),
-    (2, 8, 4, 100, 90, 32, False, False, f16, "bhld"),
-    (2, 4, 2, 77, 57, 48, True, True, bf16, "blhd"),
-    (2, 4, 1, 300, 128, 64, True, False, bf16, "bhld"),
-    (1, 2, 2, 1, 1, 64, True, False, f16, "blhd"),
-    (2, 2, 2, 129, 100, 128, False, True, bf16, "blhd"),
-    (3, 4, 2, 200, 128, 128, True, True, f16, "bhld"),
-]
-FUSED_DROPOUT = [(16, 256, True), (64, 100, False)]  # (D, Lk, causal), bf16
-FUSED_SPECS = sorted(
-    {(c[5], c[8], c[6], c[7], False) for c in FUSED_CASES}
-    | {(d, bf16, causal, False, True) for d, _, causal in FUSED_DROPOUT},
-    key=str,
-)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_in_parallel():
-    split = [(fa.forward_entry(*spec), fa.preprocess_entry(*spec[:2]), fa.backward_entry(*spec)) for spec in SPECS]
-    fused = [(fa.forward_entry(*spec), fa.fused_backward_entry(*spec)) for spec in FUSED_SPECS]
-    precompile([entry for entries in split + fused for entry in entries], torch.device(CUDA))
+    fa.warm_up(SPECS, torch.device(CUDA))
 
 
 def _id(case):
@@ -155,86 +132,3 @@ def test_dropout_keep_rate_and_backward_consistency():
     # the kernels draw exactly this mask in the forward and in every gradient: a dropped position
     # contributes nothing, a kept one is scaled by 1 / (1 - p)
     check(out, q, k, v, bf16, keep=keep, dropout_p=p)
-
-
-# --------------------------------------------------------------------------- the fused backward
-
-
-def lengths_for(b, lk):
-    key_lengths = torch.randint(1, lk + 1, (b,), device=CUDA, dtype=torch.int32)
-    key_lengths[0] = 0 if b > 1 else lk // 2 + 1  # a batch row without any key, when there are several
-    return key_lengths
-
-
-def record_fused(monkeypatch) -> list:
-    """Calls of the fused backward from here on (the split one's kernels are then left unrun)."""
-    calls = []
-    real = fa.backward_fused
-    monkeypatch.setattr(fa, "backward_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
-
-
-@pytest.mark.parametrize("case", FUSED_CASES, ids=[_id(c) for c in FUSED_CASES])
-def test_fused_backward_against_float64(case):
-    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout = case
-    q, k, v = (x.detach() for x in make(b, h, hkv, lq, lk, d, dtype, layout))
-    do = torch.randn_like(q)  # q's layout
-    key_lengths = lengths_for(b, lk) if lengths else None
-    args = (q, k, v, key_lengths, causal, d**-0.5, 0.0, 0)
-    o, lse = fa.forward(*args)
-    grads = fa.backward_fused(do, *args, o, lse)  # outputs poisoned by the conftest
-    inputs = [x.double().requires_grad_() for x in (q, k, v)]
-    expected = torch.autograd.grad(attention_float64(*inputs, causal=causal, key_lengths=key_lengths), inputs, do.double())
-    for name, g, g_ref, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
-        assert g.dtype == x.dtype and g.stride() == torch.empty_like(x).stride()
-        assert_close(name, g, g_ref, gradient_tolerance(dtype))
-    if lengths and b > 1:  # a batch row without keys: exactly zero gradients
-        assert all(torch.equal(g[0], torch.zeros_like(g[0])) for g in grads)
-
-
-@pytest.mark.parametrize("d, lk, causal", FUSED_DROPOUT, ids=["d16-lk256-causal", "d64-lk100"])
-def test_fused_backward_dropout_consistency(monkeypatch, d, lk, causal):
-    """The fused backward regenerates the forward's dropout mask: a dropped position contributes nothing, a kept
-    one is scaled by 1 / (1 - p)."""
-    monkeypatch.setattr(fa, "BACKWARD", "fused")
-    calls = record_fused(monkeypatch)
-    p, (b, h, hkv, lq) = 0.2, (2, 4, 2, 150)
-    q, k, v = make(b, h, hkv, lq, lk, d, bf16)
-    torch.manual_seed(11)
-    out = flash_attention(q, k, v, causal=causal, dropout_p=p, backend="tilelang")
-    torch.manual_seed(11)
-    seed = draw_seed()  # the draw flash_attention made
-    keep = fa.dropout_keep_mask(seed, b, h, lq, lk, p, q.device)
-    check(out, q, k, v, bf16, causal=causal, keep=keep, dropout_p=p)
-    assert calls == [1]
-
-
-def test_fused_one_compilation_serves_all_lengths_batches_and_groups(monkeypatch):
-    from runtime.accelerators import tilelang_common
-
-    monkeypatch.setattr(fa, "BACKWARD", "fused")
-    calls = record_fused(monkeypatch)
-
-    def step(b, h, hkv, lq, lk):
-        q, k, v = make(b, h, hkv, lq, lk, 16, bf16)
-        out = flash_attention(q, k, v, causal=True, backend="tilelang")
-        check(out, q, k, v, bf16, causal=True)
-
-    step(2, 4, 4, 100, 100)
-    before = len(tilelang_common._kernels)
-    for b, h, hkv, lq, lk in [(1, 4, 2, 1, 1), (3, 4, 1, 257, 255), (5, 2, 2, 1000, 33), (2, 8, 4, 64, 256)]:
-        step(b, h, hkv, lq, lk)
-    assert len(tilelang_common._kernels) == before
-    assert len(calls) == 5
-
-
-def test_the_public_op_takes_the_fused_backward_at_pcvr_shapes(monkeypatch):
-    monkeypatch.setattr(fa, "BACKWARD", None)  # use_fused's choice
-    calls = record_fused(monkeypatch)
-    q, k, v = make(256, 4, 4, 256, 256, 16, bf16, "blhd")
-    assert fa.use_fused(q, k)
-    key_lengths = lengths_for(256, 256)
-    out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend="tilelang")
-    dq, dk, dv = check(out, q, k, v, bf16, causal=True, key_lengths=key_lengths)
-    assert calls == [1]
-    assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.equal(dk[0], torch.zeros_like(dk[0]))

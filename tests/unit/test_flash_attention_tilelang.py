@@ -1,9 +1,8 @@
 """flash_attention's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
-One representative specialisation per kernel (forward, backward preprocess, backward), and the fused
-backward at every head dim (within the H100's shared memory); the GPU tier checks the numbers. Also
-the pieces that need no GPU: which backward runs, the dropout hash the tests rebuild in torch, and the
-tensor-layout helpers.
+One representative specialisation per kernel (forward, backward preprocess, backward); the GPU
+tier checks the numbers. Also the pieces that need no GPU: the dropout hash the tests rebuild in
+torch, and the tensor-layout helpers.
 """
 
 import pytest
@@ -58,102 +57,6 @@ def test_kernel_compiles_for_sm90a(name):
     # loop step, the load was still in flight when the output tile sharing its memory was written
     for tile in {"forward": ("Q",), "backward": ("K", "V")}.get(name.split("-")[0], ()):
         assert f"tma_load({tile}_desc" not in source, f"{name}: {tile} should not be loaded with TMA"
-
-
-# the fused backward at every head dim, each flag on and off at least once: D16 (256 keys, P and dS through shared
-# memory, K transposed), D48 (K transposed), D128 (the most shared memory), fp16
-FUSED = {
-    "fused-d16-bf16-causal-lengths-dropout": (16, torch.bfloat16, True, True, True),
-    "fused-d32-f16": (32, torch.float16, False, False, False),
-    "fused-d48-bf16-causal": (48, torch.bfloat16, True, False, False),
-    "fused-d64-f16-lengths-dropout": (64, torch.float16, False, True, True),
-    "fused-d128-bf16-causal-lengths-dropout": (128, torch.bfloat16, True, True, True),
-}
-H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
-
-
-def dynamic_shared_bytes(entry) -> int:
-    """The dynamic shared memory the lowered kernel asks for (TileLang's own lowering, under the sm_90a target)."""
-    from tilelang import tvm
-    from tilelang.engine.lower import lower
-
-    from runtime.accelerators.tilelang_common import device_info
-
-    key, build = entry
-    with tvm.target.Target(SM90A):
-        artifact = lower(build(device_info(None)), target=SM90A)
-    (func,) = artifact.device_mod.functions.values()
-    return int(func.attrs.get("dyn_shared_memory_buf", 0))
-
-
-@requires_nvcc
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(FUSED))
-def test_fused_backward_compiles_for_sm90a(name):
-    entry = fa.fused_backward_entry(*FUSED[name])
-    source = compile_entry(entry).get_kernel_source()
-    assert "__global__" in source
-    for dynamic in ("batch", "heads", "q_len"):
-        assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
-    assert "int k_len" in source or "int kv_len" in source, f"{name}: Lk should be a runtime argument"
-    assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
-    for tile in ("Q", "O", "dO", "LSE"):
-        assert f"tma_load({tile}_desc" in source, f"{name}: {tile} tiles should be loaded with TMA"
-    for tile in ("K", "V"):  # loaded once by threads (see backward_kernel)
-        assert f"tma_load({tile}_desc" not in source, f"{name}: {tile} should not be loaded with TMA"
-    # dq stored in q's dtype by one program per row: no reductions, and no register reallocation lost to a
-    # producer as wide as the consumers (thread loads in the pipeline would make one)
-    assert "tma_store(dQ_desc" in source and "tma_store_add" not in source and "atomic" not in source
-    assert "warpgroup_reg_alloc" in source, f"{name}: the TMA producer should give its registers to the consumers"
-    used = dynamic_shared_bytes(entry)
-    assert 0 < used <= H100_SHARED_BYTES, f"{name}: {used} bytes of shared memory, the H100 has {H100_SHARED_BYTES}"
-
-
-# --------------------------------------------------------------------------- which backward runs
-
-
-def launched(monkeypatch, b, h, hkv, lq, lk, d, dtype=torch.bfloat16):
-    """The kernels backward launches for these shapes (launches recorded, nothing run: no GPU needed)."""
-    names = []
-    monkeypatch.setattr(fa, "launcher", lambda entry, device: lambda *args: names.append(entry[0][0]))
-    q = torch.randn(b, h, lq, d, dtype=dtype)
-    k, v = (torch.randn(b, hkv, lk, d, dtype=dtype) for _ in range(2))
-    o, lse = torch.randn_like(q), torch.randn(b, h, lq)
-    grads = fa.backward(torch.randn_like(q), q, k, v, None, True, d**-0.5, 0.0, 0, o, lse)
-    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
-    return names
-
-
-SPLIT = ["flash_attention_prep", "flash_attention_bwd"]
-FUSED_LAUNCH = ["flash_attention_bwd_fused"]
-
-
-def test_backward_is_fused_where_keys_fit_one_block_and_pairs_fill_the_gpu(monkeypatch):
-    monkeypatch.setattr(fa, "BACKWARD", None)
-    assert fa.FUSED_MIN_PROGRAMS == 66 * 4
-    assert launched(monkeypatch, 66, 8, 4, 5, 256, 16) == FUSED_LAUNCH  # 264 (batch, kv head) pairs, GQA
-    assert launched(monkeypatch, 264, 1, 1, 3, 128, 64, torch.float16) == FUSED_LAUNCH
-    assert launched(monkeypatch, 66, 4, 4, 300, 1, 128) == FUSED_LAUNCH  # Lq > Lk
-    assert launched(monkeypatch, 66, 4, 4, 2, 100, 48) == FUSED_LAUNCH
-    assert launched(monkeypatch, 66, 4, 4, 5, 257, 16) == SPLIT  # a key past the block
-    assert launched(monkeypatch, 66, 4, 4, 5, 129, 64) == SPLIT
-    assert launched(monkeypatch, 263, 1, 1, 5, 256, 16) == SPLIT  # too few pairs
-    assert launched(monkeypatch, 66, 4, 4, 5, 128, 32) == SPLIT  # head dim 32: not in FUSED_HEAD_DIMS
-
-
-def test_backward_switch_forces_either_kernel(monkeypatch):
-    monkeypatch.setattr(fa, "BACKWARD", "fused")
-    assert launched(monkeypatch, 1, 2, 1, 5, 7, 32) == FUSED_LAUNCH
-    with pytest.raises(ValueError, match="at most 128 keys at head dim 64, got Lk=129"):
-        launched(monkeypatch, 1, 2, 1, 5, 129, 64)
-    monkeypatch.setattr(fa, "BACKWARD", "split")
-    assert launched(monkeypatch, 66, 8, 4, 5, 256, 16) == SPLIT
-
-
-def test_backward_of_empty_inputs_launches_nothing(monkeypatch):
-    monkeypatch.setattr(fa, "BACKWARD", "fused")
-    assert launched(monkeypatch, 66, 4, 4, 0, 256, 16) == []
-    assert launched(monkeypatch, 66, 4, 4, 5, 0, 16) == []
 
 
 def keep_mask_torch(seed, b, h, lq, lk, p):

@@ -1,8 +1,6 @@
 """FlashAttention in TileLang: forward (online softmax, saves the log-sum-exp), backward
 preprocess (delta = rowsum(o * do), the log-sum-exp in base 2) and one backward kernel that
-computes dk/dv per key block and adds dq into an fp32 accumulator with TMA reductions; or, where
-every key fits one block (short sequences, see use_fused), one fused backward kernel that also
-computes delta and stores dq (one launch, no atomics). BACKWARD forces either.
+computes dk/dv per key block and adds dq into an fp32 accumulator with TMA reductions.
 
 Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D] are read in place whatever their strides (views such
 as x.view(B, L, H, D).transpose(1, 2)): the kernels take strided tensors and TMA reads them (a
@@ -14,9 +12,8 @@ dynamic; the code is specialised on (head dim, dtype, causal, key_lengths given,
 
 Masks: causal is top-left (query i sees keys j <= i) and key_lengths[b] hides keys j >= length;
 both bound the key blocks a program visits and, only on the blocks that straddle a boundary,
-mask elements. A row that sees no key (length 0) gets o = 0 and lse = -inf; the split backward
-never visits it (its key blocks are empty) and the fused one masks all of its probabilities, so
-its gradients are exactly zero.
+mask elements. A row that sees no key (length 0) gets o = 0 and lse = -inf; the backward never
+visits it (its key blocks are empty), so its gradients are exactly zero.
 
 Dropout: keep(b, h, i, j) is a counter-based hash of (seed, b * H + h, i, j) that the backward
 recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p).
@@ -80,24 +77,6 @@ BWD_CONFIGS = {
     64: BwdConfig(128, 64, 2, 256, 1),
     128: BwdConfig(128, 64, 2, 256, 1),
 }
-# The fused backward (fused_backward_kernel): block_n keys hold every key of a (batch, kv head); one program per pair.
-# Not yet timed on a GPU. Two compute warpgroups (and TileLang's TMA producer warpgroup: 384 threads, one program per
-# SM); on sm_90a no spills at any head dim or flags; shared memory 103 KiB at D16, 61 KiB at D32, 95 KiB at D48,
-# 105 KiB at D64, 193 KiB at D128 (the H100 allows 227). D16 takes 256 keys, the PCVR sequence length.
-FUSED_CONFIGS = {
-    16: BwdConfig(256, 64, 2, 256, 1),
-    32: BwdConfig(128, 64, 2, 256, 1),
-    48: BwdConfig(128, 64, 2, 256, 1),
-    64: BwdConfig(128, 64, 2, 256, 1),
-    128: BwdConfig(128, 64, 2, 256, 1),
-}
-# use_fused's rule, as the Triton backend's (flash_attention/triton.py: head dims 16, 48, 64, 128 and 264 pairs there,
-# from its sweeps); not yet measured for these kernels
-FUSED_HEAD_DIMS = frozenset({16, 48, 64, 128})
-FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs
-# "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides. "split" until the fused kernel has
-# passed tests/gpu and been timed on the GPU machine (it is compiled for sm_90a and tested on the CPU only).
-BACKWARD = "split"
 PREP_ROWS = 128
 HEAD_DIMS = tuple(FWD_CONFIGS)
 
@@ -403,142 +382,6 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     return flash_bwd
 
 
-def fused_backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig):
-    """The backward in one kernel where every key fits one block (Lk <= block_n): one program per (batch, kv head)
-    runs backward_kernel's loop over the query heads and query blocks, computing each block's delta = rowsum(o * do)
-    itself (no preprocess; the lse is read as the forward saved it), and stores the block's dq = dS K in q's dtype:
-    the program holds every key of its rows, so no atomics and no fp32 accumulator."""
-    bN, bM = cfg.block_n, cfg.block_m
-    split_k = dim * 2 not in (64, 128, 256)
-    # P and dS are the A operands of dv += P^T dO and dk += dS^T Q. With more than 64 keys per compute warpgroup,
-    # TileLang 0.1.15 deals a product's rows (the scores) to the warpgroups 64 at a time but a register A operand's
-    # in contiguous runs, layouts that conflict: P and dS then go through shared memory.
-    a_shared = bN > 64 * (cfg.threads // 128)
-    B, H, Hkv, Lq, Lk, NL, NLSE = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths, n_lse")
-    sq = T.dynamic("sq_b, sq_h, sq_l")
-    sk = T.dynamic("sk_b, sk_h, sk_l")
-    sv = T.dynamic("sv_b, sv_h, sv_l")
-    sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
-    sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
-    sdk = T.dynamic("sdk_b, sdk_h, sdk_l")
-    sdv = T.dynamic("sdv_b, sdv_h, sdv_l")
-
-    @T.prim_func
-    def flash_bwd_fused(
-        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
-        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
-        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
-        O: T.Tensor((B, H, Lq, dim), dtype),
-        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
-        LSE: T.Tensor((NLSE,), ACCUM),  # [B, H, Lq] flattened
-        Lengths: T.Tensor((NL,), "int32"),
-        dQ: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), dtype),
-        dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
-        dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
-        scale: T.float32,
-        groups: T.int32,
-        seed: T.int32,
-        threshold: T.int32,
-        inv_keep: T.float32,
-    ):
-        T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (by, bz):
-            if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
-                T.annotate_min_blocks_per_sm(cfg.min_blocks)
-                T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
-            K_s = T.alloc_shared((bN, dim), dtype)
-            Kt_s = T.alloc_shared((dim, bN), dtype) if split_k else K_s  # see backward_kernel
-            V_s = T.alloc_shared((bN, dim), dtype)
-            Q_s = T.alloc_shared((bM, dim), dtype)
-            O_s = T.alloc_shared((bM, dim), dtype)
-            dO_s = T.alloc_shared((bM, dim), dtype)
-            lse_s = T.alloc_shared((bM,), ACCUM)
-            delta_s = T.alloc_shared((bM,), ACCUM)
-            ds_s = T.alloc_shared((bN, bM), dtype)
-            dq_s = T.alloc_shared((bM, dim), dtype)
-            dk_s = T.alloc_shared((bN, dim), dtype)
-            dv_s = T.alloc_shared((bN, dim), dtype)
-            s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
-            dp = T.alloc_fragment((bN, bM), ACCUM)
-            p_a = T.alloc_shared((bN, bM), dtype) if a_shared else T.alloc_fragment((bN, bM), dtype)
-            ds_a = ds_s if a_shared else T.alloc_fragment((bN, bM), dtype)
-            lanes = cfg.threads // bM  # threads per row of o * do, each summing dim / lanes columns
-            cols = dim // lanes
-            od = T.alloc_fragment((bM, lanes), ACCUM)
-            delta = T.alloc_fragment((bM,), ACCUM)
-            dk = T.alloc_fragment((bN, dim), ACCUM)
-            dv = T.alloc_fragment((bN, dim), ACCUM)
-            dq = T.alloc_fragment((bM, dim), ACCUM)
-
-            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
-            n_q = T.ceildiv(Lq, bM)
-            sl2 = scale * LOG2E
-            # threads, not TMA: see backward_kernel (rows past Lk are zero-filled)
-            T.copy(K[bz, by, 0:bN, :], K_s, disable_tma=True)
-            if split_k:
-                for j, n in T.Parallel(dim, bN):
-                    Kt_s[j, n] = K_s[n, j]
-            T.copy(V[bz, by, 0:bN, :], V_s, disable_tma=True)
-            T.clear(dk)
-            T.clear(dv)
-            for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
-                hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
-                mq = T.truncmod(it, n_q)
-                # delta first, while the fewest fragments are live (o * do holds dim / lanes floats per thread)
-                T.copy(O[bz, hq, mq * bM : (mq + 1) * bM, :], O_s)
-                T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
-                for i, l in T.Parallel(bM, lanes):
-                    od[i, l] = 0
-                    for c in T.serial(cols):
-                        od[i, l] += T.cast(O_s[i, l * cols + c], ACCUM) * T.cast(dO_s[i, l * cols + c], ACCUM)
-                T.reduce_sum(od, delta, dim=1)
-                T.copy(delta, delta_s)
-                T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
-                # a TMA load from the flattened lse (rows past Lq read the next row's, masked below): one of
-                # [B, H, Lq] would need rows of a multiple of 16 bytes, and loads by threads would take a producer
-                # as wide as the consumers, and its registers. T.max(.., 0), a no-op, keeps TileLang 0.1.15's
-                # analysis of this index from failing (it divides by zero).
-                first = T.max((bz * H + hq) * Lq + mq * bM, 0)
-                T.copy(LSE[first : first + bM], lse_s)
-                T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                # a row that sees no key (kv_len 0) has lse -inf: its scores become +inf here, then the mask's 0
-                for n, i in T.Parallel(bN, bM):
-                    s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i] * LOG2E)
-                if kv_len < bN or (mq + 1) * bM > Lq or (causal and kv_len > mq * bM + 1):
-                    for n, i in T.Parallel(bN, bM):
-                        if causal:
-                            s[n, i] = T.if_then_else((n < kv_len) & (mq * bM + i < Lq) & (n <= mq * bM + i), s[n, i], 0)
-                        else:
-                            s[n, i] = T.if_then_else((n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
-                T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if dropout:  # the forward's mask, recomputed (nvcc merges the two identical hashes)
-                    for n, i in T.Parallel(bN, bM):
-                        keep = _keep(seed, bz * H + hq, mq * bM + i, n, threshold)
-                        p_a[n, i] = T.if_then_else(keep, s[n, i] * inv_keep, 0)
-                        dp[n, i] = T.if_then_else(keep, dp[n, i] * inv_keep, 0)
-                else:
-                    T.copy(s, p_a)
-                T.gemm(p_a, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                # dS = P * (dP - delta); two loops, one reading shared memory and one writing it (in one loop
-                # TileLang syncs the threads at every element)
-                for n, i in T.Parallel(bN, bM):
-                    dp[n, i] = dp[n, i] - delta_s[i]
-                for n, i in T.Parallel(bN, bM):
-                    ds_a[n, i] = s[n, i] * dp[n, i] * scale
-                T.gemm(ds_a, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-                if not a_shared:
-                    T.copy(ds_a, ds_s)
-                T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
-                T.copy(dq, dq_s)
-                T.copy(dq_s, dQ[bz, hq, mq * bM : (mq + 1) * bM, :])
-            T.copy(dk, dk_s)
-            T.copy(dk_s, dK[bz, by, 0:bN, :])
-            T.copy(dv, dv_s)
-            T.copy(dv_s, dV[bz, by, 0:bN, :])
-
-    return flash_bwd_fused
-
-
 # --------------------------------------------------------------------------- compile entries
 
 
@@ -558,23 +401,13 @@ def backward_entry(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool
     return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
 
 
-def fused_backward_entry(
-    dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig | None = None
-) -> Entry:
-    cfg = cfg or FUSED_CONFIGS[dim]
-    key = ("flash_attention_bwd_fused", dim, dtype, causal, has_lengths, dropout, cfg)
-    return key, lambda _: fused_backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
-
-
 def entries(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool) -> list[Entry]:
-    """Every kernel one specialisation may run, forward and backward (for `precompile`)."""
-    split = [
+    """Every kernel one specialisation runs, forward and backward (for `precompile`)."""
+    return [
         forward_entry(dim, dtype, causal, has_lengths, dropout),
         preprocess_entry(dim, dtype),
         backward_entry(dim, dtype, causal, has_lengths, dropout),
     ]
-    fused = [fused_backward_entry(dim, dtype, causal, has_lengths, dropout)] if dim in FUSED_HEAD_DIMS else []
-    return split + fused
 
 
 def warm_up(specs, device: torch.device) -> None:
@@ -653,16 +486,13 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
 
 def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg: BwdConfig | None = None):
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes and dimension orders, dk/dv summed
-    over each kv head's query heads. The fused kernel where use_fused (or BACKWARD) says so, else the
-    preprocess and the split kernel; cfg overrides the split kernel's tiles (benchmark sweeps)."""
+    over each kv head's query heads. cfg overrides the tile configuration (benchmark sweeps)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    rest = (None,) * 5
-    if q.numel() == 0 or lk == 0:
-        return _empty_as(q).zero_(), _empty_as(k).zero_(), _empty_as(v).zero_(), *rest
-    if BACKWARD == "fused" or (BACKWARD is None and use_fused(q, k)):
-        return *backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse), *rest
     dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
+    rest = (None,) * 5
+    if dq.numel() == 0 or lk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), *rest
     _check_grid(q, k)
     do = _tma_ready(do)
     lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
@@ -679,35 +509,3 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     )
     dq.copy_(dq_acc)
     return dq, dk, dv, *rest
-
-
-def use_fused(q, k) -> bool:
-    """The fused kernel for 16-bit inputs at FUSED_HEAD_DIMS, where every key fits its block (dq is then stored:
-    no atomics) and there are FUSED_MIN_PROGRAMS (batch, kv head) pairs to fill the GPU, one program each."""
-    b, hkv, lk, d = k.shape
-    return (
-        q.dtype in (torch.bfloat16, torch.float16) and d in FUSED_HEAD_DIMS and b * hkv >= FUSED_MIN_PROGRAMS
-        and lk <= FUSED_CONFIGS[d].block_n
-    )  # fmt: skip
-
-
-def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg: BwdConfig | None = None):
-    """(dq, dk, dv) of fused_backward_kernel, one launch; Lk must fit the key block. cfg overrides the tiles
-    (benchmark sweeps)."""
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    cfg = cfg or FUSED_CONFIGS[d]
-    if lk > cfg.block_n:
-        raise ValueError(f"the fused tilelang backward takes at most {cfg.block_n} keys at head dim {d}, got Lk={lk}")
-    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
-    if q.numel() == 0 or lk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    _check_grid(q, k)
-    dropout = dropout_p > 0
-    threshold, inv_keep = _dropout_args(dropout_p)
-    kernel = launcher(fused_backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
-    kernel(
-        _tma_ready(q), _tma_ready(k), _tma_ready(v), o, _tma_ready(do), lse.view(-1), _lengths(key_lengths, q.device),
-        dq, dk, dv, float(scale), h // hkv, int(seed), threshold, inv_keep,
-    )
-    return dq, dk, dv
