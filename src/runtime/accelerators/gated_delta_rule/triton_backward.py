@@ -199,7 +199,7 @@ def _state_grad_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
 
 
-def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du):
+def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bool):
     """_chunk_local_grad_kernel over every chunk: dU_local into du; returns the walk's row factors of q and k."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
@@ -209,7 +209,7 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du):
         _chunk_local_grad_kernel[(chunks.total, HV)](
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
-            HALF=_half_backward(q),
+            HALF=half,
             # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100, scripts/gdr_sweep.py)
             **launch_options("local", K, BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
         )  # fmt: skip
@@ -230,7 +230,7 @@ def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     return min(V, 32), 2 if K == 16 else 4, 2
 
 
-def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
+def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
     """One _state_grad_kernel launch over the sequences of `chunks` (dU and dS' are stored when dstates is given)."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
@@ -240,7 +240,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, chunks: Chunks, *, dht=None
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
-        HALF=_half_backward(q), **options,
+        HALF=half, **options,
     )  # fmt: skip
 
 
@@ -662,10 +662,11 @@ def chunk_backward(
 
     dstates = _state_buffer(chunks.total, HV, K, V, device)
     du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)  # dU_local, then dU
-    factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du)
+    half = _half_backward(q)  # every kernel's HALF
+    factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
-    walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du)
+    walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du, half)
     if segments is None:
         walk(chunks, dht=dht, dstates=dstates, dh0=dh0)
     else:  # dS = M^T dS' + c per segment: c from a zero dS', the chain backwards, then the segments again
@@ -684,7 +685,6 @@ def chunk_backward(
     dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
     dg = buffers.empty((B, T, HV), dtype=g.dtype, device=device)
     block_k = min(K, STATE_GRAD_BLOCK_K)
-    half = _half_backward(q)
     d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
         _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
