@@ -3,6 +3,7 @@ and the backward's products on bf16 operands (triton_backward.HALF_BACKWARD).
 
     bash .device/gpu python scripts/gdr_sweep.py [pcvr] [large] [kernel ...]      (GPU machine, repo root)
     bash .device/gpu python scripts/gdr_sweep.py pcvr large half_backward         (HALF_BACKWARD on against off)
+    bash .device/gpu python scripts/gdr_sweep.py large half_wy                    (triton.HALF_WY on against off)
 
 For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel; default: pcvr) and
 each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUNCHES, the other kernels at their
@@ -18,6 +19,8 @@ time and the reference of every row), HALF_BACKWARD forced the other way at the 
 the output and the gradients from the default's), then, with it so, the launches of the backward's kernels
 (BACKWARD_KERNELS; "-- ... HALF_BACKWARD=True" lines) and each variant of step 5 ("GRAD_WY=... HALF=on") with its
 kernels' launches. The numerics against the float64 recurrence are tests/gpu's (pytest tests/gpu -k half_backward).
+"half_wy": the forward alone and forward + backward with triton.HALF_WY (the WY factors on bf16 operands) as it is
+and flipped (rows "fwd HALF_WY=..." and "HALF_WY=...").
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def describe(options: dict) -> str:
 def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
-    unknown = set(wanted) - {*KERNELS, "grad_wy", "half_backward"}
-    assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, grad_wy, half_backward"
+    modes = {"grad_wy", "half_backward", "half_wy"}
+    unknown = set(wanted) - {*KERNELS, *modes}
+    assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, {sorted(modes)}"
     start = time.perf_counter()
     default_grad_wy, default_half = backward.GRAD_WY, backward.HALF_BACKWARD
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "default GRAD_WY", default_grad_wy or "by K",
@@ -142,6 +146,21 @@ def main(args: list[str]) -> None:
                     grad_wy_variants()
             finally:
                 backward.HALF_BACKWARD = default_half
+        if "half_wy" in wanted:
+            default_half_wy = kernels.HALF_WY
+
+            def forward():
+                return chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, backend="triton")[0]
+
+            try:
+                for half_wy in (default_half_wy, not default_half_wy):
+                    kernels.HALF_WY = half_wy
+                    with torch.no_grad():
+                        ms = gpu_time_ms(forward, torch.device("cuda"))[0]["median"]
+                    print(f"{shape:<7}{'fwd':<16}{f'HALF_WY={half_wy}':<24}{ms:9.4f}")
+                row("all", f"HALF_WY={kernels.HALF_WY}")
+            finally:
+                kernels.HALF_WY = default_half_wy
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 

@@ -403,10 +403,10 @@ def _chunk_inverse_kernel(
 def _chunk_wy_kernel(
     k, v, beta, gamma_in, inverse_in, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, value head): w = T diag(beta e^gamma) K and u = T diag(beta) V by column blocks, T and gamma as
-    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor)."""
+    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor); HALF: on bf16 operands."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -428,12 +428,12 @@ def _chunk_wy_kernel(
     for c in tl.static_range(0, K, BK):
         cols = c + tl.arange(0, BK)
         raw = tl.load(k + r[:, None] * (H * K) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        w = tl.dot(t, raw * k_scale[:, None], input_precision=PRECISION)
+        w = _storage_dot(t, raw * k_scale[:, None], PRECISION, HALF)
         tl.store(w_out + r[:, None] * (HV * K) + cols[None, :], w.to(w_out.dtype.element_ty), mask=row_mask[:, None])
     for c in tl.static_range(0, V, BV):
         cols = c + tl.arange(0, BV)
         b_v = tl.load(v + r[:, None] * (HV * V) + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        u = tl.dot(t, b_v * b_beta[:, None], input_precision=PRECISION)
+        u = _storage_dot(t, b_v * b_beta[:, None], PRECISION, HALF)
         tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u.to(u_out.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -569,6 +569,20 @@ def _state_block(K: int, V: int) -> int:
     return min(V, 32 if K == 128 else 64)  # the [K, BV] state stays in registers
 
 
+# Whether the WY factors of half inputs are taken on bf16 operands (T and the scaled rows of K and V rounded to bf16,
+# fp32 accumulation), as fla does; a module global that scripts/gdr_sweep.py replaces to compare. H100, B4-T4096-H16-D128
+# (session 18): forward 0.616 ms against 0.658 in tf32 (fla 0.615), forward + backward 3.090 against 3.127.
+HALF_WY = True
+
+
+def _half_wy(k: torch.Tensor, BK: int, BV: int) -> bool:
+    """HALF of the WY kernel. Only where the V blocks are at least as wide as the K blocks: Triton 3.6 on the H100
+    built the bf16 products wrongly when the u product (BV columns) was narrower than the w product before it (BK
+    columns, the same T operand): K = 64, V = 32 gave a wrong u, K = 128, V = 32 an illegal memory access
+    (scripts/gdr_wy_check.py)."""
+    return HALF_WY and _half_dots(k) and BV >= BK
+
+
 def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
     """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT] (fp32)."""
     B, T, H, K = k.shape
@@ -586,11 +600,12 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
             H=H, HV=HV, K=K, BK=16, **common,  # wider column steps spill at K = 32 (sm_90)
             num_warps=1,  # the substitution's reductions stay within the warp
         )  # fmt: skip
+        # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
+        options = launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4)
+        BK = min(K, wide)
         _chunk_wy_kernel[(chunks.total, HV)](
             k, v, beta, gamma, inverse, w, u, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BK=min(K, wide), **common,
-            # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
-            **launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4),
+            H=H, HV=HV, K=K, V=V, BK=BK, HALF=_half_wy(k, BK, options["BV"]), **common, **options,
         )  # fmt: skip
     return gamma, w, u, inverse
 
