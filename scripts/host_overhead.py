@@ -27,6 +27,7 @@ import importlib
 import os
 import pkgutil
 import pstats
+import sys
 import time
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -66,9 +67,12 @@ class _StubKernel:
 
 
 def triton_modules() -> list:
-    """Every module of runtime.accelerators whose name says Triton (the ops' kernel modules)."""
-    names = [m.name for m in pkgutil.walk_packages(accelerators.__path__, "runtime.accelerators.") if "triton" in m.name]
-    return [importlib.import_module(name) for name in names]
+    """Every module of runtime.accelerators whose name says Triton (the ops' kernel modules), and the modules those
+    import from runtime.accelerators (helpers holding kernels of their own, such as embedding_bag.radix_sort)."""
+    for m in pkgutil.walk_packages(accelerators.__path__, "runtime.accelerators."):
+        if "triton" in m.name:
+            importlib.import_module(m.name)
+    return [module for name, module in list(sys.modules.items()) if name.startswith("runtime.accelerators.")]
 
 
 def stub_launches() -> None:
