@@ -225,6 +225,21 @@ def test_triton_forward_bf16_under_the_interpreter():
         assert_close("final_state", state, ref_state, 5e-3)
 
 
+def test_triton_wy_factors_take_bf16_products_only_where_the_v_blocks_are_not_narrower():
+    """HALF_WY: Triton 3.6 on the H100 built the WY kernel's bf16 u product wrongly where it is narrower than the w
+    product before it (K = 64, V = 32: a wrong u; K = 128, V = 32: an illegal address), so those launches stay in tf32.
+    Where the products are bf16 (K = 16, V = 32 here), the forward stays within the GPU tier's bounds."""
+    bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    assert gdr_triton._half_wy(bf16, 64, 64) and gdr_triton._half_wy(bf16, 16, 32)
+    assert not gdr_triton._half_wy(bf16, 64, 32) and not gdr_triton._half_wy(fp32, 64, 64)
+    inputs = make_inputs(1, 63, 1, 2, 16, 32, dtype=torch.bfloat16, state=True)
+    ref, ref_state = call(FUNCTIONS["recurrent"], doubled(inputs), "torch", output_final_state=True)
+    with use_accelerators(fallback="error"), poison_outputs():
+        o, state = call(chunk_gated_delta_rule, inputs, "triton", output_final_state=True)
+    assert_close("o", o, ref, 5e-3)
+    assert_close("final_state", state, ref_state, 5e-3)
+
+
 TRITON_BACKWARD_CASES = {  # shape: (B, T, H, HV, K, V)
     "T63-GVA-state-final": dict(shape=(1, 63, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
     "T130-GVA-l2norm-scale": dict(shape=(2, 130, 2, 4, 16, 16), options=dict(use_qk_l2norm_in_kernel=True, scale=0.3)),
