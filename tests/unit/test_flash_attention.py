@@ -306,6 +306,35 @@ def test_triton_under_torch_compile():
                           causal=True, key_lengths=key_lengths)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+@pytest.mark.parametrize(
+    "causal, lengths, dropout_p", [(False, False, 0.0), (True, True, 0.0), (False, False, 0.25), (True, True, 0.25)],
+    ids=["plain", "causal-lengths", "dropout", "causal-lengths-dropout"],
+)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dropout_p, dynamic):
+    # Dynamo makes a float argument symbolic (SymFloat) under dynamic shapes, the default dropout_p and scale
+    # included; the backend decision used to fail on it. Without dropout the defaults are used, with it dropout_p
+    # and scale are arguments of the compiled function.
+    def f(q, k, v, key_lengths, dropout_p, scale):
+        if dropout_p == 0.0:
+            return flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend=backend)
+        return flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=dropout_p, scale=scale, backend=backend)
+
+    torch._dynamo.reset()  # f's code is shared by every case: start without the graphs (and recompiles) of the others
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for b, lq, lk in ((2, 9, 12), (3, 7, 10)):  # the second shape takes the graph (or makes it) dynamic
+        q, k, v = make(b, 2, 1, lq, lk, 16)
+        key_lengths = torch.randint(0, lk + 1, (b,)) if lengths else None
+        results = []
+        for run in (compiled, f):
+            torch.manual_seed(1)  # the same dropout mask for both
+            out = run(q, k, v, key_lengths, dropout_p, 0.3)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+        for name, got, expected in zip(("o", "dq", "dk", "dv"), *results):
+            torch.testing.assert_close(got, expected, msg=lambda m: f"{name}: {m}")
+
+
 def test_zero_scale_falls_back_to_the_reference():
     # scale 0 is a plain mean of v without a mask (with masked keys SDPA's own result is NaN)
     q, k, v = make(1, 2, 2, 5, 5, 16, requires_grad=False)

@@ -185,8 +185,8 @@ def _describe(inputs: dict) -> tuple:
     """The inputs as constants for torch.compile: a tensor by dtype, rank, last size and requires_grad.
 
     Leading sizes may be symbolic under dynamic shapes, so reasons seen while compiling must depend
-    only on the dtype, the rank and the last (feature) size. A symbolic last size, int or bool value
-    (dynamic=True) is specialised: the graph guards on it.
+    only on the dtype, the rank and the last (feature) size. A symbolic last size, bool, int or float
+    value (dynamic=True) is specialised: the graph guards on it.
     """
     return tuple(
         (name, ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor)
@@ -196,11 +196,16 @@ def _describe(inputs: dict) -> tuple:
 
 
 def _constant(value):
-    """A symbolic int or bool as the constant the graph then guards on (int() and bool() would keep it symbolic)."""
-    if isinstance(value, torch.SymInt):
-        return operator.index(value)
-    if isinstance(value, torch.SymBool):
-        return True if value else False
+    """A symbolic bool, int or float as the constant the graph then guards on.
+
+    Dynamo makes a float argument symbolic under dynamic shapes (dropout_p, scale, eps, also a default value), and
+    it sees symbolic numbers as plain bool/int/float (isinstance(x, torch.SymFloat) is False while tracing), where
+    float() and int() would keep them symbolic: guard_scalar is the call Dynamo turns into a constant and a guard.
+    """
+    if isinstance(value, (int, float)):  # bool is an int
+        from torch.fx.experimental.symbolic_shapes import guard_scalar  # loaded by then: this runs while compiling
+
+        return guard_scalar(value)
     return value
 
 
