@@ -102,15 +102,17 @@ def test_radix_backward_offsets_int32_5_passes(radix, sparse):
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
-    """The radix path finds segment edges from the keys (no `first`), the combine kernel its segment's first chunk by
-    a backward search (BLOCK_J = 2: several steps for a row over 7 chunks): the same sums in the same order."""
+    """Either sort's keys give the segment edges (no `first`), the combine kernel its segment's first chunk by a
+    backward search (BLOCK_J = 2: several steps for a row over 7 chunks): the same sums in the same order."""
     monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16))
     monkeypatch.setattr(triton_kernels, "BLOCK_J", 2)
     weight, indices = table(50, 24), hot_indices(60 * 5, 50, hot=30, copies=220).reshape(60, 5)
     grads = {}
     for sort in ("torch", "radix"):
         monkeypatch.setattr(triton_kernels, "SORT", sort)
-        assert (triton_kernels.sort_for_gradient(indices.reshape(-1), 50).first is None) == (sort == "radix")
+        segments = triton_kernels.sort_for_gradient(indices.reshape(-1), 50)
+        assert segments.first is None  # no searchsorted launch on either path
+        assert segments.perm.dtype == (torch.int32 if sort == "radix" else torch.int64)  # which sort ran
         out = embedding_bag_mean(weight, indices, padding_idx=3, sparse=sparse, backend="triton")
         (grads[sort],) = torch.autograd.grad(out, weight, torch.ones_like(out))
     if sparse:
@@ -124,7 +126,7 @@ def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
 def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, sparse):
     """check_indices=False: out-of-range rows count as padding (the radix sort's sentinel sorts them last).
 
-    Not past int32 with SORT="torch": sort_segments casts int64 keys to int32, so that 2**40 becomes row 0 (an
+    Not past int32 with SORT="torch": sort_keys casts int64 keys to int32, so that 2**40 becomes row 0 (an
     unspecified value, as the API allows unchecked, in bounds); the radix sort reads the int64 keys themselves."""
     monkeypatch.setattr(triton_kernels, "SORT", sort)
     flat = _out_of_range(60, 37, past_int32=sort == "radix")
@@ -147,8 +149,9 @@ def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, s
 def test_radix_sort_falls_back_to_torch_sort_past_max_counts(monkeypatch):
     monkeypatch.setattr(triton_kernels, "SORT", "radix")
     monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16, max_counts=16))  # 2 tiles of 8 buckets
-    assert triton_kernels.sort_for_gradient(_random(32, 50), 50).first is None
-    assert triton_kernels.sort_for_gradient(_random(33, 50), 50).first is not None  # 3 tiles: torch.sort
+    # the permutation's dtype tells the sorts apart: int32 from the radix sort, int64 from torch.sort
+    assert triton_kernels.sort_for_gradient(_random(32, 50), 50).perm.dtype == torch.int32
+    assert triton_kernels.sort_for_gradient(_random(33, 50), 50).perm.dtype == torch.int64  # 3 tiles: torch.sort
 
 
 def test_unknown_sort_is_an_error(monkeypatch):

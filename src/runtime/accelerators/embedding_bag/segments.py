@@ -7,8 +7,9 @@ CHUNK entries: a segment inside one chunk is summed and written there; a segment
 chunks (a hot row with thousands of entries) leaves one partial sum per chunk, and a second
 pass adds those partials up. No row waits on another, however skewed the indices.
 
-`sort_segments` sorts with torch.sort and finds each entry's segment start with searchsorted; the Triton backend
-can sort with radix_sort.py instead (triton.SORT), whose kernels find segment edges from the sorted keys.
+`sort_segments` sorts with torch.sort (`sort_keys`) and finds each entry's segment start with searchsorted (the
+TileLang kernels read those starts); the Triton kernels find segment edges from the sorted keys alone, after
+`sort_keys` or radix_sort.py's sort (triton.SORT).
 
 Nothing here synchronises with the host except `sparse_ranks`, which must learn the number of
 distinct rows to size the sparse gradient (torch's own sparse backward syncs there too).
@@ -19,6 +20,7 @@ stream: running them concurrently on two streams gained nothing on an H100 (with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,19 +52,25 @@ class Segments:
     keys: torch.Tensor  # sorted flat indices (int32 when every row number fits)
     perm: torch.Tensor  # int64 (torch.sort) or int32 (radix_sort.py): each sorted entry's position in the flat indices
     # int32: each sorted entry's segment start (a position in sorted order); None where the kernels find segment
-    # edges from the sorted keys (the Triton kernels after radix_sort.py)
+    # edges from the sorted keys (the Triton kernels)
     first: torch.Tensor | None
 
 
-def sort_segments(flat: torch.Tensor, num_embeddings: int) -> Segments:
+def sort_keys(flat: torch.Tensor, num_embeddings: int) -> Segments:
+    """The flat indices sorted by torch.sort (stable), without segment starts."""
     if flat.numel() > INT32_MAX:
         raise ValueError(f"indices: {flat.numel()} entries; the kernels take at most {INT32_MAX}")
     keys = flat
     if keys.dtype == torch.int64 and num_embeddings <= INT32_MAX:
         keys = keys.to(torch.int32)  # half the radix-sort passes of int64 keys
     keys, perm = torch.sort(keys, stable=True)
-    first = torch.searchsorted(keys, keys, out_int32=True)
-    return Segments(keys, perm, first)
+    return Segments(keys, perm, None)
+
+
+def sort_segments(flat: torch.Tensor, num_embeddings: int) -> Segments:
+    """sort_keys, with each sorted entry's segment start."""
+    keys = sort_keys(flat, num_embeddings)
+    return dataclasses.replace(keys, first=torch.searchsorted(keys.keys, keys.keys, out_int32=True))
 
 
 def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> tuple[torch.Tensor, int]:

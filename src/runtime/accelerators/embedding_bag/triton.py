@@ -7,9 +7,8 @@ backward_sparse(grad_out, *args, *results) -> sparse COO weight gradient (coales
 
 The gradient follows segments.py: sort the flat indices (SORT: torch.sort, or radix_sort.py's), then
 `_chunk_kernel` sums each chunk of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds
-up the partial sums of segments that cross chunks. Both find segment edges from each entry's segment start
-(`first`, torch.sort's path) or, without it (FIRST=False, the radix sort's path), from the sorted keys alone:
-the same sums in the same order. The forward's index check is a device-side assert in
+up the partial sums of segments that cross chunks. Both find segment edges from the sorted keys alone (a segment
+starts where the key changes), whichever sort made them. The forward's index check is a device-side assert in
 the kernel on CUDA (no host sync, no extra launch: the forward stays one CUDA-graph node); under
 the CPU interpreter, which ignores device asserts, the kernel clears a flag that is read after it.
 """
@@ -27,12 +26,12 @@ from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from . import radix_sort
 from .reference import INDEX_ERROR, index_error
-from .segments import Segments, bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import Segments, bag_layout, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per program of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
 # the weight gradient's sort, a module global that tests and scripts/embedding_bag_sweep.py replace:
-# "torch": torch.sort + searchsorted (segments.sort_segments);
+# "torch": torch.sort (segments.sort_keys);
 # "radix": radix_sort.py where it fits (radix_sort.fits), else torch.sort. On the H100 (session 17) the sort of 32768
 # keys over 1M rows takes 0.036 ms against 0.060 for torch's, and 65536 keys 0.041 against 0.063.
 SORT = "radix"
@@ -130,10 +129,10 @@ def _segmented_add(a, a_starts, b, b_starts):
 @direct_launch
 @triton.jit(do_not_specialize=["num_indices", "num_bags", "num_embeddings", "bag_len", "padding_idx"])
 def _chunk_kernel(
-    keys_ptr, perm_ptr, first_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
+    keys_ptr, perm_ptr, bag_of_ptr, scale_ptr, grad_ptr, ranks_ptr,
     out_ptr, rows_ptr, tail_ptr, head_ptr,
     num_indices, num_bags, num_embeddings, dim, bag_len, stride_g, padding_idx,
-    FIXED: tl.constexpr, SPARSE: tl.constexpr, FIRST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXED: tl.constexpr, SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -145,15 +144,10 @@ def _chunk_kernel(
 
     key = tl.load(keys_ptr + p, mask=valid, other=-1)
     next_key = tl.load(keys_ptr + p + 1, mask=p + 1 < num_indices, other=-1)
-    if FIRST:
-        first = tl.load(first_ptr + p, mask=valid, other=0)
-        starts = (p == first) | (i == 0)
-        began_here = first >= c * CHUNK
-    else:  # sorted keys: a segment starts where the key changes
-        prev_key = tl.load(keys_ptr + p - 1, mask=valid & (i > 0), other=0)
-        before_chunk = tl.load(keys_ptr + c * CHUNK - 1, mask=c > 0, other=0)  # the previous chunk's last key
-        starts = (key != prev_key) | (i == 0)
-        began_here = (key != before_chunk) | (p < CHUNK)  # (c == 0, as a tensor: the interpreter rejects mixing)
+    prev_key = tl.load(keys_ptr + p - 1, mask=valid & (i > 0), other=0)
+    before_chunk = tl.load(keys_ptr + c * CHUNK - 1, mask=c > 0, other=0)  # the previous chunk's last key
+    starts = (key != prev_key) | (i == 0)
+    began_here = (key != before_chunk) | (p < CHUNK)  # (c == 0, as a tensor: the interpreter rejects mixing)
     pos = tl.load(perm_ptr + p, mask=valid, other=0).to(tl.int64)  # int64 (torch.sort) or int32 (radix sort)
     if FIXED:
         bag = pos // bag_len
@@ -208,9 +202,9 @@ def _first_chunk(keys_ptr, key, c, search, CHUNK: tl.constexpr, BLOCK_J: tl.cons
 @direct_launch
 @triton.jit(do_not_specialize=["num_indices", "num_embeddings", "padding_idx"])
 def _combine_kernel(
-    keys_ptr, first_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,
+    keys_ptr, ranks_ptr, tail_ptr, head_ptr, out_ptr, rows_ptr,
     num_indices, num_embeddings, dim, padding_idx,
-    SPARSE: tl.constexpr, FIRST: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -219,17 +213,12 @@ def _combine_kernel(
     p0 = c * CHUNK
     key = tl.load(keys_ptr + p0)
     row_ok = (key >= 0) & (key < num_embeddings) & (key != padding_idx)
-    # this chunk finishes a segment that began in an earlier chunk (lo, below): it owns the final sum
-    if FIRST:
-        first = tl.load(first_ptr + p0)
-        next_first = tl.load(first_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=-1)
-        owner = (first < p0) & (next_first != first) & row_ok
-        lo = tl.where(owner, first // CHUNK, c)
-    else:  # sorted keys: the segment goes on while the key does
-        prev_key = tl.load(keys_ptr + p0 - 1, mask=c > 0, other=0)
-        next_key = tl.load(keys_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=0)
-        owner = (c > 0) & (prev_key == key) & ((p0 + CHUNK >= num_indices) | (next_key != key)) & row_ok
-        lo = _first_chunk(keys_ptr, key, c, owner, CHUNK, BLOCK_J)
+    # this chunk finishes a segment that began in an earlier chunk (lo, below): it owns the final sum; the segment
+    # goes on while the key does
+    prev_key = tl.load(keys_ptr + p0 - 1, mask=c > 0, other=0)
+    next_key = tl.load(keys_ptr + p0 + CHUNK, mask=p0 + CHUNK < num_indices, other=0)
+    owner = (c > 0) & (prev_key == key) & ((p0 + CHUNK >= num_indices) | (next_key != key)) & row_ok
+    lo = _first_chunk(keys_ptr, key, c, owner, CHUNK, BLOCK_J)
     write = tl.where(owner, col_ok, False)  # (not `col_ok & owner`: the interpreter rejects that mask)
     acc = tl.load(head_ptr + c * dim + cols, mask=write, other=0.0)
     for j0 in range(lo, c, BLOCK_J):
@@ -305,7 +294,7 @@ def sort_for_gradient(flat: torch.Tensor, num_embeddings: int) -> Segments:
             return radix_sort.sort_segments(flat, num_embeddings)
     elif SORT != "torch":
         raise ValueError(f"embedding_bag triton.SORT: expected one of {SORTS}, got {SORT!r}")
-    return sort_segments(flat, num_embeddings)
+    return sort_keys(flat, num_embeddings)
 
 
 def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):
@@ -321,7 +310,6 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     segments = sort_for_gradient(bags.flat, num_embeddings)
-    first = segments.first is not None
     if sparse:
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
@@ -336,16 +324,16 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     grid = (chunks, cdiv(dim, block_d))
     fixed = bags.offsets is None
     _chunk_kernel[grid](
-        segments.keys, segments.perm, segments.first if first else segments.keys, bag_of, scale, grad_out, ranks,
+        segments.keys, segments.perm, bag_of, scale, grad_out, ranks,
         out, rows, tail, head,
         num_indices, bags.num_bags, num_embeddings, dim, max(bags.bag_len, 1), grad_out.stride(0), padding_idx,
-        FIXED=fixed, SPARSE=sparse, FIRST=first, CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4,
+        FIXED=fixed, SPARSE=sparse, CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     if chunks > 1:
         _combine_kernel[grid](
-            segments.keys, segments.first if first else segments.keys, ranks, tail, head, out, rows,
+            segments.keys, ranks, tail, head, out, rows,
             num_indices, num_embeddings, dim, padding_idx,
-            SPARSE=sparse, FIRST=first, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
+            SPARSE=sparse, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return (rows, out) if sparse else out
 
