@@ -72,3 +72,23 @@ def test_compiled_dropout_draws_a_fresh_seed_per_call_in_a_full_graph():
     assert torch.equal(compiled(x, residual), again)
     (grad,) = torch.autograd.grad(again.sum(), [x])
     torch.testing.assert_close(grad, (again != 0).float() * 2.0)  # the forward's mask, scaled by 1 / (1 - p)
+
+
+def test_compiled_scalar_inputs_without_a_traceable_guard_scalar(monkeypatch):
+    # Dynamo traces guard_scalar from torch 2.8 on; torch 2.4 to 2.7 skip it (a graph break: fullgraph fails), so there
+    # the backend decision must keep its constant bool / int / float inputs without calling it. Emulated here: a
+    # guard_scalar Dynamo does not trace, and the gate as on those versions.
+    from torch.fx.experimental import symbolic_shapes
+
+    from runtime.accelerators import backends
+
+    monkeypatch.setattr(symbolic_shapes, "guard_scalar", torch._dynamo.disable(symbolic_shapes.guard_scalar))
+    monkeypatch.setattr(backends, "_TRACES_GUARD_SCALAR", False)
+    q, k, v = (torch.randn(2, 2, 9, 16) for _ in range(3))  # dropout_p, scale and capturing: float, None, bool
+
+    def attention(q, k, v):
+        return acc.flash_attention(q, k, v, causal=True, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v))

@@ -195,13 +195,25 @@ def _describe(inputs: dict) -> tuple:
     )
 
 
+# Whether Dynamo traces guard_scalar (into a constant and a guard): from torch 2.8 on. Torch 2.4 to 2.7 skip it, a
+# graph break in every compiled op with a bool, int or float input (fullgraph fails), constant ones included.
+_TRACES_GUARD_SCALAR = torch.__version__ >= (2, 8)
+
+
 def _constant(value):
     """A symbolic bool, int or float as the constant the graph then guards on.
 
     Dynamo makes a float argument symbolic under dynamic shapes (dropout_p, scale, eps, also a default value), and
     it sees symbolic numbers as plain bool/int/float (isinstance(x, torch.SymFloat) is False while tracing), where
     float() and int() would keep them symbolic: guard_scalar is the call Dynamo turns into a constant and a guard.
+    Before torch 2.8 (_TRACES_GUARD_SCALAR), only what isinstance finds symbolic is specialised.
     """
+    if not _TRACES_GUARD_SCALAR:
+        if isinstance(value, torch.SymInt):
+            return operator.index(value)
+        if isinstance(value, torch.SymBool):
+            return True if value else False
+        return value
     if isinstance(value, (int, float)):  # bool is an int
         from torch.fx.experimental.symbolic_shapes import guard_scalar  # loaded by then: this runs while compiling
 
