@@ -330,3 +330,32 @@ def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back(
         o, _ = call(fused_recurrent_gated_delta_rule, inputs, "tilelang")
     o.float().sum().backward()
     assert inputs["q"].grad is not None
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_varlen_forward_and_backward_replay_in_a_cuda_graph(backend, request):
+    """Packed sequences with host boundaries under CUDA-graph capture: the boundaries' device copy made by the warm-up
+    call serves the capture (a copy from the host is refused there), and replays give the eager results bit for bit
+    (same kernels, same inputs)."""
+    if backend == "tilelang":
+        request.getfixturevalue("tilelang_compiled")
+    (B, T, H, HV, K, V, dtype, state, sequences), options = _options("varlen-K128-bf16-GVA-state")
+    inputs = {n: x.requires_grad_() for n, x in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
+    grad_o = torch.randn(B, T, HV, V, device="cuda", dtype=dtype)
+
+    def step():
+        o, final = call(chunk_gated_delta_rule, inputs, backend, **options)
+        return (o, final, *torch.autograd.grad(o, list(inputs.values()), grad_o))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), use_accelerators(fallback="error"):
+        expected = [t.clone() for t in step()]  # the warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), use_accelerators(fallback="error"):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(["o", "final_state", *(f"d{n}" for n in inputs)], captured, expected):
+        assert torch.equal(got, want), name

@@ -15,6 +15,7 @@ from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
+from runtime.accelerators.gated_delta_rule import varlen
 from runtime.accelerators.gated_delta_rule.varlen import chunk_table, piece_bounds
 from runtime.accelerators.testing import assert_close
 
@@ -402,6 +403,31 @@ def test_chunk_table_matches_the_python_construction(name, size, dtype):
     assert table.dtype == torch.int32 and table.shape == (sum(counts), 2)
     assert table.tolist() == [[n, c] for n, count in enumerate(counts) for c in range(count)]
     assert first.dtype == torch.int32 and first.tolist() == [sum(counts[:n]) for n in range(len(counts))]
+
+
+def test_device_copies_of_boundaries_serve_a_later_cuda_graph_capture(monkeypatch):
+    """varlen.on_device copies host boundaries once per value; a call inside a CUDA-graph capture (where the copy is
+    refused) takes an earlier call's copy and keeps it for good, and fails clearly without one. "meta" stands in
+    for the GPU here."""
+    monkeypatch.setattr(varlen, "_copies", type(varlen._copies)())
+    monkeypatch.setattr(varlen, "MAX_COPIES", 2)
+    capturing = False
+    monkeypatch.setattr(varlen, "_capturing", lambda device: capturing)
+    meta = torch.device("meta")
+    first = varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32)
+    assert first.device == meta and first.dtype == torch.int32
+    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # the same values: the same copy
+    capturing = True
+    with pytest.raises(RuntimeError, match="cu_seqlens: .*before capturing"):
+        varlen.on_device(torch.tensor([0, 4, 7]), meta, torch.int32)
+    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # kept from now on
+    capturing = False
+    for end in (8, 9, 10):  # more copies than MAX_COPIES: the oldest not kept go
+        varlen.on_device(torch.tensor([0, 3, end]), meta, torch.int32)
+    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first
+    assert len(varlen._copies) == 2
+    host = torch.tensor([0, 5])
+    assert varlen.on_device(host, host.device) is host  # already there: no copy, no cache
 
 
 @pytest.mark.parametrize("name", list(TABLE_BOUNDARIES))

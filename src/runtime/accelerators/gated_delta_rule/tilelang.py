@@ -35,7 +35,7 @@ import tilelang.language as T
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
-from .varlen import chunk_table
+from .varlen import chunk_table, on_device
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
@@ -404,7 +404,7 @@ def _sequences(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
 def _device_cu(cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     if cu_seqlens is None:
         return placeholder(device, CU_DTYPE)
-    return cu_seqlens.to(device=device, dtype=CU_DTYPE, non_blocking=True)
+    return on_device(cu_seqlens, device, CU_DTYPE)
 
 
 def _final_state(output_final_state: bool, n: int, HV: int, K: int, V: int, device) -> torch.Tensor:

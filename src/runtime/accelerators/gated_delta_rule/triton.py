@@ -172,7 +172,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
     o = buffers.empty(v.shape, dtype=q.dtype, device=q.device)
     final = _final_state(output_final_state, n, HV, K, V, q.device)
     BV = min(V, 32)
-    cu = None if cu_seqlens is None else cu_seqlens.to(q.device, non_blocking=True)
+    cu = None if cu_seqlens is None else varlen.on_device(cu_seqlens, q.device)
     _recurrent_kernel[(n * HV, cdiv(V, BV))](
         q, k, v, g, beta, o, initial_state, final, cu, scale, T,
         H=H, HV=HV, K=K, V=V, BV=BV,
@@ -559,7 +559,7 @@ class Chunks:
         if cu_seqlens is None:
             per_sequence = cdiv(T, BT)
             return cls(B, per_sequence, B * per_sequence, per_sequence, None, None, None)
-        cu = cu_seqlens.to(v.device, non_blocking=True)
+        cu = varlen.on_device(cu_seqlens, v.device)
         indices, offsets = varlen.chunk_table(cu, cu_seqlens, BT)
         longest = int(varlen.piece_counts(cu_seqlens, BT).max())
         return cls(cu_seqlens.numel() - 1, 0, indices.shape[0], longest, cu, indices, offsets)
