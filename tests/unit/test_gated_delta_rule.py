@@ -279,12 +279,14 @@ def test_triton_chunked_backward_under_the_interpreter(name):
 HALF_BACKWARD = {"tf32-products": False, "bf16-products": True}  # triton_backward.HALF_BACKWARD
 
 
+@pytest.mark.parametrize("K, V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32-bf16-wy"])
 @pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
-def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, monkeypatch):
-    """bf16, GVA, l2norm and an initial state, the backward's products on fp32 (tf32) or bf16 operands: every gradient
-    within the GPU tier's bounds of the float64 recurrence (the interpreter takes bf16 products as the GPU rounds)."""
+def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, K, V, monkeypatch):
+    """bf16, GVA, l2norm and an initial state, the backward's products on fp32 (tf32) or bf16 operands (and at
+    K16-V32 the forward's WY factors on bf16 operands, HALF_WY): every gradient within the GPU tier's bounds of the
+    float64 recurrence (the interpreter takes bf16 products as the GPU rounds)."""
     monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
-    inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, 32, 16, dtype=torch.bfloat16, state=True).items()}
+    inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, K, V, dtype=torch.bfloat16, state=True).items()}
     twin = doubled(inputs)
     with use_accelerators(fallback="error"), poison_outputs():
         o, state = call(chunk_gated_delta_rule, inputs, "triton", output_final_state=True, use_qk_l2norm_in_kernel=True)
