@@ -1,7 +1,10 @@
 """Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
     bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD,...] [--kernel dkdv|dq|fused]
-    (GPU machine, repo root; default both)
+        [--delta-in-dq]   (GPU machine, repo root; default both)
+
+--delta-in-dq: the split backward's rows without the preprocess launch (triton.DELTA_IN_DQ): compare with a run
+without it.
 
 fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
 
@@ -479,5 +482,7 @@ if __name__ == "__main__":
     parser.add_argument("parts", nargs="?", choices=("fwd", "bwd", "both"), default="both", help="which sweep to run")
     parser.add_argument("--only", help="shapes, as BxHxLxD[,BxHxLxD...] (e.g. 256x4x256x16)")
     parser.add_argument("--kernel", choices=("dkdv", "dq", "fused"), help="backward: sweep only this kernel's table")
+    parser.add_argument("--delta-in-dq", action="store_true", help="split backward rows with triton.DELTA_IN_DQ on")
     args = parser.parse_args()
+    kernels.DELTA_IN_DQ = args.delta_in_dq
     main(torch.device("cuda", torch.cuda.current_device()), args.parts, args.only, args.kernel)

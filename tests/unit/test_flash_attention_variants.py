@@ -322,3 +322,27 @@ def test_variants_compile_for_sm90(tmp_path):
         assert "error" not in result, f"{launch['case']} does not compile for sm_90:\n{result['error']}"
         shared = result["shared"]
         assert shared <= sm90.H100_SHARED_BYTES, f"{launch['case']} needs {shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dropout_p",
+    [(2, 4, 2, 70, 45, 48, True, [45, 0], 0.0), (3, 2, 1, 65, 63, 32, False, None, 0.0), (2, 2, 1, 40, 40, 16, True, None, 0.2)],
+    ids=["causal-gqa-d48-lengths", "mqa-d32-odd", "causal-dropout-d16"],
+)
+def test_delta_in_dq_matches_the_preprocess(monkeypatch, b, h, hkv, lq, lk, d, causal, lengths, dropout_p):
+    """DELTA_IN_DQ: the dq kernel writes delta = rowsum(o * do) (no preprocess launch) and the dk/dv kernel reads it
+    after: the gradients of the float64 reference, and the preprocess path's to fp32 rounding."""
+    monkeypatch.setattr(fa, "BACKWARD", "split")
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    do = torch.randn_like(q)
+    key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
+    args = (q, k, v, key_lengths, causal, d**-0.5, dropout_p, 1234)
+    o, lse = fa.forward(*args)
+    grads = {}
+    for delta_in_dq in (False, True):
+        monkeypatch.setattr(fa, "DELTA_IN_DQ", delta_in_dq)
+        with poison_outputs():
+            grads[delta_in_dq] = fa.backward(do, *args, o, lse)[:3]
+    assert_gradients(grads[True], q, k, v, do, lengths, causal, dropout_p)
+    for name, g, g_pre in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        assert_close(name, g, g_pre, RTOL[f16])

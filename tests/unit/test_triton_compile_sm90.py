@@ -210,6 +210,22 @@ def attention_fused_backward():
             fa_triton.backward_fused(do, *args, *fa_triton.forward(*args))
 
 
+def attention_delta_in_dq():
+    """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ): pointer loads at head dims 32
+    and 48 (padded), descriptors at 128."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fa_triton, "BACKWARD", "split")
+        patch.setattr(fa_triton, "DELTA_IN_DQ", True)
+        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
+        _attention(head_dim=48, causal=False, with_lengths=False, dropout_p=0.1)
+        delta = torch.empty(2, 4, 200)
+        q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
+        k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
+        args = (q, k, v, None, True, 128**-0.5, 0.0, 1234)
+        o, lse = fa_triton.forward(*args)
+        fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -280,6 +296,7 @@ CASES = {
     "attention_widest": attention_widest,
     "attention_tma_backward": attention_tma_backward,
     "attention_fused_backward": attention_fused_backward,
+    "attention_delta_in_dq": attention_delta_in_dq,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -392,6 +409,12 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
         assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel
         on = {constexprs(launch)["K"] for launch, _ in compiled[kernel] if constexprs(launch)["HALF"]}
         assert on == {16, 64, 128}, f"{kernel}: HALF compiled at K = {sorted(on)} only"
+
+
+def test_the_dq_kernel_compiles_writing_delta(compiled):
+    """attention_delta_in_dq compiles the dq kernel that writes delta, with pointer loads and with descriptors."""
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._bwd_dq_kernel"]]
+    assert {c["TMA"] for c in launches if c["WRITE_DELTA"]} == {False, True}
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
