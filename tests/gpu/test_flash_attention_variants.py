@@ -205,3 +205,20 @@ def test_the_public_op_takes_the_fused_backward_at_pcvr_shapes():
         grads = torch.autograd.grad(out, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, True)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", BWD_CASES[:4], ids=BWD_IDS[:4])
+def test_delta_in_dq_backward(case, monkeypatch):
+    """triton.DELTA_IN_DQ: the dq kernel writes delta (no preprocess launch), the dk/dv kernel runs after it, with the
+    tables' tiles and loads: every gradient within the bf16 bound of float64."""
+    b, h, hkv, lq, lk, d, causal, lengths, layout, _, _ = case
+    monkeypatch.setattr(fa, "BACKWARD", "split")
+    monkeypatch.setattr(fa, "DELTA_IN_DQ", True)
+    q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16, layout)
+    do = torch.randn_like(q)
+    key_lengths = lengths_for(b, lk) if lengths else None
+    args = (q, k, v, key_lengths, causal, d**-0.5, 0.0, 0)
+    with poison_outputs():
+        grads = fa.backward(do, *args, *fa.forward(*args))[:3]
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
