@@ -17,6 +17,7 @@ from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import varlen as gdr_varlen
 from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -335,8 +336,8 @@ def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back(
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 def test_varlen_forward_and_backward_replay_in_a_cuda_graph(backend, request):
     """Packed sequences with host boundaries under CUDA-graph capture: the boundaries' device copy made by the warm-up
-    call serves the capture (a copy from the host is refused there), and replays give the eager results bit for bit
-    (same kernels, same inputs)."""
+    call serves the capture (a copy from the host is refused there), and a replay with new inputs copied in gives the
+    eager results for them bit for bit (same kernels), into outputs spoilt beforehand."""
     if backend == "tilelang":
         request.getfixturevalue("tilelang_compiled")
     (B, T, H, HV, K, V, dtype, state, sequences), options = _options("varlen-K128-bf16-GVA-state")
@@ -350,12 +351,45 @@ def test_varlen_forward_and_backward_replay_in_a_cuda_graph(backend, request):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), use_accelerators(fallback="error"):
-        expected = [t.clone() for t in step()]  # the warm-up
+        step()  # the warm-up (compiles, and makes the boundaries' device copy)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), use_accelerators(fallback="error"):
         captured = step()
+    # new inputs, and the outputs spoilt, so that only kernels the replay runs can give the eager results
+    with torch.no_grad():
+        for name, x in make_inputs(B, T, H, HV, K, V, dtype, state, sequences, seed=1).items():
+            inputs[name].copy_(x)
+    with use_accelerators(fallback="error"):
+        expected = [t.clone() for t in step()]
+    for t in captured:
+        t.detach().fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     for name, got, want in zip(["o", "final_state", *(f"d{n}" for n in inputs)], captured, expected):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_varlen_boundaries_copied_on_a_busy_stream_serve_a_call_on_another(backend, request, monkeypatch):
+    """The device copy of host boundaries is made once, asynchronously on the stream of the call that made it; a call
+    with the same boundaries on another stream must wait for it. The first stream is kept busy, so that the copy lands
+    late: the second call still gives the results of a call with no copy pending."""
+    if backend == "tilelang":
+        request.getfixturevalue("tilelang_compiled")
+    (B, T, H, HV, K, V, dtype, state, sequences), options = _options("varlen-K128-bf16-GVA-state")
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
+    with use_accelerators(fallback="error"), torch.no_grad():
+        expected = call(chunk_gated_delta_rule, inputs, backend, **options)
+        monkeypatch.setattr(gdr_varlen, "_copies", type(gdr_varlen._copies)())  # no copy of these boundaries yet
+        busy, other = torch.cuda.Stream(), torch.cuda.Stream()
+        busy.wait_stream(torch.cuda.current_stream())
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(1_000_000_000)  # about half a second: the copy waits behind it
+            call(chunk_gated_delta_rule, inputs, backend, **options)
+        with torch.cuda.stream(other):
+            got = call(chunk_gated_delta_rule, inputs, backend, **options)
+    torch.cuda.synchronize()
+    for name, g, want in zip(["o", "final_state"], got, expected):
+        assert torch.equal(g, want), name

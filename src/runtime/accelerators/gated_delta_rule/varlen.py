@@ -7,6 +7,7 @@ validated on the host, so the number of pieces (the size of what is written) is 
 device sync; one kernel (one program per sequence) writes the per-piece numbers from the device copy.
 """
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -16,10 +17,12 @@ import triton.language as tl
 from .. import buffers
 from ..triton_launch import direct_launch
 
-# The device copies of host boundaries, by (device, dtype, values): [copy, kept]. A copy used while a CUDA graph is
+# The device copies of host boundaries, by (device, dtype, the host dtype and bytes): [copy, kept, made], made: (the
+# stream the copy was made on, an event recorded after it) on CUDA, else None. A copy used while a CUDA graph is
 # captured is kept for good (the graph reads it at every replay); the others go, oldest first, past MAX_COPIES.
 _copies: OrderedDict = OrderedDict()
 MAX_COPIES = 256
+_lock = threading.Lock()  # calls from several threads (the autograd engine's among them) share _copies
 
 
 def _capturing(device: torch.device) -> bool:
@@ -31,33 +34,44 @@ def on_device(cu_host: torch.Tensor, device: torch.device, dtype: torch.dtype | 
 
     CUDA-graph capture refuses a copy from pageable host memory, so a call inside a capture takes the copy an
     earlier call with the same boundaries made (the warm-up every capture needs anyway), and fails without one.
-    The copy is shared by the calls: kernels only read it, and each call on another stream marks it in use there
-    (record_stream), so that it is freed only after that stream's kernels."""
+    The copy is shared by the calls: kernels only read it. The copy runs asynchronously on the stream of the call that
+    made it, so a call on another stream waits for it (an event) and marks the copy in use there (record_stream),
+    so that it is freed only after that stream's kernels. Inside a capture neither is done: the copy is kept for
+    good, and it was made before the capture (torch.cuda.graph synchronizes the device as it begins)."""
     dtype = cu_host.dtype if dtype is None else dtype
     if cu_host.device == device:
         return cu_host.to(dtype)
-    key = (device, dtype, tuple(cu_host.tolist()))
+    key = (device, dtype, cu_host.dtype, cu_host.numpy().tobytes())
     capturing = _capturing(device)
-    entry = _copies.get(key)
-    if entry is None:
-        if capturing:
-            raise RuntimeError(
-                "cu_seqlens: its copy to the device cannot be made while a CUDA graph is captured; call the op once "
-                "with the same cu_seqlens before capturing (a warm-up), which keeps that copy for the capture"
-            )
-        entry = _copies[key] = [cu_host.to(device=device, dtype=dtype, non_blocking=True), False]
-        _drop_oldest()
-    else:
-        _copies.move_to_end(key)
-        if device.type == "cuda" and not capturing:
-            entry[0].record_stream(torch.cuda.current_stream(device))
-    entry[1] = entry[1] or capturing
-    return entry[0]
+    with _lock:
+        entry = _copies.get(key)
+        if entry is None:
+            if capturing:
+                raise RuntimeError(
+                    "cu_seqlens: its copy to the device cannot be made while a CUDA graph is captured; call the op "
+                    "once with the same cu_seqlens before capturing (a warm-up), which keeps that copy for the capture"
+                )
+            copy = cu_host.to(device=device, dtype=dtype, non_blocking=True)
+            made = None
+            if device.type == "cuda":
+                stream = torch.cuda.current_stream(device)
+                made = (stream, stream.record_event())
+            entry = _copies[key] = [copy, False, made]
+            _drop_oldest()
+        else:
+            _copies.move_to_end(key)
+            if entry[2] is not None and not capturing:
+                stream = torch.cuda.current_stream(device)
+                if stream != entry[2][0]:
+                    stream.wait_event(entry[2][1])
+                    entry[0].record_stream(stream)
+        entry[1] = entry[1] or capturing
+        return entry[0]
 
 
 def _drop_oldest() -> None:
     while len(_copies) > MAX_COPIES:
-        dropped = next((key for key, (_, kept) in _copies.items() if not kept), None)
+        dropped = next((key for key, (_, kept, _) in _copies.items() if not kept), None)
         if dropped is None:
             return
         del _copies[dropped]
