@@ -69,8 +69,8 @@ def sort_keys(flat: torch.Tensor, num_embeddings: int) -> Segments:
 
 def sort_segments(flat: torch.Tensor, num_embeddings: int) -> Segments:
     """sort_keys, with each sorted entry's segment start."""
-    keys = sort_keys(flat, num_embeddings)
-    return dataclasses.replace(keys, first=torch.searchsorted(keys.keys, keys.keys, out_int32=True))
+    segments = sort_keys(flat, num_embeddings)
+    return dataclasses.replace(segments, first=torch.searchsorted(segments.keys, segments.keys, out_int32=True))
 
 
 def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> tuple[torch.Tensor, int]:

@@ -387,11 +387,19 @@ def _bwd_preprocess_kernel(
     b = bh // H
     h = bh % H
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
     do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
+    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
+    _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+
+
+@triton.jit
+def _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
+    """Stores and returns delta = rowsum(o * do) (fp32) of the query rows offs_m, for the do tile of those rows."""
+    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
     o = _load(o_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
-    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, tl.sum(o * do, 1), mask=offs_m < LQ)
+    delta = tl.sum(o * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=offs_m < LQ)
+    return delta
 
 
 @triton.jit
@@ -588,10 +596,7 @@ def _bwd_dq_kernel(
     )
     lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=float("inf")) * 1.4426950408889634
     if WRITE_DELTA:
-        o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
-        o = _load(o_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
-        delta = tl.sum(o * do.to(tl.float32), 1)
-        tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=offs_m < LQ)
+        delta = _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
     else:
         delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=0.0)
 
@@ -872,9 +877,10 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     cfg, variant = backward_variant("dq", q, k, v, do, cfg, tma)
     if variant["TMA"]:
         _ensure_scratch_allocator()
+    o_arg = q if o is None else o  # a stand-in, not read, without o
     _bwd_dq_kernel[(cdiv(lq, cfg.block_m), b * h)](
-        q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, q if o is None else o,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *(q if o is None else o).stride()[:3],
+        q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p),
