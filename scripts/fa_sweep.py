@@ -220,7 +220,7 @@ def reference(q, k, v, causal: bool) -> torch.Tensor:
 
 def compiled_resources(before: set, kernel=kernels._fwd_kernel) -> str:
     """Registers and spilled bytes of the kernel the last call compiled (new in the direct-launch cache)."""
-    new = [compiled for key, (compiled, _) in kernel._compiled.items() if key not in before]
+    new = [entry[0] for key, entry in kernel._compiled.items() if key not in before]
     if not new or getattr(new[0], "n_regs", None) is None:
         return "-"
     return f"{new[0].n_regs}/{new[0].n_spills}"

@@ -179,17 +179,17 @@ def _state_grad_kernel(
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
-            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate)
+            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate.to(dstates.dtype.element_ty))
         start = bos + c * BT_
         rows = start + r
         row_mask = rows < eos
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         decay_last = tl.exp(tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv))
         k_scaled = _load_scaled(k, k_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # K~
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_du = _storage_dot(k_scaled, dstate, PRECISION, HALF, b_du)
         if STORE_GRADS:
-            tl.store(du + tokens, b_du, mask=row_mask[:, None])
+            tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None])
         q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
@@ -265,9 +265,9 @@ def _chunk_grad_state_kernel(
         block = cols_k[:, None] * V + cols_v[None, :]
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         b_s = tl.load(states + state_base + block).to(tl.float32)
-        b_ds = tl.load(dstates + state_base + block)
+        b_ds = tl.load(dstates + state_base + block).to(tl.float32)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         dq_state += _storage_dot(b_do, tl.trans(b_s), PRECISION, HALF)
         dk_state += _storage_dot(b_corrections, tl.trans(b_ds), PRECISION, HALF)
@@ -276,7 +276,7 @@ def _chunk_grad_state_kernel(
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
     tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
     tl.store(dk_state_out + heads, dk_state, mask=row_mask[:, None])
-    tl.store(dw_out + heads, dw, mask=row_mask[:, None])
+    tl.store(dw_out + heads, dw.to(dw_out.dtype.element_ty), mask=row_mask[:, None])
     tl.store(d_last_out + (i_t * HV + i_hv) * (K // BK) + i_k, tl.sum(d_last, 0))  # read as K_BLOCKS per (chunk, head)
 
 
@@ -365,7 +365,7 @@ def _chunk_grad_wy_kernel(
     dbeta = tl.zeros([BT_], dtype=tl.float32)
     for i_v in range(0, V, BV):
         tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_v = tl.load(v + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
         u_du += tl.dot(b_corrections, tl.trans(b_du), input_precision=PRECISION)
@@ -378,7 +378,7 @@ def _chunk_grad_wy_kernel(
     e_gamma = tl.exp(gamma)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-    dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+    dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0).to(tl.float32)
     k_weight = b_beta * e_gamma
     dk_weighted = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
     d_inverse += tl.dot(dw, tl.trans(b_k * k_weight[:, None]), input_precision=PRECISION)
@@ -660,9 +660,14 @@ def chunk_backward(
     segments = Segments.of(chunks, q, v, cu_seqlens)
     _, states, corrections, maps = walk_states(k, v, gamma, w, u, initial_state, False, use_qk_l2norm_in_kernel, chunks, segments)
 
-    dstates = _state_buffer(chunks.total, HV, K, V, device)
-    du = buffers.empty((B * T, HV, V), dtype=torch.float32, device=device)  # dU_local, then dU
     half = _half_backward(q)  # every kernel's HALF
+    # dS', dU and dw only ever enter products after they are stored: with HALF in bf16, as those products round them
+    # (the walk adds dU_local to K~ dS' in fp32 after one rounding; <S, dS'> for d gamma_last takes dS' rounded). dU
+    # stays fp32 for the single step-5 kernel, whose products are tf32 (bf16 dU: dv's error 9.5e-3 -> 1.3e-2 at K 32)
+    product_dtype = torch.bfloat16 if half else torch.float32
+    du_dtype = product_dtype if grad_wy_variant(K) == "fused" else torch.float32
+    dstates = _state_buffer(chunks.total, HV, K, V, device, product_dtype)
+    du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
@@ -680,7 +685,7 @@ def chunk_backward(
     dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
     dq_out, dk_out = _final_buffer(dq, q, groups), _final_buffer(dk, k, groups)
-    dw = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
+    dw = buffers.empty((B * T, HV, K), dtype=product_dtype, device=device)
     dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
     dg = buffers.empty((B, T, HV), dtype=g.dtype, device=device)
