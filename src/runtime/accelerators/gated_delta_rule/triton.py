@@ -470,8 +470,10 @@ def _chunk_state_kernel(
         row_mask = rows < eos
         gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
-        b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        if not HALF:
+            b_w = b_w.to(tl.float32)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
         else:
@@ -480,11 +482,16 @@ def _chunk_state_kernel(
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
                 tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
-        k_to_end = b_k * tl.where(row_mask, tl.exp(last - gamma), 0.0)[:, None]
+        # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows, so that
+        # the raw k rows go to the product as loaded
+        to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
+        if L2NORM:
+            k_f32 = k_rows.to(tl.float32)
+            to_end *= tl.rsqrt(tl.sum(k_f32 * k_f32, 1) + L2NORM_EPS)
         if TRANSITION:
-            state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), corrections, input_precision=PRECISION)
+            state = state * tl.exp(last) + tl.dot(tl.trans(k_rows), corrections * to_end[:, None], input_precision=PRECISION)
         else:
-            state = state * tl.exp(last) + _storage_dot(tl.trans(k_to_end), corrections, PRECISION, HALF)
+            state = state * tl.exp(last) + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
 
@@ -527,6 +534,17 @@ def _qk_rows(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr):
     """Rows of q or k as stored, in fp32 (0 past the end)."""
     cols = tl.arange(0, K)
     return tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
+    """A chunk's q or k rows as stored, as a product operand of the state walks: as loaded with HALF (bf16 inputs go
+    to the product unconverted), else in fp32 (0 past the end)."""
+    raw = tl.load(x + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=row_mask[:, None], other=0.0)
+    if HALF:
+        return raw
+    else:
+        return raw.to(tl.float32)
 
 
 @triton.jit

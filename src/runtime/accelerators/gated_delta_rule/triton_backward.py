@@ -13,7 +13,7 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
-    _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, launch_options, walk_states,
+    _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _walk_operand, launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -56,7 +56,8 @@ from .triton import (
 # are computed directly from their factors instead, transposes only of tiles loaded from memory:
 #   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
-# The walk's Q~^T and w^T are transposes of loaded tiles (Q~ scaled by row), and dU enters w^T dU untransposed.
+# The walk's Q_raw^T and w^T are transposes of loaded tiles (Q~^T dO = Q_raw^T diag(q_factor) dO), and dU enters
+# w^T dU untransposed.
 
 # HALF_BACKWARD: bf16 operands in the backward's products for half inputs (_storage_dot's HALF; the accumulators stay
 # fp32, as in the forward's walk and output and in fla's backward), in every kernel of steps 1 to 5 but the single
@@ -144,13 +145,6 @@ def _chunk_local_grad_kernel(
     tl.store(k_factor_out + rows * HV + i_hv, tl.exp(last - gamma) * k_rstd, mask=row_mask)
 
 
-@triton.jit
-def _load_scaled(x, factor, rows, row_mask, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
-    """diag(factor) X_raw of a chunk's q or k rows (fp32; 0 past the end), the factor per (row, value head)."""
-    raw = _qk_rows(x, rows, row_mask, i_h, H, K)
-    return raw * tl.load(factor + rows * HV + i_hv, mask=row_mask, other=0.0)[:, None]
-
-
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _state_grad_kernel(
@@ -185,15 +179,20 @@ def _state_grad_kernel(
         row_mask = rows < eos
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         decay_last = tl.exp(tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv))
-        k_scaled = _load_scaled(k, k_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # K~
+        # the row factors scale the [BT, BV] sides of the products, not the [BT, K] rows (K~ = diag(k_factor) K_raw)
+        k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
+        k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_du = _storage_dot(k_scaled, dstate, PRECISION, HALF, b_du)
+        b_du += _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
         if STORE_GRADS:
             tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None])
-        q_scaled = _load_scaled(q, q_factor, rows, row_mask, i_h, i_hv, H, HV, K)  # Q~
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dstate = _storage_dot(tl.trans(q_scaled), b_do, PRECISION, HALF, dstate * decay_last)
+        q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
+        q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
+        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
+        if not HALF:
+            b_w = b_w.to(tl.float32)
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32) * q_rows_factor[:, None]
+        dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * decay_last)
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
