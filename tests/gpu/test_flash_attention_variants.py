@@ -207,13 +207,15 @@ def test_the_public_op_takes_the_fused_backward_at_pcvr_shapes():
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("delta_in_dq", [True, False], ids=["delta-in-dq", "preprocess"])
 @pytest.mark.parametrize("case", BWD_CASES[:4], ids=BWD_IDS[:4])
-def test_delta_in_dq_backward(case, monkeypatch):
-    """triton.DELTA_IN_DQ: the dq kernel writes delta (no preprocess launch), the dk/dv kernel runs after it, with the
-    tables' tiles and loads: every gradient within the bf16 bound of float64."""
+def test_delta_in_dq_backward(case, delta_in_dq, monkeypatch):
+    """The split backward both ways (triton.DELTA_IN_DQ): the dq kernel writes delta (no preprocess launch; the
+    default) and the dk/dv kernel runs after it, or the preprocess kernel writes it first; with the tables' tiles and
+    loads: every gradient within the bf16 bound of float64."""
     b, h, hkv, lq, lk, d, causal, lengths, layout, _, _ = case
     monkeypatch.setattr(fa, "BACKWARD", "split")
-    monkeypatch.setattr(fa, "DELTA_IN_DQ", True)
+    monkeypatch.setattr(fa, "DELTA_IN_DQ", delta_in_dq)
     q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16, layout)
     do = torch.randn_like(q)
     key_lengths = lengths_for(b, lk) if lengths else None

@@ -211,8 +211,12 @@ def attention_fused_backward():
 
 
 def attention_delta_in_dq():
-    """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ): pointer loads at head dims 32
-    and 48 (padded), descriptors at 128."""
+    """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ, the default): pointer loads at
+    head dims 32 and 48 (padded), descriptors at 128; and with the preprocess kernel instead (DELTA_IN_DQ off)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fa_triton, "BACKWARD", "split")
+        patch.setattr(fa_triton, "DELTA_IN_DQ", False)
+        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fa_triton, "BACKWARD", "split")
         patch.setattr(fa_triton, "DELTA_IN_DQ", True)

@@ -148,9 +148,10 @@ FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two p
 FUSED_HEAD_DIMS = frozenset({16, 64, 128})
 BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
 # The split backward without its preprocess launch: the dq kernel, run first, computes delta = rowsum(o * do) as it
-# loads do and stores it for the dk/dv kernel (about 2% less traffic at 128x8x1024x32 by estimate). Off until timed
-# on a GPU (scripts/fa_sweep.py bwd --delta-in-dq).
-DELTA_IN_DQ = False
+# loads do and stores it for the dk/dv kernel. H100, session 19 (scripts/fa_sweep.py bwd --only 128x8x1024x32
+# --kernel dq [--delta-in-dq], results/flash_attention-delta-in-dq-2026-11-23-h100-s19.txt), forward + backward at
+# the table's tiles: causal 1.334 ms against 1.374 with the preprocess, non-causal 2.028 against 2.072.
+DELTA_IN_DQ = True
 
 
 def block_d(head_dim: int) -> int:
