@@ -4,6 +4,7 @@ and the backward's products on bf16 operands (triton_backward.HALF_BACKWARD).
     bash .device/gpu python scripts/gdr_sweep.py [pcvr] [large] [kernel ...]      (GPU machine, repo root)
     bash .device/gpu python scripts/gdr_sweep.py pcvr large half_backward         (HALF_BACKWARD on against off)
     bash .device/gpu python scripts/gdr_sweep.py large half_wy                    (triton.HALF_WY on against off)
+    bash .device/gpu python scripts/gdr_sweep.py pcvr large qk_state             (GRAD_QK_STATE fused against split)
 
 For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel; default: pcvr) and
 each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUNCHES, the other kernels at their
@@ -21,6 +22,8 @@ the output and the gradients from the default's), then, with it so, the launches
 kernels' launches. The numerics against the float64 recurrence are tests/gpu's (pytest tests/gpu -k half_backward).
 "half_wy": the forward alone and forward + backward with triton.HALF_WY (the WY factors on bf16 operands) as it is
 and flipped (rows "fwd HALF_WY=..." and "HALF_WY=...").
+"qk_state": forward + backward with steps 3 and 4 as triton_backward.GRAD_QK_STATE says and the other way (rows
+"GRAD_QK_STATE=..."), then the launches of the fused kernel ("grad_qk_state").
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from runtime.benchmark.timing import gpu_time_ms
 
 SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
 KERNELS = ("grad_qk", "grad_state", "local", "state_grad", "wy", "walk", "output")  # and step 5's, by variant:
+QK_STATE_KERNELS = {"fused": ("grad_qk_state",), "split": ("grad_state", "grad_qk")}
 GRAD_WY_KERNELS = {"single": ("grad_wy",), "fused": ("grad_wy_fused",)}
 BACKWARD_KERNELS = ("local", "state_grad", "grad_state", "grad_qk")  # with half_backward: swept with it on
 LAUNCHES = {  # launch options per K (the kernel's other options at their defaults)
@@ -48,6 +52,8 @@ LAUNCHES = {  # launch options per K (the kernel's other options at their defaul
 EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants, the V blocks of the
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
+    ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
+    ("grad_qk_state", 16): [dict(BV=16), dict(BV=32)],
     ("walk", 128): [dict(BV=64), dict(BV=64, num_warps=8), dict(BV=16)],
     ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=4), dict(BV=128)],  # the reverse walk (default BV 64)
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
@@ -70,7 +76,7 @@ def describe(options: dict) -> str:
 def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
-    modes = {"grad_wy", "half_backward", "half_wy"}
+    modes = {"grad_wy", "half_backward", "half_wy", "qk_state"}
     unknown = set(wanted) - {*KERNELS, *modes}
     assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, {sorted(modes)}"
     start = time.perf_counter()
@@ -146,6 +152,16 @@ def main(args: list[str]) -> None:
                     grad_wy_variants()
             finally:
                 backward.HALF_BACKWARD = default_half
+        if "qk_state" in wanted:
+            default_qk_state = backward.GRAD_QK_STATE
+            try:
+                for variant in (default_qk_state, *(set(QK_STATE_KERNELS) - {default_qk_state})):
+                    backward.GRAD_QK_STATE = variant
+                    row("all", f"GRAD_QK_STATE={variant}")
+                backward.GRAD_QK_STATE = "fused"
+                sweep("grad_qk_state")
+            finally:
+                backward.GRAD_QK_STATE = default_qk_state
         if "half_wy" in wanted:
             default_half_wy = kernels.HALF_WY
 

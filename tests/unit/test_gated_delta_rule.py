@@ -363,6 +363,30 @@ def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name
         assert_close(f"d{n} ({grad_wy} vs float64 recurrence)", grad, ref, 1e-4)
 
 
+QK_STATE_CASES = {  # name: (a WY_CASES entry, dtype, HALF_BACKWARD)
+    "T130-GVA-state-final": ("T130-GVA-state-final", torch.float32, None),
+    "varlen-GVA-state-K64-V128": ("varlen-GVA-state-K64-V128", torch.float32, None),
+    "T70-K128-V32-l2norm-state-bf16-products": ("T70-K128-V32-l2norm-state", torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_STATE_CASES))
+def test_triton_grad_qk_state_fused_matches_the_split_kernels(name, monkeypatch):
+    """Steps 3 and 4 in one kernel (GRAD_QK_STATE "fused") against the two kernels ("split"): every gradient to fp32
+    rounding (bf16 inputs with bf16 products: dS', dU and dw in bf16, as at K = 128 on the GPU)."""
+    case_name, dtype, half_backward = QK_STATE_CASES[name]
+    case = WY_CASES[case_name]
+    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
+    inputs = {n: x.requires_grad_() for n, x in _inputs(case, dtype).items()}
+    grads = {}
+    for variant in ("split", "fused"):
+        monkeypatch.setattr(gdr_backward, "GRAD_QK_STATE", variant)
+        grads[variant], _ = _outputs_and_grads(inputs, case["options"], None, monkeypatch)
+    for n, fused, split in zip(inputs, grads["fused"], grads["split"]):
+        assert fused.dtype == inputs[n].dtype
+        assert_close(f"d{n} (fused vs split)", fused.float(), split.float(), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
 @pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
 @pytest.mark.parametrize("grad_wy", ["fused"])
 def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, half_backward, monkeypatch):

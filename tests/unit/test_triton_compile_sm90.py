@@ -264,11 +264,14 @@ def gated_delta_rule_grad_wy_variants():
 
 def gated_delta_rule_half_backward():
     """The backward with triton_backward.HALF_BACKWARD forced on and off (its products on bf16 or tf32 operands; by
-    default it depends on K), each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
+    default it depends on K), each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128); and with
+    steps 3 and 4 as two kernels (GRAD_QK_STATE "split")."""
     for half in (True, False):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gdr_backward, "HALF_BACKWARD", half)
-            gated_delta_rule_grad_wy_variants()
+        for qk_state in ("fused", "split"):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(gdr_backward, "HALF_BACKWARD", half)
+                patch.setattr(gdr_backward, "GRAD_QK_STATE", qk_state)
+                gated_delta_rule_grad_wy_variants()
 
 
 def gated_delta_rule_fp32_widest():
@@ -406,7 +409,7 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
     """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
     (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see triton_backward.HALF_BACKWARD)."""
     names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_state_kernel", "_chunk_grad_qk_kernel",
-             "_chunk_grad_wy_fused_kernel")  # fmt: skip
+             "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")  # fmt: skip
     assert all("HALF" not in constexprs(launch) for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"])
     for name in names:
         kernel = f"gated_delta_rule.triton_backward.{name}"

@@ -537,14 +537,20 @@ def _qk_rows(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
-    """A chunk's q or k rows as stored, as a product operand of the state walks: as loaded with HALF (bf16 inputs go
-    to the product unconverted), else in fp32 (0 past the end)."""
-    raw = tl.load(x + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=row_mask[:, None], other=0.0)
+def _as_operand(x, HALF: tl.constexpr):
+    """A loaded tile as a product operand of _storage_dot: as loaded with HALF (bf16 tiles go to the product
+    unconverted), else in fp32."""
     if HALF:
-        return raw
+        return x
     else:
-        return raw.to(tl.float32)
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
+    """A chunk's q or k rows as stored, as a product operand of the state walks (_as_operand; 0 past the end)."""
+    raw = tl.load(x + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=row_mask[:, None], other=0.0)
+    return _as_operand(raw, HALF)
 
 
 @triton.jit

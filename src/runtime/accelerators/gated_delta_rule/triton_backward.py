@@ -13,7 +13,8 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
-    _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _walk_operand, launch_options, walk_states,
+    _as_operand, _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _walk_operand, launch_options,
+    walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -282,17 +283,17 @@ def _chunk_grad_state_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_qk_kernel(
-    q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, d_gamma_out, cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, dk_part_out, d_gamma_out,
+    cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    """Step 4: the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T on entry; dq_out gets dq
-    (its final value: nothing else reaches q), dk gets dk's part P^T-side and S'-side (fp32, finished in step 5),
-    d_gamma_out these parts' dgamma (fp32, with d gamma_last on the last row)."""
+    """Step 4 (GRAD_QK_STATE "split"): the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T
+    on entry; dq_out gets dq (its final value: nothing else reaches q), dk_part_out (dk itself) dk's part P^T-side and
+    S'-side (fp32, finished in step 5), d_gamma_out these parts' dgamma (fp32, with d gamma_last on the last row)."""
     i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
         gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
     )
-    r = tl.arange(0, BT_)
     cols_k = tl.arange(0, K)
     last = tl.load(gamma_in + last_row * HV + i_hv)
 
@@ -306,8 +307,26 @@ def _chunk_grad_qk_kernel(
         do_u += _storage_dot(b_do, tl.trans(b_corrections), PRECISION, HALF)
         u_do += _storage_dot(b_corrections, tl.trans(b_do), PRECISION, HALF)
     d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
-    d_gamma_last = tl.sum(d_last, 0) * tl.exp(last)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
+    dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
+    _grad_qk_outputs(
+        q, k, dq_out, dk_part_out, d_gamma_out, rows, row_mask, last_row, gamma, last, i_h, i_hv, do_u, u_do,
+        dq_state, dk_state, tl.sum(d_last, 0), scale, H, HV, K, L2NORM, PRECISION, HALF,
+    )  # fmt: skip
 
+
+@triton.jit
+def _grad_qk_outputs(
+    q, k, dq_out, dk_part_out, d_gamma_out, rows, row_mask, last_row, gamma, last, i_h, i_hv, do_u, u_do, dq_state,
+    dk_state, s_ds, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Step 4's outputs from dO U^T, U dO^T, dO S^T, U dS'^T and <S, dS'> (fp32): dq_out (final), dk_part_out (fp32;
+    may be where U dS'^T was read from) and d_gamma_out."""
+    r = tl.arange(0, BT_)
+    cols_k = tl.arange(0, K)
+    d_gamma_last = s_ds * tl.exp(last)
     # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
     causal = (r[:, None] >= r[None, :]) & row_mask[:, None]
     causal_t = (r[:, None] <= r[None, :]) & row_mask[None, :]
@@ -317,7 +336,6 @@ def _chunk_grad_qk_kernel(
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
 
     # O: dq, and dgamma through diag(e^gamma) and the decay
-    dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
     b_q, q_rstd = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
     b_k, k_rstd = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
     m = dp * _dot_qk(b_q, b_k, q.dtype.element_ty, L2NORM, PRECISION)
@@ -329,13 +347,59 @@ def _chunk_grad_qk_kernel(
 
     # S' = e^gamma_last S + K~^T U
     to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
-    dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
     dk_part = _storage_dot(dp_t, b_q, PRECISION, HALF) + dk_state * to_end[:, None]
-    tl.store(dk + heads, dk_part, mask=row_mask[:, None])
+    tl.store(dk_part_out + heads, dk_part, mask=row_mask[:, None])
     k_to_end_term = to_end * tl.sum(b_k * dk_state, 1)
     d_gamma_last += tl.sum(k_to_end_term, 0)
     d_gamma = d_gamma - k_to_end_term + tl.where(rows == last_row, d_gamma_last, 0.0)
     tl.store(d_gamma_out + rows * HV + i_hv, d_gamma, mask=row_mask)
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
+def _chunk_grad_qk_state_kernel(
+    q, k, gamma_in, states, dstates, do, du, corrections, dq_out, dk_part_out, dw_out, d_gamma_out,
+    cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Steps 3 and 4 in one program per (chunk, value head) (GRAD_QK_STATE "fused"): one loop over V blocks takes the
+    products with the states (dO S^T, U dS'^T, dw = -dU S^T over the whole K, <S, dS'>) and dO U^T, U dO^T, so that
+    none of them goes through memory but dw; then step 4's outputs."""
+    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
+        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
+    )
+    cols_k = tl.arange(0, K)
+    last = tl.load(gamma_in + last_row * HV + i_hv)
+    state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    dq_state = tl.zeros([BT_, K], dtype=tl.float32)  # dO S^T
+    dk_state = tl.zeros([BT_, K], dtype=tl.float32)  # U dS'^T
+    du_s = tl.zeros([BT_, K], dtype=tl.float32)  # dU S^T = -dw
+    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)
+    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)
+    s_ds = tl.zeros([K], dtype=tl.float32)  # <S, dS'> by K row
+    for i_v in range(0, V, BV):
+        cols_v = i_v + tl.arange(0, BV)
+        block = cols_k[:, None] * V + cols_v[None, :]
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_s = tl.load(states + state_base + block)
+        b_ds = tl.load(dstates + state_base + block)
+        s_ds += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), 1)
+        b_s, b_ds = _as_operand(b_s, HALF), _as_operand(b_ds, HALF)
+        b_do = _as_operand(tl.load(do + tokens, mask=row_mask[:, None], other=0.0), HALF)
+        b_du = _as_operand(tl.load(du + tokens, mask=row_mask[:, None], other=0.0), HALF)
+        b_u = _as_operand(tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0), HALF)
+        dq_state = _storage_dot(b_do, tl.trans(b_s), PRECISION, HALF, dq_state)
+        dk_state = _storage_dot(b_u, tl.trans(b_ds), PRECISION, HALF, dk_state)
+        du_s = _storage_dot(b_du, tl.trans(b_s), PRECISION, HALF, du_s)  # (the interpreter negates bf16 bits wrongly)
+        do_u = _storage_dot(b_do, tl.trans(b_u), PRECISION, HALF, do_u)
+        u_do = _storage_dot(b_u, tl.trans(b_do), PRECISION, HALF, u_do)
+    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
+    tl.store(dw_out + heads, (-du_s).to(dw_out.dtype.element_ty), mask=row_mask[:, None])
+    _grad_qk_outputs(
+        q, k, dq_out, dk_part_out, d_gamma_out, rows, row_mask, last_row, gamma, last, i_h, i_hv, do_u, u_do,
+        dq_state, dk_state, tl.sum(s_ds, 0), scale, H, HV, K, L2NORM, PRECISION, HALF,
+    )  # fmt: skip
 
 
 @direct_launch
@@ -584,6 +648,11 @@ def _chunk_grad_wy_fused_kernel(
 
 
 STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
+# How the backward runs steps 3 and 4: "fused", _chunk_grad_qk_state_kernel (one program per chunk and value head, the
+# products with the states over the whole K in registers), or "split", _chunk_grad_state_kernel (per K block) then
+# _chunk_grad_qk_kernel, with dO S^T and U dS'^T through memory in fp32 (at B4-T4096-H16-D128 about 0.5 GB of the
+# two kernels' 1.8 GB of traffic by count). scripts/gdr_sweep.py qk_state times both.
+GRAD_QK_STATE = "fused"
 
 
 def _grad_launch(kernel: str, K: int, V: int) -> dict:
@@ -599,6 +668,15 @@ def _grad_launch(kernel: str, K: int, V: int) -> dict:
         wy = dict(num_warps=8, num_stages=2)
     defaults = qk if kernel == "grad_qk" else wy
     return launch_options(kernel, K, BV=min(V, 32 if K == 128 else 64), **defaults)
+
+
+def _grad_qk_state_launch(K: int, V: int) -> dict:
+    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"): from K = 64 on 8 warps (with 4 it spilled
+    about 550 B a thread at K = 64, sm_90, Triton 3.6), V blocks of 32 at K = 128 (its three [BT, K] fp32
+    accumulators take 96 registers a thread); not yet swept on a GPU."""
+    return launch_options(
+        "grad_qk_state", K, BV=min(V, 32 if K == 128 else 64), num_warps=8 if K >= 64 else 4, num_stages=2
+    )
 
 
 def _grad_state_launch(K: int, V: int) -> dict:
@@ -638,12 +716,13 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
     _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **_grad_wy_launch(K, V, precision), **shared)
 
 
-def _final_buffer(per_value_head: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Where the gradient kernels write the gradient of q or k: its fp32 buffer of dO S^T or U dS'^T itself (GVA:
-    summed over value heads afterwards; fp32 inputs), else a tensor of the input's dtype."""
+def _final_buffer(fp32_buffer: torch.Tensor | None, x: torch.Tensor, groups: int, shape: tuple) -> torch.Tensor:
+    """Where the gradient kernels write the gradient of q or k, per value head: in fp32 for GVA (summed over value
+    heads afterwards) and fp32 inputs, in `fp32_buffer` where given (read before it is written by the same program),
+    else in the input's dtype."""
     if groups > 1 or x.dtype == torch.float32:
-        return per_value_head
-    return buffers.empty(per_value_head.shape, dtype=x.dtype, device=x.device)
+        return buffers.empty(shape, dtype=torch.float32, device=x.device) if fp32_buffer is None else fp32_buffer
+    return buffers.empty(shape, dtype=x.dtype, device=x.device)
 
 
 def chunk_backward(
@@ -681,35 +760,52 @@ def chunk_backward(
         walk(parts, dht=leaving, dstates=dstates)
 
     groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (in torch, from fp32)
-    dq = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
-    dk = buffers.empty((B * T, HV, K), dtype=torch.float32, device=device)
-    dq_out, dk_out = _final_buffer(dq, q, groups), _final_buffer(dk, k, groups)
-    dw = buffers.empty((B * T, HV, K), dtype=product_dtype, device=device)
+    per_value_head = (B * T, HV, K)
+    fused = GRAD_QK_STATE == "fused"
+    dq = None if fused else buffers.empty(per_value_head, dtype=torch.float32, device=device)  # dO S^T (split)
+    dk = buffers.empty(per_value_head, dtype=torch.float32, device=device)  # (split: U dS'^T, then) step 4's part
+    dq_out, dk_out = _final_buffer(dq, q, groups, per_value_head), _final_buffer(dk, k, groups, per_value_head)
+    dw = buffers.empty(per_value_head, dtype=product_dtype, device=device)
     dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
     dg = buffers.empty((B, T, HV), dtype=g.dtype, device=device)
-    block_k = min(K, STATE_GRAD_BLOCK_K)
-    d_last = buffers.empty((chunks.total, HV, K // block_k), dtype=torch.float32, device=device)
     if chunks.total > 0:
-        _chunk_grad_state_kernel[(chunks.total, HV, K // block_k)](
-            states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=is_varlen, PRECISION=precision, HALF=half,
-            **_grad_state_launch(K, V),
-        )  # fmt: skip
         shared = dict(
             H=H, HV=HV, K=K, V=V, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=is_varlen, PRECISION=precision, HALF=half
         )
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-        _chunk_grad_qk_kernel[(chunks.total, HV)](
-            q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, d_gamma,
-            chunks.cu, chunks.indices, scale, T, chunks.per_sequence, K_BLOCKS=K // block_k,
-            **_grad_launch("grad_qk", K, V), **shared,
-        )  # fmt: skip
+        tail = (chunks.cu, chunks.indices, scale, T, chunks.per_sequence)
+        if fused:
+            _chunk_grad_qk_state_kernel[(chunks.total, HV)](
+                q, k, gamma, states, dstates, grad_o, du, corrections, dq_out, dk, dw, d_gamma, *tail,
+                **_grad_qk_state_launch(K, V), **shared,
+            )  # fmt: skip
+        else:
+            _grad_state_and_qk(q, k, gamma, states, dstates, grad_o, du, corrections, dq, dk, dw, dq_out, d_gamma, tail, shared)
         wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma)
         _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared)
     if groups > 1:
-        dq_out = dq.view(B, T, H, groups, K).sum(3).to(q.dtype)
-        dk_out = dk.view(B, T, H, groups, K).sum(3).to(k.dtype)
+        dq_out = dq_out.view(B, T, H, groups, K).sum(3).to(q.dtype)
+        dk_out = dk_out.view(B, T, H, groups, K).sum(3).to(k.dtype)
     dq_out, dk_out = dq_out.view(B, T, H, K), dk_out.view(B, T, H, K)
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
     return dq_out, dk_out, dv, dg, dbeta, None, dh0, None, None, None
+
+
+def _grad_state_and_qk(q, k, gamma, states, dstates, grad_o, du, corrections, dq, dk, dw, dq_out, d_gamma, tail, shared):
+    """Steps 3 and 4 as two kernels (GRAD_QK_STATE "split"): dO S^T and U dS'^T through dq and dk (fp32), <S, dS'>
+    per K block through d_last; tail: (cu_seqlens, chunk indices, scale, T, chunks per sequence)."""
+    HV, K, V = shared["HV"], shared["K"], shared["V"]
+    cu_seqlens, chunk_indices, _, T, per_sequence = tail
+    total = dstates.shape[0]
+    block_k = min(K, STATE_GRAD_BLOCK_K)
+    d_last = buffers.empty((total, HV, K // block_k), dtype=torch.float32, device=q.device)
+    _chunk_grad_state_kernel[(total, HV, K // block_k)](
+        states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, cu_seqlens, chunk_indices, T, per_sequence,
+        HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=shared["IS_VARLEN"], PRECISION=shared["PRECISION"], HALF=shared["HALF"],
+        **_grad_state_launch(K, V),
+    )  # fmt: skip
+    _chunk_grad_qk_kernel[(total, HV)](
+        q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, dk, d_gamma, *tail, K_BLOCKS=K // block_k,
+        **_grad_launch("grad_qk", K, V), **shared,
+    )  # fmt: skip
