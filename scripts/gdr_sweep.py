@@ -53,7 +53,6 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
     ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
-    ("grad_qk_state", 16): [dict(BV=16), dict(BV=32)],
     ("walk", 128): [dict(BV=64), dict(BV=64, num_warps=8), dict(BV=16)],
     ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=4), dict(BV=128)],  # the reverse walk (default BV 64)
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],

@@ -671,12 +671,15 @@ def _grad_launch(kernel: str, K: int, V: int) -> dict:
 
 
 def _grad_qk_state_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"): from K = 64 on 8 warps (with 4 it spilled
-    about 550 B a thread at K = 64, sm_90, Triton 3.6), V blocks of 32 at K = 128 (its three [BT, K] fp32
-    accumulators take 96 registers a thread); not yet swept on a GPU."""
-    return launch_options(
-        "grad_qk_state", K, BV=min(V, 32 if K == 128 else 64), num_warps=8 if K >= 64 else 4, num_stages=2
-    )
+    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from scripts/gdr_sweep.py qk_state (H100,
+    session 19, forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
+    against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread);
+    at K = 16 2 warps, 1 stage (B256-T256-H4-D16 0.555 against 0.605 with 4 warps); 8 warps at K = 64 (with 4 it
+    spilled about 550 B a thread, sm_90, Triton 3.6; K = 32 and 64 not timed)."""
+    if K == 128:
+        return launch_options("grad_qk_state", K, BV=min(V, 32), num_warps=8, num_stages=3)
+    warps = 2 if K == 16 else 8 if K >= 64 else 4
+    return launch_options("grad_qk_state", K, BV=min(V, 64), num_warps=warps, num_stages=1 if K == 16 else 2)
 
 
 def _grad_state_launch(K: int, V: int) -> dict:
