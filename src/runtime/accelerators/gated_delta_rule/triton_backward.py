@@ -67,7 +67,8 @@ from .triton import (
 # as GRAD_WY. None (the default): on where step 5 runs fused (K = 128 by default), where it pays; True / False force.
 # H100, session 17, forward + backward (bf16, l2norm): B4-T4096-H16-D128 3.111 ms on against 3.544 off (fused step 5);
 # PCVR B256-T256-H4-D16 with the fused step 5 0.622 on against 0.616 off, and 0.617 with the single one (the default).
-# Under the interpreter (which rounds the operands as the GPU does) no product brought a gradient near its bound. Worst
+# Under the interpreter (whose fp32 -> bf16 conversion truncates where the GPU rounds to nearest, so its bf16 errors
+# run about twice the GPU's: session-19 review) no product brought a gradient near its bound. Worst
 # relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16 cases (K 16 to 128, T up to 1000, GVA,
 # varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta
 # 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact in tf32: dv 3e-4 -> 3e-3). The
@@ -673,9 +674,10 @@ def _grad_launch(kernel: str, K: int, V: int) -> dict:
 def _grad_qk_state_launch(K: int, V: int) -> dict:
     """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from scripts/gdr_sweep.py qk_state (H100,
     session 19, forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
-    against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread);
-    at K = 16 2 warps, 1 stage (B256-T256-H4-D16 0.555 against 0.605 with 4 warps); 8 warps at K = 64 (with 4 it
-    spilled about 550 B a thread, sm_90, Triton 3.6; K = 32 and 64 not timed)."""
+    against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread,
+    and it still spills about 200-280 B a thread at sm_90, Triton 3.6); at K = 16 2 warps, 1 stage (B256-T256-H4-D16
+    0.555 against 0.605 with 4 warps); 8 warps at K = 64 (spilling about 300-350 B a thread, 550 with 4; K = 32 and 64
+    not timed)."""
     if K == 128:
         return launch_options("grad_qk_state", K, BV=min(V, 32), num_warps=8, num_stages=3)
     warps = 2 if K == 16 else 8 if K >= 64 else 4
@@ -764,6 +766,7 @@ def chunk_backward(
 
     groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (in torch, from fp32)
     per_value_head = (B * T, HV, K)
+    assert GRAD_QK_STATE in ("fused", "split"), f"GRAD_QK_STATE is {GRAD_QK_STATE!r}: 'fused' or 'split'"
     fused = GRAD_QK_STATE == "fused"
     dq = None if fused else buffers.empty(per_value_head, dtype=torch.float32, device=device)  # dO S^T (split)
     dk = buffers.empty(per_value_head, dtype=torch.float32, device=device)  # (split: U dS'^T, then) step 4's part
