@@ -74,3 +74,23 @@ def test_table_lists_each_rows_kernels(capsys):
     report.print_table(result)
     out = capsys.readouterr().out
     assert "8192x128 fwd triton: kernels" in out and "5.2" in out and "_rms_forward_kernel" in out
+
+
+def test_commit_label_says_when_the_tree_is_not_heads(tmp_path, monkeypatch):
+    """The results' commit: HEAD's short hash, "+modified" when a tracked file differs from it (a stale .git on a
+    copied tree), TAAC_COMMIT when set."""
+    from runtime.benchmark import runner
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TAAC_COMMIT", raising=False)
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    subprocess.run([*git, "add", "kernel.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert runner._commit() == head
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert runner._commit() == f"{head}+modified"
+    monkeypatch.setenv("TAAC_COMMIT", "abc1234")
+    assert runner._commit() == "abc1234"

@@ -45,12 +45,16 @@ def environment() -> dict:
 
 
 def _commit() -> str | None:
+    """TAAC_COMMIT, else HEAD's short hash, marked "+modified" where tracked files differ from it (a copied tree on
+    another machine can keep a stale .git: the label then says it is not that commit's tree)."""
     if os.environ.get("TAAC_COMMIT"):
         return os.environ["TAAC_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        modified = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode == 1
     except Exception:  # not a checkout
         return None
+    return f"{head}+modified" if modified else head
 
 
 def _double(inputs: Inputs) -> Inputs:
