@@ -62,16 +62,28 @@ def _half_dots(q: torch.Tensor) -> bool:
 
 
 # The interpreter's bf16 dots are wrong (it multiplies the bits as integers): under it, _half_dot takes the same
-# rounded operands in an exact fp32 dot.
+# rounded operands in an exact fp32 dot. Its fp32 -> bf16 conversion truncates where the GPU rounds to nearest:
+# _to_half rounds on the bits there (stores into bf16 tensors still truncate under the interpreter).
 # Read at import, so that the sm_90 compile tier (a process without TRITON_INTERPRET) builds the GPU's path.
 _EMULATE_HALF_DOTS = tl.constexpr(triton_interpret())
+
+
+@triton.jit
+def _to_half(x, DTYPE: tl.constexpr):
+    """x in the 16-bit DTYPE, rounded to nearest (even) as the GPU converts."""
+    if _EMULATE_HALF_DOTS and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low 16 bits are zero
+    else:
+        return x.to(DTYPE)
 
 
 @triton.jit
 def _half_dot(a, b, DTYPE: tl.constexpr, acc=None):
     """a @ b (+ acc) in fp32 on operands rounded to the 16-bit DTYPE (under the interpreter: in an exact fp32 dot)."""
     if _EMULATE_HALF_DOTS:
-        return tl.dot(a.to(DTYPE).to(tl.float32), b.to(DTYPE).to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(_to_half(a, DTYPE).to(tl.float32), _to_half(b, DTYPE).to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a.to(DTYPE), b.to(DTYPE), acc)
 

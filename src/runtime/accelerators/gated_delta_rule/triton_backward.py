@@ -13,7 +13,7 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
-    _as_operand, _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _walk_operand, launch_options,
+    _as_operand, _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
     walk_states,
 )
 
@@ -67,8 +67,8 @@ from .triton import (
 # as GRAD_WY. None (the default): on where step 5 runs fused (K = 128 by default), where it pays; True / False force.
 # H100, session 17, forward + backward (bf16, l2norm): B4-T4096-H16-D128 3.111 ms on against 3.544 off (fused step 5);
 # PCVR B256-T256-H4-D16 with the fused step 5 0.622 on against 0.616 off, and 0.617 with the single one (the default).
-# Under the interpreter (whose fp32 -> bf16 conversion truncates where the GPU rounds to nearest, so its bf16 errors
-# run about twice the GPU's: session-19 review) no product brought a gradient near its bound. Worst
+# Under the interpreter (whose fp32 -> bf16 conversion truncated where the GPU rounds to nearest until session 19's
+# _to_half, so its bf16 errors ran about twice the GPU's) no product brought a gradient near its bound. Worst
 # relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16 cases (K 16 to 128, T up to 1000, GVA,
 # varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta
 # 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact in tf32: dv 3e-4 -> 3e-3). The
@@ -102,7 +102,7 @@ def _operand(x, HALF: tl.constexpr):
     """x that only enters products (_storage_dot): kept in bf16 with HALF, as the products round it (half the
     registers of fp32), else as is."""
     if HALF:
-        return x.to(tl.bfloat16)
+        return _to_half(x, tl.bfloat16)
     else:
         return x
 
