@@ -484,8 +484,7 @@ def _chunk_state_kernel(
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
-        if not HALF:
-            b_w = b_w.to(tl.float32)
+        b_w = _as_operand(b_w, HALF)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
         else:
@@ -542,13 +541,6 @@ def _state_stages(q: torch.Tensor, K: int) -> int:
 
 
 @triton.jit
-def _qk_rows(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr):
-    """Rows of q or k as stored, in fp32 (0 past the end)."""
-    cols = tl.arange(0, K)
-    return tl.load(x + (rows[:, None] * H + i_h) * K + cols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _as_operand(x, HALF: tl.constexpr):
     """A loaded tile as a product operand of _storage_dot: as loaded with HALF (bf16 tiles go to the product
     unconverted), else in fp32."""
@@ -560,7 +552,8 @@ def _as_operand(x, HALF: tl.constexpr):
 
 @triton.jit
 def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
-    """A chunk's q or k rows as stored, as a product operand of the state walks (_as_operand; 0 past the end)."""
+    """A chunk's q or k rows as stored (0 past the end): a product operand of the state walks (_as_operand), or with
+    HALF False in fp32 for math on them."""
     raw = tl.load(x + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=row_mask[:, None], other=0.0)
     return _as_operand(raw, HALF)
 
@@ -569,7 +562,7 @@ def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF
 def _load_qk(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
     """Rows of q or k in fp32, l2-normalised when asked with the l2norm op's math (x rsqrt(sum(x^2) + eps)),
     and the rsqrt factor of each row (1 without L2NORM)."""
-    raw = _qk_rows(x, rows, row_mask, i_h, H, K)
+    raw = _walk_operand(x, rows, row_mask, i_h, H, K, False)
     if L2NORM:
         rstd = tl.rsqrt(tl.sum(raw * raw, 1) + L2NORM_EPS)
     else:

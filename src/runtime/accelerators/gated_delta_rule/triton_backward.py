@@ -13,7 +13,7 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
-    _as_operand, _load_qk, _precision, _qk_rows, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
+    _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
     walk_states,
 )
 
@@ -191,8 +191,7 @@ def _state_grad_kernel(
         q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
         q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
-        if not HALF:
-            b_w = b_w.to(tl.float32)
+        b_w = _as_operand(b_w, HALF)
         b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32) * q_rows_factor[:, None]
         dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * decay_last)
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
