@@ -3,7 +3,8 @@
     bash .device/gpu python scripts/gdr_profile.py [shape ...]      (default: every shape below)
 
 For the issue's shapes (bf16, l2norm in the kernel): CUDA time per kernel name over a few forward and
-forward+backward calls, from torch.profiler.
+forward+backward calls, from torch.profiler. The packed shape is one sequence given through cu_seqlens, with twice as
+many value heads as q/k heads (GVA).
 """
 
 import sys
@@ -14,25 +15,33 @@ import torch.nn.functional as F
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
 from runtime.benchmark.timing import kernel_breakdown
 
-SHAPES = {"B4-T4096-H16-D128": (4, 4096, 16, 128), "B256-T256-H4-D16": (256, 256, 4, 16)}
+SHAPES = {  # (B, T, H, HV, D, packed)
+    "B4-T4096-H16-D128": (4, 4096, 16, 16, 128, False),
+    "packed32768-H16-HV32-D128": (1, 32768, 16, 32, 128, True),
+    "B256-T256-H4-D16": (256, 256, 4, 4, 16, False),
+}
 CALLS = 3
 
 
-def inputs(B, T, H, D):
+def inputs(B, T, H, HV, D, packed):
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-    q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, H, D)
-    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 2.0).to(torch.bfloat16)
-    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+    q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, HV, D)
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 2.0).to(torch.bfloat16)
+    beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, T], dtype=torch.long) if packed else None  # ours takes it on the host, fla on the device
+    return [x.requires_grad_() for x in (q, k, v, g, beta)], cu_seqlens
 
 
-def implementations():
-    ours = lambda *x: chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True, backend="triton")[0]
+def implementations(cu_seqlens):
+    def ours(*x):
+        return chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend="triton")[0]
+
     found = {"triton": ours}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-        found["fla"] = lambda *x: fla_chunk(*x, use_qk_l2norm_in_kernel=True)[0]
+        on_device = None if cu_seqlens is None else cu_seqlens.cuda()
+        found["fla"] = lambda *x: fla_chunk(*x, use_qk_l2norm_in_kernel=True, cu_seqlens=on_device)[0]
     except ImportError:
         pass
     return found
@@ -56,8 +65,8 @@ def main(names: list[str]):
     for shape, dims in SHAPES.items():
         if names and shape not in names:
             continue
-        tensors = inputs(*dims)
-        for impl, fn in implementations().items():
+        tensors, cu_seqlens = inputs(*dims)
+        for impl, fn in implementations(cu_seqlens).items():
             for backward in (False, True):
                 report(f"{shape} {impl}", fn, tensors, backward)
 

@@ -6,7 +6,8 @@ and the backward's products on bf16 operands (triton_backward.HALF_BACKWARD).
     bash .device/gpu python scripts/gdr_sweep.py large half_wy                    (triton.HALF_WY on against off)
     bash .device/gpu python scripts/gdr_sweep.py pcvr large qk_state             (GRAD_QK_STATE fused against split)
 
-For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; bf16, l2norm in the kernel; default: pcvr) and
+For each shape (pcvr: B256-T256-H4-D16; large: B4-T4096-H16-D128; packed: one sequence of 32768 tokens through
+cu_seqlens, H16 HV32 D128; bf16, l2norm in the kernel; default: pcvr) and
 each kernel of KERNELS (see triton.LAUNCH_OVERRIDES), one row per launch of LAUNCHES, the other kernels at their
 defaults: the GPU time of forward + backward as the benchmark takes it (CUDA graph, L2 flushed), after checking the
 output and every gradient against the default launch's (relative RMS error within the bf16 bound). Then each
@@ -24,6 +25,8 @@ kernels' launches. The numerics against the float64 recurrence are tests/gpu's (
 and flipped (rows "fwd HALF_WY=..." and "HALF_WY=...").
 "qk_state": forward + backward with steps 3 and 4 as triton_backward.GRAD_QK_STATE says and the other way (rows
 "GRAD_QK_STATE=..."), then the launches of the fused kernel ("grad_qk_state").
+"split": the forward alone and forward + backward with the context-parallel split forced to each of SPLIT_CHUNKS
+chunks per segment (0: never split; rows "fwd split=..." and "split=...").
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from runtime.accelerators.gated_delta_rule import triton_backward as backward
 from runtime.accelerators.testing import RTOL, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
-SHAPES = {"pcvr": (256, 256, 4, 16), "large": (4, 4096, 16, 128)}
+SHAPES = {"pcvr": (256, 256, 4, 4, 16, False), "large": (4, 4096, 16, 16, 128, False), "packed": (1, 32768, 16, 32, 128, True)}
+SPLIT_CHUNKS = (0, 8, 16, 32, 64)
 KERNELS = ("grad_qk", "grad_state", "local", "state_grad", "wy", "walk", "output")  # and step 5's, by variant:
 QK_STATE_KERNELS = {"fused": ("grad_qk_state",), "split": ("grad_state", "grad_qk")}
 GRAD_WY_KERNELS = {"single": ("grad_wy",), "fused": ("grad_wy_fused",)}
@@ -59,13 +63,14 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
 }
 
 
-def inputs(B, T, H, D):
+def inputs(B, T, H, HV, D, packed):
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, H, D)
-    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 2.0).to(torch.bfloat16)
-    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+    q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, HV, D)
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 2.0).to(torch.bfloat16)
+    beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, T], dtype=torch.long) if packed else None  # on the host, as the harness gives it
+    return [x.requires_grad_() for x in (q, k, v, g, beta)], cu_seqlens
 
 
 def describe(options: dict) -> str:
@@ -75,7 +80,7 @@ def describe(options: dict) -> str:
 def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
-    modes = {"grad_wy", "half_backward", "half_wy", "qk_state"}
+    modes = {"grad_wy", "half_backward", "half_wy", "qk_state", "split"}
     unknown = set(wanted) - {*KERNELS, *modes}
     assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, {sorted(modes)}"
     start = time.perf_counter()
@@ -84,12 +89,19 @@ def main(args: list[str]) -> None:
           "HALF_BACKWARD", default_half)  # fmt: skip
     print(f"{'shape':<7}{'kernel':<16}{'launch':<24}{'ms':>9}{'/default':>9}{'max grad err':>14}{'at s':>6}")
     for shape in shapes:
-        B, T, H, D = SHAPES[shape]
-        tensors = inputs(B, T, H, D)
-        grad_o = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        B, T, H, HV, D, packed = SHAPES[shape]
+        tensors, cu_seqlens = inputs(B, T, H, HV, D, packed)
+        grad_o = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+
+        def forward():
+            return chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend="triton")[0]
+
+        def forward_ms() -> float:
+            with torch.no_grad():
+                return gpu_time_ms(forward, torch.device("cuda"))[0]["median"]
 
         def step():
-            o = chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, backend="triton")[0]
+            o = forward()
             return (o.detach(), *torch.autograd.grad(o, tensors, grad_o))
 
         def row(kernel: str, launch: str) -> float | None:
@@ -164,18 +176,18 @@ def main(args: list[str]) -> None:
         if "half_wy" in wanted:
             default_half_wy = kernels.HALF_WY
 
-            def forward():
-                return chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, backend="triton")[0]
-
             try:
                 for half_wy in (default_half_wy, not default_half_wy):
                     kernels.HALF_WY = half_wy
-                    with torch.no_grad():
-                        ms = gpu_time_ms(forward, torch.device("cuda"))[0]["median"]
-                    print(f"{shape:<7}{'fwd':<16}{f'HALF_WY={half_wy}':<24}{ms:9.4f}")
+                    print(f"{shape:<7}{'fwd':<16}{f'HALF_WY={half_wy}':<24}{forward_ms():9.4f}")
                 row("all", f"HALF_WY={kernels.HALF_WY}")
             finally:
                 kernels.HALF_WY = default_half_wy
+        if "split" in wanted:
+            for segment_chunks in SPLIT_CHUNKS:
+                with kernels.split_sequences(segment_chunks):
+                    print(f"{shape:<7}{'fwd':<16}{f'split={segment_chunks}':<24}{forward_ms():9.4f}")
+                    row("all", f"split={segment_chunks}")
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 
