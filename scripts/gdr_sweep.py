@@ -57,8 +57,13 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
     ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
-    ("walk", 128): [dict(BV=64), dict(BV=64, num_warps=8), dict(BV=16)],
-    ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=4), dict(BV=128)],  # the reverse walk (default BV 64)
+    # two warps: mma from registers instead of the warpgroup's wgmma, whose operands go through shared memory
+    ("walk", 128): [dict(num_warps=2, num_stages=2), dict(num_warps=2, num_stages=3), dict(num_stages=3), dict(BV=64),
+                    dict(BV=64, num_warps=8), dict(BV=16)],
+    # the reverse walk (default BV 64); BV=32 with 4 warps and BV=128 made an illegal memory access on the H100 (Triton
+    # 3.6, packed shape, session 20), which poisons the process for every later row
+    ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=2, num_stages=2), dict(BV=32, num_warps=2, num_stages=3),
+                          dict(BV=32, num_warps=8, num_stages=3), dict(num_warps=4, num_stages=3)],
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
 
@@ -121,7 +126,8 @@ def main(args: list[str]) -> None:
 
         def sweep(kernel: str) -> None:
             best = None
-            for options in LAUNCHES[D] + EXTRA_LAUNCHES.get((kernel, D), []):
+            # the extra launches first: an 8-warp walk made an illegal memory access on the packed shape (session 20)
+            for options in EXTRA_LAUNCHES.get((kernel, D), []) + LAUNCHES[D]:
                 kernels.LAUNCH_OVERRIDES.clear()
                 kernels.LAUNCH_OVERRIDES[kernel, D] = options
                 ms = row(kernel, describe(options))

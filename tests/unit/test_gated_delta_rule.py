@@ -180,7 +180,7 @@ def test_triton_blockwise_inverse_with_identical_keys_matches_float64():
     v = torch.randn(1, T, 1, K)
     g, beta = torch.zeros(1, T, 1), torch.ones(1, T, 1)
     chunks = gdr_triton.Chunks.of(v, None)
-    _, _, _, inverse = gdr_triton.prepare(k, v, g, beta, False, chunks, "ieee")
+    inverse = gdr_triton.prepare(k, v, g, beta, False, chunks, "ieee")[3]
     for start in range(0, T, gdr_triton.BT):
         n = min(gdr_triton.BT, T - start)
         a = torch.tril(torch.ones(n, n, dtype=torch.float64), -1)
@@ -197,7 +197,7 @@ def test_triton_prepare_factors_match_float64(l2norm):
     k = 3 * k if l2norm else k  # rows of norm 3: the kernel must normalise them
     chunks = gdr_triton.Chunks.of(v, CU)
     with poison_outputs():
-        gamma, w, u, inverse = gdr_triton.prepare(k, v, g, beta, l2norm, chunks, "ieee")
+        gamma, w, u, inverse, k_factor = gdr_triton.prepare(k, v, g, beta, l2norm, chunks, "ieee")
     kd = F.normalize(k.double(), dim=-1, eps=0) if l2norm else k.double()
     for n in range(CU.numel() - 1):
         for start in range(int(CU[n]), int(CU[n + 1]), gdr_triton.BT):
@@ -213,6 +213,8 @@ def test_triton_prepare_factors_match_float64(l2norm):
                 assert_close("inverse", inverse[rows, hv], full, 1e-5)
                 assert_close("w", w[rows, hv], t @ (kc * (bc * gc.exp())[:, None]), 1e-5)
                 assert_close("u", u[rows, hv], t @ (vc * bc[:, None]), 1e-5)
+                rstd = 1 / k[0, rows, 0].double().norm(dim=-1) if l2norm else 1.0
+                assert_close("k_factor", k_factor[rows, hv], torch.exp(gc[-1] - gc) * rstd, 1e-5)
 
 
 def test_triton_forward_bf16_under_the_interpreter():

@@ -413,12 +413,13 @@ def _chunk_inverse_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_wy_kernel(
-    k, v, beta, gamma_in, inverse_in, w_out, u_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
+    k, v, beta, gamma_in, inverse_in, w_out, u_out, k_factor_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, value head): w = T diag(beta e^gamma) K and u = T diag(beta) V by column blocks, T and gamma as
-    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor); HALF: on bf16 operands."""
+    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor); HALF: on bf16 operands. Also the
+    state walk's row factors of k, e^(gamma_last - gamma) rstd (rows past the end are not written)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, eos = _chunk_start(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
@@ -429,6 +430,7 @@ def _chunk_wy_kernel(
     inverse_in += (start * HV + i_hv) * BT_
     w_out += (start * HV + i_hv) * K
     u_out += (start * HV + i_hv) * V
+    k_factor_out += start * HV + i_hv
     n_rows = tl.minimum(eos - start, BT_).to(tl.int32)
     r = tl.arange(0, BT_)
     row_mask = r < n_rows
@@ -436,6 +438,8 @@ def _chunk_wy_kernel(
     gamma = tl.load(gamma_in + r * HV, mask=row_mask, other=0.0)
     t = tl.load(inverse_in + r[:, None] * (HV * BT_) + r[None, :], mask=row_mask[:, None], other=0.0)
     _, rstd = _load_qk(k, r, row_mask, 0, H, K, L2NORM)
+    last = tl.load(gamma_in + (n_rows - 1) * HV)
+    tl.store(k_factor_out + r * HV, tl.exp(last - gamma) * rstd, mask=row_mask)
     k_scale = rstd * b_beta * tl.exp(gamma)
     for c in tl.static_range(0, K, BK):
         cols = c + tl.arange(0, BK)
@@ -452,12 +456,14 @@ def _chunk_wy_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_state_kernel(
-    k, gamma_in, w_in, u_in, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, T, N_CHUNKS,
+    k, k_factor, gamma_in, w_in, u_in, h0, ht, states, corrections_out, cu_seqlens, chunk_offsets, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, STORE_STATES: tl.constexpr, TRANSITION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M
+    # TRANSITION: walk the linear part of the chunk maps instead (V = K, no u): from the identity, the product M.
+    # k's rows enter only the products, with their factors e^(gamma_last - gamma) rstd precomputed (k_factor): no
+    # [BT, K] math on the sequential path, and the tiles can go from memory to the products as loaded
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -480,7 +486,6 @@ def _chunk_state_kernel(
             tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
         rows = start + r
         row_mask = rows < eos
-        gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
         last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
@@ -493,12 +498,8 @@ def _chunk_state_kernel(
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
                 tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
-        # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows, so that
-        # the raw k rows go to the product as loaded
-        to_end = tl.where(row_mask, tl.exp(last - gamma), 0.0)
-        if L2NORM:
-            k_f32 = k_rows.to(tl.float32)
-            to_end *= tl.rsqrt(tl.sum(k_f32 * k_f32, 1) + L2NORM_EPS)
+        # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows
+        to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         if TRANSITION:
             state = state * tl.exp(last) + tl.dot(tl.trans(k_rows), corrections * to_end[:, None], input_precision=PRECISION)
         else:
@@ -613,7 +614,8 @@ def _half_wy(k: torch.Tensor, BK: int, BV: int) -> bool:
 
 
 def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
-    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT] (fp32)."""
+    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT] (fp32),
+    and the walks' row factors of k, e^(gamma_last - gamma) rstd [B*T, HV] (fp32)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     device = k.device
@@ -621,6 +623,7 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     w = buffers.empty((B * T, HV, K), dtype=storage_dtype(k), device=device)
     u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
     inverse = buffers.empty((B * T, HV, BT), dtype=torch.float32, device=device)
+    k_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
     if chunks.total > 0:
         common = dict(L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision)
         wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
@@ -633,10 +636,10 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
         options = launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4)
         BK = min(K, wide)
         _chunk_wy_kernel[(chunks.total, HV)](
-            k, v, beta, gamma, inverse, w, u, chunks.cu, chunks.indices, T, chunks.per_sequence,
+            k, v, beta, gamma, inverse, w, u, k_factor, chunks.cu, chunks.indices, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, BK=BK, HALF=_half_wy(k, BK, options["BV"]), **common, **options,
         )  # fmt: skip
-    return gamma, w, u, inverse
+    return gamma, w, u, inverse, k_factor
 
 
 # (kernel, K) -> launch options (num_warps, num_stages, BV) replacing a launcher's defaults; scripts/gdr_sweep.py
@@ -651,7 +654,7 @@ def launch_options(kernel: str, K: int, **defaults) -> dict:
     return {**defaults, **LAUNCH_OVERRIDES.get((kernel, K), {})}
 
 
-def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False):
+def _walk(k, k_factor, gamma, w, u, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False):
     """One _chunk_state_kernel launch over the sequences of `chunks`: what it stores is what is given
     (states and corrections together)."""
     B, T, H, K = k.shape
@@ -661,9 +664,9 @@ def _walk(k, gamma, w, u, l2norm, chunks: Chunks, *, h0=None, ht=None, states=No
     if not transition:
         options = launch_options("walk", K, **options)
     _chunk_state_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
-        k, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
+        k, k_factor, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
+        IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
         TRANSITION=transition, HALF=_half_dots(k) and not transition, **options,
     )  # fmt: skip
 
@@ -689,15 +692,15 @@ def _state_buffer(n: int, HV: int, K: int, V: int, device, dtype: torch.dtype = 
     return buffers.empty((n, HV, K, V), dtype=dtype, device=device)
 
 
-def walk_states(k, v, gamma, w, u, initial_state, output_final_state, l2norm, chunks: Chunks, segments: "Segments | None"):
-    """The inter-chunk recurrence: (final state, the state entering each chunk [total, HV, K, V], the corrections
+def walk_states(k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks: Chunks, segments: "Segments | None"):
+    """The inter-chunk recurrence, k_factor the walk's row factors of k (prepare): (final state, the state entering each chunk [total, HV, K, V], the corrections
     U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and with segments their maps M [segments, HV, K, K]
     for the backward, else None)."""
     K, (HV, V), device = k.shape[-1], v.shape[2:], k.device
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
     states = _state_buffer(chunks.total, HV, K, V, device, u.dtype)
     corrections = buffers.empty(u.shape, dtype=u.dtype, device=device)
-    walk = functools.partial(_walk, k, gamma, w, u, l2norm)
+    walk = functools.partial(_walk, k, k_factor, gamma, w, u)
     if segments is None:
         walk(chunks, h0=initial_state, ht=final if output_final_state else None, states=states, corrections=corrections)
         return final, states, corrections, None
@@ -717,11 +720,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     """(o, final state, and for backward: gamma, w, u, (I + A)^-1, all fp32)."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
-    gamma, w, u, inverse = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
+    gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
     segments = Segments.of(chunks, q, v, cu_seqlens)
-    final, states, corrections, _ = walk_states(
-        k, v, gamma, w, u, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunks, segments
-    )
+    final, states, corrections, _ = walk_states(k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks, segments)
     o = _output(q, k, gamma, states, corrections, scale, use_qk_l2norm_in_kernel, chunks, v.shape)
     return o, final, gamma, w, u, inverse
 

@@ -739,9 +739,6 @@ def chunk_backward(
     device, precision = q.device, _precision(q)
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
-    segments = Segments.of(chunks, q, v, cu_seqlens)
-    _, states, corrections, maps = walk_states(k, v, gamma, w, u, initial_state, False, use_qk_l2norm_in_kernel, chunks, segments)
-
     half = _half_backward(q)  # every kernel's HALF
     # dS', dU and dw only ever enter products after they are stored: with HALF in bf16, as those products round them
     # (the walk adds dU_local to K~ dS' in fp32 after one rounding; <S, dS'> for d gamma_last takes dS' rounded). dU
@@ -751,6 +748,9 @@ def chunk_backward(
     dstates = _state_buffer(chunks.total, HV, K, V, device, product_dtype)
     du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
+    # the states again, from the k factors just computed (the forward's up to rounding: the same math, another kernel)
+    segments = Segments.of(chunks, q, v, cu_seqlens)
+    _, states, corrections, maps = walk_states(k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
     walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du, half)
