@@ -85,7 +85,7 @@ def describe(options: dict) -> str:
 def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
-    modes = {"grad_wy", "half_backward", "half_wy", "qk_state", "split"}
+    modes = {"default", "grad_wy", "half_backward", "half_wy", "qk_state", "split"}  # "default": its row alone
     unknown = set(wanted) - {*KERNELS, *modes}
     assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, {sorted(modes)}"
     start = time.perf_counter()
@@ -154,7 +154,7 @@ def main(args: list[str]) -> None:
         reference = step()
         default_ms = gpu_time_ms(step, torch.device("cuda"))[0]["median"]
         print(f"{shape:<7}{'all':<16}{'default':<24}{default_ms:9.4f}{1.0:9.3f}{0.0:14.1e}"
-              f"{time.perf_counter() - start:6.0f}")  # fmt: skip
+              f"{time.perf_counter() - start:6.0f}   forward alone {forward_ms():.4f} ms")  # fmt: skip
         for kernel in KERNELS:
             if kernel in wanted:
                 sweep(kernel)

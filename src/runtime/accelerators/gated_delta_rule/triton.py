@@ -453,6 +453,21 @@ def _chunk_wy_kernel(
         tl.store(u_out + r[:, None] * (HV * V) + cols[None, :], u.to(u_out.dtype.element_ty), mask=row_mask[:, None])
 
 
+@triton.jit
+def _walk_rows(u_in, k_factor, gamma_in, start, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr, TRANSITION: tl.constexpr):
+    """What the state walk needs of the chunk at `start` besides the product operands: e^gamma_last, k's row factors
+    and (not TRANSITION) u's rows, as stored; 0 past the sequence (a chunk at or past eos loads nothing)."""
+    rows = start + tl.arange(0, BT_)
+    row_mask = rows < eos
+    last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=start < eos, other=0.0)
+    to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
+    if TRANSITION:
+        b_u = 0.0
+    else:
+        b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
+    return tl.exp(last), to_end, b_u
+
+
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_state_kernel(
@@ -480,30 +495,32 @@ def _chunk_state_kernel(
     # the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c), and the corrections
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
+    # the per-row inputs outside the products are loaded one chunk ahead: their latency then overlaps a chunk's work
+    # instead of stalling the sequential chain (the product operands are pipelined by Triton)
+    decay, to_end, b_u = _walk_rows(u_in, k_factor, gamma_in, bos, eos, i_hv, cols_v, HV, V, TRANSITION)
     for start in range(bos, eos, BT_):
+        next_decay, next_to_end, next_u = _walk_rows(
+            u_in, k_factor, gamma_in, start + BT_, eos, i_hv, cols_v, HV, V, TRANSITION
+        )
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
             tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
         rows = start + r
         row_mask = rows < eos
-        last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv)
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
+        # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
+            state = state * decay + tl.dot(tl.trans(k_rows), corrections * to_end[:, None], input_precision=PRECISION)
         else:
-            b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
             corrections = b_u.to(tl.float32) - _storage_dot(b_w, state, PRECISION, HALF)
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
                 tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
-        # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows
-        to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-        if TRANSITION:
-            state = state * tl.exp(last) + tl.dot(tl.trans(k_rows), corrections * to_end[:, None], input_precision=PRECISION)
-        else:
-            state = state * tl.exp(last) + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
+            state = state * decay + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
+        decay, to_end, b_u = next_decay, next_to_end, next_u
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
 
