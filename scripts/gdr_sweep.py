@@ -58,12 +58,12 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
     ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
     ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
     # two warps: mma from registers instead of the warpgroup's wgmma, whose operands go through shared memory
-    ("walk", 128): [dict(num_warps=2, num_stages=2), dict(num_warps=2, num_stages=3), dict(num_stages=3), dict(BV=64),
-                    dict(BV=64, num_warps=8), dict(BV=16)],
+    # (session 20: 2 warps, BV 64 and BV 16 were slower at both shapes; 8 warps crash, see below)
+    ("walk", 128): [dict(num_stages=3), dict(num_stages=4), dict(BV=16, num_stages=3)],
     # the reverse walk (default BV 64); BV=32 with 4 warps and BV=128 made an illegal memory access on the H100 (Triton
     # 3.6, packed shape, session 20), which poisons the process for every later row
-    ("state_grad", 128): [dict(BV=32), dict(BV=32, num_warps=2, num_stages=2), dict(BV=32, num_warps=2, num_stages=3),
-                          dict(BV=32, num_warps=8, num_stages=3), dict(num_warps=4, num_stages=3)],
+    # (and from cd4b577 on, BV=32 with any warps, at both shapes)
+    ("state_grad", 128): [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=4)],
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
 
