@@ -69,6 +69,10 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
                                     dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
     "T1000-K64-V32-fp16-GVA": (1, 1000, 1, 4, 64, 32, torch.float16, False, dict(use_qk_l2norm_in_kernel=True)),
     "T37-K32-V128-bf16-GVA-scale": (3, 37, 2, 6, 32, 128, torch.bfloat16, True, dict(scale=0.3, output_final_state=True)),
+    # the Triton reverse walk at K = 128 with V blocks of 32 (V < 64): launches of that kernel with BV 32 at K = 128
+    # made illegal memory accesses in session 20's sweeps, and no case covered V < 64 at K = 128 before
+    "T300-K128-V32-bf16-l2norm-state": (1, 300, 2, 2, 128, 32, torch.bfloat16, True,
+                                        dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
     "T256-K16-bf16-pcvr": (8, 256, 4, 4, 16, 16, torch.bfloat16, False, dict(use_qk_l2norm_in_kernel=True)),
     "varlen-K128-bf16-GVA-state": (1, 1000, 2, 4, 128, 64, torch.bfloat16, True,
                                    dict(cu_seqlens=torch.tensor(VARLEN), use_qk_l2norm_in_kernel=True, output_final_state=True)),
