@@ -244,8 +244,10 @@ def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
-    if K == 128:
-        return min(V, 64), 4, 2
+    if K == 128:  # BV 32 at K = 128 faulted in session 20's sweeps (4 warps: illegal accesses; 8 warps: results off by
+        # 3.4e-3 where BV cannot change them): V < 64 keeps the launch it had before that session until a GPU run
+        # of tests/gpu's K128-V32 case settles it
+        return (64, 4, 2) if V >= 64 else (V, 8, 1)
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
