@@ -28,7 +28,7 @@ def inputs(B, T, H, HV, D, packed):
     q, k, v = make(B, T, H, D), make(B, T, H, D), make(B, T, HV, D)
     g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 2.0).to(torch.bfloat16)
     beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
-    cu_seqlens = torch.tensor([0, T], dtype=torch.long) if packed else None  # ours takes it on the host, fla on the device
+    cu_seqlens = torch.tensor([0, T], dtype=torch.long) if packed else None  # ours on the host, fla's on the device
     return [x.requires_grad_() for x in (q, k, v, g, beta)], cu_seqlens
 
 

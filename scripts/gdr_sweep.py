@@ -43,7 +43,11 @@ from runtime.accelerators.gated_delta_rule import triton_backward as backward
 from runtime.accelerators.testing import RTOL, relative_rms_error
 from runtime.benchmark.timing import gpu_time_ms
 
-SHAPES = {"pcvr": (256, 256, 4, 4, 16, False), "large": (4, 4096, 16, 16, 128, False), "packed": (1, 32768, 16, 32, 128, True)}
+SHAPES = {  # (B, T, H, HV, D, packed)
+    "pcvr": (256, 256, 4, 4, 16, False),
+    "large": (4, 4096, 16, 16, 128, False),
+    "packed": (1, 32768, 16, 32, 128, True),
+}
 SPLIT_CHUNKS = (0, 8, 16, 32, 64)
 KERNELS = ("grad_qk", "grad_state", "local", "state_grad", "wy", "walk", "output")  # and step 5's, by variant:
 QK_STATE_KERNELS = {"fused": ("grad_qk_state",), "split": ("grad_state", "grad_qk")}
@@ -99,7 +103,8 @@ def main(args: list[str]) -> None:
         grad_o = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
 
         def forward():
-            return chunk_gated_delta_rule(*tensors, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend="triton")[0]
+            options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend="triton")
+            return chunk_gated_delta_rule(*tensors, **options)[0]
 
         def forward_ms() -> float:
             with torch.no_grad():

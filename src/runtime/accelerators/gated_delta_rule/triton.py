@@ -454,7 +454,9 @@ def _chunk_wy_kernel(
 
 
 @triton.jit
-def _walk_rows(u_in, k_factor, gamma_in, start, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr, TRANSITION: tl.constexpr):
+def _walk_rows(
+    u_in, k_factor, gamma_in, start, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr, TRANSITION: tl.constexpr
+):  # fmt: skip
     """What the state walk needs of the chunk at `start` besides the product operands: e^gamma_last, k's row factors
     and (not TRANSITION) u's rows, as stored; 0 past the sequence (a chunk at or past eos loads nothing)."""
     rows = start + tl.arange(0, BT_)
@@ -671,7 +673,9 @@ def launch_options(kernel: str, K: int, **defaults) -> dict:
     return {**defaults, **LAUNCH_OVERRIDES.get((kernel, K), {})}
 
 
-def _walk(k, k_factor, gamma, w, u, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False):
+def _walk(
+    k, k_factor, gamma, w, u, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False
+):  # fmt: skip
     """One _chunk_state_kernel launch over the sequences of `chunks`: what it stores is what is given
     (states and corrections together)."""
     B, T, H, K = k.shape
@@ -709,10 +713,12 @@ def _state_buffer(n: int, HV: int, K: int, V: int, device, dtype: torch.dtype = 
     return buffers.empty((n, HV, K, V), dtype=dtype, device=device)
 
 
-def walk_states(k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks: Chunks, segments: "Segments | None"):
-    """The inter-chunk recurrence, k_factor the walk's row factors of k (prepare): (final state, the state entering each chunk [total, HV, K, V], the corrections
-    U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and with segments their maps M [segments, HV, K, K]
-    for the backward, else None)."""
+def walk_states(
+    k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks: Chunks, segments: "Segments | None"
+):  # fmt: skip
+    """The inter-chunk recurrence, k_factor the walks' row factors of k (prepare): (final state, the state entering
+    each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and
+    with segments their maps M [segments, HV, K, K] for the backward, else None)."""
     K, (HV, V), device = k.shape[-1], v.shape[2:], k.device
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
     states = _state_buffer(chunks.total, HV, K, V, device, u.dtype)
@@ -739,7 +745,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
     segments = Segments.of(chunks, q, v, cu_seqlens)
-    final, states, corrections, _ = walk_states(k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks, segments)
+    final, states, corrections, _ = walk_states(
+        k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks, segments
+    )
     o = _output(q, k, gamma, states, corrections, scale, use_qk_l2norm_in_kernel, chunks, v.shape)
     return o, final, gamma, w, u, inverse
 

@@ -152,7 +152,7 @@ def _reverse_walk_rows(
     q_factor, k_factor, gamma_in, do, du, start, bos, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr
 ):  # fmt: skip
     """What the reverse walk needs of the chunk at `start` besides the product operands: e^gamma_last, the row factors
-    of k and q, dU_local and dO as stored; 0 outside [bos, eos) (the chunk before the sequence's first loads nothing)."""
+    of k and q, dU_local and dO as stored; 0 outside [bos, eos) (the chunk before the first loads nothing)."""
     rows = start + tl.arange(0, BT_)
     row_mask = (rows >= bos) & (rows < eos)
     last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=start >= bos, other=0.0)
@@ -194,7 +194,8 @@ def _state_grad_kernel(
     )
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        decay_last, k_rows_factor, q_rows_factor, b_du, b_do = decay_next, k_factor_next, q_factor_next, du_next, do_next
+        decay_last, k_rows_factor, q_rows_factor = decay_next, k_factor_next, q_factor_next
+        b_du, b_do = du_next, do_next
         decay_next, k_factor_next, q_factor_next, du_next, do_next = _reverse_walk_rows(
             q_factor, k_factor, gamma_in, do, du, bos + (c - 1) * BT_, bos, eos, i_hv, cols_v, HV, V
         )
@@ -212,7 +213,8 @@ def _state_grad_kernel(
         q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
-        dstate = _storage_dot(tl.trans(q_rows), b_do.to(tl.float32) * q_rows_factor[:, None], PRECISION, HALF, dstate * decay_last)
+        b_do = b_do.to(tl.float32) * q_rows_factor[:, None]
+        dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * decay_last)
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
@@ -773,7 +775,9 @@ def chunk_backward(
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     # the states again, from the k factors just computed (the forward's up to rounding: the same math, another kernel)
     segments = Segments.of(chunks, q, v, cu_seqlens)
-    _, states, corrections, maps = walk_states(k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments)
+    _, states, corrections, maps = walk_states(
+        k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments
+    )
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
     walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du, half)
