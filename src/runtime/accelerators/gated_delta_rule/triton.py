@@ -454,9 +454,11 @@ def _chunk_wy_kernel(
 
 
 @triton.jit
-def _chunk_last(gamma_in, start, eos, i_hv, HV: tl.constexpr):
-    """gamma on the last row of the chunk at `start` (0 for a chunk at or past eos, which loads nothing)."""
-    return tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=start < eos, other=0.0)
+def _chunk_last(gamma_in, start, bos, eos, i_hv, HV: tl.constexpr):
+    """gamma on the last row of the chunk at `start` (0 for a chunk outside [bos, eos), which loads nothing): the walks
+    load it a chunk ahead by hand, as Triton 3.6 does not pipeline this scalar load with the tiles."""
+    inside = (start >= bos) & (start < eos)
+    return tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=inside, other=0.0)
 
 
 @direct_launch
@@ -489,9 +491,9 @@ def _chunk_state_kernel(
     # Triton pipelines the tile loads (cp.async, num_stages - 1 chunks ahead) but not this scalar: it is loaded one
     # chunk ahead by hand, raw (e^ where it is used, after the products). Loading u and k's factors ahead by hand
     # as well kept Triton from pipelining them (sm_90 SASS, session 20)
-    last = _chunk_last(gamma_in, bos, eos, i_hv, HV)
+    last = _chunk_last(gamma_in, bos, bos, eos, i_hv, HV)
     for start in range(bos, eos, BT_):
-        next_last = _chunk_last(gamma_in, start + BT_, eos, i_hv, HV)
+        next_last = _chunk_last(gamma_in, start + BT_, bos, eos, i_hv, HV)
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
             tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
