@@ -454,20 +454,11 @@ def _chunk_wy_kernel(
 
 
 @triton.jit
-def _walk_rows(
-    u_in, k_factor, gamma_in, start, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr, TRANSITION: tl.constexpr
-):  # fmt: skip
-    """What the state walk needs of the chunk at `start` besides the product operands: e^gamma_last, k's row factors
-    and (not TRANSITION) u's rows, as stored; 0 past the sequence (a chunk at or past eos loads nothing)."""
-    rows = start + tl.arange(0, BT_)
-    row_mask = rows < eos
-    last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=start < eos, other=0.0)
-    to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-    if TRANSITION:
-        b_u = 0.0
-    else:
-        b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
-    return tl.exp(last), to_end, b_u
+def _chunk_last(gamma_in, start, bos, eos, i_hv, HV: tl.constexpr):
+    """gamma on the last row of the chunk at `start` (0 for a chunk outside [bos, eos), which loads nothing): the walks
+    load it a chunk ahead by hand, as Triton 3.6 does not pipeline this scalar load with the tiles."""
+    inside = (start >= bos) & (start < eos)
+    return tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=inside, other=0.0)
 
 
 @direct_launch
@@ -497,13 +488,12 @@ def _chunk_state_kernel(
     # the state entering each chunk, at the chunk's global index (chunk_offsets[n] + c), and the corrections
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     r = tl.arange(0, BT_)
-    # the per-row inputs outside the products are loaded one chunk ahead: their latency then overlaps a chunk's work
-    # instead of stalling the sequential chain (the product operands are pipelined by Triton)
-    decay, to_end, b_u = _walk_rows(u_in, k_factor, gamma_in, bos, eos, i_hv, cols_v, HV, V, TRANSITION)
+    # Triton pipelines the tile loads (cp.async, num_stages - 1 chunks ahead) but not this scalar: it is loaded one
+    # chunk ahead by hand, raw (e^ where it is used, after the products). Loading u and k's factors ahead by hand
+    # as well kept Triton from pipelining them (sm_90 SASS, session 20)
+    last = _chunk_last(gamma_in, bos, bos, eos, i_hv, HV)
     for start in range(bos, eos, BT_):
-        next_decay, next_to_end, next_u = _walk_rows(
-            u_in, k_factor, gamma_in, start + BT_, eos, i_hv, cols_v, HV, V, TRANSITION
-        )
+        next_last = _chunk_last(gamma_in, start + BT_, bos, eos, i_hv, HV)
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
             tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
@@ -513,16 +503,19 @@ def _chunk_state_kernel(
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
         # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows
+        to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         if TRANSITION:
             corrections = -tl.dot(b_w, state, input_precision=PRECISION)
-            state = state * decay + tl.dot(tl.trans(k_rows), corrections * to_end[:, None], input_precision=PRECISION)
+            scaled = corrections * to_end[:, None]
+            state = state * tl.exp(last) + tl.dot(tl.trans(k_rows), scaled, input_precision=PRECISION)
         else:
+            b_u = tl.load(u_in + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], mask=row_mask[:, None], other=0.0)
             corrections = b_u.to(tl.float32) - _storage_dot(b_w, state, PRECISION, HALF)
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
                 tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
-            state = state * decay + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
-        decay, to_end, b_u = next_decay, next_to_end, next_u
+            state = state * tl.exp(last) + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
+        last = next_last
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
 

@@ -12,8 +12,8 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
-    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot, _half_dots,
-    _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
+    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_last, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot,
+    _half_dots, _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
     walk_states,
 )
 
@@ -147,23 +147,6 @@ def _chunk_local_grad_kernel(
     tl.store(k_factor_out + rows * HV + i_hv, tl.exp(last - gamma) * k_rstd, mask=row_mask)
 
 
-@triton.jit
-def _reverse_walk_rows(
-    q_factor, k_factor, gamma_in, do, du, start, bos, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr
-):  # fmt: skip
-    """What the reverse walk needs of the chunk at `start` besides the product operands: e^gamma_last, the row factors
-    of k and q, dU_local and dO as stored; 0 outside [bos, eos) (the chunk before the first loads nothing)."""
-    rows = start + tl.arange(0, BT_)
-    row_mask = (rows >= bos) & (rows < eos)
-    last = tl.load(gamma_in + (tl.minimum(start + BT_, eos) - 1) * HV + i_hv, mask=start >= bos, other=0.0)
-    k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-    q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-    tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-    b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-    b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0)
-    return tl.exp(last), k_rows_factor, q_rows_factor, b_du, b_do
-
-
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _state_grad_kernel(
@@ -188,34 +171,32 @@ def _state_grad_kernel(
     else:
         dstate = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = (eos - bos + BT_ - 1) // BT_
-    # the per-row inputs outside the products one chunk ahead (as the forward walk's _walk_rows)
-    decay_next, k_factor_next, q_factor_next, du_next, do_next = _reverse_walk_rows(
-        q_factor, k_factor, gamma_in, do, du, bos + (n_chunks - 1) * BT_, bos, eos, i_hv, cols_v, HV, V
-    )
+    # Triton pipelines the tile loads; gamma_last is loaded a chunk ahead by hand (_chunk_last)
+    last = _chunk_last(gamma_in, bos + (n_chunks - 1) * BT_, bos, eos, i_hv, HV)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        decay_last, k_rows_factor, q_rows_factor = decay_next, k_factor_next, q_factor_next
-        b_du, b_do = du_next, do_next
-        decay_next, k_factor_next, q_factor_next, du_next, do_next = _reverse_walk_rows(
-            q_factor, k_factor, gamma_in, do, du, bos + (c - 1) * BT_, bos, eos, i_hv, cols_v, HV, V
-        )
+        next_last = _chunk_last(gamma_in, bos + (c - 1) * BT_, bos, eos, i_hv, HV)
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
             tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate.to(dstates.dtype.element_ty))
         start = bos + c * BT_
         rows = start + tl.arange(0, BT_)
         row_mask = rows < eos
+        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         # the row factors scale the [BT, BV] sides of the products, not the [BT, K] rows (K~ = diag(k_factor) K_raw)
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
-        b_du = b_du.to(tl.float32) + _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
+        k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
+        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_du += _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
         if STORE_GRADS:
-            tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
             tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None])
         q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
+        q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
-        b_do = b_do.to(tl.float32) * q_rows_factor[:, None]
-        dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * decay_last)
+        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32) * q_rows_factor[:, None]
+        dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * tl.exp(last))
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
+        last = next_last
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
 
