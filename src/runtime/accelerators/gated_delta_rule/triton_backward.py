@@ -149,7 +149,8 @@ def _chunk_local_grad_kernel(
 
 @triton.jit
 def _reverse_walk_rows(
-    q_factor, k_factor, gamma_in, do, du, start, bos, eos, i_hv, cols_v, HV: tl.constexpr, V: tl.constexpr
+    q_factor, k_factor, gamma_in, do, du, start, bos, eos, i_hv, cols_v, column_mask, HV: tl.constexpr,
+    V: tl.constexpr,
 ):  # fmt: skip
     """What the reverse walk needs of the chunk at `start` besides the product operands: e^gamma_last, the row factors
     of k and q, dU_local and dO as stored; 0 outside [bos, eos) (the chunk before the first loads nothing)."""
@@ -159,8 +160,8 @@ def _reverse_walk_rows(
     k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
     q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
     tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-    b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0)
-    b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0)
+    b_du = tl.load(du + tokens, mask=row_mask[:, None] & column_mask[None, :], other=0.0)
+    b_do = tl.load(do + tokens, mask=row_mask[:, None] & column_mask[None, :], other=0.0)
     return tl.exp(last), k_rows_factor, q_rows_factor, b_du, b_do
 
 
@@ -182,25 +183,28 @@ def _state_grad_kernel(
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     cols_k = tl.arange(0, K)
     cols_v = i_v * BV + tl.arange(0, BV)
+    column_mask = cols_v < V  # a V block wider than V (K = 128, V < 64: see _walk_launch); all true otherwise
     block = cols_k[:, None] * V + cols_v[None, :]
+    block_mask = (cols_k[:, None] < K) & column_mask[None, :]
     if USE_FINAL_GRAD:
-        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block).to(tl.float32)
+        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block, mask=block_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = (eos - bos + BT_ - 1) // BT_
     # the per-row inputs outside the products one chunk ahead (as the forward walk's _walk_rows)
     decay_next, k_factor_next, q_factor_next, du_next, do_next = _reverse_walk_rows(
-        q_factor, k_factor, gamma_in, do, du, bos + (n_chunks - 1) * BT_, bos, eos, i_hv, cols_v, HV, V
+        q_factor, k_factor, gamma_in, do, du, bos + (n_chunks - 1) * BT_, bos, eos, i_hv, cols_v, column_mask, HV, V
     )
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
         decay_last, k_rows_factor, q_rows_factor = decay_next, k_factor_next, q_factor_next
         b_du, b_do = du_next, do_next
         decay_next, k_factor_next, q_factor_next, du_next, do_next = _reverse_walk_rows(
-            q_factor, k_factor, gamma_in, do, du, bos + (c - 1) * BT_, bos, eos, i_hv, cols_v, HV, V
+            q_factor, k_factor, gamma_in, do, du, bos + (c - 1) * BT_, bos, eos, i_hv, cols_v, column_mask, HV, V
         )
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
-            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate.to(dstates.dtype.element_ty))
+            stored = dstate.to(dstates.dtype.element_ty)
+            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, stored, mask=block_mask)
         start = bos + c * BT_
         rows = start + tl.arange(0, BT_)
         row_mask = rows < eos
@@ -209,7 +213,7 @@ def _state_grad_kernel(
         b_du = b_du.to(tl.float32) + _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
         if STORE_GRADS:
             tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-            tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None])
+            tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
         q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
@@ -217,7 +221,7 @@ def _state_grad_kernel(
         dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * decay_last)
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
     if USE_INITIAL_STATE:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate, mask=block_mask)
 
 
 def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bool):
@@ -247,9 +251,8 @@ def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
     if K == 128:  # BV 32 at K = 128 faulted in session 20's sweeps (4 warps: illegal accesses; 8 warps: results off by
-        # 3.4e-3 where BV cannot change them): V < 64 keeps the launch it had before that session until a GPU run
-        # of tests/gpu's K128-V32 case settles it
-        return (64, 4, 2) if V >= 64 else (V, 8, 1)
+        # 3.4e-3 where BV cannot change them): V < 64 runs a 64-wide block with its columns past V masked
+        return 64, 4, 2
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
