@@ -247,6 +247,7 @@ def gated_delta_rule():
         _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
         _delta_rule_inputs(2, 200, 2, 4, 64, 64),
         _delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200]),
+        _delta_rule_inputs(1, 100, 1, 1, 128, 32),  # K = 128, V < 64: the reverse walk's masked 64-wide V block
     ]
     for inputs in cases:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):

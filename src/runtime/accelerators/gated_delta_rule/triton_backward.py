@@ -165,9 +165,11 @@ def _state_grad_kernel(
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     cols_k = tl.arange(0, K)
     cols_v = i_v * BV + tl.arange(0, BV)
+    column_mask = cols_v < V  # a V block wider than V (K = 128, V < 64: see _walk_launch); all true otherwise
     block = cols_k[:, None] * V + cols_v[None, :]
+    block_mask = (cols_k[:, None] < K) & column_mask[None, :]
     if USE_FINAL_GRAD:
-        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block).to(tl.float32)
+        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block, mask=block_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = (eos - bos + BT_ - 1) // BT_
@@ -177,7 +179,8 @@ def _state_grad_kernel(
         c = n_chunks - 1 - i
         next_last = _chunk_last(gamma_in, bos + (c - 1) * BT_, bos, eos, i_hv, HV)
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
-            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, dstate.to(dstates.dtype.element_ty))
+            stored = dstate.to(dstates.dtype.element_ty)
+            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, stored, mask=block_mask)
         start = bos + c * BT_
         rows = start + tl.arange(0, BT_)
         row_mask = rows < eos
@@ -185,20 +188,21 @@ def _state_grad_kernel(
         # the row factors scale the [BT, BV] sides of the products, not the [BT, K] rows (K~ = diag(k_factor) K_raw)
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
         k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        tile_mask = row_mask[:, None] & column_mask[None, :]
+        b_du = tl.load(du + tokens, mask=tile_mask, other=0.0).to(tl.float32)
         b_du += _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
         if STORE_GRADS:
-            tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=row_mask[:, None])
+            tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=tile_mask)
         q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
         q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
         b_w = _as_operand(b_w, HALF)
-        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32) * q_rows_factor[:, None]
+        b_do = tl.load(do + tokens, mask=tile_mask, other=0.0).to(tl.float32) * q_rows_factor[:, None]
         dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * tl.exp(last))
         dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
         last = next_last
     if USE_INITIAL_STATE:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate)
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate, mask=block_mask)
 
 
 def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bool):
@@ -228,9 +232,8 @@ def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
     if K == 128:  # BV 32 at K = 128 faulted in session 20's sweeps (4 warps: illegal accesses; 8 warps: results off by
-        # 3.4e-3 where BV cannot change them): V < 64 keeps the launch it had before that session until a GPU run
-        # of tests/gpu's K128-V32 case settles it
-        return (64, 4, 2) if V >= 64 else (V, 8, 1)
+        # 3.4e-3 where BV cannot change them): V < 64 runs a 64-wide block with its columns past V masked
+        return 64, 4, 2
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
