@@ -63,6 +63,18 @@ def triton_interpret() -> bool:
 
 
 @functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device; 0 for any other device (the interpreter's CPU)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
 def library_reasons(backend: str) -> tuple[str, ...]:
     """Why the backend's library cannot be used in this environment (empty when it can)."""
     if backend == "triton":

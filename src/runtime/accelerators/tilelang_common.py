@@ -14,7 +14,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from .backends import TILELANG_VERSION
+from .backends import TILELANG_VERSION, sm_count
 
 
 def _check_version() -> None:
@@ -60,8 +60,7 @@ def device_info(index: int | None) -> DeviceInfo:
     major, minor = torch.cuda.get_device_capability(index)
     # the "a" variants unlock wgmma/TMA features on Hopper and Blackwell
     arch = f"sm_{major}{minor}" + ("a" if major in (9, 10) else "")
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return DeviceInfo({"kind": "cuda", "arch": arch}, sms)
+    return DeviceInfo({"kind": "cuda", "arch": arch}, sm_count(torch.device("cuda", index)))
 
 
 # --------------------------------------------------------------------------- compile cache
