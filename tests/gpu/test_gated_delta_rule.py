@@ -73,6 +73,8 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
     # made illegal memory accesses in session 20's sweeps, and no case covered V < 64 at K = 128 before
     "T300-K128-V32-bf16-l2norm-state": (1, 300, 2, 2, 128, 32, torch.bfloat16, True,
                                         dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    # fp32 at K = 128: the walks' IEEE launches (BV 32, 8 warps, 1 stage), covered by no other case
+    "T130-K128-V64-fp32-state": (1, 130, 1, 2, 128, 64, torch.float32, True, dict(output_final_state=True)),
     "T256-K16-bf16-pcvr": (8, 256, 4, 4, 16, 16, torch.bfloat16, False, dict(use_qk_l2norm_in_kernel=True)),
     "varlen-K128-bf16-GVA-state": (1, 1000, 2, 4, 128, 64, torch.bfloat16, True,
                                    dict(cu_seqlens=torch.tensor(VARLEN), use_qk_l2norm_in_kernel=True, output_final_state=True)),

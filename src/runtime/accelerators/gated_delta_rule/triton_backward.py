@@ -224,16 +224,17 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
 
 def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
     """(BV, warps, stages) of _state_grad_kernel, from H100 timings (Triton 3.6, bf16) and sm_90 compiles. Half
-    inputs: K = 128 BV 64 with 4 warps and 2 stages (session 20, with the per-row inputs loaded a chunk ahead:
-    forward + backward 2.269 ms at B4-T4096-H16 and 11.50 at packed 32768 H16 HV32, against 2.384 and 12.28 with 8
-    warps and 1 stage; 8 warps with 2 to 4 stages in between; BV 32 with 4 warps spilled in session 16), K = 64
+    inputs: K = 128 BV 64 with 4 warps and 3 stages (session 21, the tiles pipelined by Triton: forward + backward
+    2.294 ms at B4-T4096-H16 and 10.74 at packed 32768 H16 HV32, against 2.312 and 10.92 with 2 stages; 8 warps with
+    1 to 3 stages slower, 8 with 4 out of shared memory; BV 32 with 4 warps spilled in session 16), K = 64
     BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at B256-T256-H4).
     fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
     if K == 128:  # BV 32 at K = 128 faulted in session 20's sweeps (4 warps: illegal accesses; 8 warps: results off by
-        # 3.4e-3 where BV cannot change them): V < 64 runs a 64-wide block with its columns past V masked
-        return 64, 4, 2
+        # 3.4e-3 where BV cannot change them; session 21: tests/gpu's K128-V32 case, then launched with BV 32, 8 warps
+        # and 1 stage, faulted too): V < 64 runs a 64-wide block with its columns past V masked
+        return 64, 4, 3
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
