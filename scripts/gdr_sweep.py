@@ -67,7 +67,10 @@ EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of ste
     # the reverse walk (default BV 64); BV=32 with 4 warps and BV=128 made an illegal memory access on the H100 (Triton
     # 3.6, packed shape, session 20), which poisons the process for every later row
     # (and from cd4b577 on, BV=32 with any warps, at both shapes)
-    ("state_grad", 128): [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=4)],
+    # (session 21: the state in two [64, BV] row tiles at K = 128, so BV 32 again; 8 warps with 4 stages is out of
+    # shared memory)
+    ("state_grad", 128): [dict(BV=32, num_stages=2), dict(BV=32, num_stages=3), dict(BV=32, num_stages=4),
+                          dict(num_warps=4, num_stages=2)],
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
 

@@ -572,7 +572,17 @@ def _as_operand(x, HALF: tl.constexpr):
 def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
     """A chunk's q or k rows as stored (0 past the end): a product operand of the state walks (_as_operand), or with
     HALF False in fp32 for math on them."""
-    raw = tl.load(x + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=row_mask[:, None], other=0.0)
+    return _walk_operand_columns(x, rows, row_mask, i_h, H, K, 0, K, HALF)
+
+
+@triton.jit
+def _walk_operand_columns(
+    x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, first: tl.constexpr, BK: tl.constexpr,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    """_walk_operand's columns [first, first + BK)."""
+    columns = first + tl.arange(0, BK)
+    raw = tl.load(x + (rows[:, None] * H + i_h) * K + columns[None, :], mask=row_mask[:, None], other=0.0)
     return _as_operand(raw, HALF)
 
 

@@ -13,8 +13,8 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_last, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot,
-    _half_dots, _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand, launch_options,
-    walk_states,
+    _half_dots, _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand_columns,
+    launch_options, walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -147,31 +147,57 @@ def _chunk_local_grad_kernel(
     tl.store(k_factor_out + rows * HV + i_hv, tl.exp(last - gamma) * k_rstd, mask=row_mask)
 
 
+@triton.jit
+def _state_tiles(ptr, block, block_mask, dstate, dstate_hi, K: tl.constexpr, BK: tl.constexpr, V: tl.constexpr):
+    """Stores dS as its row tiles: rows [0, BK) from dstate, with K = 2 BK rows [BK, K) from dstate_hi."""
+    tl.store(ptr + block, dstate.to(ptr.dtype.element_ty), mask=block_mask)
+    if K > BK:
+        tl.store(ptr + BK * V + block, dstate_hi.to(ptr.dtype.element_ty), mask=block_mask)
+
+
+@triton.jit
+def _reverse_walk_tile(
+    dstate, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand, du_operand, H: tl.constexpr, HV: tl.constexpr,
+    K: tl.constexpr, first: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Rows [first, first + BK) of dS = e^gamma_last dS' + Q~^T dO - w^T dU (the operands as _storage_dot takes them,
+    dU negated)."""
+    q_rows = _walk_operand_columns(q, rows, row_mask, i_h, H, K, first, BK, HALF)
+    w_rows = _walk_operand_columns(w_in, rows, row_mask, i_hv, HV, K, first, BK, HALF)
+    dstate = _storage_dot(tl.trans(q_rows), do_operand, PRECISION, HALF, dstate * decay)
+    return _storage_dot(tl.trans(w_rows), du_operand, PRECISION, HALF, dstate)
+
+
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _state_grad_kernel(
     q, k, q_factor, k_factor, gamma_in, w_in, do, du, dstates, dht, dh0, cu_seqlens, chunk_offsets, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_GRAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, STORE_GRADS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """The reverse walk over a sequence's chunks: dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU
     (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). dS stays fp32 in
-    registers (HALF: the products on bf16 operands, as the forward walk's)."""
+    registers (HALF: the products on bf16 operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
+    two [BK, BV] tiles: products of 64 state rows, as fla's reverse walk takes them (a [128, 32] tile made illegal
+    memory accesses with Triton 3.6 on the H100, session 20)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
-    cols_k = tl.arange(0, K)
+    state_rows = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     column_mask = cols_v < V  # a V block wider than V (K = 128, V < 64: see _walk_launch); all true otherwise
-    block = cols_k[:, None] * V + cols_v[None, :]
-    block_mask = (cols_k[:, None] < K) & column_mask[None, :]
+    block = state_rows[:, None] * V + cols_v[None, :]
+    block_mask = (state_rows[:, None] < BK) & column_mask[None, :]
+    dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    dstate_hi = tl.zeros([BK, BV], dtype=tl.float32)  # rows [BK, K) where K = 2 BK, else unused
     if USE_FINAL_GRAD:
-        dstate = tl.load(dht + i_nh.to(tl.int64) * K * V + block, mask=block_mask, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros([K, BV], dtype=tl.float32)
+        final = dht + i_nh.to(tl.int64) * K * V
+        dstate = tl.load(final + block, mask=block_mask, other=0.0).to(tl.float32)
+        if K > BK:
+            dstate_hi = tl.load(final + BK * V + block, mask=block_mask, other=0.0).to(tl.float32)
     n_chunks = (eos - bos + BT_ - 1) // BT_
     # Triton pipelines the tile loads; gamma_last is loaded a chunk ahead by hand (_chunk_last)
     last = _chunk_last(gamma_in, bos + (n_chunks - 1) * BT_, bos, eos, i_hv, HV)
@@ -179,30 +205,35 @@ def _state_grad_kernel(
         c = n_chunks - 1 - i
         next_last = _chunk_last(gamma_in, bos + (c - 1) * BT_, bos, eos, i_hv, HV)
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
-            stored = dstate.to(dstates.dtype.element_ty)
-            tl.store(dstates + ((first_chunk + c) * HV + i_hv) * K * V + block, stored, mask=block_mask)
+            _state_tiles(dstates + ((first_chunk + c) * HV + i_hv) * K * V, block, block_mask, dstate, dstate_hi, K,
+                         BK, V)  # fmt: skip
         start = bos + c * BT_
         rows = start + tl.arange(0, BT_)
         row_mask = rows < eos
         tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
         # the row factors scale the [BT, BV] sides of the products, not the [BT, K] rows (K~ = diag(k_factor) K_raw)
-        k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
+        k_rows = _walk_operand_columns(k, rows, row_mask, i_h, H, K, 0, BK, HALF)
+        k_product = _storage_dot(k_rows, dstate, PRECISION, HALF)
+        if K > BK:
+            k_rows_hi = _walk_operand_columns(k, rows, row_mask, i_h, H, K, BK, BK, HALF)
+            k_product = _storage_dot(k_rows_hi, dstate_hi, PRECISION, HALF, k_product)
         k_rows_factor = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         tile_mask = row_mask[:, None] & column_mask[None, :]
         b_du = tl.load(du + tokens, mask=tile_mask, other=0.0).to(tl.float32)
-        b_du += _storage_dot(k_rows, dstate, PRECISION, HALF) * k_rows_factor[:, None]
+        b_du += k_product * k_rows_factor[:, None]
         if STORE_GRADS:
             tl.store(du + tokens, b_du.to(du.dtype.element_ty), mask=tile_mask)
-        q_rows = _walk_operand(q, rows, row_mask, i_h, H, K, HALF)
         q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
-        b_w = _as_operand(b_w, HALF)
         b_do = tl.load(do + tokens, mask=tile_mask, other=0.0).to(tl.float32) * q_rows_factor[:, None]
-        dstate = _storage_dot(tl.trans(q_rows), b_do, PRECISION, HALF, dstate * tl.exp(last))
-        dstate = _storage_dot(tl.trans(b_w), -b_du, PRECISION, HALF, dstate)
+        do_operand, du_operand, decay = _operand(b_do, HALF), _operand(-b_du, HALF), tl.exp(last)
+        dstate = _reverse_walk_tile(dstate, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand, du_operand, H, HV,
+                                    K, 0, BK, PRECISION, HALF)  # fmt: skip
+        if K > BK:
+            dstate_hi = _reverse_walk_tile(dstate_hi, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand,
+                                           du_operand, H, HV, K, BK, BK, PRECISION, HALF)  # fmt: skip
         last = next_last
     if USE_INITIAL_STATE:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + block, dstate, mask=block_mask)
+        _state_tiles(dh0 + i_nh.to(tl.int64) * K * V, block, block_mask, dstate, dstate_hi, K, BK, V)
 
 
 def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bool):
@@ -248,7 +279,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks,
     options = launch_options("state_grad", K, BV=BV, num_warps=warps, num_stages=stages)
     _state_grad_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
-        H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
+        H=H, HV=HV, K=K, V=V, BK=min(K, 64), USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
         HALF=half, **options,
     )  # fmt: skip
