@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import sm_count
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .triton import (
@@ -253,19 +254,21 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
     return q_factor, k_factor
 
 
-def _walk_launch(K: int, V: int, precision: str) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _state_grad_kernel, from H100 timings (Triton 3.6, bf16) and sm_90 compiles. Half
-    inputs: K = 128 BV 64 with 4 warps and 3 stages (session 21, the tiles pipelined by Triton: forward + backward
-    2.294 ms at B4-T4096-H16 and 10.74 at packed 32768 H16 HV32, against 2.312 and 10.92 with 2 stages; 8 warps with
-    1 to 3 stages slower, 8 with 4 out of shared memory; BV 32 with 4 warps spilled in session 16), K = 64
-    BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at B256-T256-H4).
+def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.device) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _state_grad_kernel for `walks` sequences x value heads, from H100 timings (Triton 3.6,
+    bf16) and sm_90 compiles. Half inputs:
+    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Session 21,
+      forward + backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
+      (256) 2.251 -> 2.351, so BV 64 there; 2 stages 2.312 and 10.92 at BV 64; 8 warps slower. BV 32 runs since
+      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (session 20: illegal accesses, or
+      results off by 3.4e-3; session 21: tests/gpu's K128-V32 case). A block wider than V is masked.
+    - K = 64 BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at
+      B256-T256-H4).
     fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
-    if K == 128:  # BV 32 at K = 128 faulted in session 20's sweeps (4 warps: illegal accesses; 8 warps: results off by
-        # 3.4e-3 where BV cannot change them; session 21: tests/gpu's K128-V32 case, then launched with BV 32, 8 warps
-        # and 1 stage, faulted too): V < 64 runs a 64-wide block with its columns past V masked
-        return 64, 4, 3
+    if K == 128:
+        return (32 if walks * cdiv(V, 32) <= sm_count(device) else 64), 4, 3
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
@@ -275,7 +278,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks,
     """One _state_grad_kernel launch over the sequences of `chunks` (dU and dS' are stored when dstates is given)."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
-    BV, warps, stages = _walk_launch(K, V, _precision(q))
+    BV, warps, stages = _walk_launch(K, V, _precision(q), chunks.n * HV, q.device)
     options = launch_options("state_grad", K, BV=BV, num_warps=warps, num_stages=stages)
     _state_grad_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
