@@ -27,6 +27,8 @@ and flipped (rows "fwd HALF_WY=..." and "HALF_WY=...").
 "GRAD_QK_STATE=..."), then the launches of the fused kernel ("grad_qk_state").
 "split": the forward alone and forward + backward with the context-parallel split forced to each of SPLIT_CHUNKS
 chunks per segment (0: never split; rows "fwd split=..." and "split=...").
+A kernel with EXTRA_LAUNCHES outside KERNELS (step 5's "grad_wy_fused"): those launches alone, at the defaults of
+the rest.
 """
 
 from __future__ import annotations
@@ -59,17 +61,15 @@ LAUNCHES = {  # launch options per K (the kernel's other options at their defaul
 }
 EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants, the V blocks of the
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
-    ("grad_wy_fused", 128): [dict(BK=32), dict(BV=32)],
+    # (session 21: BK 64, 4 loop steps over K instead of 16, from helper-46's comparison with fla's WY backward)
+    ("grad_wy_fused", 128): [dict(BK=64), dict(BK=64, num_stages=3), dict(BK=32), dict(BV=32)],
     ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
     # two warps: mma from registers instead of the warpgroup's wgmma, whose operands go through shared memory
     # (session 20: 2 warps, BV 64 and BV 16 were slower at both shapes; 8 warps crash, see below)
     ("walk", 128): [dict(num_stages=3), dict(num_stages=4), dict(BV=16, num_stages=3)],
-    # the reverse walk (default BV 64); BV=32 with 4 warps and BV=128 made an illegal memory access on the H100 (Triton
-    # 3.6, packed shape, session 20), which poisons the process for every later row
-    # (and from cd4b577 on, BV=32 with any warps, at both shapes)
-    # (session 21: the state in two [64, BV] row tiles at K = 128, so BV 32 again; 8 warps with 4 stages is out of
-    # shared memory)
-    ("state_grad", 128): [dict(BV=32, num_stages=2), dict(BV=32, num_stages=3), dict(BV=32, num_stages=4),
+    # the reverse walk (default: BV 32 where the grid is one wave, else 64; 3 stages; see triton_backward._walk_launch).
+    # Before session 21 its state was one [128, BV] tile, and BV 32 made illegal memory accesses (session 20).
+    ("state_grad", 128): [dict(BV=32, num_stages=2), dict(BV=32, num_stages=3), dict(BV=64, num_stages=3),
                           dict(num_warps=4, num_stages=2)],
     ("output", 128): [dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
 }
@@ -93,7 +93,8 @@ def main(args: list[str]) -> None:
     shapes = [a for a in args if a in SHAPES] or ["pcvr"]
     wanted = [a for a in args if a not in SHAPES] or [*KERNELS, "grad_wy"]
     modes = {"default", "grad_wy", "half_backward", "half_wy", "qk_state", "split"}  # "default": its row alone
-    unknown = set(wanted) - {*KERNELS, *modes}
+    extra_only = {kernel for kernel, _ in EXTRA_LAUNCHES} - set(KERNELS)  # step 5's kernels: their extra launches alone
+    unknown = set(wanted) - {*KERNELS, *modes, *extra_only}
     assert not unknown, f"unknown {sorted(unknown)}: shapes {list(SHAPES)}, kernels {KERNELS}, {sorted(modes)}"
     start = time.perf_counter()
     default_grad_wy, default_half = backward.GRAD_WY, backward.HALF_BACKWARD
@@ -132,10 +133,10 @@ def main(args: list[str]) -> None:
                   f"{time.perf_counter() - start:6.0f}")  # fmt: skip
             return ms
 
-        def sweep(kernel: str) -> None:
+        def sweep(kernel: str, extra_only: bool = False) -> None:
             best = None
             # the extra launches first: an 8-warp walk made an illegal memory access on the packed shape (session 20)
-            for options in EXTRA_LAUNCHES.get((kernel, D), []) + LAUNCHES[D]:
+            for options in EXTRA_LAUNCHES.get((kernel, D), []) + ([] if extra_only else LAUNCHES[D]):
                 kernels.LAUNCH_OVERRIDES.clear()
                 kernels.LAUNCH_OVERRIDES[kernel, D] = options
                 ms = row(kernel, describe(options))
@@ -166,6 +167,8 @@ def main(args: list[str]) -> None:
         for kernel in KERNELS:
             if kernel in wanted:
                 sweep(kernel)
+        for kernel in sorted(extra_only & set(wanted)):
+            sweep(kernel, extra_only=True)
         if "grad_wy" in wanted:
             grad_wy_variants()
         if "half_backward" in wanted:

@@ -247,7 +247,7 @@ def gated_delta_rule():
         _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
         _delta_rule_inputs(2, 200, 2, 4, 64, 64),
         _delta_rule_inputs(1, 200, 1, 2, 128, 128, sequences=[0, 70, 200]),
-        _delta_rule_inputs(1, 100, 1, 1, 128, 32),  # K = 128, V < 64: the reverse walk's masked 64-wide V block
+        _delta_rule_inputs(1, 100, 1, 1, 128, 16),  # K = 128, V = 16: the reverse walk's masked V block
     ]
     for inputs in cases:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
@@ -273,6 +273,15 @@ def gated_delta_rule_half_backward():
                 patch.setattr(gdr_backward, "HALF_BACKWARD", half)
                 patch.setattr(gdr_backward, "GRAD_QK_STATE", qk_state)
                 gated_delta_rule_grad_wy_variants()
+
+
+def gated_delta_rule_one_wave():
+    """gated_delta_rule as on a GPU of 132 SMs (sm_count is 0 on the CPU): the launches of grids of at most one
+    program per SM, the forward walk's 4 stages and the reverse walk's BV 32 at K = 128."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gdr_triton, "sm_count", lambda device: 132)
+        patch.setattr(gdr_backward, "sm_count", lambda device: 132)
+        gated_delta_rule()
 
 
 def gated_delta_rule_fp32_widest():
@@ -308,6 +317,7 @@ CASES = {
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
+    "gated_delta_rule_one_wave": gated_delta_rule_one_wave,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
     "gated_delta_rule_split": gated_delta_rule_split,
 }

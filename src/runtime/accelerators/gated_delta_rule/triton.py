@@ -500,8 +500,7 @@ def _chunk_state_kernel(
         rows = start + r
         row_mask = rows < eos
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
-        b_w = tl.load(w_in + (rows[:, None] * HV + i_hv) * K + cols_k[None, :], mask=row_mask[:, None], other=0.0)
-        b_w = _as_operand(b_w, HALF)
+        b_w = _walk_operand(w_in, rows, row_mask, i_hv, HV, K, HALF)
         # K~^T U with K~ = diag(e^(gamma_last - gamma) rstd) K_raw: the row factors scale U's [BT, BV] rows
         to_end = tl.load(k_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         if TRANSITION:
@@ -570,7 +569,7 @@ def _as_operand(x, HALF: tl.constexpr):
 
 @triton.jit
 def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
-    """A chunk's q or k rows as stored (0 past the end): a product operand of the state walks (_as_operand), or with
+    """A chunk's rows of q, k (heads H) or w (heads HV) as stored (0 past the end): a product operand of the state walks (_as_operand), or with
     HALF False in fp32 for math on them."""
     return _walk_operand_columns(x, rows, row_mask, i_h, H, K, 0, K, HALF)
 
@@ -689,12 +688,12 @@ def _walk(
     B, T, H, K = k.shape
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
-    BV = _state_block(K, V)
-    grid = (chunks.n * HV, cdiv(V, BV))
-    options = dict(BV=BV, num_warps=4, num_stages=_state_stages(k, K, None if transition else grid[0] * grid[1]))
+    options = dict(BV=_state_block(K, V), num_warps=4)
     if not transition:
         options = launch_options("walk", K, **options)
-    _chunk_state_kernel[(grid[0], cdiv(V, options["BV"]))](
+    grid = (chunks.n * HV, cdiv(V, options["BV"]))
+    options.setdefault("num_stages", _state_stages(k, K, None if transition else grid[0] * grid[1]))
+    _chunk_state_kernel[grid](
         k, k_factor, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
@@ -792,11 +791,6 @@ def split_sequences(segment_chunks: int) -> Iterator[None]:
         _forced_segment_chunks = previous
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.device) -> int:
     """Chunks per segment of the split, or 0 to walk every sequence whole."""
     if _forced_segment_chunks is not None:
@@ -804,8 +798,7 @@ def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.devic
     if device.type != "cuda" or chunks.total == 0:
         return 0
     programs = chunks.n * HV * cdiv(V, _state_block(K, V))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return split_length(chunks, programs, _sm_count(index))
+    return split_length(chunks, programs, sm_count(device))
 
 
 def split_length(chunks: Chunks, programs: int, sms: int) -> int:

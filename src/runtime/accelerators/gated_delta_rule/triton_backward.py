@@ -33,7 +33,8 @@ from .triton import (
 #      factors that turn the raw q/k rows into Q~ = diag(scale e^gamma rstd_q) Q_raw and K~ = diag(e^(gamma_last
 #      - gamma) rstd_k) K_raw (rstd: the l2norm's rsqrt, 1 without it) [B*T, HV] (fp32);
 #   2. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards, three
-#      dots a chunk ([BT, K] x [K, BV] and twice [K, BT] x [BT, BV]) and no exp or l2norm over tiles:
+#      dots a chunk ([BT, K] x [K, BV] and twice [K, BT] x [BT, BV]; at K = 128 each as two over 64 state rows)
+#      and no exp or l2norm over tiles:
 #         dU = dU_local + K~ dS'          dS = e^gamma_last dS' + Q~^T dO - w^T dU
 #      storing dS' per chunk and dU (in place of dU_local), and dS of the first chunk as d(initial_state);
 #   3. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
@@ -182,6 +183,7 @@ def _state_grad_kernel(
     registers (HALF: the products on bf16 operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
     two [BK, BV] tiles: products of 64 state rows, as fla's reverse walk takes them (a [128, 32] tile made illegal
     memory accesses with Triton 3.6 on the H100, session 20)."""
+    tl.static_assert(K <= 2 * BK)  # at most two row tiles
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -189,9 +191,9 @@ def _state_grad_kernel(
     first_chunk = _first_chunk(chunk_offsets, i_n, N_CHUNKS, IS_VARLEN)
     state_rows = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
-    column_mask = cols_v < V  # a V block wider than V (K = 128, V < 64: see _walk_launch); all true otherwise
+    column_mask = cols_v < V  # a V block wider than V (K = 128, V = 16: see _walk_launch); all true otherwise
     block = state_rows[:, None] * V + cols_v[None, :]
-    block_mask = (state_rows[:, None] < BK) & column_mask[None, :]
+    block_mask = (state_rows[:, None] >= 0) & column_mask[None, :]  # [BK, BV]
     dstate = tl.zeros([BK, BV], dtype=tl.float32)
     dstate_hi = tl.zeros([BK, BV], dtype=tl.float32)  # rows [BK, K) where K = 2 BK, else unused
     if USE_FINAL_GRAD:
@@ -268,7 +270,7 @@ def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.devic
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
     if K == 128:
-        return (32 if walks * cdiv(V, 32) <= sm_count(device) else 64), 4, 3
+        return (32 if V <= 32 or walks * cdiv(V, 32) <= sm_count(device) else 64), 4, 3
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
