@@ -61,8 +61,9 @@ LAUNCHES = {  # launch options per K (the kernel's other options at their defaul
 }
 EXTRA_LAUNCHES = {  # (kernel, K) -> more launches: the blocks of k and v of step 5's variants, the V blocks of the
     # state walk and the output (session 16: with their products on bf16 operands, fewer registers a V column)
-    # (session 21: BK 64, 4 loop steps over K instead of 16, from helper-46's comparison with fla's WY backward)
-    ("grad_wy_fused", 128): [dict(BK=64), dict(BK=64, num_stages=3), dict(BK=32), dict(BV=32)],
+    # (session 21: BK 64, the default since, 4 loop steps over K instead of 16, from helper-46's comparison with fla's)
+    # (BV 32 made an illegal memory access at B4, session 21)
+    ("grad_wy_fused", 128): [dict(BK=16), dict(BK=64, num_stages=3), dict(BK=32)],
     ("grad_qk_state", 128): [dict(BV=16), dict(BV=64), dict(BV=16, num_warps=4)],
     # two warps: mma from registers instead of the warpgroup's wgmma, whose operands go through shared memory
     # (session 20: 2 warps, BV 64 and BV 16 were slower at both shapes; 8 warps crash, see below)

@@ -741,11 +741,15 @@ def _grad_state_launch(K: int, V: int) -> dict:
 
 
 def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
-    """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): k in blocks of 16 columns (the fewest
-    registers), v in blocks of 64 (32 with IEEE dots, which run on the FMA units in registers), 4 warps and 2 stages,
-    the fastest in the session-15 sweep at K = 16 and 128 (at K = 128: 3.767 ms against 4.256 with 8 warps)."""
+    """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): v in blocks of 64 (32 with IEEE dots, which
+    run on the FMA units in registers), 4 warps and 2 stages, the fastest in the session-15 sweep at K = 16 and 128
+    (at K = 128: 3.767 ms against 4.256 with 8 warps); k in blocks of 16 columns (the fewest registers), but of 64
+    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (helper-46's comparison
+    with fla's WY backward). H100, session 21, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
+    2.119; BK 64 with 3 stages 2.125; BV 32 made an illegal memory access)."""
     BV = min(V, 32 if precision == "ieee" else 64)
-    return launch_options("grad_wy_fused", K, BK=min(K, 16), BV=BV, num_warps=4, num_stages=2)
+    BK = 64 if K == 128 and precision != "ieee" else min(K, 16)
+    return launch_options("grad_wy_fused", K, BK=BK, BV=BV, num_warps=4, num_stages=2)
 
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict) -> None:
