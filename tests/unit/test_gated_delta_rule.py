@@ -9,6 +9,7 @@ from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators import gated_delta_rule as gdr_ops
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule.reference import (
@@ -125,6 +126,17 @@ def test_torch_backend_in_low_precision_is_close_to_float64(function, dtype):
     rtol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_close("o", o, ref, rtol)
     assert_close("final_state", state, ref_state, rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_traced_placeholder_has_the_triton_forwards_shapes_and_dtypes(dtype):
+    """What torch.compile traces with (the op's fake forward) is what the triton forward returns, saved factors
+    included (w and u in bf16 for half inputs)."""
+    x = make_inputs(1, 70, 1, 2, 32, 16, dtype=dtype, state=True, sequences=2)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True, True, torch.tensor([0, 30, 70]))
+    real = gdr_ops.CHUNK.kernels("triton").chunk_forward(*args)
+    fake = gdr_ops._fake_chunk_forward(*args, backend="triton")
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
 
 
 def test_empty_sequence_axis():

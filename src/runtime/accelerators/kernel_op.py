@@ -45,6 +45,8 @@ class KernelOp:
     n_outputs:     how many leading results of forward are returned to the caller
     n_saved:       how many further results forward returns for backward
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
+    fake_takes_backend: fake_forward also takes the backend's name (keyword `backend`), for an op whose backends
+                   save results of different dtypes
     entry:         for a folder holding several ops (mhc: pre and post): the kernel modules' functions
                    are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
                    `taac::<op>_<entry>_*`
@@ -60,6 +62,7 @@ class KernelOp:
         fake_forward: Callable,
         entry: str | None = None,
         backward_reads_outputs: bool = True,
+        fake_takes_backend: bool = False,
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
@@ -92,7 +95,11 @@ class KernelOp:
             mutates_args=(),
             schema=f"(str backend, {args_schema}) -> {returns}",
         )
-        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake_forward(*args))))
+        if fake_takes_backend:
+            fake = fake_forward
+        else:
+            fake = lambda *args, backend: fake_forward(*args)  # noqa: E731
+        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake(*args, backend=backend))))
         self._backward_op = torch.library.custom_op(
             f"taac::{name}_backward",
             _run_backward(op, self.backward_name, n_outputs, n_results),

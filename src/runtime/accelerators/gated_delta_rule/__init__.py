@@ -55,20 +55,37 @@ def _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(shape, dtype=torch.float32)
 
 
-def _fake_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+def _fake_chunk_forward(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *, backend
+):  # fmt: skip
     o, final = _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     rows, HV = v.shape[0] * v.shape[1], v.shape[2]
-    saved = [(rows, HV), (rows, HV, k.shape[-1]), (rows, HV, v.shape[-1]), (rows, HV, CHUNK_SIZE)]
-    return (o, final, *(v.new_empty(shape, dtype=torch.float32) for shape in saved))
+    factors = _saved_factor_dtype(backend, k)
+    saved = [((rows, HV), torch.float32), ((rows, HV, k.shape[-1]), factors), ((rows, HV, v.shape[-1]), factors),
+             ((rows, HV, CHUNK_SIZE), torch.float32)]  # fmt: skip
+    return (o, final, *(v.new_empty(shape, dtype=dtype) for shape, dtype in saved))
+
+
+def _saved_factor_dtype(backend: str, k: torch.Tensor) -> torch.dtype:
+    """The dtype of the saved w and u: the Triton backend's storage dtype (bf16 for half inputs), else fp32."""
+    if backend == "triton":
+        from .triton import storage_dtype
+
+        return storage_dtype(k)
+    return torch.float32
 
 
 # kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 #                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
-# the chunked forward also returns, for its backward, the per-chunk factors (fp32, rows of the packed [B*T]
-# axis): the cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64].
+# the chunked forward also returns, for its backward, the per-chunk factors (rows of the packed [B*T] axis): the
+# cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64], in fp32 but for w and
+# u of the triton backend (_saved_factor_dtype).
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
-CHUNK = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk")
+CHUNK = KernelOp(
+    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk",
+    fake_takes_backend=True,
+)  # fmt: skip
 RECURRENT = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent")
 
 
