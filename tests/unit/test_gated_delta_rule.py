@@ -128,11 +128,12 @@ def test_torch_backend_in_low_precision_is_close_to_float64(function, dtype):
     assert_close("final_state", state, ref_state, rtol)
 
 
+@pytest.mark.parametrize("K, V", [(32, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_traced_placeholder_has_the_triton_forwards_shapes_and_dtypes(dtype):
+def test_the_traced_placeholder_has_the_triton_forwards_shapes_and_dtypes(dtype, K, V):
     """What torch.compile traces with (the op's fake forward) is what the triton forward returns, saved factors
     included (w and u in bf16 for half inputs)."""
-    x = make_inputs(1, 70, 1, 2, 32, 16, dtype=dtype, state=True, sequences=2)
+    x = make_inputs(1, 70, 1, 2, K, V, dtype=dtype, state=True, sequences=2)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True, True, torch.tensor([0, 30, 70]))
     real = gdr_ops.CHUNK.kernels("triton").chunk_forward(*args)
     fake = gdr_ops._fake_chunk_forward(*args, backend="triton")
