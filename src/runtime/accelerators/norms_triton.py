@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import buffers
+from .backends import sm_count
 from .launch_math import cdiv, next_power_of_2
 from .norms import as_rows
 from .triton_launch import direct_launch
@@ -76,7 +77,7 @@ def n_tiles(n_rows: int, tiles: RowTiles) -> int:
 def _resident_programs(device: torch.device, programs_per_sm: int) -> int:
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
+    return sm_count(device) * programs_per_sm
 
 
 def backward_programs(n_rows: int, tiles: RowTiles, device: torch.device) -> int:

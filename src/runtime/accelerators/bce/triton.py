@@ -11,7 +11,6 @@ bits on every run of a device.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import sm_count
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
@@ -45,18 +45,13 @@ BACKWARD = Launch(block=2048, num_warps=4, reverse=True)
 SUM_BLOCK = 1024  # partials added per step by the final reduction
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _plan(n: int, large: Launch, tensor: torch.Tensor) -> tuple[Launch, int]:
     """The launch and its number of programs for n elements."""
     if n <= SMALL.block:
         return SMALL, 1
     blocks = cdiv(n, large.block)
     if large.programs_per_sm:
-        return large, min(blocks, large.programs_per_sm * _sm_count(tensor.device))
+        return large, min(blocks, large.programs_per_sm * max(1, sm_count(tensor.device)))
     return large, blocks
 
 

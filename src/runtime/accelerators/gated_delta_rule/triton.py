@@ -547,8 +547,8 @@ def _chunk_output_kernel(
     tl.store(o + tokens, (b_o * scale).to(o.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _state_stages(q: torch.Tensor, K: int, programs: int | None = None) -> int:
-    """Pipeline stages of a walk's chunk loop; `programs`: the grid's size where more stages may pay."""
+def _state_stages(q: torch.Tensor, K: int, programs: int | None) -> int:
+    """Pipeline stages of a walk's chunk loop; `programs`: the grid's size where more stages may pay (None: never)."""
     if q.dtype == torch.float32:  # fp32 at K=128 with 2 stages would need ~165 KB of shared memory
         return 1 if K == 128 else 2
     # A grid of at most one program per SM loses no occupancy to the deeper pipeline's shared memory. H100, session
@@ -749,7 +749,7 @@ def walk_states(
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """(o, final state, and for backward: gamma, w, u, (I + A)^-1, all fp32)."""
+    """(o, final state, and for backward: gamma, w, u, (I + A)^-1; w and u in storage_dtype, the others fp32)."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
