@@ -256,6 +256,26 @@ def test_triton_wy_factors_take_bf16_products_only_where_the_v_blocks_are_not_na
     assert_close("final_state", state, ref_state, 5e-3)
 
 
+def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it(monkeypatch):
+    """prepare stores (I + A)^-1 in bf16 where the WY kernel and step 5 take it rounded to bf16 anyway (half inputs,
+    the fused step 5, whose HALF follows it by default), rounded to nearest from the fp32 it stores otherwise; and
+    step 5 takes it in either dtype (here bf16 from the forward, then the single kernel's tf32 products)."""
+    inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 90, 1, 2, 16, 16, dtype=torch.bfloat16).items()}
+    k, v, g, beta = (inputs[n].detach() for n in ("k", "v", "g", "beta"))
+    chunks = gdr_triton.Chunks.of(v, None)
+    inverse = {}
+    for variant in ("single", "fused"):
+        monkeypatch.setattr(gdr_backward, "GRAD_WY", variant)
+        inverse[variant] = gdr_triton.prepare(k, v, g, beta, True, chunks, "tf32")[3]
+    assert inverse["single"].dtype == torch.float32 and inverse["fused"].dtype == torch.bfloat16
+    assert torch.equal(inverse["fused"], inverse["single"].bfloat16())
+    with use_accelerators(fallback="error"), poison_outputs():
+        o, _ = call(chunk_gated_delta_rule, inputs, "triton", use_qk_l2norm_in_kernel=True)
+    monkeypatch.setattr(gdr_backward, "GRAD_WY", "single")
+    grads = torch.autograd.grad(o, list(inputs.values()), torch.ones_like(o))
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
 TRITON_BACKWARD_CASES = {  # shape: (B, T, H, HV, K, V)
     "T63-GVA-state-final": dict(shape=(1, 63, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
     "T130-GVA-l2norm-scale": dict(shape=(2, 130, 2, 4, 16, 16), options=dict(use_qk_l2norm_in_kernel=True, scale=0.3)),

@@ -60,27 +60,27 @@ def _fake_chunk_forward(
 ):  # fmt: skip
     o, final = _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     rows, HV = v.shape[0] * v.shape[1], v.shape[2]
-    factors = _saved_factor_dtype(backend, k)
+    factors, inverse = _saved_dtypes(backend, k, v.shape[-1])
     saved = [((rows, HV), torch.float32), ((rows, HV, k.shape[-1]), factors), ((rows, HV, v.shape[-1]), factors),
-             ((rows, HV, CHUNK_SIZE), torch.float32)]  # fmt: skip
+             ((rows, HV, CHUNK_SIZE), inverse)]  # fmt: skip
     return (o, final, *(v.new_empty(shape, dtype=dtype) for shape, dtype in saved))
 
 
-def _saved_factor_dtype(backend: str, k: torch.Tensor) -> torch.dtype:
-    """The dtype of the saved w and u: the Triton backend's storage dtype (bf16 for half inputs), else fp32."""
+def _saved_dtypes(backend: str, k: torch.Tensor, V: int) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes of the saved w and u, and of (I + A)^-1: the triton backend's (triton.saved_dtypes), else fp32."""
     if backend == "triton":
-        from .triton import storage_dtype
+        from .triton import saved_dtypes
 
-        return storage_dtype(k)
-    return torch.float32
+        return saved_dtypes(k, V)
+    return torch.float32, torch.float32
 
 
 # kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 #                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
 # the chunked forward also returns, for its backward, the per-chunk factors (rows of the packed [B*T] axis): the
-# cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64], in fp32 but for w and
-# u of the triton backend (_saved_factor_dtype).
+# cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64], in fp32 but for the
+# triton backend's w and u and its (I + A)^-1 where its products round them (_saved_dtypes).
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
 CHUNK = KernelOp(
     "gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk",

@@ -240,7 +240,7 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN: tl.const
 #     inverted by forward substitution on rows, whose reductions stay in the program's one warp (no barrier, no
 #     memory round trip), and the blocks below them follow by block forward substitution in [16, 16] dots:
 #         T_bm = -T_bb sum_{m <= j < b} A_bj T_jm.
-#     T is written whole (zeros above the diagonal blocks; the backward reads it).
+#     T is written whole (zeros above the diagonal blocks; the backward reads it), in bf16 where _inverse_dtype says.
 #   _chunk_wy_kernel, one warpgroup: w = T diag(beta e^gamma) K and u = T diag(beta) V ([64, 64] x [64, 64 columns]
 #     dots, wgmma), from the T and gamma the first kernel wrote.
 
@@ -321,6 +321,8 @@ def _diagonal_inverse(kk, beta, gamma, rstd):
 def _store_block(inverse, b: tl.constexpr, m: tl.constexpr, x, n_rows, ROW: tl.constexpr):
     p = tl.arange(0, SUB)
     rows = b * SUB + p
+    if inverse.dtype.element_ty == tl.bfloat16:
+        x = _to_half(x, tl.bfloat16)  # as the products that take it would round it (the interpreter's store truncates)
     tl.store(inverse + rows[:, None] * ROW + m * SUB + p[None, :], x, mask=(rows < n_rows)[:, None])
 
 
@@ -639,31 +641,52 @@ def _half_wy(k: torch.Tensor, BK: int, BV: int) -> bool:
     return HALF_WY and _half_dots(k) and BV >= BK
 
 
+def _inverse_dtype(k: torch.Tensor, half_wy: bool) -> torch.dtype:
+    """The dtype prepare stores (I + A)^-1 in: bf16 where every product that takes it rounds it to bf16 first (the WY
+    kernel with HALF, `half_wy`, and step 5 of the backward: triton_backward.half_inverse), so that the numbers are
+    the same and the traffic half; else fp32 (its tf32 and IEEE products keep more mantissa)."""
+    from .triton_backward import half_inverse
+
+    return torch.bfloat16 if half_wy and half_inverse(k) else torch.float32
+
+
+def _wy_launch(k: torch.Tensor, V: int) -> tuple[dict, int, bool]:
+    """The WY kernel's launch options, its K block and HALF."""
+    K = k.shape[-1]
+    wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
+    # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
+    options = launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4)
+    BK = min(K, wide)
+    return options, BK, _half_wy(k, BK, options["BV"])
+
+
+def saved_dtypes(k: torch.Tensor, V: int) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes prepare stores w and u, and (I + A)^-1, in (for the op's traced placeholder)."""
+    return storage_dtype(k), _inverse_dtype(k, _wy_launch(k, V)[2])
+
+
 def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
-    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT] (fp32),
-    and the walks' row factors of k, e^(gamma_last - gamma) rstd [B*T, HV] (fp32)."""
+    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT]
+    (_inverse_dtype), and the walks' row factors of k, e^(gamma_last - gamma) rstd [B*T, HV] (fp32)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     device = k.device
     gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
     w = buffers.empty((B * T, HV, K), dtype=storage_dtype(k), device=device)
     u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
-    inverse = buffers.empty((B * T, HV, BT), dtype=torch.float32, device=device)
     k_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
+    options, BK, half_wy = _wy_launch(k, V)
+    inverse = buffers.empty((B * T, HV, BT), dtype=_inverse_dtype(k, half_wy), device=device)
     if chunks.total > 0:
         common = dict(L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision)
-        wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
         _chunk_inverse_kernel[(chunks.total, HV)](
             k, g, beta, gamma, inverse, chunks.cu, chunks.indices, T, chunks.per_sequence,
             H=H, HV=HV, K=K, BK=16, **common,  # wider column steps spill at K = 32 (sm_90)
             num_warps=1,  # the substitution's reductions stay within the warp
         )  # fmt: skip
-        # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
-        options = launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4)
-        BK = min(K, wide)
         _chunk_wy_kernel[(chunks.total, HV)](
             k, v, beta, gamma, inverse, w, u, k_factor, chunks.cu, chunks.indices, T, chunks.per_sequence,
-            H=H, HV=HV, K=K, V=V, BK=BK, HALF=_half_wy(k, BK, options["BV"]), **common, **options,
+            H=H, HV=HV, K=K, V=V, BK=BK, HALF=half_wy, **common, **options,
         )  # fmt: skip
     return gamma, w, u, inverse, k_factor
 
@@ -749,7 +772,7 @@ def walk_states(
 
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """(o, final state, and for backward: gamma, w, u, (I + A)^-1; w and u in storage_dtype, the others fp32)."""
+    """(o, final state, and for backward: gamma, w, u, (I + A)^-1, as prepare stores them)."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))

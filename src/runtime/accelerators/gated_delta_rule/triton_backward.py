@@ -88,6 +88,13 @@ def _half_backward(q: torch.Tensor) -> bool:
     return on and _half_dots(q)
 
 
+def half_inverse(k: torch.Tensor) -> bool:
+    """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF), so
+    that prepare may store it in bf16 (triton._inverse_dtype). The single kernel's products are tf32; both kernels
+    take T in either dtype."""
+    return grad_wy_variant(k.shape[-1]) == "fused" and _half_backward(k)
+
+
 @triton.jit
 def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
     """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
@@ -102,11 +109,11 @@ def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl
 @triton.jit
 def _operand(x, HALF: tl.constexpr):
     """x that only enters products (_storage_dot): kept in bf16 with HALF, as the products round it (half the
-    registers of fp32), else as is."""
+    registers of fp32), else in fp32."""
     if HALF:
         return _to_half(x, tl.bfloat16)
     else:
-        return x
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -466,7 +473,8 @@ def _chunk_grad_wy_kernel(
     r = tl.arange(0, BT_)
     cols_k = tl.arange(0, K)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
-    inverse = tl.load(inverse_in + (rows[:, None] * HV + i_hv) * BT_ + r[None, :], mask=row_mask[:, None], other=0.0)
+    inverse_rows = (rows[:, None] * HV + i_hv) * BT_ + r[None, :]
+    inverse = tl.load(inverse_in + inverse_rows, mask=row_mask[:, None], other=0.0).to(tl.float32)
 
     # over V blocks: u = T diag(beta) V, and U dU^T = T dT^T (see above)
     u_du = tl.zeros([BT_, BT_], dtype=tl.float32)
