@@ -573,7 +573,7 @@ def _grad_wy_values(
     for i_v in range(0, V, BV):
         tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
         b_du = _operand(tl.load(du + tokens, mask=row_mask[:, None], other=0.0), HALF)
-        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        b_corrections = _as_operand(tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0), HALF)
         du_u += _storage_dot(b_du, tl.trans(b_corrections), PRECISION, HALF)
         dv_beta = _storage_dot(tl.trans(inverse), b_du, PRECISION, HALF)
         tl.store(dv_out + tokens, (dv_beta * b_beta[:, None]).to(dv_out.dtype.element_ty), mask=row_mask[:, None])
@@ -588,10 +588,12 @@ def _grad_wy_values(
 
 
 @triton.jit
-def _k_columns(k, rows, row_mask, i_h, c, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Columns c .. c + BK of a chunk's k rows as stored, in fp32 (0 past the end)."""
+def _k_columns(k, rows, row_mask, i_h, c, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr):
+    """Columns c .. c + BK of a chunk's k rows as stored (0 past the end): as a product operand (_operand: with HALF
+    the loaded bf16 tile itself, no fp32 copy to transpose and narrow) and in fp32."""
     columns = (rows[:, None] * H + i_h) * K + c + tl.arange(0, BK)[None, :]
-    return tl.load(k + columns, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    stored = tl.load(k + columns, mask=row_mask[:, None], other=0.0)
+    return _operand(stored, HALF), stored.to(tl.float32)
 
 
 @triton.jit
@@ -612,8 +614,8 @@ def _grad_wy_keys(
     dk_k = tl.zeros([BT_], dtype=tl.float32)
     for c in range(0, K, BK):
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
-        raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
-        kk += _storage_dot(raw, tl.trans(raw), PRECISION, HALF)  # half inputs are exact in tf32 (bf16 ones with HALF)
+        k_operand, raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK, HALF)
+        kk += _storage_dot(k_operand, tl.trans(k_operand), PRECISION, HALF)  # half inputs: exact in tf32 (bf16: HALF)
         dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
         kdk += tl.sum(_storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * raw, 1)
         if L2NORM:
@@ -648,9 +650,9 @@ def _grad_wy_keys(
     k_weight = b_beta * e_gamma
     for c in range(0, K, BK):
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
-        raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK)
+        k_operand, raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK, HALF)
         dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
-        dk_new = _storage_dot(dkk, raw, PRECISION, HALF, tl.load(dk + heads, mask=row_mask[:, None], other=0.0))
+        dk_new = _storage_dot(dkk, k_operand, PRECISION, HALF, tl.load(dk + heads, mask=row_mask[:, None], other=0.0))
         dk_new += _storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * k_weight[:, None]
         if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
             dk_new = (dk_new - raw * (rstd * projection)[:, None]) * rstd[:, None]
