@@ -542,7 +542,7 @@ def _chunk_grad_wy_kernel(
 #   the values' part (_grad_wy_values), over V blocks: dv = diag(beta) T^T dU, dbeta's part sum_v (T^T dU) V, and
 #     dA~, stored (fp32);
 #   the keys' part (_grad_wy_keys), over K blocks: dk and dbeta through w, and dk, dbeta and dgamma through A, from
-#     dA~ loaded twice, as stored and transposed through its addresses (no transpose in registers: see above), so
+#     dA~ loaded once and transposed in registers (a loaded tile, not a dot's result: see above), so
 #     that dk = dk + diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K takes two dots per K block;
 #     then the l2norm backward of k and dg.
 # GRAD_WY picks how chunk_backward runs step 5 (scripts/gdr_sweep.py times both): "single", _chunk_grad_wy_kernel;
@@ -640,8 +640,7 @@ def _grad_wy_keys(
     da_a_rows = b_beta * tl.sum(da_kk, 1)  # row and column sums of dA~ * A~ (A~ = diag(beta) kk): gamma_t's part
     da_a_cols = tl.sum(da_kk * b_beta[:, None], 0)  # and -gamma_j's
     d_gamma += da_a_rows - da_a_cols
-    da_decay_t = tl.load(da_in + (rows[None, :] * HV + i_hv) * BT_ + r[:, None], mask=row_mask[None, :], other=0.0)
-    dkk = da_decay * b_beta[:, None] + da_decay_t * b_beta[None, :]
+    dkk = da_decay * b_beta[:, None] + tl.trans(da_decay) * b_beta[None, :]  # a loaded tile's transpose (see above)
 
     # dk; with k_n = diag(rstd) K the l2norm's dk.k_n per row is the sum of its three terms' (dk as loaded, through w
     # and through A): rstd dk.k, beta kdk and sum_j dkk_tj kk_tj = (row + column sums of dA~ * A~)_t
