@@ -276,6 +276,20 @@ def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it(monkeypatch):
     assert all(torch.isfinite(grad).all() for grad in grads)
 
 
+@pytest.mark.parametrize("groups, K, dtype", [(2, 16, torch.bfloat16), (3, 48, torch.float16), (4, 128, torch.float32)])
+def test_triton_sum_over_value_heads_matches_float64(groups, K, dtype):
+    """GVA's dq/dk per value head (fp32) summed over each q/k head's value heads and cast in one kernel: row counts
+    that do not fill the last block, K not a power of two; with two value heads the sum is torch's, bit for bit."""
+    B, T, H = 2, 37, 3
+    per_value_head = torch.randn(B * T, H * groups, K, generator=torch.Generator().manual_seed(groups))
+    summed = gdr_backward._sum_value_heads(per_value_head, B, T, H, dtype)
+    expected = per_value_head.double().view(B, T, H, groups, K).sum(3)
+    assert summed.shape == (B, T, H, K) and summed.dtype == dtype
+    assert_close("sum", summed, expected, 1e-6 if dtype == torch.float32 else 5e-3)
+    if groups == 2:
+        assert torch.equal(summed, per_value_head.view(B, T, H, groups, K).sum(3).to(dtype))
+
+
 TRITON_BACKWARD_CASES = {  # shape: (B, T, H, HV, K, V)
     "T63-GVA-state-final": dict(shape=(1, 63, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
     "T130-GVA-l2norm-scale": dict(shape=(2, 130, 2, 4, 16, 16), options=dict(use_qk_l2norm_in_kernel=True, scale=0.3)),

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..backends import sm_count
-from ..launch_math import cdiv
+from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
 from .triton import (
     BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_last, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot,
@@ -45,8 +45,9 @@ from .triton import (
 #      and u = T diag(beta) V and through T (dA = -T^T dT T^T on the strictly lower part): dv, dbeta and the rest
 #      of dk and dgamma, then the l2norm backward of k and the reverse cumulative sum dgamma -> dg within the chunk.
 #      (GRAD_WY: or in two parts through dA = -T^T dU U^T, as two kernels or one; see "step 5 through" below.)
-# dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head in
-# torch; with HV = H steps 4 and 5 write them, and every other gradient, in their final dtype.
+# dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head by
+# _sum_value_heads_kernel, which casts too (torch's sum, then the cast, passed over the fp32 sums a second time: 0.92
+# ms of kernels at the packed shape, HV 32, on an H100); with HV = H steps 4 and 5 write them, and every other gradient, in their final dtype.
 # Steps 3 to 5 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128;
 # steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
 # Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
@@ -779,6 +780,39 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
     _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **_grad_wy_launch(K, V, precision), **shared)
 
 
+@direct_launch
+@triton.jit
+def _sum_value_heads_kernel(
+    per_value_head, out, ROWS, GROUPS: tl.constexpr, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """out[r] = sum over g of per_value_head[r, g] (fp32, in order of g), stored in out's dtype: GVA's sum of a q/k
+    head's gradient over its value heads and the cast in one pass over the fp32 buffer."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < ROWS) & (cols[None, :] < K)
+    first = rows.to(tl.int64)[:, None] * GROUPS * K + cols[None, :]
+    total = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
+    for g in tl.static_range(GROUPS):
+        total += tl.load(per_value_head + first + g * K, mask=mask, other=0.0)
+    tl.store(out + rows.to(tl.int64)[:, None] * K + cols[None, :], total.to(out.dtype.element_ty), mask=mask)
+
+
+def _sum_value_heads(per_value_head: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B * T, H * groups, K] fp32 -> [B, T, H, K] in dtype, summed over each q/k head's value heads."""
+    K = per_value_head.shape[-1]
+    groups = per_value_head.shape[1] // H
+    out = buffers.empty((B, T, H, K), dtype=dtype, device=per_value_head.device)
+    rows = B * T * H
+    block_k = next_power_of_2(K)
+    block_rows = max(1, 4096 // block_k)
+    if rows > 0:
+        grid = (cdiv(rows, block_rows),)
+        _sum_value_heads_kernel[grid](
+            per_value_head, out, rows, GROUPS=groups, K=K, BLOCK_ROWS=block_rows, BLOCK_K=block_k, num_warps=4
+        )
+    return out
+
+
 def _final_buffer(fp32_buffer: torch.Tensor | None, x: torch.Tensor, groups: int, shape: tuple) -> torch.Tensor:
     """Where the gradient kernels write the gradient of q or k, per value head: in fp32 for GVA (summed over value
     heads afterwards) and fp32 inputs, in `fp32_buffer` where given (read before it is written by the same program),
@@ -851,8 +885,7 @@ def chunk_backward(
         wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma)
         _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared)
     if groups > 1:
-        dq_out = dq_out.view(B, T, H, groups, K).sum(3).to(q.dtype)
-        dk_out = dk_out.view(B, T, H, groups, K).sum(3).to(k.dtype)
+        dq_out, dk_out = _sum_value_heads(dq_out, B, T, H, q.dtype), _sum_value_heads(dk_out, B, T, H, k.dtype)
     dq_out, dk_out = dq_out.view(B, T, H, K), dk_out.view(B, T, H, K)
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
     return dq_out, dk_out, dv, dg, dbeta, None, dh0, None, None, None
