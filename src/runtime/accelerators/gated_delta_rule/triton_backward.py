@@ -858,7 +858,7 @@ def chunk_backward(
         _combine(segments, maps, offsets, dht, leaving, dh0, precision, reverse=True)
         walk(parts, dht=leaving, dstates=dstates)
 
-    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (in torch, from fp32)
+    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (_sum_value_heads, from fp32)
     per_value_head = (B * T, HV, K)
     assert GRAD_QK_STATE in ("fused", "split"), f"GRAD_QK_STATE is {GRAD_QK_STATE!r}: 'fused' or 'split'"
     fused = GRAD_QK_STATE == "fused"
