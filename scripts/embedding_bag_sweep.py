@@ -3,6 +3,8 @@ the Triton gradient's sort: SORT="radix" against "torch", in the backward and al
 
     bash .device/gpu python scripts/embedding_bag_sweep.py        (GPU machine, repo root; under 2 minutes with compiles)
     bash .device/gpu python scripts/embedding_bag_sweep.py sort   (the sort rows only: alone, then fwd+bwd by SORT)
+    bash .device/gpu python scripts/embedding_bag_sweep.py fill   (fwd+bwd by FILL_BESIDE_SORT: the dense gradient's
+                                                                   zero fill in the radix sort's launches, or before)
 
 The shapes and inputs are the benchmark's (runtime.benchmark.ops.embedding_bag): a 1M-row bf16 table of width 64
 or 128, 8192 fixed-size bags of 4 or 8 entries, 25% padding, uniform or Zipf indices. Every row is checked against
@@ -14,8 +16,8 @@ forward, 2x forward+backward).
 Forward variants replace module globals: runtime.accelerators.embedding_bag.triton.FORWARD (bags per program,
 warps) and tilelang.FORWARD (bags per block, entries per step, threads); "default, unchecked" is Triton's default
 with check_indices=False (the index check is a device assert in the kernel). Forward+backward runs each backend's
-default only, and Triton's again with SORT="radix" (runtime.accelerators.embedding_bag.triton.SORT; the radix sort
-where radix_sort.fits, torch.sort past it). Past VARIANTS_UNTIL_S, the remaining shapes run the defaults only.
+default only ("sort" and "fill" modes: Triton's by runtime.accelerators.embedding_bag.triton.SORT, the radix sort where
+radix_sort.fits or torch.sort, and by FILL_BESIDE_SORT). Past VARIANTS_UNTIL_S, the remaining shapes run the defaults only.
 
 Sort rows (mode "sort", shape "<keys>k-over-1M"): the sort alone of 32768 and 65536 uniform int64 indices over 1M rows,
 checked first (keys and permutation equal to torch.sort's). The peer is the torch path (segments.sort_segments:
@@ -64,12 +66,12 @@ RADIX_VARIANTS = {
 SORT_KEYS = (32768, 65536)  # bags of 4 and 8 at the benchmark's 8192 bags
 VOCAB = 1_000_000
 VARIANTS_UNTIL_S = 200  # past this, only the default rows run (compiles on a slow machine)
-DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD)
+DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT)
+KNOBS = {"sort": ("SORT", triton_kernels.SORTS), "fill": ("FILL_BESIDE_SORT", (False, True))}  # mode: Triton global
 
 
 def restore_defaults() -> None:
-    triton_kernels.FORWARD, tilelang_kernels.FORWARD = DEFAULTS
-    triton_kernels.SORT = "torch"
+    triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT = DEFAULTS
 
 
 class Sweep:
@@ -98,8 +100,8 @@ class Sweep:
         note = "" if captured else "  (not captured: eager launches timed)"
         print(f"{shape:<26}{mode:<9}{impl:<10}{variant:<26}{ms:8.4f}{ratio:7.2f}x{error:10.1e}{self.elapsed():6.0f}{note}")
 
-    def shape(self, case, variants: bool, sort_only: bool = False) -> None:
-        """sort_only: fwd+bwd rows of F.embedding_bag and of Triton by SORT, nothing else."""
+    def shape(self, case, variants: bool, knob: str | None = None) -> None:
+        """knob (a key of KNOBS): fwd+bwd rows of F.embedding_bag and of Triton by that global's values, nothing else."""
         inputs = case.make_inputs(self.device, DTYPE)
         weight, indices = inputs["weight"], inputs["indices"]
         weight64 = weight.detach().double().requires_grad_()
@@ -143,11 +145,12 @@ class Sweep:
         def ours(backend, check_indices=True):
             return lambda: embedding_bag_mean(weight, indices, padding_idx=PAD, check_indices=check_indices, backend=backend)
 
-        if sort_only:
+        if knob is not None:
+            name, values = KNOBS[knob]
             timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
-            for sort in triton_kernels.SORTS:
-                triton_kernels.SORT = sort
-                timed("fwd+bwd", "triton", f"SORT={sort}", ours("triton"))
+            for value in values:
+                setattr(triton_kernels, name, value)
+                timed("fwd+bwd", "triton", f"{name}={value}", ours("triton"))
             restore_defaults()
             return
 
@@ -166,9 +169,6 @@ class Sweep:
         timed("fwd+bwd", "peer", "F.embedding_bag", lambda: peer(inputs))
         for backend in ("triton", "tilelang"):
             timed("fwd+bwd", backend, "default", ours(backend))
-        triton_kernels.SORT = "radix"
-        timed("fwd+bwd", "triton", "SORT=radix", ours("triton"))
-        restore_defaults()
 
     def sorts(self) -> None:
         """The gradient's sort alone: torch's path (the peer) against the radix sort's launches."""
@@ -209,12 +209,13 @@ def precompile_tilelang(device: torch.device) -> None:
     precompile(list(entries.items()), device)
 
 
-def main(device: torch.device, sort_only: bool) -> None:
+def main(device: torch.device, knob: str | None) -> None:
     sweep = Sweep(device)
-    sweep.sorts()
-    if sort_only:
+    if knob != "fill":
+        sweep.sorts()
+    if knob is not None:
         for case in CASES:
-            sweep.shape(case, variants=False, sort_only=True)
+            sweep.shape(case, variants=False, knob=knob)
             torch.cuda.empty_cache()
         sweep.summary()
         print(f"done in {sweep.elapsed():.0f} s")
@@ -232,6 +233,6 @@ def main(device: torch.device, sort_only: bool) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] not in ([], ["sort"]):
-        sys.exit(f"usage: {sys.argv[0]} [sort]")
-    main(torch.device("cuda", torch.cuda.current_device()), sort_only=sys.argv[1:] == ["sort"])
+    if sys.argv[1:] not in ([], *([knob] for knob in KNOBS)):
+        sys.exit(f"usage: {sys.argv[0]} [{'|'.join(KNOBS)}]")
+    main(torch.device("cuda", torch.cuda.current_device()), knob=sys.argv[1] if sys.argv[1:] else None)

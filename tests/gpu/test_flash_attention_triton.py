@@ -91,8 +91,9 @@ def _kernel_cache_sizes():
     from runtime.accelerators.flash_attention import triton as kernels
 
     sizes = {}
-    for name in ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+    for name in ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_fused_kernel"):
         fn = getattr(kernels, name)
+        fn = getattr(fn, "kernel", fn)  # the JITFunction under a direct_launch wrapper
         caches = getattr(fn, "device_caches", None)
         if caches is None:
             pytest.skip("this Triton has no JITFunction.device_caches to count compiled kernels")

@@ -48,8 +48,10 @@ SORTS = {
 def test_radix_sort_equals_stable_torch_sort(case):
     num_embeddings, make, launch = SORTS[case]
     flat = make()
+    zero = torch.full((3, 1001), float("nan"), dtype=torch.bfloat16)  # filled beside the sort, a share per pass
     with poison_outputs():  # an unwritten key or position fails
-        keys, perm = radix_sort.sort(flat, num_embeddings, launch)
+        keys, perm = radix_sort.sort(flat, num_embeddings, launch, zero=zero)
+    assert torch.equal(zero, torch.zeros_like(zero))
     expected = mapped_sort(flat, num_embeddings)
     assert keys.dtype == perm.dtype == torch.int32
     assert torch.equal(keys, expected.values), f"keys {keys.tolist()} != {expected.values.tolist()}"
@@ -74,6 +76,8 @@ def test_radix_sort_errors():
         radix_sort.sort(torch.zeros(2, 2, dtype=torch.int64), 5)
     with pytest.raises(TypeError, match="got 1-D torch.float32"):
         radix_sort.sort(torch.zeros(3), 5)
+    with pytest.raises(ValueError, match="radix sort: zero must be a contiguous tensor on cpu"):
+        radix_sort.sort(torch.zeros(3, dtype=torch.int64), 5, zero=torch.zeros(4, 4).t())
 
 
 # --------------------------------------------------------------------------- the backward with SORT="radix"

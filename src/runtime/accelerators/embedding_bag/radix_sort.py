@@ -17,6 +17,10 @@ The keys are cut into tiles of RadixLaunch.tile entries, one program each. Launc
                               writes keys and permutation; and counts the next pass's digits per destination tile
                               (integer atomics: the counts, hence the result, do not depend on their order)
 
+`sort(..., zero=buffer)` also zero-fills `buffer` (the dense weight gradient) in extra programs of the scatter
+launches, a share per pass: the fill is bound by DRAM bandwidth and the sort by latency (a few dozen programs), so
+in one launch they overlap where one after the other they would add up.
+
 The result is deterministic and stable (equal keys keep their flat order), as torch.sort(stable=True) is: the same
 keys and permutation. The permutation is int32. Every program re-reads the whole counts matrix, so the work grows
 with tiles x buckets per program: `fits` keeps the sort to counts matrices of at most RadixLaunch.max_counts entries
@@ -55,6 +59,7 @@ class RadixLaunch:
 
 RADIX = RadixLaunch()
 COUNTS_PER_THREAD = 32  # counts entries each thread of a scatter program loads at once
+ZERO_BLOCK, ZERO_STEPS = 4096, 8  # elements a fill program stores at once, and how many times
 
 
 def plan(num_embeddings: int, launch: RadixLaunch) -> tuple[int, int]:
@@ -96,15 +101,40 @@ def _histogram_kernel(keys_ptr, counts_ptr, num_keys, num_embeddings, num_tiles,
         tl.store(counts_ptr + (p * num_tiles + t) * (1 << BITS) + bins, tl.zeros([1 << BITS], dtype=tl.int32))
 
 
+@triton.jit
+def _zero_fill(zero_ptr, zero_start, zero_end, f, ZERO_BLOCK: tl.constexpr, ZERO_STEPS: tl.constexpr):
+    """Fill program f's part of zero_ptr[zero_start:zero_end]: ZERO_STEPS blocks of ZERO_BLOCK elements."""
+    base = zero_start + f.to(tl.int64) * (ZERO_BLOCK * ZERO_STEPS)
+    for step in tl.static_range(ZERO_STEPS):
+        offs = base + step * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + offs, tl.zeros([ZERO_BLOCK], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_end)
+
+
 @direct_launch
-@triton.jit(do_not_specialize=["num_keys", "num_embeddings", "num_tiles", "pass_index"])
+@triton.jit(do_not_specialize=["num_keys", "num_embeddings", "num_tiles", "pass_index", "zero_start", "zero_end"])
 def _scatter_kernel(
-    keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr,
-    num_keys, num_embeddings, num_tiles, pass_index,
+    keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, zero_ptr,
+    num_keys, num_embeddings, num_tiles, pass_index, zero_start, zero_end,
+    FIRST: tl.constexpr, NEXT: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
+    BLOCK_T: tl.constexpr, ZERO_BLOCK: tl.constexpr, ZERO_STEPS: tl.constexpr,
+):  # fmt: skip
+    """Programs past num_tiles zero-fill their part of zero_ptr[zero_start:zero_end]; the others sort their tile."""
+    t = tl.program_id(0)
+    if t >= num_tiles:
+        _zero_fill(zero_ptr, zero_start, zero_end, t - num_tiles, ZERO_BLOCK, ZERO_STEPS)
+    else:
+        _scatter_tile(
+            keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, pass_index,
+            t, FIRST, NEXT, BITS, TILE, LOG_TILE, BLOCK_T,
+        )  # fmt: skip
+
+
+@triton.jit
+def _scatter_tile(
+    keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, pass_index, t,
     FIRST: tl.constexpr, NEXT: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
     start = t * TILE
     i = tl.arange(0, TILE)
     bins = tl.arange(0, 1 << BITS)
@@ -156,10 +186,15 @@ def _region(buffer: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, 
     return buffer[start : start + size], start + cdiv(size, 32) * 32
 
 
-def sort(flat: torch.Tensor, num_embeddings: int, launch: RadixLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sort(
+    flat: torch.Tensor, num_embeddings: int, launch: RadixLaunch | None = None, zero: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, perm), both int32: flat's keys sorted stably, those outside [0, num_embeddings) as num_embeddings, and
-    each sorted key's position in flat. Equal to torch.sort(mapped keys, stable=True)."""
+    each sorted key's position in flat. Equal to torch.sort(mapped keys, stable=True). `zero`, a contiguous tensor on
+    flat's device, is zero-filled on the way (in the scatter launches' extra programs)."""
     launch = launch or RADIX
+    if zero is not None and not (zero.is_contiguous() and zero.device == flat.device):
+        raise ValueError(f"radix sort: zero must be a contiguous tensor on {flat.device}, got {zero.device}")
     if flat.dtype not in (torch.int32, torch.int64) or flat.dim() != 1:
         raise TypeError(f"radix sort: expected 1-D int32 or int64 indices, got {flat.dim()}-D {flat.dtype}")
     if flat.numel() > INT32_MAX or num_embeddings > INT32_MAX:
@@ -179,23 +214,35 @@ def sort(flat: torch.Tensor, num_embeddings: int, launch: RadixLaunch | None = N
         perm, at = _region(buffer, at, num_keys)
         sides.append((keys, perm))
     if num_keys == 0:
+        if zero is not None:
+            zero.zero_()
         return sides[0]
 
-    grid = (num_tiles,)
-    _histogram_kernel[grid](flat, counts, num_keys, num_embeddings, num_tiles, passes, BITS=bits, TILE=launch.tile, num_warps=launch.num_warps)
+    _histogram_kernel[(num_tiles,)](
+        flat, counts, num_keys, num_embeddings, num_tiles, passes, BITS=bits, TILE=launch.tile, num_warps=launch.num_warps
+    )
+    zero = counts if zero is None else zero.view(-1)  # counts: a pointer for the kernel, nothing to fill
+    fill_size = 0 if zero is counts else zero.numel()
+    share = cdiv(fill_size, passes)  # each pass fills zero[p * share:(p + 1) * share]
+    fill_programs = cdiv(share, ZERO_BLOCK * ZERO_STEPS)
     source = (flat, flat)  # the first pass reads the indices, and no permutation
     for p in range(passes):
         out = sides[(passes - 1 - p) % 2]  # the last pass writes sides[0]
-        _scatter_kernel[grid](
-            *source, *out, counts, num_keys, num_embeddings, num_tiles, p,
+        _scatter_kernel[(num_tiles + fill_programs,)](
+            *source, *out, counts, zero, num_keys, num_embeddings, num_tiles, p,
+            min(p * share, fill_size), min((p + 1) * share, fill_size),
             FIRST=p == 0, NEXT=p + 1 < passes, BITS=bits, TILE=launch.tile, LOG_TILE=launch.tile.bit_length() - 1,
-            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits), num_warps=launch.num_warps,
+            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits), ZERO_BLOCK=ZERO_BLOCK, ZERO_STEPS=ZERO_STEPS,
+            num_warps=launch.num_warps,
         )  # fmt: skip
         source = out
     return sides[0]
 
 
-def sort_segments(flat: torch.Tensor, num_embeddings: int, launch: RadixLaunch | None = None) -> Segments:
-    """The gradient's Segments from the radix sort: no `first` (the Triton kernels find segment edges from the keys)."""
-    keys, perm = sort(flat, num_embeddings, launch)
+def sort_segments(
+    flat: torch.Tensor, num_embeddings: int, launch: RadixLaunch | None = None, zero: torch.Tensor | None = None
+) -> Segments:
+    """The gradient's Segments from the radix sort: no `first` (the Triton kernels find segment edges from the keys);
+    zero-fills `zero` on the way (see sort)."""
+    keys, perm = sort(flat, num_embeddings, launch, zero)
     return Segments(keys, perm, None)

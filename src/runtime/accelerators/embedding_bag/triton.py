@@ -36,6 +36,9 @@ BLOCK_J = 32  # chunk partials summed at once in the second pass
 # keys over 1M rows takes 0.036 ms against 0.060 for torch's, and 65536 keys 0.041 against 0.063.
 SORT = "radix"
 SORTS = ("torch", "radix")
+# The dense gradient's zero fill: in the radix sort's launches (radix_sort.sort's `zero`), so that the memory-bound
+# fill and the latency-bound sort overlap; False: filled before the sort (scripts/embedding_bag_sweep.py fill).
+FILL_BESIDE_SORT = True
 
 
 # --------------------------------------------------------------------------- kernels
@@ -287,13 +290,16 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     return out, scale, bag_of
 
 
-def sort_for_gradient(flat: torch.Tensor, num_embeddings: int) -> Segments:
-    """The sorted indices behind the weight gradient, by SORT."""
+def sort_for_gradient(flat: torch.Tensor, num_embeddings: int, zero: torch.Tensor | None = None) -> Segments:
+    """The sorted indices behind the weight gradient, by SORT; zero-fills `zero` (the dense gradient) too: in the
+    radix sort's launches, beside its latency-bound work, else before the sort."""
     if SORT == "radix":
         if radix_sort.fits(flat.numel(), num_embeddings):
-            return radix_sort.sort_segments(flat, num_embeddings)
+            return radix_sort.sort_segments(flat, num_embeddings, zero=zero)
     elif SORT != "torch":
         raise ValueError(f"embedding_bag triton.SORT: expected one of {SORTS}, got {SORT!r}")
+    if zero is not None:
+        zero.zero_()
     return sort_keys(flat, num_embeddings)
 
 
@@ -309,14 +315,17 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    segments = sort_for_gradient(bags.flat, num_embeddings)
+    dense = None if sparse else buffers.empty((num_embeddings, dim), dtype=weight.dtype, device=device)
+    if dense is not None and not FILL_BESIDE_SORT:
+        dense.zero_()
+    segments = sort_for_gradient(bags.flat, num_embeddings, zero=dense if FILL_BESIDE_SORT else None)
     if sparse:
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
         rows = buffers.empty((count,), dtype=torch.int64, device=device)
     else:
         ranks = rows = segments.keys  # unused placeholders
-        out = torch.zeros((num_embeddings, dim), dtype=weight.dtype, device=device)
+        out = dense
     chunks = num_chunks(num_indices, CHUNK)
     block_d = min(pow2_at_least(dim), 128)
     tail = buffers.empty((chunks, dim), dtype=torch.float32, device=device)
