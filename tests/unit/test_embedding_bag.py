@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import runtime
 import runtime.accelerators as acc
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
@@ -100,8 +100,14 @@ def test_reference_matches_torch_embedding_bag():
 # --------------------------------------------------------------------------- triton (interpreter)
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse):
+@pytest.mark.parametrize("sparse, fill_beside_sort", [(False, True), (False, False), (True, True)],
+                         ids=["dense", "dense-filled-first", "sparse"])
+def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, fill_beside_sort, monkeypatch):
+    """The dense gradient zero-filled in the radix sort's launches (by fill programs of 32 elements here, many a
+    pass) or before the sort (FILL_BESIDE_SORT); poisoned buffers: a row left unfilled fails."""
+    monkeypatch.setattr(triton_kernels, "FILL_BESIDE_SORT", fill_beside_sort)
+    monkeypatch.setattr(radix_sort, "ZERO_BLOCK", 16)
+    monkeypatch.setattr(radix_sort, "ZERO_STEPS", 2)
     indices = hot_indices(20 * 5, 50, hot=7, copies=70).reshape(20, 5)  # 100 entries = 4 chunks of 32
     indices[3] = 11  # an all-padding bag
     check("triton", table(50, 37), indices, padding_idx=11, sparse=sparse)

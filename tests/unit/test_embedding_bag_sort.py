@@ -45,13 +45,19 @@ SORTS = {
 
 
 @pytest.mark.parametrize("case", list(SORTS))
-def test_radix_sort_equals_stable_torch_sort(case):
+def test_radix_sort_equals_stable_torch_sort(case, monkeypatch):
     num_embeddings, make, launch = SORTS[case]
     flat = make()
-    zero = torch.full((3, 1001), float("nan"), dtype=torch.bfloat16)  # filled beside the sort, a share per pass
+    # filled beside the sort, a share per pass, by fill programs of 32 elements (several a pass); NaN guard bands
+    # around it must stay
+    monkeypatch.setattr(radix_sort, "ZERO_BLOCK", 16)
+    monkeypatch.setattr(radix_sort, "ZERO_STEPS", 2)
+    buffer = torch.full((3003 + 64,), float("nan"), dtype=torch.bfloat16)
+    zero = buffer[32:-32].view(3, 1001)
     with poison_outputs():  # an unwritten key or position fails
         keys, perm = radix_sort.sort(flat, num_embeddings, launch, zero=zero)
     assert torch.equal(zero, torch.zeros_like(zero))
+    assert buffer[:32].isnan().all() and buffer[-32:].isnan().all(), "the fill wrote outside its tensor"
     expected = mapped_sort(flat, num_embeddings)
     assert keys.dtype == perm.dtype == torch.int32
     assert torch.equal(keys, expected.values), f"keys {keys.tolist()} != {expected.values.tolist()}"
@@ -76,7 +82,7 @@ def test_radix_sort_errors():
         radix_sort.sort(torch.zeros(2, 2, dtype=torch.int64), 5)
     with pytest.raises(TypeError, match="got 1-D torch.float32"):
         radix_sort.sort(torch.zeros(3), 5)
-    with pytest.raises(ValueError, match="radix sort: zero must be a contiguous tensor on cpu"):
+    with pytest.raises(ValueError, match="radix sort: zero must be a contiguous tensor on cpu, got a non-contiguous one on cpu"):
         radix_sort.sort(torch.zeros(3, dtype=torch.int64), 5, zero=torch.zeros(4, 4).t())
 
 

@@ -194,7 +194,8 @@ def sort(
     flat's device, is zero-filled on the way (in the scatter launches' extra programs)."""
     launch = launch or RADIX
     if zero is not None and not (zero.is_contiguous() and zero.device == flat.device):
-        raise ValueError(f"radix sort: zero must be a contiguous tensor on {flat.device}, got {zero.device}")
+        layout = "contiguous" if zero.is_contiguous() else "non-contiguous"
+        raise ValueError(f"radix sort: zero must be a contiguous tensor on {flat.device}, got a {layout} one on {zero.device}")
     if flat.dtype not in (torch.int32, torch.int64) or flat.dim() != 1:
         raise TypeError(f"radix sort: expected 1-D int32 or int64 indices, got {flat.dim()}-D {flat.dtype}")
     if flat.numel() > INT32_MAX or num_embeddings > INT32_MAX:

@@ -47,7 +47,8 @@ from .triton import (
 #      (GRAD_WY: or in two parts through dA = -T^T dU U^T, as two kernels or one; see "step 5 through" below.)
 # dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head by
 # _sum_value_heads_kernel, which casts too (torch's sum, then the cast, passed over the fp32 sums a second time: 0.92
-# ms of kernels at the packed shape, HV 32, on an H100); with HV = H steps 4 and 5 write them, and every other gradient, in their final dtype.
+# ms of kernels at the packed shape, HV 32, on an H100); with HV = H steps 4 and 5 write them, and every other
+# gradient, in their final dtype.
 # Steps 3 to 5 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128;
 # steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
 # Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
