@@ -222,8 +222,8 @@ def sort(
     _histogram_kernel[(num_tiles,)](
         flat, counts, num_keys, num_embeddings, num_tiles, passes, BITS=bits, TILE=launch.tile, num_warps=launch.num_warps
     )
-    zero = counts if zero is None else zero.view(-1)  # counts: a pointer for the kernel, nothing to fill
-    fill_size = 0 if zero is counts else zero.numel()
+    fill_size = 0 if zero is None else zero.numel()
+    zero = counts if zero is None else zero.view(-1)  # counts: only a pointer for the kernel, nothing is filled
     share = cdiv(fill_size, passes)  # each pass fills zero[p * share:(p + 1) * share]
     fill_programs = cdiv(share, ZERO_BLOCK * ZERO_STEPS)
     source = (flat, flat)  # the first pass reads the indices, and no permutation
