@@ -34,6 +34,8 @@ KERNELS = {
     "forward-d48-bf16-causal-lengths-dropout": lambda: fa.forward_entry(48, torch.bfloat16, True, True, True),
     "preprocess-d48-bf16": lambda: fa.preprocess_entry(48, torch.bfloat16),
     "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
+    # the D=128 default overlaps the softmax with the PV product
+    "forward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.forward_entry(128, torch.bfloat16, True, True, True),
 }
 
 
@@ -52,6 +54,9 @@ def test_kernel_compiles_for_sm90a(name):
         assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
     if name.startswith("backward"):
         assert "tma_store_add" in source, "dq should be accumulated with TMA reductions"
+    if name.endswith("overlap"):
+        # QK^T and PV issued together, the softmax run after waiting for QK^T alone
+        assert "wait_wgmma<1>" in source, f"{name}: the softmax should overlap the PV product"
     # the tiles loaded once before the pipelined loop are loaded by threads: TileLang waits on a TMA
     # load only at its first use inside the loop, so the transposed K copy raced with it and, with no
     # loop step, the load was still in flight when the output tile sharing its memory was written

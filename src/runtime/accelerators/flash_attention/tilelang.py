@@ -47,6 +47,9 @@ class FwdConfig:
     stages: int  # K/V tiles in flight
     threads: int  # compute threads; warp specialisation adds a producer warpgroup for TMA
     min_blocks: int = 1  # > 1: cap registers so that this many programs share an SM
+    # each step issues block k's QK^T and block k-1's PV together, then block k's softmax while PV runs on the
+    # tensor cores (FlashAttention-3's overlap within a warpgroup)
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,14 @@ class BwdConfig:
 # bound by the exponentials and by latency, so they run several one-warpgroup programs per SM;
 # D >= 64 runs two compute warpgroups per program with TileLang's default register split (one
 # program per SM). (Two compute warpgroups with 2 programs per SM leave 80 registers: no room for a
-# 64x128 fp32 score tile.)
+# 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-30% at D <= 48, where the
+# one-warpgroup programs spill with it (scripts/fa_tilelang_sweep.py, session 23); D = 64 was not measured.
 FWD_CONFIGS = {
     16: FwdConfig(64, 128, 2, 128, 2),
     32: FwdConfig(64, 128, 2, 128, 2),
     48: FwdConfig(64, 128, 2, 128, 2),
     64: FwdConfig(128, 128, 2, 256, 1),
-    128: FwdConfig(128, 128, 2, 256, 1),
+    128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
@@ -144,6 +148,29 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
 
+    @T.macro
+    def softmax(s, m, m_prev, rescale, row_sum, l, sl2):
+        """Running max m, sum l and the rescale factor updated by the scores s of one key block; s becomes its
+        unnormalised probabilities."""
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for i in T.Parallel(bM):
+            rescale[i] = T.exp2((m_prev[i] - m[i]) * sl2)
+        for i, j in T.Parallel(bM, bN):
+            s[i, j] = T.exp2(s[i, j] * sl2 - m[i] * sl2)
+        T.reduce_sum(s, row_sum, dim=1)
+        for i in T.Parallel(bM):
+            l[i] = l[i] * rescale[i] + row_sum[i]
+
+    @T.macro
+    def to_operand(s, p, seed, bh, q0, k0, threshold, inv_keep):
+        """The probabilities s in the product's dtype (dropped out where dropout is on, keys from k0) into p."""
+        if dropout:
+            for i, j in T.Parallel(bM, bN):
+                p[i, j] = T.if_then_else(_keep(seed, bh, q0 + i, k0 + j, threshold), s[i, j] * inv_keep, 0)
+        else:
+            T.copy(s, p)
+
     @T.prim_func
     def flash_fwd(
         Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
@@ -186,39 +213,65 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
-            for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
-                T.copy(K[bz, T.truncdiv(by, groups), k * bN : (k + 1) * bN, :], K_s)
-                T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                # mask only the blocks that straddle the key length or the causal diagonal;
-                # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
-                if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
-                    for i, j in T.Parallel(bM, bN):
-                        if causal:
-                            s[i, j] = T.if_then_else(
-                                (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
-                            )
+            h_kv = T.truncdiv(by, groups)
+
+            if cfg.overlap:
+                T.clear(p)  # read by no product before it is written; TileLang checks
+                # step k loads key block k and value block k - 1 (clamped: the first and last steps load a block
+                # they do not use), issues QK^T of block k and PV of block k - 1 as one asynchronous batch each,
+                # and runs block k's softmax while PV is on the tensor cores
+                for k in T.Pipelined(T.if_then_else(n_blocks > 0, n_blocks + 1, 0), num_stages=cfg.stages):
+                    k_block = T.min(k, n_blocks - 1)
+                    v_block = T.max(k - 1, 0)
+                    T.copy(K[bz, h_kv, k_block * bN : (k_block + 1) * bN, :], K_s)
+                    T.copy(V[bz, h_kv, v_block * bN : (v_block + 1) * bN, :], V_s)
+                    # one statement, so that TileLang's warp specialisation hands K_s and V_s back to the
+                    # loads after it: after the waits, not when the asynchronous products are issued
+                    if k < n_blocks:
+                        T.wgmma_gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if k > 0:
+                            T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)  # QK^T done; PV may still run
                         else:
-                            s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
-                T.copy(m, m_prev)
-                T.reduce_max(s, m, dim=1, clear=False)
-                for i in T.Parallel(bM):
-                    rescale[i] = T.exp2((m_prev[i] - m[i]) * sl2)
-                for i, j in T.Parallel(bM, bN):
-                    s[i, j] = T.exp2(s[i, j] * sl2 - m[i] * sl2)
-                T.reduce_sum(s, row_sum, dim=1)
-                for i in T.Parallel(bM):
-                    l[i] = l[i] * rescale[i] + row_sum[i]
-                if dropout:
-                    for i, j in T.Parallel(bM, bN):
-                        p[i, j] = T.if_then_else(
-                            _keep(seed, bz * H + by, bx * bM + i, k * bN + j, threshold), s[i, j] * inv_keep, 0
-                        )
-                else:
-                    T.copy(s, p)
-                for i, j in T.Parallel(bM, dim):
-                    acc[i, j] *= rescale[i]
-                T.copy(V[bz, T.truncdiv(by, groups), k * bN : (k + 1) * bN, :], V_s)
-                T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(0)
+                        if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
+                            for i, j in T.Parallel(bM, bN):
+                                if causal:
+                                    s[i, j] = T.if_then_else(
+                                        (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
+                                    )
+                                else:
+                                    s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
+                        softmax(s, m, m_prev, rescale, row_sum, l, sl2)
+                        # p and acc are PV's operands: written only once it is done (a write while it runs
+                        # makes ptxas serialise every wgmma)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(bM, dim):
+                            acc[i, j] *= rescale[i]
+                        to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
+                    else:
+                        T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+            else:
+                for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
+                    T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
+                    T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    # mask only the blocks that straddle the key length or the causal diagonal;
+                    # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
+                    if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
+                        for i, j in T.Parallel(bM, bN):
+                            if causal:
+                                s[i, j] = T.if_then_else(
+                                    (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
+                                )
+                            else:
+                                s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
+                    softmax(s, m, m_prev, rescale, row_sum, l, sl2)
+                    to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
+                    for i, j in T.Parallel(bM, dim):
+                        acc[i, j] *= rescale[i]
+                    T.copy(V[bz, h_kv, k * bN : (k + 1) * bN, :], V_s)
+                    T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
             T.copy(acc, O_s)
