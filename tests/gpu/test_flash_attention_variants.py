@@ -205,6 +205,41 @@ def test_lse_delta_tma_backward(case, lse_delta_taken):
         assert_close(f"{name} against lse and delta through pointers", g, g_ptr, 1e-3)
 
 
+# (B, H, Hkv, Lq, Lk, causal, lengths, layout) at head dim 128, bf16, through flash_attention with the tables as shipped
+DEFAULT_128_CASES = [
+    (2, 4, 2, 1000, 1000, True, True, "blhd"),
+    (2, 4, 2, 1000, 1000, False, True, "blhd"),
+    (2, 4, 4, 600, 1000, True, False, "bhld"),
+    (2, 4, 4, 520, 300, False, False, "bhld"),
+    (2, 4, 2, 999, 1000, True, True, "blhd"),
+    (2, 4, 2, 333, 200, False, False, "bhld"),
+]  # fmt: skip
+DEFAULT_128_IDS = [
+    "causal-lengths-gqa-view", "lengths-gqa-view", "causal-lq<lk", "lq>lk",
+    "causal-lengths-odd-lq-pointer-fallback", "odd-lq-pointer-fallback",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEFAULT_128_CASES, ids=DEFAULT_128_IDS)
+def test_dkdv_default_at_head_dim_128_through_the_public_api(case, lse_delta_taken):
+    """The dk/dv table's entry at head dim 128 (64x128, 8 warps, 2 stages, tiles and lse/delta through descriptors)
+    serves flash_attention's backward: descriptors for lse and delta on Hopper where Lq % 4 == 0, pointer loads for
+    them otherwise (odd Lq; before Hopper the whole kernel takes pointers); every gradient within the bf16 bound."""
+    b, h, hkv, lq, lk, causal, lengths, layout = case
+    assert fa.config("dkdv", 128, torch.bfloat16) == Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, 128, torch.bfloat16, layout))
+    key_lengths = lengths_for(b, lk) if lengths else None
+    assert not fa.use_fused(q, k)
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend="triton")
+    do = torch.randn_like(out)
+    assert fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"] == hopper()
+    with poison_outputs():
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert lse_delta_taken == [hopper() and lq % 4 == 0]
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
 def test_unaligned_lse_and_delta_take_pointer_loads(lse_delta_taken):
     """lse and delta that are not contiguous or not 16-byte aligned: pointer loads for them (the tiles keep their
     descriptors on Hopper), the same gradients as the aligned run."""

@@ -42,6 +42,7 @@ Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scrip
   values (the slice-of-MMA layout) with 64-bit addresses: at head dim 128 (sm_90, Triton 3.6) the dk/dv loop takes
   593 SASS instructions per block pair, 428 with descriptors. A length with Lq % 4 != 0 compiles the pointer variant
   (a second dk/dv kernel at that head dim).
+The 16-bit dk/dv table takes tma at padded head dims 64 and 128, with lse_delta_tma at 128; the dq table none.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class BwdConfig(NamedTuple):
 # The backward's TMA variants (scripts/fa_sweep.py bwd, session 15, H100, forward+backward ms) won only for dk/dv at
 # head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
 # 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
+# Session 23 (H100, forward+backward ms at (4,16,4096,128), sweep of branch fa-large-bwd): dk/dv at head dim 128
+# with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
+# tiles; 0.74x cuDNN), causal 2.755 against 2.799.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -121,7 +125,7 @@ CONFIGS_16BIT = {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
         64: BwdConfig(32, 128, 4, 3, tma=True),
-        128: BwdConfig(64, 128, 8, 2),
+        128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True),
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
     "fused": {
