@@ -1,10 +1,11 @@
 """Forward and backward variants of the Triton flash attention on the GPU, beside SDPA's cuDNN backend.
 
     bash .device/gpu python scripts/fa_sweep.py [fwd|bwd|both] [--only BxHxLxD,...] [--kernel dkdv|dq|fused]
-        [--delta-in-dq]   (GPU machine, repo root; default both)
+        [--no-delta-in-dq]   (GPU machine, repo root; default both)
 
---delta-in-dq: the split backward's rows without the preprocess launch (triton.DELTA_IN_DQ): compare with a run
-without it.
+--no-delta-in-dq: the split backward's rows with the preprocess launch (triton.DELTA_IN_DQ off; on by default since
+session 19, as in the module). Before session 23 the flag was --delta-in-dq and off unless given, so bwd sweeps from
+session 19 to 22 timed the split backward with the preprocess unless it was given.
 
 fwd takes about 2 minutes with compiles, bwd (45 rows) about 3-4 (estimated from sm_90 compile times, not yet run).
 
@@ -23,17 +24,18 @@ script ends with the fastest config per table entry.
 tma 0.983 ms (pointer 1.136, cuDNN 0.865), causal tma+heavy 0.596 ms (pointer 0.664, cuDNN 0.486); the other rows
 are the alternatives, pointer loads with the same tiles among them, to check the defaults still win.
 
-Backward (bwd): each row puts one BwdConfig (tiles, warps, stages, tma) in CONFIGS_16BIT["dkdv"] or ["dq"] at the
-shape's padded head dim, the other backward kernel and the forward at their table entries, and times forward +
-backward of flash_attention(backend="triton") (torch.autograd.grad of q, k, v) beside cuDNN's forward + backward.
-dq, dk and dv are checked first against SDPA's math backend in float32 (each within the bf16 gradient bound,
-gradient_tolerance: twice the forward's, as the benchmark checks gradients; "error" is the largest of the three).
-TFLOP/s counts the backward as 2.5 forwards. The dkdv/dq tables are not split by causality: the summary ranks a
-config by its total time over the shapes swept at its entry (at head dim 128, causal and not). Candidates were
-picked from sm_90 builds (scripts/triton_resources.py): the tiles that spill least, each with TMA, beside the
+Backward (bwd): each row puts one BwdConfig (tiles, warps, stages, tma, lse_delta_tma) in CONFIGS_16BIT["dkdv"] or
+["dq"] at the shape's padded head dim, the other backward kernel and the forward at their table entries, and times
+forward + backward of flash_attention(backend="triton") (torch.autograd.grad of q, k, v) beside cuDNN's forward +
+backward. dq, dk and dv are checked first against SDPA's math backend in float32 (each within the bf16 gradient
+bound, gradient_tolerance: twice the forward's, as the benchmark checks gradients; "error" is the largest of the
+three). TFLOP/s counts the backward as 2.5 forwards. The dkdv/dq tables are not split by causality: the summary
+ranks a config by its total time over the shapes swept at its entry (at head dim 128, causal and not). Candidates
+were picked from sm_90 builds (scripts/triton_resources.py): the tiles that spill least, each with TMA, beside the
 pointer default. Rows of the "fused" kernel (one kernel for dq, dk and dv; session 16) run it forced
 (triton.BACKWARD = "fused"); "path" says whether dq was stored (every key in one block) or added with atomics.
-The dkdv and dq rows force the split kernels.
+The dkdv and dq rows force the split kernels. A dk/dv row whose path reads "tma lse" read lse and delta through
+descriptors too (lse_delta_tma, the default at head dim 128 since session 23).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ SWEEP = [
 ]  # fmt: skip
 
 BWD_128 = {
-    "dkdv": {  # default (64, 128, 8, 2): 255 registers and 304 bytes of spills on sm_90
+    "dkdv": {  # default (64, 128, 8, 2, tma, lse_delta_tma): 255 registers and 208 stack bytes on sm_90 (pointers: 304)
+        "ptr": Bwd(64, 128, 8, 2),
         "tma": Bwd(64, 128, 8, 2, tma=True),
         "tma m32": Bwd(32, 128, 8, 2, tma=True),
         "tma m32 3st": Bwd(32, 128, 8, 3, tma=True),
@@ -146,7 +149,8 @@ D32_DQ = {"m64 n64": Bwd(64, 64, 4, 3), "n64 8w": Bwd(128, 64, 8, 3), "m64 n32":
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
     ((4, 16, 4096, 128), True, BWD_128 | {"fused": FUSED_ATOMIC}),
-    ((64, 4, 2048, 48), True, {"fused": FUSED_ATOMIC}),
+    ((64, 4, 2048, 48), True, {"dkdv": {"tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)},
+                               "fused": FUSED_ATOMIC}),
     ((128, 8, 1024, 32), True, {"fused": FUSED_ATOMIC, "dkdv": D32_DKDV, "dq": D32_DQ}),
     # keys in one block at the wider head dims: the fused kernel against the split kernels (the dkdv default row)
     ((256, 4, 256, 32), False, {"fused": FUSED_SHORT, "dkdv": {}}),
@@ -156,6 +160,7 @@ BWD_SWEEP = [
     ((64, 4, 2048, 48), False, {
         "dkdv": {
             "tma": Bwd(32, 128, 4, 3, tma=True),
+            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
             "tma 8w": Bwd(32, 128, 8, 2, tma=True),
             "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
         },
@@ -193,7 +198,7 @@ def describe(cfg: Fwd) -> str:
 
 def code(cfg: Fwd | Bwd) -> str:
     """FwdConfig(128, 128, 8, 3, tma=True): the flags that are set, as one would write it in the table."""
-    flags = "".join(f", {name}=True" for name in ("tma", "heavy_first") if getattr(cfg, name, False))
+    flags = "".join(f", {name}=True" for name in ("tma", "heavy_first", "lse_delta_tma") if getattr(cfg, name, False))
     return f"{type(cfg).__name__}({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"
 
 
@@ -412,6 +417,12 @@ class BackwardSweep:
 
         jit = {"dkdv": kernels._bwd_dkdv_kernel, "dq": kernels._bwd_dq_kernel, "fused": kernels._bwd_fused_kernel}[kernel]
         kernels.BACKWARD = "fused" if kernel == "fused" else "split"
+        try:
+            return self.timed_row(shape, causal, kernel, label, cfg, run, jit, q, k, v, do, expected, cudnn_ms)
+        finally:
+            kernels.BACKWARD = None
+
+    def timed_row(self, shape, causal, kernel, label, cfg, run, jit, q, k, v, do, expected, cudnn_ms) -> float:
         before = set(jit._compiled)
         try:
             with poison_outputs():
@@ -419,20 +430,22 @@ class BackwardSweep:
         except Exception as exc:  # a compile failure: report it, go on with the other rows
             reason = str(exc).strip().splitlines()[0][:150]
             print(f"  {kernel} {label} {describe(cfg)}: FAILED {type(exc).__name__}: {reason}")
-            kernels.BACKWARD = None
             return float("inf")
         error = grads_error(grads, expected)
         if kernel == "fused":
             route = "store" if shape[2] <= cfg.block_n else "atom"
         else:
-            route = "tma" if kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"] else "ptr"
+            tma = kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"]
+            route = "tma" if tma else "ptr"
+            lse = torch.empty(shape[:3], device=q.device)  # as the forward's lse and the dq kernel's delta
+            if kernel == "dkdv" and kernels.lse_delta_variant(cfg, lse, lse, tma):
+                route += " lse"
         bound = gradient_tolerance(DTYPE)
         if not error <= bound:  # also NaN
             wrong = f"WRONG, relative RMS error {error:.1e}, bound {bound:.0e}"
             print(f"  {kernel} {label} {describe(cfg)} ({route}): {wrong}")
             return float("inf")
         ms = gpu_time_ms(run, self.device)[0]["median"]
-        kernels.BACKWARD = None
         resources = compiled_resources(before, jit)
         self.row(shape, causal, kernel, label, describe(cfg), route, ms, cudnn_ms, error, resources)
         return ms
@@ -482,7 +495,10 @@ if __name__ == "__main__":
     parser.add_argument("parts", nargs="?", choices=("fwd", "bwd", "both"), default="both", help="which sweep to run")
     parser.add_argument("--only", help="shapes, as BxHxLxD[,BxHxLxD...] (e.g. 256x4x256x16)")
     parser.add_argument("--kernel", choices=("dkdv", "dq", "fused"), help="backward: sweep only this kernel's table")
-    parser.add_argument("--delta-in-dq", action="store_true", help="split backward rows with triton.DELTA_IN_DQ on")
+    parser.add_argument(
+        "--delta-in-dq", action=argparse.BooleanOptionalAction, default=kernels.DELTA_IN_DQ,
+        help="split backward rows with triton.DELTA_IN_DQ on (the module's default) or off",
+    )  # fmt: skip
     args = parser.parse_args()
     kernels.DELTA_IN_DQ = args.delta_in_dq
     main(torch.device("cuda", torch.cuda.current_device()), args.parts, args.only, args.kernel)

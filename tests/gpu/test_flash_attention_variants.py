@@ -1,6 +1,7 @@
 """The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
-loads, heavy-first causal order) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels), each
-forced at a few shapes whatever the tables say, and TMA table entries through the public API."""
+loads, heavy-first causal order) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and
+delta through descriptors in the dk/dv kernel), each forced at a few shapes whatever the tables say, and TMA table
+entries through the public API."""
 
 import pytest
 import torch
@@ -162,6 +163,100 @@ def test_an_expanded_upstream_gradient_takes_the_pointer_path():
     grads = torch.autograd.grad(out, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, False)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- lse and delta through descriptors
+
+
+@pytest.fixture
+def lse_delta_taken(monkeypatch):
+    """The LSE_DELTA_TMA constexpr of every dk/dv launch that follows, in order."""
+    taken, real = [], fa.lse_delta_variant
+    monkeypatch.setattr(fa, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
+    return taken
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, layout, dk/dv config with lse_delta_tma)
+LSE_DELTA_CASES = [
+    (2, 4, 2, 1000, 1000, 128, True, True, "blhd", Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True)),
+    (2, 4, 4, 780, 1000, 128, False, True, "bhld", Bwd(32, 128, 8, 2, tma=True, lse_delta_tma=True)),
+    (3, 4, 2, 300, 200, 48, False, True, "bhld", Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)),
+    (2, 2, 2, 500, 500, 64, True, False, "blhd", Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)),
+]  # fmt: skip
+LSE_DELTA_IDS = ["d128-causal-lengths-gqa-view", "d128-m32-lengths-lq<lk", "d48-lengths-gqa-lq>lk", "d64-causal-view"]
+
+
+@needs_tma
+@pytest.mark.parametrize("case", LSE_DELTA_CASES, ids=LSE_DELTA_IDS)
+def test_lse_delta_tma_backward(case, lse_delta_taken):
+    """The dk/dv kernel reading lse and delta through descriptors (BwdConfig.lse_delta_tma), forced at a few tiles:
+    every gradient within the bf16 bound of float64, and the same as with lse and delta through pointers."""
+    b, h, hkv, lq, lk, d, causal, lengths, layout, dkdv_cfg = case
+    q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16, layout)
+    do = torch.randn_like(q)
+    key_lengths = lengths_for(b, lk) if lengths else None
+    dq_cfg = fa.config("dq", d, torch.bfloat16)
+    grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma=None)
+    pointer = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg._replace(lse_delta_tma=False), dq_cfg, None)
+    assert lse_delta_taken == [True, False]
+    expected = reference_grads(do, q, k, v, key_lengths, causal)
+    for name, g, g_ref, g_ptr in zip(("dq", "dk", "dv"), grads, expected, pointer):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+        assert_close(f"{name} against lse and delta through pointers", g, g_ptr, 1e-3)
+
+
+# (B, H, Hkv, Lq, Lk, causal, lengths, layout) at head dim 128, bf16, through flash_attention with the tables as shipped
+DEFAULT_128_CASES = [
+    (2, 4, 2, 1000, 1000, True, True, "blhd"),
+    (2, 4, 2, 1000, 1000, False, True, "blhd"),
+    (2, 4, 4, 600, 1000, True, False, "bhld"),
+    (2, 4, 4, 520, 300, False, False, "bhld"),
+    (2, 4, 2, 999, 1000, True, True, "blhd"),
+    (2, 4, 2, 333, 200, False, False, "bhld"),
+]  # fmt: skip
+DEFAULT_128_IDS = [
+    "causal-lengths-gqa-view", "lengths-gqa-view", "causal-lq<lk", "lq>lk",
+    "causal-lengths-odd-lq-pointer-fallback", "odd-lq-pointer-fallback",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEFAULT_128_CASES, ids=DEFAULT_128_IDS)
+def test_dkdv_default_at_head_dim_128_through_the_public_api(case, lse_delta_taken):
+    """The dk/dv table's entry at head dim 128 (64x128, 8 warps, 2 stages, tiles and lse/delta through descriptors)
+    serves flash_attention's backward: descriptors for lse and delta on Hopper where Lq % 4 == 0, pointer loads for
+    them otherwise (odd Lq; before Hopper the whole kernel takes pointers); every gradient within the bf16 bound."""
+    b, h, hkv, lq, lk, causal, lengths, layout = case
+    assert fa.config("dkdv", 128, torch.bfloat16) == Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, 128, torch.bfloat16, layout))
+    key_lengths = lengths_for(b, lk) if lengths else None
+    assert not fa.use_fused(q, k)
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend="triton")
+    do = torch.randn_like(out)
+    assert fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"] == hopper()
+    with poison_outputs():
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert lse_delta_taken == [hopper() and lq % 4 == 0]
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+def test_unaligned_lse_and_delta_take_pointer_loads(lse_delta_taken):
+    """lse and delta that are not contiguous or not 16-byte aligned: pointer loads for them (the tiles keep their
+    descriptors on Hopper), the same gradients as the aligned run."""
+    cfg = Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    q, k, v = make(2, 4, 2, 500, 500, 128, torch.bfloat16, "bhld")
+    do = torch.randn_like(q)
+    args = (q, k, v, None, True, 128**-0.5, 0.0, 0)
+    o, lse = fa.forward(*args)
+    delta = fa.backward_preprocess(o, do)
+    shifted = torch.empty(delta.numel() + 1, device=CUDA)[1:].view(delta.shape).copy_(delta)  # 4-byte aligned
+    strided = torch.empty(lse.shape[::-1], device=CUDA).permute(2, 1, 0).copy_(lse)  # not contiguous
+    with poison_outputs():
+        expected = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg)
+        for name, lse_, delta_ in (("unaligned delta", lse, shifted), ("strided lse", strided, delta)):
+            for g, g_ref, grad in zip(fa.backward_dkdv(do, *args, lse_, delta_, cfg=cfg), expected, ("dk", "dv")):
+                assert_close(f"{grad} ({name})", g, g_ref, 1e-3)
+    assert lse_delta_taken == [hopper(), False, False]
 
 
 # (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, config): dq stored (Lk <= block_n) or added with atomics

@@ -1,5 +1,6 @@
 """The variants of the Triton flash attention: forward (FwdConfig: TMA descriptor loads, heavy-first causal order) and
-backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels).
+backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv
+kernel).
 Under the interpreter the descriptor path runs only when forced (tma=True), never from the tables (whose 16-bit
 forward entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
 test_triton_compile_sm90.py does for the tables' pointer path (and, for the backward, its attention_tma_backward
@@ -213,6 +214,78 @@ def test_plain_tuples_still_configure_the_backward():
     assert_gradients(run_backward(q, k, v, do, None, True, (32, 16, 4, 2), tma=None), q, k, v, do, None, True)
     for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32):
         assert all(isinstance(cfg, BwdConfig) for kind in ("dkdv", "dq") for cfg in table[kind].values())
+
+
+# --------------------------------------------------------------------------- lse and delta through descriptors
+
+
+@pytest.fixture
+def lse_delta_taken(monkeypatch):
+    """The LSE_DELTA_TMA constexpr of every dk/dv launch that follows, in order."""
+    taken, real = [], fa.lse_delta_variant
+    monkeypatch.setattr(fa, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
+    return taken
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
+    [
+        (2, 4, 2, 72, 45, 48, True, [45, 0], 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
+        (1, 2, 2, 36, 130, 16, False, [69], 0.0, BwdConfig(16, 32, 4, 2, tma=True, lse_delta_tma=True)),
+        (2, 2, 2, 36, 80, 64, True, [80, 17], 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
+        (2, 2, 1, 40, 40, 48, True, [40, 23], 0.2, BwdConfig(16, 32, 4, 2, tma=True, lse_delta_tma=True)),
+        (1, 2, 1, 44, 48, 128, True, None, 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
+        (3, 2, 1, 65, 63, 32, False, None, 0.0, BwdConfig(32, 32, 4, 2, tma=True, lse_delta_tma=True)),
+    ],
+    ids=["causal-gqa-d48-lengths", "lengths-d16-lq<lk", "causal-d64-lengths-partial-block", "causal-dropout-mqa-d48",
+         "causal-d128-partial-block", "odd-lq-pointer-fallback-d32"],
+)  # fmt: skip
+def test_lse_and_delta_through_descriptors(lse_delta_taken, b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg):
+    """The dk/dv kernel on its descriptor path reading lse and delta through 1-D descriptors too
+    (BwdConfig.lse_delta_tma, where Lq % 4 == 0; an odd Lq falls back to pointer loads): the float64 gradients, and
+    bit-identical to the same config reading them through pointers (rows past Lq add exact zeros either way)."""
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    do = torch.randn_like(q)
+    assert fa.backward_variant("dkdv", q, k, v, do, cfg, tma=True)[1]["TMA"]
+    grads = run_backward(q, k, v, do, lengths, causal, cfg, tma=True, dropout_p=dropout_p)
+    assert lse_delta_taken == [lq % 4 == 0]
+    assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p)
+    pointer_cfg = cfg._replace(lse_delta_tma=False)
+    pointer = run_backward(q, k, v, do, lengths, causal, pointer_cfg, tma=True, dropout_p=dropout_p)
+    assert lse_delta_taken[1:] == [False]
+    for name, g, g_ptr in zip(("dq", "dk", "dv"), grads, pointer):
+        assert torch.equal(g, g_ptr), name
+
+
+def test_lse_delta_variant():
+    """Descriptors for lse and delta only where the config asks, the tiles take descriptors (tma), both are
+    contiguous and every (b, h) row starts 16-byte aligned; else pointer loads."""
+    on, off = BwdConfig(16, 16, 4, 2, tma=True, lse_delta_tma=True), BwdConfig(16, 16, 4, 2, tma=True)
+    lse, delta = torch.zeros(2, 3, 40), torch.zeros(2, 3, 40)
+    assert fa.lse_delta_variant(on, lse, delta, True)
+    assert not fa.lse_delta_variant(off, lse, delta, True)
+    assert not fa.lse_delta_variant(on, lse, delta, False)  # pointer tiles (no Hopper, interpreter, strides)
+    assert not fa.lse_delta_variant(on, torch.zeros(2, 3, 42), torch.zeros(2, 3, 42), True)  # rows 168 bytes apart
+    assert not fa.lse_delta_variant(on, torch.zeros(2, 40, 3).transpose(1, 2), delta, True)  # not contiguous
+    assert not fa.lse_delta_variant(on, lse, torch.zeros(2 * 3 * 40 + 1)[1:].view(2, 3, 40), True)  # 4-byte aligned
+    assert not fa.lse_delta_variant(fa.BwdConfig(*on[:4]), lse, delta, True)  # a plain 4-tuple: off
+
+
+def test_the_dkdv_table_reads_lse_and_delta_through_descriptors_at_head_dim_128(lse_delta_taken):
+    """The 16-bit dk/dv entry at head dim 128 asks for descriptors, lse and delta included; under the interpreter
+    (no TMA) the public op still takes pointer loads for all of them. Other head dims and fp32 do not ask."""
+    assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    assert fa.config("dkdv", 128, torch.bfloat16).lse_delta_tma
+    assert not any(fa.config("dkdv", d, f16).lse_delta_tma for d in (16, 32, 48, 64))
+    assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("dq", "fused")
+                   for cfg in table[kind].values())  # fmt: skip
+    assert not any(cfg.lse_delta_tma for cfg in fa.CONFIGS_FP32["dkdv"].values())
+    q, k, v = (x.requires_grad_() for x in make(1, 2, 1, 40, 40, 128))
+    do = torch.randn_like(q)
+    assert not fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"]
+    out = flash_attention(q, k, v, causal=True, backend="triton")
+    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
+    assert lse_delta_taken == [False]
 
 
 # --------------------------------------------------------------------------- the fused backward

@@ -230,6 +230,20 @@ def attention_delta_in_dq():
         fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
 
 
+def attention_lse_delta_tma():
+    """The dk/dv kernel on its descriptor path reading lse and delta through descriptors too (BwdConfig.lse_delta_tma),
+    with the table's tiles: at head dim 128 (causal, key lengths), at 128 with Lq % 4 != 0 (lse and delta fall back to
+    pointer loads, the tiles keep descriptors), and padded (48 -> 64) with dropout."""
+    d64, d128 = (fa_triton.config("dkdv", d, bf16)._replace(tma=True, lse_delta_tma=True) for d in (64, 128))
+    for head_dim, lq, causal, dropout_p, cfg in ((128, 200, True, 0.0, d128), (128, 198, False, 0.0, d128),
+                                                 (48, 200, False, 0.1, d64)):  # fmt: skip
+        q, do = torch.randn(2, 4, lq, head_dim).to(bf16), torch.randn(2, 4, lq, head_dim).to(bf16)
+        k, v = torch.randn(2, 2, 200, head_dim).to(bf16), torch.randn(2, 2, 200, head_dim).to(bf16)
+        args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, 1234)
+        o, lse = fa_triton.forward(*args)
+        fa_triton.backward_dkdv(do, *args, lse, fa_triton.backward_preprocess(o, do), cfg=cfg, tma=True)
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -314,6 +328,7 @@ CASES = {
     "attention_tma_backward": attention_tma_backward,
     "attention_fused_backward": attention_fused_backward,
     "attention_delta_in_dq": attention_delta_in_dq,
+    "attention_lse_delta_tma": attention_lse_delta_tma,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -433,6 +448,16 @@ def test_the_dq_kernel_compiles_writing_delta(compiled):
     """attention_delta_in_dq compiles the dq kernel that writes delta, with pointer loads and with descriptors."""
     launches = [constexprs(launch) for launch, _ in compiled["flash_attention._bwd_dq_kernel"]]
     assert {c["TMA"] for c in launches if c["WRITE_DELTA"]} == {False, True}
+
+
+def test_the_dkdv_kernel_compiles_reading_lse_and_delta_through_descriptors(compiled):
+    """attention_lse_delta_tma compiles the dk/dv kernel's descriptor path with lse and delta through descriptors (head
+    dims 128 and 48) and through pointers (128, Lq % 4 != 0); no launch takes descriptors for lse and delta without
+    the tiles'."""
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._bwd_dkdv_kernel"]]
+    variants = {(c["HEAD_DIM"], c["TMA"], c["LSE_DELTA_TMA"]) for c in launches}
+    assert {(128, True, True), (128, True, False), (48, True, True)} <= variants
+    assert not any(c["LSE_DELTA_TMA"] and not c["TMA"] for c in launches)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

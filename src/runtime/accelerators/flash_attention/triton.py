@@ -33,9 +33,16 @@ The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and he
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
-  its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V;
-  lse and delta stay pointer loads. Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv
-  kernel's K/V at Lk, the dq kernel's at key_lengths[b]), so both paths read the same tiles.
+  its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V.
+  Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv kernel's K/V at Lk, the dq kernel's at
+  key_lengths[b]), so both paths read the same tiles.
+- lse_delta_tma (dk/dv kernel, on its descriptor path): lse and delta through 1-D descriptors too, where both are
+  contiguous with 16-byte aligned (b, h) rows (Lq % 4 == 0; lse_delta_variant); else, and in the dq kernel, which
+  loads them once per program, pointer loads. Through pointers each thread cp.asyncs 16 + 16 of a query block's 64
+  values (the slice-of-MMA layout) with 64-bit addresses: at head dim 128 (sm_90, Triton 3.6) the dk/dv loop takes
+  593 SASS instructions per block pair, 428 with descriptors. A length with Lq % 4 != 0 compiles the pointer variant
+  (a second dk/dv kernel at that head dim).
+The 16-bit dk/dv table takes tma at padded head dims 64 and 128, with lse_delta_tma at 128; the dq table none.
 """
 
 from __future__ import annotations
@@ -74,14 +81,16 @@ class FwdConfig(NamedTuple):
 
 
 class BwdConfig(NamedTuple):
-    """A launch of the dk/dv or the dq kernel: tiles, warps, pipeline stages and whether the query/key tiles come
-    through TMA descriptors (see the module docstring)."""
+    """A launch of the dk/dv or the dq kernel: tiles, warps, pipeline stages, whether the query/key tiles come
+    through TMA descriptors and, in the dk/dv kernel where they do, lse and delta too (see the module docstring;
+    the dq and fused kernels ignore lse_delta_tma)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     tma: bool = False
+    lse_delta_tma: bool = False
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -96,6 +105,9 @@ class BwdConfig(NamedTuple):
 # The backward's TMA variants (scripts/fa_sweep.py bwd, session 15, H100, forward+backward ms) won only for dk/dv at
 # head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
 # 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
+# Session 23 (H100, forward+backward ms at (4,16,4096,128), sweep of branch fa-large-bwd): dk/dv at head dim 128
+# with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
+# tiles; 0.74x cuDNN), causal 2.755 against 2.799.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -113,7 +125,7 @@ CONFIGS_16BIT = {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
         64: BwdConfig(32, 128, 4, 3, tma=True),
-        128: BwdConfig(64, 128, 8, 2),
+        128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True),
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
     "fused": {
@@ -431,20 +443,24 @@ def _store_dkdv(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
+    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
     qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr,
 ):
     """Accumulate one query block into dk, dv of this key block, in transposed form ([keys, queries]);
-    q_src/do_src: _rows_src sources of LQ rows."""
+    q_src/do_src: _rows_src sources of LQ rows; lse_src/delta_src: 1-D descriptors of LQ values where
+    LSE_DELTA_TMA, else the (b, h) base pointers."""
     rows = start_m + offs_m
     q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
-    delta = tl.load(delta_ptr + rows, mask=rows < LQ, other=0.0)
+    if LSE_DELTA_TMA:
+        delta = delta_src.load([start_m])
+    else:
+        delta = tl.load(delta_src + rows, mask=rows < LQ, other=0.0)
     dv, ds_t = _dv_and_ds_t(
-        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
-        MASK, CAUSAL, DROPOUT, DOT_PRECISION,
+        dv, k, v, q, do, lse_src, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
+        MASK, CAUSAL, DROPOUT, DOT_PRECISION, LSE_DELTA_TMA,
     )
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -452,13 +468,20 @@ def _dkdv_block(
 
 @triton.jit
 def _dv_and_ds_t(
-    dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
+    dv, k, v, q, do, lse_src, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LSE_DELTA_TMA: tl.constexpr,
 ):
-    """For a key block and the query rows `rows`, in transposed form ([keys, queries]): dv plus P^T dO (P after
-    dropout), and dS^T = P^T * (dP^T - delta) in fp32."""
-    # rows past LQ load lse = +inf, so their probabilities are 0
-    lse = tl.load(lse_ptr + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
+    """For a key block and the query rows `rows` (from start_m), in transposed form ([keys, queries]): dv plus P^T dO
+    (P after dropout), and dS^T = P^T * (dP^T - delta) in fp32. lse_src: the (b, h) row of lse, a descriptor where
+    LSE_DELTA_TMA (q and do then come through descriptors too), else a pointer."""
+    if LSE_DELTA_TMA:
+        # zeros past LQ (not lse = +inf): such a row's q and do are zeros too (descriptor loads), so its column of
+        # P^T (exp2(0) = 1) meets zeros in every product and adds nothing
+        lse = lse_src.load([start_m]) * 1.4426950408889634
+    else:
+        # rows past LQ load lse = +inf, so their probabilities are 0
+        lse = tl.load(lse_src + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK:
@@ -486,8 +509,9 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr,
 ):
+    """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
@@ -523,19 +547,22 @@ def _bwd_dkdv_kernel(
             bh = b * H + h
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-            lse_ptr = LSE + bh.to(tl.int64) * LQ
-            delta_ptr = DELTA + bh.to(tl.int64) * LQ
+            lse_src = LSE + bh.to(tl.int64) * LQ
+            delta_src = DELTA + bh.to(tl.int64) * LQ
+            if LSE_DELTA_TMA:
+                lse_src = tl.make_tensor_descriptor(lse_src, [LQ], [1], [BLOCK_M])
+                delta_src = tl.make_tensor_descriptor(delta_src, [LQ], [1], [BLOCK_M])
             for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
                     sqm, sdom, qk_scale, dropout_p, seed, bh,
-                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA,
                 )
             for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
+                    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
                     sqm, sdom, qk_scale, dropout_p, seed, bh,
-                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA,
                 )
     _store_dkdv(
         DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK, HEAD_DIM, PAD_D
@@ -646,8 +673,8 @@ def _fused_block(
     o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
     dv, ds_t = _dv_and_ds_t(
-        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, qk_scale, dropout_p, seed, bh,
-        MASK, CAUSAL, DROPOUT, DOT_PRECISION,
+        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
+        MASK, CAUSAL, DROPOUT, DOT_PRECISION, False,
     )
     ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -762,7 +789,8 @@ def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfi
 
 
 def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None) -> tuple[BwdConfig, dict]:
-    """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do).
+    """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do); the
+    dk/dv kernel's LSE_DELTA_TMA depends on lse and delta too: see lse_delta_variant.
 
     cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma."""
     cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
@@ -851,12 +879,13 @@ def backward_preprocess(o, do):
 
 
 def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
-    """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant."""
+    """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant (and lse_delta_variant)."""
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
     cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, tma)
+    variant["LSE_DELTA_TMA"] = lse_delta_variant(cfg, lse, delta, variant["TMA"])
     if variant["TMA"]:
         _ensure_scratch_allocator()
     _bwd_dkdv_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
@@ -867,6 +896,15 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
         **variant, **_flags(q, key_lengths, causal, dropout_p),
     )
     return dk, dv
+
+
+def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tma: bool) -> bool:
+    """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta ([B, H, Lq]
+    fp32) through 1-D descriptors too: the config asks for it (lse_delta_tma), both are contiguous and every (b, h)
+    row is 16-byte aligned (Lq % 4 == 0); else pointer loads."""
+    if not (cfg.lse_delta_tma and tma):
+        return False
+    return lse.shape[-1] % 4 == 0 and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (lse, delta))
 
 
 def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None):
