@@ -6,7 +6,7 @@ import torch
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed
-from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
+from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, compiled_kernels, gradient_tolerance
 
 CUDA = "cuda"
 
@@ -90,14 +90,10 @@ def test_scale_and_int32_lengths():
 def _kernel_cache_sizes():
     from runtime.accelerators.flash_attention import triton as kernels
 
-    sizes = {}
-    for name in ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_fused_kernel"):
-        fn = getattr(kernels, name)
-        fn = getattr(fn, "kernel", fn)  # the JITFunction under a direct_launch wrapper
-        caches = getattr(fn, "device_caches", None)
-        if caches is None:
-            pytest.skip("this Triton has no JITFunction.device_caches to count compiled kernels")
-        sizes[name] = sum(len(c[0]) for c in caches.values())
+    names = ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_fused_kernel")
+    sizes = {name: compiled_kernels(getattr(kernels, name)) for name in names}
+    if None in sizes.values():
+        pytest.skip("this Triton has no JITFunction.device_caches to count compiled kernels")
     return sizes
 
 

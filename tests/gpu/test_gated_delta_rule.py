@@ -22,7 +22,7 @@ from runtime.accelerators.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from runtime.accelerators.testing import assert_close
+from runtime.accelerators.testing import assert_close, compiled_kernels
 
 FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 5e-3}
@@ -199,6 +199,23 @@ def test_chunked_torch_backend_matches_the_recurrence_on_cuda_in_float64():
     o_ref, final_ref = reference(x, output_final_state=True)
     assert_close("o", o, o_ref, 1e-12)
     assert_close("final_state", final, final_ref, 1e-12)
+
+
+def test_sum_over_value_heads_is_torchs_and_compiles_once_for_every_row_count():
+    """GVA's per-value-head dq/dk summed and cast in one kernel: torch's sum then cast, bit for bit with two value
+    heads, at row counts Triton would otherwise specialise on (1, multiples of 16, others), one compiled kernel."""
+    def summed(rows):
+        per_value_head = torch.randn(rows, 2 * 2, 48, device="cuda")
+        out = gdr_backward._sum_value_heads(per_value_head, 1, rows, 2, torch.bfloat16)
+        assert torch.equal(out, per_value_head.view(1, rows, 2, 2, 48).sum(3).bfloat16())
+
+    summed(37)
+    before = compiled_kernels(gdr_backward._sum_value_heads_kernel)
+    if before is None:
+        pytest.skip("this Triton has no JITFunction.device_caches to count compiled kernels")
+    for rows in (1, 16, 64, 1000):
+        summed(rows)
+    assert compiled_kernels(gdr_backward._sum_value_heads_kernel) == before
 
 
 def test_gradients_through_the_triton_recurrent_kernel_fall_back():

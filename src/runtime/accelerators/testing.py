@@ -45,3 +45,10 @@ def poison_(tensor: torch.Tensor) -> torch.Tensor:  # for buffers a test allocat
 
 def gradient_tolerance(dtype: torch.dtype, rtol: float | None = None) -> float:
     return 2 * (rtol if rtol is not None else RTOL[dtype])
+
+
+def compiled_kernels(fn) -> int | None:
+    """How many compiled kernels a Triton kernel holds over all devices (a direct_launch wrapper: its JITFunction's);
+    None where this Triton keeps no JITFunction.device_caches to count."""
+    caches = getattr(getattr(fn, "kernel", fn), "device_caches", None)
+    return None if caches is None else sum(len(c[0]) for c in caches.values())

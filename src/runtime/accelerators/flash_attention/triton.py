@@ -899,12 +899,12 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
 
 
 def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tma: bool) -> bool:
-    """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta ([B, H, Lq]
-    fp32) through 1-D descriptors too: the config asks for it (lse_delta_tma), both are contiguous and every (b, h)
-    row is 16-byte aligned (Lq % 4 == 0); else pointer loads."""
+    """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta (contiguous
+    [B, H, Lq] fp32, as both paths take them) through 1-D descriptors too: the config asks for it (lse_delta_tma) and
+    every (b, h) row is 16-byte aligned (Lq % 4 == 0); else pointer loads."""
     if not (cfg.lse_delta_tma and tma):
         return False
-    return lse.shape[-1] % 4 == 0 and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (lse, delta))
+    return lse.shape[-1] % 4 == 0 and all(x.data_ptr() % 16 == 0 for x in (lse, delta))
 
 
 def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None):

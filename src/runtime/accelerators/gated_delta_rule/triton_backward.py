@@ -782,7 +782,7 @@ def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS"])  # one compiled kernel for every row count (else 1, multiples of 16, others)
 def _sum_value_heads_kernel(
     per_value_head, out, ROWS, GROUPS: tl.constexpr, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr
 ):
