@@ -149,9 +149,17 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
     sv = T.dynamic("sv_b, sv_h, sv_l")
 
     @T.macro
-    def softmax(s, m, m_prev, rescale, row_sum, l, sl2):
-        """Running max m, sum l and the rescale factor updated by the scores s of one key block; s becomes its
-        unnormalised probabilities."""
+    def softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, q0, k0):
+        """Running max m, sum l and the rescale factor updated by the scores s of the key block from k0 (queries from
+        q0); s becomes its unnormalised probabilities."""
+        # mask only the blocks that straddle the key length or the causal diagonal;
+        # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
+        if k0 + bN > kv_len or (causal and k0 + bN > q0 + 1):
+            for i, j in T.Parallel(bM, bN):
+                if causal:
+                    s[i, j] = T.if_then_else((k0 + j < kv_len) & (k0 + j <= q0 + i), s[i, j], -T.infinity(ACCUM))
+                else:
+                    s[i, j] = T.if_then_else(k0 + j < kv_len, s[i, j], -T.infinity(ACCUM))
         T.copy(m, m_prev)
         T.reduce_max(s, m, dim=1, clear=False)
         for i in T.Parallel(bM):
@@ -234,15 +242,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                             T.wait_wgmma(1)  # QK^T done; PV may still run
                         else:
                             T.wait_wgmma(0)
-                        if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
-                            for i, j in T.Parallel(bM, bN):
-                                if causal:
-                                    s[i, j] = T.if_then_else(
-                                        (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
-                                    )
-                                else:
-                                    s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
-                        softmax(s, m, m_prev, rescale, row_sum, l, sl2)
+                        softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
                         # p and acc are PV's operands: written only once it is done (a write while it runs
                         # makes ptxas serialise every wgmma)
                         T.wait_wgmma(0)
@@ -256,17 +256,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                 for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
                     T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
                     T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    # mask only the blocks that straddle the key length or the causal diagonal;
-                    # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
-                    if (k + 1) * bN > kv_len or (causal and (k + 1) * bN > bx * bM + 1):
-                        for i, j in T.Parallel(bM, bN):
-                            if causal:
-                                s[i, j] = T.if_then_else(
-                                    (k * bN + j < kv_len) & (k * bN + j <= bx * bM + i), s[i, j], -T.infinity(ACCUM)
-                                )
-                            else:
-                                s[i, j] = T.if_then_else(k * bN + j < kv_len, s[i, j], -T.infinity(ACCUM))
-                    softmax(s, m, m_prev, rescale, row_sum, l, sl2)
+                    softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
                     to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
                     for i, j in T.Parallel(bM, dim):
                         acc[i, j] *= rescale[i]
