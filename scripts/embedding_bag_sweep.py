@@ -5,6 +5,10 @@ the Triton gradient's sort: SORT="radix" against "torch", in the backward and al
     bash .device/gpu python scripts/embedding_bag_sweep.py sort   (the sort rows only: alone, then fwd+bwd by SORT)
     bash .device/gpu python scripts/embedding_bag_sweep.py fill   (fwd+bwd by FILL_BESIDE_SORT: the dense gradient's
                                                                    zero fill in the radix sort's launches, or before)
+    bash .device/gpu python scripts/embedding_bag_sweep.py chunk    (fwd+bwd by CHUNK: sorted entries per program of
+                                                                   the gradient's first pass)
+    bash .device/gpu python scripts/embedding_bag_sweep.py block_j  (fwd+bwd by BLOCK_J: chunk partials summed, and
+                                                                   chunk ends searched, at once in the second pass)
 
 The shapes and inputs are the benchmark's (runtime.benchmark.ops.embedding_bag): a 1M-row bf16 table of width 64
 or 128, 8192 fixed-size bags of 4 or 8 entries, 25% padding, uniform or Zipf indices. Every row is checked against
@@ -66,12 +70,23 @@ RADIX_VARIANTS = {
 SORT_KEYS = (32768, 65536)  # bags of 4 and 8 at the benchmark's 8192 bags
 VOCAB = 1_000_000
 VARIANTS_UNTIL_S = 200  # past this, only the default rows run (compiles on a slow machine)
-DEFAULTS = (triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT)
-KNOBS = {"sort": ("SORT", triton_kernels.SORTS), "fill": ("FILL_BESIDE_SORT", (False, True))}  # mode: Triton global
+DEFAULTS = (
+    triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT,
+    triton_kernels.CHUNK, triton_kernels.BLOCK_J,
+)  # fmt: skip
+KNOBS = {  # mode: a Triton global and its values
+    "sort": ("SORT", triton_kernels.SORTS),
+    "fill": ("FILL_BESIDE_SORT", (False, True)),
+    "chunk": ("CHUNK", (8, 16, 32)),
+    "block_j": ("BLOCK_J", (32, 64, 128)),
+}
 
 
 def restore_defaults() -> None:
-    triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT = DEFAULTS
+    (
+        triton_kernels.FORWARD, tilelang_kernels.FORWARD, triton_kernels.SORT, triton_kernels.FILL_BESIDE_SORT,
+        triton_kernels.CHUNK, triton_kernels.BLOCK_J,
+    ) = DEFAULTS  # fmt: skip
 
 
 class Sweep:
@@ -211,7 +226,7 @@ def precompile_tilelang(device: torch.device) -> None:
 
 def main(device: torch.device, knob: str | None) -> None:
     sweep = Sweep(device)
-    if knob != "fill":
+    if knob in (None, "sort"):
         sweep.sorts()
     if knob is not None:
         for case in CASES:

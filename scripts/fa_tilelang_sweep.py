@@ -38,6 +38,8 @@ SMALL = {"narrow": NARROW, "narrow ovl": NARROW_OVERLAP, "wide": WIDE, "wide ovl
 SWEEP = [
     ((4, 16, 4096, 128), False, {"wide": WIDE, "wide ovl": WIDE_OVERLAP}),
     ((4, 16, 4096, 128), True, {"wide": WIDE, "wide ovl": WIDE_OVERLAP}),
+    ((16, 16, 2048, 64), False, {"wide": WIDE, "wide ovl": WIDE_OVERLAP}),
+    ((16, 16, 2048, 64), True, {"wide": WIDE, "wide ovl": WIDE_OVERLAP}),
     ((64, 4, 2048, 48), False, SMALL),
     ((64, 4, 2048, 48), True, SMALL),
     ((128, 8, 1024, 32), False, SMALL),

@@ -28,8 +28,14 @@ from . import radix_sort
 from .reference import INDEX_ERROR, index_error
 from .segments import Segments, bag_layout, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
-CHUNK = 32  # sorted entries per program of the gradient's first pass
-BLOCK_J = 32  # chunk partials summed at once in the second pass
+# sorted entries per program of the gradient's first pass: more, smaller programs hide its latency better. H100,
+# session 23 (scripts/embedding_bag_sweep.py chunk), forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
+# (uniform / Zipf) against 32 0.1349 / 0.1370 and 64 0.1469 / 0.1471; within 2% at 1Mx64 Zipf.
+CHUNK = 16
+# chunk partials summed, and chunk ends searched, at once in the second pass: a hot (Zipf) row's segment spans
+# hundreds of chunks. Session 23, with CHUNK 16 (scripts/embedding_bag_sweep.py block_j), 1Mx128 bag 4 Zipf: 32
+# 0.1323 ms, 64 0.1309, 128 0.1289; bag 8 Zipf 0.1658 / 0.1634 / 0.1587; uniform tables up to 1% slower with 128.
+BLOCK_J = 128
 # the weight gradient's sort, a module global that tests and scripts/embedding_bag_sweep.py replace:
 # "torch": torch.sort (segments.sort_keys);
 # "radix": radix_sort.py where it fits (radix_sort.fits), else torch.sort. On the H100 (session 17) the sort of 32768
