@@ -298,15 +298,14 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
 
 def sort_for_gradient(flat: torch.Tensor, num_embeddings: int, zero: torch.Tensor | None = None) -> Segments:
     """The sorted indices behind the weight gradient, by SORT; zero-fills `zero` (the dense gradient) too: in the
-    radix sort's launches, beside its latency-bound work, else before the sort."""
-    if SORT == "radix":
-        if radix_sort.fits(flat.numel(), num_embeddings):
-            return radix_sort.sort_segments(flat, num_embeddings, zero=zero)
-    elif SORT != "torch":
+    radix sort's launches, beside its latency-bound work (FILL_BESIDE_SORT), else before the sort."""
+    if SORT not in SORTS:
         raise ValueError(f"embedding_bag triton.SORT: expected one of {SORTS}, got {SORT!r}")
-    if zero is not None:
+    radix = SORT == "radix" and radix_sort.fits(flat.numel(), num_embeddings)
+    if zero is not None and not (radix and FILL_BESIDE_SORT):
         zero.zero_()
-    return sort_keys(flat, num_embeddings)
+        zero = None
+    return radix_sort.sort_segments(flat, num_embeddings, zero=zero) if radix else sort_keys(flat, num_embeddings)
 
 
 def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):
@@ -322,9 +321,7 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dense = None if sparse else buffers.empty((num_embeddings, dim), dtype=weight.dtype, device=device)
-    if dense is not None and not FILL_BESIDE_SORT:
-        dense.zero_()
-    segments = sort_for_gradient(bags.flat, num_embeddings, zero=dense if FILL_BESIDE_SORT else None)
+    segments = sort_for_gradient(bags.flat, num_embeddings, zero=dense)
     if sparse:
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
