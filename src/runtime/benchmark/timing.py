@@ -41,8 +41,9 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 1
     The replays are queued back to back and synchronised once. With a host sync after each (the GPU idle between
     replays), bandwidth-bound kernels replayed in two modes, e.g. about 180 and 207 us for LayerNorm at 32768x4096
     on an H100, whose median then jumped between runs, while back-to-back calls of the same kernels took 182 us.
-    Falls back to timing eager launches with events when fn cannot be captured (returns graph=False). Calls slower
-    than 0.1 s get 5 timings without warm-up, so a step-by-step reference stays measurable.
+    The GPU is kept busy for 50 ms first (_keep_busy). Falls back to timing eager launches with events when fn cannot
+    be captured (returns graph=False). Calls slower than 0.1 s get 5 timings without warm-up, so a step-by-step
+    reference stays measurable.
     """
     flush = L2Flusher(device)
     stream = torch.cuda.Stream(device)
@@ -60,11 +61,24 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, replays: int = 1
     except Exception:  # host syncs or uncapturable launches: time eager launches instead
         torch.cuda.synchronize(device)
         launch, captured = fn, False
+    _keep_busy(flush, device)
     first = _timed(flush, launch, 1)
     if first[0] > 100.0:
         return percentiles(first + _timed(flush, launch, 4)), captured
     _timed(flush, launch, 5)  # warm-up after the capture and the first timing's sync
     return percentiles(_timed(flush, launch, replays)), captured
+
+
+def _keep_busy(flush: Callable[[], None], device: torch.device, seconds: float = 0.05) -> None:
+    """Runs the flush back to back for `seconds` before a timing, so that the GPU is at its working clocks: the 100
+    replays of a small kernel last a few milliseconds, too short for the clocks to ramp up after a compile or the
+    host-bound eager loop, and the first rows of a run were timed slow and spread (session 24: a 6 us forward at
+    12-24 us p20-p80)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            flush()
+        torch.cuda.synchronize(device)
 
 
 def _timed(flush: Callable[[], None], launch: Callable[[], object], replays: int) -> list[float]:
