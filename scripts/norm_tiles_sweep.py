@@ -1,9 +1,11 @@
 """GPU time of the Triton row norms at the PCVR widths for other tile sizes, beside torch.compile of the reference.
 
     bash .device/gpu python scripts/norm_tiles_sweep.py [--ops l2norm,rms_norm,layer_norm] [--rounds 5]
+    bash .device/gpu python scripts/norm_tiles_sweep.py --ops l2norm --tiles 16x2,32x4,...   # rows x warps
 
 Tiles are norms_triton's TILE_ELEMENTS (elements per program at narrow widths) and ELEMENTS_PER_THREAD (which sets
-the warps); the default is 4096 / 16. Each row is timed as the benchmark times it (runtime.benchmark.timing:
+the warps); the default is 4096 / 16. With --tiles, each candidate is a tile of that many rows run by that many warps
+instead, at every width (the op module's row_tiles replaced). Each row is timed as the benchmark times it (runtime.benchmark.timing:
 CUDA-graph replays after an L2 flush), forward and forward+backward (`torch.autograd.grad` of every input), bf16,
 and checked against the float64 reference first. The GPU is warmed up first, and the candidates (torch.compile of the
 reference, static shapes as a one-shape benchmark run compiles it, then each tile) are timed in interleaved rounds: the first rows of a one-pass sweep ran
@@ -13,6 +15,7 @@ at lower clocks (session 24). Each row gives the median over rounds and the fast
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -40,6 +43,26 @@ def _set_tiles(elements: int, per_thread: int) -> None:
     norms_triton.row_tiles.cache_clear()
 
 
+def _set_explicit(name: str, rows: int | None, warps: int | None) -> None:
+    """Tiles of `rows` rows and `warps` warps in the op's Triton module (None: back to norms_triton.row_tiles)."""
+    module = importlib.import_module(f"runtime.accelerators.{name}.triton")
+
+    def explicit(width: int) -> norms_triton.RowTiles:
+        block = norms_triton.row_tiles(width).block
+        return norms_triton.RowTiles(block, rows, warps, max(1, norms_triton.RESIDENT_WARPS // warps))
+
+    module.row_tiles = norms_triton.row_tiles if rows is None else explicit
+
+
+def _apply(name: str, tiles) -> None:
+    if tiles is None:
+        return
+    if tiles[0] == "explicit":
+        _set_explicit(name, *tiles[1:])
+    else:
+        _set_tiles(*tiles)
+
+
 def _timed(fn, inputs, grad_out, mode: str) -> float:
     if mode == "fwd":
         call = lambda: fn(*inputs)  # noqa: E731
@@ -62,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiles", default="", help="rows x warps candidates, e.g. 16x2,32x4 (instead of TILES)")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, bf16, GPU us: median over {args.rounds} interleaved rounds (fastest round)")
@@ -76,21 +100,25 @@ def main() -> None:
             with torch.no_grad():
                 expect = reference(*(t.double() if t is not None else None for t in inputs))
             candidates = {"torch.compile": (torch.compile(reference, dynamic=False), None)}
-            candidates.update({f"tile {e:5d} / {t:2d} per thread": (ours, (e, t)) for e, t in TILES})
+            if args.tiles:
+                explicit = [tuple(int(n) for n in c.split("x")) for c in args.tiles.split(",")]
+                candidates["default tiles"] = (ours, ("explicit", None, None))
+                candidates.update({f"{r} rows x {w} warps": (ours, ("explicit", r, w)) for r, w in explicit})
+            else:
+                candidates.update({f"tile {e:5d} / {t:2d} per thread": (ours, (e, t)) for e, t in TILES})
             for label, (fn, tiles) in candidates.items():
-                if tiles:
-                    _set_tiles(*tiles)
+                _apply(name, tiles)
                 with torch.no_grad():
                     error = ((fn(*inputs).double() - expect).norm() / expect.norm()).item()
                 assert error < 1e-2, f"{name} {label}: relative error {error:.1e}"
             times = {label: {"fwd": [], "fwd+bwd": []} for label in candidates}
             for _ in range(args.rounds):
                 for label, (fn, tiles) in candidates.items():
-                    if tiles:
-                        _set_tiles(*tiles)
+                    _apply(name, tiles)
                     for mode in ("fwd", "fwd+bwd"):
                         times[label][mode].append(_timed(fn, inputs, grad_out, mode))
             _set_tiles(4096, 16)
+            _set_explicit(name, None, None)
             print(f"{name} {rows}x{width}")
             for label, (fn, tiles) in candidates.items():
                 cells = "  ".join(
