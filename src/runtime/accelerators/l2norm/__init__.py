@@ -16,11 +16,9 @@ def _fake_forward(x, eps):
     return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
-# kernel modules: forward(x, eps) -> (y, rstd[rows] fp32)
-#                 backward(dy, x, eps, y, rstd) -> (dx, None); y is None in eager calls (unread)
-KERNEL = KernelOp(
-    "l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward, backward_reads_outputs=False
-)
+# kernel modules: forward(x, eps) -> (y, rstd[rows] fp32); y contiguous
+#                 backward(dy, x, eps, y, rstd) -> (dx, None), from y and rstd
+KERNEL = KernelOp("l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:

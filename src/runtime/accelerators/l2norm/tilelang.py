@@ -1,7 +1,8 @@
 """L2Norm in TileLang: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math.
 
 One compiled kernel per (dtype, width) and direction serves every row count. No
-parameters, so backward needs no partial sums: dx = rstd * (dy - xhat * sum(dy * xhat)).
+parameters, so backward needs no partial sums: dx = rstd * (dy - y * sum(dy * y)), from the output y
+(see triton.py).
 """
 
 import torch
@@ -49,35 +50,33 @@ def backward_kernel(dtype: str, plan: RowPlan):
     @T.prim_func
     def l2norm_bwd(
         DY: T.Tensor((M, N), dtype),
-        X: T.Tensor((M, N), dtype),
+        Y: T.Tensor((M, N), dtype),
         Rstd: T.Tensor((M,), ACCUM),
         DX: T.Tensor((M, N), dtype),
     ):
         with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
-            x_io = T.alloc_fragment((BM, NP), dtype)
+            y_io = T.alloc_fragment((BM, NP), dtype)
             dy_io = T.alloc_fragment((BM, NP), dtype)
-            x = T.alloc_fragment((BM, NP), ACCUM)
+            y = T.alloc_fragment((BM, NP), ACCUM)
             dy = T.alloc_fragment((BM, NP), ACCUM)
-            dyx = T.alloc_fragment((BM, NP), ACCUM)
+            dyy = T.alloc_fragment((BM, NP), ACCUM)
             rstd = T.alloc_fragment((BM,), ACCUM)
             dot = T.alloc_fragment((BM,), ACCUM)
             layout = row_layout(plan)
-            T.annotate_layout({x_io: layout, dy_io: layout, x: layout, dy: layout, dyx: layout})
+            T.annotate_layout({y_io: layout, dy_io: layout, y: layout, dy: layout, dyy: layout})
             row0 = bx * BM
-            load_rows(X, x_io, row0, M, N)
+            load_rows(Y, y_io, row0, M, N)
             load_rows(DY, dy_io, row0, M, N)
             for i in T.Parallel(BM):
                 rstd[i] = T.if_then_else(row0 + i < M, Rstd[row0 + i], 0.0)
             for i, j in T.Parallel(BM, NP):
-                x[i, j] = T.cast(x_io[i, j], ACCUM)
+                y[i, j] = T.cast(y_io[i, j], ACCUM)
                 dy[i, j] = T.cast(dy_io[i, j], ACCUM)
-                dyx[i, j] = dy[i, j] * x[i, j]
-            T.reduce_sum(dyx, dot, dim=1)
-            for i in T.Parallel(BM):
-                dot[i] = dot[i] * rstd[i] * rstd[i]  # sum(dy * xhat) * rstd
+                dyy[i, j] = dy[i, j] * y[i, j]
+            T.reduce_sum(dyy, dot, dim=1)
             for i, j in T.Parallel(BM, NP):
-                x_io[i, j] = T.cast(rstd[i] * (dy[i, j] - x[i, j] * dot[i]), dtype)
-            store_rows(x_io, DX, row0, M, N)
+                y_io[i, j] = T.cast(rstd[i] * (dy[i, j] - y[i, j] * dot[i]), dtype)
+            store_rows(y_io, DX, row0, M, N)
 
     return l2norm_bwd
 
@@ -103,10 +102,11 @@ def forward(x: torch.Tensor, eps: float):
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor):
-    rows, dy_rows = kernel_rows(x), kernel_rows(dy)
-    n_rows, width = rows.shape
+    """dx from y and rstd, as triton.py (see its docstring); y is forward's contiguous output."""
+    dy_rows = kernel_rows(dy)
+    n_rows, width = dy_rows.shape
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, None
-    launcher(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, rows, rstd, dx.view(n_rows, width))
+    launcher(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, kernel_rows(y), rstd, dx.view(n_rows, width))
     return dx, None

@@ -1,7 +1,10 @@
 """L2Norm in Triton: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math.
 
-Backward (xhat = x * rstd): dx = rstd * (dy - xhat * sum(dy * xhat)). No parameters, so backward
-runs one tile per program like forward.
+Backward: dx = rstd * (dy - y * sum(dy * y)), from the output y (= x * rstd) that forward wrote, not from x, as
+fla's backward kernel does. The bytes are the same; y was written last, so where backward follows forward closely
+(the benchmark's forward+backward) more of it is still in L2. For 16-bit inputs dx then carries y's rounding
+(relative 2^-9 at bf16), far inside the gradient bounds. No parameters, so backward runs one tile per program like
+forward.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _forward_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _backward_kernel(
-    dy_ptr, x_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_x,
+    dy_ptr, y_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_y,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -44,10 +47,9 @@ def _backward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
     rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xhat = x * rstd
-    dx = (dy - xhat * tl.sum(dy * xhat, axis=1)[:, None]) * rstd
+    dx = (dy - y * tl.sum(dy * y, axis=1)[:, None]) * rstd
     tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -64,12 +66,12 @@ def forward(x: torch.Tensor, eps: float):
 
 
 def backward(dy, x, eps, y, rstd):
-    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
+    (dy2, n_rows, stride_dy), (y2, _, stride_y) = rows_of(dy), rows_of(y)
     width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     _backward_kernel[(n_tiles(n_rows, tiles),)](
-        dy2, x2, rstd, dx, n_rows, width, stride_dy, stride_x,
+        dy2, y2, rstd, dx, n_rows, width, stride_dy, stride_y,
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return dx, None
