@@ -1,6 +1,6 @@
 """GPU time of the Triton row norms at the PCVR widths for other tile sizes, beside torch.compile of the reference.
 
-    bash .device/gpu python scripts/norm_tiles_sweep.py [--ops l2norm,rms_norm,layer_norm] [--rounds 5]
+    bash .device/gpu python scripts/norm_tiles_sweep.py [--ops l2norm,rms_norm,layer_norm] [--rounds 5] [--shapes 8192x128,...]
     bash .device/gpu python scripts/norm_tiles_sweep.py --ops l2norm --tiles 16x2,32x4,...   # rows x warps
 
 Tiles are norms_triton's TILE_ELEMENTS (elements per program at narrow widths) and ELEMENTS_PER_THREAD (which sets
@@ -27,7 +27,6 @@ from runtime.accelerators.layer_norm.reference import layer_norm_reference
 from runtime.accelerators.rms_norm.reference import rms_norm_reference
 from runtime.benchmark.timing import gpu_time_ms
 
-SHAPES = [(8192, 128), (131072, 64)]
 TILES = [(4096, 16), (2048, 16), (1024, 16), (2048, 8), (8192, 16), (4096, 32)]
 OPS = {
     "l2norm": (lambda x, w, b: l2norm(x, backend="triton"), lambda x, w, b: l2norm_reference(x), False),
@@ -85,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", default="8192x128,131072x64", help="rows x width, comma-separated")
     parser.add_argument("--tiles", default="", help="rows x warps candidates, e.g. 16x2,32x4 (instead of TILES)")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -92,7 +92,7 @@ def main() -> None:
     _warm_up(device)
     for name in args.ops.split(","):
         ours, reference, has_params = OPS[name]
-        for rows, width in SHAPES:
+        for rows, width in [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]:
             x = torch.randn(rows, width, device=device, dtype=torch.bfloat16, requires_grad=True)
             w = (1 + 0.1 * torch.randn(width, device=device, dtype=torch.bfloat16)).requires_grad_() if has_params else None
             b = (0.1 * torch.randn(width, device=device, dtype=torch.bfloat16)).requires_grad_() if name == "layer_norm" else None
