@@ -243,6 +243,16 @@ def blocks_per_sm(plan: RowPlan, registers_per_element: int) -> int:
     return max(1, min(4, 65536 // (plan.threads * registers)))
 
 
+def persistent_row_grid(
+    dtype: torch.dtype, width: int, sm_count: int, registers_per_element: int
+) -> tuple[RowPlan, int, int]:
+    """(plan, blocks per SM, blocks) of a persistent row-wise backward kernel of `registers_per_element`
+    (see blocks_per_sm) on `sm_count` SMs."""
+    plan = plan_for(dtype, width)
+    per_sm = blocks_per_sm(plan, registers_per_element)
+    return plan, per_sm, per_sm * sm_count
+
+
 def info_for(device: torch.device | None) -> DeviceInfo:
     """The device's compile target and SM count; None: the compile-only H100 default."""
     return device_info(None if device is None else _index(device))

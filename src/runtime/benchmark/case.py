@@ -36,6 +36,21 @@ class Case:
     rtol: dict[torch.dtype, float] = field(default_factory=dict)
 
 
+def cases_per_shape(shapes: dict[str, tuple], make_inputs: Callable, prefix: str = "", **fields) -> list[Case]:
+    """One Case per shape preset (name -> arguments): shape = prefix + name, make_inputs = make_inputs(*arguments),
+    and the other Case fields as given, the same for every preset."""
+    return [Case(shape=prefix + name, make_inputs=make_inputs(*arguments), **fields) for name, arguments in shapes.items()]
+
+
+def randn_rows(rows: int, width: int, *names: str) -> Callable[[torch.device, torch.dtype], Inputs]:
+    """make_inputs of an element-wise op: one standard-normal [rows, width] tensor per name, each requiring grad."""
+
+    def make(device, dtype):
+        return {name: torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True) for name in names}
+
+    return make
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

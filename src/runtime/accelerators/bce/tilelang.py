@@ -52,6 +52,37 @@ def _dloss_dx(x, y, pw):
 
 
 @T.macro
+def _load_block(base, N, X, x, Y, y, W, w, w_mode, PW, pw, pw_mode, G=None, g=None):
+    """The block's tiles of the logits, the targets, the FULL weight operands and, when G is given (one gradient
+    per element), the incoming gradient: vector loads in a full block, clamped reads in the last, partial one.
+    base and N come under their own names: TileLang renames a scalar passed to a macro after the parameter."""
+    if base + BLOCK <= N:
+        for r, v in T.Parallel(ROWS, VEC):
+            x[r, v] = X[base + r * VEC + v]
+        for r, v in T.Parallel(ROWS, VEC):
+            y[r, v] = Y[base + r * VEC + v]
+        if G is not None:
+            for r, v in T.Parallel(ROWS, VEC):
+                g[r, v] = G[base + r * VEC + v]
+        if w_mode == FULL:
+            for r, v in T.Parallel(ROWS, VEC):
+                w[r, v] = W[base + r * VEC + v]
+        if pw_mode == FULL:
+            for r, v in T.Parallel(ROWS, VEC):
+                pw[r, v] = PW[base + r * VEC + v]
+    else:
+        for r, v in T.Parallel(ROWS, VEC):
+            x[r, v] = X[T.min(base + r * VEC + v, N - 1)]
+            y[r, v] = Y[T.min(base + r * VEC + v, N - 1)]
+            if G is not None:
+                g[r, v] = G[T.min(base + r * VEC + v, N - 1)]
+            if w_mode == FULL:
+                w[r, v] = W[T.min(base + r * VEC + v, N - 1)]
+            if pw_mode == FULL:
+                pw[r, v] = PW[T.min(base + r * VEC + v, N - 1)]
+
+
+@T.macro
 def _store_block(Out, tile, base, N, out_dtype):
     """tile's elements to Out[base:], the last block guarded."""
     if base + BLOCK <= N:
@@ -100,25 +131,7 @@ def forward_func(x_dtype, y_dtype, w_dtype, pw_dtype, out_dtype, w_mode, pw_mode
             loss = T.alloc_fragment((ROWS, VEC), F32)
             unit = T.alloc_fragment((ROWS, VEC), F32)
             base = bx * BLOCK
-            if base + BLOCK <= N:
-                for r, v in T.Parallel(ROWS, VEC):
-                    x[r, v] = X[base + r * VEC + v]
-                for r, v in T.Parallel(ROWS, VEC):
-                    y[r, v] = Y[base + r * VEC + v]
-                if w_mode == FULL:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        w[r, v] = W[base + r * VEC + v]
-                if pw_mode == FULL:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        pw[r, v] = PW[base + r * VEC + v]
-            else:
-                for r, v in T.Parallel(ROWS, VEC):
-                    x[r, v] = X[T.min(base + r * VEC + v, N - 1)]
-                    y[r, v] = Y[T.min(base + r * VEC + v, N - 1)]
-                    if w_mode == FULL:
-                        w[r, v] = W[T.min(base + r * VEC + v, N - 1)]
-                    if pw_mode == FULL:
-                        pw[r, v] = PW[T.min(base + r * VEC + v, N - 1)]
+            _load_block(base, N, X, x, Y, y, W, w, w_mode, PW, pw, pw_mode)
             for r, v in T.Parallel(ROWS, VEC):
                 i = base + r * VEC + v
                 xf = T.cast(x[r, v], F32)
@@ -197,30 +210,7 @@ def backward_func(x_dtype, y_dtype, w_dtype, pw_dtype, g_dtype, w_mode, pw_mode,
             dx = T.alloc_fragment((ROWS, VEC), x_dtype)
             dy = T.alloc_fragment((ROWS, VEC), y_dtype)
             base = bx * BLOCK
-            if base + BLOCK <= N:
-                for r, v in T.Parallel(ROWS, VEC):
-                    x[r, v] = X[base + r * VEC + v]
-                for r, v in T.Parallel(ROWS, VEC):
-                    y[r, v] = Y[base + r * VEC + v]
-                if not g_scalar:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        g[r, v] = G[base + r * VEC + v]
-                if w_mode == FULL:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        w[r, v] = W[base + r * VEC + v]
-                if pw_mode == FULL:
-                    for r, v in T.Parallel(ROWS, VEC):
-                        pw[r, v] = PW[base + r * VEC + v]
-            else:
-                for r, v in T.Parallel(ROWS, VEC):
-                    x[r, v] = X[T.min(base + r * VEC + v, N - 1)]
-                    y[r, v] = Y[T.min(base + r * VEC + v, N - 1)]
-                    if not g_scalar:
-                        g[r, v] = G[T.min(base + r * VEC + v, N - 1)]
-                    if w_mode == FULL:
-                        w[r, v] = W[T.min(base + r * VEC + v, N - 1)]
-                    if pw_mode == FULL:
-                        pw[r, v] = PW[T.min(base + r * VEC + v, N - 1)]
+            _load_block(base, N, X, x, Y, y, W, w, w_mode, PW, pw, pw_mode, G=None if g_scalar else G, g=g)
             for r, v in T.Parallel(ROWS, VEC):
                 i = base + r * VEC + v
                 xf = T.cast(x[r, v], F32)

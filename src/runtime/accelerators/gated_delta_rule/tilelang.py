@@ -70,6 +70,53 @@ def chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
     return (i_t // n_chunks + 1) * seq_len
 
 
+# The macros below take the kernels' TIR scalars under the scalars' own names (v_heads for HV, and n, hv,
+# v0, start, eos as the kernels bind them): TileLang 0.1.15 renames a scalar passed to a macro after the
+# macro's parameter, so another name would change the generated code. Buffers are passed as they are.
+
+
+@T.macro
+def state_program(bnh, bv, v_heads, groups, BV: int, Cu, seq_len, varlen: bool):
+    """What a program of a state walk (grid: sequences x value heads on x, V blocks on y) works on: sequence
+    n, value head hv and its q/k head h, the V block starting at v0, and the sequence's tokens [bos, eos)."""
+    n = bnh // v_heads
+    hv = bnh % v_heads
+    h = hv // groups
+    v0 = bv * BV
+    bos = Cu[n] if varlen else n * seq_len
+    eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+    return n, hv, h, v0, bos, eos
+
+
+@T.macro
+def load_state(state, Src, n, hv, v0, present: bool):
+    """state = the [K, BV] slice of Src[n, hv] from column v0 when present, else zeros."""
+    if present:
+        for i, j in T.Parallel(state.shape[0], state.shape[1]):
+            state[i, j] = Src[n, hv, i, v0 + j]
+    else:
+        T.clear(state)
+
+
+@T.macro
+def store_state(Dst, state, n, hv, v0):
+    """The [K, BV] slice of Dst[n, hv] from column v0 = state."""
+    for i, j in T.Parallel(state.shape[0], state.shape[1]):
+        Dst[n, hv, i, v0 + j] = state[i, j]
+
+
+@T.macro
+def load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos):
+    """gamma_s and w_s = the chunk's rows [start, start + BT) of Gamma[:, hv] and W[:, hv], zero from eos on;
+    returns gamma at the chunk's last row."""
+    last = Gamma[T.min(start + BT, eos) - 1, hv]
+    for i in T.Parallel(BT):
+        gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
+    for i, j in T.Parallel(BT, w_s.shape[1]):
+        w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
+    return last
+
+
 @T.macro
 def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
     """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
@@ -121,17 +168,8 @@ def recurrent_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dty
             rstd = T.alloc_fragment((2,), ACCUM)
             rstd_s = T.alloc_shared((2,), ACCUM)
 
-            n = bnh // HV
-            hv = bnh % HV
-            h = hv // groups
-            v0 = bv * BV
-            bos = Cu[n] if varlen else n * seq_len
-            eos = Cu[n + 1] if varlen else (n + 1) * seq_len
-            if has_initial:
-                for i, j in T.Parallel(K, BV):
-                    state[i, j] = H0[n, hv, i, v0 + j]
-            else:
-                T.clear(state)
+            n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
+            load_state(state, H0, n, hv, v0, has_initial)
             for t in T.serial(eos - bos):
                 row = bos + t
                 for i in T.Parallel(K):
@@ -168,8 +206,7 @@ def recurrent_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dty
                     O[row, hv, v0 + j] = T.cast(col[j] * scale, dtype)
                 T.sync_threads()  # q_s/k_s/v_s are overwritten by the next step
             if store_final:
-                for i, j in T.Parallel(K, BV):
-                    HT[n, hv, i, v0 + j] = state[i, j]
+                store_state(HT, state, n, hv, v0)
 
     return gdr_recurrent_fwd
 
@@ -314,28 +351,15 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
             o_intra = T.alloc_fragment((BT, BV), ACCUM)
             update = T.alloc_fragment((K, BV), ACCUM)
 
-            n = bnh // HV
-            hv = bnh % HV
-            h = hv // groups
-            v0 = bv * BV
-            bos = Cu[n] if varlen else n * seq_len
-            eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+            n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
             first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
-            if has_initial:
-                for i, j in T.Parallel(K, BV):
-                    state[i, j] = H0[n, hv, i, v0 + j]
-            else:
-                T.clear(state)
+            load_state(state, H0, n, hv, v0, has_initial)
             for c in T.serial(T.ceildiv(eos - bos, BT)):
                 start = bos + c * BT
                 if store_states:
                     for i, j in T.Parallel(K, BV):
                         States[first + c, hv, i, v0 + j] = state[i, j]
-                last = Gamma[T.min(start + BT, eos) - 1, hv]
-                for i in T.Parallel(BT):
-                    gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
-                for i, j in T.Parallel(BT, K):
-                    w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
+                last = load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos)
                 if write_output:
                     load_qk_rows(Q, h, start, eos, q_f, sq, rstd, l2norm)
                     T.copy(q_f, q_s)
@@ -368,8 +392,7 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                     state[i, j] = state[i, j] * T.exp(last) + update[i, j]
                 T.sync_threads()  # the next chunk overwrites the shared tiles
             if store_final:
-                for i, j in T.Parallel(K, BV):
-                    HT[n, hv, i, v0 + j] = state[i, j]
+                store_state(HT, state, n, hv, v0)
 
     return gdr_chunk_state_output
 

@@ -39,8 +39,12 @@ from .tilelang import (
     _state_threads,
     chunk_end,
     chunk_start,
+    load_chunk_decay_and_w,
     load_qk_rows,
+    load_state,
     state_output_entry,
+    state_program,
+    store_state,
 )
 
 
@@ -103,30 +107,17 @@ def state_grad_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, fi
             ds_output = T.alloc_fragment((K, BV), ACCUM)
             ds_w = T.alloc_fragment((K, BV), ACCUM)
 
-            n = bnh // HV
-            hv = bnh % HV
-            h = hv // groups
-            v0 = bv * BV
-            bos = Cu[n] if varlen else n * seq_len
-            eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+            n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
             first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
             n_chunks = T.ceildiv(eos - bos, BT)
-            if final_grad:
-                for i, j in T.Parallel(K, BV):
-                    dstate[i, j] = DHT[n, hv, i, v0 + j]
-            else:
-                T.clear(dstate)
+            load_state(dstate, DHT, n, hv, v0, final_grad)
             for step in T.serial(n_chunks):
                 c = n_chunks - 1 - step
                 start = bos + c * BT
                 # dS' of chunk c: the gradient of the state leaving it
                 for i, j in T.Parallel(K, BV):
                     DStates[first + c, hv, i, v0 + j] = dstate[i, j]
-                last = Gamma[T.min(start + BT, eos) - 1, hv]
-                for i in T.Parallel(BT):
-                    gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
-                for i, j in T.Parallel(BT, K):
-                    w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
+                last = load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos)
                 for i, j in T.Parallel(BT, BV):
                     do_s[i, j] = T.if_then_else(start + i < eos, T.cast(DO[start + i, hv, v0 + j], ACCUM), 0.0)
                 load_qk_rows(Q, h, start, eos, q_f, sq, rsum, l2norm)
@@ -160,8 +151,7 @@ def state_grad_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, fi
                     dstate[i, j] = dstate[i, j] * T.exp(last) + ds_output[i, j] - ds_w[i, j]
                 T.sync_threads()  # the next chunk overwrites the shared tiles
             if has_initial:
-                for i, j in T.Parallel(K, BV):
-                    DH0[n, hv, i, v0 + j] = dstate[i, j]
+                store_state(DH0, dstate, n, hv, v0)
 
     return gdr_chunk_state_grad
 

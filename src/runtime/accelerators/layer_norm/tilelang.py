@@ -13,7 +13,6 @@ import tilelang.language as T
 from .. import buffers
 from ..tilelang_common import (
     ACCUM,
-    blocks_per_sm,
     TL_DTYPE,
     Entry,
     RowPlan,
@@ -24,6 +23,7 @@ from ..tilelang_common import (
     info_for,
     launcher,
     param_or_placeholder,
+    persistent_row_grid,
     placeholder,
     plan_for,
     row_layout,
@@ -169,9 +169,7 @@ REGISTERS_PER_ELEMENT = 8  # backward register budget per fp32 row element a thr
 
 def persistent_grid(dtype: torch.dtype, width: int, sm_count: int) -> tuple[RowPlan, int, int]:
     """(plan, blocks per SM, blocks) of the persistent backward kernel."""
-    plan = plan_for(dtype, width)
-    per_sm = blocks_per_sm(plan, REGISTERS_PER_ELEMENT)
-    return plan, per_sm, per_sm * sm_count
+    return persistent_row_grid(dtype, width, sm_count, REGISTERS_PER_ELEMENT)
 
 
 def kernel_entries(

@@ -60,6 +60,16 @@ def _sinkhorn_step(matrix, sums, n: int):
             matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(sums[t, j], TINY)
 
 
+@T.macro
+def _post_coefficients(HRes, HPost, coef, row0, tokens, n: int):
+    """coef[t] = (H_res, H_post) of the block's token row0 + t, zero past the last token. (row0 and tokens come
+    under their own names: TileLang renames a scalar passed to a macro after the parameter.)"""
+    for t, e in T.Parallel(BLOCK_TOKENS, n * n + n):
+        coef[t, e] = T.if_then_else(
+            row0 + t < tokens, T.if_then_else(e < n * n, HRes[row0 + t, e], HPost[row0 + t, e - n * n]), 0.0
+        )
+
+
 def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
     K, M = n * C, n * n + 2 * n
     MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
@@ -348,10 +358,7 @@ def post_forward_kernel(dtype: str, n: int, C: int):
             coef = T.alloc_shared((BT, n * n + n), ACCUM)
             acc = T.alloc_fragment((BT, BC), ACCUM)
             row0, col0 = bx * BT, cx * BC
-            for t, e in T.Parallel(BT, n * n + n):
-                coef[t, e] = T.if_then_else(
-                    row0 + t < tokens, T.if_then_else(e < n * n, HRes[row0 + t, e], HPost[row0 + t, e - n * n]), 0.0
-                )
+            _post_coefficients(HRes, HPost, coef, row0, tokens, n)
             for i in T.serial(n):
                 for t, c in T.Parallel(BT, BC):
                     inside = (row0 + t < tokens) and (col0 + c < C)
@@ -388,10 +395,7 @@ def post_backward_kernel(dtype: str, n: int, C: int):
             part = T.alloc_fragment((BT, BC), ACCUM)
             part_sum = T.alloc_fragment((BT,), ACCUM)
             row0 = bx * BT
-            for t, e in T.Parallel(BT, n * n + n):
-                coef[t, e] = T.if_then_else(
-                    row0 + t < tokens, T.if_then_else(e < n * n, HRes[row0 + t, e], HPost[row0 + t, e - n * n]), 0.0
-                )
+            _post_coefficients(HRes, HPost, coef, row0, tokens, n)
             for cb in T.serial(T.ceildiv(C, BC)):
                 for t, c in T.Parallel(BT, BC):  # dy = sum_i H_post[i] * dout[i]
                     inside = (row0 + t < tokens) and (cb * BC + c < C)

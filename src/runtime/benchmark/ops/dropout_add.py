@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ...accelerators.dropout_add import dropout_add
-from ..case import Case, tensor_bytes
+from ..case import Case, randn_rows, tensor_bytes
 from ..peers import compiled
 
 P = 0.1
@@ -55,16 +55,6 @@ def _reference(inputs):
     return residual + x * keep.to(x.dtype) / (1.0 - P)
 
 
-def _inputs(rows: int, width: int):
-    def make(device, dtype):
-        return {
-            "x": torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True),
-            "residual": torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True),
-        }
-
-    return make
-
-
 def _bytes(inputs, mode: str) -> int:
     """fwd: read x and residual, write out. bwd: read dout, write dx (the residual's gradient is dout itself)."""
     x = inputs["x"]
@@ -83,7 +73,7 @@ CASES = [
     Case(
         op="dropout_add",
         shape=name,
-        make_inputs=_inputs(*shape),
+        make_inputs=randn_rows(*shape, "x", "residual"),
         run=lambda backend, i: _ours(backend)(i),
         reference=_reference,
         bytes=_bytes,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from ...accelerators.gated_delta_rule.reference import chunk_gated_delta_rule_reference
-from ..case import Case, peer_available, tensor_bytes
+from ..case import cases_per_shape, peer_available, tensor_bytes
 
 # name: (B, T, H, HV, K, V, packed): packed = one sequence given through cu_seqlens (B = 1)
 SHAPES = {
@@ -84,32 +84,15 @@ def _fla_recurrent(i):
 
 def _cases():
     fla = peer_available("fla")
-    chunk = [
-        Case(
-            op="gated_delta_rule",
-            shape=f"chunk-{name}",
-            make_inputs=_inputs(*shape),
-            run=_run(chunk_gated_delta_rule),
-            reference=_reference,
-            bytes=_bytes,
-            peers={"fla chunk": _fla_chunk} if fla else {},
-            rtol=RTOL,
-        )
-        for name, shape in SHAPES.items()
-    ]
-    recurrent = [
-        Case(
-            op="gated_delta_rule",
-            shape=f"recurrent-{name}",
-            make_inputs=_inputs(*shape),
-            run=_run(fused_recurrent_gated_delta_rule),
-            reference=_reference,
-            bytes=_bytes,
-            peers={"fla fused_recurrent": _fla_recurrent} if fla else {},
-            rtol=RTOL,
-        )
-        for name, shape in RECURRENT_SHAPES.items()
-    ]
+    common = dict(op="gated_delta_rule", reference=_reference, bytes=_bytes, rtol=RTOL)
+    chunk = cases_per_shape(
+        SHAPES, _inputs, "chunk-", run=_run(chunk_gated_delta_rule), peers={"fla chunk": _fla_chunk} if fla else {},
+        **common,
+    )  # fmt: skip
+    recurrent = cases_per_shape(
+        RECURRENT_SHAPES, _inputs, "recurrent-", run=_run(fused_recurrent_gated_delta_rule),
+        peers={"fla fused_recurrent": _fla_recurrent} if fla else {}, **common,
+    )  # fmt: skip
     return chunk + recurrent
 
 

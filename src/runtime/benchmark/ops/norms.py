@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -9,7 +11,7 @@ from ...accelerators import l2norm, layer_norm, rms_norm
 from ...accelerators.l2norm.reference import l2norm_reference
 from ...accelerators.layer_norm.reference import layer_norm_reference
 from ...accelerators.rms_norm.reference import rms_norm_reference
-from ..case import Case, peer_available, tensor_bytes
+from ..case import cases_per_shape, peer_available, tensor_bytes
 from ..peers import compiled
 
 SHAPES = {"32768x4096": (32768, 4096), "8192x128": (8192, 128), "131072x64": (131072, 64)}
@@ -47,18 +49,11 @@ def _rms_cases():
     }
     if peer_available("liger_kernel"):
         peers["liger"] = liger
-    return [
-        Case(
-            op="rms_norm",
-            shape=name,
-            make_inputs=_inputs(*shape, weight=True, bias=False),
-            run=lambda backend, i: rms_norm(i["x"], i["weight"], 1e-6, backend=backend),
-            reference=lambda i: rms_norm_reference(i["x"], i["weight"], 1e-6),
-            bytes=_bytes,
-            peers=peers,
-        )
-        for name, shape in SHAPES.items()
-    ]
+    return cases_per_shape(
+        SHAPES, partial(_inputs, weight=True, bias=False), op="rms_norm", bytes=_bytes, peers=peers,
+        run=lambda backend, i: rms_norm(i["x"], i["weight"], 1e-6, backend=backend),
+        reference=lambda i: rms_norm_reference(i["x"], i["weight"], 1e-6),
+    )  # fmt: skip
 
 
 def _layer_cases():
@@ -73,18 +68,11 @@ def _layer_cases():
     }
     if peer_available("liger_kernel"):
         peers["liger"] = liger
-    return [
-        Case(
-            op="layer_norm",
-            shape=name,
-            make_inputs=_inputs(*shape, weight=True, bias=True),
-            run=lambda backend, i: layer_norm(i["x"], i["weight"], i["bias"], 1e-5, backend=backend),
-            reference=lambda i: layer_norm_reference(i["x"], i["weight"], i["bias"], 1e-5),
-            bytes=_bytes,
-            peers=peers,
-        )
-        for name, shape in SHAPES.items()
-    ]
+    return cases_per_shape(
+        SHAPES, partial(_inputs, weight=True, bias=True), op="layer_norm", bytes=_bytes, peers=peers,
+        run=lambda backend, i: layer_norm(i["x"], i["weight"], i["bias"], 1e-5, backend=backend),
+        reference=lambda i: layer_norm_reference(i["x"], i["weight"], i["bias"], 1e-5),
+    )  # fmt: skip
 
 
 def _l2_cases():
@@ -99,18 +87,11 @@ def _l2_cases():
     }
     if peer_available("fla"):
         peers["fla"] = fla
-    return [
-        Case(
-            op="l2norm",
-            shape=name,
-            make_inputs=_inputs(*shape, weight=False, bias=False),
-            run=lambda backend, i: l2norm(i["x"], 1e-6, backend=backend),
-            reference=lambda i: l2norm_reference(i["x"], 1e-6),
-            bytes=_bytes,
-            peers=peers,
-        )
-        for name, shape in SHAPES.items()
-    ]
+    return cases_per_shape(
+        SHAPES, partial(_inputs, weight=False, bias=False), op="l2norm", bytes=_bytes, peers=peers,
+        run=lambda backend, i: l2norm(i["x"], 1e-6, backend=backend),
+        reference=lambda i: l2norm_reference(i["x"], 1e-6),
+    )  # fmt: skip
 
 
 CASES = _rms_cases() + _layer_cases() + _l2_cases()

@@ -7,25 +7,14 @@ gradients over gate and up in place: the timed inputs change from call to call).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ...accelerators.swiglu import swiglu
 from ...accelerators.swiglu.reference import swiglu_reference
-from ..case import Case, peer_available, tensor_bytes
+from ..case import Case, peer_available, randn_rows, tensor_bytes
 from ..peers import compiled
 
 SHAPES = {"8192x4096": (8192, 4096), "131072x256": (131072, 256)}
-
-
-def _inputs(rows: int, width: int):
-    def make(device, dtype):
-        return {
-            "gate": torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True),
-            "up": torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True),
-        }
-
-    return make
 
 
 def _bytes(inputs, mode: str) -> int:
@@ -54,7 +43,7 @@ CASES = [
     Case(
         op="swiglu",
         shape=name,
-        make_inputs=_inputs(*shape),
+        make_inputs=randn_rows(*shape, "gate", "up"),
         run=lambda backend, i: swiglu(i["gate"], i["up"], backend=backend),
         reference=lambda i: swiglu_reference(i["gate"], i["up"]),
         bytes=_bytes,
