@@ -5,11 +5,11 @@
 
 Tiles are norms_triton's TILE_ELEMENTS (elements per program at narrow widths) and ELEMENTS_PER_THREAD (which sets
 the warps); the default is 4096 / 16. With --tiles, each candidate is a tile of that many rows run by that many warps
-instead, at every width (the op module's row_tiles replaced). Each row is timed as the benchmark times it (runtime.benchmark.timing:
-CUDA-graph replays after an L2 flush), forward and forward+backward (`torch.autograd.grad` of every input), bf16,
-and checked against the float64 reference first. The GPU is warmed up first, and the candidates (torch.compile of the
-reference, static shapes as a one-shape benchmark run compiles it, then each tile) are timed in interleaved rounds: the first rows of a one-pass sweep ran
-at lower clocks (session 24). Each row gives the median over rounds and the fastest round.
+instead, at every width (the op module's row_tiles replaced). Each row is timed as the benchmark times it
+(runtime.benchmark.timing: CUDA-graph replays after an L2 flush, the GPU kept busy first), forward and
+forward+backward (`torch.autograd.grad` of every input), bf16, and checked against the float64 reference first. The
+candidates (torch.compile of the reference, static shapes as a one-shape benchmark run compiles it, then each tile)
+are timed in interleaved rounds; each row gives the median over rounds and the fastest round.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import time
 
 import torch
 
@@ -71,15 +70,6 @@ def _timed(fn, inputs, grad_out, mode: str) -> float:
     return 1e3 * gpu_time_ms(call, grad_out.device)[0]["median"]
 
 
-def _warm_up(device, seconds: float = 2.0) -> None:
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize(device)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", default=",".join(OPS))
@@ -89,7 +79,6 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, bf16, GPU us: median over {args.rounds} interleaved rounds (fastest round)")
-    _warm_up(device)
     for name in args.ops.split(","):
         ours, reference, has_params = OPS[name]
         for rows, width in [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]:
