@@ -95,25 +95,36 @@ def _timed(flush: Callable[[], None], launch: Callable[[], object], replays: int
     return [start.elapsed_time(end) for start, end in events]
 
 
-def eager_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 200, min_seconds: float = 0.2) -> float:
-    """Wall-clock milliseconds per call over back-to-back calls, synchronised once at the end.
+def eager_time_ms(
+    fn: Callable[[], object], device: torch.device, calls: int = 200, min_seconds: float = 0.2, windows: int = 5
+) -> float:
+    """Wall-clock milliseconds per call over back-to-back calls, synchronised once at the end of a window: the median
+    of `windows` windows, each lasting about min_seconds / windows. One window alone lets a single host hiccup (another
+    process, the garbage collector) decide a launch-bound row.
 
-    Slow calls (a step-by-step reference) are timed over as few calls as fill min_seconds, at least one."""
+    Slow calls (a step-by-step reference) are timed over as few calls as fill a window, at least one."""
+    window_seconds = min_seconds / windows
     start = time.perf_counter()
     for _ in range(3):
         fn()
     _sync(device)
     warmup_call = (time.perf_counter() - start) / 3
-    n = max(1, min(calls, math.ceil(min_seconds / max(warmup_call, 1e-9))))
-    while True:
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds or n >= 100 * calls:
-            return 1e3 * elapsed / n
+    n = max(1, min(calls, math.ceil(window_seconds / max(warmup_call, 1e-9))))
+    while True:  # the calls per window: grow n until a window lasts long enough
+        elapsed = _eager_window(fn, device, n)
+        if elapsed >= window_seconds or n >= 100 * calls:
+            break
         n *= 4
+    per_call = [elapsed / n] + [_eager_window(fn, device, n) / n for _ in range(windows - 1)]
+    return 1e3 * statistics.median(per_call)
+
+
+def _eager_window(fn: Callable[[], object], device: torch.device, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int | None = 12) -> list[dict]:

@@ -55,6 +55,7 @@ def backward_kernel(dtype: str, plan: RowPlan):
         DX: T.Tensor((M, N), dtype),
     ):
         with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
+            row0 = (T.ceildiv(M, BM) - 1 - bx) * BM  # last tile first (see triton.py)
             y_io = T.alloc_fragment((BM, NP), dtype)
             dy_io = T.alloc_fragment((BM, NP), dtype)
             y = T.alloc_fragment((BM, NP), ACCUM)
@@ -64,7 +65,6 @@ def backward_kernel(dtype: str, plan: RowPlan):
             dot = T.alloc_fragment((BM,), ACCUM)
             layout = row_layout(plan)
             T.annotate_layout({y_io: layout, dy_io: layout, y: layout, dy: layout, dyy: layout})
-            row0 = bx * BM
             load_rows(Y, y_io, row0, M, N)
             load_rows(DY, dy_io, row0, M, N)
             for i in T.Parallel(BM):

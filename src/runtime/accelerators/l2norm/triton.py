@@ -2,7 +2,8 @@
 
 Backward: dx = rstd * (dy - y * sum(dy * y)), from the output y (= x * rstd) that forward wrote, not from x, as
 fla's backward kernel does. The bytes are the same; y was written last, so where backward follows forward closely
-(the benchmark's forward+backward) more of it is still in L2. For 16-bit inputs dx then carries y's rounding
+(the benchmark's forward+backward) more of it is still in L2; backward visits the row tiles in reverse, so that
+it starts on the rows still there. For 16-bit inputs dx then carries y's rounding
 (relative 2^-9 at bf16), far inside the gradient bounds. No parameters, so backward runs one tile per program like
 forward.
 """
@@ -41,7 +42,8 @@ def _backward_kernel(
     dy_ptr, y_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_y,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    # last tile first: those are the rows of y that forward wrote last (see the docstring)
+    rows = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < n_rows, cols < N
     mask = row_mask[:, None] & col_mask[None, :]
