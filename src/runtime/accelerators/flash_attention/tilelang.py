@@ -503,9 +503,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                         # the previous step's reduction has read the other tile, which the next step writes
                         # (after barriers the next step passes before that write)
                         T.tma_store_wait(1)
-            if bulk:  # dk_s/dv_s may share the tiles' memory
-                if T.shuffle_elect(cfg.threads):
-                    T.tma_store_wait(0)
+            if bulk and T.shuffle_elect(cfg.threads):  # dk_s/dv_s may share the tiles' memory
+                T.tma_store_wait(0)
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
             T.copy(dv, dv_s)
