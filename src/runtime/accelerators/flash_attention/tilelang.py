@@ -60,7 +60,7 @@ class BwdConfig:
     threads: int
     min_blocks: int = 1
     # each step issues S = K Q^T and dP = V dO^T together (the exponentials run while dP is on the tensor cores),
-    # then the dV, dK and dQ products back to back, waiting once at the end (FlashAttention-3's order)
+    # then dV, dQ and dK back to back, and adds dq while dK runs (FlashAttention-3's order)
     overlap: bool = False
     # how each step's dq block reaches the fp32 accumulator:
     #   "tma": through a shared tile and a TMA reduction whose shared reads are waited for at once
@@ -375,6 +375,33 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         for n, i in T.Parallel(bN, bM):
             ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
 
+    @T.macro
+    def add_dq(dq, dq_s, dQacc, bz, hq, mq, it):
+        """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says."""
+        if cfg.dq == "tma":
+            T.copy(dq, dq_s)
+            T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
+        elif cfg.dq == "atomic":
+            for i, j in T.Parallel(bM, dim):
+                T.atomic_add(dQacc[bz, hq, mq, ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub], dq[i, j])
+        else:
+            slot = it % 2
+            for i, j in T.Parallel(bM, dim):
+                dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
+            if T.shuffle_elect(cfg.threads):
+                T.fence_proxy_async()  # the tile's writes, visible to the bulk copy
+                T.call_extern(
+                    "handle",
+                    "tl::tma_store_add",
+                    T.access_ptr(dq_s[slot, 0, 0, 0, 0], "r", bM * dim),
+                    T.access_ptr(dQacc[bz, hq, mq, 0], "w", bM * dim),
+                    bM * dim * 4,
+                )
+                T.tma_store_arrive()
+                # the previous step's reduction has read the other tile, which the next step writes
+                # (after barriers the next step passes before that write)
+                T.tma_store_wait(1)
+
     @T.prim_func
     def flash_bwd(
         Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
@@ -412,6 +439,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                 dq_s = T.alloc_shared((2, bM // sub, dim // sub, sub, sub), ACCUM)
             elif cfg.dq == "tma":
                 dq_s = T.alloc_shared((bM, dim), ACCUM)
+            else:
+                dq_s = None
             dk_s = T.alloc_shared((bN, dim), dtype)
             dv_s = T.alloc_shared((bN, dim), dtype)
             s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
@@ -464,9 +493,11 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                         # p_cast and ds_cast are read by the products below: not written again before the
                         # last wait (a register write while a wgmma reads it makes ptxas serialise every wgmma)
                         T.wgmma_gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                         T.copy(ds_cast, ds_s)
                         T.wgmma_gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
+                        T.wgmma_gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # dV and dQ done: dq is added while dK runs
+                        add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
                         T.wait_wgmma(0)
                 else:
                     T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
@@ -480,29 +511,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                     T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(ds_cast, ds_s)
                     T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
-                if cfg.dq == "tma":
-                    T.copy(dq, dq_s)
-                    T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
-                elif cfg.dq == "atomic":
-                    for i, j in T.Parallel(bM, dim):
-                        T.atomic_add(dQacc[bz, hq, mq, ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub], dq[i, j])
-                else:
-                    slot = it % 2
-                    for i, j in T.Parallel(bM, dim):
-                        dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
-                    if T.shuffle_elect(cfg.threads):
-                        T.fence_proxy_async()  # the tile's writes, visible to the bulk copy
-                        T.call_extern(
-                            "handle",
-                            "tl::tma_store_add",
-                            T.access_ptr(dq_s[slot, 0, 0, 0, 0], "r", bM * dim),
-                            T.access_ptr(dQacc[bz, hq, mq, 0], "w", bM * dim),
-                            bM * dim * 4,
-                        )
-                        T.tma_store_arrive()
-                        # the previous step's reduction has read the other tile, which the next step writes
-                        # (after barriers the next step passes before that write)
-                        T.tma_store_wait(1)
+                    add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
             if bulk and T.shuffle_elect(cfg.threads):  # dk_s/dv_s may share the tiles' memory
                 T.tma_store_wait(0)
             T.copy(dk, dk_s)
