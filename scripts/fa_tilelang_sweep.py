@@ -9,12 +9,13 @@ within the bf16 bound of runtime.accelerators.testing, outputs poisoned with NaN
 `python -m runtime.benchmark` times GPU time (CUDA-graph replays, L2 flushed before each, median ms). "x cuDNN" is
 cuDNN's time over the row's (>= 1: faster than cuDNN).
 
---bwd: each row puts one BwdConfig (see BWD_SWEEP: asynchronous products, how dq is accumulated, stages) in
-BWD_CONFIGS and times forward + backward (torch.autograd.grad of q, k, v; the forward at its FWD_CONFIGS entry) beside
-cuDNN's forward + backward. dq, dk and dv are checked first against SDPA's math backend in float32 (gradients poisoned
+--bwd: each row puts one BwdConfig (BWD_SWEEP: asynchronous products, how dq is accumulated, stages, staggered query
+blocks) in BWD_CONFIGS and times forward + backward (torch.autograd.grad of q, k, v; the forward at its FWD_CONFIGS
+entry) beside cuDNN's forward + backward. dq, dk and dv are checked first against SDPA's math backend in float32 (gradients poisoned
 with NaN beforehand; "error" is the largest relative RMS error of the three, bound: the bf16 gradient tolerance of
 runtime.accelerators.testing). "bwd ms" is the row's time less the TileLang forward's (timed alone once per case).
-All kernels are compiled in parallel first (about 1-2 minutes); the sweep takes about 3-4 minutes on an H100.
+Only 4x16x4096x128 unless --only names shapes (16x16x2048x64 has rows too). The kernels are compiled in parallel
+first (about 1-2 minutes); the sweep should take about 3-4 minutes on an H100 (estimated, not yet run).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ BWD_VARIANTS_128 = {
     "ovl atomic": replace(BWD_128, overlap=True, dq="atomic"),
     "ovl bulk": replace(BWD_128, overlap=True, dq="bulk"),
     "ovl bulk 1st": replace(BWD_128, overlap=True, dq="bulk", stages=1),
+    "ovl bulk stag": replace(BWD_128, overlap=True, dq="bulk", stagger=True),
 }
 BWD_64 = kernels.BWD_CONFIGS[64]
 BWD_VARIANTS_64 = {
@@ -86,7 +88,7 @@ BWD_DEFAULT_SHAPES = {"4x16x4096x128"}
 
 def describe(cfg: Fwd | Bwd) -> str:
     text = f"{cfg.block_m}x{cfg.block_n} {cfg.threads}t {cfg.stages}st {cfg.min_blocks}/SM" + (" ovl" if cfg.overlap else "")
-    return text + (f" dq={cfg.dq}" if isinstance(cfg, Bwd) else "")
+    return text + (f" dq={cfg.dq}" + (" stag" if cfg.stagger else "") if isinstance(cfg, Bwd) else "")
 
 
 def backward_sweep(only: set[str], device: torch.device) -> None:
@@ -101,7 +103,7 @@ def backward_sweep(only: set[str], device: torch.device) -> None:
     except RuntimeError as exc:  # a variant that fails to compile: compiled (and reported) on its own row instead
         print(f"parallel compile failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}); compiling per row")
     print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, TileLang forward + backward; compiled in {time.perf_counter() - start:.0f} s")
-    print(f"{'shape':<20}{'causal':<7}{'variant':<14}{'config':<36}{'ms':>8}{'bwd ms':>8}{'x cuDNN':>8}{'error':>10}{'at s':>6}")
+    print(f"{'shape':<20}{'causal':<7}{'variant':<14}{'config':<41}{'ms':>8}{'bwd ms':>8}{'x cuDNN':>8}{'error':>10}{'at s':>6}")
     for shape, causal, variants in cases:
         backward_case(shape, causal, variants, device, start)
     print(f"done in {time.perf_counter() - start:.0f} s")
@@ -119,7 +121,7 @@ def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.d
 
     def row(label, config, ms, cudnn_ms, error, fwd_ms=None):
         bwd = f"{ms - fwd_ms:8.3f}" if fwd_ms is not None else f"{'':8}"
-        print(f"{name:<20}{causal!s:<7}{label:<14}{config:<36}{ms:8.3f}{bwd}{cudnn_ms / ms:8.2f}{error:10.1e}"
+        print(f"{name:<20}{causal!s:<7}{label:<14}{config:<41}{ms:8.3f}{bwd}{cudnn_ms / ms:8.2f}{error:10.1e}"
               f"{time.perf_counter() - start:6.0f}")  # fmt: skip
 
     def cudnn():

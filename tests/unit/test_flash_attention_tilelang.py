@@ -47,8 +47,8 @@ KERNELS = {
     "backward-d128-bf16-causal-atomic": lambda: fa.backward_entry(
         128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], dq="atomic")
     ),
-    "backward-d128-bf16-overlap-bulk": lambda: fa.backward_entry(
-        128, torch.bfloat16, False, False, False, replace(fa.BWD_CONFIGS[128], overlap=True, dq="bulk")
+    "backward-d128-bf16-causal-overlap-bulk-stagger": lambda: fa.backward_entry(
+        128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], overlap=True, dq="bulk", stagger=True)
     ),
     "backward-d48-bf16-causal-lengths-dropout-bulk": lambda: fa.backward_entry(
         48, torch.bfloat16, True, True, True, replace(fa.BWD_CONFIGS[48], dq="bulk")

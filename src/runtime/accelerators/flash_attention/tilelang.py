@@ -68,6 +68,9 @@ class BwdConfig:
     #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
     #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
     dq: str = "tma"
+    # program bx starts at its bx-th query block (wrapping around): the programs of a head, which run together,
+    # then add into different dq rows at a time instead of all into the same one
+    stagger: bool = False
 
     def __post_init__(self):
         if self.dq not in ("tma", "atomic", "bulk"):
@@ -476,7 +479,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 
             for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
                 hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
-                mq = m_first + T.truncmod(it, n_q)
+                mq = m_first + (T.truncmod(T.truncmod(it, n_q) + bx, n_q) if cfg.stagger else T.truncmod(it, n_q))
                 T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
                 T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
                 if cfg.overlap:
