@@ -11,16 +11,18 @@ cuDNN's time over the row's (>= 1: faster than cuDNN).
 
 --bwd: each row puts one BwdConfig (BWD_SWEEP: asynchronous products, how dq is accumulated, stages, staggered query
 blocks) in BWD_CONFIGS and times forward + backward (torch.autograd.grad of q, k, v; the forward at its FWD_CONFIGS
-entry) beside cuDNN's forward + backward. dq, dk and dv are checked first against SDPA's math backend in float32 (gradients poisoned
-with NaN beforehand; "error" is the largest relative RMS error of the three, bound: the bf16 gradient tolerance of
-runtime.accelerators.testing). "bwd ms" is the row's time less the TileLang forward's (timed alone once per case).
-Only 4x16x4096x128 unless --only names shapes (16x16x2048x64 has rows too). The kernels are compiled in parallel
-first (about 1-2 minutes); the sweep should take about 3-4 minutes on an H100 (estimated, not yet run).
+entry) beside cuDNN's forward + backward. dq, dk and dv are checked first against SDPA's math backend in float32
+(gradients poisoned with NaN beforehand; "error" is the largest relative RMS error of the three, bound: the bf16
+gradient tolerance of runtime.accelerators.testing). "bwd ms" is the row's time less its forward's (each forward timed
+alone once per case). A row that runs past ROW_LIMIT_S (a hung kernel) ends the script with a traceback. Only
+4x16x4096x128 unless --only names shapes (16x16x2048x64 has rows too). The kernels are compiled in parallel first
+(about 1-2 minutes); the sweep should take about 3-4 minutes on an H100 (estimated, not yet run).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import time
 from dataclasses import replace
 
@@ -84,11 +86,19 @@ BWD_SWEEP = [
     ((16, 16, 2048, 64), True, BWD_VARIANTS_64),
 ]
 BWD_DEFAULT_SHAPES = {"4x16x4096x128"}
+ROW_LIMIT_S = 120  # a row's check and timing take seconds (kernels compiled before): past this a kernel hangs
 
 
 def describe(cfg: Fwd | Bwd) -> str:
-    text = f"{cfg.block_m}x{cfg.block_n} {cfg.threads}t {cfg.stages}st {cfg.min_blocks}/SM" + (" ovl" if cfg.overlap else "")
-    return text + (f" dq={cfg.dq}" + (" stag" if cfg.stagger else "") if isinstance(cfg, Bwd) else "")
+    text = f"{cfg.block_m}x{cfg.block_n} {cfg.threads}t {cfg.stages}st {cfg.min_blocks}/SM"
+    text += " ovl" if cfg.overlap else ""
+    if isinstance(cfg, Bwd):
+        text += f" dq={cfg.dq}" + (" stag" if cfg.stagger else "")
+    return text
+
+
+def first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:150]
 
 
 def backward_sweep(only: set[str], device: torch.device) -> None:
@@ -101,9 +111,11 @@ def backward_sweep(only: set[str], device: torch.device) -> None:
     try:
         precompile(list(dict(entries).items()), device)
     except RuntimeError as exc:  # a variant that fails to compile: compiled (and reported) on its own row instead
-        print(f"parallel compile failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}); compiling per row")
-    print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, TileLang forward + backward; compiled in {time.perf_counter() - start:.0f} s")
-    print(f"{'shape':<20}{'causal':<7}{'variant':<14}{'config':<41}{'ms':>8}{'bwd ms':>8}{'x cuDNN':>8}{'error':>10}{'at s':>6}")
+        print(f"parallel compile failed ({type(exc).__name__}: {first_line(exc)}); compiling per row")
+    compile_s = time.perf_counter() - start
+    print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, TileLang forward + backward; compiled in {compile_s:.0f} s")
+    print(f"{'shape':<20}{'causal':<7}{'variant':<14}{'config':<41}{'ms':>8}{'bwd ms':>8}{'x cuDNN':>8}{'error':>10}"
+          f"{'at s':>6}")  # fmt: skip
     for shape, causal, variants in cases:
         backward_case(shape, causal, variants, device, start)
     print(f"done in {time.perf_counter() - start:.0f} s")
@@ -124,10 +136,12 @@ def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.d
         print(f"{name:<20}{causal!s:<7}{label:<14}{config:<41}{ms:8.3f}{bwd}{cudnn_ms / ms:8.2f}{error:10.1e}"
               f"{time.perf_counter() - start:6.0f}")  # fmt: skip
 
-    def cudnn():
+    def cudnn_forward():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return torch.autograd.grad(out, (q, k, v), do)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def cudnn():
+        return torch.autograd.grad(cudnn_forward(), (q, k, v), do)
 
     def forward():
         with torch.no_grad():
@@ -138,17 +152,21 @@ def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.d
         return torch.autograd.grad(out, (q, k, v), do)
 
     cudnn_ms = gpu_time_ms(cudnn, device)[0]["median"]
-    row("sdpa cudnn", "", cudnn_ms, cudnn_ms, grads_error(cudnn(), expected))
+    with torch.no_grad():
+        cudnn_fwd_ms = gpu_time_ms(cudnn_forward, device)[0]["median"]
+    row("sdpa cudnn", "", cudnn_ms, cudnn_ms, grads_error(cudnn(), expected), cudnn_fwd_ms)
     fwd_ms = gpu_time_ms(forward, device)[0]["median"]
+    print(f"  forward alone: tilelang {fwd_ms:.3f} ms, cudnn {cudnn_fwd_ms:.3f} ms")
     default = kernels.BWD_CONFIGS[d]
     for label, cfg in variants.items():
         kernels.BWD_CONFIGS[d] = cfg
+        faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
         try:
             try:
                 with poison_outputs():
                     grads = run()
             except RuntimeError as exc:  # a compile failure: report it, go on with the other rows
-                print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}")
+                print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
                 continue
             error = grads_error(grads, expected)
             if not error <= bound:  # also NaN
@@ -156,6 +174,7 @@ def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.d
                 continue
             row(label, describe(cfg), gpu_time_ms(run, device)[0]["median"], cudnn_ms, error, fwd_ms)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             kernels.BWD_CONFIGS[d] = default
 
 
@@ -200,7 +219,7 @@ def main() -> None:
                         with poison_outputs():
                             out = run()
                     except Exception as exc:  # a compile failure: report it, go on with the other rows
-                        print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}")
+                        print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
                         continue
                     error = relative_rms_error(out, expected)
                     if not error <= RTOL[DTYPE]:  # also NaN

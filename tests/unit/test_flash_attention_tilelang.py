@@ -88,15 +88,17 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         if "atomic" in name:  # vector atomics from the registers: no shared tile, no bulk copy
             assert "AtomicAddx2(" in consumer and "tma_store_add" not in source, f"{name}: dq should use vector atomics"
         elif "bulk" in name:  # a 1-D bulk reduction (no descriptor) waited for one step later
-            assert re.search(r"tl::tma_store_add\(\(&\(\(\(float\*\)dq_s\)", consumer), f"{name}: dq should use bulk reductions"
-            assert "tma_store_wait<1, true>" in consumer, f"{name}: the bulk reduction should be waited for a step later"
+            bulk = re.search(r"tl::tma_store_add\(\(&\(\(\(float\*\)dq_s\)", consumer)
+            assert bulk, f"{name}: dq should use bulk reductions"
+            assert "tma_store_wait<1, true>" in consumer, f"{name}: the bulk reduction should be waited a step later"
         else:
             assert "tma_store_add(dQacc_desc" in source, "dq should be accumulated with TMA reductions"
     if name.startswith("backward") and "overlap" in name:
         # S and dP issued together, the exponentials run once S is done; the query loop's tiles handed back to the
         # loads only after the last wait (else a load could overwrite Q or dO while dK or dV still reads it)
         assert "wait_wgmma<1>" in consumer, f"{name}: the exponentials should overlap the dP product"
-        assert consumer.rindex("wait_wgmma<0>") < consumer.index("].arrive()"), f"{name}: Q/dO should be released after the products that read them are done"
+        released = consumer.rindex("wait_wgmma<0>") < consumer.index("].arrive()")
+        assert released, f"{name}: Q/dO should be released after the products that read them are done"
         # a register written while a wgmma reads it makes ptxas serialise every wgmma
         assert "C7513" not in ptxas_report(source, tmp_path), f"{name}: ptxas serialised the wgmma"
     if name.endswith("overlap"):

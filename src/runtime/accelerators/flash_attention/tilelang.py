@@ -334,7 +334,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     split_k = dim * 2 not in (64, 128, 256)
     bulk = cfg.dq == "bulk"
     blocked = cfg.dq != "tma"  # the accumulator's layout: see BwdConfig.dq
-    B, H, Hkv, Lq, Lqp, Lk, NL, NQB = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths, q_blocks")
+    B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
+    NQB = T.dynamic("q_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
@@ -352,13 +353,15 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 
     @T.macro
     def probabilities(s, lse_s, kv_len, bx, mq, sl2):
-        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (zero where masked)."""
+        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (0 where masked)."""
         for n, i in T.Parallel(bN, bM):
             s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
         if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
             for n, i in T.Parallel(bN, bM):
                 if causal:
-                    s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0)
+                    s[n, i] = T.if_then_else(
+                        (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
+                    )
                 else:
                     s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
 
@@ -388,7 +391,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
         elif cfg.dq == "atomic":
             for i, j in T.Parallel(bM, dim):
-                T.atomic_add(dQacc[bz, hq, mq, ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub], dq[i, j])
+                at = ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub
+                T.atomic_add(dQacc[bz, hq, mq, at], dq[i, j])
         else:
             slot = it % 2
             for i, j in T.Parallel(bM, dim):
