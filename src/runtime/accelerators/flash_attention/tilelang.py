@@ -101,7 +101,7 @@ BWD_CONFIGS = {
     128: BwdConfig(128, 64, 2, 256, 1),
 }
 PREP_ROWS = 128
-DQ_SUBTILE = 8  # BwdConfig.dq == "bulk": the accumulator's sub-tiles (rows x columns)
+DQ_SUBTILE = 8  # BwdConfig.dq "atomic" and "bulk": the blocked accumulator's sub-tiles (rows x columns)
 HEAD_DIMS = tuple(FWD_CONFIGS)
 
 
