@@ -1,6 +1,6 @@
-"""Forward configs of the TileLang flash attention on the GPU, beside SDPA's cuDNN backend.
+"""Forward (or, with --bwd, backward) configs of the TileLang flash attention on the GPU, beside SDPA's cuDNN backend.
 
-    bash .device/gpu python scripts/fa_tilelang_sweep.py [--only BxHxLxD,...]   (GPU machine, repo root)
+    bash .device/gpu python scripts/fa_tilelang_sweep.py [--bwd] [--only BxHxLxD,...]   (GPU machine, repo root)
 
 Each row puts one FwdConfig (tiles, stages, threads, programs per SM, overlap: see
 runtime/accelerators/flash_attention/tilelang.py) in FWD_CONFIGS at the shape's head dim and runs the public
@@ -8,23 +8,34 @@ flash_attention(backend="tilelang"). It is checked first against SDPA's math bac
 within the bf16 bound of runtime.accelerators.testing, outputs poisoned with NaN beforehand), then timed as
 `python -m runtime.benchmark` times GPU time (CUDA-graph replays, L2 flushed before each, median ms). "x cuDNN" is
 cuDNN's time over the row's (>= 1: faster than cuDNN).
+
+--bwd: each row puts one BwdConfig (BWD_SWEEP: asynchronous products, how dq is accumulated, stages, staggered query
+blocks) in BWD_CONFIGS and times forward + backward (torch.autograd.grad of q, k, v; the forward at its FWD_CONFIGS
+entry) beside cuDNN's forward + backward. dq, dk and dv are checked first against SDPA's math backend in float32
+(gradients poisoned with NaN beforehand; "error" is the largest relative RMS error of the three, bound: the bf16
+gradient tolerance of runtime.accelerators.testing). "bwd ms" is the row's time less its forward's (each forward timed
+alone once per case). A row that runs past ROW_LIMIT_S (a hung kernel) ends the script with a traceback. Only
+4x16x4096x128 unless --only names shapes (16x16x2048x64 has rows too). The kernels are compiled in parallel first
+(about 1-2 minutes); the sweep should take about 3-4 minutes on an H100 (estimated, not yet run).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import time
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from fa_sweep import flops, reference
+from fa_sweep import flops, grads_error, reference, reference_grads
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import tilelang as kernels
-from runtime.accelerators.testing import RTOL, relative_rms_error
+from runtime.accelerators.testing import RTOL, gradient_tolerance, relative_rms_error
+from runtime.accelerators.tilelang_common import precompile
 from runtime.benchmark.timing import gpu_time_ms
 
 Fwd = kernels.FwdConfig
@@ -48,14 +59,134 @@ SWEEP = [
 ]  # fmt: skip
 
 
-def describe(cfg: Fwd) -> str:
-    return f"{cfg.block_m}x{cfg.block_n} {cfg.threads}t {cfg.stages}st {cfg.min_blocks}/SM" + (" ovl" if cfg.overlap else "")
+Bwd = kernels.BwdConfig
+BWD_128 = kernels.BWD_CONFIGS[128]  # as imported: the default row
+BWD_VARIANTS_128 = {
+    "default": BWD_128,
+    "ovl": replace(BWD_128, overlap=True),
+    "atomic": replace(BWD_128, dq="atomic"),
+    "bulk": replace(BWD_128, dq="bulk"),
+    "ovl atomic": replace(BWD_128, overlap=True, dq="atomic"),
+    "ovl bulk": replace(BWD_128, overlap=True, dq="bulk"),
+    "ovl bulk 1st": replace(BWD_128, overlap=True, dq="bulk", stages=1),
+    "ovl bulk stag": replace(BWD_128, overlap=True, dq="bulk", stagger=True),
+}
+BWD_64 = kernels.BWD_CONFIGS[64]
+BWD_VARIANTS_64 = {
+    "default": BWD_64,
+    "ovl": replace(BWD_64, overlap=True),
+    "ovl atomic": replace(BWD_64, overlap=True, dq="atomic"),
+    "ovl bulk": replace(BWD_64, overlap=True, dq="bulk"),
+}
+# (B, H, L, D), causal, {label: config}; the D = 64 rows only with --only 16x16x2048x64
+BWD_SWEEP = [
+    ((4, 16, 4096, 128), False, BWD_VARIANTS_128),
+    ((4, 16, 4096, 128), True, BWD_VARIANTS_128),
+    ((16, 16, 2048, 64), False, BWD_VARIANTS_64),
+    ((16, 16, 2048, 64), True, BWD_VARIANTS_64),
+]
+BWD_DEFAULT_SHAPES = {"4x16x4096x128"}
+ROW_LIMIT_S = 120  # a row's check and timing take seconds (kernels compiled before): past this a kernel hangs
+
+
+def describe(cfg: Fwd | Bwd) -> str:
+    text = f"{cfg.block_m}x{cfg.block_n} {cfg.threads}t {cfg.stages}st {cfg.min_blocks}/SM"
+    text += " ovl" if cfg.overlap else ""
+    if isinstance(cfg, Bwd):
+        text += f" dq={cfg.dq}" + (" stag" if cfg.stagger else "")
+    return text
+
+
+def first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:150]
+
+
+def backward_sweep(only: set[str], device: torch.device) -> None:
+    start = time.perf_counter()
+    cases = [case for case in BWD_SWEEP if "x".join(map(str, case[0])) in (only or BWD_DEFAULT_SHAPES)]
+    entries = []
+    for (_, _, _, d), causal, variants in cases:
+        entries += [kernels.forward_entry(d, DTYPE, causal, False, False), kernels.preprocess_entry(d, DTYPE)]
+        entries += [kernels.backward_entry(d, DTYPE, causal, False, False, cfg) for cfg in variants.values()]
+    try:
+        precompile(list(dict(entries).items()), device)
+    except RuntimeError as exc:  # a variant that fails to compile: compiled (and reported) on its own row instead
+        print(f"parallel compile failed ({type(exc).__name__}: {first_line(exc)}); compiling per row")
+    compile_s = time.perf_counter() - start
+    print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, TileLang forward + backward; compiled in {compile_s:.0f} s")
+    print(f"{'shape':<20}{'causal':<7}{'variant':<14}{'config':<41}{'ms':>8}{'bwd ms':>8}{'x cuDNN':>8}{'error':>10}"
+          f"{'at s':>6}")  # fmt: skip
+    for shape, causal, variants in cases:
+        backward_case(shape, causal, variants, device, start)
+    print(f"done in {time.perf_counter() - start:.0f} s")
+
+
+def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.device, start: float) -> None:
+    """The rows of one shape: cuDNN's, then each config's (BWD_CONFIGS restored after)."""
+    name = "x".join(map(str, shape))
+    b, h, length, d = shape
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, length, d, device=device, dtype=DTYPE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    expected = reference_grads(q, k, v, do, causal)
+    bound = gradient_tolerance(DTYPE)
+
+    def row(label, config, ms, cudnn_ms, error, fwd_ms=None):
+        bwd = f"{ms - fwd_ms:8.3f}" if fwd_ms is not None else f"{'':8}"
+        print(f"{name:<20}{causal!s:<7}{label:<14}{config:<41}{ms:8.3f}{bwd}{cudnn_ms / ms:8.2f}{error:10.1e}"
+              f"{time.perf_counter() - start:6.0f}")  # fmt: skip
+
+    def cudnn_forward():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def cudnn():
+        return torch.autograd.grad(cudnn_forward(), (q, k, v), do)
+
+    def forward():
+        with torch.no_grad():
+            return flash_attention(q, k, v, causal=causal, backend="tilelang")
+
+    def run():
+        out = flash_attention(q, k, v, causal=causal, backend="tilelang")
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    cudnn_ms = gpu_time_ms(cudnn, device)[0]["median"]
+    with torch.no_grad():
+        cudnn_fwd_ms = gpu_time_ms(cudnn_forward, device)[0]["median"]
+    row("sdpa cudnn", "", cudnn_ms, cudnn_ms, grads_error(cudnn(), expected), cudnn_fwd_ms)
+    fwd_ms = gpu_time_ms(forward, device)[0]["median"]
+    print(f"  forward alone: tilelang {fwd_ms:.3f} ms, cudnn {cudnn_fwd_ms:.3f} ms")
+    default = kernels.BWD_CONFIGS[d]
+    for label, cfg in variants.items():
+        kernels.BWD_CONFIGS[d] = cfg
+        faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
+        try:
+            try:
+                with poison_outputs():
+                    grads = run()
+            except RuntimeError as exc:  # a compile failure: report it, go on with the other rows
+                print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
+                continue
+            error = grads_error(grads, expected)
+            if not error <= bound:  # also NaN
+                print(f"  {label} {describe(cfg)}: WRONG, relative RMS error {error:.1e}, bound {bound:.0e}")
+                continue
+            row(label, describe(cfg), gpu_time_ms(run, device)[0]["median"], cudnn_ms, error, fwd_ms)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            kernels.BWD_CONFIGS[d] = default
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated BxHxLxD shapes")
-    only = set(filter(None, parser.parse_args().only.split(",")))
+    parser.add_argument("--bwd", action="store_true", help="backward configs (forward + backward timed)")
+    args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    if args.bwd:
+        backward_sweep(only, torch.device("cuda"))
+        return
     device = torch.device("cuda")
     start = time.perf_counter()
     print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, TileLang forward")
@@ -88,7 +219,7 @@ def main() -> None:
                         with poison_outputs():
                             out = run()
                     except Exception as exc:  # a compile failure: report it, go on with the other rows
-                        print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}")
+                        print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
                         continue
                     error = relative_rms_error(out, expected)
                     if not error <= RTOL[DTYPE]:  # also NaN

@@ -133,3 +133,53 @@ def test_dropout_keep_rate_and_backward_consistency():
     # the kernels draw exactly this mask in the forward and in every gradient: a dropped position
     # contributes nothing, a kept one is scaled by 1 / (1 - p)
     check(out, q, k, v, bf16, keep=keep, dropout_p=p)
+
+
+# backward variants not yet defaults (BwdConfig.overlap, .dq, .stagger): the same checks on ragged lengths (not
+# multiples of the blocks or of the accumulator's 8-row sub-tiles), GQA, views, key_lengths, causal and dropout
+VARIANTS = {
+    "ovl": {"overlap": True},
+    "atomic": {"dq": "atomic"},
+    "ovl-bulk-stag": {"overlap": True, "dq": "bulk", "stagger": True},
+}
+VARIANT_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, lengths, dropout_p, layout)
+    (2, 4, 2, 997, 203, 128, True, True, 0.0, "blhd"),
+    (2, 4, 2, 300, 257, 64, False, False, 0.2, "bhld"),
+]
+
+
+@pytest.fixture(scope="module")
+def _variants_compiled():
+    from dataclasses import replace
+
+    from runtime.accelerators.tilelang_common import precompile
+
+    entries = [
+        fa.backward_entry(c[5], bf16, c[6], c[7], c[8] > 0, replace(fa.BWD_CONFIGS[c[5]], **fields))
+        for fields in VARIANTS.values()
+        for c in VARIANT_CASES
+    ]
+    entries += [fa.forward_entry(c[5], bf16, c[6], c[7], c[8] > 0) for c in VARIANT_CASES]
+    precompile(entries, torch.device(CUDA))
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: f"d{c[5]}")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_backward_variants_against_float64(variant, case, _variants_compiled, monkeypatch):
+    from dataclasses import replace
+
+    b, h, hkv, lq, lk, d, causal, lengths, p, layout = case
+    monkeypatch.setitem(fa.BWD_CONFIGS, d, replace(fa.BWD_CONFIGS[d], **VARIANTS[variant]))
+    q, k, v = make(b, h, hkv, lq, lk, d, bf16, layout)
+    key_lengths = None
+    if lengths:
+        key_lengths = torch.tensor([0, lk // 2 + 1], device=CUDA)  # a batch row without any key
+    torch.manual_seed(5)
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=p, backend="tilelang")
+    torch.manual_seed(5)
+    keep = fa.dropout_keep_mask(draw_seed(), b, h, lq, lk, p, q.device) if p > 0 else None
+    extra = {"keep": keep, "dropout_p": p} if p > 0 else {}
+    dq, dk, _ = check(out, q, k, v, bf16, causal=causal, key_lengths=key_lengths, **extra)
+    if lengths:
+        assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.equal(dk[0], torch.zeros_like(dk[0]))
+    assert dq.stride() == torch.empty_like(q).stride()

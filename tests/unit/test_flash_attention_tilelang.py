@@ -5,10 +5,14 @@ tier checks the numbers. Also the pieces that need no GPU: the dropout hash the 
 torch, and the tensor-layout helpers.
 """
 
+import re
+import subprocess
+from dataclasses import replace
+
 import pytest
 import torch
 
-from conftest import SM90A, requires_nvcc
+from conftest import NVCC, SM90A, requires_nvcc
 
 fa = pytest.importorskip(
     "runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -36,13 +40,40 @@ KERNELS = {
     "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
     # the D=128 default overlaps the softmax with the PV product
     "forward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.forward_entry(128, torch.bfloat16, True, True, True),
+    # backward variants (BwdConfig.overlap, BwdConfig.dq), not defaults yet
+    "backward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.backward_entry(
+        128, torch.bfloat16, True, True, True, replace(fa.BWD_CONFIGS[128], overlap=True)
+    ),
+    "backward-d128-bf16-causal-atomic": lambda: fa.backward_entry(
+        128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], dq="atomic")
+    ),
+    "backward-d128-bf16-causal-overlap-bulk-stagger": lambda: fa.backward_entry(
+        128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], overlap=True, dq="bulk", stagger=True)
+    ),
+    "backward-d48-bf16-causal-lengths-dropout-bulk": lambda: fa.backward_entry(
+        48, torch.bfloat16, True, True, True, replace(fa.BWD_CONFIGS[48], dq="bulk")
+    ),
 }
+
+
+def ptxas_report(source: str, tmp_path) -> str:
+    """ptxas's verbose report (and warnings) for a TileLang kernel source, compiled for sm_90a as TileLang does."""
+    from tilelang import env
+
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    command = [
+        NVCC, "-cubin", "-arch=sm_90a", "-std=c++20", f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}",
+        "--use_fast_math", "--ptxas-options=--verbose", str(path), "-o", str(tmp_path / "kernel.cubin"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
 
 
 @requires_nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_kernel_compiles_for_sm90a(name):
+def test_kernel_compiles_for_sm90a(name, tmp_path):
     kernel = compile_entry(KERNELS[name]())
     source = kernel.get_kernel_source()
     assert "__global__" in source
@@ -53,7 +84,23 @@ def test_kernel_compiles_for_sm90a(name):
         assert "tma_load" in source, f"{name}: q/k/v tiles should be loaded with TMA"
         assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
     if name.startswith("backward"):
-        assert "tma_store_add" in source, "dq should be accumulated with TMA reductions"
+        consumer = source[source.find("warpgroup_reg_alloc") :]  # the compute warpgroups' code
+        if "atomic" in name:  # vector atomics from the registers: no shared tile, no bulk copy
+            assert "AtomicAddx2(" in consumer and "tma_store_add" not in source, f"{name}: dq should use vector atomics"
+        elif "bulk" in name:  # a 1-D bulk reduction (no descriptor) waited for one step later
+            bulk = re.search(r"tl::tma_store_add\(\(&\(\(\(float\*\)dq_s\)", consumer)
+            assert bulk, f"{name}: dq should use bulk reductions"
+            assert "tma_store_wait<1, true>" in consumer, f"{name}: the bulk reduction should be waited a step later"
+        else:
+            assert "tma_store_add(dQacc_desc" in source, "dq should be accumulated with TMA reductions"
+    if name.startswith("backward") and "overlap" in name:
+        # S and dP issued together, the exponentials run once S is done; the query loop's tiles handed back to the
+        # loads only after the last wait (else a load could overwrite Q or dO while dK or dV still reads it)
+        assert "wait_wgmma<1>" in consumer, f"{name}: the exponentials should overlap the dP product"
+        released = consumer.rindex("wait_wgmma<0>") < consumer.index("].arrive()")
+        assert released, f"{name}: Q/dO should be released after the products that read them are done"
+        # a register written while a wgmma reads it makes ptxas serialise every wgmma
+        assert "C7513" not in ptxas_report(source, tmp_path), f"{name}: ptxas serialised the wgmma"
     if name.endswith("overlap"):
         # QK^T and PV issued together, the softmax run after waiting for QK^T alone
         assert "wait_wgmma<1>" in source, f"{name}: the softmax should overlap the PV product"
@@ -113,3 +160,25 @@ def test_tma_ready_copies_only_when_needed():
     assert ready is not odd_rows and ready.is_contiguous() and torch.equal(ready, odd_rows)
     broadcast = torch.randn(1, 1, 1, 16, dtype=torch.bfloat16).expand(2, 4, 37, 16)  # zero strides
     assert fa._tma_ready(broadcast).is_contiguous()
+
+
+def test_blocked_dq_accumulator_unblocks():
+    """BwdConfig.dq "atomic"/"bulk" add block m's row i, column j at [m, ((i//8 * D/8 + j//8) * 8 + i%8) * 8 + j%8]."""
+    sub = fa.DQ_SUBTILE
+    for b, h, lq, d, block_m in ((2, 3, 70, 48, 64), (1, 2, 128, 128, 64), (1, 1, 5, 16, 64), (2, 1, 200, 64, 32)):
+        dq = torch.randn(b, h, lq, d)
+        blocks = -(-lq // block_m)
+        rows = torch.cat([dq, torch.zeros(b, h, blocks * block_m - lq, d)], dim=2)
+        i = torch.arange(block_m).view(-1, 1)
+        j = torch.arange(d).view(1, -1)
+        at = ((i // sub * (d // sub) + j // sub) * sub + i % sub) * sub + j % sub  # the kernel's index of (i, j)
+        acc = torch.zeros(b, h, blocks, block_m * d)
+        acc.view(-1, block_m * d)[:, at.flatten()] = rows.reshape(-1, block_m * d)
+        out = torch.full((b, lq, h, d), float("nan")).transpose(1, 2)  # a strided gradient, as q's layout gives
+        fa._unblock(acc, out)
+        assert torch.equal(out, dq), (b, h, lq, d, block_m)
+
+
+def test_bwd_config_rejects_unknown_dq_mode():
+    with pytest.raises(ValueError, match="dq"):
+        fa.BwdConfig(128, 64, 2, 256, dq="smem")

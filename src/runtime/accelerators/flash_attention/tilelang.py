@@ -59,6 +59,22 @@ class BwdConfig:
     stages: int
     threads: int
     min_blocks: int = 1
+    # each step issues S = K Q^T and dP = V dO^T together (the exponentials run while dP is on the tensor cores),
+    # then dV, dQ and dK back to back, and adds dq while dK runs (FlashAttention-3's order)
+    overlap: bool = False
+    # how each step's dq block reaches the fp32 accumulator:
+    #   "tma": through a shared tile and a TMA reduction whose shared reads are waited for at once
+    #   "atomic": vector atomics straight from the registers (no shared tile, no barrier)
+    #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
+    #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
+    dq: str = "tma"
+    # program bx starts at its bx-th query block (wrapping around): the programs of a head, which run together,
+    # then add into different dq rows at a time instead of all into the same one
+    stagger: bool = False
+
+    def __post_init__(self):
+        if self.dq not in ("tma", "atomic", "bulk"):
+            raise ValueError(f"BwdConfig.dq must be 'tma', 'atomic' or 'bulk', not {self.dq!r}")
 
 
 # Not yet tuned on a GPU: register budgets checked with ptxas on sm_90a (no spills). Small heads are
@@ -75,6 +91,8 @@ FWD_CONFIGS = {
     64: FwdConfig(128, 128, 2, 256, 1),
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
+# The backward's BwdConfig.overlap and BwdConfig.dq variants compile for sm_90a without spills at D = 128 but are
+# not timed yet: scripts/fa_tilelang_sweep.py --bwd compares them.
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
     32: BwdConfig(128, 64, 2, 256, 1),
@@ -83,6 +101,7 @@ BWD_CONFIGS = {
     128: BwdConfig(128, 64, 2, 256, 1),
 }
 PREP_ROWS = 128
+DQ_SUBTILE = 8  # BwdConfig.dq "atomic" and "bulk": the blocked accumulator's sub-tiles (rows x columns)
 HEAD_DIMS = tuple(FWD_CONFIGS)
 
 
@@ -313,7 +332,10 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
     bN, bM = cfg.block_n, cfg.block_m
     split_k = dim * 2 not in (64, 128, 256)
+    bulk = cfg.dq == "bulk"
+    blocked = cfg.dq != "tma"  # the accumulator's layout: see BwdConfig.dq
     B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
+    NQB = T.dynamic("q_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
@@ -321,6 +343,73 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
     sdk = T.dynamic("sdk_b, sdk_h, sdk_l")
     sdv = T.dynamic("sdv_b, sdv_h, sdv_l")
+    # blocked: one contiguous bM x dim tile per query block, in DQ_SUBTILE x DQ_SUBTILE sub-tiles (a warp's
+    # accumulator fragment covers one sub-tile: conflict-free shared stores, whole sectors for the atomics)
+    sub = DQ_SUBTILE
+    if blocked:
+        dq_acc_type = T.Tensor((B, H, NQB, bM * dim), ACCUM)
+    else:
+        dq_acc_type = T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM)
+
+    @T.macro
+    def probabilities(s, lse_s, kv_len, bx, mq, sl2):
+        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (0 where masked)."""
+        for n, i in T.Parallel(bN, bM):
+            s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
+        if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
+            for n, i in T.Parallel(bN, bM):
+                if causal:
+                    s[n, i] = T.if_then_else(
+                        (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
+                    )
+                else:
+                    s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
+
+    @T.macro
+    def dropped_out(s, dp, p_cast, kept, seed, bh, q0, k0, threshold, inv_keep):
+        """p_cast: the (dropped out) probabilities, dV's operand; dp dropped out like them."""
+        if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
+            for n, i in T.Parallel(bN, bM):
+                kept[n, i] = T.if_then_else(_keep(seed, bh, q0 + i, k0 + n, threshold), 1, 0)
+            for n, i in T.Parallel(bN, bM):
+                p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
+                dp[n, i] = dp[n, i] * kept[n, i] * inv_keep
+        else:
+            T.copy(s, p_cast)
+
+    @T.macro
+    def scores_grad(s, dp, ds_cast, delta_s, scale):
+        """ds_cast: dS = P (dP - delta), the operand of dK and dQ."""
+        for n, i in T.Parallel(bN, bM):
+            ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
+
+    @T.macro
+    def add_dq(dq, dq_s, dQacc, bz, hq, mq, it):
+        """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says."""
+        if cfg.dq == "tma":
+            T.copy(dq, dq_s)
+            T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
+        elif cfg.dq == "atomic":
+            for i, j in T.Parallel(bM, dim):
+                at = ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub
+                T.atomic_add(dQacc[bz, hq, mq, at], dq[i, j])
+        else:
+            slot = it % 2
+            for i, j in T.Parallel(bM, dim):
+                dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
+            if T.shuffle_elect(cfg.threads):
+                T.fence_proxy_async()  # the tile's writes, visible to the bulk copy
+                T.call_extern(
+                    "handle",
+                    "tl::tma_store_add",
+                    T.access_ptr(dq_s[slot, 0, 0, 0, 0], "r", bM * dim),
+                    T.access_ptr(dQacc[bz, hq, mq, 0], "w", bM * dim),
+                    bM * dim * 4,
+                )
+                T.tma_store_arrive()
+                # the previous step's reduction has read the other tile, which the next step writes
+                # (after barriers the next step passes before that write)
+                T.tma_store_wait(1)
 
     @T.prim_func
     def flash_bwd(
@@ -331,7 +420,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         LSE2: T.Tensor((B, H, Lqp), ACCUM),
         Delta: T.Tensor((B, H, Lqp), ACCUM),
         Lengths: T.Tensor((NL,), "int32"),
-        dQacc: T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM),
+        dQacc: dq_acc_type,
         dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
         dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
         scale: T.float32,
@@ -355,7 +444,12 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             lse_s = T.alloc_shared((bM,), ACCUM)
             delta_s = T.alloc_shared((bM,), ACCUM)
             ds_s = T.alloc_shared((bN, bM), dtype)
-            dq_s = T.alloc_shared((bM, dim), ACCUM)
+            if bulk:  # two tiles: one is written while the bulk reduction of the other may still read it
+                dq_s = T.alloc_shared((2, bM // sub, dim // sub, sub, sub), ACCUM)
+            elif cfg.dq == "tma":
+                dq_s = T.alloc_shared((bM, dim), ACCUM)
+            else:
+                dq_s = None
             dk_s = T.alloc_shared((bN, dim), dtype)
             dv_s = T.alloc_shared((bN, dim), dtype)
             s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
@@ -383,41 +477,52 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=True)
             T.clear(dk)
             T.clear(dv)
+            if cfg.overlap:
+                T.clear(p_cast)  # read by no product before it is written; TileLang checks
+                T.clear(ds_cast)
+
             for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
                 hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
-                mq = m_first + T.truncmod(it, n_q)
+                mq = m_first + (T.truncmod(T.truncmod(it, n_q) + bx, n_q) if cfg.stagger else T.truncmod(it, n_q))
                 T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
                 T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
-                T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for n, i in T.Parallel(bN, bM):
-                    s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
-                if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
-                    for n, i in T.Parallel(bN, bM):
-                        if causal:
-                            s[n, i] = T.if_then_else(
-                                (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
-                            )
-                        else:
-                            s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
-                T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
-                T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
-                    for n, i in T.Parallel(bN, bM):
-                        kept[n, i] = T.if_then_else(_keep(seed, bz * H + hq, mq * bM + i, bx * bN + n, threshold), 1, 0)
-                    for n, i in T.Parallel(bN, bM):
-                        p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
-                        dp[n, i] = dp[n, i] * kept[n, i] * inv_keep
+                if cfg.overlap:
+                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    # one statement (a condition that always holds), so that TileLang's warp specialisation
+                    # hands Q_s and dO_s back to the loads after the last wait, not when dK/dV are issued
+                    if hq < H:
+                        T.wgmma_gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # S done; dP may still run
+                        probabilities(s, lse_s, kv_len, bx, mq, sl2)
+                        T.wait_wgmma(0)
+                        dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
+                        scores_grad(s, dp, ds_cast, delta_s, scale)
+                        # p_cast and ds_cast are read by the products below: not written again before the
+                        # last wait (a register write while a wgmma reads it makes ptxas serialise every wgmma)
+                        T.wgmma_gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                        T.copy(ds_cast, ds_s)
+                        T.wgmma_gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
+                        T.wgmma_gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # dV and dQ done: dq is added while dK runs
+                        add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+                        T.wait_wgmma(0)
                 else:
-                    T.copy(s, p_cast)
-                T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
-                for n, i in T.Parallel(bN, bM):
-                    ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
-                T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(ds_cast, ds_s)
-                T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
-                T.copy(dq, dq_s)
-                T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
+                    T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    probabilities(s, lse_s, kv_len, bx, mq, sl2)
+                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                    T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
+                    T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    scores_grad(s, dp, ds_cast, delta_s, scale)
+                    T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(ds_cast, ds_s)
+                    T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
+                    add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+            if bulk and T.shuffle_elect(cfg.threads):  # dk_s/dv_s may share the tiles' memory
+                T.tma_store_wait(0)
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
             T.copy(dv, dv_s)
@@ -542,7 +647,11 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
     delta = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
     lse2 = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
-    dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
+    cfg = cfg or BWD_CONFIGS[d]
+    if cfg.dq == "tma":
+        dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
+    else:  # a block of block_m queries after another (the last padded), each in sub-tiles
+        dq_acc = torch.zeros((b, h, -(-lq // cfg.block_m), cfg.block_m * d), dtype=torch.float32, device=q.device)
     launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2)
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
@@ -551,5 +660,20 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse2, delta, _lengths(key_lengths, q.device),
         dq_acc, dk, dv, float(scale), h // hkv, int(seed), threshold, inv_keep,
     )
-    dq.copy_(dq_acc)
+    if cfg.dq == "tma":
+        dq.copy_(dq_acc)
+    else:
+        _unblock(dq_acc, dq)
     return dq, dk, dv, *rest
+
+
+def _unblock(acc: torch.Tensor, dq: torch.Tensor) -> None:
+    """dq = the blocked accumulator [B, H, query blocks, block_m * D] (BwdConfig.dq "atomic" or "bulk"): rows of
+    DQ_SUBTILE x DQ_SUBTILE sub-tiles, each row-major."""
+    b, h, lq, d = dq.shape
+    sub = DQ_SUBTILE
+    tiles = acc.view(b, h, -1, d // sub, sub, sub).transpose(3, 4)  # [B, H, row groups, sub rows, D / sub, sub]
+    whole = lq // sub
+    dq[:, :, : whole * sub].unflatten(2, (whole, sub)).unflatten(-1, (d // sub, sub)).copy_(tiles[:, :, :whole])
+    if lq % sub:
+        dq[:, :, whole * sub :].copy_(tiles[:, :, whole, : lq % sub].flatten(-2))
