@@ -135,12 +135,12 @@ def test_dropout_keep_rate_and_backward_consistency():
     check(out, q, k, v, bf16, keep=keep, dropout_p=p)
 
 
-# backward variants not yet defaults (BwdConfig.overlap, .dq, .stagger): the same checks on ragged lengths (not
-# multiples of the blocks or of the accumulator's 8-row sub-tiles), GQA, views, key_lengths, causal and dropout
+# both backward loops (BwdConfig.overlap with bulk dq reductions, the D = 128 default; the plain loop with TMA
+# reductions, the smaller heads' default) at head dims 64 and 128: the same checks on ragged lengths (not multiples
+# of the blocks or of the accumulator's 8-row sub-tiles), GQA, views, key_lengths, causal and dropout
 VARIANTS = {
-    "ovl": {"overlap": True},
-    "atomic": {"dq": "atomic"},
-    "ovl-bulk-stag": {"overlap": True, "dq": "bulk", "stagger": True},
+    "ovl-bulk": {"overlap": True, "dq": "bulk"},
+    "plain-tma": {"overlap": False, "dq": "tma"},
 }
 VARIANT_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, lengths, dropout_p, layout)
     (2, 4, 2, 997, 203, 128, True, True, 0.0, "blhd"),

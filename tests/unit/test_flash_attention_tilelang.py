@@ -40,18 +40,9 @@ KERNELS = {
     "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
     # the D=128 default overlaps the softmax with the PV product
     "forward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.forward_entry(128, torch.bfloat16, True, True, True),
-    # backward variants (BwdConfig.overlap, BwdConfig.dq), not defaults yet
-    "backward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.backward_entry(
-        128, torch.bfloat16, True, True, True, replace(fa.BWD_CONFIGS[128], overlap=True)
-    ),
-    "backward-d128-bf16-causal-atomic": lambda: fa.backward_entry(
-        128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], dq="atomic")
-    ),
-    "backward-d128-bf16-causal-overlap-bulk-stagger": lambda: fa.backward_entry(
-        128, torch.bfloat16, True, False, False, replace(fa.BWD_CONFIGS[128], overlap=True, dq="bulk", stagger=True)
-    ),
-    "backward-d48-bf16-causal-lengths-dropout-bulk": lambda: fa.backward_entry(
-        48, torch.bfloat16, True, True, True, replace(fa.BWD_CONFIGS[48], dq="bulk")
+    # the D=128 backward default overlaps its products and adds dq with deferred bulk reductions
+    "backward-d128-bf16-causal-lengths-dropout-overlap-bulk": lambda: fa.backward_entry(
+        128, torch.bfloat16, True, True, True
     ),
 }
 
@@ -85,9 +76,7 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
     if name.startswith("backward"):
         consumer = source[source.find("warpgroup_reg_alloc") :]  # the compute warpgroups' code
-        if "atomic" in name:  # vector atomics from the registers: no shared tile, no bulk copy
-            assert "AtomicAddx2(" in consumer and "tma_store_add" not in source, f"{name}: dq should use vector atomics"
-        elif "bulk" in name:  # a 1-D bulk reduction (no descriptor) waited for one step later
+        if "bulk" in name:  # a 1-D bulk reduction (no descriptor) waited for one step later
             bulk = re.search(r"tl::tma_store_add\(\(&\(\(\(float\*\)dq_s\)", consumer)
             assert bulk, f"{name}: dq should use bulk reductions"
             assert "tma_store_wait<1, true>" in consumer, f"{name}: the bulk reduction should be waited a step later"
@@ -163,7 +152,7 @@ def test_tma_ready_copies_only_when_needed():
 
 
 def test_blocked_dq_accumulator_unblocks():
-    """BwdConfig.dq "atomic"/"bulk" add block m's row i, column j at [m, ((i//8 * D/8 + j//8) * 8 + i%8) * 8 + j%8]."""
+    """BwdConfig.dq "bulk" adds block m's row i, column j at [m, ((i//8 * D/8 + j//8) * 8 + i%8) * 8 + j%8]."""
     sub = fa.DQ_SUBTILE
     for b, h, lq, d, block_m in ((2, 3, 70, 48, 64), (1, 2, 128, 128, 64), (1, 1, 5, 16, 64), (2, 1, 200, 64, 32)):
         dq = torch.randn(b, h, lq, d)

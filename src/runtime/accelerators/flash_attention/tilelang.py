@@ -64,17 +64,13 @@ class BwdConfig:
     overlap: bool = False
     # how each step's dq block reaches the fp32 accumulator:
     #   "tma": through a shared tile and a TMA reduction whose shared reads are waited for at once
-    #   "atomic": vector atomics straight from the registers (no shared tile, no barrier)
     #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
     #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
     dq: str = "tma"
-    # program bx starts at its bx-th query block (wrapping around): the programs of a head, which run together,
-    # then add into different dq rows at a time instead of all into the same one
-    stagger: bool = False
 
     def __post_init__(self):
-        if self.dq not in ("tma", "atomic", "bulk"):
-            raise ValueError(f"BwdConfig.dq must be 'tma', 'atomic' or 'bulk', not {self.dq!r}")
+        if self.dq not in ("tma", "bulk"):
+            raise ValueError(f"BwdConfig.dq must be 'tma' or 'bulk', not {self.dq!r}")
 
 
 # Not yet tuned on a GPU: register budgets checked with ptxas on sm_90a (no spills). Small heads are
@@ -91,17 +87,19 @@ FWD_CONFIGS = {
     64: FwdConfig(128, 128, 2, 256, 1),
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
-# The backward's BwdConfig.overlap and BwdConfig.dq variants compile for sm_90a without spills at D = 128 but are
-# not timed yet: scripts/fa_tilelang_sweep.py --bwd compares them.
+# The backward at D = 128 overlaps its products and adds dq with deferred bulk reductions: forward+backward 4.529
+# against 5.304 ms at 4x16x4096x128, causal 2.963 against 3.463 (H100, scripts/fa_tilelang_sweep.py --bwd, session
+# 25; cuDNN 3.666 / 2.111). Vector atomics for dq (7.036 / 5.067) and programs that start at staggered query blocks
+# (4.658 / 3.114) were slower and are gone.
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
     32: BwdConfig(128, 64, 2, 256, 1),
     48: BwdConfig(128, 64, 2, 256, 1),
     64: BwdConfig(128, 64, 2, 256, 1),
-    128: BwdConfig(128, 64, 2, 256, 1),
+    128: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
 }
 PREP_ROWS = 128
-DQ_SUBTILE = 8  # BwdConfig.dq "atomic" and "bulk": the blocked accumulator's sub-tiles (rows x columns)
+DQ_SUBTILE = 8  # BwdConfig.dq "bulk": the blocked accumulator's sub-tiles (rows x columns)
 HEAD_DIMS = tuple(FWD_CONFIGS)
 
 
@@ -333,7 +331,6 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     bN, bM = cfg.block_n, cfg.block_m
     split_k = dim * 2 not in (64, 128, 256)
     bulk = cfg.dq == "bulk"
-    blocked = cfg.dq != "tma"  # the accumulator's layout: see BwdConfig.dq
     B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
     NQB = T.dynamic("q_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
@@ -343,10 +340,10 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
     sdk = T.dynamic("sdk_b, sdk_h, sdk_l")
     sdv = T.dynamic("sdv_b, sdv_h, sdv_l")
-    # blocked: one contiguous bM x dim tile per query block, in DQ_SUBTILE x DQ_SUBTILE sub-tiles (a warp's
-    # accumulator fragment covers one sub-tile: conflict-free shared stores, whole sectors for the atomics)
+    # bulk: one contiguous bM x dim tile per query block, in DQ_SUBTILE x DQ_SUBTILE sub-tiles (a warp's
+    # accumulator fragment covers one sub-tile: conflict-free shared stores)
     sub = DQ_SUBTILE
-    if blocked:
+    if bulk:
         dq_acc_type = T.Tensor((B, H, NQB, bM * dim), ACCUM)
     else:
         dq_acc_type = T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM)
@@ -389,10 +386,6 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         if cfg.dq == "tma":
             T.copy(dq, dq_s)
             T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
-        elif cfg.dq == "atomic":
-            for i, j in T.Parallel(bM, dim):
-                at = ((i // sub * (dim // sub) + j // sub) * sub + i % sub) * sub + j % sub
-                T.atomic_add(dQacc[bz, hq, mq, at], dq[i, j])
         else:
             slot = it % 2
             for i, j in T.Parallel(bM, dim):
@@ -446,10 +439,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             ds_s = T.alloc_shared((bN, bM), dtype)
             if bulk:  # two tiles: one is written while the bulk reduction of the other may still read it
                 dq_s = T.alloc_shared((2, bM // sub, dim // sub, sub, sub), ACCUM)
-            elif cfg.dq == "tma":
-                dq_s = T.alloc_shared((bM, dim), ACCUM)
             else:
-                dq_s = None
+                dq_s = T.alloc_shared((bM, dim), ACCUM)
             dk_s = T.alloc_shared((bN, dim), dtype)
             dv_s = T.alloc_shared((bN, dim), dtype)
             s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
@@ -483,7 +474,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 
             for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
                 hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
-                mq = m_first + (T.truncmod(T.truncmod(it, n_q) + bx, n_q) if cfg.stagger else T.truncmod(it, n_q))
+                mq = m_first + T.truncmod(it, n_q)
                 T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
                 T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
                 if cfg.overlap:
@@ -668,7 +659,7 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
 
 
 def _unblock(acc: torch.Tensor, dq: torch.Tensor) -> None:
-    """dq = the blocked accumulator [B, H, query blocks, block_m * D] (BwdConfig.dq "atomic" or "bulk"): rows of
+    """dq = the blocked accumulator [B, H, query blocks, block_m * D] (BwdConfig.dq "bulk"): rows of
     DQ_SUBTILE x DQ_SUBTILE sub-tiles, each row-major."""
     b, h, lq, d = dq.shape
     sub = DQ_SUBTILE
