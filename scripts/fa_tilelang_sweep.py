@@ -67,18 +67,29 @@ BWD_VARIANTS_128 = {
     "bulk": replace(BWD_128, overlap=False),
     "ovl bulk 1st": replace(BWD_128, stages=1),
 }
-BWD_64 = kernels.BWD_CONFIGS[64]
-BWD_VARIANTS_64 = {
-    "default": BWD_64,
-    "ovl": replace(BWD_64, overlap=True),
-    "ovl bulk": replace(BWD_64, overlap=True, dq="bulk"),
-}
-# (B, H, L, D), causal, {label: config}; the D = 64 rows only with --only 16x16x2048x64
+
+
+def bwd_variants(dim: int) -> dict:
+    """The head dim's default beside both loops with either dq reduction (rows of the D <= 64 shapes)."""
+    default = kernels.BWD_CONFIGS[dim]
+    return {
+        "default": default,
+        "plain tma": replace(default, overlap=False, dq="tma"),
+        "ovl tma": replace(default, overlap=True, dq="tma"),
+        "ovl bulk": replace(default, overlap=True, dq="bulk"),
+    }
+
+
+# (B, H, L, D), causal, {label: config}; the D <= 64 rows only with --only
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_VARIANTS_128),
     ((4, 16, 4096, 128), True, BWD_VARIANTS_128),
-    ((16, 16, 2048, 64), False, BWD_VARIANTS_64),
-    ((16, 16, 2048, 64), True, BWD_VARIANTS_64),
+    ((16, 16, 2048, 64), False, bwd_variants(64)),
+    ((16, 16, 2048, 64), True, bwd_variants(64)),
+    ((64, 4, 2048, 48), False, bwd_variants(48)),
+    ((64, 4, 2048, 48), True, bwd_variants(48)),
+    ((128, 8, 1024, 32), False, bwd_variants(32)),
+    ((128, 8, 1024, 32), True, bwd_variants(32)),
 ]
 BWD_DEFAULT_SHAPES = {"4x16x4096x128"}
 ROW_LIMIT_S = 120  # a row's check and timing take seconds (kernels compiled before): past this a kernel hangs

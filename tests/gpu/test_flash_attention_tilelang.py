@@ -135,9 +135,10 @@ def test_dropout_keep_rate_and_backward_consistency():
     check(out, q, k, v, bf16, keep=keep, dropout_p=p)
 
 
-# both backward loops (BwdConfig.overlap with bulk dq reductions, the D = 128 default; the plain loop with TMA
-# reductions, the smaller heads' default) at head dims 64 and 128: the same checks on ragged lengths (not multiples
-# of the blocks or of the accumulator's 8-row sub-tiles), GQA, views, key_lengths, causal and dropout
+# both backward loops (BwdConfig.overlap with bulk dq reductions, the D >= 64 default; the plain loop with TMA
+# reductions, the smaller heads' default) at head dims 48 (K transposed for dQ), 64 and 128: the same checks on ragged
+# lengths (not multiples of the blocks or of the accumulator's 8-row sub-tiles), GQA, views, key_lengths, causal and
+# dropout
 VARIANTS = {
     "ovl-bulk": {"overlap": True, "dq": "bulk"},
     "plain-tma": {"overlap": False, "dq": "tma"},
@@ -145,6 +146,7 @@ VARIANTS = {
 VARIANT_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, lengths, dropout_p, layout)
     (2, 4, 2, 997, 203, 128, True, True, 0.0, "blhd"),
     (2, 4, 2, 300, 257, 64, False, False, 0.2, "bhld"),
+    (3, 2, 1, 130, 517, 48, True, True, 0.1, "blhd"),
 ]
 
 

@@ -87,15 +87,16 @@ FWD_CONFIGS = {
     64: FwdConfig(128, 128, 2, 256, 1),
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
-# The backward at D = 128 overlaps its products and adds dq with deferred bulk reductions: forward+backward 4.529
-# against 5.304 ms at 4x16x4096x128, causal 2.963 against 3.463 (H100, scripts/fa_tilelang_sweep.py --bwd, session
-# 25; cuDNN 3.666 / 2.111). Vector atomics for dq (7.036 / 5.067) and programs that start at staggered query blocks
+# The backward at D >= 64 overlaps its products and adds dq with deferred bulk reductions: forward+backward 4.529
+# against 5.304 ms at 4x16x4096x128, causal 2.963 against 3.463 (cuDNN 3.666 / 2.111); 3.648 against 4.071 ms at
+# 16x16x2048x64, causal 2.583 against 2.818 (cuDNN 2.365 / 1.436; H100, scripts/fa_tilelang_sweep.py --bwd, session
+# 25). Vector atomics for dq (7.036 / 5.067) and programs that start at staggered query blocks
 # (4.658 / 3.114) were slower and are gone.
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
     32: BwdConfig(128, 64, 2, 256, 1),
     48: BwdConfig(128, 64, 2, 256, 1),
-    64: BwdConfig(128, 64, 2, 256, 1),
+    64: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
     128: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
 }
 PREP_ROWS = 128
