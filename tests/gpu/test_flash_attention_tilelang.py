@@ -146,7 +146,7 @@ VARIANTS = {
 VARIANT_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, lengths, dropout_p, layout)
     (2, 4, 2, 997, 203, 128, True, True, 0.0, "blhd"),
     (2, 4, 2, 300, 257, 64, False, False, 0.2, "bhld"),
-    (3, 2, 1, 130, 517, 48, True, True, 0.1, "blhd"),
+    (2, 2, 1, 130, 517, 48, True, True, 0.1, "blhd"),
 ]
 
 

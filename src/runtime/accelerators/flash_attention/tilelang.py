@@ -87,15 +87,16 @@ FWD_CONFIGS = {
     64: FwdConfig(128, 128, 2, 256, 1),
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
-# The backward at D >= 64 overlaps its products and adds dq with deferred bulk reductions: forward+backward 4.529
-# against 5.304 ms at 4x16x4096x128, causal 2.963 against 3.463 (cuDNN 3.666 / 2.111); 3.648 against 4.071 ms at
-# 16x16x2048x64, causal 2.583 against 2.818 (cuDNN 2.365 / 1.436; H100, scripts/fa_tilelang_sweep.py --bwd, session
-# 25). Vector atomics for dq (7.036 / 5.067) and programs that start at staggered query blocks
-# (4.658 / 3.114) were slower and are gone.
+# The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions.
+# H100, scripts/fa_tilelang_sweep.py --bwd, session 25, forward+backward ms against the plain loop with TMA
+# reductions (non-causal, causal; cuDNN in brackets): 4x16x4096x128 4.529 / 5.304, 2.963 / 3.463 (3.666, 2.111);
+# 16x16x2048x64 3.648 / 4.071, 2.583 / 2.818 (2.365, 1.436); 64x4x2048x48 3.311 / 3.663, 2.185 / 2.368 (2.228,
+# 1.374); 128x8x1024x32 3.064 / 3.284, 2.364 / 2.524 (2.287, 1.607). At 4x16x4096x128, vector atomics for dq
+# (7.036 / 5.067) and programs that start at staggered query blocks (4.658 / 3.114) were slower and are gone.
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
-    32: BwdConfig(128, 64, 2, 256, 1),
-    48: BwdConfig(128, 64, 2, 256, 1),
+    32: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
+    48: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
     64: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
     128: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
 }
