@@ -40,10 +40,10 @@ KERNELS = {
     "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
     # the D=128 default overlaps the softmax with the PV product
     "forward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.forward_entry(128, torch.bfloat16, True, True, True),
-    # the D=128 backward default overlaps its products and adds dq with deferred bulk reductions
-    "backward-d128-bf16-causal-lengths-dropout-overlap-bulk": lambda: fa.backward_entry(
-        128, torch.bfloat16, True, True, True
-    ),
+    # D >= 32 (two compute warpgroups) overlap the backward's products and add dq by bulk reductions; D=16 keeps
+    # the plain loop with TMA reductions
+    "backward-d128-bf16-causal-lengths-dropout": lambda: fa.backward_entry(128, torch.bfloat16, True, True, True),
+    "backward-d16-bf16-lengths-dropout": lambda: fa.backward_entry(16, torch.bfloat16, False, True, True),
 }
 
 
@@ -65,7 +65,9 @@ def ptxas_report(source: str, tmp_path) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_compiles_for_sm90a(name, tmp_path):
-    kernel = compile_entry(KERNELS[name]())
+    entry = KERNELS[name]()
+    cfg = entry[0][-1]  # the kernel's FwdConfig / BwdConfig (last in its key; the preprocess has none)
+    kernel = compile_entry(entry)
     source = kernel.get_kernel_source()
     assert "__global__" in source
     # batch, heads and lengths are runtime arguments: one kernel serves every shape
@@ -76,13 +78,13 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
     if name.startswith("backward"):
         consumer = source[source.find("warpgroup_reg_alloc") :]  # the compute warpgroups' code
-        if "bulk" in name:  # a 1-D bulk reduction (no descriptor) waited for one step later
+        if cfg.dq == "bulk":  # a 1-D bulk reduction (no descriptor) waited for one step later
             bulk = re.search(r"tl::tma_store_add\(\(&\(\(\(float\*\)dq_s\)", consumer)
             assert bulk, f"{name}: dq should use bulk reductions"
             assert "tma_store_wait<1, true>" in consumer, f"{name}: the bulk reduction should be waited a step later"
         else:
             assert "tma_store_add(dQacc_desc" in source, "dq should be accumulated with TMA reductions"
-    if name.startswith("backward") and "overlap" in name:
+    if name.startswith("backward") and cfg.overlap:
         # S and dP issued together, the exponentials run once S is done; the query loop's tiles handed back to the
         # loads only after the last wait (else a load could overwrite Q or dO while dK or dV still reads it)
         assert "wait_wgmma<1>" in consumer, f"{name}: the exponentials should overlap the dP product"
@@ -90,7 +92,7 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         assert released, f"{name}: Q/dO should be released after the products that read them are done"
         # a register written while a wgmma reads it makes ptxas serialise every wgmma
         assert "C7513" not in ptxas_report(source, tmp_path), f"{name}: ptxas serialised the wgmma"
-    if name.endswith("overlap"):
+    if name.startswith("forward") and cfg.overlap:
         # QK^T and PV issued together, the softmax run after waiting for QK^T alone
         assert "wait_wgmma<1>" in source, f"{name}: the softmax should overlap the PV product"
     # the tiles loaded once before the pipelined loop are loaded by threads: TileLang waits on a TMA
