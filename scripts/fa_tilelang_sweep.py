@@ -24,6 +24,7 @@ import argparse
 import faulthandler
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -163,25 +164,35 @@ def backward_case(shape, causal: bool, variants: dict[str, Bwd], device: torch.d
     row("sdpa cudnn", "", cudnn_ms, cudnn_ms, grads_error(cudnn(), expected), cudnn_fwd_ms)
     fwd_ms = gpu_time_ms(forward, device)[0]["median"]
     print(f"  forward alone: tilelang {fwd_ms:.3f} ms, cudnn {cudnn_fwd_ms:.3f} ms")
-    default = kernels.BWD_CONFIGS[d]
     for label, cfg in variants.items():
-        kernels.BWD_CONFIGS[d] = cfg
-        faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
+        measured = try_config(kernels.BWD_CONFIGS, d, label, cfg, run, partial(grads_error, expected=expected), bound)
+        if measured:
+            ms, error = measured
+            row(label, describe(cfg), ms, cudnn_ms, error, fwd_ms)
+
+
+def try_config(configs: dict, d: int, label: str, cfg, run, error_of, bound: float) -> tuple[float, float] | None:
+    """(GPU ms, error) of run() with cfg in configs[d] (restored after): run once with its outputs poisoned, its
+    error_of(result) checked against bound, then timed. None, after a line saying why, for a compile failure or a
+    wrong result; a row past ROW_LIMIT_S (a hung kernel) ends the script with a traceback."""
+    default = configs[d]
+    configs[d] = cfg
+    faulthandler.dump_traceback_later(ROW_LIMIT_S, exit=True)
+    try:
         try:
-            try:
-                with poison_outputs():
-                    grads = run()
-            except RuntimeError as exc:  # a compile failure: report it, go on with the other rows
-                print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
-                continue
-            error = grads_error(grads, expected)
-            if not error <= bound:  # also NaN
-                print(f"  {label} {describe(cfg)}: WRONG, relative RMS error {error:.1e}, bound {bound:.0e}")
-                continue
-            row(label, describe(cfg), gpu_time_ms(run, device)[0]["median"], cudnn_ms, error, fwd_ms)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-            kernels.BWD_CONFIGS[d] = default
+            with poison_outputs():
+                result = run()
+        except RuntimeError as exc:  # a compile failure: report it, go on with the other rows
+            print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
+            return None
+        error = error_of(result)
+        if not error <= bound:  # also NaN
+            print(f"  {label} {describe(cfg)}: WRONG, relative RMS error {error:.1e}, bound {bound:.0e}")
+            return None
+        return gpu_time_ms(run, torch.device("cuda"))[0]["median"], error
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        configs[d] = default
 
 
 def main() -> None:
@@ -216,24 +227,13 @@ def main() -> None:
                 cudnn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
                 cudnn_ms = gpu_time_ms(cudnn, device)[0]["median"]
                 row("sdpa cudnn", "", cudnn_ms, cudnn_ms, relative_rms_error(cudnn(), expected))
-            default = kernels.FWD_CONFIGS[d]
+            run = lambda: flash_attention(q, k, v, causal=causal, backend="tilelang")  # noqa: E731
+            error_of = partial(relative_rms_error, ref=expected)
             for label, cfg in variants.items():
-                kernels.FWD_CONFIGS[d] = cfg
-                try:
-                    run = lambda: flash_attention(q, k, v, causal=causal, backend="tilelang")  # noqa: E731
-                    try:
-                        with poison_outputs():
-                            out = run()
-                    except Exception as exc:  # a compile failure: report it, go on with the other rows
-                        print(f"  {label} {describe(cfg)}: FAILED {type(exc).__name__}: {first_line(exc)}")
-                        continue
-                    error = relative_rms_error(out, expected)
-                    if not error <= RTOL[DTYPE]:  # also NaN
-                        print(f"  {label} {describe(cfg)}: WRONG, relative RMS error {error:.1e}, bound {RTOL[DTYPE]:.0e}")
-                        continue
-                    row(label, describe(cfg), gpu_time_ms(run, device)[0]["median"], cudnn_ms, error)
-                finally:
-                    kernels.FWD_CONFIGS[d] = default
+                measured = try_config(kernels.FWD_CONFIGS, d, label, cfg, run, error_of, RTOL[DTYPE])
+                if measured:
+                    ms, error = measured
+                    row(label, describe(cfg), ms, cudnn_ms, error)
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 
