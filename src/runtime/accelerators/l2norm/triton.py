@@ -2,10 +2,9 @@
 
 Backward: dx = rstd * (dy - y * sum(dy * y)), from the output y (= x * rstd) that forward wrote, not from x, as
 fla's backward kernel does. The bytes are the same; y was written last, so where backward follows forward closely
-(the benchmark's forward+backward) more of it is still in L2; backward visits the row tiles in reverse, so that
-it starts on the rows still there. For 16-bit inputs dx then carries y's rounding
-(relative 2^-9 at bf16), far inside the gradient bounds. No parameters, so backward runs one tile per program like
-forward.
+(the benchmark's forward+backward) more of it is still in L2, and backward visits the row tiles in reverse to start
+on the rows still there. For 16-bit inputs dx then carries y's rounding (relative 2^-9 at bf16), far inside the
+gradient bounds. No parameters, so backward runs one tile per program like forward.
 """
 
 from __future__ import annotations
