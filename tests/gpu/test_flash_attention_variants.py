@@ -43,8 +43,13 @@ CASES = [
     (3, 2, 2, 63, 200, 48, False, True, torch.bfloat16, "bhld", Fwd(128, 64, 8, 4, tma=True)),
     (2, 8, 4, 200, 1000, 32, False, False, torch.float16, "blhd", Fwd(64, 64, 4, 3, tma=True)),
     (2, 4, 4, 1000, 1000, 128, True, False, torch.bfloat16, "bhld", Fwd(128, 64, 8, 3, tma=True, heavy_first=True)),
+    # heavy-first sections of 5 (batch, head) pairs over 12: the last section holds 2
+    (3, 4, 2, 1000, 1000, 128, True, True, torch.bfloat16, "blhd", Fwd(128, 128, 8, 3, tma=True, heavy_first=5)),
 ]
-IDS = ["d128-causal-lengths-gqa-view-heavy", "d48-lengths-lq<lk", "d32-fp16-gqa-view", "d128-causal-n64-heavy"]
+IDS = [
+    "d128-causal-lengths-gqa-view-heavy", "d48-lengths-lq<lk", "d32-fp16-gqa-view", "d128-causal-n64-heavy",
+    "d128-causal-lengths-gqa-sections",
+]  # fmt: skip
 
 
 @needs_tma
@@ -98,10 +103,13 @@ BWD_CASES = [
     (2, 4, 2, 500, 500, 48, True, True, "blhd", Bwd(64, 128, 8, 2, tma=True), Bwd(128, 64, 8, 3, tma=True)),
     (2, 2, 2, 500, 500, 64, True, False, "blhd", Bwd(32, 128, 4, 3, tma=True), Bwd(64, 64, 4, 3, tma=True)),
     (2, 4, 1, 300, 300, 64, False, False, "bhld", Bwd(16, 128, 8, 2, tma=True), Bwd(128, 32, 8, 4, tma=True)),
+    # heavy-first sections: 5 of the 6 (batch, kv head) pairs for dk/dv, of the 12 (batch, head) pairs for dq
+    (3, 4, 2, 1000, 1000, 128, True, True, "blhd", Bwd(64, 128, 8, 2, tma=True, heavy_first=5),
+     Bwd(128, 64, 8, 3, tma=True, heavy_first=5)),
 ]  # fmt: skip
 BWD_IDS = [
     "d128-causal-lengths-gqa-view", "d128-lengths-lq<lk", "d48-lengths-gqa-lq>lk", "d48-causal-lengths-view",
-    "d64-causal-view", "d64-mqa",
+    "d64-causal-view", "d64-mqa", "d128-causal-lengths-gqa-sections",
 ]  # fmt: skip
 
 

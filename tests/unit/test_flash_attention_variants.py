@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import test_triton_compile_sm90 as sm90
 from runtime.accelerators.buffers import poison_outputs
@@ -89,8 +91,8 @@ def test_the_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd"], 16, variant)
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 16, variant)
     q, k, v = make(2, 2, 1, 40, 37, 16)
-    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=False)
-    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=True)
+    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=0)
+    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=1)
     for causal in (False, True):
         out = flash_attention(q, k, v, causal=causal, backend="triton")
         assert_close("o", out, attention_float64(q, k, v, causal=causal), RTOL[f16])
@@ -112,6 +114,43 @@ def test_plain_tuples_still_configure_the_forward():
     assert cfg == FwdConfig(32, 16, 4, 2) and not any(flags.values())
     o, _ = run_forward(q, k, v, None, True, (32, 16, 4, 2), tma=None)
     assert_close("o", o, attention_float64(q, k, v, causal=True), RTOL[f16])
+
+
+@triton.jit
+def _record_heavy_first_order(OUT, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    block, pair = fa._heavy_first_order(SECTION, HEAVY_LAST)
+    launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(OUT + 2 * launched, block)
+    tl.store(OUT + 2 * launched + 1, pair)
+
+
+@pytest.mark.parametrize("n_blocks, n_pairs, section", [(3, 8, 3), (4, 5, 1), (2, 6, 8), (1, 3, 2)])
+@pytest.mark.parametrize("heavy_last", [True, False])
+def test_heavy_first_order(n_blocks, n_pairs, section, heavy_last):
+    """Launch order -> (block, pair): sections of `section` pairs (the last one shorter), heaviest block rank first
+    across a section's pairs; every (block, pair) exactly once."""
+    out = torch.full((n_blocks * n_pairs, 2), -1, dtype=torch.int32)
+    _record_heavy_first_order[(n_blocks, n_pairs)](out, SECTION=section, HEAVY_LAST=heavy_last)
+    expected = []
+    for first in range(0, n_pairs, section):
+        for rank in range(n_blocks):
+            block = n_blocks - 1 - rank if heavy_last else rank
+            expected += [(block, pair) for pair in range(first, min(n_pairs, first + section))]
+    assert [tuple(row) for row in out.tolist()] == expected
+
+
+def test_heavy_first_sections_forward_and_backward():
+    """Causal forward, dk/dv and dq kernels in sections of 3 (batch, head) pairs over 8 (the last section holds 2),
+    with GQA and a key length: against float64."""
+    q, k, v = make(2, 4, 2, 40, 40, 32)
+    do = torch.randn_like(q)
+    o, _ = run_forward(q, k, v, [40, 29], True, FwdConfig(16, 16, 4, 2, heavy_first=3), tma=False)
+    assert_close("o", o, attention_float64(q, k, v, causal=True, key_lengths=torch.tensor([40, 29])), RTOL[f16])
+    cfg = BwdConfig(16, 16, 4, 2, heavy_first=3)
+    assert fa.backward_variant("dq", q, k, v, do, cfg, causal=True)[1]["HEAVY_FIRST"] == 3
+    assert fa.backward_variant("dq", q, k, v, do, cfg)[1]["HEAVY_FIRST"] == 0  # not causal: launch order
+    grads = run_backward(q, k, v, do, [40, 29], True, cfg, tma=False)
+    assert_gradients(grads, q, k, v, do, [40, 29], True)
 
 
 # --------------------------------------------------------------------------- backward
@@ -202,7 +241,7 @@ def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monk
     q, k, v = (x.requires_grad_() for x in make(2, 2, 1, 40, 37, 16))
     do = torch.randn_like(q)
     for kind in ("dkdv", "dq"):
-        assert fa.backward_variant(kind, q, k, v, do) == (BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False))
+        assert fa.backward_variant(kind, q, k, v, do) == (BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0))
     out = flash_attention(q, k, v, causal=True, backend="triton")
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
 
@@ -210,7 +249,9 @@ def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monk
 def test_plain_tuples_still_configure_the_backward():
     q, k, v = make(1, 2, 2, 30, 30, 32)
     do = torch.randn_like(q)
-    assert fa.backward_variant("dq", q, k, v, do, (32, 16, 4, 2)) == (BwdConfig(32, 16, 4, 2), dict(TMA=False))
+    assert fa.backward_variant("dq", q, k, v, do, (32, 16, 4, 2)) == (
+        BwdConfig(32, 16, 4, 2), dict(TMA=False, HEAVY_FIRST=0)
+    )
     assert_gradients(run_backward(q, k, v, do, None, True, (32, 16, 4, 2), tma=None), q, k, v, do, None, True)
     for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32):
         assert all(isinstance(cfg, BwdConfig) for kind in ("dkdv", "dq") for cfg in table[kind].values())

@@ -27,9 +27,12 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   (never under the interpreter unless a test forces it), and where the strides allow (16-byte aligned base and
   row strides, contiguous head dim); anything else takes the pointer loads. Needs Triton's global scratch
   allocator: set to a torch one on first use if none is set.
-- heavy_first (causal): programs of the last query blocks, which see the most keys, are scheduled first, so the
-  short ones fill the last wave.
-The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at causal 128.
+- heavy_first (causal): programs that visit the most blocks are scheduled first, so the short ones fill the last
+  wave. The value is a section size: the (batch, head) pairs are taken heavy_first at a time, and within a section
+  the programs go block rank by block rank across its pairs (all heaviest blocks, then all next heaviest, ...;
+  `_heavy_first_order`). 1 orders each pair on its own; a section of several pairs also keeps a pair's last, heavy
+  programs from starting at the very end of the launch, while its pairs' tiles stay few enough to share the L2.
+The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at causal 32 and 128.
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
@@ -77,7 +80,7 @@ class FwdConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = False
-    heavy_first: bool = False
+    heavy_first: int = 0  # causal: a section size (see the module docstring); 0 keeps the launch order
 
 
 class BwdConfig(NamedTuple):
@@ -91,6 +94,7 @@ class BwdConfig(NamedTuple):
     num_stages: int
     tma: bool = False
     lse_delta_tma: bool = False
+    heavy_first: int = 0  # as FwdConfig's, for the dk/dv and dq kernels
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -286,6 +290,23 @@ def _tile_once(
         return _load(src, rows, n_rows, offs_d, HEAD_DIM, PAD_D, True)
 
 
+@triton.jit
+def _heavy_first_order(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(block, pair) of this program on a (blocks, pairs) grid, in heavy-first order (see the module docstring):
+    the launch order runs through sections of SECTION pairs, and within a section through the block ranks, heaviest
+    first, each across the section's pairs. HEAVY_LAST: block n_blocks - 1 is the heaviest (the forward's and the dq
+    kernel's query blocks), else block 0 (the dk/dv kernel's key blocks)."""
+    n_blocks = tl.num_programs(0)
+    launched = tl.program_id(1) * n_blocks + tl.program_id(0)  # the hardware starts programs in this order
+    section = launched // (SECTION * n_blocks)
+    first_pair = section * SECTION
+    pairs = tl.minimum(SECTION, tl.num_programs(1) - first_pair)  # the last section may hold fewer
+    within = launched - first_pair * n_blocks
+    rank = within // pairs
+    block = n_blocks - 1 - rank if HEAVY_LAST else rank
+    return block, first_pair + within % pairs
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -330,10 +351,10 @@ def _fwd_kernel(
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     if HEAVY_FIRST:
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        block, bh = _heavy_first_order(HEAVY_FIRST, True)
     else:
-        start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+        block, bh = tl.program_id(0), tl.program_id(1)
+    start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
     hk = h // GROUP
@@ -509,12 +530,15 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr,
+    TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    if HEAVY_FIRST:
+        block, bhk = _heavy_first_order(HEAVY_FIRST, False)
+    else:
+        block, bhk = tl.program_id(0), tl.program_id(1)
+    start_n = block * BLOCK_N
     b = bhk // HKV
     hk = bhk % HKV
     offs_j = tl.arange(0, BLOCK_N)
@@ -603,13 +627,16 @@ def _bwd_dq_kernel(
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WRITE_DELTA: tl.constexpr,
+    TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
     already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    if HEAVY_FIRST:
+        block, bh = _heavy_first_order(HEAVY_FIRST, True)
+    else:
+        block, bh = tl.program_id(0), tl.program_id(1)
+    start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
     hk = h // GROUP
@@ -785,10 +812,10 @@ def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfi
     cfg = config("fwd_causal" if causal else "fwd", q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, FwdConfig):
         cfg = FwdConfig(*cfg)
-    return cfg, dict(TMA=_use_tma(cfg, (q, k, v), tma), HEAVY_FIRST=bool(cfg.heavy_first and causal))
+    return cfg, dict(TMA=_use_tma(cfg, (q, k, v), tma), HEAVY_FIRST=int(cfg.heavy_first) if causal else 0)
 
 
-def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None) -> tuple[BwdConfig, dict]:
+def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False) -> tuple[BwdConfig, dict]:
     """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do); the
     dk/dv kernel's LSE_DELTA_TMA depends on lse and delta too: see lse_delta_variant.
 
@@ -796,7 +823,7 @@ def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None) -> tuple[BwdCon
     cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, BwdConfig):
         cfg = BwdConfig(*cfg)
-    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma))
+    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma), HEAVY_FIRST=cfg.heavy_first if causal else 0)
 
 
 def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
@@ -884,7 +911,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
     hkv, lk = k.shape[1], k.shape[2]
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, tma)
+    cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, tma, causal=causal)
     variant["LSE_DELTA_TMA"] = lse_delta_variant(cfg, lse, delta, variant["TMA"])
     if variant["TMA"]:
         _ensure_scratch_allocator()
@@ -913,7 +940,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
-    cfg, variant = backward_variant("dq", q, k, v, do, cfg, tma)
+    cfg, variant = backward_variant("dq", q, k, v, do, cfg, tma, causal=causal)
     if variant["TMA"]:
         _ensure_scratch_allocator()
     o_arg = q if o is None else o  # a stand-in, not read, without o

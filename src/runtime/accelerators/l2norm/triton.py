@@ -22,7 +22,7 @@ from ..triton_launch import direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _forward_kernel(
     x_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    STORE_RSTD: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -32,7 +32,8 @@ def _forward_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @direct_launch
@@ -55,15 +56,25 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, eps: float):
+    return _forward(x, eps, store_rstd=True)
+
+
+def infer(x: torch.Tensor, eps: float):
+    """Forward without autograd: rstd is neither allocated nor written."""
+    return _forward(x, eps, store_rstd=False)
+
+
+def _forward(x: torch.Tensor, eps: float, store_rstd: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
+    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
     _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, y, rstd, n_rows, width, stride_x, eps, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps
-    )
-    return y, rstd
+        x2, y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
+        STORE_RSTD=store_rstd, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    return (y, rstd) if store_rstd else (y,)
 
 
 def backward(dy, x, eps, y, rstd):
