@@ -32,7 +32,7 @@ from runtime.benchmark.timing import gpu_time_ms
 
 DTYPE = torch.bfloat16
 SHAPES = ["4x16x4096x128", "64x4x2048x48", "128x8x1024x32", "256x4x256x16"]
-SECTIONS = {"triton": (0, 1, 4, 8, 16), "tilelang": (0, 1, 8)}
+SECTIONS = {"triton": (0, 1, 4, 8, 16), "tilelang": (0, 4, 8)}
 ROW_LIMIT_S = 150
 
 

@@ -198,7 +198,9 @@ def describe(cfg: Fwd) -> str:
 
 def code(cfg: Fwd | Bwd) -> str:
     """FwdConfig(128, 128, 8, 3, tma=True): the flags that are set, as one would write it in the table."""
-    flags = "".join(f", {name}=True" for name in ("tma", "heavy_first", "lse_delta_tma") if getattr(cfg, name, False))
+    flags = "".join(
+        f", {name}={getattr(cfg, name)!r}" for name in ("tma", "heavy_first", "lse_delta_tma") if getattr(cfg, name, False)
+    )
     return f"{type(cfg).__name__}({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"
 
 

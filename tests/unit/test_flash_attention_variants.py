@@ -422,7 +422,7 @@ VARIANT_CASES = {
 @pytest.mark.slow
 def test_variants_compile_for_sm90(tmp_path):
     assert fa.config("fwd", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True)
-    assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True)
+    assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4)
     assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True)
     compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
     launches = compiled["flash_attention._fwd_kernel"]

@@ -24,17 +24,31 @@ def test_arguments_come_back_in_schema_order():
 
 
 def test_backward_that_reads_no_output_gets_none_and_the_output_is_not_saved(monkeypatch):
-    """bce (backward_reads_outputs=False): the loss is neither saved nor passed; the unit gradient is."""
-    logits, targets = torch.randn(6, requires_grad=True), torch.rand(6)
+    """bce (backward_reads_outputs=False): the loss is neither saved nor passed; the (here empty: targets need a
+    gradient) unit gradient is."""
+    logits, targets = torch.randn(6, requires_grad=True), torch.rand(6, requires_grad=True)
     received = []
     backward = bce_triton.backward
     monkeypatch.setattr(bce_triton, "backward", lambda *args: received.append(args) or backward(*args))
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
     saved = loss.grad_fn.saved_tensors
-    assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (6,)
-    torch.autograd.grad(loss, logits)
+    assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (0,)
+    torch.autograd.grad(loss, (logits, targets))
     *_, loss_, unit = received[0]
-    assert loss_ is None and unit.shape == (6,)
+    assert loss_ is None and unit.shape == (0,)
+
+
+def test_bce_gradient_from_the_forward_saves_that_gradient_alone(monkeypatch):
+    """Small eager bce calls whose logits alone need a gradient: one saved tensor, the forward's unit gradient,
+    scaled in backward without the kernel module's backward."""
+    logits, targets = torch.randn(2, 3, requires_grad=True), torch.rand(2, 3)
+    monkeypatch.setattr(bce_triton, "backward", lambda *args: pytest.fail("the module's backward ran"))
+    loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
+    (unit,) = loss.grad_fn.saved_tensors
+    assert unit.shape == (2, 3) and unit.dtype == torch.float32
+    (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(2.0))
+    expected = 2.0 * (torch.sigmoid(logits.detach()) - targets) / 6
+    torch.testing.assert_close(dlogits, expected)
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])

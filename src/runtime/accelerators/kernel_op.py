@@ -127,17 +127,10 @@ class KernelOp:
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
 
     def _apply_eagerly(self, backend: str, args):
-        """Function.apply without its Python layer, about 2 us per call: that layer binds default arguments
-        (forward has none) and unwraps dead functorch wrappers, done here for the tensor arguments. Under functorch
-        transforms the full apply runs. Returns what the op returns."""
+        """The backend's autograd.Function applied without its Python layer (about 2 us per call; apply_eagerly).
+        Returns what the op returns."""
         apply, function = self._eager.get(backend) or self._eager_function(backend)
-        if torch._C._are_functorch_transforms_active():
-            return function.apply(*args)
-        args = list(args)
-        for i in self.tensor_slots:
-            if args[i] is not None:
-                args[i] = _unwrap_if_dead(args[i])
-        return apply(*args)
+        return apply_eagerly(function, apply, args, self.tensor_slots)
 
     def _eager_function(self, backend: str) -> tuple:
         module = self.kernels(backend)
@@ -152,7 +145,7 @@ class KernelOp:
             "first_saved": first_saved, "unsaved": (None,) * first_saved,
         }  # fmt: skip
         function = type(f"{self.op}_{self.forward_name}_{backend}", (_EagerFunction,), attributes)
-        found = self._eager[backend] = super(torch.autograd.Function, function).apply, function  # what apply ends in
+        found = self._eager[backend] = c_apply(function), function
         return found
 
     def kernels(self, backend: str):
@@ -221,6 +214,24 @@ class _EagerFunction(torch.autograd.Function):
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def c_apply(function: type) -> Callable:
+    """What `function.apply` ends in, without its Python layer (see apply_eagerly)."""
+    return super(torch.autograd.Function, function).apply
+
+
+def apply_eagerly(function: type, apply: Callable, args, tensor_slots: tuple[int, ...]):
+    """function.apply(*args) through `apply` (c_apply(function)) where no functorch transform is active: the Python
+    layer binds default arguments (autograd.Functions here have none) and unwraps dead functorch wrappers, done
+    here for the arguments at tensor_slots."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    args = list(args)
+    for i in tensor_slots:
+        if args[i] is not None:
+            args[i] = _unwrap_if_dead(args[i])
+    return apply(*args)
 
 # helpers -------------------------------------------------------------------------------
 

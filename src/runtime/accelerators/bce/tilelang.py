@@ -298,7 +298,7 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
     if grad_in_forward:
-        return scale_unit_gradient(unit, grad, logits), None, None, None, None, None, None
+        return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None, None, None
     n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)

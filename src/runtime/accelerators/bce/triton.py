@@ -311,7 +311,7 @@ def _forward(logits, targets, weight, pos_weight, reduction, unit):
 
 def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
     if grad_in_forward:
-        return scale_unit_gradient(unit, grad, logits), None, None, None, None, None, None
+        return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None, None, None
     n = logits.numel()
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)

@@ -32,7 +32,8 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   the programs go block rank by block rank across its pairs (all heaviest blocks, then all next heaviest, ...;
   `_heavy_first_order`). 1 orders each pair on its own; a section of several pairs also keeps a pair's last, heavy
   programs from starting at the very end of the launch, while its pairs' tiles stay few enough to share the L2.
-The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at causal 32 and 128.
+The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
+(sections of 16) and 128 (4), forward and backward.
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
@@ -112,6 +113,11 @@ class BwdConfig(NamedTuple):
 # Session 23 (H100, forward+backward ms at (4,16,4096,128), sweep of branch fa-large-bwd): dk/dv at head dim 128
 # with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
 # tiles; 0.74x cuDNN), causal 2.755 against 2.799.
+# Causal heavy-first sections (scripts/fa_order_sweep.py, session 26, H100, bf16; the same section in the forward,
+# dk/dv and dq entries; forward / forward+backward ms, launch order -> chosen section): 4x16x4096x128 0.593 / 2.837 ->
+# 0.564 / 2.717 at 4 (per-pair heavy-first, the old forward entry: 0.590 / 2.824; 8 and 16 in between);
+# 64x4x2048x48 0.417 / 1.752 -> 0.409 / 1.700 at 16; 128x8x1024x32 and 256x4x256x16 fastest in launch order
+# (1.331 against 1.370-1.377, 0.136 against 0.138), so head dims 16 and 32 keep it.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -121,15 +127,15 @@ CONFIGS_16BIT = {
     },
     "fwd_causal": {
         16: FwdConfig(64, 64, 4, 3),
-        32: FwdConfig(64, 64, 4, 3, heavy_first=True),
-        64: FwdConfig(128, 64, 8, 4),
-        128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=True),
+        32: FwdConfig(64, 64, 4, 3),
+        64: FwdConfig(128, 64, 8, 4, heavy_first=16),
+        128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4),
     },
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
-        64: BwdConfig(32, 128, 4, 3, tma=True),
-        128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True),
+        64: BwdConfig(32, 128, 4, 3, tma=True, heavy_first=16),
+        128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
     "fused": {
@@ -141,8 +147,8 @@ CONFIGS_16BIT = {
     "dq": {
         16: BwdConfig(64, 64, 4, 3),
         32: BwdConfig(128, 32, 4, 4),
-        64: BwdConfig(64, 64, 4, 3),
-        128: BwdConfig(128, 64, 8, 3),
+        64: BwdConfig(64, 64, 4, 3, heavy_first=16),
+        128: BwdConfig(128, 64, 8, 3, heavy_first=4),
     },
 }
 # fp32 runs exact fp32 products (tf32 would miss the fp32 accuracy bound) with fewer registers per tile
