@@ -185,21 +185,3 @@ def test_backward_variants_against_float64(variant, case, _variants_compiled, mo
     if lengths:
         assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.equal(dk[0], torch.zeros_like(dk[0]))
     assert dq.stride() == torch.empty_like(q).stride()
-
-
-# causal programs in heavy-first sections (FwdConfig / BwdConfig.heavy_first) of 5 (batch, head) pairs: 15 query-head
-# pairs for the forward, 6 kv-head pairs for the backward, so that the last section is short in both
-SECTION_CASES = [(3, 5, 1, 700, 700, 128), (3, 2, 2, 333, 290, 48)]  # (B, H, Hkv, Lq, Lk, D)
-
-
-@pytest.mark.parametrize("case", SECTION_CASES, ids=lambda c: f"d{c[5]}")
-def test_heavy_first_sections_against_float64(case, monkeypatch):
-    from dataclasses import replace
-
-    b, h, hkv, lq, lk, d = case
-    monkeypatch.setitem(fa.FWD_CONFIGS, d, replace(fa.FWD_CONFIGS[d], heavy_first=5))
-    monkeypatch.setitem(fa.BWD_CONFIGS, d, replace(fa.BWD_CONFIGS[d], heavy_first=5))
-    q, k, v = make(b, h, hkv, lq, lk, d, bf16)
-    key_lengths = torch.tensor([lk, 0, lk // 2 + 1], device=CUDA)
-    out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend="tilelang")
-    check(out, q, k, v, bf16, causal=True, key_lengths=key_lengths)

@@ -50,7 +50,6 @@ class FwdConfig:
     # each step issues block k's QK^T and block k-1's PV together, then block k's softmax while PV runs on the
     # tensor cores (FlashAttention-3's overlap within a warpgroup)
     overlap: bool = False
-    heavy_first: int = 0  # causal: programs in heavy-first order, in sections of this many pairs (heavy_first_order)
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,6 @@ class BwdConfig:
     #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
     #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
     dq: str = "tma"
-    heavy_first: int = 0  # as FwdConfig's
 
     def __post_init__(self):
         if self.dq not in ("tma", "bulk"):
@@ -163,26 +161,8 @@ def _dropout_args(dropout_p: float) -> tuple[int, float]:
 # --------------------------------------------------------------------------- kernels
 
 
-def heavy_first_order(launch, n_blocks, heads, batch, section: int, heavy_last: bool):
-    """(block, head, batch index) of the program launched as `launch` (its grid indices over (n_blocks, heads,
-    batch)) in causal heavy-first order: the launch order runs through sections of `section` (batch, head) pairs,
-    and within a section through the block ranks, heaviest first, each across the section's pairs, so that no pair's
-    heavy programs start at the end of the launch. heavy_last: block n_blocks - 1 is the heaviest (the forward's query
-    blocks), else block 0 (the backward's key blocks). section 0: the launch order."""
-    lx, ly, lz = launch
-    if section == 0:
-        return lx, ly, lz
-    launched = (lz * heads + ly) * n_blocks + lx  # the hardware starts programs in this order
-    first_pair = launched // (section * n_blocks) * section
-    pairs = T.min(section, heads * batch - first_pair)  # the last section may hold fewer
-    within = launched - first_pair * n_blocks
-    rank = within // pairs
-    pair = first_pair + within % pairs
-    return (n_blocks - 1 - rank if heavy_last else rank), pair % heads, pair // heads
-
 def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig):
     bM, bN = cfg.block_m, cfg.block_n
-    section = cfg.heavy_first if causal else 0
     B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
@@ -234,8 +214,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         inv_keep: T.float32,
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as launch:
-            bx, by, bz = heavy_first_order(launch, T.ceildiv(Lq, bM), H, B, section, heavy_last=True)
+        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -352,7 +331,6 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     """Per key block of one kv head: loop over its query heads and query blocks, accumulating
     dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
     bN, bM = cfg.block_n, cfg.block_m
-    section = cfg.heavy_first if causal else 0
     split_k = dim * 2 not in (64, 128, 256)
     bulk = cfg.dq == "bulk"
     B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
@@ -447,8 +425,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         inv_keep: T.float32,
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as launch:
-            bx, by, bz = heavy_first_order(launch, T.ceildiv(Lk, bN), Hkv, B, section, heavy_last=False)
+        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
