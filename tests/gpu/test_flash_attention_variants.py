@@ -234,7 +234,7 @@ def test_dkdv_default_at_head_dim_128_through_the_public_api(case, lse_delta_tak
     serves flash_attention's backward: descriptors for lse and delta on Hopper where Lq % 4 == 0, pointer loads for
     them otherwise (odd Lq; before Hopper the whole kernel takes pointers); every gradient within the bf16 bound."""
     b, h, hkv, lq, lk, causal, lengths, layout = case
-    assert fa.config("dkdv", 128, torch.bfloat16) == Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    assert fa.config("dkdv", 128, torch.bfloat16) == Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
     q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, 128, torch.bfloat16, layout))
     key_lengths = lengths_for(b, lk) if lengths else None
     assert not fa.use_fused(q, k)
