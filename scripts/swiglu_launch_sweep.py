@@ -1,0 +1,65 @@
+"""Block sizes and warps of the Triton SwiGLU kernels at 8192 x 4096 bf16, beside torch.compile, on the GPU.
+
+    bash .device/gpu python scripts/swiglu_launch_sweep.py [--rounds 7]
+
+Each candidate launches runtime.accelerators.swiglu.triton's forward (and, for forward+backward, its backward after
+it) with one (block, warps) pair; torch.compile of silu(g) * u (static shapes, as a one-shape benchmark run compiles
+it) runs its forward, and its forward+backward through torch.autograd.grad. GPU time as the benchmark takes it
+(CUDA-graph replays, L2 flushed first), median over interleaved rounds (fastest round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerators.swiglu import triton as kernels
+from runtime.benchmark.timing import gpu_time_ms
+
+CANDIDATES = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (1024, 4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    g, u, dy = (torch.randn(8192, 4096, device=device, dtype=torch.bfloat16) for _ in range(3))
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
+    expect = F.silu(g.double()) * u.double()
+
+    def ours(block, warps, backward):
+        def run():
+            y = kernels.forward(g, u, block, warps)
+            return kernels.backward(dy, g, u, y, block, warps) if backward else y
+
+        return run
+
+    cases = {"torch.compile": (lambda: compiled(g, u), lambda: torch.autograd.grad(compiled(gr, ur), (gr, ur), dy))}
+    for block, warps in CANDIDATES:
+        label = f"block {block} x {warps} warps"
+        error = ((kernels.forward(g, u, block, warps).double() - expect).norm() / expect.norm()).item()
+        assert error < 1e-2, f"{label}: relative error {error:.1e}"
+        cases[label] = (ours(block, warps, False), ours(block, warps, True))
+    times = {label: ([], []) for label in cases}
+    with torch.no_grad():
+        compiled(g, u)
+    for _ in range(args.rounds):
+        for label, (forward, forward_backward) in cases.items():
+            with torch.no_grad():
+                times[label][0].append(1e3 * gpu_time_ms(forward, device)[0]["median"])
+            times[label][1].append(1e3 * gpu_time_ms(forward_backward, device)[0]["median"])
+    print(f"{torch.cuda.get_device_name()}, swiglu 8192x4096 bf16, GPU us: median of {args.rounds} rounds (fastest)")
+    for label, (fwd, fwd_bwd) in times.items():
+        print(
+            f"  {label:26s} fwd {statistics.median(fwd):7.2f} ({min(fwd):7.2f})"
+            f"  fwd+bwd {statistics.median(fwd_bwd):7.2f} ({min(fwd_bwd):7.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
