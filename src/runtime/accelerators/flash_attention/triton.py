@@ -829,7 +829,7 @@ def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False
     cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, BwdConfig):
         cfg = BwdConfig(*cfg)
-    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma), HEAVY_FIRST=cfg.heavy_first if causal else 0)
+    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma), HEAVY_FIRST=int(cfg.heavy_first) if causal else 0)
 
 
 def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
