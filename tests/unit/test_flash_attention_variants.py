@@ -314,7 +314,7 @@ def test_lse_delta_variant():
 def test_the_dkdv_table_reads_lse_and_delta_through_descriptors_at_head_dim_128(lse_delta_taken):
     """The 16-bit dk/dv entry at head dim 128 asks for descriptors, lse and delta included; under the interpreter
     (no TMA) the public op still takes pointer loads for all of them. Other head dims and fp32 do not ask."""
-    assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True)
+    assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
     assert fa.config("dkdv", 128, torch.bfloat16).lse_delta_tma
     assert not any(fa.config("dkdv", d, f16).lse_delta_tma for d in (16, 32, 48, 64))
     assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("dq", "fused")
