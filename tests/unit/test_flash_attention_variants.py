@@ -118,7 +118,7 @@ def test_plain_tuples_still_configure_the_forward():
 
 @triton.jit
 def _record_heavy_first_order(OUT, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    block, pair = fa._heavy_first_order(SECTION, HEAVY_LAST)
+    block, pair = fa._block_and_pair(SECTION, HEAVY_LAST)
     launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.store(OUT + 2 * launched, block)
     tl.store(OUT + 2 * launched + 1, pair)

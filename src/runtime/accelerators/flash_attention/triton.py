@@ -30,7 +30,7 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
 - heavy_first (causal): programs that visit the most blocks are scheduled first, so the short ones fill the last
   wave. The value is a section size: the (batch, head) pairs are taken heavy_first at a time, and within a section
   the programs go block rank by block rank across its pairs (all heaviest blocks, then all next heaviest, ...;
-  `_heavy_first_order`). 1 orders each pair on its own; a section of several pairs also keeps a pair's last, heavy
+  `_block_and_pair`). 1 orders each pair on its own; a section of several pairs also keeps a pair's last, heavy
   programs from starting at the very end of the launch, while its pairs' tiles stay few enough to share the L2.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
 (sections of 16) and 128 (4), forward and backward.
@@ -297,20 +297,23 @@ def _tile_once(
 
 
 @triton.jit
-def _heavy_first_order(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(block, pair) of this program on a (blocks, pairs) grid, in heavy-first order (see the module docstring):
-    the launch order runs through sections of SECTION pairs, and within a section through the block ranks, heaviest
-    first, each across the section's pairs. HEAVY_LAST: block n_blocks - 1 is the heaviest (the forward's and the dq
-    kernel's query blocks), else block 0 (the dk/dv kernel's key blocks)."""
-    n_blocks = tl.num_programs(0)
-    launched = tl.program_id(1) * n_blocks + tl.program_id(0)  # the hardware starts programs in this order
-    section = launched // (SECTION * n_blocks)
-    first_pair = section * SECTION
-    pairs = tl.minimum(SECTION, tl.num_programs(1) - first_pair)  # the last section may hold fewer
-    within = launched - first_pair * n_blocks
-    rank = within // pairs
-    block = n_blocks - 1 - rank if HEAVY_LAST else rank
-    return block, first_pair + within % pairs
+def _block_and_pair(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(block, pair) of this program on a (blocks, pairs) grid. SECTION 0: the launch order. Else heavy-first (see the
+    module docstring): the launch order runs through sections of SECTION pairs, and within a section through the
+    block ranks, heaviest first, each across the section's pairs. HEAVY_LAST: block n_blocks - 1 is the heaviest (the
+    forward's and the dq kernel's query blocks), else block 0 (the dk/dv kernel's key blocks)."""
+    if SECTION == 0:
+        block, pair = tl.program_id(0), tl.program_id(1)
+    else:
+        n_blocks = tl.num_programs(0)
+        launched = tl.program_id(1) * n_blocks + tl.program_id(0)  # the hardware starts programs in this order
+        first_pair = launched // (SECTION * n_blocks) * SECTION
+        pairs = tl.minimum(SECTION, tl.num_programs(1) - first_pair)  # the last section may hold fewer
+        within = launched - first_pair * n_blocks
+        rank = within // pairs
+        block = n_blocks - 1 - rank if HEAVY_LAST else rank
+        pair = first_pair + within % pairs
+    return block, pair
 
 
 # --------------------------------------------------------------------------- forward
@@ -356,10 +359,7 @@ def _fwd_kernel(
     TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    if HEAVY_FIRST:
-        block, bh = _heavy_first_order(HEAVY_FIRST, True)
-    else:
-        block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
@@ -540,10 +540,7 @@ def _bwd_dkdv_kernel(
 ):
     """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    if HEAVY_FIRST:
-        block, bhk = _heavy_first_order(HEAVY_FIRST, False)
-    else:
-        block, bhk = tl.program_id(0), tl.program_id(1)
+    block, bhk = _block_and_pair(HEAVY_FIRST, False)
     start_n = block * BLOCK_N
     b = bhk // HKV
     hk = bhk % HKV
@@ -638,10 +635,7 @@ def _bwd_dq_kernel(
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
     already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    if HEAVY_FIRST:
-        block, bh = _heavy_first_order(HEAVY_FIRST, True)
-    else:
-        block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
