@@ -9,6 +9,7 @@ import torch
 
 from runtime.benchmark import report
 from runtime.benchmark.cli import all_cases, main
+from runtime.benchmark.runner import Machine, merge_rounds
 
 
 def test_every_op_module_declares_cases():
@@ -94,3 +95,34 @@ def test_commit_label_says_when_the_tree_is_not_heads(tmp_path, monkeypatch):
     assert runner._commit() == f"{head}+modified"
     monkeypatch.setenv("TAAC_COMMIT", "abc1234")
     assert runner._commit() == "abc1234"
+
+
+def _timed_row(impl: str, gpu_median: float, eager: float, status: str = "ok") -> dict:
+    return {"op": "l2norm", "shape": "8x8", "dtype": "bfloat16", "mode": "fwd", "impl": impl, "kind": "backend",
+            "status": status, "eager_ms": eager, "bytes": 2e9, "peak_mem_mb": gpu_median,
+            "gpu_ms": {"median": gpu_median, "p20": gpu_median - 0.1, "p80": gpu_median + 0.1}}  # fmt: skip
+
+
+def test_rounds_merge_to_the_median_round_and_keep_failures():
+    machine = Machine(torch.device("cuda"), copy_tbs=2.0)
+    rounds = [
+        [_timed_row("triton", 1.0, 5.0), _timed_row("tilelang", 2.0, 1.0)],
+        [_timed_row("triton", 3.0, 4.0), _timed_row("tilelang", 2.0, 1.0, status="wrong")],
+        [_timed_row("triton", 2.0, 6.0), _timed_row("tilelang", 2.0, 1.0)],
+    ]
+    triton, tilelang = merge_rounds(rounds, machine)
+    assert triton["gpu_ms"] == {"median": 2.0, "p20": 1.9, "p80": 2.1} and triton["eager_ms"] == 5.0
+    assert triton["rounds"] == {"eager_ms": [5.0, 4.0, 6.0], "gpu_ms": [1.0, 3.0, 2.0]}
+    assert triton["tbs"] == pytest.approx(1.0) and triton["frac_copy"] == pytest.approx(0.5)  # at the merged median
+    assert triton["peak_mem_mb"] == 3.0
+    assert tilelang["status"] == "wrong"  # never averaged away
+    assert "2.0000 (1.9000-2.1000), 3 rounds 1.0000-3.0000" in report.row_cells(triton)[4]
+
+
+def test_cpu_run_in_rounds(tmp_path):
+    path = tmp_path / "rounds.json"
+    assert main(["--operator", "rms_norm", "--shape", "8192x128", "--device", "cpu", "--dtype", "float32",
+                 "--backends", "torch", "--mode", "fwd", "--no-peers", "--rounds", "2", "--json", str(path)]) == 0  # fmt: skip
+    (row,) = json.loads(path.read_text())["rows"]
+    assert len(row["rounds"]["eager_ms"]) == 2 and row["eager_ms"] > 0
+    assert main(["--operator", "rms_norm", "--rounds", "0", "--device", "cpu"]) == 2

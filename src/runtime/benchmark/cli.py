@@ -12,7 +12,7 @@ import torch
 
 from . import ops as ops_package
 from .case import Case
-from .runner import MODES, Machine, environment, run_case
+from .runner import MODES, Machine, environment, merge_rounds, run_case
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-peers", action="store_true", help="time only our backends")
     parser.add_argument("--json", help="write the results to this path")
     parser.add_argument("--list", action="store_true", help="list operators and shape presets")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="time every implementation of a case this many times, round after round, and report the median round "
+        "(for rows within a few tenths of a percent of each other)",
+    )
     parser.add_argument("--kernels", action="store_true", help="also profile each row's kernels (GPU time per call)")
     parser.add_argument("--dry-run", action="store_true", help="resolve the selection and print it, measure nothing")
     return parser.parse_args(argv)
@@ -77,6 +82,9 @@ def main(argv=None) -> int:
     if unknown:
         print(f"taac-benchmark: unknown backends {unknown}; expected torch, triton, tilelang", file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print(f"taac-benchmark: --rounds {args.rounds}: expected a count of at least 1", file=sys.stderr)
+        return 2
     modes = list(MODES) if args.mode == "both" else [args.mode]
     device = _device(args.device)
     if device is None:
@@ -96,7 +104,11 @@ def main(argv=None) -> int:
     }
     for case in selected:
         for mode in modes:
-            result["rows"] += run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine, args.kernels)
+            rounds = [
+                run_case(case, backends, not args.no_peers, DTYPES[args.dtype], mode, machine, args.kernels)
+                for _ in range(args.rounds)
+            ]
+            result["rows"] += rounds[0] if args.rounds == 1 else merge_rounds(rounds, machine)
             if args.json:  # after every case: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)

@@ -17,6 +17,9 @@ COLUMNS = ("shape", "mode", "impl", "status", "GPU ms (p20-p80)", "eager ms", "T
 def row_cells(row: dict) -> list[str]:
     gpu = row.get("gpu_ms")
     gpu_cell = f"{gpu['median']:.4f} ({gpu['p20']:.4f}-{gpu['p80']:.4f})" if gpu else ""
+    round_medians = (row.get("rounds") or {}).get("gpu_ms")
+    if round_medians:
+        gpu_cell += f", {len(round_medians)} rounds {min(round_medians):.4f}-{max(round_medians):.4f}"
     errors = row.get("errors") or {}
     status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
     return [

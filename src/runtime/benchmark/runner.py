@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 from dataclasses import dataclass
 from typing import Callable
@@ -135,19 +136,49 @@ def measure(
         row.update(gpu_ms=times, graph=captured, peak_mem_mb=timing.peak_memory_mb(run, device))
         if kernels:
             row["kernels"] = timing.kernel_breakdown(run)
-        seconds = times["median"] * 1e-3
         passes = ["fwd"] if mode == "fwd" else ["fwd", "bwd"]
         if case.bytes is not None:
-            moved = sum(case.bytes(inputs, p) for p in passes)
-            row.update(bytes=moved, tbs=moved / seconds / 1e12)
-            if machine.copy_tbs:
-                row["frac_copy"] = row["tbs"] / machine.copy_tbs
+            row["bytes"] = sum(case.bytes(inputs, p) for p in passes)
         if case.flops is not None:
-            flops = sum(case.flops(inputs, p) for p in passes)
-            row.update(flops=flops, tflops=flops / seconds / 1e12)
-            if machine.matmul_tflops:
-                row["frac_matmul"] = row["tflops"] / machine.matmul_tflops
+            row["flops"] = sum(case.flops(inputs, p) for p in passes)
+        _add_rates(row, machine)
     return row
+
+
+def _add_rates(row: dict, machine: Machine) -> None:
+    """TB/s and TFLOP/s at the row's median GPU time, and their fractions of the run's copy and matmul rates."""
+    seconds = row["gpu_ms"]["median"] * 1e-3
+    if "bytes" in row:
+        row["tbs"] = row["bytes"] / seconds / 1e12
+        if machine.copy_tbs:
+            row["frac_copy"] = row["tbs"] / machine.copy_tbs
+    if "flops" in row:
+        row["tflops"] = row["flops"] / seconds / 1e12
+        if machine.matmul_tflops:
+            row["frac_matmul"] = row["tflops"] / machine.matmul_tflops
+
+
+def merge_rounds(rounds: list[list[dict]], machine: Machine) -> list[dict]:
+    """One row per implementation from several rounds of the same case (each round times every implementation once,
+    so slow drifts of clock or memory speed fall on all of them alike): the first round's row, with the median over
+    rounds of each timing and the per-round medians under "rounds". A row that is not ok in some round is that
+    round's row (an error or a wrong result is reported, never averaged away)."""
+    merged = []
+    for rows in zip(*rounds):
+        failed = [r for r in rows if r["status"] != "ok"]
+        if failed:
+            merged.append(failed[0])
+            continue
+        row = dict(rows[0])
+        row["rounds"] = {"eager_ms": [r["eager_ms"] for r in rows]}
+        row["eager_ms"] = statistics.median(row["rounds"]["eager_ms"])
+        if "gpu_ms" in row:
+            row["rounds"]["gpu_ms"] = [r["gpu_ms"]["median"] for r in rows]
+            row["gpu_ms"] = {q: statistics.median(r["gpu_ms"][q] for r in rows) for q in ("median", "p20", "p80")}
+            row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in rows)
+            _add_rates(row, machine)
+        merged.append(row)
+    return merged
 
 
 def run_case(
