@@ -15,10 +15,11 @@ dim and runs the public flash_attention(backend="triton"), as a model would. It 
 math backend in float32 (relative RMS error within the bf16 bound of runtime.accelerators.testing, outputs poisoned
 with NaN beforehand), then timed as `python -m runtime.benchmark` times GPU time (CUDA-graph replays, L2 flushed
 before each, median ms). "path" is what the launcher really ran: tma (descriptor loads, CUDA capability >= 9.0
-only) or ptr, plus heavy (causal, last query blocks first). "x cuDNN" is cuDNN's time over the row's (>= 1: faster
-than cuDNN). regs/spill: registers per thread and spilled bytes of the compiled kernel. A row that fails to compile
-or misses the bound is reported and left out; one that runs past ROW_LIMIT_S (a hung kernel) ends the script. The
-script ends with the fastest config per table entry.
+only) or ptr, plus heavy (causal, last query blocks first) and split (split_d: the head dim as two column parts, not
+padded; the default at 64x4x2048x48 since session 27, beside "padded" rows of the same tiles). "x cuDNN" is cuDNN's time over the
+row's (>= 1: faster than cuDNN). regs/spill: registers per thread and spilled bytes of the compiled kernel. A row
+that fails to compile or misses the bound is reported and left out; one that runs past ROW_LIMIT_S (a hung kernel)
+ends the script. The script ends with the fastest config per table entry.
 
 "default" is the table's entry as imported: since session 14 (H100) the TMA winners of this sweep, at (4,16,4096,128)
 tma 0.983 ms (pointer 1.136, cuDNN 0.865), causal tma+heavy 0.596 ms (pointer 0.664, cuDNN 0.486); the other rows
@@ -77,10 +78,16 @@ SWEEP = [
         "ptr": Fwd(128, 64, 8, 4),
         "tma 3st": Fwd(128, 64, 8, 3, tma=True),
         "tma n128": Fwd(128, 128, 8, 3, tma=True),
+        # the default splits the head dim (32 + 16 columns, split_d); the padded entry it replaced (session 27)
+        "padded tma": Fwd(128, 64, 8, 4, tma=True),
+        "split 3st": Fwd(128, 64, 8, 3, split_d=True),
     }),
     ((64, 4, 2048, 48), True, {
         "heavy": Fwd(128, 64, 8, 4, heavy_first=True),
         "tma heavy": Fwd(128, 64, 8, 4, tma=True, heavy_first=True),
+        "tma heavy16": Fwd(128, 64, 8, 4, tma=True, heavy_first=16),
+        "padded h16": Fwd(128, 64, 8, 4, heavy_first=16),
+        "split h16 3st": Fwd(128, 64, 8, 3, heavy_first=16, split_d=True),
     }),
     ((128, 8, 1024, 32), False, {
         "tma": Fwd(64, 64, 4, 3, tma=True),
@@ -199,13 +206,16 @@ def describe(cfg: Fwd) -> str:
 def code(cfg: Fwd | Bwd) -> str:
     """FwdConfig(128, 128, 8, 3, tma=True): the flags that are set, as one would write it in the table."""
     flags = "".join(
-        f", {name}={getattr(cfg, name)!r}" for name in ("tma", "heavy_first", "lse_delta_tma") if getattr(cfg, name, False)
+        f", {name}={getattr(cfg, name)!r}"
+        for name in ("tma", "heavy_first", "lse_delta_tma", "split_d")
+        if getattr(cfg, name, False)
     )
     return f"{type(cfg).__name__}({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"
 
 
 def path(flags: dict) -> str:
-    return ("tma" if flags["TMA"] else "ptr") + (" heavy" if flags["HEAVY_FIRST"] else "")
+    route = ("tma" if flags["TMA"] else "ptr") + (" heavy" if flags["HEAVY_FIRST"] else "")
+    return route + (" split" if flags["D_HI"] else "")
 
 
 def flops(shape, causal: bool) -> float:
@@ -254,12 +264,12 @@ class Sweep:
         self.default_ms: dict[tuple[bool, int], float] = {}
         self.cases: dict[tuple, tuple] = {}
         print(f"{torch.cuda.get_device_name(device)}, {DTYPE}, forward only")
-        print(f"{'shape':<20}{'causal':<7}{'variant':<15}{'config':<17}{'path':<14}{'ms':>8}{'TFLOP/s':>9}{'x cuDNN':>8}"
+        print(f"{'shape':<20}{'causal':<7}{'variant':<15}{'config':<17}{'path':<16}{'ms':>8}{'TFLOP/s':>9}{'x cuDNN':>8}"
               f"{'error':>10}{'regs/spill':>11}{'at s':>6}")  # fmt: skip
 
     def row(self, shape, causal, label, config, route, ms, flops, cudnn_ms, error, resources) -> None:
         name = "x".join(map(str, shape))
-        print(f"{name:<20}{str(causal):<7}{label:<15}{config:<17}{route:<14}{ms:8.3f}{flops / ms / 1e9:9.0f}"
+        print(f"{name:<20}{str(causal):<7}{label:<15}{config:<17}{route:<16}{ms:8.3f}{flops / ms / 1e9:9.0f}"
               f"{cudnn_ms / ms:8.2f}{error:10.1e}{resources:>11}{time.perf_counter() - self.start:6.0f}")  # fmt: skip
 
     def inputs(self, shape, causal: bool):

@@ -1,7 +1,7 @@
 """The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
-loads, heavy-first causal order) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and
-delta through descriptors in the dk/dv kernel), each forced at a few shapes whatever the tables say, and TMA table
-entries through the public API."""
+loads, heavy-first causal order, the head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in
+the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel), each forced at a few shapes whatever
+the tables say, and TMA table entries through the public API."""
 
 import pytest
 import torch
@@ -78,16 +78,98 @@ def test_heavy_first_pointer_forward():
 
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, False), (48, False)])
 def test_table_variant_through_the_public_api(d, causal):
-    """The tables' TMA entries (as shipped) serve flash_attention on Hopper; the backward reads their lse."""
+    """The tables' TMA entries (as shipped) serve flash_attention on Hopper, except at head dim 48, which their
+    split_d holds as 32 + 16 columns through pointers; the backward reads their lse."""
     assert fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16).tma
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
-    assert fa.forward_variant(q, k, v, causal)[1]["TMA"] == hopper()
+    variant = fa.forward_variant(q, k, v, causal)[1]
+    assert variant["TMA"] == (hopper() and d != 48) and variant["D_HI"] == (16 if d == 48 else 0)
     out = flash_attention(q, k, v, causal=causal, backend="triton")
     ref = attention_float64(q, k, v, causal=causal)
     assert_close("o", out, ref, RTOL[torch.bfloat16])
     do = torch.randn_like(out)
     grads, grads_ref = torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.double())
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- the head dim in two parts (split_d)
+
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, config): S64 holds the 16-bit table's head-dim-64 entry (the
+# causal entry adds heavy_first=16), S128 head dim 128's tiles; a split forward loads through pointers, tma or not
+S64 = Fwd(128, 64, 8, 4, tma=True, split_d=True)
+S128 = Fwd(128, 128, 8, 3, tma=True, split_d=True)
+SPLIT_CASES = [
+    (3, 2, 2, 63, 200, 48, False, True, torch.bfloat16, "bhld", S64),
+    (2, 8, 4, 200, 63, 48, True, True, torch.float16, "blhd", S64._replace(tma=False, heavy_first=16)),
+    (3, 4, 1, 1000, 1000, 48, True, False, torch.bfloat16, "bhld", S64._replace(heavy_first=5)),
+    (2, 4, 2, 200, 200, 48, False, False, torch.float16, "blhd", S64),
+    (2, 4, 2, 333, 500, 80, True, True, torch.bfloat16, "blhd", S128._replace(heavy_first=4)),
+    (2, 4, 2, 500, 333, 96, False, True, torch.bfloat16, "bhld", Fwd(128, 64, 8, 3, split_d=True)),
+]  # fmt: skip
+SPLIT_IDS = [
+    "d48-lengths-lq<lk", "d48-fp16-causal-lengths-gqa-lq>lk-view-heavy", "d48-causal-mqa-sections",
+    "d48-fp16-gqa-view", "d80-causal-lengths-gqa-view", "d96-lengths-lq>lk",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_forward(case):
+    """The head dim as two column parts (FwdConfig.split_d), forced: float64's output, zeros and lse = +inf where no
+    key is visible, and the padded kernel's lse (the backward reads it)."""
+    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, cfg = case
+    q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
+    key_lengths = lengths_for(b, lk) if lengths else None
+    expected = attention_float64(q, k, v, causal=causal, key_lengths=key_lengths)
+    if key_lengths is not None:  # keys past a length are never read: NaN there changes nothing
+        for i, n in enumerate(key_lengths.tolist()):
+            k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+    variant = fa.forward_variant(q, k, v, causal, cfg)[1]
+    assert variant["D_HI"] == fa.split_head_dim(d)[1] > 0 and not variant["TMA"]
+    with poison_outputs():
+        o, lse = fa.forward(q, k, v, key_lengths, causal, d**-0.5, 0.0, 0, cfg=cfg)
+        o_pad, lse_pad = fa.forward(q, k, v, key_lengths, causal, d**-0.5, 0.0, 0, cfg=cfg._replace(split_d=False))
+    assert_close("o", o, expected, RTOL[dtype])
+    assert_close("o against the padded kernel", o, o_pad, RTOL[dtype])
+    assert_close("lse against the padded kernel", lse.nan_to_num(posinf=0.0), lse_pad.nan_to_num(posinf=0.0), 1e-6)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_pad))
+    if key_lengths is not None and key_lengths[0] == 0:
+        assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_forward_through_the_public_api(causal):
+    """The table's head-dim-64 entry (split_d) serves flash_attention at head dim 48; the (padded) backward reads its
+    lse: every gradient within the bf16 bound of float64."""
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 48, torch.bfloat16, "blhd"))
+    key_lengths = lengths_for(2, 500)
+    variant = fa.forward_variant(q, k, v, causal)[1]
+    assert variant["D_HI"] == 16 and not variant["TMA"]
+    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend="triton")
+    assert_close("o", out, attention_float64(q, k, v, causal=causal, key_lengths=key_lengths), RTOL[torch.bfloat16])
+    do = torch.randn_like(out)
+    with poison_outputs():
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+def test_split_forward_dropout():
+    """Dropout in the split forward: the kernels' keep mask (float64 under it), and the
+    backward from its o and lse within the bf16 gradient bound."""
+    b, h, hkv, length, d, p = 2, 4, 2, 300, 48, 0.1
+    q, k, v = make(b, h, hkv, length, length, d, torch.bfloat16, "bhld")
+    do = torch.randn_like(q)
+    args = (q, k, v, None, True, d**-0.5, p, 1234)
+    with poison_outputs():
+        o, lse = fa.forward(*args, cfg=Fwd(128, 64, 8, 4, tma=True, split_d=True))
+    keep = fa.dropout_keep_mask(1234, b, h, length, length, p, q.device)
+    inputs = [x.double().requires_grad_() for x in (q, k, v)]
+    expected = attention_float64(*inputs, causal=True, keep=keep, dropout_p=p)
+    assert_close("o", o, expected, RTOL[torch.bfloat16])
+    with poison_outputs():
+        grads = fa.backward(do, *args, o, lse)[:3]
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 
 

@@ -1,6 +1,6 @@
-"""The variants of the Triton flash attention: forward (FwdConfig: TMA descriptor loads, heavy-first causal order) and
-backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv
-kernel).
+"""The variants of the Triton flash attention: forward (FwdConfig: TMA descriptor loads, heavy-first causal order, the
+head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and delta
+through descriptors in the dk/dv kernel).
 Under the interpreter the descriptor path runs only when forced (tma=True), never from the tables (whose 16-bit
 forward entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
 test_triton_compile_sm90.py does for the tables' pointer path (and, for the backward, its attention_tma_backward
@@ -91,8 +91,8 @@ def test_the_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd"], 16, variant)
     monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 16, variant)
     q, k, v = make(2, 2, 1, 40, 37, 16)
-    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=0)
-    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=1)
+    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=1, D_HI=0)
     for causal in (False, True):
         out = flash_attention(q, k, v, causal=causal, backend="triton")
         assert_close("o", out, attention_float64(q, k, v, causal=causal), RTOL[f16])
@@ -151,6 +151,104 @@ def test_heavy_first_sections_forward_and_backward():
     assert fa.backward_variant("dq", q, k, v, do, cfg)[1]["HEAVY_FIRST"] == 0  # not causal: launch order
     grads = run_backward(q, k, v, do, [40, 29], True, cfg, tma=False)
     assert_gradients(grads, q, k, v, do, [40, 29], True)
+
+
+# --------------------------------------------------------------------------- the head dim in two parts (split_d)
+
+
+def test_split_head_dim():
+    """Head dims that split (no power of two; a power of two >= 16 left over past the largest power of two below) and
+    those that stay padded; forward_variant splits only where the config asks and the head dim splits; the 16-bit
+    forward tables ask at head dim 64's entries (which head dim 48 takes)."""
+    expected = {48: (32, 16), 80: (64, 16), 96: (64, 32), 24: (32, 0), 40: (64, 0), 56: (64, 0), 112: (128, 0)}
+    expected |= {d: (max(16, d), 0) for d in (8, 16, 32, 64, 128)}
+    assert {d: fa.split_head_dim(d) for d in expected} == expected
+    for d, d_hi in ((48, 16), (96, 32), (64, 0), (40, 0)):
+        q, k, v = make(1, 2, 2, 8, 8, d)
+        assert fa.forward_variant(q, k, v, True, FwdConfig(16, 16, 4, 2, split_d=True))[1]["D_HI"] == d_hi
+        assert fa.forward_variant(q, k, v, True, FwdConfig(16, 16, 4, 2))[1]["D_HI"] == 0
+    asking = {(id(table), kind, d) for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("fwd", "fwd_causal")
+              for d, cfg in table[kind].items() if cfg.split_d}  # fmt: skip
+    assert asking == {(id(fa.CONFIGS_16BIT), kind, 64) for kind in ("fwd", "fwd_causal")}  # the 16-bit tables at 48
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, cfg",
+    [
+        (2, 4, 2, 70, 45, 48, True, [45, 0], FwdConfig(32, 16, 4, 2, heavy_first=3, split_d=True)),
+        (1, 2, 2, 37, 50, 48, False, None, FwdConfig(16, 32, 4, 2, split_d=True)),
+        (2, 2, 1, 33, 40, 80, False, [40, 17], FwdConfig(16, 16, 4, 2, split_d=True)),
+        (1, 2, 1, 20, 30, 96, True, None, FwdConfig(16, 16, 4, 2, split_d=True)),
+    ],
+    ids=["causal-gqa-d48-lengths-empty-heavy", "d48-lq<lk", "mqa-d80-lengths", "causal-d96-lq<lk"],
+)  # fmt: skip
+def test_split_forward(b, h, hkv, lq, lk, d, causal, lengths, cfg):
+    """The head dim as two column parts: float64's output, the padded kernel's lse (to fp32 rounding: its dots add
+    zero columns, in another order) and output. Descriptors asked for (tma forced) are not taken: split loads take
+    pointers."""
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    expected = attention_float64(q, k, v, causal=causal, key_lengths=torch.tensor(lengths) if lengths else None)
+    for i, length in enumerate(lengths or []):  # keys past a length are never read: NaN there changes nothing
+        k[i, :, length:], v[i, :, length:] = float("nan"), float("nan")
+    variant = fa.forward_variant(q, k, v, causal, cfg._replace(tma=True), tma=True)[1]
+    assert not variant["TMA"] and variant["D_HI"] == fa.split_head_dim(d)[1] > 0
+    o, lse = run_forward(q, k, v, lengths, causal, cfg._replace(tma=True), tma=True)
+    assert_close("o", o, expected, RTOL[f16])
+    o_pad, lse_pad = run_forward(q, k, v, lengths, causal, cfg._replace(split_d=False), tma=False)
+    assert_close("o against the padded kernel", o, o_pad, 1e-3)
+    torch.testing.assert_close(lse, lse_pad, rtol=1e-6, atol=1e-6)  # +inf at the same rows
+    for i, length in enumerate(lengths or []):
+        if length == 0:  # no visible key: zeros, lse = +inf
+            assert torch.equal(o[i], torch.zeros_like(o[i])) and torch.isinf(lse[i]).all()
+
+
+def test_split_forward_reads_strided_views():
+    b, lq, lk, h, d = 2, 21, 19, 4, 48
+    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
+    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)  # k and v interleaved in one buffer
+    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    cfg = FwdConfig(16, 16, 4, 2, split_d=True)
+    assert fa.forward_variant(q, k, v, True, cfg)[1] == dict(TMA=False, HEAVY_FIRST=0, D_HI=16)
+    o, _ = run_forward(q, k, v, [19, 7], True, cfg, tma=None)
+    assert_close("o", o, attention_float64(q, k, v, causal=True, key_lengths=torch.tensor([19, 7])), RTOL[f16])
+
+
+def test_split_forward_dropout_and_backward():
+    """Dropout in the split forward: the padded kernel's draws (its output, and float64's under the kernels' keep
+    mask), and the (padded) backward from its o and lse gives float64's gradients."""
+    q, k, v = make(2, 4, 2, 40, 37, 48)
+    do = torch.randn_like(q)
+    lengths, dropout_p = [37, 20], 0.2
+    args = (q, k, v, torch.tensor(lengths, dtype=torch.int32), True, 48**-0.5, dropout_p, 1234)
+    split, padded = FwdConfig(16, 16, 4, 2, split_d=True), FwdConfig(16, 16, 4, 2)
+    with poison_outputs():
+        o, lse = fa.forward(*args, cfg=split)
+        o_pad, _ = fa.forward(*args, cfg=padded)
+    assert_close("o against the padded kernel", o, o_pad, 1e-3)
+    keep = fa.dropout_keep_mask(1234, 2, 4, 40, 37, dropout_p, q.device)
+    key_lengths = torch.tensor(lengths)
+    expected = attention_float64(q, k, v, causal=True, key_lengths=key_lengths, keep=keep, dropout_p=dropout_p)
+    assert_close("o", o, expected, RTOL[f16])
+    with poison_outputs():
+        grads = fa.backward(do, *args, o, lse)[:3]
+    assert_gradients(grads, q, k, v, do, lengths, True, dropout_p)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_forward_through_the_public_op(monkeypatch, causal):
+    """A table entry with split_d serves flash_attention at head dim 48 (padded entry 64); its backward reads the split
+    forward's lse: float64's gradients (GQA, a key length, a row of no visible key)."""
+    kind = "fwd_causal" if causal else "fwd"
+    monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
+    taken, real = [], fa.forward_variant
+    monkeypatch.setattr(fa, "forward_variant", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 37, 48))
+    do = torch.randn_like(q)
+    lengths = [37, 0] if causal else [37, 9]
+    out = flash_attention(q, k, v, causal=causal, key_lengths=torch.tensor(lengths), backend="triton")
+    assert [variant["D_HI"] for _, variant in taken] == [16]
+    assert_close("o", out, attention_float64(q, k, v, causal=causal, key_lengths=torch.tensor(lengths)), RTOL[f16])
+    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, lengths, causal)
 
 
 # --------------------------------------------------------------------------- backward
@@ -405,8 +503,10 @@ def _variant_launch(d, causal, lengths, cfg):
 
 
 def _table_launch(d, causal, lengths):
-    """The 16-bit table's own entry (TMA forced on: the interpreter would take the pointer path)."""
-    return _variant_launch(d, causal, lengths, fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16))
+    """The 16-bit table's own entry (TMA forced on: the interpreter would take the pointer path), padded where the
+    head dim would split (split loads take pointers)."""
+    cfg = fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16)
+    return _variant_launch(d, causal, lengths, cfg._replace(split_d=False))
 
 
 VARIANT_CASES = {
@@ -423,7 +523,7 @@ VARIANT_CASES = {
 def test_variants_compile_for_sm90(tmp_path):
     assert fa.config("fwd", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True)
     assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4)
-    assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True)
+    assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True, split_d=True)
     compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
     launches = compiled["flash_attention._fwd_kernel"]
     assert {launch["case"] for launch, _ in launches} == set(VARIANT_CASES)

@@ -244,6 +244,25 @@ def attention_lse_delta_tma():
         fa_triton.backward_dkdv(do, *args, lse, fa_triton.backward_preprocess(o, do), cfg=cfg, tma=True)
 
 
+def attention_split_d():
+    """The forward holding a head dim as two column parts (FwdConfig.split_d, pointer loads) at the 16-bit table's
+    tiles (the causal entry with its heavy_first), beside the padded forward through descriptors at the same tiles:
+    48 = 32 + 16, causal and not; 80 = 64 + 16 with key lengths and dropout; 96 = 64 + 32 causal (split only)."""
+    b, h, hkv, length = 2, 4, 2, 200
+    for head_dim, causal, lengths, dropout_p, padded in (
+        (48, False, None, 0.0, True), (48, True, None, 0.0, True), (80, True, [length, 77], 0.1, False),
+        (96, True, None, 0.0, False),
+    ):  # fmt: skip
+        q = torch.randn(b, h, length, head_dim).to(bf16)
+        k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
+        key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
+        cfg = fa_triton.config("fwd_causal" if causal else "fwd", head_dim, bf16)
+        args = (q, k, v, key_lengths, causal, head_dim**-0.5, dropout_p, 1234)
+        fa_triton.forward(*args, cfg=cfg._replace(split_d=True))
+        if padded:
+            fa_triton.forward(*args, cfg=cfg._replace(split_d=False), tma=True)
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -329,6 +348,7 @@ CASES = {
     "attention_fused_backward": attention_fused_backward,
     "attention_delta_in_dq": attention_delta_in_dq,
     "attention_lse_delta_tma": attention_lse_delta_tma,
+    "attention_split_d": attention_split_d,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -458,6 +478,17 @@ def test_the_dkdv_kernel_compiles_reading_lse_and_delta_through_descriptors(comp
     variants = {(c["HEAD_DIM"], c["TMA"], c["LSE_DELTA_TMA"]) for c in launches}
     assert {(128, True, True), (128, True, False), (48, True, True)} <= variants
     assert not any(c["LSE_DELTA_TMA"] and not c["TMA"] for c in launches)
+
+
+def test_the_forward_compiles_split_head_dims(compiled):
+    """attention_split_d compiles the forward with the head dim as two column parts (D_HI > 0, pointer loads: 48, 80
+    and 96) beside the padded forward through descriptors at head dim 48."""
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._fwd_kernel"]]
+    split = {(c["HEAD_DIM"], c["BLOCK_D"], c["D_HI"], c["TMA"], c["CAUSAL"]) for c in launches if c["D_HI"]}
+    expected = {(48, 32, 16, False, causal) for causal in (False, True)}
+    assert expected | {(80, 64, 16, False, True), (96, 64, 32, False, True)} == split
+    padded = {(c["HEAD_DIM"], c["BLOCK_D"], c["TMA"]) for c in launches if not c["D_HI"]}
+    assert (48, 64, True) in padded
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -32,8 +32,16 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   the programs go block rank by block rank across its pairs (all heaviest blocks, then all next heaviest, ...;
   `_block_and_pair`). 1 orders each pair on its own; a section of several pairs also keeps a pair's last, heavy
   programs from starting at the very end of the launch, while its pairs' tiles stay few enough to share the L2.
+- split_d: a head dim D that is no power of two but D_LO + D_HI, D_LO the largest power of two below it and D_HI a
+  power of two >= 16 (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32; split_head_dim), is not zero-padded to the next
+  power of two (48 -> 64 wastes a quarter of the products) but held as two column parts (Triton's blocks are powers
+  of two): every [rows, D] tile as [rows, D_LO] and [rows, D_HI] tiles, Q K^T as two dots into one accumulator, P V
+  into two. It loads through pointers whatever tma says: with two descriptors per tensor (blocks of D_LO and D_HI
+  columns) the split forward took 14-25% longer on an H100 (session 27: four loads, each with its barrier, per key
+  block). Forward only: the backward kernels stay padded and read the same lse. Other head dims, and configs
+  without it, take the padded kernel.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
-(sections of 16) and 128 (4), forward and backward.
+(sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 (so head dim 48 splits).
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
@@ -82,6 +90,7 @@ class FwdConfig(NamedTuple):
     num_stages: int
     tma: bool = False
     heavy_first: int = 0  # causal: a section size (see the module docstring); 0 keeps the launch order
+    split_d: bool = False  # a head dim that splits (split_head_dim) held as two column parts, not padded
 
 
 class BwdConfig(NamedTuple):
@@ -118,17 +127,20 @@ class BwdConfig(NamedTuple):
 # 0.564 / 2.717 at 4 (per-pair heavy-first, the old forward entry: 0.590 / 2.824; 8 and 16 in between);
 # 64x4x2048x48 0.417 / 1.752 -> 0.409 / 1.700 at 16; 128x8x1024x32 and 256x4x256x16 fastest in launch order
 # (1.331 against 1.370-1.377, 0.136 against 0.138), so head dims 16 and 32 keep it.
+# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (scripts/fa_sweep.py fwd --only 64x4x2048x48,
+# session 27, H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
+# against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
         32: FwdConfig(64, 64, 4, 3),
-        64: FwdConfig(128, 64, 8, 4, tma=True),
+        64: FwdConfig(128, 64, 8, 4, tma=True, split_d=True),
         128: FwdConfig(128, 128, 8, 3, tma=True),
     },
     "fwd_causal": {
         16: FwdConfig(64, 64, 4, 3),
         32: FwdConfig(64, 64, 4, 3),
-        64: FwdConfig(128, 64, 8, 4, heavy_first=16),
+        64: FwdConfig(128, 64, 8, 4, heavy_first=16, split_d=True),
         128: FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4),
     },
     "dkdv": {
@@ -178,6 +190,17 @@ DELTA_IN_DQ = True
 
 def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(D_LO, D_HI) of a head dim the forward can hold as two column parts (FwdConfig.split_d): one that is no power
+    of two, D_LO the largest power of two below it and D_HI = head_dim - D_LO a power of two >= 16 (48 = 32 + 16,
+    80 = 64 + 16, 96 = 64 + 32); any other: (block_d(head_dim), 0), one zero-padded part."""
+    lo = next_power_of_2(head_dim) // 2
+    hi = head_dim - lo
+    if head_dim & (head_dim - 1) and hi >= 16 and hi & (hi - 1) == 0:
+        return lo, hi
+    return block_d(head_dim), 0
 
 
 def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple:
@@ -321,16 +344,20 @@ def _block_and_pair(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
 
 @triton.jit
 def _fwd_block(
-    acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-    qk_scale, dropout_p, seed, bh,
+    acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
+    kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, D_HI: tl.constexpr,
 ):
-    """One key block into the online softmax; k_src/v_src: _rows_src sources of kv_len rows."""
+    """One key block into the online softmax; k_src/v_src: _rows_src sources of kv_len rows. D_HI > 0: the head
+    dim's second column part too (the *_hi tiles, sources and offs_hi: see _fwd_kernel); else those are not read."""
     cols = start_n + offs_n
     k = _tile(k_src, start_n, skn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     v = _tile(v_src, start_n, svn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        k_hi = _tile(k_hi_src, start_n, skn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=DOT_PRECISION)
     if MASK:
         visible = cols[None, :] < kv_len
         if CAUSAL:
@@ -342,10 +369,15 @@ def _fwd_block(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if D_HI > 0:
+        acc_hi = acc_hi * alpha[:, None]
     if DROPOUT:
         p = tl.where(_keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p), p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    if D_HI > 0:
+        v_hi = _tile(v_hi_src, start_n, svn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
+        acc_hi = tl.dot(p.to(v.dtype), v_hi, acc_hi, input_precision=DOT_PRECISION)
+    return acc, acc_hi, l_i, m_new
 
 
 @direct_launch
@@ -356,9 +388,13 @@ def _fwd_kernel(
     H, GROUP, LQ, LK, qk_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
 ):
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    """One query block. D_HI > 0 (split_d): every [rows, HEAD_DIM] tile is held as two column parts, [0, BLOCK_D)
+    and [BLOCK_D, HEAD_DIM) of D_HI columns (powers of two both, HEAD_DIM = BLOCK_D + D_HI), read through pointers;
+    D_HI = 0: one part of BLOCK_D columns, zero past HEAD_DIM."""
+    tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
@@ -388,15 +424,25 @@ def _fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
+        offs_hi = BLOCK_D + tl.arange(0, D_HI)
+        q_hi = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False)
+        k_hi_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
+        v_hi_src = _rows_src(V, b, hk, svb, svh, svn, svd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
+        acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+    else:  # one part: stand-ins, never read (the loops carry acc_hi unchanged, which the compiler drops)
+        offs_hi, q_hi, k_hi_src, v_hi_src, acc_hi = offs_d, q, k_src, v_src, acc
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(
-            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+        acc, acc_hi, l_i, m_i = _fwd_block(
+            acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
+            kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, BLOCK_D, D_HI,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(
-            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+        acc, acc_hi, l_i, m_i = _fwd_block(
+            acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
+            kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, BLOCK_D, D_HI,
         )
 
     empty_row = l_i == 0.0
@@ -406,8 +452,11 @@ def _fwd_kernel(
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty_row, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
-    _store(o_ptrs, out.to(O.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    o_rows = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som
+    _store(o_rows + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    if D_HI > 0:
+        out_hi = acc_hi * inv_l[:, None]
+        _store(o_rows + offs_hi[None, :], out_hi.to(O.dtype.element_ty), offs_m, LQ, offs_hi, HEAD_DIM, PAD_D)
     tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
 
 
@@ -808,11 +857,15 @@ def _use_tma(cfg, tensors, tma) -> bool:
 def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfig, dict]:
     """The forward's config and variant constexprs for these inputs.
 
-    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: see _use_tma."""
+    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: see _use_tma. D_HI: the second column
+    part's width where the config asks for split_d and the head dim splits (split_head_dim), else 0; a split
+    forward loads through pointers (TMA False)."""
     cfg = config("fwd_causal" if causal else "fwd", q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, FwdConfig):
         cfg = FwdConfig(*cfg)
-    return cfg, dict(TMA=_use_tma(cfg, (q, k, v), tma), HEAVY_FIRST=int(cfg.heavy_first) if causal else 0)
+    d_hi = split_head_dim(q.shape[-1])[1] if cfg.split_d else 0
+    use_tma = d_hi == 0 and _use_tma(cfg, (q, k, v), tma)
+    return cfg, dict(TMA=use_tma, HEAVY_FIRST=int(cfg.heavy_first) if causal else 0, D_HI=d_hi)
 
 
 def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False) -> tuple[BwdConfig, dict]:
@@ -836,12 +889,15 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     cfg, variant = forward_variant(q, k, v, causal, cfg, tma)
     if variant["TMA"]:
         _ensure_scratch_allocator()
+    flags = _flags(q, key_lengths, causal, dropout_p)
+    if variant["D_HI"]:
+        flags["BLOCK_D"] = d - variant["D_HI"]  # the first column part
     _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **variant, **_flags(q, key_lengths, causal, dropout_p),
+        **variant, **flags,
     )
     return o, lse
 
