@@ -25,7 +25,7 @@ from runtime.accelerators.swiglu import triton as kernels
 from runtime.accelerators.swiglu.triton import _forward_tile
 from runtime.benchmark.timing import gpu_time_ms
 
-CANDIDATES = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (1024, 4)]
+CANDIDATES = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (1024, 4), (512, 4), (512, 2), (2048, 8)]
 
 
 @triton.jit
