@@ -8,7 +8,8 @@ it) runs its forward, and its forward+backward through torch.autograd.grad. GPU 
 (CUDA-graph replays, L2 flushed first), median over interleaved rounds (fastest round).
 
 "int32 offsets": the same forward tile with 32-bit element offsets (the product kernel computes them in 64 bits, so
-that tensors past 2^31 elements stay addressable), forward only, at the product's block and warps.
+that tensors past 2^31 elements stay addressable), forward only, at the product's block and warps; the "loads" and
+"store" rows: the same, with a cache hint on the loads of g and u or on the store of y.
 """
 
 from __future__ import annotations
@@ -34,12 +35,40 @@ def _forward_int32(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     _forward_tile(g_ptr, u_ptr, y_ptr, offs, n, False)
 
 
+@triton.jit
+def _forward_hinted(g_ptr, u_ptr, y_ptr, BLOCK: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
+    u = tl.load(u_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
+    tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), cache_modifier=STORE_CACHE)
+
+
 def forward_int32(g, u):
     y = torch.empty_like(g)
     n = g.numel()
     assert n % kernels.BLOCK == 0 and n < 2**31
     _forward_int32[(n // kernels.BLOCK,)](g, u, y, n, BLOCK=kernels.BLOCK, num_warps=kernels.WARPS)
     return y
+
+
+def forward_hinted(load_policy: str, store_cache: str):
+    def run(g, u):
+        y = torch.empty_like(g)
+        n = g.numel()
+        assert n % kernels.BLOCK == 0 and n < 2**31
+        _forward_hinted[(n // kernels.BLOCK,)](
+            g, u, y, BLOCK=kernels.BLOCK, LOAD_POLICY=load_policy, STORE_CACHE=store_cache, num_warps=kernels.WARPS
+        )
+        return y
+
+    return run
+
+
+HINTED = {
+    "evict-first loads": ("evict_first", ""),
+    "evict-last loads": ("evict_last", ""),
+    "write-back .wb store": ("", ".wb"),
+}
 
 
 def main() -> None:
@@ -68,6 +97,11 @@ def main() -> None:
     error = ((forward_int32(g, u).double() - expect).norm() / expect.norm()).item()
     assert error < 1e-2, f"int32 offsets: relative error {error:.1e}"
     cases["int32 offsets"] = (lambda: forward_int32(g, u), None)
+    for label, hints in HINTED.items():
+        run = forward_hinted(*hints)
+        error = ((run(g, u).double() - expect).norm() / expect.norm()).item()
+        assert error < 1e-2, f"{label}: relative error {error:.1e}"
+        cases[label] = (lambda run=run: run(g, u), None)
     times = {label: ([], []) for label in cases}
     with torch.no_grad():
         compiled(g, u)
