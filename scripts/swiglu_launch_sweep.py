@@ -1,6 +1,8 @@
 """Block sizes and warps of the Triton SwiGLU kernels at 8192 x 4096 bf16, beside torch.compile, on the GPU.
 
     bash .device/gpu python scripts/swiglu_launch_sweep.py [--rounds 7]
+    bash .device/gpu ncu --cache-control all --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+        python scripts/swiglu_launch_sweep.py --launch-once
 
 Each candidate launches runtime.accelerators.swiglu.triton's forward (and, for forward+backward, its backward after
 it) with one (block, warps) pair; torch.compile of silu(g) * u (static shapes, as a one-shape benchmark run compiles
@@ -74,9 +76,17 @@ HINTED = {
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--launch-once", action="store_true", help="launch the product forward and the hinted forwards "
+                        "once each, time nothing (for ncu --cache-control all: DRAM bytes per variant)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
     g, u, dy = (torch.randn(8192, 4096, device=device, dtype=torch.bfloat16) for _ in range(3))
+    if args.launch_once:
+        kernels.forward(g, u)
+        for hints in HINTED.values():
+            forward_hinted(*hints)(g, u)
+        torch.cuda.synchronize()
+        return
     gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
     compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
     expect = F.silu(g.double()) * u.double()
