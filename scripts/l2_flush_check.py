@@ -25,7 +25,6 @@ from swiglu_launch_sweep import forward_hinted  # noqa: E402
 
 from runtime.accelerators import l2norm  # noqa: E402
 from runtime.accelerators.l2norm.reference import l2norm_reference  # noqa: E402
-from runtime.accelerators.swiglu import triton as swiglu_kernels  # noqa: E402
 from runtime.benchmark.timing import L2Flusher, gpu_time_ms  # noqa: E402
 
 
@@ -39,8 +38,9 @@ def main() -> None:
     compiled_swiglu = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
     compiled_l2norm = torch.compile(l2norm_reference, dynamic=False)
     evict_last_loads = forward_hinted("evict_last", "")
+    no_hints = forward_hinted("", "")
     rows = {
-        "swiglu product (triton)": lambda: swiglu_kernels.forward(g, u),
+        "swiglu no hints": lambda: no_hints(g, u),
         "swiglu evict-last loads": lambda: evict_last_loads(g, u),
         "swiglu torch.compile": lambda: compiled_swiglu(g, u),
         "l2norm product (triton)": lambda: l2norm(x, backend="triton"),

@@ -67,15 +67,41 @@ def forward_hinted(load_policy: str, store_cache: str):
 
 
 HINTED = {
+    "no hints (before s27)": ("", ""),
     "evict-first loads": ("evict_first", ""),
-    "evict-last loads": ("evict_last", ""),
     "write-back .wb store": ("", ".wb"),
 }
+
+
+def with_matmul(g, u, device, rounds: int) -> None:
+    """The forward then y @ w, one CUDA graph per pair: whether a forward's gain survives what runs after it (the
+    evict-last loads leave more of y dirty in L2 when the forward ends; the matmul reads y)."""
+    w = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16) / 64
+    compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
+    no_hints = forward_hinted("", "")
+    pairs = {
+        "product (evict-last loads)": lambda: kernels.forward(g, u) @ w,
+        "no hints (before s27)": lambda: no_hints(g, u) @ w,
+        "torch.compile": lambda: compiled(g, u) @ w,
+        "matmul alone": lambda: g @ w,
+    }
+    times = {label: [] for label in pairs}
+    with torch.no_grad():
+        for fn in pairs.values():
+            fn()
+        for _ in range(rounds):
+            for label, fn in pairs.items():
+                times[label].append(1e3 * gpu_time_ms(fn, device)[0]["median"])
+    print(f"{torch.cuda.get_device_name()}, swiglu 8192x4096 bf16 then @ [4096, 1024], GPU us: median of {rounds} rounds")
+    for label, samples in times.items():
+        print(f"  {label:28s} {statistics.median(samples):7.2f} ({min(samples):7.2f})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--with-matmul", action="store_true", help="time the forward followed by a down projection "
+                        "(8192x4096 @ 4096x1024), as in a model: the product, the forward without hints, torch.compile")
     parser.add_argument("--launch-once", action="store_true", help="launch the product forward and the hinted forwards "
                         "once each, time nothing (for ncu --cache-control all: DRAM bytes per variant)")  # fmt: skip
     args = parser.parse_args()
@@ -87,6 +113,8 @@ def main() -> None:
             forward_hinted(*hints)(g, u)
         torch.cuda.synchronize()
         return
+    if args.with_matmul:
+        return with_matmul(g, u, device, args.rounds)
     gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
     compiled = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
     expect = F.silu(g.double()) * u.double()
