@@ -52,16 +52,24 @@ IDS = [
 ]  # fmt: skip
 
 
-@needs_tma
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_tma_forward(case):
-    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, cfg = case
+def forward_inputs(case):
+    """q, k, v, key_lengths and float64's output of a forward case (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype,
+    layout, config), with NaN in the keys past each length: they are never read, so NaN there changes nothing."""
+    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, _ = case
     q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
     key_lengths = lengths_for(b, lk) if lengths else None
     expected = attention_float64(q, k, v, causal=causal, key_lengths=key_lengths)
-    if key_lengths is not None:  # keys past a length are never read: NaN there changes nothing
+    if key_lengths is not None:
         for i, n in enumerate(key_lengths.tolist()):
             k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+    return q, k, v, key_lengths, expected
+
+
+@needs_tma
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_tma_forward(case):
+    d, causal, dtype, cfg = case[5], case[6], case[8], case[10]
+    q, k, v, key_lengths, expected = forward_inputs(case)
     assert fa.forward_variant(q, k, v, causal, cfg)[1]["TMA"]
     o, lse = fa.forward(q, k, v, key_lengths, causal, d**-0.5, 0.0, 0, cfg=cfg)
     assert_close("o", o, expected, RTOL[dtype])
@@ -117,13 +125,8 @@ SPLIT_IDS = [
 def test_split_forward(case):
     """The head dim as two column parts (FwdConfig.split_d), forced: float64's output, zeros and lse = +inf where no
     key is visible, and the padded kernel's lse (the backward reads it)."""
-    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, cfg = case
-    q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
-    key_lengths = lengths_for(b, lk) if lengths else None
-    expected = attention_float64(q, k, v, causal=causal, key_lengths=key_lengths)
-    if key_lengths is not None:  # keys past a length are never read: NaN there changes nothing
-        for i, n in enumerate(key_lengths.tolist()):
-            k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+    d, causal, dtype, cfg = case[5], case[6], case[8], case[10]
+    q, k, v, key_lengths, expected = forward_inputs(case)
     variant = fa.forward_variant(q, k, v, causal, cfg)[1]
     assert variant["D_HI"] == fa.split_head_dim(d)[1] > 0 and not variant["TMA"]
     with poison_outputs():

@@ -60,11 +60,15 @@ def test_tma_path_matches_the_pointer_path(b, h, hkv, lq, lk, d, causal, lengths
     assert torch.equal(o, o_ptr) and torch.equal(lse, lse_ptr)
 
 
+def strided_views(d, b=2, lq=21, lk=19, h=4):
+    """q as x.view(B, L, H, D).transpose(1, 2); k and v interleaved in one buffer."""
+    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)
+    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)
+    return q, kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+
+
 def test_tma_path_reads_strided_views():
-    b, lq, lk, h, d = 2, 21, 19, 4, 16
-    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
-    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)  # k and v interleaved in one buffer
-    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    q, k, v = strided_views(16)
     cfg = FwdConfig(16, 16, 4, 2, tma=True)
     assert fa.forward_variant(q, k, v, True, cfg, tma=True)[1]["TMA"]
     o, _ = run_forward(q, k, v, None, True, cfg, tma=True)
@@ -203,10 +207,7 @@ def test_split_forward(b, h, hkv, lq, lk, d, causal, lengths, cfg):
 
 
 def test_split_forward_reads_strided_views():
-    b, lq, lk, h, d = 2, 21, 19, 4, 48
-    q = torch.randn(b, lq, h, d, dtype=f16).transpose(1, 2)  # x.view(B, L, H, D).transpose(1, 2)
-    kv = torch.randn(b, lk, 2, 2 * d, dtype=f16)  # k and v interleaved in one buffer
-    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    q, k, v = strided_views(48)
     cfg = FwdConfig(16, 16, 4, 2, split_d=True)
     assert fa.forward_variant(q, k, v, True, cfg)[1] == dict(TMA=False, HEAVY_FIRST=0, D_HI=16)
     o, _ = run_forward(q, k, v, [19, 7], True, cfg, tma=None)
