@@ -1,4 +1,4 @@
-"""The eager timing: median of several windows, so one slow window does not decide a row."""
+"""The eager timing: median of several windows, so one slow window does not decide a row; the L2 flush's kernel."""
 
 import time
 
@@ -18,3 +18,14 @@ def test_eager_time_ignores_one_slow_window():
     # one window of 10 calls with the stall would average over 30 ms a call
     assert 0.9 < ms < 5.0, ms
     assert calls["n"] >= 3 + 5 * 10
+
+
+def test_the_flush_reads_every_element_once():
+    """The evict-last flush kernel (under the interpreter here): each block's sum, the partial last block too."""
+    from runtime.benchmark.l2_flush import BLOCK, EvictLastReader
+
+    buffer = torch.arange(2 * BLOCK + 100, dtype=torch.int32) % 7
+    read = EvictLastReader(buffer)
+    read()
+    expected = [int(buffer[i : i + BLOCK].sum()) for i in range(0, buffer.numel(), BLOCK)]
+    assert read.partials.tolist() == expected
