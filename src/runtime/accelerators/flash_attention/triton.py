@@ -347,7 +347,7 @@ def _fwd_block(
     acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
     kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, D_HI: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
     """One key block into the online softmax; k_src/v_src: _rows_src sources of kv_len rows. D_HI > 0: the head
     dim's second column part too (the *_hi tiles, sources and offs_hi: see _fwd_kernel); else those are not read."""
@@ -436,13 +436,13 @@ def _fwd_kernel(
         acc, acc_hi, l_i, m_i = _fwd_block(
             acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
             kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
-            HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, BLOCK_D, D_HI,
+            HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
         acc, acc_hi, l_i, m_i = _fwd_block(
             acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
             kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
-            HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, BLOCK_D, D_HI,
+            HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
 
     empty_row = l_i == 0.0
