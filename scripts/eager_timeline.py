@@ -1,7 +1,7 @@
 """Timeline of one eager forward+backward on the GPU machine, medians over calls in us: the forward, from its return to
 the start of the Python backward (torch.autograd.grad's preamble, the engine, the hand-off to its device thread), the
 backward's body, and from its end to autograd.grad's return; with the engine's device threads on (the default) and
-off. LayerNorm 8192x128 bf16 and BCE at 4096 logits (ours), a trivial autograd.Function, native ops (totals).
+off. LayerNorm (also without bias) and RMSNorm 8192x128 bf16 and BCE at 4096 logits (ours), a trivial autograd.Function, native ops (totals).
 
     bash .device/gpu python scripts/eager_timeline.py
 
@@ -16,11 +16,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runtime.accelerators import layer_norm
+from runtime.accelerators import layer_norm, rms_norm
 from runtime.accelerators import binary_cross_entropy_with_logits as bce
 from runtime.accelerators.bce import tilelang as bce_tilelang
 from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.layer_norm import triton as ln_triton
+from runtime.accelerators.rms_norm import triton as rms_triton
 
 clock = time.perf_counter
 marks = {}
@@ -63,7 +64,7 @@ def timeline(forward, inputs, grad, calls=600):
 
 
 def main():
-    for module in (ln_triton, bce_triton, bce_tilelang):
+    for module in (ln_triton, rms_triton, bce_triton, bce_tilelang):
         module.backward = timed_backward(module.backward)
     logits = (3 * torch.randn(4096, device="cuda")).requires_grad_()
     targets = torch.rand(4096, device="cuda")
@@ -77,6 +78,8 @@ def main():
     cases = {
         "ours triton LN": (lambda: layer_norm(x, w, b, backend="triton"), [x, w, b], dy),
         "ours triton LN, x only": (lambda: layer_norm(x, w.detach(), b.detach(), backend="triton"), [x], dy),
+        "ours triton LN, no bias": (lambda: layer_norm(x, w, None, backend="triton"), [x, w], dy),
+        "ours triton RMS": (lambda: rms_norm(x, w, backend="triton"), [x, w], dy),
         "trivial Function": (lambda: Scale.apply(small), [small], g),
         "ours triton bce 4096": (lambda: bce(logits, targets, backend="triton"), [logits], scalar),
         "ours tilelang bce 4096": (lambda: bce(logits, targets, backend="tilelang"), [logits], scalar),
@@ -92,6 +95,7 @@ def main():
     # native for reference (total only)
     native = {
         "native LN": lambda: torch.autograd.grad(F.layer_norm(x, (128,), w, b), [x, w, b], dy),
+        "native RMS": lambda: torch.autograd.grad(F.rms_norm(x, (128,), w), [x, w], dy),
         "native bce 4096": lambda: torch.autograd.grad(F.binary_cross_entropy_with_logits(logits, targets), [logits], scalar),
     }
     for mt in (True, False):
