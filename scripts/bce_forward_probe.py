@@ -17,7 +17,8 @@ stay vectorised), as whole blocks and then one masked block. Rows:
 - chunk ... pdl: the partials kernel launched as a programmatic dependent of the main one (it is scheduled while
   the main grid runs and waits for its end in the kernel): its launch gap hidden;
 - tma ...: the main kernel reading [rows, 32] boxes through TMA (host-built descriptors), with pipeline stages;
-- torch sum / compile: torch's fp32 sum of one 2^25-element tensor (the same 128 MiB), torch.compile's BCE.
+- torch sum / compile: torch's fp32 sum of one 2^25-element tensor (the same 128 MiB), torch.compile's BCE;
+- floor: one or two launches of a kernel that stores one value, timed the same way (what no launch goes below).
 
 Every row is checked against a float64 reference before it is timed and is timed like the benchmark (CUDA-graph
 replays after an L2 flush); the figure is the median over rounds of each row's median.
@@ -165,6 +166,23 @@ def chunked(programs_per_sm, block=4096, warps=8, stages=2, evict="", loss=True,
     return run
 
 
+@triton.jit
+def _one_store_kernel(out_ptr):
+    tl.store(out_ptr, 0.0)
+
+
+def launch_floor(launches):
+    """`launches` kernels of one store each: what the timing itself and a launch cost, whatever the kernel reads."""
+    out = torch.empty((), dtype=torch.float32, device="cuda")
+
+    def run(x, y):
+        for _ in range(launches):
+            _one_store_kernel[(1,)](out)
+        return out
+
+    return run
+
+
 def product_main_only(x, y):
     """The product's main kernel alone (its partials left unsummed): the forward less its second launch."""
     launch, programs = kernels._plan(N, kernels.FORWARD, x)
@@ -211,6 +229,8 @@ def main() -> None:
     both = torch.cat([x, y])
     rows = variants()
     rows["torch sum 2^25 fp32"] = None
+    rows["floor: 1 empty launch"] = launch_floor(1)
+    rows["floor: 2 empty launches"] = launch_floor(2)
     for name, fn in list(rows.items()):
         if fn is None:
             continue
@@ -221,8 +241,8 @@ def main() -> None:
             print(f"{name}: FAILED {type(error).__name__}: {str(error)[:300]}")
             del rows[name]
             continue
-        if name == "product main only":
-            continue  # partials, not the loss
+        if name == "product main only" or name.startswith("floor"):
+            continue  # partials or nothing, not the loss
         error = abs(got.double() - want).item() / abs(want).item()
         if error > 1e-5 or not torch.equal(got, fn(x, y)):
             print(f"{name}: WRONG or not deterministic (relative error {error:.1e})")
