@@ -1,0 +1,78 @@
+"""Eager forward+backward per call with autograd's device threads on and off: a Python autograd.Function whose two
+launches are ATen ops, the same with Triton launches (Triton's launcher releases the GIL around cuLaunchKernel), with
+two Triton launches each way, our LayerNorm and F.layer_norm (8192x128 bf16). Median of 5 windows of 200 calls.
+
+    bash .device/gpu python scripts/eager_gil_probe.py
+
+Session 28 (results/eager-gil-probe-2026-11-24-h100-s28.txt): with the device threads on, a Triton launch in the
+Function costs 17-32 us a call more than an ATen op; with them off, 2 us.
+"""
+import statistics, time, torch, triton, triton.language as tl
+import torch.nn.functional as F
+from runtime.accelerators import layer_norm
+from runtime.accelerators.triton_launch import direct_launch
+
+@direct_launch
+@triton.jit
+def _touch(out_ptr, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32))
+
+class Aten(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+class Trit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        _touch[(1,)](out, BLOCK=16)
+        return out
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty_like(g)
+        _touch[(1,)](out, BLOCK=16)
+        return out
+
+class Trit2(torch.autograd.Function):  # two launches each way
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        _touch[(1,)](out, BLOCK=16)
+        _touch[(1,)](out, BLOCK=16)
+        return out
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty_like(g)
+        _touch[(1,)](out, BLOCK=16)
+        _touch[(1,)](out, BLOCK=16)
+        return out
+
+small = torch.randn(4096, device="cuda", requires_grad=True)
+g = torch.randn_like(small)
+x = torch.randn(8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+b = torch.randn(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn_like(x)
+cases = {
+    "aten Function": lambda: torch.autograd.grad(Aten.apply(small), [small], g),
+    "triton Function": lambda: torch.autograd.grad(Trit.apply(small), [small], g),
+    "triton Function x2": lambda: torch.autograd.grad(Trit2.apply(small), [small], g),
+    "ours LN": lambda: torch.autograd.grad(layer_norm(x, w, b, backend="triton"), [x, w, b], dy),
+    "native LN": lambda: torch.autograd.grad(F.layer_norm(x, (128,), w, b), [x, w, b], dy),
+}
+for mt in (True, False, True):
+    torch.autograd.set_multithreading_enabled(mt)
+    for name, fn in cases.items():
+        for _ in range(50): fn()
+        torch.cuda.synchronize()
+        windows = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200): fn()
+            torch.cuda.synchronize()
+            windows.append((time.perf_counter() - t0) / 200 * 1e6)
+        print(f"MT {mt!s:5} {name:20s} {statistics.median(windows):7.1f} us  (windows {min(windows):.1f}-{max(windows):.1f})", flush=True)
