@@ -2,12 +2,22 @@
 launches are ATen ops, the same with Triton launches (Triton's launcher releases the GIL around cuLaunchKernel), with
 two Triton launches each way, our LayerNorm and F.layer_norm (8192x128 bf16). Median of 5 windows of 200 calls.
 
-    bash .device/gpu python scripts/eager_gil_probe.py
+    bash .device/gpu python scripts/eager_gil_probe.py [--hold-gil]
+
+--hold-gil: the Triton launchers keep the GIL across cuLaunchKernel (Triton's generated launcher source with its
+Py_BEGIN/END_ALLOW_THREADS taken out; this process only), to test whether the release is what costs.
 
 Session 28 (results/eager-gil-probe-2026-11-24-h100-s28.txt): with the device threads on, a Triton launch in the
 Function costs 17-32 us a call more than an ATen op; with them off, 2 us.
 """
-import statistics, time, torch, triton, triton.language as tl
+import statistics, sys, time, torch, triton, triton.language as tl
+
+if "--hold-gil" in sys.argv:  # every Triton launcher of this process built without releasing the GIL (a test only)
+    import triton.backends.nvidia.driver as driver
+
+    _make_launcher = driver.make_launcher
+    driver.make_launcher = lambda *args: _make_launcher(*args).replace("Py_BEGIN_ALLOW_THREADS;", "").replace(
+        "Py_END_ALLOW_THREADS;", "")
 import torch.nn.functional as F
 from runtime.accelerators import layer_norm
 from runtime.accelerators.triton_launch import direct_launch
