@@ -1,6 +1,6 @@
 """The variants of the Triton flash attention: forward (FwdConfig: TMA descriptor loads, heavy-first causal order, the
 head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in the dk/dv and dq kernels, lse and delta
-through descriptors in the dk/dv kernel).
+through descriptors in the dk/dv kernel, the head dim in two column parts).
 Under the interpreter the descriptor path runs only when forced (tma=True), never from the tables (whose 16-bit
 forward entries at head dims 48-128 ask for it); its sm_90 build is checked by compiling it without a GPU, as
 test_triton_compile_sm90.py does for the tables' pointer path (and, for the backward, its attention_tma_backward
@@ -162,8 +162,9 @@ def test_heavy_first_sections_forward_and_backward():
 
 def test_split_head_dim():
     """Head dims that split (no power of two; a power of two >= 16 left over past the largest power of two below) and
-    those that stay padded; forward_variant splits only where the config asks and the head dim splits; the 16-bit
-    forward tables ask at head dim 64's entries (which head dim 48 takes)."""
+    those that stay padded; forward_variant and backward_variant split only where the config asks and the head dim
+    splits; the 16-bit forward, dk/dv and dq tables ask at head dim 64's entries (which head dim 48 takes), the fused
+    backward's and the fp32 tables never."""
     expected = {48: (32, 16), 80: (64, 16), 96: (64, 32), 24: (32, 0), 40: (64, 0), 56: (64, 0), 112: (128, 0)}
     expected |= {d: (max(16, d), 0) for d in (8, 16, 32, 64, 128)}
     assert {d: fa.split_head_dim(d) for d in expected} == expected
@@ -171,9 +172,13 @@ def test_split_head_dim():
         q, k, v = make(1, 2, 2, 8, 8, d)
         assert fa.forward_variant(q, k, v, True, FwdConfig(16, 16, 4, 2, split_d=True))[1]["D_HI"] == d_hi
         assert fa.forward_variant(q, k, v, True, FwdConfig(16, 16, 4, 2))[1]["D_HI"] == 0
-    asking = {(id(table), kind, d) for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("fwd", "fwd_causal")
+        for kind in ("dkdv", "dq"):
+            assert fa.backward_variant(kind, q, k, v, q, BwdConfig(16, 16, 4, 2, split_d=True))[1]["D_HI"] == d_hi
+            assert fa.backward_variant(kind, q, k, v, q, BwdConfig(16, 16, 4, 2))[1]["D_HI"] == 0
+    asking = {(id(table), kind, d) for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in table
               for d, cfg in table[kind].items() if cfg.split_d}  # fmt: skip
-    assert asking == {(id(fa.CONFIGS_16BIT), kind, 64) for kind in ("fwd", "fwd_causal")}  # the 16-bit tables at 48
+    kinds = ("fwd", "fwd_causal", "dkdv", "dq")
+    assert asking == {(id(fa.CONFIGS_16BIT), kind, 64) for kind in kinds}  # the 16-bit tables at 48
 
 
 @pytest.mark.parametrize(
@@ -216,7 +221,8 @@ def test_split_forward_reads_strided_views():
 
 def test_split_forward_dropout_and_backward():
     """Dropout in the split forward: the padded kernel's draws (its output, and float64's under the kernels' keep
-    mask), and the (padded) backward from its o and lse gives float64's gradients."""
+    mask), and the backward (split too: the tables' dk/dv and dq entries) from its o and lse gives float64's
+    gradients."""
     q, k, v = make(2, 4, 2, 40, 37, 48)
     do = torch.randn_like(q)
     lengths, dropout_p = [37, 20], 0.2
@@ -236,30 +242,71 @@ def test_split_forward_dropout_and_backward():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_split_forward_through_the_public_op(monkeypatch, causal):
-    """A table entry with split_d serves flash_attention at head dim 48 (padded entry 64); its backward reads the split
-    forward's lse: float64's gradients (GQA, a key length, a row of no visible key)."""
+def test_split_through_the_public_op(monkeypatch, causal):
+    """A forward table entry with split_d serves flash_attention at head dim 48 (padded entry 64), and so do the dk/dv
+    and dq tables' entries as shipped (the dq kernel writing delta, DELTA_IN_DQ), reading the split forward's lse:
+    float64's gradients (GQA, a key length, a row of no visible key)."""
     kind = "fwd_causal" if causal else "fwd"
     monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
-    taken, real = [], fa.forward_variant
-    monkeypatch.setattr(fa, "forward_variant", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    taken = {"forward_variant": [], "backward_variant": []}
+    for name, calls in taken.items():
+        real = getattr(fa, name)
+        monkeypatch.setattr(fa, name, lambda *a, real=real, calls=calls, **kw: calls.append(real(*a, **kw)) or calls[-1])
     q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 37, 48))
     do = torch.randn_like(q)
     lengths = [37, 0] if causal else [37, 9]
     out = flash_attention(q, k, v, causal=causal, key_lengths=torch.tensor(lengths), backend="triton")
-    assert [variant["D_HI"] for _, variant in taken] == [16]
+    assert [variant["D_HI"] for _, variant in taken["forward_variant"]] == [16]
     assert_close("o", out, attention_float64(q, k, v, causal=causal, key_lengths=torch.tensor(lengths)), RTOL[f16])
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, lengths, causal)
+    assert [variant["D_HI"] for _, variant in taken["backward_variant"]] == [16, 16]  # the dq, then the dk/dv kernel
+
+
+@pytest.mark.parametrize("delta_in_dq", [False, True], ids=["preprocess", "delta-in-dq"])
+@pytest.mark.parametrize(
+    "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
+    [
+        (2, 4, 2, 45, 37, 48, True, [37, 0], 0.0, BwdConfig(16, 32, 4, 2, heavy_first=3, split_d=True)),
+        (1, 2, 2, 33, 50, 48, False, None, 0.0, BwdConfig(32, 16, 4, 2, split_d=True)),
+        (2, 2, 1, 30, 40, 80, False, [40, 17], 0.0, BwdConfig(16, 16, 4, 2, split_d=True)),
+        (1, 2, 1, 20, 30, 96, True, None, 0.0, BwdConfig(16, 16, 4, 2, split_d=True)),
+        (2, 2, 1, 40, 40, 48, True, [40, 23], 0.2, BwdConfig(16, 32, 4, 2, split_d=True)),
+    ],
+    ids=["causal-gqa-d48-lengths-empty-heavy", "d48-lq<lk", "mqa-d80-lengths", "causal-d96-lq<lk",
+         "causal-dropout-mqa-d48"],
+)  # fmt: skip
+def test_split_backward(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg, delta_in_dq):
+    """The dk/dv and dq kernels with the head dim as two column parts (BwdConfig.split_d), delta from the preprocess or
+    written by the dq kernel: float64's gradients, and the padded kernels' (to fp16 rounding: their dots add zero
+    columns, in another order). Descriptors asked for (tma forced) are not taken: split loads take pointers."""
+    q, k, v = make(b, h, hkv, lq, lk, d)
+    do = torch.randn_like(q)
+    for kind in ("dkdv", "dq"):
+        variant = fa.backward_variant(kind, q, k, v, do, cfg._replace(tma=True), tma=True, causal=causal)[1]
+        assert not variant["TMA"] and variant["D_HI"] == fa.split_head_dim(d)[1] > 0
+    split = cfg._replace(tma=True)
+    grads = run_backward(q, k, v, do, lengths, causal, split, True, dropout_p, delta_in_dq)
+    assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p)
+    padded = run_backward(q, k, v, do, lengths, causal, cfg._replace(split_d=False), False, dropout_p, delta_in_dq)
+    for name, g, g_pad in zip(("dq", "dk", "dv"), grads, padded):
+        assert_close(f"{name} against the padded kernels", g, g_pad, 1e-3)
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0):
-    """(dq, dk, dv) of the dk/dv and dq kernels launched with cfg (the forward and preprocess as the tables say)."""
+def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0, delta_in_dq=False):
+    """(dq, dk, dv) of the dk/dv and dq kernels launched with cfg (the forward and preprocess as the tables say).
+    delta_in_dq: no preprocess, the dq kernel writes delta and the dk/dv kernel reads it after (as DELTA_IN_DQ)."""
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
     args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, 1234)
     o, lse = fa.forward(*args)
+    if delta_in_dq:
+        delta = torch.full(q.shape[:3], float("nan"))
+        with poison_outputs():
+            dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=cfg, tma=tma)
+            dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=tma)
+        return dq, dk, dv
     delta = fa.backward_preprocess(o, do)
     with poison_outputs():
         dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=tma)
@@ -340,7 +387,9 @@ def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monk
     q, k, v = (x.requires_grad_() for x in make(2, 2, 1, 40, 37, 16))
     do = torch.randn_like(q)
     for kind in ("dkdv", "dq"):
-        assert fa.backward_variant(kind, q, k, v, do) == (BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0))
+        assert fa.backward_variant(kind, q, k, v, do) == (
+            BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+        )
     out = flash_attention(q, k, v, causal=True, backend="triton")
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
 
@@ -349,7 +398,7 @@ def test_plain_tuples_still_configure_the_backward():
     q, k, v = make(1, 2, 2, 30, 30, 32)
     do = torch.randn_like(q)
     assert fa.backward_variant("dq", q, k, v, do, (32, 16, 4, 2)) == (
-        BwdConfig(32, 16, 4, 2), dict(TMA=False, HEAVY_FIRST=0)
+        BwdConfig(32, 16, 4, 2), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
     )
     assert_gradients(run_backward(q, k, v, do, None, True, (32, 16, 4, 2), tma=None), q, k, v, do, None, True)
     for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32):

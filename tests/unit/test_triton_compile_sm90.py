@@ -158,8 +158,9 @@ def mhc():
 
 def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None):
     """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU.
-    backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles (the
-    interpreter never takes it by itself); None runs the module's backward as autograd does."""
+    backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles, padded where
+    the head dim would split (split loads take pointers; the interpreter never takes descriptors by itself); None runs
+    the module's backward as autograd does."""
     b, h, hkv, lq, lk = 2, 4, 2, 200, 200
     q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
     k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
@@ -170,8 +171,9 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
         fa_triton.backward(do, *args, o, lse)
     else:
         delta = fa_triton.backward_preprocess(o, do)
-        fa_triton.backward_dkdv(do, *args, lse, delta, tma=backward_tma)
-        fa_triton.backward_dq(do, *args, lse, delta, tma=backward_tma)
+        dkdv, dq = (fa_triton.config(kind, head_dim, bf16)._replace(split_d=False) for kind in ("dkdv", "dq"))
+        fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=backward_tma)
+        fa_triton.backward_dq(do, *args, lse, delta, cfg=dq, tma=backward_tma)
 
 
 def attention_padded():
@@ -212,7 +214,8 @@ def attention_fused_backward():
 
 def attention_delta_in_dq():
     """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ, the default): pointer loads at
-    head dims 32 and 48 (padded), descriptors at 128; and with the preprocess kernel instead (DELTA_IN_DQ off)."""
+    head dims 32 and 48 (as the tables say: two column parts), descriptors at 128; and with the preprocess kernel
+    instead (DELTA_IN_DQ off)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fa_triton, "BACKWARD", "split")
         patch.setattr(fa_triton, "DELTA_IN_DQ", False)
@@ -233,8 +236,10 @@ def attention_delta_in_dq():
 def attention_lse_delta_tma():
     """The dk/dv kernel on its descriptor path reading lse and delta through descriptors too (BwdConfig.lse_delta_tma),
     with the table's tiles: at head dim 128 (causal, key lengths), at 128 with Lq % 4 != 0 (lse and delta fall back to
-    pointer loads, the tiles keep descriptors), and padded (48 -> 64) with dropout."""
-    d64, d128 = (fa_triton.config("dkdv", d, bf16)._replace(tma=True, lse_delta_tma=True) for d in (64, 128))
+    pointer loads, the tiles keep descriptors), and padded (48 -> 64, not split) with dropout."""
+    d64, d128 = (
+        fa_triton.config("dkdv", d, bf16)._replace(tma=True, lse_delta_tma=True, split_d=False) for d in (64, 128)
+    )
     for head_dim, lq, causal, dropout_p, cfg in ((128, 200, True, 0.0, d128), (128, 198, False, 0.0, d128),
                                                  (48, 200, False, 0.1, d64)):  # fmt: skip
         q, do = torch.randn(2, 4, lq, head_dim).to(bf16), torch.randn(2, 4, lq, head_dim).to(bf16)
@@ -261,6 +266,25 @@ def attention_split_d():
         fa_triton.forward(*args, cfg=cfg._replace(split_d=True))
         if padded:
             fa_triton.forward(*args, cfg=cfg._replace(split_d=False), tma=True)
+
+
+def attention_split_backward():
+    """The dk/dv and dq kernels holding head dim 48 as 32 + 16 columns (BwdConfig.split_d, pointer loads) at the 16-bit
+    tables' tiles, causal (with heavy_first and key lengths) and not, the dq kernel writing delta (DELTA_IN_DQ) and
+    not; beside the padded launches at the same tiles and loads as the tables ask (the dk/dv kernel's descriptors)."""
+    b, h, hkv, length, head_dim = 2, 4, 2, 200, 48
+    for causal, lengths in ((False, None), (True, [length, 77])):
+        q, do = torch.randn(b, h, length, head_dim).to(bf16), torch.randn(b, h, length, head_dim).to(bf16)
+        k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
+        key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
+        args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, 1234)
+        o, lse = fa_triton.forward(*args)
+        delta = torch.empty(b, h, length)
+        for split in (True, False):
+            dkdv, dq = (fa_triton.config(kind, head_dim, bf16)._replace(split_d=split) for kind in ("dkdv", "dq"))
+            fa_triton.backward_dq(do, *args, lse, delta, o=o, cfg=dq, tma=dq.tma)
+            fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=dkdv.tma)
+        fa_triton.backward_dq(do, *args, lse, delta, tma=True)  # the table's split entry, delta given, tma asked for
 
 
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
@@ -349,6 +373,7 @@ CASES = {
     "attention_delta_in_dq": attention_delta_in_dq,
     "attention_lse_delta_tma": attention_lse_delta_tma,
     "attention_split_d": attention_split_d,
+    "attention_split_backward": attention_split_backward,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -489,6 +514,20 @@ def test_the_forward_compiles_split_head_dims(compiled):
     assert expected | {(80, 64, 16, False, True), (96, 64, 32, False, True)} == split
     padded = {(c["HEAD_DIM"], c["BLOCK_D"], c["TMA"]) for c in launches if not c["D_HI"]}
     assert (48, 64, True) in padded
+
+
+def test_the_backward_compiles_split_head_dims(compiled):
+    """attention_split_backward compiles the dk/dv and dq kernels with head dim 48 as two column parts (D_HI > 0,
+    pointer loads even where tma is asked for), causal and not, the dq kernel writing delta and not; beside the padded
+    launches at the same tiles."""
+    for kernel, write_delta in (("_bwd_dkdv_kernel", (None,)), ("_bwd_dq_kernel", (False, True))):
+        launches = [constexprs(launch) for launch, _ in compiled[f"flash_attention.{kernel}"]]
+        split = {(c["HEAD_DIM"], c["BLOCK_D"], c["D_HI"], c["TMA"], c["CAUSAL"], c.get("WRITE_DELTA")) for c in launches
+                 if c["D_HI"]}  # fmt: skip
+        assert {(48, 32, 16, False, causal, w) for causal in (False, True) for w in write_delta} <= split, kernel
+        assert all(c["HEAD_DIM"] == 48 for c in launches if c["D_HI"]), kernel
+        padded = {(c["HEAD_DIM"], c["BLOCK_D"], c["CAUSAL"]) for c in launches if not c["D_HI"]}
+        assert {(48, 64, causal) for causal in (False, True)} <= padded, kernel
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -38,10 +38,13 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   of two): every [rows, D] tile as [rows, D_LO] and [rows, D_HI] tiles, Q K^T as two dots into one accumulator, P V
   into two. It loads through pointers whatever tma says: with two descriptors per tensor (blocks of D_LO and D_HI
   columns) the split forward took 14-25% longer on an H100 (session 27: four loads, each with its barrier, per key
-  block). Forward only: the backward kernels stay padded and read the same lse. Other head dims, and configs
-  without it, take the padded kernel.
+  block). The dk/dv and dq kernels split the same way (BwdConfig.split_d, pointer loads): Q K^T and dO V^T as two
+  dots into one result, dV += P^T dO, dK += dS^T Q and dQ += dS K as two dots into two accumulators, and the dq
+  kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) and the preprocess stay
+  padded. Other head dims, and configs without it, take the padded kernels.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
-(sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 (so head dim 48 splits).
+(sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64, forward, dk/dv and dq (so
+head dim 48 splits, and the tma of those entries serves head dim 64 only).
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
@@ -54,6 +57,8 @@ Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scrip
   values (the slice-of-MMA layout) with 64-bit addresses: at head dim 128 (sm_90, Triton 3.6) the dk/dv loop takes
   593 SASS instructions per block pair, 428 with descriptors. A length with Lq % 4 != 0 compiles the pointer variant
   (a second dk/dv kernel at that head dim).
+- split_d: the head dim in two column parts, as in the forward (above); no descriptors, so lse and delta take the
+  pointer loads.
 The 16-bit dk/dv table takes tma at padded head dims 64 and 128, with lse_delta_tma at 128; the dq table none.
 """
 
@@ -105,6 +110,7 @@ class BwdConfig(NamedTuple):
     tma: bool = False
     lse_delta_tma: bool = False
     heavy_first: int = 0  # as FwdConfig's, for the dk/dv and dq kernels
+    split_d: bool = False  # as FwdConfig's, for the dk/dv and dq kernels (the fused kernel stays padded)
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -130,6 +136,10 @@ class BwdConfig(NamedTuple):
 # split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (scripts/fa_sweep.py fwd --only 64x4x2048x48,
 # session 27, H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
 # against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
+# The dk/dv and dq entries at head dim 64 take split_d too (not yet timed on a GPU: scripts/fa_sweep.py bwd --only
+# 64x4x2048x48 has split and padded rows). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
+# either way (255 registers; stack bytes split 328-464, padded through descriptors 304-328, through pointers
+# 368-536); the dq kernel takes 126-150 registers split, 138-158 padded, no spills.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -146,7 +156,7 @@ CONFIGS_16BIT = {
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
-        64: BwdConfig(32, 128, 4, 3, tma=True, heavy_first=16),
+        64: BwdConfig(32, 128, 4, 3, tma=True, heavy_first=16, split_d=True),
         128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
@@ -159,7 +169,7 @@ CONFIGS_16BIT = {
     "dq": {
         16: BwdConfig(64, 64, 4, 3),
         32: BwdConfig(128, 32, 4, 4),
-        64: BwdConfig(64, 64, 4, 3, heavy_first=16),
+        64: BwdConfig(64, 64, 4, 3, heavy_first=16, split_d=True),
         128: BwdConfig(128, 64, 8, 3, heavy_first=4),
     },
 }
@@ -193,7 +203,7 @@ def block_d(head_dim: int) -> int:
 
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:
-    """(D_LO, D_HI) of a head dim the forward can hold as two column parts (FwdConfig.split_d): one that is no power
+    """(D_LO, D_HI) of a head dim the kernels can hold as two column parts (split_d): one that is no power
     of two, D_LO the largest power of two below it and D_HI = head_dim - D_LO a power of two >= 16 (48 = 32 + 16,
     80 = 64 + 16, 96 = 64 + 32); any other: (block_d(head_dim), 0), one zero-padded part."""
     lo = next_power_of_2(head_dim) // 2
@@ -478,15 +488,22 @@ def _bwd_preprocess_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
     do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
-    _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    _store_delta(O, DELTA, do, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_d, HEAD_DIM, PAD_D, 0)
 
 
 @triton.jit
-def _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
-    """Stores and returns delta = rowsum(o * do) (fp32) of the query rows offs_m, for the do tile of those rows."""
-    o_ptrs = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
-    o = _load(o_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
+def _store_delta(
+    O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, D_HI: tl.constexpr,
+):
+    """Stores and returns delta = rowsum(o * do) (fp32) of the query rows offs_m, for the do tile of those rows (and,
+    where D_HI > 0, its second column part do_hi at columns offs_hi)."""
+    o_rows = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som
+    o = _load(o_rows + offs_d[None, :], offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True).to(tl.float32)
     delta = tl.sum(o * do.to(tl.float32), 1)
+    if D_HI > 0:
+        o_hi = _load(o_rows + offs_hi[None, :], offs_m, LQ, offs_hi, HEAD_DIM, PAD_D, True).to(tl.float32)
+        delta += tl.sum(o_hi * do_hi.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=offs_m < LQ)
     return delta
 
@@ -519,38 +536,51 @@ def _store_dkdv(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ, sqm, sdom,
-    qk_scale, dropout_p, seed, bh,
+    dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src, start_m,
+    offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr,
+    D_HI: tl.constexpr,
 ):
     """Accumulate one query block into dk, dv of this key block, in transposed form ([keys, queries]);
     q_src/do_src: _rows_src sources of LQ rows; lse_src/delta_src: 1-D descriptors of LQ values where
-    LSE_DELTA_TMA, else the (b, h) base pointers."""
+    LSE_DELTA_TMA, else the (b, h) base pointers. D_HI > 0: the head dim's second column part too (the *_hi tiles,
+    sources and accumulators, offs_hi: see _bwd_dkdv_kernel); else those are not read."""
     rows = start_m + offs_m
     q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, TMA)
+    if D_HI > 0:
+        q_hi = _tile(q_hi_src, start_m, sqm, LQ, offs_m, offs_hi, HEAD_DIM, PAD_D, True, False)
+        do_hi = _tile(do_hi_src, start_m, sdom, LQ, offs_m, offs_hi, HEAD_DIM, PAD_D, True, False)
+    else:  # stand-ins, never read
+        q_hi, do_hi = q, do
     if LSE_DELTA_TMA:
         delta = delta_src.load([start_m])
     else:
         delta = tl.load(delta_src + rows, mask=rows < LQ, other=0.0)
-    dv, ds_t = _dv_and_ds_t(
-        dv, k, v, q, do, lse_src, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
-        MASK, CAUSAL, DROPOUT, DOT_PRECISION, LSE_DELTA_TMA,
+    dv, dv_hi, ds_t = _dv_and_ds_t(
+        dv, dv_hi, k, k_hi, v, v_hi, q, q_hi, do, do_hi, lse_src, delta, rows, offs_n, kv_len, LQ, start_m,
+        qk_scale, dropout_p, seed, bh, MASK, CAUSAL, DROPOUT, DOT_PRECISION, LSE_DELTA_TMA, D_HI,
     )
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+    ds_t = ds_t.to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        dk_hi = tl.dot(ds_t, q_hi, dk_hi, input_precision=DOT_PRECISION)
+    return dk, dk_hi, dv, dv_hi
 
 
 @triton.jit
 def _dv_and_ds_t(
-    dv, k, v, q, do, lse_src, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
+    dv, dv_hi, k, k_hi, v, v_hi, q, q_hi, do, do_hi, lse_src, delta, rows, offs_n, kv_len, LQ, start_m,
+    qk_scale, dropout_p, seed, bh,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LSE_DELTA_TMA: tl.constexpr,
+    LSE_DELTA_TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
     """For a key block and the query rows `rows` (from start_m), in transposed form ([keys, queries]): dv plus P^T dO
     (P after dropout), and dS^T = P^T * (dP^T - delta) in fp32. lse_src: the (b, h) row of lse, a descriptor where
-    LSE_DELTA_TMA (q and do then come through descriptors too), else a pointer."""
+    LSE_DELTA_TMA (q and do then come through descriptors too), else a pointer. D_HI > 0: the products over the head
+    dim take the second column parts (k_hi, v_hi, q_hi, do_hi) too and dv_hi gets P^T dO_hi; else dv_hi is returned
+    as given."""
     if LSE_DELTA_TMA:
         # zeros past LQ (not lse = +inf): such a row's q and do are zeros too (descriptor loads), so its column of
         # P^T (exp2(0) = 1) meets zeros in every product and adds nothing
@@ -559,6 +589,8 @@ def _dv_and_ds_t(
         # rows past LQ load lse = +inf, so their probabilities are 0
         lse = tl.load(lse_src + rows, mask=rows < LQ, other=float("inf")) * 1.4426950408889634
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        qk_t = tl.dot(k_hi, tl.trans(q_hi), qk_t, input_precision=DOT_PRECISION)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK:
         visible = offs_n[:, None] < kv_len
@@ -566,14 +598,20 @@ def _dv_and_ds_t(
             visible = visible & (rows[None, :] >= offs_n[:, None])
         p_t = tl.where(visible, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        dp_t = tl.dot(v_hi, tl.trans(do_hi), dp_t, input_precision=DOT_PRECISION)
     if DROPOUT:
         keep = _keep(seed, bh, rows[None, :], offs_n[:, None], dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p)
-        dv = tl.dot(tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        p_kept_t = tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype)
+        dv = tl.dot(p_kept_t, do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
     else:
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    return dv, p_t * (dp_t - delta[None, :])
+        p_kept_t = p_t.to(do.dtype)
+        dv = tl.dot(p_kept_t, do, dv, input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        dv_hi = tl.dot(p_kept_t, do_hi, dv_hi, input_precision=DOT_PRECISION)
+    return dv, dv_hi, p_t * (dp_t - delta[None, :])
 
 
 @direct_launch
@@ -585,10 +623,12 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
 ):
-    """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too. D_HI > 0
+    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
+    tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bhk = _block_and_pair(HEAVY_FIRST, False)
     start_n = block * BLOCK_N
     b = bhk // HKV
@@ -612,6 +652,18 @@ def _bwd_dkdv_kernel(
         )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
+        offs_hi = BLOCK_D + tl.arange(0, D_HI)
+        k_hi = _tile_once(
+            K, b, hk, skb, skh, skn, skd, start_n, LK, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
+        )
+        v_hi = _tile_once(
+            V, b, hk, svb, svh, svn, svd, start_n, LK, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
+        )
+        dk_hi = tl.zeros([BLOCK_N, D_HI], dtype=tl.float32)
+        dv_hi = tl.zeros([BLOCK_N, D_HI], dtype=tl.float32)
+    else:  # one part: stand-ins, never read (the loops carry dk_hi and dv_hi unchanged, which the compiler drops)
+        offs_hi, k_hi, v_hi, dk_hi, dv_hi = offs_d, k, v, dk, dv
 
     kv_len = LK
     if HAS_KL:
@@ -623,40 +675,56 @@ def _bwd_dkdv_kernel(
             bh = b * H + h
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+            if D_HI > 0:
+                q_hi_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False)
+                do_hi_src = _rows_src(
+                    DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False
+                )
+            else:  # stand-ins, never read
+                q_hi_src, do_hi_src = q_src, do_src
             lse_src = LSE + bh.to(tl.int64) * LQ
             delta_src = DELTA + bh.to(tl.int64) * LQ
             if LSE_DELTA_TMA:
                 lse_src = tl.make_tensor_descriptor(lse_src, [LQ], [1], [BLOCK_M])
                 delta_src = tl.make_tensor_descriptor(delta_src, [LQ], [1], [BLOCK_M])
             for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
-                dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
-                    sqm, sdom, qk_scale, dropout_p, seed, bh,
-                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA,
+                dk, dk_hi, dv, dv_hi = _dkdv_block(
+                    dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
             for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    dk, dv, k, v, q_src, do_src, lse_src, delta_src, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
-                    sqm, sdom, qk_scale, dropout_p, seed, bh,
-                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA,
+                dk, dk_hi, dv, dv_hi = _dkdv_block(
+                    dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
     _store_dkdv(
         DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK, HEAD_DIM, PAD_D
     )
+    if D_HI > 0:
+        _store_dkdv(
+            DK, DV, dk_hi * sm_scale, dv_hi, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_hi, LK,
+            HEAD_DIM, PAD_D,
+        )
 
 
 @triton.jit
 def _dq_block(
-    dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-    qk_scale, dropout_p, seed, bh,
+    dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d,
+    offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
-    """One key block into dq; k_src/v_src: _rows_src sources of kv_len rows."""
+    """One key block into dq; k_src/v_src: _rows_src sources of kv_len rows. D_HI > 0: the head dim's second column
+    part too (the *_hi tiles, sources and accumulator, offs_hi: see _bwd_dq_kernel); else those are not read."""
     cols = start_n + offs_n
     k = _tile(k_src, start_n, skn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     v = _tile(v_src, start_n, svn, kv_len, offs_n, offs_d, HEAD_DIM, PAD_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        k_hi = _tile(k_hi_src, start_n, skn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=DOT_PRECISION)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
         visible = cols[None, :] < kv_len
@@ -664,11 +732,17 @@ def _dq_block(
             visible = visible & (cols[None, :] <= offs_m[:, None])
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        v_hi = _tile(v_hi_src, start_n, svn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
+        dp = tl.dot(do_hi, tl.trans(v_hi), dp, input_precision=DOT_PRECISION)
     if DROPOUT:
         keep = _keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+    if D_HI > 0:
+        dq_hi = tl.dot(ds, k_hi, dq_hi, input_precision=DOT_PRECISION)
+    return dq, dq_hi
 
 
 @direct_launch
@@ -679,11 +753,13 @@ def _bwd_dq_kernel(
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
 ):
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
-    already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch. D_HI > 0
+    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
+    tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
@@ -698,9 +774,21 @@ def _bwd_dq_kernel(
     do = _tile_once(
         DO, b, h, sdob, sdoh, sdom, sdod, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA
     )
+    if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
+        offs_hi = BLOCK_D + tl.arange(0, D_HI)
+        q_hi = _tile_once(
+            Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
+        )
+        do_hi = _tile_once(
+            DO, b, h, sdob, sdoh, sdom, sdod, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
+        )
+    else:  # one part: stand-ins, never read
+        offs_hi, q_hi, do_hi = offs_d, q, do
     lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=float("inf")) * 1.4426950408889634
     if WRITE_DELTA:
-        delta = _store_delta(O, DELTA, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+        delta = _store_delta(
+            O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi, HEAD_DIM, PAD_D, D_HI
+        )
     else:
         delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=0.0)
 
@@ -719,19 +807,30 @@ def _bwd_dq_kernel(
         n_full = (kv_len // BLOCK_N) * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if D_HI > 0:
+        k_hi_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
+        v_hi_src = _rows_src(V, b, hk, svb, svh, svn, svd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
+        dq_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+    else:  # stand-ins, never read (the loops carry dq_hi unchanged, which the compiler drops)
+        k_hi_src, v_hi_src, dq_hi = k_src, v_src, dq
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _dq_block(
-            dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+        dq, dq_hi = _dq_block(
+            dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n,
+            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
-        dq = _dq_block(
-            dq, q, do, lse, delta, k_src, v_src, start_n, offs_m, offs_n, offs_d, kv_len, skn, svn,
-            qk_scale, dropout_p, seed, bh, HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA,
+        dq, dq_hi = _dq_block(
+            dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n,
+            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     dq = dq * sm_scale
-    dq_ptrs = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :]
-    _store(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    dq_rows = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm
+    _store(dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    if D_HI > 0:
+        dq_hi = dq_hi * sm_scale
+        _store(dq_rows + offs_hi[None, :], dq_hi.to(DQ.dtype.element_ty), offs_m, LQ, offs_hi, HEAD_DIM, PAD_D)
 
 
 @triton.jit
@@ -748,9 +847,9 @@ def _fused_block(
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
-    dv, ds_t = _dv_and_ds_t(
-        dv, k, v, q, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m, qk_scale, dropout_p, seed, bh,
-        MASK, CAUSAL, DROPOUT, DOT_PRECISION, False,
+    dv, _, ds_t = _dv_and_ds_t(
+        dv, dv, k, k, v, v, q, q, do, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m,
+        qk_scale, dropout_p, seed, bh, MASK, CAUSAL, DROPOUT, DOT_PRECISION, False, 0,
     )
     ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -832,11 +931,12 @@ def _bwd_fused_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float) -> dict:
+def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float, d_hi: int = 0) -> dict:
+    """The constexprs every kernel takes; d_hi: the variant's D_HI (BLOCK_D is then the first column part)."""
     d = q.shape[-1]
     return dict(
         HEAD_DIM=d,
-        BLOCK_D=block_d(d),
+        BLOCK_D=d - d_hi if d_hi else block_d(d),
         CAUSAL=bool(causal),
         HAS_KL=key_lengths is not None,
         DROPOUT=dropout_p > 0,
@@ -854,29 +954,34 @@ def _use_tma(cfg, tensors, tma) -> bool:
     return bool(tma) and all(_tma_layout(t) for t in tensors)
 
 
+def _split_or_tma(cfg, tensors, tma) -> dict:
+    """D_HI (the second column part's width where the config asks for split_d and the head dim splits, see
+    split_head_dim; else 0) and TMA (_use_tma; never for a split launch, whose parts load through pointers)."""
+    d_hi = split_head_dim(tensors[0].shape[-1])[1] if cfg.split_d else 0
+    return dict(TMA=d_hi == 0 and _use_tma(cfg, tensors, tma), D_HI=d_hi)
+
+
 def forward_variant(q, k, v, causal: bool, cfg=None, tma=None) -> tuple[FwdConfig, dict]:
     """The forward's config and variant constexprs for these inputs.
 
-    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: see _use_tma. D_HI: the second column
-    part's width where the config asks for split_d and the head dim splits (split_head_dim), else 0; a split
-    forward loads through pointers (TMA False)."""
+    cfg: a FwdConfig (or its leading 4-tuple) instead of the table's. tma: see _use_tma. TMA and D_HI: see
+    _split_or_tma (a split forward loads through pointers)."""
     cfg = config("fwd_causal" if causal else "fwd", q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, FwdConfig):
         cfg = FwdConfig(*cfg)
-    d_hi = split_head_dim(q.shape[-1])[1] if cfg.split_d else 0
-    use_tma = d_hi == 0 and _use_tma(cfg, (q, k, v), tma)
-    return cfg, dict(TMA=use_tma, HEAVY_FIRST=int(cfg.heavy_first) if causal else 0, D_HI=d_hi)
+    return cfg, dict(HEAVY_FIRST=int(cfg.heavy_first) if causal else 0) | _split_or_tma(cfg, (q, k, v), tma)
 
 
 def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False) -> tuple[BwdConfig, dict]:
     """The config and variant constexprs of the "dkdv" or "dq" kernel for these inputs (both read q, k, v, do); the
     dk/dv kernel's LSE_DELTA_TMA depends on lse and delta too: see lse_delta_variant.
 
-    cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma."""
+    cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma. TMA and D_HI: see _split_or_tma
+    (a split launch loads through pointers)."""
     cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, BwdConfig):
         cfg = BwdConfig(*cfg)
-    return cfg, dict(TMA=_use_tma(cfg, (q, k, v, do), tma), HEAVY_FIRST=int(cfg.heavy_first) if causal else 0)
+    return cfg, dict(HEAVY_FIRST=int(cfg.heavy_first) if causal else 0) | _split_or_tma(cfg, (q, k, v, do), tma)
 
 
 def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
@@ -889,15 +994,12 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     cfg, variant = forward_variant(q, k, v, causal, cfg, tma)
     if variant["TMA"]:
         _ensure_scratch_allocator()
-    flags = _flags(q, key_lengths, causal, dropout_p)
-    if variant["D_HI"]:
-        flags["BLOCK_D"] = d - variant["D_HI"]  # the first column part
     _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **variant, **flags,
+        **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return o, lse
 
@@ -976,7 +1078,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **variant, **_flags(q, key_lengths, causal, dropout_p),
+        **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dk, dv
 
@@ -1005,7 +1107,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p),
+        WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dq
 
