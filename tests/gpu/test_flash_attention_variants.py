@@ -1,7 +1,7 @@
 """The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
 loads, heavy-first causal order, the head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in
-the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel), each forced at a few shapes whatever
-the tables say, and TMA table entries through the public API."""
+the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel, the head dim in two column parts),
+each forced at a few shapes whatever the tables say, and TMA table entries through the public API."""
 
 import pytest
 import torch
@@ -87,11 +87,13 @@ def test_heavy_first_pointer_forward():
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, False), (48, False)])
 def test_table_variant_through_the_public_api(d, causal):
     """The tables' TMA entries (as shipped) serve flash_attention on Hopper, except at head dim 48, which their
-    split_d holds as 32 + 16 columns through pointers; the backward reads their lse."""
+    split_d holds as 32 + 16 columns through pointers, forward and backward; the backward reads their lse."""
     assert fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16).tma
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
     variant = fa.forward_variant(q, k, v, causal)[1]
     assert variant["TMA"] == (hopper() and d != 48) and variant["D_HI"] == (16 if d == 48 else 0)
+    for kind in ("dkdv", "dq"):
+        assert fa.backward_variant(kind, q, k, v, q)[1]["D_HI"] == (16 if d == 48 else 0)
     out = flash_attention(q, k, v, causal=causal, backend="triton")
     ref = attention_float64(q, k, v, causal=causal)
     assert_close("o", out, ref, RTOL[torch.bfloat16])
@@ -142,8 +144,8 @@ def test_split_forward(case):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_forward_through_the_public_api(causal):
-    """The table's head-dim-64 entry (split_d) serves flash_attention at head dim 48; the (padded) backward reads its
-    lse: every gradient within the bf16 bound of float64."""
+    """The table's head-dim-64 entry (split_d) serves flash_attention at head dim 48; the backward (the dk/dv and dq
+    entries split too) reads its lse: every gradient within the bf16 bound of float64."""
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 48, torch.bfloat16, "blhd"))
     key_lengths = lengths_for(2, 500)
     variant = fa.forward_variant(q, k, v, causal)[1]
@@ -198,9 +200,17 @@ BWD_IDS = [
 ]  # fmt: skip
 
 
-def backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma):
+def backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma, delta_in_dq=False):
+    """(dq, dk, dv) of the dk/dv and dq kernels at these configs; delta_in_dq: no preprocess, the dq kernel writes
+    delta and the dk/dv kernel reads it after (as triton.DELTA_IN_DQ)."""
     args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, 0.0, 0)
     o, lse = fa.forward(*args)
+    if delta_in_dq:
+        delta = torch.full(q.shape[:3], float("nan"), device=CUDA)
+        with poison_outputs():
+            dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=dq_cfg, tma=tma)
+            dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=dkdv_cfg, tma=tma)
+        return dq, dk, dv
     delta = fa.backward_preprocess(o, do)
     with poison_outputs():
         dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=dkdv_cfg, tma=tma)
@@ -234,10 +244,11 @@ def test_tma_backward(case):
 
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (48, False)])
 def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
-    """TMA entries in the dkdv/dq tables (as a sweep may make them) serve flash_attention's backward on Hopper."""
+    """TMA entries in the dkdv/dq tables (as a sweep may make them; padded: split loads take pointers) serve
+    flash_attention's backward on Hopper."""
     bd = fa.block_d(d)
     for kind in ("dkdv", "dq"):
-        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], bd, fa.CONFIGS_16BIT[kind][bd]._replace(tma=True))
+        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], bd, fa.CONFIGS_16BIT[kind][bd]._replace(tma=True, split_d=False))
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
     out = flash_attention(q, k, v, causal=causal, backend="triton")
     do = torch.randn_like(out)
@@ -245,6 +256,49 @@ def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
     grads = torch.autograd.grad(out, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, causal)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, dk/dv config, dq config): SB_* hold the 16-bit tables'
+# head-dim-64 entries (the dk/dv entry's tma is not taken: split loads take pointers), beside other tiles
+SB_DKDV, SB_DQ = Bwd(32, 128, 4, 3, tma=True, split_d=True), Bwd(64, 64, 4, 3, split_d=True)
+SPLIT_BWD_CASES = [
+    (3, 2, 2, 63, 200, 48, False, True, torch.bfloat16, "bhld", SB_DKDV, SB_DQ),
+    (2, 8, 4, 200, 63, 48, True, True, torch.float16, "blhd", SB_DKDV._replace(heavy_first=16),
+     SB_DQ._replace(heavy_first=16)),
+    (3, 4, 1, 1000, 1000, 48, True, False, torch.bfloat16, "bhld", SB_DKDV._replace(heavy_first=5),
+     SB_DQ._replace(heavy_first=5)),
+    (2, 4, 2, 200, 200, 48, False, False, torch.float16, "blhd", Bwd(32, 128, 8, 2, split_d=True),
+     Bwd(128, 64, 8, 3, split_d=True)),
+    (2, 4, 2, 333, 500, 80, True, True, torch.bfloat16, "blhd", Bwd(32, 128, 8, 2, heavy_first=4, split_d=True),
+     Bwd(128, 64, 8, 3, heavy_first=4, split_d=True)),
+    (2, 4, 2, 500, 333, 96, False, True, torch.float16, "bhld", Bwd(32, 64, 4, 3, split_d=True), SB_DQ),
+]  # fmt: skip
+SPLIT_BWD_IDS = [
+    "d48-lengths-lq<lk", "d48-fp16-causal-lengths-gqa-lq>lk-view-heavy", "d48-causal-mqa-sections",
+    "d48-fp16-gqa-view-8w", "d80-causal-lengths-gqa-view", "d96-fp16-lengths-lq>lk",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("delta_in_dq", [True, False], ids=["delta-in-dq", "preprocess"])
+@pytest.mark.parametrize("case", SPLIT_BWD_CASES, ids=SPLIT_BWD_IDS)
+def test_split_backward(case, delta_in_dq):
+    """The dk/dv and dq kernels holding the head dim as two column parts (BwdConfig.split_d), forced, delta written by
+    the dq kernel or by the preprocess: every gradient within the dtype's bound of float64, and the padded kernels'
+    at the same tiles (their dots add zero columns, in another order)."""
+    b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, dkdv_cfg, dq_cfg = case
+    q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
+    do = torch.randn_like(q)  # q's layout
+    key_lengths = lengths_for(b, lk) if lengths else None
+    for kind, cfg in (("dkdv", dkdv_cfg), ("dq", dq_cfg)):
+        variant = fa.backward_variant(kind, q, k, v, do, cfg)[1]
+        assert variant["D_HI"] == fa.split_head_dim(d)[1] > 0 and not variant["TMA"]
+    grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, None, delta_in_dq)
+    padded_cfgs = (dkdv_cfg._replace(split_d=False), dq_cfg._replace(split_d=False))
+    padded = backward_grads(do, q, k, v, key_lengths, causal, *padded_cfgs, None, delta_in_dq)
+    expected = reference_grads(do, q, k, v, key_lengths, causal)
+    for name, g, g_ref, g_pad in zip(("dq", "dk", "dv"), grads, expected, padded):
+        assert_close(name, g, g_ref, gradient_tolerance(dtype))
+        assert_close(f"{name} against the padded kernels", g, g_pad, RTOL[dtype])
 
 
 def test_an_expanded_upstream_gradient_takes_the_pointer_path():
