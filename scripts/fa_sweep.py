@@ -36,7 +36,9 @@ were picked from sm_90 builds (scripts/triton_resources.py): the tiles that spil
 pointer default. Rows of the "fused" kernel (one kernel for dq, dk and dv; session 16) run it forced
 (triton.BACKWARD = "fused"); "path" says whether dq was stored (every key in one block) or added with atomics.
 The dkdv and dq rows force the split kernels. A dk/dv row whose path reads "tma lse" read lse and delta through
-descriptors too (lse_delta_tma, the default at head dim 128 since session 23).
+descriptors too (lse_delta_tma, the default at head dim 128 since session 23); "split": the kernel held the head dim
+as two column parts (split_d, pointer loads; the dk/dv and dq defaults at 64x4x2048x48, beside "padded" rows of the
+same tiles, with the other kernel at its default: split).
 """
 
 from __future__ import annotations
@@ -156,8 +158,21 @@ D32_DQ = {"m64 n64": Bwd(64, 64, 4, 3), "n64 8w": Bwd(128, 64, 8, 3), "m64 n32":
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
     ((4, 16, 4096, 128), True, BWD_128 | {"fused": FUSED_ATOMIC}),
-    ((64, 4, 2048, 48), True, {"dkdv": {"tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)},
-                               "fused": FUSED_ATOMIC}),
+    ((64, 4, 2048, 48), True, {
+        # the defaults split the head dim (32 + 16 columns, split_d); the padded entries they replaced; split dk/dv
+        # tiles that do not spill on sm_90 (Triton 3.6; the default tiles spill 300-460 bytes, split or padded)
+        "dkdv": {
+            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+            "padded tma": Bwd(32, 128, 4, 3, tma=True, heavy_first=16),
+            "split 8w": Bwd(32, 128, 8, 2, heavy_first=16, split_d=True),
+            "split n64": Bwd(32, 64, 4, 3, heavy_first=16, split_d=True),
+        },
+        "dq": {
+            "padded": Bwd(64, 64, 4, 3, heavy_first=16),
+            "split m128": Bwd(128, 64, 8, 3, heavy_first=16, split_d=True),
+        },
+        "fused": FUSED_ATOMIC,
+    }),
     ((128, 8, 1024, 32), True, {"fused": FUSED_ATOMIC, "dkdv": D32_DKDV, "dq": D32_DQ}),
     # keys in one block at the wider head dims: the fused kernel against the split kernels (the dkdv default row)
     ((256, 4, 256, 32), False, {"fused": FUSED_SHORT, "dkdv": {}}),
@@ -165,13 +180,20 @@ BWD_SWEEP = [
     ((256, 4, 128, 64), True, {"fused": {"8w": Bwd(32, 128, 8, 2)}, "dkdv": {}}),
     ((128, 4, 128, 128), True, {"fused": {"4w": Bwd(32, 128, 4, 2), "m16": Bwd(16, 128, 8, 2)}, "dkdv": {}}),
     ((64, 4, 2048, 48), False, {
-        "dkdv": {
+        "dkdv": {  # "tma" is the padded entry the split default replaced
             "tma": Bwd(32, 128, 4, 3, tma=True),
             "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
             "tma 8w": Bwd(32, 128, 8, 2, tma=True),
             "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
+            "split 8w": Bwd(32, 128, 8, 2, split_d=True),
+            "split n64": Bwd(32, 64, 4, 3, split_d=True),
         },
-        "dq": {"tma": Bwd(64, 64, 4, 3, tma=True), "tma m128": Bwd(128, 64, 8, 3, tma=True)},
+        "dq": {
+            "padded": Bwd(64, 64, 4, 3),
+            "tma": Bwd(64, 64, 4, 3, tma=True),
+            "tma m128": Bwd(128, 64, 8, 3, tma=True),
+            "split m128": Bwd(128, 64, 8, 3, split_d=True),
+        },
     }),
     ((128, 8, 1024, 32), False, {"dkdv": D32_DKDV, "dq": D32_DQ}),
     ((256, 4, 256, 16), True, {"fused": FUSED_16, "dkdv": {}}),
@@ -447,10 +469,10 @@ class BackwardSweep:
         if kernel == "fused":
             route = "store" if shape[2] <= cfg.block_n else "atom"
         else:
-            tma = kernels.backward_variant(kernel, q, k, v, do)[1]["TMA"]
-            route = "tma" if tma else "ptr"
+            variant = kernels.backward_variant(kernel, q, k, v, do)[1]
+            route = ("tma" if variant["TMA"] else "ptr") + (" split" if variant["D_HI"] else "")
             lse = torch.empty(shape[:3], device=q.device)  # as the forward's lse and the dq kernel's delta
-            if kernel == "dkdv" and kernels.lse_delta_variant(cfg, lse, lse, tma):
+            if kernel == "dkdv" and kernels.lse_delta_variant(cfg, lse, lse, variant["TMA"]):
                 route += " lse"
         bound = gradient_tolerance(DTYPE)
         if not error <= bound:  # also NaN
