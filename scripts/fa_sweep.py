@@ -36,9 +36,9 @@ were picked from sm_90 builds (scripts/triton_resources.py): the tiles that spil
 pointer default. Rows of the "fused" kernel (one kernel for dq, dk and dv; session 16) run it forced
 (triton.BACKWARD = "fused"); "path" says whether dq was stored (every key in one block) or added with atomics.
 The dkdv and dq rows force the split kernels. A dk/dv row whose path reads "tma lse" read lse and delta through
-descriptors too (lse_delta_tma, the default at head dim 128 since session 23); "split": the kernel held the head dim
-as two column parts (split_d, pointer loads; the dk/dv and dq defaults at 64x4x2048x48, beside "padded" rows of the
-same tiles, with the other kernel at its default: split).
+descriptors too (lse_delta_tma, the default at head dim 128 since session 23, at 64 since session 28); "split": the
+kernel held the head dim as two column parts (split_d, pointer loads; the dq default at 64x4x2048x48 since session
+28, beside a "padded" row of the same tiles).
 """
 
 from __future__ import annotations
@@ -159,13 +159,13 @@ BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
     ((4, 16, 4096, 128), True, BWD_128 | {"fused": FUSED_ATOMIC}),
     ((64, 4, 2048, 48), True, {
-        # the defaults split the head dim (32 + 16 columns, split_d); the padded entries they replaced; split dk/dv
-        # tiles that do not spill on sm_90 (Triton 3.6; the default tiles spill 300-460 bytes, split or padded)
+        # the dq default splits the head dim (32 + 16 columns, split_d), the dk/dv default reads lse and delta through
+        # descriptors (session 28); the entries they replaced, and dk/dv split (its tiles spill 330-460 bytes on sm_90,
+        # Triton 3.6; split tiles that do not, 8 warps or 64 keys, took 1.78-3.60 ms in session 28)
         "dkdv": {
-            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+            "tma lse h0": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
             "padded tma": Bwd(32, 128, 4, 3, tma=True, heavy_first=16),
-            "split 8w": Bwd(32, 128, 8, 2, heavy_first=16, split_d=True),
-            "split n64": Bwd(32, 64, 4, 3, heavy_first=16, split_d=True),
+            "split": Bwd(32, 128, 4, 3, heavy_first=16, split_d=True),
         },
         "dq": {
             "padded": Bwd(64, 64, 4, 3, heavy_first=16),
@@ -180,13 +180,11 @@ BWD_SWEEP = [
     ((256, 4, 128, 64), True, {"fused": {"8w": Bwd(32, 128, 8, 2)}, "dkdv": {}}),
     ((128, 4, 128, 128), True, {"fused": {"4w": Bwd(32, 128, 4, 2), "m16": Bwd(16, 128, 8, 2)}, "dkdv": {}}),
     ((64, 4, 2048, 48), False, {
-        "dkdv": {  # "tma" is the padded entry the split default replaced
+        "dkdv": {  # "tma" is the entry before session 28
             "tma": Bwd(32, 128, 4, 3, tma=True),
-            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
             "tma 8w": Bwd(32, 128, 8, 2, tma=True),
             "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
-            "split 8w": Bwd(32, 128, 8, 2, split_d=True),
-            "split n64": Bwd(32, 64, 4, 3, split_d=True),
+            "split": Bwd(32, 128, 4, 3, split_d=True),
         },
         "dq": {
             "padded": Bwd(64, 64, 4, 3),

@@ -86,14 +86,15 @@ def test_heavy_first_pointer_forward():
 
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, False), (48, False)])
 def test_table_variant_through_the_public_api(d, causal):
-    """The tables' TMA entries (as shipped) serve flash_attention on Hopper, except at head dim 48, which their
-    split_d holds as 32 + 16 columns through pointers, forward and backward; the backward reads their lse."""
+    """The tables' TMA entries (as shipped) serve flash_attention on Hopper, except at head dim 48, which the forward
+    and dq entries' split_d holds as 32 + 16 columns through pointers (the dk/dv entry stays padded, through
+    descriptors); the backward reads their lse."""
     assert fa.config("fwd_causal" if causal else "fwd", d, torch.bfloat16).tma
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
     variant = fa.forward_variant(q, k, v, causal)[1]
     assert variant["TMA"] == (hopper() and d != 48) and variant["D_HI"] == (16 if d == 48 else 0)
-    for kind in ("dkdv", "dq"):
-        assert fa.backward_variant(kind, q, k, v, q)[1]["D_HI"] == (16 if d == 48 else 0)
+    assert fa.backward_variant("dq", q, k, v, q)[1]["D_HI"] == (16 if d == 48 else 0)
+    assert fa.backward_variant("dkdv", q, k, v, q)[1]["D_HI"] == 0
     out = flash_attention(q, k, v, causal=causal, backend="triton")
     ref = attention_float64(q, k, v, causal=causal)
     assert_close("o", out, ref, RTOL[torch.bfloat16])
@@ -144,8 +145,8 @@ def test_split_forward(case):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_forward_through_the_public_api(causal):
-    """The table's head-dim-64 entry (split_d) serves flash_attention at head dim 48; the backward (the dk/dv and dq
-    entries split too) reads its lse: every gradient within the bf16 bound of float64."""
+    """The table's head-dim-64 entry (split_d) serves flash_attention at head dim 48; the backward (the dq entry split
+    too, the dk/dv entry padded) reads its lse: every gradient within the bf16 bound of float64."""
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 48, torch.bfloat16, "blhd"))
     key_lengths = lengths_for(2, 500)
     variant = fa.forward_variant(q, k, v, causal)[1]
@@ -258,8 +259,8 @@ def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 
 
-# (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, dk/dv config, dq config): SB_* hold the 16-bit tables'
-# head-dim-64 entries (the dk/dv entry's tma is not taken: split loads take pointers), beside other tiles
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, dk/dv config, dq config): SB_DQ is the 16-bit dq table's
+# head-dim-64 entry, SB_DKDV the dk/dv entry's tiles with split_d (its tma is not taken: split loads take pointers)
 SB_DKDV, SB_DQ = Bwd(32, 128, 4, 3, tma=True, split_d=True), Bwd(64, 64, 4, 3, split_d=True)
 SPLIT_BWD_CASES = [
     (3, 2, 2, 63, 200, 48, False, True, torch.bfloat16, "bhld", SB_DKDV, SB_DQ),

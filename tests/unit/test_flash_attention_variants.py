@@ -163,7 +163,7 @@ def test_heavy_first_sections_forward_and_backward():
 def test_split_head_dim():
     """Head dims that split (no power of two; a power of two >= 16 left over past the largest power of two below) and
     those that stay padded; forward_variant and backward_variant split only where the config asks and the head dim
-    splits; the 16-bit forward, dk/dv and dq tables ask at head dim 64's entries (which head dim 48 takes), the fused
+    splits; the 16-bit forward and dq tables ask at head dim 64's entries (which head dim 48 takes), the dk/dv, the fused
     backward's and the fp32 tables never."""
     expected = {48: (32, 16), 80: (64, 16), 96: (64, 32), 24: (32, 0), 40: (64, 0), 56: (64, 0), 112: (128, 0)}
     expected |= {d: (max(16, d), 0) for d in (8, 16, 32, 64, 128)}
@@ -177,7 +177,7 @@ def test_split_head_dim():
             assert fa.backward_variant(kind, q, k, v, q, BwdConfig(16, 16, 4, 2))[1]["D_HI"] == 0
     asking = {(id(table), kind, d) for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in table
               for d, cfg in table[kind].items() if cfg.split_d}  # fmt: skip
-    kinds = ("fwd", "fwd_causal", "dkdv", "dq")
+    kinds = ("fwd", "fwd_causal", "dq")
     assert asking == {(id(fa.CONFIGS_16BIT), kind, 64) for kind in kinds}  # the 16-bit tables at 48
 
 
@@ -221,7 +221,7 @@ def test_split_forward_reads_strided_views():
 
 def test_split_forward_dropout_and_backward():
     """Dropout in the split forward: the padded kernel's draws (its output, and float64's under the kernels' keep
-    mask), and the backward (split too: the tables' dk/dv and dq entries) from its o and lse gives float64's
+    mask), and the backward (the tables' entries: dq split, dk/dv padded) from its o and lse gives float64's
     gradients."""
     q, k, v = make(2, 4, 2, 40, 37, 48)
     do = torch.randn_like(q)
@@ -243,9 +243,9 @@ def test_split_forward_dropout_and_backward():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_through_the_public_op(monkeypatch, causal):
-    """A forward table entry with split_d serves flash_attention at head dim 48 (padded entry 64), and so do the dk/dv
-    and dq tables' entries as shipped (the dq kernel writing delta, DELTA_IN_DQ), reading the split forward's lse:
-    float64's gradients (GQA, a key length, a row of no visible key)."""
+    """A forward table entry with split_d serves flash_attention at head dim 48 (padded entry 64), and so does the dq
+    table's entry as shipped (the dq kernel writing delta, DELTA_IN_DQ), the dk/dv entry padded, both reading the split
+    forward's lse: float64's gradients (GQA, a key length, a row of no visible key)."""
     kind = "fwd_causal" if causal else "fwd"
     monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
     taken = {"forward_variant": [], "backward_variant": []}
@@ -259,7 +259,7 @@ def test_split_through_the_public_op(monkeypatch, causal):
     assert [variant["D_HI"] for _, variant in taken["forward_variant"]] == [16]
     assert_close("o", out, attention_float64(q, k, v, causal=causal, key_lengths=torch.tensor(lengths)), RTOL[f16])
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, lengths, causal)
-    assert [variant["D_HI"] for _, variant in taken["backward_variant"]] == [16, 16]  # the dq, then the dk/dv kernel
+    assert [variant["D_HI"] for _, variant in taken["backward_variant"]] == [16, 0]  # the dq, then the dk/dv kernel
 
 
 @pytest.mark.parametrize("delta_in_dq", [False, True], ids=["preprocess", "delta-in-dq"])
@@ -459,12 +459,14 @@ def test_lse_delta_variant():
     assert not fa.lse_delta_variant(fa.BwdConfig(*on[:4]), lse, delta, True)  # a plain 4-tuple: off
 
 
-def test_the_dkdv_table_reads_lse_and_delta_through_descriptors_at_head_dim_128(lse_delta_taken):
-    """The 16-bit dk/dv entry at head dim 128 asks for descriptors, lse and delta included; under the interpreter
-    (no TMA) the public op still takes pointer loads for all of them. Other head dims and fp32 do not ask."""
+def test_the_dkdv_table_reads_lse_and_delta_through_descriptors_at_head_dims_64_and_128(lse_delta_taken):
+    """The 16-bit dk/dv entries at head dims 64 (48 too) and 128 ask for descriptors, lse and delta included; under
+    the interpreter (no TMA) the public op still takes pointer loads for all of them. Other head dims and fp32 do not
+    ask."""
     assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
     assert fa.config("dkdv", 128, torch.bfloat16).lse_delta_tma
-    assert not any(fa.config("dkdv", d, f16).lse_delta_tma for d in (16, 32, 48, 64))
+    assert all(fa.config("dkdv", d, f16).lse_delta_tma for d in (48, 64))
+    assert not any(fa.config("dkdv", d, f16).lse_delta_tma for d in (16, 32))
     assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("dq", "fused")
                    for cfg in table[kind].values())  # fmt: skip
     assert not any(cfg.lse_delta_tma for cfg in fa.CONFIGS_FP32["dkdv"].values())

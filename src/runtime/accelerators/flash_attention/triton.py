@@ -43,8 +43,8 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) and the preprocess stay
   padded. Other head dims, and configs without it, take the padded kernels.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
-(sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64, forward, dk/dv and dq (so
-head dim 48 splits, and the tma of those entries serves head dim 64 only).
+(sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 in the forward and dq entries
+(so head dim 48 splits there, and the forward entry's tma serves head dim 64 only).
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
@@ -59,7 +59,7 @@ Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scrip
   (a second dk/dv kernel at that head dim).
 - split_d: the head dim in two column parts, as in the forward (above); no descriptors, so lse and delta take the
   pointer loads.
-The 16-bit dk/dv table takes tma at padded head dims 64 and 128, with lse_delta_tma at 128; the dq table none.
+The 16-bit dk/dv table takes tma with lse_delta_tma at padded head dims 64 and 128; the dq table none.
 """
 
 from __future__ import annotations
@@ -136,10 +136,12 @@ class BwdConfig(NamedTuple):
 # split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (scripts/fa_sweep.py fwd --only 64x4x2048x48,
 # session 27, H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
 # against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
-# The dk/dv and dq entries at head dim 64 take split_d too (not yet timed on a GPU: scripts/fa_sweep.py bwd --only
-# 64x4x2048x48 has split and padded rows). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
-# either way (255 registers; stack bytes split 328-464, padded through descriptors 304-328, through pointers
-# 368-536); the dq kernel takes 126-150 registers split, 138-158 padded, no spills.
+# The backward at head dim 64's entries (scripts/fa_sweep.py bwd --only 64x4x2048x48, session 28, H100, forward +
+# backward ms, causal / non-causal, cuDNN 1.376 / 2.245): dq split 1.570 / 2.894 against padded 1.608 / 2.976, so
+# the dq entry splits. The dk/dv kernel split did worse than padded with lse and delta through descriptors too:
+# 1.582 / 2.895 against 1.542 / 2.608 (the padded TMA entry it had: 1.651 / 2.793; split tiles that do not spill,
+# 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
+# either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split).
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -156,7 +158,7 @@ CONFIGS_16BIT = {
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
-        64: BwdConfig(32, 128, 4, 3, tma=True, heavy_first=16, split_d=True),
+        64: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16),
         128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
     },
     # one kernel for dq, dk and dv (_bwd_fused_kernel): used where every key fits one block (see use_fused)
