@@ -30,8 +30,9 @@ Backward (bwd): each row puts one BwdConfig (tiles, warps, stages, tma, lse_delt
 forward + backward of flash_attention(backend="triton") (torch.autograd.grad of q, k, v) beside cuDNN's forward +
 backward. dq, dk and dv are checked first against SDPA's math backend in float32 (each within the bf16 gradient
 bound, gradient_tolerance: twice the forward's, as the benchmark checks gradients; "error" is the largest of the
-three). TFLOP/s counts the backward as 2.5 forwards. The dkdv/dq tables are not split by causality: the summary
-ranks a config by its total time over the shapes swept at its entry (at head dim 128, causal and not). Candidates
+three). TFLOP/s counts the backward as 2.5 forwards. The dkdv and dq tables split by causality since session 29
+(["dkdv_causal"], ["dq_causal"]; the fused kernel's does not): the summary ranks a config by its total time over the
+shapes swept at its entry. Candidates
 were picked from sm_90 builds (scripts/triton_resources.py): the tiles that spill least, each with TMA, beside the
 pointer default. Rows of the "fused" kernel (one kernel for dq, dk and dv; session 16) run it forced
 (triton.BACKWARD = "fused"); "path" says whether dq was stored (every key in one block) or added with atomics.
@@ -364,6 +365,11 @@ class Sweep:
 # --------------------------------------------------------------------------- backward
 
 
+def table_name(kernel: str, causal: bool) -> str:
+    """The CONFIGS_16BIT table a backward row sets: the fused kernel's is one for both causalities."""
+    return kernel if kernel == "fused" else kernels.backward_kind(kernel, causal)
+
+
 def bwd_flops(shape, causal: bool) -> float:
     return 3.5 * flops(shape, causal)  # forward + backward (5 products against the forward's 2)
 
@@ -428,10 +434,11 @@ class BackwardSweep:
     def shape(self, shape, causal: bool, kernel: str, variants: dict[str, Bwd]) -> None:
         q, k, v, do, expected, cudnn_ms = self.inputs(shape, causal)
         bd = kernels.block_d(shape[3])
-        entries = kernels.CONFIGS_16BIT[kernel]
+        name = table_name(kernel, causal)
+        entries = kernels.CONFIGS_16BIT[name]
         default = entries[bd]
-        self.defaults[kernel, bd] = default
-        times = self.ms.setdefault((kernel, bd), {})
+        self.defaults[name, bd] = default
+        times = self.ms.setdefault((name, bd), {})
         best_ms, best_cfg = float("inf"), default
         for label, cfg in variants.items():
             run = lambda: self.variant(shape, causal, kernel, label, cfg, q, k, v, do, expected, cudnn_ms)  # noqa: E731
@@ -469,7 +476,7 @@ class BackwardSweep:
         if kernel == "fused":
             route = "store" if shape[2] <= cfg.block_n else "atom"
         else:
-            variant = kernels.backward_variant(kernel, q, k, v, do)[1]
+            variant = kernels.backward_variant(kernel, q, k, v, do, causal=causal)[1]
             route = ("tma" if variant["TMA"] else "ptr") + (" split" if variant["D_HI"] else "")
             lse = torch.empty(shape[:3], device=q.device)  # as the forward's lse and the dq kernel's delta
             if kernel == "dkdv" and kernels.lse_delta_variant(cfg, lse, lse, variant["TMA"]):
@@ -518,7 +525,7 @@ def main(device: torch.device, parts: str, only: str | None = None, kernel_only:
             for kernel, variants in per_kernel.items():
                 if kernel_only not in (None, kernel):
                     continue
-                default = kernels.CONFIGS_16BIT[kernel][kernels.block_d(shape[3])]
+                default = kernels.CONFIGS_16BIT[table_name(kernel, causal)][kernels.block_d(shape[3])]
                 backward.shape(shape, causal, kernel, {"default": default} | variants)
         backward.summary()
     print(f"done in {time.perf_counter() - start:.0f} s")

@@ -248,12 +248,12 @@ def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
     """TMA entries in the dkdv/dq tables (as a sweep may make them; padded: split loads take pointers) serve
     flash_attention's backward on Hopper."""
     bd = fa.block_d(d)
-    for kind in ("dkdv", "dq"):
+    for kind in (fa.backward_kind("dkdv", causal), fa.backward_kind("dq", causal)):
         monkeypatch.setitem(fa.CONFIGS_16BIT[kind], bd, fa.CONFIGS_16BIT[kind][bd]._replace(tma=True, split_d=False))
     q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
     out = flash_attention(q, k, v, causal=causal, backend="triton")
     do = torch.randn_like(out)
-    assert fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"] == hopper()
+    assert fa.backward_variant("dkdv", q, k, v, do, causal=causal)[1]["TMA"] == hopper()
     grads = torch.autograd.grad(out, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, causal)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
@@ -343,7 +343,7 @@ def test_lse_delta_tma_backward(case, lse_delta_taken):
     q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16, layout)
     do = torch.randn_like(q)
     key_lengths = lengths_for(b, lk) if lengths else None
-    dq_cfg = fa.config("dq", d, torch.bfloat16)
+    dq_cfg = fa.config(fa.backward_kind("dq", causal), d, torch.bfloat16)
     grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma=None)
     pointer = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg._replace(lse_delta_tma=False), dq_cfg, None)
     assert lse_delta_taken == [True, False]
@@ -353,34 +353,44 @@ def test_lse_delta_tma_backward(case, lse_delta_taken):
         assert_close(f"{name} against lse and delta through pointers", g, g_ptr, 1e-3)
 
 
-# (B, H, Hkv, Lq, Lk, causal, lengths, layout) at head dim 128, bf16, through flash_attention with the tables as shipped
-DEFAULT_128_CASES = [
-    (2, 4, 2, 1000, 1000, True, True, "blhd"),
-    (2, 4, 2, 1000, 1000, False, True, "blhd"),
-    (2, 4, 4, 600, 1000, True, False, "bhld"),
-    (2, 4, 4, 520, 300, False, False, "bhld"),
-    (2, 4, 2, 999, 1000, True, True, "blhd"),
-    (2, 4, 2, 333, 200, False, False, "bhld"),
+# (B, H, Hkv, Lq, Lk, D, causal, lengths, layout), bf16, through flash_attention with the tables as shipped: the dk/dv
+# entries that read lse and delta through descriptors (head dim 128; 32 where not causal)
+DEFAULT_DKDV_CASES = [
+    (2, 4, 2, 1000, 1000, 128, True, True, "blhd"),
+    (2, 4, 2, 1000, 1000, 128, False, True, "blhd"),
+    (2, 4, 4, 600, 1000, 128, True, False, "bhld"),
+    (2, 4, 4, 520, 300, 128, False, False, "bhld"),
+    (2, 4, 2, 999, 1000, 128, True, True, "blhd"),
+    (2, 4, 2, 333, 200, 128, False, False, "bhld"),
+    (2, 4, 2, 1000, 700, 32, False, True, "blhd"),
+    (2, 4, 1, 201, 1000, 32, False, False, "bhld"),
 ]  # fmt: skip
-DEFAULT_128_IDS = [
+DEFAULT_DKDV_IDS = [
     "causal-lengths-gqa-view", "lengths-gqa-view", "causal-lq<lk", "lq>lk",
     "causal-lengths-odd-lq-pointer-fallback", "odd-lq-pointer-fallback",
+    "d32-lengths-gqa-view-lq>lk", "d32-mqa-odd-lq-pointer-fallback",
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", DEFAULT_128_CASES, ids=DEFAULT_128_IDS)
-def test_dkdv_default_at_head_dim_128_through_the_public_api(case, lse_delta_taken):
-    """The dk/dv table's entry at head dim 128 (64x128, 8 warps, 2 stages, tiles and lse/delta through descriptors)
-    serves flash_attention's backward: descriptors for lse and delta on Hopper where Lq % 4 == 0, pointer loads for
-    them otherwise (odd Lq; before Hopper the whole kernel takes pointers); every gradient within the bf16 bound."""
-    b, h, hkv, lq, lk, causal, lengths, layout = case
-    assert fa.config("dkdv", 128, torch.bfloat16) == Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
-    q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, 128, torch.bfloat16, layout))
+@pytest.mark.parametrize("case", DEFAULT_DKDV_CASES, ids=DEFAULT_DKDV_IDS)
+def test_dkdv_descriptor_entries_through_the_public_api(case, lse_delta_taken):
+    """The dk/dv tables' entries that read tiles, lse and delta through descriptors (head dim 128: 64x128, 8 warps, 2
+    stages; head dim 32 not causal: 32x128, 4 warps, 3 stages) serve flash_attention's backward: descriptors for lse
+    and delta on Hopper where Lq % 4 == 0, pointer loads for them otherwise (odd Lq; before Hopper the whole kernel
+    takes pointers); every gradient within the bf16 bound."""
+    b, h, hkv, lq, lk, d, causal, lengths, layout = case
+    expected_cfg = {
+        (128, True): Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
+        (128, False): Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True),
+        (32, False): Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+    }[d, causal]
+    assert fa.config(fa.backward_kind("dkdv", causal), d, torch.bfloat16) == expected_cfg
+    q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, d, torch.bfloat16, layout))
     key_lengths = lengths_for(b, lk) if lengths else None
     assert not fa.use_fused(q, k)
     out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend="triton")
     do = torch.randn_like(out)
-    assert fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"] == hopper()
+    assert fa.backward_variant("dkdv", q, k, v, do, causal=causal)[1]["TMA"] == hopper()
     with poison_outputs():
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert lse_delta_taken == [hopper() and lq % 4 == 0]

@@ -177,7 +177,7 @@ def test_split_head_dim():
             assert fa.backward_variant(kind, q, k, v, q, BwdConfig(16, 16, 4, 2))[1]["D_HI"] == 0
     asking = {(id(table), kind, d) for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in table
               for d, cfg in table[kind].items() if cfg.split_d}  # fmt: skip
-    kinds = ("fwd", "fwd_causal", "dq")
+    kinds = ("fwd", "fwd_causal", "dq", "dq_causal")
     assert asking == {(id(fa.CONFIGS_16BIT), kind, 64) for kind in kinds}  # the 16-bit tables at 48
 
 
@@ -382,14 +382,15 @@ def test_backward_unsuitable_strides_take_the_pointer_path():
 
 
 def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
-    monkeypatch.setitem(fa.CONFIGS_16BIT["dkdv"], 16, BwdConfig(16, 16, 4, 2, tma=True))
-    monkeypatch.setitem(fa.CONFIGS_16BIT["dq"], 16, BwdConfig(16, 16, 4, 2, tma=True))
+    for kind in ("dkdv", "dq", "dkdv_causal", "dq_causal"):
+        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 16, BwdConfig(16, 16, 4, 2, tma=True))
     q, k, v = (x.requires_grad_() for x in make(2, 2, 1, 40, 37, 16))
     do = torch.randn_like(q)
     for kind in ("dkdv", "dq"):
-        assert fa.backward_variant(kind, q, k, v, do) == (
-            BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
-        )
+        for causal in (False, True):
+            assert fa.backward_variant(kind, q, k, v, do, causal=causal) == (
+                BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+            )
     out = flash_attention(q, k, v, causal=True, backend="triton")
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
 
@@ -459,17 +460,19 @@ def test_lse_delta_variant():
     assert not fa.lse_delta_variant(fa.BwdConfig(*on[:4]), lse, delta, True)  # a plain 4-tuple: off
 
 
-def test_the_dkdv_table_reads_lse_and_delta_through_descriptors_at_head_dims_64_and_128(lse_delta_taken):
-    """The 16-bit dk/dv entries at head dims 64 (48 too) and 128 ask for descriptors, lse and delta included; under
-    the interpreter (no TMA) the public op still takes pointer loads for all of them. Other head dims and fp32 do not
-    ask."""
-    assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
+def test_the_dkdv_tables_read_lse_and_delta_through_descriptors_at_head_dims_32_to_128(lse_delta_taken):
+    """The 16-bit dk/dv entries at head dims 64 (48 too) and 128 ask for descriptors, lse and delta included, and at
+    32 where not causal; under the interpreter (no TMA) the public op still takes pointer loads for all of them.
+    Head dim 16, causal 32 and fp32 do not ask."""
+    assert fa.config("dkdv_causal", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
+    assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True)
     assert fa.config("dkdv", 128, torch.bfloat16).lse_delta_tma
-    assert all(fa.config("dkdv", d, f16).lse_delta_tma for d in (48, 64))
-    assert not any(fa.config("dkdv", d, f16).lse_delta_tma for d in (16, 32))
-    assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32) for kind in ("dq", "fused")
-                   for cfg in table[kind].values())  # fmt: skip
-    assert not any(cfg.lse_delta_tma for cfg in fa.CONFIGS_FP32["dkdv"].values())
+    assert all(fa.config(kind, d, f16).lse_delta_tma for kind in ("dkdv", "dkdv_causal") for d in (48, 64))
+    assert fa.config("dkdv", 32, f16).lse_delta_tma and not fa.config("dkdv_causal", 32, f16).lse_delta_tma
+    assert not any(fa.config(kind, 16, f16).lse_delta_tma for kind in ("dkdv", "dkdv_causal"))
+    assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32)
+                   for kind in ("dq", "dq_causal", "fused") for cfg in table[kind].values())  # fmt: skip
+    assert not any(cfg.lse_delta_tma for kind in ("dkdv", "dkdv_causal") for cfg in fa.CONFIGS_FP32[kind].values())
     q, k, v = (x.requires_grad_() for x in make(1, 2, 1, 40, 40, 128))
     do = torch.randn_like(q)
     assert not fa.backward_variant("dkdv", q, k, v, do)[1]["TMA"]

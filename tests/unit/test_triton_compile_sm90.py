@@ -171,7 +171,8 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
         fa_triton.backward(do, *args, o, lse)
     else:
         delta = fa_triton.backward_preprocess(o, do)
-        dkdv, dq = (fa_triton.config(kind, head_dim, bf16)._replace(split_d=False) for kind in ("dkdv", "dq"))
+        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(kind, causal), head_dim, bf16)._replace(split_d=False)
+                    for kind in ("dkdv", "dq"))
         fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=backward_tma)
         fa_triton.backward_dq(do, *args, lse, delta, cfg=dq, tma=backward_tma)
 

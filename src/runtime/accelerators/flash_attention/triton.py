@@ -46,7 +46,8 @@ The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and he
 (sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 in the forward and dq entries
 (so head dim 48 splits there, and the forward entry's tma serves head dim 64 only).
 
-Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scripts/fa_sweep.py bwd` times them):
+Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"] and, for causal attention, ["dkdv_causal"] /
+["dq_causal"]; `scripts/fa_sweep.py bwd` times them):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
   its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V.
   Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv kernel's K/V at Lk, the dq kernel's at
@@ -59,7 +60,8 @@ Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"]; `scrip
   (a second dk/dv kernel at that head dim).
 - split_d: the head dim in two column parts, as in the forward (above); no descriptors, so lse and delta take the
   pointer loads.
-The 16-bit dk/dv table takes tma with lse_delta_tma at padded head dims 64 and 128; the dq table none.
+The 16-bit dk/dv tables take tma with lse_delta_tma at padded head dims 64 and 128, and at 32 where not causal; the
+dq tables none.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class BwdConfig(NamedTuple):
 # 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
 # either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split). The entry's
 # heavy_first=16 sections: 1.503 ms causal against 1.537 without (second sweep, on d278999).
+# The dk/dv and dq tables split by causality since session 29: at head dim 32 (128x8x1024x32, session 28, forward +
+# backward ms) the dk/dv kernel with lse and delta through descriptors took 1.937 against the pointer entry's 2.030
+# non-causal but 1.364 against 1.331 causal (cuDNN 2.277 / 1.609), so only the non-causal entry takes it.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -158,6 +163,12 @@ CONFIGS_16BIT = {
     },
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
+        32: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+        64: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+        128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True),
+    },
+    "dkdv_causal": {
+        16: BwdConfig(32, 128, 4, 3),
         32: BwdConfig(32, 128, 4, 3),
         64: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16),
         128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
@@ -172,6 +183,12 @@ CONFIGS_16BIT = {
     "dq": {
         16: BwdConfig(64, 64, 4, 3),
         32: BwdConfig(128, 32, 4, 4),
+        64: BwdConfig(64, 64, 4, 3, split_d=True),
+        128: BwdConfig(128, 64, 8, 3),
+    },
+    "dq_causal": {
+        16: BwdConfig(64, 64, 4, 3),
+        32: BwdConfig(128, 32, 4, 4),
         64: BwdConfig(64, 64, 4, 3, heavy_first=16, split_d=True),
         128: BwdConfig(128, 64, 8, 3, heavy_first=4),
     },
@@ -181,7 +198,9 @@ CONFIGS_FP32 = {
     "fwd": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "fwd_causal": {d: FwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "dkdv": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
+    "dkdv_causal": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
     "dq": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
+    "dq_causal": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
 PREPROCESS_BLOCK_M = 64
@@ -219,6 +238,11 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple:
     table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
     return table[kind][block_d(head_dim)]
+
+
+def backward_kind(kind: str, causal: bool) -> str:
+    """The table of the "dkdv" or "dq" kernel: causal attention has its own."""
+    return kind + "_causal" if causal else kind
 
 
 @functools.cache
@@ -981,7 +1005,7 @@ def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False
 
     cfg: a BwdConfig (or a plain 4-tuple) instead of the table's. tma: see _use_tma. TMA and D_HI: see _split_or_tma
     (a split launch loads through pointers)."""
-    cfg = config(kind, q.shape[-1], q.dtype) if cfg is None else cfg
+    cfg = config(backward_kind(kind, causal), q.shape[-1], q.dtype) if cfg is None else cfg
     if not isinstance(cfg, BwdConfig):
         cfg = BwdConfig(*cfg)
     return cfg, dict(HEAVY_FIRST=int(cfg.heavy_first) if causal else 0) | _split_or_tma(cfg, (q, k, v, do), tma)
