@@ -95,6 +95,9 @@ SWEEP = [
     ((128, 8, 1024, 32), False, {
         "tma": Fwd(64, 64, 4, 3, tma=True),
         "tma m128": Fwd(128, 64, 8, 3, tma=True),
+        "m128 8w": Fwd(128, 64, 8, 3),
+        "n128": Fwd(64, 128, 4, 3),
+        "4st": Fwd(64, 64, 4, 4),
     }),
     ((128, 8, 1024, 32), True, {
         "heavy": Fwd(64, 64, 4, 3, heavy_first=True),
@@ -155,8 +158,20 @@ FUSED_SHORT = {"atom n128": Bwd(32, 128, 4, 2), "8w": Bwd(32, 256, 8, 2), "n128 
 # m64 2.214); the default dkdv tiles spill (255 registers, 22 bytes) there
 D32_DKDV = {"m16": Bwd(16, 128, 4, 3), "n64": Bwd(32, 64, 4, 3), "m64 n64": Bwd(64, 64, 4, 3), "2st": Bwd(32, 128, 4, 2),
             # lse and delta through descriptors, which took the head-dim-48 entry from 1.651 to 1.503 ms (session 28)
-            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)}  # fmt: skip
+            "tma lse": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+            "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168)}  # fmt: skip
 D32_DQ = {"m64 n64": Bwd(64, 64, 4, 3), "n64 8w": Bwd(128, 64, 8, 3), "m64 n32": Bwd(64, 32, 4, 4)}
+# non-causal since the tables split by causality (session 29): the descriptor entry beside the pointer one it replaced,
+# and caps on its registers (217 on sm_90: two programs of 4 warps per SM; 168 lets three in, 128 four)
+D32_DKDV_NONCAUSAL = {
+    "ptr": Bwd(32, 128, 4, 3),
+    "tma lse 2st": Bwd(32, 128, 4, 2, tma=True, lse_delta_tma=True),
+    "tma lse 4st": Bwd(32, 128, 4, 4, tma=True, lse_delta_tma=True),
+    "tma lse m16": Bwd(16, 128, 4, 3, tma=True, lse_delta_tma=True),
+    "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
+    "tma lse r128": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=128),
+}
+D32_DQ_NONCAUSAL = D32_DQ | {"tma": Bwd(128, 32, 4, 4, tma=True), "3st": Bwd(128, 32, 4, 3)}
 # ((B, H, L, D), causal, {kernel: {label: config}}); each kernel's "default" (the table's entry as imported) is added
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
@@ -196,7 +211,7 @@ BWD_SWEEP = [
             "split m128": Bwd(128, 64, 8, 3, split_d=True),
         },
     }),
-    ((128, 8, 1024, 32), False, {"dkdv": D32_DKDV, "dq": D32_DQ}),
+    ((128, 8, 1024, 32), False, {"dkdv": D32_DKDV_NONCAUSAL, "dq": D32_DQ_NONCAUSAL}),
     ((256, 4, 256, 16), True, {"fused": FUSED_16, "dkdv": {}}),
     ((256, 4, 256, 16), False, {
         "fused": FUSED_16,
@@ -230,7 +245,7 @@ def code(cfg: Fwd | Bwd) -> str:
     """FwdConfig(128, 128, 8, 3, tma=True): the flags that are set, as one would write it in the table."""
     flags = "".join(
         f", {name}={getattr(cfg, name)!r}"
-        for name in ("tma", "heavy_first", "lse_delta_tma", "split_d")
+        for name in ("tma", "heavy_first", "lse_delta_tma", "split_d", "maxnreg")
         if getattr(cfg, name, False)
     )
     return f"{type(cfg).__name__}({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{flags})"

@@ -98,6 +98,7 @@ class FwdConfig(NamedTuple):
     tma: bool = False
     heavy_first: int = 0  # causal: a section size (see the module docstring); 0 keeps the launch order
     split_d: bool = False  # a head dim that splits (split_head_dim) held as two column parts, not padded
+    maxnreg: int = 0  # registers per thread at most (more programs per SM, maybe spills); 0: the compiler's choice
 
 
 class BwdConfig(NamedTuple):
@@ -113,6 +114,7 @@ class BwdConfig(NamedTuple):
     lse_delta_tma: bool = False
     heavy_first: int = 0  # as FwdConfig's, for the dk/dv and dq kernels
     split_d: bool = False  # as FwdConfig's, for the dk/dv and dq kernels (the fused kernel stays padded)
+    maxnreg: int = 0  # as FwdConfig's
 
 
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
@@ -238,6 +240,12 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 def config(kind: str, head_dim: int, dtype: torch.dtype) -> tuple:
     table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
     return table[kind][block_d(head_dim)]
+
+
+def launch_options(cfg) -> dict:
+    """Triton's launch options of a FwdConfig or BwdConfig: warps, stages and, where the config caps it, maxnreg."""
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return options | {"maxnreg": cfg.maxnreg} if cfg.maxnreg else options
 
 
 def backward_kind(kind: str, causal: bool) -> str:
@@ -1025,7 +1033,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return o, lse
@@ -1073,7 +1081,7 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
         q, k, v, o, do, lse, dk, dv, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         DQ_ATOMIC=atomic, **_flags(q, key_lengths, causal, dropout_p),
     )
     return (dq.to(q.dtype) if atomic else dq), dk, dv
@@ -1104,7 +1112,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
         q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dk, dv
@@ -1133,7 +1141,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
         q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dq
