@@ -421,9 +421,9 @@ def lse_delta_taken(monkeypatch):
     "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
     [
         (2, 4, 2, 72, 45, 48, True, [45, 0], 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
-        (1, 2, 2, 36, 130, 16, False, [69], 0.0, BwdConfig(16, 32, 4, 2, tma=True, lse_delta_tma=True)),
+        (1, 2, 2, 36, 130, 16, False, [69], 0.0, BwdConfig(32, 32, 4, 2, tma=True, lse_delta_tma=True)),
         (2, 2, 2, 36, 80, 64, True, [80, 17], 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
-        (2, 2, 1, 40, 40, 48, True, [40, 23], 0.2, BwdConfig(16, 32, 4, 2, tma=True, lse_delta_tma=True)),
+        (2, 2, 1, 40, 40, 48, True, [40, 23], 0.2, BwdConfig(32, 32, 4, 2, tma=True, lse_delta_tma=True)),
         (1, 2, 1, 44, 48, 128, True, None, 0.0, BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True)),
         (3, 2, 1, 65, 63, 32, False, None, 0.0, BwdConfig(32, 32, 4, 2, tma=True, lse_delta_tma=True)),
     ],
@@ -449,8 +449,9 @@ def test_lse_and_delta_through_descriptors(lse_delta_taken, b, h, hkv, lq, lk, d
 
 def test_lse_delta_variant():
     """Descriptors for lse and delta (the forward's contiguous rows) only where the config asks, the tiles take
-    descriptors (tma) and every (b, h) row starts 16-byte aligned; else pointer loads."""
-    on, off = BwdConfig(16, 16, 4, 2, tma=True, lse_delta_tma=True), BwdConfig(16, 16, 4, 2, tma=True)
+    descriptors (tma), every (b, h) row starts 16-byte aligned and query blocks have 32 rows or more; else pointer
+    loads."""
+    on, off = BwdConfig(32, 16, 4, 2, tma=True, lse_delta_tma=True), BwdConfig(32, 16, 4, 2, tma=True)
     lse, delta = torch.zeros(2, 3, 40), torch.zeros(2, 3, 40)
     assert fa.lse_delta_variant(on, lse, delta, True)
     assert not fa.lse_delta_variant(off, lse, delta, True)
@@ -458,6 +459,7 @@ def test_lse_delta_variant():
     assert not fa.lse_delta_variant(on, torch.zeros(2, 3, 42), torch.zeros(2, 3, 42), True)  # rows 168 bytes apart
     assert not fa.lse_delta_variant(on, lse, torch.zeros(2 * 3 * 40 + 1)[1:].view(2, 3, 40), True)  # 4-byte aligned
     assert not fa.lse_delta_variant(fa.BwdConfig(*on[:4]), lse, delta, True)  # a plain 4-tuple: off
+    assert not fa.lse_delta_variant(on._replace(block_m=16), lse, delta, True)  # 64-byte boxes faulted on an H100
 
 
 def test_the_dkdv_tables_read_lse_and_delta_through_descriptors_at_head_dims_32_to_128(lse_delta_taken):

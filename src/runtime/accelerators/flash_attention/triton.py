@@ -1121,8 +1121,10 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
 def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tma: bool) -> bool:
     """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta (contiguous
     [B, H, Lq] fp32, as both paths take them) through 1-D descriptors too: the config asks for it (lse_delta_tma) and
-    every (b, h) row is 16-byte aligned (Lq % 4 == 0); else pointer loads."""
-    if not (cfg.lse_delta_tma and tma):
+    every (b, h) row is 16-byte aligned (Lq % 4 == 0); else pointer loads. Query blocks of fewer than 32 rows take
+    pointers too: with 16 (64-byte boxes) the kernel faulted on a misaligned address on an H100 (session 29, Triton
+    3.6, head dim 32)."""
+    if not (cfg.lse_delta_tma and tma) or cfg.block_m < 32:
         return False
     return lse.shape[-1] % 4 == 0 and all(x.data_ptr() % 16 == 0 for x in (lse, delta))
 
