@@ -354,7 +354,7 @@ def test_lse_delta_tma_backward(case, lse_delta_taken):
 
 
 # (B, H, Hkv, Lq, Lk, D, causal, lengths, layout), bf16, through flash_attention with the tables as shipped: the dk/dv
-# entries that read lse and delta through descriptors (head dim 128; 32 where not causal)
+# entries that read lse and delta through descriptors (head dims 128 and 32, the latter with a register cap)
 DEFAULT_DKDV_CASES = [
     (2, 4, 2, 1000, 1000, 128, True, True, "blhd"),
     (2, 4, 2, 1000, 1000, 128, False, True, "blhd"),
@@ -364,25 +364,27 @@ DEFAULT_DKDV_CASES = [
     (2, 4, 2, 333, 200, 128, False, False, "bhld"),
     (2, 4, 2, 1000, 700, 32, False, True, "blhd"),
     (2, 4, 1, 201, 1000, 32, False, False, "bhld"),
+    (2, 4, 2, 700, 1000, 32, True, True, "blhd"),
 ]  # fmt: skip
 DEFAULT_DKDV_IDS = [
     "causal-lengths-gqa-view", "lengths-gqa-view", "causal-lq<lk", "lq>lk",
     "causal-lengths-odd-lq-pointer-fallback", "odd-lq-pointer-fallback",
-    "d32-lengths-gqa-view-lq>lk", "d32-mqa-odd-lq-pointer-fallback",
+    "d32-lengths-gqa-view-lq>lk", "d32-mqa-odd-lq-pointer-fallback", "d32-causal-lengths-gqa-view-lq<lk",
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", DEFAULT_DKDV_CASES, ids=DEFAULT_DKDV_IDS)
 def test_dkdv_descriptor_entries_through_the_public_api(case, lse_delta_taken):
     """The dk/dv tables' entries that read tiles, lse and delta through descriptors (head dim 128: 64x128, 8 warps, 2
-    stages; head dim 32 not causal: 32x128, 4 warps, 3 stages) serve flash_attention's backward: descriptors for lse
-    and delta on Hopper where Lq % 4 == 0, pointer loads for them otherwise (odd Lq; before Hopper the whole kernel
-    takes pointers); every gradient within the bf16 bound."""
+    stages; head dim 32: 32x128, 4 warps, 3 stages, at most 168 registers) serve flash_attention's backward:
+    descriptors for lse and delta on Hopper where Lq % 4 == 0, pointer loads for them otherwise (odd Lq; before
+    Hopper the whole kernel takes pointers); every gradient within the bf16 bound."""
     b, h, hkv, lq, lk, d, causal, lengths, layout = case
     expected_cfg = {
         (128, True): Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
         (128, False): Bwd(64, 128, 8, 2, tma=True, lse_delta_tma=True),
-        (32, False): Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+        (32, False): Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
+        (32, True): Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
     }[d, causal]
     assert fa.config(fa.backward_kind("dkdv", causal), d, torch.bfloat16) == expected_cfg
     q, k, v = (t.requires_grad_() for t in make(b, h, hkv, lq, lk, d, torch.bfloat16, layout))

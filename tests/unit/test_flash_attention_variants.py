@@ -463,14 +463,13 @@ def test_lse_delta_variant():
 
 
 def test_the_dkdv_tables_read_lse_and_delta_through_descriptors_at_head_dims_32_to_128(lse_delta_taken):
-    """The 16-bit dk/dv entries at head dims 64 (48 too) and 128 ask for descriptors, lse and delta included, and at
-    32 where not causal; under the interpreter (no TMA) the public op still takes pointer loads for all of them.
-    Head dim 16, causal 32 and fp32 do not ask."""
+    """The 16-bit dk/dv entries at head dims 32, 64 (48 too) and 128 ask for descriptors, lse and delta included;
+    under the interpreter (no TMA) the public op still takes pointer loads for all of them. Head dim 16 and fp32 do
+    not ask."""
     assert fa.config("dkdv_causal", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4)
     assert fa.config("dkdv", 128, f16) == BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True)
     assert fa.config("dkdv", 128, torch.bfloat16).lse_delta_tma
-    assert all(fa.config(kind, d, f16).lse_delta_tma for kind in ("dkdv", "dkdv_causal") for d in (48, 64))
-    assert fa.config("dkdv", 32, f16).lse_delta_tma and not fa.config("dkdv_causal", 32, f16).lse_delta_tma
+    assert all(fa.config(kind, d, f16).lse_delta_tma for kind in ("dkdv", "dkdv_causal") for d in (32, 48, 64))
     assert not any(fa.config(kind, 16, f16).lse_delta_tma for kind in ("dkdv", "dkdv_causal"))
     assert not any(cfg.lse_delta_tma for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32)
                    for kind in ("dq", "dq_causal", "fused") for cfg in table[kind].values())  # fmt: skip

@@ -60,8 +60,8 @@ Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"] and, fo
   (a second dk/dv kernel at that head dim).
 - split_d: the head dim in two column parts, as in the forward (above); no descriptors, so lse and delta take the
   pointer loads.
-The 16-bit dk/dv tables take tma with lse_delta_tma at padded head dims 64 and 128, and at 32 where not causal; the
-dq tables none.
+The 16-bit dk/dv tables take tma with lse_delta_tma at padded head dims 32, 64 and 128 (at 32 with a register cap,
+maxnreg); the dq tables none.
 """
 
 from __future__ import annotations
@@ -147,9 +147,12 @@ class BwdConfig(NamedTuple):
 # 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
 # either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split). The entry's
 # heavy_first=16 sections: 1.503 ms causal against 1.537 without (second sweep, on d278999).
-# The dk/dv and dq tables split by causality since session 29: at head dim 32 (128x8x1024x32, session 28, forward +
-# backward ms) the dk/dv kernel with lse and delta through descriptors took 1.937 against the pointer entry's 2.030
-# non-causal but 1.364 against 1.331 causal (cuDNN 2.277 / 1.609), so only the non-causal entry takes it.
+# The dk/dv and dq tables split by causality since session 29. Head dim 32 (scripts/fa_sweep.py bwd --only
+# 128x8x1024x32, session 29, H100, forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
+# with lse and delta through descriptors takes 217 registers (two programs of 4 warps per SM); capped at 168
+# (maxnreg: three programs, 6-12 spilled bytes) it took 1.877 / 1.301 against 1.939 uncapped / 1.331 for the pointer
+# entry causal had (128 registers: 2.883, 60 bytes spilled). The causal dq entry 64x32 took 1.312 against 128x32's
+# 1.343; not causal 128x32 stays (1.935 against 1.959-2.024).
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -165,13 +168,13 @@ CONFIGS_16BIT = {
     },
     "dkdv": {
         16: BwdConfig(32, 128, 4, 3),
-        32: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True),
+        32: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
         64: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True),
         128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True),
     },
     "dkdv_causal": {
         16: BwdConfig(32, 128, 4, 3),
-        32: BwdConfig(32, 128, 4, 3),
+        32: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
         64: BwdConfig(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16),
         128: BwdConfig(64, 128, 8, 2, tma=True, lse_delta_tma=True, heavy_first=4),
     },
@@ -190,7 +193,7 @@ CONFIGS_16BIT = {
     },
     "dq_causal": {
         16: BwdConfig(64, 64, 4, 3),
-        32: BwdConfig(128, 32, 4, 4),
+        32: BwdConfig(64, 32, 4, 4),
         64: BwdConfig(64, 64, 4, 3, heavy_first=16, split_d=True),
         128: BwdConfig(128, 64, 8, 3, heavy_first=4),
     },
