@@ -84,6 +84,8 @@ SWEEP = [
         # the default splits the head dim (32 + 16 columns, split_d); the padded entry it replaced (session 27)
         "padded tma": Fwd(128, 64, 8, 4, tma=True),
         "split 3st": Fwd(128, 64, 8, 3, split_d=True),
+        # 128 registers: two programs of 8 warps per SM; 80 lets three in (session 29)
+        "split r80": Fwd(128, 64, 8, 4, split_d=True, maxnreg=80),
     }),
     ((64, 4, 2048, 48), True, {
         "heavy": Fwd(128, 64, 8, 4, heavy_first=True),
@@ -91,6 +93,7 @@ SWEEP = [
         "tma heavy16": Fwd(128, 64, 8, 4, tma=True, heavy_first=16),
         "padded h16": Fwd(128, 64, 8, 4, heavy_first=16),
         "split h16 3st": Fwd(128, 64, 8, 3, heavy_first=16, split_d=True),
+        "split h16 r80": Fwd(128, 64, 8, 4, heavy_first=16, split_d=True, maxnreg=80),
     }),
     ((128, 8, 1024, 32), False, {
         "tma": Fwd(64, 64, 4, 3, tma=True),
@@ -184,6 +187,7 @@ BWD_SWEEP = [
             "tma lse h0": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True),
             "padded tma": Bwd(32, 128, 4, 3, tma=True, heavy_first=16),
             "split": Bwd(32, 128, 4, 3, heavy_first=16, split_d=True),
+            "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16, maxnreg=168),
         },
         "dq": {
             "padded": Bwd(64, 64, 4, 3, heavy_first=16),
@@ -203,6 +207,7 @@ BWD_SWEEP = [
             "tma 8w": Bwd(32, 128, 8, 2, tma=True),
             "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
             "split": Bwd(32, 128, 4, 3, split_d=True),
+            "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
         },
         "dq": {
             "padded": Bwd(64, 64, 4, 3),
