@@ -101,6 +101,9 @@ SWEEP = [
         "m128 8w": Fwd(128, 64, 8, 3),
         "n128": Fwd(64, 128, 4, 3),
         "4st": Fwd(64, 64, 4, 4),
+        # 92 registers: five programs of 4 warps per SM; 80 lets six in, 64 eight (session 29)
+        "r80": Fwd(64, 64, 4, 3, maxnreg=80),
+        "r64": Fwd(64, 64, 4, 3, maxnreg=64),
     }),
     ((128, 8, 1024, 32), True, {
         "heavy": Fwd(64, 64, 4, 3, heavy_first=True),
@@ -174,7 +177,9 @@ D32_DKDV_NONCAUSAL = {
     "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
     "tma lse r128": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=128),
 }
-D32_DQ_NONCAUSAL = D32_DQ | {"tma": Bwd(128, 32, 4, 4, tma=True), "3st": Bwd(128, 32, 4, 3)}
+D32_DQ_NONCAUSAL = D32_DQ | {"tma": Bwd(128, 32, 4, 4, tma=True), "3st": Bwd(128, 32, 4, 3),
+                             # 124 registers: four programs of 4 warps per SM; 96 lets five in, 80 six
+                             "r96": Bwd(128, 32, 4, 4, maxnreg=96), "r80": Bwd(128, 32, 4, 4, maxnreg=80)}
 # ((B, H, L, D), causal, {kernel: {label: config}}); each kernel's "default" (the table's entry as imported) is added
 BWD_SWEEP = [
     ((4, 16, 4096, 128), False, BWD_128),
@@ -190,6 +195,7 @@ BWD_SWEEP = [
             "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16, maxnreg=168),
         },
         "dq": {
+            "split r96": Bwd(64, 64, 4, 3, heavy_first=16, split_d=True, maxnreg=96),
             "padded": Bwd(64, 64, 4, 3, heavy_first=16),
             "split m128": Bwd(128, 64, 8, 3, heavy_first=16, split_d=True),
         },
@@ -210,6 +216,9 @@ BWD_SWEEP = [
             "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
         },
         "dq": {
+            # 126 registers: four programs of 4 warps per SM; 96 lets five in, 80 six (session 29)
+            "split r96": Bwd(64, 64, 4, 3, split_d=True, maxnreg=96),
+            "split r80": Bwd(64, 64, 4, 3, split_d=True, maxnreg=80),
             "padded": Bwd(64, 64, 4, 3),
             "tma": Bwd(64, 64, 4, 3, tma=True),
             "tma m128": Bwd(128, 64, 8, 3, tma=True),
