@@ -120,7 +120,8 @@ class BwdConfig(NamedTuple):
 # A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
 # BLOCK_M runs over queries and BLOCK_N over keys in every kernel. Chosen per kernel from a sweep
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
-# head dim 64 shares the 48 column (both pad to 64). The forward has a table for causal attention apart.
+# head dim 64 shares the 48 column (both pad to 64). Each kernel but the fused one has a table for causal attention
+# apart.
 # The forward's TMA entries come from scripts/fa_sweep.py on an H100 (session 14, bf16, GPU time), same tiles
 # as the pointer entries they replace: "fwd"[128] 1.136 -> 0.983 ms at (4,16,4096,128) (cuDNN 0.865),
 # "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
