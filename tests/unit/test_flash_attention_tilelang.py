@@ -38,6 +38,8 @@ KERNELS = {
     "forward-d48-bf16-causal-lengths-dropout": lambda: fa.forward_entry(48, torch.bfloat16, True, True, True),
     "preprocess-d48-bf16": lambda: fa.preprocess_entry(48, torch.bfloat16),
     "backward-d48-f16-causal-lengths-dropout": lambda: fa.backward_entry(48, torch.float16, True, True, True),
+    # the plain loop without key lengths (always a step: Q by TMA)
+    "forward-d64-f16": lambda: fa.forward_entry(64, torch.float16, False, False, False),
     # the D=128 default overlaps the softmax with the PV product
     "forward-d128-bf16-causal-lengths-dropout-overlap": lambda: fa.forward_entry(128, torch.bfloat16, True, True, True),
     # D >= 32 (two compute warpgroups) overlap the backward's products and add dq by bulk reductions; D=16 keeps
@@ -95,11 +97,20 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
     if name.startswith("forward") and cfg.overlap:
         # QK^T and PV issued together, the softmax run after waiting for QK^T alone
         assert "wait_wgmma<1>" in source, f"{name}: the softmax should overlap the PV product"
-    # the tiles loaded once before the pipelined loop are loaded by threads: TileLang waits on a TMA
-    # load only at its first use inside the loop, so the transposed K copy raced with it and, with no
-    # loop step, the load was still in flight when the output tile sharing its memory was written
-    for tile in {"forward": ("Q",), "backward": ("K", "V")}.get(name.split("-")[0], ()):
+    # a tile loaded once before the pipelined loop by TMA is waited for only at its first use inside the loop, so
+    # the backward's transposed K copy raced with it, and with no loop step the load was still in flight when the
+    # output tile sharing its memory was written: the backward loads K and V by threads, the forward loads Q by TMA
+    # only where its key loop surely takes a step (the overlapped loop always does; the plain one not with key
+    # lengths) and waits for it in the first step
+    for tile in ("K", "V") if name.startswith("backward") else ():
         assert f"tma_load({tile}_desc" not in source, f"{name}: {tile} should not be loaded with TMA"
+    if name.startswith("forward"):
+        has_lengths = entry[0][4]
+        q_tma = re.search(r"tma_load\(Q_desc, mbarrier\[(\d+)\]", source)
+        assert bool(q_tma) == (cfg.overlap or not has_lengths), f"{name}: Q should be loaded with TMA iff the loop takes a step"
+        if q_tma:
+            first_step = rf"if \(k_1 == 0\) \{{\s*mbarrier\[{q_tma[1]}\]\.wait\(0\);"
+            assert re.search(first_step, source), f"{name}: the compute warps should wait for Q in the first step"
 
 
 def keep_mask_torch(seed, b, h, lq, lk, p):

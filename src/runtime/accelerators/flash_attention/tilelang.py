@@ -235,9 +235,13 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             # causal: the last query of this block sees keys < (bx + 1) * bM
             n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
             sl2 = scale * LOG2E  # exponentials in base 2
-            # not TMA: its wait would sit in the key loop's first step, so with no key block (length 0)
-            # the load would still be in flight when O_s (sharing Q_s's memory) is written and at exit
-            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s, disable_tma=True)
+            # Q by TMA where the key loop surely takes a step: TileLang waits for the load only at its first use, in the
+            # loop's first step, so with no step it would still be in flight when O_s (sharing Q_s's memory) is written
+            # and at exit. The overlapped loop always takes one (no key block: a step that only waits); the plain loop
+            # takes none for a key length of 0. Else by threads, which is slow: TileLang cannot vectorise a copy from a
+            # strided view, so each thread loads one element at a time and waits for it before the next (at D = 128,
+            # 43 round trips to memory before any key block is loaded).
+            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s, disable_tma=has_lengths and not cfg.overlap)
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
@@ -247,9 +251,10 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                 T.clear(p)  # read by no product before it is written; TileLang checks
                 # step k loads key block k and value block k - 1 (clamped: the first and last steps load a block
                 # they do not use), issues QK^T of block k and PV of block k - 1 as one asynchronous batch each,
-                # and runs block k's softmax while PV is on the tensor cores
-                for k in T.Pipelined(T.if_then_else(n_blocks > 0, n_blocks + 1, 0), num_stages=cfg.stages):
-                    k_block = T.min(k, n_blocks - 1)
+                # and runs block k's softmax while PV is on the tensor cores. With no key block (a length of 0) the
+                # one step loads block 0 and computes nothing.
+                for k in T.Pipelined(n_blocks + 1, num_stages=cfg.stages):
+                    k_block = T.max(T.min(k, n_blocks - 1), 0)
                     v_block = T.max(k - 1, 0)
                     T.copy(K[bz, h_kv, k_block * bN : (k_block + 1) * bN, :], K_s)
                     T.copy(V[bz, h_kv, v_block * bN : (v_block + 1) * bN, :], V_s)
@@ -269,7 +274,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                         for i, j in T.Parallel(bM, dim):
                             acc[i, j] *= rescale[i]
                         to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
-                    else:
+                    elif k > 0:
                         T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
             else:
