@@ -463,33 +463,39 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             # causal: queries before this key block see none of it
             m_first = (bx * bN) // bM if causal else 0
             n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
+            n_steps = groups * n_q
             sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
-            # not TMA: TileLang waits for these loads only in the query loop's first step, so the
-            # transposed copy below would read K_s before it lands, and with no query step (keys past
-            # the length, causal Lq < Lk) the loads would still be in flight when dk_s/dv_s (sharing
-            # K_s's memory) are written and at exit
-            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=True)
+            # K and V by TMA where the query loop surely takes a step and nothing reads K_s before it: TileLang waits
+            # for these loads only at their first use, in the loop's first step, so the transposed copy below would
+            # read K_s before it lands, and with no step the loads would still be in flight when dk_s/dv_s (sharing
+            # K_s's memory) are written and at exit. The overlapped loop always takes one (no query block: a step
+            # that only waits). Else by threads, one element at a time (see the forward's Q).
+            by_threads = split_k or not cfg.overlap
+            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=by_threads)
             if split_k:
                 for j, n in T.Parallel(dim, bN):
                     Kt_s[j, n] = K_s[n, j]
-            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=True)
+            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=by_threads)
             T.clear(dk)
             T.clear(dv)
             if cfg.overlap:
                 T.clear(p_cast)  # read by no product before it is written; TileLang checks
                 T.clear(ds_cast)
 
-            for it in T.Pipelined(groups * n_q, num_stages=cfg.stages):
-                hq = by * groups + T.truncdiv(it, n_q)  # the step's query head and query block
-                mq = m_first + T.truncmod(it, n_q)
+            # the overlapped loop's one step where there is no query block loads the last query block (a valid one)
+            # and computes nothing
+            n_q_safe = T.max(n_q, 1) if cfg.overlap else n_q
+            for it in T.Pipelined(T.max(n_steps, 1) if cfg.overlap else n_steps, num_stages=cfg.stages):
+                hq = by * groups + T.truncdiv(it, n_q_safe)  # the step's query head and query block
+                mq = T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(Lq, bM) - 1)
                 T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
                 T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
                 if cfg.overlap:
                     T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
                     T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
-                    # one statement (a condition that always holds), so that TileLang's warp specialisation
-                    # hands Q_s and dO_s back to the loads after the last wait, not when dK/dV are issued
-                    if hq < H:
+                    # one statement, so that TileLang's warp specialisation hands Q_s and dO_s back to the loads
+                    # after the last wait, not when dK/dV are issued
+                    if it < n_steps:
                         T.wgmma_gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wgmma_gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(1)  # S done; dP may still run
