@@ -193,6 +193,10 @@ BWD_SWEEP = [
             "padded tma": Bwd(32, 128, 4, 3, tma=True, heavy_first=16),
             "split": Bwd(32, 128, 4, 3, heavy_first=16, split_d=True),
             "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16, maxnreg=168),
+            # 16-row query blocks: a smaller score tile, fewer registers than the spilling 32-row entry (lse and
+            # delta through pointers: lse_delta_variant needs 32 rows)
+            "tma m16": Bwd(16, 128, 4, 3, tma=True, heavy_first=16),
+            "tma m16 4st": Bwd(16, 128, 4, 4, tma=True, heavy_first=16),
         },
         "dq": {
             "split r96": Bwd(64, 64, 4, 3, heavy_first=16, split_d=True, maxnreg=96),
@@ -214,6 +218,8 @@ BWD_SWEEP = [
             "tma m64 8w": Bwd(64, 128, 8, 2, tma=True),
             "split": Bwd(32, 128, 4, 3, split_d=True),
             "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
+            "tma m16": Bwd(16, 128, 4, 3, tma=True),
+            "tma m16 4st": Bwd(16, 128, 4, 4, tma=True),
         },
         "dq": {
             # 126 registers: four programs of 4 warps per SM; 96 lets five in, 80 six (session 29)
