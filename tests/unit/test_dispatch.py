@@ -131,6 +131,29 @@ def test_decisions_are_cached_per_key():
             backends.REGISTRY["mhc"] = previous
 
 
+def test_input_priority_orders_auto_where_it_answers():
+    def input_priority(x=None, **_):
+        """tilelang first for wide rows"""
+        return ("tilelang", "triton") if x is not None and x.shape[-1] > 4 else None
+
+    previous = backends.REGISTRY.get("mhc")
+    tried = []
+    spec = OpSpec("mhc", priority=("triton", "tilelang"), reasons=lambda backend, x: tried.append(backend) or ["never"],
+                  input_priority=input_priority)  # fmt: skip
+    try:
+        assert spec.priority_for(x=torch.randn(2, 8)) == ("tilelang", "triton")
+        assert spec.priority_for(x=torch.randn(2, 4)) == spec.priority_for() == ("triton", "tilelang")
+        x = torch.randn(2, 8)
+        assert select_backend(spec, "auto", x.device, ("wide",), x=x) == "torch"
+        assert tried == ["tilelang", "triton"]
+        assert "auto priority triton > tilelang > torch (tilelang first for wide rows)" in acc.explain("mhc")
+    finally:
+        if previous is None:
+            backends.REGISTRY.pop("mhc")
+        else:
+            backends.REGISTRY["mhc"] = previous
+
+
 def test_opspec_rejects_unknown_op_name():
     with pytest.raises(ValueError, match="unknown op 'softmax'"):
         OpSpec("softmax", priority=(), reasons=lambda backend: [])

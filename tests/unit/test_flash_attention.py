@@ -134,6 +134,16 @@ def test_auto_prefers_triton_under_the_interpreter():
     assert not SPEC.not_supported_reasons("triton", q.device, q=q, k=k, v=v)
 
 
+def test_auto_tries_tilelang_first_at_head_dim_128_only():
+    for d in (16, 32, 48, 64):
+        assert SPEC.priority_for(q=torch.empty(1, 1, 2, d))[0] == "triton"
+    q, k, v = make(1, 2, 2, 5, 5, 128, requires_grad=False)
+    assert SPEC.priority_for(q=q) == ("tilelang", "triton")
+    # tilelang needs CUDA: auto then takes the next in the order (the interpreter's triton)
+    text = explain("flash_attention", q=q, k=k, v=v)
+    assert "configured 'auto' -> runs triton; auto priority tilelang > triton > torch" in text
+
+
 def test_attn_mask_on_a_kernel_backend_falls_back_with_a_warning():
     q, k, v = make(1, 2, 2, 5, 6, 16, requires_grad=False)
     mask = torch.rand(5, 6) > 0.5

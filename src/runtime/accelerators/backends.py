@@ -140,16 +140,26 @@ class OpSpec:
     priority:   kernel backends in the order `"auto"` tries them (chosen from benchmark evidence)
     reasons:    (backend, **inputs) -> list of reasons this backend cannot run these inputs,
                 beyond the environment (dtype, width, mask kind, gradients...)
+    input_priority: (**inputs) -> another order for inputs where the benchmarks show it winning, or None
+                (priority); its docstring says where. Like reasons, it may read only what the op's decision
+                key holds.
     """
 
     name: str
     priority: tuple[str, ...]
     reasons: InputReasons
+    input_priority: Callable[..., tuple[str, ...] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in OP_NAMES:
             raise ValueError(f"OpSpec: unknown op {self.name!r}; expected one of {OP_NAMES}")
         REGISTRY[self.name] = self
+
+    def priority_for(self, **inputs) -> tuple[str, ...]:
+        """The order `"auto"` tries the kernel backends in for these inputs."""
+        if self.input_priority is not None:
+            return self.input_priority(**inputs) or self.priority
+        return self.priority
 
     def not_supported_reasons(self, backend: str, device: torch.device, **inputs) -> list[str]:
         """Every reason the backend cannot run these inputs here; empty means supported."""
@@ -263,7 +273,7 @@ def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, i
         return "torch"
     if requested == "auto":
         skipped = {}
-        for candidate in spec.priority:
+        for candidate in spec.priority_for(**inputs):
             reasons = spec.not_supported_reasons(candidate, device, **inputs)
             if not reasons:
                 return candidate

@@ -32,9 +32,11 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         if inputs:
             accepted = _accepted(name, spec.reasons, inputs)
             reasons = {b: spec.not_supported_reasons(b, device, **accepted) for b in KERNEL_BACKENDS}
+            priority, note = spec.priority_for(**accepted), ""
         else:
             reasons = {b: environment_reasons(b, device) for b in KERNEL_BACKENDS}
-        auto = next((b for b in spec.priority if not reasons[b]), "torch")
+            priority, note = spec.priority, _priority_note(spec)
+        auto = next((b for b in priority if not reasons[b]), "torch")
         configured = config.backend_for(name)
         if configured == "auto":
             runs = auto
@@ -42,10 +44,17 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
             runs = configured
         else:
             runs = "torch (fallback)" if config.fallback == "torch" else "nothing: raises BackendUnavailableError (fallback 'error')"
-        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(spec.priority)} > torch")
+        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}")
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
     return "\n".join(lines)
+
+
+def _priority_note(spec) -> str:
+    """Where the op's priority depends on its inputs, where (the input_priority docstring)."""
+    if spec.input_priority is None:
+        return ""
+    return f" ({' '.join(spec.input_priority.__doc__.split())})"
 
 
 def _inputs_device(inputs) -> torch.device | None:

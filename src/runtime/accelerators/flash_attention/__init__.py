@@ -79,7 +79,14 @@ def input_reasons(
     return reasons
 
 
-SPEC = OpSpec(name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons)
+def input_priority(q=None, **_) -> tuple[str, ...] | None:
+    """tilelang > triton at head dim 128"""
+    # TileLang ran 1.2-1.3x faster forward + backward at head dim 128, lengths 512-8192, causal or not; Triton is as
+    # fast or faster at head dims up to 64 (docs/benchmark/flash_attention.md, session 30)
+    return ("tilelang", "triton") if q is not None and q.shape[-1] == 128 else None
+
+
+SPEC = OpSpec(name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority)
 
 
 def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
