@@ -96,13 +96,14 @@ def test_tilelang_against_float64(case):
 
 
 def test_auto_takes_tilelang_at_head_dim_128():
-    # the faster backend there on Hopper (input_priority in runtime.accelerators.flash_attention); the forward is
-    # deterministic, so the same bits mean the same kernel (Triton's differ in rounding)
+    # the faster backend there on Hopper (input_priority in runtime.accelerators.flash_attention); the autograd node
+    # names the backend that ran (its outputs can equal Triton's to the bit)
     q, k, v = make(1, 4, 2, 200, 1000, 128, bf16, "blhd")
     out = flash_attention(q, k, v, causal=True)
-    assert torch.equal(out, flash_attention(q, k, v, causal=True, backend="tilelang"))
-    assert not torch.equal(out, flash_attention(q, k, v, causal=True, backend="triton"))
+    assert type(out.grad_fn).__name__ == "flash_attention_forward_tilelangBackward"
     check(out, q, k, v, bf16, causal=True)
+    q, k, v = make(1, 4, 2, 200, 1000, 64, bf16)
+    assert type(flash_attention(q, k, v).grad_fn).__name__ == "flash_attention_forward_tritonBackward"
 
 
 def test_scale_and_int64_lengths():
