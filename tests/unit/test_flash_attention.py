@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import AcceleratorConfig, BackendFallbackWarning, BackendUnavailableError, explain, use_accelerators
-from runtime.accelerators.flash_attention import SPEC, flash_attention, input_reasons
+from runtime.accelerators.flash_attention import SPEC, dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
 from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
@@ -285,6 +285,29 @@ def test_triton_interpreter_strided_views():
     grads_ref = torch.autograd.grad(ref, (q, kvt), do.double())
     for name, g, g_ref in zip(("dq", "dkv"), grads, grads_ref):
         assert_close(name, g, g_ref, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
+
+
+def test_dropout_mask_keep_rate_and_determinism():
+    p = 0.3
+    keep = dropout.keep_mask(1234, 2, 3, 70, 90, p, "cpu")
+    assert keep.shape == (2, 3, 70, 90) and keep.dtype == torch.bool
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 0.01, f"keep rate {rate:.4f}, expected {1 - p}"
+    assert torch.equal(keep, dropout.keep_mask(1234, 2, 3, 70, 90, p, "cpu"))
+    other = dropout.keep_mask(1235, 2, 3, 70, 90, p, "cpu")
+    assert (keep != other).float().mean().item() > 0.3, "another seed must give another mask"
+    # rows, columns and heads are not copies of each other
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    assert not torch.equal(keep[0, 0, :, 0], keep[0, 0, :, 1])
+    assert not torch.equal(keep[0, 0], keep[0, 1])
+
+
+def test_dropout_threshold_and_rate():
+    assert dropout.keep_threshold(0.0) == 0 and dropout.drop_rate(0.0) == 0.0
+    assert dropout.keep_threshold(0.25) == 1 << 22 and dropout.drop_rate(0.25) == 0.25
+    assert dropout.keep_threshold(1 - 1e-9) == (1 << 24) - 1  # a rate below 1 keeps something
+    rate = dropout.drop_rate(0.1)
+    assert abs(rate - 0.1) < 2**-25 and torch.tensor(rate, dtype=torch.float32).item() == rate  # exact in fp32
 
 
 def test_triton_interpreter_dropout():

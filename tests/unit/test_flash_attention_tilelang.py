@@ -7,7 +7,6 @@ torch, and the tensor-layout helpers.
 
 import re
 import subprocess
-from dataclasses import replace
 
 import pytest
 import torch
@@ -120,32 +119,6 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         if q_tma:
             first_step = rf"if \(k_1 == 0\) \{{\s*mbarrier\[{q_tma[1]}\]\.wait\(0\);"
             assert re.search(first_step, source), f"{name}: the compute warps should wait for Q in the first step"
-
-
-def keep_mask_torch(seed, b, h, lq, lk, p):
-    """The kernels' dropout hash rebuilt with int64 torch ops (uint32 arithmetic by masking)."""
-    return fa.dropout_keep_mask(seed, b, h, lq, lk, p, torch.device("cpu"))
-
-
-def test_dropout_mask_keep_rate_and_determinism():
-    p = 0.3
-    keep = keep_mask_torch(1234, 2, 3, 70, 90, p)
-    assert keep.shape == (2, 3, 70, 90) and keep.dtype == torch.bool
-    rate = keep.float().mean().item()
-    assert abs(rate - (1 - p)) < 0.01, f"keep rate {rate:.4f}, expected {1 - p}"
-    assert torch.equal(keep, keep_mask_torch(1234, 2, 3, 70, 90, p))
-    other = keep_mask_torch(1235, 2, 3, 70, 90, p)
-    assert (keep != other).float().mean().item() > 0.3, "another seed must give another mask"
-    # rows, columns and heads are not copies of each other
-    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
-    assert not torch.equal(keep[0, 0, :, 0], keep[0, 0, :, 1])
-    assert not torch.equal(keep[0, 0], keep[0, 1])
-
-
-def test_dropout_threshold():
-    assert fa._dropout_args(0.0) == (0, 1.0)
-    threshold, inv = fa._dropout_args(0.25)
-    assert threshold == 1 << 22 and inv == pytest.approx(1 / 0.75)
 
 
 def test_gradient_layouts_follow_inputs():

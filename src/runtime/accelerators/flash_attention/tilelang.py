@@ -15,8 +15,8 @@ both bound the key blocks a program visits and, only on the blocks that straddle
 mask elements. A row that sees no key (length 0) gets o = 0 and lse = -inf; the backward never
 visits it (its key blocks are empty), so its gradients are exactly zero.
 
-Dropout: keep(b, h, i, j) is a counter-based hash of (seed, b * H + h, i, j) that the backward
-recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p).
+Dropout: keep(b, h, i, j) is the counter-based hash of dropout.py, which the backward
+recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p as drawn (dropout.drop_rate).
 """
 
 import math
@@ -28,6 +28,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import buffers
+from . import dropout
 from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
 
 LOG2E = 1.4426950408889634
@@ -108,54 +109,33 @@ HEAD_DIMS = tuple(FWD_CONFIGS)
 # --------------------------------------------------------------------------- dropout
 
 
-# The dropout hash as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
+# The dropout hash (dropout.py) as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
 # lowbias32 round repeats its input, and three rounds make an expression tree too large to compile fast.
-DROPOUT_PRELUDE = """
-__device__ __forceinline__ unsigned taac_mix32(unsigned x) {
-  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;  // lowbias32
+DROPOUT_PRELUDE = f"""
+__device__ __forceinline__ unsigned taac_mix32(unsigned x) {{
+  x ^= x >> 16; x *= {dropout.MIX_A:#x}u; x ^= x >> 15; x *= {dropout.MIX_B:#x}u; x ^= x >> 16;  // lowbias32
   return x;
-}
-// 24 random bits for element (bh, query i, key j) of a dropout draw
-__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int i, int j) {
-  unsigned h = taac_mix32((unsigned)seed ^ ((unsigned)bh * 0x9e3779b9u));
+}}
+// {dropout.BITS} random bits for element (bh, query i, key j) of a dropout draw
+__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int i, int j) {{
+  unsigned h = taac_mix32((unsigned)seed ^ ((unsigned)bh * {dropout.PAIR_MUL:#x}u));
   h = taac_mix32(h ^ (unsigned)i);
-  return taac_mix32(h ^ ((unsigned)j * 0x85ebca6bu)) >> 8;
-}
+  return taac_mix32(h ^ ((unsigned)j * {dropout.KEY_MUL:#x}u)) >> {32 - dropout.BITS};
+}}
 """
 
 
 def _keep(seed, bh, i, j, threshold):
-    """True when element (bh, query i, key j) survives dropout: 24 random bits >= p * 2^24."""
+    """True when element (bh, query i, key j) survives dropout: its random bits >= the threshold."""
     return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, i, j) >= threshold
 
 
-def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
-    """The keep mask [B, H, Lq, Lk] the kernels draw for this seed, rebuilt with torch integer ops
-    (for tests: it materialises L x L)."""
-    u32 = 0xFFFFFFFF
-
-    def mix(x):
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & u32
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & u32
-        return x ^ (x >> 16)
-
-    def index(n, dim):
-        shape = [1, 1, 1, 1]
-        shape[dim] = n
-        return torch.arange(n, dtype=torch.int64, device=device).view(shape)
-
-    bh = index(b, 0) * h + index(h, 1)
-    x = mix((seed & u32) ^ ((bh * 0x9E3779B9) & u32))
-    x = mix(x ^ index(lq, 2))
-    x = mix(x ^ ((index(lk, 3) * 0x85EBCA6B) & u32))
-    return (x >> 8) >= _dropout_args(dropout_p)[0]
+dropout_keep_mask = dropout.keep_mask
 
 
 def _dropout_args(dropout_p: float) -> tuple[int, float]:
-    """(threshold on 24 random bits, 1 / (1 - p)) as the kernels take them."""
-    return int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p)
+    """(threshold on the random bits, 1 / (1 - the rate they drop at)) as the kernels take them."""
+    return dropout.keep_threshold(dropout_p), 1.0 / (1.0 - dropout.drop_rate(dropout_p))
 
 
 # --------------------------------------------------------------------------- kernels

@@ -12,8 +12,9 @@ hidden) decide both which key blocks a program visits and, only on the blocks th
 boundary, an element mask. A row that sees no key gets o = 0 and lse = +inf, so that every
 probability the backward recomputes from it is exp(-inf) = 0.
 
-Dropout keeps element (b, h, i, j) when a Philox draw keyed by the seed on the counter (j, i, b*H+h)
-is >= dropout_p; forward and backward regenerate the same draws, nothing of size L x L is stored.
+Dropout keeps element (b, h, i, j) by the counter-based hash of dropout.py (the TileLang kernels' draw); forward
+and backward regenerate the same bits, nothing of size L x L is stored. The kernels take the rate as drawn
+(dropout.drop_rate, a multiple of 2^-24) and compare the bits with it exactly.
 
 Dtypes: bf16 and fp16 run on tensor cores with fp32 accumulation; fp32 inputs run exact fp32 products
 (input_precision="ieee": tf32 would miss the fp32 accuracy bound), correct but several times slower.
@@ -81,6 +82,7 @@ except ImportError:
 from ..buffers import empty
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
+from . import dropout
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -292,13 +294,29 @@ def _ensure_scratch_allocator() -> None:
 # --------------------------------------------------------------------------- shared pieces
 
 
+_MIX_A, _MIX_B = tl.constexpr(dropout.MIX_A), tl.constexpr(dropout.MIX_B)
+_PAIR_MUL, _KEY_MUL = tl.constexpr(dropout.PAIR_MUL), tl.constexpr(dropout.KEY_MUL)
+_DROP_SHIFT, _DROP_SCALE = tl.constexpr(32 - dropout.BITS), tl.constexpr(float(1 << dropout.BITS))
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 of uint32 values"""
+    x ^= x >> 16
+    x *= _MIX_A
+    x ^= x >> 15
+    x *= _MIX_B
+    return x ^ (x >> 16)
+
+
 @triton.jit
 def _keep(seed, bh, offs_i, offs_j, dropout_p):
-    """Dropout keep mask for queries offs_i x keys offs_j (broadcast shapes), one Philox draw each."""
-    zero = (offs_i + offs_j) * 0
-    r, _, _, _ = tl.philox(seed, offs_j + zero, offs_i + zero, zero + bh, zero)
-    uniform = (r >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)  # 24 random bits -> [0, 1)
-    return uniform >= dropout_p
+    """Dropout keep mask for queries offs_i x keys offs_j (broadcast shapes): dropout.py's hash, mixed per query
+    row, then per element. dropout_p: dropout.drop_rate's (dropout_p * 2^24 is the exact threshold)."""
+    pair = _mix32(seed.to(tl.uint32) ^ (bh.to(tl.uint32) * _PAIR_MUL))
+    row = _mix32(pair ^ offs_i.to(tl.uint32))
+    bits = _mix32(row ^ (offs_j.to(tl.uint32) * _KEY_MUL)) >> _DROP_SHIFT
+    return bits >= tl.cast(dropout_p * _DROP_SCALE, tl.uint32)
 
 
 @triton.jit
@@ -1036,7 +1054,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
-        h, h // hkv, lq, lk, scale * LOG2E, float(dropout_p), seed,
+        h, h // hkv, lq, lk, scale * LOG2E, dropout.drop_rate(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
@@ -1084,7 +1102,7 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
     _bwd_fused_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
         q, k, v, o, do, lse, dk, dv, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
-        *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         DQ_ATOMIC=atomic, **_flags(q, key_lengths, causal, dropout_p),
     )
@@ -1115,7 +1133,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
     _bwd_dkdv_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
-        h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
@@ -1146,30 +1164,11 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     _bwd_dq_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
-        h, h // hkv, lq, lk, scale * LOG2E, scale, float(dropout_p), seed,
+        h, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dq
 
 
-def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
-    """The keep mask [B, H, Lq, Lk] the kernels draw for this seed (for tests; materialises L x L)."""
-    keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
-    block = 32
-    _keep_mask_kernel[(cdiv(lq, block), cdiv(lk, block), b * h)](
-        keep, lq, lk, float(dropout_p), seed, BLOCK=block,
-    )
-    return keep.bool()
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["LQ", "LK", "seed"])
-def _keep_mask_kernel(KEEP, LQ, LK, dropout_p, seed, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    bh = tl.program_id(2)
-    keep = _keep(seed, bh, rows[:, None], cols[None, :], dropout_p)
-    ptrs = KEEP + bh.to(tl.int64) * LQ * LK + rows[:, None] * LK + cols[None, :]
-    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < LQ) & (cols[None, :] < LK))
-
+dropout_keep_mask = dropout.keep_mask
