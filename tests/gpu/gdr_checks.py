@@ -1,4 +1,4 @@
-"""What the gated delta rule GPU tests share (test_gated_delta_rule*.py, split in three files so that the GPU tier
+"""What the gated delta rule GPU tests share (test_gated_delta_rule*.py, split in four files so that the GPU tier
 runs them side by side): the cases, the float64 recurrence as reference, and the two checks made per case."""
 
 import torch

@@ -3,7 +3,7 @@ the float64 recurrent reference with the issue's bounds (o and final state 5e-3 
 fp32; gradients dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2 for half inputs, 2e-4 for fp32), and the
 torch backend's forward and every gradient on CUDA. Triton 3.4-3.7 has miscompiled this kind of backward
 elsewhere: every gradient is compared here, on the GPU machine's Triton. The Triton backward's variants are in
-test_gated_delta_rule_variants.py, the TileLang backend in test_gated_delta_rule_tilelang.py (three files, so that
+test_gated_delta_rule_variants.py and _split.py, the TileLang backend in _tilelang.py (four files, so that
 the GPU tier runs them side by side: their kernels compile for minutes)."""
 
 import pytest
