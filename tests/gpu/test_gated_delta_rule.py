@@ -10,16 +10,13 @@ import pytest
 import torch
 
 from gdr_checks import (
-    BOUND, CASES, GRAD_BOUND, call, check_chunked_forward_and_every_gradient, check_forward_matches_the_float64_recurrence,
+    CASES, call, check_chunked_forward_and_every_gradient, check_forward_matches_the_float64_recurrence,
     make_inputs, reference,
 )  # fmt: skip
 from runtime.accelerators.backends import BackendFallbackWarning
-from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators.gated_delta_rule import fused_recurrent_gated_delta_rule
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
-from runtime.accelerators.gated_delta_rule.reference import (
-    chunk_gated_delta_rule_reference,
-    recurrent_gated_delta_rule_reference,
-)
+from runtime.accelerators.gated_delta_rule.reference import chunk_gated_delta_rule_reference
 from runtime.accelerators.testing import assert_close, compiled_kernels
 
 
@@ -36,28 +33,7 @@ def test_triton_chunked_forward_and_every_gradient(name):
 
 @pytest.mark.parametrize("name", ["T63-K16-fp32", "T37-K32-V128-bf16-GVA-scale", "varlen-K128-bf16-GVA-state"])
 def test_torch_backend_forward_and_every_gradient(name):
-    B, T, H, HV, K, V, dtype, state, options = CASES[name]
-    sequences = len(options["cu_seqlens"]) - 1 if "cu_seqlens" in options else None
-    inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
-    twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
-    o, final = call(chunk_gated_delta_rule, inputs, "torch", **options)
-    o_ref, final_ref = recurrent_gated_delta_rule_reference(
-        twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], options.get("scale"), twin.get("initial_state"),
-        True, options.get("use_qk_l2norm_in_kernel", False), options.get("cu_seqlens"),
-    )  # fmt: skip
-    assert_close("o", o, o_ref, BOUND[dtype])
-    outputs, refs = [o], [o_ref]
-    if final is not None:
-        assert_close("final_state", final, final_ref, BOUND[dtype])
-        outputs.append(final)
-        refs.append(final_ref)
-    grads_out = [torch.randn_like(r) for r in refs]
-    grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
-    ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
-    for n, grad, ref in zip(inputs, grads, ref_grads):
-        assert grad.dtype == inputs[n].dtype
-        bound = 2 * BOUND[dtype] if dtype == torch.float32 else GRAD_BOUND[f"d{n}"]
-        assert_close(f"d{n}", grad, ref, bound)
+    check_chunked_forward_and_every_gradient(name, "torch")
 
 
 def test_chunked_torch_backend_matches_the_recurrence_on_cuda_in_float64():
