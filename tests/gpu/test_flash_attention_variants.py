@@ -1,7 +1,8 @@
 """The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
 loads, heavy-first causal order, the head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in
 the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel, the head dim in two column parts),
-each forced at a few shapes whatever the tables say, and TMA table entries through the public API."""
+each forced at a few shapes whatever the tables say, and TMA table entries through the public API; and dropout past
+2^16 queries and 2^17 keys on both kernel backends."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
+from runtime.accelerators.seeds import draw_seed
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 CUDA = "cuda"
@@ -175,6 +177,30 @@ def test_split_forward_dropout():
     assert_close("o", o, expected, RTOL[torch.bfloat16])
     with poison_outputs():
         grads = fa.backward(do, *args, o, lse)[:3]
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+@pytest.mark.parametrize("lq, lk", [((1 << 16) + 40, 24), (24, (1 << 17) + 40)], ids=["queries>2^16", "keys>2^17"])
+def test_dropout_past_a_block(backend, lq, lk):
+    """Queries past 2^16 and keys past 2^17 draw with their block's key (dropout.py) in every kernel of both
+    backends, as the torch rebuild does: forward and gradients against float64 under the rebuilt mask."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    b, h, d, p = 1, 2, 64, 0.25
+    q, k, v = (x.requires_grad_() for x in make(b, h, 1, lq, lk, d, torch.bfloat16, "bhld"))
+    torch.manual_seed(5)
+    with poison_outputs():
+        o = flash_attention(q, k, v, dropout_p=p, backend=backend)
+    torch.manual_seed(5)
+    keep = fa.dropout_keep_mask(draw_seed(), b, h, lq, lk, p, q.device)
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = attention_float64(*inputs, keep=keep, dropout_p=p)
+    assert_close("o", o, expected, RTOL[torch.bfloat16])
+    do = torch.randn_like(o)
+    with poison_outputs():
+        grads = torch.autograd.grad(o, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 

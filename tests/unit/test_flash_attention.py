@@ -304,10 +304,40 @@ def test_dropout_mask_keep_rate_and_determinism():
 
 def test_dropout_threshold_and_rate():
     assert dropout.keep_threshold(0.0) == 0 and dropout.drop_rate(0.0) == 0.0
-    assert dropout.keep_threshold(0.25) == 1 << 22 and dropout.drop_rate(0.25) == 0.25
-    assert dropout.keep_threshold(1 - 1e-9) == (1 << 24) - 1  # a rate below 1 keeps something
-    rate = dropout.drop_rate(0.1)
-    assert abs(rate - 0.1) < 2**-25 and torch.tensor(rate, dtype=torch.float32).item() == rate  # exact in fp32
+    assert dropout.keep_threshold(0.25) == 1 << 14 and dropout.drop_rate(0.25) == 0.25
+    assert dropout.keep_threshold(1 - 1e-9) == (1 << 16) - 1  # a rate below 1 keeps something
+    for p in (0.1, 0.3, 0.777):
+        rate = dropout.drop_rate(p)
+        assert abs(rate - p) <= 2**-17 and torch.tensor(rate, dtype=torch.float32).item() == rate  # exact in fp32
+
+
+def test_dropout_draws_are_independent():
+    """The keep rate over half a million draws, and pairs of neighbours kept together as often as chance says:
+    keys j and j ^ 8 (the two halves of one hash), adjacent keys, adjacent queries and the two heads' draws."""
+    p = 0.5
+    keep = dropout.keep_mask(99, 1, 2, 512, 512, p, "cpu").float()
+    n = keep.numel()
+    assert abs(keep.mean().item() - 0.5) < 5 * (0.25 / n) ** 0.5
+    j = torch.arange(512)
+    pairs = {
+        "keys j, j ^ 8": (keep, keep[..., j ^ 8]),
+        "keys j, j + 1": (keep[..., :-1], keep[..., 1:]),
+        "queries i, i + 1": (keep[..., :-1, :], keep[..., 1:, :]),
+        "heads": (keep[:, 0], keep[:, 1]),
+    }
+    for name, (a, b) in pairs.items():
+        both = (a * b).mean().item()
+        assert abs(both - 0.25) < 5 * (0.1875 / a.numel()) ** 0.5, f"{name}: kept together {both:.4f}, chance 0.25"
+
+
+def test_dropout_blocks_of_queries_and_keys_differ():
+    """Queries 2^16 apart and keys 2^17 apart share their low index bits; their blocks' keys set them apart."""
+    i, j = torch.arange(64).view(-1, 1), torch.arange(256).view(1, -1)
+    bh = torch.tensor(3)
+    base = dropout.random_bits(7, bh, i, j)
+    for far_i, far_j in ((i + (1 << 16), j), (i, j + (1 << 17)), (i + (5 << 16), j + (3 << 17))):
+        far = dropout.random_bits(7, bh, far_i, far_j)
+        assert (far != base).float().mean().item() > 0.99
 
 
 def test_triton_interpreter_dropout():

@@ -1,51 +1,73 @@
 """The dropout draw of both kernel backends, and its torch rebuild for tests.
 
-Element (b, h, i, j) is kept when 24 bits of a counter-based hash of (seed, b * H + h, query i, key j) reach
-the threshold round(p * 2^24). The hash is three rounds of lowbias32: one of the seed and the (batch, head)
-pair, one of the query, one of the key, so a kernel mixes the first two once per row and only the last per
-element. Forward and backward regenerate the same bits, so nothing of size L x L is stored, and both backends
-drop the same elements for a seed.
+Element (b, h, i, j) (query i, key j) is kept when 16 bits of a counter-based hash reach the threshold
+round(p * 2^16). The hash costs the kernels one lowbias32 round per two elements:
+
+    pair  = mix(seed ^ (b * H + h) * PAIR_MUL)                          once per (batch, head)
+    key   = mix(pair ^ (i >> 16) * QUERY_BLOCK_MUL ^ (j >> 17) * KEY_BLOCK_MUL)      once per tile
+    h     = mix(key ^ (i mod 2^16) << 16 ^ pair_index(j))                  once per two keys
+    bits  = the high half of h for a key with bit 3 set, else the low half
+
+pair_index(j) maps keys j and j ^ 8 to one 16-bit index (distinct for every other key of the same 2^17
+block), so within a block of 2^16 queries x 2^17 keys every element gets its own 16 bits; the blocks
+differ by their key. Keys j and j ^ 8 sit in one thread in the tensor-core accumulator layouts of both
+orientations ([queries, keys] and [keys, queries]), so the compiler computes their shared round once.
+Forward and backward regenerate the same bits: nothing of size L x L is stored, and both backends drop
+the same elements for a seed. Only lowbias32 is per element: the per-index terms are shifts and masks,
+the multiplied block indices are per tile.
 """
 
 from __future__ import annotations
 
 import torch
 
-BITS = 24
+BITS = 16
 MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
-PAIR_MUL, KEY_MUL = 0x9E3779B9, 0x85EBCA6B  # spread the (batch, head) index and the key index before mixing
+PAIR_MUL = 0x9E3779B9  # spreads the (batch, head) index before mixing
+QUERY_BLOCK_MUL, KEY_BLOCK_MUL = 0x85EBCA6B, 0xC2B2AE35  # spread the indices of 2^16-query and 2^17-key blocks
+QUERY_BLOCK_SHIFT, KEY_BLOCK_SHIFT = 16, 17
+_U32 = 0xFFFFFFFF
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """The kernels keep an element whose 24 random bits are >= this."""
+    """The kernels keep an element whose 16 random bits are >= this."""
     return min(round(dropout_p * (1 << BITS)), (1 << BITS) - 1)
 
 
 def drop_rate(dropout_p: float) -> float:
-    """The rate the kernels drop at: p rounded to a multiple of 2^-24 (exact in fp32). Kept elements are scaled by
-    1 / (1 - this)."""
+    """The rate the kernels drop at: p rounded to a multiple of 2^-16 (at most 7.7e-6 from p; exact in fp32).
+    Kept elements are scaled by 1 / (1 - this)."""
     return keep_threshold(dropout_p) / (1 << BITS)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 tensors holding uint32 values"""
+    x = x ^ (x >> 16)
+    x = (x * MIX_A) & _U32
+    x = x ^ (x >> 15)
+    x = (x * MIX_B) & _U32
+    return x ^ (x >> 16)
+
+
+def random_bits(seed: int, bh: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits of elements (pair index bh = b * H + h, query i, key j): int64 tensors that broadcast."""
+    pair = _mix((seed & _U32) ^ ((bh * PAIR_MUL) & _U32))
+    blocks = ((i >> QUERY_BLOCK_SHIFT) * QUERY_BLOCK_MUL) ^ ((j >> KEY_BLOCK_SHIFT) * KEY_BLOCK_MUL)
+    key = _mix(pair ^ (blocks & _U32))
+    pair_index = (((j >> 4) << 3) | (j & 7)) & 0xFFFF
+    h = _mix(key ^ ((i << 16) & _U32) ^ pair_index)
+    return torch.where((j & 8) != 0, h >> 16, h & 0xFFFF)
 
 
 def keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, device) -> torch.Tensor:
     """The keep mask [B, H, Lq, Lk] the kernels draw for this seed, rebuilt with torch integer ops (for tests:
     it materialises L x L)."""
-    u32 = 0xFFFFFFFF
-
-    def mix(x):
-        x = x ^ (x >> 16)
-        x = (x * MIX_A) & u32
-        x = x ^ (x >> 15)
-        x = (x * MIX_B) & u32
-        return x ^ (x >> 16)
 
     def index(n, dim):
-        shape = [1, 1, 1, 1]
+        shape = [1, 1, 1]
         shape[dim] = n
         return torch.arange(n, dtype=torch.int64, device=device).view(shape)
 
-    pair = index(b, 0) * h + index(h, 1)
-    x = mix((seed & u32) ^ ((pair * PAIR_MUL) & u32))
-    x = mix(x ^ index(lq, 2))
-    x = mix(x ^ ((index(lk, 3) * KEY_MUL) & u32))
-    return (x >> (32 - BITS)) >= keep_threshold(dropout_p)
+    bh = torch.arange(b * h, dtype=torch.int64, device=device).view(-1, 1, 1)
+    bits = random_bits(seed, bh, index(lq, 1), index(lk, 2))
+    return (bits >= keep_threshold(dropout_p)).view(b, h, lq, lk)

@@ -110,24 +110,34 @@ HEAD_DIMS = tuple(FWD_CONFIGS)
 
 
 # The dropout hash (dropout.py) as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
-# lowbias32 round repeats its input, and three rounds make an expression tree too large to compile fast.
+# lowbias32 round repeats its input, and the rounds make an expression tree too large to compile fast. nvcc computes
+# the tile's key once (its arguments are the same for every element). _keep passes the key index as its pair index
+# and half in TileLang's integer division, which TileLang simplifies to the same expression for keys j and j ^ 8 (in
+# one thread), so that nvcc computes their shared round once.
 DROPOUT_PRELUDE = f"""
 __device__ __forceinline__ unsigned taac_mix32(unsigned x) {{
   x ^= x >> 16; x *= {dropout.MIX_A:#x}u; x ^= x >> 15; x *= {dropout.MIX_B:#x}u; x ^= x >> 16;  // lowbias32
   return x;
 }}
-// {dropout.BITS} random bits for element (bh, query i, key j) of a dropout draw
-__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int i, int j) {{
-  unsigned h = taac_mix32((unsigned)seed ^ ((unsigned)bh * {dropout.PAIR_MUL:#x}u));
-  h = taac_mix32(h ^ (unsigned)i);
-  return taac_mix32(h ^ ((unsigned)j * {dropout.KEY_MUL:#x}u)) >> {32 - dropout.BITS};
+// {dropout.BITS} random bits of element (bh, query, key) of a dropout draw, in the tile from (q0, k0); the key as
+// its pair index (keys j and j ^ 8 share one) and half (bit 3)
+__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int q0, int k0, int query, int pair_index,
+                                                      int high) {{
+  unsigned key = taac_mix32((unsigned)seed ^ ((unsigned)bh * {dropout.PAIR_MUL:#x}u));
+  key = taac_mix32(key ^ ((unsigned)q0 >> {dropout.QUERY_BLOCK_SHIFT}) * {dropout.QUERY_BLOCK_MUL:#x}u
+                       ^ ((unsigned)k0 >> {dropout.KEY_BLOCK_SHIFT}) * {dropout.KEY_BLOCK_MUL:#x}u);
+  unsigned h = taac_mix32(key ^ ((unsigned)query << 16) ^ ((unsigned)pair_index & 0xffffu));
+  return high ? h >> 16 : h & 0xffffu;
 }}
 """
 
 
-def _keep(seed, bh, i, j, threshold):
-    """True when element (bh, query i, key j) survives dropout: its random bits >= the threshold."""
-    return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, i, j) >= threshold
+def _keep(seed, bh, q0, k0, i, j, threshold):
+    """True when element (bh, query q0 + i, key k0 + j) of the tile from (q0, k0) survives dropout: its random bits
+    >= the threshold."""
+    key = k0 + j
+    pair_index, high = key // 16 * 8 + key % 8, key // 8 % 2
+    return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, q0, k0, q0 + i, pair_index, high) >= threshold
 
 
 dropout_keep_mask = dropout.keep_mask
@@ -175,7 +185,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         """The probabilities s in the product's dtype (dropped out where dropout is on, keys from k0) into p."""
         if dropout:
             for i, j in T.Parallel(bM, bN):
-                p[i, j] = T.if_then_else(_keep(seed, bh, q0 + i, k0 + j, threshold), s[i, j] * inv_keep, 0)
+                p[i, j] = T.if_then_else(_keep(seed, bh, q0, k0, i, j, threshold), s[i, j] * inv_keep, 0)
         else:
             T.copy(s, p)
 
@@ -354,7 +364,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         """p_cast: the (dropped out) probabilities, dV's operand; dp dropped out like them."""
         if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
             for n, i in T.Parallel(bN, bM):
-                kept[n, i] = T.if_then_else(_keep(seed, bh, q0 + i, k0 + n, threshold), 1, 0)
+                kept[n, i] = T.if_then_else(_keep(seed, bh, q0, k0, i, n, threshold), 1, 0)
             for n, i in T.Parallel(bN, bM):
                 p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
                 dp[n, i] = dp[n, i] * kept[n, i] * inv_keep

@@ -14,7 +14,7 @@ probability the backward recomputes from it is exp(-inf) = 0.
 
 Dropout keeps element (b, h, i, j) by the counter-based hash of dropout.py (the TileLang kernels' draw); forward
 and backward regenerate the same bits, nothing of size L x L is stored. The kernels take the rate as drawn
-(dropout.drop_rate, a multiple of 2^-24) and compare the bits with it exactly.
+(dropout.drop_rate, a multiple of 2^-16) and compare the bits with it exactly.
 
 Dtypes: bf16 and fp16 run on tensor cores with fp32 accumulation; fp32 inputs run exact fp32 products
 (input_precision="ieee": tf32 would miss the fp32 accuracy bound), correct but several times slower.
@@ -295,8 +295,10 @@ def _ensure_scratch_allocator() -> None:
 
 
 _MIX_A, _MIX_B = tl.constexpr(dropout.MIX_A), tl.constexpr(dropout.MIX_B)
-_PAIR_MUL, _KEY_MUL = tl.constexpr(dropout.PAIR_MUL), tl.constexpr(dropout.KEY_MUL)
-_DROP_SHIFT, _DROP_SCALE = tl.constexpr(32 - dropout.BITS), tl.constexpr(float(1 << dropout.BITS))
+_PAIR_MUL = tl.constexpr(dropout.PAIR_MUL)
+_QUERY_BLOCK_MUL, _KEY_BLOCK_MUL = tl.constexpr(dropout.QUERY_BLOCK_MUL), tl.constexpr(dropout.KEY_BLOCK_MUL)
+_QUERY_BLOCK_SHIFT, _KEY_BLOCK_SHIFT = tl.constexpr(dropout.QUERY_BLOCK_SHIFT), tl.constexpr(dropout.KEY_BLOCK_SHIFT)
+_DROP_SCALE = tl.constexpr(float(1 << dropout.BITS))
 
 
 @triton.jit
@@ -309,13 +311,34 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+# dropout.py's hash. A kernel folds the block of its program's fixed tile (queries in the forward and dq kernels,
+# keys in the dk/dv ones) into the pair's key once (drop_seed = _pair_key ^ that block's term); each tile's key is
+# then _mix32(drop_seed ^ the other block's term).
 @triton.jit
-def _keep(seed, bh, offs_i, offs_j, dropout_p):
-    """Dropout keep mask for queries offs_i x keys offs_j (broadcast shapes): dropout.py's hash, mixed per query
-    row, then per element. dropout_p: dropout.drop_rate's (dropout_p * 2^24 is the exact threshold)."""
-    pair = _mix32(seed.to(tl.uint32) ^ (bh.to(tl.uint32) * _PAIR_MUL))
-    row = _mix32(pair ^ offs_i.to(tl.uint32))
-    bits = _mix32(row ^ (offs_j.to(tl.uint32) * _KEY_MUL)) >> _DROP_SHIFT
+def _pair_key(seed, bh):
+    return _mix32(seed.to(tl.uint32) ^ (bh.to(tl.uint32) * _PAIR_MUL))
+
+
+@triton.jit
+def _query_block(start_m):
+    """The key's term for the block of 2^16 queries holding query start_m"""
+    return (tl.cast(start_m, tl.uint32) >> _QUERY_BLOCK_SHIFT) * _QUERY_BLOCK_MUL
+
+
+@triton.jit
+def _key_block(start_n):
+    """The key's term for the block of 2^17 keys holding key start_n"""
+    return (tl.cast(start_n, tl.uint32) >> _KEY_BLOCK_SHIFT) * _KEY_BLOCK_MUL
+
+
+@triton.jit
+def _keep(tile_key, offs_i, offs_j, dropout_p):
+    """Dropout keep mask for queries offs_i x keys offs_j (broadcast shapes) of one tile. Keys j and j ^ 8 share
+    one round (the compiler computes it once: both are in one thread). dropout_p: dropout.drop_rate's
+    (dropout_p * 2^16 is the exact threshold)."""
+    pair_index = (((offs_j >> 4) << 3) | (offs_j & 7)) & 0xFFFF
+    h = _mix32(tile_key ^ (offs_i.to(tl.uint32) << 16) ^ pair_index.to(tl.uint32))
+    bits = tl.where((offs_j & 8) != 0, h >> 16, h & 0xFFFF)
     return bits >= tl.cast(dropout_p * _DROP_SCALE, tl.uint32)
 
 
@@ -412,7 +435,7 @@ def _block_and_pair(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
 @triton.jit
 def _fwd_block(
     acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
-    kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+    kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
@@ -439,7 +462,8 @@ def _fwd_block(
     if D_HI > 0:
         acc_hi = acc_hi * alpha[:, None]
     if DROPOUT:
-        p = tl.where(_keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p), p, 0.0)
+        keep = _keep(_mix32(drop_seed ^ _key_block(start_n)), offs_m[:, None], cols[None, :], dropout_p)
+        p = tl.where(keep, p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     if D_HI > 0:
         v_hi = _tile(v_hi_src, start_n, svn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
@@ -467,6 +491,7 @@ def _fwd_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    drop_seed = _pair_key(seed, bh) ^ _query_block(start_m)  # dropout only
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
@@ -502,13 +527,13 @@ def _fwd_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         acc, acc_hi, l_i, m_i = _fwd_block(
             acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
-            kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
             HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
         acc, acc_hi, l_i, m_i = _fwd_block(
             acc, acc_hi, l_i, m_i, q, q_hi, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d, offs_hi,
-            kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
             HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
 
@@ -594,7 +619,7 @@ def _store_dkdv(
 @triton.jit
 def _dkdv_block(
     dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src, start_m,
-    offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
+    offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, drop_seed,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr,
     D_HI: tl.constexpr,
@@ -617,7 +642,7 @@ def _dkdv_block(
         delta = tl.load(delta_src + rows, mask=rows < LQ, other=0.0)
     dv, dv_hi, ds_t = _dv_and_ds_t(
         dv, dv_hi, k, k_hi, v, v_hi, q, q_hi, do, do_hi, lse_src, delta, rows, offs_n, kv_len, LQ, start_m,
-        qk_scale, dropout_p, seed, bh, MASK, CAUSAL, DROPOUT, DOT_PRECISION, LSE_DELTA_TMA, D_HI,
+        qk_scale, dropout_p, drop_seed, MASK, CAUSAL, DROPOUT, DOT_PRECISION, LSE_DELTA_TMA, D_HI,
     )
     ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -629,7 +654,7 @@ def _dkdv_block(
 @triton.jit
 def _dv_and_ds_t(
     dv, dv_hi, k, k_hi, v, v_hi, q, q_hi, do, do_hi, lse_src, delta, rows, offs_n, kv_len, LQ, start_m,
-    qk_scale, dropout_p, seed, bh,
+    qk_scale, dropout_p, drop_seed,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LSE_DELTA_TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
@@ -658,7 +683,7 @@ def _dv_and_ds_t(
     if D_HI > 0:
         dp_t = tl.dot(v_hi, tl.trans(do_hi), dp_t, input_precision=DOT_PRECISION)
     if DROPOUT:
-        keep = _keep(seed, bh, rows[None, :], offs_n[:, None], dropout_p)
+        keep = _keep(_mix32(drop_seed ^ _query_block(start_m)), rows[None, :], offs_n[:, None], dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p)
         p_kept_t = tl.where(keep, p_t * inv_keep, 0.0).to(do.dtype)
         dv = tl.dot(p_kept_t, do, dv, input_precision=DOT_PRECISION)
@@ -730,6 +755,7 @@ def _bwd_dkdv_kernel(
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
+            drop_seed = _pair_key(seed, bh) ^ _key_block(start_n)  # dropout only
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             if D_HI > 0:
@@ -747,13 +773,13 @@ def _bwd_dkdv_kernel(
             for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
                 dk, dk_hi, dv, dv_hi = _dkdv_block(
                     dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
-                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
             for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
                 dk, dk_hi, dv, dv_hi = _dkdv_block(
                     dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
-                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, seed, bh,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
     _store_dkdv(
@@ -769,7 +795,7 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_block(
     dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n, offs_d,
-    offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+    offs_hi, kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, D_HI: tl.constexpr,
 ):
@@ -793,7 +819,7 @@ def _dq_block(
         v_hi = _tile(v_hi_src, start_n, svn, kv_len, offs_n, offs_hi, HEAD_DIM, PAD_D, MASK, False)
         dp = tl.dot(do_hi, tl.trans(v_hi), dp, input_precision=DOT_PRECISION)
     if DROPOUT:
-        keep = _keep(seed, bh, offs_m[:, None], cols[None, :], dropout_p)
+        keep = _keep(_mix32(drop_seed ^ _key_block(start_n)), offs_m[:, None], cols[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = (p * (dp - delta[:, None])).to(k.dtype)
     dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
@@ -822,6 +848,7 @@ def _bwd_dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    drop_seed = _pair_key(seed, bh) ^ _query_block(start_m)  # dropout only
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
@@ -873,13 +900,13 @@ def _bwd_dq_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         dq, dq_hi = _dq_block(
             dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n,
-            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
             HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     for start_n in range(n_full, n_end, BLOCK_N):
         dq, dq_hi = _dq_block(
             dq, dq_hi, q, q_hi, do, do_hi, lse, delta, k_src, k_hi_src, v_src, v_hi_src, start_n, offs_m, offs_n,
-            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, seed, bh,
+            offs_d, offs_hi, kv_len, skn, svn, qk_scale, dropout_p, drop_seed,
             HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, D_HI,
         )
     dq = dq * sm_scale
@@ -893,7 +920,7 @@ def _bwd_dq_kernel(
 @triton.jit
 def _fused_block(
     dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d, kv_len, LQ,
-    sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+    sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, drop_seed,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
@@ -906,7 +933,7 @@ def _fused_block(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
     dv, _, ds_t = _dv_and_ds_t(
         dv, dv, k, k, v, v, q, q, do, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m,
-        qk_scale, dropout_p, seed, bh, MASK, CAUSAL, DROPOUT, DOT_PRECISION, False, 0,
+        qk_scale, dropout_p, drop_seed, MASK, CAUSAL, DROPOUT, DOT_PRECISION, False, 0,
     )
     ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -963,6 +990,7 @@ def _bwd_fused_kernel(
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
+            drop_seed = _pair_key(seed, bh) ^ _key_block(start_n)  # dropout only
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
             o_src = _rows_src(O, b, h, sob, soh, som, 1, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
@@ -971,13 +999,13 @@ def _bwd_fused_kernel(
             for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
                 dk, dv = _fused_block(
                     dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d,
-                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, DQ_ATOMIC,
                 )
             for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
                 dk, dv = _fused_block(
                     dk, dv, k, v, q_src, do_src, o_src, lse_ptr, DQ, dq_base, start_m, offs_m, offs_n, offs_d,
-                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, seed, bh,
+                    kv_len, LQ, sqm, sdom, som, sdqm, qk_scale, sm_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, DQ_ATOMIC,
                 )
     _store_dkdv(
