@@ -134,9 +134,11 @@ def test_auto_prefers_triton_under_the_interpreter():
     assert not SPEC.not_supported_reasons("triton", q.device, q=q, k=k, v=v)
 
 
-def test_auto_tries_tilelang_first_at_head_dim_128_only():
+def test_auto_tries_tilelang_first_at_head_dim_128_and_with_dropout_from_48():
     for d in (16, 32, 48, 64):
         assert SPEC.priority_for(q=torch.empty(1, 1, 2, d))[0] == "triton"
+    for d, first in ((16, "triton"), (32, "triton"), (48, "tilelang"), (64, "tilelang"), (128, "tilelang")):
+        assert SPEC.priority_for(q=torch.empty(1, 1, 2, d), dropout_p=0.1)[0] == first
     q, k, v = make(1, 2, 2, 5, 5, 128, requires_grad=False)
     assert SPEC.priority_for(q=q) == ("tilelang", "triton")
     # tilelang needs CUDA: auto then takes the next in the order (the interpreter's triton)

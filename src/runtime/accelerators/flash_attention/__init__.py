@@ -79,11 +79,15 @@ def input_reasons(
     return reasons
 
 
-def input_priority(q=None, **_) -> tuple[str, ...] | None:
-    """tilelang > triton at head dim 128"""
-    # TileLang ran 1.2-1.3x faster forward + backward at head dim 128, lengths 512-8192, causal or not; Triton is as
-    # fast or faster at head dims up to 64 (docs/benchmark/flash_attention.md, session 30)
-    return ("tilelang", "triton") if q is not None and q.shape[-1] == 128 else None
+def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
+    """tilelang > triton at head dim 128, and with dropout at head dims 48 and 64"""
+    # forward + backward (docs/benchmark/flash_attention.md, sessions 30-31): TileLang ran 1.2-1.3x faster at head
+    # dim 128, lengths 512-8192, causal or not; Triton as fast or faster at head dims up to 64. With dropout 0.1
+    # (session 31) TileLang ran 1.02-1.16x faster at head dims 48 and 64 and Triton 1.07-1.4x faster at 16 and 32.
+    if q is None:
+        return None
+    d = q.shape[-1]
+    return ("tilelang", "triton") if d == 128 or (dropout_p > 0 and d >= 48) else None
 
 
 SPEC = OpSpec(name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority)
