@@ -10,7 +10,8 @@ the PCVR presets of the benchmark. Forward (no grad) and forward + backward (tor
 timed as the benchmark times GPU time (CUDA-graph replays, L2 flushed before each, median ms), through the public op:
 triton, tilelang and torch (SDPA, whose fastest backend here is cuDNN; with key lengths it takes the equivalent mask).
 --key-lengths gives each batch row between half and all of its keys, as the benchmark's presets do; --dropout P runs
-every row with dropout, timed over back-to-back eager calls (events_ms) since the kernels refuse graph capture then. Before timing, each kernel backend's output is compared with torch's (relative RMS error,
+every row with dropout (each replay draws a new seed; until session 31 the kernels refused capture with dropout and
+these rows were timed over back-to-back eager calls, host time included at small shapes). Before timing, each kernel backend's output is compared with torch's (relative RMS error,
 bound: the bf16 bound of runtime.accelerators.testing; not with dropout, whose masks differ); a row over it prints
 WRONG. The TileLang kernels are compiled in parallel first.
 """
@@ -55,19 +56,6 @@ def graph_ms(fn, device: torch.device) -> float:
     return gpu_time_ms(fn, device)[0]["median"]
 
 
-def events_ms(fn, device: torch.device, calls: int = 20) -> float:
-    """Mean GPU ms of back-to-back eager calls: with dropout, where the kernels refuse CUDA-graph capture (every
-    replay would repeat one mask). The shapes here keep the GPU busier than the host."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
 def measure(shape, causal: bool, lengths: bool, dropout_p: float, device: torch.device) -> dict:
     """{backend: (forward ms, forward + backward ms)}, or a line saying why not."""
     b, h, length, d = shape
@@ -92,10 +80,9 @@ def measure(shape, causal: bool, lengths: bool, dropout_p: float, device: torch.
         if not dropout_p and not error <= RTOL[DTYPE]:
             found[name] = f"WRONG: relative RMS error {error:.1e} against torch"
             continue
-        timer = events_ms if dropout_p else graph_ms
         with torch.no_grad():
-            forward_ms = timer(lambda: fn(q, k, v), device)
-        both_ms = timer(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device)
+            forward_ms = graph_ms(lambda: fn(q, k, v), device)
+        both_ms = graph_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device)
         found[name] = (forward_ms, both_ms)
     return found
 

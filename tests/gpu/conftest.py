@@ -27,3 +27,18 @@ def _poisoned_fresh_dispatch():
     with poison_outputs():
         yield
     clear_decisions()
+
+
+def capture_graph(fn, warmup: int = 3):
+    """(graph, fn's result in the graph): `warmup` eager calls on a side stream first (kernel compilation, autograd
+    and allocator warm-up), as PyTorch's CUDA graph docs do, then fn captured once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

@@ -14,11 +14,12 @@ import warnings
 import pytest
 import torch
 
+from conftest import capture_graph
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
-from runtime.accelerators.seeds import draw_seed_tensor
+from runtime.accelerators.seeds import draw_seed_tensor, saved_seeds
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -43,7 +44,7 @@ def run(backend, x, r, p, seed_from):
     """dropout_add seeded by torch.manual_seed(seed_from): out, dx, dresidual, dout and the kernel's seed tensor."""
     x, r = x.detach().requires_grad_(), r.detach().requires_grad_()
     torch.manual_seed(seed_from)
-    with ref.saved_seeds() as seeds:
+    with saved_seeds() as seeds:
         out = dropout_add(x, r, p, backend=backend)
     (seed,) = seeds  # the seed tensor the kernels got (saved for backward)
     dout = torch.randn_like(out)
@@ -127,7 +128,7 @@ def test_identity(backend, training, p):
 def test_the_seed_is_drawn_on_the_device_by_the_cuda_generator(backend):
     x, r = torch.randn(1000, device="cuda", requires_grad=True), torch.randn(1000, device="cuda")
     torch.manual_seed(31)
-    with ref.saved_seeds() as seeds:
+    with saved_seeds() as seeds:
         dropout_add(x, r, 0.5, backend=backend)
     (seed,) = seeds
     assert seed.device == x.device and seed.dtype == torch.int64 and seed.shape == (1,)
@@ -136,21 +137,6 @@ def test_the_seed_is_drawn_on_the_device_by_the_cuda_generator(backend):
     torch.manual_seed(31)
     torch.rand(1)  # advances the CPU generator only: the CUDA one draws the seed
     assert torch.equal(seed, draw_seed_tensor(x.device))
-
-
-def capture(fn, warmup: int = 3):
-    """(graph, fn's result in the graph): `warmup` eager calls on a side stream first (kernel compilation, autograd
-    and allocator warm-up), as PyTorch's CUDA graph docs do, then fn captured once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,7 +152,7 @@ def test_forward_backward_in_a_cuda_graph_run_the_kernels_with_a_new_mask_per_re
     seeds: list[torch.Tensor] = []
 
     def step():
-        with ref.saved_seeds() as saved:
+        with saved_seeds() as saved:
             out = dropout_add(x, r, p, backend=backend)
         seeds[:] = saved  # after capture: the graph's seed tensor, which every replay refills
         dx, dr = torch.autograd.grad(out, (x, r), dout)
@@ -174,7 +160,7 @@ def test_forward_backward_in_a_cuda_graph_run_the_kernels_with_a_new_mask_per_re
 
     with use_accelerators(fallback="error"), warnings.catch_warnings():
         warnings.simplefilter("error", BackendFallbackWarning)
-        graph, (out, dx, dr) = capture(step)
+        graph, (out, dx, dr) = capture_graph(step)
     (seed,) = seeds
 
     replays = []

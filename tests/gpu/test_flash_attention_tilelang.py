@@ -9,7 +9,7 @@ import torch
 
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
-from runtime.accelerators.seeds import draw_seed
+from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 fa = pytest.importorskip(
@@ -134,7 +134,7 @@ def test_dropout_keep_rate_and_backward_consistency():
     torch.manual_seed(11)
     out = flash_attention(q, k, v, dropout_p=p, backend="tilelang")
     torch.manual_seed(11)
-    seed = draw_seed()  # the draw flash_attention made
+    seed = int(draw_seed_tensor(q.device))  # the draw flash_attention made
     torch.manual_seed(11)
     again = flash_attention(q, k, v, dropout_p=p, backend="tilelang")
     assert torch.equal(out, again), "torch.manual_seed must repeat the dropout mask"
@@ -190,7 +190,7 @@ def test_backward_variants_against_float64(variant, case, _variants_compiled, mo
     torch.manual_seed(5)
     out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=p, backend="tilelang")
     torch.manual_seed(5)
-    keep = fa.dropout_keep_mask(draw_seed(), b, h, lq, lk, p, q.device) if p > 0 else None
+    keep = fa.dropout_keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device) if p > 0 else None
     extra = {"keep": keep, "dropout_p": p} if p > 0 else {}
     dq, dk, _ = check(out, q, k, v, bf16, causal=causal, key_lengths=key_lengths, **extra)
     if lengths:

@@ -5,7 +5,7 @@ import torch
 
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
-from runtime.accelerators.seeds import draw_seed
+from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, compiled_kernels, gradient_tolerance
 
 CUDA = "cuda"
@@ -118,7 +118,7 @@ def test_dropout_keep_rate_and_backward_consistency():
     torch.manual_seed(11)
     out = flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")
     torch.manual_seed(11)
-    seed = draw_seed()  # the draw flash_attention made
+    seed = int(draw_seed_tensor(q.device))  # the draw flash_attention made
     torch.manual_seed(11)
     again = flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")
     assert torch.equal(out, again), "torch.manual_seed must repeat the dropout mask"

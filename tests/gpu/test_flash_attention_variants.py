@@ -2,16 +2,18 @@
 loads, heavy-first causal order, the head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in
 the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel, the head dim in two column parts),
 each forced at a few shapes whatever the tables say, and TMA table entries through the public API; and dropout past
-2^16 queries and 2^17 keys on both kernel backends."""
+2^16 queries and 2^17 keys and inside a CUDA graph on both kernel backends."""
 
 import pytest
 import torch
 
+from conftest import capture_graph
 from runtime.accelerators.buffers import poison_outputs
+from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
-from runtime.accelerators.seeds import draw_seed
+from runtime.accelerators.seeds import draw_seed_tensor, saved_seeds
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 CUDA = "cuda"
@@ -168,7 +170,7 @@ def test_split_forward_dropout():
     b, h, hkv, length, d, p = 2, 4, 2, 300, 48, 0.1
     q, k, v = make(b, h, hkv, length, length, d, torch.bfloat16, "bhld")
     do = torch.randn_like(q)
-    args = (q, k, v, None, True, d**-0.5, p, 1234)
+    args = (q, k, v, None, True, d**-0.5, p, torch.tensor([1234], device=CUDA))
     with poison_outputs():
         o, lse = fa.forward(*args, cfg=Fwd(128, 64, 8, 4, tma=True, split_d=True))
     keep = fa.dropout_keep_mask(1234, b, h, length, length, p, q.device)
@@ -194,7 +196,7 @@ def test_dropout_past_a_block(backend, lq, lk):
     with poison_outputs():
         o = flash_attention(q, k, v, dropout_p=p, backend=backend)
     torch.manual_seed(5)
-    keep = fa.dropout_keep_mask(draw_seed(), b, h, lq, lk, p, q.device)
+    keep = fa.dropout_keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device)
     inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     expected = attention_float64(*inputs, keep=keep, dropout_p=p)
     assert_close("o", o, expected, RTOL[torch.bfloat16])
@@ -203,6 +205,41 @@ def test_dropout_past_a_block(backend, lq, lk):
         grads = torch.autograd.grad(o, (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_dropout_in_a_cuda_graph_draws_a_new_mask_per_replay(backend):
+    """Forward + backward with dropout captured in one CUDA graph on a kernel backend (no fallback), replayed twice:
+    each replay's output and gradients match float64 under the mask rebuilt from the seed that replay drew (the
+    graph's own seed tensor), and the two replays drew different seeds."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    b, h, length, d, p = 2, 2, 200, 64, 0.2
+    q, k, v = (x.requires_grad_() for x in make(b, h, h, length, length, d, torch.bfloat16, "bhld"))
+    do = torch.randn_like(q)
+    seeds: list[torch.Tensor] = []
+
+    def step():
+        with saved_seeds() as saved:
+            o = flash_attention(q, k, v, causal=True, dropout_p=p, backend=backend)
+        seeds[:] = saved  # after capture: the graph's seed tensor, which every replay refills
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    with use_accelerators(fallback="error"):
+        graph, results = capture_graph(step)
+    (seed,) = seeds
+    drawn = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        drawn.append(seed.item())
+        keep = fa.dropout_keep_mask(drawn[-1], b, h, length, length, p, q.device)
+        inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        expected = attention_float64(*inputs, causal=True, keep=keep, dropout_p=p)
+        assert_close("o", results[0], expected, RTOL[torch.bfloat16])
+        for name, g, g_ref in zip(("dq", "dk", "dv"), results[1:], torch.autograd.grad(expected, inputs, do.double())):
+            assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+    assert drawn[0] != drawn[1], "the two replays drew one seed"
 
 
 # --------------------------------------------------------------------------- backward (BwdConfig)

@@ -15,7 +15,7 @@ from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavail
 from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.dropout_add import dropout_add
 from runtime.accelerators.dropout_add import reference as ref
-from runtime.accelerators.seeds import draw_seed_tensor
+from runtime.accelerators.seeds import draw_seed_tensor, saved_seeds
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -98,7 +98,7 @@ def run_kernel(backend, x, r, p, seed_from):
     """dropout_add seeded by torch.manual_seed(seed_from); returns out, grads, the kernel's seed tensor."""
     x, r = x.clone().requires_grad_(), r.clone().requires_grad_()
     torch.manual_seed(seed_from)
-    with ref.saved_seeds() as seeds:
+    with saved_seeds() as seeds:
         out = dropout_add(x, r, p, backend=backend)
     (seed,) = seeds  # the seed tensor the kernel got, saved for backward
     dout = torch.randn_like(out)
@@ -162,7 +162,7 @@ def test_the_seed_is_a_device_tensor_drawn_by_the_devices_generator():
     torch.manual_seed (the generator of x's device: the CPU one here, the CUDA one on a GPU)."""
     x, r = torch.randn(37, requires_grad=True), torch.randn(37)
     torch.manual_seed(9)
-    with ref.saved_seeds() as seeds:
+    with saved_seeds() as seeds:
         dropout_add(x, r, 0.5, backend="triton")
     (seed,) = seeds
     assert seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == x.device
@@ -204,7 +204,7 @@ def test_backward_uses_the_forwards_seed_after_other_draws():
 def test_identity_draws_no_seed(training, p):
     x, r = torch.randn(37, requires_grad=True), torch.randn(37)
     state = torch.get_rng_state()
-    with ref.saved_seeds() as seeds:
+    with saved_seeds() as seeds:
         dropout_add(x, r, p, training, backend="triton")
     assert seeds == [] and torch.equal(torch.get_rng_state(), state)
 

@@ -20,6 +20,8 @@ from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
+SEED = torch.tensor([1234])  # the dropout seed tensor the kernel functions take (seeds.draw_seed_tensor's form)
+
 FwdConfig = fa.FwdConfig
 BwdConfig = fa.BwdConfig
 f16 = torch.float16  # the interpreter's bfloat16 dots are wrong (see input_reasons)
@@ -226,7 +228,7 @@ def test_split_forward_dropout_and_backward():
     q, k, v = make(2, 4, 2, 40, 37, 48)
     do = torch.randn_like(q)
     lengths, dropout_p = [37, 20], 0.2
-    args = (q, k, v, torch.tensor(lengths, dtype=torch.int32), True, 48**-0.5, dropout_p, 1234)
+    args = (q, k, v, torch.tensor(lengths, dtype=torch.int32), True, 48**-0.5, dropout_p, SEED)
     split, padded = FwdConfig(16, 16, 4, 2, split_d=True), FwdConfig(16, 16, 4, 2)
     with poison_outputs():
         o, lse = fa.forward(*args, cfg=split)
@@ -299,7 +301,7 @@ def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0, delta_in
     """(dq, dk, dv) of the dk/dv and dq kernels launched with cfg (the forward and preprocess as the tables say).
     delta_in_dq: no preprocess, the dq kernel writes delta and the dk/dv kernel reads it after (as DELTA_IN_DQ)."""
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
-    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, 1234)
+    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, SEED)
     o, lse = fa.forward(*args)
     if delta_in_dq:
         delta = torch.full(q.shape[:3], float("nan"))
@@ -315,7 +317,7 @@ def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0, delta_in
 
 
 def reference_grads(q, k, v, do, lengths, causal, dropout_p=0.0):
-    """(dq, dk, dv) of the float64 reference; with dropout, under the keep mask the kernels draw for seed 1234."""
+    """(dq, dk, dv) of the float64 reference; with dropout, under the keep mask the kernels draw for SEED."""
     b, h, lq, _ = q.shape
     keep = fa.dropout_keep_mask(1234, b, h, lq, k.shape[2], dropout_p, q.device) if dropout_p > 0 else None
     key_lengths = torch.tensor(lengths) if lengths is not None else None
@@ -494,7 +496,7 @@ def test_the_dkdv_tables_read_lse_and_delta_through_descriptors_at_head_dims_32_
 
 def run_fused(q, k, v, do, lengths, causal, cfg, dropout_p=0.0):
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
-    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, 1234)
+    args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, SEED)
     o, lse = fa.forward(*args)
     with poison_outputs():
         return fa.backward_fused(do, *args, o, lse, cfg=cfg)
@@ -612,7 +614,7 @@ def test_delta_in_dq_matches_the_preprocess(monkeypatch, b, h, hkv, lq, lk, d, c
     q, k, v = make(b, h, hkv, lq, lk, d)
     do = torch.randn_like(q)
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
-    args = (q, k, v, key_lengths, causal, d**-0.5, dropout_p, 1234)
+    args = (q, k, v, key_lengths, causal, d**-0.5, dropout_p, SEED)
     o, lse = fa.forward(*args)
     grads = {}
     for delta_in_dq in (False, True):

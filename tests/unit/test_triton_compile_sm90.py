@@ -165,7 +165,7 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
     q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
     k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
     lengths = torch.tensor([lk, 77], dtype=torch.int32) if with_lengths else None
-    args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, 1234)
+    args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
     o, lse = fa_triton.forward(*args)
     if backward_tma is None:
         fa_triton.backward(do, *args, o, lse)
@@ -209,7 +209,7 @@ def attention_fused_backward():
             q, do = torch.randn(2, 4, 90, head_dim).to(bf16), torch.randn(2, 4, 90, head_dim).to(bf16)
             k, v = torch.randn(2, 2, lk, head_dim).to(bf16), torch.randn(2, 2, lk, head_dim).to(bf16)
             key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
-            args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, 1234)
+            args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, None)
             fa_triton.backward_fused(do, *args, *fa_triton.forward(*args))
 
 
@@ -229,7 +229,7 @@ def attention_delta_in_dq():
         delta = torch.empty(2, 4, 200)
         q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
         k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
-        args = (q, k, v, None, True, 128**-0.5, 0.0, 1234)
+        args = (q, k, v, None, True, 128**-0.5, 0.0, None)
         o, lse = fa_triton.forward(*args)
         fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
 
@@ -245,7 +245,7 @@ def attention_lse_delta_tma():
                                                  (48, 200, False, 0.1, d64)):  # fmt: skip
         q, do = torch.randn(2, 4, lq, head_dim).to(bf16), torch.randn(2, 4, lq, head_dim).to(bf16)
         k, v = torch.randn(2, 2, 200, head_dim).to(bf16), torch.randn(2, 2, 200, head_dim).to(bf16)
-        args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, 1234)
+        args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
         o, lse = fa_triton.forward(*args)
         fa_triton.backward_dkdv(do, *args, lse, fa_triton.backward_preprocess(o, do), cfg=cfg, tma=True)
 
@@ -263,7 +263,7 @@ def attention_split_d():
         k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
         key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
         cfg = fa_triton.config("fwd_causal" if causal else "fwd", head_dim, bf16)
-        args = (q, k, v, key_lengths, causal, head_dim**-0.5, dropout_p, 1234)
+        args = (q, k, v, key_lengths, causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
         fa_triton.forward(*args, cfg=cfg._replace(split_d=True))
         if padded:
             fa_triton.forward(*args, cfg=cfg._replace(split_d=False), tma=True)
@@ -278,7 +278,7 @@ def attention_split_backward():
         q, do = torch.randn(b, h, length, head_dim).to(bf16), torch.randn(b, h, length, head_dim).to(bf16)
         k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
         key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
-        args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, 1234)
+        args = (q, k, v, key_lengths, causal, head_dim**-0.5, 0.0, None)
         o, lse = fa_triton.forward(*args)
         delta = torch.empty(b, h, length)
         for split in (True, False):

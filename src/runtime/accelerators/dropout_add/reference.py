@@ -11,9 +11,6 @@ Both kernels keep an element when the top 24 bits of its 32-bit random number ar
 `keep_threshold(p)`, and scale kept elements by 1 / (1 - p).
 """
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 
@@ -28,24 +25,6 @@ def seed_value(seed: int | torch.Tensor) -> int:
             raise ValueError(f"seed: expected a one-element integer tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
         return int(seed.reshape(()).item())
     return int(seed)
-
-
-@contextlib.contextmanager
-def saved_seeds() -> Iterator[list[torch.Tensor]]:
-    """The seed tensors of the kernel calls made inside, in order (through autograd's saved-tensor hooks).
-
-    A kernel call that autograd records (an input requires grad) saves its seed tensor for backward;
-    this list holds those very tensors, so after a CUDA graph replay they hold that replay's draws.
-    """
-    seeds: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == torch.int64 and t.shape == (1,):
-            seeds.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seeds
 
 
 def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float = 0.0, training: bool = True) -> torch.Tensor:

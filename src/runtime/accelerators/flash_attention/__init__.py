@@ -15,7 +15,7 @@ import torch
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
-from ..seeds import GRAPH_CAPTURE_REASON, capturing_graph, draw_seed
+from ..seeds import draw_seed_tensor
 from .reference import flash_attention_reference
 
 # What each kernel backend supports; the reasons below are derived from this table.
@@ -47,7 +47,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def input_reasons(
-    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, capturing: bool = False, **_
+    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_
 ) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
@@ -70,8 +70,6 @@ def input_reasons(
             reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
-    if capturing:
-        reasons.append(GRAPH_CAPTURE_REASON)
     if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
         # the kernels are built on TMA loads, wgmma and warp specialisation
         major, minor = torch.cuda.get_device_capability(q.device)
@@ -102,10 +100,11 @@ def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
 #                 backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
 #                     -> (dq, dk, dv, None, None, None, None, None)
 # key_lengths: None or int32 [B] contiguous on q's device, values in [0, Lk]; dk/dv of a kv head sum
-# over its query heads; dropout keeps (b, h, i, j) by a counter-based RNG of `seed` (backward regenerates it).
+# over its query heads; dropout keeps (b, h, i, j) by a counter-based hash of `seed` (None without dropout, else
+# a one-element int64 tensor on q's device that the kernels load; backward regenerates the mask).
 KERNEL = KernelOp(
     "flash_attention",
-    "Tensor q, Tensor k, Tensor v, Tensor? key_lengths, bool causal, float scale, float dropout_p, SymInt seed",
+    "Tensor q, Tensor k, Tensor v, Tensor? key_lengths, bool causal, float scale, float dropout_p, Tensor? seed",
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
@@ -207,21 +206,20 @@ def flash_attention(
     q [B, H, Lq, D]; k, v [B, Hkv, Lk, D] with H a multiple of Hkv. causal: query i sees keys j <= i
     (top-left aligned, as SDPA). key_lengths [B] int: keys j >= key_lengths[b] are hidden. attn_mask:
     a bool mask broadcastable to [B, H, Lq, Lk], True = visible (torch backend only). dropout_p is
-    applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's default generator,
-    so torch.manual_seed repeats a run. scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
+    applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's generator of q's device,
+    so torch.manual_seed repeats a run, and a captured CUDA graph draws a new mask on every replay. scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
     """
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     unscalable = scale is not None and scale <= 0
-    capturing = dropout_p > 0 and capturing_graph(q.device)
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable, capturing)
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable)
     chosen = select_backend(
-        SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, capturing=capturing
+        SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:
         key_lengths = key_lengths.to(torch.int32).contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    seed = draw_seed() if dropout_p > 0 else 0
+    seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)

@@ -141,6 +141,7 @@ def _keep(seed, bh, q0, k0, i, j, threshold):
 
 
 dropout_keep_mask = dropout.keep_mask
+SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
 
 
 def _dropout_args(dropout_p: float) -> tuple[int, float]:
@@ -199,7 +200,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         LSE: T.Tensor((B, H, Lq), ACCUM),
         scale: T.float32,
         groups: T.int32,
-        seed: T.int32,
+        Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         inv_keep: T.float32,
     ):
@@ -222,6 +223,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             l = T.alloc_fragment((bM,), ACCUM)
 
             kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            seed = T.cast(Seed[0], "int32") if dropout else 0
             # causal: the last query of this block sees keys < (bx + 1) * bM
             n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
             sl2 = scale * LOG2E  # exponentials in base 2
@@ -415,7 +417,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
         scale: T.float32,
         groups: T.int32,
-        seed: T.int32,
+        Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         inv_keep: T.float32,
     ):
@@ -450,6 +452,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             dq = T.alloc_fragment((bM, dim), ACCUM)
 
             kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            seed = T.cast(Seed[0], "int32") if dropout else 0
             # causal: queries before this key block see none of it
             m_first = (bx * bN) // bM if causal else 0
             n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
@@ -596,6 +599,11 @@ def _lengths(key_lengths: torch.Tensor | None, device: torch.device) -> torch.Te
     return placeholder(device, torch.int32) if key_lengths is None else key_lengths
 
 
+def _seed(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The dropout seed tensor (seeds.draw_seed_tensor), or a placeholder where there is no dropout."""
+    return placeholder(device, torch.int64) if seed is None else seed
+
+
 def _check_grid(q: torch.Tensor, k: torch.Tensor) -> None:
     b, h = q.shape[:2]
     if b > MAX_GRID_YZ or h > MAX_GRID_YZ:
@@ -622,7 +630,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
     kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     kernel(
         _tma_ready(q), _tma_ready(k), _tma_ready(v), _lengths(key_lengths, q.device), o, lse,
-        float(scale), h // hkv, int(seed), threshold, inv_keep,
+        float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep,
     )
     return o, lse
 
@@ -652,7 +660,7 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     kernel(
         _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse2, delta, _lengths(key_lengths, q.device),
-        dq_acc, dk, dv, float(scale), h // hkv, int(seed), threshold, inv_keep,
+        dq_acc, dk, dv, float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep,
     )
     if cfg.dq == "tma":
         dq.copy_(dq_acc)

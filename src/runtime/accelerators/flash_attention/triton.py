@@ -472,11 +472,11 @@ def _fwd_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
 def _fwd_kernel(
     Q, K, V, O, LSE, KL,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som,
-    H, GROUP, LQ, LK, qk_scale, dropout_p, seed,
+    H, GROUP, LQ, LK, qk_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
@@ -491,7 +491,7 @@ def _fwd_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    drop_seed = _pair_key(seed, bh) ^ _query_block(start_m)  # dropout only
+    drop_seed = _pair_key(tl.load(SEED), bh) ^ _query_block(start_m) if DROPOUT else 0
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
@@ -697,12 +697,12 @@ def _dv_and_ds_t(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "seed"])
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KL,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
@@ -755,7 +755,7 @@ def _bwd_dkdv_kernel(
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
-            drop_seed = _pair_key(seed, bh) ^ _key_block(start_n)  # dropout only
+            drop_seed = _pair_key(tl.load(SEED), bh) ^ _key_block(start_n) if DROPOUT else 0
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             if D_HI > 0:
@@ -829,11 +829,11 @@ def _dq_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "seed"])
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KL, O,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sob, soh, som,
-    H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
@@ -848,7 +848,7 @@ def _bwd_dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    drop_seed = _pair_key(seed, bh) ^ _query_block(start_m)  # dropout only
+    drop_seed = _pair_key(tl.load(SEED), bh) ^ _query_block(start_m) if DROPOUT else 0
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
@@ -949,12 +949,12 @@ def _fused_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "seed"])
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK"])
 def _bwd_fused_kernel(
     Q, K, V, O, DO, LSE, DK, DV, DQ, KL,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, sdqb, sdqh, sdqm,
-    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, seed,
+    H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
@@ -990,7 +990,7 @@ def _bwd_fused_kernel(
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
-            drop_seed = _pair_key(seed, bh) ^ _key_block(start_n)  # dropout only
+            drop_seed = _pair_key(tl.load(SEED), bh) ^ _key_block(start_n) if DROPOUT else 0
             q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
             do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
             o_src = _rows_src(O, b, h, sob, soh, som, 1, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, False)
@@ -1014,6 +1014,11 @@ def _bwd_fused_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+def _seed_arg(seed: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' SEED: the dropout seed tensor, or any tensor where there is no dropout (never read then)."""
+    return q if seed is None else seed
 
 
 def _flags(q: torch.Tensor, key_lengths, causal: bool, dropout_p: float, d_hi: int = 0) -> dict:
@@ -1082,7 +1087,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, o, lse, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
-        h, h // hkv, lq, lk, scale * LOG2E, dropout.drop_rate(dropout_p), seed,
+        h, h // hkv, lq, lk, scale * LOG2E, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
@@ -1130,7 +1135,7 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
     _bwd_fused_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
         q, k, v, o, do, lse, dk, dv, dq, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
-        *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
+        *dq.stride()[:3], h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         DQ_ATOMIC=atomic, **_flags(q, key_lengths, causal, dropout_p),
     )
@@ -1161,7 +1166,7 @@ def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse,
     _bwd_dkdv_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
-        h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
+        h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
@@ -1192,7 +1197,7 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     _bwd_dq_kernel[(cdiv(lq, cfg.block_m), b * h)](
         q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
-        h, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), seed,
+        h, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
         WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
