@@ -207,8 +207,9 @@ def flash_attention(
     q [B, H, Lq, D]; k, v [B, Hkv, Lk, D] with H a multiple of Hkv. causal: query i sees keys j <= i
     (top-left aligned, as SDPA). key_lengths [B] int: keys j >= key_lengths[b] are hidden. attn_mask:
     a bool mask broadcastable to [B, H, Lq, Lk], True = visible (torch backend only). dropout_p is
-    applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's generator of q's device,
-    so torch.manual_seed repeats a run, and a captured CUDA graph draws a new mask on every replay. scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
+    applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's generator of q's
+    device, so torch.manual_seed repeats a run and a captured CUDA graph draws a new mask on every replay.
+    scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
     """
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
