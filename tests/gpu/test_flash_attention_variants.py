@@ -164,6 +164,15 @@ def test_split_forward_through_the_public_api(causal):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 
 
+def assert_close_under_mask(o, grads, q, k, v, do, keep, p, causal):
+    """o and (dq, dk, dv) against float64 under the dropout keep mask, within the bf16 bounds."""
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = attention_float64(*inputs, causal=causal, keep=keep, dropout_p=p)
+    assert_close("o", o, expected, RTOL[torch.bfloat16])
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+
+
 def test_split_forward_dropout():
     """Dropout in the split forward: the kernels' keep mask (float64 under it), and the
     backward from its o and lse within the bf16 gradient bound."""
@@ -173,14 +182,10 @@ def test_split_forward_dropout():
     args = (q, k, v, None, True, d**-0.5, p, torch.tensor([1234], device=CUDA))
     with poison_outputs():
         o, lse = fa.forward(*args, cfg=Fwd(128, 64, 8, 4, tma=True, split_d=True))
-    keep = fa.dropout_keep_mask(1234, b, h, length, length, p, q.device)
-    inputs = [x.double().requires_grad_() for x in (q, k, v)]
-    expected = attention_float64(*inputs, causal=True, keep=keep, dropout_p=p)
-    assert_close("o", o, expected, RTOL[torch.bfloat16])
     with poison_outputs():
         grads = fa.backward(do, *args, o, lse)[:3]
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
-        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+    keep = fa.dropout_keep_mask(1234, b, h, length, length, p, q.device)
+    assert_close_under_mask(o, grads, q, k, v, do, keep, p, causal=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
@@ -197,14 +202,10 @@ def test_dropout_past_a_block(backend, lq, lk):
         o = flash_attention(q, k, v, dropout_p=p, backend=backend)
     torch.manual_seed(5)
     keep = fa.dropout_keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device)
-    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected = attention_float64(*inputs, keep=keep, dropout_p=p)
-    assert_close("o", o, expected, RTOL[torch.bfloat16])
     do = torch.randn_like(o)
     with poison_outputs():
         grads = torch.autograd.grad(o, (q, k, v), do)
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, inputs, do.double())):
-        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+    assert_close_under_mask(o, grads, q, k, v, do, keep, p, causal=False)
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
@@ -234,11 +235,7 @@ def test_dropout_in_a_cuda_graph_draws_a_new_mask_per_replay(backend):
         torch.cuda.synchronize()
         drawn.append(seed.item())
         keep = fa.dropout_keep_mask(drawn[-1], b, h, length, length, p, q.device)
-        inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        expected = attention_float64(*inputs, causal=True, keep=keep, dropout_p=p)
-        assert_close("o", results[0], expected, RTOL[torch.bfloat16])
-        for name, g, g_ref in zip(("dq", "dk", "dv"), results[1:], torch.autograd.grad(expected, inputs, do.double())):
-            assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+        assert_close_under_mask(results[0], results[1:], q, k, v, do, keep, p, causal=True)
     assert drawn[0] != drawn[1], "the two replays drew one seed"
 
 
