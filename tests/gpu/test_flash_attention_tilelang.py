@@ -7,6 +7,7 @@ they are compiled in parallel before the first test.
 import pytest
 import torch
 
+from runtime.accelerators import BackendUnavailableError, use_accelerators
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor
@@ -104,6 +105,29 @@ def test_auto_takes_tilelang_at_head_dim_128():
     check(out, q, k, v, bf16, causal=True)
     q, k, v = make(1, 4, 2, 200, 1000, 64, bf16)
     assert type(flash_attention(q, k, v).grad_fn).__name__ == "flash_attention_forward_tritonBackward"
+
+
+def test_deterministic_algorithms_take_triton_and_repeat_the_gradients():
+    """Under torch.use_deterministic_algorithms a differentiated call leaves tilelang (its dq reductions have no fixed
+    order) for triton, whose gradients repeat bit for bit; a call without gradients may still take tilelang."""
+    q, k, v = make(2, 4, 2, 300, 1000, 128, bf16)
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = flash_attention(q, k, v, causal=True)
+        assert type(out.grad_fn).__name__ == "flash_attention_forward_tritonBackward"
+        do = torch.randn_like(out)
+        first = torch.autograd.grad(out, (q, k, v), do)
+        for _ in range(3):
+            again = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+        with use_accelerators(fallback="error"):
+            with pytest.raises(BackendUnavailableError, match="deterministic algorithms are on"):
+                flash_attention(q, k, v, backend="tilelang")
+            with torch.no_grad():
+                flash_attention(q, k, v, backend="tilelang")
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def test_scale_and_int64_lengths():

@@ -28,6 +28,7 @@ class KernelSupport:
     head_dims: tuple[int, ...]
     dropout: bool = True
     dtype_note: str = ""
+    deterministic_backward: bool = True  # the same gradients, bit for bit, run after run
 
 
 SUPPORT: dict[str, KernelSupport] = {
@@ -38,6 +39,8 @@ SUPPORT: dict[str, KernelSupport] = {
         head_dims=(16, 32, 48, 64, 128),
         dtype_note="the tilelang kernels compute with bf16/fp16 tensor cores; cast q/k/v to bfloat16 or float16 "
         "(or run under autocast), or use backend='triton'",
+        # each key block's program adds its share of dq to an fp32 accumulator by bulk reductions, in no fixed order
+        deterministic_backward=False,
     ),
 }
 
@@ -46,12 +49,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def needs_deterministic_backward(q=None, k=None, v=None) -> bool:
+    """torch.use_deterministic_algorithms is on and this call will be differentiated (the backward runs on the
+    forward's backend, so the forward decides)."""
+    return (
+        torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (q, k, v))
+    )  # fmt: skip
+
+
 def input_reasons(
     backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_
 ) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
     reasons = []
+    if not support.deterministic_backward and needs_deterministic_backward(q, k, v):
+        reasons.append(
+            f"deterministic algorithms are on (torch.use_deterministic_algorithms) and gradients are needed: the "
+            f"{backend} backward adds dq across key blocks in no fixed order (the triton backward is deterministic)"
+        )
     if scale is not None and scale <= 0:
         # the kernels scale the masked (-inf) scores: a zero scale would make them NaN, a negative one +inf
         reasons.append(f"scale={scale} is not positive; the kernels' online softmax takes scale > 0")
@@ -209,12 +226,14 @@ def flash_attention(
     a bool mask broadcastable to [B, H, Lq, Lk], True = visible (torch backend only). dropout_p is
     applied whenever > 0 (pass 0 in eval, as with SDPA); its seed comes from torch's generator of q's
     device, so torch.manual_seed repeats a run and a captured CUDA graph draws a new mask on every replay.
-    scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
+    scale defaults to 1 / sqrt(D). Rows that see no key give zeros. Under torch.use_deterministic_algorithms, a call
+    that will be differentiated does not take the tilelang backend (its dq reductions have no fixed order): "auto"
+    takes triton, an explicit "tilelang" follows the fallback rule.
     """
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     unscalable = scale is not None and scale <= 0
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable)
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable, needs_deterministic_backward(q, k, v))
     chosen = select_backend(
         SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )
