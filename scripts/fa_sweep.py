@@ -197,6 +197,10 @@ BWD_SWEEP = [
             # delta through pointers: lse_delta_variant needs 32 rows)
             "tma m16": Bwd(16, 128, 4, 3, tma=True, heavy_first=16),
             "tma m16 4st": Bwd(16, 128, 4, 4, tma=True, heavy_first=16),
+            # 64 x 64 tiles (session 32): accumulators of 64 keys, a 64 x 64 score tile, so no spills
+            "split m64 n64": Bwd(64, 64, 4, 3, heavy_first=16, split_d=True),
+            "split m64 n64 2st": Bwd(64, 64, 4, 2, heavy_first=16, split_d=True),
+            "tma lse m64 n64": Bwd(64, 64, 4, 3, tma=True, lse_delta_tma=True, heavy_first=16),
         },
         "dq": {
             "split r96": Bwd(64, 64, 4, 3, heavy_first=16, split_d=True, maxnreg=96),
@@ -220,6 +224,9 @@ BWD_SWEEP = [
             "tma lse r168": Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True, maxnreg=168),
             "tma m16": Bwd(16, 128, 4, 3, tma=True),
             "tma m16 4st": Bwd(16, 128, 4, 4, tma=True),
+            "split m64 n64": Bwd(64, 64, 4, 3, split_d=True),
+            "split m64 n64 2st": Bwd(64, 64, 4, 2, split_d=True),
+            "tma lse m64 n64": Bwd(64, 64, 4, 3, tma=True, lse_delta_tma=True),
         },
         "dq": {
             # 126 registers: four programs of 4 warps per SM; 96 lets five in, 80 six (session 29)
