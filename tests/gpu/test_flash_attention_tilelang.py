@@ -11,7 +11,7 @@ from runtime.accelerators import BackendUnavailableError, use_accelerators
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor
-from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+from runtime.accelerators.testing import RTOL, assert_close, deterministic_algorithms, gradient_tolerance
 
 fa = pytest.importorskip(
     "runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -111,9 +111,7 @@ def test_deterministic_algorithms_take_triton_and_repeat_the_gradients():
     """Under torch.use_deterministic_algorithms a differentiated call leaves tilelang (its dq reductions have no fixed
     order) for triton, whose gradients repeat bit for bit; a call without gradients may still take tilelang."""
     q, k, v = make(2, 4, 2, 300, 1000, 128, bf16)
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         out = flash_attention(q, k, v, causal=True)
         assert type(out.grad_fn).__name__ == "flash_attention_forward_tritonBackward"
         do = torch.randn_like(out)
@@ -126,8 +124,6 @@ def test_deterministic_algorithms_take_triton_and_repeat_the_gradients():
                 flash_attention(q, k, v, backend="tilelang")
             with torch.no_grad():
                 flash_attention(q, k, v, backend="tilelang")
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def test_scale_and_int64_lengths():

@@ -3,9 +3,11 @@
 exception, flash_attention's TileLang backward (dq by reductions in no fixed order), is what the deterministic-mode
 reason keeps out (test_flash_attention_tilelang.py); its forward is checked here.
 
-Each case builds its inputs from a fixed seed, runs forward + backward twice, and compares every output and gradient
-with torch.equal. Sizes are large enough that the reductions span many programs."""
+Each case builds its inputs from a fixed seed, runs forward + backward twice under torch.use_deterministic_algorithms
+(so a torch op on any op's path without a deterministic implementation raises), and compares every output and
+gradient with torch.equal. Sizes are large enough that the reductions span many programs."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,11 +19,14 @@ from runtime.accelerators import (
     layer_norm, rms_norm, swiglu, use_accelerators,
 )  # fmt: skip
 
+from runtime.accelerators.testing import deterministic_algorithms
+
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from gdr_checks import make_inputs as gdr_inputs  # noqa: E402
 from test_mhc import make_inputs as mhc_inputs, pre_block_post  # noqa: E402
 
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for (mHC's products)
 BACKENDS = ("triton", "tilelang")
 bf16 = torch.bfloat16
 
@@ -108,10 +113,12 @@ FORWARD_ONLY = {("attention", "tilelang"), ("attention_causal", "tilelang"), ("a
 def run(case: str, backend: str) -> list[torch.Tensor]:
     """Every output and gradient of one forward + backward, from seed 0 (inputs, dropout seeds, output gradients)."""
     torch.manual_seed(0)
+    if (case, backend) in FORWARD_ONLY:  # without gradients, which deterministic mode keeps off TileLang attention
+        with torch.no_grad():
+            outs, _ = CASES[case](backend)
+        return [outs]
     outs, inputs = CASES[case](backend)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    if (case, backend) in FORWARD_ONLY:
-        return [o.detach() for o in outs]
     grads = torch.autograd.grad(outs, inputs, [torch.randn_like(o) for o in outs])
     return [o.detach() for o in outs] + [g.to_dense() if g.is_sparse else g for g in grads]
 
@@ -119,7 +126,7 @@ def run(case: str, backend: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_outputs_and_gradients_repeat_bit_for_bit(case, backend):
-    with use_accelerators(fallback="error"):  # the kernels, never the torch reference
+    with deterministic_algorithms(), use_accelerators(fallback="error"):  # the kernels, never the torch reference
         first, second = run(case, backend), run(case, backend)
     for i, (a, b) in enumerate(zip(first, second)):
         assert torch.equal(a, b), f"{case} on {backend}: result {i} differs in {int((a != b).sum())} elements"

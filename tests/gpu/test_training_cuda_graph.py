@@ -1,6 +1,7 @@
 """The CUDA-graphed training step (trainer.cuda_graph=true) against the eager step: same losses from the
 same seed and batches, the scheduler's learning rate reaching the replayed optimizer, and residual dropout
-(dropout_add) staying on its kernel backend inside the graph."""
+(dropout_add) staying on its kernel backend inside the graph. And trainer.deterministic: two runs, the same losses to
+the bit."""
 
 import warnings
 
@@ -9,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from runtime.accelerators import BackendFallbackWarning
+from runtime.accelerators.testing import deterministic_algorithms
 from runtime.training import Trainer, config_dir
 from runtime.training.data import build_data
 from runtime.training.distributed import Run
@@ -61,3 +63,12 @@ def test_dropout_add_on_a_kernel_backend_stays_on_it_in_the_graph(tmp_path):
     assert not [m for m in fallbacks if "dropout_add" in m], fallbacks
     assert trainer.graphed_step.captured
     assert all(map(lambda x: x == x and abs(x) < 10, losses)), losses
+
+
+@pytest.mark.parametrize("model", ["baseline", "tokenformer", "gdr"])
+def test_deterministic_steps_repeat_to_the_bit(model, tmp_path):
+    overrides = [f"model={model}", "accelerators=auto", "model.dropout=0.1", "trainer.deterministic=true"]
+    with deterministic_algorithms():  # gives back the mode the trainer sets
+        _, first = _train(_compose(*overrides), tmp_path, "first")
+        _, second = _train(_compose(*overrides), tmp_path, "second")
+    assert first == second, f"{first} vs {second}"

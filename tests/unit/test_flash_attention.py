@@ -10,7 +10,7 @@ from runtime.accelerators import AcceleratorConfig, BackendFallbackWarning, Back
 from runtime.accelerators.flash_attention import SPEC, dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
 from runtime.accelerators.seeds import draw_seed_tensor
-from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
+from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, deterministic_algorithms, gradient_tolerance
 
 
 def make(b, h, hkv, lq, lk, d, dtype=torch.float32, requires_grad=True):
@@ -145,30 +145,21 @@ def test_auto_tries_tilelang_first_at_head_dim_128_and_with_dropout_from_48():
     assert "configured 'auto' -> runs triton; auto priority tilelang > triton > torch" in text
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-
-
-def test_deterministic_algorithms_keep_a_differentiated_call_off_tilelang(deterministic_algorithms):
+def test_deterministic_algorithms_keep_a_differentiated_call_off_tilelang():
     q, k, v = make(1, 2, 2, 5, 5, 128)
-    assert any("deterministic" in r for r in input_reasons("tilelang", q=q, k=k, v=v))
-    assert not any("deterministic" in r for r in input_reasons("triton", q=q, k=k, v=v))
-    with torch.no_grad():  # nothing to differentiate: the tilelang forward is deterministic
-        assert not any("deterministic" in r for r in input_reasons("tilelang", q=q, k=k, v=v))
     frozen = [t.detach() for t in (q, k, v)]
-    assert not any("deterministic" in r for r in input_reasons("tilelang", q=frozen[0], k=frozen[1], v=frozen[2]))
-    # the decision cache tells the two apart, and the error says why
-    with use_accelerators(fallback="error"):
+    with deterministic_algorithms(), use_accelerators(fallback="error"):
+        assert any("deterministic" in r for r in input_reasons("tilelang", q=q, k=k, v=v))
+        assert not any("deterministic" in r for r in input_reasons("triton", q=q, k=k, v=v))
+        with torch.no_grad():  # nothing to differentiate: the tilelang forward is deterministic
+            assert not any("deterministic" in r for r in input_reasons("tilelang", q=q, k=k, v=v))
+        assert not any("deterministic" in r for r in input_reasons("tilelang", q=frozen[0], k=frozen[1], v=frozen[2]))
         with pytest.raises(BackendUnavailableError, match="deterministic algorithms are on"):
             flash_attention(q, k, v, backend="tilelang")
-        torch.use_deterministic_algorithms(False)
-        with pytest.raises(BackendUnavailableError) as raised:
-            flash_attention(q, k, v, backend="tilelang")
-        assert "deterministic" not in str(raised.value)
+    # the decision cache tells the modes apart
+    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError) as raised:
+        flash_attention(q, k, v, backend="tilelang")
+    assert "deterministic" not in str(raised.value)
 
 
 def test_attn_mask_on_a_kernel_backend_falls_back_with_a_warning():

@@ -220,6 +220,20 @@ def test_counts_out_of_range_are_refused_by_name(key, least, tmp_path):
             Trainer(_compose(f"{key}=0"), tmp_path)
 
 
+def test_deterministic_steps_repeat_to_the_bit(tmp_path):
+    """trainer.deterministic sets torch's deterministic mode for the process (restored here) and two runs from one
+    seed give the same losses; dropout included."""
+    overrides = ["model=tokenformer", "model.dropout=0.2", "trainer.steps=4", "trainer.deterministic=true"]
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        first = Trainer(_compose(*overrides), tmp_path / "first").fit()["losses"]
+        assert torch.are_deterministic_algorithms_enabled()
+        second = Trainer(_compose(*overrides), tmp_path / "second").fit()["losses"]
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    assert first == second and len(first) == 4
+
+
 def test_log_every_zero_logs_only_at_the_end(tmp_path):
     metrics = Trainer(_compose("trainer.steps=3", "trainer.log_every=0", "trainer.val_every=0", "trainer.checkpoint_every=0"), tmp_path).fit()
     assert [entry["step"] for entry in metrics["log"]] == [3] and len(metrics["losses"]) == 3

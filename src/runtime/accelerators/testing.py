@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 # relative RMS error bounds per dtype (gradients get twice these; an issue may set tighter ones)
@@ -52,3 +55,14 @@ def compiled_kernels(fn) -> int | None:
     None where this Triton keeps no JITFunction.device_caches to count."""
     caches = getattr(getattr(fn, "kernel", fn), "device_caches", None)
     return None if caches is None else sum(len(c[0]) for c in caches.values())
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """torch.use_deterministic_algorithms(True) within the block, the previous mode restored after."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

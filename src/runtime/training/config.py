@@ -80,6 +80,7 @@ class TrainerSchema:
     resume: Optional[str] = None  # a checkpoint file, or a run directory (its latest checkpoint)
     progress: bool = True  # a rich progress bar on the main process
     cpu_threads: Optional[int] = None  # torch.set_num_threads; null keeps torch's default
+    deterministic: bool = False  # steps that repeat bit for bit: torch.use_deterministic_algorithms for the process
 
 
 @dataclass

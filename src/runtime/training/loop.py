@@ -61,6 +61,15 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def use_deterministic_algorithms() -> None:
+    """Steps that repeat bit for bit (trainer.deterministic), for this process: torch's deterministic algorithms with
+    the cuBLAS workspace setting they ask for (effective before the first CUDA product), no cuDNN autotuning. The
+    accelerators follow: flash_attention then keeps differentiated calls off TileLang (see docs/DESIGN.md)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def _check_graphable(cfg, device: torch.device, distributed: bool) -> None:
     if device.type != "cuda":
         raise ValueError(f"trainer.cuda_graph: needs a CUDA device, the run is on {device}")
@@ -90,6 +99,8 @@ class Trainer:
         self.device = self.run.device
         if cfg.trainer.cpu_threads:
             torch.set_num_threads(cfg.trainer.cpu_threads)
+        if cfg.trainer.deterministic:
+            use_deterministic_algorithms()
 
         self.accelerators = accelerator_config(cfg.accelerators)
         set_accelerators(self.accelerators)
