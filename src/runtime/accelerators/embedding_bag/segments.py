@@ -21,6 +21,7 @@ stream: running them concurrently on two streams gained nothing on an H100 (with
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -89,7 +90,11 @@ def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> t
 
 def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, num_embeddings: int) -> torch.Tensor:
     shape = (num_embeddings, values.shape[1])
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
+    with warnings.catch_warnings():
+        # torch 2.11 warns that invariant checks are "implicitly disabled" even when asked not to check: the rows
+        # are sorted and unique by construction, and checking them would cost a host sync
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 
 def num_chunks(num_indices: int, chunk: int) -> int:
