@@ -156,6 +156,9 @@ def test_deterministic_algorithms_keep_a_differentiated_call_off_tilelang():
         assert not any("deterministic" in r for r in input_reasons("tilelang", q=frozen[0], k=frozen[1], v=frozen[2]))
         with pytest.raises(BackendUnavailableError, match="deterministic algorithms are on"):
             flash_attention(q, k, v, backend="tilelang")
+        text = explain("flash_attention", q=q, k=k, v=v)
+        assert "deterministic algorithms: on" in text.splitlines()[0]
+        assert "tilelang: " in text and "deterministic algorithms are on" in text
     # the decision cache tells the modes apart
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError) as raised:
         flash_attention(q, k, v, backend="tilelang")

@@ -26,7 +26,8 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         raise ValueError("explain: sample inputs need the op they belong to (op=...)")
     device = torch.device(device) if device is not None else _inputs_device(inputs) or default_device()
     config = active_config()
-    lines = [f"device: {device}; fallback rule: {config.fallback}"]
+    mode = "; deterministic algorithms: on" if torch.are_deterministic_algorithms_enabled() else ""
+    lines = [f"device: {device}; fallback rule: {config.fallback}{mode}"]
     for name in [op] if op is not None else sorted(REGISTRY):
         spec = REGISTRY[name]
         if inputs:
