@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.accelerators import BackendUnavailableError, use_accelerators
-from runtime.accelerators.flash_attention import flash_attention
+from runtime.accelerators.flash_attention import dropout, flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL, assert_close, deterministic_algorithms, gradient_tolerance
@@ -158,7 +158,7 @@ def test_dropout_keep_rate_and_backward_consistency():
     torch.manual_seed(11)
     again = flash_attention(q, k, v, dropout_p=p, backend="tilelang")
     assert torch.equal(out, again), "torch.manual_seed must repeat the dropout mask"
-    keep = fa.dropout_keep_mask(seed, b, h, lq, lk, p, q.device)
+    keep = dropout.keep_mask(seed, b, h, lq, lk, p, q.device)
     rate = keep.float().mean().item()
     assert abs(rate - (1 - p)) < 0.005, f"keep rate {rate:.4f}, expected {1 - p}"
     # the kernels draw exactly this mask in the forward and in every gradient: a dropped position
@@ -210,7 +210,7 @@ def test_backward_variants_against_float64(variant, case, _variants_compiled, mo
     torch.manual_seed(5)
     out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=p, backend="tilelang")
     torch.manual_seed(5)
-    keep = fa.dropout_keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device) if p > 0 else None
+    keep = dropout.keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device) if p > 0 else None
     extra = {"keep": keep, "dropout_p": p} if p > 0 else {}
     dq, dk, _ = check(out, q, k, v, bf16, causal=causal, key_lengths=key_lengths, **extra)
     if lengths:

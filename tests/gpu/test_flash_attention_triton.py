@@ -111,7 +111,7 @@ def test_one_compilation_serves_all_lengths_and_batches():
 
 
 def test_dropout_keep_rate_and_backward_consistency():
-    from runtime.accelerators.flash_attention.triton import dropout_keep_mask
+    from runtime.accelerators.flash_attention.dropout import keep_mask
 
     p, (b, h, hkv, lq, lk, d) = 0.2, (2, 4, 2, 300, 257, 64)
     q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16)
@@ -122,7 +122,7 @@ def test_dropout_keep_rate_and_backward_consistency():
     torch.manual_seed(11)
     again = flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")
     assert torch.equal(out, again), "torch.manual_seed must repeat the dropout mask"
-    keep = dropout_keep_mask(seed, b, h, lq, lk, p, q.device)
+    keep = keep_mask(seed, b, h, lq, lk, p, q.device)
     rate = keep.float().mean().item()
     assert abs(rate - (1 - p)) < 0.005, f"keep rate {rate:.4f}, expected {1 - p}"
     # the same mask drives the forward and every gradient: a dropped position contributes nothing,

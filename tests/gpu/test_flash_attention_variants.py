@@ -10,7 +10,7 @@ import torch
 from conftest import capture_graph
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.config import use_accelerators
-from runtime.accelerators.flash_attention import flash_attention
+from runtime.accelerators.flash_attention import dropout, flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor, saved_seeds
@@ -184,7 +184,7 @@ def test_split_forward_dropout():
         o, lse = fa.forward(*args, cfg=Fwd(128, 64, 8, 4, tma=True, split_d=True))
     with poison_outputs():
         grads = fa.backward(do, *args, o, lse)[:3]
-    keep = fa.dropout_keep_mask(1234, b, h, length, length, p, q.device)
+    keep = dropout.keep_mask(1234, b, h, length, length, p, q.device)
     assert_close_under_mask(o, grads, q, k, v, do, keep, p, causal=True)
 
 
@@ -201,7 +201,7 @@ def test_dropout_past_a_block(backend, lq, lk):
     with poison_outputs():
         o = flash_attention(q, k, v, dropout_p=p, backend=backend)
     torch.manual_seed(5)
-    keep = fa.dropout_keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device)
+    keep = dropout.keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device)
     do = torch.randn_like(o)
     with poison_outputs():
         grads = torch.autograd.grad(o, (q, k, v), do)
@@ -234,7 +234,7 @@ def test_dropout_in_a_cuda_graph_draws_a_new_mask_per_replay(backend):
         graph.replay()
         torch.cuda.synchronize()
         drawn.append(seed.item())
-        keep = fa.dropout_keep_mask(drawn[-1], b, h, length, length, p, q.device)
+        keep = dropout.keep_mask(drawn[-1], b, h, length, length, p, q.device)
         assert_close_under_mask(results[0], results[1:], q, k, v, do, keep, p, causal=True)
     assert drawn[0] != drawn[1], "the two replays drew one seed"
 

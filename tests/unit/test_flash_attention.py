@@ -363,8 +363,6 @@ def test_dropout_blocks_of_queries_and_keys_differ():
 
 
 def test_triton_interpreter_dropout():
-    from runtime.accelerators.flash_attention.triton import dropout_keep_mask
-
     p, (b, h, hkv, lq, lk, d) = 0.25, (2, 2, 1, 33, 40, 16)
     q, k, v = make(b, h, hkv, lq, lk, d)
     torch.manual_seed(7)
@@ -373,7 +371,7 @@ def test_triton_interpreter_dropout():
     seed = int(draw_seed_tensor(q.device))  # the draw flash_attention makes
     torch.manual_seed(7)
     assert torch.equal(out, flash_attention(q, k, v, causal=True, dropout_p=p, backend="triton")), "not repeatable"
-    keep = dropout_keep_mask(seed, b, h, lq, lk, p, q.device)
+    keep = dropout.keep_mask(seed, b, h, lq, lk, p, q.device)
     assert abs(keep.float().mean().item() - (1 - p)) < 0.03
     kwargs = dict(causal=True, keep=keep, dropout_p=p)
     check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs)

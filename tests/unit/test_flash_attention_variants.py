@@ -15,7 +15,7 @@ import triton.language as tl
 
 import test_triton_compile_sm90 as sm90
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.flash_attention import flash_attention
+from runtime.accelerators.flash_attention import dropout, flash_attention
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
@@ -234,7 +234,7 @@ def test_split_forward_dropout_and_backward():
         o, lse = fa.forward(*args, cfg=split)
         o_pad, _ = fa.forward(*args, cfg=padded)
     assert_close("o against the padded kernel", o, o_pad, 1e-3)
-    keep = fa.dropout_keep_mask(1234, 2, 4, 40, 37, dropout_p, q.device)
+    keep = dropout.keep_mask(1234, 2, 4, 40, 37, dropout_p, q.device)
     key_lengths = torch.tensor(lengths)
     expected = attention_float64(q, k, v, causal=True, key_lengths=key_lengths, keep=keep, dropout_p=dropout_p)
     assert_close("o", o, expected, RTOL[f16])
@@ -319,7 +319,7 @@ def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0, delta_in
 def reference_grads(q, k, v, do, lengths, causal, dropout_p=0.0):
     """(dq, dk, dv) of the float64 reference; with dropout, under the keep mask the kernels draw for SEED."""
     b, h, lq, _ = q.shape
-    keep = fa.dropout_keep_mask(1234, b, h, lq, k.shape[2], dropout_p, q.device) if dropout_p > 0 else None
+    keep = dropout.keep_mask(1234, b, h, lq, k.shape[2], dropout_p, q.device) if dropout_p > 0 else None
     key_lengths = torch.tensor(lengths) if lengths is not None else None
     inputs = [x.double().requires_grad_() for x in (q, k, v)]
     out = attention_float64(*inputs, causal=causal, key_lengths=key_lengths, keep=keep, dropout_p=dropout_p)

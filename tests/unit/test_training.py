@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from runtime.accelerators import active_config, set_accelerators
+from runtime.accelerators.testing import deterministic_algorithms
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
 from runtime.training.loop import _check_graphable
@@ -224,13 +225,11 @@ def test_deterministic_steps_repeat_to_the_bit(tmp_path):
     """trainer.deterministic sets torch's deterministic mode for the process (restored here) and two runs from one
     seed give the same losses; dropout included."""
     overrides = ["model=tokenformer", "model.dropout=0.2", "trainer.steps=4", "trainer.deterministic=true"]
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
+    with deterministic_algorithms():  # gives back the mode the trainer sets
+        torch.use_deterministic_algorithms(False)
         first = Trainer(_compose(*overrides), tmp_path / "first").fit()["losses"]
         assert torch.are_deterministic_algorithms_enabled()
         second = Trainer(_compose(*overrides), tmp_path / "second").fit()["losses"]
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
     assert first == second and len(first) == 4
 
 

@@ -183,7 +183,6 @@ def attention_padded():
 
 def attention_causal_dropout():
     _attention(head_dim=48, causal=True, with_lengths=False, dropout_p=0.1)
-    fa_triton.dropout_keep_mask(1234, 1, 2, 64, 64, 0.1, torch.device("cpu"))
 
 
 def attention_widest():

@@ -140,7 +140,6 @@ def _keep(seed, bh, q0, k0, i, j, threshold):
     return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, q0, k0, q0 + i, pair_index, high) >= threshold
 
 
-dropout_keep_mask = dropout.keep_mask
 SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
 
 

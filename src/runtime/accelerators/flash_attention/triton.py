@@ -1203,5 +1203,3 @@ def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, d
     )
     return dq
 
-
-dropout_keep_mask = dropout.keep_mask
