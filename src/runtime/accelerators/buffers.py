@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 _poison = False
+_poison_listeners: list = []  # called with the new setting (outputs allocated outside Python: native)
 
 
 def _fill(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,24 @@ def poison_outputs() -> Iterator[None]:
     global _poison, empty_like
     previous = _poison, empty_like
     _poison, empty_like = True, _poisoned_empty_like
+    _tell_listeners()
     try:
         yield
     finally:
         _poison, empty_like = previous
+        _tell_listeners()
+
+
+def poisoning() -> bool:
+    """Whether kernel outputs start as NaN now (within poison_outputs())."""
+    return _poison
+
+
+def on_poison_change(listener) -> None:
+    """listener(poisoning()) after every change."""
+    _poison_listeners.append(listener)
+
+
+def _tell_listeners() -> None:
+    for listener in _poison_listeners:
+        listener(_poison)

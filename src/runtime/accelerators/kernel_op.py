@@ -34,7 +34,10 @@ from typing import Callable
 
 import torch
 
+from . import native
 from .backends import load_kernels
+
+_UNSET = object()
 
 
 class KernelOp:
@@ -83,6 +86,7 @@ class KernelOp:
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
         self._modules: dict = {}
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
+        self._native: dict = {}  # backend -> the kernel module's native_forward, or None (see _native_forward)
         name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
@@ -127,10 +131,28 @@ class KernelOp:
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
 
     def _apply_eagerly(self, backend: str, args):
-        """The backend's autograd.Function applied without its Python layer (about 2 us per call; apply_eagerly).
-        Returns what the op returns."""
+        """The kernel module's native_forward where it has one (the backward a C++ node), else the backend's
+        autograd.Function applied without its Python layer (about 2 us per call; apply_eagerly). Returns what the op
+        returns."""
+        native_forward = self._native.get(backend, _UNSET)
+        if native_forward is _UNSET:
+            native_forward = self._native_forward(backend)
+        if native_forward is not None and not torch._C._are_functorch_transforms_active():
+            results = native_forward(*args)
+            if results is not None:
+                return results
         apply, function = self._eager.get(backend) or self._eager_function(backend)
         return apply_eagerly(function, apply, args, self.tensor_slots)
+
+    def _native_forward(self, backend: str):
+        """The kernel module's `<entry>_native_forward(*args)`: the op's outputs with the backward attached as a C++
+        node (runtime.accelerators.native), or None where it does not apply. None where the module has none or
+        native nodes cannot run here."""
+        found = getattr(self.kernels(backend), f"{self.forward_name.removesuffix('forward')}native_forward", None)
+        if found is not None and native.reasons():
+            found = None
+        self._native[backend] = found
+        return found
 
     def _eager_function(self, backend: str) -> tuple:
         module = self.kernels(backend)

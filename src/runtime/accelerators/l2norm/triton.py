@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
 from ..norms_triton import n_tiles, row_tiles, rows_of
 from ..triton_launch import direct_launch
 
@@ -56,25 +57,43 @@ def _backward_kernel(
 
 
 def forward(x: torch.Tensor, eps: float):
-    return _forward(x, eps, store_rstd=True)
+    return _forward(x, eps, _rstd_buffer(x))
 
 
 def infer(x: torch.Tensor, eps: float):
     """Forward without autograd: rstd is neither allocated nor written."""
-    return _forward(x, eps, store_rstd=False)
+    return _forward(x, eps, None)
 
 
-def _forward(x: torch.Tensor, eps: float, store_rstd: bool):
+def _rstd_buffer(x: torch.Tensor) -> torch.Tensor:
+    return buffers.empty((x.numel() // x.shape[-1],), dtype=torch.float32, device=x.device)
+
+
+def native_forward(x: torch.Tensor, eps: float):
+    """forward's y, its backward attached as a C++ node (_NATIVE) that reads y and rstd; None, having run nothing,
+    where it cannot be (see NativeBackward.plan)."""
+    width = x.shape[-1]
+    n_rows, tiles, rstd = x.numel() // width, row_tiles(width), _rstd_buffer(x)
+    inputs, grid = (x,), (n_tiles(n_rows, tiles),)
+    args = (GRAD, OUTPUT, rstd, GRAD_OF[0], n_rows, width, width, width)
+    plan = _NATIVE.plan(x.dtype, inputs, grid, args, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps)
+    if plan is None:
+        return None
+    y, _ = _forward(x, eps, rstd)
+    return y if _NATIVE.attach(plan, y, inputs, grid, args, ()) else None
+
+
+def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
+    """(y, rstd) with rstd written into the given buffer, or (y,) where it is None."""
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
     _forward_kernel[(n_tiles(n_rows, tiles),)](
         x2, y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
-        STORE_RSTD=store_rstd, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+        STORE_RSTD=rstd is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
-    return (y, rstd) if store_rstd else (y,)
+    return (y,) if rstd is None else (y, rstd)
 
 
 def backward(dy, x, eps, y, rstd):
@@ -87,3 +106,6 @@ def backward(dy, x, eps, y, rstd):
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return dx, None
+
+
+_NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)

@@ -20,6 +20,7 @@ from .. import buffers
 from ..norms_triton import (
     add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
 )
+from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
@@ -116,6 +117,31 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
     return _forward(x, weight, bias, eps, store_stats=False)
 
 
+def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
+    """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
+    NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
+    x2, n_rows, stride_x = rows_of(x)
+    width = x.shape[-1]
+    tiles = row_tiles(width)
+    has_w, has_b = weight is not None, bias is not None
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, has_w + has_b, x2)
+    if (has_w or has_b) and not finish:
+        return None
+    inputs, grid = (x, weight, bias), (programs,)
+    args = (
+        GRAD, x2, weight.contiguous() if has_w else x2, GRAD_OF[0], partial, GRAD_OF[1] if has_w else x2,
+        GRAD_OF[2] if has_b else x2, counter, n_rows, width, width, stride_x, eps,
+    )  # fmt: skip
+    plan = _NATIVE.plan(
+        x.dtype, inputs, grid, args,
+        HAS_W=has_w, HAS_B=has_b, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    if plan is None:
+        return None
+    (y,) = infer(x, weight, bias, eps)
+    return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
+
+
 def _forward(x, weight, bias, eps: float, store_stats: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
@@ -154,3 +180,6 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     if n_params and not finish:
         sum_partials(partial, dweight, dbias)
     return dx, dweight, dbias, None
+
+
+_NATIVE = NativeBackward("LayerNormTritonBackward", _backward_kernel)

@@ -19,6 +19,7 @@ from .. import buffers
 from ..norms_triton import (
     add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
 )
+from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
@@ -94,6 +95,29 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     return _forward(x, weight, eps, store_rstd=False)
 
 
+def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
+    NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
+    x2, n_rows, stride_x = rows_of(x)
+    width = x.shape[-1]
+    tiles = row_tiles(width)
+    has_w = weight is not None
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, int(has_w), x2)
+    if has_w and not finish:
+        return None
+    w = weight.contiguous() if has_w else x2
+    inputs, grid = (x, weight), (programs,)
+    args = (GRAD, x2, w, GRAD_OF[0], partial, GRAD_OF[1] if has_w else x2, counter, n_rows, width, width, stride_x, eps)
+    plan = _NATIVE.plan(
+        x.dtype, inputs, grid, args,
+        HAS_W=has_w, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    )  # fmt: skip
+    if plan is None:
+        return None
+    (y,) = infer(x, weight, eps)
+    return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool):
     x2, n_rows, stride_x = rows_of(x)
     width = x.shape[-1]
@@ -124,3 +148,6 @@ def backward(dy, x, weight, eps, y, rstd):
     if n_params and not finish:
         sum_partials(partial, dweight)
     return dx, dweight, None
+
+
+_NATIVE = NativeBackward("RmsNormTritonBackward", _backward_kernel)
