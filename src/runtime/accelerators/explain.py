@@ -6,6 +6,7 @@ import inspect
 
 import torch
 
+from . import native
 from .backends import KERNEL_BACKENDS, REGISTRY, environment_reasons
 from .config import active_config
 
@@ -27,7 +28,7 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
     device = torch.device(device) if device is not None else _inputs_device(inputs) or default_device()
     config = active_config()
     mode = "; deterministic algorithms: on" if torch.are_deterministic_algorithms_enabled() else ""
-    lines = [f"device: {device}; fallback rule: {config.fallback}{mode}"]
+    lines = [f"device: {device}; fallback rule: {config.fallback}{mode}", native.describe()]
     for name in [op] if op is not None else sorted(REGISTRY):
         spec = REGISTRY[name]
         if inputs:

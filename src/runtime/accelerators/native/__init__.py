@@ -45,7 +45,25 @@ GRAD_OF = tuple(_Marker(f"GRAD_OF[{i}]") for i in range(4))  # the gradient of t
 
 @functools.cache
 def reasons() -> tuple[str, ...]:
-    """Why eager calls cannot use native backward nodes here (empty: they can)."""
+    """Why eager calls cannot use native backward nodes here (empty: they can). Builds the extension if need be."""
+    found = _environment_reasons()
+    if not found and extension() is None:
+        found = (f"the C++ extension did not build: {_build_error}",)
+    return found
+
+
+def describe() -> str:
+    """One line for explain(), without building anything."""
+    found = _environment_reasons()
+    if not found and extension.cache_info().currsize:
+        found = reasons()
+    if found:
+        return "eager backward of triton norms: autograd.Function (" + "; ".join(found) + ")"
+    built = "" if extension.cache_info().currsize else ", compiled on first use"
+    return f"eager backward of triton norms: C++ nodes{built}"
+
+
+def _environment_reasons() -> tuple[str, ...]:
     if os.environ.get("TAAC_NATIVE_BACKWARD", "1") == "0":
         return ("TAAC_NATIVE_BACKWARD=0",)
     try:
@@ -56,8 +74,6 @@ def reasons() -> tuple[str, ...]:
         return (f"triton {triton.__version__}'s launch convention is not checked (known: {', '.join(KNOWN_TRITON)})",)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return ("TRITON_INTERPRET=1",)
-    if extension() is None:
-        return (f"the C++ extension did not build: {_build_error}",)
     return ()
 
 
@@ -75,8 +91,16 @@ def extension():
         warnings.warn(f"runtime.accelerators.native: {_build_error}; eager backward stays in Python", RuntimeWarning, stacklevel=2)
         return None
     module.set_poison(buffers.poisoning())
-    buffers.on_poison_change(module.set_poison)
     return module
+
+
+def _tell_extension(poisoning: bool) -> None:
+    """buffers.poison_outputs() reaches the gradients the C++ nodes allocate (where the extension is loaded)."""
+    if extension.cache_info().currsize and extension() is not None:
+        extension().set_poison(poisoning)
+
+
+buffers.on_poison_change(_tell_extension)
 
 
 class NativeBackward:
