@@ -91,6 +91,9 @@ def test_forward_and_backward_captured_in_a_cuda_graph(op):
     y, inputs = call(op, x, True)
     want = torch.autograd.grad(y, inputs, dy)
     params = inputs[1:]
+    # an autograd graph alive from before the capture would keep x's gradient accumulator on the default stream,
+    # which the capture cannot wait on (torch warns of the mismatch)
+    del y
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
