@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from runtime.accelerators import l2norm, layer_norm, native, rms_norm
 from runtime.accelerators.kernel_op import KernelOp
 
+from eager_overhead import per_call_us  # scripts/ is on sys.path when a script runs
+
 
 def kernel_op_of(op) -> KernelOp:
     return next(v for v in vars(__import__(op.__module__, fromlist=["KERNEL"])).values() if isinstance(v, KernelOp))
@@ -34,17 +36,6 @@ def python_path(kernel_op: KernelOp, backend: str):
             kernel_op._native.pop(backend, None)
 
     return Context()
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / calls
 
 
 def main() -> None:
