@@ -8,6 +8,7 @@ benchmark's eager forward + backward). Rounds interleave the cases.
 """
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -21,7 +22,7 @@ from eager_overhead import per_call_us  # scripts/ is on sys.path when a script 
 
 
 def kernel_op_of(op) -> KernelOp:
-    return next(v for v in vars(__import__(op.__module__, fromlist=["KERNEL"])).values() if isinstance(v, KernelOp))
+    return importlib.import_module(op.__module__).KERNEL
 
 
 def python_path(kernel_op: KernelOp, backend: str):
@@ -29,7 +30,6 @@ def python_path(kernel_op: KernelOp, backend: str):
 
     class Context:
         def __enter__(self):
-            self.saved = kernel_op._native.get(backend)
             kernel_op._native[backend] = None
 
         def __exit__(self, *exc):
