@@ -23,6 +23,11 @@ from .. import buffers
 from ..backends import logger
 from .build import load_extension
 
+try:
+    from ..triton_launch import _driver, _signature
+except ImportError:  # no triton: reasons() says so, and no plan is made
+    pass
+
 # Triton versions whose kernels take their parameters as backward_node.cpp passes them: the non-constexpr
 # arguments in order, then the global and profile scratch pointers
 KNOWN_TRITON = ("3.6.0",)
@@ -126,10 +131,6 @@ class NativeBackward:
     def plan(self, output_dtype: torch.dtype, inputs: tuple, grid: tuple, args: tuple, **constexprs):
         """The extension's Plan of this launch (the kernel compiled now if need be), or None where native nodes
         cannot run here or the compiled kernel needs more than a plain launch."""
-        if reasons():
-            return None
-        from ..triton_launch import _driver, _signature
-
         # the current device's: Triton compiles and loads a kernel for it, and launches go to its stream
         key = (_driver()[0](), output_dtype, *[None if t is None else t.dtype for t in inputs], *constexprs.values(), *_signature(args))
         plan = self._plans.get(key, False)
@@ -138,13 +139,13 @@ class NativeBackward:
         return plan
 
     def attach(self, plan, output: torch.Tensor, inputs: tuple, grid: tuple, args: tuple, scratch: tuple) -> bool:
-        from ..triton_launch import _driver
-
         current_device, current_stream = _driver()
         stream = current_stream(current_device())
-        return extension().attach(plan, output, list(inputs), args, list(scratch), GRAD, OUTPUT, GRAD_OF, list(grid), stream)
+        return extension().attach(plan, output, inputs, args, scratch, GRAD, OUTPUT, GRAD_OF, grid, stream)
 
     def _new_plan(self, output_dtype, inputs, grid, args, constexprs):
+        if reasons():
+            return None
         stand_ins = [_stand_in(a, output_dtype, inputs) for a in args]
         compiled = self.kernel.kernel.warmup(*stand_ins, grid=grid, **constexprs)
         compiled._init_handles()

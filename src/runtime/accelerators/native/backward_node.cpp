@@ -161,11 +161,12 @@ struct TritonBackward : Node {
     if (current != context) check_cuda(driver().set_context(context), plan->name + ": cuCtxSetCurrent");
     int capture_status = 0;
     check_cuda(driver().is_capturing(stream, &capture_status), plan->name + ": cuStreamIsCapturing");
-    std::vector<at::Tensor> buffers = scratch;
+    std::vector<at::Tensor> fresh;
     if (capture_status != 0) {
       // a graph gets buffers of its own: its replays, on any stream, never share them with eager launches
-      for (auto& buffer : buffers) buffer = at::zeros_like(buffer);
+      for (const auto& buffer : scratch) fresh.push_back(at::zeros_like(buffer));
     }
+    const std::vector<at::Tensor>& buffers = capture_status != 0 ? fresh : scratch;
     const size_t n_params = plan->types.size();
     std::vector<uint64_t> storage(n_params + 2, 0);  // the last two: Triton's global and profile scratch (null)
     std::vector<void*> params(n_params + 2);
