@@ -329,6 +329,11 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     bN, bM = cfg.block_n, cfg.block_m
     split_k = dim * 2 not in (64, 128, 256)
     bulk = cfg.dq == "bulk"
+    # dq = dS^T K: each compute warpgroup takes dq_dim / warpgroups of its columns. TileLang issues that as one wgmma
+    # per 16 keys only for a multiple of 16 columns, else in pieces of 8 (head dim 48 over two warpgroups: three
+    # m64n8k16, 16% slower backward), so there dq is computed on columns padded with zeros (Kt_s's extra rows).
+    per_warpgroup = 16 * (cfg.threads // 128)
+    dq_dim = -(-dim // per_warpgroup) * per_warpgroup
     B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
     NQB = T.dynamic("q_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
@@ -382,12 +387,15 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     def add_dq(dq, dq_s, dQacc, bz, hq, mq, it):
         """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says."""
         if cfg.dq == "tma":
-            T.copy(dq, dq_s)
+            for i, j in T.Parallel(bM, dq_dim):
+                if j < dim:
+                    dq_s[i, j] = dq[i, j]
             T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
         else:
             slot = it % 2
-            for i, j in T.Parallel(bM, dim):
-                dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
+            for i, j in T.Parallel(bM, dq_dim):
+                if j < dim:
+                    dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
             if T.shuffle_elect(cfg.threads):
                 T.fence_proxy_async()  # the tile's writes, visible to the bulk copy
                 T.call_extern(
@@ -428,7 +436,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             K_s = T.alloc_shared((bN, dim), dtype)
             # K is the A operand of K Q^T and the B operand of dS K; for rows of 32 or 96 bytes
             # TileLang finds no shared layout serving both, so dS K then reads a transposed copy
-            Kt_s = T.alloc_shared((dim, bN), dtype) if split_k else K_s
+            Kt_s = T.alloc_shared((dq_dim, bN), dtype) if split_k else K_s
             V_s = T.alloc_shared((bN, dim), dtype)
             Q_s = T.alloc_shared((bM, dim), dtype)
             dO_s = T.alloc_shared((bM, dim), dtype)
@@ -448,7 +456,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             ds_cast = T.alloc_fragment((bN, bM), dtype)
             dk = T.alloc_fragment((bN, dim), ACCUM)
             dv = T.alloc_fragment((bN, dim), ACCUM)
-            dq = T.alloc_fragment((bM, dim), ACCUM)
+            dq = T.alloc_fragment((bM, dq_dim), ACCUM)
 
             kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
             seed = T.cast(Seed[0], "int32") if dropout else 0
@@ -457,16 +465,16 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
             n_steps = groups * n_q
             sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
-            # K and V by TMA where the query loop surely takes a step and nothing reads K_s before it: TileLang waits
-            # for these loads only at their first use, in the loop's first step, so the transposed copy below would
-            # read K_s before it lands, and with no step the loads would still be in flight when dk_s/dv_s (sharing
-            # K_s's memory) are written and at exit. The overlapped loop always takes one (no query block: a step
-            # that only waits). Else by threads, one element at a time (see the forward's Q).
-            by_threads = split_k or not cfg.overlap
+            # K and V by TMA where the query loop surely takes a step: TileLang waits for these loads only at their
+            # first use, in the loop's first step, so with no step they would still be in flight when dk_s/dv_s
+            # (sharing K_s's memory) are written and at exit. The overlapped loop always takes one (no query block: a
+            # step that only waits). Else by threads, one element at a time (see the forward's Q). The transposed
+            # copy reads K from global memory for the same reason: K_s has not landed before the loop.
+            by_threads = not cfg.overlap
             T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=by_threads)
             if split_k:
-                for j, n in T.Parallel(dim, bN):
-                    Kt_s[j, n] = K_s[n, j]
+                for n, j in T.Parallel(bN, dq_dim):
+                    Kt_s[j, n] = T.if_then_else((j < dim) & (bx * bN + n < Lk), K[bz, by, bx * bN + n, j], 0)
             T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=by_threads)
             T.clear(dk)
             T.clear(dv)
