@@ -226,13 +226,11 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             # causal: the last query of this block sees keys < (bx + 1) * bM
             n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
             sl2 = scale * LOG2E  # exponentials in base 2
-            # Q by TMA where the key loop surely takes a step: TileLang waits for the load only at its first use, in the
-            # loop's first step, so with no step it would still be in flight when O_s (sharing Q_s's memory) is written
-            # and at exit. The overlapped loop always takes one (no key block: a step that only waits); the plain loop
-            # takes none for a key length of 0. Else by threads, which is slow: TileLang cannot vectorise a copy from a
-            # strided view, so each thread loads one element at a time and waits for it before the next (at D = 128,
-            # 43 round trips to memory before any key block is loaded).
-            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s, disable_tma=has_lengths and not cfg.overlap)
+            # Q by TMA, waited for at its first use: in the key loop's first step. So the loop always takes a step;
+            # with no step the load would still be in flight when O_s (sharing Q_s's memory) is written and at exit.
+            # (Copied by threads instead, the forward with key lengths took up to 2.2x longer at head dim 64: TileLang
+            # cannot vectorise a copy from a strided view, so each thread loads one element at a time.)
+            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
@@ -269,15 +267,19 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                         T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
             else:
-                for k in T.Pipelined(n_blocks, num_stages=cfg.stages):
+                # with key lengths, a row of length 0 has no key block: its program still takes one step, which
+                # loads block 0 and computes nothing, so that Q's load is waited for (see above)
+                for k in T.Pipelined(T.max(n_blocks, 1) if has_lengths else n_blocks, num_stages=cfg.stages):
                     T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
-                    T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
-                    to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
-                    for i, j in T.Parallel(bM, dim):
-                        acc[i, j] *= rescale[i]
+                    if not has_lengths or k < n_blocks:
+                        T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
+                        to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
+                        for i, j in T.Parallel(bM, dim):
+                            acc[i, j] *= rescale[i]
                     T.copy(V[bz, h_kv, k * bN : (k + 1) * bN, :], V_s)
-                    T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                    if not has_lengths or k < n_blocks:
+                        T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
             T.copy(acc, O_s)
