@@ -76,13 +76,13 @@ class BwdConfig:
 
 # Register budgets checked with ptxas on sm_90a (no spills). Head dims up to 32 are bound by the exponentials and
 # by latency, so they run several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups per program
-# with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave 80 registers: no room for a
-# 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-30% at D <= 48, where the
-# one-warpgroup programs spill with it (scripts/fa_tilelang_sweep.py, session 23); at D = 64 (16x16x2048) it was
-# level (1.013 against 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop.
-# Session 34 (Q by TMA everywhere since session 29): at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms
-# against the one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the
-# one-warpgroup tiles stay ahead (0.618 / 0.410 against 0.655 / 0.436).
+# with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave
+# 80 registers: no room for a 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-34% at
+# D <= 48 (scripts/fa_tilelang_sweep.py, sessions 23 and 34); at D = 64 (16x16x2048) it was level (1.013 against
+# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. Session 34 (Q by TMA
+# everywhere since session 29): at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
+# one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the one-warpgroup tiles
+# stay ahead (0.618 / 0.410 against 0.655 / 0.436).
 FWD_CONFIGS = {
     16: FwdConfig(64, 128, 2, 128, 2),
     32: FwdConfig(64, 128, 2, 128, 2),
