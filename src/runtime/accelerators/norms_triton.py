@@ -99,9 +99,24 @@ def parameter_backward(
     if n_params == 0:
         return n_tiles(n_rows, tiles), False, stand_in, stand_in
     programs = backward_programs(n_rows, tiles, device)
-    if programs <= FINISH_MAX_STEPS * tiles.rows:
+    if finishes_in_kernel(programs, tiles):
         return programs, True, *backward_scratch(device, n_params * programs * width)
     return programs, False, stand_in, partials(programs, width, device, n_params)
+
+
+def finishes_in_kernel(programs: int, tiles: RowTiles) -> bool:
+    """Whether a backward of this many programs adds its parameter partials in its last program."""
+    return programs <= FINISH_MAX_STEPS * tiles.rows
+
+
+def one_launch_backward(
+    n_rows: int, width: int, tiles: RowTiles, device: torch.device, n_params: int, stand_in: torch.Tensor
+) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
+    """parameter_backward's launch where the backward is one launch; None, allocating nothing, where its parameter
+    gradients need sum_partials after it (wide rows)."""
+    if n_params and not finishes_in_kernel(backward_programs(n_rows, tiles, device), tiles):
+        return None
+    return parameter_backward(n_rows, width, tiles, device, n_params, stand_in)
 
 
 _scratch: dict = {}

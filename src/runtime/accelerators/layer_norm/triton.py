@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import (
-    add_partials_if_last, n_tiles, parameter_backward, row_tiles, rows_of, sum_partials,
+    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, sum_partials,
 )
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
@@ -124,9 +124,10 @@ def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     width = x.shape[-1]
     tiles = row_tiles(width)
     has_w, has_b = weight is not None, bias is not None
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, has_w + has_b, x2)
-    if (has_w or has_b) and not finish:
+    launch = one_launch_backward(n_rows, width, tiles, x.device, has_w + has_b, x2)
+    if launch is None:
         return None
+    programs, finish, counter, partial = launch
     inputs, grid = (x, weight, bias), (programs,)
     args = (
         GRAD, x2, weight.contiguous() if has_w else x2, GRAD_OF[0], partial, GRAD_OF[1] if has_w else x2,
