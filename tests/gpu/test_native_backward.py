@@ -62,10 +62,14 @@ CASES = [
 @pytest.mark.parametrize("dtype, shape, with_params, grad_kind", CASES, ids=lambda v: str(v))
 def test_the_node_gives_the_python_backward_bit_for_bit(op, dtype, shape, with_params, grad_kind):
     x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    assert_node_matches_python(op, x, gradient(shape, dtype, grad_kind), with_params)
+
+
+def assert_node_matches_python(op: str, x, dy, with_params: bool):
+    """op's output and gradients through the C++ node equal those through the autograd.Function, bit for bit."""
     torch.manual_seed(1)
     y, inputs = call(op, x, with_params)
     assert y.grad_fn.name() == NODES[op]
-    dy = gradient(shape, dtype, grad_kind)
     got = torch.autograd.grad(y, inputs, dy)
     with python_backward(op):
         torch.manual_seed(1)
@@ -75,6 +79,13 @@ def test_the_node_gives_the_python_backward_bit_for_bit(op, dtype, shape, with_p
     assert torch.equal(y, y_ref)
     for g, r in zip(got, want):
         assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize("op", sorted(NODES))
+def test_rows_that_are_not_a_view(op):
+    """x transposed: its rows are a copy, made once for the forward and the node's saved input."""
+    x = torch.randn(96, 300, device="cuda", dtype=torch.bfloat16, requires_grad=True).t()
+    assert_node_matches_python(op, x, torch.randn(300, 96, device="cuda", dtype=torch.bfloat16), True)
 
 
 def test_wide_rows_keep_the_python_backward():

@@ -120,7 +120,8 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
 def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
     """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
     NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
-    x2, n_rows, stride_x = rows_of(x)
+    rows = rows_of(x)
+    x2, n_rows, stride_x = rows
     width = x.shape[-1]
     tiles = row_tiles(width)
     has_w, has_b = weight is not None, bias is not None
@@ -139,12 +140,13 @@ def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     )  # fmt: skip
     if plan is None:
         return None
-    (y,) = infer(x, weight, bias, eps)
+    (y,) = _forward(x, weight, bias, eps, store_stats=False, rows=rows)  # infer's, on the rows the backward reads
     return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
 
 
-def _forward(x, weight, bias, eps: float, store_stats: bool):
-    x2, n_rows, stride_x = rows_of(x)
+def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
+    """rows: rows_of(x) where the caller has it (a copy for x whose rows are not a view)."""
+    x2, n_rows, stride_x = rows or rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)

@@ -98,7 +98,8 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
 def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
     NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
-    x2, n_rows, stride_x = rows_of(x)
+    rows = rows_of(x)
+    x2, n_rows, stride_x = rows
     width = x.shape[-1]
     tiles = row_tiles(width)
     has_w = weight is not None
@@ -115,12 +116,13 @@ def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     )  # fmt: skip
     if plan is None:
         return None
-    (y,) = infer(x, weight, eps)
+    (y,) = _forward(x, weight, eps, store_rstd=False, rows=rows)  # infer's, on the rows the backward reads
     return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool):
-    x2, n_rows, stride_x = rows_of(x)
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool, rows=None):
+    """rows: rows_of(x) where the caller has it (a copy for x whose rows are not a view)."""
+    x2, n_rows, stride_x = rows or rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
