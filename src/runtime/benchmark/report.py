@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,11 @@ def figures(results: list[dict], plot_name: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _with_kept_path(result: dict, path: str) -> dict:
+    """The result with its command writing to `path`, where the JSON is kept, instead of the run's scratch path."""
+    return {**result, "command": re.sub(r"--json \S+", f"--json {path}", result["command"])}
+
+
 def update_page(page: Path, section: str) -> None:
     """Replace the generated results section of a hand-written page (appended if the page has none)."""
     text = page.read_text() if page.exists() else ""
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="write the plot of ours beside the peers to this PNG file")
     parser.add_argument("--full", action="store_true", help="print every column of every row instead")
     args = parser.parse_args(argv)
-    results = [json.loads(Path(p).read_text()) for p in args.json]
+    results = [_with_kept_path(json.loads(Path(p).read_text()), p) for p in args.json]
     if args.full:
         print(markdown(results))
         return 0
