@@ -144,7 +144,7 @@ def test_parquet_reader_truncates_infers_and_checks(tmp_path):
     assert batch.seq_lengths.tolist() == [3, 1]
     assert batch.sparse[:, 0].tolist() == [[3, 0], [1, 2]]
     small = type(spec)(**{**spec.to_dict(), "n_items": 8})
-    with pytest.raises(ValueError, match="target_item has ids in"):
+    with pytest.raises(ValueError, match=r"column target_item, row 1: id 9 is outside the vocabulary; expected 1\.\.8"):
         read_batch(tmp_path / "t.parquet", small)
     pq.write_table(table.drop(["seq_actions"]), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"missing columns \['seq_actions'\]"):
@@ -189,8 +189,7 @@ def test_resume_refuses_another_world_size(tmp_path):
     from runtime.training import checkpoint
 
     Trainer(_compose("trainer.steps=1"), tmp_path).fit()
-    path = checkpoint.resolve(str(tmp_path))
-    state = checkpoint.load(path)
+    path, state = checkpoint.resolve(str(tmp_path))
     state["world_size"] = 2
     checkpoint.save(path, state)
     with pytest.raises(ValueError, match="written by 2 process"):
@@ -212,13 +211,14 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 0), ("trainer.log_every", 0)])
+@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 1), ("trainer.log_every", 0)])
 def test_counts_out_of_range_are_refused_by_name(key, least, tmp_path):
     with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got -1"):
         Trainer(_compose(f"{key}=-1"), tmp_path)
     if least:
         with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got 0"):
             Trainer(_compose(f"{key}=0"), tmp_path)
+    assert not tmp_path.joinpath("checkpoints").exists()
 
 
 def test_deterministic_steps_repeat_to_the_bit(tmp_path):
