@@ -238,6 +238,13 @@ def test_log_every_zero_logs_only_at_the_end(tmp_path):
     assert [entry["step"] for entry in metrics["log"]] == [3] and len(metrics["losses"]) == 3
 
 
+def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
+    clipped = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=1e-6"), tmp_path / "clipped").fit()
+    free = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=null"), tmp_path / "free").fit()
+    assert clipped["log"][0]["grad_norm"] == free["log"][0]["grad_norm"] > 1e-3  # the same first step, before clipping
+    assert clipped["losses"][1] != free["losses"][1]  # a clipped step moved the weights less
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
     with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)

@@ -129,7 +129,9 @@ def resolve(resume: str, fallback_previous: bool = False) -> tuple[Path, dict]:
             f"trainer.resume: {problem}. The newest valid checkpoint before it is {path}: resume from it with "
             f"trainer.resume={path}, or let the run take it with trainer.resume_fallback=previous"
         ) from problem
-    raise CheckpointError(f"trainer.resume: {problem}; there is no valid checkpoint before it") from problem
+    if older:
+        raise CheckpointError(f"trainer.resume: {problem}; none of the {len(older)} checkpoint(s) before it is valid either") from problem
+    raise CheckpointError(f"trainer.resume: {problem}") from problem
 
 
 def remove_partial_writes(directory: Path) -> None:
