@@ -185,10 +185,11 @@ def test_leftover_partial_writes_are_removed_at_the_next_start(tmp_path):
     leftovers = [tmp_path / "checkpoints" / "step_0000100.pt.tmp", tmp_path / "metrics.json.tmp"]
     for path in leftovers:
         path.write_bytes(b"partial")
-    keep = tmp_path / "checkpoints" / "notes.txt"
-    keep.write_text("kept")
+    kept = [tmp_path / "checkpoints" / "notes.txt", tmp_path / "user.tmp"]  # not written by a run: left alone
+    for path in kept:
+        path.write_text("kept")
     Trainer(_compose("trainer.steps=1"), tmp_path)
-    assert not any(path.exists() for path in leftovers) and keep.exists()
+    assert not any(path.exists() for path in leftovers) and all(path.exists() for path in kept)
 
 
 # ------------------------------------------------------------------ a resumed run with another config

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)\.pt$")
+PARTIAL_PATTERN = re.compile(r"step_\d+\.pt\.tmp|metrics\.json\.tmp")
 REQUIRED_KEYS = ("step", "data_position", "world_size", "model", "optimizer", "scheduler", "rng", "metrics", "config")
 logger = logging.getLogger("runtime.training")
 
@@ -135,9 +136,10 @@ def resolve(resume: str, fallback_previous: bool = False) -> tuple[Path, dict]:
 
 
 def remove_partial_writes(directory: Path) -> None:
-    """Delete the *.tmp files a killed write left behind (never renamed, so never a checkpoint)."""
+    """Delete what a killed write left behind: step_N.pt.tmp and metrics.json.tmp, never renamed into place (other
+    *.tmp files are not ours and stay)."""
     if directory.is_dir():
-        for leftover in sorted(directory.glob("*.tmp")):
+        for leftover in sorted(p for p in directory.iterdir() if PARTIAL_PATTERN.fullmatch(p.name)):
             logger.warning("removing %s, left by an interrupted write", leftover)
             leftover.unlink(missing_ok=True)
 
