@@ -271,7 +271,7 @@ class Trainer:
         optim = self.cfg.optim
         self.scheduler.base_lrs = [optim.lr for _ in self.optimizer.param_groups]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group, decay in zip(self.optimizer.param_groups, (optim.weight_decay, 0.0)):
+        for group, decay in zip(self.optimizer.param_groups, (optim.weight_decay, 0.0), strict=True):
             group.update(initial_lr=optim.lr, lr=optim.lr * factor, betas=tuple(optim.betas), eps=optim.eps, weight_decay=decay)
 
     def write_metrics(self) -> None:
