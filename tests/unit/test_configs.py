@@ -10,7 +10,6 @@ from hydra.utils import instantiate
 
 from runtime.accelerators import OP_NAMES, AcceleratorConfig, use_accelerators
 from runtime.accelerators.backends import BACKENDS, FALLBACKS
-from runtime.models import PCVRBatch
 from runtime.training.config import BackendName, OpName, accelerator_config, config_dir
 from runtime.training.synthetic import SyntheticPCVR
 
@@ -119,3 +118,65 @@ def test_benchmark_config_composes():
     assert list(cfg.presets) == ["torch", "triton", "tilelang"]
     assert cfg.steps == 200
 
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.grad_clip=-1", "trainer.grad_clip: expected a value > 0, or null to switch clipping off; got -1.0"),
+        ("trainer.grad_clip=0", "trainer.grad_clip: expected a value > 0, or null to switch clipping off; got 0.0"),
+        ("trainer.grad_clip=nan", "trainer.grad_clip: expected a value > 0, or null to switch clipping off; got nan"),
+        ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio: expected a value in [0, 1], got 1.5"),
+        ("optim.min_lr_ratio=-0.1", "optim.min_lr_ratio: expected a value in [0, 1], got -0.1"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps: expected an integer >= 0, got -1"),
+        ("optim.betas=[0.9]", "optim.betas: expected two values in [0, 1), got [0.9]"),
+        ("optim.betas=[0.9,0.98,0.5]", "optim.betas: expected two values in [0, 1), got [0.9, 0.98, 0.5]"),
+        ("optim.betas=[0.9,1.0]", "optim.betas: expected two values in [0, 1), got [0.9, 1.0]"),
+        ("optim.lr=0", "optim.lr: expected a value in (0, inf), got 0.0"),
+        ("optim.lr=-1e-3", "optim.lr: expected a value in (0, inf), got -0.001"),
+        ("optim.eps=0", "optim.eps: expected a value in (0, inf), got 0.0"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay: expected a value in [0, inf), got -0.1"),
+        ("model.n_layers=0", "model.n_layers: expected an integer >= 1, got 0"),
+        ("model.ffn_mult=0", "model.ffn_mult: expected an integer >= 1, got 0"),
+        ("model.d_model=30", "model.d_model: expected a positive multiple of model.n_heads=4, got 30"),
+        ("model.d_model=0", "model.d_model: expected an integer >= 1, got 0"),
+        ("model.n_heads=-2", "model.n_heads: expected an integer >= 1, got -2"),
+        ("model.head_hidden=0", "model.head_hidden: expected an integer >= 1, got 0"),
+        ("model.mhc_streams=-1", "model.mhc_streams: expected an integer >= 0, got -1"),
+        ("model.dropout=1.0", "model.dropout: expected a value in [0, 1), got 1.0"),
+        ("trainer.steps=0", "trainer.steps: expected an integer >= 1, got 0"),
+        ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints: expected an integer >= 0, got -1"),
+        ("trainer.cpu_threads=0", "trainer.cpu_threads: expected an integer >= 1, got 0"),
+        ("trainer.val_every=-5", "trainer.val_every: expected an integer >= 0, got -5"),
+        ("trainer.checkpoint_every=-1", "trainer.checkpoint_every: expected an integer >= 0, got -1"),
+        ("data.prefetch=-1", "data.prefetch: expected an integer >= 0, got -1"),
+        ("data.seq_len=0", "data.seq_len: expected an integer >= 1, got 0"),
+        ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
+        ("+trainer.unknown_key=3", "trainer.unknown_key: no such key in trainer; expected one of [steps, log_every"),
+        ("+model.d_modl=32", "model.d_modl: no such key in model; expected one of [_target_, d_model"),
+        ("+sed=1", "sed: no such key in the config; expected one of [seed, data, model, accelerators, trainer, optim]"),
+    ],
+)
+def test_out_of_range_and_unknown_settings_are_refused_by_name(override, expected):
+    from runtime.training.config import check_train_config
+
+    cfg = _compose(override)
+    with pytest.raises(ValueError) as error:
+        check_train_config(cfg)
+    assert str(error.value).startswith(expected), error.value
+
+
+def test_the_defaults_presets_and_null_clipping_pass_the_checks():
+    from runtime.training.config import check_train_config
+
+    for overrides in ([], ["experiment=cpu_small"], ["model=gdr", "data=parquet", "data.path=/d"], ["trainer.grad_clip=null"]):
+        checked = check_train_config(_compose(*overrides))
+        assert checked.model.d_model % checked.model.n_heads == 0
+    assert check_train_config(_compose("trainer.grad_clip=null")).trainer.grad_clip is None
+
+
+def test_a_missing_experiment_fails_and_lists_the_presets():
+    with pytest.raises(ConfigCompositionException) as error:
+        _compose("experiment=cpu_smal")
+    message = str(error.value)
+    assert "Could not find 'experiment/cpu_smal'" in message and "cpu_small" in message.split("Available options")[1], message

@@ -144,7 +144,7 @@ def test_parquet_reader_truncates_infers_and_checks(tmp_path):
     assert batch.seq_lengths.tolist() == [3, 1]
     assert batch.sparse[:, 0].tolist() == [[3, 0], [1, 2]]
     small = type(spec)(**{**spec.to_dict(), "n_items": 8})
-    with pytest.raises(ValueError, match="target_item has ids in"):
+    with pytest.raises(ValueError, match=r"column target_item, row 1: id 9 is outside the vocabulary; expected 1\.\.8"):
         read_batch(tmp_path / "t.parquet", small)
     pq.write_table(table.drop(["seq_actions"]), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"missing columns \['seq_actions'\]"):
@@ -189,8 +189,7 @@ def test_resume_refuses_another_world_size(tmp_path):
     from runtime.training import checkpoint
 
     Trainer(_compose("trainer.steps=1"), tmp_path).fit()
-    path = checkpoint.resolve(str(tmp_path))
-    state = checkpoint.load(path)
+    path, state = checkpoint.resolve(str(tmp_path))
     state["world_size"] = 2
     checkpoint.save(path, state)
     with pytest.raises(ValueError, match="written by 2 process"):
@@ -212,13 +211,14 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 0), ("trainer.log_every", 0)])
+@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 1), ("trainer.log_every", 0)])
 def test_counts_out_of_range_are_refused_by_name(key, least, tmp_path):
     with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got -1"):
         Trainer(_compose(f"{key}=-1"), tmp_path)
     if least:
         with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got 0"):
             Trainer(_compose(f"{key}=0"), tmp_path)
+    assert not tmp_path.joinpath("checkpoints").exists()
 
 
 def test_deterministic_steps_repeat_to_the_bit(tmp_path):
@@ -238,6 +238,13 @@ def test_log_every_zero_logs_only_at_the_end(tmp_path):
     assert [entry["step"] for entry in metrics["log"]] == [3] and len(metrics["losses"]) == 3
 
 
+def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
+    clipped = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=1e-6"), tmp_path / "clipped").fit()
+    free = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=null"), tmp_path / "free").fit()
+    assert clipped["log"][0]["grad_norm"] == free["log"][0]["grad_norm"] > 1e-3  # the same first step, before clipping
+    assert clipped["losses"][1] != free["losses"][1]  # a clipped step moved the weights less
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
     with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)
@@ -251,7 +258,7 @@ def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
     trainer = Trainer(_compose("trainer.steps=4", "trainer.log_every=2"), tmp_path)
     original = trainer.criterion.forward
     monkeypatch.setattr(trainer.criterion, "forward", lambda logits, targets: original(logits, targets) * float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite training loss by step 2"):
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss by step 2 .*The data passed their checks .*optim\.lr=0\.002"):
         trainer.fit()
     assert json.loads((tmp_path / "metrics.json").read_text())["log"][0]["step"] == 2
 

@@ -11,13 +11,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import distributed
-from .config import config_dir
+from .config import check_train_config, config_dir
 from .loop import Trainer
 
 logger = logging.getLogger("runtime.training")
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
+    check_train_config(cfg)  # before any process group, data or model
     run = distributed.setup(cfg.trainer.device)
     if not run.is_main:
         logging.getLogger("runtime").setLevel(logging.WARNING)

@@ -3,15 +3,18 @@
 The accelerators group is typed with Enums built from runtime.accelerators' own lists of op names
 and backends, so a misspelt op or backend fails at composition and the error lists the allowed
 values. `accelerator_config` then turns the composed group into an AcceleratorConfig (its own
-validation runs again there).
+validation runs again there). The bounds a type cannot state (counts, ranges, d_model a multiple of
+n_heads) are each schema's `__post_init__`, which `check_train_config` runs on a composed config
+together with the check for keys the schema does not have (`+trainer.typo=1` adds one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -41,6 +44,29 @@ class DeviceChoice(Enum):
     cuda = "cuda"
 
 
+class ResumeOverrides(Enum):
+    refuse = "refuse"  # a resumed run whose training settings differ from the checkpoint's is refused
+    allow = "allow"  # the differences are applied and logged
+
+
+class ResumeFallback(Enum):
+    error = "error"  # a corrupt checkpoint stops the run (the message names the newest valid one)
+    previous = "previous"  # take the newest valid checkpoint before it
+
+
+def _at_least(key: str, value, least) -> None:
+    if value < least:
+        raise ValueError(f"{key}: expected an integer >= {least}, got {value}")
+
+
+def _in_range(key: str, value: float, low: float, high: float, high_open: bool = False, low_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or below or above:
+        interval = f"{'(' if low_open else '['}{low:g}, {'inf' if math.isinf(high) else f'{high:g}'}{')' if high_open else ']'}"
+        raise ValueError(f"{key}: expected a value in {interval}, got {value}")
+
+
 @dataclass
 class AcceleratorsSchema:
     default: BackendName = BackendName.auto
@@ -64,6 +90,32 @@ class DataSchema:
     n_dense: int = 8
     val_size: int = 8192
 
+    def __post_init__(self) -> None:
+        for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
+                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1)):  # fmt: skip
+            _at_least(f"data.{key}", getattr(self, key), least)
+
+
+@dataclass
+class ModelSchema:
+    """The keyword arguments every model class takes (besides spec)."""
+
+    _target_: str = MISSING
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    ffn_mult: int = 4
+    dropout: float = 0.1
+    head_hidden: int = 256
+    mhc_streams: int = 0  # n > 0: n residual streams joined by mHC hyper-connections
+
+    def __post_init__(self) -> None:
+        for key, least in (("n_heads", 1), ("d_model", 1), ("n_layers", 1), ("ffn_mult", 1), ("head_hidden", 1), ("mhc_streams", 0)):
+            _at_least(f"model.{key}", getattr(self, key), least)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}")
+        _in_range("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
+
 
 @dataclass
 class TrainerSchema:
@@ -73,14 +125,26 @@ class TrainerSchema:
     checkpoint_every: int = 100  # 0: only at the end
     keep_checkpoints: int = 2
     precision: Precision = Precision.auto
-    grad_clip: float = 1.0
+    grad_clip: Optional[float] = 1.0  # the largest gradient norm; null: no clipping
     device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile the model
     cuda_graph: bool = False  # capture the whole step as one CUDA graph after 3 eager steps (CUDA, one process)
     resume: Optional[str] = None  # a checkpoint file, or a run directory (its latest checkpoint)
+    resume_overrides: ResumeOverrides = ResumeOverrides.refuse  # settings that differ from the checkpoint's
+    resume_fallback: ResumeFallback = ResumeFallback.error  # when the checkpoint to resume from is corrupt
     progress: bool = True  # a rich progress bar on the main process
     cpu_threads: Optional[int] = None  # torch.set_num_threads; null keeps torch's default
     deterministic: bool = False  # steps that repeat bit for bit: torch.use_deterministic_algorithms for the process
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "keep_checkpoints"):
+            _at_least(f"trainer.{key}", getattr(self, key), 1 if key == "steps" else 0)
+        for key in ("log_every", "val_every", "checkpoint_every"):
+            _at_least(f"trainer.{key}", getattr(self, key), 0)
+        if self.cpu_threads is not None:
+            _at_least("trainer.cpu_threads", self.cpu_threads, 1)
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError(f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}")
 
 
 @dataclass
@@ -92,12 +156,21 @@ class OptimSchema:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
 
+    def __post_init__(self) -> None:
+        _in_range("optim.lr", self.lr, 0.0, math.inf, low_open=True, high_open=True)
+        _in_range("optim.weight_decay", self.weight_decay, 0.0, math.inf, high_open=True)
+        _in_range("optim.eps", self.eps, 0.0, math.inf, low_open=True, high_open=True)
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        _in_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if len(self.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"optim.betas: expected two values in [0, 1), got {list(self.betas)}")
+
 
 @dataclass
 class TrainSchema:
     seed: int = 0
     data: DataSchema = field(default_factory=DataSchema)
-    model: Any = MISSING  # a model config with _target_ (instantiated with spec=FeatureSpec)
+    model: ModelSchema = MISSING  # a model config with _target_ (instantiated with spec=FeatureSpec)
     accelerators: AcceleratorsSchema = field(default_factory=AcceleratorsSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
@@ -129,15 +202,23 @@ def register_configs() -> None:
 register_configs()
 
 
-def check_counts(cfg: DictConfig) -> None:
-    """The bounds the schema's int types cannot state: each error names the key and what it expects."""
-    for key, least in (
-        ("data.batch_size", 1), ("data.val_batch_size", 1), ("data.prefetch", 0), ("trainer.steps", 0),
-        ("trainer.log_every", 0), ("trainer.val_every", 0), ("trainer.checkpoint_every", 0),
-    ):  # fmt: skip
-        value = OmegaConf.select(cfg, key)
-        if value < least:
-            raise ValueError(f"{key}: expected an integer >= {least}, got {value}")
+def check_train_config(cfg: DictConfig) -> TrainSchema:
+    """Every bound of the schema on a composed train config, and no key the schema lacks; each error names the
+    key and what it expects. Returns the config as schema objects."""
+    _no_unknown_keys(cfg, TrainSchema, "")
+    return OmegaConf.to_object(cfg)
+
+
+def _no_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
+    names = [f.name for f in fields(schema)]
+    for key in node.keys():
+        if key not in names:
+            where = prefix.rstrip(".") or "the config"
+            raise ValueError(f"{prefix}{key}: no such key in {where}; expected one of [{', '.join(names)}]")
+        child = node._get_node(key)
+        kind = OmegaConf.get_type(child) if isinstance(child, DictConfig) else None
+        if kind is not None and is_dataclass(kind):
+            _no_unknown_keys(child, kind, f"{prefix}{key}.")
 
 
 def accelerator_config(group: DictConfig | dict) -> AcceleratorConfig:

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from runtime.accelerators import explain, set_accelerators
 from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
 
-from . import checkpoint
-from .config import Precision, accelerator_config, check_counts
+from . import checkpoint, resume
+from .config import Precision, ResumeFallback, ResumeOverrides, accelerator_config, check_train_config
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects
@@ -79,9 +79,12 @@ def _check_graphable(cfg, device: torch.device, distributed: bool) -> None:
         raise ValueError("trainer.cuda_graph and trainer.compile: use one of the two (torch.compile has its own mode='reduce-overhead')")
 
 
+def _enum(kind, value):
+    return value if isinstance(value, kind) else kind(str(value))
+
+
 def _precision(cfg) -> Precision:
-    value = cfg.trainer.precision
-    return value if isinstance(value, Precision) else Precision(str(value))
+    return _enum(Precision, cfg.trainer.precision)
 
 
 class Trainer:
@@ -92,11 +95,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path | str, run: Run | None = None) -> None:
-        check_counts(cfg)
+        check_train_config(cfg)
         self.cfg = cfg
         self.run = run or Run(torch.device("cpu"))
         self.run_dir = Path(broadcast_object(self.run, str(run_dir)))
         self.device = self.run.device
+        if self.run.is_main:
+            checkpoint.remove_partial_writes(self.run_dir)
+            checkpoint.remove_partial_writes(self.checkpoint_dir)
         if cfg.trainer.cpu_threads:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         if cfg.trainer.deterministic:
@@ -139,7 +145,11 @@ class Trainer:
             "validation": [],
         }
         if cfg.trainer.resume:
-            self.load(checkpoint.resolve(cfg.trainer.resume))
+            fallback = _enum(ResumeFallback, cfg.trainer.resume_fallback) is ResumeFallback.previous
+            path, state = checkpoint.resolve(cfg.trainer.resume, fallback_previous=fallback)
+            if self.run.is_main:
+                checkpoint.remove_partial_writes(path.parent)
+            self.load(path, state)
         self.graphed_step = None
         if graphed:
             device_learning_rates(self.optimizer, self.device)
@@ -176,7 +186,10 @@ class Trainer:
         loss = self.criterion(logits, batch.label)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        if self.cfg.trainer.grad_clip is None:
+            grad_norm = nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        else:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.optimizer.step()
         return loss.detach(), grad_norm.detach()
 
@@ -219,28 +232,52 @@ class Trainer:
             logger.info("saved %s", path)
         return path
 
-    def load(self, path: Path) -> None:
-        state = checkpoint.load(path)
+    def load(self, path: Path, state: dict | None = None) -> None:
+        state = checkpoint.load(path) if state is None else state
         if state["world_size"] != self.run.world_size:
             raise ValueError(
                 f"trainer.resume: {path} was written by {state['world_size']} process(es), this run has {self.run.world_size}; "
                 "resume with the same number of processes"
             )
-        self.model.load_state_dict(state["model"])
+        changed = resume.differences(state["config"], self.metrics["config"])
+        allow = _enum(ResumeOverrides, self.cfg.trainer.resume_overrides) is ResumeOverrides.allow
+        if changed and not allow:
+            raise ValueError(
+                f"trainer.resume: this run's config differs from that of {path}:\n{resume.describe(changed)}\n"
+                "resume with the checkpoint's values, or apply the changes with trainer.resume_overrides=allow"
+            )
+        if state["step"] > self.cfg.trainer.steps:
+            raise ValueError(f"trainer.steps={self.cfg.trainer.steps}: {path} is at step {state['step']} already")
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as error:
+            raise ValueError(f"trainer.resume: the weights in {path} do not fit this model ({str(error).splitlines()[0]} ...); "
+                             f"the model settings that differ cannot be applied:\n{resume.describe(changed)}") from error
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.data_position = state["step"], state["data_position"]
         for key in ("losses", "log", "validation"):
             self.metrics[key] = list(state["metrics"][key])
+        self.metrics["resumes"] = [*state["metrics"].get("resumes", []), {"from": str(path), "step": self.step, "changes": changed}]
         checkpoint.set_rng_state(state["rng"][self.run.rank])
+        if changed:
+            self._apply_optimizer_settings()
+            logger.warning("trainer.resume_overrides=allow: applied what differs from %s:\n%s", path, resume.describe(changed))
         logger.info("resumed from %s at step %d", path, self.step)
+
+    def _apply_optimizer_settings(self) -> None:
+        """The optimizer and scheduler states loaded from a checkpoint carry its lr, betas, eps and weight decay:
+        replaced by this run's, with the learning rate of the current step on this run's schedule."""
+        optim = self.cfg.optim
+        self.scheduler.base_lrs = [optim.lr for _ in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, decay in zip(self.optimizer.param_groups, (optim.weight_decay, 0.0), strict=True):
+            group.update(initial_lr=optim.lr, lr=optim.lr * factor, betas=tuple(optim.betas), eps=optim.eps, weight_decay=decay)
 
     def write_metrics(self) -> None:
         if self.run.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / "metrics.json.tmp"
-            tmp.write_text(json.dumps(self.metrics, indent=1))
-            os.replace(tmp, self.run_dir / "metrics.json")
+            text = json.dumps(self.metrics, indent=1).encode()
+            checkpoint.write_atomically(self.run_dir / "metrics.json", lambda file: file.write(text))
 
     # ------------------------------------------------------------------ the loop
 
@@ -261,16 +298,15 @@ class Trainer:
                 window_steps += 1
                 bar.advance()
                 last = self.step == stop
-                validate = (tcfg.val_every and self.step % tcfg.val_every == 0) or self.step == tcfg.steps
+                # the final validation comes after the final checkpoint and metrics are written (below)
+                validate = tcfg.val_every and self.step % tcfg.val_every == 0 and self.step != tcfg.steps
                 save = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
                 if (tcfg.log_every and self.step % tcfg.log_every == 0) or last or save:
                     self._log(pending, window_steps, time.perf_counter() - window_start, grad_norm, bar)
                     pending.clear()
                     window_start, window_steps = time.perf_counter(), 0
                 if validate:
-                    result = self.evaluate()
-                    self.metrics["validation"].append(result)
-                    logger.info("step %d  val AUC %.4f  val log-loss %.4f", self.step, result["val_auc"], result["val_logloss"])
+                    self._validate()
                 if save:
                     self.save()
                 if validate or save:
@@ -279,10 +315,19 @@ class Trainer:
         finally:
             bar.close()
             stream.close()
+        validations = self.metrics["validation"]
+        if self.step == tcfg.steps and not (validations and validations[-1]["step"] == self.step):
+            self.write_metrics()  # a resumed finished run has no final checkpoint written here
+            self._validate()
         if self.run.distributed:
             self.metrics["ranks_in_sync"] = self._ranks_in_sync()
         self.write_metrics()
         return self.metrics
+
+    def _validate(self) -> None:
+        result = self.evaluate()
+        self.metrics["validation"].append(result)
+        logger.info("step %d  val AUC %.4f  val log-loss %.4f", self.step, result["val_auc"], result["val_logloss"])
 
     def _log(self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar) -> None:
         losses = torch.stack(pending).tolist()  # the one synchronisation per log window
@@ -301,8 +346,10 @@ class Trainer:
         if not all(math.isfinite(x) for x in losses):
             self.write_metrics()
             raise FloatingPointError(
-                f"non-finite training loss by step {self.step} (losses {losses}); with accelerators "
-                f"{self.accelerators}, try running suspect ops on torch (accelerators.ops.<op>=torch) to find the cause"
+                f"non-finite training loss by step {self.step} (losses {losses}). The data passed their checks when "
+                f"opened (labels in [0, 1], finite features, ids within the vocabularies), so look first at the step size "
+                f"(optim.lr={self.cfg.optim.lr}, trainer.grad_clip={self.cfg.trainer.grad_clip}, trainer.precision="
+                f"{self.precision_name}); to rule out a kernel, rerun with accelerators=torch (now {self.accelerators})"
             )
         logger.info(
             "step %d  loss %.4f  lr %.2e  %.0f samples/s  %.1f ms/step", self.step, entry["loss"], entry["lr"], speed, entry["step_ms"]

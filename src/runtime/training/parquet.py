@@ -13,7 +13,9 @@ One row per example, in `<dir>/train.parquet` and `<dir>/val.parquet`:
 
 The schema metadata key `taac.spec` holds the FeatureSpec as JSON (vocabulary sizes, hotness,
 seq_len); without it the loader infers the vocabularies from the largest ids and takes seq_len and
-hotness from the longest lists. Histories longer than seq_len keep their most recent events.
+hotness from the longest lists. Histories longer than seq_len keep their most recent events. Both
+files are checked when opened (runtime.training.parquet_checks); an error names the file, the
+column and the first bad row.
 Run `python -m runtime.training.parquet OUT_DIR` to write the synthetic set in this format.
 """
 
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 
 from runtime.models import FeatureSpec, PCVRBatch
+
+from .parquet_checks import check_against_spec, check_structure, parse_spec
 
 SPEC_KEY = b"taac.spec"
 SEQUENCE_COLUMNS = ("seq_items", "seq_categories", "seq_actions")
@@ -92,6 +96,7 @@ def _padded(column, width: int, keep_last: bool) -> tuple[torch.Tensor, torch.Te
     """A list column as a zero-padded [N, width] int64 tensor (left-aligned) and the kept lengths."""
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     offsets = column.offsets.to_numpy().astype(np.int64)
+    offsets = offsets - offsets[0]
     values = column.flatten().to_numpy().astype(np.int64)
     lengths = np.diff(offsets)
     rows = np.repeat(np.arange(len(lengths)), lengths)
@@ -127,30 +132,41 @@ def _infer_spec(table) -> FeatureSpec:
     )
 
 
+def _read(path: str | Path, schema_only: bool = False):
+    """The table (or only its schema) of a Parquet file; a file that is not Parquet gets a message naming it."""
+    pa, pq = _pyarrow()
+    try:
+        return pq.read_schema(path) if schema_only else pq.read_table(path)
+    except (OSError, pa.lib.ArrowException) as error:
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+
+
+def _spec(schema, path: str | Path, table=None) -> FeatureSpec:
+    metadata = schema.metadata or {}
+    if SPEC_KEY in metadata:
+        return parse_spec(metadata[SPEC_KEY], path, SPEC_KEY.decode())
+    table = _read(path) if table is None else table
+    check_structure(table, path)  # the inference reads the ids
+    return _infer_spec(table)
+
+
 def read_spec(path: str | Path) -> FeatureSpec:
     """The FeatureSpec stored in a Parquet file (else inferred from its contents)."""
-    _, pq = _pyarrow()
-    metadata = pq.read_schema(path).metadata or {}
-    if SPEC_KEY in metadata:
-        return FeatureSpec.from_dict(json.loads(metadata[SPEC_KEY]))
-    return _infer_spec(pq.read_table(path))
+    return _spec(_read(path, schema_only=True), path)
 
 
-def read_batch(path: str | Path, spec: FeatureSpec) -> PCVRBatch:
-    """A whole Parquet file as one PCVRBatch, padded to the spec's widths, ids checked against its vocabularies."""
-    _, pq = _pyarrow()
-    table = pq.read_table(path)
-    missing = {"label", "dense", "target_item", "target_category", *SEQUENCE_COLUMNS, *(f"sparse_{f}" for f in spec.sparse_fields)}
-    missing -= set(table.column_names)
-    if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)}; see runtime.training.parquet for the format")
+def read_batch(path: str | Path, spec: FeatureSpec, table=None) -> PCVRBatch:
+    """A whole Parquet file as one PCVRBatch, padded to the spec's widths, after checking every column
+    (parquet_checks: types, nulls, labels, finite dense features, ids within the spec's vocabularies)."""
+    table = _read(path) if table is None else table
+    check_structure(table, path)
+    check_against_spec(table, path, spec)
     n = table.num_rows
-    dense, dense_len = _padded_float(table.column("dense"), spec.n_dense)
-    if n and (dense_len != spec.n_dense).any():
-        raise ValueError(f"{path}: column dense must hold {spec.n_dense} values in every row")
+    column = table.column("dense").combine_chunks()
+    dense = torch.from_numpy(column.flatten().to_numpy().astype(np.float32)).view(n, spec.n_dense)
     sparse = torch.stack([_padded(table.column(f"sparse_{f}"), spec.sparse_hotness, keep_last=False)[0] for f in spec.sparse_fields], dim=1)
     seq = {name: _padded(table.column(name), spec.seq_len, keep_last=True) for name in SEQUENCE_COLUMNS}
-    batch = PCVRBatch(
+    return PCVRBatch(
         sparse=sparse if spec.sparse_fields else torch.zeros(n, 0, spec.sparse_hotness, dtype=torch.long),
         dense=dense,
         seq_items=seq["seq_items"][0],
@@ -161,28 +177,6 @@ def read_batch(path: str | Path, spec: FeatureSpec) -> PCVRBatch:
         target_category=torch.from_numpy(table.column("target_category").to_numpy().astype(np.int64)),
         label=torch.from_numpy(table.column("label").to_numpy().astype(np.float32)),
     )
-    check_ids(batch, spec, str(path))
-    return batch
-
-
-def _padded_float(column, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    column = column.combine_chunks()
-    lengths = torch.from_numpy(column.value_lengths().to_numpy().astype(np.int64))
-    values = torch.from_numpy(column.flatten().to_numpy().astype(np.float32))
-    if len(lengths) and (lengths == width).all():
-        return values.view(-1, width), lengths
-    return torch.zeros(len(lengths), width), lengths
-
-
-def check_ids(batch: PCVRBatch, spec: FeatureSpec, where: str) -> None:
-    """Every id within its vocabulary (once per file, so the models can skip per-call checks)."""
-    limits = [("seq_items", batch.seq_items, spec.n_items), ("target_item", batch.target_item, spec.n_items),
-              ("seq_categories", batch.seq_categories, spec.n_categories), ("target_category", batch.target_category, spec.n_categories),
-              ("seq_actions", batch.seq_actions, spec.n_actions)]
-    limits += [(f"sparse_{name}", batch.sparse[:, f], vocab) for f, (name, vocab) in enumerate(spec.sparse_fields.items())]
-    for name, ids, vocab in limits:
-        if ids.numel() and (ids.min() < 0 or ids.max() > vocab):
-            raise ValueError(f"{where}: column {name} has ids in [{int(ids.min())}, {int(ids.max())}]; expected 1..{vocab} (0 = none)")
 
 
 class ParquetPCVR:
@@ -195,10 +189,12 @@ class ParquetPCVR:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"data.path: expected {directory / name} (write one with `python -m runtime.training.parquet {directory}`)")
         self.seed = seed
-        self.spec = read_spec(directory / "train.parquet")
-        self.train = read_batch(directory / "train.parquet", self.spec)
-        self._val_path = directory / "val.parquet"
-        self._val: PCVRBatch | None = None
+        table = _read(directory / "train.parquet")
+        self.spec = _spec(table.schema, directory / "train.parquet", table)
+        self.train = read_batch(directory / "train.parquet", self.spec, table)
+        del table
+        # read and checked now: a broken validation set stops the run before its first step
+        self.val = read_batch(directory / "val.parquet", self.spec)
         self._epoch: tuple[int, torch.Tensor] | None = None
 
     def train_batch(self, index: int, batch_size: int) -> PCVRBatch:
@@ -213,9 +209,7 @@ class ParquetPCVR:
         return PCVRBatch(**{name: value[rows] for name, value in vars(self.train).items()})
 
     def val_set(self) -> PCVRBatch:
-        if self._val is None:
-            self._val = read_batch(self._val_path, self.spec)
-        return self._val
+        return self.val
 
 
 def main(argv: list[str] | None = None) -> None:
