@@ -38,7 +38,6 @@ import runtime
 import runtime.accelerators as acc
 from runtime.accelerators import norms_triton
 from runtime.accelerators.embedding_bag import radix_sort
-from runtime.accelerators.embedding_bag import triton as embedding_bag_triton
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
@@ -131,7 +130,7 @@ def embedding_bag():
 
 
 def embedding_bag_radix():
-    """SORT="radix": the radix sort's kernels over a 1M-row table (two 10-bit passes: the first and the last) from int32
+    """The radix sort's kernels over a 1M-row table (two 10-bit passes: the first and the last) from int32
     and int64 indices, and at the sweep's largest tile (2048 keys, 8 warps), over 2**26 rows (three 9-bit passes: a
     middle one), and the gradient kernels that find segment edges from the keys (FIRST=False, int32 permutation; 1000
     rows: one pass), dense and sparse (as embedding_bag)."""
@@ -140,11 +139,9 @@ def embedding_bag_radix():
     radix_sort.sort(torch.randint(0, 1_000_000, (32768,)), 1_000_000, radix_sort.RadixLaunch(tile=2048, num_warps=8))
     radix_sort.sort(torch.randint(0, 1 << 26, (4096,)), 1 << 26)
     weight = _randn(1000, 64, dtype=f32)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(embedding_bag_triton, "SORT", "radix")
-        _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
-        out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
-        torch.autograd.grad(out, weight, torch.randn_like(out))
+    _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
+    out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+    torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
 def mhc():
@@ -156,11 +153,12 @@ def mhc():
         _backward(acc.mhc_post(x, h_in, h_post, h_res))
 
 
-def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None):
+def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None,
+               kind: str | None = None):
     """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU.
     backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles, padded where
     the head dim would split (split loads take pointers; the interpreter never takes descriptors by itself); None runs
-    the module's backward as autograd does."""
+    the module's backward as autograd does, or with kind ("fused" / "split") that backward."""
     b, h, hkv, lq, lk = 2, 4, 2, 200, 200
     q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
     k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
@@ -168,13 +166,13 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
     args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
     o, lse = fa_triton.forward(*args)
     if backward_tma is None:
-        fa_triton.backward(do, *args, o, lse)
+        fa_triton.backward(do, *args, o, lse, kind=kind)
     else:
-        delta = fa_triton.backward_preprocess(o, do)
-        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(kind, causal), head_dim, bf16)._replace(split_d=False)
-                    for kind in ("dkdv", "dq"))
+        delta = torch.empty(q.shape[:3])
+        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(name, causal), head_dim, bf16)._replace(split_d=False)
+                    for name in ("dkdv", "dq"))
+        fa_triton.backward_dq(do, *args, lse, delta, o=o, cfg=dq, tma=backward_tma)
         fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=backward_tma)
-        fa_triton.backward_dq(do, *args, lse, delta, cfg=dq, tma=backward_tma)
 
 
 def attention_padded():
@@ -213,24 +211,16 @@ def attention_fused_backward():
 
 
 def attention_delta_in_dq():
-    """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ, the default): pointer loads at
-    head dims 32 and 48 (as the tables say: two column parts), descriptors at 128; and with the preprocess kernel
-    instead (DELTA_IN_DQ off)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fa_triton, "BACKWARD", "split")
-        patch.setattr(fa_triton, "DELTA_IN_DQ", False)
-        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fa_triton, "BACKWARD", "split")
-        patch.setattr(fa_triton, "DELTA_IN_DQ", True)
-        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
-        _attention(head_dim=48, causal=False, with_lengths=False, dropout_p=0.1)
-        delta = torch.empty(2, 4, 200)
-        q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
-        k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
-        args = (q, k, v, None, True, 128**-0.5, 0.0, None)
-        o, lse = fa_triton.forward(*args)
-        fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
+    """The split backward (the dq kernel writes delta, the dk/dv kernel reads it): pointer loads at head dims 32 and
+    48 (as the tables say: two column parts), descriptors at 128."""
+    _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0, kind="split")
+    _attention(head_dim=48, causal=False, with_lengths=False, dropout_p=0.1, kind="split")
+    delta = torch.empty(2, 4, 200)
+    q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
+    k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
+    args = (q, k, v, None, True, 128**-0.5, 0.0, None)
+    o, lse = fa_triton.forward(*args)
+    fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
 
 
 def attention_lse_delta_tma():
@@ -246,7 +236,8 @@ def attention_lse_delta_tma():
         k, v = torch.randn(2, 2, 200, head_dim).to(bf16), torch.randn(2, 2, 200, head_dim).to(bf16)
         args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
         o, lse = fa_triton.forward(*args)
-        fa_triton.backward_dkdv(do, *args, lse, fa_triton.backward_preprocess(o, do), cfg=cfg, tma=True)
+        delta = (o.float() * do.float()).sum(-1)  # as the dq kernel writes it
+        fa_triton.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=True)
 
 
 def attention_split_d():

@@ -1,4 +1,4 @@
-"""A stable LSD radix sort of embedding-bag indices in Triton: the Triton backend's sort when triton.SORT == "radix".
+"""A stable LSD radix sort of embedding-bag indices in Triton: the Triton backend's sort where it fits (`fits`).
 
 torch.sort sorts int32 keys in four 8-bit passes (cub) whatever their range; row numbers of a 1M-row table need 20
 bits. Here only the bits of num_embeddings (inclusive: the value num_embeddings is the sentinel below) are sorted,

@@ -1,5 +1,5 @@
-"""FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), backward preprocess
-(delta = rowsum(o * do)), a dk/dv kernel and a dq kernel; or, where every key fits one block (short
+"""FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), a dq kernel that also writes
+delta = rowsum(o * do), then a dk/dv kernel that reads it; or, where every key fits one block (short
 sequences, see use_fused), one fused backward kernel that also computes delta and stores dq.
 
 Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D], any strides (views are read in place); o, lse and the
@@ -41,7 +41,7 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   columns) the split forward took 14-25% longer on an H100 (session 27: four loads, each with its barrier, per key
   block). The dk/dv and dq kernels split the same way (BwdConfig.split_d, pointer loads): Q K^T and dO V^T as two
   dots into one result, dV += P^T dO, dK += dS^T Q and dQ += dS K as two dots into two accumulators, and the dq
-  kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) and the preprocess stay
+  kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) stays
   padded. Other head dims, and configs without it, take the padded kernels.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
 (sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 in the forward and dq entries
@@ -211,7 +211,6 @@ CONFIGS_FP32 = {
     "dq_causal": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
-PREPROCESS_BLOCK_M = 64
 FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
 # Padded head dims where use_fused may pick the fused backward. Sweep (scripts/fa_sweep.py bwd, session 16, H100,
 # forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
@@ -220,12 +219,7 @@ FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two p
 # 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay. (The dq kernel's programs in heavy-first order
 # were tried too at 128x8x1024x32 causal: 1.386 against 1.369 ms, not kept.)
 FUSED_HEAD_DIMS = frozenset({16, 64, 128})
-BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
-# The split backward without its preprocess launch: the dq kernel, run first, computes delta = rowsum(o * do) as it
-# loads do and stores it for the dk/dv kernel. H100, session 19 (scripts/fa_sweep.py bwd --only 128x8x1024x32
-# --kernel dq [--delta-in-dq], results/flash_attention-delta-in-dq-2026-11-23-h100-s19.txt), forward + backward at
-# the table's tiles: causal 1.334 ms against 1.374 with the preprocess, non-causal 2.028 against 2.072.
-DELTA_IN_DQ = True
+BACKWARDS = ("fused", "split")  # backward's `kind`; None lets use_fused choose
 
 
 def block_d(head_dim: int) -> int:
@@ -555,24 +549,6 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------- backward
 
 
-@direct_launch
-@triton.jit(do_not_specialize=["H", "LQ"])
-def _bwd_preprocess_kernel(
-    O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, sdod, H, LQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """delta[b, h, i] = sum_d o * do (fp32)."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_d = tl.arange(0, BLOCK_D)
-    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
-    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
-    _store_delta(O, DELTA, do, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_d, HEAD_DIM, PAD_D, 0)
-
-
 @triton.jit
 def _store_delta(
     O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi,
@@ -839,7 +815,7 @@ def _bwd_dq_kernel(
     TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
 ):
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
-    already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch. D_HI > 0
+    already loaded) and stored for the dk/dv kernel, which then runs after this one: no launch of its own. D_HI > 0
     (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
@@ -930,7 +906,7 @@ def _fused_block(
     q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # delta = rowsum(o * do), here
     dv, _, ds_t = _dv_and_ds_t(
         dv, dv, k, k, v, v, q, q, do, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m,
         qk_scale, dropout_p, drop_seed, MASK, CAUSAL, DROPOUT, DOT_PRECISION, False, 0,
@@ -959,7 +935,7 @@ def _bwd_fused_kernel(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
 ):
-    """dq, dk and dv in one kernel, no preprocess: the dk/dv kernel's loop, which also computes each query block's
+    """dq, dk and dv in one kernel, no launch for delta: the dk/dv kernel's loop, which also computes each query block's
     delta and its dq part (5 products and one exp per score, against the two kernels' 7 and two)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_n = tl.program_id(0) * BLOCK_N
@@ -1094,25 +1070,26 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     return o, lse
 
 
-def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
-    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads."""
-    if BACKWARD == "fused" or (BACKWARD is None and use_fused(q, k)):
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, kind=None):
+    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads.
+
+    kind: "fused" (one kernel, backward_fused) or "split" (the dq kernel, which also writes delta = rowsum(o * do),
+    then the dk/dv kernel); None: use_fused decides."""
+    if kind not in (None, *BACKWARDS):
+        raise ValueError(f"kind: expected None or one of {BACKWARDS}, got {kind!r}")
+    if kind == "fused" or (kind is None and use_fused(q, k)):
         dq, dk, dv = backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
-    elif DELTA_IN_DQ:
+    else:
         delta = empty(q.shape[:3], dtype=torch.float32, device=q.device)
         dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, o=o)
         dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
-    else:
-        delta = backward_preprocess(o, do)
-        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
-        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
     return dq, dk, dv, None, None, None, None, None
 
 
 def use_fused(q, k) -> bool:
     """The fused kernel for 16-bit inputs at the head dims where it won, where every key fits its block (it then
     stores dq: no atomics) and there are enough (batch, kv head) pairs to fill the GPU, one program each; else the
-    preprocess and the dk/dv and dq kernels."""
+    dq and dk/dv kernels."""
     b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
     d = block_d(q.shape[-1])
     return (
@@ -1140,17 +1117,6 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
         DQ_ATOMIC=atomic, **_flags(q, key_lengths, causal, dropout_p),
     )
     return (dq.to(q.dtype) if atomic else dq), dk, dv
-
-
-def backward_preprocess(o, do):
-    """delta = rowsum(o * do) [B, H, Lq] fp32."""
-    b, h, lq, d = o.shape
-    delta = empty((b, h, lq), dtype=torch.float32, device=o.device)
-    _bwd_preprocess_kernel[(cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
-        o, do, delta, *o.stride()[:3], *do.stride(), h, lq,
-        HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
-    )
-    return delta
 
 
 def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
@@ -1185,8 +1151,8 @@ def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tm
 
 
 def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None):
-    """dq in q's dtype; with o, it also writes delta = rowsum(o * do) into `delta` (see DELTA_IN_DQ). cfg, tma: see
-    backward_variant."""
+    """dq in q's dtype; with o, it also writes delta = rowsum(o * do) into `delta` (for the dk/dv kernel run after
+    it: no separate launch for delta). cfg, tma: see backward_variant."""
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
