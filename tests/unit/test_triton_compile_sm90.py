@@ -15,6 +15,7 @@ one that no case below launches fails, naming the missing case.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -42,6 +43,7 @@ from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.testing import differentiable
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.triton_launch import DirectLaunch
 
@@ -289,8 +291,23 @@ def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     )  # fmt: skip
 
 
-def gated_delta_rule():
-    acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
+def _chunk_delta_rule(inputs: dict, tuning) -> tuple:
+    """The chunked Triton kernels with these variants (gdr_triton.Tuning), forward and backward through autograd."""
+    run = differentiable(
+        functools.partial(gdr_triton.chunk_forward, tuning=tuning),
+        functools.partial(gdr_backward.chunk_backward, tuning=tuning), 2,
+    )  # fmt: skip
+    x, cu = inputs, inputs["cu_seqlens"]
+    return run(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], x["output_final_state"],
+        x["use_qk_l2norm_in_kernel"], None if cu is None else cu.to(torch.int64),
+    )  # fmt: skip
+
+
+def gated_delta_rule(tuning=None):
+    """The op's kernels at K = 16, 64 and 128; with tuning (a gdr_triton.Tuning), the chunked ones with those variants."""
+    if tuning is None:
+        acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
     cases = [
         _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
         _delta_rule_inputs(2, 200, 2, 4, 64, 64),
@@ -300,27 +317,24 @@ def gated_delta_rule():
     for inputs in cases:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
             inputs[name].requires_grad_()
-        _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
+        if tuning is None:
+            _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
+        else:
+            _backward(*_chunk_delta_rule(inputs, tuning))
 
 
 def gated_delta_rule_grad_wy_variants():
-    """The backward's step 5 as each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
+    """The backward's step 5 as each variant (Tuning.grad_wy), at the shapes of gated_delta_rule (K = 16, 64, 128)."""
     for variant in ("single", "fused"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gdr_backward, "GRAD_WY", variant)
-            gated_delta_rule()
+        gated_delta_rule(gdr_triton.Tuning(grad_wy=variant))
 
 
 def gated_delta_rule_half_backward():
-    """The backward with triton_backward.HALF_BACKWARD forced on and off (its products on bf16 or tf32 operands; by
-    default it depends on K), each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128); and with
-    steps 3 and 4 as two kernels (GRAD_QK_STATE "split")."""
+    """The backward with its products on bf16 or tf32 operands forced (Tuning.half_backward; by default it depends on
+    K), each step-5 variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
     for half in (True, False):
-        for qk_state in ("fused", "split"):
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(gdr_backward, "HALF_BACKWARD", half)
-                patch.setattr(gdr_backward, "GRAD_QK_STATE", qk_state)
-                gated_delta_rule_grad_wy_variants()
+        for variant in ("single", "fused"):
+            gated_delta_rule(gdr_triton.Tuning(grad_wy=variant, half_backward=half))
 
 
 def gated_delta_rule_one_wave():
@@ -341,12 +355,13 @@ def gated_delta_rule_fp32_widest():
 def gated_delta_rule_split():
     """The context-parallel split (forced: the occupancy rule decides on a GPU), forward and backward: segment
     maps and the chain both ways at K = V = 128 (the widest maps), varlen; fp32 forward (IEEE dots in the chain)."""
-    with gdr_triton.split_sequences(2):
-        inputs = _delta_rule_inputs(1, 600, 1, 1, 128, 128, sequences=[0, 100, 600])
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
-            inputs[name].requires_grad_()
-        _backward(*acc.chunk_gated_delta_rule(**inputs))
-        acc.chunk_gated_delta_rule(**_delta_rule_inputs(2, 300, 1, 1, 64, 32, dtype=f32))
+    split = gdr_triton.Tuning(segment_chunks=2)
+    inputs = _delta_rule_inputs(1, 600, 1, 1, 128, 128, sequences=[0, 100, 600])
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        inputs[name].requires_grad_()
+    _backward(*_chunk_delta_rule(inputs, split))
+    with torch.no_grad():
+        _chunk_delta_rule(_delta_rule_inputs(2, 300, 1, 1, 64, 32, dtype=f32), split)
 
 
 CASES = {
@@ -469,9 +484,8 @@ def test_the_backward_attention_kernels_compile_both_paths(compiled):
 
 def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compiled):
     """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
-    (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see triton_backward.HALF_BACKWARD)."""
-    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_state_kernel", "_chunk_grad_qk_kernel",
-             "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")  # fmt: skip
+    (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward)."""
+    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")
     assert all("HALF" not in constexprs(launch) for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"])
     for name in names:
         kernel = f"gated_delta_rule.triton_backward.{name}"

@@ -26,11 +26,9 @@ normalising them first through the l2norm op would round them to the input dtype
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import triton
@@ -623,31 +621,68 @@ class Chunks:
         return cls(cu_seqlens.numel() - 1, 0, indices.shape[0], longest, cu, indices, offsets)
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Variants of the chunked kernels, for tests and sweeps; the defaults are what the op runs. The forward and its
+    backward must take the same (the forward stores (I + A)^-1 in the dtype the backward's step 5 reads).
+
+    grad_wy: how the backward runs its step 5 (triton_backward): "single" (_chunk_grad_wy_kernel, tf32 products) or
+        "fused" (_chunk_grad_wy_fused_kernel); None: "fused" at K = 128 and "single" below, as the H100 timings chose.
+    half_backward: the backward's products on bf16 operands (fp32 accumulation) for half inputs, in every kernel but
+        the single step-5 kernel (on bf16 operands it faulted on the H100 at K = 16 and 32); None: where step 5 runs
+        fused, where it pays (docs/tuning/gated_delta_rule.md has the timings and the errors against float64).
+    segment_chunks: chunks per segment of the context-parallel split (0: never split); None: the occupancy rule
+        (split_length) decides.
+    """
+
+    grad_wy: str | None = None
+    half_backward: bool | None = None
+    segment_chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_wy not in (None, "single", "fused"):
+            raise ValueError(f"Tuning.grad_wy: expected None, 'single' or 'fused', got {self.grad_wy!r}")
+        if self.segment_chunks is not None and (not isinstance(self.segment_chunks, int) or self.segment_chunks < 0):
+            raise ValueError(f"Tuning.segment_chunks: expected None or an int >= 0, got {self.segment_chunks!r}")
+
+    def step5(self, K: int) -> str:
+        """The backward's step-5 kernel at this K: "single" or "fused"."""
+        return self.grad_wy or ("fused" if K == 128 else "single")
+
+    def half(self, q: torch.Tensor) -> bool:
+        """The HALF constexpr of the backward's kernels for these inputs (half inputs only, _half_dots)."""
+        on = self.step5(q.shape[-1]) == "fused" if self.half_backward is None else self.half_backward
+        return on and _half_dots(q)
+
+    def half_inverse(self, k: torch.Tensor) -> bool:
+        """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF), so
+        that prepare may store it in bf16 (_inverse_dtype). Both step-5 kernels take T in either dtype."""
+        return self.step5(k.shape[-1]) == "fused" and self.half(k)
+
+
+DEFAULT_TUNING = Tuning()
+
+
 def _state_block(K: int, V: int) -> int:
     return min(V, 32 if K == 128 else 64)  # the [K, BV] state stays in registers
 
 
-# Whether the WY factors of half inputs are taken on bf16 operands (T and the scaled rows of K and V rounded to bf16,
-# fp32 accumulation), as fla does; a module global that scripts/gdr_sweep.py replaces to compare. H100, B4-T4096-H16-D128
-# (session 18): forward 0.616 ms against 0.658 in tf32 (fla 0.615), forward + backward 3.090 against 3.127.
-HALF_WY = True
+# The WY factors of half inputs are taken on bf16 operands (T and the scaled rows of K and V rounded to bf16, fp32
+# accumulation), as fla does: faster than tf32 on an H100 at no cost in the bounds (docs/tuning/gated_delta_rule.md).
 
 
 def _half_wy(k: torch.Tensor, BK: int, BV: int) -> bool:
     """HALF of the WY kernel. Only where the V blocks are at least as wide as the K blocks: Triton 3.6 on the H100
     built the bf16 products wrongly when the u product (BV columns) was narrower than the w product before it (BK
-    columns, the same T operand): K = 64, V = 32 gave a wrong u, K = 128, V = 32 an illegal memory access
-    (scripts/gdr_wy_check.py)."""
-    return HALF_WY and _half_dots(k) and BV >= BK
+    columns, the same T operand): K = 64, V = 32 gave a wrong u, K = 128, V = 32 an illegal memory access."""
+    return _half_dots(k) and BV >= BK
 
 
-def _inverse_dtype(k: torch.Tensor, half_wy: bool) -> torch.dtype:
+def _inverse_dtype(k: torch.Tensor, half_wy: bool, tuning: Tuning) -> torch.dtype:
     """The dtype prepare stores (I + A)^-1 in: bf16 where every product that takes it rounds it to bf16 first (the WY
-    kernel with HALF, `half_wy`, and step 5 of the backward: triton_backward.half_inverse), so that the numbers are
-    the same and the traffic half; else fp32 (its tf32 and IEEE products keep more mantissa)."""
-    from .triton_backward import half_inverse
-
-    return torch.bfloat16 if half_wy and half_inverse(k) else torch.float32
+    kernel with HALF, `half_wy`, and step 5 of the backward: Tuning.half_inverse), so that the numbers are the same
+    and the traffic half; else fp32 (its tf32 and IEEE products keep more mantissa)."""
+    return torch.bfloat16 if half_wy and tuning.half_inverse(k) else torch.float32
 
 
 def _wy_launch(k: torch.Tensor, V: int) -> tuple[dict, int, bool]:
@@ -655,17 +690,17 @@ def _wy_launch(k: torch.Tensor, V: int) -> tuple[dict, int, bool]:
     K = k.shape[-1]
     wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
     # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
-    options = launch_options("wy", K, BV=min(V, wide), num_warps=1 if K == 16 else 4)
+    options = dict(BV=min(V, wide), num_warps=1 if K == 16 else 4)
     BK = min(K, wide)
     return options, BK, _half_wy(k, BK, options["BV"])
 
 
 def saved_dtypes(k: torch.Tensor, V: int) -> tuple[torch.dtype, torch.dtype]:
     """The dtypes prepare stores w and u, and (I + A)^-1, in (for the op's traced placeholder)."""
-    return storage_dtype(k), _inverse_dtype(k, _wy_launch(k, V)[2])
+    return storage_dtype(k), _inverse_dtype(k, _wy_launch(k, V)[2], DEFAULT_TUNING)
 
 
-def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str):
+def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str, tuning: Tuning = DEFAULT_TUNING):
     """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT]
     (_inverse_dtype), and the walks' row factors of k, e^(gamma_last - gamma) rstd [B*T, HV] (fp32)."""
     B, T, H, K = k.shape
@@ -676,7 +711,7 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
     k_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
     options, BK, half_wy = _wy_launch(k, V)
-    inverse = buffers.empty((B * T, HV, BT), dtype=_inverse_dtype(k, half_wy), device=device)
+    inverse = buffers.empty((B * T, HV, BT), dtype=_inverse_dtype(k, half_wy, tuning), device=device)
     if chunks.total > 0:
         common = dict(L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision)
         _chunk_inverse_kernel[(chunks.total, HV)](
@@ -691,18 +726,6 @@ def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: s
     return gamma, w, u, inverse, k_factor
 
 
-# (kernel, K) -> launch options (num_warps, num_stages, BV) replacing a launcher's defaults; scripts/gdr_sweep.py
-# sets entries to compare launches on a GPU. Kernels: "wy" (prepare), "walk" (the state walk, not the transition
-# walk), "output", "local", "state_grad" (the reverse walk), "grad_state", "grad_qk", "grad_wy", "grad_wy_fused"
-# (backward).
-LAUNCH_OVERRIDES: dict[tuple[str, int], dict] = {}
-
-
-def launch_options(kernel: str, K: int, **defaults) -> dict:
-    """The launcher's defaults, with what LAUNCH_OVERRIDES[(kernel, K)] replaces."""
-    return {**defaults, **LAUNCH_OVERRIDES.get((kernel, K), {})}
-
-
 def _walk(
     k, k_factor, gamma, w, u, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False
 ):  # fmt: skip
@@ -712,8 +735,6 @@ def _walk(
     HV = gamma.shape[1]
     V = K if transition else u.shape[-1]
     options = dict(BV=_state_block(K, V), num_warps=4)
-    if not transition:
-        options = launch_options("walk", K, **options)
     grid = (chunks.n * HV, cdiv(V, options["BV"]))
     options.setdefault("num_stages", _state_stages(k, K, None if transition else grid[0] * grid[1]))
     _chunk_state_kernel[grid](
@@ -731,7 +752,7 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
     # with bf16 products the whole value width fits one program (Q K^T once per chunk): 3.642 -> 3.560 ms forward +
     # backward at B4-T4096-H16-D128 (H100, scripts/gdr_sweep.py large output, session 16)
-    options = launch_options("output", K, BV=min(V, 128 if _half_dots(q) else 64), num_warps=4)
+    options = dict(BV=min(V, 128 if _half_dots(q) else 64), num_warps=4)
     if chunks.total > 0:
         _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
@@ -771,12 +792,16 @@ def walk_states(
     return final, states, corrections, maps
 
 
-def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """(o, final state, and for backward: gamma, w, u, (I + A)^-1, as prepare stores them)."""
+def chunk_forward(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
+    tuning: Tuning = DEFAULT_TUNING,
+):  # fmt: skip
+    """(o, final state, and for backward: gamma, w, u, (I + A)^-1, as prepare stores them); tuning: the kernels'
+    variants (pass the backward the same)."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
-    gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q))
-    segments = Segments.of(chunks, q, v, cu_seqlens)
+    gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q), tuning)
+    segments = Segments.of(chunks, q, v, cu_seqlens, tuning.segment_chunks)
     final, states, corrections, _ = walk_states(
         k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks, segments
     )
@@ -799,25 +824,13 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
 SPLIT_PROGRAMS_PER_SM = 2  # split to reach about this many walking programs per SM
 MIN_SEGMENTS = 4  # the split walks each segment about three times: it pays from about four segments per sequence
 MIN_SEGMENT_CHUNKS = 4
-_forced_segment_chunks: int | None = None
 
 
-@contextlib.contextmanager
-def split_sequences(segment_chunks: int) -> Iterator[None]:
-    """Within the block the chunked launchers cut every sequence into segments of `segment_chunks` chunks
-    (0: never split) whatever the occupancy; for tests and benchmarks, where the rule would not split."""
-    global _forced_segment_chunks
-    previous, _forced_segment_chunks = _forced_segment_chunks, segment_chunks
-    try:
-        yield
-    finally:
-        _forced_segment_chunks = previous
-
-
-def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.device) -> int:
-    """Chunks per segment of the split, or 0 to walk every sequence whole."""
-    if _forced_segment_chunks is not None:
-        return _forced_segment_chunks
+def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.device, forced: int | None) -> int:
+    """Chunks per segment of the split, or 0 to walk every sequence whole; `forced` (Tuning.segment_chunks) where
+    given."""
+    if forced is not None:
+        return forced
     if device.type != "cuda" or chunks.total == 0:
         return 0
     programs = chunks.n * HV * cdiv(V, _state_block(K, V))
@@ -850,9 +863,12 @@ class Segments:
     first: torch.Tensor  # device [N] int32: each sequence's first segment
 
     @classmethod
-    def of(cls, chunks: Chunks, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> "Segments | None":
-        """The split the occupancy asks for (None: none); cu_seqlens on the host, as the launchers get it."""
-        length = _segment_chunks(chunks, v.shape[2], q.shape[-1], v.shape[-1], v.device)
+    def of(
+        cls, chunks: Chunks, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, forced: int | None = None
+    ) -> "Segments | None":
+        """The split the occupancy asks for, or `forced` chunks per segment (None: none); cu_seqlens on the host, as
+        the launchers get it."""
+        length = _segment_chunks(chunks, v.shape[2], q.shape[-1], v.shape[-1], v.device, forced)
         if length == 0 or chunks.total == 0:
             return None
         B, T = v.shape[:2]
@@ -914,8 +930,8 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
     )  # fmt: skip
 
 
-def chunk_backward(*args):
+def chunk_backward(*args, tuning: Tuning = DEFAULT_TUNING):
     """The chunked backward: triton_backward.chunk_backward (a module of its own, built on the helpers here)."""
     from .triton_backward import chunk_backward as backward
 
-    return backward(*args)
+    return backward(*args, tuning=tuning)
