@@ -1,8 +1,8 @@
 """Host time per eager call of the Triton path, measured on a CPU machine with the GPU launch stubbed out.
 
-    PYTHONPATH=src python scripts/host_overhead.py                      # the table
-    PYTHONPATH=src python scripts/host_overhead.py --profile "rms_norm fwd+bwd"   # plus cProfile of one case
-    PYTHONPATH=src python scripts/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
+    PYTHONPATH=src python tools/host_overhead.py                      # the table
+    PYTHONPATH=src python tools/host_overhead.py --profile "rms_norm fwd+bwd"   # plus cProfile of one case
+    PYTHONPATH=src python tools/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
                                                                         # its log lines go to stderr)
 
 The tensors live on the CPU and the kernels are real JITFunctions (TRITON_INTERPRET is not set), so every call
