@@ -74,7 +74,7 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
     "T1000-K64-V32-fp16-GVA": (1, 1000, 1, 4, 64, 32, torch.float16, False, dict(use_qk_l2norm_in_kernel=True)),
     "T37-K32-V128-bf16-GVA-scale": (3, 37, 2, 6, 32, 128, torch.bfloat16, True, dict(scale=0.3, output_final_state=True)),
     # the Triton reverse walk at K = 128 with V < 32: a 32-wide V block with its columns past V masked (with V = 32
-    # this case made an illegal memory access in session 21 while the walk held its state as one [128, 32] tile)
+    # this case made an illegal memory access while the walk held its state as one [128, 32] tile)
     "T300-K128-V16-bf16-l2norm-state": (1, 300, 2, 2, 128, 16, torch.bfloat16, True,
                                         dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
     # fp32 at K = 128: the walks' IEEE launches (BV 32, 8 warps, 1 stage), covered by no other case

@@ -139,7 +139,7 @@ def test_reductions_are_bitwise_deterministic(backend, reduction):
             assert torch.equal(g, g0)
 
 
-LOOPING_LAUNCHES = {  # what scripts/bce_sweep.py tries besides the default: programs looping over blocks
+LOOPING_LAUNCHES = {  # launches a sweep tried besides the default: programs looping over blocks
     "4xSM-reverse": dict(programs_per_sm=4, reverse=True),
     "6xSM-3-stages": dict(block=2048, num_warps=4, programs_per_sm=6, stages=3),
 }

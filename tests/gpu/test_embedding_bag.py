@@ -193,7 +193,7 @@ def test_triton_radix_sort_gradients(layout, dist, index_dtype):
     check("triton", weight, indices, offsets, bag_ids, PAD, tag=f"triton radix {layout} {dist} {index_dtype}")
 
 
-RADIX_LAUNCHES = {  # the sweep's (scripts/embedding_bag_sweep.py), and 4-bit digits: five passes over 1M rows
+RADIX_LAUNCHES = {  # launches a sweep compared, and 4-bit digits: five passes over 1M rows
     "default": radix_sort.RadixLaunch(),
     "1024-8w": radix_sort.RadixLaunch(num_warps=8),
     "512-4w": radix_sort.RadixLaunch(tile=512),
@@ -245,7 +245,7 @@ TRITON_LAUNCHES = {
 
 @pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
 def test_triton_forward_block_sizes(monkeypatch, launch):
-    """The forward launches scripts/embedding_bag_sweep.py compares (triton.FORWARD), fixed bags of 3 and 20."""
+    """The forward launches a sweep compared (triton.FORWARD), fixed bags of 3 and 20."""
     monkeypatch.setattr(triton_kernels, "FORWARD", launch)
     weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
     for bag_len in (3, 20):

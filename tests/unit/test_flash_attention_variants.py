@@ -380,7 +380,7 @@ def test_launch_options_pass_a_register_cap_only_where_a_config_sets_one():
     assert fa.launch_options(BwdConfig(32, 128, 4, 3)) == dict(num_warps=4, num_stages=3)
     assert fa.launch_options(FwdConfig(64, 64, 4, 2, maxnreg=80)) == dict(num_warps=4, num_stages=2, maxnreg=80)
     capped = [(kind, d) for kind, entries in fa.CONFIGS_16BIT.items() for d, cfg in entries.items() if cfg.maxnreg]
-    assert capped == [("dkdv", 32), ("dkdv_causal", 32)]  # the head-dim-32 dk/dv entries (session 29 sweep)
+    assert capped == [("dkdv", 32), ("dkdv_causal", 32)]  # the head-dim-32 dk/dv entries
 
 
 def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):

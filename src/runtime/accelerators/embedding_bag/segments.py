@@ -15,7 +15,7 @@ Nothing here synchronises with the host except `sparse_ranks`, which must learn 
 distinct rows to size the sparse gradient (torch's own sparse backward syncs there too).
 
 The sort and the dense gradient's [num_embeddings, dim] zero fill run one after the other on the current
-stream: running them concurrently on two streams gained nothing on an H100 (within 1%, session 14 sweep).
+stream: running them concurrently on two streams gained nothing on an H100 (within 1%).
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ from .reference import INDEX_ERROR, index_error
 from .segments import Segments, bag_layout, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
 # sorted entries per program of the gradient's first pass: more, smaller programs hide its latency better. H100,
-# session 23 (scripts/embedding_bag_sweep.py chunk), forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
+# forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
 # (uniform / Zipf) against 32 0.1349 / 0.1370 and 64 0.1469 / 0.1471; within 2% at 1Mx64 Zipf.
 CHUNK = 16
 # chunk partials summed, and chunk ends searched, at once in the second pass: a hot (Zipf) row's segment spans
-# hundreds of chunks. Session 23, with CHUNK 16 (scripts/embedding_bag_sweep.py block_j), 1Mx128 bag 4 Zipf: 32
+# hundreds of chunks. H100, with CHUNK 16, 1Mx128 bag 4 Zipf: 32
 # 0.1323 ms, 64 0.1309, 128 0.1289; bag 8 Zipf 0.1658 / 0.1634 / 0.1587; uniform tables up to 1% slower with 128.
 BLOCK_J = 128
 # The weight gradient sorts its keys with radix_sort.py where they fit (radix_sort.fits), else with torch.sort
@@ -244,7 +244,7 @@ def _combine_kernel(
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """How the forward kernel is launched; FORWARD is a module global that scripts/embedding_bag_sweep.py replaces."""
+    """How the forward kernel is launched (FORWARD: the launch the op takes)."""
 
     block_b: int = 0  # bags per program; 0: about 2K [bags, columns] elements per program, at most 64 bags
     num_warps: int = 4

@@ -22,7 +22,7 @@ Dtypes: bf16 and fp16 run on tensor cores with fp32 accumulation; fp32 inputs ru
 Sequence lengths, heads and strides are runtime arguments (lengths are not specialised), so one
 compiled kernel per (head dim, dtype, causal, key_lengths, dropout) serves every shape.
 
-Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; scripts/fa_sweep.py times them):
+Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]):
 - tma: Q/K/V tiles through Hopper TMA tensor descriptors made in the kernel (one per program and tensor, rows
   ending at Lq / key_lengths[b] so the hardware zero-fills past them). Only on CUDA capability >= 9.0, compiled
   (never under the interpreter unless a test forces it), and where the strides allow (16-byte aligned base and
@@ -38,7 +38,7 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   power of two (48 -> 64 wastes a quarter of the products) but held as two column parts (Triton's blocks are powers
   of two): every [rows, D] tile as [rows, D_LO] and [rows, D_HI] tiles, Q K^T as two dots into one accumulator, P V
   into two. It loads through pointers whatever tma says: with two descriptors per tensor (blocks of D_LO and D_HI
-  columns) the split forward took 14-25% longer on an H100 (session 27: four loads, each with its barrier, per key
+  columns) the split forward took 14-25% longer on an H100 (four loads, each with its barrier, per key
   block). The dk/dv and dq kernels split the same way (BwdConfig.split_d, pointer loads): Q K^T and dO V^T as two
   dots into one result, dV += P^T dO, dK += dS^T Q and dQ += dS K as two dots into two accumulators, and the dq
   kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) stays
@@ -48,7 +48,7 @@ The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and he
 (so head dim 48 splits there, and the forward entry's tma serves head dim 64 only).
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"] and, for causal attention, ["dkdv_causal"] /
-["dq_causal"]; `scripts/fa_sweep.py bwd` times them):
+["dq_causal"]):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
   its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V.
   Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv kernel's K/V at Lk, the dq kernel's at
@@ -124,34 +124,34 @@ class BwdConfig(NamedTuple):
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
 # head dim 64 shares the 48 column (both pad to 64). Each kernel but the fused one has a table for causal attention
 # apart.
-# The forward's TMA entries come from scripts/fa_sweep.py on an H100 (session 14, bf16, GPU time), same tiles
+# The forward's TMA entries come from a sweep on an H100 (bf16, GPU time), same tiles
 # as the pointer entries they replace: "fwd"[128] 1.136 -> 0.983 ms at (4,16,4096,128) (cuDNN 0.865),
 # "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
 # (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
 # (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
-# The backward's TMA variants (scripts/fa_sweep.py bwd, session 15, H100, forward+backward ms) won only for dk/dv at
+# The backward's TMA variants (H100, forward+backward ms) won only for dk/dv at
 # head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
 # 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
-# Session 23 (H100, forward+backward ms at (4,16,4096,128), sweep of branch fa-large-bwd): dk/dv at head dim 128
+# H100, forward+backward ms at (4,16,4096,128): dk/dv at head dim 128
 # with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
 # tiles; 0.74x cuDNN), causal 2.755 against 2.799.
-# Causal heavy-first sections (scripts/fa_order_sweep.py, session 26, H100, bf16; the same section in the forward,
+# Causal heavy-first sections (H100, bf16; the same section in the forward,
 # dk/dv and dq entries; forward / forward+backward ms, launch order -> chosen section): 4x16x4096x128 0.593 / 2.837 ->
 # 0.564 / 2.717 at 4 (per-pair heavy-first, the old forward entry: 0.590 / 2.824; 8 and 16 in between);
 # 64x4x2048x48 0.417 / 1.752 -> 0.409 / 1.700 at 16; 128x8x1024x32 and 256x4x256x16 fastest in launch order
 # (1.331 against 1.370-1.377, 0.136 against 0.138), so head dims 16 and 32 keep it.
-# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (scripts/fa_sweep.py fwd --only 64x4x2048x48,
-# session 27, H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
+# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (64x4x2048x48,
+# H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
 # against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
-# The backward at head dim 64's entries (scripts/fa_sweep.py bwd --only 64x4x2048x48, session 28, H100, forward +
+# The backward at head dim 64's entries (64x4x2048x48, H100, forward +
 # backward ms, causal / non-causal, cuDNN 1.376 / 2.245): dq split 1.570 / 2.894 against padded 1.608 / 2.976, so
 # the dq entry splits. The dk/dv kernel split did worse than padded with lse and delta through descriptors too:
 # 1.582 / 2.895 against 1.542 / 2.608 (the padded TMA entry it had: 1.651 / 2.793; split tiles that do not spill,
 # 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
 # either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split). The entry's
-# heavy_first=16 sections: 1.503 ms causal against 1.537 without (second sweep, on d278999).
-# The dk/dv and dq tables split by causality since session 29. Head dim 32 (scripts/fa_sweep.py bwd --only
-# 128x8x1024x32, session 29, H100, forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
+# heavy_first=16 sections: 1.503 ms causal against 1.537 without (a second sweep).
+# The dk/dv and dq tables split by causality. Head dim 32 (128x8x1024x32, H100,
+# forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
 # with lse and delta through descriptors takes 217 registers (two programs of 4 warps per SM); capped at 168
 # (maxnreg: three programs, 6-12 spilled bytes) it took 1.877 / 1.301 against 1.939 uncapped / 1.331 for the pointer
 # entry causal had (128 registers: 2.883, 60 bytes spilled). The causal dq entry 64x32 took 1.312 against 128x32's
@@ -212,7 +212,7 @@ CONFIGS_FP32 = {
     "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
 FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
-# Padded head dims where use_fused may pick the fused backward. Sweep (scripts/fa_sweep.py bwd, session 16, H100,
+# Padded head dims where use_fused may pick the fused backward. Sweep (H100,
 # forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
 # 0.124 / 0.169; 128x4x128x128 causal 0.132 / 0.170. Not 32: 256x4x256x32 0.228 / 0.202 (dq added with atomics
 # over two key blocks: 0.217 / 0.202, causal 0.193 / 0.192). Longer keys (atomics): 128x8x1024x32 causal 1.407 /
@@ -1143,8 +1143,8 @@ def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tm
     """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta (contiguous
     [B, H, Lq] fp32, as both paths take them) through 1-D descriptors too: the config asks for it (lse_delta_tma) and
     every (b, h) row is 16-byte aligned (Lq % 4 == 0); else pointer loads. Query blocks of fewer than 32 rows take
-    pointers too: with 16 (64-byte boxes) the kernel faulted on a misaligned address on an H100 (session 29, Triton
-    3.6, head dim 32)."""
+    pointers too: with 16 (64-byte boxes) the kernel faulted on a misaligned address on an H100 (Triton 3.6,
+    head dim 32)."""
     if not (cfg.lse_delta_tma and tma) or cfg.block_m < 32:
         return False
     return lse.shape[-1] % 4 == 0 and all(x.data_ptr() % 16 == 0 for x in (lse, delta))

@@ -490,7 +490,7 @@ def _chunk_state_kernel(
     r = tl.arange(0, BT_)
     # Triton pipelines the tile loads (cp.async, num_stages - 1 chunks ahead) but not this scalar: it is loaded one
     # chunk ahead by hand, raw (e^ where it is used, after the products). Loading u and k's factors ahead by hand
-    # as well kept Triton from pipelining them (sm_90 SASS, session 20)
+    # as well kept Triton from pipelining them (sm_90 SASS)
     last = _chunk_last(gamma_in, bos, bos, eos, i_hv, HV)
     for start in range(bos, eos, BT_):
         next_last = _chunk_last(gamma_in, start + BT_, bos, eos, i_hv, HV)
@@ -551,8 +551,8 @@ def _state_stages(q: torch.Tensor, K: int, programs: int | None) -> int:
     """Pipeline stages of a walk's chunk loop; `programs`: the grid's size where more stages may pay (None: never)."""
     if q.dtype == torch.float32:  # fp32 at K=128 with 2 stages would need ~165 KB of shared memory
         return 1 if K == 128 else 2
-    # A grid of at most one program per SM loses no occupancy to the deeper pipeline's shared memory. H100, session
-    # 21, forward + backward: packed 32768 (128 programs) 11.63 -> 10.95 ms with 4 stages; B4-T4096-H16-D128 (256
+    # A grid of at most one program per SM loses no occupancy to the deeper pipeline's shared memory. H100, forward
+    # + backward: packed 32768 (128 programs) 11.63 -> 10.95 ms with 4 stages; B4-T4096-H16-D128 (256
     # programs, two a SM at 2 stages) 2.316 -> 2.373 with 4.
     return 4 if programs is not None and programs <= sm_count(q.device) else 2
 
@@ -751,7 +751,7 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
     HV, V = v_shape[2], v_shape[3]
     o = buffers.empty(v_shape, dtype=q.dtype, device=q.device)
     # with bf16 products the whole value width fits one program (Q K^T once per chunk): 3.642 -> 3.560 ms forward +
-    # backward at B4-T4096-H16-D128 (H100, scripts/gdr_sweep.py large output, session 16)
+    # backward at B4-T4096-H16-D128 (H100)
     options = dict(BV=min(V, 128 if _half_dots(q) else 64), num_warps=4)
     if chunks.total > 0:
         _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](

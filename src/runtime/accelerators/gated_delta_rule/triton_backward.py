@@ -158,7 +158,7 @@ def _state_grad_kernel(
     (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). dS stays fp32 in
     registers (HALF: the products on bf16 operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
     two [BK, BV] tiles: products of 64 state rows, as fla's reverse walk takes them (a [128, 32] tile made illegal
-    memory accesses with Triton 3.6 on the H100, session 20)."""
+    memory accesses with Triton 3.6 on the H100)."""
     tl.static_assert(K <= 2 * BK)  # at most two row tiles
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -226,7 +226,7 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
             HALF=half,
-            # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100, scripts/gdr_sweep.py)
+            # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100)
             **dict(BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
         )  # fmt: skip
     return q_factor, k_factor
@@ -235,11 +235,11 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
 def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.device) -> tuple[int, int, int]:
     """(BV, warps, stages) of _state_grad_kernel for `walks` sequences x value heads, from H100 timings (Triton 3.6,
     bf16) and sm_90 compiles. Half inputs:
-    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Session 21,
-      forward + backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
+    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Forward +
+      backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
       (256) 2.251 -> 2.351, so BV 64 there; 2 stages 2.312 and 10.92 at BV 64; 8 warps slower. BV 32 runs since
-      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (session 20: illegal accesses, or
-      results off by 3.4e-3; session 21: tests/gpu's K128-V32 case). A block wider than V is masked.
+      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (illegal accesses, or
+      results off by 3.4e-3; tests/gpu's K128-V32 case). A block wider than V is masked.
     - K = 64 BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at
       B256-T256-H4).
     fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
@@ -599,8 +599,8 @@ def _grad_launch(K: int, V: int) -> dict:
 
 
 def _grad_qk_state_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from scripts/gdr_sweep.py qk_state (H100,
-    session 19, forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
+    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from H100 timings
+    (forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
     against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread,
     and it still spills about 200-280 B a thread at sm_90, Triton 3.6); at K = 16 2 warps, 1 stage (B256-T256-H4-D16
     0.555 against 0.605 with 4 warps); 8 warps at K = 64 (spilling about 300-350 B a thread, 550 with 4; K = 32 and 64
@@ -613,10 +613,10 @@ def _grad_qk_state_launch(K: int, V: int) -> dict:
 
 def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
     """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): v in blocks of 64 (32 with IEEE dots, which
-    run on the FMA units in registers), 4 warps and 2 stages, the fastest in the session-15 sweep at K = 16 and 128
+    run on the FMA units in registers), 4 warps and 2 stages, the fastest in a sweep at K = 16 and 128
     (at K = 128: 3.767 ms against 4.256 with 8 warps); k in blocks of 16 columns (the fewest registers), but of 64
-    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (helper-46's comparison
-    with fla's WY backward). H100, session 21, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
+    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (as fla's WY backward
+    takes them). H100, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
     2.119; BK 64 with 3 stages 2.125; BV 32 made an illegal memory access)."""
     BV = min(V, 32 if precision == "ieee" else 64)
     BK = 64 if K == 128 and precision != "ieee" else min(K, 16)
