@@ -7,18 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.accelerators import gated_delta_rule as gdr_ops
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from runtime.accelerators import gated_delta_rule as gdr_ops
+from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, varlen
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.gated_delta_rule.reference import (
-    chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from runtime.accelerators.gated_delta_rule import varlen
 from runtime.accelerators.gated_delta_rule.varlen import chunk_table, piece_bounds
 from runtime.accelerators.testing import assert_close, differentiable
 
@@ -578,12 +577,12 @@ def test_the_occupancy_rule_splits_only_few_long_walks():
         return gdr_triton.Chunks(n, per_sequence, n * per_sequence, per_sequence, None, None, None)
 
     sms = 132  # an H100
-    assert gdr_triton.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
-    assert gdr_triton.split_length(chunks(1, 64), programs=2, sms=sms) == 4
-    assert gdr_triton.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
-    assert gdr_triton.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
-    assert gdr_triton.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
-    assert gdr_triton.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
+    assert gdr_shared.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
+    assert gdr_shared.split_length(chunks(1, 64), programs=2, sms=sms) == 4
+    assert gdr_shared.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
+    assert gdr_shared.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
+    assert gdr_shared.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
+    assert gdr_shared.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
 
 
 # --------------------------------------------------------------------------- dispatch reasons

@@ -42,9 +42,10 @@ from runtime.accelerators.embedding_bag import radix_sort
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
-from runtime.accelerators.testing import differentiable
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
+from runtime.accelerators.testing import differentiable
 from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
@@ -341,7 +342,7 @@ def gated_delta_rule_one_wave():
     """gated_delta_rule as on a GPU of 132 SMs (sm_count is 0 on the CPU): the launches of grids of at most one
     program per SM, the forward walk's 4 stages and the reverse walk's BV 32 at K = 128."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gdr_triton, "sm_count", lambda device: 132)
+        patch.setattr(gdr_shared, "sm_count", lambda device: 132)
         patch.setattr(gdr_backward, "sm_count", lambda device: 132)
         gated_delta_rule()
 

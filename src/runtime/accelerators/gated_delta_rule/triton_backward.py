@@ -1,4 +1,4 @@
-"""The chunked gated delta rule's backward in Triton (the forward and the helpers shared with it: triton.py)."""
+"""The chunked gated delta rule's backward in Triton (the forward: triton.py; what both use: triton_shared.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,28 @@ from .. import buffers
 from ..backends import sm_count
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
-from .triton import (
-    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_last, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot,
-    _half_dots, _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand_columns,
-    DEFAULT_TUNING, Tuning, walk_states,
+from .triton_shared import (
+    BT_,
+    DEFAULT_TUNING,
+    L2NORM_EPS,
+    Chunks,
+    Segments,
+    Tuning,
+    _as_operand,
+    _bounds,
+    _chunk_last,
+    _chunk_rows,
+    _combine,
+    _contiguous,
+    _first_chunk,
+    _half_dot,
+    _load_qk,
+    _precision,
+    _state_buffer,
+    _storage_dot,
+    _to_half,
+    _walk_operand_columns,
+    walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
