@@ -38,8 +38,16 @@ import torch.nn.functional as F
 
 import runtime.accelerators as accelerators
 from runtime.accelerators import (
-    backends, binary_cross_entropy_with_logits, chunk_gated_delta_rule, dropout_add, embedding_bag_mean, flash_attention,
-    layer_norm, rms_norm, swiglu, triton_launch,
+    backends,
+    binary_cross_entropy_with_logits,
+    chunk_gated_delta_rule,
+    dropout_add,
+    embedding_bag_mean,
+    flash_attention,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    triton_launch,
 )  # fmt: skip
 
 

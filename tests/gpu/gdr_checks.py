@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from runtime.accelerators.testing import assert_close, differentiable
 
 FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}

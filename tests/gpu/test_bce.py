@@ -17,7 +17,9 @@ DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
 def _tilelang_kernels_compiled_in_parallel():
     """The TileLang kernels these tests use, compiled up front in parallel (lazily, one by one, they take
     a few seconds each). Names: logits, targets, weight, pos_weight, loss-or-gradient dtypes, modes, flags."""
-    from runtime.accelerators.bce import ABSENT as A, BROADCAST as B, FULL as F
+    from runtime.accelerators.bce import ABSENT as A
+    from runtime.accelerators.bce import BROADCAST as B
+    from runtime.accelerators.bce import FULL as F
     from runtime.accelerators.bce import tilelang as kernels
     from runtime.accelerators.tilelang_common import precompile
 

@@ -9,7 +9,6 @@ from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from runtime.accelerators.testing import assert_close
 
-
 # --------------------------------------------------------------------------- context-parallel split (triton)
 
 # few (sequence, value head, V block) walking programs for the SMs: the occupancy rule cuts these into segments.

@@ -7,18 +7,23 @@ import pytest
 import torch
 
 from gdr_checks import (
-    BOUND, CASES, GRAD_BOUND, call, case_options, check_chunked_forward_and_every_gradient,
-    check_forward_matches_the_float64_recurrence, make_inputs, triton_chunk,
+    BOUND,
+    CASES,
+    GRAD_BOUND,
+    call,
+    case_options,
+    check_chunked_forward_and_every_gradient,
+    check_forward_matches_the_float64_recurrence,
+    make_inputs,
+    triton_chunk,
 )  # fmt: skip
-
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from runtime.accelerators.gated_delta_rule.triton import Tuning
 from runtime.accelerators.gated_delta_rule import varlen as gdr_varlen
 from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
+from runtime.accelerators.gated_delta_rule.triton import Tuning
 from runtime.accelerators.testing import assert_close
-
 
 # --------------------------------------------------------------------------- tilelang
 

@@ -10,7 +10,6 @@ from hydra.utils import instantiate
 
 from runtime.accelerators import OP_NAMES, AcceleratorConfig, use_accelerators
 from runtime.accelerators.backends import BACKENDS, FALLBACKS
-from runtime.models import PCVRBatch
 from runtime.training.config import BackendName, OpName, accelerator_config, config_dir
 from runtime.training.synthetic import SyntheticPCVR
 

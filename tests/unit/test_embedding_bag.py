@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 import runtime
 import runtime.accelerators as acc
+from conftest import SM90A, requires_nvcc
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-
-from conftest import SM90A, requires_nvcc
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 

@@ -10,7 +10,6 @@ from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.radix_sort import RadixLaunch
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-
 from test_embedding_bag import check, hot_indices, mean_bags64, table
 
 

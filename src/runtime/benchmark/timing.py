@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,14 +22,13 @@ recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p 
 import math
 from dataclasses import dataclass
 
-import torch
-
 import tilelang
 import tilelang.language as T
+import torch
 
 from .. import buffers
-from . import dropout
 from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
+from . import dropout
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
