@@ -1,13 +1,17 @@
 """What the gated delta rule GPU tests share (test_gated_delta_rule*.py, split in four files so that the GPU tier
 runs them side by side): the cases, the float64 recurrence as reference, and the two checks made per case."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from runtime.accelerators.gated_delta_rule import triton as gdr_triton
+from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
-from runtime.accelerators.testing import assert_close
+from runtime.accelerators.testing import assert_close, differentiable
 
 FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 5e-3}
@@ -39,6 +43,21 @@ def call(function, inputs, backend, **options):
     return function(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options)
 
 
+def triton_chunk(inputs, tuning, scale=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The Triton chunked kernels forward and backward with these variants (gdr_triton.Tuning), without the op's
+    dispatch: (o, final state or None)."""
+    run = differentiable(
+        functools.partial(gdr_triton.chunk_forward, tuning=tuning),
+        functools.partial(gdr_backward.chunk_backward, tuning=tuning), 2,
+    )  # fmt: skip
+    x = inputs
+    scale = float(x["q"].shape[-1] ** -0.5 if scale is None else scale)
+    cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+    o, final = run(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"), output_final_state,
+                   use_qk_l2norm_in_kernel, cu)  # fmt: skip
+    return o, (final if output_final_state else None)
+
+
 def reference(inputs, **options):
     x = {name: t.detach().double() for name, t in inputs.items()}
     return recurrent_gated_delta_rule_reference(
@@ -55,7 +74,7 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
     "T1000-K64-V32-fp16-GVA": (1, 1000, 1, 4, 64, 32, torch.float16, False, dict(use_qk_l2norm_in_kernel=True)),
     "T37-K32-V128-bf16-GVA-scale": (3, 37, 2, 6, 32, 128, torch.bfloat16, True, dict(scale=0.3, output_final_state=True)),
     # the Triton reverse walk at K = 128 with V < 32: a 32-wide V block with its columns past V masked (with V = 32
-    # this case made an illegal memory access in session 21 while the walk held its state as one [128, 32] tile)
+    # this case made an illegal memory access while the walk held its state as one [128, 32] tile)
     "T300-K128-V16-bf16-l2norm-state": (1, 300, 2, 2, 128, 16, torch.bfloat16, True,
                                         dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
     # fp32 at K = 128: the walks' IEEE launches (BV 32, 8 warps, 1 stage), covered by no other case
@@ -91,13 +110,18 @@ def check_forward_matches_the_float64_recurrence(function, name, backend):
         assert_close("final_state", final, final_ref, BOUND[dtype])
 
 
-def check_chunked_forward_and_every_gradient(name, backend):
-    """o, the final state and every gradient (the final state's gradient flowing back too) vs the float64 recurrence."""
+def check_chunked_forward_and_every_gradient(name, backend, tuning=None):
+    """o, the final state and every gradient (the final state's gradient flowing back too) vs the float64 recurrence;
+    with tuning (a gdr_triton.Tuning), the Triton kernels with those variants."""
     (B, T, H, HV, K, V, dtype, state, sequences), options = case_options(name)
     inputs = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, HV, K, V, dtype, state, sequences).items()}
     twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
-    with use_accelerators(fallback="error"):
-        o, final = call(chunk_gated_delta_rule, inputs, backend, **options)
+    if tuning is not None:
+        assert backend == "triton", "tuning: the Triton kernels' variants"
+        o, final = triton_chunk(inputs, tuning, **options)
+    else:
+        with use_accelerators(fallback="error"):
+            o, final = call(chunk_gated_delta_rule, inputs, backend, **options)
     o_ref, final_ref = recurrent_gated_delta_rule_reference(
         twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], options.get("scale"), twin.get("initial_state"),
         options.get("output_final_state", False), options.get("use_qk_l2norm_in_kernel", False), options.get("cu_seqlens"),

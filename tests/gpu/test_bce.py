@@ -17,7 +17,9 @@ DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
 def _tilelang_kernels_compiled_in_parallel():
     """The TileLang kernels these tests use, compiled up front in parallel (lazily, one by one, they take
     a few seconds each). Names: logits, targets, weight, pos_weight, loss-or-gradient dtypes, modes, flags."""
-    from runtime.accelerators.bce import ABSENT as A, BROADCAST as B, FULL as F
+    from runtime.accelerators.bce import ABSENT as A
+    from runtime.accelerators.bce import BROADCAST as B
+    from runtime.accelerators.bce import FULL as F
     from runtime.accelerators.bce import tilelang as kernels
     from runtime.accelerators.tilelang_common import precompile
 
@@ -139,7 +141,7 @@ def test_reductions_are_bitwise_deterministic(backend, reduction):
             assert torch.equal(g, g0)
 
 
-LOOPING_LAUNCHES = {  # what scripts/bce_sweep.py tries besides the default: programs looping over blocks
+LOOPING_LAUNCHES = {  # launches a sweep tried besides the default: programs looping over blocks
     "4xSM-reverse": dict(programs_per_sm=4, reverse=True),
     "6xSM-3-stages": dict(block=2048, num_warps=4, programs_per_sm=6, stages=3),
 }

@@ -175,15 +175,14 @@ def test_forward_and_backward_capture_in_a_cuda_graph(backend):
     assert_close(f"{backend} graph grad", grad, grad64, gradient_tolerance(f16))
 
 
-# --------------------------------------------------------------------------- the Triton radix sort (SORT="radix")
+# --------------------------------------------------------------------------- the Triton radix sort
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
 @pytest.mark.parametrize("layout", ["2d", "offsets"])
-def test_triton_radix_sort_gradients(monkeypatch, layout, dist, index_dtype):
+def test_triton_radix_sort_gradients(layout, dist, index_dtype):
     """Dense and sparse gradients with the radix sort behind them (1000 rows: one 10-bit pass; 4000: two 6-bit passes)."""
-    monkeypatch.setattr(triton_kernels, "SORT", "radix")
     num_bags, rows = (1500, 4000) if dist == "zipf" else (63, 1000)
     weight = torch.randn(rows, 64, device="cuda").to(bf16).requires_grad_()
     indices, offsets, bag_ids = make_bags(layout, num_bags, rows, dist, padding=True)
@@ -194,7 +193,7 @@ def test_triton_radix_sort_gradients(monkeypatch, layout, dist, index_dtype):
     check("triton", weight, indices, offsets, bag_ids, PAD, tag=f"triton radix {layout} {dist} {index_dtype}")
 
 
-RADIX_LAUNCHES = {  # the sweep's (scripts/embedding_bag_sweep.py), and 4-bit digits: five passes over 1M rows
+RADIX_LAUNCHES = {  # launches a sweep compared, and 4-bit digits: five passes over 1M rows
     "default": radix_sort.RadixLaunch(),
     "1024-8w": radix_sort.RadixLaunch(num_warps=8),
     "512-4w": radix_sort.RadixLaunch(tile=512),
@@ -221,9 +220,8 @@ def test_radix_sort_equals_stable_torch_sort(launch):
             assert torch.equal(keys, segments.sort_segments(flat, rows).keys)
 
 
-def test_radix_sort_backward_captures_in_a_cuda_graph(monkeypatch):
-    """SORT="radix" has no host sync: captured, then replayed with new indices."""
-    monkeypatch.setattr(triton_kernels, "SORT", "radix")
+def test_radix_sort_backward_captures_in_a_cuda_graph():
+    """The radix sort has no host sync: captured, then replayed with new indices."""
     test_forward_and_backward_capture_in_a_cuda_graph("triton")
 
 
@@ -231,8 +229,8 @@ def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch):
     weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
     indices, _, _ = make_bags("2d", 4000, 4000, "zipf", padding=True, bag_len=8)
     grads = {}
-    for sort in triton_kernels.SORTS:
-        monkeypatch.setattr(triton_kernels, "SORT", sort)
+    for sort, launch in (("torch", radix_sort.RadixLaunch(max_counts=0)), ("radix", radix_sort.RadixLaunch())):
+        monkeypatch.setattr(radix_sort, "RADIX", launch)  # max_counts=0: the radix sort never fits, torch.sort runs
         out = embedding_bag_mean(weight, indices, padding_idx=PAD, backend="triton")
         (grads[sort],) = torch.autograd.grad(out, weight, torch.ones_like(out))
     assert torch.equal(grads["torch"], grads["radix"])
@@ -247,7 +245,7 @@ TRITON_LAUNCHES = {
 
 @pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
 def test_triton_forward_block_sizes(monkeypatch, launch):
-    """The forward launches scripts/embedding_bag_sweep.py compares (triton.FORWARD), fixed bags of 3 and 20."""
+    """The forward launches a sweep compared (triton.FORWARD), fixed bags of 3 and 20."""
     monkeypatch.setattr(triton_kernels, "FORWARD", launch)
     weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
     for bag_len in (3, 20):

@@ -59,7 +59,7 @@ CASES = [
     (1, 4, 2, 200, 1000, 128, True, False, bf16, "blhd"),
     (3, 4, 4, 300, 130, 128, False, True, f16, "bhld"),
     # the tokenformer model's attention (batch 256, 257 tokens, 4 heads of 16, causal + key_lengths, bf16 views):
-    # its TileLang backward gave non-finite gradients in a training run of stop 10 (docs/benchmark/training.md)
+    # its TileLang backward gave non-finite gradients in a training run (docs/benchmark/training.md)
     (256, 4, 4, 257, 257, 16, True, True, bf16, "blhd"),
 ]
 DROPOUT_SPEC = (64, bf16, False, False, True)

@@ -261,21 +261,15 @@ BWD_IDS = [
 ]  # fmt: skip
 
 
-def backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma, delta_in_dq=False):
-    """(dq, dk, dv) of the dk/dv and dq kernels at these configs; delta_in_dq: no preprocess, the dq kernel writes
-    delta and the dk/dv kernel reads it after (as triton.DELTA_IN_DQ)."""
+def backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, tma):
+    """(dq, dk, dv) of the dq and dk/dv kernels at these configs: the dq kernel writes delta, the dk/dv kernel reads it
+    after (as backward's split kind)."""
     args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, 0.0, 0)
     o, lse = fa.forward(*args)
-    if delta_in_dq:
-        delta = torch.full(q.shape[:3], float("nan"), device=CUDA)
-        with poison_outputs():
-            dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=dq_cfg, tma=tma)
-            dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=dkdv_cfg, tma=tma)
-        return dq, dk, dv
-    delta = fa.backward_preprocess(o, do)
+    delta = torch.full(q.shape[:3], float("nan"), device=CUDA)
     with poison_outputs():
+        dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=dq_cfg, tma=tma)
         dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=dkdv_cfg, tma=tma)
-        dq = fa.backward_dq(do, *args, lse, delta, cfg=dq_cfg, tma=tma)
     return dq, dk, dv
 
 
@@ -340,11 +334,10 @@ SPLIT_BWD_IDS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("delta_in_dq", [True, False], ids=["delta-in-dq", "preprocess"])
 @pytest.mark.parametrize("case", SPLIT_BWD_CASES, ids=SPLIT_BWD_IDS)
-def test_split_backward(case, delta_in_dq):
+def test_split_backward(case):
     """The dk/dv and dq kernels holding the head dim as two column parts (BwdConfig.split_d), forced, delta written by
-    the dq kernel or by the preprocess: every gradient within the dtype's bound of float64, and the padded kernels'
+    the dq kernel: every gradient within the dtype's bound of float64, and the padded kernels'
     at the same tiles (their dots add zero columns, in another order)."""
     b, h, hkv, lq, lk, d, causal, lengths, dtype, layout, dkdv_cfg, dq_cfg = case
     q, k, v = make(b, h, hkv, lq, lk, d, dtype, layout)
@@ -353,9 +346,9 @@ def test_split_backward(case, delta_in_dq):
     for kind, cfg in (("dkdv", dkdv_cfg), ("dq", dq_cfg)):
         variant = fa.backward_variant(kind, q, k, v, do, cfg)[1]
         assert variant["D_HI"] == fa.split_head_dim(d)[1] > 0 and not variant["TMA"]
-    grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, None, delta_in_dq)
+    grads = backward_grads(do, q, k, v, key_lengths, causal, dkdv_cfg, dq_cfg, None)
     padded_cfgs = (dkdv_cfg._replace(split_d=False), dq_cfg._replace(split_d=False))
-    padded = backward_grads(do, q, k, v, key_lengths, causal, *padded_cfgs, None, delta_in_dq)
+    padded = backward_grads(do, q, k, v, key_lengths, causal, *padded_cfgs, None)
     expected = reference_grads(do, q, k, v, key_lengths, causal)
     for name, g, g_ref, g_pad in zip(("dq", "dk", "dv"), grads, expected, padded):
         assert_close(name, g, g_ref, gradient_tolerance(dtype))
@@ -468,7 +461,8 @@ def test_unaligned_lse_and_delta_take_pointer_loads(lse_delta_taken):
     do = torch.randn_like(q)
     args = (q, k, v, None, True, 128**-0.5, 0.0, 0)
     o, lse = fa.forward(*args)
-    delta = fa.backward_preprocess(o, do)
+    delta = torch.empty(q.shape[:3], device=CUDA)
+    fa.backward_dq(do, *args, lse, delta, o=o)  # writes delta
     shifted = torch.empty(delta.numel() + 1, device=CUDA)[1:].view(delta.shape).copy_(delta)  # 4-byte aligned
     with poison_outputs():
         expected = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg)
@@ -520,20 +514,18 @@ def test_the_public_op_takes_the_fused_backward_at_pcvr_shapes():
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
 
 
-@pytest.mark.parametrize("delta_in_dq", [True, False], ids=["delta-in-dq", "preprocess"])
+@pytest.mark.parametrize("kind", ["split", "fused"])
 @pytest.mark.parametrize("case", BWD_CASES[:4], ids=BWD_IDS[:4])
-def test_delta_in_dq_backward(case, delta_in_dq, monkeypatch):
-    """The split backward both ways (triton.DELTA_IN_DQ): the dq kernel writes delta (no preprocess launch; the
-    default) and the dk/dv kernel runs after it, or the preprocess kernel writes it first; with the tables' tiles and
-    loads: every gradient within the bf16 bound of float64."""
+def test_backward_kinds(case, kind):
+    """backward's kind forced: "split" (the dq kernel writes delta, the dk/dv kernel runs after it) or "fused" (one
+    kernel; dq added with atomics where the keys span several blocks), with the tables' tiles and loads: every
+    gradient within the bf16 bound of float64."""
     b, h, hkv, lq, lk, d, causal, lengths, layout, _, _ = case
-    monkeypatch.setattr(fa, "BACKWARD", "split")
-    monkeypatch.setattr(fa, "DELTA_IN_DQ", delta_in_dq)
     q, k, v = make(b, h, hkv, lq, lk, d, torch.bfloat16, layout)
     do = torch.randn_like(q)
     key_lengths = lengths_for(b, lk) if lengths else None
     args = (q, k, v, key_lengths, causal, d**-0.5, 0.0, 0)
     with poison_outputs():
-        grads = fa.backward(do, *args, *fa.forward(*args))[:3]
+        grads = fa.backward(do, *args, *fa.forward(*args), kind=kind)[:3]
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, key_lengths, causal)):
         assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))

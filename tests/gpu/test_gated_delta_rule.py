@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from gdr_checks import (
-    CASES, call, check_chunked_forward_and_every_gradient, check_forward_matches_the_float64_recurrence,
-    make_inputs, reference,
+    CASES,
+    call,
+    check_chunked_forward_and_every_gradient,
+    check_forward_matches_the_float64_recurrence,
+    make_inputs,
+    reference,
 )  # fmt: skip
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import fused_recurrent_gated_delta_rule

@@ -1,19 +1,13 @@
-"""Gated delta rule on the GPU, the Triton kernels' context-parallel split of long sequences (with HALF_BACKWARD on
-and off) against the float64 recurrence with test_gated_delta_rule.py's bounds, and against the whole-sequence walk."""
-
-import contextlib
+"""Gated delta rule on the GPU, the Triton kernels' context-parallel split of long sequences (with the backward's
+bf16 products on and off) against the float64 recurrence with test_gated_delta_rule.py's bounds, and against the whole-sequence walk."""
 
 import pytest
 import torch
 
-from gdr_checks import BOUND, GRAD_BOUND, call, make_inputs
-from runtime.accelerators import use_accelerators
-from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
+from gdr_checks import BOUND, GRAD_BOUND, make_inputs, triton_chunk
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
-from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from runtime.accelerators.testing import assert_close
-
 
 # --------------------------------------------------------------------------- context-parallel split (triton)
 
@@ -29,24 +23,22 @@ SPLIT_CASES = {  # name: (B, T, H, HV, K, V, dtype, options)
 }  # fmt: skip
 
 
-def _triton_outputs_and_grads(inputs, options, grads_out, segment_chunks=None):
+def _triton_outputs_and_grads(inputs, options, grads_out, half_backward, segment_chunks=None):
     """o, final state and every gradient; segment_chunks=0 forces the whole-sequence walk, None lets the rule decide."""
-    split = contextlib.nullcontext() if segment_chunks is None else gdr_triton.split_sequences(segment_chunks)
-    with split, use_accelerators(fallback="error"):
-        outputs = call(chunk_gated_delta_rule, inputs, "triton", **options)
-        grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
+    tuning = gdr_triton.Tuning(half_backward=half_backward, segment_chunks=segment_chunks)
+    outputs = triton_chunk(inputs, tuning, **options)
+    grads = torch.autograd.grad(outputs, list(inputs.values()), [g.to(o.dtype) for g, o in zip(grads_out, outputs)])
     return [*outputs, *grads]
 
 
-# the split's walks of the backward (segment offsets, then the segments again) with HALF_BACKWARD on as well
+# the split's walks of the backward (segment offsets, then the segments again) with the bf16 products on as well
 SPLIT_RUNS = [(name, False) for name in SPLIT_CASES] + [
     (name, True) for name, case in SPLIT_CASES.items() if case[6] != torch.float32
 ]
 
 
 @pytest.mark.parametrize("name, half_backward", SPLIT_RUNS, ids=[f"{n}-half_backward-{h}" for n, h in SPLIT_RUNS])
-def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk(name, half_backward, monkeypatch):
-    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
+def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_walk(name, half_backward):
     B, T, H, HV, K, V, dtype, options = SPLIT_CASES[name]
     cu = options.get("cu_seqlens")
     sequences = None if cu is None else len(cu) - 1
@@ -61,8 +53,8 @@ def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_wal
     )  # fmt: skip
     grads_out = [torch.randn_like(r) for r in refs]
     ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
-    split = _triton_outputs_and_grads(inputs, options, grads_out)
-    whole = _triton_outputs_and_grads(inputs, options, grads_out, segment_chunks=0)
+    split = _triton_outputs_and_grads(inputs, options, grads_out, half_backward)
+    whole = _triton_outputs_and_grads(inputs, options, grads_out, half_backward, segment_chunks=0)
     labels = ["o", "final_state"] + [f"d{n}" for n in inputs]
     for i, (label, out, out_whole, ref) in enumerate(zip(labels, split, whole, [*refs, *ref_grads])):
         bound = BOUND[dtype] if i < 2 else 2 * BOUND[dtype] if dtype == torch.float32 else GRAD_BOUND[label]

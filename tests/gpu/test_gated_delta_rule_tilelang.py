@@ -7,18 +7,23 @@ import pytest
 import torch
 
 from gdr_checks import (
-    BOUND, CASES, GRAD_BOUND, call, case_options, check_chunked_forward_and_every_gradient,
-    check_forward_matches_the_float64_recurrence, make_inputs,
+    BOUND,
+    CASES,
+    GRAD_BOUND,
+    call,
+    case_options,
+    check_chunked_forward_and_every_gradient,
+    check_forward_matches_the_float64_recurrence,
+    make_inputs,
+    triton_chunk,
 )  # fmt: skip
-
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule import varlen as gdr_varlen
 from runtime.accelerators.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
+from runtime.accelerators.gated_delta_rule.triton import Tuning
 from runtime.accelerators.testing import assert_close
-
 
 # --------------------------------------------------------------------------- tilelang
 
@@ -62,18 +67,18 @@ def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
     [("triton", "single", False), ("triton", "fused", False), ("triton", "single", True), ("triton", "fused", True),
      ("tilelang", None, False)],
 )  # fmt: skip
-def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy, half_backward, monkeypatch):
+def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy, half_backward):
     """g = -5 everywhere, T = 100: rows past the end of the last chunk must not turn exp overflow into NaN (the Triton
-    backward with each variant of its step 5, triton_backward.GRAD_WY, its products on fp32 or bf16 operands)."""
-    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
-    if grad_wy is not None:
-        monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
+    backward with each variant of its step 5, Tuning.grad_wy, its products on fp32 or bf16 operands)."""
     inputs = make_inputs(1, 100, 1, 1, 16, 16, torch.bfloat16)
     inputs["g"] = torch.full_like(inputs["g"], -5.0)
     inputs = {n: t.requires_grad_() for n, t in inputs.items()}
     twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
-    with use_accelerators(fallback="error"):
-        o, _ = call(chunk_gated_delta_rule, inputs, backend)
+    if backend == "triton":
+        o, _ = triton_chunk(inputs, Tuning(grad_wy=grad_wy, half_backward=half_backward))
+    else:
+        with use_accelerators(fallback="error"):
+            o, _ = call(chunk_gated_delta_rule, inputs, backend)
     ref, _ = recurrent_gated_delta_rule_reference(*(twin[n] for n in ("q", "k", "v", "g", "beta")), None, None, False, False, None)
     assert_close("o", o, ref, BOUND[torch.bfloat16])
     grad_out = torch.randn_like(ref)

@@ -12,8 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from runtime.accelerators import (
-    BackendUnavailableError, binary_cross_entropy_with_logits, dropout_add, embedding_bag_mean, flash_attention, l2norm,
-    layer_norm, rms_norm, swiglu, use_accelerators,
+    BackendUnavailableError,
+    binary_cross_entropy_with_logits,
+    dropout_add,
+    embedding_bag_mean,
+    flash_attention,
+    l2norm,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    use_accelerators,
 )  # fmt: skip
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.l2norm.reference import l2norm_reference

@@ -15,16 +15,24 @@ import pytest
 import torch
 
 from runtime.accelerators import (
-    binary_cross_entropy_with_logits, chunk_gated_delta_rule, dropout_add, embedding_bag_mean, flash_attention, l2norm,
-    layer_norm, rms_norm, swiglu, use_accelerators,
+    binary_cross_entropy_with_logits,
+    chunk_gated_delta_rule,
+    dropout_add,
+    embedding_bag_mean,
+    flash_attention,
+    l2norm,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    use_accelerators,
 )  # fmt: skip
-
 from runtime.accelerators.testing import deterministic_algorithms
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from gdr_checks import make_inputs as gdr_inputs  # noqa: E402
-from test_mhc import make_inputs as mhc_inputs, pre_block_post  # noqa: E402
+from test_mhc import make_inputs as mhc_inputs  # noqa: E402
+from test_mhc import pre_block_post
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for (mHC's products)
 BACKENDS = ("triton", "tilelang")

@@ -8,10 +8,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SM90A, requires_nvcc
 
 import runtime.accelerators as acc
-from runtime.accelerators.bce import ABSENT, BROADCAST, FULL, binary_cross_entropy_with_logits as bce, broadcast_layout
+from conftest import SM90A, requires_nvcc
+from runtime.accelerators.bce import ABSENT, BROADCAST, FULL, broadcast_layout
+from runtime.accelerators.bce import binary_cross_entropy_with_logits as bce
 from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.bce.reference import bce_with_logits_reference
 from runtime.accelerators.buffers import poison_outputs

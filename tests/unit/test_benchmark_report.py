@@ -5,6 +5,7 @@ import json
 import pytest
 
 from runtime.benchmark import report
+from runtime.benchmark.comparison import compare
 
 
 def _row(shape, mode, impl, kind, gpu_ms=None, eager_ms=1.0, status="ok"):
@@ -44,7 +45,7 @@ def results():
 
 
 def test_comparisons_pick_the_best_of_ours_and_of_the_peers(results):
-    fwd, fwd_bwd, wide = report.compare(results)
+    fwd, fwd_bwd, wide = compare(results)
     assert (fwd.shape, fwd.mode, fwd.ours, fwd.peers) == ("8192x128", "fwd", ["triton", "tilelang"], ["torch.compile", "liger"])
     assert fwd.best(fwd.ours) == ("tilelang", 0.004) and fwd.best(fwd.peers) == ("torch.compile", 0.008)
     assert fwd.speedup() == pytest.approx(2.0)  # the torch reference's 0.001 counts for neither side

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 import runtime
 import runtime.accelerators as acc
+from conftest import SM90A, requires_nvcc
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-
-from conftest import SM90A, requires_nvcc
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -100,12 +99,14 @@ def test_reference_matches_torch_embedding_bag():
 # --------------------------------------------------------------------------- triton (interpreter)
 
 
-@pytest.mark.parametrize("sparse, fill_beside_sort", [(False, True), (False, False), (True, True)],
-                         ids=["dense", "dense-filled-first", "sparse"])
-def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, fill_beside_sort, monkeypatch):
+@pytest.mark.parametrize("sparse, radix", [(False, True), (False, False), (True, True)],
+                         ids=["dense", "dense-torch-sort-filled-first", "sparse"])
+def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix, monkeypatch):
     """The dense gradient zero-filled in the radix sort's launches (by fill programs of 32 elements here, many a
-    pass) or before the sort (FILL_BESIDE_SORT); poisoned buffers: a row left unfilled fails."""
-    monkeypatch.setattr(triton_kernels, "FILL_BESIDE_SORT", fill_beside_sort)
+    pass) or, where the radix sort does not fit (torch.sort), before the sort; poisoned buffers: a row left unfilled
+    fails."""
+    if not radix:
+        monkeypatch.setattr(radix_sort, "RADIX", radix_sort.RadixLaunch(max_counts=0))
     monkeypatch.setattr(radix_sort, "ZERO_BLOCK", 16)
     monkeypatch.setattr(radix_sort, "ZERO_STEPS", 2)
     indices = hot_indices(20 * 5, 50, hot=7, copies=70).reshape(20, 5)  # 100 entries = 4 chunks of 32

@@ -1,6 +1,6 @@
 """The Triton radix sort of embedding-bag indices (radix_sort.py) under the interpreter: keys and permutation equal to
-torch.sort(stable=True)'s, and the Triton backward with SORT="radix" against float64 and bit for bit against
-SORT="torch". Small digits and tiles make several passes and tiles cheap here."""
+torch.sort(stable=True)'s, and the Triton backward with the radix sort against float64 and bit for bit against its
+torch.sort fallback. Small digits and tiles make several passes and tiles cheap here."""
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
 from runtime.accelerators.embedding_bag import triton as triton_kernels
 from runtime.accelerators.embedding_bag.radix_sort import RadixLaunch
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-
 from test_embedding_bag import check, hot_indices, mean_bags64, table
 
 
@@ -86,13 +85,14 @@ def test_radix_sort_errors():
         radix_sort.sort(torch.zeros(3, dtype=torch.int64), 5, zero=torch.zeros(4, 4).t())
 
 
-# --------------------------------------------------------------------------- the backward with SORT="radix"
+# --------------------------------------------------------------------------- the backward's sorts
+
+NEVER_FITS = RadixLaunch(max_counts=0)  # radix_sort.fits is False for any keys: the backward sorts with torch.sort
 
 
 @pytest.fixture
 def radix(monkeypatch):
-    """SORT="radix" with 3-bit digits and 16-key tiles: two passes over 50 rows, five over 5000."""
-    monkeypatch.setattr(triton_kernels, "SORT", "radix")
+    """The radix sort with 3-bit digits and 16-key tiles: two passes over 50 rows, five over 5000."""
     monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16))
 
 
@@ -114,12 +114,11 @@ def test_radix_backward_offsets_int32_5_passes(radix, sparse):
 def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
     """Either sort's keys give the segment edges (no `first`), the combine kernel its segment's first chunk by a
     backward search (BLOCK_J = 2: several steps for a row over 7 chunks): the same sums in the same order."""
-    monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16))
     monkeypatch.setattr(triton_kernels, "BLOCK_J", 2)
     weight, indices = table(50, 24), hot_indices(60 * 5, 50, hot=30, copies=220).reshape(60, 5)
     grads = {}
-    for sort in ("torch", "radix"):
-        monkeypatch.setattr(triton_kernels, "SORT", sort)
+    for sort, launch in (("torch", NEVER_FITS), ("radix", RadixLaunch(digit_bits=3, tile=16))):
+        monkeypatch.setattr(radix_sort, "RADIX", launch)
         segments = triton_kernels.sort_for_gradient(indices.reshape(-1), 50)
         assert segments.first is None  # no searchsorted launch on either path
         assert segments.perm.dtype == (torch.int32 if sort == "radix" else torch.int64)  # which sort ran
@@ -136,9 +135,10 @@ def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
 def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, sparse):
     """check_indices=False: out-of-range rows count as padding (the radix sort's sentinel sorts them last).
 
-    Not past int32 with SORT="torch": sort_keys casts int64 keys to int32, so that 2**40 becomes row 0 (an
+    Not past int32 with torch.sort (where the radix sort does not fit): sort_keys casts int64 keys to int32, so that 2**40 becomes row 0 (an
     unspecified value, as the API allows unchecked, in bounds); the radix sort reads the int64 keys themselves."""
-    monkeypatch.setattr(triton_kernels, "SORT", sort)
+    if sort == "torch":
+        monkeypatch.setattr(radix_sort, "RADIX", NEVER_FITS)
     flat = _out_of_range(60, 37, past_int32=sort == "radix")
     offsets = torch.arange(0, 60, 4)
     weight = table(37, 16)
@@ -157,14 +157,9 @@ def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, s
 
 
 def test_radix_sort_falls_back_to_torch_sort_past_max_counts(monkeypatch):
-    monkeypatch.setattr(triton_kernels, "SORT", "radix")
     monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16, max_counts=16))  # 2 tiles of 8 buckets
     # the permutation's dtype tells the sorts apart: int32 from the radix sort, int64 from torch.sort
     assert triton_kernels.sort_for_gradient(_random(32, 50), 50).perm.dtype == torch.int32
     assert triton_kernels.sort_for_gradient(_random(33, 50), 50).perm.dtype == torch.int64  # 3 tiles: torch.sort
 
 
-def test_unknown_sort_is_an_error(monkeypatch):
-    monkeypatch.setattr(triton_kernels, "SORT", "cub")
-    with pytest.raises(ValueError, match=r"embedding_bag triton.SORT: expected one of \('torch', 'radix'\), got 'cub'"):
-        triton_kernels.sort_for_gradient(_random(8, 50), 50)

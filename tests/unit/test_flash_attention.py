@@ -6,11 +6,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.accelerators import AcceleratorConfig, BackendFallbackWarning, BackendUnavailableError, explain, use_accelerators
+from runtime.accelerators import (
+    AcceleratorConfig,
+    BackendFallbackWarning,
+    BackendUnavailableError,
+    explain,
+    use_accelerators,
+)
 from runtime.accelerators.flash_attention import SPEC, dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
 from runtime.accelerators.seeds import draw_seed_tensor
-from runtime.accelerators.testing import RTOL, RTOL_ATTENTION_FP32, assert_close, deterministic_algorithms, gradient_tolerance
+from runtime.accelerators.testing import (
+    RTOL,
+    RTOL_ATTENTION_FP32,
+    assert_close,
+    deterministic_algorithms,
+    gradient_tolerance,
+)
 
 
 def make(b, h, hkv, lq, lk, d, dtype=torch.float32, requires_grad=True):
@@ -415,7 +427,7 @@ def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dr
             out = run(q, k, v, key_lengths, dropout_p, 0.3)
             results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
         for name, got, expected in zip(("o", "dq", "dk", "dv"), *results):
-            torch.testing.assert_close(got, expected, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got, expected, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_zero_scale_falls_back_to_the_reference():

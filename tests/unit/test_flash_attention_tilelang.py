@@ -100,7 +100,7 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         assert "wait_wgmma<1>" in source, f"{name}: the softmax should overlap the PV product"
     if name.startswith(("forward", "backward")):
         # every product issued whole per 16-deep step: TileLang splits a warpgroup's share of columns that is not a
-        # multiple of 16 into m64n8k16 pieces (the backward's dq at head dim 48 until session 34)
+        # multiple of 16 into m64n8k16 pieces (as the backward's dq at head dim 48 once did)
         shapes = set(re.findall(r"wgmma_[rs]s<[^>]*kFloat32, (\d+), (\d+), (\d+),", source))
         assert shapes and all(int(n) % 16 == 0 for _, n, _ in shapes), f"{name}: wgmma shapes {sorted(shapes)}"
     # a tile loaded once before the pipelined loop by TMA is waited for only at its first use inside the loop, so

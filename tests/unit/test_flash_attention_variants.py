@@ -246,7 +246,7 @@ def test_split_forward_dropout_and_backward():
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_through_the_public_op(monkeypatch, causal):
     """A forward table entry with split_d serves flash_attention at head dim 48 (padded entry 64), and so does the dq
-    table's entry as shipped (the dq kernel writing delta, DELTA_IN_DQ), the dk/dv entry padded, both reading the split
+    table's entry as shipped (the dq kernel writing delta), the dk/dv entry padded, both reading the split
     forward's lse: float64's gradients (GQA, a key length, a row of no visible key)."""
     kind = "fwd_causal" if causal else "fwd"
     monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
@@ -264,7 +264,6 @@ def test_split_through_the_public_op(monkeypatch, causal):
     assert [variant["D_HI"] for _, variant in taken["backward_variant"]] == [16, 0]  # the dq, then the dk/dv kernel
 
 
-@pytest.mark.parametrize("delta_in_dq", [False, True], ids=["preprocess", "delta-in-dq"])
 @pytest.mark.parametrize(
     "b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg",
     [
@@ -277,9 +276,9 @@ def test_split_through_the_public_op(monkeypatch, causal):
     ids=["causal-gqa-d48-lengths-empty-heavy", "d48-lq<lk", "mqa-d80-lengths", "causal-d96-lq<lk",
          "causal-dropout-mqa-d48"],
 )  # fmt: skip
-def test_split_backward(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg, delta_in_dq):
-    """The dk/dv and dq kernels with the head dim as two column parts (BwdConfig.split_d), delta from the preprocess or
-    written by the dq kernel: float64's gradients, and the padded kernels' (to fp16 rounding: their dots add zero
+def test_split_backward(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg):
+    """The dk/dv and dq kernels with the head dim as two column parts (BwdConfig.split_d), delta written by the dq
+    kernel: float64's gradients, and the padded kernels' (to fp16 rounding: their dots add zero
     columns, in another order). Descriptors asked for (tma forced) are not taken: split loads take pointers."""
     q, k, v = make(b, h, hkv, lq, lk, d)
     do = torch.randn_like(q)
@@ -287,9 +286,9 @@ def test_split_backward(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg, d
         variant = fa.backward_variant(kind, q, k, v, do, cfg._replace(tma=True), tma=True, causal=causal)[1]
         assert not variant["TMA"] and variant["D_HI"] == fa.split_head_dim(d)[1] > 0
     split = cfg._replace(tma=True)
-    grads = run_backward(q, k, v, do, lengths, causal, split, True, dropout_p, delta_in_dq)
+    grads = run_backward(q, k, v, do, lengths, causal, split, True, dropout_p)
     assert_gradients(grads, q, k, v, do, lengths, causal, dropout_p)
-    padded = run_backward(q, k, v, do, lengths, causal, cfg._replace(split_d=False), False, dropout_p, delta_in_dq)
+    padded = run_backward(q, k, v, do, lengths, causal, cfg._replace(split_d=False), False, dropout_p)
     for name, g, g_pad in zip(("dq", "dk", "dv"), grads, padded):
         assert_close(f"{name} against the padded kernels", g, g_pad, 1e-3)
 
@@ -297,22 +296,16 @@ def test_split_backward(b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg, d
 # --------------------------------------------------------------------------- backward
 
 
-def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0, delta_in_dq=False):
-    """(dq, dk, dv) of the dk/dv and dq kernels launched with cfg (the forward and preprocess as the tables say).
-    delta_in_dq: no preprocess, the dq kernel writes delta and the dk/dv kernel reads it after (as DELTA_IN_DQ)."""
+def run_backward(q, k, v, do, lengths, causal, cfg, tma, dropout_p=0.0):
+    """(dq, dk, dv) of the dq and dk/dv kernels launched with cfg (the forward as the tables say): the dq kernel writes
+    delta, the dk/dv kernel reads it after."""
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
     args = (q, k, v, key_lengths, causal, q.shape[-1] ** -0.5, dropout_p, SEED)
     o, lse = fa.forward(*args)
-    if delta_in_dq:
-        delta = torch.full(q.shape[:3], float("nan"))
-        with poison_outputs():
-            dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=cfg, tma=tma)
-            dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=tma)
-        return dq, dk, dv
-    delta = fa.backward_preprocess(o, do)
+    delta = torch.full(q.shape[:3], float("nan"))
     with poison_outputs():
+        dq = fa.backward_dq(do, *args, lse, delta, o=o, cfg=cfg, tma=tma)
         dk, dv = fa.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=tma)
-        dq = fa.backward_dq(do, *args, lse, delta, cfg=cfg, tma=tma)
     return dq, dk, dv
 
 
@@ -387,7 +380,7 @@ def test_launch_options_pass_a_register_cap_only_where_a_config_sets_one():
     assert fa.launch_options(BwdConfig(32, 128, 4, 3)) == dict(num_warps=4, num_stages=3)
     assert fa.launch_options(FwdConfig(64, 64, 4, 2, maxnreg=80)) == dict(num_warps=4, num_stages=2, maxnreg=80)
     capped = [(kind, d) for kind, entries in fa.CONFIGS_16BIT.items() for d, cfg in entries.items() if cfg.maxnreg]
-    assert capped == [("dkdv", 32), ("dkdv_causal", 32)]  # the head-dim-32 dk/dv entries (session 29 sweep)
+    assert capped == [("dkdv", 32), ("dkdv_causal", 32)]  # the head-dim-32 dk/dv entries
 
 
 def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
@@ -607,20 +600,25 @@ def test_variants_compile_for_sm90(tmp_path):
     [(2, 4, 2, 70, 45, 48, True, [45, 0], 0.0), (3, 2, 1, 65, 63, 32, False, None, 0.0), (2, 2, 1, 40, 40, 16, True, None, 0.2)],
     ids=["causal-gqa-d48-lengths", "mqa-d32-odd", "causal-dropout-d16"],
 )
-def test_delta_in_dq_matches_the_preprocess(monkeypatch, b, h, hkv, lq, lk, d, causal, lengths, dropout_p):
-    """DELTA_IN_DQ: the dq kernel writes delta = rowsum(o * do) (no preprocess launch) and the dk/dv kernel reads it
-    after: the gradients of the float64 reference, and the preprocess path's to fp32 rounding."""
-    monkeypatch.setattr(fa, "BACKWARD", "split")
+def test_backward_kinds_match_the_float64_gradients(b, h, hkv, lq, lk, d, causal, lengths, dropout_p):
+    """backward(kind="split"): the dq kernel writes delta = rowsum(o * do) and the dk/dv kernel reads it after; the
+    gradients of the float64 reference, and kind="fused"'s (one kernel) to fp16 rounding."""
     q, k, v = make(b, h, hkv, lq, lk, d)
     do = torch.randn_like(q)
     key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths is not None else None
     args = (q, k, v, key_lengths, causal, d**-0.5, dropout_p, SEED)
     o, lse = fa.forward(*args)
     grads = {}
-    for delta_in_dq in (False, True):
-        monkeypatch.setattr(fa, "DELTA_IN_DQ", delta_in_dq)
+    for kind in fa.BACKWARDS:
         with poison_outputs():
-            grads[delta_in_dq] = fa.backward(do, *args, o, lse)[:3]
-    assert_gradients(grads[True], q, k, v, do, lengths, causal, dropout_p)
-    for name, g, g_pre in zip(("dq", "dk", "dv"), grads[True], grads[False]):
-        assert_close(name, g, g_pre, RTOL[f16])
+            grads[kind] = fa.backward(do, *args, o, lse, kind=kind)[:3]
+    assert_gradients(grads["split"], q, k, v, do, lengths, causal, dropout_p)
+    for name, g, g_fused in zip(("dq", "dk", "dv"), grads["split"], grads["fused"]):
+        assert_close(name, g, g_fused, RTOL[f16])
+
+
+def test_unknown_backward_kind_is_an_error():
+    q, k, v = make(1, 1, 1, 4, 4, 16)
+    o, lse = fa.forward(q, k, v, None, False, 0.25, 0.0, SEED)
+    with pytest.raises(ValueError, match=r"kind: expected None or one of \('fused', 'split'\), got 'preprocess'"):
+        fa.backward(torch.randn_like(q), q, k, v, None, False, 0.25, 0.0, SEED, o, lse, kind="preprocess")

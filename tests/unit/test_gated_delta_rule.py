@@ -1,24 +1,25 @@
 """Gated delta rule: the chunked torch backend against the recurrent reference (float64), the Triton
 kernels under the interpreter at tiny shapes, dispatch reasons and every input error."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.accelerators import gated_delta_rule as gdr_ops
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from runtime.accelerators import gated_delta_rule as gdr_ops
+from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, varlen
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.gated_delta_rule.reference import (
-    chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from runtime.accelerators.gated_delta_rule import varlen
 from runtime.accelerators.gated_delta_rule.varlen import chunk_table, piece_bounds
-from runtime.accelerators.testing import assert_close
+from runtime.accelerators.testing import assert_close, differentiable
 
 FUNCTIONS = {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
 
@@ -48,6 +49,22 @@ def make_inputs(B, T, H, HV, K, V, dtype=torch.float32, state=False, sequences=N
 def call(function, inputs, backend, **options):
     x = inputs
     return function(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options)
+
+
+def triton_chunk(inputs, tuning, backward_tuning=None, scale=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The Triton chunked kernels forward and backward with these variants (gdr_triton.Tuning; the backward's
+    backward_tuning where given), without the op's dispatch: (o, final state or None)."""
+    run = differentiable(
+        functools.partial(gdr_triton.chunk_forward, tuning=tuning),
+        functools.partial(gdr_backward.chunk_backward, tuning=backward_tuning or tuning), 2,
+    )  # fmt: skip
+    x = inputs
+    scale = float(x["q"].shape[-1] ** -0.5 if scale is None else scale)
+    cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+    o, final = run(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"), output_final_state,
+                   use_qk_l2norm_in_kernel, cu)  # fmt: skip
+    return o, (final if output_final_state else None)
 
 
 def doubled(inputs):
@@ -242,8 +259,8 @@ def test_triton_forward_bf16_under_the_interpreter():
 
 
 def test_triton_wy_factors_take_bf16_products_only_where_the_v_blocks_are_not_narrower():
-    """HALF_WY: Triton 3.6 on the H100 built the WY kernel's bf16 u product wrongly where it is narrower than the w
-    product before it (K = 64, V = 32: a wrong u; K = 128, V = 32: an illegal address), so those launches stay in tf32.
+    """Triton 3.6 on the H100 built the WY kernel's bf16 u product wrongly where it is narrower than the w product
+    before it (K = 64, V = 32: a wrong u; K = 128, V = 32: an illegal address), so those launches stay in tf32.
     Where the products are bf16 (K = 16, V = 32 here), the forward stays within the GPU tier's bounds."""
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
     assert gdr_triton._half_wy(bf16, 64, 64) and gdr_triton._half_wy(bf16, 16, 32)
@@ -256,7 +273,7 @@ def test_triton_wy_factors_take_bf16_products_only_where_the_v_blocks_are_not_na
     assert_close("final_state", state, ref_state, 5e-3)
 
 
-def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it(monkeypatch):
+def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it():
     """prepare stores (I + A)^-1 in bf16 where the WY kernel and step 5 take it rounded to bf16 anyway (half inputs,
     the fused step 5, whose HALF follows it by default), rounded to nearest from the fp32 it stores otherwise; and
     step 5 takes it in either dtype (here bf16 from the forward, then the single kernel's tf32 products)."""
@@ -265,13 +282,12 @@ def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it(monkeypatch):
     chunks = gdr_triton.Chunks.of(v, None)
     inverse = {}
     for variant in ("single", "fused"):
-        monkeypatch.setattr(gdr_backward, "GRAD_WY", variant)
-        inverse[variant] = gdr_triton.prepare(k, v, g, beta, True, chunks, "tf32")[3]
+        inverse[variant] = gdr_triton.prepare(k, v, g, beta, True, chunks, "tf32", gdr_triton.Tuning(grad_wy=variant))[3]
     assert inverse["single"].dtype == torch.float32 and inverse["fused"].dtype == torch.bfloat16
     assert torch.equal(inverse["fused"], inverse["single"].bfloat16())
-    with use_accelerators(fallback="error"), poison_outputs():
-        o, _ = call(chunk_gated_delta_rule, inputs, "triton", use_qk_l2norm_in_kernel=True)
-    monkeypatch.setattr(gdr_backward, "GRAD_WY", "single")
+    fused, single = gdr_triton.Tuning(grad_wy="fused"), gdr_triton.Tuning(grad_wy="single")
+    with poison_outputs():
+        o, _ = triton_chunk(inputs, fused, single, use_qk_l2norm_in_kernel=True)
     grads = torch.autograd.grad(o, list(inputs.values()), torch.ones_like(o))
     assert all(torch.isfinite(grad).all() for grad in grads)
 
@@ -325,20 +341,20 @@ def test_triton_chunked_backward_under_the_interpreter(name):
         assert_close(f"d{n}", grad, ref_grad, 1e-4)
 
 
-HALF_BACKWARD = {"tf32-products": False, "bf16-products": True}  # triton_backward.HALF_BACKWARD
+HALF_BACKWARD = {"tf32-products": False, "bf16-products": True}  # Tuning.half_backward
 
 
 @pytest.mark.parametrize("K, V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32-bf16-wy"])
 @pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
-def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, K, V, monkeypatch):
+def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, K, V):
     """bf16, GVA, l2norm and an initial state, the backward's products on fp32 (tf32) or bf16 operands (and at
-    K16-V32 the forward's WY factors on bf16 operands, HALF_WY): every gradient within the GPU tier's bounds of the
-    float64 recurrence (the interpreter takes bf16 products as the GPU rounds)."""
-    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
+    K16-V32 the forward's WY factors on bf16 operands): every gradient within the GPU tier's bounds of the float64
+    recurrence (the interpreter takes bf16 products as the GPU rounds)."""
     inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, K, V, dtype=torch.bfloat16, state=True).items()}
     twin = doubled(inputs)
-    with use_accelerators(fallback="error"), poison_outputs():
-        o, state = call(chunk_gated_delta_rule, inputs, "triton", output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poison_outputs():
+        o, state = triton_chunk(inputs, gdr_triton.Tuning(half_backward=half_backward), output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)  # fmt: skip
     refs = call(FUNCTIONS["recurrent"], twin, "torch", output_final_state=True, use_qk_l2norm_in_kernel=True)
     grads_out = [torch.randn_like(r) for r in refs]
     grads = torch.autograd.grad([o, state], list(inputs.values()), [grads_out[0].bfloat16(), grads_out[1].float()])
@@ -350,16 +366,14 @@ def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, K, V,
 
 
 @pytest.mark.parametrize("grad_wy", ["single", "fused"])
-def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy, monkeypatch):
+def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy):
     # rows past a sequence's end read gamma = 0: exp(-gamma_j) of a strongly decayed chunk overflows there,
     # and the backward's decay masks must keep the inf * 0 (NaN) out of the gradients (each variant of step 5)
-    monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
     inputs = make_inputs(1, 100, 1, 1, 16, 16)
     inputs["g"] = torch.full_like(inputs["g"], -5.0)
     inputs = {n: x.requires_grad_() for n, x in inputs.items()}
     twin = doubled(inputs)
-    with use_accelerators(fallback="error"):
-        o, _ = call(chunk_gated_delta_rule, inputs, "triton")
+    o, _ = triton_chunk(inputs, gdr_triton.Tuning(grad_wy=grad_wy))
     ref, _ = call(FUNCTIONS["recurrent"], twin, "torch")
     assert_close("o", o, ref, 1e-4)
     grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -370,7 +384,7 @@ def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy, m
 
 
 
-# --------------------------------------------------------------------------- step 5's variants (triton_backward.GRAD_WY)
+# --------------------------------------------------------------------------- step 5's variants (Tuning.grad_wy)
 
 WY_CASES = {  # shape: (B, T, H, HV, K, V); GVA: HV = 2H
     "T130-GVA-state-final": dict(shape=(1, 130, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
@@ -384,11 +398,10 @@ WY_CASES = {  # shape: (B, T, H, HV, K, V); GVA: HV = 2H
 }  # fmt: skip
 
 
-def _outputs_and_grads(inputs, options, grad_wy, monkeypatch):
-    """o, the final state (when asked) and every gradient with step 5 run as `grad_wy`."""
-    monkeypatch.setattr(gdr_backward, "GRAD_WY", grad_wy)
-    with use_accelerators(fallback="error"), poison_outputs():
-        o, state = call(chunk_gated_delta_rule, inputs, "triton", **options)
+def _outputs_and_grads(inputs, options, tuning):
+    """o, the final state (when asked) and every gradient with the kernels' variants `tuning`."""
+    with poison_outputs():
+        o, state = triton_chunk(inputs, tuning, **options)
         outputs = [o] if state is None else [o, state]
         gen = torch.Generator().manual_seed(1)
         grads_out = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for x in outputs]
@@ -397,12 +410,12 @@ def _outputs_and_grads(inputs, options, grad_wy, monkeypatch):
 
 @pytest.mark.parametrize("grad_wy", ["fused"])
 @pytest.mark.parametrize("name", list(WY_CASES))
-def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name, grad_wy, monkeypatch):
+def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name, grad_wy):
     """Every gradient of the variant against the single kernel's (fp32 rounding apart) and the float64 recurrence."""
     case = WY_CASES[name]
     inputs = {n: x.requires_grad_() for n, x in _inputs(case, torch.float32).items()}
-    single, _ = _outputs_and_grads(inputs, case["options"], "single", monkeypatch)
-    grads, grads_out = _outputs_and_grads(inputs, case["options"], grad_wy, monkeypatch)
+    single, _ = _outputs_and_grads(inputs, case["options"], gdr_triton.Tuning(grad_wy="single"))
+    grads, grads_out = _outputs_and_grads(inputs, case["options"], gdr_triton.Tuning(grad_wy=grad_wy))
     twin = doubled(inputs)
     refs = [r for r in call(FUNCTIONS["recurrent"], twin, "torch", **case["options"]) if r is not None]
     ref_grads = torch.autograd.grad(refs, list(twin.values()), [g.double() for g in grads_out])
@@ -412,40 +425,16 @@ def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name
         assert_close(f"d{n} ({grad_wy} vs float64 recurrence)", grad, ref, 1e-4)
 
 
-QK_STATE_CASES = {  # name: (a WY_CASES entry, dtype, HALF_BACKWARD)
-    "T130-GVA-state-final": ("T130-GVA-state-final", torch.float32, None),
-    "varlen-GVA-state-K64-V128": ("varlen-GVA-state-K64-V128", torch.float32, None),
-    "T70-K128-V32-l2norm-state-bf16-products": ("T70-K128-V32-l2norm-state", torch.bfloat16, True),
-}
-
-
-@pytest.mark.parametrize("name", list(QK_STATE_CASES))
-def test_triton_grad_qk_state_fused_matches_the_split_kernels(name, monkeypatch):
-    """Steps 3 and 4 in one kernel (GRAD_QK_STATE "fused") against the two kernels ("split"): every gradient to fp32
-    rounding (bf16 inputs with bf16 products: dS', dU and dw in bf16, as at K = 128 on the GPU)."""
-    case_name, dtype, half_backward = QK_STATE_CASES[name]
-    case = WY_CASES[case_name]
-    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
-    inputs = {n: x.requires_grad_() for n, x in _inputs(case, dtype).items()}
-    grads = {}
-    for variant in ("split", "fused"):
-        monkeypatch.setattr(gdr_backward, "GRAD_QK_STATE", variant)
-        grads[variant], _ = _outputs_and_grads(inputs, case["options"], None, monkeypatch)
-    for n, fused, split in zip(inputs, grads["fused"], grads["split"]):
-        assert fused.dtype == inputs[n].dtype
-        assert_close(f"d{n} (fused vs split)", fused.float(), split.float(), 1e-5 if dtype == torch.float32 else 2e-3)
-
-
 @pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
 @pytest.mark.parametrize("grad_wy", ["fused"])
-def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, half_backward, monkeypatch):
+def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, half_backward):
     """bf16: dA from the stored (bf16) corrections U, within the GPU tier's bounds of the float64 recurrence (the
-    backward's products on fp32 or bf16 operands, triton_backward.HALF_BACKWARD)."""
-    monkeypatch.setattr(gdr_backward, "HALF_BACKWARD", half_backward)
+    backward's products on fp32 or bf16 operands, Tuning.half_backward)."""
     case = dict(shape=(1, 130, 2, 4, 32, 16), state=True, sequences=4,
                 options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True))  # fmt: skip
     inputs = {n: x.requires_grad_() for n, x in _inputs(case, torch.bfloat16).items()}
-    grads, grads_out = _outputs_and_grads(inputs, case["options"], grad_wy, monkeypatch)
+    tuning = gdr_triton.Tuning(grad_wy=grad_wy, half_backward=half_backward)
+    grads, grads_out = _outputs_and_grads(inputs, case["options"], tuning)
     twin = doubled(inputs)
     refs = call(FUNCTIONS["recurrent"], twin, "torch", **case["options"])
     ref_grads = torch.autograd.grad(refs, list(twin.values()), [g.double() for g in grads_out])
@@ -545,8 +534,8 @@ SPLIT_CASES = {  # shape: (B, T, H, HV, K, V); segments of `segment` chunks
 
 def _triton_outputs_and_grads(inputs, options, segment_chunks):
     """o, the final state (when asked) and every gradient, through the Triton kernels cut into segments."""
-    with gdr_triton.split_sequences(segment_chunks), use_accelerators(fallback="error"), poison_outputs():
-        o, state = call(chunk_gated_delta_rule, inputs, "triton", **options)
+    with poison_outputs():
+        o, state = triton_chunk(inputs, gdr_triton.Tuning(segment_chunks=segment_chunks), **options)
         outputs = [o] if state is None else [o, state]
         gen = torch.Generator().manual_seed(1)
         grads = torch.autograd.grad(outputs, list(inputs.values()), [torch.randn(x.shape, generator=gen) for x in outputs])
@@ -575,8 +564,8 @@ def test_fixed_length_segments_are_numbered_as_sequences_of_their_own():
     """B=2, T=450 (8 chunks each) in segments of 3 chunks: boundaries every 192 tokens within each sequence."""
     x = make_inputs(2, 450, 1, 1, 16, 16)
     chunks = gdr_triton.Chunks.of(x["v"], None)
-    with gdr_triton.split_sequences(3), poison_outputs():
-        segments = gdr_triton.Segments.of(chunks, x["q"], x["v"], None)
+    with poison_outputs():
+        segments = gdr_triton.Segments.of(chunks, x["q"], x["v"], None, forced=3)
     assert segments.chunks.cu.tolist() == [0, 192, 384, 450, 642, 834, 900]
     assert segments.chunks.offsets.tolist() == [0, 3, 6, 8, 11, 14]
     assert segments.first.tolist() == [0, 3]
@@ -588,12 +577,12 @@ def test_the_occupancy_rule_splits_only_few_long_walks():
         return gdr_triton.Chunks(n, per_sequence, n * per_sequence, per_sequence, None, None, None)
 
     sms = 132  # an H100
-    assert gdr_triton.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
-    assert gdr_triton.split_length(chunks(1, 64), programs=2, sms=sms) == 4
-    assert gdr_triton.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
-    assert gdr_triton.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
-    assert gdr_triton.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
-    assert gdr_triton.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
+    assert gdr_shared.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
+    assert gdr_shared.split_length(chunks(1, 64), programs=2, sms=sms) == 4
+    assert gdr_shared.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
+    assert gdr_shared.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
+    assert gdr_shared.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
+    assert gdr_shared.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
 
 
 # --------------------------------------------------------------------------- dispatch reasons

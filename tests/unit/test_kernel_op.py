@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import runtime.accelerators as acc
+from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
 from runtime.accelerators.layer_norm import KERNEL as LAYER_NORM
-from runtime.accelerators.bce import triton as bce_triton
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 

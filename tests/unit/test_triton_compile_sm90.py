@@ -15,6 +15,7 @@ one that no case below launches fails, naming the missing case.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -38,12 +39,13 @@ import runtime
 import runtime.accelerators as acc
 from runtime.accelerators import norms_triton
 from runtime.accelerators.embedding_bag import radix_sort
-from runtime.accelerators.embedding_bag import triton as embedding_bag_triton
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
+from runtime.accelerators.testing import differentiable
 from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
@@ -131,7 +133,7 @@ def embedding_bag():
 
 
 def embedding_bag_radix():
-    """SORT="radix": the radix sort's kernels over a 1M-row table (two 10-bit passes: the first and the last) from int32
+    """The radix sort's kernels over a 1M-row table (two 10-bit passes: the first and the last) from int32
     and int64 indices, and at the sweep's largest tile (2048 keys, 8 warps), over 2**26 rows (three 9-bit passes: a
     middle one), and the gradient kernels that find segment edges from the keys (FIRST=False, int32 permutation; 1000
     rows: one pass), dense and sparse (as embedding_bag)."""
@@ -140,11 +142,9 @@ def embedding_bag_radix():
     radix_sort.sort(torch.randint(0, 1_000_000, (32768,)), 1_000_000, radix_sort.RadixLaunch(tile=2048, num_warps=8))
     radix_sort.sort(torch.randint(0, 1 << 26, (4096,)), 1 << 26)
     weight = _randn(1000, 64, dtype=f32)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(embedding_bag_triton, "SORT", "radix")
-        _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
-        out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
-        torch.autograd.grad(out, weight, torch.randn_like(out))
+    _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
+    out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+    torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
 def mhc():
@@ -156,11 +156,12 @@ def mhc():
         _backward(acc.mhc_post(x, h_in, h_post, h_res))
 
 
-def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None):
+def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None,
+               kind: str | None = None):
     """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU.
     backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles, padded where
     the head dim would split (split loads take pointers; the interpreter never takes descriptors by itself); None runs
-    the module's backward as autograd does."""
+    the module's backward as autograd does, or with kind ("fused" / "split") that backward."""
     b, h, hkv, lq, lk = 2, 4, 2, 200, 200
     q, do = torch.randn(b, h, lq, head_dim).to(bf16), torch.randn(b, h, lq, head_dim).to(bf16)
     k, v = torch.randn(b, hkv, lk, head_dim).to(bf16), torch.randn(b, hkv, lk, head_dim).to(bf16)
@@ -168,13 +169,13 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
     args = (q, k, v, lengths, causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
     o, lse = fa_triton.forward(*args)
     if backward_tma is None:
-        fa_triton.backward(do, *args, o, lse)
+        fa_triton.backward(do, *args, o, lse, kind=kind)
     else:
-        delta = fa_triton.backward_preprocess(o, do)
-        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(kind, causal), head_dim, bf16)._replace(split_d=False)
-                    for kind in ("dkdv", "dq"))
+        delta = torch.empty(q.shape[:3])
+        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(name, causal), head_dim, bf16)._replace(split_d=False)
+                    for name in ("dkdv", "dq"))
+        fa_triton.backward_dq(do, *args, lse, delta, o=o, cfg=dq, tma=backward_tma)
         fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=backward_tma)
-        fa_triton.backward_dq(do, *args, lse, delta, cfg=dq, tma=backward_tma)
 
 
 def attention_padded():
@@ -213,24 +214,16 @@ def attention_fused_backward():
 
 
 def attention_delta_in_dq():
-    """The split backward with delta written by the dq kernel (triton.DELTA_IN_DQ, the default): pointer loads at
-    head dims 32 and 48 (as the tables say: two column parts), descriptors at 128; and with the preprocess kernel
-    instead (DELTA_IN_DQ off)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fa_triton, "BACKWARD", "split")
-        patch.setattr(fa_triton, "DELTA_IN_DQ", False)
-        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fa_triton, "BACKWARD", "split")
-        patch.setattr(fa_triton, "DELTA_IN_DQ", True)
-        _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0)
-        _attention(head_dim=48, causal=False, with_lengths=False, dropout_p=0.1)
-        delta = torch.empty(2, 4, 200)
-        q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
-        k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
-        args = (q, k, v, None, True, 128**-0.5, 0.0, None)
-        o, lse = fa_triton.forward(*args)
-        fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
+    """The split backward (the dq kernel writes delta, the dk/dv kernel reads it): pointer loads at head dims 32 and
+    48 (as the tables say: two column parts), descriptors at 128."""
+    _attention(head_dim=32, causal=True, with_lengths=True, dropout_p=0.0, kind="split")
+    _attention(head_dim=48, causal=False, with_lengths=False, dropout_p=0.1, kind="split")
+    delta = torch.empty(2, 4, 200)
+    q, do = torch.randn(2, 4, 200, 128).to(bf16), torch.randn(2, 4, 200, 128).to(bf16)
+    k, v = torch.randn(2, 2, 200, 128).to(bf16), torch.randn(2, 2, 200, 128).to(bf16)
+    args = (q, k, v, None, True, 128**-0.5, 0.0, None)
+    o, lse = fa_triton.forward(*args)
+    fa_triton.backward_dq(do, *args, lse, delta, o=o, tma=True)
 
 
 def attention_lse_delta_tma():
@@ -246,7 +239,8 @@ def attention_lse_delta_tma():
         k, v = torch.randn(2, 2, 200, head_dim).to(bf16), torch.randn(2, 2, 200, head_dim).to(bf16)
         args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
         o, lse = fa_triton.forward(*args)
-        fa_triton.backward_dkdv(do, *args, lse, fa_triton.backward_preprocess(o, do), cfg=cfg, tma=True)
+        delta = (o.float() * do.float()).sum(-1)  # as the dq kernel writes it
+        fa_triton.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=True)
 
 
 def attention_split_d():
@@ -298,8 +292,23 @@ def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     )  # fmt: skip
 
 
-def gated_delta_rule():
-    acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
+def _chunk_delta_rule(inputs: dict, tuning) -> tuple:
+    """The chunked Triton kernels with these variants (gdr_triton.Tuning), forward and backward through autograd."""
+    run = differentiable(
+        functools.partial(gdr_triton.chunk_forward, tuning=tuning),
+        functools.partial(gdr_backward.chunk_backward, tuning=tuning), 2,
+    )  # fmt: skip
+    x, cu = inputs, inputs["cu_seqlens"]
+    return run(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], x["output_final_state"],
+        x["use_qk_l2norm_in_kernel"], None if cu is None else cu.to(torch.int64),
+    )  # fmt: skip
+
+
+def gated_delta_rule(tuning=None):
+    """The op's kernels at K = 16, 64 and 128; with tuning (a gdr_triton.Tuning), the chunked ones with those variants."""
+    if tuning is None:
+        acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
     cases = [
         _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
         _delta_rule_inputs(2, 200, 2, 4, 64, 64),
@@ -309,34 +318,31 @@ def gated_delta_rule():
     for inputs in cases:
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
             inputs[name].requires_grad_()
-        _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
+        if tuning is None:
+            _backward(*acc.chunk_gated_delta_rule(**inputs))  # the forward and backward kernels
+        else:
+            _backward(*_chunk_delta_rule(inputs, tuning))
 
 
 def gated_delta_rule_grad_wy_variants():
-    """The backward's step 5 as each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
+    """The backward's step 5 as each variant (Tuning.grad_wy), at the shapes of gated_delta_rule (K = 16, 64, 128)."""
     for variant in ("single", "fused"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gdr_backward, "GRAD_WY", variant)
-            gated_delta_rule()
+        gated_delta_rule(gdr_triton.Tuning(grad_wy=variant))
 
 
 def gated_delta_rule_half_backward():
-    """The backward with triton_backward.HALF_BACKWARD forced on and off (its products on bf16 or tf32 operands; by
-    default it depends on K), each GRAD_WY variant, at the shapes of gated_delta_rule (K = 16, 64, 128); and with
-    steps 3 and 4 as two kernels (GRAD_QK_STATE "split")."""
+    """The backward with its products on bf16 or tf32 operands forced (Tuning.half_backward; by default it depends on
+    K), each step-5 variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
     for half in (True, False):
-        for qk_state in ("fused", "split"):
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(gdr_backward, "HALF_BACKWARD", half)
-                patch.setattr(gdr_backward, "GRAD_QK_STATE", qk_state)
-                gated_delta_rule_grad_wy_variants()
+        for variant in ("single", "fused"):
+            gated_delta_rule(gdr_triton.Tuning(grad_wy=variant, half_backward=half))
 
 
 def gated_delta_rule_one_wave():
     """gated_delta_rule as on a GPU of 132 SMs (sm_count is 0 on the CPU): the launches of grids of at most one
     program per SM, the forward walk's 4 stages and the reverse walk's BV 32 at K = 128."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gdr_triton, "sm_count", lambda device: 132)
+        patch.setattr(gdr_shared, "sm_count", lambda device: 132)
         patch.setattr(gdr_backward, "sm_count", lambda device: 132)
         gated_delta_rule()
 
@@ -350,12 +356,13 @@ def gated_delta_rule_fp32_widest():
 def gated_delta_rule_split():
     """The context-parallel split (forced: the occupancy rule decides on a GPU), forward and backward: segment
     maps and the chain both ways at K = V = 128 (the widest maps), varlen; fp32 forward (IEEE dots in the chain)."""
-    with gdr_triton.split_sequences(2):
-        inputs = _delta_rule_inputs(1, 600, 1, 1, 128, 128, sequences=[0, 100, 600])
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
-            inputs[name].requires_grad_()
-        _backward(*acc.chunk_gated_delta_rule(**inputs))
-        acc.chunk_gated_delta_rule(**_delta_rule_inputs(2, 300, 1, 1, 64, 32, dtype=f32))
+    split = gdr_triton.Tuning(segment_chunks=2)
+    inputs = _delta_rule_inputs(1, 600, 1, 1, 128, 128, sequences=[0, 100, 600])
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        inputs[name].requires_grad_()
+    _backward(*_chunk_delta_rule(inputs, split))
+    with torch.no_grad():
+        _chunk_delta_rule(_delta_rule_inputs(2, 300, 1, 1, 64, 32, dtype=f32), split)
 
 
 CASES = {
@@ -478,9 +485,8 @@ def test_the_backward_attention_kernels_compile_both_paths(compiled):
 
 def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compiled):
     """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
-    (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see triton_backward.HALF_BACKWARD)."""
-    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_state_kernel", "_chunk_grad_qk_kernel",
-             "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")  # fmt: skip
+    (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward)."""
+    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")
     assert all("HALF" not in constexprs(launch) for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"])
     for name in names:
         kernel = f"gated_delta_rule.triton_backward.{name}"

@@ -58,7 +58,7 @@ class _Compiled:
         return ("metadata", grid)
 
 
-def _kernel_source(x, n, BLOCK: "tl.constexpr", FLAG: "tl.constexpr"):
+def _kernel_source(x, n, BLOCK: "tl.constexpr", FLAG: "tl.constexpr"):  # noqa: F821  (the text Triton reads)
     pass
 
 

@@ -1,4 +1,5 @@
-"""Backend names, environment probes, per-op capability declarations and backend resolution.
+"""Environment probes, per-op capability declarations and backend resolution (the names of backends and ops, and
+AcceleratorConfig, are config.py's).
 
 Every op declares an `OpSpec`: its name (the config key), the kernel backends that `"auto"`
 tries in order, and a function giving the input reasons a backend cannot run some inputs.
@@ -16,29 +17,13 @@ import logging
 import operator
 import os
 import warnings
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable, Literal, get_args
 
 import torch
 
-Backend = Literal["auto", "torch", "triton", "tilelang"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
-KERNEL_BACKENDS: tuple[str, ...] = ("triton", "tilelang")
-Fallback = Literal["torch", "error"]
-FALLBACKS: tuple[str, ...] = get_args(Fallback)
-
-OP_NAMES: tuple[str, ...] = (
-    "rms_norm",
-    "layer_norm",
-    "l2norm",
-    "flash_attention",
-    "gated_delta_rule",
-    "bce_with_logits",
-    "swiglu",
-    "dropout_add",
-    "embedding_bag_mean",
-    "mhc",
-)
+from . import config as _config
+from .config import BACKENDS, FALLBACKS, KERNEL_BACKENDS, OP_NAMES, Backend, Fallback  # noqa: F401  (re-exported)
 
 TILELANG_VERSION = "0.1.15"
 TILELANG_MIN_CAPABILITY = (8, 0)
@@ -84,17 +69,24 @@ def library_reasons(backend: str) -> tuple[str, ...]:
             return (f"triton is not importable ({error}); install it with `pip install triton` (Linux only)",)
         return ()
     if backend == "tilelang":
-        try:
-            version = importlib.metadata.version("tilelang")
-        except importlib.metadata.PackageNotFoundError:
-            return (f"tilelang is not installed; install it with `pip install tilelang=={TILELANG_VERSION}`",)
-        if version != TILELANG_VERSION:
-            return (
-                f"tilelang {version} is installed but this package is written for {TILELANG_VERSION}; "
-                f"install it with `pip install tilelang=={TILELANG_VERSION}`",
-            )
-        return ()
+        problem = tilelang_version_problem()
+        return () if problem is None else (problem,)
     return ()
+
+
+def tilelang_version_problem() -> str | None:
+    """Why the installed tilelang cannot serve the kernels (missing, or another release: its API changes between
+    releases), saying what to install; None when it can."""
+    try:
+        version = importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        return f"tilelang is not installed; install it with `pip install tilelang=={TILELANG_VERSION}`"
+    if version != TILELANG_VERSION:
+        return (
+            f"tilelang {version} is installed but this package is written for {TILELANG_VERSION}; "
+            f"install it with `pip install tilelang=={TILELANG_VERSION}`"
+        )
+    return None
 
 
 @functools.cache
@@ -298,5 +290,3 @@ def clear_decisions() -> None:
     _decisions.clear()
     _warned.clear()
 
-
-from . import config as _config  # noqa: E402  (last: config imports the names above)

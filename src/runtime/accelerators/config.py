@@ -1,12 +1,31 @@
-"""AcceleratorConfig: which backend each op uses, and what happens when it cannot run."""
+"""The vocabulary of backend selection: backend and op names, and AcceleratorConfig (which backend each op uses, and
+what happens when it cannot run). Dispatch itself is backends.py's."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Literal, get_args
 
-from .backends import BACKENDS, FALLBACKS, OP_NAMES, Backend, Fallback
+Backend = Literal["auto", "torch", "triton", "tilelang"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+KERNEL_BACKENDS: tuple[str, ...] = ("triton", "tilelang")
+Fallback = Literal["torch", "error"]
+FALLBACKS: tuple[str, ...] = get_args(Fallback)
+
+OP_NAMES: tuple[str, ...] = (
+    "rms_norm",
+    "layer_norm",
+    "l2norm",
+    "flash_attention",
+    "gated_delta_rule",
+    "bce_with_logits",
+    "swiglu",
+    "dropout_add",
+    "embedding_bag_mean",
+    "mhc",
+)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ so graphs hold one node per kernel launch. Backward always runs on the forward's
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

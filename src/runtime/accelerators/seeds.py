@@ -10,7 +10,7 @@ the forward's seed tensor (an argument of the op, saved for backward).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -66,3 +66,23 @@ def deterministic_algorithms() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def differentiable(forward, backward, n_outputs: int):
+    """A kernel module's forward(*args) and backward(*grad_outputs, *args, *results) (kernel_op's convention) as one
+    function of args that autograd differentiates, returning the first n_outputs results: how tests run a launcher's
+    variants (keyword arguments bound with functools.partial) forward and backward without the op's dispatch."""
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            results = tuple(forward(*args))
+            ctx.args, ctx.results = args, results
+            ctx.mark_non_differentiable(*results[n_outputs:])
+            return results
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            return tuple(backward(*grad_outputs[:n_outputs], *ctx.args, *ctx.results))
+
+    return lambda *args: Function.apply(*args)[:n_outputs]

@@ -8,27 +8,18 @@ Imported only by the tilelang kernel modules, so the package imports without til
 from __future__ import annotations
 
 import functools
-import importlib.metadata
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 import torch
 
-from .backends import TILELANG_VERSION, sm_count
+from .backends import sm_count, tilelang_version_problem
 
 
 def _check_version() -> None:
-    try:
-        version = importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(
-            f"the tilelang backend needs tilelang; install it with `pip install tilelang=={TILELANG_VERSION}`"
-        ) from None
-    if version != TILELANG_VERSION:
-        raise ImportError(
-            f"tilelang {version} is installed but the tilelang kernels are written for {TILELANG_VERSION} "
-            f"(its API changes between releases); install it with `pip install tilelang=={TILELANG_VERSION}`"
-        )
+    problem = tilelang_version_problem()
+    if problem is not None:
+        raise ImportError(problem)
 
 
 _check_version()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import Comparison, compare
+from .comparison import Comparison, compare
 
 OUR_COLOURS = ("#d62728", "#ff7f0e", "#9467bd")  # ours: warm colours, solid
 PEER_COLOURS = ("#1f77b4", "#2ca02c", "#17becf", "#7f7f7f", "#8c564b", "#bcbd22")  # peers: cool colours, hatched

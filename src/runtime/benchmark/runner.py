@@ -6,8 +6,8 @@ import os
 import platform
 import statistics
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

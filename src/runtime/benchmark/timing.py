@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +26,7 @@ class L2Flusher:
     the timed kernel (up to 2 x L2 size of extra DRAM traffic, more or less of it from replay to replay).
     The reads carry the evict-last hint (evict_last=True, a Triton kernel). A plain read (evict_last=False, a
     torch.sum) was suspected of leaving lines that the timed kernel had loaded with that hint in L2 for its next
-    replay; scripts/l2_flush_check.py did not confirm it (session 27, H100: a SwiGLU forward with evict-last loads
+    replay; a check did not confirm it (H100: a SwiGLU forward with evict-last loads
     was 2% faster after either flush), and every row timed 0.1-0.4 us faster after this one, peers and ours alike.
     It stays, as the stricter of the two.
     """
@@ -87,7 +87,7 @@ def gpu_time_ms(
 def _keep_busy(flush: Callable[[], None], device: torch.device, seconds: float = 0.05) -> None:
     """Runs the flush back to back for `seconds` before a timing, so that the GPU is at its working clocks: the 100
     replays of a small kernel last a few milliseconds, too short for the clocks to ramp up after a compile or the
-    host-bound eager loop, and the first rows of a run were timed slow and spread (session 24: a 6 us forward at
+    host-bound eager loop, and the first rows of a run were timed slow and spread (a 6 us forward at
     12-24 us p20-p80)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -178,7 +178,7 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float | No
 def copy_bandwidth_tbs(device: torch.device, nbytes: int = 2**28) -> float:
     """Measured device-to-device copy bandwidth (bytes read + written per second), in TB/s.
 
-    256 MiB each way, the size of the large benchmark cases' tensors. A 1 GiB copy, the size used before session 27,
+    256 MiB each way, the size of the large benchmark cases' tensors. A 1 GiB copy (the size used before)
     ran at 2.44 TB/s on an H100 of the GPU machine, whatever the dtype, against 3.05-3.06 at 256 MiB (the issues'
     figure is 3.02), so the "of copy" fractions of earlier runs are about 25% too high."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -72,14 +71,14 @@ class AcceleratorsSchema:
     default: BackendName = BackendName.auto
     # every op is a key (null: use `default`), so `accelerators.ops.<op>=<backend>` needs no `+`
     # and a misspelt op name is rejected by the Enum key type with the valid names listed
-    ops: Dict[OpName, Optional[BackendName]] = field(default_factory=lambda: {op: None for op in OpName})
+    ops: dict[OpName, BackendName | None] = field(default_factory=lambda: {op: None for op in OpName})
     fallback: FallbackRule = FallbackRule.torch
 
 
 @dataclass
 class DataSchema:
     source: DataSource = DataSource.synthetic
-    path: Optional[str] = None  # parquet: a directory with train.parquet and val.parquet
+    path: str | None = None  # parquet: a directory with train.parquet and val.parquet
     batch_size: int = 256  # per process
     val_batch_size: int = 1024
     prefetch: int = 2  # batches made ahead in a background thread (0: none)
@@ -125,15 +124,15 @@ class TrainerSchema:
     checkpoint_every: int = 100  # 0: only at the end
     keep_checkpoints: int = 2
     precision: Precision = Precision.auto
-    grad_clip: Optional[float] = 1.0  # the largest gradient norm; null: no clipping
+    grad_clip: float | None = 1.0  # the largest gradient norm; null: no clipping
     device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile the model
     cuda_graph: bool = False  # capture the whole step as one CUDA graph after 3 eager steps (CUDA, one process)
-    resume: Optional[str] = None  # a checkpoint file, or a run directory (its latest checkpoint)
+    resume: str | None = None  # a checkpoint file, or a run directory (its latest checkpoint)
     resume_overrides: ResumeOverrides = ResumeOverrides.refuse  # settings that differ from the checkpoint's
     resume_fallback: ResumeFallback = ResumeFallback.error  # when the checkpoint to resume from is corrupt
     progress: bool = True  # a rich progress bar on the main process
-    cpu_threads: Optional[int] = None  # torch.set_num_threads; null keeps torch's default
+    cpu_threads: int | None = None  # torch.set_num_threads; null keeps torch's default
     deterministic: bool = False  # steps that repeat bit for bit: torch.use_deterministic_algorithms for the process
 
     def __post_init__(self) -> None:
@@ -151,7 +150,7 @@ class TrainerSchema:
 class OptimSchema:
     lr: float = 2e-3
     weight_decay: float = 0.01  # on matrices only (not embeddings, norms, biases)
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
@@ -180,14 +179,14 @@ class TrainSchema:
 class BenchmarkSchema:
     """Training-step benchmark: each model under each accelerators preset, from one seed."""
 
-    models: List[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
-    presets: List[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
-    compiled: List[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
-    graphed: List[str] = field(default_factory=list)  # presets also run with trainer.cuda_graph=true (CUDA only)
+    models: list[str] = field(default_factory=lambda: ["baseline", "tokenformer", "gdr"])
+    presets: list[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
+    compiled: list[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
+    graphed: list[str] = field(default_factory=list)  # presets also run with trainer.cuda_graph=true (CUDA only)
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run
-    overrides: List[str] = field(default_factory=lambda: ["model.dropout=0.0"])  # train.yaml overrides for every run
+    overrides: list[str] = field(default_factory=lambda: ["model.dropout=0.0"])  # train.yaml overrides for every run
     output: str = "training-benchmark.json"
     time_budget_s: float = 0.0  # > 0: start no new run after this many seconds
     profile_steps: int = 0  # > 0: after timing, profile this many steps (host vs kernel time, top kernels)

@@ -17,7 +17,7 @@ sends attention dropout to torch: see that backend's reasons).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from runtime.models import FeatureSpec, PCVRBatch
 

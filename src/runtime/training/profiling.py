@@ -9,7 +9,7 @@ over launches, the launch count, and the costliest kernels and host-side ops.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile

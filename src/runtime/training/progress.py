@@ -12,7 +12,14 @@ class ProgressBar:
         self._bar = None
         if enabled:
             try:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                    TimeRemainingColumn,
+                )
             except ImportError:
                 logger.info("rich is not installed: progress is logged every log_every steps instead of a bar")
             else:

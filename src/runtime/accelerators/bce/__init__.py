@@ -32,7 +32,7 @@ ABSENT, FULL, BROADCAST = 0, 1, 2
 # Up to this many logits (PCVR batches: launch-bound), when the logits alone need a gradient, the forward kernel
 # also writes that gradient for an incoming gradient of one (fp32), and backward only scales it: one ATen multiply
 # where a kernel launch path ran. An eager forward+backward then pays one launch path, not two. H100 host, 256 / 4096
-# logits, us per call (scripts/autograd_overhead.py, session 15): 384 / 346 with two launch paths, 288 / 251 with
+# logits, us per call: 384 / 346 with two launch paths, 288 / 251 with
 # one, torch eager 286 / 271. Larger inputs keep the one-pass backward kernel (no fp32 gradient written and read).
 GRAD_IN_FORWARD_MAX_NUMEL = 2**16
 
@@ -96,7 +96,7 @@ class _UnitGradientFunction(torch.autograd.Function):
     """Eager calls with grad_in_forward: the backend module's forward writes the loss and the logits' gradient for an
     incoming gradient of one; only that gradient is saved, and backward scales it. Lighter than the KernelOp path
     (which saves every tensor argument and runs the module's generic backward): H100, 256 / 4096 fp32 logits, us per
-    eager forward+backward (scripts/autograd_overhead.py --bce-lean, session 26), 211 / 202 through KernelOp against
+    eager forward+backward, 211 / 202 through KernelOp against
     180 / 190 for this shape of Function. torch.compile keeps the custom ops."""
 
     @staticmethod

@@ -35,9 +35,8 @@ class Launch:
 
 
 # Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction. Larger
-# ones take FORWARD (mean / sum), FORWARD_NONE or BACKWARD: module globals that scripts/bce_sweep.py replaces to
-# compare launches. Chosen from its H100 run of session 14 at 2^24, the first with back-to-back replays (bf16 and
-# fp32; docs/benchmark/bce_with_logits.md, results/bce_with_logits-sweep-2026-11-23-h100-s14.txt).
+# ones take FORWARD (mean / sum), FORWARD_NONE or BACKWARD, chosen from a sweep of launches on an H100 at 2^24 (bf16
+# and fp32; docs/benchmark/bce_with_logits.md).
 SMALL = Launch()
 FORWARD = Launch(programs_per_sm=3, stages=2)
 FORWARD_NONE = Launch(block=1024, num_warps=4)

@@ -11,9 +11,8 @@ Layout as in swiglu's TileLang kernels: flat arrays of dynamic length N, registe
 16-byte vectors, unguarded full blocks and a guarded last block.
 """
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape

@@ -1,4 +1,4 @@
-"""A stable LSD radix sort of embedding-bag indices in Triton: the Triton backend's sort when triton.SORT == "radix".
+"""A stable LSD radix sort of embedding-bag indices in Triton: the Triton backend's sort where it fits (`fits`).
 
 torch.sort sorts int32 keys in four 8-bit passes (cub) whatever their range; row numbers of a 1M-row table need 20
 bits. Here only the bits of num_embeddings (inclusive: the value num_embeddings is the sentinel below) are sorted,
@@ -43,11 +43,11 @@ from .segments import INT32_MAX, Segments
 
 @dataclass(frozen=True)
 class RadixLaunch:
-    """How the radix sort runs; RADIX is a module global that tests and scripts/embedding_bag_sweep.py replace."""
+    """How the radix sort runs (RADIX: the launch the backward takes; tests shrink it to run several passes cheaply)."""
 
     digit_bits: int = 10  # the most key bits sorted per pass (the passes split the key's bits evenly)
     tile: int = 1024  # keys per program, a power of two
-    num_warps: int = 8  # H100 session 17, 1M rows: 1024 keys / 8 warps 0.0356 ms (32768 keys), 4 warps 0.0454
+    num_warps: int = 8  # H100, 1M rows: 1024 keys / 8 warps 0.0356 ms (32768 keys), 4 warps 0.0454
     max_counts: int = 1 << 16  # the largest counts matrix (tiles x buckets per pass) that `fits`
 
     def __post_init__(self):

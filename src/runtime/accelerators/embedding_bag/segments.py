@@ -9,13 +9,13 @@ pass adds those partials up. No row waits on another, however skewed the indices
 
 `sort_segments` sorts with torch.sort (`sort_keys`) and finds each entry's segment start with searchsorted (the
 TileLang kernels read those starts); the Triton kernels find segment edges from the sorted keys alone, after
-`sort_keys` or radix_sort.py's sort (triton.SORT).
+`sort_keys` or radix_sort.py's sort (the Triton backend's, where it fits).
 
 Nothing here synchronises with the host except `sparse_ranks`, which must learn the number of
 distinct rows to size the sparse gradient (torch's own sparse backward syncs there too).
 
 The sort and the dense gradient's [num_embeddings, dim] zero fill run one after the other on the current
-stream: running them concurrently on two streams gained nothing on an H100 (within 1%, session 14 sweep).
+stream: running them concurrently on two streams gained nothing on an H100 (within 1%).
 """
 
 from __future__ import annotations

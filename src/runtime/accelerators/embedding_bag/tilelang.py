@@ -29,7 +29,7 @@ THREADS = 128  # gradient kernels
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """The forward kernel's tiling; FORWARD is a module global that scripts/embedding_bag_sweep.py replaces."""
+    """The forward kernel's tiling (FORWARD: the tiling the op takes)."""
 
     block_b: int = 16  # bags per block
     block_l: int = 8  # bag entries gathered per unrolled step (their indices are loaded together first)

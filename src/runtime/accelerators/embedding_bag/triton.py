@@ -5,8 +5,8 @@ forward(weight, indices, offsets, padding_idx, include_last_offset, check_indice
 backward(grad_out, *args, *results) -> (dense weight gradient, None, ...)
 backward_sparse(grad_out, *args, *results) -> sparse COO weight gradient (coalesced)
 
-The gradient follows segments.py: sort the flat indices (SORT: torch.sort, or radix_sort.py's), then
-`_chunk_kernel` sums each chunk of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds
+The gradient follows segments.py: sort the flat indices (radix_sort.py's sort, or torch.sort where it does not fit),
+then `_chunk_kernel` sums each chunk of CHUNK sorted entries per segment (a segmented scan) and `_combine_kernel` adds
 up the partial sums of segments that cross chunks. Both find segment edges from the sorted keys alone (a segment
 starts where the key changes), whichever sort made them. The forward's index check is a device-side assert in
 the kernel on CUDA (no host sync, no extra launch: the forward stays one CUDA-graph node); under
@@ -29,22 +29,17 @@ from .reference import INDEX_ERROR, index_error
 from .segments import Segments, bag_layout, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
 # sorted entries per program of the gradient's first pass: more, smaller programs hide its latency better. H100,
-# session 23 (scripts/embedding_bag_sweep.py chunk), forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
+# forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
 # (uniform / Zipf) against 32 0.1349 / 0.1370 and 64 0.1469 / 0.1471; within 2% at 1Mx64 Zipf.
 CHUNK = 16
 # chunk partials summed, and chunk ends searched, at once in the second pass: a hot (Zipf) row's segment spans
-# hundreds of chunks. Session 23, with CHUNK 16 (scripts/embedding_bag_sweep.py block_j), 1Mx128 bag 4 Zipf: 32
+# hundreds of chunks. H100, with CHUNK 16, 1Mx128 bag 4 Zipf: 32
 # 0.1323 ms, 64 0.1309, 128 0.1289; bag 8 Zipf 0.1658 / 0.1634 / 0.1587; uniform tables up to 1% slower with 128.
 BLOCK_J = 128
-# the weight gradient's sort, a module global that tests and scripts/embedding_bag_sweep.py replace:
-# "torch": torch.sort (segments.sort_keys);
-# "radix": radix_sort.py where it fits (radix_sort.fits), else torch.sort. On the H100 (session 17) the sort of 32768
-# keys over 1M rows takes 0.036 ms against 0.060 for torch's, and 65536 keys 0.041 against 0.063.
-SORT = "radix"
-SORTS = ("torch", "radix")
-# The dense gradient's zero fill: in the radix sort's launches (radix_sort.sort's `zero`), so that the memory-bound
-# fill and the latency-bound sort overlap; False: filled before the sort (scripts/embedding_bag_sweep.py fill).
-FILL_BESIDE_SORT = True
+# The weight gradient sorts its keys with radix_sort.py where they fit (radix_sort.fits), else with torch.sort
+# (segments.sort_keys): on the H100 the radix sort of 32768 keys over 1M rows takes 0.036 ms against 0.060 for
+# torch's, and 65536 keys 0.041 against 0.063. The dense gradient's zero fill runs in the radix sort's launches
+# (radix_sort.sort's `zero`), so that the memory-bound fill and the latency-bound sort overlap.
 
 
 # --------------------------------------------------------------------------- kernels
@@ -249,7 +244,7 @@ def _combine_kernel(
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """How the forward kernel is launched; FORWARD is a module global that scripts/embedding_bag_sweep.py replaces."""
+    """How the forward kernel is launched (FORWARD: the launch the op takes)."""
 
     block_b: int = 0  # bags per program; 0: about 2K [bags, columns] elements per program, at most 64 bags
     num_warps: int = 4
@@ -297,15 +292,13 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
 
 
 def sort_for_gradient(flat: torch.Tensor, num_embeddings: int, zero: torch.Tensor | None = None) -> Segments:
-    """The sorted indices behind the weight gradient, by SORT; zero-fills `zero` (the dense gradient) too: in the
-    radix sort's launches, beside its latency-bound work (FILL_BESIDE_SORT), else before the sort."""
-    if SORT not in SORTS:
-        raise ValueError(f"embedding_bag triton.SORT: expected one of {SORTS}, got {SORT!r}")
-    radix = SORT == "radix" and radix_sort.fits(flat.numel(), num_embeddings)
-    if zero is not None and not (radix and FILL_BESIDE_SORT):
+    """The sorted indices behind the weight gradient: the radix sort where it fits, else torch.sort. Zero-fills `zero`
+    (the dense gradient) too: in the radix sort's launches, beside its latency-bound work, else before the sort."""
+    if radix_sort.fits(flat.numel(), num_embeddings):
+        return radix_sort.sort_segments(flat, num_embeddings, zero=zero)
+    if zero is not None:
         zero.zero_()
-        zero = None
-    return radix_sort.sort_segments(flat, num_embeddings, zero=zero) if radix else sort_keys(flat, num_embeddings)
+    return sort_keys(flat, num_embeddings)
 
 
 def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):

@@ -96,9 +96,9 @@ def input_reasons(
 
 def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
     """tilelang > triton at head dim 128, and with dropout at head dims 48 and 64"""
-    # forward + backward (docs/benchmark/flash_attention.md, sessions 30-31): TileLang ran 1.2-1.3x faster at head
+    # forward + backward (docs/benchmark/flash_attention.md): TileLang ran 1.2-1.3x faster at head
     # dim 128, lengths 512-8192, causal or not; Triton as fast or faster at head dims up to 64. With dropout 0.1
-    # (session 31, two maps) TileLang ran 1.01-1.18x faster at head dims 48 and 64 and Triton 1.02-1.39x faster at 16
+    # (two maps) TileLang ran 1.01-1.18x faster at head dims 48 and 64 and Triton 1.02-1.39x faster at 16
     # and 32.
     if q is None:
         return None

@@ -22,14 +22,13 @@ recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p 
 import math
 from dataclasses import dataclass
 
-import torch
-
 import tilelang
 import tilelang.language as T
+import torch
 
 from .. import buffers
-from . import dropout
 from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
+from . import dropout
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -78,9 +77,9 @@ class BwdConfig:
 # by latency, so they run several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups per program
 # with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave
 # 80 registers: no room for a 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-34% at
-# D <= 48 (scripts/fa_tilelang_sweep.py, sessions 23 and 34); at D = 64 (16x16x2048) it was level (1.013 against
-# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. Session 34 (Q by TMA
-# everywhere since session 29): at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
+# D <= 48; at D = 64 (16x16x2048) it was level (1.013 against
+# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. With Q loaded by
+# TMA everywhere: at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
 # one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the one-warpgroup tiles
 # stay ahead (0.618 / 0.410 against 0.655 / 0.436).
 FWD_CONFIGS = {
@@ -91,7 +90,7 @@ FWD_CONFIGS = {
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
 # The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions.
-# H100, scripts/fa_tilelang_sweep.py --bwd, session 25, forward+backward ms against the plain loop with TMA
+# H100, forward+backward ms against the plain loop with TMA
 # reductions (non-causal, causal; cuDNN in brackets): 4x16x4096x128 4.529 / 5.304, 2.963 / 3.463 (3.666, 2.111);
 # 16x16x2048x64 3.648 / 4.071, 2.583 / 2.818 (2.365, 1.436); 64x4x2048x48 3.311 / 3.663, 2.185 / 2.368 (2.228,
 # 1.374); 128x8x1024x32 3.064 / 3.284, 2.364 / 2.524 (2.287, 1.607). At 4x16x4096x128, vector atomics for dq

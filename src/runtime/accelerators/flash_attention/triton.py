@@ -1,5 +1,5 @@
-"""FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), backward preprocess
-(delta = rowsum(o * do)), a dk/dv kernel and a dq kernel; or, where every key fits one block (short
+"""FlashAttention in Triton: forward (online softmax, saves the log-sum-exp), a dq kernel that also writes
+delta = rowsum(o * do), then a dk/dv kernel that reads it; or, where every key fits one block (short
 sequences, see use_fused), one fused backward kernel that also computes delta and stores dq.
 
 Layout: q [B, H, Lq, D], k/v [B, Hkv, Lk, D], any strides (views are read in place); o, lse and the
@@ -22,7 +22,7 @@ Dtypes: bf16 and fp16 run on tensor cores with fp32 accumulation; fp32 inputs ru
 Sequence lengths, heads and strides are runtime arguments (lengths are not specialised), so one
 compiled kernel per (head dim, dtype, causal, key_lengths, dropout) serves every shape.
 
-Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; scripts/fa_sweep.py times them):
+Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]):
 - tma: Q/K/V tiles through Hopper TMA tensor descriptors made in the kernel (one per program and tensor, rows
   ending at Lq / key_lengths[b] so the hardware zero-fills past them). Only on CUDA capability >= 9.0, compiled
   (never under the interpreter unless a test forces it), and where the strides allow (16-byte aligned base and
@@ -38,17 +38,17 @@ Forward variants (FwdConfig, per head dim in CONFIGS_*["fwd"] / ["fwd_causal"]; 
   power of two (48 -> 64 wastes a quarter of the products) but held as two column parts (Triton's blocks are powers
   of two): every [rows, D] tile as [rows, D_LO] and [rows, D_HI] tiles, Q K^T as two dots into one accumulator, P V
   into two. It loads through pointers whatever tma says: with two descriptors per tensor (blocks of D_LO and D_HI
-  columns) the split forward took 14-25% longer on an H100 (session 27: four loads, each with its barrier, per key
+  columns) the split forward took 14-25% longer on an H100 (four loads, each with its barrier, per key
   block). The dk/dv and dq kernels split the same way (BwdConfig.split_d, pointer loads): Q K^T and dO V^T as two
   dots into one result, dV += P^T dO, dK += dS^T Q and dQ += dS K as two dots into two accumulators, and the dq
-  kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) and the preprocess stay
+  kernel's delta = rowsum(o * do) over both parts. The fused backward (short sequences) stays
   padded. Other head dims, and configs without it, take the padded kernels.
 The 16-bit tables take tma at padded head dims 64 and 128 (not causal 64) and heavy_first at padded head dims 64
 (sections of 16) and 128 (4), forward and backward, and split_d at padded head dim 64 in the forward and dq entries
 (so head dim 48 splits there, and the forward entry's tma serves head dim 64 only).
 
 Backward variants (BwdConfig, per head dim in CONFIGS_*["dkdv"] / ["dq"] and, for causal attention, ["dkdv_causal"] /
-["dq_causal"]; `scripts/fa_sweep.py bwd` times them):
+["dq_causal"]):
 - tma: the same descriptors, under the same conditions (backward_variant; dO's strides too). The dk/dv kernel reads
   its K/V block once and streams Q/dO blocks through them, the dq kernel reads its Q/dO block once and streams K/V.
   Descriptors end where the pointer loads' masks do (Q/dO at Lq, the dk/dv kernel's K/V at Lk, the dq kernel's at
@@ -124,34 +124,34 @@ class BwdConfig(NamedTuple):
 # on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
 # head dim 64 shares the 48 column (both pad to 64). Each kernel but the fused one has a table for causal attention
 # apart.
-# The forward's TMA entries come from scripts/fa_sweep.py on an H100 (session 14, bf16, GPU time), same tiles
+# The forward's TMA entries come from a sweep on an H100 (bf16, GPU time), same tiles
 # as the pointer entries they replace: "fwd"[128] 1.136 -> 0.983 ms at (4,16,4096,128) (cuDNN 0.865),
 # "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
 # (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
 # (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
-# The backward's TMA variants (scripts/fa_sweep.py bwd, session 15, H100, forward+backward ms) won only for dk/dv at
+# The backward's TMA variants (H100, forward+backward ms) won only for dk/dv at
 # head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
 # 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
-# Session 23 (H100, forward+backward ms at (4,16,4096,128), sweep of branch fa-large-bwd): dk/dv at head dim 128
+# H100, forward+backward ms at (4,16,4096,128): dk/dv at head dim 128
 # with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
 # tiles; 0.74x cuDNN), causal 2.755 against 2.799.
-# Causal heavy-first sections (scripts/fa_order_sweep.py, session 26, H100, bf16; the same section in the forward,
+# Causal heavy-first sections (H100, bf16; the same section in the forward,
 # dk/dv and dq entries; forward / forward+backward ms, launch order -> chosen section): 4x16x4096x128 0.593 / 2.837 ->
 # 0.564 / 2.717 at 4 (per-pair heavy-first, the old forward entry: 0.590 / 2.824; 8 and 16 in between);
 # 64x4x2048x48 0.417 / 1.752 -> 0.409 / 1.700 at 16; 128x8x1024x32 and 256x4x256x16 fastest in launch order
 # (1.331 against 1.370-1.377, 0.136 against 0.138), so head dims 16 and 32 keep it.
-# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (scripts/fa_sweep.py fwd --only 64x4x2048x48,
-# session 27, H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
+# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (64x4x2048x48,
+# H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
 # against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
-# The backward at head dim 64's entries (scripts/fa_sweep.py bwd --only 64x4x2048x48, session 28, H100, forward +
+# The backward at head dim 64's entries (64x4x2048x48, H100, forward +
 # backward ms, causal / non-causal, cuDNN 1.376 / 2.245): dq split 1.570 / 2.894 against padded 1.608 / 2.976, so
 # the dq entry splits. The dk/dv kernel split did worse than padded with lse and delta through descriptors too:
 # 1.582 / 2.895 against 1.542 / 2.608 (the padded TMA entry it had: 1.651 / 2.793; split tiles that do not spill,
 # 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
 # either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split). The entry's
-# heavy_first=16 sections: 1.503 ms causal against 1.537 without (second sweep, on d278999).
-# The dk/dv and dq tables split by causality since session 29. Head dim 32 (scripts/fa_sweep.py bwd --only
-# 128x8x1024x32, session 29, H100, forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
+# heavy_first=16 sections: 1.503 ms causal against 1.537 without (a second sweep).
+# The dk/dv and dq tables split by causality. Head dim 32 (128x8x1024x32, H100,
+# forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
 # with lse and delta through descriptors takes 217 registers (two programs of 4 warps per SM); capped at 168
 # (maxnreg: three programs, 6-12 spilled bytes) it took 1.877 / 1.301 against 1.939 uncapped / 1.331 for the pointer
 # entry causal had (128 registers: 2.883, 60 bytes spilled). The causal dq entry 64x32 took 1.312 against 128x32's
@@ -211,21 +211,15 @@ CONFIGS_FP32 = {
     "dq_causal": {d: BwdConfig(64, 32, 4, 2) for d in (16, 32, 64, 128)},
     "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
-PREPROCESS_BLOCK_M = 64
 FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
-# Padded head dims where use_fused may pick the fused backward. Sweep (scripts/fa_sweep.py bwd, session 16, H100,
+# Padded head dims where use_fused may pick the fused backward. Sweep (H100,
 # forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
 # 0.124 / 0.169; 128x4x128x128 causal 0.132 / 0.170. Not 32: 256x4x256x32 0.228 / 0.202 (dq added with atomics
 # over two key blocks: 0.217 / 0.202, causal 0.193 / 0.192). Longer keys (atomics): 128x8x1024x32 causal 1.407 /
 # 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay. (The dq kernel's programs in heavy-first order
 # were tried too at 128x8x1024x32 causal: 1.386 against 1.369 ms, not kept.)
 FUSED_HEAD_DIMS = frozenset({16, 64, 128})
-BACKWARD = None  # "fused" or "split" forces that backward (sweeps, tests); None: use_fused decides
-# The split backward without its preprocess launch: the dq kernel, run first, computes delta = rowsum(o * do) as it
-# loads do and stores it for the dk/dv kernel. H100, session 19 (scripts/fa_sweep.py bwd --only 128x8x1024x32
-# --kernel dq [--delta-in-dq], results/flash_attention-delta-in-dq-2026-11-23-h100-s19.txt), forward + backward at
-# the table's tiles: causal 1.334 ms against 1.374 with the preprocess, non-causal 2.028 against 2.072.
-DELTA_IN_DQ = True
+BACKWARDS = ("fused", "split")  # backward's `kind`; None lets use_fused choose
 
 
 def block_d(head_dim: int) -> int:
@@ -555,24 +549,6 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------- backward
 
 
-@direct_launch
-@triton.jit(do_not_specialize=["H", "LQ"])
-def _bwd_preprocess_kernel(
-    O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, sdod, H, LQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """delta[b, h, i] = sum_d o * do (fp32)."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_d = tl.arange(0, BLOCK_D)
-    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod
-    do = _load(do_ptrs, offs_m, LQ, offs_d, HEAD_DIM, PAD_D, True)
-    _store_delta(O, DELTA, do, do, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_d, HEAD_DIM, PAD_D, 0)
-
-
 @triton.jit
 def _store_delta(
     O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi,
@@ -839,7 +815,7 @@ def _bwd_dq_kernel(
     TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
 ):
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
-    already loaded) and stored for the dk/dv kernel, which then runs after this one: no preprocess launch. D_HI > 0
+    already loaded) and stored for the dk/dv kernel, which then runs after this one: no launch of its own. D_HI > 0
     (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
@@ -930,7 +906,7 @@ def _fused_block(
     q = _tile(q_src, start_m, sqm, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     do = _tile(do_src, start_m, sdom, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
     o = _tile(o_src, start_m, som, LQ, offs_m, offs_d, HEAD_DIM, PAD_D, True, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # the preprocess's rowsum(o * do), here
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # delta = rowsum(o * do), here
     dv, _, ds_t = _dv_and_ds_t(
         dv, dv, k, k, v, v, q, q, do, do, lse_ptr, delta, rows, offs_n, kv_len, LQ, start_m,
         qk_scale, dropout_p, drop_seed, MASK, CAUSAL, DROPOUT, DOT_PRECISION, False, 0,
@@ -959,7 +935,7 @@ def _bwd_fused_kernel(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
 ):
-    """dq, dk and dv in one kernel, no preprocess: the dk/dv kernel's loop, which also computes each query block's
+    """dq, dk and dv in one kernel, no launch for delta: the dk/dv kernel's loop, which also computes each query block's
     delta and its dq part (5 products and one exp per score, against the two kernels' 7 and two)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_n = tl.program_id(0) * BLOCK_N
@@ -1094,25 +1070,26 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     return o, lse
 
 
-def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse):
-    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads."""
-    if BACKWARD == "fused" or (BACKWARD is None and use_fused(q, k)):
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, kind=None):
+    """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads.
+
+    kind: "fused" (one kernel, backward_fused) or "split" (the dq kernel, which also writes delta = rowsum(o * do),
+    then the dk/dv kernel); None: use_fused decides."""
+    if kind not in (None, *BACKWARDS):
+        raise ValueError(f"kind: expected None or one of {BACKWARDS}, got {kind!r}")
+    if kind == "fused" or (kind is None and use_fused(q, k)):
         dq, dk, dv = backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
-    elif DELTA_IN_DQ:
+    else:
         delta = empty(q.shape[:3], dtype=torch.float32, device=q.device)
         dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, o=o)
         dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
-    else:
-        delta = backward_preprocess(o, do)
-        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
-        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
     return dq, dk, dv, None, None, None, None, None
 
 
 def use_fused(q, k) -> bool:
     """The fused kernel for 16-bit inputs at the head dims where it won, where every key fits its block (it then
     stores dq: no atomics) and there are enough (batch, kv head) pairs to fill the GPU, one program each; else the
-    preprocess and the dk/dv and dq kernels."""
+    dq and dk/dv kernels."""
     b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
     d = block_d(q.shape[-1])
     return (
@@ -1142,17 +1119,6 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
     return (dq.to(q.dtype) if atomic else dq), dk, dv
 
 
-def backward_preprocess(o, do):
-    """delta = rowsum(o * do) [B, H, Lq] fp32."""
-    b, h, lq, d = o.shape
-    delta = empty((b, h, lq), dtype=torch.float32, device=o.device)
-    _bwd_preprocess_kernel[(cdiv(lq, PREPROCESS_BLOCK_M), b * h)](
-        o, do, delta, *o.stride()[:3], *do.stride(), h, lq,
-        HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
-    )
-    return delta
-
-
 def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
     """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant (and lse_delta_variant)."""
     b, h, lq, _ = q.shape
@@ -1177,16 +1143,16 @@ def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tm
     """Whether the dk/dv kernel on its descriptor path (tma: backward_variant's TMA) reads lse and delta (contiguous
     [B, H, Lq] fp32, as both paths take them) through 1-D descriptors too: the config asks for it (lse_delta_tma) and
     every (b, h) row is 16-byte aligned (Lq % 4 == 0); else pointer loads. Query blocks of fewer than 32 rows take
-    pointers too: with 16 (64-byte boxes) the kernel faulted on a misaligned address on an H100 (session 29, Triton
-    3.6, head dim 32)."""
+    pointers too: with 16 (64-byte boxes) the kernel faulted on a misaligned address on an H100 (Triton 3.6,
+    head dim 32)."""
     if not (cfg.lse_delta_tma and tma) or cfg.block_m < 32:
         return False
     return lse.shape[-1] % 4 == 0 and all(x.data_ptr() % 16 == 0 for x in (lse, delta))
 
 
 def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None):
-    """dq in q's dtype; with o, it also writes delta = rowsum(o * do) into `delta` (see DELTA_IN_DQ). cfg, tma: see
-    backward_variant."""
+    """dq in q's dtype; with o, it also writes delta = rowsum(o * do) into `delta` (for the dk/dv kernel run after
+    it: no separate launch for delta). cfg, tma: see backward_variant."""
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)

@@ -23,13 +23,12 @@ masked to the rows inside the sequence (so a strong decay cannot make 0 * inf th
 column sums over [BT, BT] tiles run a thread per row on shared memory.
 """
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
-from .tilelang import (
+from .tilelang_shared import (
     BT,
     L2NORM_EPS,
     Chunks,

@@ -1,4 +1,4 @@
-"""The chunked gated delta rule's backward in Triton (the forward and the helpers shared with it: triton.py)."""
+"""The chunked gated delta rule's backward in Triton (the forward: triton.py; what both use: triton_shared.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,28 @@ from .. import buffers
 from ..backends import sm_count
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
-from .triton import (
-    BT_, L2NORM_EPS, Chunks, Segments, _bounds, _chunk_last, _chunk_rows, _combine, _contiguous, _first_chunk, _half_dot,
-    _half_dots, _as_operand, _load_qk, _precision, _state_buffer, _storage_dot, _to_half, _walk_operand_columns,
-    launch_options, walk_states,
+from .triton_shared import (
+    BT_,
+    DEFAULT_TUNING,
+    L2NORM_EPS,
+    Chunks,
+    Segments,
+    Tuning,
+    _as_operand,
+    _bounds,
+    _chunk_last,
+    _chunk_rows,
+    _combine,
+    _contiguous,
+    _first_chunk,
+    _half_dot,
+    _load_qk,
+    _precision,
+    _state_buffer,
+    _storage_dot,
+    _to_half,
+    _walk_operand_columns,
+    walk_states,
 )
 
 # --------------------------------------------------------------------------- chunked backward
@@ -37,14 +55,14 @@ from .triton import (
 #      and no exp or l2norm over tiles:
 #         dU = dU_local + K~ dS'          dS = e^gamma_last dS' + Q~^T dO - w^T dU
 #      storing dS' per chunk and dU (in place of dU_local), and dS of the first chunk as d(initial_state);
-#   3. _chunk_grad_state_kernel, one program per (chunk, value head, K block): the products with the states,
-#      dO S^T, U dS'^T, dw = -dU S^T (written where dq, dk and dw go) and <S, dS'> (for d gamma_last);
-#   4. _chunk_grad_qk_kernel, one program per (chunk, value head): the output's and S''s parts, dq (final, with
-#      the l2norm backward of q), and dk's and dgamma's parts from O and S' (kept in fp32 for step 5);
+#   3. and 4. _chunk_grad_qk_state_kernel, one program per (chunk, value head): the products with the states,
+#      dO S^T, U dS'^T, dw = -dU S^T and <S, dS'> (for d gamma_last), in registers; then the output's and S''s
+#      parts, dq (final, with the l2norm backward of q), and dk's and dgamma's parts from O and S' (kept in fp32 for
+#      step 5). (As two kernels, with dO S^T and U dS'^T through memory in fp32, they were slower.)
 #   5. _chunk_grad_wy_kernel, one program per (chunk, value head): through the WY factors w = T diag(beta e^gamma) K
 #      and u = T diag(beta) V and through T (dA = -T^T dT T^T on the strictly lower part): dv, dbeta and the rest
 #      of dk and dgamma, then the l2norm backward of k and the reverse cumulative sum dgamma -> dg within the chunk.
-#      (GRAD_WY: or in two parts through dA = -T^T dU U^T, as two kernels or one; see "step 5 through" below.)
+#      (Or in two parts through dA = -T^T dU U^T, in one kernel: Tuning.grad_wy, see "step 5 through" below.)
 # dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head by
 # _sum_value_heads_kernel, which casts too (torch's sum, then the cast, passed over the fp32 sums a second time: 0.92
 # ms of kernels at the packed shape, HV 32, on an H100); with HV = H steps 4 and 5 write them, and every other
@@ -53,7 +71,7 @@ from .triton import (
 # steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
 # Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
 # a [BT, BT] decay and two l2norms, recomputed by every V block): 2.12 ms of the walk at B4-T4096-H16-D128 became
-# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_launch, _grad_state_launch.
+# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_qk_state_launch, _grad_launch, _grad_wy_launch.
 #
 # No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
 # miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
@@ -63,39 +81,6 @@ from .triton import (
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
 # The walk's Q_raw^T and w^T are transposes of loaded tiles (Q~^T dO = Q_raw^T diag(q_factor) dO), and dU enters
 # w^T dU untransposed.
-
-# HALF_BACKWARD: bf16 operands in the backward's products for half inputs (_storage_dot's HALF; the accumulators stay
-# fp32, as in the forward's walk and output and in fla's backward), in every kernel of steps 1 to 5 but the single
-# step-5 kernel (_chunk_grad_wy_kernel), which always takes tf32: on bf16 operands it faulted on the H100 (illegal
-# memory access at K = 16 and 32, Triton 3.6, session 17; the fused step 5 passed every GPU case). Read at each call,
-# as GRAD_WY. None (the default): on where step 5 runs fused (K = 128 by default), where it pays; True / False force.
-# H100, session 17, forward + backward (bf16, l2norm): B4-T4096-H16-D128 3.111 ms on against 3.544 off (fused step 5);
-# PCVR B256-T256-H4-D16 with the fused step 5 0.622 on against 0.616 off, and 0.617 with the single one (the default).
-# Under the interpreter (whose fp32 -> bf16 conversion truncated where the GPU rounds to nearest until session 19's
-# _to_half, so its bf16 errors ran about twice the GPU's) no product brought a gradient near its bound. Worst
-# relative RMS errors against the float64 recurrence over 11 bf16 and 11 fp16 cases (K 16 to 128, T up to 1000, GVA,
-# varlen, l2norm, states), off -> on: dq/dk/dv/dh0 3.1e-3 -> 3.7e-3 (bound 8e-3), dg 3.3e-3 -> 6.8e-3 and dbeta
-# 2.7e-3 -> 4.5e-3 (bound 2e-2); fp16 inputs lose most (their operands were exact in tf32: dv 3e-4 -> 3e-3). The
-# products that move a gradient most: those with dS' (K~ dS' in the walk: dv, dbeta; U dS'^T: dk, dg) and T^T dU (dv,
-# dbeta). sm_90 (Triton 3.6) registers / spill bytes a thread, off -> on, at K = 16 / 64 / 128: fused step 5 255/0 ->
-# 255/0, 255/0 -> 252/0, 254/0 -> 255/0; qk 255/184 -> 255/208 at K = 16; the reverse walk 255/16 -> 247/0 at K = 64;
-# the others do not spill.
-HALF_BACKWARD: bool | None = None
-
-
-def _half_backward(q: torch.Tensor) -> bool:
-    """The HALF constexpr of the backward's kernels, for half inputs (_half_dots): HALF_BACKWARD, or when None
-    whether step 5 runs fused at q's K."""
-    on = grad_wy_variant(q.shape[-1]) == "fused" if HALF_BACKWARD is None else HALF_BACKWARD
-    return on and _half_dots(q)
-
-
-def half_inverse(k: torch.Tensor) -> bool:
-    """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF), so
-    that prepare may store it in bf16 (triton._inverse_dtype). The single kernel's products are tf32; both kernels
-    take T in either dtype."""
-    return grad_wy_variant(k.shape[-1]) == "fused" and _half_backward(k)
-
 
 @triton.jit
 def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
@@ -191,7 +176,7 @@ def _state_grad_kernel(
     (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). dS stays fp32 in
     registers (HALF: the products on bf16 operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
     two [BK, BV] tiles: products of 64 state rows, as fla's reverse walk takes them (a [128, 32] tile made illegal
-    memory accesses with Triton 3.6 on the H100, session 20)."""
+    memory accesses with Triton 3.6 on the H100)."""
     tl.static_assert(K <= 2 * BK)  # at most two row tiles
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on x: grid y caps at 65535
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -259,8 +244,8 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
             HALF=half,
-            # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100, scripts/gdr_sweep.py)
-            **launch_options("local", K, BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
+            # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100)
+            **dict(BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
         )  # fmt: skip
     return q_factor, k_factor
 
@@ -268,11 +253,11 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
 def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.device) -> tuple[int, int, int]:
     """(BV, warps, stages) of _state_grad_kernel for `walks` sequences x value heads, from H100 timings (Triton 3.6,
     bf16) and sm_90 compiles. Half inputs:
-    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Session 21,
-      forward + backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
+    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Forward +
+      backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
       (256) 2.251 -> 2.351, so BV 64 there; 2 stages 2.312 and 10.92 at BV 64; 8 warps slower. BV 32 runs since
-      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (session 20: illegal accesses, or
-      results off by 3.4e-3; session 21: tests/gpu's K128-V32 case). A block wider than V is masked.
+      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (illegal accesses, or
+      results off by 3.4e-3; tests/gpu's K128-V32 case). A block wider than V is masked.
     - K = 64 BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at
       B256-T256-H4).
     fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
@@ -290,84 +275,12 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks,
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
     BV, warps, stages = _walk_launch(K, V, _precision(q), chunks.n * HV, q.device)
-    options = launch_options("state_grad", K, BV=BV, num_warps=warps, num_stages=stages)
+    options = dict(BV=BV, num_warps=warps, num_stages=stages)
     _state_grad_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, BK=min(K, 64), USE_INITIAL_STATE=dh0 is not None, USE_FINAL_GRAD=dht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q), STORE_GRADS=dstates is not None,
         HALF=half, **options,
-    )  # fmt: skip
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_grad_state_kernel(
-    states, dstates, do, du, corrections, dq_state_out, dk_state_out, dw_out, d_last_out,
-    cu_seqlens, chunk_indices, T, N_CHUNKS,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    i_t, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, row_mask, _ = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
-    cols_k = i_k * BK + tl.arange(0, BK)
-    state_base = (i_t.to(tl.int64) * HV + i_hv) * K * V
-    dq_state = tl.zeros([BT_, BK], dtype=tl.float32)  # dO S^T
-    dk_state = tl.zeros([BT_, BK], dtype=tl.float32)  # U dS'^T
-    dw = tl.zeros([BT_, BK], dtype=tl.float32)  # -dU S^T
-    d_last = tl.zeros([BK], dtype=tl.float32)  # <S, dS'> per K row
-    for i_v in range(0, V, BV):
-        cols_v = i_v + tl.arange(0, BV)
-        block = cols_k[:, None] * V + cols_v[None, :]
-        tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
-        b_s = tl.load(states + state_base + block).to(tl.float32)
-        b_ds = tl.load(dstates + state_base + block).to(tl.float32)
-        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_du = tl.load(du + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        dq_state += _storage_dot(b_do, tl.trans(b_s), PRECISION, HALF)
-        dk_state += _storage_dot(b_corrections, tl.trans(b_ds), PRECISION, HALF)
-        dw -= _storage_dot(b_du, tl.trans(b_s), PRECISION, HALF)
-        d_last += tl.sum(b_s * b_ds, 1)
-    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
-    tl.store(dq_state_out + heads, dq_state, mask=row_mask[:, None])
-    tl.store(dk_state_out + heads, dk_state, mask=row_mask[:, None])
-    tl.store(dw_out + heads, dw.to(dw_out.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(d_last_out + (i_t * HV + i_hv) * (K // BK) + i_k, tl.sum(d_last, 0))  # read as K_BLOCKS per (chunk, head)
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["T", "N_CHUNKS"])
-def _chunk_grad_qk_kernel(
-    q, k, gamma_in, corrections, d_last_in, do, dq, dk, dq_out, dk_part_out, d_gamma_out,
-    cu_seqlens, chunk_indices, scale, T, N_CHUNKS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, K_BLOCKS: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """Step 4 (GRAD_QK_STATE "split"): the output's and the leaving state's part. dq and dk hold dO S^T and U dS'^T
-    on entry; dq_out gets dq (its final value: nothing else reaches q), dk_part_out (dk itself) dk's part P^T-side and
-    S'-side (fp32, finished in step 5), d_gamma_out these parts' dgamma (fp32, with d gamma_last on the last row)."""
-    i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
-        gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN
-    )
-    cols_k = tl.arange(0, K)
-    last = tl.load(gamma_in + last_row * HV + i_hv)
-
-    # dO U^T and its transpose U dO^T, each from loaded tiles (see above)
-    do_u = tl.zeros([BT_, BT_], dtype=tl.float32)
-    u_do = tl.zeros([BT_, BT_], dtype=tl.float32)
-    for i_v in range(0, V, BV):
-        tokens = (rows[:, None] * HV + i_hv) * V + i_v + tl.arange(0, BV)[None, :]
-        b_do = tl.load(do + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
-        do_u += _storage_dot(b_do, tl.trans(b_corrections), PRECISION, HALF)
-        u_do += _storage_dot(b_corrections, tl.trans(b_do), PRECISION, HALF)
-    d_last = tl.load(d_last_in + (i_t * HV + i_hv) * K_BLOCKS + tl.arange(0, K_BLOCKS))
-    heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
-    dq_state = tl.load(dq + heads, mask=row_mask[:, None], other=0.0)
-    dk_state = tl.load(dk + heads, mask=row_mask[:, None], other=0.0)
-    _grad_qk_outputs(
-        q, k, dq_out, dk_part_out, d_gamma_out, rows, row_mask, last_row, gamma, last, i_h, i_hv, do_u, u_do,
-        dq_state, dk_state, tl.sum(d_last, 0), scale, H, HV, K, L2NORM, PRECISION, HALF,
     )  # fmt: skip
 
 
@@ -418,7 +331,7 @@ def _chunk_grad_qk_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    """Steps 3 and 4 in one program per (chunk, value head) (GRAD_QK_STATE "fused"): one loop over V blocks takes the
+    """Steps 3 and 4 in one program per (chunk, value head): one loop over V blocks takes the
     products with the states (dO S^T, U dS'^T, dw = -dU S^T over the whole K, <S, dS'>) and dO U^T, U dO^T, so that
     none of them goes through memory but dw; then step 4's outputs."""
     i_t, i_hv, i_h, rows, row_mask, last_row, gamma = _chunk_program(
@@ -547,20 +460,11 @@ def _chunk_grad_wy_kernel(
 #     dA~ loaded once and transposed in registers (a loaded tile, not a dot's result: see above), so
 #     that dk = dk + diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K takes two dots per K block;
 #     then the l2norm backward of k and dg.
-# GRAD_WY picks how chunk_backward runs step 5 (scripts/gdr_sweep.py times both): "single", _chunk_grad_wy_kernel;
-# "fused", both parts in one program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier).
-# Registers a thread at sm_90 (Triton 3.6, bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three (4 warps
-# at K = 16, then 8), spilling 152 B at K = 64 and 304 B at K = 128; fused 199 / 158 / 134 with 8 warps, none
-# spilling (220 to 255 with 4; blocks of 32 or 64 columns of k keep more live). GRAD_WY None (the default) picks by
-# K, from scripts/gdr_sweep.py on an H100 (session 15, bf16, forward + backward ms,
-# results/gated_delta_rule-grad_wy-sweep-2026-11-23-h100-s15.txt): "fused" at K = 128 (B4-T4096-H16: 3.767 with 4
-# warps against single's 3.995), "single" below (PCVR, K = 16: single 0.637, fused 0.634; K = 32 and 64 were not
-# timed). The parts as two kernels ("split", session 15) were slower at both: 3.834 and 0.751 ms.
-GRAD_WY = None
-
-
-def grad_wy_variant(K: int) -> str:
-    return GRAD_WY or ("fused" if K == 128 else "single")
+# Tuning.grad_wy picks how chunk_backward runs step 5: "single", _chunk_grad_wy_kernel; "fused", both parts in one
+# program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier). Registers a thread at sm_90 (Triton 3.6,
+# bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three, spilling 152 B at K = 64 and 304 B at K = 128;
+# the fused one 199 / 158 / 134 with 8 warps, none spilling. On an H100 the fused kernel won at K = 128 and tied at
+# K = 16 (docs/tuning/gated_delta_rule.md); the parts as two kernels were slower at both and are gone.
 
 
 @triton.jit
@@ -690,7 +594,7 @@ def _chunk_grad_wy_fused_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    """GRAD_WY "fused": both parts in one program, dA * decay through da_scratch (read back by other threads)."""
+    """Step 5 "fused" (Tuning.grad_wy): both parts in one program, dA * decay through da_scratch (read back by other threads)."""
     i_hv, i_h, rows, row_mask, gamma, b_beta, inverse = _wy_program(
         beta, gamma_in, inverse_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H, HV, IS_VARLEN, HALF
     )
@@ -704,79 +608,51 @@ def _chunk_grad_wy_fused_kernel(
     )  # fmt: skip
 
 
-STATE_GRAD_BLOCK_K = 64  # K columns per _chunk_grad_state_kernel program: three [BT, 64] fp32 accumulators
-# How the backward runs steps 3 and 4: "fused", _chunk_grad_qk_state_kernel (one program per chunk and value head, the
-# products with the states over the whole K in registers), or "split", _chunk_grad_state_kernel (per K block) then
-# _chunk_grad_qk_kernel, with dO S^T and U dS'^T through memory in fp32 (at B4-T4096-H16-D128 about 0.5 GB of the
-# two kernels' 1.8 GB of traffic by count). scripts/gdr_sweep.py qk_state times both.
-GRAD_QK_STATE = "fused"
-
-
-def _grad_launch(kernel: str, K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_qk_kernel ("grad_qk") and _chunk_grad_wy_kernel ("grad_wy"): 8 warps from
-    K = 64 (their [BT, K] fp32 tiles), V blocks of 32 at K = 128. Half inputs, sm_90, Triton 3.6: the qk kernel
-    spills 184 B at K = 16 with 2 warps (none with 4) and none from K = 64, the wy kernel 152 B at K = 64 and 304 B
-    at K = 128. From scripts/gdr_sweep.py on an H100 (session 14, forward + backward ms): PCVR (K = 16) qk with
-    2 warps and 1 stage 0.641 against 0.670 with 4 warps and 2 stages; K = 128 qk with 3 stages 4.090 against 4.158."""
+def _grad_launch(K: int, V: int) -> dict:
+    """Launch options of _chunk_grad_wy_kernel: 8 warps from K = 64 (its [BT, K] fp32 tiles), V blocks of 32 at
+    K = 128. Half inputs, sm_90, Triton 3.6: it spills 152 B at K = 64 and 304 B at K = 128."""
     if K <= 32:
-        qk, wy = dict(num_warps=2, num_stages=1), dict(num_warps=4, num_stages=2)
-    else:
-        qk = dict(num_warps=8, num_stages=3 if K == 128 else 2)
-        wy = dict(num_warps=8, num_stages=2)
-    defaults = qk if kernel == "grad_qk" else wy
-    return launch_options(kernel, K, BV=min(V, 32 if K == 128 else 64), **defaults)
+        return dict(BV=min(V, 64), num_warps=4, num_stages=2)
+    return dict(BV=min(V, 32 if K == 128 else 64), num_warps=8, num_stages=2)
 
 
 def _grad_qk_state_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from scripts/gdr_sweep.py qk_state (H100,
-    session 19, forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
+    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from H100 timings
+    (forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
     against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread,
     and it still spills about 200-280 B a thread at sm_90, Triton 3.6); at K = 16 2 warps, 1 stage (B256-T256-H4-D16
     0.555 against 0.605 with 4 warps); 8 warps at K = 64 (spilling about 300-350 B a thread, 550 with 4; K = 32 and 64
     not timed)."""
     if K == 128:
-        return launch_options("grad_qk_state", K, BV=min(V, 32), num_warps=8, num_stages=3)
+        return dict(BV=min(V, 32), num_warps=8, num_stages=3)
     warps = 2 if K == 16 else 8 if K >= 64 else 4
-    return launch_options("grad_qk_state", K, BV=min(V, 64), num_warps=warps, num_stages=1 if K == 16 else 2)
-
-
-def _grad_state_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_state_kernel; the sweep: 1 stage at K = 16 (0.664 against 0.670 ms),
-    8 warps and 3 stages at K = 128 (4.103 against 4.158 ms)."""
-    if K == 128:
-        defaults = dict(num_warps=8, num_stages=3)
-    else:
-        defaults = dict(num_warps=4, num_stages=1 if K <= 32 else 2)
-    return launch_options("grad_state", K, BV=min(V, 64), **defaults)
-
+    return dict(BV=min(V, 64), num_warps=warps, num_stages=1 if K == 16 else 2)
 
 
 def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
     """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): v in blocks of 64 (32 with IEEE dots, which
-    run on the FMA units in registers), 4 warps and 2 stages, the fastest in the session-15 sweep at K = 16 and 128
+    run on the FMA units in registers), 4 warps and 2 stages, the fastest in a sweep at K = 16 and 128
     (at K = 128: 3.767 ms against 4.256 with 8 warps); k in blocks of 16 columns (the fewest registers), but of 64
-    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (helper-46's comparison
-    with fla's WY backward). H100, session 21, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
+    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (as fla's WY backward
+    takes them). H100, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
     2.119; BK 64 with 3 stages 2.125; BV 32 made an illegal memory access)."""
     BV = min(V, 32 if precision == "ieee" else 64)
     BK = 64 if K == 128 and precision != "ieee" else min(K, 16)
-    return launch_options("grad_wy_fused", K, BK=BK, BV=BV, num_warps=4, num_stages=2)
+    return dict(BK=BK, BV=BV, num_warps=4, num_stages=2)
 
 
-def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict) -> None:
-    """Step 5 as GRAD_WY says: inputs (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma), outputs
-    (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
+def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict, variant: str) -> None:
+    """Step 5 as `variant` ("single" or "fused", Tuning.step5): inputs (k, v, beta, gamma, inverse, corrections, dw,
+    du, dk, d_gamma), outputs (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
     k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma = inputs
     dk_out, dv, dbeta, dg = outputs
     K, V, precision = shared["K"], shared["V"], shared["PRECISION"]
     tail = (chunks.cu, chunks.indices, T, chunks.per_sequence)
     grid = (chunks.total, shared["HV"])
-    variant = grad_wy_variant(K)
     if variant == "single":
-        tf32 = {name: value for name, value in shared.items() if name != "HALF"}  # see HALF_BACKWARD
-        _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch("grad_wy", K, V), **tf32)
+        tf32 = {name: value for name, value in shared.items() if name != "HALF"}  # see Tuning.half_backward
+        _chunk_grad_wy_kernel[grid](*inputs, *outputs, *tail, **_grad_launch(K, V), **tf32)
         return
-    assert variant == "fused", f"GRAD_WY is {variant!r}: 'single' or 'fused'"
     da = buffers.empty(inverse.shape, dtype=torch.float32, device=inverse.device)  # dA * decay per chunk
     _chunk_grad_wy_fused_kernel[grid](*inputs, da, *outputs, *tail, **_grad_wy_launch(K, V, precision), **shared)
 
@@ -825,25 +701,27 @@ def _final_buffer(fp32_buffer: torch.Tensor | None, x: torch.Tensor, groups: int
 
 def chunk_backward(
     grad_o, grad_final, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-    o, final, gamma, w, u, inverse,
+    o, final, gamma, w, u, inverse, *, tuning: Tuning = DEFAULT_TUNING,
 ):  # fmt: skip
+    """Every input's gradient (None for the non-tensor ones); tuning: the kernels' variants (the forward's)."""
     q, k, v, g, beta, initial_state, grad_o, grad_final = _contiguous(q, k, v, g, beta, initial_state, grad_o, grad_final)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device, precision = q.device, _precision(q)
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
-    half = _half_backward(q)  # every kernel's HALF
+    half = tuning.half(q)  # every kernel's HALF
+    step5 = tuning.step5(K)
     # dS', dU and dw only ever enter products after they are stored: with HALF in bf16, as those products round them
     # (the walk adds dU_local to K~ dS' in fp32 after one rounding; <S, dS'> for d gamma_last takes dS' rounded). dU
     # stays fp32 for the single step-5 kernel, whose products are tf32 (bf16 dU: dv's error 9.5e-3 -> 1.3e-2 at K 32)
     product_dtype = torch.bfloat16 if half else torch.float32
-    du_dtype = product_dtype if grad_wy_variant(K) == "fused" else torch.float32
+    du_dtype = product_dtype if step5 == "fused" else torch.float32
     dstates = _state_buffer(chunks.total, HV, K, V, device, product_dtype)
     du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     # the states again, from the k factors just computed (the forward's up to rounding: the same math, another kernel)
-    segments = Segments.of(chunks, q, v, cu_seqlens)
+    segments = Segments.of(chunks, q, v, cu_seqlens, tuning.segment_chunks)
     _, states, corrections, maps = walk_states(
         k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments
     )
@@ -861,11 +739,8 @@ def chunk_backward(
 
     groups = HV // H  # GVA: a q/k head's gradient sums over its value heads (_sum_value_heads, from fp32)
     per_value_head = (B * T, HV, K)
-    assert GRAD_QK_STATE in ("fused", "split"), f"GRAD_QK_STATE is {GRAD_QK_STATE!r}: 'fused' or 'split'"
-    fused = GRAD_QK_STATE == "fused"
-    dq = None if fused else buffers.empty(per_value_head, dtype=torch.float32, device=device)  # dO S^T (split)
-    dk = buffers.empty(per_value_head, dtype=torch.float32, device=device)  # (split: U dS'^T, then) step 4's part
-    dq_out, dk_out = _final_buffer(dq, q, groups, per_value_head), _final_buffer(dk, k, groups, per_value_head)
+    dk = buffers.empty(per_value_head, dtype=torch.float32, device=device)  # step 4's part
+    dq_out, dk_out = _final_buffer(None, q, groups, per_value_head), _final_buffer(dk, k, groups, per_value_head)
     dw = buffers.empty(per_value_head, dtype=product_dtype, device=device)
     dv = buffers.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = buffers.empty((B, T, HV), dtype=beta.dtype, device=device)
@@ -876,36 +751,14 @@ def chunk_backward(
         )
         d_gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
         tail = (chunks.cu, chunks.indices, scale, T, chunks.per_sequence)
-        if fused:
-            _chunk_grad_qk_state_kernel[(chunks.total, HV)](
-                q, k, gamma, states, dstates, grad_o, du, corrections, dq_out, dk, dw, d_gamma, *tail,
-                **_grad_qk_state_launch(K, V), **shared,
-            )  # fmt: skip
-        else:
-            _grad_state_and_qk(q, k, gamma, states, dstates, grad_o, du, corrections, dq, dk, dw, dq_out, d_gamma, tail, shared)
+        _chunk_grad_qk_state_kernel[(chunks.total, HV)](
+            q, k, gamma, states, dstates, grad_o, du, corrections, dq_out, dk, dw, d_gamma, *tail,
+            **_grad_qk_state_launch(K, V), **shared,
+        )  # fmt: skip
         wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma)
-        _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared)
+        _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared, step5)
     if groups > 1:
         dq_out, dk_out = _sum_value_heads(dq_out, B, T, H, q.dtype), _sum_value_heads(dk_out, B, T, H, k.dtype)
     dq_out, dk_out = dq_out.view(B, T, H, K), dk_out.view(B, T, H, K)
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
     return dq_out, dk_out, dv, dg, dbeta, None, dh0, None, None, None
-
-
-def _grad_state_and_qk(q, k, gamma, states, dstates, grad_o, du, corrections, dq, dk, dw, dq_out, d_gamma, tail, shared):
-    """Steps 3 and 4 as two kernels (GRAD_QK_STATE "split"): dO S^T and U dS'^T through dq and dk (fp32), <S, dS'>
-    per K block through d_last; tail: (cu_seqlens, chunk indices, scale, T, chunks per sequence)."""
-    HV, K, V = shared["HV"], shared["K"], shared["V"]
-    cu_seqlens, chunk_indices, _, T, per_sequence = tail
-    total = dstates.shape[0]
-    block_k = min(K, STATE_GRAD_BLOCK_K)
-    d_last = buffers.empty((total, HV, K // block_k), dtype=torch.float32, device=q.device)
-    _chunk_grad_state_kernel[(total, HV, K // block_k)](
-        states, dstates, grad_o, du, corrections, dq, dk, dw, d_last, cu_seqlens, chunk_indices, T, per_sequence,
-        HV=HV, K=K, V=V, BK=block_k, IS_VARLEN=shared["IS_VARLEN"], PRECISION=shared["PRECISION"], HALF=shared["HALF"],
-        **_grad_state_launch(K, V),
-    )  # fmt: skip
-    _chunk_grad_qk_kernel[(total, HV)](
-        q, k, gamma, corrections, d_last, grad_o, dq, dk, dq_out, dk, d_gamma, *tail, K_BLOCKS=K // block_k,
-        **_grad_launch("grad_qk", K, V), **shared,
-    )  # fmt: skip

@@ -5,12 +5,22 @@ parameters, so backward needs no partial sums: dx = rstd * (dy - y * sum(dy * y)
 (see triton.py).
 """
 
+import tilelang.language as T
 import torch
 
-import tilelang.language as T
-
 from .. import buffers
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, RowPlan, kernel_rows, launcher, load_rows, plan_for, row_layout, store_rows
+from ..tilelang_common import (
+    ACCUM,
+    TL_DTYPE,
+    Entry,
+    RowPlan,
+    kernel_rows,
+    launcher,
+    load_rows,
+    plan_for,
+    row_layout,
+    store_rows,
+)
 
 
 def forward_kernel(dtype: str, plan: RowPlan):

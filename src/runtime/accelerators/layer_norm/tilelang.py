@@ -6,9 +6,8 @@ cancellation). Backward is one persistent kernel writing dx and one row of parti
 of dweight and dbias per block; a column-sum kernel reduces them (no atomics).
 """
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..tilelang_common import (
@@ -18,10 +17,10 @@ from ..tilelang_common import (
     RowPlan,
     column_sum,
     column_sum_entry,
-    kernel_rows,
-    load_rows,
     info_for,
+    kernel_rows,
     launcher,
+    load_rows,
     param_or_placeholder,
     persistent_row_grid,
     placeholder,

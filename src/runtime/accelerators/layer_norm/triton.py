@@ -17,10 +17,16 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..norms_triton import (
-    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, sum_partials,
-)
 from ..native import GRAD, GRAD_OF, NativeBackward
+from ..norms_triton import (
+    add_partials_if_last,
+    n_tiles,
+    one_launch_backward,
+    parameter_backward,
+    row_tiles,
+    rows_of,
+    sum_partials,
+)
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op

@@ -9,14 +9,13 @@ dimension: one compiled kernel per (dtypes, n, C).
 
 from __future__ import annotations
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..launch_math import pow2_at_least
-from .layout import allocate_pre, token_streams
 from ..tilelang_common import ACCUM, TL_DTYPE, compiled, device_info
+from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64

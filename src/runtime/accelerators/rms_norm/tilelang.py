@@ -7,9 +7,8 @@ a column-sum kernel reduces the partials (no atomics).
 """
 
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..tilelang_common import (
@@ -19,10 +18,10 @@ from ..tilelang_common import (
     RowPlan,
     column_sum,
     column_sum_entry,
-    kernel_rows,
-    load_rows,
     info_for,
+    kernel_rows,
     launcher,
+    load_rows,
     param_or_placeholder,
     persistent_row_grid,
     placeholder,

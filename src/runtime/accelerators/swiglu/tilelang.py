@@ -9,9 +9,8 @@ blocks run unguarded; only the last, partial block checks each element against N
 The flat-tile helpers here (layout, guarded load/store) are shared with dropout_add.
 """
 
-import torch
-
 import tilelang.language as T
+import torch
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks of the given operators (default: all) on the GPU machine, JSON per op into $OUT/bench.tar.
-# Usage (GPU machine, repo root): TAAC_COMMIT=<hash> bash .device/gpu bash scripts/gpu_benchmarks.sh [op ...]
+# Usage (GPU machine, repo root): TAAC_COMMIT=<hash> bash .device/gpu bash tools/gpu_benchmarks.sh [op ...]
 # (the GPU machine gets the working tree without .git: pass the commit so the JSON records it)
 set -uo pipefail
 ops=("$@")

@@ -3,7 +3,7 @@
 # log kept in $OUT (so a call cut short still brings back what ran). PARALLEL=1 runs the files side
 # by side (TileLang compiles are CPU-bound; the GPU machine has 16 cores). Arguments may be test
 # node ids (file::test) to split one slow file.
-# Usage (GPU machine, repo root): bash .device/gpu bash scripts/gpu_tests.sh [tests/gpu/test_x.py ...]
+# Usage (GPU machine, repo root): bash .device/gpu bash tools/gpu_tests.sh [tests/gpu/test_x.py ...]
 set -uo pipefail
 out=${OUT:-/tmp}
 files=("$@")

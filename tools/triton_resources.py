@@ -1,6 +1,6 @@
 """Registers, register-spill stack and shared memory per thread of every Triton kernel, compiled for sm_90, no GPU.
 
-    TRITON_INTERPRET=1 python scripts/triton_resources.py [case ...]
+    TRITON_INTERPRET=1 python tools/triton_resources.py [case ...]
 
 Cases are those of tests/unit/test_triton_compile_sm90.py (default: all); TAAC_SM90_TRITON=<folder> compiles with
 another Triton (the GPU machine's 3.6, as .ci/run installs it). A kernel at 255 registers with a stack is spilling.

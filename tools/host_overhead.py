@@ -1,8 +1,8 @@
 """Host time per eager call of the Triton path, measured on a CPU machine with the GPU launch stubbed out.
 
-    PYTHONPATH=src python scripts/host_overhead.py                      # the table
-    PYTHONPATH=src python scripts/host_overhead.py --profile "rms_norm fwd+bwd"   # plus cProfile of one case
-    PYTHONPATH=src python scripts/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
+    PYTHONPATH=src python tools/host_overhead.py                      # the table
+    PYTHONPATH=src python tools/host_overhead.py --profile "rms_norm fwd+bwd"   # plus cProfile of one case
+    PYTHONPATH=src python tools/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
                                                                         # its log lines go to stderr)
 
 The tensors live on the CPU and the kernels are real JITFunctions (TRITON_INTERPRET is not set), so every call
@@ -38,8 +38,16 @@ import torch.nn.functional as F
 
 import runtime.accelerators as accelerators
 from runtime.accelerators import (
-    backends, binary_cross_entropy_with_logits, chunk_gated_delta_rule, dropout_add, embedding_bag_mean, flash_attention,
-    layer_norm, rms_norm, swiglu, triton_launch,
+    backends,
+    binary_cross_entropy_with_logits,
+    chunk_gated_delta_rule,
+    dropout_add,
+    embedding_bag_mean,
+    flash_attention,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    triton_launch,
 )  # fmt: skip
 
 

@@ -1,0 +1,240 @@
+"""What the chunked gated delta rule's TileLang forward (tilelang.py) and backward (tilelang_backward.py) share: the
+chunk tables (Chunks), the macros that address chunks and load states and rows, and the state-and-output kernel that
+the backward runs again to recompute the states."""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, placeholder
+from .varlen import chunk_table, on_device
+
+BT = 64  # the chunk size (reference.CHUNK_SIZE)
+L2NORM_EPS = 1e-6  # the l2norm op's default eps
+CU_DTYPE = torch.int32
+
+
+def _state_block(K: int, V: int) -> int:
+    return min(V, 32 if K >= 64 else 64)
+
+
+def _state_threads(K: int, BV: int) -> int:
+    """Threads of the kernels walking a [K, BV] state: its gemm needs 16 rows x 8 columns per warp."""
+    return 32 * min(4, (K // 16) * (BV // 8))
+
+
+def chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
+    """First token of global chunk i_t (chunks are numbered sequence by sequence)."""
+    if varlen:
+        return Cu[Chunks[i_t, 0]] + Chunks[i_t, 1] * BT
+    return (i_t // n_chunks) * seq_len + (i_t % n_chunks) * BT
+
+
+def chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
+    """End (exclusive) of the sequence holding global chunk i_t."""
+    if varlen:
+        return Cu[Chunks[i_t, 0] + 1]
+    return (i_t // n_chunks + 1) * seq_len
+
+
+# The macros below take the kernels' TIR scalars under the scalars' own names (v_heads for HV, and n, hv,
+# v0, start, eos as the kernels bind them): TileLang 0.1.15 renames a scalar passed to a macro after the
+# macro's parameter, so another name would change the generated code. Buffers are passed as they are.
+
+
+@T.macro
+def state_program(bnh, bv, v_heads, groups, BV: int, Cu, seq_len, varlen: bool):
+    """What a program of a state walk (grid: sequences x value heads on x, V blocks on y) works on: sequence
+    n, value head hv and its q/k head h, the V block starting at v0, and the sequence's tokens [bos, eos)."""
+    n = bnh // v_heads
+    hv = bnh % v_heads
+    h = hv // groups
+    v0 = bv * BV
+    bos = Cu[n] if varlen else n * seq_len
+    eos = Cu[n + 1] if varlen else (n + 1) * seq_len
+    return n, hv, h, v0, bos, eos
+
+
+@T.macro
+def load_state(state, Src, n, hv, v0, present: bool):
+    """state = the [K, BV] slice of Src[n, hv] from column v0 when present, else zeros."""
+    if present:
+        for i, j in T.Parallel(state.shape[0], state.shape[1]):
+            state[i, j] = Src[n, hv, i, v0 + j]
+    else:
+        T.clear(state)
+
+
+@T.macro
+def store_state(Dst, state, n, hv, v0):
+    """The [K, BV] slice of Dst[n, hv] from column v0 = state."""
+    for i, j in T.Parallel(state.shape[0], state.shape[1]):
+        Dst[n, hv, i, v0 + j] = state[i, j]
+
+
+@T.macro
+def load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos):
+    """gamma_s and w_s = the chunk's rows [start, start + BT) of Gamma[:, hv] and W[:, hv], zero from eos on;
+    returns gamma at the chunk's last row."""
+    last = Gamma[T.min(start + BT, eos) - 1, hv]
+    for i in T.Parallel(BT):
+        gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
+    for i, j in T.Parallel(BT, w_s.shape[1]):
+        w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
+    return last
+
+
+@T.macro
+def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
+    """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
+    (then rsum holds each row's sum of squares)."""
+    for i, j in T.Parallel(BT, x_f.shape[1]):
+        x_f[i, j] = T.if_then_else(start + i < eos, T.cast(X[start + i, h, j], ACCUM), 0.0)
+    if l2norm:
+        for i, j in T.Parallel(BT, x_f.shape[1]):
+            sq[i, j] = x_f[i, j] * x_f[i, j]
+        T.reduce_sum(sq, rsum, dim=1)
+        for i, j in T.Parallel(BT, x_f.shape[1]):
+            x_f[i, j] = x_f[i, j] * T.rsqrt(rsum[i] + L2NORM_EPS)
+
+
+def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
+                        varlen: bool, write_output: bool = True, store_states: bool = False):  # fmt: skip
+    """The forward's state walk; for the backward (store_states, no output) it stores the state entering
+    each chunk at the chunk's global index: States[First[n] + c] (fixed length: n * chunks per sequence + c)."""
+    R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
+    threads = _state_threads(K, BV)
+    state_shape = (NS, HV, K, V)
+
+    @T.prim_func
+    def gdr_chunk_state_output(
+        Q: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        W: T.Tensor((R, HV, K), ACCUM),
+        U: T.Tensor((R, HV, V), ACCUM),
+        O: T.Tensor((R, HV, V) if write_output else (1,), dtype),
+        H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
+        HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
+        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        First: T.Tensor((NF,), "int32"),
+        scale: T.float32,
+        seq_len: T.int32,
+        n_seq: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
+            state = T.alloc_fragment((K, BV), ACCUM)
+            state_s = T.alloc_shared((K, BV), ACCUM)
+            q_f = T.alloc_fragment((BT, K), ACCUM)
+            k_f = T.alloc_fragment((BT, K), ACCUM)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rstd = T.alloc_fragment((BT,), ACCUM)
+            q_s = T.alloc_shared((BT, K), ACCUM)
+            qg_s = T.alloc_shared((BT, K), ACCUM)
+            k_s = T.alloc_shared((BT, K), ACCUM)
+            kd_s = T.alloc_shared((BT, K), ACCUM)
+            w_s = T.alloc_shared((BT, K), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
+            corr = T.alloc_fragment((BT, BV), ACCUM)
+            corr_s = T.alloc_shared((BT, BV), ACCUM)
+            attn = T.alloc_fragment((BT, BT), ACCUM)
+            attn_s = T.alloc_shared((BT, BT), ACCUM)
+            o_state = T.alloc_fragment((BT, BV), ACCUM)
+            o_intra = T.alloc_fragment((BT, BV), ACCUM)
+            update = T.alloc_fragment((K, BV), ACCUM)
+
+            n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
+            first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
+            load_state(state, H0, n, hv, v0, has_initial)
+            for c in T.serial(T.ceildiv(eos - bos, BT)):
+                start = bos + c * BT
+                if store_states:
+                    for i, j in T.Parallel(K, BV):
+                        States[first + c, hv, i, v0 + j] = state[i, j]
+                last = load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos)
+                if write_output:
+                    load_qk_rows(Q, h, start, eos, q_f, sq, rstd, l2norm)
+                    T.copy(q_f, q_s)
+                load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
+                T.copy(k_f, k_s)
+                T.copy(state, state_s)
+                T.sync_threads()
+                for i, j in T.Parallel(BT, K):
+                    kd_s[i, j] = T.if_then_else(start + i < eos, k_s[i, j] * T.exp(last - gamma_s[i]), 0.0)
+                if write_output:
+                    for i, j in T.Parallel(BT, K):
+                        qg_s[i, j] = q_s[i, j] * T.exp(gamma_s[i])
+                # U = u - w S
+                T.gemm(w_s, state_s, corr, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    corr_s[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j], 0.0) - corr[i, j]
+                if write_output:
+                    T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        attn_s[i, j] = T.if_then_else(i >= j, attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0)
+                T.sync_threads()
+                if write_output:
+                    T.gemm(qg_s, state_s, o_state, clear_accum=True)
+                    T.gemm(attn_s, corr_s, o_intra, clear_accum=True)
+                    for i, j in T.Parallel(BT, BV):
+                        if start + i < eos:
+                            O[start + i, hv, v0 + j] = T.cast((o_state[i, j] + o_intra[i, j]) * scale, dtype)
+                T.gemm(kd_s, corr_s, update, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = state[i, j] * T.exp(last) + update[i, j]
+                T.sync_threads()  # the next chunk overwrites the shared tiles
+            if store_final:
+                store_state(HT, state, n, hv, v0)
+
+    return gdr_chunk_state_output
+
+
+def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
+                       write_output: bool = True, store_states: bool = False) -> Entry:  # fmt: skip
+    BV = _state_block(K, V)
+    flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
+    key = ("gdr_chunk_state_output", K, V, BV, dtype, flags)
+    return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _contiguous(q, k, v, g, beta, initial_state):
+    """The inputs as the kernels read them: contiguous, the initial state in fp32."""
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    return [None if t is None else t.contiguous() for t in (q, k, v, g, beta, initial_state)]
+
+
+def _sequences(v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return v.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _device_cu(cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    if cu_seqlens is None:
+        return placeholder(device, CU_DTYPE)
+    return on_device(cu_seqlens, device, CU_DTYPE)
+
+
+@dataclass
+class Chunks:
+    """How the packed token axis splits into chunks of BT, as the chunked kernels take it (forward and backward)."""
+
+    per_sequence: int  # chunks per sequence (fixed length; 0 with cu_seqlens)
+    total: int  # chunks over all sequences
+    cu: torch.Tensor  # device cu_seqlens (int32), or a placeholder
+    table: torch.Tensor  # device [total, 2] int32 (sequence, chunk within it) with cu_seqlens, or a placeholder
+    first: torch.Tensor  # device [N] int32 global index of each sequence's first chunk, or a placeholder
+
+    @classmethod
+    def of(cls, B: int, T_: int, cu_seqlens: torch.Tensor | None, device) -> "Chunks":
+        cu = _device_cu(cu_seqlens, device)
+        if cu_seqlens is None:
+            none = placeholder(device, torch.int32)
+            return cls(-(-T_ // BT), B * -(-T_ // BT), cu, none, none)
+        table, first = chunk_table(cu, cu_seqlens, BT)
+        return cls(0, table.shape[0], cu, table, first)

@@ -1,0 +1,67 @@
+"""Benchmark rows grouped per (shape, dtype, mode): our kernel backends beside the peers, as the reports and plots
+compare them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KERNEL_BACKENDS = ("triton", "tilelang")
+
+
+@dataclass
+class Comparison:
+    """One (shape, dtype, mode) of the results: each implementation's time in ms (None: not timed, its status in
+    `status`), which are ours (the kernel backends) and which are peers, in the order they were measured. The torch
+    backend is neither: it is the reference the others are checked against."""
+
+    shape: str
+    dtype: str
+    mode: str
+    ms: dict[str, float | None] = field(default_factory=dict)
+    status: dict[str, str] = field(default_factory=dict)
+    ours: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+
+    def best(self, names: list[str]) -> tuple[str, float] | None:
+        timed = [(self.ms[n], n) for n in names if self.ms.get(n) is not None]
+        return (min(timed)[1], min(timed)[0]) if timed else None
+
+    def speedup(self) -> float | None:
+        """Best peer's time over the best of ours: above 1, ours is faster."""
+        ours, peer = self.best(self.ours), self.best(self.peers)
+        return peer[1] / ours[1] if ours and peer else None
+
+
+def _is_ours(row: dict) -> bool:
+    return row.get("kind", "backend") == "backend" and row["impl"] in KERNEL_BACKENDS
+
+
+def _is_peer(row: dict) -> bool:
+    return row.get("kind") == "peer"
+
+
+def uses_gpu_time(results: list[dict]) -> bool:
+    return any(row.get("gpu_ms") for result in results for row in result["rows"])
+
+
+def _time(row: dict, gpu: bool) -> float | None:
+    if gpu:
+        return row["gpu_ms"]["median"] if row.get("gpu_ms") else None
+    return row.get("eager_ms")
+
+
+def compare(results: list[dict]) -> list[Comparison]:
+    """Every row of the results grouped by (shape, dtype, mode), in first-seen order; GPU time (median) when the
+    results have it, else eager time. A later result's row replaces an earlier one of the same implementation."""
+    gpu = uses_gpu_time(results)
+    groups: dict[tuple[str, str, str], Comparison] = {}
+    for result in results:
+        for row in result["rows"]:
+            key = (row["shape"], row.get("dtype", ""), row["mode"])
+            group = groups.setdefault(key, Comparison(*key))
+            group.ms[row["impl"]] = _time(row, gpu) if row["status"] == "ok" else None
+            group.status[row["impl"]] = row["status"]
+            names = group.ours if _is_ours(row) else group.peers if _is_peer(row) else None
+            if names is not None and row["impl"] not in names:
+                names.append(row["impl"])
+    return list(groups.values())
