@@ -38,6 +38,8 @@ OP_NAMES: tuple[str, ...] = (
     "dropout_add",
     "embedding_bag_mean",
     "mhc",
+    "add_norm",
+    "activation",
 )
 
 TILELANG_VERSION = "0.1.15"

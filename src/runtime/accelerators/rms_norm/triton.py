@@ -3,7 +3,7 @@
 Backward (xhat = x * rstd, g = dy * weight):
     dx = rstd * (g - xhat * mean(g * xhat))     dweight = sum over rows of dy * xhat
 
-The backward kernel works rstd out again from x, as the forward does (_rstd): it reads x anyway, so that costs one
+The backward kernel works rstd out again from x, as the forward does (rms_rstd): it reads x anyway, so that costs one
 row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
 `infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
 still returns rstd, as the op's schema has it.
@@ -17,18 +17,12 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import (
-    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, sum_partials,
+    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, rms_rstd, row_tiles, rows_of, sum_partials,
 )
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
-
-
-@triton.jit
-def _rstd(x, N, eps):
-    """rsqrt(mean(x^2) + eps) of each row of a tile: the forward's, and the backward's."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
 
 
 @direct_launch
@@ -45,7 +39,7 @@ def _forward_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_W:  # loaded before the reduction, so that its latency overlaps x's
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    rstd = _rstd(x, N, eps)
+    rstd = rms_rstd(x, N, eps)
     y = x * rstd[:, None]
     if HAS_W:
         y = y * w
@@ -73,7 +67,7 @@ def _backward_kernel(
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = _rstd(x, N, eps)[:, None]
+        rstd = rms_rstd(x, N, eps)[:, None]
         xhat = x * rstd
         g = dy * w if HAS_W else dy
         dx = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
