@@ -19,6 +19,8 @@ from .layer_norm import layer_norm
 from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
 from .swiglu import swiglu
+from .add_norm import add_layer_norm, add_rms_norm
+from .activation import gelu, silu
 
 __all__ = [
     "BACKENDS",
@@ -43,4 +45,8 @@ __all__ = [
     "set_accelerators",
     "swiglu",
     "use_accelerators",
+    "add_rms_norm",
+    "add_layer_norm",
+    "gelu",
+    "silu",
 ]
