@@ -1,5 +1,6 @@
 """gelu and silu in TileLang, fp32 math, one pass each way; backward works the derivative out again from x (the
-formulas are in activation/triton.py).
+formulas are in activation/triton.py, the constants in
+activation/reference.py).
 
 Flat arrays of a dynamic length N, laid out as swiglu's TileLang kernels (its flat-tile helpers: register tiles of
 16-byte vectors, unguarded full blocks and a guarded last block): one compiled kernel per (dtype, activation) serves
@@ -13,7 +14,7 @@ import tilelang.language as T
 from .. import buffers
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
-from .triton import GELU, GELU_TANH, INV_SQRT_2PI, SILU, SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
+from .reference import GELU, GELU_TANH, INV_SQRT_2PI, SILU, SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
 
 ACTIVATIONS = {SILU: "silu", GELU: "gelu", GELU_TANH: "gelu_tanh"}
 

@@ -20,27 +20,31 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..swiglu.triton import BLOCK, WARPS, load_block, store_block
 from ..triton_launch import direct_launch
+from . import reference as constants
+from .reference import GELU, GELU_TANH, SILU
 
-SILU, GELU, GELU_TANH = 0, 1, 2
-SQRT_HALF = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
-SQRT_2_OVER_PI = 0.7978845608028654
-TANH_CUBIC = 0.044715
+# the kernels may read module globals only as constexprs
+_SILU: tl.constexpr = tl.constexpr(SILU)
+_GELU: tl.constexpr = tl.constexpr(GELU)
+_SQRT_HALF: tl.constexpr = tl.constexpr(constants.SQRT_HALF)
+_INV_SQRT_2PI: tl.constexpr = tl.constexpr(constants.INV_SQRT_2PI)
+_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(constants.SQRT_2_OVER_PI)
+_TANH_CUBIC: tl.constexpr = tl.constexpr(constants.TANH_CUBIC)
 
 
 @triton.jit
 def _tanh_parts(x):
     """(t, du/dx) of the tanh approximation."""
-    u = SQRT_2_OVER_PI * (x + TANH_CUBIC * x * x * x)
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0, SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * x * x)
+    u = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0, _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
 
 
 @triton.jit
 def _activate(x, ACT: tl.constexpr):
-    if ACT == SILU:
+    if ACT == _SILU:
         return x * tl.sigmoid(x)
-    elif ACT == GELU:
-        return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+    elif ACT == _GELU:
+        return 0.5 * x * (1.0 + tl.erf(x * _SQRT_HALF))
     else:
         t, _ = _tanh_parts(x)
         return 0.5 * x * (1.0 + t)
@@ -48,11 +52,11 @@ def _activate(x, ACT: tl.constexpr):
 
 @triton.jit
 def _derivative(x, ACT: tl.constexpr):
-    if ACT == SILU:
+    if ACT == _SILU:
         s = tl.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))
-    elif ACT == GELU:
-        return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+    elif ACT == _GELU:
+        return 0.5 * (1.0 + tl.erf(x * _SQRT_HALF)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
     else:
         t, du = _tanh_parts(x)
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
