@@ -33,9 +33,12 @@ def textbook(kind, x):
     if kind == "gelu":
         cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
         return x * cdf, cdf + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    # (1 + tanh(u)) / 2 = sigmoid(2u) and (1 - tanh(u)^2) / 4 = sigmoid(2u) sigmoid(-2u): 1 + tanh(u) would round to
+    # zero in float64 too where tanh(u) is near -1
     k = math.sqrt(2 / math.pi)
-    t = torch.tanh(k * (x + 0.044715 * x**3))
-    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x)
+    u = k * (x + 0.044715 * x**3)
+    s, s_neg = torch.sigmoid(2 * u), torch.sigmoid(-2 * u)
+    return x * s, s + 2 * x * s * s_neg * k * (1 + 3 * 0.044715 * x * x)
 
 
 def check(kind, backend, x, rtol=None):
@@ -96,6 +99,17 @@ def test_triton_large_inputs_are_finite(kind):
     (dx_ref,) = torch.autograd.grad(run(kind, x64, "torch"), x64, torch.ones_like(x64))
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx, dx_ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_triton_gelu_tanh_keeps_its_relative_accuracy_in_the_tail():
+    """Where tanh(u) is near -1 (x from -9 to -3) y and dy/dx are tiny: computed through sigmoid(2u), not 1 + tanh(u),
+    they keep fp32's relative accuracy."""
+    x = torch.linspace(-9, -3, 61, requires_grad=True)
+    y = gelu(x, "tanh", backend="triton")
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    y64, derivative = textbook("gelu_tanh", x.detach())
+    assert ((y.double() - y64).abs() / y64.abs()).max() < 1e-5
+    assert ((dx.double() - derivative).abs() / derivative.abs()).max() < 1e-5
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,12 +19,16 @@ from .reference import GELU, GELU_TANH, INV_SQRT_2PI, SILU, SQRT_2_OVER_PI, SQRT
 ACTIVATIONS = {SILU: "silu", GELU: "gelu", GELU_TANH: "gelu_tanh"}
 
 
+def _tanh_argument(x):
+    return 2.0 * SQRT_2_OVER_PI * (x + TANH_CUBIC * x * x * x)
+
+
 def _activate(x, act: int):
     if act == SILU:
         return x / (1.0 + T.exp(-x))
     if act == GELU:
         return 0.5 * x * (1.0 + T.erf(x * SQRT_HALF))
-    return 0.5 * x * (1.0 + T.tanh(SQRT_2_OVER_PI * (x + TANH_CUBIC * x * x * x)))
+    return x / (1.0 + T.exp(-_tanh_argument(x)))  # (1 + tanh(u)) / 2 = sigmoid(2u), as the Triton kernels
 
 
 def _derivative(x, act: int):
@@ -33,8 +37,9 @@ def _derivative(x, act: int):
         return s * (1.0 + x * (1.0 - s))
     if act == GELU:
         return 0.5 * (1.0 + T.erf(x * SQRT_HALF)) + x * T.exp(-0.5 * x * x) * INV_SQRT_2PI
-    t = T.tanh(SQRT_2_OVER_PI * (x + TANH_CUBIC * x * x * x))
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * x * x)
+    two_u = _tanh_argument(x)
+    s, s_neg = 1.0 / (1.0 + T.exp(-two_u)), 1.0 / (1.0 + T.exp(two_u))  # (1 + t) / 2 and (1 - t) / 2
+    return s + 2.0 * x * s * s_neg * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * x * x)
 
 
 def forward_kernel(dtype: str, act: int, block: int = BLOCK, threads: int = THREADS):
