@@ -344,3 +344,29 @@ def test_tilelang_kernels_compile_for_sm90a(args):
         assert not isinstance(rows_dim, int) and not hasattr(rows_dim, "value"), f"{name}: rows must be dynamic"
         assert int(kernel.params[0].shape[1]) == width
         assert "uint4" in source, f"{name}: expected 16-byte accesses"
+
+
+# --------------------------------------------------------------------------- nn modules
+
+
+def test_modules_match_torch_norms_and_their_state_dicts():
+    from runtime.nn import AddLayerNorm, AddRMSNorm
+
+    x, residual = torch.randn(5, 8), torch.randn(5, 8)
+    rms, layer = AddRMSNorm(8, dtype=torch.float64), AddLayerNorm(8, device="cpu")
+    assert rms.weight.dtype == torch.float64 and layer.weight.device.type == "cpu"
+    assert rms.state_dict().keys() == torch.nn.RMSNorm(8).state_dict().keys()
+    assert layer.state_dict().keys() == torch.nn.LayerNorm(8).state_dict().keys()
+    reference = torch.nn.LayerNorm(8)
+    with torch.no_grad():
+        reference.weight.uniform_()
+        reference.bias.uniform_()
+    layer.load_state_dict(reference.state_dict())
+    with acc.use_accelerators(ops={"add_norm": "triton"}, fallback="error"):
+        y, total = layer(x, residual)
+        torch.testing.assert_close(y, reference(x + residual))
+        torch.testing.assert_close(total, x + residual)
+        y, _ = AddRMSNorm(8)(x, residual)
+        torch.testing.assert_close(y, torch.nn.RMSNorm(8, eps=1e-6)(x + residual))
+    assert AddLayerNorm(8, elementwise_affine=False).state_dict() == {}
+    assert list(AddLayerNorm(8, bias=False).state_dict()) == ["weight"]
