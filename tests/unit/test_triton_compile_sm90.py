@@ -113,6 +113,21 @@ def elementwise():
     _backward(acc.swiglu(_randn(8, 1024), _randn(8, 1024)), acc.dropout_add(_randn(8, 256), _randn(8, 256), p=0.1))
 
 
+def add_norm_and_activation():
+    """add_rms_norm / add_layer_norm forward (with and without statistics) and backward, both gradients flowing in, the
+    partials added in the kernel and in a second launch; gelu (exact and tanh) and silu forward and backward."""
+    x, residual = _randn(8, 256), _randn(8, 256)
+    weight, bias = _randn(256, dtype=f32), _randn(256, dtype=f32)
+    _backward(*acc.add_rms_norm(x, residual, weight), *acc.add_layer_norm(x, residual, weight, bias))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
+        _backward(*acc.add_rms_norm(x, residual, weight), *acc.add_layer_norm(x, residual, weight, bias))
+    with torch.no_grad():
+        acc.add_rms_norm(x, residual, weight), acc.add_layer_norm(x, residual, weight, bias)
+    x = _randn(8, 1024)
+    _backward(acc.gelu(x), acc.gelu(x, "tanh"), acc.silu(x))
+
+
 def bce():
     logits, targets = _randn(576), torch.rand(576)  # one block: the reduction ends in the forward kernel
     _backward(acc.binary_cross_entropy_with_logits(logits, targets, pos_weight=torch.tensor(2.0)))
@@ -368,6 +383,7 @@ def gated_delta_rule_split():
 CASES = {
     "norms": norms,
     "elementwise": elementwise,
+    "add_norm_and_activation": add_norm_and_activation,
     "bce": bce,
     "embedding_bag": embedding_bag,
     "embedding_bag_radix": embedding_bag_radix,

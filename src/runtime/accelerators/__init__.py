@@ -1,5 +1,7 @@
 """The public functional API of taac-runtime's accelerators."""
 
+from .activation import gelu, silu
+from .add_norm import add_layer_norm, add_rms_norm
 from .backends import (
     BACKENDS,
     OP_NAMES,
@@ -43,4 +45,8 @@ __all__ = [
     "set_accelerators",
     "swiglu",
     "use_accelerators",
+    "add_rms_norm",
+    "add_layer_norm",
+    "gelu",
+    "silu",
 ]

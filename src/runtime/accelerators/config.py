@@ -25,6 +25,8 @@ OP_NAMES: tuple[str, ...] = (
     "dropout_add",
     "embedding_bag_mean",
     "mhc",
+    "add_norm",
+    "activation",
 )
 
 

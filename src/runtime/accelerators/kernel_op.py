@@ -13,6 +13,10 @@ and may expose a third:
         the op's outputs alone, as forward computes them: what an eager call with nothing to
         differentiate runs, so that it allocates and writes nothing for a backward that will not come
 
+Tensor arguments that no backend's backward reads (add_norm's x and residual: it reads their sum, an output) are named
+in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops,
+whose schema is the op's, still pass them).
+
 A backward that never reads the op's outputs (results[:n_outputs]) says so with backward_reads_outputs=False:
 eager calls then do not save them (an output kept for backward costs more to save and unpack than an input) and
 pass None in their place. A kernel module whose backward reads none of forward's results (it recomputes what it
@@ -54,6 +58,7 @@ class KernelOp:
                    are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
                    `taac::<op>_<entry>_*`
     backward_reads_outputs: False when no backend's backward reads the op's outputs (see the module docstring)
+    unread_args:   names of tensor arguments no backend's backward reads (see the module docstring)
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class KernelOp:
         entry: str | None = None,
         backward_reads_outputs: bool = True,
         fake_takes_backend: bool = False,
+        unread_args: tuple[str, ...] = (),
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
@@ -82,6 +88,13 @@ class KernelOp:
         # tuple pickers (C-level, no Python loop per call): the tensor arguments, the plain values, and the
         # arguments in schema order from (tensor arguments + plain values); None where that is the order already
         self.tensors_of, self.values_of = _picker(self.tensor_slots), _picker(self.value_slots)
+        names = [argument.split()[1] for argument in args_schema.split(",")]
+        unknown = set(unread_args) - {names[i] for i in self.tensor_slots}
+        if unknown:
+            raise ValueError(f"unread_args: {sorted(unknown)} are not tensor arguments of {args_schema!r}")
+        # the tensor arguments eager calls save: None in place of the unread ones
+        keep = tuple(names[i] not in unread_args for i in self.tensor_slots)
+        self.saved_tensors_of = self.tensors_of if all(keep) else _saving(self.tensors_of, keep)
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
         self._modules: dict = {}
@@ -218,7 +231,7 @@ class _EagerFunction(torch.autograd.Function):
         if not isinstance(results, tuple):
             results = (results,)
         ctx.values = kernel_op.values_of(args)
-        ctx.save_for_backward(*kernel_op.tensors_of(args), *results[function.first_saved :])
+        ctx.save_for_backward(*kernel_op.saved_tensors_of(args), *results[function.first_saved :])
         return results[0] if kernel_op.n_outputs == 1 else results[: kernel_op.n_outputs]
 
     @staticmethod
@@ -267,6 +280,15 @@ def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
     if indices == tuple(range(first, last + 1)):
         return operator.itemgetter(slice(first, last + 1))
     return operator.itemgetter(*indices)
+
+
+def _saving(tensors_of: Callable[[tuple], tuple], keep: tuple[bool, ...]) -> Callable[[tuple], tuple]:
+    """tensors_of, with None where keep is False."""
+
+    def saved(args: tuple) -> tuple:
+        return tuple(t if k else None for t, k in zip(tensors_of(args), keep))
+
+    return saved
 
 
 def _as_tuple(results) -> tuple:

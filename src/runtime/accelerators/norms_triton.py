@@ -45,6 +45,21 @@ RESIDENT_WARPS = 16  # warps of persistent backward programs per SM
 INTERPRETER_PROGRAMS = 2  # backward programs under TRITON_INTERPRET=1 (exercises the partial sums)
 
 
+@triton.jit
+def rms_rstd(x, N, eps):
+    """rsqrt(mean(x^2) + eps) of each row of a tile (padding at zero)."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+
+
+@triton.jit
+def row_statistics(x, mask, N, eps):
+    """(mean, x - mean with the padding at zero, rstd) of each row of a tile (padding at zero)."""
+    mean = tl.sum(x, axis=1) / N
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    return mean, centred, rstd
+
+
 class RowTiles(NamedTuple):
     block: int  # columns per tile: the width rounded up to a power of two (>= 16)
     rows: int  # rows per tile

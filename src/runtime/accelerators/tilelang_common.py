@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import buffers
 from .backends import sm_count, tilelang_version_problem
 
 
@@ -282,3 +283,17 @@ def column_sum(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Reduce partial [G, K] fp32 over its rows into out [K] (any kernel dtype)."""
     launcher(column_sum_entry(out.dtype, partial.shape[0]), partial.device)(partial, out)
     return out
+
+
+def reduce_dtype(dtypes: list) -> torch.dtype:
+    """The dtype one column sum of several parameter gradients writes: theirs when they agree, else fp32."""
+    return dtypes[0] if all(d == dtypes[0] for d in dtypes) else torch.float32
+
+
+def reduce_partials(partial: torch.Tensor, params: list) -> list:
+    """Per-block partial sums [G, n_params * K] of the gradients of `params` (each [K], in that order) added up in one
+    column-sum launch, split into one gradient per parameter (through fp32 when their dtypes differ)."""
+    width = params[0].shape[0]
+    dtype = reduce_dtype([p.dtype for p in params])
+    total = column_sum(partial, buffers.empty((partial.shape[1],), dtype=dtype, device=partial.device))
+    return [total[k * width : (k + 1) * width].to(p.dtype) for k, p in enumerate(params)]

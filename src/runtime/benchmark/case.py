@@ -15,7 +15,8 @@ class Case:
     """One op at one shape preset.
 
     make_inputs(device, dtype) -> fresh random inputs (tensors that get gradients have requires_grad set)
-    run(backend, inputs)       -> the op through the public API on that backend (no fallback)
+    run(backend, inputs)       -> the op through the public API on that backend (no fallback): a tensor, or a tuple
+                                  of tensors for an op with several outputs (each gets an incoming gradient)
     reference(inputs)          -> the float64 reference on the same inputs (for the correctness check)
     peers                      -> name -> (inputs -> output): other implementations to time beside ours;
                                   a peer whose library is missing is left out (see `peer_available`)

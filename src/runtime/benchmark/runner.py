@@ -67,6 +67,11 @@ def _double(inputs: Inputs) -> Inputs:
     return doubled
 
 
+def _outputs(out) -> tuple:
+    """An op's outputs as a tuple (one tensor, or the tuple some ops return)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 def _grad_inputs(inputs: Inputs) -> list[str]:
     return [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
 
@@ -98,13 +103,15 @@ def check(case: Case, fn: Callable[[Inputs], torch.Tensor], inputs: Inputs, mode
         out = fn(inputs)
         ref_inputs = _double(inputs)
         ref = case.reference(ref_inputs)
-    errors = {"out": relative_rms_error(out, ref)}
+    outs, refs = _outputs(out), _outputs(ref)
+    keys = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
+    errors = {k: relative_rms_error(o, r) for k, o, r in zip(keys, outs, refs)}
     if mode == "fwd+bwd":
         names = _grad_inputs(inputs)
         grads = torch.autograd.grad(out, [inputs[n] for n in names], grad_out)
-        ref_grads = torch.autograd.grad(ref, [ref_inputs[n] for n in names], grad_out.double())
+        ref_grads = torch.autograd.grad(ref, [ref_inputs[n] for n in names], [g.double() for g in _outputs(grad_out)])
         errors.update({f"d{n}": relative_rms_error(g, r) for n, g, r in zip(names, grads, ref_grads)})
-    ok = all(e <= (bound if k == "out" else 2 * bound) for k, e in errors.items())  # NaN fails
+    ok = all(e <= (bound if k.startswith("out") else 2 * bound) for k, e in errors.items())  # NaN fails
     return {"errors": errors, "bound": bound, "correct": ok}
 
 
@@ -120,8 +127,8 @@ def measure(
     try:
         compile_s = timing.first_call_seconds(_pass(fn, inputs, "fwd", None), device)
         if mode == "fwd+bwd":
-            with torch.no_grad():
-                grad_out = torch.randn_like(fn(inputs))
+            with torch.no_grad():  # one incoming gradient per output (an op may return several: add_norm)
+                grad_out = tuple(torch.randn_like(o) for o in _outputs(fn(inputs)))
         row.update(check(case, fn, inputs, mode, grad_out))
     except Exception as error:  # an unsupported or failing implementation is reported, never timed
         row.update(status="error", error=f"{type(error).__name__}: {error}".splitlines()[0][:300])

@@ -1,6 +1,7 @@
 """nn.Module wrappers of the accelerator ops. Each module follows the active accelerator config
 (runtime.accelerators.set_accelerators / use_accelerators) unless given a `backend`."""
 
+from .activations import GELU, SiLU
 from .attention import CrossAttention, MultiHeadAttention
 from .blocks import GatedDeltaBlock, TransformerBlock
 from .embedding import EmbeddingBagMean
@@ -8,7 +9,7 @@ from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
 from .loss import BCEWithLogitsLoss
-from .norms import LayerNorm, RMSNorm
+from .norms import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
 from .residual import DropoutAdd
 
 __all__ = [
@@ -26,4 +27,8 @@ __all__ = [
     "TransformerBlock",
     "expand_streams",
     "merge_streams",
+    "AddLayerNorm",
+    "AddRMSNorm",
+    "GELU",
+    "SiLU",
 ]

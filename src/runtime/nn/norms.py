@@ -1,10 +1,12 @@
-"""RMSNorm and LayerNorm modules over the last dimension, on the backend the active accelerator config picks."""
+"""RMSNorm and LayerNorm modules over the last dimension, alone or after a residual add (AddRMSNorm, AddLayerNorm),
+on the backend the active accelerator config picks."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from runtime.accelerators.add_norm import add_layer_norm, add_rms_norm
 from runtime.accelerators.backends import Backend
 from runtime.accelerators.layer_norm import layer_norm
 from runtime.accelerators.rms_norm import rms_norm
@@ -39,6 +41,60 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        dim = None if self.weight is None else self.weight.shape[0]
+        return f"{dim}, eps={self.eps}, backend={self.backend}"
+
+
+class AddRMSNorm(nn.Module):
+    """(y, new_residual) = (rms_norm(x + residual), x + residual) in one pass; the parameters (and state_dict) of
+    nn.RMSNorm over the last dimension. `backend` pins one backend; None follows the active config."""
+
+    def __init__(
+        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None,
+        device=None, dtype=None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.eps = eps
+        self.backend = backend
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, self.weight, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        dim = None if self.weight is None else self.weight.shape[0]
+        return f"{dim}, eps={self.eps}, backend={self.backend}"
+
+
+class AddLayerNorm(nn.Module):
+    """(y, new_residual) = (layer_norm(x + residual), x + residual) in one pass; the parameters (and state_dict) of
+    nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
+
+    def __init__(
+        self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
+        backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.eps = eps
+        self.backend = backend
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(dim, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if elementwise_affine and bias else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_layer_norm(x, residual, self.weight, self.bias, self.eps, backend=self.backend)
 
     def extra_repr(self) -> str:
         dim = None if self.weight is None else self.weight.shape[0]

@@ -15,7 +15,6 @@ from ..tilelang_common import (
     TL_DTYPE,
     Entry,
     RowPlan,
-    column_sum,
     column_sum_entry,
     info_for,
     kernel_rows,
@@ -25,6 +24,8 @@ from ..tilelang_common import (
     persistent_row_grid,
     placeholder,
     plan_for,
+    reduce_dtype,
+    reduce_partials,
     row_layout,
     store_rows,
 )
@@ -184,7 +185,7 @@ def kernel_entries(
     params = [d for d in (w_dtype, b_dtype) if d is not None]
     if params:
         n_blocks = persistent_grid(dtype, width, info_for(device).sm_count)[2]
-        entries.append(column_sum_entry(_reduce_dtype(params), n_blocks))
+        entries.append(column_sum_entry(reduce_dtype(params), n_blocks))
     return entries
 
 
@@ -230,23 +231,10 @@ def backward(dy, x, weight, bias, eps, y, mean, rstd):
     n_blocks = persistent_grid(x.dtype, width, info_for(x.device).sm_count)[2]
     partial = buffers.empty((n_blocks, len(params), width), dtype=torch.float32, device=x.device)
     kernel(dy_rows, rows, param_or_placeholder(weight, x), mean, rstd, dx.view(n_rows, width), partial)
-    grads = _reduce_partials(partial.view(n_blocks, -1), params)
+    grads = reduce_partials(partial.view(n_blocks, -1), params)
     dweight = grads.pop(0) if weight is not None else None
     dbias = grads.pop(0) if bias is not None else None
     return dx, dweight, dbias, None
-
-
-def _reduce_partials(partial: torch.Tensor, params: list) -> list:
-    """One column-sum launch for all parameter gradients, split into one view per parameter
-    (through fp32 when weight and bias dtypes differ)."""
-    width = params[0].shape[0]
-    dtype = _reduce_dtype([p.dtype for p in params])
-    total = column_sum(partial, buffers.empty((partial.shape[1],), dtype=dtype, device=partial.device))
-    return [total[k * width : (k + 1) * width].to(p.dtype) for k, p in enumerate(params)]
-
-
-def _reduce_dtype(dtypes: list) -> torch.dtype:
-    return dtypes[0] if all(d == dtypes[0] for d in dtypes) else torch.float32
 
 
 def _dtype(t: torch.Tensor | None):

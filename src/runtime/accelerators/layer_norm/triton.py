@@ -4,7 +4,7 @@ Backward (xhat = (x - mean) * rstd, g = dy * weight):
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dweight = sum over rows of dy * xhat          dbias = sum over rows of dy
 
-The backward kernel works mean and rstd out again from x, as the forward does (_statistics): it reads x anyway, so
+The backward kernel works mean and rstd out again from x, as the forward does (row_statistics): it reads x anyway, so
 that costs two row sums and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager
 calls run `infer`: two allocations and two saved tensors fewer per call; BACKWARD_READS_RESULTS). `forward`, the
 custom op's, still returns mean and rstd, as the op's schema has them.
@@ -23,6 +23,7 @@ from ..norms_triton import (
     n_tiles,
     one_launch_backward,
     parameter_backward,
+    row_statistics,
     row_tiles,
     rows_of,
     sum_partials,
@@ -30,15 +31,6 @@ from ..norms_triton import (
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
-
-
-@triton.jit
-def _statistics(x, mask, N, eps):
-    """(mean, x - mean with the padding at zero, rstd) of each row of a tile: the forward's, and the backward's."""
-    mean = tl.sum(x, axis=1) / N
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
-    return mean, centred, rstd
 
 
 @direct_launch
@@ -58,7 +50,7 @@ def _forward_kernel(
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    mean, centred, rstd = _statistics(x, mask, N, eps)
+    mean, centred, rstd = row_statistics(x, mask, N, eps)
     y = centred * rstd[:, None]
     if HAS_W:
         y = y * w
@@ -90,7 +82,7 @@ def _backward_kernel(
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _, centred, rstd = _statistics(x, mask, N, eps)
+        _, centred, rstd = row_statistics(x, mask, N, eps)
         rstd = rstd[:, None]
         xhat = centred * rstd
         g = dy * w if HAS_W else dy

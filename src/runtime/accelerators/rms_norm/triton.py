@@ -3,7 +3,7 @@
 Backward (xhat = x * rstd, g = dy * weight):
     dx = rstd * (g - xhat * mean(g * xhat))     dweight = sum over rows of dy * xhat
 
-The backward kernel works rstd out again from x, as the forward does (_rstd): it reads x anyway, so that costs one
+The backward kernel works rstd out again from x, as the forward does (rms_rstd): it reads x anyway, so that costs one
 row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
 `infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
 still returns rstd, as the op's schema has it.
@@ -22,6 +22,7 @@ from ..norms_triton import (
     n_tiles,
     one_launch_backward,
     parameter_backward,
+    rms_rstd,
     row_tiles,
     rows_of,
     sum_partials,
@@ -29,12 +30,6 @@ from ..norms_triton import (
 from ..triton_launch import direct_launch
 
 BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
-
-
-@triton.jit
-def _rstd(x, N, eps):
-    """rsqrt(mean(x^2) + eps) of each row of a tile: the forward's, and the backward's."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
 
 
 @direct_launch
@@ -51,7 +46,7 @@ def _forward_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_W:  # loaded before the reduction, so that its latency overlaps x's
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    rstd = _rstd(x, N, eps)
+    rstd = rms_rstd(x, N, eps)
     y = x * rstd[:, None]
     if HAS_W:
         y = y * w
@@ -79,7 +74,7 @@ def _backward_kernel(
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = _rstd(x, N, eps)[:, None]
+        rstd = rms_rstd(x, N, eps)[:, None]
         xhat = x * rstd
         g = dy * w if HAS_W else dy
         dx = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd

@@ -28,14 +28,16 @@ FORWARD_LOAD_POLICY: tl.constexpr = tl.constexpr("evict_last")
 
 
 @triton.jit
-def _load(ptr, offs, n, MASKED: tl.constexpr, POLICY: tl.constexpr):
+def load_block(ptr, offs, n, MASKED: tl.constexpr, POLICY: tl.constexpr):
+    """The elements at offs as fp32 (masked at n when MASKED); shared with the activation kernels."""
     if MASKED:
         return tl.load(ptr + offs, mask=offs < n, other=0.0, eviction_policy=POLICY).to(tl.float32)
     return tl.load(ptr + offs, eviction_policy=POLICY).to(tl.float32)
 
 
 @triton.jit
-def _store(ptr, offs, n, value, MASKED: tl.constexpr):
+def store_block(ptr, offs, n, value, MASKED: tl.constexpr):
+    """value as ptr's dtype at offs (masked at n when MASKED); shared with the activation kernels."""
     if MASKED:
         tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=offs < n)
     else:
@@ -44,20 +46,20 @@ def _store(ptr, offs, n, value, MASKED: tl.constexpr):
 
 @triton.jit
 def _forward_tile(g_ptr, u_ptr, y_ptr, offs, n, MASKED: tl.constexpr):
-    g = _load(g_ptr, offs, n, MASKED, FORWARD_LOAD_POLICY)
-    u = _load(u_ptr, offs, n, MASKED, FORWARD_LOAD_POLICY)
-    _store(y_ptr, offs, n, g * tl.sigmoid(g) * u, MASKED)
+    g = load_block(g_ptr, offs, n, MASKED, FORWARD_LOAD_POLICY)
+    u = load_block(u_ptr, offs, n, MASKED, FORWARD_LOAD_POLICY)
+    store_block(y_ptr, offs, n, g * tl.sigmoid(g) * u, MASKED)
 
 
 @triton.jit
 def _backward_tile(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offs, n, MASKED: tl.constexpr):
-    dy = _load(dy_ptr, offs, n, MASKED, "")
-    g = _load(g_ptr, offs, n, MASKED, "")
-    u = _load(u_ptr, offs, n, MASKED, "")
+    dy = load_block(dy_ptr, offs, n, MASKED, "")
+    g = load_block(g_ptr, offs, n, MASKED, "")
+    u = load_block(u_ptr, offs, n, MASKED, "")
     s = tl.sigmoid(g)
-    _store(du_ptr, offs, n, dy * g * s, MASKED)
+    store_block(du_ptr, offs, n, dy * g * s, MASKED)
     # d silu(g) / dg = s * (1 + g * (1 - s))
-    _store(dg_ptr, offs, n, dy * u * s * (1.0 + g * (1.0 - s)), MASKED)
+    store_block(dg_ptr, offs, n, dy * u * s * (1.0 + g * (1.0 - s)), MASKED)
 
 
 @direct_launch

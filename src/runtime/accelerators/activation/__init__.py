@@ -1,0 +1,68 @@
+"""gelu(x, approximate="none" | "tanh") and silu(x), elementwise as torch computes them, one pass each way.
+
+The kernel backends' backward works the derivative out again from x (it keeps no output).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, OpSpec, select_backend
+from ..checks import check_tensor, dtype_reasons
+from ..kernel_op import KernelOp
+from .reference import gelu_reference, silu_reference
+
+APPROXIMATIONS = ("none", "tanh")
+# the tilelang kernels index elements with 32-bit integers (blocks of up to 2^16 elements)
+TILELANG_MAX_NUMEL = 2**31 - 2**16
+
+
+def _reasons(backend: str, x: torch.Tensor) -> list[str]:
+    reasons = dtype_reasons("x", x)
+    if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
+        reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    return reasons
+
+
+SPEC = OpSpec(name="activation", priority=("triton", "tilelang"), reasons=_reasons)
+
+
+def _fake_forward(x, *flags):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# kernel modules: gelu_forward(x, tanh) -> y      gelu_backward(dy, x, tanh, y) -> (dx, None)
+#                 silu_forward(x) -> y            silu_backward(dy, x, y) -> (dx,)
+# backward reads x, never y (None in eager calls)
+GELU_KERNEL = KernelOp(
+    "activation", "Tensor x, bool tanh", n_outputs=1, n_saved=0, fake_forward=_fake_forward, entry="gelu",
+    backward_reads_outputs=False,
+)  # fmt: skip
+SILU_KERNEL = KernelOp(
+    "activation", "Tensor x", n_outputs=1, n_saved=0, fake_forward=_fake_forward, entry="silu",
+    backward_reads_outputs=False,
+)  # fmt: skip
+
+
+def _key(x: torch.Tensor) -> tuple:
+    return x.dtype, x.numel() > TILELANG_MAX_NUMEL
+
+
+def gelu(x: torch.Tensor, approximate: str = "none", *, backend: Backend | None = None) -> torch.Tensor:
+    """As F.gelu: x * Phi(x), or its tanh approximation with approximate="tanh"."""
+    check_tensor("x", x)
+    if approximate not in APPROXIMATIONS:  # also anything that is not a string
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    chosen = select_backend(SPEC, backend, x.device, _key(x), x=x)
+    if chosen == "torch" or x.numel() == 0:
+        return gelu_reference(x, approximate)
+    return GELU_KERNEL(chosen, x, approximate == "tanh")
+
+
+def silu(x: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    """As F.silu: x * sigmoid(x)."""
+    check_tensor("x", x)
+    chosen = select_backend(SPEC, backend, x.device, _key(x), x=x)
+    if chosen == "torch" or x.numel() == 0:
+        return silu_reference(x)
+    return SILU_KERNEL(chosen, x)
