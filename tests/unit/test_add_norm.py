@@ -310,7 +310,7 @@ def test_benchmark_runner_checks_both_outputs_and_all_gradients():
     for case in cases.CASES[:1] + cases.LAYER_CASES[:1]:
         small = dataclasses.replace(case, make_inputs=cases._inputs(37, 200, bias=case.op == "add_layer_norm"))
         for backend in ("torch", "triton"):
-            row = measure(small, backend, "backend", lambda i, b=backend: small.run(b, i), f32, "fwd+bwd", machine)
+            row = measure(small, backend, "backend", lambda i, b=backend, s=small: s.run(b, i), f32, "fwd+bwd", machine)
             assert row["status"] == "ok", row
             expected = {"out0", "out1", "dx", "dresidual", "dweight"} | ({"dbias"} if case.op == "add_layer_norm" else set())
             assert set(row["errors"]) == expected
