@@ -43,6 +43,7 @@ from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.linear import triton as linear_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.triton_launch import DirectLaunch
 
@@ -109,6 +110,21 @@ def norms():
 
 def elementwise():
     _backward(acc.swiglu(_randn(8, 1024), _randn(8, 1024)), acc.dropout_add(_randn(8, 256), _randn(8, 256), p=0.1))
+
+
+def linear():
+    """The forward GEMM at each table entry the benchmark shapes reach (128 x 256 tiles at K = N = 4096, 128 x 128 at
+    K = 64, swiglu's two accumulators), saving the pre-activation and not (infer), K = 40 (masked K), and the
+    backward's elementwise pass for every activation that has one, with and without dbias partials."""
+    for m, k, n, activation, bias in ((2048, 256, 256, "gelu", True), (256, 64, 256, "silu", False),
+                                      (256, 256, 512, "swiglu", True), (37, 40, 64, "gelu_tanh", True),
+                                      (37, 64, 64, "relu", True)):  # fmt: skip
+        rows = 2 * n if activation == "swiglu" else n
+        x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
+        b = _randn(rows, grad=False) if bias else None
+        y, z = linear_triton.forward(x, w, b, activation)
+        linear_triton.infer(x, w, b, activation)
+        linear_triton.preact_gradient(torch.randn_like(y), z, y, activation, bias)
 
 
 def bce():
@@ -362,6 +378,7 @@ CASES = {
     "norms": norms,
     "elementwise": elementwise,
     "bce": bce,
+    "linear": linear,
     "embedding_bag": embedding_bag,
     "embedding_bag_radix": embedding_bag_radix,
     "mhc": mhc,

@@ -11,3 +11,10 @@ import torch
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
+
+
+@functools.cache
+def compiled_max_autotune(fn: Callable) -> Callable:
+    """torch.compile(fn, mode="max-autotune"): Inductor benchmarks its GEMM templates against cuBLAS (compile time
+    counts minutes for a GEMM-heavy function; it is reported as the first call)."""
+    return torch.compile(fn, mode="max-autotune")

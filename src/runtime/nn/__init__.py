@@ -7,6 +7,7 @@ from .embedding import EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
+from .linear import Linear
 from .loss import BCEWithLogitsLoss
 from .norms import LayerNorm, RMSNorm
 from .residual import DropoutAdd
@@ -20,6 +21,7 @@ __all__ = [
     "GatedDeltaRuleMixer",
     "HyperConnection",
     "LayerNorm",
+    "Linear",
     "MultiHeadAttention",
     "RMSNorm",
     "SwiGLUFeedForward",
