@@ -15,6 +15,7 @@ def compiled(fn: Callable) -> Callable:
 
 @functools.cache
 def compiled_max_autotune(fn: Callable) -> Callable:
-    """torch.compile(fn, mode="max-autotune"): Inductor benchmarks its GEMM templates against cuBLAS (compile time
-    counts minutes for a GEMM-heavy function; it is reported as the first call)."""
-    return torch.compile(fn, mode="max-autotune")
+    """torch.compile(fn, mode="max-autotune", dynamic=False): Inductor benchmarks its GEMM templates against cuBLAS for
+    each shape (static shapes: each benchmark shape gets its own tuned graph; the compile time, minutes for a
+    GEMM-heavy function, is reported as the first call)."""
+    return torch.compile(fn, mode="max-autotune", dynamic=False)

@@ -12,7 +12,7 @@ import torch
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
-from .reference import ACTIVATIONS, linear_reference
+from .reference import ACTIVATIONS, SAVES_PREACT, linear_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -52,8 +52,7 @@ SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reas
 def _fake_forward(x, weight, bias, activation):
     rows = weight.shape[0]
     y = x.new_empty(x.shape[0], rows // 2 if activation == "swiglu" else rows)
-    saves = activation in ("gelu", "gelu_tanh", "silu", "swiglu")
-    return y, x.new_empty((x.shape[0], rows) if saves else (0,))
+    return y, x.new_empty((x.shape[0], rows) if activation in SAVES_PREACT else (0,))
 
 
 # kernel modules: forward(x [M, K], weight, bias, activation) -> (y [M, N or F], z: the saved pre-activation, or an

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "swiglu")
+# the activations whose kernel backward reads the saved pre-activation (relu reads the output, None nothing)
+SAVES_PREACT = ("gelu", "gelu_tanh", "silu", "swiglu")
 
 
 def activate(preact: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled, placeholder
 from .launch import ROW_GROUPS
-from .triton import SAVES_PREACT
+from .reference import SAVES_PREACT
 
 SQRT_HALF = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327

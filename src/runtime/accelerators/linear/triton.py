@@ -27,6 +27,7 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .launch import backward_config, forward_config
+from .reference import SAVES_PREACT
 
 NONE: tl.constexpr = tl.constexpr(0)
 RELU: tl.constexpr = tl.constexpr(1)
@@ -35,7 +36,6 @@ GELU_TANH: tl.constexpr = tl.constexpr(3)
 SILU: tl.constexpr = tl.constexpr(4)
 SWIGLU: tl.constexpr = tl.constexpr(5)
 ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "swiglu": 5}
-SAVES_PREACT = ("gelu", "gelu_tanh", "silu", "swiglu")
 
 SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)

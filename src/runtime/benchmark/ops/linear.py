@@ -61,14 +61,23 @@ def _run(activation: str):
     return lambda backend, i: linear(i["x"], i["weight"], i["bias"], activation, backend=backend)
 
 
+def _gelu(x, weight, bias):
+    return linear_reference(x, weight, bias, "gelu")
+
+
+def _swiglu(x, weight, bias):
+    return linear_reference(x, weight, bias, "swiglu")
+
+
+EAGER = {"gelu": _gelu, "swiglu": _swiglu}  # one function per activation: torch.compile caches graphs per function
+
+
 def _peers(activation: str) -> dict:
-    def eager(i):
-        return linear_reference(i["x"], i["weight"], i["bias"], activation)
-
-    def max_autotune(i):
-        return compiled_max_autotune(linear_reference)(i["x"], i["weight"], i["bias"], activation)
-
-    return {"torch eager": eager, "torch.compile max-autotune": max_autotune}
+    fn = EAGER[activation]
+    return {
+        "torch eager": lambda i: fn(i["x"], i["weight"], i["bias"]),
+        "torch.compile max-autotune": lambda i: compiled_max_autotune(fn)(i["x"], i["weight"], i["bias"]),
+    }
 
 
 CASES = [
