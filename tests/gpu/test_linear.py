@@ -44,12 +44,16 @@ def _tilelang_kernels_compiled_in_parallel():
     from runtime.accelerators.linear import tilelang as kernels
     from runtime.accelerators.tilelang_common import precompile
 
+    # the cases, then the other tests' kernels: no_grad (not saving), batched/strided, autocast, compile
+    others = [(bf16, 0, 256, 1024, "gelu", True, False), (bf16, 0, 256, 1024, "swiglu", True, False),
+              (bf16, 0, 256, 512, "gelu_tanh", True, True), (bf16, 0, 256, 512, "swiglu", True, True),
+              (bf16, 0, 256, 1024, "silu", True, True), (bf16, 0, 256, 1024, "gelu", True, True)]  # fmt: skip
     entries = {}
-    for dtype, _, k, n, activation, bias in CASES:
+    for dtype, _, k, n, activation, bias, save in [(*case, True) for case in CASES] + others:
         columns = n // 2 if activation == "swiglu" else n
-        key, build = kernels.forward_entry(dtype, columns, k, activation, bias, True)
+        key, build = kernels.forward_entry(dtype, columns, k, activation, bias, save)
         entries[key] = build
-        if activation is not None:
+        if activation is not None and save:
             key, build = kernels.backward_entry(dtype, columns, activation, bias)
             entries[key] = build
     precompile(list(entries.items()), torch.device("cuda", torch.cuda.current_device()))

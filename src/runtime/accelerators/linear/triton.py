@@ -94,7 +94,8 @@ def _linear_forward(
     ks = tl.arange(0, BLOCK_K)
     # rows and columns past the end load a valid row again (wrapped): only the stores are masked
     x_ptrs = x_ptr + (rows % M).to(tl.int64)[:, None] * K + ks[None, :]
-    w_ptrs = w_ptr + (cols % N)[None, :] * K + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of w^T
+    w_ptrs = w_ptr + (cols % N).to(tl.int64)[None, :] * K + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of w^T
+    up_offset = N.to(tl.int64) * K  # swiglu: the up rows start N rows further
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -108,9 +109,9 @@ def _linear_forward(
         acc = tl.dot(a, b, acc)
         if ACT == SWIGLU:
             if EVEN_K:
-                b_up = tl.load(w_ptrs + N * K)
+                b_up = tl.load(w_ptrs + up_offset)
             else:
-                b_up = tl.load(w_ptrs + N * K, mask=in_k[:, None], other=0.0)
+                b_up = tl.load(w_ptrs + up_offset, mask=in_k[:, None], other=0.0)
             acc_up = tl.dot(a, b_up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
