@@ -15,8 +15,6 @@ from ..kernel_op import KernelOp
 from .reference import ACTIVATIONS, SAVES_PREACT, linear_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# the tilelang backward indexes [M, weight rows] tensors with 32-bit integers
-TILELANG_MAX_NUMEL = 2**31 - 1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -40,13 +38,6 @@ def input_reasons(backend: str, x=None, weight=None, rows: int | None = None, ac
             reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 there")
     if rows is None and weight is not None:
         rows = weight.shape[0]
-    if backend == "tilelang" and x is not None and rows is not None and x.shape[-1]:
-        elements = x.numel() // x.shape[-1] * rows
-        if elements > TILELANG_MAX_NUMEL:
-            reasons.append(
-                f"x has {x.numel() // x.shape[-1]} rows: the pre-activation has {elements} elements; the tilelang "
-                f"kernels index it with 32-bit integers (at most {TILELANG_MAX_NUMEL})"
-            )
     if rows is not None:
         columns = rows // 2 if activation == "swiglu" else rows
         if columns % 8:
@@ -116,7 +107,7 @@ def linear(
     x, weight, bias = _autocast(x, weight, bias)
     k, rows = x.shape[-1], weight.shape[0]
     columns = rows // 2 if activation == "swiglu" else rows
-    key = (x.dtype, k % 8 == 0, columns % 8 == 0, activation, k and x.numel() // k * rows > TILELANG_MAX_NUMEL)
+    key = (x.dtype, k % 8 == 0, columns % 8 == 0, activation)
     chosen = select_backend(SPEC, backend, x.device, key, x=x, weight=weight, rows=rows, activation=activation)
     if chosen == "torch" or x.numel() == 0 or rows == 0:
         return linear_reference(x, weight, bias, activation)
