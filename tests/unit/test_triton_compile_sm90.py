@@ -113,12 +113,12 @@ def elementwise():
 
 
 def linear():
-    """The forward GEMM at each table entry the benchmark shapes reach (128 x 256 tiles at K = N = 4096, 128 x 128 at
-    K = 64, swiglu's two accumulators), saving the pre-activation and not (infer), K = 40 (masked K), and the
-    backward's elementwise pass for every activation that has one, with and without dbias partials."""
+    """The forward GEMM at each table entry (128 x 256 tiles at K = N = 256, 128 x 128 at K = 64, swiglu's two
+    accumulators, narrow column blocks for few rows), saving the pre-activation and not (infer), K = 40 (masked K),
+    and the backward's elementwise pass for every activation that has one, with and without dbias partials."""
     for m, k, n, activation, bias in ((2048, 256, 256, "gelu", True), (256, 64, 256, "silu", False),
                                       (256, 256, 512, "swiglu", True), (37, 40, 64, "gelu_tanh", True),
-                                      (37, 64, 64, "relu", True)):  # fmt: skip
+                                      (37, 64, 64, "relu", True), (1, 4096, 4096, None, True)):  # fmt: skip
         rows = 2 * n if activation == "swiglu" else n
         x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
         b = _randn(rows, grad=False) if bias else None

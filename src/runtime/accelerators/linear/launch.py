@@ -39,7 +39,14 @@ def forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
         return GemmConfig(128, 256, block_k, 8, 3, 8)
     if n >= 128 and m >= 128:
         return GemmConfig(128, 128, block_k, 8, 3 if k > block_k else 2, 8)
-    return GemmConfig(min(128, _pow2_at_least(m, 16)), min(128, _pow2_at_least(n, 16)), block_k, 4, 2, 8)
+    # few rows (or narrow outputs): the weight read dominates; narrower column blocks give the SMs more programs
+    block_m, block_n = min(128, _pow2_at_least(m, 16)), min(128, _pow2_at_least(n, 16))
+    while block_n > 32 and cdiv(m, block_m) * cdiv(n, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    return GemmConfig(block_m, block_n, block_k, 4, 3 if k > 2 * block_k else 2, 8)
+
+
+MIN_PROGRAMS = 128  # about one program per SM of an H100 (132) or H200 (132)
 
 
 class RowsConfig(NamedTuple):
