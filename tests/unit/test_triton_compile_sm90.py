@@ -44,6 +44,7 @@ from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.linear import triton as linear_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import differentiable
 from runtime.accelerators.triton_launch import DirectLaunch
@@ -126,6 +127,21 @@ def add_norm_and_activation():
         acc.add_rms_norm(x, residual, weight), acc.add_layer_norm(x, residual, weight, bias)
     x = _randn(8, 1024)
     _backward(acc.gelu(x), acc.gelu(x, "tanh"), acc.silu(x))
+
+
+def linear():
+    """The forward GEMM at each table entry (128 x 256 tiles at K = N = 256, 128 x 128 at K = 64, swiglu's two
+    accumulators, narrow column blocks for few rows), saving the pre-activation and not (infer), K = 40 (masked K),
+    and the backward's elementwise pass for every activation that has one, with and without dbias partials."""
+    for m, k, n, activation, bias in ((2048, 256, 256, "gelu", True), (256, 64, 256, "silu", False),
+                                      (256, 256, 512, "swiglu", True), (37, 40, 64, "gelu_tanh", True),
+                                      (37, 64, 64, "relu", True), (1, 4096, 4096, None, True)):  # fmt: skip
+        rows = 2 * n if activation == "swiglu" else n
+        x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
+        b = _randn(rows, grad=False) if bias else None
+        y, z = linear_triton.forward(x, w, b, activation)
+        linear_triton.infer(x, w, b, activation)
+        linear_triton.preact_gradient(torch.randn_like(y), z, y, activation, bias)
 
 
 def bce():
@@ -385,6 +401,7 @@ CASES = {
     "elementwise": elementwise,
     "add_norm_and_activation": add_norm_and_activation,
     "bce": bce,
+    "linear": linear,
     "embedding_bag": embedding_bag,
     "embedding_bag_radix": embedding_bag_radix,
     "mhc": mhc,

@@ -18,6 +18,7 @@ from .flash_attention import flash_attention
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .l2norm import l2norm
 from .layer_norm import layer_norm
+from .linear import linear
 from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
 from .swiglu import swiglu
@@ -39,6 +40,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "l2norm",
     "layer_norm",
+    "linear",
     "mhc_post",
     "mhc_pre",
     "rms_norm",

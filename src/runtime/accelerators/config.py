@@ -27,6 +27,7 @@ OP_NAMES: tuple[str, ...] = (
     "mhc",
     "add_norm",
     "activation",
+    "linear",
 )
 
 

@@ -8,6 +8,7 @@ from .embedding import EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
+from .linear import Linear
 from .loss import BCEWithLogitsLoss
 from .norms import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
 from .residual import DropoutAdd
@@ -21,6 +22,7 @@ __all__ = [
     "GatedDeltaRuleMixer",
     "HyperConnection",
     "LayerNorm",
+    "Linear",
     "MultiHeadAttention",
     "RMSNorm",
     "SwiGLUFeedForward",

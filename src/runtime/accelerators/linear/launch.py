@@ -1,0 +1,69 @@
+"""Launch configurations of the linear kernels, chosen from (M, N, K): a small table, kept apart from the kernels.
+
+N is the number of output columns a program's tiles cover in the weight's rows: for swiglu each program holds two
+accumulators (gate rows j and up rows F + j), so its block_n counts one half and the table halves it.
+The entries follow the shapes of Triton's Hopper matmul tutorial (128 x 256 x 64 tiles, 3 stages, 8 warps for large
+square products) and smaller tiles where K or N is small (the PCVR MLP shapes, K 64-512): there the output write
+dominates and more programs keep every SM busy. Compiled for sm_90 (tests/unit/test_triton_compile_sm90.py, Triton
+3.9), 128 x 128 tiles at 4 warps spilled in the epilogue (128 accumulator registers a thread); at 8 warps none do.
+128 x 256 at 8 warps spills a little in the gelu epilogue (about 260 bytes a thread); the GPU benchmark decides
+whether 128 x 128 serves K = N = 4096 better.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..launch_math import cdiv
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int
+
+
+def _pow2_at_least(n: int, low: int) -> int:
+    return max(low, 1 << max(0, (n - 1).bit_length()))
+
+
+def forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
+    """Tiles of the forward GEMM y[m, n] = x[m, k] @ w[n, k]^T (n: the columns of one accumulator)."""
+    block_k = min(64, _pow2_at_least(k, 16))
+    if swiglu:  # two accumulators per program (two 128 x 64 fp32 tiles: 64 registers each at 8 warps)
+        return GemmConfig(128, min(64, _pow2_at_least(n, 16)), block_k, 8, 4 if k > 2 * block_k else 2, 8)
+    if n >= 256 and k >= 256 and m >= 1024:
+        return GemmConfig(128, 256, block_k, 8, 3, 8)
+    if n >= 128 and m >= 128:
+        return GemmConfig(128, 128, block_k, 8, 3 if k > block_k else 2, 8)
+    # few rows (or narrow outputs): the weight read dominates; narrower column blocks give the SMs more programs
+    block_m, block_n = min(128, _pow2_at_least(m, 16)), min(128, _pow2_at_least(n, 16))
+    while block_n > 32 and cdiv(m, block_m) * cdiv(n, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    return GemmConfig(block_m, block_n, block_k, 4, 3 if k > 2 * block_k else 2, 8)
+
+
+MIN_PROGRAMS = 128  # about one program per SM of an H100 (132) or H200 (132)
+
+
+class RowsConfig(NamedTuple):
+    """The backward's elementwise pass: programs of block_m x block_n tiles, each walking `steps` row tiles (its
+    column partial sums of dbias cover block_m * steps rows)."""
+
+    block_m: int
+    block_n: int
+    steps: int
+    num_warps: int
+
+
+def backward_config(m: int, n: int) -> RowsConfig:
+    block_n = min(128, _pow2_at_least(n, 16))
+    block_m = 32 if block_n >= 128 else 64
+    # at most ROW_GROUPS partial rows of dbias to add up, and still hundreds of programs for the SMs
+    return RowsConfig(block_m, block_n, max(1, cdiv(cdiv(m, block_m), ROW_GROUPS)), 4)
+
+
+ROW_GROUPS = 256

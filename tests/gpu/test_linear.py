@@ -1,0 +1,160 @@
+"""linear on CUDA: both kernel backends against float64, the output and every gradient (x, weight, bias), kernel
+outputs poisoned with NaN by conftest. Rows 1, 37, 4096 and 65536; (K, N) in (64, 256), (256, 1024), (1024, 4096),
+(4096, 4096); every activation, bias or not, both dtypes (not the full product); fp32 parameters under autocast,
+strided and batched inputs, torch.compile."""
+
+import math
+
+import pytest
+import torch
+
+from runtime.accelerators.linear import linear
+from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+BACKENDS = ("triton", "tilelang")
+
+# (dtype, M, K, N = the weight's rows, activation, bias)
+CASES = [
+    (bf16, 1, 64, 256, None, True),
+    (f16, 37, 64, 256, "relu", True),
+    (bf16, 37, 256, 1024, "gelu", False),
+    (bf16, 4096, 256, 1024, "gelu_tanh", True),
+    (f16, 4096, 1024, 4096, "silu", True),
+    (bf16, 65536, 64, 256, "swiglu", True),
+    (f16, 37, 256, 1024, "swiglu", False),
+    (bf16, 4096, 4096, 4096, "swiglu", True),
+    (f16, 65536, 1024, 4096, "gelu", True),
+    (bf16, 1, 4096, 4096, "relu", False),
+    (bf16, 65536, 4096, 4096, "silu", True),
+    (f16, 4096, 64, 256, None, False),
+    # sizes off the tiles: K = 40 (a partial K block), N = 200, F = 200 (swiglu's narrowest column blocks)
+    (bf16, 1000, 40, 200, "gelu", True),
+    (f16, 37, 40, 400, "swiglu", True),
+]
+
+
+def _id(case) -> str:
+    dtype, m, k, n, activation, bias = case
+    return f"{str(dtype)[6:]}-{m}x{k}x{n}-{activation}" + ("-bias" if bias else "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tilelang_kernels_compiled_in_parallel():
+    from runtime.accelerators.linear import tilelang as kernels
+    from runtime.accelerators.tilelang_common import precompile
+
+    # the cases, then the other tests' kernels: no_grad (not saving), batched/strided, autocast, compile
+    others = [(bf16, 0, 256, 1024, "gelu", True, False), (bf16, 0, 256, 1024, "swiglu", True, False),
+              (bf16, 0, 256, 512, "gelu_tanh", True, True), (bf16, 0, 256, 512, "swiglu", True, True),
+              (bf16, 0, 256, 1024, "silu", True, True), (bf16, 0, 256, 1024, "gelu", True, True)]  # fmt: skip
+    entries = {}
+    for dtype, _, k, n, activation, bias, save in [(*case, True) for case in CASES] + others:
+        columns = n // 2 if activation == "swiglu" else n
+        key, build = kernels.forward_entry(dtype, columns, k, activation, bias, save)
+        entries[key] = build
+        if activation is not None and save:
+            key, build = kernels.backward_entry(dtype, columns, activation, bias)
+            entries[key] = build
+    precompile(list(entries.items()), torch.device("cuda", torch.cuda.current_device()))
+
+
+def textbook(x, weight, bias, activation):
+    z = x.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
+    if activation is None:
+        return z
+    if activation == "relu":
+        return torch.where(z > 0, z, torch.zeros_like(z))
+    if activation == "gelu":
+        return 0.5 * z * (1 + torch.special.erf(z / math.sqrt(2)))
+    if activation == "gelu_tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    if activation == "silu":
+        return z * torch.sigmoid(z)
+    gate, up = z.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def make_inputs(dtype, m, k, n, bias, lead=()):
+    x = torch.randn(*lead, m, k, device="cuda", dtype=dtype)
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    return x, weight, b
+
+
+def check(backend, x, weight, bias, activation):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    y = linear(*leaves, activation, backend=backend)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy)
+    ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+    ref = textbook(*ref_leaves, activation)
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t is not None], dy.double())
+    dtype = x.dtype
+    tag = f"{backend} {activation} {tuple(x.shape)}x{tuple(weight.shape)} {dtype} bias={bias is not None}"
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert_close(f"{tag} y", y, ref, RTOL[dtype])
+    for name, g, r in zip(("dx", "dweight", "dbias"), grads, ref_grads):
+        assert g.dtype == dtype
+        assert_close(f"{tag} {name}", g, r, gradient_tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_forward_backward_against_float64(backend, case):
+    dtype, m, k, n, activation, bias = case
+    check(backend, *make_inputs(dtype, m, k, n, bias), activation)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_no_grad_forward_matches(backend, activation):
+    """The inference launch (no pre-activation saved) against float64."""
+    x, w, b = make_inputs(bf16, 4097, 256, 1024, True)
+    with torch.no_grad():
+        y = linear(x, w, b, activation, backend=backend)
+    assert_close(f"{backend} {activation} no_grad", y, textbook(x, w, b, activation), RTOL[bf16])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_and_strided_inputs(backend):
+    x, w, b = make_inputs(bf16, 100, 256, 512, True, lead=(3,))
+    check(backend, x, w, b, "gelu_tanh")  # [3, 100, 256]: rows from the leading dims
+    strided = torch.randn(256, 300, device="cuda", dtype=bf16).t()  # column-major rows
+    check(backend, strided, w, b, "swiglu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_parameters_under_autocast_behave_as_nn_linear(backend):
+    module = torch.nn.Linear(256, 1024, device="cuda")
+    x = torch.randn(4096, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=bf16):
+        ours = linear(x, module.weight, module.bias, "silu", backend=backend)
+        theirs = torch.nn.functional.silu(module(x))
+    assert ours.dtype == theirs.dtype == bf16
+    assert_close(f"{backend} autocast y", ours, theirs, RTOL[bf16])
+    dy = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, [x, module.weight, module.bias], dy)
+    ref_grads = torch.autograd.grad(theirs, [x, module.weight, module.bias], dy)
+    for name, g, r in zip(("dx", "dweight", "dbias"), grads, ref_grads):
+        assert g.dtype == f32
+        assert_close(f"{backend} autocast {name}", g, r, gradient_tolerance(bf16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_full_graph_matches_eager(backend):
+    x, w, b = make_inputs(bf16, 333, 256, 1024, True)
+    x = x.t().contiguous().t().requires_grad_()  # non-contiguous
+
+    def fn(x, w, b):
+        return linear(x, w, b, "gelu", backend=backend)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    y_c = compiled(x, w, b)
+    y_e = fn(x, w, b)
+    torch.testing.assert_close(y_c, y_e)
+    (dx_c,) = torch.autograd.grad(y_c.float().square().sum(), [x])
+    (dx_e,) = torch.autograd.grad(y_e.float().square().sum(), [x])
+    torch.testing.assert_close(dx_c, dx_e)
