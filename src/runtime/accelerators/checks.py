@@ -5,13 +5,20 @@ from __future__ import annotations
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what the ops take (the torch backend runs float64; the kernels take KERNEL_DTYPES)
+FLOAT_DTYPES = (torch.float64, *KERNEL_DTYPES)
+
+
+def _dtype_list(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_tensor(name: str, value, *, floating: bool = True, min_dim: int = 0) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if floating and not value.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point tensor (float32, bfloat16 or float16), got {value.dtype}")
+    if floating and value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating-point tensor ({_dtype_list(FLOAT_DTYPES)}), got {value.dtype}")
     if min_dim and value.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
 
