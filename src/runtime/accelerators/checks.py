@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,6 +45,24 @@ def check_rows(name: str, x: torch.Tensor) -> None:
     """Row-wise ops need a non-empty last dimension; an empty batch is fine."""
     if x.shape[-1] == 0:
         raise ValueError(f"{name}: the last dimension (the normalised width) is empty; shape {tuple(x.shape)}")
+
+
+def check_eps(eps) -> None:
+    """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a float >= 0, got {type(eps).__name__}")
+    if not 0.0 <= eps < math.inf:  # also rejects NaN
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
+
+
+def check_scale(scale) -> None:
+    """An attention scale: None (1 / sqrt(head dim)) or a finite number > 0."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float > 0 or None, got {type(scale).__name__}")
+    if not 0.0 < scale < math.inf:  # also rejects NaN
+        raise ValueError(f"scale: expected a finite float > 0 or None, got {scale}")
 
 
 def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> list[str]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from .checks import check_feature_param, check_rows, check_tensor, dtype_reasons
+from .checks import check_eps, check_feature_param, check_rows, check_tensor, dtype_reasons
 
 # widest row a kernel keeps in registers in one pass; wider rows go to torch
 MAX_KERNEL_WIDTH = 16384
@@ -25,14 +24,6 @@ def check_norm_inputs(x: torch.Tensor, eps, weight: torch.Tensor | None = None, 
     check_feature_param("weight", weight, x)
     check_feature_param("bias", bias, x)
     check_eps(eps)
-
-
-def check_eps(eps) -> None:
-    """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a float >= 0, got {type(eps).__name__}")
-    if not 0.0 <= eps < math.inf:  # also rejects NaN
-        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
 
 
 def _is_feature_param(param, width: int, device: torch.device) -> bool:
