@@ -238,6 +238,8 @@ Q, K = (1, 4, 5, 16), (1, 2, 6, 16)
         (dict(scale=-0.5), ValueError, "scale: expected a finite float > 0 or None, got -0.5"),
         (dict(scale=float("nan")), ValueError, "scale: expected a finite float > 0 or None, got nan"),
         (dict(scale=float("inf")), ValueError, "scale: expected a finite float > 0 or None, got inf"),
+        (dict(causal="yes"), TypeError, "causal: expected a bool \\(True or False\\), got str 'yes'"),
+        (dict(causal=1), TypeError, "causal: expected a bool \\(True or False\\), got int 1"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -421,7 +423,9 @@ def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dr
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
-def test_scale_is_checked_on_every_backend(backend):
+def test_scale_and_causal_are_checked_on_every_backend(backend):
     q, k, v = make(1, 2, 2, 5, 5, 16, requires_grad=False)
     with pytest.raises(ValueError, match="scale: expected a finite float > 0"):
         flash_attention(q, k, v, scale=0.0, backend=backend)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        flash_attention(q, k, v, causal="yes", backend=backend)

@@ -47,6 +47,13 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dimension (the normalised width) is empty; shape {tuple(x.shape)}")
 
 
+def check_bool(name: str, value) -> None:
+    """A flag: True or False. Anything else (a string, 1, None) is an error rather than read by its truth value.
+    While compiling, a flag may arrive as a SymBool, which is a bool too."""
+    if type(value) is not bool and not isinstance(value, torch.SymBool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+
+
 def check_eps(eps) -> None:
     """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):

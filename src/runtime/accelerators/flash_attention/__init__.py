@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_scale, check_tensor
+from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import flash_attention_reference
@@ -226,6 +226,7 @@ def flash_attention(
     that will be differentiated does not take the tilelang backend (its dq reductions have no fixed order): "auto"
     takes triton, an explicit "tilelang" follows the fallback rule.
     """
+    check_bool("causal", causal)
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_scale, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_scale, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
 
@@ -149,6 +149,8 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.T
 
 def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend):
     host_cu = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_bool("output_final_state", output_final_state)
+    check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     tensors = (q, k, v, g, beta, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
