@@ -95,7 +95,7 @@ def _log1p_exp_neg_abs(x):
     return e * p
 
 
-FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # a jitted function reads only constexpr globals
 
 
 @triton.jit
