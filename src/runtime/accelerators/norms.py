@@ -26,6 +26,25 @@ def check_norm_inputs(x: torch.Tensor, eps, weight: torch.Tensor | None = None, 
     check_eps(eps)
 
 
+# A row whose largest |value| exceeds this is divided by it before its squares are summed, in every backend (fp32
+# inputs near 1e30 have squares past fp32's 3.4e38). Below it the squares of the widest kernel row (2^14 values, each
+# at most 2^100) add up to at most 2^114, and the row takes the plain formula exactly (a scale of 1).
+SCALE_ABOVE = 2.0**50
+
+
+def rsqrt_mean_square(x: torch.Tensor, eps: float, mean: bool = True) -> torch.Tensor:
+    """rsqrt(mean (or sum) of x^2 over the last dim + eps), keepdim, as the kernels compute it: an fp32 row whose
+    largest |x| is m > 2^50 (its squares could overflow) takes rsqrt(mean((x / m)^2) + eps / m^2) / m. The result
+    does not depend on m, so m carries no gradient. Other rows, and float64, take the plain formula."""
+    if x.dtype != torch.float32:
+        squares = x.square()
+        return torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps)
+    m = x.detach().abs().amax(-1, keepdim=True)
+    inv = 1.0 / torch.where(m > SCALE_ABOVE, m, torch.ones_like(m))
+    squares = (x * inv).square()
+    return torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps * inv * inv) * inv
+
+
 def _is_feature_param(param, width: int, device: torch.device) -> bool:
     """Whether check_feature_param passes (None included)."""
     if param is None:

@@ -32,7 +32,7 @@ import triton.language as tl
 from . import buffers
 from .backends import sm_count
 from .launch_math import cdiv, next_power_of_2
-from .norms import as_rows
+from .norms import SCALE_ABOVE as _SCALE_ABOVE, as_rows
 from .triton_launch import direct_launch
 
 # Tuned on an H100 (bf16; 32768x4096, 8192x128, 131072x64; CUDA-graph timings): 4096-element tiles
@@ -43,6 +43,19 @@ ELEMENTS_PER_THREAD = 16  # sets the warps: enough threads that each holds ~16 e
 MAX_WARPS = 16
 RESIDENT_WARPS = 16  # warps of persistent backward programs per SM
 INTERPRETER_PROGRAMS = 2  # backward programs under TRITON_INTERPRET=1 (exercises the partial sums)
+
+
+SCALE_ABOVE = tl.constexpr(_SCALE_ABOVE)  # see norms.SCALE_ABOVE
+
+
+@triton.jit
+def rsqrt_mean_square(x, divisor, eps):
+    """rsqrt(sum(x^2) / divisor + eps) of each row of a tile, without overflow: a row whose largest |x| is m > 2^50
+    takes rsqrt(sum((x / m)^2) / divisor + eps / m^2) / m. One register reduction more; no memory traffic."""
+    m = tl.max(tl.abs(x), axis=1)
+    inv = 1.0 / tl.where(m > SCALE_ABOVE, m, 1.0)
+    scaled = x * inv[:, None]
+    return tl.rsqrt(tl.sum(scaled * scaled, axis=1) / divisor + eps * inv * inv) * inv
 
 
 class RowTiles(NamedTuple):

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import (
-    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, sum_partials,
+    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, rsqrt_mean_square,
+    sum_partials,
 )
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
@@ -31,7 +32,7 @@ def _statistics(x, mask, N, eps):
     """(mean, x - mean with the padding at zero, rstd) of each row of a tile: the forward's, and the backward's."""
     mean = tl.sum(x, axis=1) / N
     centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    rstd = rsqrt_mean_square(centred, N, eps)
     return mean, centred, rstd
 
 

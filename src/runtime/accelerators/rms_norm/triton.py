@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import (
-    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, sum_partials,
+    add_partials_if_last, n_tiles, one_launch_backward, parameter_backward, row_tiles, rows_of, rsqrt_mean_square,
+    sum_partials,
 )
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..triton_launch import direct_launch
@@ -28,7 +29,7 @@ BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
 @triton.jit
 def _rstd(x, N, eps):
     """rsqrt(mean(x^2) + eps) of each row of a tile: the forward's, and the backward's."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    return rsqrt_mean_square(x, N, eps)
 
 
 @direct_launch
