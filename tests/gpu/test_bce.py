@@ -188,3 +188,44 @@ def test_tiny_losses_keep_their_relative_accuracy(backend):
     y = torch.cat([torch.ones(5000, device="cuda"), torch.zeros(5000, device="cuda")]).requires_grad_()
     check(backend, x, y, reduction="none")
     check(backend, x, y, pos_weight=torch.full((1,), 3.0, device="cuda"), reduction="none")
+
+
+@pytest.mark.parametrize(
+    "dtype, weighted, pos_weighted",
+    [(f32, False, False), (f32, True, True), (f32, False, True), (bf16, False, False)],
+    ids=["f32", "f32-weight-pos_weight", "f32-pos_weight", "bf16"],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_logits_give_what_torch_gives(backend, dtype, weighted, pos_weighted):
+    """+inf and -inf logits against targets 0, 0.3 and 1, among finite ones, over several blocks: the loss, dlogits
+    and dtargets equal torch's own on CUDA, inf and NaN included (forward alone, with dlogits written by the forward,
+    and through the backward kernel)."""
+    inf, reps = float("inf"), 700
+    x = torch.tensor([inf, inf, inf, -inf, -inf, -inf, 2.5, -1.5], device="cuda").repeat(reps).to(dtype)
+    y = torch.tensor([0.0, 0.3, 1.0, 0.0, 0.3, 1.0, 0.3, 0.8], device="cuda").repeat(reps).to(dtype)
+    weight = (0.25 + torch.rand(x.shape, device="cuda")).to(dtype) if weighted else None
+    pos_weight = (0.5 + 2 * torch.rand(x.shape, device="cuda")).to(dtype) if pos_weighted else None
+    grad_out = (0.5 + torch.rand(x.shape, device="cuda")).to(dtype)
+    for targets_grad in (False, True):
+        tensors = [x.clone().requires_grad_(), y.clone().requires_grad_(targets_grad)]
+        # torch's own function in float64 on CUDA: its inf and NaN, and finite values free of bf16 intermediates
+        twins = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+        w64, pw64 = (None if t is None else t.double() for t in (weight, pos_weight))
+        out = bce(*tensors, weight, pos_weight, reduction="none", backend=backend)
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(*twins, w64, pos_weight=pw64, reduction="none")
+        assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+        torch.testing.assert_close(out.double(), expected, equal_nan=True, rtol=RTOL[dtype], atol=0)
+        grads = torch.autograd.grad(out, tensors[: 1 + targets_grad], grad_out)
+        expected_grads = torch.autograd.grad(expected, twins[: 1 + targets_grad], grad_out.double())
+        for name, got, want in zip(("dlogits", "dtargets"), grads, expected_grads):
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+            tolerance = gradient_tolerance(dtype)
+            torch.testing.assert_close(
+                got.double(), want, equal_nan=True, rtol=tolerance, atol=tolerance, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    for reduction in ("mean", "sum"):
+        assert bce(x, y, weight, pos_weight, reduction=reduction, backend=backend).isnan()
+        first = slice(0, 8 * reps, 8)  # +inf against target 0 only: inf, not NaN
+        only_inf = bce(x[first], y[first], None if weight is None else weight[first],
+                       None if pos_weight is None else pos_weight[first], reduction=reduction, backend=backend)  # fmt: skip
+        assert only_inf.item() == inf

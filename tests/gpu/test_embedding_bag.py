@@ -119,6 +119,20 @@ def test_int32_indices_and_include_last_offset(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_zero_embedding_dim_gives_empty_bags(backend, sparse):
+    weight = torch.randn(50, 0, device="cuda", requires_grad=True)
+    for indices, offsets, bags in [
+        (torch.tensor([[7, 7, 3], [1, 2, 3]], device="cuda"), None, 2),
+        (torch.tensor([4, 5, 6], device="cuda"), torch.tensor([0, 1, 1], device="cuda"), 3),
+    ]:
+        out = embedding_bag_mean(weight, indices, offsets, sparse=sparse, backend=backend)
+        assert out.shape == (bags, 0) and out.device == weight.device
+        (grad,) = torch.autograd.grad(out, weight, torch.randn_like(out))
+        assert grad.shape == (50, 0) and grad.is_sparse == sparse
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_one_and_empty_inputs(backend):
     weight = torch.randn(50, 16, device="cuda", requires_grad=True)
     indices = torch.tensor([[7, 7, 3, 9]], device="cuda")

@@ -226,6 +226,47 @@ def test_triton_huge_logits_are_finite_and_exact():
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)  # also the tiny loss at x = 30, y = 1
 
 
+def infinite_logits_case(weighted: bool, pos_weighted: bool, dtype=f32, device="cpu"):
+    """Each of +inf and -inf against targets 0, 0.3 and 1, and two finite logits beside them."""
+    inf = math.inf
+    x = torch.tensor([inf, inf, inf, -inf, -inf, -inf, 2.5, -1.5], dtype=dtype, device=device)
+    y = torch.tensor([0.0, 0.3, 1.0, 0.0, 0.3, 1.0, 0.3, 0.8], dtype=dtype, device=device)
+    weight = torch.full((8,), 0.5, dtype=dtype, device=device) if weighted else None
+    pos_weight = torch.full((8,), 2.0, dtype=dtype, device=device) if pos_weighted else None
+    return x, y, weight, pos_weight
+
+
+def check_infinite_logits_as_torch(backend, weighted, pos_weighted, dtype=f32, device="cpu"):
+    """The loss, dlogits and dtargets equal torch's, inf and NaN included (forward alone, with the logits' gradient
+    written by the forward, and with the backward kernel computing both gradients)."""
+    x, y, weight, pos_weight = infinite_logits_case(weighted, pos_weighted, dtype, device)
+    grad_out = torch.rand(8, dtype=dtype, device=device) + 0.5
+    for targets_grad in (False, True):
+        tensors = [x.clone().requires_grad_(), y.clone().requires_grad_(targets_grad)]
+        expected_tensors = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        out = bce(*tensors, weight, pos_weight, reduction="none", backend=backend)
+        expected = F.binary_cross_entropy_with_logits(*expected_tensors, weight, pos_weight=pos_weight, reduction="none")
+        torch.testing.assert_close(out, expected, equal_nan=True)
+        grads = torch.autograd.grad(out, tensors[: 1 + targets_grad], grad_out)
+        expected_grads = torch.autograd.grad(expected, expected_tensors[: 1 + targets_grad], grad_out)
+        for name, got, want in zip(("dlogits", "dtargets"), grads, expected_grads):
+            torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+    for reduction in ("mean", "sum"):
+        finite = slice(0, 1)  # +inf against target 0: an infinite mean and sum, not NaN
+        out = bce(x[finite], y[finite], None if weight is None else weight[finite],
+                  None if pos_weight is None else pos_weight[finite], reduction=reduction, backend=backend)  # fmt: skip
+        assert out.item() == math.inf
+        assert bce(x, y, weight, pos_weight, reduction=reduction, backend=backend).isnan()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weight"])
+@pytest.mark.parametrize("pos_weighted", [False, True], ids=["", "pos_weight"])
+def test_infinite_logits_give_what_torch_gives(backend, weighted, pos_weighted):
+    with acc.use_accelerators(fallback="error"):
+        check_infinite_logits_as_torch(backend, weighted, pos_weighted)
+
+
 @pytest.mark.parametrize("pos_weight", [None, 3.0], ids=["plain", "pos_weight"])
 def test_triton_tiny_losses_keep_their_relative_accuracy(pos_weight):
     """Confident, correct predictions: losses log1p(exp(-|x|)) of 3e-4 down to 2e-9, and their gradients."""

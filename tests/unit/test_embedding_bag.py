@@ -5,6 +5,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,26 @@ def test_triton_empty_inputs(indices, offsets):
     assert out.shape == (indices.shape[0] if offsets is None else 3, 4) and (out == 0).all()
     (grad,) = torch.autograd.grad(out.sum(), weight)
     assert (grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_zero_embedding_dim_gives_empty_bags(backend, sparse):
+    weight = torch.randn(5, 0, requires_grad=True)
+    cases = [
+        (torch.tensor([[0, 1], [2, 4], [3, 3]]), None, False, 3),
+        (torch.tensor([0, 1, 2, 4]), torch.tensor([0, 1, 4]), True, 2),
+    ]
+    # the tilelang backend does not run on the CPU: it falls back, the other two must run
+    with acc.use_accelerators(fallback="torch" if backend == "tilelang" else "error"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", acc.BackendFallbackWarning)
+        for indices, offsets, last, bags in cases:
+            out = embedding_bag_mean(weight, indices, offsets, include_last_offset=last, sparse=sparse, backend=backend)
+            assert out.shape == (bags, 0) and out.dtype == weight.dtype
+            (grad,) = torch.autograd.grad(out.sum(), weight)
+            assert grad.shape == (5, 0) and grad.is_sparse == sparse
+        with pytest.raises(IndexError, match="indices: 5"):
+            embedding_bag_mean(weight, torch.tensor([[0, 5]]), sparse=sparse, backend=backend)
 
 
 TRITON_LAUNCHES = {

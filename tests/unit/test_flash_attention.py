@@ -129,8 +129,6 @@ def test_reasons_per_backend():
     assert input_reasons("triton", q=q[..., :16].to(torch.float16)) == []
     assert any("float32" in r for r in input_reasons("tilelang", q=q[..., :16]))
     assert any("attn_mask" in r for r in input_reasons("triton", q=q[..., :16], attn_mask=torch.ones(4, 4, dtype=torch.bool)))
-    assert any("scale" in r for r in input_reasons("triton", q=q[..., :16], scale=-1.0))
-    assert any("scale=0.0 is not positive" in r for r in input_reasons("tilelang", q=q[..., :16], scale=0.0))
     assert input_reasons("triton") == []  # explain() may pass no inputs
 
 
@@ -247,7 +245,13 @@ Q, K = (1, 4, 5, 16), (1, 2, 6, 16)
         (dict(attn_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError, "attn_mask: expected a shape broadcastable"),
         (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
         (dict(dropout_p=-0.1), ValueError, "dropout_p"),
-        (dict(scale="big"), TypeError, "scale: expected a float"),
+        (dict(scale="big"), TypeError, "scale: expected a float > 0 or None, got str"),
+        (dict(scale=0.0), ValueError, "scale: expected a finite float > 0 or None, got 0.0"),
+        (dict(scale=-0.5), ValueError, "scale: expected a finite float > 0 or None, got -0.5"),
+        (dict(scale=float("nan")), ValueError, "scale: expected a finite float > 0 or None, got nan"),
+        (dict(scale=float("inf")), ValueError, "scale: expected a finite float > 0 or None, got inf"),
+        (dict(causal="yes"), TypeError, "causal: expected a bool \\(True or False\\), got str 'yes'"),
+        (dict(causal=1), TypeError, "causal: expected a bool \\(True or False\\), got int 1"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -430,9 +434,10 @@ def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dr
             torch.testing.assert_close(got, expected, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_zero_scale_falls_back_to_the_reference():
-    # scale 0 is a plain mean of v without a mask (with masked keys SDPA's own result is NaN)
+@pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
+def test_scale_and_causal_are_checked_on_every_backend(backend):
     q, k, v = make(1, 2, 2, 5, 5, 16, requires_grad=False)
-    with pytest.warns(BackendFallbackWarning, match="scale=0.0 is not positive"):
-        out = flash_attention(q, k, v, scale=0.0, backend="triton")
-    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(out))
+    with pytest.raises(ValueError, match="scale: expected a finite float > 0"):
+        flash_attention(q, k, v, scale=0.0, backend=backend)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        flash_attention(q, k, v, causal="yes", backend=backend)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what the ops take (the torch backend runs float64; the kernels take KERNEL_DTYPES)
+FLOAT_DTYPES = (torch.float64, *KERNEL_DTYPES)
+
+
+def _dtype_list(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_tensor(name: str, value, *, floating: bool = True, min_dim: int = 0) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if floating and not value.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point tensor (float32, bfloat16 or float16), got {value.dtype}")
+    if floating and value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating-point tensor ({_dtype_list(FLOAT_DTYPES)}), got {value.dtype}")
     if min_dim and value.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
 
@@ -35,6 +45,31 @@ def check_rows(name: str, x: torch.Tensor) -> None:
     """Row-wise ops need a non-empty last dimension; an empty batch is fine."""
     if x.shape[-1] == 0:
         raise ValueError(f"{name}: the last dimension (the normalised width) is empty; shape {tuple(x.shape)}")
+
+
+def check_bool(name: str, value) -> None:
+    """A flag: True or False. Anything else (a string, 1, None) is an error rather than read by its truth value.
+    While compiling, a flag may arrive as a SymBool, which is a bool too."""
+    if type(value) is not bool and not isinstance(value, torch.SymBool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def check_eps(eps) -> None:
+    """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a float >= 0, got {type(eps).__name__}")
+    if not 0.0 <= eps < math.inf:  # also rejects NaN
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
+
+
+def check_scale(scale) -> None:
+    """An attention scale: None (1 / sqrt(head dim)) or a finite number > 0."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float > 0 or None, got {type(scale).__name__}")
+    if not 0.0 < scale < math.inf:  # also rejects NaN
+        raise ValueError(f"scale: expected a finite float > 0 or None, got {scale}")
 
 
 def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> list[str]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from .checks import check_feature_param, check_rows, check_tensor, dtype_reasons
+from .checks import check_eps, check_feature_param, check_rows, check_tensor, dtype_reasons
 
 # widest row a kernel keeps in registers in one pass; wider rows go to torch
 MAX_KERNEL_WIDTH = 16384
@@ -27,12 +26,23 @@ def check_norm_inputs(x: torch.Tensor, eps, weight: torch.Tensor | None = None, 
     check_eps(eps)
 
 
-def check_eps(eps) -> None:
-    """eps is added to a mean or sum of squares before its rsqrt: a finite number >= 0 (a negative one gives NaN)."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a float >= 0, got {type(eps).__name__}")
-    if not 0.0 <= eps < math.inf:  # also rejects NaN
-        raise ValueError(f"eps: expected a finite float >= 0, got {eps}")
+# A row whose largest |value| exceeds this is divided by it before its squares are summed, in every backend (fp32
+# inputs near 1e30 have squares past fp32's 3.4e38). Below it the squares of the widest kernel row (2^14 values, each
+# at most 2^100) add up to at most 2^114, and the row takes the plain formula exactly (a scale of 1).
+SCALE_ABOVE = 2.0**50
+
+
+def rsqrt_mean_square(x: torch.Tensor, eps: float, mean: bool = True) -> torch.Tensor:
+    """rsqrt(mean (or sum) of x^2 over the last dim + eps), keepdim, as the kernels compute it: an fp32 row whose
+    largest |x| is m > 2^50 (its squares could overflow) takes rsqrt(mean((x / m)^2) + eps / m^2) / m. The result
+    does not depend on m, so m carries no gradient. Other rows, and float64, take the plain formula."""
+    if x.dtype != torch.float32:
+        squares = x.square()
+        return torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps)
+    m = x.detach().abs().amax(-1, keepdim=True)
+    inv = 1.0 / torch.where(m > SCALE_ABOVE, m, torch.ones_like(m))
+    squares = (x * inv).square()
+    return torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps * inv * inv) * inv
 
 
 def _is_feature_param(param, width: int, device: torch.device) -> bool:

@@ -32,6 +32,7 @@ import triton.language as tl
 from . import buffers
 from .backends import sm_count
 from .launch_math import cdiv, next_power_of_2
+from .norms import SCALE_ABOVE as _SCALE_ABOVE
 from .norms import as_rows
 from .triton_launch import direct_launch
 
@@ -45,10 +46,23 @@ RESIDENT_WARPS = 16  # warps of persistent backward programs per SM
 INTERPRETER_PROGRAMS = 2  # backward programs under TRITON_INTERPRET=1 (exercises the partial sums)
 
 
+SCALE_ABOVE = tl.constexpr(_SCALE_ABOVE)  # see norms.SCALE_ABOVE
+
+
+@triton.jit
+def rsqrt_mean_square(x, divisor, eps):
+    """rsqrt(sum(x^2) / divisor + eps) of each row of a tile, without overflow: a row whose largest |x| is m > 2^50
+    takes rsqrt(sum((x / m)^2) / divisor + eps / m^2) / m. One register reduction more; no memory traffic."""
+    m = tl.max(tl.abs(x), axis=1)
+    inv = 1.0 / tl.where(m > SCALE_ABOVE, m, 1.0)
+    scaled = x * inv[:, None]
+    return tl.rsqrt(tl.sum(scaled * scaled, axis=1) / divisor + eps * inv * inv) * inv
+
+
 @triton.jit
 def rms_rstd(x, N, eps):
     """rsqrt(mean(x^2) + eps) of each row of a tile (padding at zero)."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    return rsqrt_mean_square(x, N, eps)
 
 
 @triton.jit
@@ -56,7 +70,7 @@ def row_statistics(x, mask, N, eps):
     """(mean, x - mean with the padding at zero, rstd) of each row of a tile (padding at zero)."""
     mean = tl.sum(x, axis=1) / N
     centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    rstd = rsqrt_mean_square(centred, N, eps)
     return mean, centred, rstd
 
 

@@ -15,6 +15,7 @@ import torch
 
 from . import buffers
 from .backends import sm_count, tilelang_version_problem
+from .norms import SCALE_ABOVE
 
 
 def _check_version() -> None:
@@ -218,6 +219,19 @@ def store_rows(tile, Dst, row0, n_rows, width):
     for i, j in T.Parallel(tile.shape[0], tile.shape[1]):
         if (row0 + i < n_rows) and (j < width):
             Dst[row0 + i, j] = tile[i, j]
+
+
+@T.macro
+def scaled_squares(x, sq, inv):
+    """sq = (x inv)^2 where inv[i] is 1 / row i's largest |x| when that exceeds norms.SCALE_ABOVE, else 1: squares
+    that cannot overflow fp32, for rsqrt(mean(sq) + eps inv^2) inv. One register reduction (the max) more."""
+    for i, j in T.Parallel(x.shape[0], x.shape[1]):
+        sq[i, j] = T.abs(x[i, j])
+    T.reduce_max(sq, inv, dim=1)
+    for i in T.Parallel(x.shape[0]):
+        inv[i] = 1.0 / T.if_then_else(inv[i] > SCALE_ABOVE, inv[i], 1.0)
+    for i, j in T.Parallel(x.shape[0], x.shape[1]):
+        sq[i, j] = (x[i, j] * inv[i]) * (x[i, j] * inv[i])
 
 
 @functools.cache

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 
 import torch
 
+from ..accelerators.backends import triton_interpret
 from . import ops as ops_package
 from .case import Case
 from .runner import MODES, Machine, environment, merge_rounds, run_case
 
+BACKENDS = ("torch", "triton", "tilelang")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="taac-benchmark", description=__doc__)
     parser.add_argument("--operator", help="op to measure (see --list)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backends", default="torch,triton,tilelang", help="comma-separated backends")
+    parser.add_argument(
+        "--backends", help="comma-separated backends (default: torch,triton,tilelang on CUDA, those that run on the CPU there)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--shape", default="all", help="a shape preset of the op (see --list), or all")
     parser.add_argument("--mode", default="both", choices=[*MODES, "both"])
@@ -62,12 +67,57 @@ def _device(name: str) -> torch.device | None:
     return device
 
 
+def _cpu_reason(backend: str) -> str | None:
+    """Why a backend cannot run on the CPU, or None."""
+    if backend == "tilelang":
+        return "tilelang compiles CUDA kernels only"
+    if backend == "triton" and not triton_interpret():
+        return "triton runs on the CPU only under its interpreter (set TRITON_INTERPRET=1 before the run)"
+    return None
+
+
+def _backends(requested: str | None, device: torch.device) -> list[str] | None:
+    """The backends to time, or None after saying on stderr why the selection cannot run."""
+    if requested is None:  # the default: every backend that can run on the device
+        return [b for b in BACKENDS if device.type == "cuda" or _cpu_reason(b) is None]
+    backends = [b.strip() for b in requested.split(",") if b.strip()]
+    if not backends:
+        print(f"taac-benchmark: --backends {requested!r} selects no backend; expected some of {', '.join(BACKENDS)}", file=sys.stderr)
+        return None
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        print(f"taac-benchmark: unknown backends {unknown}; expected {', '.join(BACKENDS)}", file=sys.stderr)
+        return None
+    if device.type == "cpu":
+        reasons = [f"{b}: {_cpu_reason(b)}" for b in backends if _cpu_reason(b)]
+        if reasons:
+            print(f"taac-benchmark: --device cpu cannot run {'; '.join(reasons)}", file=sys.stderr)
+            return None
+    return backends
+
+
+def _writable(path: str) -> bool:
+    """Whether --json can be written, tried before any timing (an unwritable path after a long run loses it)."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        print(f"taac-benchmark: --json {path}: cannot write it ({error.strerror or error})", file=sys.stderr)
+        return False
+    if not existed:
+        os.remove(path)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cases = all_cases()
     if args.list or args.operator is None:
+        if not args.list:
+            print("taac-benchmark: --operator is required; the operators and their shape presets:", file=sys.stderr)
         for op, op_cases in sorted(cases.items()):
-            print(f"{op}: {', '.join(c.shape for c in op_cases)}")
+            print(f"{op}: {', '.join(c.shape for c in op_cases)}", file=sys.stdout if args.list else sys.stderr)
         return 0 if args.list else 2
     if args.operator not in cases:
         print(f"taac-benchmark: unknown operator {args.operator!r}; expected one of {', '.join(sorted(cases))}", file=sys.stderr)
@@ -77,17 +127,15 @@ def main(argv=None) -> int:
         shapes = ", ".join(c.shape for c in cases[args.operator])
         print(f"taac-benchmark: unknown shape {args.shape!r} for {args.operator}; expected all or one of {shapes}", file=sys.stderr)
         return 2
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = [b for b in backends if b not in ("torch", "triton", "tilelang")]
-    if unknown:
-        print(f"taac-benchmark: unknown backends {unknown}; expected torch, triton, tilelang", file=sys.stderr)
-        return 2
     if args.rounds < 1:
         print(f"taac-benchmark: --rounds {args.rounds}: expected a count of at least 1", file=sys.stderr)
         return 2
     modes = list(MODES) if args.mode == "both" else [args.mode]
     device = _device(args.device)
     if device is None:
+        return 2
+    backends = _backends(args.backends, device)
+    if backends is None or (args.json and not args.dry_run and not _writable(args.json)):
         return 2
     if args.dry_run:
         for case in selected:

@@ -19,7 +19,7 @@ import torch
 
 from .. import buffers
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp, apply_eagerly, c_apply
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 
@@ -235,6 +235,7 @@ def binary_cross_entropy_with_logits(
     The mean and sum reductions are deterministic (fixed-order, no atomics) on every backend.
     """
     check_bce_inputs(logits, targets, weight, pos_weight, reduction)
+    check_bool("check_targets", check_targets)
     if check_targets:
         check_target_range(targets)
     key = bce_key(logits, targets, weight, pos_weight)

@@ -34,10 +34,16 @@ def _log1p_exp_neg_abs(x):
 
 def _loss(x, y, pw):
     """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, pw None for 1: as the Triton kernel, with the
-    max(-x, 0) of softplus(-x) = max(-x, 0) + log1p(exp(-|x|)) folded into the first term (no cancellation)."""
+    max(-x, 0) of softplus(-x) = max(-x, 0) + log1p(exp(-|x|)) folded into the first term (no cancellation).
+    Infinite logits take torch's (1 - y) x - lw logsigmoid(x), logsigmoid(x) = min(x, 0) there, as in the Triton
+    kernel (the folded form gives inf for x = -inf, y > 0, where torch gives NaN)."""
     if pw is None:
-        return T.if_then_else(x >= 0.0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
-    return T.if_then_else(x >= 0.0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
+        lw = 1.0
+        loss = T.if_then_else(x >= 0.0, (1.0 - y) * x, -y * x) + _log1p_exp_neg_abs(x)
+    else:
+        lw = 1.0 + (pw - 1.0) * y
+        loss = T.if_then_else(x >= 0.0, (1.0 - y) * x, -pw * y * x) + lw * _log1p_exp_neg_abs(x)
+    return T.if_then_else(T.isinf(x), (1.0 - y) * x - lw * T.min(x, 0.0), loss)
 
 
 def _dloss_dx(x, y, pw):

@@ -94,14 +94,23 @@ def _log1p_exp_neg_abs(x):
     return e * p
 
 
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # a jitted function reads only constexpr globals
+
+
 @triton.jit
 def _loss(x, y, pw, HAS_PW: tl.constexpr):
     """(1 - y) x + lw softplus(-x), lw = 1 + (pw - 1) y, with softplus(-x) = max(-x, 0) + log1p(exp(-|x|)) and
     the max folded into the first term, so that small losses do not cancel: for x < 0 it is -pw y x. Without
-    pos_weight that is max(x, 0) - x y (one FMA: x (1 - y) rounded once for x >= 0, exactly -x y below)."""
+    pos_weight that is max(x, 0) - x y (one FMA: x (1 - y) rounded once for x >= 0, exactly -x y below).
+    Infinite logits take torch's (1 - y) x - lw logsigmoid(x), logsigmoid(x) = min(x, 0) there: inf or NaN as torch
+    gives them (the folded forms would give NaN for x = +inf, y < 1 and inf for x = -inf, y > 0)."""
     if HAS_PW:
-        return tl.where(x >= 0, (1.0 - y) * x, -pw * y * x) + (1.0 + (pw - 1.0) * y) * _log1p_exp_neg_abs(x)
-    return (tl.maximum(x, 0.0) - x * y) + _log1p_exp_neg_abs(x)
+        lw = 1.0 + (pw - 1.0) * y
+        loss = tl.where(x >= 0, (1.0 - y) * x, -pw * y * x) + lw * _log1p_exp_neg_abs(x)
+    else:
+        lw = 1.0
+        loss = (tl.maximum(x, 0.0) - x * y) + _log1p_exp_neg_abs(x)
+    return tl.where(tl.abs(x) > FLOAT32_MAX, (1.0 - y) * x - lw * tl.minimum(x, 0.0), loss)
 
 
 @triton.jit

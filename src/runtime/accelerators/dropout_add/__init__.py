@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import dropout_add_reference
@@ -72,6 +72,7 @@ def dropout_add(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     p = check_dropout_add_inputs(x, residual, p)
+    check_bool("training", training)
     key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL)
     chosen = select_backend(SPEC, backend, x.device, key, x=x, residual=residual)
     if not training or p == 0.0 or x.numel() == 0:

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..backends import Backend, OpSpec, load_kernels, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from .reference import embedding_bag_mean_reference
 
@@ -127,8 +127,7 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
     else:
         raise ValueError(f"indices: expected a 2-D [bags, bag_size] or 1-D (with offsets) tensor, got shape {tuple(indices.shape)}")
     for name, flag in (("include_last_offset", include_last_offset), ("sparse", sparse), ("check_indices", check_indices)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        check_bool(name, flag)
     if padding_idx is None:
         return None
     num_embeddings = weight.shape[0]

@@ -54,6 +54,8 @@ def embedding_bag_mean_reference(
     """F.embedding_bag(indices, weight, offsets, mode="mean", ...): the mean of each bag's rows, padding excluded."""
     if check_indices:
         check_indices_(weight, indices, offsets, include_last_offset)
+    if weight.shape[1] == 0:
+        return _empty_bags(weight, indices, offsets, include_last_offset, sparse)
     if indices.dim() == 2 and indices.shape[1] == 0:  # torch cannot build offsets for empty fixed bags
         indices, offsets, include_last_offset = indices.reshape(-1), indices.new_zeros(indices.shape[0]), False
     if offsets is not None and offsets.dtype != indices.dtype:
@@ -67,3 +69,11 @@ def embedding_bag_mean_reference(
         include_last_offset=include_last_offset,
         sparse=sparse,
     )
+
+
+def _empty_bags(weight, indices, offsets, include_last_offset, sparse) -> torch.Tensor:
+    """[bags, 0] for an embedding dim of 0 (F.embedding_bag cannot index such a table), still in the graph of weight
+    so that backward gives its (empty) gradient, sparse when asked."""
+    bags = indices.shape[0] if indices.dim() == 2 else offsets.numel() - int(include_last_offset)
+    rows = F.embedding(indices.reshape(-1)[:0], weight, sparse=sparse)  # [0, 0]
+    return rows.sum(0, keepdim=True).repeat(bags, 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor
+from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import flash_attention_reference
@@ -69,9 +69,6 @@ def input_reasons(
             f"deterministic algorithms are on (torch.use_deterministic_algorithms) and gradients are needed: the "
             f"{backend} backward adds dq across key blocks in no fixed order (the triton backward is deterministic)"
         )
-    if scale is not None and scale <= 0:
-        # the kernels scale the masked (-inf) scores: a zero scale would make them NaN, a negative one +inf
-        reasons.append(f"scale={scale} is not positive; the kernels' online softmax takes scale > 0")
     if attn_mask is not None:
         reasons.append("a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)")
     if q is not None:
@@ -173,8 +170,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
             raise ValueError(f"attn_mask: expected at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    check_scale(scale)
 
 
 _checked_lengths: tuple = (None, -1, -1)  # (weakref to the last key_lengths checked, its version, Lk)
@@ -230,10 +226,10 @@ def flash_attention(
     that will be differentiated does not take the tilelang backend (its dq reductions have no fixed order): "auto"
     takes triton, an explicit "tilelang" follows the fallback rule.
     """
+    check_bool("causal", causal)
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
-    unscalable = scale is not None and scale <= 0
-    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, unscalable, needs_deterministic_backward(q, k, v))
+    key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))
     chosen = select_backend(
         SPEC, backend, q.device, key, q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )

@@ -8,12 +8,10 @@ reference.py for the math. The two share the OpSpec "gated_delta_rule".
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_scale, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
 
@@ -137,8 +135,7 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.T
             raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {x.dtype}")
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_same_device(name, x, "q", q)
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    check_scale(scale)
     host_cu = _check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         check_tensor("initial_state", initial_state)
@@ -152,6 +149,8 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.T
 
 def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend):
     host_cu = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_bool("output_final_state", output_final_state)
+    check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     tensors = (q, k, v, g, beta, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -3,8 +3,9 @@
 import torch
 
 from ..checks import compute_dtype
+from ..norms import rsqrt_mean_square
 
 
 def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     xf = x.to(compute_dtype(x))
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+    return (xf * rsqrt_mean_square(xf, eps, mean=False)).to(x.dtype)

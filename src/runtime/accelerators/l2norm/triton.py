@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
-from ..norms_triton import n_tiles, row_tiles, rows_of
+from ..norms_triton import n_tiles, row_tiles, rows_of, rsqrt_mean_square
 from ..triton_launch import direct_launch
 
 
@@ -31,7 +31,7 @@ def _forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    rstd = rsqrt_mean_square(x, 1, eps)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)

@@ -3,6 +3,7 @@
 import torch
 
 from ..checks import compute_dtype
+from ..norms import rsqrt_mean_square
 
 
 def layer_norm_reference(
@@ -11,7 +12,7 @@ def layer_norm_reference(
     xf = x.to(compute_dtype(x))
     mean = xf.mean(-1, keepdim=True)
     centred = xf - mean
-    y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+    y = centred * rsqrt_mean_square(centred, eps)
     if weight is not None:
         y = y * weight.to(xf.dtype)
     if bias is not None:

@@ -27,6 +27,7 @@ from ..tilelang_common import (
     reduce_dtype,
     reduce_partials,
     row_layout,
+    scaled_squares,
     store_rows,
 )
 
@@ -52,6 +53,7 @@ def forward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: R
             sq = T.alloc_fragment((BM, NP), ACCUM)
             mean = T.alloc_fragment((BM,), ACCUM)
             rstd = T.alloc_fragment((BM,), ACCUM)
+            inv = T.alloc_fragment((BM,), ACCUM)  # 1 / the row's scale (see norms.SCALE_ABOVE)
             layout = row_layout(plan)
             T.annotate_layout({io: layout, xc: layout, sq: layout})
             row0 = bx * BM
@@ -63,10 +65,10 @@ def forward_kernel(dtype: str, w_dtype: str | None, b_dtype: str | None, plan: R
                 mean[i] = mean[i] / N
             for i, j in T.Parallel(BM, NP):
                 xc[i, j] = T.if_then_else(j < N, xc[i, j] - mean[i], 0.0)
-                sq[i, j] = xc[i, j] * xc[i, j]
+            scaled_squares(xc, sq, inv)
             T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
-                rstd[i] = T.rsqrt(rstd[i] / N + eps)
+                rstd[i] = T.rsqrt(rstd[i] / N + eps * inv[i] * inv[i]) * inv[i]
                 if row0 + i < M:
                     Mean[row0 + i] = mean[i]
                     Rstd[row0 + i] = rstd[i]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_eps, check_same_device, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from .reference import mhc_post_reference, mhc_pre_reference
 
@@ -73,6 +73,7 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     _check_shape("phi", phi, (n * width, m), x)
     _check_shape("alpha", alpha, (3,), x)
     _check_shape("bias", bias, (m,), x)
+    check_eps(eps)
     if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
     chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)

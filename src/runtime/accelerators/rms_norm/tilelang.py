@@ -27,6 +27,7 @@ from ..tilelang_common import (
     placeholder,
     plan_for,
     row_layout,
+    scaled_squares,
     store_rows,
 )
 
@@ -49,15 +50,16 @@ def forward_kernel(dtype: str, w_dtype: str | None, plan: RowPlan):
             x = T.alloc_fragment((BM, NP), ACCUM)
             sq = T.alloc_fragment((BM, NP), ACCUM)
             rstd = T.alloc_fragment((BM,), ACCUM)
+            inv = T.alloc_fragment((BM,), ACCUM)  # 1 / the row's scale (see norms.SCALE_ABOVE)
             T.annotate_layout({io: row_layout(plan), x: row_layout(plan), sq: row_layout(plan)})
             row0 = bx * BM
             load_rows(X, io, row0, M, N)
             for i, j in T.Parallel(BM, NP):
                 x[i, j] = T.cast(io[i, j], ACCUM)
-                sq[i, j] = x[i, j] * x[i, j]
+            scaled_squares(x, sq, inv)
             T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
-                rstd[i] = T.rsqrt(rstd[i] / N + eps)
+                rstd[i] = T.rsqrt(rstd[i] / N + eps * inv[i] * inv[i]) * inv[i]
                 if row0 + i < M:
                     Rstd[row0 + i] = rstd[i]
             for i, j in T.Parallel(BM, NP):
