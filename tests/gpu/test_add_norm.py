@@ -57,8 +57,11 @@ def _no_fallback():
         yield
 
 
-def textbook(op, x, residual, weight=None, bias=None):
-    total = x + residual
+def textbook(op, x, residual, weight=None, bias=None, dtype=torch.float64):
+    """The op's definition in the precision of x: new_residual is x + residual held in x's dtype (`dtype`), and y is
+    the norm of that rounded sum; the rounding passes gradients straight through, as a cast does."""
+    exact = x + residual
+    total = exact + (exact.to(dtype).double() - exact).detach()
     if op == "rms":
         y = total * torch.rsqrt(total.square().mean(-1, keepdim=True) + EPS[op])
     else:
@@ -89,7 +92,7 @@ def check(op, backend, x, residual, params):
 
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     x64, r64, *p64 = inputs64
-    y64, total64 = textbook(op, x64, r64, **dict(zip(params, p64)))
+    y64, total64 = textbook(op, x64, r64, **dict(zip(params, p64)), dtype=x.dtype)
     grads64 = torch.autograd.grad((y64, total64), inputs64, (dy.double(), dnew.double()))
 
     dtype = x.dtype
