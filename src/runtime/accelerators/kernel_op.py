@@ -25,6 +25,11 @@ neither passes through autograd as an argument): no dispatcher in between. Under
 torch.compile the same functions run as the custom ops `taac::<op>_forward` and
 `taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
 so graphs hold one node per kernel launch. Backward always runs on the forward's backend.
+
+Every tensor the custom ops return (outputs, saved results, gradients) is contiguous, whatever the layout of the
+inputs: their fake implementations say so, and their real ones make it so (a kernel's results are contiguous
+already; anything else is copied). The compiler checks a custom op's real strides against its fake ones, so this one
+rule, applied here, keeps every op's fakes exact; an op's fake_forward gives only shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ class KernelOp:
             fake = fake_forward
         else:
             fake = lambda *args, backend: fake_forward(*args)  # noqa: E731
-        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake(*args, backend=backend))))
+        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_contiguous_fakes(fake(*args, backend=backend))))
         self._backward_op = torch.library.custom_op(
             f"taac::{name}_backward",
             _run_backward(op, self.backward_name, n_outputs, n_results),
@@ -281,12 +286,17 @@ def _unwrap_single(results: tuple):
     return results[0] if len(results) == 1 else results
 
 
+def _contiguous_fakes(results) -> tuple:
+    """The custom ops' layout rule on the fake side: each result contiguous, with the shape and dtype it was given."""
+    return tuple(torch.empty_like(r, memory_format=torch.contiguous_format) for r in _as_tuple(results))
+
+
 def _run_forward(op: str, function: str, n_results: int):
     def forward(backend, *args):
         results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
         if len(results) != n_results:
             raise RuntimeError(f"{op}.{backend}.{function} returned {len(results)} tensors, expected {n_results}")
-        return _unwrap_single(results)
+        return _unwrap_single(tuple(r.contiguous() for r in results))  # the layout rule (module docstring)
 
     return forward
 
@@ -306,9 +316,11 @@ def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
             if not isinstance(a, torch.Tensor):
                 continue
             if g is None:
-                g = torch.zeros_like(a)
+                g = torch.zeros_like(a, memory_format=torch.contiguous_format)
             elif g.untyped_storage().data_ptr() in taken:
-                g = g.clone()
+                g = g.clone(memory_format=torch.contiguous_format)
+            else:
+                g = g.contiguous()  # the layout rule (module docstring)
             taken.add(g.untyped_storage().data_ptr())
             returned.append(g)
         return returned
@@ -320,7 +332,7 @@ def _fake_backward(n_outputs: int, n_results: int):
     def fake(backend, *flat):
         rest = flat[n_outputs:]
         args = rest[: len(rest) - n_results]
-        return [torch.empty_like(a) for a in args if isinstance(a, torch.Tensor)]
+        return [torch.empty_like(a, memory_format=torch.contiguous_format) for a in args if isinstance(a, torch.Tensor)]
 
     return fake
 
