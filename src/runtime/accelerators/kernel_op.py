@@ -59,6 +59,9 @@ class KernelOp:
                    are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
                    `taac::<op>_<entry>_*`
     backward_reads_outputs: False when no backend's backward reads the op's outputs (see the module docstring)
+    check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
+                   argument): run by the forward custom op on its real arguments, so a compiled call checks what an
+                   eager call checks before its launch
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class KernelOp:
         entry: str | None = None,
         backward_reads_outputs: bool = True,
         fake_takes_backend: bool = False,
+        check_values: Callable | None = None,
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
@@ -100,7 +104,7 @@ class KernelOp:
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
             f"taac::{name}_forward",
-            _run_forward(op, self.forward_name, n_results),
+            _run_forward(op, self.forward_name, n_results, check_values),
             mutates_args=(),
             schema=f"(str backend, {args_schema}) -> {returns}",
         )
@@ -291,8 +295,10 @@ def _contiguous_fakes(results) -> tuple:
     return tuple(torch.empty_like(r, memory_format=torch.contiguous_format) for r in _as_tuple(results))
 
 
-def _run_forward(op: str, function: str, n_results: int):
+def _run_forward(op: str, function: str, n_results: int, check_values: Callable | None):
     def forward(backend, *args):
+        if check_values is not None:
+            check_values(*args)
         results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
         if len(results) != n_results:
             raise RuntimeError(f"{op}.{backend}.{function} returned {len(results)} tensors, expected {n_results}")
