@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from runtime.accelerators import BackendUnavailableError, use_accelerators
 from runtime.accelerators.flash_attention import flash_attention
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor
@@ -128,3 +129,18 @@ def test_dropout_keep_rate_and_backward_consistency():
     # the same mask drives the forward and every gradient: a dropped position contributes nothing,
     # a kept one is scaled by 1 / (1 - p)
     check(out, q, k, v, torch.bfloat16, causal=True, keep=keep, dropout_p=p)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
+def test_key_lengths_under_inference_mode(backend):
+    q, k, v = (t.detach() for t in make(2, 4, 2, 70, 45, 64, torch.bfloat16, layout="blhd"))
+    with torch.inference_mode(), use_accelerators(fallback="error"):
+        key_lengths = torch.tensor([45, 17], device=CUDA)
+        try:
+            out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend=backend)
+        except BackendUnavailableError as error:
+            pytest.skip(str(error))
+        assert_close("o", out, attention_float64(q, k, v, causal=True, key_lengths=key_lengths), rtol_for(torch.bfloat16))
+        key_lengths.fill_(46)
+        with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 45\]"):
+            flash_attention(q, k, v, key_lengths=key_lengths, backend=backend)

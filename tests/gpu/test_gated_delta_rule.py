@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from gdr_checks import (
+    BOUND,
     CASES,
+    FUNCTIONS,
     call,
     check_chunked_forward_and_every_gradient,
     check_forward_matches_the_float64_recurrence,
     make_inputs,
     reference,
 )  # fmt: skip
+from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import fused_recurrent_gated_delta_rule
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
@@ -73,3 +76,30 @@ def test_gradients_through_the_triton_recurrent_kernel_fall_back():
     assert inputs["q"].grad is not None
 
 
+
+
+@pytest.mark.parametrize("backend, dtype", [("triton", torch.float32), ("triton", torch.bfloat16), ("tilelang", torch.bfloat16)])
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+def test_inductor_full_graph_with_cu_seqlens(function, backend, dtype):
+    """cu_seqlens on the device: its values are checked by the custom op at run time, nothing branches on them while
+    tracing; outputs and gradients equal eager ones."""
+    x = make_inputs(1, 200, 2, 4, 64, 64, dtype, state=True, sequences=3)
+    leaves = [x[n].requires_grad_(function == "chunk") for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    cu_seqlens = torch.tensor([0, 70, 70, 200], device="cuda")
+
+    def run(q, k, v, g, beta, state, cu_seqlens):
+        return FUNCTIONS[function](
+            q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens, backend=backend,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    with use_accelerators(fallback="error"), torch._inductor.config.patch(force_disable_caches=True):
+        expected = run(*leaves, cu_seqlens)
+        outputs = torch.compile(run, backend="inductor", fullgraph=True)(*leaves, cu_seqlens)
+        results, references = list(outputs), list(expected)
+        if function == "chunk":
+            results += torch.autograd.grad(sum(o.float().sum() for o in outputs), leaves)
+            references += torch.autograd.grad(sum(o.float().sum() for o in expected), leaves)
+    for i, (out, ref) in enumerate(zip(results, references)):
+        assert_close(f"{function} {backend} result {i}", out, ref, BOUND[dtype])

@@ -277,6 +277,19 @@ def test_lengths_changed_in_place_are_checked_again():
         flash_attention(q, k, v, key_lengths=key_lengths, backend="torch")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_key_lengths_under_inference_mode(backend):
+    # an inference tensor has no version counter: its values are checked on every call
+    q, k, v = make(2, 2, 1, 9, 11, 16, requires_grad=False)
+    with torch.inference_mode():
+        key_lengths = torch.tensor([11, 4])
+        out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend=backend)
+        assert_close("o", out, attention_float64(q, k, v, causal=True, key_lengths=key_lengths), RTOL_ATTENTION_FP32)
+        key_lengths.fill_(12)
+        with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 11\]"):
+            flash_attention(q, k, v, key_lengths=key_lengths, backend=backend)
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         flash_attention(torch.randn(Q), torch.randn(K), torch.randn(K), backend="cuda")

@@ -673,6 +673,52 @@ def test_bad_input_errors_name_the_argument(function, name):
         FUNCTIONS[function](*args, **x)
 
 
+# --------------------------------------------------------------------------- torch.compile with cu_seqlens
+
+
+def _packed(function, backend, q, k, v, g, beta, state, cu_seqlens):
+    return function(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, backend=backend,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+def test_compiled_full_graph_with_cu_seqlens_on_triton(function):
+    """The boundaries' values are checked where they exist: eagerly before the launch, in a compiled call by the
+    custom op at run time (nothing branches on them while tracing)."""
+    x = make_inputs(1, 70, 2, 2, 16, 16, state=True, sequences=3)
+    leaves = [x[n].requires_grad_(function == "chunk") for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    cu_seqlens = torch.tensor([0, 13, 13, 70])
+    run = lambda *args: _packed(FUNCTIONS[function], "triton", *args)  # noqa: E731
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    with use_accelerators(fallback="error"):
+        outputs, expected = compiled(*leaves, cu_seqlens), run(*leaves, cu_seqlens)
+        for name, out, ref in zip(("o", "final_state"), outputs, expected):
+            torch.testing.assert_close(out, ref, msg=lambda m, name=name: f"{name}: {m}")
+        if function == "chunk":
+            grads = torch.autograd.grad(sum(o.sum() for o in outputs), leaves)
+            for i, (grad, ref) in enumerate(zip(grads, torch.autograd.grad(sum(o.sum() for o in expected), leaves))):
+                torch.testing.assert_close(grad, ref, msg=lambda m, i=i: f"gradient {i}: {m}")
+        # new boundaries reuse the graph; bad ones are rejected at run time as eagerly
+        outputs = compiled(*leaves, torch.tensor([0, 40, 50, 70]))
+        torch.testing.assert_close(outputs[0], run(*leaves, torch.tensor([0, 40, 50, 70]))[0])
+        for bad, message in (([0, 50, 40, 70], "non-decreasing"), ([1, 13, 40, 70], "expected to start at 0"),
+                             ([0, 13, 40, 69], "expected to end at T=70")):  # fmt: skip
+            with pytest.raises(ValueError, match=message):
+                compiled(*leaves, torch.tensor(bad))
+
+
+def test_compiled_full_graph_with_cu_seqlens_on_torch_says_what_to_do():
+    x = make_inputs(1, 20, 1, 1, 16, 16)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [None, torch.tensor([0, 7, 20])]
+    run = lambda *args: _packed(chunk_gated_delta_rule, "torch", *args)  # noqa: E731
+    with pytest.raises(Exception, match="backend='triton' or 'tilelang'"):
+        torch.compile(run, backend="aot_eager", fullgraph=True)(*args)
+    # without fullgraph the call runs eagerly
+    torch.testing.assert_close(torch.compile(run, backend="aot_eager")(*args)[0], run(*args)[0])
+
+
 def test_batch_above_one_with_cu_seqlens_is_an_error():
     x = make_inputs(2, 8, 1, 1, 16, 16)
     with pytest.raises(ValueError, match="batch size must be 1, got B=2"):

@@ -29,6 +29,15 @@ neither passes through autograd as an argument): no dispatcher in between. Under
 torch.compile the same functions run as the custom ops `taac::<op>_forward` and
 `taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
 so graphs hold one node per kernel launch. Backward always runs on the forward's backend.
+
+Every tensor the custom ops return (outputs, saved results, gradients) is contiguous, whatever the layout of the
+inputs: their fake implementations say so, and their real ones make it so (a kernel's results are contiguous
+already; anything else is copied). The compiler checks a custom op's real strides against its fake ones, so this one
+rule, applied here, keeps every op's fakes exact; an op's fake_forward gives only shapes and dtypes.
+
+A kernel backward is not recorded by autograd: the gradients it returns under create_graph=True go through
+no_double_backward, so that differentiating them again raises an error naming the op (eager and compiled paths, and
+the ops' own autograd.Functions) instead of giving wrong second derivatives.
 """
 
 from __future__ import annotations
@@ -59,6 +68,9 @@ class KernelOp:
                    `taac::<op>_<entry>_*`
     backward_reads_outputs: False when no backend's backward reads the op's outputs (see the module docstring)
     unread_args:   names of tensor arguments no backend's backward reads (see the module docstring)
+    check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
+                   argument): run by the forward custom op on its real arguments, so a compiled call checks what an
+                   eager call checks before its launch
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class KernelOp:
         backward_reads_outputs: bool = True,
         fake_takes_backend: bool = False,
         unread_args: tuple[str, ...] = (),
+        check_values: Callable | None = None,
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
@@ -100,7 +113,7 @@ class KernelOp:
         self._modules: dict = {}
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
         self._native: dict = {}  # backend -> the kernel module's native_forward, or None (see _native_forward)
-        name = f"{op}_{entry}" if entry else op
+        self.name = name = f"{op}_{entry}" if entry else op
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
@@ -108,7 +121,7 @@ class KernelOp:
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
             f"taac::{name}_forward",
-            _run_forward(op, self.forward_name, n_results),
+            _run_forward(op, self.forward_name, n_results, check_values),
             mutates_args=(),
             schema=f"(str backend, {args_schema}) -> {returns}",
         )
@@ -116,7 +129,7 @@ class KernelOp:
             fake = fake_forward
         else:
             fake = lambda *args, backend: fake_forward(*args)  # noqa: E731
-        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_as_tuple(fake(*args, backend=backend))))
+        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_contiguous_fakes(fake(*args, backend=backend))))
         self._backward_op = torch.library.custom_op(
             f"taac::{name}_backward",
             _run_backward(op, self.backward_name, n_outputs, n_results),
@@ -176,7 +189,7 @@ class KernelOp:
             forward_name = self.infer_name if hasattr(module, self.infer_name) else self.forward_name
             first_saved = n_results
         attributes = {
-            "kernel_op": self, "module": module, "forward_name": forward_name,
+            "kernel_op": self, "module": module, "backend": backend, "forward_name": forward_name,
             "first_saved": first_saved, "unsaved": (None,) * first_saved,
         }  # fmt: skip
         function = type(f"{self.op}_{self.forward_name}_{backend}", (_EagerFunction,), attributes)
@@ -211,7 +224,7 @@ class KernelOp:
         args, results = self._saved(ctx)
         grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads[: self.n_outputs], results)]
         flat = self._backward_op(ctx.backend, *grad_outputs, *args, *results)
-        return (None, *_unflatten_grads(args, flat))
+        return no_double_backward(self.name, ctx.backend, (None, *_unflatten_grads(args, flat)), args)
 
 
 class _EagerFunction(torch.autograd.Function):
@@ -219,6 +232,7 @@ class _EagerFunction(torch.autograd.Function):
 
     kernel_op: KernelOp
     module: object  # the backend's kernel module
+    backend: str
     forward_name: str  # the module function forward runs: the op's forward, or infer (BACKWARD_READS_RESULTS)
     first_saved: int  # the results from this one on are saved for backward
     unsaved: tuple  # None for each result not saved, passed to backward in its place
@@ -245,7 +259,36 @@ class _EagerFunction(torch.autograd.Function):
         if kernel_op.in_schema_order is not None:
             args = kernel_op.in_schema_order(args)
         backward = function.module.__dict__[kernel_op.backward_name]
-        return tuple(backward(*grads, *args, *function.unsaved, *saved[n_tensors:]))  # a list would be 1
+        grads_in = tuple(backward(*grads, *args, *function.unsaved, *saved[n_tensors:]))  # a list would be 1
+        if torch.is_grad_enabled():  # create_graph=True
+            return no_double_backward(kernel_op.name, function.backend, grads_in, args)
+        return grads_in
+
+
+def no_double_backward(op: str, backend: str, grads: tuple, inputs: tuple) -> tuple:
+    """A kernel backward's gradients (one per forward argument, None where there is none), as they are outside grad
+    mode. Under it (create_graph=True) each comes out of a node that raises, naming the op, when a second backward
+    reaches it: the node has an edge to each of the forward's `inputs` that requires grad, so a second backward
+    towards them runs it. Autograd does not record a kernel, so without this a second derivative would miss the
+    kernel's dependence on the inputs: silently absent (None, or zero with allow_unused) or wrong."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())]
+    if not present:
+        return grads
+    message = (
+        f"{op}: double backward is not supported on the {backend} backend: its backward is a kernel that autograd does "
+        "not record, so the gradients it returned (with create_graph=True) cannot be differentiated again; compute "
+        "second derivatives with backend='torch'"
+    )
+    edges = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    gradients = [grads[i] if grads[i].requires_grad else grads[i].detach().requires_grad_() for i in present]
+    outputs = torch._C._functions.DelayedError(message, len(gradients) + len(edges))(*gradients, *edges)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    result = list(grads)
+    for i, g in zip(present, outputs):
+        result[i] = g
+    return tuple(result)
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
@@ -303,12 +346,19 @@ def _unwrap_single(results: tuple):
     return results[0] if len(results) == 1 else results
 
 
-def _run_forward(op: str, function: str, n_results: int):
+def _contiguous_fakes(results) -> tuple:
+    """The custom ops' layout rule on the fake side: each result contiguous, with the shape and dtype it was given."""
+    return tuple(torch.empty_like(r, memory_format=torch.contiguous_format) for r in _as_tuple(results))
+
+
+def _run_forward(op: str, function: str, n_results: int, check_values: Callable | None):
     def forward(backend, *args):
+        if check_values is not None:
+            check_values(*args)
         results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
         if len(results) != n_results:
             raise RuntimeError(f"{op}.{backend}.{function} returned {len(results)} tensors, expected {n_results}")
-        return _unwrap_single(results)
+        return _unwrap_single(tuple(r.contiguous() for r in results))  # the layout rule (module docstring)
 
     return forward
 
@@ -328,9 +378,11 @@ def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
             if not isinstance(a, torch.Tensor):
                 continue
             if g is None:
-                g = torch.zeros_like(a)
+                g = torch.zeros_like(a, memory_format=torch.contiguous_format)
             elif g.untyped_storage().data_ptr() in taken:
-                g = g.clone()
+                g = g.clone(memory_format=torch.contiguous_format)
+            else:
+                g = g.contiguous()  # the layout rule (module docstring)
             taken.add(g.untyped_storage().data_ptr())
             returned.append(g)
         return returned
@@ -342,7 +394,7 @@ def _fake_backward(n_outputs: int, n_results: int):
     def fake(backend, *flat):
         rest = flat[n_outputs:]
         args = rest[: len(rest) - n_results]
-        return [torch.empty_like(a) for a in args if isinstance(a, torch.Tensor)]
+        return [torch.empty_like(a, memory_format=torch.contiguous_format) for a in args if isinstance(a, torch.Tensor)]
 
     return fake
 

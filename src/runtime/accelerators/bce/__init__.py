@@ -20,7 +20,7 @@ import torch
 from .. import buffers
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
-from ..kernel_op import KernelOp, apply_eagerly, c_apply
+from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 
 # flat indices are 32-bit in the kernels (with room for one block past the end)
@@ -103,13 +103,15 @@ class _UnitGradientFunction(torch.autograd.Function):
     def forward(ctx, logits, targets, weight, pos_weight, reduction, module):
         loss, unit = module.forward(logits, targets, weight, pos_weight, reduction, False, True)
         ctx.save_for_backward(unit)
-        ctx.logits_dtype = logits.dtype
+        ctx.logits_dtype, ctx.backend = logits.dtype, module.__name__.rpartition(".")[2]
+        ctx.logits = logits  # not its values: the edge a double backward's error node takes (no_double_backward)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         (unit,) = ctx.saved_tensors
-        return scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None
+        grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None
+        return no_double_backward("bce", ctx.backend, grads, (ctx.logits,)) if torch.is_grad_enabled() else grads
 
 
 _apply_unit_gradient = c_apply(_UnitGradientFunction)

@@ -14,7 +14,7 @@ import torch
 
 from ..backends import Backend, OpSpec, load_kernels, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
-from ..kernel_op import KernelOp
+from ..kernel_op import KernelOp, no_double_backward
 from .reference import embedding_bag_mean_reference
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -78,14 +78,14 @@ class _SparseGradient(torch.autograd.Function):
         kernels = load_kernels("embedding_bag", backend)
         out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
         ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
-        ctx.kernels, ctx.padding_idx, ctx.include_last_offset = kernels, padding_idx, include_last_offset
+        ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = kernels, padding_idx, include_last_offset, backend
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         weight, indices, offsets, scale, bag_of = ctx.saved_tensors
         grad = ctx.kernels.backward_sparse(grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of)
-        return None, grad, None, None, None, None, None
+        return no_double_backward("embedding_bag", ctx.backend, (None, grad, None, None, None, None, None), (weight,))
 
 
 def _sparse_call(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):

@@ -21,9 +21,11 @@ def bad_indices(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tens
 
 
 def check_indices_(weight, indices, offsets, include_last_offset) -> None:
-    """Raise on bad indices or offsets: IndexError on CPU, a device-side assert (no host sync) on CUDA."""
+    """Raise on bad indices or offsets: IndexError on CPU, a device-side assert (no host sync) on CUDA. Under
+    torch.compile the assert on every device (RuntimeError on CPU): it is an op of the graph, where reading the flag
+    on the host would break the graph."""
     bad = bad_indices(weight, indices, offsets, include_last_offset)
-    if indices.device.type == "cuda":
+    if indices.device.type == "cuda" or torch.compiler.is_compiling():
         torch._assert_async(~bad, INDEX_ERROR)
     elif bad.item():
         raise index_error(weight, indices, offsets, include_last_offset)

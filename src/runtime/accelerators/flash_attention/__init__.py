@@ -179,19 +179,22 @@ _checked_lengths: tuple = (None, -1, -1)  # (weakref to the last key_lengths che
 def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
     """Values in [0, Lk]. Reading them synchronises with the device, so the check is skipped while
     capturing a CUDA graph or compiling, and done once for a tensor passed again unchanged (the same
-    lengths given to every attention layer of a model cost one synchronisation, not one per layer)."""
+    lengths given to every attention layer of a model cost one synchronisation, not one per layer).
+    An inference tensor (made under torch.inference_mode) has no version counter to tell whether it changed
+    in place: it is checked on every call."""
     global _checked_lengths
     if key_lengths.numel() == 0 or torch.compiler.is_compiling():
         return
     if key_lengths.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    ref, version, checked_lk = _checked_lengths
-    if ref is not None and ref() is key_lengths and version == key_lengths._version and checked_lk == lk:
+    version = None if key_lengths.is_inference() else key_lengths._version
+    ref, checked_version, checked_lk = _checked_lengths
+    if version is not None and ref is not None and ref() is key_lengths and checked_version == version and checked_lk == lk:
         return
     low, high = torch.stack(torch.aminmax(key_lengths)).tolist()  # one synchronisation
     if low < 0 or high > lk:
         raise ValueError(f"key_lengths: expected values in [0, {lk}] (Lk of k), got values in [{low}, {high}]")
-    _checked_lengths = (weakref.ref(key_lengths), key_lengths._version, lk)
+    _checked_lengths = (None, -1, -1) if version is None else (weakref.ref(key_lengths), version, lk)
 
 
 def _autocast(q, k, v):

@@ -73,6 +73,11 @@ def _saved_dtypes(backend: str, k: torch.Tensor, V: int) -> tuple[torch.dtype, t
     return torch.float32, torch.float32
 
 
+def _check_compiled_values(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    if cu_seqlens is not None:
+        check_cu_seqlens_values(cu_seqlens, q.shape[1])
+
+
 # kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 #                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
@@ -82,9 +87,12 @@ def _saved_dtypes(backend: str, k: torch.Tensor, V: int) -> tuple[torch.dtype, t
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
 CHUNK = KernelOp(
     "gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk",
-    fake_takes_backend=True,
+    fake_takes_backend=True, check_values=_check_compiled_values,
 )  # fmt: skip
-RECURRENT = KernelOp("gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent")
+RECURRENT = KernelOp(
+    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent",
+    check_values=_check_compiled_values,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- validation
@@ -103,13 +111,19 @@ def _check_cu_seqlens(cu_seqlens, batch: int, length: int) -> torch.Tensor | Non
     if batch != 1:
         raise ValueError(f"q: with cu_seqlens the sequences are packed along T and the batch size must be 1, got B={batch}")
     host = cu_seqlens.detach().to("cpu", torch.int64)
+    if not torch.compiler.is_compiling():  # compiled calls check the values at run time (_check_compiled_values)
+        check_cu_seqlens_values(host, length)
+    return host
+
+
+def check_cu_seqlens_values(host: torch.Tensor, length: int) -> None:
+    """The boundaries (a host int64 tensor) start at 0, end at T and do not decrease."""
     if host[0].item() != 0:
         raise ValueError(f"cu_seqlens: expected to start at 0, got {host[0].item()}")
     if host[-1].item() != length:
         raise ValueError(f"cu_seqlens: expected to end at T={length} (the packed length), got {host[-1].item()}")
     if (host[1:] < host[:-1]).any():
         raise ValueError(f"cu_seqlens: expected non-decreasing boundaries, got {host.tolist()}")
-    return host
 
 
 def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.Tensor | None:
@@ -162,6 +176,13 @@ def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output
         SPEC, backend, q.device, key, q=q, v=v, g=g, beta=beta, initial_state=initial_state, mode=mode, needs_grad=needs_grad
     )
     args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel))
+    if chosen == "torch" and host_cu is not None and torch.compiler.is_compiling():
+        name = "chunk_gated_delta_rule" if mode == "chunk" else "fused_recurrent_gated_delta_rule"
+        raise ValueError(
+            f"{name} with cu_seqlens on the torch backend cannot be compiled into one graph: the "
+            "reference loops over the sequences, reading cu_seqlens' values on the host; compile it with a kernel "
+            "backend (backend='triton' or 'tilelang'), or without fullgraph=True (the call then runs eagerly)"
+        )
     if chosen == "torch" or q.numel() == 0 or v.numel() == 0:
         return reference(*args, cu_seqlens if host_cu is None else host_cu)
     o, final_state = kernel(chosen, *args, host_cu)

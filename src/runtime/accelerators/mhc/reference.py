@@ -39,7 +39,9 @@ def mhc_coefficients(x, phi, alpha, bias, eps: float, sinkhorn_iters: int):
     alpha, bias = alpha.to(dtype), bias.to(dtype)
     h_pre = torch.sigmoid(alpha[0] * h[..., :n] + bias[:n])
     h_post = 2 * torch.sigmoid(alpha[1] * h[..., n : 2 * n] + bias[n : 2 * n])
-    res_logits = (alpha[2] * h[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n))
+    res_logits = alpha[2] * h[..., 2 * n :] + bias[2 * n :]
+    # reshape, not Tensor.unflatten: Dynamo in torch 2.11 cannot trace the super() call that method is written with
+    res_logits = res_logits.reshape(*res_logits.shape[:-1], n, n)
     return h_pre, h_post, sinkhorn(res_logits, sinkhorn_iters)
 
 
