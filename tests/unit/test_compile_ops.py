@@ -149,6 +149,24 @@ CASES = {
         lambda backend, w, i, offsets: acc.embedding_bag_mean(w[::2], i.t().flatten()[::3], offsets, padding_idx=2, backend=backend),
     ),
     "mhc_pre-mhc_post": (_mhc_inputs, _mhc),
+    "add_rms_norm": (
+        lambda: (_randn(48, 7), _randn(7, 96), _randn(96)),
+        lambda backend, x, r, w: acc.add_rms_norm(x.t(), r[:, ::2], w[::2], backend=backend),
+    ),
+    "add_layer_norm": (
+        lambda: (_randn(48, 7), _randn(7, 96), _randn(96), _randn(96)),
+        lambda backend, x, r, w, b: acc.add_layer_norm(x.t(), r[:, ::2], w[::2], b[1::2], backend=backend),
+    ),
+    "gelu-silu": (
+        lambda: (_randn(24, 5),),
+        lambda backend, x: (
+            acc.gelu(x.t(), backend=backend), acc.gelu(x.t(), "tanh", backend=backend), acc.silu(x.t(), backend=backend)
+        ),
+    ),
+    "linear": (  # fp16: the interpreter's bf16 dot is wrong, and the kernels take no fp32
+        lambda: tuple(t.half().requires_grad_() for t in (torch.randn(16, 40), 0.2 * torch.randn(64, 16), torch.randn(64))),
+        lambda backend, x, w, b: acc.linear(x.t(), w[::2], b[::2], "gelu", backend=backend),
+    ),
 }
 
 # public names of runtime.accelerators that are not ops
