@@ -19,6 +19,8 @@ BACKENDS = ["triton", "tilelang"]
 # dtype -> embedding width: odd and padded widths ride along with the dtypes
 DTYPES = {"f32": (f32, 37), "bf16": (bf16, 64), "f16": (f16, 200)}
 PAD = 3
+# widths whose TileLang gradient combine pass runs on a wider power-of-two tile (multiples of 32, no power of two)
+PADDED_COMBINE = {"bf16-96": (bf16, 96), "f16-160": (f16, 160)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,6 +32,7 @@ def _compile_tilelang_kernels():
 
     specs = [(dim, dtype, torch.int64, torch.int64) for dtype, dim in DTYPES.values()]
     specs += [(64, bf16, torch.int32, torch.int32), (64, bf16, torch.int32, torch.int64), (16, f32, torch.int64, torch.int64)]
+    specs += [(dim, dtype, torch.int64, torch.int64) for dtype, dim in PADDED_COMBINE.values()]
     kernels.precompile(specs, torch.device("cuda"))
 
 
@@ -107,6 +110,17 @@ def test_outputs_and_gradients(backend, dtype_name, layout, padding, dist):
     weight = torch.randn(rows, dim, device="cuda").to(dtype).requires_grad_()
     indices, offsets, bag_ids = make_bags(layout, num_bags, rows, dist, padding)
     check(backend, weight, indices, offsets, bag_ids, PAD if padding else None, tag=f"{backend} {dtype_name} {layout} {dist}")
+
+
+@pytest.mark.parametrize("layout", ["2d", "offsets"])
+@pytest.mark.parametrize("case", list(PADDED_COMBINE))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_widths_with_a_padded_combine_tile(backend, case, layout):
+    """Zipf bags: the hottest rows' segments span many chunks, so the combine pass writes their gradient rows."""
+    dtype, dim = PADDED_COMBINE[case]
+    weight = torch.randn(4000, dim, device="cuda").to(dtype).requires_grad_()
+    indices, offsets, bag_ids = make_bags(layout, 1500, 4000, "zipf", padding=True)
+    check(backend, weight, indices, offsets, bag_ids, PAD, tag=f"{backend} {case} {layout}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

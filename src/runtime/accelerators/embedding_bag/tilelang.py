@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import buffers
+from ..launch_math import pow2_at_least
 from ..tilelang_common import Entry, launcher  # first: checks the tilelang version
 from ..tilelang_common import precompile as precompile_entries
 
@@ -46,6 +47,12 @@ def padded_width(dim: int) -> int:
     if dim % 32 == 0:
         return dim
     return 1 << max(3, (dim - 1).bit_length())
+
+
+def combine_width(dim: int) -> int:
+    """The tile width of the gradient's second pass: a power of two. It sums a [BLOCK_J, width] fragment
+    over its rows into a 1-D one, for which TileLang finds no layout at other widths (96, 160, 384...)."""
+    return pow2_at_least(padded_width(dim))
 
 
 # --------------------------------------------------------------------------- kernel builders
@@ -231,7 +238,7 @@ def chunk_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK):
 
 def combine_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK, block_j: int = BLOCK_J):
     """Second gradient pass: a chunk that ends a segment begun earlier adds up that segment's partials."""
-    width = padded_width(dim)
+    width = combine_width(dim)
     num_indices, num_ranks, num_out, num_rows, num_chunks_ = T.dynamic("N NR R RR NC")
 
     @T.prim_func

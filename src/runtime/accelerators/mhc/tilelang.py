@@ -23,17 +23,26 @@ THREADS = 128
 TINY = 1e-30
 
 
+def pre_block_tokens(n: int) -> int:
+    """Tokens per block of the pre kernels: BLOCK_TOKENS, doubled for an odd n.
+
+    Their one-thread-per-(token, row) loops over shared memory need a barrier inside the loop's
+    guard `thread < tokens * n`; TileLang lowers that only when the guard is warp-uniform, i.e.
+    when tokens * n is a multiple of 32."""
+    return BLOCK_TOKENS if BLOCK_TOKENS * n % 32 == 0 else 32
+
+
 @T.macro
-def _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n: int, M: int, MP: int):
+def _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n: int, M: int, MP: int, BT: int):
     """Load h for the block's tokens; H_pre and the post sigmoid; first_s = exp(res logits - max)."""
-    for t, m in T.Parallel(BLOCK_TOKENS, MP):
+    for t, m in T.Parallel(BT, MP):
         h_s[t, m] = T.if_then_else((row0 + t < tokens) and (m < M), Hs[row0 + t, m], 0.0)
-    for t, i in T.Parallel(BLOCK_TOKENS, n):
+    for t, i in T.Parallel(BT, n):
         pre_s[t, i] = 1.0 / (1.0 + T.exp(-(Alpha[0] * h_s[t, i] + Bias[i])))
         post_s[t, i] = 1.0 / (1.0 + T.exp(-(Alpha[1] * h_s[t, n + i] + Bias[n + i])))
-    for t, e in T.Parallel(BLOCK_TOKENS, n * n):
+    for t, e in T.Parallel(BT, n * n):
         first_s[t, e] = Alpha[2] * h_s[t, 2 * n + e] + Bias[2 * n + e]
-    for t in T.Parallel(BLOCK_TOKENS):
+    for t in T.Parallel(BT):
         peak = T.alloc_var(ACCUM)
         peak = first_s[t, 0]
         for e in T.serial(1, n * n):
@@ -43,20 +52,23 @@ def _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n:
 
 
 @T.macro
-def _sinkhorn_step(matrix, sums, n: int):
-    """One round in place: rows to sum 1, then columns (a thread per token row / column)."""
-    for t, i in T.Parallel(BLOCK_TOKENS, n):
-        sums[t, i] = 0.0
+def _sinkhorn_step(matrix, n: int, BT: int):
+    """One round in place: rows to sum 1, then columns (a thread per token row / column). The sums stay in
+    registers: a shared one, written and read back in one loop body, asks TileLang for a barrier inside the loop's guard."""
+    for t, i in T.Parallel(BT, n):
+        total = T.alloc_var(ACCUM)
+        total = 0.0
         for j in T.serial(n):
-            sums[t, i] += matrix[t, i * n + j]
+            total += matrix[t, i * n + j]
         for j in T.serial(n):
-            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(sums[t, i], TINY)
-    for t, j in T.Parallel(BLOCK_TOKENS, n):
-        sums[t, j] = 0.0
+            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(total, TINY)
+    for t, j in T.Parallel(BT, n):
+        total = T.alloc_var(ACCUM)
+        total = 0.0
         for i in T.serial(n):
-            sums[t, j] += matrix[t, i * n + j]
+            total += matrix[t, i * n + j]
         for i in T.serial(n):
-            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(sums[t, j], TINY)
+            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(total, TINY)
 
 
 @T.macro
@@ -71,7 +83,7 @@ def _post_coefficients(HRes, HPost, coef, row0, tokens, n: int):
 
 def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
     K, M = n * C, n * n + 2 * n
-    MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
+    MP, BT, BK = pow2_at_least(M, 16), pre_block_tokens(n), BLOCK_K
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -98,7 +110,6 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             pre_s = T.alloc_shared((BT, n), ACCUM)
             post_s = T.alloc_shared((BT, n), ACCUM)
             matrix = T.alloc_shared((BT, n * n), ACCUM)
-            sums = T.alloc_shared((BT, n), ACCUM)
             out = T.alloc_fragment((BT, BK), ACCUM)
             row0 = bx * BT
             T.clear(acc)
@@ -125,10 +136,10 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             # _coefficients reads back Hs rows that other threads of this block wrote (global memory: the
             # sync pass guards only shared buffers; today's sync there comes from h_s reusing phi_s's memory)
             T.sync_threads()
-            _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, matrix, row0, tokens, n, M, MP)
+            _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, matrix, row0, tokens, n, M, MP, BT)
             T.sync_threads()
             for it in T.serial(iters):
-                _sinkhorn_step(matrix, sums, n)
+                _sinkhorn_step(matrix, n, BT)
             for t, i in T.Parallel(BT, n):
                 if row0 + t < tokens:
                     HPost[row0 + t, i] = 2.0 * post_s[t, i]
@@ -152,7 +163,7 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
 def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
     """dx and dg = d(v @ phi) per token; per-block partial sums of dbias (M) and dalpha (3)."""
     K, M, NN = n * C, n * n + 2 * n, n * n
-    MP, BT, BK = pow2_at_least(M, 16), BLOCK_TOKENS, BLOCK_K
+    MP, BT, BK = pow2_at_least(M, 16), pre_block_tokens(n), BLOCK_K
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -191,7 +202,7 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             scale = T.alloc_shared((BT,), ACCUM)
             out = T.alloc_fragment((BT, BK), ACCUM)
             row0 = bx * BT
-            _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n, M, MP)
+            _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n, M, MP, BT)
 
             # d H_pre[i] = sum_c dh_in[c] * x[i, c]
             for i in T.serial(n):
@@ -216,21 +227,25 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                         iterate[t, i * n + j] = first_s[t, i * n + j]
                 T.sync_threads()
                 for k in T.serial(iters - 1 - back):
-                    _sinkhorn_step(iterate, row_sums, n)
+                    _sinkhorn_step(iterate, n, BT)
                 for t, i in T.Parallel(BT, n):
-                    row_sums[t, i] = 0.0
+                    total = T.alloc_var(ACCUM)
+                    total = 0.0
                     for j in T.serial(n):
-                        row_sums[t, i] += iterate[t, i * n + j]
-                    row_sums[t, i] = T.max(row_sums[t, i], TINY)
+                        total += iterate[t, i * n + j]
+                    total = T.max(total, TINY)
+                    row_sums[t, i] = total
                     for j in T.serial(n):
-                        rows_normal[t, i * n + j] = iterate[t, i * n + j] / row_sums[t, i]
+                        rows_normal[t, i * n + j] = iterate[t, i * n + j] / total
                 for t, j in T.Parallel(BT, n):
-                    col_sums[t, j] = 0.0
+                    total = T.alloc_var(ACCUM)
+                    total = 0.0
                     for i in T.serial(n):
-                        col_sums[t, j] += rows_normal[t, i * n + j]
-                    col_sums[t, j] = T.max(col_sums[t, j], TINY)
+                        total += rows_normal[t, i * n + j]
+                    total = T.max(total, TINY)
+                    col_sums[t, j] = total
                     for i in T.serial(n):
-                        result[t, i * n + j] = rows_normal[t, i * n + j] / col_sums[t, j]
+                        result[t, i * n + j] = rows_normal[t, i * n + j] / total
                 for t, j in T.Parallel(BT, n):  # through the column normalisation
                     dot = T.alloc_var(ACCUM)
                     dot = 0.0
@@ -490,7 +505,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     f32 = dict(dtype=torch.float32, device=x.device)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
     dg = buffers.empty((tokens, m), **f32)
-    partial = buffers.empty((-(-tokens // BLOCK_TOKENS), m + 3), **f32)
+    partial = buffers.empty((-(-tokens // pre_block_tokens(n)), m + 3), **f32)
     compiled(pre_backward_entry(x, phi), x.device)(
         xs, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(), h, r,
         d_h_in.reshape(tokens, C).to(x.dtype).contiguous(), d_h_post.reshape(tokens, n).float().contiguous(),
