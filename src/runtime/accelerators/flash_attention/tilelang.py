@@ -168,13 +168,13 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         k_type = T.StridedTensor((Lk, Hkv, dim), (sk[0], sk[1], 1), dtype)
         v_type = T.StridedTensor((Lk, Hkv, dim), (sv[0], sv[1], 1), dtype)
         o_type, lse_type = T.Tensor((Lq, H, dim), dtype), T.Tensor((H, Lq), ACCUM)
-        q_blocks = NQB
+        q_blocks, batch = NQB, NC - 1
     else:
         q_type = T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype)
         k_type = T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype)
         v_type = T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype)
         o_type, lse_type = T.Tensor((B, H, Lq, dim), dtype), T.Tensor((B, H, Lq), ACCUM)
-        q_blocks = T.ceildiv(Lq, bM)
+        q_blocks, batch = T.ceildiv(Lq, bM), B
     # a program may find no key block (key lengths, packed sequences): its loop still takes one step (see below)
     may_be_empty = has_lengths or varlen
 
@@ -227,7 +227,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         QBlocks: T.Tensor((NQB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(q_blocks, H, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
+        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
