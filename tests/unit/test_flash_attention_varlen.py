@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import SM90A, requires_nvcc
-
 from runtime.accelerators import BackendFallbackWarning
 from runtime.accelerators.flash_attention import dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention import triton as fa_triton
