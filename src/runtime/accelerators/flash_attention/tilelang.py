@@ -605,7 +605,7 @@ def forward_entry(
     varlen: bool = False,
 ) -> Entry:
     cfg = cfg or FWD_CONFIGS[dim]
-    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, cfg, varlen)
+    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, varlen, cfg)  # the config last (tests)
     return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
 
 
