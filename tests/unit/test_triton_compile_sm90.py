@@ -312,6 +312,20 @@ def attention_split_backward():
         fa_triton.backward_dq(do, *args, lse, delta, tma=True)  # the table's split entry, delta given, tma asked for
 
 
+def attention_varlen():
+    """Packed sequences (VARLEN: pointer loads, per-sequence row offsets), the kernel module's launchers (bf16, see
+    _attention), forward and split backward: head dim 48 (split columns in the forward and dq kernels) causal with
+    dropout and GQA, and 64 plain."""
+    cu = torch.tensor([0, 0, 1, 130, 333], dtype=torch.int32)
+    for head_dim, causal, dropout_p, hkv in ((48, True, 0.1, 2), (64, False, 0.0, 4)):
+        q, do = torch.randn(333, 4, head_dim).to(bf16), torch.randn(333, 4, head_dim).to(bf16)
+        k, v = torch.randn(333, hkv, head_dim).to(bf16), torch.randn(333, hkv, head_dim).to(bf16)
+        seed = torch.tensor([1234]) if dropout_p > 0 else None
+        args = (q, k, v, cu, cu, 203, 203, causal, head_dim**-0.5, dropout_p, seed)
+        o, lse = fa_triton.varlen_forward(*args)
+        fa_triton.varlen_backward(do, *args, o, lse)
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -414,6 +428,7 @@ CASES = {
     "attention_lse_delta_tma": attention_lse_delta_tma,
     "attention_split_d": attention_split_d,
     "attention_split_backward": attention_split_backward,
+    "attention_varlen": attention_varlen,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -567,6 +582,14 @@ def test_the_backward_compiles_split_head_dims(compiled):
         assert all(c["HEAD_DIM"] == 48 for c in launches if c["D_HI"]), kernel
         padded = {(c["HEAD_DIM"], c["BLOCK_D"], c["CAUSAL"]) for c in launches if not c["D_HI"]}
         assert {(48, 64, causal) for causal in (False, True)} <= padded, kernel
+
+
+def test_the_attention_kernels_compile_for_packed_sequences(compiled):
+    """attention_varlen compiles the forward, dq and dk/dv kernels with VARLEN (never with descriptors)."""
+    for kernel in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        launches = [constexprs(launch) for launch, _ in compiled[f"flash_attention.{kernel}"]]
+        assert {c["HEAD_DIM"] for c in launches if c["VARLEN"]} == {48, 64}, kernel
+        assert not any(c["VARLEN"] and c["TMA"] for c in launches), kernel
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -3,6 +3,7 @@
 q [B, H, Lq, D], k/v [B, Hkv, Lk, D] with H a multiple of Hkv (GQA/MQA); strided views such as
 x.view(B, L, H, D).transpose(1, 2) are passed to the kernels as they are (strides, no copy).
 A query row that sees no key gives zeros where SDPA gives NaN.
+Packed (varlen) sequences: q [total_q, H, D], k/v [total_k, Hkv, D] with cu_seqlens_q/_k (see varlen.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
-from .reference import flash_attention_reference
+from . import varlen
+from .reference import flash_attention_reference, flash_attention_varlen_reference
 
 # What each kernel backend supports; the reasons below are derived from this table.
 # (The tilelang entry belongs to the TileLang backend's author.)
@@ -59,7 +61,7 @@ def needs_deterministic_backward(q=None, k=None, v=None) -> bool:
 
 
 def input_reasons(
-    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_
+    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, packed: bool = False, **_
 ) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
@@ -82,6 +84,7 @@ def input_reasons(
         if backend == "triton" and q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # seen with Triton 3.9: the interpreter's tl.dot multiplies bfloat16 operands' raw bits
             reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
+    reasons += packed_reasons(backend, q, k, v) if packed else []
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
     if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
@@ -89,6 +92,16 @@ def input_reasons(
         major, minor = torch.cuda.get_device_capability(q.device)
         reasons.append(f"GPU compute capability {major}.{minor}: the tilelang flash-attention kernels need Hopper (9.0) or newer")
     return reasons
+
+
+def packed_reasons(backend: str, q=None, k=None, v=None) -> list[str]:
+    """Why a kernel backend cannot run packed sequences (cu_seqlens) with these inputs."""
+    if backend == "tilelang" and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v)):
+        return [
+            "packed sequences (cu_seqlens) with gradients: the tilelang backward takes padded batches only; use "
+            "backend='triton' (the tilelang forward runs packed sequences where nothing needs gradients)"
+        ]
+    return []
 
 
 def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
@@ -124,6 +137,12 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
 )
+
+def _check_dropout_and_scale(dropout_p, scale) -> None:
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    check_scale(scale)
+
 
 def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -168,9 +187,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
             raise ValueError(f"attn_mask: expected a shape broadcastable to {target} ([B, H, Lq, Lk]), got {tuple(attn_mask.shape)}") from None
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask: expected at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
-    check_scale(scale)
+    _check_dropout_and_scale(dropout_p, scale)
 
 
 _checked_lengths: tuple = (None, -1, -1)  # (weakref to the last key_lengths checked, its version, Lk)
@@ -216,6 +233,10 @@ def flash_attention(
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v per head, as torch.nn.functional.scaled_dot_product_attention.
@@ -228,8 +249,19 @@ def flash_attention(
     scale defaults to 1 / sqrt(D). Rows that see no key give zeros. Under torch.use_deterministic_algorithms, a call
     that will be differentiated does not take the tilelang backend (its dq reductions have no fixed order): "auto"
     takes triton, an explicit "tilelang" follows the fallback rule.
+
+    Packed sequences: with cu_seqlens_q and cu_seqlens_k (both, int32 [N + 1], from 0, non-decreasing, ending at
+    the packed lengths), q is [total_q, H, D] and k, v are [total_k, Hkv, D]; sequence s is rows
+    cu_seqlens_*[s]:cu_seqlens_*[s + 1] and attends as the op on it alone would (causal top-left per sequence).
+    The result is [total_q, H, D]. max_seqlen_q/_k (the longest lengths) spare the host a read of the offsets;
+    key_lengths and attn_mask are not taken.
     """
     check_bool("causal", causal)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _flash_attention_packed(
+            q, k, v, causal, key_lengths, attn_mask, dropout_p, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, backend,
+        )
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))
@@ -243,3 +275,28 @@ def flash_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)
+
+
+def _flash_attention_packed(
+    q, k, v, causal, key_lengths, attn_mask, dropout_p, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    backend,
+) -> torch.Tensor:
+    """flash_attention on packed sequences (cu_seqlens; see varlen.py)."""
+    varlen.check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask)
+    _check_dropout_and_scale(dropout_p, scale)
+    max_seqlen_q, max_seqlen_k = varlen.max_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v = _autocast(q, k, v)
+    deterministic = needs_deterministic_backward(q, k, v)
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    key = (q.dtype, q.shape[-1], "packed", grads, dropout_p > 0, deterministic)
+    chosen = select_backend(
+        SPEC, backend, q.device, key, q=q, k=k, v=v, dropout_p=dropout_p, scale=scale, packed=True
+    )
+    if chosen == "torch":
+        return flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(dropout_p), scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
+    return varlen.KERNEL(
+        chosen, q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+        bool(causal), scale, float(dropout_p), seed,
+    )

@@ -71,3 +71,16 @@ def keep_mask(seed: int, b: int, h: int, lq: int, lk: int, dropout_p: float, dev
     bh = torch.arange(b * h, dtype=torch.int64, device=device).view(-1, 1, 1)
     bits = random_bits(seed, bh, index(lq, 1), index(lk, 2))
     return (bits >= keep_threshold(dropout_p)).view(b, h, lq, lk)
+
+
+def varlen_keep_masks(
+    seed: int, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, dropout_p: float, device
+) -> list[torch.Tensor]:
+    """The keep masks [H, Lq_s, Lk_s] the kernels draw for packed sequences: sequence s, positions i and j within it,
+    is element (s, h, i, j) of the padded batch [N, H, max_q, max_k] (for tests)."""
+    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lengths_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
+    lengths_k = [b - a for a, b in zip(offsets_k, offsets_k[1:])]
+    n = len(lengths_q)
+    padded = keep_mask(seed, n, heads, max(lengths_q, default=0), max(lengths_k, default=0), dropout_p, device)
+    return [padded[s, :, : lengths_q[s], : lengths_k[s]] for s in range(n)]

@@ -97,3 +97,56 @@ def attention_float64(
     if keep is not None:
         probs = probs * keep.to(probs.device) / (1.0 - dropout_p)
     return probs @ v
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(rows of q, rows of k) of each packed sequence, as slices (reads the offsets on the host)."""
+    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(offsets_q) - 1):
+        yield slice(offsets_q[s], offsets_q[s + 1]), slice(offsets_k[s], offsets_k[s + 1])
+
+
+def _as_batch(x: torch.Tensor) -> torch.Tensor:
+    """A packed sequence's rows [L, H, D] as a batch of one [1, H, L, D] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def flash_attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The torch backend for packed sequences: the op on each sequence alone, concatenated ([total_q, H, D])."""
+    outs = [
+        flash_attention_reference(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, None, None, dropout_p, scale)[0].transpose(0, 1)
+        for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k)
+    ]
+    return torch.cat(outs) if outs else q * 0
+
+
+def attention_float64_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    keeps: list[torch.Tensor] | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """attention_float64 on each packed sequence alone, concatenated ([total_q, H, D] float64); keeps: an optional
+    dropout keep mask [H, Lq_s, Lk_s] per sequence (dropout.varlen_keep_masks)."""
+    outs = []
+    for s, (rows_q, rows_k) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+        keep = None if keeps is None else keeps[s].unsqueeze(0)
+        out = attention_float64(
+            _as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, scale=scale, keep=keep, dropout_p=dropout_p
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.double() * 0

@@ -152,12 +152,31 @@ def _dropout_args(dropout_p: float) -> tuple[int, float]:
 # --------------------------------------------------------------------------- kernels
 
 
-def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig):
+def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig, varlen: bool = False):
+    """varlen: packed sequences. q [total_q, H, D], k/v [total_k, Hkv, D], o alike, lse [H, total_q]; B is the number
+    of sequences (CuQ/CuK hold N + 1 offsets), the grid's query blocks come from QBlocks' length (a tensor of
+    ceil(max_seqlen_q / block_m) elements, never read), so one compiled kernel serves every packing. Without varlen
+    CuQ, CuK and QBlocks are placeholders."""
     bM, bN = cfg.block_m, cfg.block_n
     B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
+    NC, NQB = T.dynamic("n_offsets, q_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
+    if varlen:  # Lq, Lk: the packed lengths
+        q_type = T.StridedTensor((Lq, H, dim), (sq[0], sq[1], 1), dtype)
+        k_type = T.StridedTensor((Lk, Hkv, dim), (sk[0], sk[1], 1), dtype)
+        v_type = T.StridedTensor((Lk, Hkv, dim), (sv[0], sv[1], 1), dtype)
+        o_type, lse_type = T.Tensor((Lq, H, dim), dtype), T.Tensor((H, Lq), ACCUM)
+        q_blocks, batch = NQB, NC - 1
+    else:
+        q_type = T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype)
+        k_type = T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype)
+        v_type = T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype)
+        o_type, lse_type = T.Tensor((B, H, Lq, dim), dtype), T.Tensor((B, H, Lq), ACCUM)
+        q_blocks, batch = T.ceildiv(Lq, bM), B
+    # a program may find no key block (key lengths, packed sequences): its loop still takes one step (see below)
+    may_be_empty = has_lengths or varlen
 
     @T.macro
     def softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, q0, k0):
@@ -192,20 +211,23 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
 
     @T.prim_func
     def flash_fwd(
-        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
-        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
-        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
+        Q: q_type,
+        K: k_type,
+        V: v_type,
         Lengths: T.Tensor((NL,), "int32"),
-        O: T.Tensor((B, H, Lq, dim), dtype),
-        LSE: T.Tensor((B, H, Lq), ACCUM),
+        O: o_type,
+        LSE: lse_type,
         scale: T.float32,
         groups: T.int32,
         Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         inv_keep: T.float32,
+        CuQ: T.Tensor((NC,), "int32"),
+        CuK: T.Tensor((NC,), "int32"),
+        QBlocks: T.Tensor((NQB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lq, bM), H, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
+        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -222,7 +244,13 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             row_sum = T.alloc_fragment((bM,), ACCUM)
             l = T.alloc_fragment((bM,), ACCUM)
 
-            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            if varlen:  # sequence bz: its first rows and lengths; a query block past its rows sees no key
+                q_start = CuQ[bz]
+                k_start = CuK[bz]
+                lq = CuQ[bz + 1] - q_start
+                kv_len = T.if_then_else(bx * bM < lq, CuK[bz + 1] - k_start, 0)
+            else:
+                kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
             seed = T.cast(Seed[0], "int32") if dropout else 0
             # causal: the last query of this block sees keys < (bx + 1) * bM
             n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
@@ -231,7 +259,10 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             # with no step the load would still be in flight when O_s (sharing Q_s's memory) is written and at exit.
             # (Copied by threads instead, the forward with key lengths took up to 2.2x longer at head dim 64: TileLang
             # cannot vectorise a copy from a strided view, so each thread loads one element at a time.)
-            T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
+            if varlen:  # rows past the sequence (the next one's, or zeros past the tensor) are computed, not stored
+                T.copy(Q[q_start + bx * bM : q_start + (bx + 1) * bM, by, :], Q_s)
+            else:
+                T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(ACCUM))
@@ -246,8 +277,12 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
                 for k in T.Pipelined(n_blocks + 1, num_stages=cfg.stages):
                     k_block = T.max(T.min(k, n_blocks - 1), 0)
                     v_block = T.max(k - 1, 0)
-                    T.copy(K[bz, h_kv, k_block * bN : (k_block + 1) * bN, :], K_s)
-                    T.copy(V[bz, h_kv, v_block * bN : (v_block + 1) * bN, :], V_s)
+                    if varlen:
+                        T.copy(K[k_start + k_block * bN : k_start + (k_block + 1) * bN, h_kv, :], K_s)
+                        T.copy(V[k_start + v_block * bN : k_start + (v_block + 1) * bN, h_kv, :], V_s)
+                    else:
+                        T.copy(K[bz, h_kv, k_block * bN : (k_block + 1) * bN, :], K_s)
+                        T.copy(V[bz, h_kv, v_block * bN : (v_block + 1) * bN, :], V_s)
                     # one statement, so that TileLang's warp specialisation hands K_s and V_s back to the
                     # loads after it: after the waits, not when the asynchronous products are issued
                     if k < n_blocks:
@@ -270,24 +305,40 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
             else:
                 # with key lengths, a row of length 0 has no key block: its program still takes one step, which
                 # loads block 0 and computes nothing, so that Q's load is waited for (see above)
-                for k in T.Pipelined(T.max(n_blocks, 1) if has_lengths else n_blocks, num_stages=cfg.stages):
-                    T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
-                    if not has_lengths or k < n_blocks:
+                for k in T.Pipelined(T.max(n_blocks, 1) if may_be_empty else n_blocks, num_stages=cfg.stages):
+                    if varlen:
+                        T.copy(K[k_start + k * bN : k_start + (k + 1) * bN, h_kv, :], K_s)
+                    else:
+                        T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
+                    if not may_be_empty or k < n_blocks:
                         T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
                         to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
                         for i, j in T.Parallel(bM, dim):
                             acc[i, j] *= rescale[i]
-                    T.copy(V[bz, h_kv, k * bN : (k + 1) * bN, :], V_s)
-                    if not has_lengths or k < n_blocks:
+                    if varlen:
+                        T.copy(V[k_start + k * bN : k_start + (k + 1) * bN, h_kv, :], V_s)
+                    else:
+                        T.copy(V[bz, h_kv, k * bN : (k + 1) * bN, :], V_s)
+                    if not may_be_empty or k < n_blocks:
                         T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
             T.copy(acc, O_s)
-            T.copy(O_s, O[bz, by, bx * bM : (bx + 1) * bM, :])
+            if varlen:  # only the sequence's rows: the tile may reach into the next sequence's
+                for i, j in T.Parallel(bM, dim):
+                    if bx * bM + i < lq:
+                        O[q_start + bx * bM + i, by, j] = O_s[i, j]
+            else:
+                T.copy(O_s, O[bz, by, bx * bM : (bx + 1) * bM, :])
             for i in T.Parallel(bM):
                 l[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m[i] * sl2) * LN2, -T.infinity(ACCUM))
-            T.copy(l, LSE[bz, by, bx * bM : (bx + 1) * bM])
+            if varlen:
+                for i in T.Parallel(bM):
+                    if bx * bM + i < lq:
+                        LSE[by, q_start + bx * bM + i] = l[i]
+            else:
+                T.copy(l, LSE[bz, by, bx * bM : (bx + 1) * bM])
 
     return flash_fwd
 
@@ -549,10 +600,13 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 # --------------------------------------------------------------------------- compile entries
 
 
-def forward_entry(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig | None = None) -> Entry:
+def forward_entry(
+    dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig | None = None,
+    varlen: bool = False,
+) -> Entry:
     cfg = cfg or FWD_CONFIGS[dim]
-    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, cfg)
-    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
+    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, varlen, cfg)  # the config last (tests)
+    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
 
 
 def preprocess_entry(dim: int, dtype: torch.dtype) -> Entry:
@@ -646,9 +700,50 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
     kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
+    unused = placeholder(q.device, torch.int32)
     kernel(
         _tma_ready(q), _tma_ready(k), _tma_ready(v), _lengths(key_lengths, q.device), o, lse,
+        float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep, unused, unused, unused,
+    )
+    return o, lse
+
+
+_blocks: dict[torch.device, torch.Tensor] = {}
+
+
+def _grid_extent(n: int, device: torch.device) -> torch.Tensor:
+    """A tensor of n elements (never read): the varlen forward takes its grid's query blocks from its length."""
+    buffer = _blocks.get(device)
+    if buffer is None or buffer.numel() < n:
+        size = max(n, 64, 2 * (0 if buffer is None else buffer.numel()))
+        buffer = _blocks[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buffer[:n]
+
+
+def varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed,
+    *, cfg: FwdConfig | None = None,
+):
+    """(o [total_q, H, D] in q's dtype, lse [H, total_q] fp32; -inf for rows that see no key) of packed sequences (see
+    flash_attention/varlen.py); the forward alone: the backward takes padded batches only."""
+    total_q, h, d = q.shape
+    hkv = k.shape[1]
+    o = buffers.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = buffers.empty((h, total_q), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[0] == 0 or max_seqlen_q == 0:
+        return o.zero_(), lse.fill_(-math.inf)
+    n = cu_seqlens_q.numel() - 1
+    if n > MAX_GRID_YZ or h > MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels")
+    cfg = cfg or FWD_CONFIGS[d]
+    threshold, inv_keep = _dropout_args(dropout_p)
+    entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
+    launcher(entry, q.device)(
+        _tma_ready(q), _tma_ready(k), _tma_ready(v), placeholder(q.device, torch.int32), o, lse,
         float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep,
+        cu_seqlens_q, cu_seqlens_k, _grid_extent(-(-max_seqlen_q // cfg.block_m), q.device),
     )
     return o, lse
 

@@ -423,6 +423,37 @@ def _block_and_pair(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
     return block, pair
 
 
+@triton.jit
+def _sequence(CU_Q, CU_K, KL, b, LQ, LK, HAS_KL: tl.constexpr, VARLEN: tl.constexpr):
+    """(query rows, visible keys, first query row, first key row) of batch row or sequence b.
+
+    Padded batches: LQ rows, LK keys or key_lengths[b]. VARLEN (packed sequences): b is a sequence of
+    cu_seqlens_q/_k, rows CU[b]:CU[b + 1] of the packed [total, heads, D] inputs (passed with a batch stride of 0,
+    LQ = total_q, LK = total_k); the kernels move their row pointers to the sequence's first rows (int64 offsets)."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b).to(tl.int64)
+        k_start = tl.load(CU_K + b).to(tl.int64)
+        lq = (tl.load(CU_Q + b + 1) - q_start).to(tl.int32)
+        kv_len = (tl.load(CU_K + b + 1) - k_start).to(tl.int32)
+    else:
+        q_start = tl.full([], 0, tl.int64)
+        k_start = q_start
+        lq = LQ
+        kv_len = LK
+        if HAS_KL:
+            kv_len = tl.load(KL + b)
+    return lq, kv_len, q_start, k_start
+
+
+@triton.jit
+def _lse_row(b, h, H, LQ, q_start, VARLEN: tl.constexpr):
+    """Where the lse (and delta) values of (b, h) start: [B, H, LQ] for padded batches, [H, total_q] packed."""
+    if VARLEN:
+        return h.to(tl.int64) * LQ + q_start
+    else:
+        return (b * H + h).to(tl.int64) * LQ
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -468,33 +499,39 @@ def _fwd_block(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, KL,
+    Q, K, V, O, LSE, KL, CU_Q, CU_K,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som,
     H, GROUP, LQ, LK, qk_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
+    TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One query block. D_HI > 0 (split_d): every [rows, HEAD_DIM] tile is held as two column parts, [0, BLOCK_D)
     and [BLOCK_D, HEAD_DIM) of D_HI columns (powers of two both, HEAD_DIM = BLOCK_D + D_HI), read through pointers;
-    D_HI = 0: one part of BLOCK_D columns, zero past HEAD_DIM."""
+    D_HI = 0: one part of BLOCK_D columns, zero past HEAD_DIM. VARLEN: see _sequence."""
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    lq, kv_len, q_start, k_start = _sequence(CU_Q, CU_K, KL, b, LQ, LK, HAS_KL, VARLEN)
+    lse_row = _lse_row(b, h, H, LQ, q_start, VARLEN)
+    if VARLEN:
+        Q += q_start * sqm
+        O += q_start * som
+        K += k_start * skn
+        V += k_start * svn
+        kv_len = tl.where(start_m < lq, kv_len, 0)  # a block past its sequence's queries visits no key
     drop_seed = _pair_key(tl.load(SEED), bh) ^ _query_block(start_m) if DROPOUT else 0
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
-    kv_len = LK
-    if HAS_KL:
-        kv_len = tl.load(KL + b)
+    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, lq, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
     # K/V of kv_len rows (descriptors: at least one, a program with kv_len = 0 loads nothing through them)
     kv_rows = tl.maximum(kv_len, 1)
     k_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
@@ -512,7 +549,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
         offs_hi = BLOCK_D + tl.arange(0, D_HI)
-        q_hi = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False)
+        q_hi = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, lq, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False)
         k_hi_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
         v_hi_src = _rows_src(V, b, hk, svb, svh, svn, svd, kv_rows, offs_n, offs_hi, HEAD_DIM, BLOCK_N, D_HI, False)
         acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
@@ -539,11 +576,11 @@ def _fwd_kernel(
     out = acc * inv_l[:, None]
     lse = tl.where(empty_row, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_rows = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som
-    _store(o_rows + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    _store(o_rows + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, lq, offs_d, HEAD_DIM, PAD_D)
     if D_HI > 0:
         out_hi = acc_hi * inv_l[:, None]
-        _store(o_rows + offs_hi[None, :], out_hi.to(O.dtype.element_ty), offs_m, LQ, offs_hi, HEAD_DIM, PAD_D)
-    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
+        _store(o_rows + offs_hi[None, :], out_hi.to(O.dtype.element_ty), offs_m, lq, offs_hi, HEAD_DIM, PAD_D)
+    tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < lq)
 
 
 # --------------------------------------------------------------------------- backward
@@ -551,7 +588,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _store_delta(
-    O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi,
+    O, DELTA, do, do_hi, b, h, delta_row, sob, soh, som, offs_m, LQ, offs_d, offs_hi,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, D_HI: tl.constexpr,
 ):
     """Stores and returns delta = rowsum(o * do) (fp32) of the query rows offs_m, for the do tile of those rows (and,
@@ -562,7 +599,7 @@ def _store_delta(
     if D_HI > 0:
         o_hi = _load(o_rows + offs_hi[None, :], offs_m, LQ, offs_hi, HEAD_DIM, PAD_D, True).to(tl.float32)
         delta += tl.sum(o_hi * do_hi.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=offs_m < LQ)
+    tl.store(DELTA + delta_row + offs_m, delta, mask=offs_m < LQ)
     return delta
 
 
@@ -675,95 +712,106 @@ def _dv_and_ds_t(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KL,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KL, CU_Q, CU_K,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     H, HKV, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, LSE_DELTA_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dk, dv of one key block. LSE_DELTA_TMA (only with TMA): lse and delta through 1-D descriptors too. D_HI > 0
-    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
+    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers. VARLEN: see
+    _sequence; a key block past its sequence's keys writes nothing."""
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bhk = _block_and_pair(HEAVY_FIRST, False)
     start_n = block * BLOCK_N
     b = bhk // HKV
     hk = bhk % HKV
+    lq, kv_len, q_start, k_start = _sequence(CU_Q, CU_K, KL, b, LQ, LK, HAS_KL, VARLEN)
+    n_keys = LK  # the rows of K/V/dK/dV this program may read and write
+    if VARLEN:
+        Q += q_start * sqm
+        DO += q_start * sdom
+        K += k_start * skn
+        V += k_start * svn
+        DK += k_start * sdkn
+        DV += k_start * sdvn
+        n_keys = kv_len
     offs_j = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_j
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
     if TMA:  # both descriptors, then both loads: fewer spills on sm_90 (280 bytes at head dim 128, against 312)
-        k_src = _rows_src(K, b, hk, skb, skh, skn, skd, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-        v_src = _rows_src(V, b, hk, svb, svh, svn, svd, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-        k = _tile(k_src, start_n, skn, LK, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
-        v = _tile(v_src, start_n, svn, LK, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
+        k_src = _rows_src(K, b, hk, skb, skh, skn, skd, n_keys, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        v_src = _rows_src(V, b, hk, svb, svh, svn, svd, n_keys, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        k = _tile(k_src, start_n, skn, n_keys, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
+        v = _tile(v_src, start_n, svn, n_keys, offs_j, offs_d, HEAD_DIM, PAD_D, True, TMA)
     else:
         k = _tile_once(
-            K, b, hk, skb, skh, skn, skd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
+            K, b, hk, skb, skh, skn, skd, start_n, n_keys, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
         )
         v = _tile_once(
-            V, b, hk, svb, svh, svn, svd, start_n, LK, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
+            V, b, hk, svb, svh, svn, svd, start_n, n_keys, offs_j, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, PAD_D, TMA
         )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
         offs_hi = BLOCK_D + tl.arange(0, D_HI)
         k_hi = _tile_once(
-            K, b, hk, skb, skh, skn, skd, start_n, LK, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
+            K, b, hk, skb, skh, skn, skd, start_n, n_keys, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
         )
         v_hi = _tile_once(
-            V, b, hk, svb, svh, svn, svd, start_n, LK, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
+            V, b, hk, svb, svh, svn, svd, start_n, n_keys, offs_j, offs_hi, HEAD_DIM, BLOCK_N, D_HI, PAD_D, False
         )
         dk_hi = tl.zeros([BLOCK_N, D_HI], dtype=tl.float32)
         dv_hi = tl.zeros([BLOCK_N, D_HI], dtype=tl.float32)
     else:  # one part: stand-ins, never read (the loops carry dk_hi and dv_hi unchanged, which the compiler drops)
         offs_hi, k_hi, v_hi, dk_hi, dv_hi = offs_d, k, v, dk, dv
 
-    kv_len = LK
-    if HAS_KL:
-        kv_len = tl.load(KL + b)
-    m_lo, m_full = _query_blocks(start_n, kv_len, LQ, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, m_full = _query_blocks(start_n, kv_len, lq, BLOCK_M, BLOCK_N, CAUSAL)
     if start_n < kv_len:  # a block wholly past kv_len gets dk = dv = 0
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
             drop_seed = _pair_key(tl.load(SEED), bh) ^ _key_block(start_n) if DROPOUT else 0
-            q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-            do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+            q_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, lq, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+            do_src = _rows_src(DO, b, h, sdob, sdoh, sdom, sdod, lq, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
             if D_HI > 0:
-                q_hi_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, LQ, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False)
+                q_hi_src = _rows_src(Q, b, h, sqb, sqh, sqm, sqd, lq, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False)
                 do_hi_src = _rows_src(
-                    DO, b, h, sdob, sdoh, sdom, sdod, LQ, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False
+                    DO, b, h, sdob, sdoh, sdom, sdod, lq, offs_m, offs_hi, HEAD_DIM, BLOCK_M, D_HI, False
                 )
             else:  # stand-ins, never read
                 q_hi_src, do_hi_src = q_src, do_src
-            lse_src = LSE + bh.to(tl.int64) * LQ
-            delta_src = DELTA + bh.to(tl.int64) * LQ
+            lse_row = _lse_row(b, h, H, LQ, q_start, VARLEN)
+            lse_src = LSE + lse_row
+            delta_src = DELTA + lse_row
             if LSE_DELTA_TMA:
-                lse_src = tl.make_tensor_descriptor(lse_src, [LQ], [1], [BLOCK_M])
-                delta_src = tl.make_tensor_descriptor(delta_src, [LQ], [1], [BLOCK_M])
-            for start_m in range(m_lo, tl.minimum(m_full, LQ), BLOCK_M):
+                lse_src = tl.make_tensor_descriptor(lse_src, [lq], [1], [BLOCK_M])
+                delta_src = tl.make_tensor_descriptor(delta_src, [lq], [1], [BLOCK_M])
+            for start_m in range(m_lo, tl.minimum(m_full, lq), BLOCK_M):
                 dk, dk_hi, dv, dv_hi = _dkdv_block(
                     dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
-                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, drop_seed,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, lq, sqm, sdom, qk_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, True, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
-            for start_m in range(tl.maximum(m_full, m_lo), LQ, BLOCK_M):
+            for start_m in range(tl.maximum(m_full, m_lo), lq, BLOCK_M):
                 dk, dk_hi, dv, dv_hi = _dkdv_block(
                     dk, dk_hi, dv, dv_hi, k, k_hi, v, v_hi, q_src, q_hi_src, do_src, do_hi_src, lse_src, delta_src,
-                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, LQ, sqm, sdom, qk_scale, dropout_p, drop_seed,
+                    start_m, offs_m, offs_n, offs_d, offs_hi, kv_len, lq, sqm, sdom, qk_scale, dropout_p, drop_seed,
                     HEAD_DIM, PAD_D, False, CAUSAL, DROPOUT, DOT_PRECISION, TMA, LSE_DELTA_TMA, D_HI,
                 )
     _store_dkdv(
-        DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, LK, HEAD_DIM, PAD_D
+        DK, DV, dk * sm_scale, dv, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_d, n_keys, HEAD_DIM, PAD_D
     )
     if D_HI > 0:
         _store_dkdv(
-            DK, DV, dk_hi * sm_scale, dv_hi, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_hi, LK,
+            DK, DV, dk_hi * sm_scale, dv_hi, b, hk, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, offs_n, offs_hi, n_keys,
             HEAD_DIM, PAD_D,
         )
 
@@ -807,54 +855,64 @@ def _dq_block(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KL, O,
+    Q, K, V, DO, LSE, DELTA, DQ, KL, O, CU_Q, CU_K,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sob, soh, som,
     H, GROUP, LQ, LK, qk_scale, sm_scale, dropout_p, SEED,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, WRITE_DELTA: tl.constexpr, HEAVY_FIRST: tl.constexpr, D_HI: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dq of one query block. WRITE_DELTA: the block's delta = rowsum(o * do) is computed here (o read once, do
     already loaded) and stored for the dk/dv kernel, which then runs after this one: no launch of its own. D_HI > 0
-    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers."""
+    (split_d): every [rows, HEAD_DIM] tile in two column parts, as in _fwd_kernel, read through pointers. VARLEN: see
+    _sequence."""
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
+    tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
     block, bh = _block_and_pair(HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    lq, kv_len, q_start, k_start = _sequence(CU_Q, CU_K, KL, b, LQ, LK, HAS_KL, VARLEN)
+    lse_row = _lse_row(b, h, H, LQ, q_start, VARLEN)
+    if VARLEN:
+        Q += q_start * sqm
+        DO += q_start * sdom
+        O += q_start * som
+        DQ += q_start * sdqm
+        K += k_start * skn
+        V += k_start * svn
+        kv_len = tl.where(start_m < lq, kv_len, 0)  # a block past its sequence's queries visits no key
     drop_seed = _pair_key(tl.load(SEED), bh) ^ _query_block(start_m) if DROPOUT else 0
     offs_i = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_i
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
+    q = _tile_once(Q, b, h, sqb, sqh, sqm, sqd, start_m, lq, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA)
     do = _tile_once(
-        DO, b, h, sdob, sdoh, sdom, sdod, start_m, LQ, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA
+        DO, b, h, sdob, sdoh, sdom, sdod, start_m, lq, offs_i, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, PAD_D, TMA
     )
     if D_HI > 0:  # the second part: columns BLOCK_D + offs_hi
         offs_hi = BLOCK_D + tl.arange(0, D_HI)
         q_hi = _tile_once(
-            Q, b, h, sqb, sqh, sqm, sqd, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
+            Q, b, h, sqb, sqh, sqm, sqd, start_m, lq, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
         )
         do_hi = _tile_once(
-            DO, b, h, sdob, sdoh, sdom, sdod, start_m, LQ, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
+            DO, b, h, sdob, sdoh, sdom, sdod, start_m, lq, offs_i, offs_hi, HEAD_DIM, BLOCK_M, D_HI, PAD_D, False
         )
     else:  # one part: stand-ins, never read
         offs_hi, q_hi, do_hi = offs_d, q, do
-    lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < lq, other=float("inf")) * 1.4426950408889634
     if WRITE_DELTA:
         delta = _store_delta(
-            O, DELTA, do, do_hi, b, h, bh, sob, soh, som, offs_m, LQ, offs_d, offs_hi, HEAD_DIM, PAD_D, D_HI
+            O, DELTA, do, do_hi, b, h, lse_row, sob, soh, som, offs_m, lq, offs_d, offs_hi, HEAD_DIM, PAD_D, D_HI
         )
     else:
-        delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+        delta = tl.load(DELTA + lse_row + offs_m, mask=offs_m < lq, other=0.0)
 
-    kv_len = LK
-    if HAS_KL:
-        kv_len = tl.load(KL + b)
     # K/V of kv_len rows (descriptors: at least one, a program with kv_len = 0 loads nothing through them)
     kv_rows = tl.maximum(kv_len, 1)
     k_src = _rows_src(K, b, hk, skb, skh, skn, skd, kv_rows, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
@@ -887,10 +945,10 @@ def _bwd_dq_kernel(
         )
     dq = dq * sm_scale
     dq_rows = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm
-    _store(dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, LQ, offs_d, HEAD_DIM, PAD_D)
+    _store(dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, lq, offs_d, HEAD_DIM, PAD_D)
     if D_HI > 0:
         dq_hi = dq_hi * sm_scale
-        _store(dq_rows + offs_hi[None, :], dq_hi.to(DQ.dtype.element_ty), offs_m, LQ, offs_hi, HEAD_DIM, PAD_D)
+        _store(dq_rows + offs_hi[None, :], dq_hi.to(DQ.dtype.element_ty), offs_m, lq, offs_hi, HEAD_DIM, PAD_D)
 
 
 @triton.jit
@@ -992,6 +1050,45 @@ def _bwd_fused_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+class Packing(NamedTuple):
+    """Packed sequences (flash_attention's cu_seqlens): q [total_q, H, D], k/v [total_k, Hkv, D], sequence s at rows
+    cu_q[s]:cu_q[s + 1] and cu_k[s]:cu_k[s + 1] (int32 [N + 1] on the inputs' device). max_q/max_k bound the
+    sequences' lengths: the grid's extent, so one compiled kernel serves every packing."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _sizes(q, k, packing: Packing | None) -> tuple[int, int, int, int, int, int, int]:
+    """(B, H, Hkv, LQ, LK, query rows, key rows): the kernels' size arguments and the rows per (batch, head) the grid
+    covers. Packed: B is the number of sequences, LQ/LK the packed lengths, the rows max_q/max_k."""
+    if packing is None:
+        b, h, lq, _ = q.shape
+        hkv, lk = k.shape[1], k.shape[2]
+        return b, h, hkv, lq, lk, lq, lk
+    lq, h, _ = q.shape
+    lk, hkv, _ = k.shape
+    return packing.cu_q.numel() - 1, h, hkv, lq, lk, packing.max_q, packing.max_k
+
+
+def _strides(x: torch.Tensor, packing: Packing | None) -> tuple[int, ...]:
+    """The kernels' (batch, head, row, column) strides: a packed [total, H, D] tensor has a batch stride of 0 (the
+    kernels add each sequence's first row)."""
+    return x.stride() if packing is None else (0, x.stride(1), x.stride(0), x.stride(2))
+
+
+def _row_shape(q: torch.Tensor, packing: Packing | None) -> tuple[int, ...]:
+    """lse's and delta's shape: [B, H, Lq], packed [H, total_q]."""
+    return tuple(q.shape[:3]) if packing is None else (q.shape[1], q.shape[0])
+
+
+def _packing_args(packing: Packing | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' CU_Q and CU_K (stand-ins, never read, without packing)."""
+    return (q, q) if packing is None else (packing.cu_q, packing.cu_k)
+
+
 def _seed_arg(seed: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The kernels' SEED: the dropout seed tensor, or any tensor where there is no dropout (never read then)."""
     return q if seed is None else seed
@@ -1050,39 +1147,41 @@ def backward_variant(kind: str, q, k, v, do, cfg=None, tma=None, *, causal=False
     return cfg, dict(HEAVY_FIRST=int(cfg.heavy_first) if causal else 0) | _split_or_tma(cfg, (q, k, v, do), tma)
 
 
-def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None):
+def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, tma=None, packing=None):
     """(o [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32; +inf for rows that see no key). cfg, tma: see
-    forward_variant."""
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    o = empty((b, h, lq, d), dtype=q.dtype, device=q.device)
-    lse = empty((b, h, lq), dtype=torch.float32, device=q.device)
-    cfg, variant = forward_variant(q, k, v, causal, cfg, tma)
+    forward_variant. packing: packed sequences (Packing; key_lengths is then None): o [total_q, H, D], lse [H, total_q],
+    pointer loads only."""
+    b, h, hkv, lq, lk, rows_q, _ = _sizes(q, k, packing)
+    o = empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = empty(_row_shape(q, packing), dtype=torch.float32, device=q.device)
+    cfg, variant = forward_variant(q, k, v, causal, cfg, False if packing is not None else tma)
     if variant["TMA"]:
         _ensure_scratch_allocator()
-    _fwd_kernel[(cdiv(lq, cfg.block_m), b * h)](
-        q, k, v, o, lse, key_lengths if key_lengths is not None else q,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
+    _fwd_kernel[(cdiv(rows_q, cfg.block_m), b * h)](
+        q, k, v, o, lse, key_lengths if key_lengths is not None else q, *_packing_args(packing, q),
+        *_strides(q, packing), *_strides(k, packing), *_strides(v, packing), *_strides(o, packing)[:3],
         h, h // hkv, lq, lk, scale * LOG2E, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg), VARLEN=packing is not None,
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return o, lse
 
 
-def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, kind=None):
+def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, kind=None, packing=None):
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads.
 
     kind: "fused" (one kernel, backward_fused) or "split" (the dq kernel, which also writes delta = rowsum(o * do),
-    then the dk/dv kernel); None: use_fused decides."""
+    then the dk/dv kernel); None: use_fused decides. packing: packed sequences (see forward; the split kernels)."""
     if kind not in (None, *BACKWARDS):
         raise ValueError(f"kind: expected None or one of {BACKWARDS}, got {kind!r}")
-    if kind == "fused" or (kind is None and use_fused(q, k)):
+    if packing is not None and kind == "fused":
+        raise ValueError("kind: the fused backward takes no packed sequences; use 'split' or None")
+    if kind == "fused" or (kind is None and packing is None and use_fused(q, k)):
         dq, dk, dv = backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
     else:
-        delta = empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, o=o)
-        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta)
+        delta = empty(_row_shape(q, packing), dtype=torch.float32, device=q.device)
+        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, o=o, packing=packing)
+        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, packing=packing)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -1119,21 +1218,23 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
     return (dq.to(q.dtype) if atomic else dq), dk, dv
 
 
-def backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None):
-    """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant (and lse_delta_variant)."""
-    b, h, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+def backward_dkdv(
+    do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, cfg=None, tma=None, packing=None
+):
+    """(dk, dv) in k's and v's dtypes. cfg, tma: see backward_variant (and lse_delta_variant). packing: see forward."""
+    b, h, hkv, lq, lk, _, rows_k = _sizes(q, k, packing)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, tma, causal=causal)
+    cfg, variant = backward_variant("dkdv", q, k, v, do, cfg, False if packing is not None else tma, causal=causal)
     variant["LSE_DELTA_TMA"] = lse_delta_variant(cfg, lse, delta, variant["TMA"])
     if variant["TMA"]:
         _ensure_scratch_allocator()
-    _bwd_dkdv_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride()[:3], *dv.stride()[:3],
+    _bwd_dkdv_kernel[(cdiv(rows_k, cfg.block_n), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, key_lengths if key_lengths is not None else q, *_packing_args(packing, q),
+        *_strides(q, packing), *_strides(k, packing), *_strides(v, packing), *_strides(do, packing),
+        *_strides(dk, packing)[:3], *_strides(dv, packing)[:3],
         h, hkv, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg), VARLEN=packing is not None,
         **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dk, dv
@@ -1150,22 +1251,49 @@ def lse_delta_variant(cfg: BwdConfig, lse: torch.Tensor, delta: torch.Tensor, tm
     return lse.shape[-1] % 4 == 0 and all(x.data_ptr() % 16 == 0 for x in (lse, delta))
 
 
-def backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None):
+def backward_dq(
+    do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, *, o=None, cfg=None, tma=None, packing=None
+):
     """dq in q's dtype; with o, it also writes delta = rowsum(o * do) into `delta` (for the dk/dv kernel run after
-    it: no separate launch for delta). cfg, tma: see backward_variant."""
-    b, h, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    it: no separate launch for delta). cfg, tma: see backward_variant. packing: see forward."""
+    b, h, hkv, lq, lk, rows_q, _ = _sizes(q, k, packing)
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
-    cfg, variant = backward_variant("dq", q, k, v, do, cfg, tma, causal=causal)
+    cfg, variant = backward_variant("dq", q, k, v, do, cfg, False if packing is not None else tma, causal=causal)
     if variant["TMA"]:
         _ensure_scratch_allocator()
     o_arg = q if o is None else o  # a stand-in, not read, without o
-    _bwd_dq_kernel[(cdiv(lq, cfg.block_m), b * h)](
-        q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3], *o_arg.stride()[:3],
+    _bwd_dq_kernel[(cdiv(rows_q, cfg.block_m), b * h)](
+        q, k, v, do, lse, delta, dq, key_lengths if key_lengths is not None else q, o_arg, *_packing_args(packing, q),
+        *_strides(q, packing), *_strides(k, packing), *_strides(v, packing), *_strides(do, packing),
+        *_strides(dq, packing)[:3], *_strides(o_arg, packing)[:3],
         h, h // hkv, lq, lk, scale * LOG2E, scale, dropout.drop_rate(dropout_p), _seed_arg(seed, q),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch_options(cfg), VARLEN=packing is not None,
         WRITE_DELTA=o is not None, **variant, **_flags(q, key_lengths, causal, dropout_p, variant["D_HI"]),
     )
     return dq
+
+
+# --------------------------------------------------------------------------- packed sequences (cu_seqlens)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed):
+    """(o [total_q, H, D], lse [H, total_q]) of packed sequences; cu_seqlens int32 on q's device, max_seqlen_* at
+    least the longest sequence's length."""
+    if q.shape[0] == 0 or k.shape[0] == 0:  # no query, or no key at all: every row sees none
+        o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return o, torch.full((q.shape[1], q.shape[0]), float("inf"), device=q.device)
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return forward(q, k, v, None, causal, scale, dropout_p, seed, packing=packing)
+
+
+def varlen_backward(
+    do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed, o, lse
+):
+    """(dq, dk, dv, None x 8) of varlen_forward."""
+    rest = (None,) * 8
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), *rest
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = backward(do, q, k, v, None, causal, scale, dropout_p, seed, o, lse, packing=packing)[:3]
+    return dq, dk, dv, *rest
 
