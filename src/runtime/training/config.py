@@ -88,10 +88,14 @@ class DataSchema:
     n_categories: int = 64
     n_dense: int = 8
     val_size: int = 8192
+    sparse_tables: int = 0  # > 0: that many multi-hot sparse fields (instead of the four built-in ones)
+    sparse_vocab: int = 1_000_000  # ids per generated field
+    sparse_hotness: int = 4  # the largest bag of a generated field
 
     def __post_init__(self) -> None:
         for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
-                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1)):  # fmt: skip
+                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1), ("sparse_tables", 0), ("sparse_vocab", 1),
+                           ("sparse_hotness", 1)):  # fmt: skip
             _at_least(f"data.{key}", getattr(self, key), least)
 
 
@@ -107,10 +111,15 @@ class ModelSchema:
     dropout: float = 0.1
     head_hidden: int = 256
     mhc_streams: int = 0  # n > 0: n residual streams joined by mHC hyper-connections
+    # true: one table per sparse field, pooled together by embedding_bag_collection; false: one shared table
+    sparse_collection: bool = False
+    sparse_dim: int | None = None  # the sparse tables' width (projected to d_model); null: d_model
 
     def __post_init__(self) -> None:
         for key, least in (("n_heads", 1), ("d_model", 1), ("n_layers", 1), ("ffn_mult", 1), ("head_hidden", 1), ("mhc_streams", 0)):
             _at_least(f"model.{key}", getattr(self, key), least)
+        if self.sparse_dim is not None:
+            _at_least("model.sparse_dim", self.sparse_dim, 1)
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}")
         _in_range("model.dropout", self.dropout, 0.0, 1.0, high_open=True)

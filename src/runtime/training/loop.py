@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runtime.accelerators import explain, set_accelerators
-from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
+from runtime.nn import BCEWithLogitsLoss, EmbeddingBagCollection, EmbeddingBagMean
 
 from . import checkpoint, resume
 from .config import Precision, ResumeFallback, ResumeOverrides, accelerator_config, check_train_config
@@ -35,6 +35,7 @@ def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool
     """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
     CUDA-graphed step (which then needs device_learning_rates)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
+    embeddings |= {id(w) for m in model.modules() if isinstance(m, EmbeddingBagCollection) for w in m.weights()}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
