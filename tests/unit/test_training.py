@@ -14,7 +14,7 @@ from runtime.accelerators import active_config, set_accelerators
 from runtime.accelerators.testing import deterministic_algorithms
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
-from runtime.training.loop import _check_graphable
+from runtime.training.loop import use_cuda_graph
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
 
@@ -246,12 +246,33 @@ def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
 
 
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
-    with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
+    with pytest.raises(ValueError, match="trainer.cuda_graph=true cannot run: it needs a CUDA device, the run is on cpu"):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)
-    with pytest.raises(ValueError, match="trainer.cuda_graph and trainer.compile"):
-        _check_graphable(_compose("trainer.cuda_graph=true", "trainer.compile=true"), torch.device("cuda"), False)
-    with pytest.raises(ValueError, match="not supported with DistributedDataParallel"):
-        _check_graphable(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        use_cuda_graph(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
+    with pytest.raises(ValueError, match="compile_mode=reduce-overhead makes CUDA graphs of its own"):
+        use_cuda_graph(_compose("trainer.cuda_graph=true", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"), torch.device("cuda"), False)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: expected auto, true or false, got 'sometimes'"):
+        Trainer(_compose("trainer.cuda_graph=sometimes"), tmp_path)
+    with pytest.raises(ValueError, match="trainer.compile_mode: expected one of"):
+        Trainer(_compose("trainer.compile_mode=fastest"), tmp_path)
+
+
+def test_cuda_graph_auto_resolves_and_logs_why(tmp_path, caplog):
+    cuda = torch.device("cuda")
+    with caplog.at_level("INFO", logger="runtime.training"):
+        trainer = Trainer(_compose(), tmp_path)  # the default is auto; this run is on the CPU
+        assert trainer.graphed_step is None
+        assert "CUDA graph: off (trainer.cuda_graph=auto): it needs a CUDA device, the run is on cpu" in caplog.text
+        assert use_cuda_graph(_compose(), cuda, False)
+        assert "CUDA graph: on (trainer.cuda_graph=auto)" in caplog.text
+        assert not use_cuda_graph(_compose(), cuda, True)
+        assert "DistributedDataParallel" in caplog.text
+        assert not use_cuda_graph(_compose("trainer.compile=true"), cuda, False)
+        assert "auto does not capture a compiled step" in caplog.text
+        assert use_cuda_graph(_compose("trainer.compile=true", "trainer.cuda_graph=true", "trainer.compile_mode=max-autotune-no-cudagraphs"), cuda, False)
+        assert not use_cuda_graph(_compose("trainer.cuda_graph=false"), cuda, False)
+        assert "CUDA graph: off (trainer.cuda_graph=false)" in caplog.text
 
 
 def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):

@@ -66,6 +66,20 @@ def _in_range(key: str, value: float, low: float, high: float, high_open: bool =
         raise ValueError(f"{key}: expected a value in {interval}, got {value}")
 
 
+CUDA_GRAPH_CHOICES = ("auto", "true", "false")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+COMPILE_MODES_WITH_GRAPHS = ("reduce-overhead", "max-autotune")  # inductor's own CUDA graphs
+
+
+def cuda_graph_choice(value) -> str:
+    """trainer.cuda_graph as "auto", "true" or "false" (YAML's true/false arrive as bools, or as "True"/"False"
+    through the schema's string type)."""
+    text = str(value).lower()
+    if text not in CUDA_GRAPH_CHOICES:
+        raise ValueError(f"trainer.cuda_graph: expected auto, true or false, got {value!r}")
+    return text
+
+
 @dataclass
 class AcceleratorsSchema:
     default: BackendName = BackendName.auto
@@ -136,7 +150,12 @@ class TrainerSchema:
     grad_clip: float | None = 1.0  # the largest gradient norm; null: no clipping
     device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile the model
-    cuda_graph: bool = False  # capture the whole step as one CUDA graph after 3 eager steps (CUDA, one process)
+    # torch.compile's mode: default, max-autotune-no-cudagraphs (GEMM and kernel autotuning), or with
+    # cuda_graph off also reduce-overhead / max-autotune (their own CUDA graphs of the forward and backward)
+    compile_mode: str = "default"
+    # the whole step (forward, backward, AdamW) replayed as one CUDA graph after 3 eager steps: auto (on where it
+    # can run: one CUDA device, no DDP; the log says which and why), true (an error where it cannot), false
+    cuda_graph: str = "auto"
     resume: str | None = None  # a checkpoint file, or a run directory (its latest checkpoint)
     resume_overrides: ResumeOverrides = ResumeOverrides.refuse  # settings that differ from the checkpoint's
     resume_fallback: ResumeFallback = ResumeFallback.error  # when the checkpoint to resume from is corrupt
@@ -151,6 +170,9 @@ class TrainerSchema:
             _at_least(f"trainer.{key}", getattr(self, key), 0)
         if self.cpu_threads is not None:
             _at_least("trainer.cpu_threads", self.cpu_threads, 1)
+        self.cuda_graph = cuda_graph_choice(self.cuda_graph)
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"trainer.compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise ValueError(f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}")
 
