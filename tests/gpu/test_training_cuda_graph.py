@@ -102,3 +102,22 @@ def test_presets_train_graphed_at_a_reduced_size(preset, tmp_path):
     trainer, losses = _train(_compose(*shrink), tmp_path, preset)
     assert trainer.graphed_step.captured
     assert all(x == x and abs(x) < 10 for x in losses), losses
+
+
+def test_benchmark_tuned_variant_runs_and_reports(tmp_path):
+    """The speed-tuned variant (max-autotune-no-cudagraphs inside the step graph) trains, reports MFU, capture time
+    and tokens/s, and its losses stay within the bound of torch eager."""
+    from runtime.training import benchmark
+
+    overrides = [o for o in SMALL if not o.startswith("trainer.progress")] + ["model.dropout=0.0"]
+    results = benchmark.main([
+        "models=[tokenformer]", "presets=[torch]", "compiled=[]", "tuned=[torch,triton]", "steps=30", "warmup=6",
+        "loss_bound=0.02", f"output={tmp_path / 'bench.json'}", "overrides=[" + ",".join(f"'{o}'" for o in overrides) + "]",
+    ])  # fmt: skip
+    assert results["bf16_matmul_tflops"] > 0
+    runs = {run["mode"] + "/" + run["accelerators"]: run for run in results["runs"]}
+    for key in ("tuned/torch", "tuned/triton"):
+        run = runs[key]
+        assert "error" not in run, run.get("error")
+        assert run["cuda_graph_on"] and run["capture_step_s"] > 0 and 0 < run["mfu"] < 1
+        assert run["real_tokens_per_s"] > 0 and run["loss_within_bound"], run["vs_torch_eager"]

@@ -300,3 +300,44 @@ def test_training_benchmark_times_and_profiles_a_run(tmp_path):
     assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
     assert any(op["name"].startswith("aten::") for op in profile["top_host_ops"])
     assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 2
+
+
+def test_training_benchmark_dry_run_composes_every_variant(capsys):
+    from runtime.training import benchmark
+
+    results = benchmark.main([
+        "experiment_preset=pcvr_large", "models=[tokenformer,gdr]", "presets=[torch]", "compiled=[triton]", "graphed=[]",
+        "tuned=[torch,triton]", "dry_run=true", "overrides=['trainer.device=cuda']",
+    ])  # fmt: skip
+    plan = {run["name"]: run["overrides"] for run in results["plan"]}
+    assert sorted(plan) == sorted([
+        "tokenformer / torch", "gdr / torch", "tokenformer / triton / torch.compile", "gdr / triton / torch.compile",
+        "tokenformer / torch / max-autotune + CUDA graph", "gdr / torch / max-autotune + CUDA graph",
+        "tokenformer / triton / max-autotune + CUDA graph", "gdr / triton / max-autotune + CUDA graph",
+    ])  # fmt: skip
+    tuned = plan["gdr / triton / max-autotune + CUDA graph"]
+    assert {"trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"} <= set(tuned)
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=tuned)
+    assert cfg.model._target_.endswith("GDRMixerPCVR") and cfg.model.sparse_collection and cfg.data.seq_len == 1024
+    assert "trainer.cuda_graph=false" in plan["gdr / torch"]
+    assert "tokenformer / torch / max-autotune + CUDA graph: " in capsys.readouterr().out
+
+
+def test_training_benchmark_on_cpu_leaves_graph_variants_out(capsys):
+    from runtime.training import benchmark
+
+    results = benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[]", "tuned=[torch]", "dry_run=true",
+                              "overrides=['trainer.device=cpu']"])  # fmt: skip
+    assert [run["name"] for run in results["plan"]] == ["baseline / torch"]
+    assert "CUDA-graph variants (graphed, tuned) are left out" in capsys.readouterr().out
+
+
+def test_step_matmul_flops_from_the_config():
+    from runtime.training.flops import step_matmul_flops
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=pcvr_large"])
+    d, tokens, layers = 256, 512 * 1025, 4
+    per_token = 4 * d * d + 3 * d * 4 * d + 1025 * d  # projections, SwiGLU, causal scores and values
+    assert step_matmul_flops(cfg) == 3 * 2 * tokens * layers * per_token

@@ -214,6 +214,11 @@ class BenchmarkSchema:
     presets: list[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
     compiled: list[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
     graphed: list[str] = field(default_factory=list)  # presets also run with trainer.cuda_graph=true (CUDA only)
+    # presets also run speed-tuned: torch.compile(mode="max-autotune-no-cudagraphs") inside the whole-step CUDA graph,
+    # fused capturable AdamW (CUDA only)
+    tuned: list[str] = field(default_factory=list)
+    experiment_preset: str | None = None  # an experiment preset applied to every run (e.g. pcvr_large)
+    dry_run: bool = False  # compose every run's config and print the plan; train nothing
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run
