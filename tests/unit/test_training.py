@@ -14,7 +14,7 @@ from runtime.accelerators import active_config, set_accelerators
 from runtime.accelerators.testing import deterministic_algorithms
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
-from runtime.training.loop import _check_graphable
+from runtime.training.loop import use_cuda_graph
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
 
@@ -246,12 +246,33 @@ def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
 
 
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
-    with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device, the run is on cpu"):
+    with pytest.raises(ValueError, match="trainer.cuda_graph=true cannot run: it needs a CUDA device, the run is on cpu"):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)
-    with pytest.raises(ValueError, match="trainer.cuda_graph and trainer.compile"):
-        _check_graphable(_compose("trainer.cuda_graph=true", "trainer.compile=true"), torch.device("cuda"), False)
-    with pytest.raises(ValueError, match="not supported with DistributedDataParallel"):
-        _check_graphable(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        use_cuda_graph(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
+    with pytest.raises(ValueError, match="compile_mode=reduce-overhead makes CUDA graphs of its own"):
+        use_cuda_graph(_compose("trainer.cuda_graph=true", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"), torch.device("cuda"), False)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: expected auto, true or false, got 'sometimes'"):
+        Trainer(_compose("trainer.cuda_graph=sometimes"), tmp_path)
+    with pytest.raises(ValueError, match="trainer.compile_mode: expected one of"):
+        Trainer(_compose("trainer.compile_mode=fastest"), tmp_path)
+
+
+def test_cuda_graph_auto_resolves_and_logs_why(tmp_path, caplog):
+    cuda = torch.device("cuda")
+    with caplog.at_level("INFO", logger="runtime.training"):
+        trainer = Trainer(_compose(), tmp_path)  # the default is auto; this run is on the CPU
+        assert trainer.graphed_step is None
+        assert "CUDA graph: off (trainer.cuda_graph=auto): it needs a CUDA device, the run is on cpu" in caplog.text
+        assert use_cuda_graph(_compose(), cuda, False)
+        assert "CUDA graph: on (trainer.cuda_graph=auto)" in caplog.text
+        assert not use_cuda_graph(_compose(), cuda, True)
+        assert "DistributedDataParallel" in caplog.text
+        assert not use_cuda_graph(_compose("trainer.compile=true"), cuda, False)
+        assert "auto does not capture a compiled step" in caplog.text
+        assert use_cuda_graph(_compose("trainer.compile=true", "trainer.cuda_graph=true", "trainer.compile_mode=max-autotune-no-cudagraphs"), cuda, False)
+        assert not use_cuda_graph(_compose("trainer.cuda_graph=false"), cuda, False)
+        assert "CUDA graph: off (trainer.cuda_graph=false)" in caplog.text
 
 
 def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
@@ -279,3 +300,44 @@ def test_training_benchmark_times_and_profiles_a_run(tmp_path):
     assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
     assert any(op["name"].startswith("aten::") for op in profile["top_host_ops"])
     assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 2
+
+
+def test_training_benchmark_dry_run_composes_every_variant(capsys):
+    from runtime.training import benchmark
+
+    results = benchmark.main([
+        "experiment_preset=pcvr_large", "models=[tokenformer,gdr]", "presets=[torch]", "compiled=[triton]", "graphed=[]",
+        "tuned=[torch,triton]", "dry_run=true", "overrides=['trainer.device=cuda']",
+    ])  # fmt: skip
+    plan = {run["name"]: run["overrides"] for run in results["plan"]}
+    assert sorted(plan) == sorted([
+        "tokenformer / torch", "gdr / torch", "tokenformer / triton / torch.compile", "gdr / triton / torch.compile",
+        "tokenformer / torch / max-autotune + CUDA graph", "gdr / torch / max-autotune + CUDA graph",
+        "tokenformer / triton / max-autotune + CUDA graph", "gdr / triton / max-autotune + CUDA graph",
+    ])  # fmt: skip
+    tuned = plan["gdr / triton / max-autotune + CUDA graph"]
+    assert {"trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"} <= set(tuned)
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=tuned)
+    assert cfg.model._target_.endswith("GDRMixerPCVR") and cfg.model.sparse_collection and cfg.data.seq_len == 1024
+    assert "trainer.cuda_graph=false" in plan["gdr / torch"]
+    assert "tokenformer / torch / max-autotune + CUDA graph: " in capsys.readouterr().out
+
+
+def test_training_benchmark_on_cpu_leaves_graph_variants_out(capsys):
+    from runtime.training import benchmark
+
+    results = benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[]", "tuned=[torch]", "dry_run=true",
+                              "overrides=['trainer.device=cpu']"])  # fmt: skip
+    assert [run["name"] for run in results["plan"]] == ["baseline / torch"]
+    assert "CUDA-graph variants (graphed, tuned) are left out" in capsys.readouterr().out
+
+
+def test_step_matmul_flops_from_the_config():
+    from runtime.training.flops import step_matmul_flops
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=pcvr_large"])
+    d, tokens, layers = 256, 512 * 1025, 4
+    per_token = 4 * d * d + 3 * d * 4 * d + 1025 * d  # projections, SwiGLU, causal scores and values
+    assert step_matmul_flops(cfg) == 3 * 2 * tokens * layers * per_token

@@ -12,7 +12,7 @@ from .backends import (
 from .bce import binary_cross_entropy_with_logits
 from .config import AcceleratorConfig, active_config, set_accelerators, use_accelerators
 from .dropout_add import dropout_add
-from .embedding_bag import embedding_bag_mean
+from .embedding_bag import embedding_bag_collection, embedding_bag_mean
 from .explain import explain
 from .flash_attention import flash_attention
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -34,6 +34,7 @@ __all__ = [
     "binary_cross_entropy_with_logits",
     "chunk_gated_delta_rule",
     "dropout_add",
+    "embedding_bag_collection",
     "embedding_bag_mean",
     "explain",
     "flash_attention",

@@ -27,10 +27,12 @@ class BaselinePCVR(nn.Module):
         dropout: float = 0.1,
         head_hidden: int = 256,
         mhc_streams: int = 0,
+        sparse_collection: bool = False,
+        sparse_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.mhc_streams = mhc_streams
-        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len)
+        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len, sparse_collection=sparse_collection, sparse_dim=sparse_dim)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout, hyper_streams=mhc_streams) for _ in range(n_layers)
         )

@@ -28,10 +28,12 @@ class CausalSequencePCVR(nn.Module):
         dropout: float = 0.1,
         head_hidden: int = 256,
         mhc_streams: int = 0,
+        sparse_collection: bool = False,
+        sparse_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.mhc_streams = mhc_streams  # n > 0: blocks carry n residual streams joined by mHC
-        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1)
+        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1, sparse_collection=sparse_collection, sparse_dim=sparse_dim)
         context_width = self.features.n_context * d_model
         self.context_proj = nn.Linear(context_width, d_model)
         self.blocks = nn.ModuleList(self.make_block(d_model, n_heads, ffn_mult * d_model, dropout, mhc_streams) for _ in range(n_layers))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.embedding_bag import embedding_bag_mean
-from runtime.nn import EmbeddingBagMean, LayerNorm, SwiGLUFeedForward
+from runtime.nn import EmbeddingBagCollection, EmbeddingBagMean, LayerNorm, SwiGLUFeedForward
 
 from .inputs import FeatureSpec, PCVRBatch
 
@@ -17,10 +17,14 @@ class FeatureEncoder(nn.Module):
     """Embeds a PCVRBatch: history tokens, the target item, and context (sparse fields + dense) tokens.
 
     The sparse fields share one table: field f's id i (1-based) is row offset_f + i, and row 0 is the
-    padding that empty bag slots point to (left out of each bag's mean).
+    padding that empty bag slots point to (left out of each bag's mean). With sparse_collection, each field
+    has its own table of sparse_dim columns (row 0 padding), all pooled in one embedding_bag_collection call
+    and projected to d_model.
     """
 
-    def __init__(self, spec: FeatureSpec, d_model: int, max_positions: int) -> None:
+    def __init__(
+        self, spec: FeatureSpec, d_model: int, max_positions: int, sparse_collection: bool = False, sparse_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.items = nn.Embedding(spec.n_items + 1, d_model, padding_idx=0)
@@ -32,10 +36,19 @@ class FeatureEncoder(nn.Module):
             if table.padding_idx is not None:
                 table.weight.data[table.padding_idx].zero_()
         vocab = list(spec.sparse_fields.values())
-        offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
-        self.register_buffer("field_offsets", offsets.view(1, -1, 1), persistent=False)
+        self.sparse_collection = sparse_collection
+        self.sparse_projection = None
         # ids come from the data layer, which validates them once: no per-call range check (a device sync)
-        self.sparse = EmbeddingBagMean(sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False)
+        if sparse_collection:
+            width = sparse_dim or d_model
+            tables = {name: (size + 1, width) for name, size in spec.sparse_fields.items()}
+            self.sparse = EmbeddingBagCollection(tables, padding_idx=0, init_std=INIT_STD, check_indices=False)
+            if width != d_model:
+                self.sparse_projection = nn.Linear(width, d_model)
+        else:
+            offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
+            self.register_buffer("field_offsets", offsets.view(1, -1, 1), persistent=False)
+            self.sparse = EmbeddingBagMean(sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False)
         self.dense = nn.Linear(spec.n_dense, d_model)
 
     @property
@@ -64,8 +77,16 @@ class FeatureEncoder(nn.Module):
     def context(self, batch: PCVRBatch) -> torch.Tensor:
         """[B, F + 1, d]: each sparse field's mean-pooled bag, then the projected dense features."""
         b, n_fields, hotness = batch.sparse.shape
-        ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
-        fields = self.sparse(ids.view(b * n_fields, hotness)).view(b, n_fields, -1)
+        if self.sparse_collection:
+            # key-major jagged input: field after field, each example's bag of `hotness` slots (0: empty, padding)
+            values = batch.sparse.transpose(0, 1).reshape(-1)
+            offsets = torch.arange(0, values.numel() + 1, hotness, device=values.device)
+            fields = self.sparse(values, offsets).view(b, n_fields, -1)
+            if self.sparse_projection is not None:
+                fields = self.sparse_projection(fields)
+        else:
+            ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
+            fields = self.sparse(ids.view(b * n_fields, hotness)).view(b, n_fields, -1)
         dense = self.dense(batch.dense).to(fields.dtype)
         return torch.cat([fields, dense[:, None]], dim=1)
 

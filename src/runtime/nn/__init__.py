@@ -4,7 +4,7 @@
 from .activations import GELU, SiLU
 from .attention import CrossAttention, MultiHeadAttention
 from .blocks import GatedDeltaBlock, TransformerBlock
-from .embedding import EmbeddingBagMean
+from .embedding import EmbeddingBagCollection, EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
@@ -17,6 +17,7 @@ __all__ = [
     "BCEWithLogitsLoss",
     "CrossAttention",
     "DropoutAdd",
+    "EmbeddingBagCollection",
     "EmbeddingBagMean",
     "GatedDeltaBlock",
     "GatedDeltaRuleMixer",

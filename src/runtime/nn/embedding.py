@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag import embedding_bag_collection, embedding_bag_mean
+from runtime.accelerators.embedding_bag.collection import is_keyed_jagged
 
 
 class EmbeddingBagMean(nn.Module):
@@ -43,3 +46,55 @@ class EmbeddingBagMean(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, padding_idx={self.padding_idx}, backend={self.backend}"
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Several named tables pooled at once (embedding_bag_collection): jagged key-major input -> [B, sum of dims].
+
+    tables: name -> (num_embeddings, dim), in the order the input lists them; state_dict keys are
+    `tables.<name>.weight`. Call with (values, offsets) in TorchRec's key-major layout, or with a
+    KeyedJaggedTensor whose keys() are the table names in this order. padding_idx: a row of every table
+    left out of the means (it starts at zero).
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, tuple[int, int]],
+        padding_idx: int | None = None,
+        *,
+        init_std: float = 0.02,
+        check_indices: bool = True,
+        backend: Backend | None = None,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("tables: expected at least one table (name -> (num_embeddings, dim))")
+        self.padding_idx = padding_idx
+        self.check_indices = check_indices
+        self.backend = backend
+        self.tables = nn.ModuleDict()
+        for name, (num_embeddings, dim) in tables.items():
+            table = nn.Module()
+            table.weight = nn.Parameter(torch.randn(num_embeddings, dim) * init_std)
+            if padding_idx is not None:
+                with torch.no_grad():
+                    table.weight[padding_idx].zero_()
+            self.tables[name] = table
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tables.keys())
+
+    def weights(self) -> list[nn.Parameter]:
+        return [table.weight for table in self.tables.values()]
+
+    def forward(self, values, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        if is_keyed_jagged(values) and list(values.keys()) != self.names:
+            raise ValueError(f"values: the KeyedJaggedTensor's keys {list(values.keys())} must be the tables {self.names}, in order")
+        return embedding_bag_collection(
+            self.weights(), values, offsets, padding_idx=self.padding_idx, check_indices=self.check_indices, backend=self.backend
+        )
+
+    def extra_repr(self) -> str:
+        shapes = ", ".join(f"{name}: {tuple(t.weight.shape)}" for name, t in self.tables.items())
+        return f"{shapes}, padding_idx={self.padding_idx}, backend={self.backend}"

@@ -3,10 +3,19 @@
     python -m runtime.training.benchmark models=[baseline,tokenformer] presets=[torch,triton] steps=200
 
 Each run builds the model from the same seed and trains `steps` optimizer steps on the same batches
-(made once and kept on the device, so data making is not timed). Reported per run: the mean step
-time after `warmup` steps (forward, loss, backward, clipping, AdamW), samples/s, peak memory, and the
-loss curve against the all-torch eager run of the same model, and every fallback to torch that
-happened (a requested backend that could not run an op), so no run silently times torch instead.
+(made once and kept on the device, so data making is not timed). Variants per accelerators preset: eager
+(`presets`), torch.compile (`compiled`), the whole step as one CUDA graph (`graphed`), and `tuned`: what a
+user tuning for speed would pick, torch.compile(mode="max-autotune-no-cudagraphs") of the model captured inside
+the whole-step CUDA graph with the fused, capturable AdamW (max-autotune's own CUDA graphs cannot nest inside
+the step's graph, so its no-cudagraphs form is the one captured).
+
+Reported per run: the mean step time after `warmup` steps (forward, loss, backward, clipping, AdamW), samples/s,
+real (unpadded) history tokens/s, MFU (the step's matmul FLOPs counted from the config, flops.py, over the step
+time, against a measured bf16 matmul rate), peak memory, the first step's time (compilation) and the capture
+step's (graphed runs), the loss curve against the all-torch eager run of the same model (`loss_bound`: the largest
+difference of the mean loss over the last 50 steps) and every fallback to torch that happened (a requested backend
+that could not run an op), so no run silently times torch instead. `dry_run=true` composes every run's config and
+prints the plan without training.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from runtime.accelerators.backends import clear_decisions
 
 from .config import config_dir
 from .distributed import Run
+from .flops import measured_bf16_matmul_rate, step_matmul_flops
 from .loop import Trainer
 from .profiling import profile_steps
 
@@ -39,27 +49,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int = 0) -> dict:
-    """Train on the given batches; the step time is measured after `warmup` steps. With
-    `profiled_steps`, that many further steps (on the first batches again) run under the profiler."""
+def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int = 0, matmul_rate: float | None = None) -> dict:
+    """Train on the given batches; the step time is measured after `warmup` steps (each warmup step is timed
+    alone: compilation, capture). With `profiled_steps`, that many further steps (on the first batches again)
+    run under the profiler."""
     trainer = Trainer(train_cfg, run_dir, Run(_device(train_cfg)))
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses = []
+    losses, warmup_steps_s = [], []
     _sync(device)
     start = time.perf_counter()
     timed_from = start
     for i, batch in enumerate(batches):
+        began = time.perf_counter()
         if i == warmup:
             _sync(device)
-            timed_from = time.perf_counter()
+            timed_from = began = time.perf_counter()
         loss, _ = trainer.train_step(batch)
         losses.append(loss)
+        if i < warmup:
+            _sync(device)
+            warmup_steps_s.append(time.perf_counter() - began)
     _sync(device)
     end = time.perf_counter()
     timed = len(batches) - warmup
     step_s = (end - timed_from) / timed if timed > 0 else float("nan")
+    # real tokens: each example's history events (+ the target token of the causal models), no padding
+    extra = 0 if str(train_cfg.model._target_).endswith("BaselinePCVR") else 1
+    real_tokens = sum(int(b.seq_lengths.sum()) + extra * len(b) for b in batches[warmup:])
+    flops = step_matmul_flops(train_cfg)
+    graph = trainer.graphed_step
+    capture_step = graph.warmup if graph is not None else None
     profiled = {}
     if profiled_steps > 0:
         step = lambda i: trainer.train_step(batches[i % len(batches)])  # noqa: E731
@@ -70,16 +91,26 @@ def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int 
         "step_ms": 1000 * step_s,
         "samples_per_s": train_cfg.data.batch_size / step_s,
         "warmup_s": timed_from - start,
+        "first_step_s": warmup_steps_s[0] if warmup_steps_s else None,  # compilation, in compiled runs
+        "capture_step_s": warmup_steps_s[capture_step] if capture_step is not None and capture_step < len(warmup_steps_s) else None,
+        "real_tokens_per_s": real_tokens / (end - timed_from) if timed > 0 else float("nan"),
+        "matmul_flops_per_step": flops,
+        "matmul_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / matmul_rate if matmul_rate else None,
+        "cuda_graph_on": graph is not None,
         "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "parameters": trainer.metrics["parameters"],
         "precision": trainer.precision_name,
     }
 
 
-def _device(cfg) -> torch.device:
+def _device_type(cfg) -> str:
     choice = str(getattr(cfg.trainer.device, "value", cfg.trainer.device))
-    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def _device(cfg) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if _device_type(cfg) == "cuda" else torch.device("cpu")
 
 
 def compare(losses: list[float], reference: list[float], tail: int = 50) -> dict:
@@ -108,7 +139,22 @@ def main(argv: list[str] | None = None) -> dict:
         # all models under one variant before the next variant: with a time budget, the eager torch
         # references and the first presets finish first
         variants = [(preset, "eager") for preset in bench.presets] + [(preset, "compile") for preset in bench.compiled]
-        variants += [(preset, "cuda_graph") for preset in bench.graphed]
+        device_type = _device_type(compose("train", overrides=_base(bench, bench.models[0]) if bench.models else list(bench.overrides)))
+        graph_variants = [(preset, "cuda_graph") for preset in bench.graphed] + [(preset, "tuned") for preset in bench.tuned]
+        if device_type == "cuda":
+            variants += graph_variants
+        elif graph_variants:
+            print(f"the runs are on {device_type}: the CUDA-graph variants (graphed, tuned) are left out", flush=True)
+        plan = _plan(bench, variants)
+        if bench.dry_run:
+            for name, run_overrides in plan:
+                compose("train", overrides=run_overrides)  # every run's config composes (and validates)
+                print(f"{name}: {' '.join(run_overrides)}", flush=True)
+            results["plan"] = [{"name": name, "overrides": run_overrides} for name, run_overrides in plan]
+            return results
+        rate = measured_bf16_matmul_rate(torch.device(device_type))
+        results["bf16_matmul_tflops"] = rate / 1e12 if rate else None
+        results["loss_bound"] = bench.loss_bound
         batches, references = {}, {}
         for preset, mode in variants:
             for model in bench.models:
@@ -117,22 +163,21 @@ def main(argv: list[str] | None = None) -> dict:
                     results["skipped_after_budget"] = True
                     _write(out, results)
                     return results
-                base = [f"model={model}", f"trainer.steps={bench.steps}", "trainer.progress=false", *bench.overrides]
+                base = _base(bench, model)
                 if model not in batches:
                     batches[model] = _make_batches(compose("train", overrides=base), bench.steps)
-                name = f"{model} / {preset}" + {"eager": "", "compile": " / torch.compile", "cuda_graph": " / CUDA graph"}[mode]
-                run_overrides = [
-                    *base, f"accelerators={preset}", f"trainer.compile={str(mode == 'compile').lower()}",
-                    f"trainer.cuda_graph={str(mode == 'cuda_graph').lower()}",
-                ]
-                entry = {"model": model, "accelerators": preset, "compiled": mode == "compile", "cuda_graph": mode == "cuda_graph"}
+                name, run_overrides = _run(bench, model, preset, mode)
+                entry = {
+                    "model": model, "accelerators": preset, "mode": mode, "compiled": mode in ("compile", "tuned"),
+                    "cuda_graph": mode in ("cuda_graph", "tuned"),
+                }  # fmt: skip
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always", BackendFallbackWarning)
                         clear_decisions()  # each run decides (and warns) afresh
                         cfg = compose("train", overrides=run_overrides)
                         with tempfile.TemporaryDirectory() as tmp:
-                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps))
+                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps, rate))
                     entry["fallbacks"] = sorted({str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)})
                     for message in entry["fallbacks"]:
                         print(f"{name}: FALLBACK {message}", flush=True)
@@ -156,6 +201,31 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+MODES = {
+    "eager": ("", ["trainer.compile=false", "trainer.cuda_graph=false"]),
+    "compile": (" / torch.compile", ["trainer.compile=true", "trainer.cuda_graph=false"]),
+    "cuda_graph": (" / CUDA graph", ["trainer.compile=false", "trainer.cuda_graph=true"]),
+    "tuned": (
+        " / max-autotune + CUDA graph",
+        ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"],
+    ),
+}
+
+
+def _base(bench, model: str) -> list[str]:
+    experiment = [f"experiment={bench.experiment_preset}"] if bench.experiment_preset else []
+    return [*experiment, f"model={model}", f"trainer.steps={bench.steps}", "trainer.progress=false", *bench.overrides]
+
+
+def _run(bench, model: str, preset: str, mode: str) -> tuple[str, list[str]]:
+    suffix, flags = MODES[mode]
+    return f"{model} / {preset}{suffix}", [*_base(bench, model), f"accelerators={preset}", *flags]
+
+
+def _plan(bench, variants) -> list[tuple[str, list[str]]]:
+    return [_run(bench, model, preset, mode) for preset, mode in variants for model in bench.models]
+
+
 def _make_batches(cfg, steps: int) -> list:
     from .data import build_data
 
@@ -165,7 +235,16 @@ def _make_batches(cfg, steps: int) -> list:
 
 
 def _line(name: str, entry: dict) -> str:
-    text = f"{name}: {entry['step_ms']:.2f} ms/step, {entry['samples_per_s']:,.0f} samples/s, first/last loss {entry['losses'][0]:.4f}/{entry['losses'][-1]:.4f}"
+    text = (
+        f"{name}: {entry['step_ms']:.2f} ms/step, {entry['samples_per_s']:,.0f} samples/s, "
+        f"{entry['real_tokens_per_s']:,.0f} real tokens/s, {entry['matmul_tflops']:.1f} matmul TFLOP/s"
+        + (f" (MFU {100 * entry['mfu']:.1f}%)" if entry.get("mfu") else "")
+        + f", first/last loss {entry['losses'][0]:.4f}/{entry['losses'][-1]:.4f}"
+    )
+    if entry.get("first_step_s") is not None:
+        text += f", first step {entry['first_step_s']:.1f} s"
+    if entry.get("capture_step_s") is not None:
+        text += f", capture step {entry['capture_step_s']:.2f} s"
     if "vs_torch_eager" in entry:
         cmp = entry["vs_torch_eager"]
         tail_key = next(k for k in cmp if k.endswith("_mean_diff"))

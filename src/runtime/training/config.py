@@ -66,6 +66,20 @@ def _in_range(key: str, value: float, low: float, high: float, high_open: bool =
         raise ValueError(f"{key}: expected a value in {interval}, got {value}")
 
 
+CUDA_GRAPH_CHOICES = ("auto", "true", "false")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+COMPILE_MODES_WITH_GRAPHS = ("reduce-overhead", "max-autotune")  # inductor's own CUDA graphs
+
+
+def cuda_graph_choice(value) -> str:
+    """trainer.cuda_graph as "auto", "true" or "false" (YAML's true/false arrive as bools, or as "True"/"False"
+    through the schema's string type)."""
+    text = str(value).lower()
+    if text not in CUDA_GRAPH_CHOICES:
+        raise ValueError(f"trainer.cuda_graph: expected auto, true or false, got {value!r}")
+    return text
+
+
 @dataclass
 class AcceleratorsSchema:
     default: BackendName = BackendName.auto
@@ -88,10 +102,14 @@ class DataSchema:
     n_categories: int = 64
     n_dense: int = 8
     val_size: int = 8192
+    sparse_tables: int = 0  # > 0: that many multi-hot sparse fields (instead of the four built-in ones)
+    sparse_vocab: int = 1_000_000  # ids per generated field
+    sparse_hotness: int = 4  # the largest bag of a generated field
 
     def __post_init__(self) -> None:
         for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
-                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1)):  # fmt: skip
+                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1), ("sparse_tables", 0), ("sparse_vocab", 1),
+                           ("sparse_hotness", 1)):  # fmt: skip
             _at_least(f"data.{key}", getattr(self, key), least)
 
 
@@ -107,10 +125,15 @@ class ModelSchema:
     dropout: float = 0.1
     head_hidden: int = 256
     mhc_streams: int = 0  # n > 0: n residual streams joined by mHC hyper-connections
+    # true: one table per sparse field, pooled together by embedding_bag_collection; false: one shared table
+    sparse_collection: bool = False
+    sparse_dim: int | None = None  # the sparse tables' width (projected to d_model); null: d_model
 
     def __post_init__(self) -> None:
         for key, least in (("n_heads", 1), ("d_model", 1), ("n_layers", 1), ("ffn_mult", 1), ("head_hidden", 1), ("mhc_streams", 0)):
             _at_least(f"model.{key}", getattr(self, key), least)
+        if self.sparse_dim is not None:
+            _at_least("model.sparse_dim", self.sparse_dim, 1)
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}")
         _in_range("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
@@ -127,7 +150,12 @@ class TrainerSchema:
     grad_clip: float | None = 1.0  # the largest gradient norm; null: no clipping
     device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile the model
-    cuda_graph: bool = False  # capture the whole step as one CUDA graph after 3 eager steps (CUDA, one process)
+    # torch.compile's mode: default, max-autotune-no-cudagraphs (GEMM and kernel autotuning), or with
+    # cuda_graph off also reduce-overhead / max-autotune (their own CUDA graphs of the forward and backward)
+    compile_mode: str = "default"
+    # the whole step (forward, backward, AdamW) replayed as one CUDA graph after 3 eager steps: auto (on where it
+    # can run: one CUDA device, no DDP; the log says which and why), true (an error where it cannot), false
+    cuda_graph: str = "auto"
     resume: str | None = None  # a checkpoint file, or a run directory (its latest checkpoint)
     resume_overrides: ResumeOverrides = ResumeOverrides.refuse  # settings that differ from the checkpoint's
     resume_fallback: ResumeFallback = ResumeFallback.error  # when the checkpoint to resume from is corrupt
@@ -142,6 +170,9 @@ class TrainerSchema:
             _at_least(f"trainer.{key}", getattr(self, key), 0)
         if self.cpu_threads is not None:
             _at_least("trainer.cpu_threads", self.cpu_threads, 1)
+        self.cuda_graph = cuda_graph_choice(self.cuda_graph)
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"trainer.compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise ValueError(f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}")
 
@@ -183,6 +214,11 @@ class BenchmarkSchema:
     presets: list[str] = field(default_factory=lambda: ["torch", "triton", "tilelang"])  # accelerators/*.yaml
     compiled: list[str] = field(default_factory=lambda: ["torch", "triton"])  # presets also run under torch.compile
     graphed: list[str] = field(default_factory=list)  # presets also run with trainer.cuda_graph=true (CUDA only)
+    # presets also run speed-tuned: torch.compile(mode="max-autotune-no-cudagraphs") inside the whole-step CUDA graph,
+    # fused capturable AdamW (CUDA only)
+    tuned: list[str] = field(default_factory=list)
+    experiment_preset: str | None = None  # an experiment preset applied to every run (e.g. pcvr_large)
+    dry_run: bool = False  # compose every run's config and print the plan; train nothing
     steps: int = 200
     warmup: int = 20  # steps left out of the timing (compilation, autotuning)
     loss_bound: float = 0.01  # max |difference of the mean loss over the last 50 steps| vs the eager torch run

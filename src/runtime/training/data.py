@@ -31,8 +31,9 @@ def build_data(cfg, seed: int) -> PCVRData:
     from .synthetic import SyntheticPCVR
 
     return SyntheticPCVR(
-        seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size
-    )
+        seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size,
+        sparse_tables=cfg.sparse_tables, sparse_vocab=cfg.sparse_vocab, sparse_hotness=cfg.sparse_hotness,
+    )  # fmt: skip
 
 
 def batches(data: PCVRData, indices: Iterator[int], batch_size: int, prefetch: int = 0, pin_memory: bool = False) -> Iterator[PCVRBatch]:

@@ -18,10 +18,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runtime.accelerators import explain, set_accelerators
-from runtime.nn import BCEWithLogitsLoss, EmbeddingBagMean
+from runtime.nn import BCEWithLogitsLoss, EmbeddingBagCollection, EmbeddingBagMean
 
 from . import checkpoint, resume
-from .config import Precision, ResumeFallback, ResumeOverrides, accelerator_config, check_train_config
+from .config import (
+    COMPILE_MODES_WITH_GRAPHS,
+    Precision,
+    ResumeFallback,
+    ResumeOverrides,
+    accelerator_config,
+    check_train_config,
+    cuda_graph_choice,
+)
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects
@@ -35,6 +43,7 @@ def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool
     """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
     CUDA-graphed step (which then needs device_learning_rates)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
+    embeddings |= {id(w) for m in model.modules() if isinstance(m, EmbeddingBagCollection) for w in m.weights()}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -70,13 +79,41 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _check_graphable(cfg, device: torch.device, distributed: bool) -> None:
+def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
+    """Why the whole step cannot be one CUDA graph in this run (empty: it can). Both data sources give every batch
+    the same shapes (fixed batch size, histories padded to data.seq_len), so shapes are static."""
+    reasons = []
     if device.type != "cuda":
-        raise ValueError(f"trainer.cuda_graph: needs a CUDA device, the run is on {device}")
+        reasons.append(f"it needs a CUDA device, the run is on {device}")
     if distributed:
-        raise ValueError("trainer.cuda_graph: not supported with DistributedDataParallel (torchrun); set trainer.cuda_graph=false")
-    if cfg.trainer.compile:
-        raise ValueError("trainer.cuda_graph and trainer.compile: use one of the two (torch.compile has its own mode='reduce-overhead')")
+        reasons.append("DistributedDataParallel (torchrun) is not captured (its gradient all-reduce hooks run on the host)")
+    if cfg.trainer.compile and cfg.trainer.compile_mode in COMPILE_MODES_WITH_GRAPHS:
+        reasons.append(
+            f"trainer.compile_mode={cfg.trainer.compile_mode} makes CUDA graphs of its own, which cannot be captured "
+            "inside the step's; take compile_mode=max-autotune-no-cudagraphs (or default)"
+        )
+    return reasons
+
+
+def use_cuda_graph(cfg, device: torch.device, distributed: bool) -> bool:
+    """Resolve trainer.cuda_graph: true where it can run (else an error naming why), auto where it can run (the log
+    says so, or why not), false off. auto leaves a compiled model eager: capture after compilation is asked for
+    explicitly (trainer.cuda_graph=true)."""
+    choice = cuda_graph_choice(cfg.trainer.cuda_graph)
+    if choice == "false":
+        logger.info("CUDA graph: off (trainer.cuda_graph=false)")
+        return False
+    reasons = graph_blockers(cfg, device, distributed)
+    if choice == "true":
+        if reasons:
+            raise ValueError("trainer.cuda_graph=true cannot run: " + "; ".join(reasons) + "; set trainer.cuda_graph=false or auto")
+    elif cfg.trainer.compile:
+        reasons.append("trainer.compile=true: auto does not capture a compiled step (trainer.cuda_graph=true does)")
+    if reasons:
+        logger.info("CUDA graph: off (trainer.cuda_graph=auto): %s", "; ".join(reasons))
+        return False
+    logger.info("CUDA graph: on (trainer.cuda_graph=%s): the whole step is captured after 3 eager steps and replayed", choice)
+    return True
 
 
 def _enum(kind, value):
@@ -123,11 +160,13 @@ class Trainer:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
         trained = self.ddp or self.model
-        self.forward = torch.compile(trained) if cfg.trainer.compile else trained
+        graphed = use_cuda_graph(cfg, self.device, self.run.distributed)
+        self.graphed = graphed
+        self.forward = trained
+        if cfg.trainer.compile:
+            mode = None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode
+            self.forward = torch.compile(trained, mode=mode)
         self.criterion = BCEWithLogitsLoss()
-        graphed = bool(cfg.trainer.cuda_graph)
-        if graphed:
-            _check_graphable(cfg, self.device, self.run.distributed)
         self.optimizer = make_optimizer(self.model, cfg.optim, self.device, capturable=graphed)
         total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio))
@@ -167,7 +206,7 @@ class Trainer:
     def autocast(self):
         if self.precision_name == "bf16":
             # autocast's cache of casted weights would outlive a captured graph's replay
-            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.cfg.trainer.cuda_graph)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.graphed)
         return contextlib.nullcontext()
 
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:

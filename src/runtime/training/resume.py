@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 FREE_KEYS = (
     "trainer.resume", "trainer.resume_overrides", "trainer.resume_fallback", "trainer.progress", "trainer.log_every",
     "trainer.val_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.cpu_threads",
-    "trainer.device", "trainer.compile", "trainer.cuda_graph", "trainer.deterministic", "data.prefetch",
+    "trainer.device", "trainer.compile", "trainer.compile_mode", "trainer.cuda_graph", "trainer.deterministic", "data.prefetch",
     "data.val_batch_size", "accelerators",
 )  # fmt: skip
 

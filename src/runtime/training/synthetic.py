@@ -28,6 +28,7 @@ PREFERRED_SHARE = 0.75  # history events drawn from the user's preferred categor
 TARGET_PREFERRED_SHARE = 0.5
 # name, vocabulary size, effect scale, ids per example (1: single-valued; >1: a bag of 1..that many)
 SPARSE_FIELDS = (("user_segment", 1000, 0.3, 1), ("region", 100, 0.4, 1), ("device", 8, 0.4, 1), ("interest_tags", 256, 0.5, 4))
+TABLE_EFFECT = 0.15  # the effect scale of each generated field (sparse_tables > 0)
 VAL_BLOCK = 1024  # the validation set is made in blocks of this size, whatever the batch size
 
 _STREAMS = {"world": 0, "train": 1, "val": 2}
@@ -48,20 +49,33 @@ class SyntheticPCVR:
         n_categories: int = 64,
         n_dense: int = 8,
         val_size: int = 8192,
+        sparse_tables: int = 0,
+        sparse_vocab: int = 1_000_000,
+        sparse_hotness: int = 4,
     ) -> None:
         if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1:
             raise ValueError(
                 f"synthetic data: expected seq_len >= 1, n_items >= n_categories >= 1, n_dense >= 1 and val_size >= 1, "
                 f"got seq_len={seq_len}, n_items={n_items}, n_categories={n_categories}, n_dense={n_dense}, val_size={val_size}"
             )
+        if sparse_tables < 0 or sparse_vocab < 1 or sparse_hotness < 1:
+            raise ValueError(
+                f"synthetic data: expected sparse_tables >= 0, sparse_vocab >= 1 and sparse_hotness >= 1, got "
+                f"sparse_tables={sparse_tables}, sparse_vocab={sparse_vocab}, sparse_hotness={sparse_hotness}"
+            )
         self.seed = seed
         self.val_size = val_size
-        hotness = max(h for *_, h in SPARSE_FIELDS)
+        # sparse_tables > 0: that many multi-hot fields of sparse_vocab ids (bags of 1..sparse_hotness), else the four
+        # built-in fields
+        self.fields = SPARSE_FIELDS
+        if sparse_tables:
+            self.fields = tuple((f"sparse_{i:02d}", sparse_vocab, TABLE_EFFECT, sparse_hotness) for i in range(sparse_tables))
+        hotness = max(h for *_, h in self.fields)
         self.spec = FeatureSpec(
             n_items=n_items,
             n_categories=n_categories,
             n_actions=len(ACTION_PROBS),
-            sparse_fields={name: vocab for name, vocab, *_ in SPARSE_FIELDS},
+            sparse_fields={name: vocab for name, vocab, *_ in self.fields},
             sparse_hotness=hotness,
             n_dense=n_dense,
             seq_len=seq_len,
@@ -82,7 +96,7 @@ class SyntheticPCVR:
         latent = torch.randn(spec.n_categories + 1, LATENT_DIM, generator=gen)
         self.category_latent = latent / latent.norm(dim=-1, keepdim=True)
         self.item_quality = 0.5 * torch.randn(spec.n_items + 1, generator=gen)
-        self.field_effects = [scale * torch.randn(vocab + 1, generator=gen) for _, vocab, scale, _ in SPARSE_FIELDS]
+        self.field_effects = [scale * torch.randn(vocab + 1, generator=gen) for _, vocab, scale, _ in self.fields]
         self.dense_weight = 0.3 * torch.randn(spec.n_dense, generator=gen)
         self.bias = -1.5
 
@@ -116,8 +130,8 @@ class SyntheticPCVR:
         target_category = pick_category((n,), TARGET_PREFERRED_SHARE)
         target_item = self._items_in(target_category, gen)
 
-        sparse = torch.zeros(n, len(SPARSE_FIELDS), spec.sparse_hotness, dtype=torch.long)
-        for f, (_, vocab, _, hot) in enumerate(SPARSE_FIELDS):
+        sparse = torch.zeros(n, len(self.fields), spec.sparse_hotness, dtype=torch.long)
+        for f, (_, vocab, _, hot) in enumerate(self.fields):
             ids = torch.randint(1, vocab + 1, (n, hot), generator=gen)
             count = torch.randint(1, hot + 1, (n, 1), generator=gen)
             sparse[:, f, :hot] = ids * (torch.arange(hot)[None] < count)

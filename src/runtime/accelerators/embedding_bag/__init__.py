@@ -12,30 +12,16 @@ import functools
 
 import torch
 
-from ..backends import Backend, OpSpec, load_kernels, select_backend
-from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
+from ..backends import Backend, load_kernels, select_backend
+from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_op import KernelOp, no_double_backward
+from .collection import embedding_bag_collection
 from .reference import embedding_bag_mean_reference
+from .spec import SPEC, TILELANG_MAX_DIM
+
+__all__ = ["SPEC", "TILELANG_MAX_DIM", "embedding_bag_collection", "embedding_bag_mean"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-TILELANG_MAX_DIM = 1024
-
-
-def _reasons(backend: str, weight: torch.Tensor, indices=None, offsets=None) -> list[str]:
-    reasons = dtype_reasons("weight", weight)
-    if weight.dim() == 2 and weight.stride(1) != 1:
-        reasons.append(f"weight has strides {tuple(weight.stride())}; the kernels read rows with a unit column stride")
-    elif backend == "tilelang" and not weight.is_contiguous():
-        reasons.append(f"weight has strides {tuple(weight.stride())}; the tilelang kernels take a contiguous table")
-    if backend == "tilelang" and weight.dim() == 2 and weight.shape[1] > TILELANG_MAX_DIM:
-        # the gradient kernel holds a chunk of rows of the whole width in shared memory (32 x 4 bytes per column)
-        reasons.append(f"the embedding dim {weight.shape[1]} exceeds {TILELANG_MAX_DIM}, the widest the tilelang gradient kernel holds")
-    return reasons
-
-
-SPEC = OpSpec(name="embedding_bag_mean", priority=("triton", "tilelang"), reasons=_reasons)
 
 
 def _fake_forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices):
@@ -167,3 +153,4 @@ def embedding_bag_mean(
         call = _sparse_call_outside_graphs() if torch.compiler.is_compiling() else _sparse_call
         return call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
     return KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
+

@@ -1,0 +1,206 @@
+"""embedding_bag_collection(weights, values, offsets): every table's embedding-bag mean, side by side, in one launch.
+
+The input follows TorchRec's KeyedJaggedTensor (key-major): T tables, B examples; `values` holds every table's
+indices, table after table; bag b of table t is values[offsets[t*B + b]:offsets[t*B + b + 1]] (offsets has T*B + 1
+entries, from 0 to len(values)). The result [B, sum D_t] holds table t's bag means in its D_t columns, in table order:
+what embedding_bag_mean gives per table (an empty bag gives zeros, padding entries are left out of the mean).
+A KeyedJaggedTensor (anything with .values(), .offsets() and .keys()) may stand in for `values` (offsets then None).
+The config key is `embedding_bag_mean`, the single-table op's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import Backend, load_kernels, select_backend
+from ..checks import check_bool, check_same_device, check_tensor
+from .spec import SPEC
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+_TABLES_CACHE_SIZE = 64
+
+
+def is_keyed_jagged(value) -> bool:
+    """TorchRec's KeyedJaggedTensor, or anything shaped like it (values(), offsets() and keys() methods)."""
+    return all(callable(getattr(value, name, None)) for name in ("values", "offsets", "keys"))
+
+
+def _check_weights(weights) -> list[torch.Tensor]:
+    if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence) or len(weights) == 0:
+        raise TypeError(f"weights: expected a non-empty list of 2-D tables [n_t, D_t], got {type(weights).__name__}")
+    first = weights[0]
+    for t, weight in enumerate(weights):
+        check_tensor(f"weights[{t}]", weight)
+        if weight.dim() != 2:
+            raise ValueError(f"weights[{t}]: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}")
+        if weight.dtype != first.dtype:
+            raise TypeError(f"weights[{t}]: expected {first.dtype} like weights[0] (the output has one dtype), got {weight.dtype}")
+        check_same_device(f"weights[{t}]", weight, "weights[0]", first)
+    return list(weights)
+
+
+def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
+    check_same_device(name, value, "weights[0]", weight)
+
+
+def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...]:
+    """padding_idx (None, one int for every table, or one int-or-None per table), normalised per table."""
+    per_table = list(padding_idx) if isinstance(padding_idx, Sequence) else [padding_idx] * len(weights)
+    if len(per_table) != len(weights):
+        raise ValueError(f"padding_idx: expected one entry per table ({len(weights)}), got {len(per_table)}")
+    normalised = []
+    for t, (pad, weight) in enumerate(zip(per_table, weights)):
+        if pad is None:
+            normalised.append(None)
+            continue
+        if isinstance(pad, bool) or not isinstance(pad, int):
+            raise TypeError(f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}")
+        n = weight.shape[0]
+        if not -n <= pad < n:
+            raise ValueError(f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}")
+        normalised.append(pad % n)
+    return tuple(normalised)
+
+
+def _check_inputs(weights, values, offsets, padding_idx, check_indices):
+    """Validate the arguments; returns (weights, values, offsets, per-table padding rows)."""
+    weights = _check_weights(weights)
+    if is_keyed_jagged(values):
+        if offsets is not None:
+            raise ValueError("offsets: must be None when values is a KeyedJaggedTensor (its offsets() are used)")
+        keys = list(values.keys())
+        if len(keys) != len(weights):
+            raise ValueError(f"values: the KeyedJaggedTensor has {len(keys)} keys {keys}, expected one per table ({len(weights)})")
+        values, offsets = values.values(), values.offsets()
+    _check_index_tensor("values", values, weights[0])
+    if offsets is None:
+        raise ValueError("offsets: required (T*B + 1 entries: bag b of table t is values[offsets[t*B + b]:offsets[t*B + b + 1]])")
+    _check_index_tensor("offsets", offsets, weights[0])
+    num_tables = len(weights)
+    if offsets.numel() < 1 or (offsets.numel() - 1) % num_tables:
+        raise ValueError(
+            f"offsets: expected T*B + 1 entries for T={num_tables} tables (B bags each), got {offsets.numel()}"
+        )
+    check_bool("check_indices", check_indices)
+    return weights, values, offsets, _paddings(padding_idx, weights)
+
+
+def embedding_bag_collection_reference(weights, values, offsets, paddings, check_indices: bool = True) -> torch.Tensor:
+    """A loop over the tables with F.embedding_bag (differentiable by autograd; reads the offsets on the host)."""
+    num_tables = len(weights)
+    batch = (offsets.numel() - 1) // num_tables
+    bounds = offsets.tolist()
+    if check_indices:
+        _check_offsets(bounds, values.numel())
+    outs = []
+    for t, (weight, pad) in enumerate(zip(weights, paddings)):
+        lo, hi = bounds[t * batch], bounds[(t + 1) * batch]
+        ids = values[lo:hi]
+        if check_indices and ids.numel() and bool(((ids < 0) | (ids >= weight.shape[0])).any()):
+            bad = int(ids[(ids < 0) | (ids >= weight.shape[0])][0])
+            raise IndexError(
+                f"embedding_bag_collection: values: {bad} (table {t}) is outside [0, num_embeddings={weight.shape[0]}) "
+                "(check_indices=True)"
+            )
+        if weight.shape[1] == 0 or batch == 0:
+            outs.append(weight.new_zeros(batch, weight.shape[1]) + weight.sum() * 0)
+            continue
+        bag_starts = (offsets[t * batch : (t + 1) * batch] - lo).to(ids.dtype)
+        outs.append(F.embedding_bag(ids, weight, bag_starts, mode="mean", padding_idx=pad))
+    return torch.cat(outs, dim=1)
+
+
+def _check_offsets(bounds: list[int], num_values: int) -> None:
+    rising = all(a <= b for a, b in zip(bounds, bounds[1:]))
+    if bounds[0] != 0 or bounds[-1] != num_values or not rising:
+        shown = bounds if len(bounds) <= 16 else "a longer sequence that does not"
+        raise IndexError(
+            f"embedding_bag_collection: offsets: expected to rise from 0 to len(values)={num_values}, got {shown} "
+            "(check_indices=True)"
+        )
+
+
+_tables_cache: dict = {}
+
+
+def _tables(weights, pads: tuple[int, ...]):
+    """The tables' kernel form, cached by layout (each table's address, shape and strides, which fix everything it
+    holds): its device array is built once for a model's parameters, not copied to the device on every step (a
+    captured CUDA graph could not replay that copy)."""
+    key = (tuple((w.data_ptr(), tuple(w.shape), tuple(w.stride())) for w in weights), pads, weights[0].device)
+    meta = _tables_cache.get(key)
+    if meta is None:
+        if len(_tables_cache) >= _TABLES_CACHE_SIZE:
+            _tables_cache.pop(next(iter(_tables_cache)))
+        meta = _tables_cache[key] = load_kernels("embedding_bag", "collection_triton").tables(weights, pads)
+    return meta
+
+
+class _Collection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pads, check_indices, values, offsets, *weights):
+        kernels = load_kernels("embedding_bag", "collection_triton")
+        meta = _tables(weights, pads)
+        out, scale, bag_of, keys = kernels.forward(weights, values, offsets, meta, check_indices)
+        ctx.save_for_backward(scale, bag_of, keys, *weights)
+        ctx.meta = meta
+        ctx.mark_non_differentiable(scale, bag_of, keys)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        scale, bag_of, keys, *weights = ctx.saved_tensors
+        kernels = load_kernels("embedding_bag", "collection_triton")
+        grads = kernels.backward(grad_out, weights, ctx.meta, scale, bag_of, keys)
+        return (None, None, None, None, *grads)
+
+
+def _kernel_call(weights, values, offsets, pads, check_indices):
+    if values.numel() and not values.is_contiguous():
+        values = values.contiguous()
+    return _Collection.apply(pads, check_indices, values, offsets.contiguous(), *weights)
+
+
+@functools.cache
+def _kernel_call_outside_graphs():
+    """_kernel_call run eagerly under torch.compile (the kernel form holds the tables' addresses: a graph break)."""
+    return torch.compiler.disable(_kernel_call)
+
+
+def embedding_bag_collection(
+    weights: Sequence[torch.Tensor],
+    values,
+    offsets: torch.Tensor | None = None,
+    *,
+    padding_idx: int | Sequence[int | None] | None = None,
+    check_indices: bool = True,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Each table's embedding-bag mean over its bags, concatenated: [B, sum D_t] (see the module docstring).
+
+    padding_idx: a row left out of every mean (an int for every table, or one int-or-None per table).
+    check_indices: raise on an entry outside its table or offsets that do not rise from 0 to len(values) (a
+    device-side assert on CUDA, no host sync); with it off such entries give unspecified values, never
+    out-of-bounds accesses.
+    """
+    weights, values, offsets, paddings = _check_inputs(weights, values, offsets, padding_idx, check_indices)
+    first = weights[0]
+    unit_columns = all(w.stride(1) == 1 for w in weights)
+    summary = (len(weights), unit_columns, max(w.shape[1] for w in weights))
+    key = ("collection", first.dtype, *summary)
+    chosen = select_backend(SPEC, backend, first.device, key, weight=first, collection=summary)
+    if chosen == "torch" or summary[2] == 0:
+        return embedding_bag_collection_reference(weights, values, offsets, paddings, check_indices)
+    pads = tuple(-1 if p is None else p for p in paddings)
+    call = _kernel_call_outside_graphs() if torch.compiler.is_compiling() else _kernel_call
+    return call(weights, values, offsets, pads, check_indices)
