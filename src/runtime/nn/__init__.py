@@ -11,6 +11,7 @@ from .hyper_connections import HyperConnection, expand_streams, merge_streams
 from .linear import Linear
 from .loss import BCEWithLogitsLoss
 from .norms import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
+from .replace import OP_KINDS, ReplaceReport, replace_modules
 from .residual import DropoutAdd
 
 __all__ = [
@@ -33,4 +34,7 @@ __all__ = [
     "AddRMSNorm",
     "GELU",
     "SiLU",
+    "OP_KINDS",
+    "ReplaceReport",
+    "replace_modules",
 ]

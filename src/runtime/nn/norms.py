@@ -15,11 +15,18 @@ from runtime.accelerators.rms_norm import rms_norm
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2, -1) + eps) * weight. `backend` pins one backend; None follows the active config."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None,
+        device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.eps = eps
         self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
@@ -32,12 +39,22 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """As nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True, backend: Backend | None = None) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
+        backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.eps = eps
         self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine and bias else None
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(dim, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if elementwise_affine and bias else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
