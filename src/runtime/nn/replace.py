@@ -299,11 +299,14 @@ def replace_modules(model: nn.Module, *, ops: Iterable[str] | None = None, backe
         else:
             swaps[id(module)] = new
     # every place that holds a swapped instance gets the same new one
-    for name, module in list(model.named_modules(remove_duplicate=False)):
+    places = list(model.named_modules(remove_duplicate=False))
+    order = {name: i for i, (name, _) in enumerate(places)}
+    for name, module in places:
         for child_name, child in list(module._modules.items()):
             if child is not None and id(child) in swaps:
                 path = f"{name}.{child_name}" if name else child_name
                 new = swaps[id(child)]
                 setattr(module, child_name, new)
                 report.replaced.append(Replaced(path, type(child), type(new)))
+    report.replaced.sort(key=lambda entry: order[entry.name])
     return report
