@@ -88,10 +88,11 @@ class DataSchema:
     n_categories: int = 64
     n_dense: int = 8
     val_size: int = 8192
+    n_users: int = 1000  # user ids drawn per example, for GAUC
 
     def __post_init__(self) -> None:
         for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
-                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1)):  # fmt: skip
+                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1), ("n_users", 1)):  # fmt: skip
             _at_least(f"data.{key}", getattr(self, key), least)
 
 

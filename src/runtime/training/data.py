@@ -31,7 +31,8 @@ def build_data(cfg, seed: int) -> PCVRData:
     from .synthetic import SyntheticPCVR
 
     return SyntheticPCVR(
-        seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size
+        seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size,
+        n_users=cfg.n_users,
     )
 
 

@@ -9,6 +9,9 @@ target's category is close to the action- and recency-weighted categories of the
 
 Every batch is a pure function of (seed, stream, batch index, batch size): resuming at a step, or
 giving each DDP rank its own indices, needs no state beyond the index.
+
+Each example carries a user id in [1, n_users], drawn after everything else and independent of it: it groups the
+validation examples for GAUC (the planted signal has no per-user part, so GAUC stays close to AUC).
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ class SyntheticPCVR:
         n_categories: int = 64,
         n_dense: int = 8,
         val_size: int = 8192,
+        n_users: int = 1000,
     ) -> None:
-        if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1:
+        if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1 or n_users < 1:
             raise ValueError(
-                f"synthetic data: expected seq_len >= 1, n_items >= n_categories >= 1, n_dense >= 1 and val_size >= 1, "
-                f"got seq_len={seq_len}, n_items={n_items}, n_categories={n_categories}, n_dense={n_dense}, val_size={val_size}"
+                f"synthetic data: expected seq_len >= 1, n_items >= n_categories >= 1, n_dense >= 1, val_size >= 1 and "
+                f"n_users >= 1, got seq_len={seq_len}, n_items={n_items}, n_categories={n_categories}, n_dense={n_dense}, "
+                f"val_size={val_size}, n_users={n_users}"
             )
         self.seed = seed
+        self.n_users = n_users
         self.val_size = val_size
         hotness = max(h for *_, h in SPARSE_FIELDS)
         self.spec = FeatureSpec(
@@ -134,6 +140,7 @@ class SyntheticPCVR:
             present = (ids > 0).float()
             logit = logit + (effects[ids] * present).sum(-1) / present.sum(-1)
         label = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+        user_id = torch.randint(1, self.n_users + 1, (n,), generator=gen)
 
         batch = PCVRBatch(
             sparse=sparse,
@@ -145,6 +152,7 @@ class SyntheticPCVR:
             target_item=target_item,
             target_category=target_category,
             label=label,
+            user_id=user_id,
         )
         return batch, logit
 
