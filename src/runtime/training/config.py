@@ -37,6 +37,12 @@ class Precision(Enum):
     fp32 = "fp32"
 
 
+class LoggerKind(Enum):
+    csv = "csv"  # metrics.csv in the run directory
+    tensorboard = "tensorboard"  # the extra taac-runtime[tensorboard]
+    none = "none"
+
+
 class DeviceChoice(Enum):
     auto = "auto"  # CUDA when available
     cpu = "cpu"
@@ -167,6 +173,11 @@ class OptimSchema:
 
 
 @dataclass
+class LoggerSchema:
+    kind: LoggerKind = LoggerKind.csv
+
+
+@dataclass
 class TrainSchema:
     seed: int = 0
     data: DataSchema = field(default_factory=DataSchema)
@@ -174,6 +185,7 @@ class TrainSchema:
     accelerators: AcceleratorsSchema = field(default_factory=AcceleratorsSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
+    logger: LoggerSchema = field(default_factory=LoggerSchema)
 
 
 @dataclass

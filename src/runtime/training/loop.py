@@ -25,6 +25,7 @@ from .config import Precision, ResumeFallback, ResumeOverrides, accelerator_conf
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects, gather_rows
+from .loggers import MetricLogger
 from .metrics import validation_metrics
 from .progress import ProgressBar
 
@@ -150,6 +151,7 @@ class Trainer:
             if self.run.is_main:
                 checkpoint.remove_partial_writes(path.parent)
             self.load(path, state)
+        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main)
         self.graphed_step = None
         if graphed:
             device_learning_rates(self.optimizer, self.device)
@@ -332,6 +334,7 @@ class Trainer:
     def _validate(self) -> None:
         result = self.evaluate()
         self.metrics["validation"].append(result)
+        self.metric_logger.write(self.step, result)
         logger.info("step %d  %s", self.step, "  ".join(f"{k.removeprefix('val_')} {v:.4f}" for k, v in result.items() if k != "step"))
 
     def _log(self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar) -> None:
@@ -347,6 +350,7 @@ class Trainer:
             "step_ms": 1000 * elapsed / steps,
         }
         self.metrics["log"].append(entry)
+        self.metric_logger.write(self.step, entry)
         bar.update(entry["loss"], speed)
         if not all(math.isfinite(x) for x in losses):
             self.write_metrics()
