@@ -103,3 +103,9 @@ def test_curves_are_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
     assert not (tmp_path / "curves.png").exists()
     assert "curves.png skipped: matplotlib is not installed" in caplog.text
     assert json.loads((tmp_path / "metrics.json").read_text())["validation"]
+
+
+def test_the_run_log_is_train_log():
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=TINY, return_hydra_config=True)
+    assert cfg.hydra.job.name == "train"  # Hydra names the run log <job name>.log
