@@ -154,7 +154,7 @@ def test_benchmark_config_composes():
         ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
         ("+trainer.unknown_key=3", "trainer.unknown_key: no such key in trainer; expected one of [steps, log_every"),
         ("+model.d_modl=32", "model.d_modl: no such key in model; expected one of [_target_, d_model"),
-        ("+sed=1", "sed: no such key in the config; expected one of [seed, data, model, accelerators, trainer, optim]"),
+        ("+sed=1", "sed: no such key in the config; expected one of [seed, data, model, accelerators, trainer, optim, logger]"),
     ],
 )
 def test_out_of_range_and_unknown_settings_are_refused_by_name(override, expected):

@@ -52,7 +52,8 @@ def _compose(*overrides: str):
 
 
 def _batches_equal(a: PCVRBatch, b: PCVRBatch) -> bool:
-    return all(torch.equal(getattr(a, name), getattr(b, name)) for name in vars(a))
+    same = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return all(same(getattr(a, name), getattr(b, name)) for name in vars(a))
 
 
 # ------------------------------------------------------------------ data
@@ -116,6 +117,16 @@ def test_parquet_round_trip(tmp_path):
     epoch = PCVRBatch.concat([loaded.train_batch(i, 32) for i in range(3)])
     assert sorted(epoch.target_item.tolist()) == sorted(loaded.train.target_item.tolist())
     assert _batches_equal(loaded.train_batch(4, 32), ParquetPCVR(tmp_path, seed=0).train_batch(4, 32))
+    assert loaded.val_set().user_id is not None  # the synthetic set's user ids travel through Parquet
+
+
+def test_validation_reports_gauc_only_with_user_ids(tmp_path):
+    trainer = Trainer(_compose("trainer.steps=1", "data.n_users=20"), tmp_path)
+    result = trainer.evaluate()
+    assert set(result) == {"step", "val_auc", "val_logloss", "val_ne", "val_calibration", "val_gauc"}
+    assert 0 < result["val_gauc"] < 1 and result["val_ne"] > 0 and result["val_calibration"] > 0
+    trainer.data.val_set().user_id = None
+    assert "val_gauc" not in trainer.evaluate()
 
 
 def test_parquet_reader_truncates_infers_and_checks(tmp_path):
@@ -209,6 +220,15 @@ def test_ddp_with_two_gloo_processes(tmp_path):
     assert metrics["world_size"] == 2 and metrics["ranks_in_sync"] is True
     assert len(metrics["losses"]) == 4 and all(map(torch.isfinite, torch.tensor(metrics["losses"])))
     assert "flash_attention: configured 'torch' -> runs torch" in result.stderr + result.stdout
+    # validation: the rows predicted by both processes, gathered, give the single-process numbers on those weights
+    from runtime.training import checkpoint
+
+    single = Trainer(_compose("trainer.steps=4"), tmp_path / "single")
+    single.model.load_state_dict(checkpoint.load(tmp_path / "checkpoints" / "step_0000004.pt")["model"])
+    expected, got = single.evaluate(), metrics["validation"][-1]
+    assert set(got) == set(expected) and "val_gauc" in got
+    for key in set(expected) - {"step"}:
+        assert got[key] == pytest.approx(expected[key], rel=1e-6), key
 
 
 @pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 1), ("trainer.log_every", 0)])

@@ -130,3 +130,14 @@ def test_both_files_are_checked_when_the_data_is_opened(tmp_path, broken):
         _write(tmp_path / f"{name}.parquet", **bad)
     with pytest.raises(ValueError, match=rf"{broken}\.parquet: column label, row 2: label nan is outside \[0, 1\]"):
         ParquetPCVR(tmp_path)
+
+
+def test_user_ids_are_optional_and_checked(tmp_path):
+    without = read_batch(_write(tmp_path / "a.parquet"), read_spec(tmp_path / "a.parquet"))
+    assert without.user_id is None
+    with_users = read_batch(_write(tmp_path / "b.parquet", user_id=pa.array([7, 0, 7], pa.int64())), read_spec(tmp_path / "b.parquet"))
+    assert with_users.user_id.tolist() == [7, 0, 7] and with_users.slice(1, 3).user_id.tolist() == [0, 7]
+    with pytest.raises(ValueError, match=r"b.parquet: column user_id, row 1: id -2 is negative"):
+        read_batch(_write(tmp_path / "b.parquet", user_id=pa.array([7, -2, 7], pa.int64())), read_spec(tmp_path / "a.parquet"))
+    with pytest.raises(ValueError, match=r"column user_id"):
+        read_batch(_write(tmp_path / "b.parquet", user_id=pa.array(["u", "v", "w"])), read_spec(tmp_path / "a.parquet"))

@@ -37,7 +37,8 @@ class FeatureSpec:
 class PCVRBatch:
     """B examples. sparse [B, F, hotness] raw per-field ids (0 = empty slot); dense [B, n_dense];
     seq_items / seq_categories / seq_actions [B, L] with the first seq_lengths[b] positions valid
-    (oldest first) and zeros after; target_item / target_category [B]; label [B] float (1 = converted)."""
+    (oldest first) and zeros after; target_item / target_category [B]; label [B] float (1 = converted); user_id [B]
+    int64 or None (the data has no user ids): read by the validation metrics (GAUC), not by the models."""
 
     sparse: torch.Tensor
     dense: torch.Tensor
@@ -48,19 +49,30 @@ class PCVRBatch:
     target_item: torch.Tensor
     target_category: torch.Tensor
     label: torch.Tensor
+    user_id: torch.Tensor | None = None
+
+    def _map(self, fn) -> "PCVRBatch":
+        return PCVRBatch(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in dataclasses.fields(self)})
 
     def __len__(self) -> int:
         return self.label.shape[0]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PCVRBatch":
-        return PCVRBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(self)})
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "PCVRBatch":
-        return PCVRBatch(**{f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)})
+        return self._map(lambda t: t.pin_memory())
 
     def slice(self, start: int, stop: int) -> "PCVRBatch":
-        return PCVRBatch(**{f.name: getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)})
+        return self._map(lambda t: t[start:stop])
+
+    def rows(self, index: torch.Tensor) -> "PCVRBatch":
+        return self._map(lambda t: t[index])
 
     @staticmethod
     def concat(batches: list["PCVRBatch"]) -> "PCVRBatch":
-        return PCVRBatch(**{f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(PCVRBatch)})
+        def cat(name: str):
+            parts = [getattr(b, name) for b in batches]
+            return None if any(p is None for p in parts) else torch.cat(parts)
+
+        return PCVRBatch(**{f.name: cat(f.name) for f in dataclasses.fields(PCVRBatch)})

@@ -1,5 +1,6 @@
 """nn.Module wrappers of the accelerator ops. Each module follows the active accelerator config
-(runtime.accelerators.set_accelerators / use_accelerators) unless given a `backend`."""
+(runtime.accelerators.set_accelerators / use_accelerators) unless given a `backend`. Modules with parameters take
+`device=` and `dtype=` as torch's do, and those with a torch counterpart load its state_dict unchanged."""
 
 from .activations import GELU, SiLU
 from .attention import CrossAttention, MultiHeadAttention
@@ -10,7 +11,8 @@ from .gated_delta import GatedDeltaRuleMixer
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
 from .linear import Linear
 from .loss import BCEWithLogitsLoss
-from .norms import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
+from .norms import AddLayerNorm, AddRMSNorm, L2Norm, LayerNorm, RMSNorm
+from .replace import OP_KINDS, ReplaceReport, replace_modules
 from .residual import DropoutAdd
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "GatedDeltaBlock",
     "GatedDeltaRuleMixer",
     "HyperConnection",
+    "L2Norm",
     "LayerNorm",
     "Linear",
     "MultiHeadAttention",
@@ -34,4 +37,7 @@ __all__ = [
     "AddRMSNorm",
     "GELU",
     "SiLU",
+    "OP_KINDS",
+    "ReplaceReport",
+    "replace_modules",
 ]

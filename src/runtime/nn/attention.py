@@ -26,22 +26,45 @@ def _check_heads(d_model: int, n_heads: int) -> None:
         raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model}, got {n_heads}")
 
 
+def _torch_keys(module: nn.Module, split: dict[str, int]):
+    """A load_state_dict pre-hook: nn.MultiheadAttention's keys become this module's: in_proj_weight/in_proj_bias
+    (q, k, v rows of E each, in that order) split over the projections in `split` (name -> rows in units of E),
+    out_proj.* -> out.*."""
+
+    def hook(state_dict, prefix, *_):
+        for kind in ("weight", "bias"):
+            packed = state_dict.pop(f"{prefix}in_proj_{kind}", None)
+            if packed is not None:
+                parts = packed.split([packed.shape[0] // 3 * rows for rows in split.values()])
+                state_dict.update({f"{prefix}{name}.{kind}": part for name, part in zip(split, parts)})
+            if f"{prefix}out_proj.{kind}" in state_dict:
+                state_dict[f"{prefix}out.{kind}"] = state_dict.pop(f"{prefix}out_proj.{kind}")
+
+    module._register_load_state_dict_pre_hook(hook)
+
+
 class MultiHeadAttention(nn.Module):
-    """Self-attention over x [B, L, d_model] with one fused q/k/v projection.
+    """Self-attention over x [B, L, d_model] with one fused q/k/v projection. Loads its own state_dict or that of an
+    nn.MultiheadAttention(d_model, n_heads, bias=bias) (the same math, batch first).
 
     causal: token i attends to tokens j <= i. key_lengths [B] (forward): tokens j >= key_lengths[b]
     are padding and are not attended to. dropout is attention dropout, active in training only.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, causal: bool = False, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, *, causal: bool = False, dropout: float = 0.0, bias: bool = False,
+        backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         _check_heads(d_model, n_heads)
         self.n_heads = n_heads
         self.causal = causal
         self.dropout = dropout
         self.backend = backend
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out = nn.Linear(d_model, d_model, bias=bias)
+        factory = {"device": device, "dtype": dtype}
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias, **factory)
+        self.out = nn.Linear(d_model, d_model, bias=bias, **factory)
+        _torch_keys(self, {"qkv": 3})
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
@@ -56,17 +79,23 @@ class MultiHeadAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Queries from x [B, Lq, d_model] attend to context [B, Lk, d_model] (e.g. a target item over a history)."""
+    """Queries from x [B, Lq, d_model] attend to context [B, Lk, d_model] (e.g. a target item over a history). Loads
+    its own state_dict or that of an nn.MultiheadAttention(d_model, n_heads, bias=bias) (query=x, key=value=context)."""
 
-    def __init__(self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None,
+        device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         _check_heads(d_model, n_heads)
         self.n_heads = n_heads
         self.dropout = dropout
         self.backend = backend
-        self.q = nn.Linear(d_model, d_model, bias=bias)
-        self.kv = nn.Linear(d_model, 2 * d_model, bias=bias)
-        self.out = nn.Linear(d_model, d_model, bias=bias)
+        factory = {"device": device, "dtype": dtype}
+        self.q = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=bias, **factory)
+        self.out = nn.Linear(d_model, d_model, bias=bias, **factory)
+        _torch_keys(self, {"q": 1, "kv": 2})
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         q = _split_heads(self.q(x), self.n_heads)

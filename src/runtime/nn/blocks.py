@@ -18,9 +18,9 @@ from .residual import DropoutAdd
 class PreNorm(nn.Module):
     """layer(norm(x), *args)."""
 
-    def __init__(self, width: int, layer: nn.Module) -> None:
+    def __init__(self, width: int, layer: nn.Module, device=None, dtype=None) -> None:
         super().__init__()
-        self.norm = RMSNorm(width)
+        self.norm = RMSNorm(width, device=device, dtype=dtype)
         self.layer = layer
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
@@ -39,8 +39,8 @@ class Residual(nn.Module):
         return self.add(self.branch(x, *args), x)
 
 
-def connect(branch: nn.Module, width: int, dropout: float, hyper_streams: int) -> nn.Module:
-    return HyperConnection(branch, hyper_streams, width) if hyper_streams else Residual(branch, dropout)
+def connect(branch: nn.Module, width: int, dropout: float, hyper_streams: int, factory: dict) -> nn.Module:
+    return HyperConnection(branch, hyper_streams, width, **factory) if hyper_streams else Residual(branch, dropout)
 
 
 class TransformerBlock(nn.Module):
@@ -48,12 +48,14 @@ class TransformerBlock(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, ffn_hidden: int, *, causal: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
-        hyper_streams: int = 0,
+        hyper_streams: int = 0, device=None, dtype=None,
     ) -> None:
         super().__init__()
-        attention = MultiHeadAttention(d_model, n_heads, causal=causal, dropout=attn_dropout)
-        self.mix = connect(PreNorm(d_model, attention), d_model, dropout, hyper_streams)
-        self.ffn = connect(PreNorm(d_model, SwiGLUFeedForward(d_model, ffn_hidden)), d_model, dropout, hyper_streams)
+        factory = {"device": device, "dtype": dtype}
+        attention = MultiHeadAttention(d_model, n_heads, causal=causal, dropout=attn_dropout, **factory)
+        self.mix = connect(PreNorm(d_model, attention, **factory), d_model, dropout, hyper_streams, factory)
+        ffn = SwiGLUFeedForward(d_model, ffn_hidden, **factory)
+        self.ffn = connect(PreNorm(d_model, ffn, **factory), d_model, dropout, hyper_streams, factory)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.ffn(self.mix(x, key_lengths))
@@ -62,10 +64,15 @@ class TransformerBlock(nn.Module):
 class GatedDeltaBlock(nn.Module):
     """x + gdr(norm(x)), then x + ffn(norm(x)). Causal; padding after a row's length does not reach earlier tokens."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0, hyper_streams: int = 0) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0, hyper_streams: int = 0, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.mix = connect(PreNorm(d_model, GatedDeltaRuleMixer(d_model, n_heads)), d_model, dropout, hyper_streams)
-        self.ffn = connect(PreNorm(d_model, SwiGLUFeedForward(d_model, ffn_hidden)), d_model, dropout, hyper_streams)
+        factory = {"device": device, "dtype": dtype}
+        mixer = GatedDeltaRuleMixer(d_model, n_heads, **factory)
+        self.mix = connect(PreNorm(d_model, mixer, **factory), d_model, dropout, hyper_streams, factory)
+        ffn = SwiGLUFeedForward(d_model, ffn_hidden, **factory)
+        self.ffn = connect(PreNorm(d_model, ffn, **factory), d_model, dropout, hyper_streams, factory)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.ffn(self.mix(x))

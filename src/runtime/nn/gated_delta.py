@@ -32,7 +32,9 @@ class GatedDeltaRuleMixer(nn.Module):
     The rule, the norms, the L2 norms and the gate all run on the accelerator ops.
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, head_dim: int | None = None, *, backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if n_heads <= 0 or (head_dim is None and d_model % n_heads != 0):
             raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model} (or give head_dim), got {n_heads}")
@@ -40,15 +42,16 @@ class GatedDeltaRuleMixer(nn.Module):
         self.head_dim = head_dim or d_model // n_heads
         self.backend = backend
         width = n_heads * self.head_dim
-        self.qkv = nn.Linear(d_model, 3 * width, bias=False)
-        self.gate = nn.Linear(d_model, width, bias=False)
-        self.decay_beta = nn.Linear(d_model, 2 * n_heads, bias=False)
+        factory = {"device": device, "dtype": dtype}
+        self.qkv = nn.Linear(d_model, 3 * width, bias=False, **factory)
+        self.gate = nn.Linear(d_model, width, bias=False, **factory)
+        self.decay_beta = nn.Linear(d_model, 2 * n_heads, bias=False, **factory)
         # decay rates spread over heads (as in Mamba-2 / Gated DeltaNet): A in [1, 16], dt in [1e-3, 1e-1]
-        self.A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(1, 16)))
-        dt = torch.exp(torch.empty(n_heads).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.A_log = nn.Parameter(torch.log(torch.empty(n_heads, **factory).uniform_(1, 16)))
+        dt = torch.exp(torch.empty(n_heads, **factory).uniform_(math.log(1e-3), math.log(1e-1)))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.norm = RMSNorm(self.head_dim, backend=backend)
-        self.out = nn.Linear(width, d_model, bias=False)
+        self.norm = RMSNorm(self.head_dim, backend=backend, **factory)
+        self.out = nn.Linear(width, d_model, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

@@ -20,18 +20,20 @@ class HyperConnection(nn.Module):
     """
 
     def __init__(
-        self, block: nn.Module, streams: int, width: int, *, sinkhorn_iters: int = 20, eps: float = 1e-6, backend: Backend | None = None
-    ) -> None:
+        self, block: nn.Module, streams: int, width: int, *, sinkhorn_iters: int = 20, eps: float = 1e-6,
+        backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if streams < 1:
             raise ValueError(f"streams: expected at least 1, got {streams}")
         self.block, self.streams, self.sinkhorn_iters, self.eps, self.backend = block, streams, sinkhorn_iters, eps, backend
         m = streams * streams + 2 * streams
-        self.phi = nn.Parameter(torch.randn(streams * width, m) * (streams * width) ** -0.5)
-        self.alpha = nn.Parameter(torch.full((3,), 0.01))
-        pre = torch.full((streams,), -math.log(streams - 1) if streams > 1 else 4.0)  # sigmoid = 1/n
-        post = torch.zeros(streams)  # 2 * sigmoid(0) = 1
-        res = 4.0 * torch.eye(streams)  # Sinkhorn of exp(4 I): mostly the identity
+        factory = {"device": device, "dtype": dtype}
+        self.phi = nn.Parameter(torch.randn(streams * width, m, **factory) * (streams * width) ** -0.5)
+        self.alpha = nn.Parameter(torch.full((3,), 0.01, **factory))
+        pre = torch.full((streams,), -math.log(streams - 1) if streams > 1 else 4.0, **factory)  # sigmoid = 1/n
+        post = torch.zeros(streams, **factory)  # 2 * sigmoid(0) = 1
+        res = 4.0 * torch.eye(streams, **factory)  # Sinkhorn of exp(4 I): mostly the identity
         self.bias = nn.Parameter(torch.cat([pre, post, res.flatten()]))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

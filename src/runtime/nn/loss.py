@@ -12,11 +12,14 @@ from runtime.accelerators.bce import binary_cross_entropy_with_logits
 class BCEWithLogitsLoss(nn.Module):
     """As nn.BCEWithLogitsLoss. Logits are taken in float32 (a bf16 loss is too coarse to train on)."""
 
-    def __init__(self, pos_weight: float | None = None, reduction: str = "mean", *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, pos_weight: float | None = None, reduction: str = "mean", *, backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.reduction = reduction
         self.backend = backend
-        self.register_buffer("pos_weight", None if pos_weight is None else torch.tensor([float(pos_weight)]), persistent=False)
+        weight = None if pos_weight is None else torch.tensor([float(pos_weight)], device=device, dtype=dtype)
+        self.register_buffer("pos_weight", weight, persistent=False)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return binary_cross_entropy_with_logits(

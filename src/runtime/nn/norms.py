@@ -1,5 +1,5 @@
-"""RMSNorm and LayerNorm modules over the last dimension, alone or after a residual add (AddRMSNorm, AddLayerNorm),
-on the backend the active accelerator config picks."""
+"""RMSNorm, LayerNorm and L2Norm modules over the last dimension, RMSNorm and LayerNorm also after a residual add
+(AddRMSNorm, AddLayerNorm), on the backend the active accelerator config picks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from torch import nn
 
 from runtime.accelerators.add_norm import add_layer_norm, add_rms_norm
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.l2norm import l2norm
 from runtime.accelerators.layer_norm import layer_norm
 from runtime.accelerators.rms_norm import rms_norm
 
@@ -15,11 +16,18 @@ from runtime.accelerators.rms_norm import rms_norm
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2, -1) + eps) * weight. `backend` pins one backend; None follows the active config."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None,
+        device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.eps = eps
         self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
@@ -32,12 +40,22 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """As nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True, backend: Backend | None = None) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
+        backend: Backend | None = None, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.eps = eps
         self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine and bias else None
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(dim, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if elementwise_affine and bias else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
@@ -45,6 +63,22 @@ class LayerNorm(nn.Module):
     def extra_repr(self) -> str:
         dim = None if self.weight is None else self.weight.shape[0]
         return f"{dim}, eps={self.eps}, backend={self.backend}"
+
+
+class L2Norm(nn.Module):
+    """x * rsqrt(sum(x^2, -1) + eps), no parameters (as the q/k normalisation of linear attention). Not F.normalize,
+    which divides by max(||x||, eps). `backend` pins one backend; None follows the active config."""
+
+    def __init__(self, eps: float = 1e-6, *, backend: Backend | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return l2norm(x, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, backend={self.backend}"
 
 
 class AddRMSNorm(nn.Module):

@@ -17,6 +17,20 @@ from .loop import Trainer
 logger = logging.getLogger("runtime.training")
 
 
+def write_curves(metrics: dict, run_dir: Path) -> Path | None:
+    """curves.png beside metrics.json; skipped with a log line without matplotlib (the extra taac-runtime[plot])."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        logger.info("curves.png skipped: matplotlib is not installed (pip install 'taac-runtime[plot]')")
+        return None
+    from .plot import plot_runs
+
+    path = plot_runs({str(run_dir): metrics}, run_dir / "curves.png")
+    logger.info("curves in %s", path)
+    return path
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     check_train_config(cfg)  # before any process group, data or model
     run = distributed.setup(cfg.trainer.device)
@@ -26,6 +40,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     try:
         trainer = Trainer(cfg, run_dir, run)
         metrics = trainer.fit()
+        trainer.metric_logger.close()
         # DDP's reducer holds the process group: freed now, the group's worker threads are joined when
         # teardown destroys it, instead of at interpreter exit (where a joinable thread aborts the process)
         del trainer
@@ -33,6 +48,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         final = metrics["validation"][-1] if metrics["validation"] else {}
         if run.is_main:
             logger.info("done: %s; metrics in %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"), Path(run_dir) / "metrics.json")
+            write_curves(metrics, Path(run_dir))
         finished = True
         return metrics
     finally:

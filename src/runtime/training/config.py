@@ -37,6 +37,12 @@ class Precision(Enum):
     fp32 = "fp32"
 
 
+class LoggerKind(Enum):
+    csv = "csv"  # metrics.csv in the run directory
+    tensorboard = "tensorboard"  # the extra taac-runtime[tensorboard]
+    none = "none"
+
+
 class DeviceChoice(Enum):
     auto = "auto"  # CUDA when available
     cpu = "cpu"
@@ -105,11 +111,12 @@ class DataSchema:
     sparse_tables: int = 0  # > 0: that many multi-hot sparse fields (instead of the four built-in ones)
     sparse_vocab: int = 1_000_000  # ids per generated field
     sparse_hotness: int = 4  # the largest bag of a generated field
+    n_users: int = 1000  # user ids drawn per example, for GAUC
 
     def __post_init__(self) -> None:
         for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
                            ("n_categories", 1), ("n_dense", 1), ("val_size", 1), ("sparse_tables", 0), ("sparse_vocab", 1),
-                           ("sparse_hotness", 1)):  # fmt: skip
+                           ("sparse_hotness", 1), ("n_users", 1)):  # fmt: skip
             _at_least(f"data.{key}", getattr(self, key), least)
 
 
@@ -197,6 +204,11 @@ class OptimSchema:
 
 
 @dataclass
+class LoggerSchema:
+    kind: LoggerKind = LoggerKind.csv
+
+
+@dataclass
 class TrainSchema:
     seed: int = 0
     data: DataSchema = field(default_factory=DataSchema)
@@ -204,6 +216,7 @@ class TrainSchema:
     accelerators: AcceleratorsSchema = field(default_factory=AcceleratorsSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
+    logger: LoggerSchema = field(default_factory=LoggerSchema)
 
 
 @dataclass

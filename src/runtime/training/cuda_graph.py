@@ -73,7 +73,7 @@ class GraphedStep:
         return outputs
 
     def _capture(self, batch) -> None:
-        self.static_batch = type(batch)(**{f.name: getattr(batch, f.name).to(self.device, copy=True) for f in dataclasses.fields(batch)})
+        self.static_batch = batch._map(lambda t: t.to(self.device, copy=True))
         self.optimizer.zero_grad(set_to_none=True)  # gradients are then allocated inside the graph's memory pool
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -83,10 +83,12 @@ class GraphedStep:
     def _load(self, batch) -> None:
         for field in dataclasses.fields(batch):
             source, target = getattr(batch, field.name), getattr(self.static_batch, field.name)
-            if source.shape != target.shape or source.dtype != target.dtype:
+            if source is None and target is None:
+                continue
+            if source is None or target is None or source.shape != target.shape or source.dtype != target.dtype:
                 raise ValueError(
                     f"batch.{field.name}: a CUDA-graphed step needs the shape and dtype it was captured with, "
-                    f"{tuple(target.shape)} {target.dtype}; got {tuple(source.shape)} {source.dtype}"
+                    f"{_described(target)}; got {_described(source)}"
                 )
             target.copy_(source, non_blocking=True)
 
@@ -99,3 +101,7 @@ class GraphedStep:
                     f"optimizer.param_groups[{i}]['lr'] was replaced after the step was captured; "
                     "a CUDA-graphed step needs the learning rate updated in place (tensor.fill_)"
                 )
+
+
+def _described(t: torch.Tensor | None) -> str:
+    return "no tensor" if t is None else f"{tuple(t.shape)} {t.dtype}"

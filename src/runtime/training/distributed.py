@@ -76,3 +76,15 @@ def gather_objects(run: Run, value) -> list:
     out = [None] * run.world_size
     dist.all_gather_object(out, value)
     return out
+
+
+def gather_rows(run: Run, rows: torch.Tensor, share: int, total: int) -> torch.Tensor:
+    """The [total] rows that the processes hold in rank order, each `share` long (the last ones may be shorter),
+    on every process (one all_gather of tensors padded to `share`)."""
+    if not run.distributed:
+        return rows
+    padded = rows.new_zeros(share)
+    padded[: rows.numel()] = rows
+    parts = [torch.empty_like(padded) for _ in range(run.world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat(parts)[:total]

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, bf16 autocast on CUDA, gradient clipping, validation AUC and log-loss,
+"""The training loop: AdamW, bf16 autocast on CUDA, gradient clipping, validation metrics (metrics.py),
 exact-resume checkpoints, a JSON metrics file, and DistributedDataParallel under torchrun."""
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from .config import (
 )
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
-from .distributed import Run, broadcast_object, gather_objects
-from .metrics import log_loss, roc_auc
+from .distributed import Run, broadcast_object, gather_objects, gather_rows
+from .loggers import MetricLogger
+from .metrics import validation_metrics
 from .progress import ProgressBar
 
 logger = logging.getLogger("runtime.training")
@@ -189,6 +190,7 @@ class Trainer:
             if self.run.is_main:
                 checkpoint.remove_partial_writes(path.parent)
             self.load(path, state)
+        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main)
         self.graphed_step = None
         if graphed:
             device_learning_rates(self.optimizer, self.device)
@@ -234,16 +236,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """AUC and log-loss on the whole validation set (every process computes the same numbers)."""
+        """The validation metrics over the whole validation set: each process predicts its share of the rows, the
+        predictions are gathered, and every process computes the same numbers on its device."""
         self.model.eval()
         val = self.data.val_set()
         size = self.cfg.data.val_batch_size
-        logits = []
-        for start in range(0, len(val), size):
+        share = -(-len(val) // self.run.world_size)
+        first, last = min(len(val), self.run.rank * share), min(len(val), (self.run.rank + 1) * share)
+        logits = [torch.empty(0, device=self.device)]
+        for start in range(first, last, size):
             with self.autocast():
-                logits.append(self.model(val.slice(start, start + size).to(self.device)).float().cpu())
-        logits = torch.cat(logits)
-        return {"step": self.step, "val_auc": roc_auc(logits, val.label), "val_logloss": log_loss(logits, val.label)}
+                logits.append(self.model(val.slice(start, min(start + size, last)).to(self.device)).float())
+        logits = gather_rows(self.run, torch.cat(logits), share, len(val))
+        labels = val.label.to(self.device)
+        users = None if val.user_id is None else val.user_id.to(self.device)
+        return {"step": self.step, **validation_metrics(logits, labels, users)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -366,7 +373,8 @@ class Trainer:
     def _validate(self) -> None:
         result = self.evaluate()
         self.metrics["validation"].append(result)
-        logger.info("step %d  val AUC %.4f  val log-loss %.4f", self.step, result["val_auc"], result["val_logloss"])
+        self.metric_logger.write(self.step, result)
+        logger.info("step %d  %s", self.step, "  ".join(f"{k.removeprefix('val_')} {v:.4f}" for k, v in result.items() if k != "step"))
 
     def _log(self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar) -> None:
         losses = torch.stack(pending).tolist()  # the one synchronisation per log window
@@ -381,6 +389,7 @@ class Trainer:
             "step_ms": 1000 * elapsed / steps,
         }
         self.metrics["log"].append(entry)
+        self.metric_logger.write(self.step, entry)
         bar.update(entry["loss"], speed)
         if not all(math.isfinite(x) for x in losses):
             self.write_metrics()

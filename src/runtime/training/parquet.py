@@ -10,6 +10,7 @@ One row per example, in `<dir>/train.parquet` and `<dir>/val.parquet`:
     seq_actions      list<int64>       the action of each history event: 1 click, 2 cart, 3 purchase...
     target_item      int64             the candidate item
     target_category  int64             its category
+    user_id          int64             optional: the user (>= 0); validation then reports GAUC
 
 The schema metadata key `taac.spec` holds the FeatureSpec as JSON (vocabulary sizes, hotness,
 seq_len); without it the loader infers the vocabularies from the largest ids and takes seq_len and
@@ -73,6 +74,8 @@ def batch_to_table(batch: PCVRBatch, spec: FeatureSpec):
         columns[name] = _list_column(getattr(batch, name), batch.seq_lengths)
     columns["target_item"] = pa.array(batch.target_item.numpy().astype(np.int64))
     columns["target_category"] = pa.array(batch.target_category.numpy().astype(np.int64))
+    if batch.user_id is not None:
+        columns["user_id"] = pa.array(batch.user_id.numpy().astype(np.int64))
     table = pa.table(columns)
     return table.replace_schema_metadata({SPEC_KEY: json.dumps(spec.to_dict()).encode()})
 
@@ -176,6 +179,7 @@ def read_batch(path: str | Path, spec: FeatureSpec, table=None) -> PCVRBatch:
         target_item=torch.from_numpy(table.column("target_item").to_numpy().astype(np.int64)),
         target_category=torch.from_numpy(table.column("target_category").to_numpy().astype(np.int64)),
         label=torch.from_numpy(table.column("label").to_numpy().astype(np.float32)),
+        user_id=torch.from_numpy(table.column("user_id").to_numpy().astype(np.int64)) if "user_id" in table.column_names else None,
     )
 
 
@@ -206,7 +210,7 @@ class ParquetPCVR:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch = (epoch, torch.randperm(len(self.train), generator=gen))
         rows = self._epoch[1][position * batch_size : (position + 1) * batch_size]
-        return PCVRBatch(**{name: value[rows] for name, value in vars(self.train).items()})
+        return self.train.rows(rows)
 
     def val_set(self) -> PCVRBatch:
         return self.val

@@ -15,6 +15,7 @@ from runtime.models import FeatureSpec
 
 SCALAR_NUMBERS = ("label",)
 SCALAR_IDS = ("target_item", "target_category")
+OPTIONAL_IDS = ("user_id",)
 ID_LISTS = ("seq_items", "seq_categories", "seq_actions")
 SPEC_MINIMUM = {"n_items": 1, "n_categories": 1, "n_actions": 1, "sparse_hotness": 1, "n_dense": 1, "seq_len": 1}
 
@@ -101,7 +102,8 @@ def check_structure(table, path: str | Path) -> None:
     if table.num_rows == 0:
         raise ValueError(f"{path}: holds no rows; expected at least one example")
     lists = {"dense": "float", **{name: "int64" for name in (*ID_LISTS, *sparse_columns(table))}}
-    scalars = {"label": "float", **{name: "int64" for name in SCALAR_IDS}}
+    optional = [name for name in OPTIONAL_IDS if name in table.column_names]
+    scalars = {"label": "float", **{name: "int64" for name in (*SCALAR_IDS, *optional)}}
     for name, what in [*lists.items(), *scalars.items()]:
         array = _array(table, name)
         _check_type(path, name, array, name in lists, what)
@@ -116,7 +118,7 @@ def check_structure(table, path: str | Path) -> None:
     bad = _first(~np.isfinite(values))
     if bad is not None:
         _fail(path, "dense", _row_of(dense.value_lengths().to_numpy(), bad), f"dense feature {values[bad]} is not finite")
-    for name in SCALAR_IDS:
+    for name in (*SCALAR_IDS, *optional):
         _check_ids(path, name, _values(_array(table, name)), lambda i: i)
     for name in (*ID_LISTS, *sparse_columns(table)):
         array = _array(table, name)

@@ -11,7 +11,7 @@ FREE_KEYS = (
     "trainer.resume", "trainer.resume_overrides", "trainer.resume_fallback", "trainer.progress", "trainer.log_every",
     "trainer.val_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.cpu_threads",
     "trainer.device", "trainer.compile", "trainer.compile_mode", "trainer.cuda_graph", "trainer.deterministic", "data.prefetch",
-    "data.val_batch_size", "accelerators",
+    "data.val_batch_size", "accelerators", "logger",
 )  # fmt: skip
 
 

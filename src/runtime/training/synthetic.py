@@ -9,6 +9,9 @@ target's category is close to the action- and recency-weighted categories of the
 
 Every batch is a pure function of (seed, stream, batch index, batch size): resuming at a step, or
 giving each DDP rank its own indices, needs no state beyond the index.
+
+Each example carries a user id in [1, n_users], drawn after everything else and independent of it: it groups the
+validation examples for GAUC (the planted signal has no per-user part, so GAUC stays close to AUC).
 """
 
 from __future__ import annotations
@@ -52,11 +55,13 @@ class SyntheticPCVR:
         sparse_tables: int = 0,
         sparse_vocab: int = 1_000_000,
         sparse_hotness: int = 4,
+        n_users: int = 1000,
     ) -> None:
-        if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1:
+        if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1 or n_users < 1:
             raise ValueError(
-                f"synthetic data: expected seq_len >= 1, n_items >= n_categories >= 1, n_dense >= 1 and val_size >= 1, "
-                f"got seq_len={seq_len}, n_items={n_items}, n_categories={n_categories}, n_dense={n_dense}, val_size={val_size}"
+                f"synthetic data: expected seq_len >= 1, n_items >= n_categories >= 1, n_dense >= 1, val_size >= 1 and "
+                f"n_users >= 1, got seq_len={seq_len}, n_items={n_items}, n_categories={n_categories}, n_dense={n_dense}, "
+                f"val_size={val_size}, n_users={n_users}"
             )
         if sparse_tables < 0 or sparse_vocab < 1 or sparse_hotness < 1:
             raise ValueError(
@@ -64,6 +69,7 @@ class SyntheticPCVR:
                 f"sparse_tables={sparse_tables}, sparse_vocab={sparse_vocab}, sparse_hotness={sparse_hotness}"
             )
         self.seed = seed
+        self.n_users = n_users
         self.val_size = val_size
         # sparse_tables > 0: that many multi-hot fields of sparse_vocab ids (bags of 1..sparse_hotness), else the four
         # built-in fields
@@ -148,6 +154,7 @@ class SyntheticPCVR:
             present = (ids > 0).float()
             logit = logit + (effects[ids] * present).sum(-1) / present.sum(-1)
         label = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+        user_id = torch.randint(1, self.n_users + 1, (n,), generator=gen)
 
         batch = PCVRBatch(
             sparse=sparse,
@@ -159,6 +166,7 @@ class SyntheticPCVR:
             target_item=target_item,
             target_category=target_category,
             label=label,
+            user_id=user_id,
         )
         return batch, logit
 

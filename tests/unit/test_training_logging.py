@@ -1,0 +1,111 @@
+"""The logger group (metrics.csv, tensorboard, none), a failing logger never stops training, curves.png at the end of
+a run and the plot CLI that overlays runs."""
+
+import csv
+import json
+import logging
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from runtime.accelerators import active_config, set_accelerators
+from runtime.training import Trainer, config_dir
+from runtime.training.cli import train
+from runtime.training.loggers import CSV_COLUMNS, CsvLogger
+from runtime.training.plot import main as plot_main
+
+TINY = [
+    "accelerators=torch", "trainer.device=cpu", "trainer.progress=false", "data.batch_size=16", "data.seq_len=8",
+    "data.n_items=50", "data.n_categories=4", "data.val_size=64", "data.prefetch=0", "model.d_model=8", "model.n_heads=2",
+    "model.n_layers=1", "model.ffn_mult=1", "model.head_hidden=8", "trainer.steps=4", "trainer.log_every=2",
+    "trainer.val_every=2", "trainer.checkpoint_every=0",
+]  # fmt: skip
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _restore_accelerators():
+    saved = active_config()
+    yield
+    set_accelerators(saved)
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("train", overrides=[*TINY, *overrides])
+
+
+def test_csv_logger_writes_every_log_step_and_validation(tmp_path):
+    metrics = Trainer(_compose(), tmp_path).fit()
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    logs = [r for r in rows if r["loss"]]
+    validations = [r for r in rows if r["val_auc"]]
+    assert [int(r["step"]) for r in logs] == [2, 4] and [int(r["step"]) for r in validations] == [2, 4]
+    assert all(r["grad_norm"] and r["lr"] and r["samples_per_s"] for r in logs)
+    assert all(r["val_logloss"] and r["val_ne"] and r["val_calibration"] and r["val_gauc"] for r in validations)
+    assert float(logs[-1]["loss"]) == pytest.approx(metrics["log"][-1]["loss"])
+    assert float(validations[-1]["val_auc"]) == pytest.approx(metrics["validation"][-1]["val_auc"])
+
+
+def test_logger_none_writes_no_csv(tmp_path):
+    Trainer(_compose("logger=none"), tmp_path).fit()
+    assert not (tmp_path / "metrics.csv").exists() and (tmp_path / "metrics.json").exists()
+
+
+def test_a_failing_logger_warns_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    calls = []
+
+    def broken(self, step, values):
+        calls.append(step)
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(CsvLogger, "write", broken)
+    with caplog.at_level(logging.WARNING, logger="runtime.training"):
+        metrics = Trainer(_compose(), tmp_path).fit()
+    assert len(metrics["losses"]) == 4 and len(metrics["validation"]) == 2
+    assert calls == [2]  # disabled after the first failure
+    warnings = [r.getMessage() for r in caplog.records if "logger=csv failed" in r.getMessage()]
+    assert warnings == ["logger=csv failed to write (OSError: disk went away); it is disabled for the rest of the run"]
+
+
+def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"logger=tensorboard needs the tensorboard package.*taac-runtime\[tensorboard\]"):
+        Trainer(_compose("logger=tensorboard"), tmp_path)
+
+
+def test_an_unknown_logger_is_refused_at_composition():
+    with pytest.raises(Exception) as error:
+        _compose("logger.kind=wandb")
+    assert "Invalid value 'wandb', expected one of [csv, tensorboard, none]" in str(error.value.__cause__)
+    with pytest.raises(Exception, match=r"(?s)Available options in .logger.:\s+csv\s+none\s+tensorboard"):
+        _compose("logger=wandb")
+
+
+def test_taac_train_writes_curves_and_the_plot_cli_overlays_runs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for name in ("a", "b"):
+        train(_compose(f"seed={len(name)}"), tmp_path / name)
+        assert (tmp_path / name / "curves.png").read_bytes().startswith(PNG)
+    plot_main([str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "both.png")])
+    assert (tmp_path / "both.png").read_bytes().startswith(PNG) and "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plot_main([str(tmp_path / "missing")])
+
+
+def test_curves_are_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with caplog.at_level(logging.INFO, logger="runtime.training"):
+        train(_compose("trainer.val_every=0"), tmp_path)
+    assert not (tmp_path / "curves.png").exists()
+    assert "curves.png skipped: matplotlib is not installed" in caplog.text
+    assert json.loads((tmp_path / "metrics.json").read_text())["validation"]
+
+
+def test_the_run_log_is_train_log():
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=TINY, return_hydra_config=True)
+    assert cfg.hydra.job.name == "train"  # Hydra names the run log <job name>.log
