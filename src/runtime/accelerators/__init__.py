@@ -19,6 +19,7 @@ from .layer_norm import layer_norm
 from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
 from .swiglu import swiglu
+from .silu_attention import silu_attention
 
 __all__ = [
     "BACKENDS",
@@ -43,4 +44,5 @@ __all__ = [
     "set_accelerators",
     "swiglu",
     "use_accelerators",
+    "silu_attention",
 ]

@@ -38,6 +38,7 @@ OP_NAMES: tuple[str, ...] = (
     "dropout_add",
     "embedding_bag_mean",
     "mhc",
+    "silu_attention",
 )
 
 TILELANG_VERSION = "0.1.15"
