@@ -120,7 +120,7 @@ def _store_rows(X, value, start, h, s_row, s_head, rows, n, offs_d, HEAD_DIM: tl
 def _times(TS, start, rows, n, HAS_TIME: tl.constexpr):
     if HAS_TIME:
         return tl.load(TS + start + rows, mask=rows < n, other=0)
-    return rows
+    return rows.to(tl.int64)  # not read
 
 
 @triton.jit
