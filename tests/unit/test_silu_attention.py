@@ -246,7 +246,7 @@ def test_reasons_per_backend():
 
 
 def test_explain_names_the_op_and_its_reasons():
-    q, k, v, cu, kwargs = make([3, 4], 2, 16)
+    q, k, v, _, _ = make([3, 4], 2, 16)
     text = explain("silu_attention", q=q, k=k, v=v, position_bias=None, time_bias=None, dropout_p=0.0)
     assert "silu_attention: configured 'auto' -> runs triton" in text
     assert "forward-only" in text  # tilelang: q requires grad
