@@ -19,7 +19,7 @@ Bias gradients, deterministic (no atomics): the bias kernel's program for band t
 blocks after their key block, BLOCK_B square) walks the band and sums ds along each of the tile's 2 * BLOCK_B - 1
 diagonals (signed distance i - j = t * BLOCK_B + u - (BLOCK_B - 1)), and per time bucket; it writes these partial
 sums for its (sequence, head, band), and the launcher adds them over sequences and folds distances into position
-buckets with torch (fixed order). Time buckets past 62 are never reached (|dt| < 2^63): the kernel sums at most 63.
+buckets with torch (fixed order). Time buckets past 62 are never reached (|dt| < 2^63 - 1): the kernel sums at most 63.
 
 Dropout keeps (sequence s, head h, query i, key j) by flash_attention's counter-based hash (dropout.py) with the
 pair index s * H + h and local indices: forward and backward regenerate the same bits.
@@ -37,7 +37,7 @@ from ..flash_attention.triton import _keep, _key_block, _mix32, _pair_key, _quer
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
 
-MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for int64 |dt|
+MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
 
 # (block_m, block_n, num_warps, num_stages) per kernel; fp32 runs exact fp32 products with smaller tiles
 CONFIGS_16BIT = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2), "bias": (32, 32, 4, 2)}
