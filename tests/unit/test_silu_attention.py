@@ -310,3 +310,15 @@ def test_value_checks_run_again_after_an_in_place_change():
     cu[1] = 5
     with pytest.raises(ValueError, match="max_seqlen"):
         silu_attention(q, k, v, cu, **kwargs, backend="torch")
+
+
+def test_compiles_fullgraph_with_gradients():
+    q, k, v, cu, kwargs = make([5, 0, 9], 2, 16, pos="shared", time="per-head", targets=[1, 0, 2])
+
+    def step(q, k, v, pos, tb):
+        args = dict(kwargs, position_bias=pos, time_bias=tb)
+        return silu_attention(q, k, v, cu, **args, backend="triton")
+
+    out = torch.compile(step, fullgraph=True)(q, k, v, kwargs["position_bias"], kwargs["time_bias"])
+    ref = oracle(q, k, v, cu, kwargs)
+    check_all(out, ref, q, k, v, kwargs, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
