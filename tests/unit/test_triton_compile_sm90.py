@@ -326,6 +326,24 @@ def attention_varlen():
         fa_triton.varlen_backward(do, *args, o, lse)
 
 
+def silu_attention():
+    """The forward and the three backward kernels through the kernel module's launchers (bf16 on the CPU: see
+    _attention): bf16 at head dim 32 with every feature (targets, both biases, dropout), fp32 at 64 not causal with a
+    shared position bias, bf16 at 128 causal without biases."""
+    from runtime.accelerators.silu_attention import triton as silu_triton
+
+    cu = torch.tensor([0, 0, 70, 270], dtype=torch.int32)
+    for d, dtype, causal, features in ((32, bf16, True, True), (64, f32, False, False), (128, bf16, True, None)):
+        q, k, v, do = (torch.randn(270, 4, d).to(dtype) for _ in range(4))
+        targets = torch.tensor([0, 5, 9], dtype=torch.int32) if features else None
+        position = None if features is None else torch.randn(4, 300) if features else torch.randn(300).expand(4, -1)
+        time, timestamps = (torch.randn(4, 20), torch.randint(0, 10**6, (270,))) if features else (None, None)
+        args = (cu, targets, position, time, timestamps, torch.tensor([1234]) if features else None, 200, d**-0.5,
+                causal, 0.1 if features else 0.0)  # fmt: skip
+        silu_triton.forward(q, k, v, *args)
+        silu_triton.backward(do, q, k, v, *args)
+
+
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
     q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
     n = B if sequences is None else len(sequences) - 1
@@ -429,6 +447,7 @@ CASES = {
     "attention_split_d": attention_split_d,
     "attention_split_backward": attention_split_backward,
     "attention_varlen": attention_varlen,
+    "silu_attention": silu_attention,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,

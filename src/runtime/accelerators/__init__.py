@@ -21,6 +21,7 @@ from .layer_norm import layer_norm
 from .linear import linear
 from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
+from .silu_attention import silu_attention
 from .swiglu import swiglu
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "add_layer_norm",
     "gelu",
     "silu",
+    "silu_attention",
 ]

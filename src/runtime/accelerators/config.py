@@ -28,6 +28,7 @@ OP_NAMES: tuple[str, ...] = (
     "add_norm",
     "activation",
     "linear",
+    "silu_attention",
 )
 
 
