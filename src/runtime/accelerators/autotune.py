@@ -289,17 +289,29 @@ class Tuned:
     """The measured decisions of one op for one decision key and device: shape class -> backend.
 
     `choose` is the hot path of a measured "auto" call: the shape class and one dict lookup. A new shape class reads
-    the decisions file, else measures (the timer is a parameter so that tests can count and fake it).
+    the decisions file, else measures. The timer, the capture probe (default: whether the current CUDA stream is
+    capturing a graph) and the file (default: decision_file()) are parameters, so tests can fake them.
     """
 
-    __slots__ = ("op", "key", "device", "candidates", "static", "table", "timer", "file")
+    __slots__ = ("op", "key", "device", "candidates", "static", "table", "timer", "capturing", "file")
 
-    def __init__(self, op: str, key, device: torch.device, candidates: tuple[str, ...], static: str,
-                 timer: Timer = cuda_event_timer, file: DecisionFile | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        op: str,
+        key,
+        device: torch.device,
+        candidates: tuple[str, ...],
+        static: str,
+        *,
+        timer: Timer = cuda_event_timer,
+        capturing: Callable[[], bool] | None = None,
+        file: DecisionFile | None = None,
+    ) -> None:
         self.op, self.key, self.device = op, key, device
         self.candidates, self.static = candidates, static
         self.table: dict[tuple, str] = {}
         self.timer, self.file = timer, file
+        self.capturing = capturing if capturing is not None else _stream_capturing if device.type == "cuda" else _never
 
     def choose(self, call, inputs: Mapping) -> str:
         chosen = self.table.get(shape_class(call, inputs))
@@ -319,7 +331,7 @@ class Tuned:
         if entry is not None and (entry["winner"] in self.candidates or entry["winner"] == "torch"):
             self.table[shape] = entry["winner"]
             return entry["winner"]
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             return self.static  # no trial inside a graph being captured; a later eager call measures
         times, failed = measure(call, inputs, self.candidates, self.device, timer=self.timer)
         winner = min(times, key=times.get) if times else "torch"
@@ -330,6 +342,14 @@ class Tuned:
         })  # fmt: skip
         self.table[shape] = winner
         return winner
+
+
+def _stream_capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _never() -> bool:
+    return False
 
 
 def measured_entries(op: str, device: torch.device) -> list[dict]:

@@ -62,23 +62,21 @@ def _versions(device: torch.device) -> str:
 
 
 def _auto_lines(op: str, device: torch.device, config, runnable: list[str]) -> list[str]:
-    """How "auto" decides for this op here: measured times and winners, else the static reason."""
-    if device.type != "cuda":
-        return [f"  auto: static priority (tensors on {device.type}; measuring needs CUDA)"]
+    """How "auto" decides for this op here: why it keeps the static priority, or that it measures; then the times and
+    winner of every shape class measured on this device with these library versions."""
     off = autotune.off_reason(config)
-    if off is not None:
-        return [f"  auto: static priority ({off})"]
-    if len(runnable) < 2:
-        return [f"  auto: static priority (only {runnable[0] if runnable else 'torch'} can run here: nothing to measure)"]
-    entries = autotune.measured_entries(op, device)
-    if not entries:
-        path = autotune.decision_file().path
-        return [f"  auto: measures on the first call per shape class; nothing measured yet here (decisions in {path})"]
-    lines = []
-    for entry in entries:
+    if device.type != "cuda":
+        lines = [f"  auto: static priority (tensors on {device.type}; measuring needs CUDA)"]
+    elif off is not None:
+        lines = [f"  auto: static priority ({off})"]
+    elif len(runnable) < 2:
+        lines = [f"  auto: static priority (only {runnable[0] if runnable else 'torch'} can run here: nothing to measure)"]
+    else:
+        lines = [f"  auto: measures on the first call per shape class (decisions in {autotune.decision_file().path})"]
+    for entry in autotune.measured_entries(op, device):
         times = ", ".join(f"{b} {ms:.4f} ms" for b, ms in sorted(entry["times_ms"].items(), key=lambda item: item[1]))
         failed = "".join(f"; {b} failed: {why}" for b, why in sorted(entry.get("failed", {}).items()))
-        lines.append(f"  auto measured {entry.get('shape')} {entry.get('key')}: {times or 'no backend ran'}{failed} -> {entry['winner']}")
+        lines.append(f"  measured {entry.get('shape')} {entry.get('key')}: {times or 'no backend ran'}{failed} -> {entry['winner']}")
     return lines
 
 
