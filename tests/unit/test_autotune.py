@@ -63,16 +63,18 @@ def test_shape_class_folds_leading_dims_and_rounds_sizes_up_to_powers_of_two():
     def cls(*shape, grad=False):
         return shape_class(acc.rms_norm, {"x": torch.empty(*shape, requires_grad=grad), "eps": 1e-6})
 
-    assert cls(4, 1000, 128) == cls(2, 2000, 128) == cls(4096, 128) == cls(3000, 100)  # 4000, 4000, 4096, 3000 rows
+    assert cls(4, 1000, 128) == cls(2, 2000, 128) == cls(4096, 128) == cls(3000, 128)  # 4000, 4000, 4096, 3000 rows
+    assert cls(4096, 100) == cls(4096, 128)  # widths 65..128 share one class
     assert cls(4097, 128) != cls(4096, 128)
     assert cls(4096, 129) != cls(4096, 128)
+    assert cls(2048, 256) != cls(4096, 128)  # the same numel, another width
     assert cls(4096, 128, grad=True) != cls(4096, 128)  # training calls decide apart from inference ones
     with torch.no_grad():
         assert cls(4096, 128, grad=True) == cls(4096, 128)  # no gradient under no_grad: not training
     assert shape_class(acc.gelu, {"x": torch.empty(8, 8)}) != shape_class(acc.silu, {"x": torch.empty(8, 8)})
-    assert cls(0, 128)[2] == -1  # an empty tensor has a class of its own (measured never)
+    assert cls(0, 128)[3] == -1  # an empty tensor has a class of its own (never measured)
     x, w = torch.empty(8000, 128, requires_grad=True), torch.empty(128)
-    assert describe_shape(shape_class(acc.rms_norm, {"x": x, "weight": w, "eps": 1e-6})) == "rms_norm(8192x128, 1x128) fwd+bwd"
+    assert describe_shape(shape_class(acc.rms_norm, {"x": x, "weight": w, "eps": 1e-6})) == "rms_norm(width 128, numel 2^20 2^7) fwd+bwd"
 
 
 # --------------------------------------------------------------------------- measuring and the table
@@ -84,7 +86,7 @@ def test_first_call_per_shape_class_measures_and_later_calls_reuse_the_decision(
     inputs = _rms_inputs()
     assert tuned.choose(acc.rms_norm, inputs) == "torch"
     assert timer.calls == 2  # one trial per candidate
-    for rows in (37, 40, 63, 33):  # the same class: no new measurement
+    for rows in (37, 40, 42, 22):  # the same class (1025 to 2048 elements): no new measurement
         assert tuned.choose(acc.rms_norm, _rms_inputs(rows)) == "torch"
     assert timer.calls == 2
     assert tuned.choose(acc.rms_norm, _rms_inputs(65)) == "triton"  # a new class measures
@@ -153,7 +155,7 @@ def test_decisions_round_trip_through_the_file_into_a_new_process(cache_dir):
     data = json.loads(path.read_text())
     (entry,) = data["entries"].values()
     assert entry["winner"] == "torch" and entry["times_ms"] == {"triton": 2.0, "torch": 1.0} and entry["op"] == "rms_norm"
-    assert entry["shape"] == "rms_norm(64x64, 1x64) fwd+bwd" and entry["device"] == "cpu"
+    assert entry["shape"] == "rms_norm(width 64, numel 2^11 2^6) fwd+bwd" and entry["device"] == "cpu"
     assert entry["torch"] == torch.__version__ and entry["failed"] == {}
     assert not list(cache_dir.glob("*.tmp"))  # written to a temporary file, then renamed over
     # a new process: nothing in memory, the file decides and nothing is measured
@@ -258,7 +260,7 @@ def test_no_measurement_while_compiling_and_the_table_serves_eager_calls(cache_d
     backends._decisions[cache_key] = _tuned(timer, DecisionFile(cache_dir / "autotune.json"))
     torch.testing.assert_close(acc.rms_norm(x, w), acc.rms_norm(x, w, backend="torch"))
     assert timer.calls == 2
-    for rows in (40, 50):
+    for rows in (40, 42):  # the same class
         acc.rms_norm(torch.randn(rows, 48), w)
     assert timer.calls == 2
     compiled = torch.compile(lambda x: acc.rms_norm(x, w), backend="aot_eager", fullgraph=True)
@@ -286,7 +288,7 @@ def test_explain_shows_versions_measured_times_and_winners_else_the_static_reaso
     assert "measured" not in text.replace("measuring", "")
     _tuned(FakeTimer(2.0, 1.0), None).choose(acc.rms_norm, _rms_inputs())  # into $TAAC_CACHE/autotune.json
     text = acc.explain("rms_norm")
-    assert "  measured rms_norm(64x64, 1x64) fwd+bwd (torch.float32, False, None, None): torch 1.0000 ms, triton 2.0000 ms -> torch" in text
+    assert "  measured rms_norm(width 64, numel 2^11 2^6) fwd+bwd (torch.float32, False, None, None): torch 1.0000 ms, triton 2.0000 ms -> torch" in text
     assert "measured" not in acc.explain("layer_norm").replace("measuring", "")
 
 

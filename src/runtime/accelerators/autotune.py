@@ -1,15 +1,16 @@
 """Measured "auto": on CUDA, the first call of an op per shape class times each kernel backend that can run it and
 keeps the fastest; the decisions persist in a JSON file, so the next process starts decided.
 
-A shape class is the op's function, whether the call trains (gradients enabled and an input requiring one), and
-every tensor input's row count (its leading dims folded) and last size, each rounded up to a power of two: a
-training run with a few batch and sequence sizes measures a handful of times, not every batch. Together with the
+A shape class is the op's function, whether the call trains (gradients enabled and an input requiring one), the last
+size of its first tensor and every tensor input's element count (leading dims folded), each rounded up to a power of
+two: a training run with a few batch and sequence sizes measures a handful of times, not every batch. Together with the
 op's decision key (dtype, widths, flags: `select_backend`'s key), the GPU's name and the torch, Triton and TileLang
 versions it names one decision in the file.
 
 A trial calls the op's public function with an explicit backend (never "auto") on detached copies of the call's
 tensors (the caller's graph and .grad are untouched): forward, and where the call trains, backward with a gradient
-of ones, a few replays timed by CUDA events. Random number generator states are saved and restored around the
+of ones, a few replays of it captured in a CUDA graph and timed by CUDA events (GPU time, as the benchmark ranks
+backends by). Random number generator states are saved and restored around the
 trials (dropout draws its seeds from them), a trial that raises excludes its backend (the reason is logged and kept
 in the file), and none runs during CUDA-graph capture: `select_backend` does not measure while torch.compile traces,
 and under capture a call takes the decision in the file, else the static priority.
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 logger = logging.getLogger("runtime.accelerators")
 
@@ -37,6 +39,7 @@ CACHE_DIR_ENV = "TAAC_CACHE"  # the folder of autotune.json (default ~/.cache/ta
 SWITCH_ENV = "TAAC_AUTOTUNE"  # 0 (or false, off, no): "auto" keeps the static priority list
 FILE_FORMAT = 1
 TIMED_REPLAYS = 10
+_grad_enabled = torch.is_grad_enabled  # bound once: shape_class runs on every measured call
 
 Timer = Callable[[Callable[[], object]], float]
 
@@ -54,30 +57,33 @@ def off_reason(config) -> str | None:
 
 
 def shape_class(call, inputs: Mapping) -> tuple:
-    """(call, trains, then per tensor input with a dim: ceil(log2(rows)), ceil(log2(last size))), -1 for a 0 size.
+    """(call, trains, ceil(log2(width)), then ceil(log2(numel)) per tensor input), -1 for a size 0.
 
-    Runs on every measured call: ints only, and bit_length() of a size is a small (cached) int.
+    width is the last size of the first tensor input with a dim; with it, the first tensor's numel stands for its rows
+    (leading dims folded). Runs on every measured call, so it reads as few tensor attributes as it can (each read is a
+    few hundred nanoseconds of host time); bit_length() of a size is a small, cached int.
     """
+    exponents = [call, False, 0]
     trains = False
-    exponents = [call, False]
+    width = None
     for value in inputs.values():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Tensor):
             trains = trains or value.requires_grad
-            if value.dim():
-                width = value.size(-1)
-                rows = value.numel() // width if width else 0
-                exponents.append((rows - 1).bit_length() if rows else -1)
-                exponents.append((width - 1).bit_length() if width else -1)
-    exponents[1] = trains and torch.is_grad_enabled()
+            if width is None and value.dim():
+                width = value.shape[-1]
+                exponents[2] = (width - 1).bit_length() if width else -1
+            n = value.numel()
+            exponents.append((n - 1).bit_length() if n else -1)
+    exponents[1] = trains and _grad_enabled()
     return tuple(exponents)
 
 
 def describe_shape(shape: tuple) -> str:
-    """A shape class as people read it: "rms_norm 8192x128 128 fwd+bwd" (rows x width per tensor, powers of two)."""
-    call, trains, *exponents = shape
-    sizes = [0 if e < 0 else 1 << e for e in exponents]
-    tensors = ", ".join(f"{sizes[i]}x{sizes[i + 1]}" for i in range(0, len(sizes), 2))
-    return f"{getattr(call, '__name__', call)}({tensors}) {'fwd+bwd' if trains else 'fwd'}"
+    """A shape class as people read it: "rms_norm(width 128, numel 2^20 2^7) fwd+bwd" (each rounded up)."""
+    call, trains, width, *numels = shape
+    sizes = " ".join("0" if e < 0 else f"2^{e}" for e in numels)
+    width = 0 if width < 0 else 1 << width
+    return f"{getattr(call, '__name__', call)}(width {width}, numel {sizes}) {'fwd+bwd' if trains else 'fwd'}"
 
 
 # --------------------------------------------------------------------------- the environment
@@ -205,15 +211,30 @@ def forget() -> None:
 # --------------------------------------------------------------------------- trials
 
 
-def cuda_event_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) -> float:
-    """Median milliseconds per call of `run` on the current stream, timed by CUDA events, after two untimed calls (the
-    first compiles the kernel)."""
-    run()
-    run()
+def cuda_graph_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) -> float:
+    """Median milliseconds of GPU time per call of `run` on this device: two untimed calls on a side stream (the first
+    compiles the kernel), then `run` captured in a CUDA graph and its replays timed by CUDA events, back to back and
+    synchronised once, so the host's launch overhead is left out, as in the benchmark's GPU time. A call that cannot
+    be captured (a host synchronisation) is timed the same way as eager launches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+        launch = graph.replay
+    except Exception:  # not capturable: eager launches
+        torch.cuda.synchronize()
+        launch = run
+    launch()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in pairs:
         start.record()
-        run()
+        launch()
         end.record()
     pairs[-1][1].synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
@@ -264,7 +285,7 @@ def trial(call, inputs: Mapping, backend: str, trains: bool) -> Callable[[], obj
     return forward_backward
 
 
-def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_event_timer):
+def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_graph_timer):
     """Time each candidate backend on this call: ({backend: ms per call}, {backend: why its trial failed}).
 
     The generator states of the CPU and of the device are restored afterwards, so the caller draws what it would have.
@@ -303,7 +324,7 @@ class Tuned:
         candidates: tuple[str, ...],
         static: str,
         *,
-        timer: Timer = cuda_event_timer,
+        timer: Timer = cuda_graph_timer,
         capturing: Callable[[], bool] | None = None,
         file: DecisionFile | None = None,
     ) -> None:
