@@ -128,8 +128,10 @@ def test_every_trial_failing_chooses_torch_without_raising(cache_dir):
     def call(x, weight, eps, backend):
         raise RuntimeError(f"{backend} is broken")
 
-    tuned = _tuned(FakeTimer(1.0), DecisionFile(cache_dir / "autotune.json"), candidates=("triton", "tilelang"))
+    path = cache_dir / "autotune.json"
+    tuned = _tuned(FakeTimer(1.0), DecisionFile(path), candidates=("triton", "tilelang"))
     assert tuned.choose(call, _rms_inputs()) == "torch"
+    assert not path.exists()  # not kept across processes: the next one measures again
 
 
 def test_trials_leave_the_random_number_generator_where_it_was():
@@ -217,6 +219,20 @@ def test_autotune_off_by_config_or_environment(monkeypatch):
     with acc.use_accelerators(autotune=False):
         assert acc.active_config().autotune is False
     assert acc.AcceleratorConfig.from_mapping({"autotune": False}).autotune is False
+
+
+def test_autotune_is_a_key_of_the_hydra_accelerators_group():
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from runtime.training.config import accelerator_config, config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        assert accelerator_config(compose("train").accelerators).autotune is True
+        assert accelerator_config(compose("train", overrides=["accelerators.autotune=false"]).accelerators).autotune is False
+        with pytest.raises(ConfigCompositionException) as error:
+            compose("train", overrides=["accelerators.autotune=maybe"])
+    assert "autotune" in str(error.value.__cause__ or error.value)
 
 
 def test_autotune_off_keeps_the_static_decision_on_cuda(monkeypatch):

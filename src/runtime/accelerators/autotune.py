@@ -7,17 +7,18 @@ two: a training run with a few batch and sequence sizes measures a handful of ti
 op's decision key (dtype, widths, flags: `select_backend`'s key), the GPU's name and the torch, Triton and TileLang
 versions it names one decision in the file.
 
-A trial calls the op's public function with an explicit backend (never "auto") on detached copies of the call's
-tensors (the caller's graph and .grad are untouched): forward, and where the call trains, backward with a gradient
-of ones, a few replays of it captured in a CUDA graph and timed by CUDA events (GPU time, as the benchmark ranks
-backends by). Random number generator states are saved and restored around the
-trials (dropout draws its seeds from them), a trial that raises excludes its backend (the reason is logged and kept
-in the file), and none runs during CUDA-graph capture: `select_backend` does not measure while torch.compile traces,
-and under capture a call takes the decision in the file, else the static priority.
+A trial calls the op's public function with an explicit backend (never "auto") on the call's tensors detached (the
+same memory; the caller's graph and .grad are untouched): forward, and where the call trains, backward with a
+gradient of ones, a few replays of it captured in a CUDA graph and timed by CUDA events (GPU time, as the benchmark
+ranks backends by). Random number generator states are saved and restored around the trials (dropout draws its
+seeds from them), a trial that raises excludes its backend (the reason is logged and kept in the file), and none
+runs during CUDA-graph capture: `select_backend` does not measure while torch.compile traces, and under capture a
+call takes the decision in the file, else the static priority.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import inspect
@@ -212,24 +213,34 @@ def forget() -> None:
 
 
 def cuda_graph_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) -> float:
-    """Median milliseconds of GPU time per call of `run` on this device: two untimed calls on a side stream (the first
-    compiles the kernel), then `run` captured in a CUDA graph and its replays timed by CUDA events, back to back and
-    synchronised once, so the host's launch overhead is left out, as in the benchmark's GPU time. A call that cannot
-    be captured (a host synchronisation) is timed the same way as eager launches."""
+    """Median milliseconds of GPU time per call of `run` on the current device: two untimed calls on a side stream (the
+    first compiles the kernel), then `run` captured in a CUDA graph and its replays timed by CUDA events, back to back
+    and synchronised once, so the host's launch overhead is left out, as in the benchmark's GPU time. A call that
+    cannot be captured (a host synchronisation) is timed the same way as eager launches."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         run()
         run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
+        # capture_begin, not torch.cuda.graph: that one also runs gc.collect() and empties the allocator's cache, slow
+        # in a training process; thread_local: other threads (data loading, pinning memory) go on with CUDA calls
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
             run()
-        launch = graph.replay
-    except Exception:  # not capturable: eager launches
+        except Exception:
+            captured = False
+        else:
+            captured = True
+        finally:
+            try:
+                graph.capture_end()
+            except RuntimeError:  # the capture was invalidated by what run did
+                captured = False
+    torch.cuda.current_stream().wait_stream(stream)
+    if not captured:
         torch.cuda.synchronize()
-        launch = run
+    launch = graph.replay if captured else run
     launch()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in pairs:
@@ -241,7 +252,7 @@ def cuda_graph_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) ->
 
 
 @functools.cache
-def _parameters(function) -> frozenset[str] | None:
+def parameter_names(function) -> frozenset[str] | None:
     """The names a function takes by keyword; None when it takes any (**kwargs)."""
     parameters = inspect.signature(function).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
@@ -252,7 +263,7 @@ def _parameters(function) -> frozenset[str] | None:
 def accepted(function, inputs: Mapping) -> dict:
     """The inputs `function` takes by name (select_backend's inputs hold both the call's arguments and what the reasons
     read)."""
-    names = _parameters(function)
+    names = parameter_names(function)
     return dict(inputs) if names is None else {name: value for name, value in inputs.items() if name in names}
 
 
@@ -292,8 +303,10 @@ def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.de
     """
     trains = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())
     times, failed = {}, {}
-    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    cuda = device.type == "cuda"
+    index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else None
+    on_device = torch.cuda.device(index) if cuda else contextlib.nullcontext()  # the kernels' and the events' device
+    with torch.random.fork_rng(devices=[index] if cuda else []), on_device:
         for backend in candidates:
             try:
                 times[backend] = float(timer(trial(call, inputs, backend, trains)))
@@ -357,10 +370,11 @@ class Tuned:
         times, failed = measure(call, inputs, self.candidates, self.device, timer=self.timer)
         winner = min(times, key=times.get) if times else "torch"
         logger.info("autotune: %s %s -> %s (%s)", self.op, describe_shape(shape), winner, times)
-        file.put(key, {
-            "op": self.op, "shape": describe_shape(shape), "key": repr(self.key), **environment(self.device),
-            "times_ms": times, "failed": failed, "winner": winner,
-        })  # fmt: skip
+        if times:  # with every trial failed (out of memory?) torch runs, and the next process measures again
+            file.put(key, {
+                "op": self.op, "shape": describe_shape(shape), "key": repr(self.key), **environment(self.device),
+                "times_ms": times, "failed": failed, "winner": winner,
+            })  # fmt: skip
         self.table[shape] = winner
         return winner
 

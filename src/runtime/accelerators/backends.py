@@ -152,7 +152,7 @@ class OpSpec:
         if self.name not in OP_NAMES:
             raise ValueError(f"OpSpec: unknown op {self.name!r}; expected one of {OP_NAMES}")
         REGISTRY[self.name] = self
-        read = [autotune._parameters(f) for f in (self.reasons, self.input_priority) if f is not None]
+        read = [autotune.parameter_names(f) for f in (self.reasons, self.input_priority) if f is not None]
         object.__setattr__(self, "read_inputs", None if None in read else frozenset().union(*read))
 
     def priority_for(self, **inputs) -> tuple[str, ...]:
@@ -220,13 +220,11 @@ def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, 
 def _decide_or_tune(spec: OpSpec, requested: str, config, device: torch.device, key: Hashable, inputs: dict):
     """The static decision, or for "auto" on CUDA with autotuning on and two or more kernel backends able to run
     the inputs, the op's table of measured decisions for this key."""
-    decided = _decide(spec, requested, config.fallback, device, inputs)
-    if requested != "auto" or device.type != "cuda" or autotune.off_reason(config) is not None:
-        return decided
-    candidates, _ = spec.auto_candidates(device, **inputs)
-    if len(candidates) < 2:
-        return decided
-    return autotune.Tuned(spec.name, key, device, candidates, static=decided)
+    if requested == "auto" and device.type == "cuda" and autotune.off_reason(config) is None:
+        candidates, _ = spec.auto_candidates(device, **inputs)
+        if len(candidates) >= 2:
+            return autotune.Tuned(spec.name, key, device, candidates, static=candidates[0])
+    return _decide(spec, requested, config.fallback, device, inputs)
 
 
 def _describe(spec: OpSpec, inputs: dict) -> tuple:
