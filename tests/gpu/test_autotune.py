@@ -111,3 +111,49 @@ def test_auto_choice_is_within_5_percent_of_the_fastest_by_benchmark_gpu_time(ca
     (entry,) = autotune.measured_entries(op, CUDA)
     print(op, shape, "benchmark GPU ms", times, "auto measured", entry["times_ms"], "->", chosen)
     assert times[chosen] <= 1.05 * min(times.values()), (chosen, times, entry["times_ms"])
+
+
+def _bf16(*shape, scale=1.0):
+    return (scale * torch.randn(*shape, device=CUDA)).to(torch.bfloat16).requires_grad_()
+
+
+def _mhc_inputs():
+    n, C, m = 4, 64, 4 * 4 + 2 * 4
+    return {"x": _bf16(256, n, C), "phi": _bf16(n * C, m, scale=(n * C) ** -0.5),
+            "alpha": torch.tensor([0.8, 1.1, 1.3], device=CUDA).to(torch.bfloat16).requires_grad_(), "bias": _bf16(m, scale=0.3)}  # fmt: skip
+
+
+# op (config key) -> a training call of each public function through "auto", from the arguments the trials replay
+CALLS = {
+    "l2norm": lambda: acc.l2norm(_bf16(4096, 64)),
+    "add_norm": lambda: acc.add_rms_norm(_bf16(4096, 64), _bf16(4096, 64), _bf16(64)),
+    "activation": lambda: acc.gelu(_bf16(4096, 256), approximate="tanh"),
+    "bce_with_logits": lambda: acc.binary_cross_entropy_with_logits(  # check_targets syncs: timed without a graph
+        _bf16(65536), torch.rand(65536, device=CUDA, dtype=torch.bfloat16), check_targets=True
+    ),
+    "embedding_bag_mean": lambda: acc.embedding_bag_mean(_bf16(1000, 64), torch.randint(0, 1000, (256, 8), device=CUDA)),
+    "flash_attention": lambda: acc.flash_attention(
+        _bf16(8, 4, 257, 64), _bf16(8, 4, 257, 64), _bf16(8, 4, 257, 64), causal=True,
+        key_lengths=torch.randint(1, 258, (8,), device=CUDA),
+    ),  # fmt: skip
+    "gated_delta_rule": lambda: acc.chunk_gated_delta_rule(
+        _bf16(4, 256, 4, 32), _bf16(4, 256, 4, 32), _bf16(4, 256, 4, 32),
+        torch.nn.functional.logsigmoid(torch.randn(4, 256, 4, device=CUDA) + 2).to(torch.bfloat16).requires_grad_(),
+        torch.rand(4, 256, 4, device=CUDA, dtype=torch.bfloat16).requires_grad_(), use_qk_l2norm_in_kernel=True,
+    ),  # fmt: skip
+    "mhc": lambda: acc.mhc_pre(**_mhc_inputs()),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_every_op_replays_its_call_on_each_backend_without_a_failed_trial(cache_dir, op):
+    """The arguments each op passes select_backend let the trials run the call on every candidate backend (a wrong or
+    missing one would exclude backends, logged, and leave "auto" on torch)."""
+    CALLS[op]()
+    tables = _tables(op)
+    if not tables:
+        pytest.skip(f"{op}: fewer than two kernel backends can run here, nothing to measure")
+    (entry,) = autotune.measured_entries(op, CUDA)
+    print(op, entry["shape"], entry["times_ms"], "->", entry["winner"])
+    assert not entry["failed"], entry["failed"]
+    assert set(entry["times_ms"]) == set(tables[0].candidates) and entry["winner"] in tables[0].candidates
