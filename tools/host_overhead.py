@@ -28,7 +28,9 @@ import os
 import pkgutil
 import pstats
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     raise SystemExit("run without TRITON_INTERPRET=1: the harness times the direct (compiled-kernel) launch path")
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 import runtime.accelerators as accelerators
 from runtime.accelerators import (
+    autotune,
     backends,
     binary_cross_entropy_with_logits,
     chunk_gated_delta_rule,
@@ -49,6 +52,7 @@ from runtime.accelerators import (
     swiglu,
     triton_launch,
 )  # fmt: skip
+from runtime.accelerators.norms import norm_key
 
 
 class _StubCompiled:
@@ -144,6 +148,22 @@ def cases() -> dict:
             out[f"{op} {shape} {impl} fwd"] = _forward(call)
             out[f"{op} {shape} {impl} fwd+bwd"] = _forward_backward(call, params, torch.randn(rows, 128, dtype=torch.bfloat16))
     out.update(pcvr_layer_cases())
+    out.update(measured_auto_cases())
+    return out
+
+
+def measured_auto_cases() -> dict:
+    """rms_norm through "auto" when its decision is measured (what select_backend keeps on CUDA: the op's table of
+    decisions per shape class, here placed under the CPU call's key): the shape class and its lookup on top of the
+    triton rows. The one measurement is faked (no GPU) and happens in the warm-up calls."""
+    out = {}
+    x = torch.randn(8192, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(128, dtype=torch.bfloat16)).requires_grad_()
+    config = accelerators.active_config()
+    key = ("rms_norm", "auto", config.fallback, config.autotune, x.device, norm_key(x, w))
+    file = autotune.DecisionFile(Path(tempfile.mkdtemp()) / "autotune.json")
+    backends._decisions[key] = autotune.Tuned("rms_norm", key[-1], x.device, ("triton",), "triton", timer=lambda run: 1.0, file=file)
+    _both(out, "rms_norm 8192x128 auto (measured)", lambda: rms_norm(x, w, 1e-6), [x, w], torch.randn(8192, 128, dtype=torch.bfloat16))
     return out
 
 

@@ -19,6 +19,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_autotune_cache(tmp_path_factory):
+    """The decisions "auto" measures on CUDA go to $TAAC_CACHE/autotune.json: a run starts with none of an earlier
+    run's (nor the user's ~/.cache)."""
+    previous = os.environ.get("TAAC_CACHE")
+    os.environ["TAAC_CACHE"] = str(tmp_path_factory.mktemp("taac-cache"))
+    yield
+    if previous is None:
+        del os.environ["TAAC_CACHE"]
+    else:
+        os.environ["TAAC_CACHE"] = previous
+
+
 @pytest.fixture(autouse=True)
 def _poisoned_fresh_dispatch():
     """Every kernel output starts as NaN; decisions and warnings start fresh; inputs are seeded."""

@@ -5,7 +5,9 @@ Every op declares an `OpSpec`: its name (the config key), the kernel backends th
 tries in order, and a function giving the input reasons a backend cannot run some inputs.
 `select_backend` turns the requested backend (argument, else the active config) into the
 backend that runs, applying the fallback rule; its decision is cached per op, request and
-an op-chosen key (device, dtype, widths, flags), so the hot path is one dict lookup.
+an op-chosen key (device, dtype, widths, flags), so the hot path is one dict lookup. On CUDA,
+"auto" with more than one kernel backend able to run decides per shape class by measurement
+(autotune.py): the cached entry is then that op's table of measured decisions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import autotune
 from . import config as _config
 from .config import BACKENDS, FALLBACKS, KERNEL_BACKENDS, OP_NAMES, Backend, Fallback  # noqa: F401  (re-exported)
 
@@ -135,6 +138,9 @@ class OpSpec:
     input_priority: (**inputs) -> another order for inputs where the benchmarks show it winning, or None
                 (priority); its docstring says where. Like reasons, it may read only what the op's decision
                 key holds.
+
+    reasons and input_priority receive the inputs their signature names (select_backend's inputs also
+    hold the arguments a measurement replays the call with).
     """
 
     name: str
@@ -146,18 +152,31 @@ class OpSpec:
         if self.name not in OP_NAMES:
             raise ValueError(f"OpSpec: unknown op {self.name!r}; expected one of {OP_NAMES}")
         REGISTRY[self.name] = self
+        read = [autotune.parameter_names(f) for f in (self.reasons, self.input_priority) if f is not None]
+        object.__setattr__(self, "read_inputs", None if None in read else frozenset().union(*read))
 
     def priority_for(self, **inputs) -> tuple[str, ...]:
         """The order `"auto"` tries the kernel backends in for these inputs."""
         if self.input_priority is not None:
-            return self.input_priority(**inputs) or self.priority
+            return self.input_priority(**autotune.accepted(self.input_priority, inputs)) or self.priority
         return self.priority
 
     def not_supported_reasons(self, backend: str, device: torch.device, **inputs) -> list[str]:
         """Every reason the backend cannot run these inputs here; empty means supported."""
         if backend == "torch":
             return []
-        return environment_reasons(backend, device) + self.reasons(backend, **inputs)
+        return environment_reasons(backend, device) + self.reasons(backend, **autotune.accepted(self.reasons, inputs))
+
+    def auto_candidates(self, device: torch.device, **inputs) -> tuple[tuple[str, ...], dict[str, list[str]]]:
+        """The kernel backends that can run these inputs in `"auto"`'s order, and the others' reasons."""
+        candidates, skipped = [], {}
+        for backend in self.priority_for(**inputs):
+            reasons = self.not_supported_reasons(backend, device, **inputs)
+            if reasons:
+                skipped[backend] = reasons
+            else:
+                candidates.append(backend)
+        return tuple(candidates), skipped
 
 
 def load_kernels(op: str, backend: str):
@@ -172,40 +191,55 @@ def _load_kernels(op: str, backend: str):
 
 # --------------------------------------------------------------------------- resolution
 
-_decisions: dict[Hashable, str] = {}
+_decisions: dict[Hashable, "str | autotune.Tuned"] = {}
 _warned: set[Hashable] = set()
 
 
-def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, key: Hashable, **inputs) -> str:
+def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, key: Hashable, call=None, /, **inputs) -> str:
     """The backend ("torch", "triton" or "tilelang") that runs this call.
 
     `key` must capture everything `spec.reasons` reads from `inputs` (dtype, widths, flags);
     the decision is cached under it, so the reasons are computed once per distinct key.
+    `call` is the op's public function and `inputs` hold its arguments by name (with what the
+    reasons read): "auto" on CUDA replays the call on each kernel backend to measure them.
+    Without it (or None: a call that runs no kernel), "auto" keeps the static priority.
     """
     if torch.compiler.is_compiling():  # key is not passed: under dynamic shapes it may hold symbolic sizes
-        return _decide_while_compiling(spec.name, backend, device, _describe(inputs))
+        return _decide_while_compiling(spec.name, backend, device, _describe(spec, inputs))
     config = _config._stack[-1]  # _config.active_config(), inline (this runs on every call of every op)
     requested = backend if backend is not None else config.backend_for(spec.name)
-    cache_key = (spec.name, requested, config.fallback, device, key)
+    cache_key = (spec.name, requested, config.fallback, config.autotune, device, key)
     decided = _decisions.get(cache_key)
-    if decided is not None:
+    if decided is None:
+        decided = _decisions[cache_key] = _decide_or_tune(spec, requested, config, device, key, inputs)
+    if decided.__class__ is str:
         return decided
-    decided = _decide(spec, requested, config.fallback, device, inputs)
-    _decisions[cache_key] = decided
-    return decided
+    return decided.choose(call, inputs)
 
 
-def _describe(inputs: dict) -> tuple:
+def _decide_or_tune(spec: OpSpec, requested: str, config, device: torch.device, key: Hashable, inputs: dict):
+    """The static decision, or for "auto" on CUDA with autotuning on and two or more kernel backends able to run
+    the inputs, the op's table of measured decisions for this key."""
+    if requested == "auto" and device.type == "cuda" and autotune.off_reason(config) is None:
+        candidates, _ = spec.auto_candidates(device, **inputs)
+        if len(candidates) >= 2:
+            return autotune.Tuned(spec.name, key, device, candidates, static=candidates[0])
+    return _decide(spec, requested, config.fallback, device, inputs)
+
+
+def _describe(spec: OpSpec, inputs: dict) -> tuple:
     """The inputs as constants for torch.compile: a tensor by dtype, rank, last size and requires_grad.
 
     Leading sizes may be symbolic under dynamic shapes, so reasons seen while compiling must depend
     only on the dtype, the rank and the last (feature) size. A symbolic last size, bool, int or float
     value (dynamic=True) is specialised: the graph guards on it.
     """
+    read = spec.read_inputs  # only what the reasons read: a call's other arguments (eps, p) would be specialised
     return tuple(
         (name, ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor)
          else ("value", _constant(v)))
         for name, v in inputs.items()
+        if read is None or name in read
     )
 
 
@@ -264,12 +298,9 @@ def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, i
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        skipped = {}
-        for candidate in spec.priority_for(**inputs):
-            reasons = spec.not_supported_reasons(candidate, device, **inputs)
-            if not reasons:
-                return candidate
-            skipped[candidate] = reasons
+        candidates, skipped = spec.auto_candidates(device, **inputs)
+        if candidates:
+            return candidates[0]
         logger.debug("%s: auto chose torch; %s", spec.name, skipped)
         return "torch"
     reasons = spec.not_supported_reasons(requested, device, **inputs)
@@ -286,7 +317,9 @@ def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, i
 
 
 def clear_decisions() -> None:
-    """Forget cached decisions and emitted warnings (tests; after changing TRITON_INTERPRET)."""
+    """Forget cached decisions (measured ones too: the decisions file is read again, as by a new process) and
+    emitted warnings (tests; after changing TRITON_INTERPRET, TAAC_AUTOTUNE or TAAC_CACHE)."""
     _decisions.clear()
     _warned.clear()
+    autotune.forget()
 

@@ -34,11 +34,14 @@ OP_NAMES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class AcceleratorConfig:
-    """default: the backend of every op not in `ops`; ops: per-op overrides; fallback: "torch" or "error"."""
+    """default: the backend of every op not in `ops`; ops: per-op overrides; fallback: "torch" or "error";
+    autotune: whether "auto" on CUDA decides by measuring the kernel backends (else by the static priority list;
+    the environment variable TAAC_AUTOTUNE=0 turns it off too)."""
 
     default: Backend = "auto"
     ops: Mapping[str, Backend] = field(default_factory=dict)
     fallback: Fallback = "torch"
+    autotune: bool = True
 
     def __post_init__(self) -> None:
         _check_backend("default", self.default)
@@ -48,6 +51,8 @@ class AcceleratorConfig:
             _check_backend(f"ops.{op}", backend)
         if self.fallback not in FALLBACKS:
             raise ValueError(f"accelerators.fallback: unknown rule {self.fallback!r}; expected one of {', '.join(FALLBACKS)}")
+        if not isinstance(self.autotune, bool):
+            raise TypeError(f"accelerators.autotune: expected true or false, got {self.autotune!r}")
         object.__setattr__(self, "ops", dict(self.ops))
 
     def backend_for(self, op: str) -> Backend:
@@ -55,12 +60,18 @@ class AcceleratorConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> "AcceleratorConfig":
-        """Build from a plain or OmegaConf mapping with the keys default, ops and fallback (ops entries may be null)."""
-        unknown = set(values) - {"default", "ops", "fallback"}
+        """Build from a plain or OmegaConf mapping with the keys default, ops, fallback and autotune (ops entries may
+        be null)."""
+        unknown = set(values) - {"default", "ops", "fallback", "autotune"}
         if unknown:
-            raise ValueError(f"accelerators: unknown keys {sorted(unknown)}; expected default, ops, fallback")
+            raise ValueError(f"accelerators: unknown keys {sorted(unknown)}; expected default, ops, fallback, autotune")
         ops = {op: backend for op, backend in dict(values.get("ops") or {}).items() if backend is not None}
-        return cls(default=values.get("default", "auto"), ops=ops, fallback=values.get("fallback", "torch"))
+        return cls(
+            default=values.get("default", "auto"),
+            ops=ops,
+            fallback=values.get("fallback", "torch"),
+            autotune=values.get("autotune", True),
+        )
 
 
 def _check_backend(where: str, backend: object) -> None:
@@ -93,6 +104,7 @@ def use_accelerators(
     default: Backend | None = None,
     ops: Mapping[str, Backend] | None = None,
     fallback: Fallback | None = None,
+    autotune: bool | None = None,
 ) -> Iterator[AcceleratorConfig]:
     """Run a block with another config: a full `config`, or keyword changes to the active one.
 
@@ -104,6 +116,7 @@ def use_accelerators(
         default=default if default is not None else base.default,
         ops={**base.ops, **(ops or {})},
         fallback=fallback if fallback is not None else base.fallback,
+        autotune=autotune if autotune is not None else base.autotune,
     )
     _stack.append(merged)
     try:

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from . import native
+from . import autotune, native
 from .backends import KERNEL_BACKENDS, REGISTRY, environment_reasons
 from .config import active_config
 
@@ -16,7 +16,9 @@ def default_device() -> torch.device:
 
 
 def explain(op: str | None = None, device: torch.device | str | None = None, **inputs) -> str:
-    """A report, one block per op: the configured backend, what "auto" picks, and each kernel backend's reasons.
+    """A report, one block per op: the configured backend, what "auto" picks, each kernel backend's reasons, and how
+    "auto" decides: the measured times and winner of each shape class measured on this GPU (with these library
+    versions), else why it keeps the static priority.
 
     With `op` and sample `inputs` (the op's tensor arguments by name, e.g. explain("rms_norm", x=x)),
     the input reasons (dtype, width, mask kind...) are added to the environment ones.
@@ -28,7 +30,7 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
     device = torch.device(device) if device is not None else _inputs_device(inputs) or default_device()
     config = active_config()
     mode = "; deterministic algorithms: on" if torch.are_deterministic_algorithms_enabled() else ""
-    lines = [f"device: {device}; fallback rule: {config.fallback}{mode}", native.describe()]
+    lines = [f"device: {device}; fallback rule: {config.fallback}{mode}", _versions(device), native.describe()]
     for name in [op] if op is not None else sorted(REGISTRY):
         spec = REGISTRY[name]
         if inputs:
@@ -49,7 +51,33 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}")
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
+        lines += _auto_lines(name, device, config, [b for b in priority if not reasons[b]])
     return "\n".join(lines)
+
+
+def _versions(device: torch.device) -> str:
+    gpu = autotune.device_name(device) if device.type == "cuda" else "none"
+    libraries = ", ".join(f"{name} {autotune.library_version(name)}" for name in ("torch", "triton", "tilelang"))
+    return f"{libraries}; GPU: {gpu}"
+
+
+def _auto_lines(op: str, device: torch.device, config, runnable: list[str]) -> list[str]:
+    """How "auto" decides for this op here: why it keeps the static priority, or that it measures; then the times and
+    winner of every shape class measured on this device with these library versions."""
+    off = autotune.off_reason(config)
+    if device.type != "cuda":
+        lines = [f"  auto: static priority (tensors on {device.type}; measuring needs CUDA)"]
+    elif off is not None:
+        lines = [f"  auto: static priority ({off})"]
+    elif len(runnable) < 2:
+        lines = [f"  auto: static priority (only {runnable[0] if runnable else 'torch'} can run here: nothing to measure)"]
+    else:
+        lines = [f"  auto: measures on the first call per shape class (decisions in {autotune.decision_file().path})"]
+    for entry in autotune.measured_entries(op, device):
+        times = ", ".join(f"{b} {ms:.4f} ms" for b, ms in sorted(entry["times_ms"].items(), key=lambda item: item[1]))
+        failed = "".join(f"; {b} failed: {why}" for b, why in sorted(entry.get("failed", {}).items()))
+        lines.append(f"  measured {entry.get('shape')} {entry.get('key')}: {times or 'no backend ran'}{failed} -> {entry['winner']}")
+    return lines
 
 
 def _priority_note(spec) -> str:

@@ -93,6 +93,7 @@ class AcceleratorsSchema:
     # and a misspelt op name is rejected by the Enum key type with the valid names listed
     ops: dict[OpName, BackendName | None] = field(default_factory=lambda: {op: None for op in OpName})
     fallback: FallbackRule = FallbackRule.torch
+    autotune: bool = True  # "auto" on CUDA measures the kernel backends per shape class (false: static priority)
 
 
 @dataclass

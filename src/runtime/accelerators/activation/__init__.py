@@ -53,7 +53,7 @@ def gelu(x: torch.Tensor, approximate: str = "none", *, backend: Backend | None 
     check_tensor("x", x)
     if approximate not in APPROXIMATIONS:  # also anything that is not a string
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
-    chosen = select_backend(SPEC, backend, x.device, _key(x), x=x)
+    chosen = select_backend(SPEC, backend, x.device, _key(x), gelu, x=x, approximate=approximate)
     if chosen == "torch" or x.numel() == 0:
         return gelu_reference(x, approximate)
     return GELU_KERNEL(chosen, x, approximate == "tanh")
@@ -62,7 +62,7 @@ def gelu(x: torch.Tensor, approximate: str = "none", *, backend: Backend | None 
 def silu(x: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     """As F.silu: x * sigmoid(x)."""
     check_tensor("x", x)
-    chosen = select_backend(SPEC, backend, x.device, _key(x), x=x)
+    chosen = select_backend(SPEC, backend, x.device, _key(x), silu, x=x)
     if chosen == "torch" or x.numel() == 0:
         return silu_reference(x)
     return SILU_KERNEL(chosen, x)

@@ -242,8 +242,9 @@ def binary_cross_entropy_with_logits(
         check_target_range(targets)
     key = bce_key(logits, targets, weight, pos_weight)
     chosen = select_backend(
-        SPEC, backend, logits.device, key, logits=logits, targets=targets, weight=weight, pos_weight=pos_weight
-    )
+        SPEC, backend, logits.device, key, binary_cross_entropy_with_logits,
+        logits=logits, targets=targets, weight=weight, pos_weight=pos_weight, reduction=reduction, check_targets=check_targets,
+    )  # fmt: skip
     n = logits.numel()
     if chosen == "torch" or n == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)

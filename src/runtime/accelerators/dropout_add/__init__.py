@@ -74,7 +74,9 @@ def dropout_add(
     p = check_dropout_add_inputs(x, residual, p)
     check_bool("training", training)
     key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL)
-    chosen = select_backend(SPEC, backend, x.device, key, x=x, residual=residual)
+    chosen = select_backend(
+        SPEC, backend, x.device, key, dropout_add if training and p else None, x=x, residual=residual, p=p, training=training
+    )
     if not training or p == 0.0 or x.numel() == 0:
         return x + residual
     if chosen == "torch":

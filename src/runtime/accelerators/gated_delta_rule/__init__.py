@@ -173,8 +173,10 @@ def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output
         q.shape[-1], v.shape[-1], needs_grad,
     )  # fmt: skip
     chosen = select_backend(
-        SPEC, backend, q.device, key, q=q, v=v, g=g, beta=beta, initial_state=initial_state, mode=mode, needs_grad=needs_grad
-    )
+        SPEC, backend, q.device, key, chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule,
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, mode=mode, needs_grad=needs_grad,
+    )  # fmt: skip
     args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel))
     if chosen == "torch" and host_cu is not None and torch.compiler.is_compiling():
         name = "chunk_gated_delta_rule" if mode == "chunk" else "fused_recurrent_gated_delta_rule"

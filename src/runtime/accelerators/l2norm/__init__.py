@@ -24,7 +24,7 @@ KERNEL = KernelOp("l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:
     check_norm_inputs(x, eps)
-    chosen = select_backend(SPEC, backend, x.device, norm_key(x), x=x)
+    chosen = select_backend(SPEC, backend, x.device, norm_key(x), l2norm, x=x, eps=eps)
     if chosen == "torch" or x.numel() == 0:
         return l2norm_reference(x, eps)
     return KERNEL(chosen, x, float(eps))

@@ -35,7 +35,7 @@ def layer_norm(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     check_norm_inputs(x, eps, weight, bias)
-    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight, bias), x=x, weight=weight, bias=bias)
+    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight, bias), layer_norm, x=x, weight=weight, bias=bias, eps=eps)
     if chosen == "torch" or x.numel() == 0:
         return layer_norm_reference(x, weight, bias, eps)
     return KERNEL(chosen, x, weight, bias, float(eps))

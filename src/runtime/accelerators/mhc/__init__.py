@@ -76,7 +76,9 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     check_eps(eps)
     if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
-    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)
+    chosen = select_backend(
+        SPEC, backend, x.device, (x.dtype, n), mhc_pre, x=x, phi=phi, alpha=alpha, bias=bias, eps=eps, sinkhorn_iters=sinkhorn_iters, streams=n
+    )
     if chosen == "torch" or x.numel() == 0:
         return mhc_pre_reference(x, phi, alpha, bias, eps, sinkhorn_iters)
     return PRE(chosen, x, phi, alpha, bias, float(eps), sinkhorn_iters)
@@ -89,7 +91,7 @@ def mhc_post(x, y, H_post, H_res, *, backend: Backend | None = None):  # noqa: N
     _check_shape("y", y, (*lead, width), x)
     _check_shape("H_post", H_post, (*lead, n), x)
     _check_shape("H_res", H_res, (*lead, n, n), x)
-    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), x=x, streams=n)
+    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), mhc_post, x=x, y=y, H_post=H_post, H_res=H_res, streams=n)
     if chosen == "torch" or x.numel() == 0:
         return mhc_post_reference(x, y, H_post, H_res)
     return POST(chosen, x, y, H_post, H_res)

@@ -26,7 +26,7 @@ KERNEL = KernelOp(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:
     check_norm_inputs(x, eps, weight)
-    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight), x=x, weight=weight)
+    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight), rms_norm, x=x, weight=weight, eps=eps)
     if chosen == "torch" or x.numel() == 0:
         return rms_norm_reference(x, weight, eps)
     return KERNEL(chosen, x, weight, float(eps))

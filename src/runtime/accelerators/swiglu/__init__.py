@@ -46,7 +46,7 @@ def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     check_swiglu_inputs(gate, up)
     key = (gate.dtype, gate.numel() > TILELANG_MAX_NUMEL)
-    chosen = select_backend(SPEC, backend, gate.device, key, gate=gate, up=up)
+    chosen = select_backend(SPEC, backend, gate.device, key, swiglu, gate=gate, up=up)
     if chosen == "torch" or gate.numel() == 0:
         return swiglu_reference(gate, up)
     return KERNEL(chosen, gate, up)
