@@ -291,7 +291,9 @@ def _flash_attention_packed(
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     key = (q.dtype, q.shape[-1], "packed", grads, dropout_p > 0, deterministic)
     chosen = select_backend(
-        SPEC, backend, q.device, key, q=q, k=k, v=v, dropout_p=dropout_p, scale=scale, packed=True
+        SPEC, backend, q.device, key, flash_attention, q=q, k=k, v=v, causal=causal, dropout_p=dropout_p, scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        packed=True,
     )
     if chosen == "torch":
         return flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(dropout_p), scale)

@@ -108,7 +108,9 @@ def linear(
     k, rows = x.shape[-1], weight.shape[0]
     columns = rows // 2 if activation == "swiglu" else rows
     key = (x.dtype, k % 8 == 0, columns % 8 == 0, activation)
-    chosen = select_backend(SPEC, backend, x.device, key, x=x, weight=weight, rows=rows, activation=activation)
+    chosen = select_backend(
+        SPEC, backend, x.device, key, linear, x=x, weight=weight, bias=bias, rows=rows, activation=activation
+    )
     if chosen == "torch" or x.numel() == 0 or rows == 0:
         return linear_reference(x, weight, bias, activation)
     y = KERNEL(chosen, x.reshape(-1, k), weight, bias, activation)

@@ -258,7 +258,9 @@ def silu_attention(
     grads = needs_grad(q, k, v, position_bias, time_bias)
     key = (q.dtype, q.shape[-1], dropout_p > 0, grads)
     chosen = select_backend(
-        SPEC, backend, q.device, key, q=q, k=k, v=v, position_bias=position_bias, time_bias=time_bias, dropout_p=dropout_p
+        SPEC, backend, q.device, key, silu_attention, q=q, k=k, v=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alpha=alpha,
+        causal=causal, num_targets=num_targets, position_bias=position_bias, time_bias=time_bias, timestamps=timestamps,
+        dropout_p=dropout_p,
     )
     if chosen == "torch" or q.shape[0] == 0:
         return silu_attention_reference(
