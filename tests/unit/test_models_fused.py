@@ -197,3 +197,25 @@ def test_block_launches_tool_counts_the_fused_ops():
         assert "rms_norm_forward" not in lines[name].replace("add_norm_rms_forward", "") and " add" not in lines[name]
     assert lines["gdr"].startswith("22 per block:"), lines["gdr"]
     assert "taac::linear_forward x6" in lines["gdr"] and "silu" not in lines["gdr"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_transformer_block_on_the_triton_kernels_matches_textbook_math(causal):
+    """fp16 on the Triton interpreter (the linear, add_norm and flash_attention kernels), output and gradients."""
+    torch.manual_seed(0)
+    block = TransformerBlock(32, 2, 40, causal=causal).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3)
+    fp16 = TransformerBlock(32, 2, 40, causal=causal).half()
+    fp16.load_state_dict(block.state_dict())
+    x, lengths = _x(2, 9, 32), torch.tensor([9, 5])
+    x16 = x.half().requires_grad_()
+    with use_accelerators(default="triton", fallback="error"):
+        out = run_blocks([fp16, fp16], x16, lengths)
+    x64 = x.clone().requires_grad_()
+    ref = _textbook_block(block, _textbook_block(block, x64, lengths, causal), lengths, causal)
+    assert_close("block fp16", out, ref, 5e-3)
+    weight = _x(*out.shape, seed=3)
+    (dx,) = torch.autograd.grad((out.double() * weight).sum(), [x16])
+    (dx_ref,) = torch.autograd.grad((ref * weight).sum(), [x64])
+    assert_close("block fp16 dx", dx, dx_ref, 1e-2)
