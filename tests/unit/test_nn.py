@@ -106,7 +106,7 @@ def test_norms_feedforward_bag_and_loss_match_torch():
         rms, ln, ffn = RMSNorm(37).double(), LayerNorm(37).double(), SwiGLUFeedForward(37, 20, d_out=3, bias=True).double()
         assert_close("RMSNorm", rms(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6), 1e-12)
         assert_close("LayerNorm", ln(x), F.layer_norm(x, (37,), eps=1e-5), 1e-12)
-        gate, up = ffn.gate_up(x).chunk(2, -1)
+        gate, up = F.linear(x, ffn.gate_up.weight, ffn.gate_up.bias).chunk(2, -1)
         assert_close("SwiGLU FFN", ffn(x), ffn.down(F.silu(gate) * up), 1e-12)
 
         bag = EmbeddingBagMean(11, 6, padding_idx=0).double()
@@ -187,7 +187,7 @@ def test_mixer_matches_its_definition():
     x = _x(2, 9, 12)
     with use_accelerators(**TORCH):
         out = mixer(x)
-    q, k, v = (F.silu(z).view(2, 9, 3, 4) for z in mixer.qkv(x).chunk(3, -1))
+    q, k, v = (F.silu(z).view(2, 9, 3, 4) for z in F.linear(x, mixer.qkv.weight).chunk(3, -1))
     q, k = (z * torch.rsqrt(z.square().sum(-1, keepdim=True) + 1e-6) for z in (q, k))
     a, b = mixer.decay_beta(x).chunk(2, -1)
     g = -mixer.A_log.exp() * F.softplus(a + mixer.dt_bias)

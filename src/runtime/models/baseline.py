@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.nn import CrossAttention, RMSNorm, TransformerBlock, expand_streams, merge_streams
+from runtime.nn import CrossAttention, RMSNorm, TransformerBlock, expand_streams, merge_streams, run_blocks
 
 from .features import FeatureEncoder, PredictionHead
 from .inputs import FeatureSpec, PCVRBatch
@@ -45,10 +45,9 @@ class BaselinePCVR(nn.Module):
         lengths = batch.seq_lengths
         x = self.features.history(batch)
         if self.mhc_streams:
-            x = expand_streams(x, self.mhc_streams)
-        for block in self.blocks:
-            x = block(x, lengths)
-        x = self.norm(merge_streams(x) if self.mhc_streams else x)
+            x = self.norm(merge_streams(run_blocks(self.blocks, expand_streams(x, self.mhc_streams), lengths)))
+        else:
+            x, _ = run_blocks(self.blocks, x, lengths, norm=self.norm)  # the last residual add joined with the norm
         target = self.features.target(batch)
         interest = self.target_attention(target[:, None].to(x.dtype), x, lengths)[:, 0].to(target.dtype)
         pooled = self.features.history_mean(batch)

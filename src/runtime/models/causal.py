@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock, expand_streams, merge_streams
+from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock, expand_streams, merge_streams, run_blocks
 
 from .features import FeatureEncoder, PredictionHead
 from .inputs import FeatureSpec, PCVRBatch
@@ -54,8 +54,7 @@ class CausalSequencePCVR(nn.Module):
         x = torch.where(at_target[..., None], target[:, None].to(tokens.dtype), tokens)
         if self.mhc_streams:
             x = expand_streams(x, self.mhc_streams)
-        for block in self.blocks:
-            x = block(x, lengths + 1)
+        x = run_blocks(self.blocks, x, lengths + 1)
         if self.mhc_streams:
             x = merge_streams(x)
         rows = torch.arange(x.shape[0], device=x.device)

@@ -97,7 +97,8 @@ class PredictionHead(nn.Module):
     def __init__(self, in_features: int, hidden: int) -> None:
         super().__init__()
         self.norm = LayerNorm(in_features)
-        self.mlp = SwiGLUFeedForward(in_features, hidden, d_out=1, bias=True)
+        # the projection to one logit on torch: the kernel backends need a multiple of 8 outputs
+        self.mlp = SwiGLUFeedForward(in_features, hidden, d_out=1, bias=True, down_backend="torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm(x)).squeeze(-1)

@@ -4,7 +4,7 @@
 
 from .activations import GELU, SiLU
 from .attention import CrossAttention, MultiHeadAttention
-from .blocks import GatedDeltaBlock, TransformerBlock
+from .blocks import GatedDeltaBlock, TransformerBlock, run_blocks
 from .embedding import EmbeddingBagCollection, EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
@@ -40,4 +40,5 @@ __all__ = [
     "OP_KINDS",
     "ReplaceReport",
     "replace_modules",
+    "run_blocks",
 ]

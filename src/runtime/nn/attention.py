@@ -1,4 +1,5 @@
-"""Multi-head self- and cross-attention on `flash_attention` (key padding through key_lengths)."""
+"""Multi-head self- and cross-attention on `flash_attention` (key padding through key_lengths), the q/k/v and output
+projections on the `linear` op."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from torch import nn
 
 from runtime.accelerators.backends import Backend
 from runtime.accelerators.flash_attention import flash_attention
+
+from .linear import Linear
 
 
 def _split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -62,8 +65,8 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias, **factory)
-        self.out = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.qkv = Linear(d_model, 3 * d_model, bias=bias, backend=backend, **factory)
+        self.out = Linear(d_model, d_model, bias=bias, backend=backend, **factory)
         _torch_keys(self, {"qkv": 3})
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,9 +95,9 @@ class CrossAttention(nn.Module):
         self.dropout = dropout
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
-        self.q = nn.Linear(d_model, d_model, bias=bias, **factory)
-        self.kv = nn.Linear(d_model, 2 * d_model, bias=bias, **factory)
-        self.out = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.q = Linear(d_model, d_model, bias=bias, backend=backend, **factory)
+        self.kv = Linear(d_model, 2 * d_model, bias=bias, backend=backend, **factory)
+        self.out = Linear(d_model, d_model, bias=bias, backend=backend, **factory)
         _torch_keys(self, {"q": 1, "kv": 2})
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward: w_out(silu(x W_gate) * (x W_up)), with the gate and up projections in one matmul."""
+"""SwiGLU feed-forward: w_out(silu(x W_gate) * (x W_up)), the gate and up projections and the SwiGLU in one op."""
 
 from __future__ import annotations
 
@@ -6,22 +6,29 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.swiglu import swiglu
+
+from .linear import Linear
 
 
 class SwiGLUFeedForward(nn.Module):
-    """d_model -> hidden (gated) -> d_out (d_model when not given)."""
+    """d_model -> hidden (gated) -> d_out (d_model when not given).
+
+    gate_up is one Linear with the swiglu epilogue: weight [2 * hidden, d_model], the gate rows first, then the up
+    rows (the layout of the unfused nn.Linear this module had, so its checkpoints load unchanged). `backend` pins both
+    projections; `down_backend` pins the output projection alone (a head's projection to one logit, which no kernel
+    backend runs: they need a multiple of 8 outputs).
+    """
 
     def __init__(
         self, d_model: int, hidden: int, d_out: int | None = None, *, bias: bool = False, backend: Backend | None = None,
-        device=None, dtype=None,
+        down_backend: Backend | None = None, device=None, dtype=None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
-        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=bias, **factory)
-        self.down = nn.Linear(hidden, d_model if d_out is None else d_out, bias=bias, **factory)
+        self.gate_up = Linear(d_model, hidden, bias=bias, activation="swiglu", backend=backend, **factory)
+        d_out = d_model if d_out is None else d_out
+        self.down = Linear(hidden, d_out, bias=bias, backend=down_backend or backend, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up, backend=self.backend))
+        return self.down(self.gate_up(x))

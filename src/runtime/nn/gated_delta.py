@@ -20,6 +20,7 @@ from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
 from runtime.accelerators.l2norm import l2norm
 from runtime.accelerators.swiglu import swiglu
 
+from .linear import Linear
 from .norms import RMSNorm
 
 
@@ -29,7 +30,8 @@ class GatedDeltaRuleMixer(nn.Module):
     q, k, v projections (SiLU, q and k L2-normalised per head), a per-head data-dependent decay
     g = -exp(A_log) * softplus(x W_a + dt_bias) and write strength beta = sigmoid(x W_b), the gated
     delta rule, then a per-head RMSNorm gated by SiLU(x W_gate) and an output projection.
-    The rule, the norms, the L2 norms and the gate all run on the accelerator ops.
+    The projections (the q/k/v SiLU fused into theirs), the rule, the norms, the L2 norms and the gate all run on the
+    accelerator ops.
     """
 
     def __init__(
@@ -43,20 +45,20 @@ class GatedDeltaRuleMixer(nn.Module):
         self.backend = backend
         width = n_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
-        self.qkv = nn.Linear(d_model, 3 * width, bias=False, **factory)
-        self.gate = nn.Linear(d_model, width, bias=False, **factory)
-        self.decay_beta = nn.Linear(d_model, 2 * n_heads, bias=False, **factory)
+        self.qkv = Linear(d_model, 3 * width, bias=False, activation="silu", backend=backend, **factory)  # silu fused
+        self.gate = Linear(d_model, width, bias=False, backend=backend, **factory)
+        self.decay_beta = Linear(d_model, 2 * n_heads, bias=False, backend=backend, **factory)
         # decay rates spread over heads (as in Mamba-2 / Gated DeltaNet): A in [1, 16], dt in [1e-3, 1e-1]
         self.A_log = nn.Parameter(torch.log(torch.empty(n_heads, **factory).uniform_(1, 16)))
         dt = torch.exp(torch.empty(n_heads, **factory).uniform_(math.log(1e-3), math.log(1e-1)))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.norm = RMSNorm(self.head_dim, backend=backend, **factory)
-        self.out = nn.Linear(width, d_model, bias=False, **factory)
+        self.out = Linear(width, d_model, bias=False, backend=backend, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
-        q, k, v = (F.silu(z).view(b, t, h, d) for z in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (z.view(b, t, h, d) for z in self.qkv(x).chunk(3, dim=-1))
         q, k = l2norm(q, backend=self.backend), l2norm(k, backend=self.backend)
         gates = self.decay_beta(x)
         dtype = torch.promote_types(gates.dtype, torch.float32)  # decays in fp32 at least (bf16 under autocast)

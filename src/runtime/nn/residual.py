@@ -1,12 +1,15 @@
-"""Dropout on a branch plus the residual stream, as one op."""
+"""Dropout on a branch plus the residual stream, as one op, and that sum followed by an RMSNorm as one op."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from runtime.accelerators.add_norm import add_rms_norm
 from runtime.accelerators.backends import Backend
 from runtime.accelerators.dropout_add import dropout_add
+
+from .norms import RMSNorm
 
 
 class DropoutAdd(nn.Module):
@@ -25,6 +28,15 @@ class DropoutAdd(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return dropout_add(x.to(residual.dtype), residual, self.p, self.training, backend=self.backend)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = residual + dropout(x, p): one add_rms_norm (on the norm's backend) where dropout
+        draws nothing (eval, or p == 0). Where it draws a mask, this module's dropout_add and then the norm, so that
+        the random stream is the one the unfused `norm(self(x, residual))` draws."""
+        if self.training and self.p > 0.0:
+            total = self(x, residual)
+            return norm(total), total
+        return add_rms_norm(x.to(residual.dtype), residual, norm.weight, norm.eps, backend=norm.backend)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, backend={self.backend}"

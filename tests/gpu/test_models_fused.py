@@ -1,0 +1,94 @@
+"""The PCVR models on the fused ops (linear with its activation, add + RMSNorm) on the kernel backends, bf16 autocast:
+the logits and every block parameter's gradient against the same weights in float64 on the torch backend (ops a preset's
+backend cannot run fall back to torch, as in training); fewer CUDA kernels per eager
+forward than the unfused composition; full-graph torch.compile (inductor) against eager."""
+
+import copy
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from runtime.accelerators import use_accelerators
+from runtime.accelerators.testing import assert_close
+from runtime.models import BaselinePCVR, GDRMixerPCVR, TokenFormerPCVR
+from runtime.nn.blocks import GatedDeltaBlock, join
+from runtime.training.synthetic import SyntheticPCVR
+
+MODELS = {"baseline": BaselinePCVR, "tokenformer": TokenFormerPCVR, "gdr": GDRMixerPCVR}
+SIZES = dict(d_model=64, n_heads=4, n_layers=2, ffn_mult=4, dropout=0.0, head_hidden=64)
+
+
+class _Unfused(torch.nn.Module):
+    """A block whose step runs the unfused computation: dropout_add, then each sub-layer's own RMSNorm."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def step(self, x, pending, key_lengths=None):
+        x = join(x, pending)
+        if isinstance(self.block, GatedDeltaBlock):
+            return self.block.ffn(self.block.mix(x)), None
+        return self.block.ffn(self.block.mix(x, key_lengths)), None
+
+
+def _setup(name):
+    data = SyntheticPCVR(seq_len=100, n_items=2000, n_categories=16, val_size=16)
+    torch.manual_seed(0)
+    return MODELS[name](data.spec, **SIZES).cuda(), data.train_batch(0, 37).to("cuda")
+
+
+def _run(model, batch, preset, autocast=True):
+    with use_accelerators(default=preset), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        out = model(batch)
+    return out.float(), [g.float() for g in torch.autograd.grad(out.float().sum(), list(model.parameters()))]
+
+
+@pytest.mark.parametrize("preset", ["triton", "tilelang"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_on_kernels_match_float64(name, preset):
+    model, batch = _setup(name)
+    out, grads = _run(model, batch, preset)
+    reference = copy.deepcopy(model).double()
+    batch64 = batch._map(lambda t: t.double() if t.is_floating_point() else t)
+    ref, ref_grads = _run(reference, batch64, "torch", autocast=False)
+    assert_close(f"{name} logits", out, ref.float(), 1e-2)
+    for (param, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+        if param.startswith("blocks."):  # the fused ops' parameters (the rest of the model runs as before)
+            assert_close(f"{name} d{param}", g, g_ref.float(), 2e-2)
+
+
+def _kernels(model, batch) -> int:
+    with torch.no_grad(), use_accelerators(default="triton"), torch.autocast("cuda", torch.bfloat16):
+        model(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(batch)
+            torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_models_launch_fewer_kernels(name):
+    model, batch = _setup(name)
+    model.eval()
+    fused = _kernels(model, batch)
+    model.blocks = torch.nn.ModuleList(_Unfused(b) for b in model.blocks)
+    unfused = _kernels(model, batch)
+    print(f"{name}: {fused} CUDA kernels per eager forward fused, {unfused} unfused ({SIZES['n_layers']} blocks)")
+    # per block at least: the two residual adds and the SwiGLU (and the GDR's q/k/v SiLU) are gone
+    assert fused <= unfused - 3 * SIZES["n_layers"], (fused, unfused)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_compile_in_a_full_graph(name):
+    model, batch = _setup(name)
+    out, grads = _run(model, batch, "triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    out_c, grads_c = _run(compiled, batch, "triton")
+    assert_close(f"{name} logits", out_c, out, 1e-2)
+    for (param, _), g_c, g in zip(model.named_parameters(), grads_c, grads):
+        if param.startswith("blocks."):
+            assert_close(f"{name} d{param}", g_c, g, 2e-2)
