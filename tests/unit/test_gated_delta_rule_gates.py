@@ -105,11 +105,12 @@ def test_triton_kernels_follow_the_recurrence(shape, value):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_varlen_full_decays_with_l2norm(backend):
-    """Packed sequences (one of them empty): -inf at a sequence's first step, at the last step of a chunk and over a
-    whole chunk of the longest sequence, with the l2norm in the kernel."""
+    """Packed sequences (one of them empty): -inf at the first step of the first sequence (the row the torch backend
+    pads the others with) and of another, at the last step of a chunk and over a whole chunk of the longest
+    sequence, with the l2norm in the kernel."""
     cu = torch.tensor([0, 20, 20, 63, 200])
     x = gate_inputs(1, 200, 1, 2, 16, 16, sequences=4)
-    for step in (20, 62, 63 + 63, *range(63 + 64, 200)):  # the last sequence: a chunk ends at 126, then -inf to its end
+    for step in (0, 20, 62, 63 + 63, *range(63 + 64, 200)):  # the last sequence: a chunk ends at 126, then -inf to its end
         x["g"][0, step, 0] = float("-inf")
     check_against_the_recurrence(x, backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 

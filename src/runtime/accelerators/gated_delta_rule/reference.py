@@ -205,9 +205,9 @@ def chunk_gated_delta_rule_reference(
         valid[n, : end - start] = True
     index, valid = index.to(q.device), valid.to(q.device)
 
-    def gather(x):
+    def gather(x):  # a select, not a product with the mask: padding picks row 0, whose g may be -inf
         picked = x[0][index]
-        return picked * valid.view(*valid.shape, *([1] * (picked.dim() - 2))).to(picked.dtype)
+        return torch.where(valid.view(*valid.shape, *([1] * (picked.dim() - 2))), picked, 0.0)
 
     o, state = _chunked(*(gather(x) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
     o = o.reshape(-1, HV, V)[valid.reshape(-1)].unsqueeze(0)
