@@ -38,7 +38,7 @@ KERNELS = {
         128, 128, torch.bfloat16, True, True, True, True
     ),
     "chunk-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.chunk_grad_entry(
-        128, 128, torch.bfloat16, torch.float32, True, True
+        128, 128, torch.bfloat16, torch.bfloat16, torch.float32, True, True
     ),
 }
 # the tensors each kernel must store to (one missing from the source: that store was compiled away)

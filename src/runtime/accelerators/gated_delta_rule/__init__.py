@@ -161,8 +161,19 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.T
     return host_cu
 
 
+def _check_decays(g: torch.Tensor) -> None:
+    """g > 0 (growth) is outside the chunked op's contract: rejected where the check costs no device sync (CPU
+    tensors, outside compiled graphs); on a GPU the kernels compute exp of the in-chunk sums as given, exact until
+    they overflow. g = -inf and any g <= -FULL_DECAY are full decays (reference.py)."""
+    if g.device.type == "cpu" and not torch.compiler.is_compiling() and bool((g > 0).any()):
+        step = tuple(int(i) for i in (g > 0).nonzero()[0])
+        raise ValueError(f"g: expected log decays <= 0 (g = 0: no decay, -inf: full decay), got {g[step].item()} at {step}")
+
+
 def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend):
     host_cu = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if mode == "chunk":
+        _check_decays(g)
     check_bool("output_final_state", output_final_state)
     check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)

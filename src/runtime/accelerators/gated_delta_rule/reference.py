@@ -20,6 +20,14 @@ gamma the local cumulative sum of g and S0 the state entering the chunk:
     O        = scale * (diag(exp(gamma)) Q S0 + (Q K^T * exp(gamma_t - gamma_j))_{j <= t} U)
     S_next   = exp(gamma_last) S0 + (K * exp(gamma_last - gamma))^T U
 
+Full decays: a step with g <= -FULL_DECAY (g = -inf included) erases the state, as exp(g) = 0 does in the
+recurrence. gamma does not sum such a g (-inf would make gamma_t - gamma_j = -inf - -inf = NaN, and a huge finite
+g drowns the other g's of the chunk in fp32): it steps down by exactly FULL_DECAY instead (local_gamma). Every
+factor above is exp of a difference gamma_i - gamma_j (i >= j) or of gamma_t itself (gamma before the chunk = 0),
+so a full decay between j and i puts at least -FULL_DECAY in the exponent, where exp is 0 in fp32 (and 1e-56 in
+float64): the same for the output's exp(gamma_t), the state decay exp(gamma_last) and the corrections' factors.
+g > 0 (growth) is outside the contract (chunk_gated_delta_rule rejects it on CPU tensors).
+
 Both are differentiable by autograd.
 """
 
@@ -32,6 +40,11 @@ from ..checks import compute_dtype
 from ..l2norm.reference import l2norm_reference
 
 CHUNK_SIZE = 64
+# A log decay at or below -FULL_DECAY is a full decay (exp(g) < 1e-55, far below fp32's resolution of the state).
+# 128 = 2^7: exp(-128) = 2.6e-56 is below fp32's smallest denormal (1.4e-45), so a difference of gammas across a
+# full decay gives exactly 0 in fp32; a gamma after z full decays is the sum of the other g's minus 128 z, rounded
+# once (error at most ulp(128 z + |sum|): 1.5e-5 after one full decay, against the 1e-4 bound).
+FULL_DECAY = 128.0
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
@@ -129,7 +142,7 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
         return x.permute(0, 3, 1, 2, *range(4, x.dim()))
 
     q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
-    gamma = g.cumsum(-1)
+    gamma = local_gamma(g)
     ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
     causal = ones.tril()
     # exp(gamma_t - gamma_j) for j <= t, zero above the diagonal (masked before exp: no overflow)
@@ -149,6 +162,13 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
         state = last[:, :, c, None, None].exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ corrections
     o = torch.stack(outputs, 2)
     return o.permute(0, 2, 3, 1, 4).reshape(N, T, HV, V), state
+
+
+def local_gamma(g: torch.Tensor) -> torch.Tensor:
+    """The chunk's cumulative log decay along the last axis, a full decay (g <= -FULL_DECAY) counted as exactly
+    -FULL_DECAY (its g gets no gradient: d exp(g) / dg = exp(g) = 0 there in the recurrence)."""
+    full = g <= -FULL_DECAY
+    return torch.where(full, 0.0, g).cumsum(-1) - FULL_DECAY * full.to(g.dtype).cumsum(-1)
 
 
 def _pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -185,9 +205,9 @@ def chunk_gated_delta_rule_reference(
         valid[n, : end - start] = True
     index, valid = index.to(q.device), valid.to(q.device)
 
-    def gather(x):
+    def gather(x):  # a select, not a product with the mask: padding picks row 0, whose g may be -inf
         picked = x[0][index]
-        return picked * valid.view(*valid.shape, *([1] * (picked.dim() - 2))).to(picked.dtype)
+        return torch.where(valid.view(*valid.shape, *([1] * (picked.dim() - 2))), picked, 0.0)
 
     o, state = _chunked(*(gather(x) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
     o = o.reshape(-1, HV, V)[valid.reshape(-1)].unsqueeze(0)

@@ -32,6 +32,7 @@ import torch
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
+from .reference import FULL_DECAY
 from .tilelang_backward import backward_entries, chunk_backward  # noqa: F401  (chunk_backward: this backend's entry)
 from .tilelang_shared import (
     BT,
@@ -176,6 +177,7 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             kb_s = T.alloc_shared((BT, K), ACCUM)
             vb_s = T.alloc_shared((BT, V), ACCUM)
             g_s = T.alloc_shared((BT,), ACCUM)
+            fulls_s = T.alloc_shared((BT,), ACCUM)  # 1 at a full decay, then their count
             beta_s = T.alloc_shared((BT,), ACCUM)
             kk = T.alloc_fragment((BT, BT), ACCUM)
             a_s = T.alloc_shared((BT, BT), ACCUM)
@@ -187,12 +189,19 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             for i in T.Parallel(BT):
+                # a full decay (reference.local_gamma) is not summed in gamma but counted (G read only inside)
                 g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
+                fulls_s[i] = T.if_then_else(g_s[i] <= -FULL_DECAY, 1.0, 0.0)
+                g_s[i] = T.if_then_else(g_s[i] <= -FULL_DECAY, 0.0, g_s[i])
                 beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
             load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
             T.copy(k_f, k_s)
             T.sync_threads()
-            T.cumsum(g_s, dim=0)  # gamma, in place
+            T.cumsum(g_s, dim=0)
+            T.cumsum(fulls_s, dim=0)
+            T.sync_threads()
+            for i in T.Parallel(BT):
+                g_s[i] = g_s[i] - FULL_DECAY * fulls_s[i]  # gamma, the sum rounded once
             T.sync_threads()
             for i in T.Parallel(BT):
                 if start + i < eos:
@@ -316,7 +325,7 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
     ]
     if not backward:
         return forward
-    return forward + backward_entries(K, V, dtype, beta_dtype, *flags)
+    return forward + backward_entries(K, V, dtype, g_dtype, beta_dtype, *flags)
 
 
 def warm_up(specs, device: torch.device) -> None:

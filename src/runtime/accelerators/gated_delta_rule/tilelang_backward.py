@@ -28,6 +28,7 @@ import torch
 
 from .. import buffers
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
+from .reference import FULL_DECAY
 from .tilelang_shared import (
     BT,
     L2NORM_EPS,
@@ -155,7 +156,7 @@ def state_grad_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, fi
     return gdr_chunk_state_grad
 
 
-def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, beta_dtype: str, l2norm: bool, varlen: bool):
+def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype: str, l2norm: bool, varlen: bool):
     R, H, HV, NC, NT, NTC = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows, n_chunks_total")
     threads = _grad_threads(K)
 
@@ -164,6 +165,7 @@ def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, beta_dtype: str, l2no
         Q: T.Tensor((R, H, K), dtype),
         Kx: T.Tensor((R, H, K), dtype),
         Vx: T.Tensor((R, HV, V), dtype),
+        G: T.Tensor((R, HV), g_dtype),
         Beta: T.Tensor((R, HV), beta_dtype),
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
@@ -399,8 +401,8 @@ def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, beta_dtype: str, l2no
                 total = total * T.exp(last)
                 for j in T.serial(BT):
                     total += k_dk_s[j] + T.if_then_else(j >= i, dgamma_s[j], 0.0)
-                if start + i < eos:
-                    DG[start + i, hv] = total
+                if start + i < eos:  # 0 at a full decay, which gamma does not sum (reference.local_gamma)
+                    DG[start + i, hv] = T.if_then_else(T.cast(G[start + i, hv], ACCUM) <= -FULL_DECAY, 0.0, total)
             # l2norm: x_n = x rstd, dx = (dx_n - x_n (dx_n . x_n)) rstd
             if l2norm:
                 for i, j in T.Parallel(BT, K):
@@ -431,19 +433,21 @@ def state_grad_entry(K: int, V: int, dtype, has_initial: bool, final_grad: bool,
     return key, lambda _: state_grad_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
 
 
-def chunk_grad_entry(K: int, V: int, dtype, beta_dtype, l2norm: bool, varlen: bool) -> Entry:
+def chunk_grad_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varlen: bool) -> Entry:
     BV = _grad_block(K, V)
-    key = ("gdr_chunk_grad", K, V, BV, dtype, beta_dtype, l2norm, varlen)
-    return key, lambda _: chunk_grad_kernel(K, V, BV, TL_DTYPE[dtype], TL_DTYPE[beta_dtype], l2norm, varlen)
+    key = ("gdr_chunk_grad", K, V, BV, dtype, g_dtype, beta_dtype, l2norm, varlen)
+    return key, lambda _: chunk_grad_kernel(
+        K, V, BV, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen
+    )
 
 
-def backward_entries(K: int, V: int, dtype, beta_dtype, has_initial: bool, final_grad: bool, l2norm: bool,
+def backward_entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, final_grad: bool, l2norm: bool,
                      varlen: bool) -> list[Entry]:  # fmt: skip
     """The kernels one backward runs beside the forward's prepare (for `precompile`)."""
     return [
         state_output_entry(K, V, dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True),
         state_grad_entry(K, V, dtype, has_initial, final_grad, l2norm, varlen),
-        chunk_grad_entry(K, V, dtype, beta_dtype, l2norm, varlen),
+        chunk_grad_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
     ]
 
 
@@ -484,8 +488,8 @@ def chunk_backward(
             grad_final.to(torch.float32).contiguous() if final_grad else placeholder(device),
             dh0 if has_initial else placeholder(device), chunks.cu, chunks.first, float(scale), T_, n, HV // H,
         )  # fmt: skip
-        launcher(chunk_grad_entry(K, V, q.dtype, beta.dtype, l2norm, varlen), device)(
-            q_rows, k_rows, rows(v, HV, V), rows(beta, HV), gamma, w, u, inverse, states, dstates, do_rows, du,
+        launcher(chunk_grad_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)(
+            q_rows, k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, states, dstates, do_rows, du,
             dq, dk, rows(dv, HV, V), dbeta, dg, chunks.cu, chunks.table,
             float(scale), T_, max(chunks.per_sequence, 1), HV // H,
         )  # fmt: skip

@@ -39,6 +39,7 @@ from .triton_shared import (
     BT,
     BT_,
     DEFAULT_TUNING,
+    FULL_DECAY_,
     L2NORM_EPS,
     Chunks,
     Segments,
@@ -48,6 +49,7 @@ from .triton_shared import (
     _chunk_start,
     _contiguous,
     _final_state,
+    _full_decays,
     _half_dots,
     _load_qk,
     _precision,
@@ -179,13 +181,14 @@ def _block_rows(x, b: tl.constexpr, n_rows, HV: tl.constexpr):
 
 
 @triton.jit
-def _block_gamma(g, gamma_out, b: tl.constexpr, before, n_rows, HV: tl.constexpr):
-    """gamma on block b's rows, given the sum of g over the rows before it (stored); and that sum past block b."""
+def _block_gamma(g, gamma_out, b: tl.constexpr, before, fulls_before, n_rows, HV: tl.constexpr):
+    """gamma on block b's rows (stored), given the sum of the chunk's g over the rows before it but the full decays
+    and the count of those: sum - FULL_DECAY count, rounded once (reference.local_gamma); and both past block b."""
     rows = b * SUB + tl.arange(0, SUB)
-    b_g = _block_rows(g, b, n_rows, HV)
-    gamma = before + tl.cumsum(b_g, 0)
+    full, kept = _full_decays(_block_rows(g, b, n_rows, HV))
+    gamma = (before + tl.cumsum(kept, 0)) - FULL_DECAY_ * (fulls_before + tl.cumsum(full, 0))
     tl.store(gamma_out + rows * HV, gamma, mask=rows < n_rows)
-    return gamma, before + tl.sum(b_g, 0)
+    return gamma, before + tl.sum(kept, 0), fulls_before + tl.sum(full, 0)
 
 
 @triton.jit
@@ -256,10 +259,10 @@ def _chunk_inverse_kernel(
     ROW: tl.constexpr = HV * BT_  # between the rows of inverse_out
     n_rows = tl.minimum(eos - start, BT_).to(tl.int32)  # the chunk's rows inside its sequence
 
-    gamma0, before = _block_gamma(g, gamma_out, 0, 0.0, n_rows, HV)
-    gamma1, before = _block_gamma(g, gamma_out, 1, before, n_rows, HV)
-    gamma2, before = _block_gamma(g, gamma_out, 2, before, n_rows, HV)
-    gamma3, _ = _block_gamma(g, gamma_out, 3, before, n_rows, HV)
+    gamma0, before, fulls = _block_gamma(g, gamma_out, 0, 0.0, 0.0, n_rows, HV)
+    gamma1, before, fulls = _block_gamma(g, gamma_out, 1, before, fulls, n_rows, HV)
+    gamma2, before, fulls = _block_gamma(g, gamma_out, 2, before, fulls, n_rows, HV)
+    gamma3, _, _ = _block_gamma(g, gamma_out, 3, before, fulls, n_rows, HV)
     beta0 = _block_rows(beta, 0, n_rows, HV)
     beta1 = _block_rows(beta, 1, n_rows, HV)
     beta2 = _block_rows(beta, 2, n_rows, HV)

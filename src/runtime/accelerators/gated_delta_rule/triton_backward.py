@@ -31,6 +31,7 @@ from .triton_shared import (
     _precision,
     _state_buffer,
     _storage_dot,
+    _store_dg,
     _to_half,
     _walk_operand_columns,
     walk_states,
@@ -373,7 +374,7 @@ def _chunk_grad_qk_state_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_wy_kernel(
-    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in,
+    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, g,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -439,11 +440,8 @@ def _chunk_grad_wy_kernel(
         dk_new = (dk_new - b_k * tl.sum(dk_new * b_k, 1)[:, None]) * k_rstd[:, None]
     tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
 
-    # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
-    d_gamma = tl.where(row_mask, d_gamma, 0.0)
-    dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
     tl.store(dbeta_out + rows * HV + i_hv, dbeta.to(dbeta_out.dtype.element_ty), mask=row_mask)
-    tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
+    _store_dg(dg_out, g, d_gamma, rows, row_mask, i_hv, HV)
 
 
 # --------------------------------------------------------------------------- step 5 through dA = -T^T dU U^T
@@ -504,8 +502,8 @@ def _k_columns(k, rows, row_mask, i_h, c, H: tl.constexpr, K: tl.constexpr, BK: 
 
 @triton.jit
 def _grad_wy_keys(
-    k, dw_in, dk, d_gamma_in, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out, dg_out,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    k, dw_in, dk, d_gamma_in, g, da_in, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out, dbeta_out,
+    dg_out, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
     HALF: tl.constexpr,
 ):  # fmt: skip
     """The keys' part, given dbeta's part from the values and dA * decay in da_in: stores dk, dbeta and dg. Over
@@ -563,11 +561,8 @@ def _grad_wy_keys(
             dk_new = (dk_new - raw * (rstd * projection)[:, None]) * rstd[:, None]
         tl.store(dk_out + heads, dk_new.to(dk_out.dtype.element_ty), mask=row_mask[:, None])
 
-    # gamma = cumsum(g) within the chunk: dg_s = sum_{t >= s} dgamma_t
-    d_gamma = tl.where(row_mask, d_gamma, 0.0)
-    dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
     tl.store(dbeta_out + rows * HV + i_hv, dbeta.to(dbeta_out.dtype.element_ty), mask=row_mask)
-    tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
+    _store_dg(dg_out, g, d_gamma, rows, row_mask, i_hv, HV)
 
 
 @triton.jit
@@ -589,7 +584,7 @@ def _wy_program(
 @direct_launch
 @triton.jit(do_not_specialize=["T", "N_CHUNKS"])
 def _chunk_grad_wy_fused_kernel(
-    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, da_scratch,
+    k, v, beta, gamma_in, inverse_in, corrections, dw_in, du, dk, d_gamma_in, g, da_scratch,
     dk_out, dv_out, dbeta_out, dg_out, cu_seqlens, chunk_indices, T, N_CHUNKS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
@@ -603,7 +598,7 @@ def _chunk_grad_wy_fused_kernel(
     )
     tl.debug_barrier()  # the program's stores of dA * decay before its loads
     _grad_wy_keys(
-        k, dw_in, dk, d_gamma_in, da_scratch, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out,
+        k, dw_in, dk, d_gamma_in, g, da_scratch, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out,
         dbeta_out, dg_out, H, HV, K, BK, L2NORM, PRECISION, HALF,
     )  # fmt: skip
 
@@ -643,8 +638,8 @@ def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict, variant: str) -> None:
     """Step 5 as `variant` ("single" or "fused", Tuning.step5): inputs (k, v, beta, gamma, inverse, corrections, dw,
-    du, dk, d_gamma), outputs (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
-    k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma = inputs
+    du, dk, d_gamma, g), outputs (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
+    k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, g = inputs
     dk_out, dv, dbeta, dg = outputs
     K, V, precision = shared["K"], shared["V"], shared["PRECISION"]
     tail = (chunks.cu, chunks.indices, T, chunks.per_sequence)
@@ -755,7 +750,7 @@ def chunk_backward(
             q, k, gamma, states, dstates, grad_o, du, corrections, dq_out, dk, dw, d_gamma, *tail,
             **_grad_qk_state_launch(K, V), **shared,
         )  # fmt: skip
-        wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma)
+        wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, g)
         _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared, step5)
     if groups > 1:
         dq_out, dk_out = _sum_value_heads(dq_out, B, T, H, q.dtype), _sum_value_heads(dk_out, B, T, H, k.dtype)

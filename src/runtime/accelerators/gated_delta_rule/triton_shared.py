@@ -17,9 +17,11 @@ from ..backends import sm_count, triton_interpret
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import varlen
+from .reference import FULL_DECAY
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
+FULL_DECAY_ = tl.constexpr(FULL_DECAY)  # g <= -FULL_DECAY: a full decay (reference.local_gamma)
 L2NORM_EPS = tl.constexpr(1e-6)  # the l2norm op's default eps
 
 
@@ -40,6 +42,24 @@ def _half_dots(q: torch.Tensor) -> bool:
 # _to_half rounds on the bits there (stores into bf16 tensors still truncate under the interpreter).
 # Read at import, so that the sm_90 compile tier (a process without TRITON_INTERPRET) builds the GPU's path.
 _EMULATE_HALF_DOTS = tl.constexpr(triton_interpret())
+
+
+@triton.jit
+def _full_decays(b_g):
+    """Which of these log decays (fp32) are full decays, as 1.0 / 0.0, and the rest with the full ones as 0."""
+    full = b_g <= -FULL_DECAY_
+    return tl.where(full, 1.0, 0.0), tl.where(full, 0.0, b_g)
+
+
+@triton.jit
+def _store_dg(dg_out, g, d_gamma, rows, row_mask, i_hv, HV: tl.constexpr):
+    """dg from dgamma on one chunk's rows: gamma sums the chunk's g but the full decays (reference.local_gamma), so
+    dg_s = sum_{t >= s} dgamma_t, and 0 at a full decay (as exp(g) = 0 gives the recurrence)."""
+    d_gamma = tl.where(row_mask, d_gamma, 0.0)
+    dg = tl.sum(d_gamma, 0) - tl.cumsum(d_gamma, 0) + d_gamma
+    b_g = tl.load(g + rows * HV + i_hv, mask=row_mask, other=0.0).to(tl.float32)
+    dg = tl.where(b_g <= -FULL_DECAY_, 0.0, dg)
+    tl.store(dg_out + rows * HV + i_hv, dg.to(dg_out.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
