@@ -44,7 +44,8 @@ def connect(branch: nn.Module, width: int, dropout: float, hyper_streams: int, f
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then x + ffn(norm(x))."""
+    """x + attn(norm(x)), then x + ffn(norm(x)). x [B, L, d] with key_lengths, or packed [total, d] with cu_seqlens and
+    max_seqlen (see MultiHeadAttention)."""
 
     def __init__(
         self, d_model: int, n_heads: int, ffn_hidden: int, *, causal: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
@@ -57,8 +58,13 @@ class TransformerBlock(nn.Module):
         ffn = SwiGLUFeedForward(d_model, ffn_hidden, **factory)
         self.ffn = connect(PreNorm(d_model, ffn, **factory), d_model, dropout, hyper_streams, factory)
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return self.ffn(self.mix(x, key_lengths))
+    def forward(
+        self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if cu_seqlens is None:
+            return self.ffn(self.mix(x, key_lengths))
+        return self.ffn(self.mix(x, key_lengths, cu_seqlens, max_seqlen))
 
 
 class GatedDeltaBlock(nn.Module):
