@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 
 from runtime.accelerators import OP_NAMES, AcceleratorConfig, use_accelerators
 from runtime.accelerators.backends import BACKENDS, FALLBACKS
-from runtime.training.config import BackendName, OpName, accelerator_config, config_dir
+from runtime.training.config import BackendName, OpName, accelerator_config, config_dir, model_layouts
 from runtime.training.synthetic import SyntheticPCVR
 
 CONFIGS = Path(config_dir())
@@ -25,7 +25,7 @@ def _compose(*overrides: str, name: str = "train"):
 
 def test_config_dir_is_the_source_checkout_and_the_configs_package():
     assert (CONFIGS / "train.yaml").is_file()
-    assert MODELS == ["baseline", "gdr", "tokenformer"]
+    assert MODELS == ["baseline", "gdr", "hstu", "tokenformer"]
     assert ACCELERATORS == ["auto", "tilelang", "torch", "triton"]
     import runtime.configs  # what the wheel ships (src/runtime/configs links to configs/)
 
@@ -81,12 +81,22 @@ def tiny_data():
     return SyntheticPCVR(seed=0, seq_len=12, n_items=50, n_categories=5, val_size=8)
 
 
+@pytest.fixture(scope="module")
+def tiny_jagged_data():
+    return SyntheticPCVR(seed=0, seq_len=12, n_items=50, n_categories=5, val_size=8, jagged=True)
+
+
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("streams", [0, 2], ids=["residual", "mhc2"])
-def test_every_model_instantiates_and_runs(model, streams, tiny_data):
+def test_every_model_instantiates_and_runs(model, streams, tiny_data, tiny_jagged_data):
     cfg = _compose(f"model={model}", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", f"model.mhc_streams={streams}")
+    if model == "hstu" and streams:
+        with pytest.raises(InstantiationException, match="mhc_streams: expected 0 for HSTU"):
+            instantiate(cfg.model, spec=tiny_data.spec)
+        return
     net = instantiate(cfg.model, spec=tiny_data.spec)
-    batch = tiny_data.train_batch(0, 3)
+    jagged = model_layouts(cfg.model._target_)[0] == "jagged"
+    batch = (tiny_jagged_data if jagged else tiny_data).train_batch(0, 3)
     with use_accelerators(default="torch"):
         logits = net(batch)
         logits.sum().backward()

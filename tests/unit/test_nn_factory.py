@@ -15,6 +15,7 @@ from runtime.nn import (
     EmbeddingBagMean,
     GatedDeltaBlock,
     GatedDeltaRuleMixer,
+    HSTUBlock,
     HyperConnection,
     L2Norm,
     LayerNorm,
@@ -42,6 +43,7 @@ FACTORIES = {
     "HyperConnection": lambda **f: HyperConnection(nn.Identity(), 3, 8, **f),
     "TransformerBlock": lambda **f: TransformerBlock(8, 2, 16, hyper_streams=2, **f),
     "GatedDeltaBlock": lambda **f: GatedDeltaBlock(8, 2, 16, **f),
+    "HSTUBlock": lambda **f: HSTUBlock(8, 2, 4, position_buckets=5, time_buckets=3, **f),
     "BCEWithLogitsLoss": lambda **f: BCEWithLogitsLoss(pos_weight=2.0, **f),
 }
 

@@ -2,6 +2,7 @@
 
 from .baseline import BaselinePCVR
 from .causal import CausalSequencePCVR, GDRMixerPCVR, TokenFormerPCVR
+from .hstu import HSTUPCVR
 from .inputs import FeatureSpec, PCVRBatch
 
-__all__ = ["BaselinePCVR", "CausalSequencePCVR", "FeatureSpec", "GDRMixerPCVR", "PCVRBatch", "TokenFormerPCVR"]
+__all__ = ["BaselinePCVR", "CausalSequencePCVR", "FeatureSpec", "GDRMixerPCVR", "HSTUPCVR", "PCVRBatch", "TokenFormerPCVR"]

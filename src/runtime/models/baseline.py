@@ -15,7 +15,10 @@ class BaselinePCVR(nn.Module):
     """History events go through bidirectional transformer blocks (padding masked by length); the
     target item attends over the encoded history (DIN-style interest); the head reads the context
     tokens, the target, that interest, the mean history item and target * interest. With
-    mhc_streams = n > 0 the blocks carry n residual streams joined by mHC hyper-connections."""
+    mhc_streams = n > 0 the blocks carry n residual streams joined by mHC hyper-connections. Jagged batches run the
+    same math on packed histories (varlen attention, no padding)."""
+
+    layouts = ("padded", "jagged")  # the batch layouts forward() reads; the first is the model's default
 
     def __init__(
         self,
@@ -42,6 +45,8 @@ class BaselinePCVR(nn.Module):
 
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
         """Conversion logits [B]."""
+        if batch.jagged:
+            return self._forward_jagged(batch)
         lengths = batch.seq_lengths
         x = self.features.history(batch)
         if self.mhc_streams:
@@ -50,6 +55,20 @@ class BaselinePCVR(nn.Module):
             x, _ = run_blocks(self.blocks, x, lengths, norm=self.norm)  # the last residual add joined with the norm
         target = self.features.target(batch)
         interest = self.target_attention(target[:, None].to(x.dtype), x, lengths)[:, 0].to(target.dtype)
+        pooled = self.features.history_mean(batch)
+        context = self.features.context(batch).flatten(1)
+        return self.head(torch.cat([context, target, interest, pooled, target * interest], dim=-1))
+
+    def _forward_jagged(self, batch: PCVRBatch) -> torch.Tensor:
+        cu_seqlens, max_seqlen = batch.seq_offsets, batch.max_seqlen
+        x = self.features.history_packed(batch)
+        if self.mhc_streams:
+            x = expand_streams(x, self.mhc_streams)
+        for block in self.blocks:
+            x = block(x, None, cu_seqlens, max_seqlen)
+        x = self.norm(merge_streams(x) if self.mhc_streams else x)
+        target = self.features.target(batch)
+        interest = self.target_attention(target.to(x.dtype), x, None, cu_seqlens, max_seqlen).to(target.dtype)
         pooled = self.features.history_mean(batch)
         context = self.features.context(batch).flatten(1)
         return self.head(torch.cat([context, target, interest, pooled, target * interest], dim=-1))

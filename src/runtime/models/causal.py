@@ -3,7 +3,8 @@
 The target token (candidate item + projected context + its position) is placed right after each
 row's last history event, at index seq_lengths[b]; causal mixing lets it read the whole history and
 nothing after it, so the padding behind it never matters. TokenFormerPCVR mixes with causal
-attention, GDRMixerPCVR with the gated delta rule (linear in the sequence length).
+attention, GDRMixerPCVR with the gated delta rule (linear in the sequence length). TokenFormerPCVR also reads jagged
+batches: each packed history gets its target appended, and causal varlen attention runs without padding.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from torch import nn
 
 from runtime.nn import GatedDeltaBlock, RMSNorm, TransformerBlock, expand_streams, merge_streams, run_blocks
 
-from .features import FeatureEncoder, PredictionHead
+from .features import FeatureEncoder, PredictionHead, append_targets
 from .inputs import FeatureSpec, PCVRBatch
 
 
 class CausalSequencePCVR(nn.Module):
+    layouts: tuple[str, ...] = ("padded",)  # the batch layouts forward() reads; the first is the model's default
+
     def __init__(
         self,
         spec: FeatureSpec,
@@ -45,10 +48,14 @@ class CausalSequencePCVR(nn.Module):
 
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
         """Conversion logits [B]."""
+        if batch.jagged and "jagged" not in self.layouts:
+            raise ValueError(f"batch: {type(self).__name__} reads padded histories only; set data.jagged=false")
         lengths = batch.seq_lengths
-        history = self.features.history(batch)
         context = self.features.context(batch).flatten(1)
         target = self.features.target(batch) + self.context_proj(context) + self.features.positions(lengths)
+        if batch.jagged:
+            return self._forward_jagged(batch, target, context)
+        history = self.features.history(batch)
         tokens = torch.cat([history, history.new_zeros(history.shape[0], 1, history.shape[2])], dim=1)
         at_target = torch.arange(tokens.shape[1], device=lengths.device) == lengths[:, None]
         x = torch.where(at_target[..., None], target[:, None].to(tokens.dtype), tokens)
@@ -62,8 +69,22 @@ class CausalSequencePCVR(nn.Module):
         return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
 
 
+    def _forward_jagged(self, batch: PCVRBatch, target: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        x, cu_seqlens = append_targets(self.features.history_packed(batch), target, batch.seq_offsets)
+        if self.mhc_streams:
+            x = expand_streams(x, self.mhc_streams)
+        for block in self.blocks:
+            x = block(x, None, cu_seqlens, batch.max_seqlen + 1)
+        if self.mhc_streams:
+            x = merge_streams(x)
+        readout = self.norm(x[cu_seqlens[1:].long() - 1])
+        return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
+
+
 class TokenFormerPCVR(CausalSequencePCVR):
     """Causal transformer over [history..., target]."""
+
+    layouts = ("padded", "jagged")
 
     def make_block(self, d_model, n_heads, ffn_hidden, dropout, hyper_streams):
         return TransformerBlock(d_model, n_heads, ffn_hidden, causal=True, dropout=dropout, hyper_streams=hyper_streams)

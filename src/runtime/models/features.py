@@ -66,8 +66,21 @@ class FeatureEncoder(nn.Module):
             + self.positions(positions)
         )
 
+    def history_packed(self, batch: PCVRBatch) -> torch.Tensor:
+        """[total, d]: history() of a jagged batch, the histories back to back (no padding)."""
+        items = batch.seq_items
+        return (
+            self.items(items)
+            + self.categories(batch.seq_categories)
+            + self.actions(batch.seq_actions)
+            + self.positions(positions_in_sequence(batch.seq_offsets, items.shape[0]))
+        )
+
     def history_mean(self, batch: PCVRBatch) -> torch.Tensor:
         """[B, d]: the mean item embedding of each history (padding left out)."""
+        if batch.jagged:
+            offsets = batch.seq_offsets[:-1].long()
+            return embedding_bag_mean(self.items.weight, batch.seq_items, offsets, padding_idx=0, check_indices=False)
         return embedding_bag_mean(self.items.weight, batch.seq_items, padding_idx=0, check_indices=False)
 
     def target(self, batch: PCVRBatch) -> torch.Tensor:
@@ -89,6 +102,28 @@ class FeatureEncoder(nn.Module):
             fields = self.sparse(ids.view(b * n_fields, hotness)).view(b, n_fields, -1)
         dense = self.dense(batch.dense).to(fields.dtype)
         return torch.cat([fields, dense[:, None]], dim=1)
+
+
+def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] int64: each packed token's index within its own sequence (no host read of the offsets)."""
+    offsets = cu_seqlens.long()
+    owner = torch.repeat_interleave(torch.arange(offsets.shape[0] - 1, device=offsets.device), offsets.diff(), output_size=total)
+    return torch.arange(total, device=offsets.device) - offsets[owner]
+
+
+def append_targets(tokens: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences [total, d] with sequence s's target token targets[s] placed after its last token: returns
+    ([total + B, d], the new cu_seqlens int32 [B + 1]); sequence s's target is row new_cu_seqlens[s + 1] - 1."""
+    offsets = cu_seqlens.long()
+    n, total = targets.shape[0], tokens.shape[0]
+    grown = offsets + torch.arange(n + 1, device=offsets.device)
+    # row r of the result reads row r - s of tokens (s: its sequence), or targets[s] at the sequence's last row
+    source = torch.arange(total, device=offsets.device)
+    source = source + torch.repeat_interleave(torch.arange(n, device=offsets.device), offsets.diff(), output_size=total)
+    rows = torch.empty(total + n, dtype=torch.long, device=offsets.device)
+    rows[source] = torch.arange(total, device=offsets.device)
+    rows[grown[1:] - 1] = total + torch.arange(n, device=offsets.device)
+    return torch.cat([tokens, targets.to(tokens.dtype)])[rows], grown.to(torch.int32)
 
 
 class PredictionHead(nn.Module):

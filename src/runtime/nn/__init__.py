@@ -8,6 +8,7 @@ from .blocks import GatedDeltaBlock, TransformerBlock, run_blocks
 from .embedding import EmbeddingBagCollection, EmbeddingBagMean
 from .feedforward import SwiGLUFeedForward
 from .gated_delta import GatedDeltaRuleMixer
+from .hstu import HSTUBlock
 from .hyper_connections import HyperConnection, expand_streams, merge_streams
 from .linear import Linear
 from .loss import BCEWithLogitsLoss
@@ -23,6 +24,7 @@ __all__ = [
     "EmbeddingBagMean",
     "GatedDeltaBlock",
     "GatedDeltaRuleMixer",
+    "HSTUBlock",
     "HyperConnection",
     "L2Norm",
     "LayerNorm",

@@ -1,5 +1,5 @@
-"""Multi-head self- and cross-attention on `flash_attention` (key padding through key_lengths), the q/k/v and output
-projections on the `linear` op."""
+"""Multi-head self- and cross-attention on `flash_attention` (key padding through key_lengths, or packed sequences
+through cu_seqlens), the q/k/v and output projections on the `linear` op."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     """[B, H, L, D] -> [B, L, H * D]."""
     b, h, length, d = x.shape
     return x.transpose(1, 2).reshape(b, length, h * d)
+
+
+def _packed_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[total, H * D] -> a [total, H, D] view."""
+    return x.view(x.shape[0], n_heads, x.shape[1] // n_heads)
 
 
 def _check_heads(d_model: int, n_heads: int) -> None:
@@ -52,6 +57,8 @@ class MultiHeadAttention(nn.Module):
 
     causal: token i attends to tokens j <= i. key_lengths [B] (forward): tokens j >= key_lengths[b]
     are padding and are not attended to. dropout is attention dropout, active in training only.
+    Packed sequences: x [total, d_model] with cu_seqlens (int32 [N + 1]) and max_seqlen (forward), each sequence
+    attending within itself.
     """
 
     def __init__(
@@ -69,7 +76,23 @@ class MultiHeadAttention(nn.Module):
         self.out = Linear(d_model, d_model, bias=bias, backend=backend, **factory)
         _torch_keys(self, {"qkv": 3})
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if cu_seqlens is not None:
+            q, k, v = (_packed_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
+            o = flash_attention(
+                q, k, v,
+                causal=self.causal,
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_k=max_seqlen,
+                dropout_p=self.dropout if self.training else 0.0,
+                backend=self.backend,
+            )  # fmt: skip
+            return self.out(o.flatten(1))
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         o = flash_attention(
             q, k, v,
@@ -83,7 +106,9 @@ class MultiHeadAttention(nn.Module):
 
 class CrossAttention(nn.Module):
     """Queries from x [B, Lq, d_model] attend to context [B, Lk, d_model] (e.g. a target item over a history). Loads
-    its own state_dict or that of an nn.MultiheadAttention(d_model, n_heads, bias=bias) (query=x, key=value=context)."""
+    its own state_dict or that of an nn.MultiheadAttention(d_model, n_heads, bias=bias) (query=x, key=value=context).
+    Packed: x [N, d_model] (one query per sequence) and context [total, d_model] with context_cu_seqlens (int32
+    [N + 1]) and context_max_seqlen (forward)."""
 
     def __init__(
         self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None,
@@ -100,7 +125,24 @@ class CrossAttention(nn.Module):
         self.out = Linear(d_model, d_model, bias=bias, backend=backend, **factory)
         _torch_keys(self, {"q": 1, "kv": 2})
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None,
+        context_cu_seqlens: torch.Tensor | None = None, context_max_seqlen: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if context_cu_seqlens is not None:
+            q = _packed_heads(self.q(x), self.n_heads)
+            k, v = (_packed_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+            one_each = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+            o = flash_attention(
+                q, k, v,
+                cu_seqlens_q=one_each,
+                cu_seqlens_k=context_cu_seqlens,
+                max_seqlen_q=1,
+                max_seqlen_k=context_max_seqlen,
+                dropout_p=self.dropout if self.training else 0.0,
+                backend=self.backend,
+            )  # fmt: skip
+            return self.out(o.flatten(1))
         q = _split_heads(self.q(x), self.n_heads)
         k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
         o = flash_attention(q, k, v, key_lengths=key_lengths, dropout_p=self.dropout if self.training else 0.0, backend=self.backend)

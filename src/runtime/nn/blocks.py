@@ -81,15 +81,22 @@ class _MixThenFeedForward(nn.Module):
 
     mix_reads_lengths = True
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return join(*self.step(x, None, key_lengths))
+    def forward(
+        self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return join(*self.step(x, None, key_lengths, cu_seqlens, max_seqlen))
 
     def step(
-        self, x: torch.Tensor, pending: Pending | None, key_lengths: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, Pending | None]:
+        self, x: torch.Tensor, pending: Pending | None, key_lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+    ) -> tuple[torch.Tensor, Pending | None]:  # fmt: skip
         """The block on the stream (x, pending), its last residual add left pending (None with hyper-connections,
-        which have no add to leave)."""
+        which have no add to leave). x [B, L, d] with key_lengths, or packed [total, d] with cu_seqlens and
+        max_seqlen (see MultiHeadAttention)."""
         args = (key_lengths,) if self.mix_reads_lengths else ()
+        if cu_seqlens is not None:
+            args = (key_lengths, cu_seqlens, max_seqlen)
         if isinstance(self.mix, HyperConnection):
             return self.ffn(self.mix(join(x, pending), *args)), None
         x, pending = self.mix.step(x, pending, *args)

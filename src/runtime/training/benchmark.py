@@ -227,9 +227,10 @@ def _plan(bench, variants) -> list[tuple[str, list[str]]]:
 
 
 def _make_batches(cfg, steps: int) -> list:
+    from .config import data_jagged
     from .data import build_data
 
-    data = build_data(cfg.data, cfg.seed)
+    data = build_data(cfg.data, cfg.seed, jagged=data_jagged(cfg))
     device = _device(cfg)
     return [data.train_batch(i, cfg.data.batch_size).to(device) for i in range(steps)]
 

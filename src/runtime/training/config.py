@@ -113,6 +113,9 @@ class DataSchema:
     sparse_vocab: int = 1_000_000  # ids per generated field
     sparse_hotness: int = 4  # the largest bag of a generated field
     n_users: int = 1000  # user ids drawn per example, for GAUC
+    # true: histories packed back to back with cu_seqlens (no padding), skewed-short lengths and timestamps;
+    # false: padded to seq_len; null: the model's own layout (hstu: jagged, the others: padded)
+    jagged: bool | None = None
 
     def __post_init__(self) -> None:
         for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
@@ -145,6 +148,31 @@ class ModelSchema:
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}")
         _in_range("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
+
+
+@dataclass
+class HSTUModelSchema(ModelSchema):
+    """model=hstu: the shared keys and the HSTU layer's."""
+
+    head_dim: int | None = None  # null: d_model // n_heads
+    position_buckets: int = 256  # relative position bias buckets per head (min(|i - j|, P - 1)); 0: none
+    time_buckets: int = 64  # time bias buckets per head (floor(log2(1 + |t_i - t_j|)), capped); 0: none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_dim is not None:
+            _at_least("model.head_dim", self.head_dim, 1)
+        _at_least("model.position_buckets", self.position_buckets, 0)
+        _at_least("model.time_buckets", self.time_buckets, 0)
+        if self.mhc_streams:
+            raise ValueError(f"model.mhc_streams: expected 0 for model=hstu (each HSTU layer carries its own residual), got {self.mhc_streams}")
+
+
+PARQUET_JAGGED = (
+    "data.jagged=true with data=parquet: jagged (packed) batches are not yet read from Parquet; the reader pads "
+    "histories to data.seq_len. Train on Parquet with data.jagged=false and a padded model (baseline, tokenformer, gdr), "
+    "or take data=synthetic for jagged batches"
+)
 
 
 @dataclass
@@ -246,6 +274,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainSchema)
     store.store(name="benchmark_schema", node=BenchmarkSchema)
+    store.store(group="model", name="hstu_schema", node=HSTUModelSchema)
 
 
 register_configs()
@@ -255,7 +284,34 @@ def check_train_config(cfg: DictConfig) -> TrainSchema:
     """Every bound of the schema on a composed train config, and no key the schema lacks; each error names the
     key and what it expects. Returns the config as schema objects."""
     _no_unknown_keys(cfg, TrainSchema, "")
-    return OmegaConf.to_object(cfg)
+    checked = OmegaConf.to_object(cfg)
+    data_jagged(cfg)
+    return checked
+
+
+def model_layouts(target: str) -> tuple[str, ...]:
+    """The batch layouts ("padded", "jagged") the model class `target` reads, its default first; a class that does
+    not say reads padded batches."""
+    from hydra.utils import get_class
+
+    return tuple(getattr(get_class(target), "layouts", ("padded",)))
+
+
+def data_jagged(cfg) -> bool:
+    """data.jagged resolved against the model: null takes the model's default layout; a layout the model cannot read,
+    or jagged Parquet, is an error naming the setting."""
+    layouts = model_layouts(cfg.model._target_)
+    asked = cfg.data.jagged
+    jagged = layouts[0] == "jagged" if asked is None else bool(asked)
+    name = cfg.model._target_.rsplit(".", 1)[-1]
+    if jagged and "jagged" not in layouts:
+        raise ValueError(f"data.jagged=true: model {name} reads padded histories only; set data.jagged=false (or null)")
+    if not jagged and "padded" not in layouts:
+        raise ValueError(f"data.jagged=false: model {name} reads jagged histories only; set data.jagged=true (or null)")
+    source = cfg.data.source.value if isinstance(cfg.data.source, DataSource) else str(cfg.data.source)
+    if jagged and source == DataSource.parquet.value:
+        raise ValueError(PARQUET_JAGGED)
+    return jagged
 
 
 def _no_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:

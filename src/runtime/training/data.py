@@ -9,7 +9,7 @@ from typing import Protocol
 
 from runtime.models import FeatureSpec, PCVRBatch
 
-from .config import DataSource
+from .config import PARQUET_JAGGED, DataSource
 
 
 class PCVRData(Protocol):
@@ -20,9 +20,12 @@ class PCVRData(Protocol):
     def val_set(self) -> PCVRBatch: ...
 
 
-def build_data(cfg, seed: int) -> PCVRData:
+def build_data(cfg, seed: int, jagged: bool = False) -> PCVRData:
+    """The data set of the `data` group; jagged: packed histories (the resolved data.jagged, see config.data_jagged)."""
     source = DataSource(cfg.source.value if isinstance(cfg.source, DataSource) else cfg.source)
     if source is DataSource.parquet:
+        if jagged:
+            raise ValueError(PARQUET_JAGGED)
         from .parquet import ParquetPCVR
 
         if not cfg.path:
@@ -33,7 +36,7 @@ def build_data(cfg, seed: int) -> PCVRData:
     return SyntheticPCVR(
         seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size,
         sparse_tables=cfg.sparse_tables, sparse_vocab=cfg.sparse_vocab, sparse_hotness=cfg.sparse_hotness,
-        n_users=cfg.n_users,
+        n_users=cfg.n_users, jagged=jagged,
     )  # fmt: skip
 
 

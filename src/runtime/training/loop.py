@@ -29,6 +29,7 @@ from .config import (
     accelerator_config,
     check_train_config,
     cuda_graph_choice,
+    data_jagged,
 )
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
@@ -81,9 +82,11 @@ def use_deterministic_algorithms() -> None:
 
 
 def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
-    """Why the whole step cannot be one CUDA graph in this run (empty: it can). Both data sources give every batch
-    the same shapes (fixed batch size, histories padded to data.seq_len), so shapes are static."""
+    """Why the whole step cannot be one CUDA graph in this run (empty: it can). Padded batches from both data sources
+    have the same shapes (fixed batch size, histories padded to data.seq_len); jagged ones do not."""
     reasons = []
+    if data_jagged(cfg):
+        reasons.append("data.jagged: packed batches change their token count and max_seqlen from step to step")
     if device.type != "cuda":
         reasons.append(f"it needs a CUDA device, the run is on {device}")
     if distributed:
@@ -154,7 +157,7 @@ class Trainer:
         logger.info("accelerators (precision %s; python -m runtime.accelerators tells why):\n%s", self.precision_name, resolved)
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every process
-        self.data = build_data(cfg.data, cfg.seed)
+        self.data = build_data(cfg.data, cfg.seed, jagged=data_jagged(cfg))
         self.model = instantiate(cfg.model, spec=self.data.spec).to(self.device)
         self.ddp = None
         if self.run.distributed:

@@ -12,6 +12,12 @@ giving each DDP rank its own indices, needs no state beyond the index.
 
 Each example carries a user id in [1, n_users], drawn after everything else and independent of it: it groups the
 validation examples for GAUC (the planted signal has no per-user part, so GAUC stays close to AUC).
+
+jagged=True makes another data set from the same world: history lengths skewed short (a half-normal in log length
+from min(16, seq_len), histories longer than seq_len cut to it, as a truncated log), event timestamps (int64
+seconds: a start within a month of a fixed epoch, then lognormal gaps of median ten minutes with a heavy tail, so
+strictly increasing), and batches packed without padding (PCVRBatch.seq_offsets, max_seqlen). jagged=False draws
+exactly the padded batches it always drew (lengths uniform in [seq_len // 8, seq_len], no timestamps).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import math
 import torch
 
 from runtime.models import FeatureSpec, PCVRBatch
+from runtime.models.inputs import offsets_of, pack_histories
 
 LATENT_DIM = 8
 AFFINITY_SCALE = 3.0
@@ -33,6 +40,11 @@ TARGET_PREFERRED_SHARE = 0.5
 SPARSE_FIELDS = (("user_segment", 1000, 0.3, 1), ("region", 100, 0.4, 1), ("device", 8, 0.4, 1), ("interest_tags", 256, 0.5, 4))
 TABLE_EFFECT = 0.15  # the effect scale of each generated field (sparse_tables > 0)
 VAL_BLOCK = 1024  # the validation set is made in blocks of this size, whatever the batch size
+JAGGED_MIN_LENGTH = 16  # the shortest jagged history (or seq_len, if shorter)
+JAGGED_LOG_SPREAD = 0.5  # the half-normal's scale in log length, as a share of log(seq_len / shortest)
+EPOCH_S = 1_700_000_000  # the first user's history starts within START_SPREAD_S after this
+START_SPREAD_S = 30 * 86400
+GAP_MEDIAN_S, GAP_LOG_SIGMA = 600.0, 2.0  # gaps between events: lognormal seconds, at least 1
 
 _STREAMS = {"world": 0, "train": 1, "val": 2}
 
@@ -56,6 +68,7 @@ class SyntheticPCVR:
         sparse_vocab: int = 1_000_000,
         sparse_hotness: int = 4,
         n_users: int = 1000,
+        jagged: bool = False,
     ) -> None:
         if seq_len < 1 or n_items < n_categories or n_categories < 1 or n_dense < 1 or val_size < 1 or n_users < 1:
             raise ValueError(
@@ -69,6 +82,7 @@ class SyntheticPCVR:
                 f"sparse_tables={sparse_tables}, sparse_vocab={sparse_vocab}, sparse_hotness={sparse_hotness}"
             )
         self.seed = seed
+        self.jagged = jagged
         self.n_users = n_users
         self.val_size = val_size
         # sparse_tables > 0: that many multi-hot fields of sparse_vocab ids (bags of 1..sparse_hotness), else the four
@@ -127,7 +141,7 @@ class SyntheticPCVR:
             other = torch.randint(1, n_cat + 1, shape, generator=gen)
             return torch.where(torch.rand(shape, generator=gen) < share, own, other)
 
-        seq_lengths = torch.randint(max(1, length // 8), length + 1, (n,), generator=gen)
+        seq_lengths = self._jagged_lengths(n, gen) if self.jagged else torch.randint(max(1, length // 8), length + 1, (n,), generator=gen)
         valid = torch.arange(length)[None] < seq_lengths[:, None]
         seq_categories = pick_category((n, length), PREFERRED_SHARE) * valid
         seq_items = self._items_in(seq_categories, gen) * valid
@@ -155,6 +169,15 @@ class SyntheticPCVR:
             logit = logit + (effects[ids] * present).sum(-1) / present.sum(-1)
         label = torch.bernoulli(torch.sigmoid(logit), generator=gen)
         user_id = torch.randint(1, self.n_users + 1, (n,), generator=gen)
+        if self.jagged:
+            timestamps = self._timestamps(seq_lengths, gen)
+            batch = PCVRBatch(
+                sparse=sparse, dense=dense, seq_items=pack_histories(seq_items, seq_lengths),
+                seq_categories=pack_histories(seq_categories, seq_lengths), seq_actions=pack_histories(seq_actions, seq_lengths),
+                seq_lengths=seq_lengths, target_item=target_item, target_category=target_category, label=label, user_id=user_id,
+                seq_timestamps=timestamps, seq_offsets=offsets_of(seq_lengths), max_seqlen=int(seq_lengths.max()),
+            )  # fmt: skip
+            return batch, logit
 
         batch = PCVRBatch(
             sparse=sparse,
@@ -169,6 +192,28 @@ class SyntheticPCVR:
             user_id=user_id,
         )
         return batch, logit
+
+    def _jagged_lengths(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """History lengths in [min(16, seq_len), seq_len], most near the shortest: exp of a half-normal in log length
+        from the shortest, longer histories cut to seq_len (about one in twenty)."""
+        length = self.spec.seq_len
+        shortest = min(JAGGED_MIN_LENGTH, length)
+        spread = JAGGED_LOG_SPREAD * math.log(length / shortest)
+        log_length = math.log(shortest) + spread * torch.randn(n, generator=gen, dtype=torch.float64).abs()
+        return log_length.exp().floor().long().clamp(shortest, length)
+
+    def _timestamps(self, lengths: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """[total] int64 seconds, strictly increasing within each history (packed, oldest first)."""
+        total = int(lengths.sum())
+        start = EPOCH_S + torch.randint(0, START_SPREAD_S, (lengths.shape[0],), generator=gen)
+        gaps = (math.log(GAP_MEDIAN_S) + GAP_LOG_SIGMA * torch.randn(total, generator=gen, dtype=torch.float64)).exp()
+        gaps = gaps.floor().long().clamp_min(1)
+        offsets = offsets_of(lengths).long()
+        owner = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths, output_size=total)
+        running = gaps.cumsum(0)
+        # each history's running sum of its own gaps: the first event lands one gap after the history's start
+        before = torch.cat([running.new_zeros(1), running])[offsets[:-1]]
+        return start[owner] + running - before[owner]
 
     # ------------------------------------------------------------------ the data interface
 
