@@ -40,7 +40,7 @@ def _second_backward(fn, inputs):
     generator = torch.Generator().manual_seed(1)
 
     def randn_like(t):
-        return torch.randn(t.shape, generator=generator).to(t.dtype)
+        return torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
 
     grads = torch.autograd.grad(outputs, leaves, [randn_like(o) for o in outputs], create_graph=True)
     dense = [g.to_dense() if g.is_sparse else g for g in grads]

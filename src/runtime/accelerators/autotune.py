@@ -9,8 +9,7 @@ versions it names one decision in the file.
 
 A trial calls the op's public function with an explicit backend (never "auto") on the call's tensors detached (the
 same memory; the caller's graph and .grad are untouched): forward, and where the call trains, backward with a
-gradient of ones, a few replays of it captured in a CUDA graph and timed by CUDA events (GPU time, as the benchmark
-ranks backends by). Random number generator states are saved and restored around the trials (dropout draws its
+gradient of ones, a few eager calls of it timed by CUDA events. Random number generator states are saved and restored around the trials (dropout draws its
 seeds from them), a trial that raises excludes its backend (the reason is logged and kept in the file), and none
 runs during CUDA-graph capture: `select_backend` does not measure while torch.compile traces, and under capture a
 call takes the decision in the file, else the static priority.
@@ -212,40 +211,17 @@ def forget() -> None:
 # --------------------------------------------------------------------------- trials
 
 
-def cuda_graph_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) -> float:
-    """Median milliseconds of GPU time per call of `run` on the current device: two untimed calls on a side stream (the
-    first compiles the kernel), then `run` captured in a CUDA graph and its replays timed by CUDA events, back to back
-    and synchronised once, so the host's launch overhead is left out, as in the benchmark's GPU time. A call that
-    cannot be captured (a host synchronisation) is timed the same way as eager launches."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        run()
-        run()
-        # capture_begin, not torch.cuda.graph: that one also runs gc.collect() and empties the allocator's cache, slow
-        # in a training process; thread_local: other threads (data loading, pinning memory) go on with CUDA calls
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            run()
-        except Exception:
-            captured = False
-        else:
-            captured = True
-        finally:
-            try:
-                graph.capture_end()
-            except RuntimeError:  # the capture was invalidated by what run did
-                captured = False
-    torch.cuda.current_stream().wait_stream(stream)
-    if not captured:
-        torch.cuda.synchronize()
-    launch = graph.replay if captured else run
-    launch()
+def cuda_event_timer(run: Callable[[], object], replays: int = TIMED_REPLAYS) -> float:
+    """Median milliseconds per call of `run` on the current device, timed by CUDA events around eager calls after two
+    untimed ones (the first compiles the kernel). Eager calls, not a captured graph: capturing a trial in a CUDA graph
+    left the device's random number generator unusable for later draws on the H200 ("Offset increment outside graph
+    capture"). The time includes launch gaps where the GPU waits on the host, as an eager step does."""
+    run()
+    run()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in pairs:
         start.record()
-        launch()
+        run()
         end.record()
     pairs[-1][1].synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
@@ -296,7 +272,7 @@ def trial(call, inputs: Mapping, backend: str, trains: bool) -> Callable[[], obj
     return forward_backward
 
 
-def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_graph_timer):
+def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_event_timer):
     """Time each candidate backend on this call: ({backend: ms per call}, {backend: why its trial failed}).
 
     The generator states of the CPU and of the device are restored afterwards, so the caller draws what it would have.
@@ -337,7 +313,7 @@ class Tuned:
         candidates: tuple[str, ...],
         static: str,
         *,
-        timer: Timer = cuda_graph_timer,
+        timer: Timer = cuda_event_timer,
         capturing: Callable[[], bool] | None = None,
         file: DecisionFile | None = None,
     ) -> None:
