@@ -53,6 +53,26 @@ def _load_keys(x_ptr, idx_ptr, offs, n, LARGEST: tl.constexpr, HAS_IDX: tl.const
 
 
 @triton.jit
+def _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr,
+           SHIFT: tl.constexpr):
+    """One histogram pass over the 8-bit digit at SHIFT of the keys that share prefix's digits above it: prefix with
+    the threshold's digit set, and how many entries equal to the threshold so far are still wanted."""
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        if SHIFT < 24:
+            valid = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=valid)
+    # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
+    remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining
+
+
+@triton.jit
 def _select(x_ptr, idx_ptr, n, seg_stride, row_stride, out_x_ptr, out_idx_ptr, k,
             LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):
     """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
@@ -69,23 +89,12 @@ def _select(x_ptr, idx_ptr, n, seg_stride, row_stride, out_x_ptr, out_idx_ptr, k
     out_x_ptr += out
     out_idx_ptr += out
     wanted = tl.minimum(k, n)
-    bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.uint32)
     remaining = wanted
-    for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
-        hist = tl.zeros((256,), dtype=tl.int32)
-        for step in range(0, n, BLOCK):
-            offs = step + tl.arange(0, BLOCK)
-            key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-            if p > 0:
-                valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=valid)
-        # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
-        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
-        remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        prefix = prefix | (digit.to(tl.uint32) << shift)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 24)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 16)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 8)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 0)
     # compaction: above the threshold, and the first `remaining` equal to it, in index order
     taken = tl.zeros((), dtype=tl.int32)
     tied = tl.zeros((), dtype=tl.int32)
