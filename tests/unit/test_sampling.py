@@ -26,7 +26,9 @@ def oracle(x: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
     rank = torch.where(nan, torch.full_like(x, math.inf), x) + 0.0  # + 0.0 turns -0.0 into +0.0
     if largest:  # NaN first: a stable sort on (is NaN, value) descending
         order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
-        order = order.gather(-1, torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices)
+        order = order.gather(
+            -1, torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+        )
     else:  # NaN last
         order = torch.sort(rank, dim=-1, stable=True).indices
         order = order.gather(-1, torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, stable=True).indices)
@@ -135,20 +137,30 @@ def restricted(logits: torch.Tensor, temperature: float, top_k_: int | None, top
 def test_sample_draws_only_allowed_ids(backend):
     logits = torch.randn(1, 300).expand(32, 300).contiguous()
     allowed = restricted(logits[0], 0.7, 20, 0.8) > 0
-    ids = sample(logits, temperature=0.7, top_k=20, top_p=0.8, generator=torch.Generator().manual_seed(3), backend=backend)
+    ids = sample(
+        logits, temperature=0.7, top_k=20, top_p=0.8, generator=torch.Generator().manual_seed(3), backend=backend
+    )
     assert ids.shape == (32,) and ids.dtype == torch.int64
     assert allowed[ids].all(), ids
 
 
-@pytest.mark.parametrize("top_k_, top_p", [(None, None), (None, 0.9), (12, None), (12, 0.75)], ids=["plain", "top_p", "top_k", "both"])
+@pytest.mark.parametrize(
+    "top_k_, top_p", [(None, None), (None, 0.9), (12, None), (12, 0.75)], ids=["plain", "top_p", "top_k", "both"]
+)
 def test_sample_frequencies_match_the_restricted_distribution(top_k_, top_p):
     """20000 draws of one row: each id's count within 5 standard deviations of its binomial mean (a correct sampler
     fails one of the ids with probability below 1e-4 overall), and no draw outside the support."""
     n = 20000
     logits = torch.randn(40, dtype=torch.float64) * 1.5
     q = restricted(logits, 1.3, top_k_, top_p)
-    ids = sample(logits.expand(n, 40).contiguous(), temperature=1.3, top_k=top_k_, top_p=top_p,
-                 generator=torch.Generator().manual_seed(11), backend="torch")
+    ids = sample(
+        logits.expand(n, 40).contiguous(),
+        temperature=1.3,
+        top_k=top_k_,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(11),
+        backend="torch",
+    )
     counts = torch.bincount(ids, minlength=40).double()
     assert (counts[q == 0] == 0).all()
     sigma = torch.sqrt(n * q * (1 - q))
@@ -159,10 +171,17 @@ def test_sample_frequencies_match_the_restricted_distribution(top_k_, top_p):
 @pytest.mark.parametrize("dtype", [f32, bf16], ids=["f32", "bf16"])
 def test_sample_same_generator_state_gives_the_same_ids_on_torch_and_triton(dtype):
     logits = (torch.randn(16, 200) * 2).to(dtype)
-    per_row = {"top_k": torch.randint(1, 40, (16,)), "top_p": torch.rand(16) * 0.9 + 0.1, "temperature": torch.rand(16) + 0.3}
+    per_row = {
+        "top_k": torch.randint(1, 40, (16,)),
+        "top_p": torch.rand(16) * 0.9 + 0.1,
+        "temperature": torch.rand(16) + 0.3,
+    }
     settings = [{"top_k": 50, "top_p": 0.9}, per_row] if dtype == f32 else [{"top_k": 200, "temperature": 0.5}]
     for kwargs in settings:
-        ids = {b: sample(logits, generator=torch.Generator().manual_seed(5), backend=b, **kwargs) for b in ("torch", "triton")}
+        ids = {
+            b: sample(logits, generator=torch.Generator().manual_seed(5), backend=b, **kwargs)
+            for b in ("torch", "triton")
+        }
         assert torch.equal(ids["torch"], ids["triton"]), kwargs
     greedy = sample(logits, top_k=1, backend="triton")
     assert torch.equal(greedy, oracle(logits, 1)[:, 0])
@@ -241,8 +260,16 @@ def test_auto_takes_triton_under_the_interpreter():
         (lambda: sample(torch.randn(5)), ValueError, r"logits: expected shape \[B, V\]"),
         (lambda: sample(torch.randn(2, 5), temperature=0.0), ValueError, r"temperature: expected a finite number > 0"),
         (lambda: sample(torch.randn(2, 5), temperature=-1.0), ValueError, r"temperature: expected a finite number > 0"),
-        (lambda: sample(torch.randn(2, 5), temperature=torch.tensor([1.0, 0.0])), ValueError, r"temperature: .* in every row"),
-        (lambda: sample(torch.randn(2, 5), temperature=torch.ones(3)), ValueError, r"temperature: expected a number or a tensor of shape \(2,\)"),
+        (
+            lambda: sample(torch.randn(2, 5), temperature=torch.tensor([1.0, 0.0])),
+            ValueError,
+            r"temperature: .* in every row",
+        ),
+        (
+            lambda: sample(torch.randn(2, 5), temperature=torch.ones(3)),
+            ValueError,
+            r"temperature: expected a number or a tensor of shape \(2,\)",
+        ),
         (lambda: sample(torch.randn(2, 5), top_p=0.0), ValueError, r"top_p: expected a number in \(0, 1\]"),
         (lambda: sample(torch.randn(2, 5), top_p=1.5), ValueError, r"top_p: expected a number in \(0, 1\]"),
         (lambda: sample(torch.randn(2, 5), top_p=math.nan), ValueError, r"top_p: expected a number in \(0, 1\]"),
@@ -250,7 +277,11 @@ def test_auto_takes_triton_under_the_interpreter():
         (lambda: sample(torch.randn(2, 5), top_k=6), ValueError, r"top_k: expected an int from 1 to 5"),
         (lambda: sample(torch.randn(2, 5), top_k=0), ValueError, r"top_k: expected an int from 1 to 5"),
         (lambda: sample(torch.randn(2, 5), top_k=2.5), TypeError, r"top_k: expected an int"),
-        (lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1.0, 2.0])), TypeError, r"top_k: expected an integer tensor"),
+        (
+            lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1.0, 2.0])),
+            TypeError,
+            r"top_k: expected an integer tensor",
+        ),
         (lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1, 9])), ValueError, r"top_k: .* in every row"),
         (lambda: sample(torch.tensor([[0.0, math.nan]])), ValueError, r"logits: contains NaN"),
         (lambda: sample(torch.randn(2, 5), generator=3), TypeError, r"generator: expected a torch.Generator"),

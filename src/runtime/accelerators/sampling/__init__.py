@@ -41,7 +41,9 @@ def _reasons(backend: str, scores: torch.Tensor, k: int | None, needs_grad: bool
     if scores.shape[-1] > MAX_WIDTH:
         reasons.append(f"the last dim has {scores.shape[-1]} entries; the triton kernels take at most {MAX_WIDTH}")
     if needs_grad:
-        reasons.append("scores require grad; the triton kernels are forward-only (run under torch.no_grad(), or backend='torch')")
+        reasons.append(
+            "scores require grad; the triton kernels are forward-only (run under torch.no_grad(), or backend='torch')"
+        )
     return reasons
 
 
@@ -59,10 +61,16 @@ def _fake_sample(logits, keep_k, max_k, temperature, top_p, uniforms):
 
 # kernel modules: top_k_forward(scores [..., V], k, largest) -> (values, indices) [..., k]
 #                 sample_forward(logits [B, V], keep_k [B] int32, max_k, temperature, top_p, uniforms [B] fp32) -> ids [B]
-TOP_K_KERNEL = KernelOp("sampling", "Tensor scores, int k, bool largest", n_outputs=2, n_saved=0, fake_forward=_fake_top_k, entry="top_k")
+TOP_K_KERNEL = KernelOp(
+    "sampling", "Tensor scores, int k, bool largest", n_outputs=2, n_saved=0, fake_forward=_fake_top_k, entry="top_k"
+)
 SAMPLE_KERNEL = KernelOp(
-    "sampling", "Tensor logits, Tensor keep_k, int max_k, Tensor temperature, Tensor top_p, Tensor uniforms",
-    n_outputs=1, n_saved=0, fake_forward=_fake_sample, entry="sample",
+    "sampling",
+    "Tensor logits, Tensor keep_k, int max_k, Tensor temperature, Tensor top_p, Tensor uniforms",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_sample,
+    entry="sample",
 )
 
 
@@ -73,8 +81,9 @@ def _check_count(name: str, value, width: int) -> None:
         raise ValueError(f"{name}: expected an int from 1 to {width} (the size of the last dim), got {value}")
 
 
-def top_k(scores: torch.Tensor, k: int, *, largest: bool = True, sorted: bool = True,
-          backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(
+    scores: torch.Tensor, k: int, *, largest: bool = True, sorted: bool = True, backend: Backend | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest (or smallest) entries of the last dim of scores [..., V]: (values, int64 indices) [..., k].
 
     Values as torch.topk; among equal values the lower index first. Gradients flow to scores on the torch backend
@@ -93,15 +102,21 @@ def top_k(scores: torch.Tensor, k: int, *, largest: bool = True, sorted: bool = 
     return TOP_K_KERNEL(chosen, scores, k, largest)
 
 
-def _per_row(name: str, value, rows: int, device: torch.device, dtype: torch.dtype, expected: str, valid) -> torch.Tensor:
+def _per_row(
+    name: str, value, rows: int, device: torch.device, dtype: torch.dtype, expected: str, valid
+) -> torch.Tensor:
     """A number or a [rows] tensor, checked with valid(tensor) -> bool tensor (a tensor's values read on the host),
     as a [rows] tensor of dtype on device."""
     if isinstance(value, torch.Tensor):
         integral = dtype == torch.int32
         if (value.is_floating_point() or value.dtype == torch.bool) if integral else not value.is_floating_point():
-            raise TypeError(f"{name}: expected {'an integer' if integral else 'a floating-point'} tensor, got {value.dtype}")
+            raise TypeError(
+                f"{name}: expected {'an integer' if integral else 'a floating-point'} tensor, got {value.dtype}"
+            )
         if value.shape != (rows,):
-            raise ValueError(f"{name}: expected a number or a tensor of shape ({rows},) (one per row), got {tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: expected a number or a tensor of shape ({rows},) (one per row), got {tuple(value.shape)}"
+            )
         if value.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} like logits, got one on {value.device}")
         if rows and not bool(valid(value).all()):
@@ -114,8 +129,15 @@ def _per_row(name: str, value, rows: int, device: torch.device, dtype: torch.dty
     return torch.full((rows,), value, dtype=dtype, device=device)
 
 
-def sample(logits: torch.Tensor, *, temperature=1.0, top_k=None, top_p=None, generator: torch.Generator | None = None,
-           backend: Backend | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    generator: torch.Generator | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
     """One id per row of logits [B, V] (int64 [B]), drawn from softmax(logits / temperature) restricted to the
     top_k largest logits (when given), then to the smallest set of the most probable of those whose cumulative
     probability, renormalised over the top-k set, reaches top_p (when given; the id that crosses top_p is kept; ties
@@ -140,23 +162,46 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=None, top_p=None, gen
     if width == 0:
         raise ValueError("logits: the vocabulary dim (the last) is empty")
     device = logits.device
-    temperature = _per_row("temperature", temperature, rows, device, torch.float32, "a finite number > 0",
-                           lambda t: (t > 0) & torch.isfinite(t))
-    top_p = _per_row("top_p", 1.0 if top_p is None else top_p, rows, device, torch.float32, "a number in (0, 1]",
-                     lambda t: (t > 0) & (t <= 1))
+    temperature = _per_row(
+        "temperature",
+        temperature,
+        rows,
+        device,
+        torch.float32,
+        "a finite number > 0",
+        lambda t: (t > 0) & torch.isfinite(t),
+    )
+    top_p = _per_row(
+        "top_p",
+        1.0 if top_p is None else top_p,
+        rows,
+        device,
+        torch.float32,
+        "a number in (0, 1]",
+        lambda t: (t > 0) & (t <= 1),
+    )
     if top_k is None:
         keep_k, max_k = torch.full((rows,), width, dtype=torch.int32, device=device), None
     else:
         if isinstance(top_k, bool) or not isinstance(top_k, (numbers.Integral, torch.Tensor)):
             raise TypeError(f"top_k: expected an int or an integer per-row tensor, got {type(top_k).__name__}")
-        keep_k = _per_row("top_k", top_k, rows, device, torch.int32, f"an int from 1 to {width} (the vocabulary size)",
-                          lambda t: (t >= 1) & (t <= width))
+        keep_k = _per_row(
+            "top_k",
+            top_k,
+            rows,
+            device,
+            torch.int32,
+            f"an int from 1 to {width} (the vocabulary size)",
+            lambda t: (t >= 1) & (t <= width),
+        )
         max_k = int(keep_k.max()) if rows else 1
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != device.type:
-            raise ValueError(f"generator: expected a generator on {device.type} like logits, got one on {generator.device.type}")
+            raise ValueError(
+                f"generator: expected a generator on {device.type} like logits, got one on {generator.device.type}"
+            )
     if device.type == "cpu" and bool(torch.isnan(logits).any()):
         raise ValueError("logits: contains NaN (the distribution is undefined)")
     uniforms = torch.rand(rows, generator=generator, device=device)

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-_KEY_DTYPES = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_KEY_DTYPES = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 
 
 def sortable_keys(x: torch.Tensor, largest: bool = True) -> torch.Tensor:
@@ -43,8 +48,14 @@ def top_k_reference(scores: torch.Tensor, k: int, largest: bool = True) -> tuple
     return scores.gather(-1, indices), indices
 
 
-def restricted_draw(values: torch.Tensor, indices: torch.Tensor, keep_k: torch.Tensor, temperature: torch.Tensor,
-                    top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def restricted_draw(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    keep_k: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
     """One id per row from sorted candidates (values [B, K] best first, their ids): the first keep_k[b] of them,
     softmax(values / temperature[b]) over those, restricted to the prefix up to and including the first position
     whose cumulative probability reaches top_p[b], renormalised, inverted at uniforms[b] in [0, 1): the first kept
@@ -69,8 +80,14 @@ def restricted_draw(values: torch.Tensor, indices: torch.Tensor, keep_k: torch.T
     return torch.where(has_nan, torch.full_like(ids, -1), ids)
 
 
-def sample_reference(logits: torch.Tensor, keep_k: torch.Tensor, max_k: int, temperature: torch.Tensor,
-                     top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_reference(
+    logits: torch.Tensor,
+    keep_k: torch.Tensor,
+    max_k: int,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
     """logits [B, V]; keep_k [B] (V where no top_k was given), max_k = its maximum; the other arguments [B]."""
     values, indices = top_k_reference(logits.detach(), max_k, largest=True)
     return restricted_draw(values, indices, keep_k, temperature, top_p, uniforms)

@@ -53,8 +53,17 @@ def _load_keys(x_ptr, idx_ptr, offs, n, LARGEST: tl.constexpr, HAS_IDX: tl.const
 
 
 @triton.jit
-def _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr,
-           SHIFT: tl.constexpr):
+def _digit(
+    x_ptr,
+    idx_ptr,
+    n,
+    prefix,
+    remaining,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
     """One histogram pass over the 8-bit digit at SHIFT of the keys that share prefix's digits above it: prefix with
     the threshold's digit set, and how many entries equal to the threshold so far are still wanted."""
     bins = tl.arange(0, 256)
@@ -73,8 +82,20 @@ def _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST: tl.constexpr, HAS_IDX:
 
 
 @triton.jit
-def _select(x_ptr, idx_ptr, n, seg_stride, row_stride, out_x_ptr, out_idx_ptr, k,
-            LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):
+def _select(
+    x_ptr,
+    idx_ptr,
+    n,
+    seg_stride,
+    row_stride,
+    out_x_ptr,
+    out_idx_ptr,
+    k,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
     """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
     shorter; index -1 after them) to out[row, segment, :k], in ascending index order."""
     row = tl.program_id(0).to(tl.int64)
@@ -117,8 +138,9 @@ def _select(x_ptr, idx_ptr, n, seg_stride, row_stride, out_x_ptr, out_idx_ptr, k
 
 
 @triton.jit
-def _sort(cand_x_ptr, cand_idx_ptr, x_ptr, row_stride, values_ptr, indices_ptr, k,
-          LARGEST: tl.constexpr, K_PAD: tl.constexpr):
+def _sort(
+    cand_x_ptr, cand_idx_ptr, x_ptr, row_stride, values_ptr, indices_ptr, k, LARGEST: tl.constexpr, K_PAD: tl.constexpr
+):
     """Program row: its k candidates ordered by key descending, then index ascending; values read back from x."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, K_PAD)
@@ -136,8 +158,9 @@ def _sort(cand_x_ptr, cand_idx_ptr, x_ptr, row_stride, values_ptr, indices_ptr, 
 
 
 @triton.jit
-def _draw(values_ptr, indices_ptr, width, keep_k_ptr, temperature_ptr, top_p_ptr, uniforms_ptr, ids_ptr,
-          K_PAD: tl.constexpr):
+def _draw(
+    values_ptr, indices_ptr, width, keep_k_ptr, temperature_ptr, top_p_ptr, uniforms_ptr, ids_ptr, K_PAD: tl.constexpr
+):
     """Program row: its id from the first keep_k[row] sorted survivors (reference.restricted_draw, step by step)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, K_PAD)
@@ -183,18 +206,54 @@ def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | 
     s = cdiv(n, seg_stride)
     cand_x = torch.empty((rows, s * k), dtype=scores.dtype, device=scores.device)
     cand_idx = torch.empty((rows, s * k), dtype=torch.int64, device=scores.device)
-    _select[(rows, s)](scores, scores, n, seg_stride, scores.stride(0), cand_x, cand_idx, k,
-                       LARGEST=largest, HAS_IDX=False, BLOCK=block, K_PAD=k_pad, num_warps=8)
+    _select[(rows, s)](
+        scores,
+        scores,
+        n,
+        seg_stride,
+        scores.stride(0),
+        cand_x,
+        cand_idx,
+        k,
+        LARGEST=largest,
+        HAS_IDX=False,
+        BLOCK=block,
+        K_PAD=k_pad,
+        num_warps=8,
+    )
     if s > 1:
         final_x = torch.empty((rows, k), dtype=scores.dtype, device=scores.device)
         final_idx = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
-        _select[(rows, 1)](cand_x, cand_idx, s * k, s * k, s * k, final_x, final_idx, k,
-                           LARGEST=largest, HAS_IDX=True, BLOCK=block, K_PAD=k_pad, num_warps=8)
+        _select[(rows, 1)](
+            cand_x,
+            cand_idx,
+            s * k,
+            s * k,
+            s * k,
+            final_x,
+            final_idx,
+            k,
+            LARGEST=largest,
+            HAS_IDX=True,
+            BLOCK=block,
+            K_PAD=k_pad,
+            num_warps=8,
+        )
         cand_x, cand_idx = final_x, final_idx
     values = buffers.empty((rows, k), dtype=scores.dtype, device=scores.device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=scores.device)
-    _sort[(rows,)](cand_x, cand_idx, scores, scores.stride(0), values, indices, k,
-                   LARGEST=largest, K_PAD=k_pad, num_warps=_warps(k_pad))
+    _sort[(rows,)](
+        cand_x,
+        cand_idx,
+        scores,
+        scores.stride(0),
+        values,
+        indices,
+        k,
+        LARGEST=largest,
+        K_PAD=k_pad,
+        num_warps=_warps(k_pad),
+    )
     return values, indices
 
 
@@ -210,12 +269,22 @@ def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | N
     return values.view(shape), indices.view(shape)
 
 
-def sample_forward(logits: torch.Tensor, keep_k: torch.Tensor, max_k: int, temperature: torch.Tensor,
-                   top_p: torch.Tensor, uniforms: torch.Tensor, segments: int | None = None, block: int = BLOCK):
+def sample_forward(
+    logits: torch.Tensor,
+    keep_k: torch.Tensor,
+    max_k: int,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    segments: int | None = None,
+    block: int = BLOCK,
+):
     """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
     values, indices = _select_sorted(_rows(logits), max_k, True, segments, block)
     rows = values.shape[0]
     ids = buffers.empty((rows,), dtype=torch.int64, device=logits.device)
     k_pad = pow2_at_least(max_k, 16)
-    _draw[(rows,)](values, indices, max_k, keep_k, temperature, top_p, uniforms, ids, K_PAD=k_pad, num_warps=_warps(k_pad))
+    _draw[(rows,)](
+        values, indices, max_k, keep_k, temperature, top_p, uniforms, ids, K_PAD=k_pad, num_warps=_warps(k_pad)
+    )
     return ids
