@@ -81,7 +81,9 @@ def test_sample_gives_the_torch_backends_ids(width):
         ids = {}
         for backend in ("torch", "triton"):
             with use_accelerators(fallback="error"):
-                ids[backend] = sample(logits, generator=torch.Generator("cuda").manual_seed(1), backend=backend, **kwargs)
+                ids[backend] = sample(
+                    logits, generator=torch.Generator("cuda").manual_seed(1), backend=backend, **kwargs
+                )
         # equal up to floating-point ties at the CDF boundaries (softmax and cumsum rounding differ a little)
         agree = (ids["torch"] == ids["triton"]).float().mean().item()
         assert agree >= 0.99, (kwargs.keys(), agree)

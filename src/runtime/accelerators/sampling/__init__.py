@@ -16,6 +16,7 @@ and the fallback rule applies.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -105,8 +106,8 @@ def top_k(
 def _per_row(
     name: str, value, rows: int, device: torch.device, dtype: torch.dtype, expected: str, valid
 ) -> torch.Tensor:
-    """A number or a [rows] tensor, checked with valid(tensor) -> bool tensor (a tensor's values read on the host),
-    as a [rows] tensor of dtype on device."""
+    """A number or a [rows] tensor, checked with valid(value) (comparisons only: a bool for a number, a bool tensor
+    for a tensor, whose values are read on the host), as a [rows] tensor of dtype on device."""
     if isinstance(value, torch.Tensor):
         integral = dtype == torch.int32
         if (value.is_floating_point() or value.dtype == torch.bool) if integral else not value.is_floating_point():
@@ -124,7 +125,7 @@ def _per_row(
         return value.to(dtype)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected} (a number or a per-row tensor), got {type(value).__name__}")
-    if not bool(valid(torch.tensor(value))):
+    if not valid(value):  # plain Python: nothing for torch.compile to trace
         raise ValueError(f"{name}: expected {expected}, got {value}")
     return torch.full((rows,), value, dtype=dtype, device=device)
 
@@ -151,7 +152,8 @@ def sample(
     (descending probability, then ascending id), so the same generator state gives the same ids on every backend up
     to floating-point ties at the CDF boundaries.
 
-    NaN logits: on the CPU a ValueError naming logits (checked on every call). On CUDA the check costs no host sync:
+    NaN logits: on the CPU a ValueError naming logits (checked on every eager call; compiled calls treat them as CUDA
+    calls do). On CUDA the check costs no host sync:
     a row with a NaN among its top-k survivors (NaN ranks above every number, so any NaN in the row when top_k is
     None or the row holds fewer than top_k numbers above it) gets the id -1; test `ids < 0` where it matters.
     """
@@ -169,7 +171,7 @@ def sample(
         device,
         torch.float32,
         "a finite number > 0",
-        lambda t: (t > 0) & torch.isfinite(t),
+        lambda t: (t > 0) & (t < math.inf),  # NaN fails both
     )
     top_p = _per_row(
         "top_p",
@@ -194,7 +196,7 @@ def sample(
             f"an int from 1 to {width} (the vocabulary size)",
             lambda t: (t >= 1) & (t <= width),
         )
-        max_k = int(keep_k.max()) if rows else 1
+        max_k = int(top_k) if not isinstance(top_k, torch.Tensor) else int(keep_k.max()) if rows else 1
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
@@ -202,7 +204,7 @@ def sample(
             raise ValueError(
                 f"generator: expected a generator on {device.type} like logits, got one on {generator.device.type}"
             )
-    if device.type == "cpu" and bool(torch.isnan(logits).any()):
+    if device.type == "cpu" and not torch.compiler.is_compiling() and bool(torch.isnan(logits).any()):
         raise ValueError("logits: contains NaN (the distribution is undefined)")
     uniforms = torch.rand(rows, generator=generator, device=device)
     logits = logits.detach()
