@@ -170,6 +170,13 @@ CASES = {
             timestamps=torch.arange(21) * 37, backend=backend,
         ),
     ),
+    "top_k-sample": (  # forward-only kernels: no input requires grad
+        lambda: (torch.randn(300, 3),),
+        lambda backend, x: (
+            *acc.top_k(x.t(), 7, backend=backend),
+            acc.sample(x.t(), temperature=0.7, top_k=5, top_p=0.9, backend=backend),
+        ),
+    ),
     "linear": (  # fp16: the interpreter's bf16 dot is wrong, and the kernels take no fp32
         lambda: tuple(t.half().requires_grad_() for t in (torch.randn(16, 40), 0.2 * torch.randn(64, 16), torch.randn(64))),
         lambda backend, x, w, b: acc.linear(x.t(), w[::2], b[::2], "gelu", backend=backend),

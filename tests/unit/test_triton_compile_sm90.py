@@ -393,6 +393,18 @@ def gated_delta_rule_grad_wy_variants():
         gated_delta_rule(gdr_triton.Tuning(grad_wy=variant))
 
 
+def sampling():
+    """top_k through one program per row (bf16, k = 100) and split rows (fp32, k = 2048, smallest), and sample's
+    draw at top_k = 50."""
+    from runtime.accelerators.sampling import triton as sampling_triton
+
+    x = torch.randn(4, 5000).to(bf16)
+    sampling_triton.top_k_forward(x, 100, True)
+    sampling_triton.top_k_forward(x.float(), 2048, False, segments=2)
+    ones = torch.ones(4)
+    sampling_triton.sample_forward(x, torch.full((4,), 50, dtype=torch.int32), 50, ones, ones, torch.rand(4))
+
+
 def gated_delta_rule_half_backward():
     """The backward with its products on bf16 or tf32 operands forced (Tuning.half_backward; by default it depends on
     K), each step-5 variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
@@ -448,6 +460,7 @@ CASES = {
     "attention_split_backward": attention_split_backward,
     "attention_varlen": attention_varlen,
     "silu_attention": silu_attention,
+    "sampling": sampling,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,

@@ -21,6 +21,7 @@ from .layer_norm import layer_norm
 from .linear import linear
 from .mhc import mhc_post, mhc_pre
 from .rms_norm import rms_norm
+from .sampling import sample, top_k
 from .silu_attention import silu_attention
 from .swiglu import swiglu
 
@@ -54,4 +55,6 @@ __all__ = [
     "gelu",
     "silu",
     "silu_attention",
+    "sample",
+    "top_k",
 ]

@@ -29,6 +29,7 @@ OP_NAMES: tuple[str, ...] = (
     "activation",
     "linear",
     "silu_attention",
+    "sampling",
 )
 
 

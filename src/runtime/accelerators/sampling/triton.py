@@ -1,0 +1,290 @@
+"""top_k and sample in Triton: a radix select per row, no sort of the whole row.
+
+Keys: each value as fp32, mapped to a uint32 that orders as the values do (-0.0 as +0.0, every NaN above +inf;
+complemented for largest=False). A select program finds the k-th largest key of its row with four histogram passes
+over 8-bit digits (each pass counts only the elements that share the digits found so far), then compacts, in
+ascending index order, the elements above that key and the first ones equal to it. A sort program orders the k
+survivors by (key descending, index ascending) through one 64-bit key per survivor. Where there are few rows and long
+ones, each row is split into segments: every segment selects its own k candidates (padded with index -1 where it is
+shorter), and a second select runs over the candidates of the row, which stay in ascending index order.
+
+sample: the top-k select and sort of the logits (the maximum top_k over the rows), then one small program per row:
+softmax over its first top_k[b] survivors at its temperature, the top-p prefix, and the inverse CDF at its uniform.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import buffers
+from ..backends import sm_count
+from ..launch_math import cdiv, pow2_at_least
+
+MAX_K = 2048  # the most survivors one sort program orders
+BLOCK = 4096  # elements a select program reads per step
+SEGMENT_MIN = 16384  # the shortest segment a row is split into
+
+
+@triton.jit
+def _keys(x, LARGEST: tl.constexpr):
+    x = x.to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    key = tl.where(x != x, 0xFFFFFFFF, key)
+    if not LARGEST:
+        key = ~key
+    return key
+
+
+@triton.jit
+def _load_keys(x_ptr, idx_ptr, offs, n, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr):
+    """(keys, values, indices, valid) at offs of a row of n entries; without HAS_IDX the index is the offset."""
+    valid = offs < n
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    if HAS_IDX:
+        index = tl.load(idx_ptr + offs, mask=valid, other=-1)
+        valid = valid & (index >= 0)
+    else:
+        index = offs.to(tl.int64)
+    return _keys(x, LARGEST), x, index, valid
+
+
+@triton.jit
+def _digit(
+    x_ptr,
+    idx_ptr,
+    n,
+    prefix,
+    remaining,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """One histogram pass over the 8-bit digit at SHIFT of the keys that share prefix's digits above it: prefix with
+    the threshold's digit set, and how many entries equal to the threshold so far are still wanted."""
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        if SHIFT < 24:
+            valid = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=valid)
+    # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
+    remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining
+
+
+@triton.jit
+def _select(
+    x_ptr,
+    idx_ptr,
+    n,
+    seg_stride,
+    row_stride,
+    out_x_ptr,
+    out_idx_ptr,
+    k,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
+    shorter; index -1 after them) to out[row, segment, :k], in ascending index order."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    start = segment.to(tl.int64) * seg_stride
+    n = tl.minimum(n - start, seg_stride).to(tl.int32)
+    x_ptr += row * row_stride + start
+    if HAS_IDX:
+        idx_ptr += row * row_stride + start
+    out = (row * n_segments + segment) * k
+    out_x_ptr += out
+    out_idx_ptr += out
+    wanted = tl.minimum(k, n)
+    prefix = tl.zeros((), dtype=tl.uint32)
+    remaining = wanted
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 24)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 16)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 8)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 0)
+    # compaction: above the threshold, and the first `remaining` equal to it, in index order
+    taken = tl.zeros((), dtype=tl.int32)
+    tied = tl.zeros((), dtype=tl.int32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        equal = valid & (key == prefix)
+        rank = tied + tl.cumsum(equal.to(tl.int32), 0)
+        take = (valid & (key > prefix)) | (equal & (rank <= remaining))
+        position = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_x_ptr + position, x, mask=take)
+        if HAS_IDX:
+            tl.store(out_idx_ptr + position, index, mask=take)
+        else:
+            tl.store(out_idx_ptr + position, index + start, mask=take)
+        taken += tl.sum(take.to(tl.int32), 0)
+        tied += tl.sum(equal.to(tl.int32), 0)
+    pad = tl.arange(0, K_PAD)
+    tl.store(out_idx_ptr + pad, tl.full((K_PAD,), -1, tl.int64), mask=(pad >= wanted) & (pad < k))
+
+
+@triton.jit
+def _sort(
+    cand_x_ptr, cand_idx_ptr, x_ptr, row_stride, values_ptr, indices_ptr, k, LARGEST: tl.constexpr, K_PAD: tl.constexpr
+):
+    """Program row: its k candidates ordered by key descending, then index ascending; values read back from x."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, K_PAD)
+    inside = offs < k
+    x = tl.load(cand_x_ptr + row * k + offs, mask=inside, other=0.0)
+    index = tl.load(cand_idx_ptr + row * k + offs, mask=inside, other=0)
+    key = _keys(x, LARGEST).to(tl.uint64)
+    packed = (key << 32) | (0xFFFFFFFF - index).to(tl.uint64)
+    packed = tl.where(inside, packed, tl.zeros_like(packed))
+    packed = tl.sort(packed, 0, descending=True)
+    index = (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int64)
+    values = tl.load(x_ptr + row * row_stride + index, mask=inside)
+    tl.store(values_ptr + row * k + offs, values, mask=inside)
+    tl.store(indices_ptr + row * k + offs, index, mask=inside)
+
+
+@triton.jit
+def _draw(
+    values_ptr, indices_ptr, width, keep_k_ptr, temperature_ptr, top_p_ptr, uniforms_ptr, ids_ptr, K_PAD: tl.constexpr
+):
+    """Program row: its id from the first keep_k[row] sorted survivors (reference.restricted_draw, step by step)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, K_PAD)
+    keep_k = tl.load(keep_k_ptr + row)
+    in_k = offs < keep_k
+    values = tl.load(values_ptr + row * width + offs, mask=in_k, other=0.0).to(tl.float32)
+    has_nan = tl.max((in_k & (values != values)).to(tl.int32), 0) > 0
+    z = tl.where(in_k, values / tl.load(temperature_ptr + row), -float("inf"))
+    e = tl.exp(z - tl.max(z, 0))
+    p = e / tl.sum(e, 0)
+    c = tl.cumsum(p, 0)
+    below = tl.sum((in_k & (c < tl.load(top_p_ptr + row))).to(tl.int32), 0)
+    last = tl.minimum(below, keep_k - 1)
+    mass = tl.sum(tl.where(offs == last, c, 0.0), 0)
+    target = tl.load(uniforms_ptr + row) * mass
+    first = tl.min(tl.where(c > target, offs, K_PAD), 0)
+    pick = tl.minimum(first, last)
+    picked = tl.load(indices_ptr + row * width + pick)
+    tl.store(ids_ptr + row, tl.where(has_nan, -1, picked))
+
+
+def _warps(k_pad: int) -> int:
+    return 4 if k_pad <= 256 else 8
+
+
+def _segments(rows: int, n: int, k: int, device: torch.device, segments: int | None) -> int:
+    """Segments per row: enough programs to fill the GPU when rows are few, each segment at least SEGMENT_MIN long
+    and 4 k; 1 on the CPU (the interpreter) unless asked."""
+    if segments is not None:
+        return max(1, min(segments, n))
+    sms = sm_count(device)
+    if sms == 0 or rows >= 2 * sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, rows), n // max(SEGMENT_MIN, 4 * k)))
+
+
+def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
+    """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
+    rows, n = scores.shape
+    k_pad = pow2_at_least(k, 16)
+    s = _segments(rows, n, k, scores.device, segments)
+    seg_stride = cdiv(n, s)
+    s = cdiv(n, seg_stride)
+    cand_x = torch.empty((rows, s * k), dtype=scores.dtype, device=scores.device)
+    cand_idx = torch.empty((rows, s * k), dtype=torch.int64, device=scores.device)
+    _select[(rows, s)](
+        scores,
+        scores,
+        n,
+        seg_stride,
+        scores.stride(0),
+        cand_x,
+        cand_idx,
+        k,
+        LARGEST=largest,
+        HAS_IDX=False,
+        BLOCK=block,
+        K_PAD=k_pad,
+        num_warps=8,
+    )
+    if s > 1:
+        final_x = torch.empty((rows, k), dtype=scores.dtype, device=scores.device)
+        final_idx = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
+        _select[(rows, 1)](
+            cand_x,
+            cand_idx,
+            s * k,
+            s * k,
+            s * k,
+            final_x,
+            final_idx,
+            k,
+            LARGEST=largest,
+            HAS_IDX=True,
+            BLOCK=block,
+            K_PAD=k_pad,
+            num_warps=8,
+        )
+        cand_x, cand_idx = final_x, final_idx
+    values = buffers.empty((rows, k), dtype=scores.dtype, device=scores.device)
+    indices = buffers.empty((rows, k), dtype=torch.int64, device=scores.device)
+    _sort[(rows,)](
+        cand_x,
+        cand_idx,
+        scores,
+        scores.stride(0),
+        values,
+        indices,
+        k,
+        LARGEST=largest,
+        K_PAD=k_pad,
+        num_warps=_warps(k_pad),
+    )
+    return values, indices
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
+    """scores [..., n] -> (values, int64 indices) [..., k]."""
+    values, indices = _select_sorted(_rows(scores), k, largest, segments, block)
+    shape = (*scores.shape[:-1], k)
+    return values.view(shape), indices.view(shape)
+
+
+def sample_forward(
+    logits: torch.Tensor,
+    keep_k: torch.Tensor,
+    max_k: int,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    segments: int | None = None,
+    block: int = BLOCK,
+):
+    """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
+    values, indices = _select_sorted(_rows(logits), max_k, True, segments, block)
+    rows = values.shape[0]
+    ids = buffers.empty((rows,), dtype=torch.int64, device=logits.device)
+    k_pad = pow2_at_least(max_k, 16)
+    _draw[(rows,)](
+        values, indices, max_k, keep_k, temperature, top_p, uniforms, ids, K_PAD=k_pad, num_warps=_warps(k_pad)
+    )
+    return ids

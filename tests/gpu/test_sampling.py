@@ -1,0 +1,141 @@
+"""top_k and sample on CUDA: the triton kernels (one program per row and split rows) against the exact reference at
+V in {1000, 50257, 1M, 16M}, bf16 ties included; sample's ids equal to the torch backend's from the same generator
+state, its frequencies against the restricted distribution, NaN rows, CUDA-graph capture. The tilelang backend has no
+kernels: its reason and fallback are checked. Kernel outputs are poisoned with NaN by conftest."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import capture_graph
+from runtime.accelerators import sample, top_k, use_accelerators
+from runtime.accelerators.backends import BackendUnavailableError
+from runtime.accelerators.sampling import triton as kernels
+from runtime.accelerators.sampling.reference import top_k_reference
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+# (rows, V, k, dtype): a few rows of a long vocabulary take the split path, many rows one program each
+CASES = {
+    "1x1000-k5-f32": (1, 1000, 5, f32),
+    "7x50257-k50-bf16": (7, 50257, 50, bf16),
+    "300x50257-k2048-f16": (300, 50257, 2048, f16),
+    "64x1M-k64-bf16": (64, 2**20, 64, bf16),
+    "3x1M-k1-f32": (3, 10**6, 1, f32),
+    "1x16M-k100-bf16": (1, 2**24, 100, bf16),
+    "1x16M-k2048-f32": (1, 2**24 - 3, 2048, f32),
+}
+
+
+def check_top_k(x, k, largest):
+    with use_accelerators(fallback="error"):
+        values, indices = top_k(x, k, largest=largest, backend="triton")
+    ref_values, ref_indices = top_k_reference(x, k, largest)
+    assert torch.equal(indices, ref_indices), (indices != ref_indices).nonzero()[:5]
+    assert torch.equal(values, ref_values)
+    torch.testing.assert_close(values, torch.topk(x, k, largest=largest).values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_top_k_matches_the_exact_reference(case):
+    rows, width, k, dtype = CASES[case]
+    x = torch.randn(rows, width, device="cuda", dtype=dtype)
+    check_top_k(x, k, largest=True)
+    check_top_k(x, k, largest=False)
+
+
+def test_top_k_ties_and_all_equal_rows():
+    tied = torch.randint(-3, 4, (5, 50257), device="cuda").to(bf16)
+    for k in (1, 5, 2048):
+        check_top_k(tied, k, True)
+        check_top_k(tied, k, False)
+    check_top_k(torch.full((2, 2**20), 0.25, device="cuda"), 300, True)
+    check_top_k(torch.randint(0, 2, (1, 2**24), device="cuda").to(f16), 100, True)  # split rows, all ties
+
+
+def test_top_k_signed_zeros_nan_infinities_and_strided_rows():
+    x = torch.randn(4, 3001, device="cuda")
+    x[:, ::7] = 0.0
+    x[:, 3::11] = -0.0
+    x[1, 5], x[2, 9], x[3, 100] = math.nan, math.inf, -math.inf
+    with use_accelerators(fallback="error"):
+        values, indices = top_k(x, 40, backend="triton")
+    ref_values, ref_indices = top_k_reference(x, 40)
+    assert torch.equal(indices, ref_indices)
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=0, equal_nan=True)
+    strided = torch.randn(2000, 6, device="cuda", dtype=bf16).t()
+    check_top_k(strided, 33, True)
+
+
+@pytest.mark.parametrize("width", [1000, 50257, 2**20])
+def test_sample_gives_the_torch_backends_ids(width):
+    rows = 256 if width < 2**20 else 64
+    logits = torch.randn(rows, width, device="cuda", dtype=bf16) * 3
+    per_row = {
+        "top_k": torch.randint(1, 51, (rows,), device="cuda"),
+        "top_p": torch.rand(rows, device="cuda") * 0.9 + 0.1,
+        "temperature": torch.rand(rows, device="cuda") + 0.2,
+    }
+    for kwargs in ({"top_k": 50, "top_p": 0.9}, per_row, {"top_k": 2048, "temperature": 0.7}):
+        ids = {}
+        for backend in ("torch", "triton"):
+            with use_accelerators(fallback="error"):
+                ids[backend] = sample(
+                    logits, generator=torch.Generator("cuda").manual_seed(1), backend=backend, **kwargs
+                )
+        # equal up to floating-point ties at the CDF boundaries (softmax and cumsum rounding differ a little)
+        agree = (ids["torch"] == ids["triton"]).float().mean().item()
+        assert agree >= 0.99, (kwargs.keys(), agree)
+        assert (ids["triton"] >= 0).all()
+
+
+def test_sample_frequencies_match_the_restricted_distribution():
+    """100000 draws of one row at top_k = 20, top_p = 0.8: each id's count within 5 standard deviations of its
+    binomial mean (plus one), none outside the kept set."""
+    n, width = 100000, 1000
+    row = torch.randn(width, device="cuda", dtype=torch.float64) * 2
+    z = row / 0.8
+    order = torch.sort(z, descending=True, stable=True).indices[:20]
+    p = torch.softmax(z[order], -1)
+    kept = (torch.cumsum(p, -1) - p) < 0.8
+    q = torch.zeros(width, device="cuda", dtype=torch.float64)
+    q[order[kept]] = p[kept] / p[kept].sum()
+    with use_accelerators(fallback="error"):
+        ids = sample(row.float().expand(n, width).contiguous(), temperature=0.8, top_k=20, top_p=0.8, backend="triton")
+    counts = torch.bincount(ids, minlength=width).double()
+    assert (counts[q == 0] == 0).all()
+    sigma = torch.sqrt(n * q * (1 - q))
+    assert ((counts - n * q).abs() <= 5 * sigma + 1).all()
+
+
+def test_sample_nan_row_gives_minus_one_without_a_sync():
+    logits = torch.randn(4, 5000, device="cuda")
+    logits[2, 17] = math.nan
+    with use_accelerators(fallback="error"):
+        ids = sample(logits, top_k=10, backend="triton")
+    reference = sample(logits, top_k=10, backend="torch")
+    assert ids[2] == reference[2] == -1 and (ids[[0, 1, 3]] >= 0).all()
+
+
+def test_captured_in_a_cuda_graph():
+    logits = torch.randn(32, 150000, device="cuda", dtype=bf16)
+    graph, (values, ids) = capture_graph(
+        lambda: (top_k(logits, 64, backend="triton")[0], sample(logits, top_k=50, top_p=0.9, backend="triton"))
+    )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(values, top_k_reference(logits, 64)[0])
+    assert (ids >= 0).all()
+
+
+def test_forced_split_matches_one_program_per_row():
+    x = torch.randn(3, 200003, device="cuda", dtype=bf16)
+    for segments in (1, 5, 64):
+        values, indices = kernels.top_k_forward(x, 257, True, segments=segments)
+        assert torch.equal(indices, top_k_reference(x, 257)[1]), segments
+
+
+def test_tilelang_has_no_kernels():
+    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="no TileLang kernels"):
+        top_k(torch.randn(2, 100, device="cuda"), 3, backend="tilelang")

@@ -1,0 +1,292 @@
+"""top_k and sample on the CPU: exact agreement of top_k with a stable-sort oracle and torch.topk (random, tied and
+all-equal scores), the Triton kernels under TRITON_INTERPRET=1 (the single-program and the split-row paths), sample's
+support and frequencies against the restricted distribution in float64, the same ids on every backend from the same
+generator state, dispatch and every error."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from runtime.accelerators import explain, sample, top_k
+from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
+from runtime.accelerators.config import use_accelerators
+from runtime.accelerators.sampling import triton as kernels
+from runtime.accelerators.sampling.reference import restricted_draw
+
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def oracle(x: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """Indices of the k best per row by a stable sort in float64: NaN above everything, -0.0 equal to +0.0, ties by
+    ascending index."""
+    x = x.double()
+    nan = torch.isnan(x)
+    rank = torch.where(nan, torch.full_like(x, math.inf), x) + 0.0  # + 0.0 turns -0.0 into +0.0
+    if largest:  # NaN first: a stable sort on (is NaN, value) descending
+        order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
+        order = order.gather(
+            -1, torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+        )
+    else:  # NaN last
+        order = torch.sort(rank, dim=-1, stable=True).indices
+        order = order.gather(-1, torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, stable=True).indices)
+    return order[..., :k]
+
+
+def check_top_k(backend, x, k, largest=True):
+    values, indices = top_k(x, k, largest=largest, backend=backend)
+    expected = oracle(x, k, largest)
+    assert indices.dtype == torch.int64 and values.dtype == x.dtype
+    assert torch.equal(indices, expected), f"{backend} {tuple(x.shape)} k={k} largest={largest}\n{indices}\n{expected}"
+    torch.testing.assert_close(values, torch.topk(x, k, largest=largest).values, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(values, x.gather(-1, expected), rtol=0, atol=0, equal_nan=True)
+
+
+def scores(kind: str, shape, dtype=f32):
+    if kind == "random":
+        return torch.randn(shape, dtype=dtype)
+    if kind == "tied":
+        return torch.randint(-3, 4, shape).to(dtype)
+    return torch.full(shape, 0.5, dtype=dtype)  # all equal
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["random", "tied", "equal"])
+@pytest.mark.parametrize("width", [37, 1000])
+@pytest.mark.parametrize("k", [1, 5, "V"])
+def test_top_k_matches_stable_oracle_and_torch_topk(backend, kind, width, k):
+    k = width if k == "V" else k
+    x = scores(kind, (2 if k == 1000 else 3, width))
+    check_top_k(backend, x, k, largest=True)
+    check_top_k(backend, x, k, largest=False)
+
+
+@pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "f16"])
+def test_top_k_half_precision_ties(dtype):
+    x = scores("tied", (2, 1000), dtype) / 4 + scores("random", (2, 1000), dtype) / 64  # many equal half values
+    for backend in ("torch", "triton"):
+        check_top_k(backend, x, 50)
+        check_top_k(backend, x, 50, largest=False)
+
+
+def test_top_k_signed_zeros_nan_and_infinities():
+    x = torch.tensor([[0.0, -0.0, 1.0, math.nan, -0.0, 0.0, math.nan, -1.0, math.inf, -math.inf, 2.0]])
+    for backend in ("torch", "triton"):
+        for k in (1, 3, 6, 11):
+            check_top_k(backend, x, k)
+            check_top_k(backend, x, k, largest=False)
+
+
+@pytest.mark.parametrize("segments, kind", [(3, "random"), (7, "tied")])
+def test_triton_split_rows_select_per_segment_then_over_the_candidates(segments, kind):
+    """The path long rows take on the GPU: each segment's k candidates, padded where a segment is shorter than k,
+    then a select over them."""
+    x = scores(kind, (2, 1000))
+    for k, largest in ((5, True), (150, False)):  # 1000 / 7 segments: shorter than 150
+        values, indices = kernels.top_k_forward(x, k, largest, segments=segments, block=64)
+        assert torch.equal(indices, oracle(x, k, largest))
+        assert torch.equal(values, x.gather(-1, indices))
+
+
+def test_top_k_batch_dims_strided_and_empty():
+    x = torch.randn(2, 3, 37)
+    for backend in ("torch", "triton"):
+        check_top_k(backend, x, 4)
+        check_top_k(backend, torch.randn(37, 6).t(), 4)  # rows not contiguous
+        values, indices = top_k(torch.randn(0, 37), 3, backend=backend)
+        assert values.shape == indices.shape == (0, 3)
+    x = torch.randn(37)
+    values, indices = top_k(x, 3, backend="triton")
+    assert values.shape == (3,) and torch.equal(indices, oracle(x, 3))
+
+
+def test_top_k_gradients_on_torch_and_a_reason_on_triton():
+    x = torch.randn(3, 37, requires_grad=True)
+    values, indices = top_k(x, 4, backend="torch")
+    (grad,) = torch.autograd.grad(values.sum(), x)
+    expected = torch.zeros(3, 37).scatter(-1, indices, 1.0)
+    assert torch.equal(grad, expected)
+    with pytest.warns(BackendFallbackWarning, match="forward-only"):
+        values, _ = top_k(x, 4, backend="triton")
+    assert values.requires_grad
+    with torch.no_grad():  # nothing to differentiate: the kernel runs
+        with use_accelerators(fallback="error"):
+            check_top_k("triton", x.detach(), 4)
+
+
+# --------------------------------------------------------------------------- sample
+
+
+def restricted(logits: torch.Tensor, temperature: float, top_k_: int | None, top_p: float | None) -> torch.Tensor:
+    """The restricted distribution of one row in float64 (textbook): probabilities over the vocabulary."""
+    z = logits.double() / temperature
+    order = oracle(z, z.shape[-1])
+    kept = order if top_k_ is None else order[:top_k_]
+    p = torch.softmax(z[kept], -1)
+    if top_p is not None:
+        before = torch.cumsum(p, -1) - p
+        kept, p = kept[before < top_p], p[before < top_p]
+    out = torch.zeros_like(z)
+    out[kept] = p / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_draws_only_allowed_ids(backend):
+    logits = torch.randn(1, 300).expand(32, 300).contiguous()
+    allowed = restricted(logits[0], 0.7, 20, 0.8) > 0
+    ids = sample(
+        logits, temperature=0.7, top_k=20, top_p=0.8, generator=torch.Generator().manual_seed(3), backend=backend
+    )
+    assert ids.shape == (32,) and ids.dtype == torch.int64
+    assert allowed[ids].all(), ids
+
+
+@pytest.mark.parametrize(
+    "top_k_, top_p", [(None, None), (None, 0.9), (12, None), (12, 0.75)], ids=["plain", "top_p", "top_k", "both"]
+)
+def test_sample_frequencies_match_the_restricted_distribution(top_k_, top_p):
+    """20000 draws of one row: each id's count within 5 standard deviations of its binomial mean (a correct sampler
+    fails one of the ids with probability below 1e-4 overall), and no draw outside the support."""
+    n = 20000
+    logits = torch.randn(40, dtype=torch.float64) * 1.5
+    q = restricted(logits, 1.3, top_k_, top_p)
+    ids = sample(
+        logits.expand(n, 40).contiguous(),
+        temperature=1.3,
+        top_k=top_k_,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(11),
+        backend="torch",
+    )
+    counts = torch.bincount(ids, minlength=40).double()
+    assert (counts[q == 0] == 0).all()
+    sigma = torch.sqrt(n * q * (1 - q))
+    deviation = (counts - n * q).abs()
+    assert (deviation <= 5 * sigma + 1).all(), (deviation / sigma.clamp_min(1e-12)).max()
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["f32", "bf16"])
+def test_sample_same_generator_state_gives_the_same_ids_on_torch_and_triton(dtype):
+    logits = (torch.randn(16, 200) * 2).to(dtype)
+    per_row = {
+        "top_k": torch.randint(1, 40, (16,)),
+        "top_p": torch.rand(16) * 0.9 + 0.1,
+        "temperature": torch.rand(16) + 0.3,
+    }
+    settings = [{"top_k": 50, "top_p": 0.9}, per_row] if dtype == f32 else [{"top_k": 200, "temperature": 0.5}]
+    for kwargs in settings:
+        ids = {
+            b: sample(logits, generator=torch.Generator().manual_seed(5), backend=b, **kwargs)
+            for b in ("torch", "triton")
+        }
+        assert torch.equal(ids["torch"], ids["triton"]), kwargs
+    greedy = sample(logits, top_k=1, backend="triton")
+    assert torch.equal(greedy, oracle(logits, 1)[:, 0])
+
+
+def test_sample_draws_one_uniform_per_row_from_the_generator():
+    logits = torch.randn(10, 100)
+    generator = torch.Generator().manual_seed(9)
+    sample(logits, top_k=5, generator=generator, backend="triton")
+    expected = torch.Generator().manual_seed(9)
+    torch.rand(10, generator=expected)
+    assert torch.equal(generator.get_state(), expected.get_state())
+
+
+def test_sample_with_the_default_generator_follows_torch_manual_seed():
+    logits = torch.randn(16, 100)
+    torch.manual_seed(4)
+    first = sample(logits, top_k=30, backend="torch")
+    torch.manual_seed(4)
+    assert torch.equal(sample(logits, top_k=30, backend="triton"), first)
+
+
+def test_kernel_and_reference_give_minus_one_for_a_row_with_nan():
+    logits = torch.randn(3, 64)
+    logits[1, 7] = math.nan
+    keep_k, temperature, top_p = torch.full((3,), 8, dtype=torch.int32), torch.ones(3), torch.ones(3)
+    uniforms = torch.rand(3)
+    ids = kernels.sample_forward(logits, keep_k, 8, temperature, top_p, uniforms)
+    assert ids[1] == -1 and (ids[[0, 2]] >= 0).all()
+    values, indices = torch.topk(torch.nan_to_num(logits, nan=math.inf), 8)
+    values = logits.gather(-1, indices)
+    assert torch.equal(restricted_draw(values, indices, keep_k, temperature, top_p, uniforms), ids)
+
+
+def test_sample_without_top_k_runs_torch_with_the_reason():
+    logits = torch.randn(4, 50)
+    with pytest.warns(BackendFallbackWarning, match="need top_k"):
+        ids = sample(logits, top_p=0.5, backend="triton")
+    assert ids.shape == (4,)
+    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="at most 2048"):
+        sample(torch.randn(2, 3000), top_k=2049, backend="triton")
+
+
+def test_sample_empty_batch():
+    assert sample(torch.randn(0, 10), top_k=3, backend="triton").shape == (0,)
+
+
+# --------------------------------------------------------------------------- dispatch and errors
+
+
+def test_tilelang_has_no_kernels_and_falls_back():
+    with pytest.warns(BackendFallbackWarning, match="no TileLang kernels"):
+        check_top_k("tilelang", torch.randn(2, 37), 3)
+    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="sampling: the tilelang"):
+        sample(torch.randn(2, 37), top_k=3, backend="tilelang")
+    assert "sampling: configured 'auto'" in explain("sampling")
+
+
+def test_auto_takes_triton_under_the_interpreter():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_top_k("auto", torch.randn(2, 37), 3)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: top_k(torch.randn(3, 5), 6), ValueError, r"k: expected an int from 1 to 5"),
+        (lambda: top_k(torch.randn(3, 5), 0), ValueError, r"k: expected an int from 1 to 5"),
+        (lambda: top_k(torch.randn(3, 5), True), TypeError, r"k: expected an int"),
+        (lambda: top_k(torch.randn(3, 5), 2.0), TypeError, r"k: expected an int"),
+        (lambda: top_k(torch.arange(5), 2), TypeError, r"scores: expected a floating-point tensor"),
+        (lambda: top_k(torch.randn(3, 0), 1), ValueError, r"k: expected an int from 1 to 0"),
+        (lambda: top_k(torch.randn(3, 5), 2, largest="yes"), TypeError, r"largest: expected a bool"),
+        (lambda: sample(torch.arange(10).view(2, 5)), TypeError, r"logits: expected a floating-point tensor"),
+        (lambda: sample(torch.randn(5)), ValueError, r"logits: expected shape \[B, V\]"),
+        (lambda: sample(torch.randn(2, 5), temperature=0.0), ValueError, r"temperature: expected a finite number > 0"),
+        (lambda: sample(torch.randn(2, 5), temperature=-1.0), ValueError, r"temperature: expected a finite number > 0"),
+        (
+            lambda: sample(torch.randn(2, 5), temperature=torch.tensor([1.0, 0.0])),
+            ValueError,
+            r"temperature: .* in every row",
+        ),
+        (
+            lambda: sample(torch.randn(2, 5), temperature=torch.ones(3)),
+            ValueError,
+            r"temperature: expected a number or a tensor of shape \(2,\)",
+        ),
+        (lambda: sample(torch.randn(2, 5), top_p=0.0), ValueError, r"top_p: expected a number in \(0, 1\]"),
+        (lambda: sample(torch.randn(2, 5), top_p=1.5), ValueError, r"top_p: expected a number in \(0, 1\]"),
+        (lambda: sample(torch.randn(2, 5), top_p=math.nan), ValueError, r"top_p: expected a number in \(0, 1\]"),
+        (lambda: sample(torch.randn(2, 5), top_p="0.9"), TypeError, r"top_p: expected"),
+        (lambda: sample(torch.randn(2, 5), top_k=6), ValueError, r"top_k: expected an int from 1 to 5"),
+        (lambda: sample(torch.randn(2, 5), top_k=0), ValueError, r"top_k: expected an int from 1 to 5"),
+        (lambda: sample(torch.randn(2, 5), top_k=2.5), TypeError, r"top_k: expected an int"),
+        (
+            lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1.0, 2.0])),
+            TypeError,
+            r"top_k: expected an integer tensor",
+        ),
+        (lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1, 9])), ValueError, r"top_k: .* in every row"),
+        (lambda: sample(torch.tensor([[0.0, math.nan]])), ValueError, r"logits: contains NaN"),
+        (lambda: sample(torch.randn(2, 5), generator=3), TypeError, r"generator: expected a torch.Generator"),
+    ],
+)
+def test_errors_name_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
