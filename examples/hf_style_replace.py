@@ -55,7 +55,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -77,7 +80,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, vocab_size=128, hidden_size=32, num_heads=4, intermediate_size=64, num_layers=2):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hidden_size, num_heads, intermediate_size) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hidden_size, num_heads, intermediate_size) for _ in range(num_layers)
+        )
         self.norm = LlamaRMSNorm(hidden_size)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 

@@ -22,7 +22,9 @@ class TinyPCVR(nn.Module):
     def __init__(self, spec, d: int = 16) -> None:
         super().__init__()
         self.fields = rnn.EmbeddingBagMean(sum(spec.sparse_fields.values()) + len(spec.sparse_fields), d, padding_idx=0)
-        offsets = torch.tensor([0, *list(spec.sparse_fields.values())[:-1]]).cumsum(0) + torch.arange(len(spec.sparse_fields))
+        offsets = torch.tensor([0, *list(spec.sparse_fields.values())[:-1]]).cumsum(0) + torch.arange(
+            len(spec.sparse_fields)
+        )
         self.register_buffer("field_offsets", offsets[:, None], persistent=False)
         self.items = nn.Embedding(spec.n_items + 1, d, padding_idx=0)
         self.dense = rnn.Linear(spec.n_dense, d, activation="silu")

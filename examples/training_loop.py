@@ -23,7 +23,9 @@ def main() -> None:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     data = SyntheticPCVR(seed=0, seq_len=16, n_items=200, n_categories=8, val_size=512)
-    model = BaselinePCVR(data.spec, d_model=16, n_heads=2, n_layers=1, ffn_mult=2, dropout=0.0, head_hidden=32).to(device)
+    model = BaselinePCVR(data.spec, d_model=16, n_heads=2, n_layers=1, ffn_mult=2, dropout=0.0, head_hidden=32).to(
+        device
+    )
     criterion = BCEWithLogitsLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     steps = 60
@@ -51,7 +53,9 @@ def main() -> None:
         if step % 20 == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}")
     after = validate()
-    print(f"validation AUC {before['auc']:.3f} -> {after['auc']:.3f}, log-loss {before['logloss']:.3f} -> {after['logloss']:.3f}")
+    print(
+        f"validation AUC {before['auc']:.3f} -> {after['auc']:.3f}, log-loss {before['logloss']:.3f} -> {after['logloss']:.3f}"
+    )
     if not after["logloss"] < before["logloss"]:
         raise SystemExit("the model did not learn")
 

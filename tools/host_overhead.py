@@ -146,7 +146,9 @@ def cases() -> dict:
             call = lambda fn=fn, x=x, w=w, b=b: fn(x, w, b)  # noqa: E731
             shape = f"{rows}x128"
             out[f"{op} {shape} {impl} fwd"] = _forward(call)
-            out[f"{op} {shape} {impl} fwd+bwd"] = _forward_backward(call, params, torch.randn(rows, 128, dtype=torch.bfloat16))
+            out[f"{op} {shape} {impl} fwd+bwd"] = _forward_backward(
+                call, params, torch.randn(rows, 128, dtype=torch.bfloat16)
+            )
     out.update(pcvr_layer_cases())
     out.update(measured_auto_cases())
     return out
@@ -162,8 +164,16 @@ def measured_auto_cases() -> dict:
     config = accelerators.active_config()
     key = ("rms_norm", "auto", config.fallback, config.autotune, x.device, norm_key(x, w))
     file = autotune.DecisionFile(Path(tempfile.mkdtemp()) / "autotune.json")
-    backends._decisions[key] = autotune.Tuned("rms_norm", key[-1], x.device, ("triton",), "triton", timer=lambda run: 1.0, file=file)
-    _both(out, "rms_norm 8192x128 auto (measured)", lambda: rms_norm(x, w, 1e-6), [x, w], torch.randn(8192, 128, dtype=torch.bfloat16))
+    backends._decisions[key] = autotune.Tuned(
+        "rms_norm", key[-1], x.device, ("triton",), "triton", timer=lambda run: 1.0, file=file
+    )
+    _both(
+        out,
+        "rms_norm 8192x128 auto (measured)",
+        lambda: rms_norm(x, w, 1e-6),
+        [x, w],
+        torch.randn(8192, 128, dtype=torch.bfloat16),
+    )
     return out
 
 
@@ -181,9 +191,21 @@ def pcvr_layer_cases() -> dict:
     q, k, v = (torch.randn(256, 4, 257, 16, **fp16, requires_grad=True) for _ in range(3))
     lengths = torch.randint(1, 258, (256,))
     attention = lambda: flash_attention(q, k, v, causal=True, key_lengths=lengths, backend="triton")  # noqa: E731
-    _both(out, "flash_attention 256x4x257x16 causal+lengths triton", attention, [q, k, v], torch.randn(256, 4, 257, 16, **fp16))
+    _both(
+        out,
+        "flash_attention 256x4x257x16 causal+lengths triton",
+        attention,
+        [q, k, v],
+        torch.randn(256, 4, 257, 16, **fp16),
+    )
     gate, up = (torch.randn(256 * 257, 256, **bf16, requires_grad=True) for _ in range(2))
-    _both(out, "swiglu 65792x256 triton", lambda: swiglu(gate, up, backend="triton"), [gate, up], torch.randn(256 * 257, 256, **bf16))
+    _both(
+        out,
+        "swiglu 65792x256 triton",
+        lambda: swiglu(gate, up, backend="triton"),
+        [gate, up],
+        torch.randn(256 * 257, 256, **bf16),
+    )
     x, residual = (torch.randn(256 * 257, 64, **bf16, requires_grad=True) for _ in range(2))
     _both(
         out, "dropout_add 65792x64 p=0.1 triton", lambda: dropout_add(x, residual, 0.1, True, backend="triton"),
@@ -192,7 +214,13 @@ def pcvr_layer_cases() -> dict:
     # a small table: the dense gradient's zero fill and the index sort run as CPU torch ops here (launches on a GPU)
     table = torch.randn(1000, 64, **bf16, requires_grad=True)
     indices = torch.randint(0, 1000, (256, 8))
-    _both(out, "embedding_bag 1000x64 256x8 triton", lambda: embedding_bag_mean(table, indices, backend="triton"), [table], torch.randn(256, 64, **bf16))
+    _both(
+        out,
+        "embedding_bag 1000x64 256x8 triton",
+        lambda: embedding_bag_mean(table, indices, backend="triton"),
+        [table],
+        torch.randn(256, 64, **bf16),
+    )
     gdr = [torch.randn(256, 256, 4, 16, **bf16, requires_grad=True) for _ in range(3)]
     g = (-torch.rand(256, 256, 4)).to(torch.bfloat16).requires_grad_()
     beta = torch.rand(256, 256, 4, **bf16, requires_grad=True)
@@ -221,7 +249,9 @@ def aten_ops_per_call(fn, calls: int = 20) -> str:
         for _ in range(calls):
             fn()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
-    top = collections.Counter(e.name for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    top = collections.Counter(
+        e.name for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
+    )
     return ", ".join(f"{name.removeprefix('aten::')} {count / calls:g}" for name, count in sorted(top.items()))
 
 
@@ -234,10 +264,14 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="cProfile the case with this exact name")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    accelerators.set_accelerators(accelerators.AcceleratorConfig(fallback="error"))  # a case the Triton backend refuses fails, never times torch
+    accelerators.set_accelerators(
+        accelerators.AcceleratorConfig(fallback="error")
+    )  # a case the Triton backend refuses fails, never times torch
     stub_launches()
     table = cases()
-    print(f"torch {torch.__version__}, CPU, launches stubbed; thread CPU us per call (fastest of {args.repeats} x {args.calls} calls)")
+    print(
+        f"torch {torch.__version__}, CPU, launches stubbed; thread CPU us per call (fastest of {args.repeats} x {args.calls} calls)"
+    )
     for name, fn in table.items():
         if args.only not in name:
             continue

@@ -40,7 +40,9 @@ def make_inputs(B, T, H, HV, K, V, dtype, state=False, sequences=None, seed=0, d
 
 def call(function, inputs, backend, **options):
     x = inputs
-    return function(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options)
+    return function(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options
+    )
 
 
 def triton_chunk(inputs, tuning, scale=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None):

@@ -145,7 +145,9 @@ def test_parameter_gradients_repeat_bit_for_bit(backend, op):
     dy, dnew = torch.randn_like(x), torch.randn_like(x)
 
     def grads():
-        return torch.autograd.grad(OPS[op](x, residual, **params, backend=backend), [x, residual, *params.values()], (dy, dnew))
+        return torch.autograd.grad(
+            OPS[op](x, residual, **params, backend=backend), [x, residual, *params.values()], (dy, dnew)
+        )
 
     first, second = grads(), grads()
     for a, b in zip(first, second):

@@ -131,15 +131,23 @@ CALLS = {
     "bce_with_logits": lambda: acc.binary_cross_entropy_with_logits(  # check_targets syncs: timed without a graph
         _bf16(65536), torch.rand(65536, device=CUDA, dtype=torch.bfloat16), check_targets=True
     ),
-    "embedding_bag_mean": lambda: acc.embedding_bag_mean(_bf16(1000, 64), torch.randint(0, 1000, (256, 8), device=CUDA)),
+    "embedding_bag_mean": lambda: acc.embedding_bag_mean(
+        _bf16(1000, 64), torch.randint(0, 1000, (256, 8), device=CUDA)
+    ),
     "flash_attention": lambda: acc.flash_attention(
-        _bf16(8, 4, 257, 64), _bf16(8, 4, 257, 64), _bf16(8, 4, 257, 64), causal=True,
+        _bf16(8, 4, 257, 64),
+        _bf16(8, 4, 257, 64),
+        _bf16(8, 4, 257, 64),
+        causal=True,
         key_lengths=torch.randint(1, 258, (8,), device=CUDA),
     ),  # fmt: skip
     "gated_delta_rule": lambda: acc.chunk_gated_delta_rule(
-        _bf16(4, 256, 4, 32), _bf16(4, 256, 4, 32), _bf16(4, 256, 4, 32),
+        _bf16(4, 256, 4, 32),
+        _bf16(4, 256, 4, 32),
+        _bf16(4, 256, 4, 32),
         torch.nn.functional.logsigmoid(torch.randn(4, 256, 4, device=CUDA) + 2).to(torch.bfloat16).requires_grad_(),
-        torch.rand(4, 256, 4, device=CUDA, dtype=torch.bfloat16).requires_grad_(), use_qk_l2norm_in_kernel=True,
+        torch.rand(4, 256, 4, device=CUDA, dtype=torch.bfloat16).requires_grad_(),
+        use_qk_l2norm_in_kernel=True,
     ),  # fmt: skip
     "mhc": lambda: acc.mhc_pre(**_mhc_inputs()),
 }

@@ -122,7 +122,7 @@ def test_half_pos_weight_none(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_none_with_broadcast_gradient_and_strided_logits(backend):
-    base = (4 * torch.randn(37, 2000, device="cuda"))
+    base = 4 * torch.randn(37, 2000, device="cuda")
     x = base[:, ::2].requires_grad_()  # a strided view
     y = torch.rand(37, 1000, device="cuda", requires_grad=True)
     check(backend, x, y, reduction="none", sum_backward=True)  # loss.sum().backward(): a stride-0 gradient
@@ -162,12 +162,18 @@ def test_triton_looping_launches(launch, reduction, monkeypatch):
         assert torch.equal(bce(x, y, pos_weight=pos_weight, backend="triton"), out)
 
 
-@pytest.mark.parametrize("dtype, with_pos_weight", [(f32, False), (f32, True), (bf16, False)], ids=["f32", "f32-pos_weight", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, with_pos_weight", [(f32, False), (f32, True), (bf16, False)], ids=["f32", "f32-pos_weight", "bf16"]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_logits_are_finite_and_accurate(backend, dtype, with_pos_weight):
     n = 5000
     sign = torch.where(torch.rand(n, device="cuda") < 0.5, -1.0, 1.0)
-    magnitude = torch.where(torch.rand(n, device="cuda") < 0.8, 1e4 * (0.5 + torch.rand(n, device="cuda")), 30 * torch.rand(n, device="cuda"))
+    magnitude = torch.where(
+        torch.rand(n, device="cuda") < 0.8,
+        1e4 * (0.5 + torch.rand(n, device="cuda")),
+        30 * torch.rand(n, device="cuda"),
+    )
     x = (sign * magnitude).to(dtype).requires_grad_()
     y = torch.rand(n, device="cuda").to(dtype)
     y[:100] = 0.0

@@ -12,7 +12,9 @@ import torch
 import runtime.accelerators as acc
 from runtime.accelerators.testing import assert_close
 
-_spec = importlib.util.spec_from_file_location("unit_compile_ops", Path(__file__).parents[1] / "unit" / "test_compile_ops.py")
+_spec = importlib.util.spec_from_file_location(
+    "unit_compile_ops", Path(__file__).parents[1] / "unit" / "test_compile_ops.py"
+)
 cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cases)
 

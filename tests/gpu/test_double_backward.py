@@ -41,7 +41,8 @@ finally:
 def test_double_backward_names_the_op(case, backend):
     make_inputs, fn = cases.DIFFERENTIABLE[case]
     inputs = tuple(
-        x.detach().to("cuda").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in make_inputs()
+        x.detach().to("cuda").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in make_inputs()
     )
     fn = functools.partial(fn, backend)
     with acc.use_accelerators(fallback="error"):

@@ -85,7 +85,12 @@ def test_keep_rate_and_independence(backend, p):
     assert_rate(keep.sum().item(), n, 1 - p, f"{backend} p={p} kept")
     for i, part in enumerate(keep.chunk(64)):  # no block of the stream is off
         assert_rate(part.sum().item(), part.numel(), 1 - p, f"{backend} p={p} part {i}")
-    for lag in (1, 8, 2048, 4096):  # neighbours, vector mates, one Philox call (Triton), blocks apart: kept together with probability (1 - p)^2
+    for lag in (
+        1,
+        8,
+        2048,
+        4096,
+    ):  # neighbours, vector mates, one Philox call (Triton), blocks apart: kept together with probability (1 - p)^2
         both = (keep[lag:] & keep[:-lag]).sum().item()
         assert_rate(both, n - lag, (1 - p) ** 2, f"{backend} p={p} pairs at lag {lag}")
 
@@ -146,7 +151,9 @@ def test_forward_backward_in_a_cuda_graph_run_the_kernels_with_a_new_mask_per_re
     graph; dx is zero exactly where out dropped x; the keep rate is 1 - p. The two replays drew different seeds
     and masks (independent: they agree on a fraction p^2 + (1 - p)^2)."""
     n, p = (1 << 20) + 5, 0.3  # not a multiple of either kernel's block
-    x = ((1 + torch.rand(n, device="cuda")) * torch.randn(n, device="cuda").sign()).to(bf16).requires_grad_()  # |x| >= 1
+    x = (
+        ((1 + torch.rand(n, device="cuda")) * torch.randn(n, device="cuda").sign()).to(bf16).requires_grad_()
+    )  # |x| >= 1
     r = (1e-3 * torch.randn(n, device="cuda")).to(bf16).requires_grad_()  # x * scale never rounds away against r
     dout = ((0.5 + torch.rand(n, device="cuda")) * torch.randn(n, device="cuda").sign()).to(bf16)  # nonzero
     seeds: list[torch.Tensor] = []
@@ -172,7 +179,9 @@ def test_forward_backward_in_a_cuda_graph_run_the_kernels_with_a_new_mask_per_re
     for i, (out_i, dx_i, dr_i, seed_i) in enumerate(replays):
         tag = f"{backend} replay {i} (seed {seed_i})"
         keep = out_i != r
-        assert torch.equal(keep, MASKS[backend](n, seed_i, p, device="cuda")), f"{tag}: not the kernel's mask for the replay's seed"
+        assert torch.equal(keep, MASKS[backend](n, seed_i, p, device="cuda")), (
+            f"{tag}: not the kernel's mask for the replay's seed"
+        )
         assert_close(f"{tag} out", out_i, ref.dropout_add_masked(x.double(), r.double(), keep, p), RTOL[bf16])
         assert torch.equal(dx_i != 0, keep), f"{tag}: dx must be zero exactly where out dropped x"
         assert_close(f"{tag} dx", dx_i, dout.double() * keep / (1 - p), gradient_tolerance(bf16))

@@ -31,7 +31,11 @@ def _compile_tilelang_kernels():
     from runtime.accelerators.embedding_bag import tilelang as kernels
 
     specs = [(dim, dtype, torch.int64, torch.int64) for dtype, dim in DTYPES.values()]
-    specs += [(64, bf16, torch.int32, torch.int32), (64, bf16, torch.int32, torch.int64), (16, f32, torch.int64, torch.int64)]
+    specs += [
+        (64, bf16, torch.int32, torch.int32),
+        (64, bf16, torch.int32, torch.int64),
+        (16, f32, torch.int64, torch.int64),
+    ]
     specs += [(dim, dtype, torch.int64, torch.int64) for dtype, dim in PADDED_COMBINE.values()]
     kernels.precompile(specs, torch.device("cuda"))
 
@@ -76,7 +80,15 @@ def check(backend, weight, indices, offsets, bag_ids, padding_idx, include_last_
     pad = None if padding_idx is None else padding_idx % weight.shape[0]
     grads = {}
     for sparse in (False, True):
-        out = embedding_bag_mean(weight, indices, offsets, padding_idx, include_last_offset=include_last_offset, sparse=sparse, backend=backend)
+        out = embedding_bag_mean(
+            weight,
+            indices,
+            offsets,
+            padding_idx,
+            include_last_offset=include_last_offset,
+            sparse=sparse,
+            backend=backend,
+        )
         if not sparse:
             grad_out = torch.randn_like(out)
         (grads[sparse],) = torch.autograd.grad(out, weight, grad_out)
@@ -94,7 +106,9 @@ def check(backend, weight, indices, offsets, bag_ids, padding_idx, include_last_
     assert sparse_grad.is_sparse and sparse_grad.is_coalesced() and sparse_grad.dtype == dtype
     rows = sparse_grad.indices()[0]
     expected_rows = torch.unique(flat[flat != pad] if pad is not None else flat)
-    assert torch.equal(rows, expected_rows), f"{tag}: the sparse gradient's rows are not the distinct non-padding indices"
+    assert torch.equal(rows, expected_rows), (
+        f"{tag}: the sparse gradient's rows are not the distinct non-padding indices"
+    )
     assert_close(f"{tag} sparse grad", sparse_grad.to_dense(), grad64, gradient_tolerance(dtype))
 
 
@@ -109,7 +123,15 @@ def test_outputs_and_gradients(backend, dtype_name, layout, padding, dist):
     num_bags, rows = (1500, 4000) if dist == "zipf" else (63, 1000)
     weight = torch.randn(rows, dim, device="cuda").to(dtype).requires_grad_()
     indices, offsets, bag_ids = make_bags(layout, num_bags, rows, dist, padding)
-    check(backend, weight, indices, offsets, bag_ids, PAD if padding else None, tag=f"{backend} {dtype_name} {layout} {dist}")
+    check(
+        backend,
+        weight,
+        indices,
+        offsets,
+        bag_ids,
+        PAD if padding else None,
+        tag=f"{backend} {dtype_name} {layout} {dist}",
+    )
 
 
 @pytest.mark.parametrize("layout", ["2d", "offsets"])
@@ -128,7 +150,9 @@ def test_int32_indices_and_include_last_offset(backend):
     weight = torch.randn(500, 64, device="cuda").to(bf16).requires_grad_()
     flat, offsets, bag_ids = make_bags("offsets", 37, 500, "zipf", padding=True)
     ends = torch.cat([offsets, offsets.new_tensor([flat.numel()])])
-    check(backend, weight, flat.int(), ends.int(), bag_ids, -497, include_last_offset=True, tag=f"{backend} int32 last")  # -497 is row 3
+    check(
+        backend, weight, flat.int(), ends.int(), bag_ids, -497, include_last_offset=True, tag=f"{backend} int32 last"
+    )  # -497 is row 3
     check(backend, weight, flat.int(), offsets, bag_ids, PAD, tag=f"{backend} int32 indices, int64 offsets")
 
 
@@ -150,7 +174,9 @@ def test_zero_embedding_dim_gives_empty_bags(backend, sparse):
 def test_batch_one_and_empty_inputs(backend):
     weight = torch.randn(50, 16, device="cuda", requires_grad=True)
     indices = torch.tensor([[7, 7, 3, 9]], device="cuda")
-    check(backend, weight, indices, None, torch.zeros(4, dtype=torch.long, device="cuda"), PAD, tag=f"{backend} batch 1")
+    check(
+        backend, weight, indices, None, torch.zeros(4, dtype=torch.long, device="cuda"), PAD, tag=f"{backend} batch 1"
+    )
     for indices, offsets, bags in [
         (torch.zeros(0, 4, dtype=torch.long, device="cuda"), None, 0),
         (torch.zeros(5, 0, dtype=torch.long, device="cuda"), None, 5),
@@ -236,14 +262,22 @@ def test_radix_sort_equals_stable_torch_sort(launch):
     """Keys and permutation equal to the torch path's at the sweep's sizes (32768 and 65536 keys over 1M rows), Zipf
     (long runs of equal keys) and uniform, int32 and int64; out-of-range keys as the sentinel num_embeddings."""
     rows = 1_000_000
-    for num_keys, dist, dtype in ((32768, "zipf", torch.int64), (65536, "uniform", torch.int32), (5000, "uniform", torch.int64)):
+    for num_keys, dist, dtype in (
+        (32768, "zipf", torch.int64),
+        (65536, "uniform", torch.int32),
+        (5000, "uniform", torch.int64),
+    ):
         flat = sample(num_keys, rows, dist).to(dtype)
         if num_keys == 5000:
-            flat[::9] = torch.tensor([-1, rows, 2**31 - 1], device="cuda", dtype=dtype).repeat(1000)[: flat[::9].numel()]
+            flat[::9] = torch.tensor([-1, rows, 2**31 - 1], device="cuda", dtype=dtype).repeat(1000)[
+                : flat[::9].numel()
+            ]
         keys, perm = radix_sort.sort(flat, rows, launch)
         mapped = torch.where((flat >= 0) & (flat < rows), flat, rows).to(torch.int32)
         expected = torch.sort(mapped, stable=True)
-        assert torch.equal(keys, expected.values) and torch.equal(perm.long(), expected.indices), f"{num_keys} {dist} {dtype}"
+        assert torch.equal(keys, expected.values) and torch.equal(perm.long(), expected.indices), (
+            f"{num_keys} {dist} {dtype}"
+        )
         if num_keys != 5000:
             assert torch.equal(keys, segments.sort_segments(flat, rows).keys)
 

@@ -20,7 +20,10 @@ DEVICE = "cuda"
 
 def make(dtype, rows=(1000, 37, 5000), dims=(8, 37, 200), batch=129, max_len=9, skew=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE).requires_grad_() for n, d in zip(rows, dims)]
+    weights = [
+        torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE).requires_grad_()
+        for n, d in zip(rows, dims)
+    ]
     lengths = torch.randint(0, max_len + 1, (len(rows) * batch,), generator=gen)
     values = []
     for t, n in enumerate(rows):
@@ -86,7 +89,9 @@ def test_cuda_graph_replay():
     static_values, static_offsets = values.clone(), offsets.clone()
 
     def step():
-        out = embedding_bag_collection(weights, static_values, static_offsets, padding_idx=0, check_indices=False, backend="triton")
+        out = embedding_bag_collection(
+            weights, static_values, static_offsets, padding_idx=0, check_indices=False, backend="triton"
+        )
         return (out, *torch.autograd.grad(out, weights, torch.ones_like(out)))
 
     graph, results = capture_graph(step)
@@ -142,5 +147,8 @@ def test_auto_picks_triton_and_tilelang_has_a_reason():
     weights, values, offsets = make(bf16)
     auto = embedding_bag_collection(weights, values, offsets, backend="auto")
     assert torch.equal(auto, embedding_bag_collection(weights, values, offsets, backend="triton"))
-    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="no embedding_bag_collection kernel"):
+    with (
+        use_accelerators(fallback="error"),
+        pytest.raises(BackendUnavailableError, match="no embedding_bag_collection kernel"),
+    ):
         embedding_bag_collection(weights, values, offsets, backend="tilelang")

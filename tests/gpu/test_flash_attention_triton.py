@@ -140,7 +140,9 @@ def test_key_lengths_under_inference_mode(backend):
             out = flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend=backend)
         except BackendUnavailableError as error:
             pytest.skip(str(error))
-        assert_close("o", out, attention_float64(q, k, v, causal=True, key_lengths=key_lengths), rtol_for(torch.bfloat16))
+        assert_close(
+            "o", out, attention_float64(q, k, v, causal=True, key_lengths=key_lengths), rtol_for(torch.bfloat16)
+        )
         key_lengths.fill_(46)
         with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 45\]"):
             flash_attention(q, k, v, key_lengths=key_lengths, backend=backend)

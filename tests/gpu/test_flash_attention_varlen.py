@@ -79,7 +79,9 @@ def test_triton_max_seqlen_given_and_strided_views():
     cu = offsets(lengths)
     qkv = torch.randn(sum(lengths), 3, 4, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     q, k, v = qkv.unbind(1)
-    out = flash_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=800, backend="triton")
+    out = flash_attention(
+        q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=800, backend="triton"
+    )
     check(out, q, k, v, cu, cu, torch.bfloat16, causal=True)
 
 
@@ -93,7 +95,19 @@ def test_dropout_matches_the_padded_batch_mask(backend):
     torch.manual_seed(5)
     seed = int(draw_seed_tensor(q.device))  # the draw flash_attention makes
     keeps = dropout.varlen_keep_masks(seed, cu_q, cu_k, 4, p, CUDA)
-    check(out, q, k, v, cu_q, cu_k, torch.float16, gradients=backend == "triton", causal=True, keeps=keeps, dropout_p=dropout.drop_rate(p))
+    check(
+        out,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        torch.float16,
+        gradients=backend == "triton",
+        causal=True,
+        keeps=keeps,
+        dropout_p=dropout.drop_rate(p),
+    )
 
 
 # TileLang: the forward on packed sequences (no gradients); two specialisations (compiling is slow)
@@ -141,7 +155,9 @@ def test_compiled_full_graph():
 
     def attention(qkv):
         q, k, v = qkv.unbind(1)
-        return flash_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=500, max_seqlen_k=500, backend="triton")
+        return flash_attention(
+            q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=500, max_seqlen_k=500, backend="triton"
+        )
 
     qkv = torch.randn(sum(lengths), 3, 4, 32, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     compiled = torch.compile(attention, fullgraph=True)

@@ -45,7 +45,9 @@ def test_torch_backend_forward_and_every_gradient(name):
 
 def test_chunked_torch_backend_matches_the_recurrence_on_cuda_in_float64():
     x = make_inputs(2, 130, 2, 4, 32, 16, torch.float64, state=True)
-    o, final = chunk_gated_delta_rule_reference(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], True)
+    o, final = chunk_gated_delta_rule_reference(
+        *(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], True
+    )
     o_ref, final_ref = reference(x, output_final_state=True)
     assert_close("o", o, o_ref, 1e-12)
     assert_close("final_state", final, final_ref, 1e-12)
@@ -54,6 +56,7 @@ def test_chunked_torch_backend_matches_the_recurrence_on_cuda_in_float64():
 def test_sum_over_value_heads_is_torchs_and_compiles_once_for_every_row_count():
     """GVA's per-value-head dq/dk summed and cast in one kernel: torch's sum then cast, bit for bit with two value
     heads, at row counts Triton would otherwise specialise on (1, multiples of 16, others), one compiled kernel."""
+
     def summed(rows):
         per_value_head = torch.randn(rows, 2 * 2, 48, device="cuda")
         out = gdr_backward._sum_value_heads(per_value_head, 1, rows, 2, torch.bfloat16)
@@ -76,9 +79,9 @@ def test_gradients_through_the_triton_recurrent_kernel_fall_back():
     assert inputs["q"].grad is not None
 
 
-
-
-@pytest.mark.parametrize("backend, dtype", [("triton", torch.float32), ("triton", torch.bfloat16), ("tilelang", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "backend, dtype", [("triton", torch.float32), ("triton", torch.bfloat16), ("tilelang", torch.bfloat16)]
+)
 @pytest.mark.parametrize("function", ["chunk", "recurrent"])
 def test_inductor_full_graph_with_cu_seqlens(function, backend, dtype):
     """cu_seqlens on the device: its values are checked by the custom op at run time, nothing branches on them while

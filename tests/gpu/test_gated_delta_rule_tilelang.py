@@ -79,7 +79,9 @@ def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy
     else:
         with use_accelerators(fallback="error"):
             o, _ = call(chunk_gated_delta_rule, inputs, backend)
-    ref, _ = recurrent_gated_delta_rule_reference(*(twin[n] for n in ("q", "k", "v", "g", "beta")), None, None, False, False, None)
+    ref, _ = recurrent_gated_delta_rule_reference(
+        *(twin[n] for n in ("q", "k", "v", "g", "beta")), None, None, False, False, None
+    )
     assert_close("o", o, ref, BOUND[torch.bfloat16])
     grad_out = torch.randn_like(ref)
     grads = torch.autograd.grad(o, list(inputs.values()), grad_out.to(o.dtype))

@@ -47,7 +47,9 @@ def _compile_tilelang_kernels():
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
-@pytest.mark.parametrize("n, C, lead, dtype", CASES, ids=[f"n{n}-C{c}-{'x'.join(map(str, l))}-{str(d)[6:]}" for n, c, l, d in CASES])
+@pytest.mark.parametrize(
+    "n, C, lead, dtype", CASES, ids=[f"n{n}-C{c}-{'x'.join(map(str, l))}-{str(d)[6:]}" for n, c, l, d in CASES]
+)
 def test_mhc_matches_float64(backend, n, C, lead, dtype):
     inputs = {k: v.detach().cuda().requires_grad_() for k, v in make_inputs(n, C, lead, dtype, seed=C).items()}
     check_against_float64(inputs, backend, BOUND[dtype])

@@ -74,7 +74,9 @@ def embedding_bag_case(sparse):
     def case(backend):
         table = tensor(10000, 64)
         hot = torch.randint(0, 50, (4096, 8), device="cuda")  # repeated rows within and across bags
-        indices = torch.where(torch.rand(4096, 8, device="cuda") < 0.5, hot, torch.randint(0, 10000, (4096, 8), device="cuda"))
+        indices = torch.where(
+            torch.rand(4096, 8, device="cuda") < 0.5, hot, torch.randint(0, 10000, (4096, 8), device="cuda")
+        )
         return embedding_bag_mean(table, indices, sparse=sparse, backend=backend), [table]
 
     return case
@@ -88,7 +90,9 @@ def mhc_case(backend):
 def gdr_case(backend):
     inputs = {k: v.requires_grad_() for k, v in gdr_inputs(2, 1000, 4, 4, 64, 64, bf16).items()}
     x = inputs
-    out, _ = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True, backend=backend)
+    out, _ = chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True, backend=backend
+    )
     return out, list(inputs.values())
 
 

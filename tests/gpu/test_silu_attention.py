@@ -103,7 +103,9 @@ def test_triton_dropout_against_the_rebuilt_mask():
     for s, n in enumerate(lengths):
         index = torch.arange(n, device=CUDA)
         bh = (s * h + torch.arange(h, device=CUDA)).view(-1, 1, 1)
-        keep.append(dropout.random_bits(seed, bh, index.view(1, -1, 1), index.view(1, 1, -1)) >= dropout.keep_threshold(p))
+        keep.append(
+            dropout.random_bits(seed, bh, index.view(1, -1, 1), index.view(1, 1, -1)) >= dropout.keep_threshold(p)
+        )
     ref = float64_reference(q, k, v, cu, kwargs, True, None, keep, dropout.drop_rate(p))
     check(out, ref, q, k, v, kwargs, torch.bfloat16)
 

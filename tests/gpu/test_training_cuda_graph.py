@@ -49,9 +49,13 @@ def test_graphed_steps_match_eager_steps(model, preset, tmp_path):
     assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(eager.optimizer.param_groups[0]["lr"], rel=1e-6)
     # every parameter the eager steps moved, the replayed optimizer moved too (AdamW's normalised steps
     # turn bf16 noise in near-zero gradients into lr-sized differences, so values are not compared)
-    initial = Trainer(_compose(*overrides, "trainer.cuda_graph=false"), tmp_path / "initial", Run(torch.device("cuda"))).model
+    initial = Trainer(
+        _compose(*overrides, "trainer.cuda_graph=false"), tmp_path / "initial", Run(torch.device("cuda"))
+    ).model
     for (name, p), q, p0 in zip(graphed.model.named_parameters(), eager.model.parameters(), initial.parameters()):
-        assert torch.equal(p, p0) == torch.equal(q, p0), f"{name}: moved by eager steps {not torch.equal(q, p0)}, by graphed ones {not torch.equal(p, p0)}"
+        assert torch.equal(p, p0) == torch.equal(q, p0), (
+            f"{name}: moved by eager steps {not torch.equal(q, p0)}, by graphed ones {not torch.equal(p, p0)}"
+        )
 
 
 def test_dropout_add_on_a_kernel_backend_stays_on_it_in_the_graph(tmp_path):

@@ -160,7 +160,9 @@ def test_errors():
 
 def test_dispatch_fallback_and_explain():
     x = torch.randn(4, dtype=torch.float64)
-    with pytest.warns(acc.BackendFallbackWarning, match="activation: the triton backend cannot run these inputs: x has dtype float64"):
+    with pytest.warns(
+        acc.BackendFallbackWarning, match="activation: the triton backend cannot run these inputs: x has dtype float64"
+    ):
         assert silu(x, backend="triton").dtype == torch.float64
     with acc.use_accelerators(fallback="error"):
         with pytest.raises(acc.BackendUnavailableError, match="activation: the tilelang backend .*CUDA"):
@@ -182,7 +184,9 @@ def test_modules_follow_the_config():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, act", [(bf16, 0), (f32, 1), (f16, 2)], ids=["silu-bf16", "gelu-f32", "gelu_tanh-f16"])
 def test_tilelang_kernels_compile_for_sm90a(dtype, act):
-    kernels = pytest.importorskip("runtime.accelerators.activation.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError)
+    kernels = pytest.importorskip(
+        "runtime.accelerators.activation.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+    )
     import tilelang
 
     from runtime.accelerators.tilelang_common import device_info

@@ -176,7 +176,9 @@ def test_eager_calls_do_not_keep_x_and_residual_for_backward(op):
         residual.mul_(3.0)
     grads = torch.autograd.grad((y, total), [x0, r0, *params.values()], (dy, dnew))
     check_x, check_r = x0.detach().requires_grad_(), r0.detach().requires_grad_()
-    expected = torch.autograd.grad(OPS[op](check_x, check_r, **params, backend="torch"), [check_x, check_r, *params.values()], (dy, dnew))
+    expected = torch.autograd.grad(
+        OPS[op](check_x, check_r, **params, backend="torch"), [check_x, check_r, *params.values()], (dy, dnew)
+    )
     for grad, ref in zip(grads, expected):
         assert_close(f"{op} gradient after in-place change", grad, ref.double(), 1e-5)
 
@@ -231,7 +233,9 @@ def test_kernel_modules_custom_op_backward_returns_unaliased_gradients():
     x, residual = torch.randn(3, 8), torch.randn(3, 8)
     weight = torch.ones(8)
     y, total, rstd = RMS_KERNEL._forward_op("triton", x, residual, weight, 1e-6)
-    dx, dresidual, dweight = RMS_KERNEL._backward_op("triton", torch.randn(3, 8), torch.randn(3, 8), x, residual, weight, 1e-6, y, total, rstd)
+    dx, dresidual, dweight = RMS_KERNEL._backward_op(
+        "triton", torch.randn(3, 8), torch.randn(3, 8), x, residual, weight, 1e-6, y, total, rstd
+    )
     assert torch.equal(dx, dresidual) and dx.untyped_storage().data_ptr() != dresidual.untyped_storage().data_ptr()
 
 
@@ -284,7 +288,9 @@ def test_layer_bias_shape_error():
 
 def test_unsupported_dtype_falls_back_or_raises():
     x = torch.randn(4, 8, dtype=torch.float64)
-    with pytest.warns(acc.BackendFallbackWarning, match="add_norm: the triton backend cannot run these inputs: x has dtype float64"):
+    with pytest.warns(
+        acc.BackendFallbackWarning, match="add_norm: the triton backend cannot run these inputs: x has dtype float64"
+    ):
         y, total = add_rms_norm(x, x, backend="triton")
     assert y.dtype == torch.float64
     with acc.use_accelerators(fallback="error"):
@@ -298,7 +304,9 @@ def test_config_key_and_explain():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             y, _ = add_rms_norm(torch.randn(3, 8), torch.randn(3, 8))
-    text = acc.explain("add_norm", x=torch.randn(3, 8, dtype=torch.float64), residual=torch.randn(3, 8), weight=torch.ones(8))
+    text = acc.explain(
+        "add_norm", x=torch.randn(3, 8, dtype=torch.float64), residual=torch.randn(3, 8), weight=torch.ones(8)
+    )
     assert "add_norm: configured 'auto' -> runs torch" in text and "x has dtype float64" in text
 
 
@@ -312,7 +320,9 @@ def test_benchmark_runner_checks_both_outputs_and_all_gradients():
         for backend in ("torch", "triton"):
             row = measure(small, backend, "backend", lambda i, b=backend, s=small: s.run(b, i), f32, "fwd+bwd", machine)
             assert row["status"] == "ok", row
-            expected = {"out0", "out1", "dx", "dresidual", "dweight"} | ({"dbias"} if case.op == "add_layer_norm" else set())
+            expected = {"out0", "out1", "dx", "dresidual", "dweight"} | (
+                {"dbias"} if case.op == "add_layer_norm" else set()
+            )
             assert set(row["errors"]) == expected
 
 
@@ -327,7 +337,9 @@ def test_benchmark_runner_checks_both_outputs_and_all_gradients():
     ids=["rms-4096-bf16-w_f32", "layer-200-f16-w_f16-b_f32"],
 )
 def test_tilelang_kernels_compile_for_sm90a(args):
-    kernels = pytest.importorskip("runtime.accelerators.add_norm.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError)
+    kernels = pytest.importorskip(
+        "runtime.accelerators.add_norm.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+    )
     import tilelang
 
     from runtime.accelerators.tilelang_common import device_info

@@ -53,7 +53,9 @@ def _rms_inputs(rows=37, width=48, grad=True):
 
 
 def _tuned(timer, file, candidates=("triton", "torch"), **kw):
-    return Tuned("rms_norm", norm_key(torch.empty(1, 1)), CPU, candidates, static="triton", timer=timer, file=file, **kw)
+    return Tuned(
+        "rms_norm", norm_key(torch.empty(1, 1)), CPU, candidates, static="triton", timer=timer, file=file, **kw
+    )
 
 
 # --------------------------------------------------------------------------- shape classes
@@ -74,7 +76,10 @@ def test_shape_class_folds_leading_dims_and_rounds_sizes_up_to_powers_of_two():
     assert shape_class(acc.gelu, {"x": torch.empty(8, 8)}) != shape_class(acc.silu, {"x": torch.empty(8, 8)})
     assert cls(0, 128)[3] == -1  # an empty tensor has a class of its own (never measured)
     x, w = torch.empty(8000, 128, requires_grad=True), torch.empty(128)
-    assert describe_shape(shape_class(acc.rms_norm, {"x": x, "weight": w, "eps": 1e-6})) == "rms_norm(width 128, numel 2^20 2^7) fwd+bwd"
+    assert (
+        describe_shape(shape_class(acc.rms_norm, {"x": x, "weight": w, "eps": 1e-6}))
+        == "rms_norm(width 128, numel 2^20 2^7) fwd+bwd"
+    )
 
 
 # --------------------------------------------------------------------------- measuring and the table
@@ -156,7 +161,9 @@ def test_decisions_round_trip_through_the_file_into_a_new_process(cache_dir):
     assert _tuned(FakeTimer(2.0, 1.0), DecisionFile(path)).choose(acc.rms_norm, inputs) == "torch"
     data = json.loads(path.read_text())
     (entry,) = data["entries"].values()
-    assert entry["winner"] == "torch" and entry["times_ms"] == {"triton": 2.0, "torch": 1.0} and entry["op"] == "rms_norm"
+    assert (
+        entry["winner"] == "torch" and entry["times_ms"] == {"triton": 2.0, "torch": 1.0} and entry["op"] == "rms_norm"
+    )
     assert entry["shape"] == "rms_norm(width 64, numel 2^11 2^6) fwd+bwd" and entry["device"] == "cpu"
     assert entry["torch"] == torch.__version__ and entry["failed"] == {}
     assert not list(cache_dir.glob("*.tmp"))  # written to a temporary file, then renamed over
@@ -208,7 +215,9 @@ def test_writes_merge_with_what_another_process_wrote(cache_dir):
 def test_autotune_off_by_config_or_environment(monkeypatch):
     monkeypatch.delenv("TAAC_AUTOTUNE", raising=False)
     assert autotune.off_reason(acc.AcceleratorConfig()) is None
-    assert autotune.off_reason(acc.AcceleratorConfig(autotune=False)) == "autotuning is off (accelerators.autotune=false)"
+    assert (
+        autotune.off_reason(acc.AcceleratorConfig(autotune=False)) == "autotuning is off (accelerators.autotune=false)"
+    )
     for value in ("0", "false", "OFF"):
         monkeypatch.setenv("TAAC_AUTOTUNE", value)
         assert autotune.off_reason(acc.AcceleratorConfig()) == f"autotuning is off (TAAC_AUTOTUNE={value})"
@@ -229,7 +238,10 @@ def test_autotune_is_a_key_of_the_hydra_accelerators_group():
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         assert accelerator_config(compose("train").accelerators).autotune is True
-        assert accelerator_config(compose("train", overrides=["accelerators.autotune=false"]).accelerators).autotune is False
+        assert (
+            accelerator_config(compose("train", overrides=["accelerators.autotune=false"]).accelerators).autotune
+            is False
+        )
         with pytest.raises(ConfigCompositionException) as error:
             compose("train", overrides=["accelerators.autotune=maybe"])
     assert "autotune" in str(error.value.__cause__ or error.value)
@@ -242,13 +254,18 @@ def test_autotune_off_keeps_the_static_decision_on_cuda(monkeypatch):
     monkeypatch.delenv("TAAC_AUTOTUNE", raising=False)
     cuda = torch.device("cuda", 0)
     x = torch.empty(4, 8)
-    decide = lambda config: backends._decide_or_tune(RMS_SPEC, "auto", config, cuda, norm_key(x), {"x": x, "weight": None})  # noqa: E731
+    decide = lambda config: backends._decide_or_tune(
+        RMS_SPEC, "auto", config, cuda, norm_key(x), {"x": x, "weight": None}
+    )  # noqa: E731
     assert isinstance(decide(acc.AcceleratorConfig()), Tuned)
     assert decide(acc.AcceleratorConfig(autotune=False)) == "triton"
     monkeypatch.setenv("TAAC_AUTOTUNE", "0")
     assert decide(acc.AcceleratorConfig()) == "triton"
     monkeypatch.delenv("TAAC_AUTOTUNE")
-    assert backends._decide_or_tune(RMS_SPEC, "tilelang", acc.AcceleratorConfig(), cuda, norm_key(x), {"x": x}) == "tilelang"
+    assert (
+        backends._decide_or_tune(RMS_SPEC, "tilelang", acc.AcceleratorConfig(), cuda, norm_key(x), {"x": x})
+        == "tilelang"
+    )
     assert backends._decide_or_tune(RMS_SPEC, "auto", acc.AcceleratorConfig(), CPU, norm_key(x), {"x": x}) == "triton"
 
 
@@ -264,7 +281,9 @@ def test_no_measurement_while_a_graph_is_captured(cache_dir):
     capturing[0] = True
     assert tuned.choose(acc.rms_norm, _rms_inputs()) == "torch" and timer.calls == 2  # the table answers in capture
     # a new process capturing first takes the file's decision
-    assert _tuned(_never_called, DecisionFile(path), capturing=lambda: True).choose(acc.rms_norm, _rms_inputs()) == "torch"
+    assert (
+        _tuned(_never_called, DecisionFile(path), capturing=lambda: True).choose(acc.rms_norm, _rms_inputs()) == "torch"
+    )
 
 
 def test_no_measurement_while_compiling_and_the_table_serves_eager_calls(cache_dir):
@@ -287,9 +306,19 @@ def test_no_measurement_while_compiling_and_the_table_serves_eager_calls(cache_d
 
 def test_a_call_that_runs_no_kernel_is_not_measured(cache_dir):
     timer = FakeTimer(1.0)
-    tuned = Tuned("dropout_add", None, CPU, ("triton", "torch"), static="triton", timer=timer, file=DecisionFile(cache_dir / "a.json"))
+    tuned = Tuned(
+        "dropout_add",
+        None,
+        CPU,
+        ("triton", "torch"),
+        static="triton",
+        timer=timer,
+        file=DecisionFile(cache_dir / "a.json"),
+    )
     x = torch.randn(8, 8)
-    assert tuned.choose(None, {"x": x, "residual": x, "p": 0.0, "training": True}) == "triton"  # dropout_add passes None
+    assert (
+        tuned.choose(None, {"x": x, "residual": x, "p": 0.0, "training": True}) == "triton"
+    )  # dropout_add passes None
     assert tuned.choose(acc.rms_norm, _rms_inputs(rows=0)) == "triton"  # an empty tensor
     assert timer.calls == 0
 
@@ -304,7 +333,10 @@ def test_explain_shows_versions_measured_times_and_winners_else_the_static_reaso
     assert "measured" not in text.replace("measuring", "")
     _tuned(FakeTimer(2.0, 1.0), None).choose(acc.rms_norm, _rms_inputs())  # into $TAAC_CACHE/autotune.json
     text = acc.explain("rms_norm")
-    assert "  measured rms_norm(width 64, numel 2^11 2^6) fwd+bwd (torch.float32, False, None, None): torch 1.0000 ms, triton 2.0000 ms -> torch" in text
+    assert (
+        "  measured rms_norm(width 64, numel 2^11 2^6) fwd+bwd (torch.float32, False, None, None): torch 1.0000 ms, triton 2.0000 ms -> torch"
+        in text
+    )
     assert "measured" not in acc.explain("layer_norm").replace("measuring", "")
 
 

@@ -30,7 +30,9 @@ def textbook64(x, y, weight=None, pos_weight=None, reduction="mean"):
     return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
 
 
-def make_inputs(shape, dtype=f32, target_dtype=None, weight_shape=None, pos_weight_shape=None, scale=3.0, targets_grad=True):
+def make_inputs(
+    shape, dtype=f32, target_dtype=None, weight_shape=None, pos_weight_shape=None, scale=3.0, targets_grad=True
+):
     x = (scale * torch.randn(shape)).to(dtype).requires_grad_()
     y = torch.rand(shape).to(target_dtype or dtype).requires_grad_(targets_grad)
     w = None if weight_shape is None else (0.5 + torch.rand(weight_shape))
@@ -132,7 +134,9 @@ TRITON_CASES = [
 @pytest.mark.parametrize("shape, reduction, weight_shape, pos_weight_shape", TRITON_CASES)
 def test_triton_forward_backward(shape, reduction, weight_shape, pos_weight_shape, targets_grad):
     """Without a target gradient these small inputs take the path where the forward kernel writes dlogits."""
-    x, y, w, pw = make_inputs(shape, weight_shape=weight_shape, pos_weight_shape=pos_weight_shape, targets_grad=targets_grad)
+    x, y, w, pw = make_inputs(
+        shape, weight_shape=weight_shape, pos_weight_shape=pos_weight_shape, targets_grad=targets_grad
+    )
     with poison_outputs():
         out = bce(x, y, w, pw, reduction, backend="triton")
         grad_out = torch.randn(out.shape)
@@ -186,7 +190,12 @@ def test_triton_dlogits_from_the_forward_only_for_small_inputs_without_target_gr
     x64 = x.detach().double().requires_grad_()
     ref = textbook64(x64, y.detach().double())
     assert dx.dtype == bf16
-    assert_close("dlogits", dx, torch.autograd.grad(ref, x64, torch.tensor(0.75, dtype=torch.float64))[0], gradient_tolerance(bf16))
+    assert_close(
+        "dlogits",
+        dx,
+        torch.autograd.grad(ref, x64, torch.tensor(0.75, dtype=torch.float64))[0],
+        gradient_tolerance(bf16),
+    )
 
 
 def test_triton_mixed_dtypes_and_no_target_gradient():
@@ -245,7 +254,9 @@ def check_infinite_logits_as_torch(backend, weighted, pos_weighted, dtype=f32, d
         tensors = [x.clone().requires_grad_(), y.clone().requires_grad_(targets_grad)]
         expected_tensors = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         out = bce(*tensors, weight, pos_weight, reduction="none", backend=backend)
-        expected = F.binary_cross_entropy_with_logits(*expected_tensors, weight, pos_weight=pos_weight, reduction="none")
+        expected = F.binary_cross_entropy_with_logits(
+            *expected_tensors, weight, pos_weight=pos_weight, reduction="none"
+        )
         torch.testing.assert_close(out, expected, equal_nan=True)
         grads = torch.autograd.grad(out, tensors[: 1 + targets_grad], grad_out)
         expected_grads = torch.autograd.grad(expected, expected_tensors[: 1 + targets_grad], grad_out)
@@ -276,7 +287,19 @@ def test_triton_tiny_losses_keep_their_relative_accuracy(pos_weight):
     pw = None if pos_weight is None else torch.tensor([pos_weight])
     out = bce(x, y, pos_weight=pw, reduction="none", backend="triton")
     grad_out = torch.randn(out.shape)
-    compare(out, torch.autograd.grad(out, (x, y), grad_out), x, y, None, pw, "none", grad_out, RTOL[f32], "tiny", textbook=False)
+    compare(
+        out,
+        torch.autograd.grad(out, (x, y), grad_out),
+        x,
+        y,
+        None,
+        pw,
+        "none",
+        grad_out,
+        RTOL[f32],
+        "tiny",
+        textbook=False,
+    )
 
 
 def test_triton_log1p_term_is_relatively_accurate_everywhere():
@@ -337,7 +360,9 @@ TILELANG_VARIANTS = [
 
 @requires_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, args", TILELANG_VARIANTS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+@pytest.mark.parametrize(
+    "kind, args", TILELANG_VARIANTS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v))
+)
 def test_tilelang_compiles_for_sm90a(kind, args):
     import tilelang
 
@@ -360,7 +385,9 @@ def test_auto_picks_triton_under_the_interpreter_and_tilelang_falls_back():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bce(x, y)  # auto: triton (interpreter), no warning
-    with pytest.warns(acc.BackendFallbackWarning, match="bce_with_logits: the tilelang backend cannot run these inputs"):
+    with pytest.warns(
+        acc.BackendFallbackWarning, match="bce_with_logits: the tilelang backend cannot run these inputs"
+    ):
         out = bce(x, y, backend="tilelang")
     torch.testing.assert_close(out, F.binary_cross_entropy_with_logits(x, y))
 
@@ -387,14 +414,34 @@ def test_fallback_error_names_every_reason():
 X43, Y43 = torch.randn(4, 3), torch.rand(4, 3)
 OUTSIDE = r"targets: expected values in \[0, 1\]"
 BAD_INPUTS = {
-    "int-logits": ((torch.randint(0, 2, (4,)), torch.rand(4)), {}, TypeError, "logits: expected a floating-point tensor"),
-    "int-targets": ((torch.randn(4), torch.randint(0, 2, (4,))), {}, TypeError, "targets: expected a floating-point tensor"),
+    "int-logits": (
+        (torch.randint(0, 2, (4,)), torch.rand(4)),
+        {},
+        TypeError,
+        "logits: expected a floating-point tensor",
+    ),
+    "int-targets": (
+        (torch.randn(4), torch.randint(0, 2, (4,))),
+        {},
+        TypeError,
+        "targets: expected a floating-point tensor",
+    ),
     "list-targets": ((torch.randn(4), [0.0, 1.0, 0.0, 1.0]), {}, TypeError, "targets: expected a torch.Tensor"),
     "shape": ((X43, torch.rand(4, 1)), {}, ValueError, r"targets: expected the shape of logits \(4, 3\), got \(4, 1\)"),
     "weight-shape": ((X43, Y43), {"weight": torch.rand(4)}, ValueError, "weight: expected a shape broadcastable"),
     "weight-rank": ((X43, Y43), {"weight": torch.rand(1, 4, 3)}, ValueError, "weight: expected a shape broadcastable"),
-    "pos-weight-shape": ((X43, Y43), {"pos_weight": torch.rand(2)}, ValueError, "pos_weight: expected a shape broadcastable"),
-    "reduction": ((X43, Y43), {"reduction": "avg"}, ValueError, "reduction: expected one of 'none', 'mean', 'sum', got 'avg'"),
+    "pos-weight-shape": (
+        (X43, Y43),
+        {"pos_weight": torch.rand(2)},
+        ValueError,
+        "pos_weight: expected a shape broadcastable",
+    ),
+    "reduction": (
+        (X43, Y43),
+        {"reduction": "avg"},
+        ValueError,
+        "reduction: expected one of 'none', 'mean', 'sum', got 'avg'",
+    ),
     "device": ((X43, torch.rand(4, 3, device="meta")), {}, ValueError, "targets: expected a tensor on cpu"),
     "range": ((torch.randn(3), torch.tensor([0.0, 1.5, -0.1])), {"check_targets": True}, ValueError, OUTSIDE),
     "nan": ((torch.randn(2), torch.tensor([0.0, float("nan")])), {"check_targets": True}, ValueError, OUTSIDE),

@@ -57,7 +57,10 @@ def no_timing(monkeypatch):
 @pytest.mark.parametrize("backends", [",", "", " , "])
 def test_an_empty_backend_selection_is_an_error(backends, capsys, no_timing):
     assert main(["--operator", "rms_norm", "--device", "cpu", "--dtype", "float32", "--backends", backends]) == 2
-    assert f"--backends {backends!r} selects no backend; expected some of torch, triton, tilelang" in capsys.readouterr().err
+    assert (
+        f"--backends {backends!r} selects no backend; expected some of torch, triton, tilelang"
+        in capsys.readouterr().err
+    )
 
 
 def test_kernel_backends_on_the_cpu_say_why_they_cannot_run(capsys, monkeypatch, no_timing):
@@ -65,7 +68,10 @@ def test_kernel_backends_on_the_cpu_say_why_they_cannot_run(capsys, monkeypatch,
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main([*base, "--backends", "torch,triton,tilelang"]) == 2
     err = capsys.readouterr().err
-    assert "--device cpu cannot run triton: triton runs on the CPU only under its interpreter (set TRITON_INTERPRET=1" in err
+    assert (
+        "--device cpu cannot run triton: triton runs on the CPU only under its interpreter (set TRITON_INTERPRET=1"
+        in err
+    )
     assert "tilelang: tilelang compiles CUDA kernels only" in err
     assert main([*base, "--dry-run"]) == 0  # the default: the backends that run here
     assert "backends ['torch']" in capsys.readouterr().out
@@ -92,8 +98,26 @@ def test_dry_run(capsys):
 
 def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     path = tmp_path / "rms.json"
-    command = [sys.executable, "-m", "runtime.benchmark", "--operator", "rms_norm", "--shape", "8192x128", "--device", "cpu",
-               "--dtype", "float32", "--backends", "torch", "--mode", "fwd+bwd", "--no-peers", "--json", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.benchmark",
+        "--operator",
+        "rms_norm",
+        "--shape",
+        "8192x128",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--backends",
+        "torch",
+        "--mode",
+        "fwd+bwd",
+        "--no-peers",
+        "--json",
+        str(path),
+    ]
     subprocess.run(command, check=True, capture_output=True, text=True)
     result = json.loads(path.read_text())
     rows = {(r["impl"], r["mode"]): r for r in result["rows"]}
@@ -116,7 +140,11 @@ def test_update_page_replaces_only_the_generated_section(tmp_path):
 def test_table_lists_each_rows_kernels(capsys):
     row = {"op": "rms_norm", "shape": "8192x128", "dtype": "bfloat16", "mode": "fwd", "impl": "triton", "kind": "backend",
            "status": "ok", "kernels": [{"kernel": "_rms_forward_kernel", "us": 5.25, "per_call": 1.0}]}  # fmt: skip
-    result = {"environment": {"commit": "abc", "gpu": "H100", "versions": {"torch": "2.11"}}, "device": "cuda", "rows": [row]}
+    result = {
+        "environment": {"commit": "abc", "gpu": "H100", "versions": {"torch": "2.11"}},
+        "device": "cuda",
+        "rows": [row],
+    }
     report.print_table(result)
     out = capsys.readouterr().out
     assert "8192x128 fwd triton: kernels" in out and "5.2" in out and "_rms_forward_kernel" in out

@@ -20,7 +20,14 @@ def _row(shape, mode, impl, kind, gpu_ms=None, eager_ms=1.0, status="ok"):
 
 def _result(rows, gpu="NVIDIA H200", command="taac-benchmark --operator rms_norm --json rms_norm.json"):
     env = {"commit": "abc1234", "gpu": gpu, "versions": {"torch": "2.11.0", "triton": "3.6.0", "fla": None}}
-    return {"command": command, "environment": env, "device": "cuda", "copy_tbs": 4.0, "matmul_tflops": None, "rows": rows}
+    return {
+        "command": command,
+        "environment": env,
+        "device": "cuda",
+        "copy_tbs": 4.0,
+        "matmul_tflops": None,
+        "rows": rows,
+    }
 
 
 @pytest.fixture
@@ -46,7 +53,12 @@ def results():
 
 def test_comparisons_pick_the_best_of_ours_and_of_the_peers(results):
     fwd, fwd_bwd, wide = compare(results)
-    assert (fwd.shape, fwd.mode, fwd.ours, fwd.peers) == ("8192x128", "fwd", ["triton", "tilelang"], ["torch.compile", "liger"])
+    assert (fwd.shape, fwd.mode, fwd.ours, fwd.peers) == (
+        "8192x128",
+        "fwd",
+        ["triton", "tilelang"],
+        ["torch.compile", "liger"],
+    )
     assert fwd.best(fwd.ours) == ("tilelang", 0.004) and fwd.best(fwd.peers) == ("torch.compile", 0.008)
     assert fwd.speedup() == pytest.approx(2.0)  # the torch reference's 0.001 counts for neither side
     assert fwd_bwd.ms["tilelang"] is None and fwd_bwd.status["tilelang"] == "error"
@@ -60,17 +72,34 @@ def test_figures_table_has_times_ratios_and_where_it_ran(results):
     assert "    taac-benchmark --operator rms_norm --shape 131072x64 --json b.json" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("| shape"))
-    assert header == "| shape | dtype | mode | triton | tilelang | torch | torch.compile (peer) | liger (peer) | ours vs best peer |"
-    assert "| 8192x128 | bfloat16 | fwd | 0.0050 | 0.0040 | 0.0010 | 0.0080 | 0.0100 | 2.00x (tilelang vs torch.compile) |" in lines
-    assert "| 8192x128 | bfloat16 | fwd+bwd | 0.0200 | error |  | 0.0150 | 0.0600 | 0.75x (triton vs torch.compile) |" in lines
+    assert (
+        header
+        == "| shape | dtype | mode | triton | tilelang | torch | torch.compile (peer) | liger (peer) | ours vs best peer |"
+    )
+    assert (
+        "| 8192x128 | bfloat16 | fwd | 0.0050 | 0.0040 | 0.0010 | 0.0080 | 0.0100 | 2.00x (tilelang vs torch.compile) |"
+        in lines
+    )
+    assert (
+        "| 8192x128 | bfloat16 | fwd+bwd | 0.0200 | error |  | 0.0150 | 0.0600 | 0.75x (triton vs torch.compile) |"
+        in lines
+    )
     assert "| 131072x64 | bfloat16 | fwd | 0.0120 |  |  | wrong | 0.0180 | 1.50x (triton vs liger) |" in lines
     assert lines[-1] == "![ours beside the peers](rms_norm.png)"
 
 
 def test_without_gpu_times_the_table_compares_eager_times():
-    result = _result([_row("256", "fwd", "triton", "backend", eager_ms=0.02), _row("256", "fwd", "torch eager", "peer", eager_ms=0.01)])
+    result = _result(
+        [
+            _row("256", "fwd", "triton", "backend", eager_ms=0.02),
+            _row("256", "fwd", "torch eager", "peer", eager_ms=0.01),
+        ]
+    )
     text = report.figures([result])
-    assert "eager ms per call" in text and "| 256 | bfloat16 | fwd | 0.0200 | 0.0100 | 0.50x (triton vs torch eager) |" in text
+    assert (
+        "eager ms per call" in text
+        and "| 256 | bfloat16 | fwd | 0.0200 | 0.0100 | 0.50x (triton vs torch eager) |" in text
+    )
 
 
 def test_cli_writes_the_page_section_and_a_png(results, tmp_path):
@@ -95,6 +124,8 @@ def test_plot_draws_shapes_without_a_timed_peer(tmp_path):
     pytest.importorskip("matplotlib")
     from runtime.benchmark.plot import plot_speedups
 
-    result = _result([_row("256", "fwd", "triton", "backend", 0.01), _row("256", "fwd", "liger", "peer", status="error")])
+    result = _result(
+        [_row("256", "fwd", "triton", "backend", 0.01), _row("256", "fwd", "liger", "peer", status="error")]
+    )
     path = plot_speedups([result], tmp_path / "sub" / "op.png")
     assert path.exists() and path.stat().st_size > 0

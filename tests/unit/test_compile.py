@@ -33,7 +33,9 @@ def test_compiled_graph_serves_new_batch_sizes():
 ELEMENTWISE = {
     "swiglu": lambda x: acc.swiglu(x, x * 2, backend="triton"),
     "dropout_add": lambda x: acc.dropout_add(x, x * 2, 0.0, backend="triton"),
-    "bce_with_logits": lambda x: acc.binary_cross_entropy_with_logits(x, x.sigmoid(), reduction="none", backend="triton"),
+    "bce_with_logits": lambda x: acc.binary_cross_entropy_with_logits(
+        x, x.sigmoid(), reduction="none", backend="triton"
+    ),
     "rms_norm": lambda x: acc.rms_norm(x, backend="triton"),
 }
 

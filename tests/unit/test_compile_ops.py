@@ -146,7 +146,9 @@ CASES = {
     "embedding_bag_mean": (_bags, lambda backend, w, i: acc.embedding_bag_mean(w[::2], i[:, ::2], backend=backend)),
     "embedding_bag_mean-offsets": (
         lambda: (*_bags(), torch.tensor([0, 3, 3, 9])),
-        lambda backend, w, i, offsets: acc.embedding_bag_mean(w[::2], i.t().flatten()[::3], offsets, padding_idx=2, backend=backend),
+        lambda backend, w, i, offsets: acc.embedding_bag_mean(
+            w[::2], i.t().flatten()[::3], offsets, padding_idx=2, backend=backend
+        ),
     ),
     "mhc_pre-mhc_post": (_mhc_inputs, _mhc),
     "add_rms_norm": (
@@ -160,14 +162,21 @@ CASES = {
     "gelu-silu": (
         lambda: (_randn(24, 5),),
         lambda backend, x: (
-            acc.gelu(x.t(), backend=backend), acc.gelu(x.t(), "tanh", backend=backend), acc.silu(x.t(), backend=backend)
+            acc.gelu(x.t(), backend=backend),
+            acc.gelu(x.t(), "tanh", backend=backend),
+            acc.silu(x.t(), backend=backend),
         ),
     ),
     "silu_attention": (
         lambda: (_randn(21, 3 * 2 * 16), torch.tensor([0, 5, 5, 21], dtype=torch.int32), _randn(16), _randn(2, 12)),
         lambda backend, x, cu, position, time_bias: acc.silu_attention(
-            *x.view(21, 3, 2, 16).unbind(1), cu, max_seqlen=16, position_bias=position[::2], time_bias=time_bias[:, ::2],
-            timestamps=torch.arange(21) * 37, backend=backend,
+            *x.view(21, 3, 2, 16).unbind(1),
+            cu,
+            max_seqlen=16,
+            position_bias=position[::2],
+            time_bias=time_bias[:, ::2],
+            timestamps=torch.arange(21) * 37,
+            backend=backend,
         ),
     ),
     "top_k-sample": (  # forward-only kernels: no input requires grad
@@ -178,7 +187,9 @@ CASES = {
         ),
     ),
     "linear": (  # fp16: the interpreter's bf16 dot is wrong, and the kernels take no fp32
-        lambda: tuple(t.half().requires_grad_() for t in (torch.randn(16, 40), 0.2 * torch.randn(64, 16), torch.randn(64))),
+        lambda: tuple(
+            t.half().requires_grad_() for t in (torch.randn(16, 40), 0.2 * torch.randn(64, 16), torch.randn(64))
+        ),
         lambda backend, x, w, b: acc.linear(x.t(), w[::2], b[::2], "gelu", backend=backend),
     ),
 }
@@ -190,7 +201,9 @@ NOT_OPS = {"explain", "active_config", "set_accelerators", "use_accelerators"}
 GRAPH_BREAKS = {
     "embedding_bag_collection": (
         lambda: ([_randn(10, 8), _randn(12, 16)], torch.tensor([1, 2, 3, 4, 5, 11]), torch.tensor([0, 2, 3, 3, 6])),
-        lambda backend, weights, values, offsets: acc.embedding_bag_collection(weights, values, offsets, backend=backend),
+        lambda backend, weights, values, offsets: acc.embedding_bag_collection(
+            weights, values, offsets, backend=backend
+        ),
     ),
 }
 
@@ -209,14 +222,19 @@ def _run(fn, inputs):
     if not leaves:
         return outputs, ()
     generator = torch.Generator().manual_seed(1)
-    loss = sum((o.float() * torch.randn(o.shape, generator=generator).to(o.device)).sum() for o in outputs if o.requires_grad)
+    loss = sum(
+        (o.float() * torch.randn(o.shape, generator=generator).to(o.device)).sum() for o in outputs if o.requires_grad
+    )
     return outputs, torch.autograd.grad(loss, leaves)
 
 
 @pytest.mark.parametrize(
     "case",
     sorted(CASES)
-    + [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="runs outside the graph")) for case in GRAPH_BREAKS],
+    + [
+        pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="runs outside the graph"))
+        for case in GRAPH_BREAKS
+    ],
 )
 def test_compiled_full_graph_on_strided_inputs_matches_eager(case):
     make_inputs, fn = {**CASES, **GRAPH_BREAKS}[case]

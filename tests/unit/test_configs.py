@@ -89,7 +89,9 @@ def tiny_jagged_data():
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("streams", [0, 2], ids=["residual", "mhc2"])
 def test_every_model_instantiates_and_runs(model, streams, tiny_data, tiny_jagged_data):
-    cfg = _compose(f"model={model}", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", f"model.mhc_streams={streams}")
+    cfg = _compose(
+        f"model={model}", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", f"model.mhc_streams={streams}"
+    )
     if model == "hstu" and streams:
         with pytest.raises(InstantiationException, match="mhc_streams: expected 0 for HSTU"):
             instantiate(cfg.model, spec=tiny_data.spec)
@@ -117,7 +119,11 @@ def test_parquet_data_and_experiment_presets():
     cfg = _compose("data=parquet", "data.path=/some/dir")
     assert cfg.data.source.value == "parquet" and cfg.data.path == "/some/dir"
     small = _compose("experiment=cpu_small")
-    assert small.accelerators.default.value == "torch" and small.model.d_model == 32 and small.trainer.device.value == "cpu"
+    assert (
+        small.accelerators.default.value == "torch"
+        and small.model.d_model == 32
+        and small.trainer.device.value == "cpu"
+    )
     # the command line wins over the preset's choice of accelerators
     assert _compose("experiment=cpu_small", "accelerators=triton").accelerators.default.value == "triton"
 
@@ -127,7 +133,6 @@ def test_benchmark_config_composes():
     assert list(cfg.models) == ["baseline", "tokenformer", "gdr"]
     assert list(cfg.presets) == ["torch", "triton", "tilelang"]
     assert cfg.steps == 200
-
 
 
 @pytest.mark.parametrize(
@@ -164,7 +169,10 @@ def test_benchmark_config_composes():
         ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
         ("+trainer.unknown_key=3", "trainer.unknown_key: no such key in trainer; expected one of [steps, log_every"),
         ("+model.d_modl=32", "model.d_modl: no such key in model; expected one of [_target_, d_model"),
-        ("+sed=1", "sed: no such key in the config; expected one of [seed, data, model, accelerators, trainer, optim, logger]"),
+        (
+            "+sed=1",
+            "sed: no such key in the config; expected one of [seed, data, model, accelerators, trainer, optim, logger]",
+        ),
     ],
 )
 def test_out_of_range_and_unknown_settings_are_refused_by_name(override, expected):
@@ -179,7 +187,12 @@ def test_out_of_range_and_unknown_settings_are_refused_by_name(override, expecte
 def test_the_defaults_presets_and_null_clipping_pass_the_checks():
     from runtime.training.config import check_train_config
 
-    for overrides in ([], ["experiment=cpu_small"], ["model=gdr", "data=parquet", "data.path=/d"], ["trainer.grad_clip=null"]):
+    for overrides in (
+        [],
+        ["experiment=cpu_small"],
+        ["model=gdr", "data=parquet", "data.path=/d"],
+        ["trainer.grad_clip=null"],
+    ):
         checked = check_train_config(_compose(*overrides))
         assert checked.model.d_model % checked.model.n_heads == 0
     assert check_train_config(_compose("trainer.grad_clip=null")).trainer.grad_clip is None
@@ -189,4 +202,6 @@ def test_a_missing_experiment_fails_and_lists_the_presets():
     with pytest.raises(ConfigCompositionException) as error:
         _compose("experiment=cpu_smal")
     message = str(error.value)
-    assert "Could not find 'experiment/cpu_smal'" in message and "cpu_small" in message.split("Available options")[1], message
+    assert "Could not find 'experiment/cpu_smal'" in message and "cpu_small" in message.split("Available options")[1], (
+        message
+    )

@@ -17,13 +17,18 @@ def _x(dtype=torch.float32):
 def test_auto_on_cpu_runs_a_kernel_only_under_the_interpreter():
     x = _x()
     from runtime.accelerators.rms_norm import SPEC as spec
-    assert select_backend(spec, "auto", x.device, ("k",), x=x, weight=None) == "triton"  # TRITON_INTERPRET=1 in this tier
+
+    assert (
+        select_backend(spec, "auto", x.device, ("k",), x=x, weight=None) == "triton"
+    )  # TRITON_INTERPRET=1 in this tier
     assert select_backend(spec, "torch", x.device, ("k",), x=x, weight=None) == "torch"
 
 
 def test_explicit_backend_that_cannot_run_falls_back_to_torch_with_one_warning():
     x = _x()
-    with pytest.warns(acc.BackendFallbackWarning, match="rms_norm: the tilelang backend cannot run these inputs: tensors are on cpu"):
+    with pytest.warns(
+        acc.BackendFallbackWarning, match="rms_norm: the tilelang backend cannot run these inputs: tensors are on cpu"
+    ):
         y = acc.rms_norm(x, backend="tilelang")
     torch.testing.assert_close(y, acc.rms_norm(x, backend="torch"))
     with warnings.catch_warnings():
@@ -85,7 +90,10 @@ def test_set_accelerators_sets_the_process_default():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"default": "cuda"}, "accelerators.default: unknown backend 'cuda'; expected one of auto, torch, triton, tilelang"),
+        (
+            {"default": "cuda"},
+            "accelerators.default: unknown backend 'cuda'; expected one of auto, torch, triton, tilelang",
+        ),
         ({"ops": {"rmsnorm": "triton"}}, "unknown op 'rmsnorm'; expected one of rms_norm, layer_norm"),
         ({"ops": {"rms_norm": "cutlass"}}, "accelerators.ops.rms_norm: unknown backend 'cutlass'"),
         ({"fallback": "ignore"}, "accelerators.fallback: unknown rule 'ignore'; expected one of torch, error"),
@@ -97,7 +105,9 @@ def test_config_rejects_unknown_values(kwargs, message):
 
 
 def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
-    config = acc.AcceleratorConfig.from_mapping({"default": "triton", "ops": {"rms_norm": None, "l2norm": "torch"}, "fallback": "error"})
+    config = acc.AcceleratorConfig.from_mapping(
+        {"default": "triton", "ops": {"rms_norm": None, "l2norm": "torch"}, "fallback": "error"}
+    )
     assert config.ops == {"l2norm": "torch"} and config.default == "triton" and config.fallback == "error"
     with pytest.raises(ValueError, match="unknown keys"):
         acc.AcceleratorConfig.from_mapping({"defaults": "triton"})
@@ -162,7 +172,9 @@ def test_opspec_rejects_unknown_op_name():
 def test_tilelang_version_mismatch_says_what_to_install(monkeypatch):
     monkeypatch.setattr(backends.importlib.metadata, "version", lambda name: "0.1.6")
     reasons = backends.library_reasons.__wrapped__("tilelang")
-    assert reasons == ("tilelang 0.1.6 is installed but this package is written for 0.1.15; install it with `pip install tilelang==0.1.15`",)
+    assert reasons == (
+        "tilelang 0.1.6 is installed but this package is written for 0.1.15; install it with `pip install tilelang==0.1.15`",
+    )
 
 
 def test_missing_tilelang_says_what_to_install(monkeypatch):
@@ -193,7 +205,9 @@ def test_explain_follows_the_fallback_rule():
     with acc.use_accelerators(default="tilelang"):
         assert "rms_norm: configured 'tilelang' -> runs torch (fallback)" in acc.explain("rms_norm")
     with acc.use_accelerators(default="tilelang", fallback="error"):
-        assert "rms_norm: configured 'tilelang' -> runs nothing: raises BackendUnavailableError" in acc.explain("rms_norm")
+        assert "rms_norm: configured 'tilelang' -> runs nothing: raises BackendUnavailableError" in acc.explain(
+            "rms_norm"
+        )
 
 
 def test_explain_takes_each_op_called_by_its_own_argument_names():
@@ -203,7 +217,9 @@ def test_explain_takes_each_op_called_by_its_own_argument_names():
         "dropout_add": dict(x=x, residual=x, p=0.1, training=True),
         "bce_with_logits": dict(logits=x, targets=x, reduction="sum"),
         "gated_delta_rule": dict(q=q, k=q, v=q, g=torch.randn(1, 5, 2), beta=torch.rand(1, 5, 2), scale=None),
-        "mhc": dict(x=torch.randn(3, 9, 8), phi=torch.randn(72, 99), alpha=torch.ones(3), bias=torch.zeros(99), eps=1e-6),
+        "mhc": dict(
+            x=torch.randn(3, 9, 8), phi=torch.randn(72, 99), alpha=torch.ones(3), bias=torch.zeros(99), eps=1e-6
+        ),
     }
     for op, inputs in samples.items():
         assert f"{op}: configured 'auto'" in acc.explain(op, **inputs)
@@ -217,5 +233,7 @@ def test_explain_cli_runs():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "runtime.accelerators"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.accelerators"], capture_output=True, text=True, check=True
+    ).stdout
     assert "rms_norm: configured 'auto'" in out

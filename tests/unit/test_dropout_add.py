@@ -27,7 +27,9 @@ def assert_keep_rate(keep: torch.Tensor, p: float, what: str = "") -> None:
     n = keep.numel()
     sigma = math.sqrt(n * p * (1 - p))
     kept = keep.sum().item()
-    assert abs(kept - n * (1 - p)) <= 6 * sigma, f"{what}: kept {kept} of {n}, expected {n * (1 - p):.0f} +- {6 * sigma:.0f}"
+    assert abs(kept - n * (1 - p)) <= 6 * sigma, (
+        f"{what}: kept {kept} of {n}, expected {n * (1 - p):.0f} +- {6 * sigma:.0f}"
+    )
 
 
 # --------------------------------------------------------------------------- references and generators

@@ -50,7 +50,15 @@ def table(rows, dim, dtype=f32):
 def check(backend, weight, indices, offsets=None, padding_idx=None, include_last_offset=False, sparse=False):
     """Output and weight gradient (dense or sparse) of one backend against float64."""
     with poison_outputs():
-        out = embedding_bag_mean(weight, indices, offsets, padding_idx, include_last_offset=include_last_offset, sparse=sparse, backend=backend)
+        out = embedding_bag_mean(
+            weight,
+            indices,
+            offsets,
+            padding_idx,
+            include_last_offset=include_last_offset,
+            sparse=sparse,
+            backend=backend,
+        )
         grad_out = torch.randn_like(out)
         (grad,) = torch.autograd.grad(out, weight, grad_out)
     weight64 = weight.detach().double().requires_grad_()
@@ -94,14 +102,20 @@ def test_reference_offsets_with_empty_bags_and_int32(include_last_offset):
 
 def test_reference_matches_torch_embedding_bag():
     weight, indices = torch.randn(11, 6), torch.randint(0, 11, (4, 3))
-    torch.testing.assert_close(embedding_bag_mean_reference(weight, indices, None, 2), F.embedding_bag(indices, weight, mode="mean", padding_idx=2))
+    torch.testing.assert_close(
+        embedding_bag_mean_reference(weight, indices, None, 2),
+        F.embedding_bag(indices, weight, mode="mean", padding_idx=2),
+    )
 
 
 # --------------------------------------------------------------------------- triton (interpreter)
 
 
-@pytest.mark.parametrize("sparse, radix", [(False, True), (False, False), (True, True)],
-                         ids=["dense", "dense-torch-sort-filled-first", "sparse"])
+@pytest.mark.parametrize(
+    "sparse, radix",
+    [(False, True), (False, False), (True, True)],
+    ids=["dense", "dense-torch-sort-filled-first", "sparse"],
+)
 def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix, monkeypatch):
     """The dense gradient zero-filled in the radix sort's launches (by fill programs of 32 elements here, many a
     pass) or, where the radix sort does not fit (torch.sort), before the sort; poisoned buffers: a row left unfilled
@@ -175,7 +189,9 @@ TRITON_LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
-@pytest.mark.parametrize("bag_len", [3, 20], ids=["bag3", "bag20"])  # one step of BLOCK_L 4; three of BLOCK_L 8, the last partial
+@pytest.mark.parametrize(
+    "bag_len", [3, 20], ids=["bag3", "bag20"]
+)  # one step of BLOCK_L 4; three of BLOCK_L 8, the last partial
 def test_triton_forward_block_sizes(monkeypatch, launch, bag_len):
     """Other forward launches than the default (triton.FORWARD, as the sweep sets it), on odd bags: padding, an all-padding bag."""
     monkeypatch.setattr(triton_kernels, "FORWARD", launch)
@@ -218,7 +234,13 @@ def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
     paths = [os.environ.get("TAAC_SM90_TRITON", ""), str(Path(runtime.__file__).parents[1])]  # as the sm_90 tier
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths + [env.get("PYTHONPATH", "")] if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", COUNT_ASSERTS, str(tmp_path / "launches.pkl")], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", COUNT_ASSERTS, str(tmp_path / "launches.pkl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     counts = [int(line) for line in done.stdout.split()]
     assert counts == [1] * len(launches), f"__assertfail call sites per launch: {counts}"
@@ -248,7 +270,9 @@ def test_tilelang_kernels_compile_for_sm90a():
 
     programs = [
         kernels.forward_program(37, "bfloat16", "int32", "int64"),  # odd width: padded columns
-        kernels.forward_program(64, "bfloat16", "int64", "int64", kernels.ForwardLaunch(block_b=8, block_l=4, threads=64)),
+        kernels.forward_program(
+            64, "bfloat16", "int64", "int64", kernels.ForwardLaunch(block_b=8, block_l=4, threads=64)
+        ),
         kernels.chunk_program(64, "float16", "int32"),
         kernels.combine_program(128, "float32", "int32"),
     ]
@@ -264,21 +288,34 @@ def test_tilelang_kernels_compile_for_sm90a():
 BAD_INPUTS = [
     (torch.tensor([[1, 9]]), None, r"indices: 9 \(flat position 1\) is outside \[0, num_embeddings=9\)"),
     (torch.tensor([[1, 2], [3, -1]]), None, r"indices: -1 \(flat position 3\) is outside"),
-    (torch.tensor([1, 2, 3]), torch.tensor([1, 2]), r"offsets: expected to start at 0 and rise to len\(indices\)=3, got \[1, 2\]"),
+    (
+        torch.tensor([1, 2, 3]),
+        torch.tensor([1, 2]),
+        r"offsets: expected to start at 0 and rise to len\(indices\)=3, got \[1, 2\]",
+    ),
     (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1]), r"offsets: expected .* got \[0, 2, 1\]"),
 ]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("indices, offsets, message", BAD_INPUTS, ids=["index too large", "negative index", "offsets[0] != 0", "decreasing offsets"])
+@pytest.mark.parametrize(
+    "indices, offsets, message",
+    BAD_INPUTS,
+    ids=["index too large", "negative index", "offsets[0] != 0", "decreasing offsets"],
+)
 def test_bad_indices_or_offsets_raise_naming_the_argument(backend, indices, offsets, message):
     with pytest.raises(IndexError, match=message):
         embedding_bag_mean(torch.randn(9, 4), indices, offsets, backend=backend)
 
 
 def test_last_offset_must_end_the_indices():
-    with pytest.raises(IndexError, match=r"offsets: expected to start at 0 and rise to len\(indices\)=3 at the last offset \(include_last_offset=True\), got \[0, 2\]"):
-        embedding_bag_mean(torch.randn(9, 4), torch.tensor([1, 2, 3]), torch.tensor([0, 2]), include_last_offset=True, backend="triton")
+    with pytest.raises(
+        IndexError,
+        match=r"offsets: expected to start at 0 and rise to len\(indices\)=3 at the last offset \(include_last_offset=True\), got \[0, 2\]",
+    ):
+        embedding_bag_mean(
+            torch.randn(9, 4), torch.tensor([1, 2, 3]), torch.tensor([0, 2]), include_last_offset=True, backend="triton"
+        )
 
 
 def test_unchecked_bad_indices_stay_in_bounds():
@@ -296,10 +333,22 @@ def test_unchecked_bad_indices_stay_in_bounds():
         (dict(indices=torch.ones(1, 2, 2, dtype=torch.int64)), ValueError, "indices: expected a 2-D"),
         (dict(indices=torch.ones(4, dtype=torch.int64)), ValueError, "offsets: required when indices is 1-D"),
         (dict(offsets=torch.tensor([0])), ValueError, "offsets: must be None when indices is 2-D"),
-        (dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.ones(1, 1, dtype=torch.int64)), ValueError, "offsets: expected a 1-D"),
-        (dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.tensor([0.0])), TypeError, "offsets: expected an int32 or int64"),
         (
-            dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.zeros(0, dtype=torch.int64), include_last_offset=True),
+            dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.ones(1, 1, dtype=torch.int64)),
+            ValueError,
+            "offsets: expected a 1-D",
+        ),
+        (
+            dict(indices=torch.ones(4, dtype=torch.int64), offsets=torch.tensor([0.0])),
+            TypeError,
+            "offsets: expected an int32 or int64",
+        ),
+        (
+            dict(
+                indices=torch.ones(4, dtype=torch.int64),
+                offsets=torch.zeros(0, dtype=torch.int64),
+                include_last_offset=True,
+            ),
             ValueError,
             "offsets: include_last_offset=True needs at least one offset",
         ),
@@ -318,10 +367,16 @@ def test_argument_errors_name_the_argument(kwargs, error, message):
 
 def test_strided_weight_is_a_reason_and_falls_back():
     weight = torch.randn(4, 9).t()  # column stride 9
-    with pytest.warns(acc.BackendFallbackWarning, match="embedding_bag_mean: the triton backend cannot run these inputs: weight has strides"):
+    with pytest.warns(
+        acc.BackendFallbackWarning,
+        match="embedding_bag_mean: the triton backend cannot run these inputs: weight has strides",
+    ):
         out = embedding_bag_mean(weight, torch.tensor([[1, 2]]), backend="triton")
     torch.testing.assert_close(out, F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean"))
-    with acc.use_accelerators(fallback="error"), pytest.raises(acc.BackendUnavailableError, match="tilelang.*tensors are on cpu"):
+    with (
+        acc.use_accelerators(fallback="error"),
+        pytest.raises(acc.BackendUnavailableError, match="tilelang.*tensors are on cpu"),
+    ):
         embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2]]), backend="tilelang")
 
 
@@ -336,4 +391,6 @@ def test_tilelang_width_limit_is_a_reason():
 
 def test_float64_weight_runs_the_reference_under_auto():
     weight = torch.randn(9, 4, dtype=torch.float64)
-    torch.testing.assert_close(embedding_bag_mean(weight, torch.tensor([[1, 2]])), F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean"))
+    torch.testing.assert_close(
+        embedding_bag_mean(weight, torch.tensor([[1, 2]])), F.embedding_bag(torch.tensor([[1, 2]]), weight, mode="mean")
+    )

@@ -36,7 +36,9 @@ def jagged(rows=ROWS, batch=BATCH, padding_idx=None, seed=0, max_len=4):
 
 def tables(dtype=f32, rows=ROWS, dims=DIMS, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for n, d in zip(rows, dims)]
+    return [
+        torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for n, d in zip(rows, dims)
+    ]
 
 
 def mean64(weights, values, offsets, padding_idx=None):
@@ -180,7 +182,9 @@ def test_tilelang_falls_back_with_its_reason():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_module(backend):
-    module = EmbeddingBagCollection({"user": (11, 8), "region": (7, 16), "tags": (13, 24)}, padding_idx=0, backend=backend)
+    module = EmbeddingBagCollection(
+        {"user": (11, 8), "region": (7, 16), "tags": (13, 24)}, padding_idx=0, backend=backend
+    )
     assert sorted(module.state_dict()) == ["tables.region.weight", "tables.tags.weight", "tables.user.weight"]
     assert all(not w[0].any() for w in module.weights())
     values, offsets = jagged(padding_idx=0)

@@ -37,7 +37,11 @@ SORTS = {
     "one-key": (50, lambda: torch.tensor([17]), RadixLaunch(tile=16)),
     "hot-row-3-tiles": (50, lambda: torch.full((40,), 7), RadixLaunch(digit_bits=3, tile=16)),
     "50-rows-1-pass-int32": (50, lambda: _random(100, 50, torch.int32), RadixLaunch(tile=16)),
-    "1000-rows-2-passes": (1000, lambda: hot_indices(150, 1000, hot=999, copies=40), RadixLaunch(digit_bits=5, tile=32)),
+    "1000-rows-2-passes": (
+        1000,
+        lambda: hot_indices(150, 1000, hot=999, copies=40),
+        RadixLaunch(digit_bits=5, tile=32),
+    ),
     "5000-rows-5-passes-int32": (5000, lambda: _random(90, 5000, torch.int32), RadixLaunch(digit_bits=3, tile=16)),
     "out-of-range-sentinel": (37, lambda: _out_of_range(80, 37), RadixLaunch(digit_bits=3, tile=16)),
 }
@@ -81,7 +85,9 @@ def test_radix_sort_errors():
         radix_sort.sort(torch.zeros(2, 2, dtype=torch.int64), 5)
     with pytest.raises(TypeError, match="got 1-D torch.float32"):
         radix_sort.sort(torch.zeros(3), 5)
-    with pytest.raises(ValueError, match="radix sort: zero must be a contiguous tensor on cpu, got a non-contiguous one on cpu"):
+    with pytest.raises(
+        ValueError, match="radix sort: zero must be a contiguous tensor on cpu, got a non-contiguous one on cpu"
+    ):
         radix_sort.sort(torch.zeros(3, dtype=torch.int64), 5, zero=torch.zeros(4, 4).t())
 
 
@@ -161,5 +167,3 @@ def test_radix_sort_falls_back_to_torch_sort_past_max_counts(monkeypatch):
     # the permutation's dtype tells the sorts apart: int32 from the radix sort, int64 from torch.sort
     assert triton_kernels.sort_for_gradient(_random(32, 50), 50).perm.dtype == torch.int32
     assert triton_kernels.sort_for_gradient(_random(33, 50), 50).perm.dtype == torch.int64  # 3 tiles: torch.sort
-
-

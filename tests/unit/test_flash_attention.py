@@ -66,7 +66,9 @@ def test_torch_backend(causal, lengths, gqa, masked):
         attn_mask[5] = False  # a row with no visible key
     out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, attn_mask=attn_mask, backend="torch")
     kwargs = dict(causal=causal, key_lengths=key_lengths, attn_mask=attn_mask)
-    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs)
+    check_against_float64(
+        out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs
+    )
 
 
 def test_rows_without_keys_give_zeros_and_finite_gradients():
@@ -128,7 +130,9 @@ def test_reasons_per_backend():
     assert any("head dim 24" in r for r in input_reasons("triton", q=q, k=k, v=v))
     assert input_reasons("triton", q=q[..., :16].to(torch.float16)) == []
     assert any("float32" in r for r in input_reasons("tilelang", q=q[..., :16]))
-    assert any("attn_mask" in r for r in input_reasons("triton", q=q[..., :16], attn_mask=torch.ones(4, 4, dtype=torch.bool)))
+    assert any(
+        "attn_mask" in r for r in input_reasons("triton", q=q[..., :16], attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    )
     assert input_reasons("triton") == []  # explain() may pass no inputs
 
 
@@ -234,8 +238,16 @@ Q, K = (1, 4, 5, 16), (1, 2, 6, 16)
         (dict(v=torch.randn(1, 2, 7, 16)), ValueError, "v: expected the shape of k"),
         (dict(k=torch.randn(2, 2, 6, 16), v=torch.randn(2, 2, 6, 16)), ValueError, "k: expected batch size 1"),
         (dict(k=torch.randn(1, 2, 6, 32), v=torch.randn(1, 2, 6, 32)), ValueError, "k: expected head dim 16"),
-        (dict(k=torch.randn(1, 3, 6, 16), v=torch.randn(1, 3, 6, 16)), ValueError, r"kv heads \(3\) must divide .* \(4\)"),
-        (dict(q=torch.randn(1, 4, 5, 0), k=torch.randn(1, 2, 6, 0), v=torch.randn(1, 2, 6, 0)), ValueError, "head dim is empty"),
+        (
+            dict(k=torch.randn(1, 3, 6, 16), v=torch.randn(1, 3, 6, 16)),
+            ValueError,
+            r"kv heads \(3\) must divide .* \(4\)",
+        ),
+        (
+            dict(q=torch.randn(1, 4, 5, 0), k=torch.randn(1, 2, 6, 0), v=torch.randn(1, 2, 6, 0)),
+            ValueError,
+            "head dim is empty",
+        ),
         (dict(key_lengths=[3]), TypeError, "key_lengths: expected an integer torch.Tensor"),
         (dict(key_lengths=torch.tensor([3.0])), TypeError, "key_lengths: expected dtype int32 or int64"),
         (dict(key_lengths=torch.tensor([3, 3])), ValueError, r"key_lengths: expected shape \(1,\)"),
@@ -307,7 +319,13 @@ def test_unknown_backend():
         (1, 2, 2, 1, 130, 16, False, [69], torch.float16),
         (2, 4, 2, 70, 45, 64, True, [45, 0], torch.float16),
     ],
-    ids=["plain-d16", "causal-gqa-d48-lq>lk", "causal-lengths-mqa-d32", "lq1-lengths-fp16", "causal-lengths-gqa-d64-fp16"],
+    ids=[
+        "plain-d16",
+        "causal-gqa-d48-lq>lk",
+        "causal-lengths-mqa-d32",
+        "lq1-lengths-fp16",
+        "causal-lengths-gqa-d64-fp16",
+    ],
 )
 def test_triton_interpreter(b, h, hkv, lq, lk, d, causal, lengths, dtype):
     q, k, v = make(b, h, hkv, lq, lk, d, dtype)
@@ -403,7 +421,9 @@ def test_triton_interpreter_dropout():
     keep = dropout.keep_mask(seed, b, h, lq, lk, p, q.device)
     assert abs(keep.float().mean().item() - (1 - p)) < 0.03
     kwargs = dict(causal=True, keep=keep, dropout_p=p)
-    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs)
+    check_against_float64(
+        out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32), **kwargs
+    )
 
 
 def test_triton_under_torch_compile():
@@ -414,13 +434,22 @@ def test_triton_under_torch_compile():
         return flash_attention(q, k, v, causal=True, key_lengths=key_lengths, backend="triton")
 
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
-    check_against_float64(out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32),
-                          causal=True, key_lengths=key_lengths)
+    check_against_float64(
+        out,
+        q,
+        k,
+        v,
+        RTOL_ATTENTION_FP32,
+        gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32),
+        causal=True,
+        key_lengths=key_lengths,
+    )
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
 @pytest.mark.parametrize(
-    "causal, lengths, dropout_p", [(False, False, 0.0), (True, True, 0.0), (False, False, 0.25), (True, True, 0.25)],
+    "causal, lengths, dropout_p",
+    [(False, False, 0.0), (True, True, 0.0), (False, False, 0.25), (True, True, 0.25)],
     ids=["plain", "causal-lengths", "dropout", "causal-lengths-dropout"],
 )
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -431,7 +460,9 @@ def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dr
     def f(q, k, v, key_lengths, dropout_p, scale):
         if dropout_p == 0.0:
             return flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, backend=backend)
-        return flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=dropout_p, scale=scale, backend=backend)
+        return flash_attention(
+            q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=dropout_p, scale=scale, backend=backend
+        )
 
     torch._dynamo.reset()  # f's code is shared by every case: start without the graphs (and recompiles) of the others
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)

@@ -114,7 +114,9 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
             assert bool(load) == k_tma, f"{name}: {tile} should be loaded with TMA iff the loop takes a step"
             if load:
                 first_step = rf"if \(it_1 == 0\) \{{[^}}]*mbarrier\[{load[1]}\]\.wait\(0\);"
-                assert re.search(first_step, source), f"{name}: the compute warps should wait for {tile} in the first step"
+                assert re.search(first_step, source), (
+                    f"{name}: the compute warps should wait for {tile} in the first step"
+                )
     if name.startswith("forward"):  # both loops take a step even with no key block (a key length of 0)
         q_tma = re.search(r"tma_load\(Q_desc, mbarrier\[(\d+)\]", source)
         assert q_tma, f"{name}: Q should be loaded with TMA"

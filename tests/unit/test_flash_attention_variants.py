@@ -253,7 +253,9 @@ def test_split_through_the_public_op(monkeypatch, causal):
     taken = {"forward_variant": [], "backward_variant": []}
     for name, calls in taken.items():
         real = getattr(fa, name)
-        monkeypatch.setattr(fa, name, lambda *a, real=real, calls=calls, **kw: calls.append(real(*a, **kw)) or calls[-1])
+        monkeypatch.setattr(
+            fa, name, lambda *a, real=real, calls=calls, **kw: calls.append(real(*a, **kw)) or calls[-1]
+        )
     q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 37, 48))
     do = torch.randn_like(q)
     lengths = [37, 0] if causal else [37, 9]
@@ -391,7 +393,8 @@ def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monk
     for kind in ("dkdv", "dq"):
         for causal in (False, True):
             assert fa.backward_variant(kind, q, k, v, do, causal=causal) == (
-                BwdConfig(16, 16, 4, 2, tma=True), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+                BwdConfig(16, 16, 4, 2, tma=True),
+                dict(TMA=False, HEAVY_FIRST=0, D_HI=0),
             )
     out = flash_attention(q, k, v, causal=True, backend="triton")
     assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
@@ -401,7 +404,8 @@ def test_plain_tuples_still_configure_the_backward():
     q, k, v = make(1, 2, 2, 30, 30, 32)
     do = torch.randn_like(q)
     assert fa.backward_variant("dq", q, k, v, do, (32, 16, 4, 2)) == (
-        BwdConfig(32, 16, 4, 2), dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+        BwdConfig(32, 16, 4, 2),
+        dict(TMA=False, HEAVY_FIRST=0, D_HI=0),
     )
     assert_gradients(run_backward(q, k, v, do, None, True, (32, 16, 4, 2), tma=None), q, k, v, do, None, True)
     for table in (fa.CONFIGS_16BIT, fa.CONFIGS_FP32):
@@ -547,7 +551,6 @@ def test_the_public_op_takes_the_fused_backward_where_keys_fit_one_block(monkeyp
     assert not fa.use_fused(*make(2, 4, 2, 40, 64, 32)[:2])  # head dim 32: the split kernels won
 
 
-
 # --------------------------------------------------------------------------- the sm_90 build, no GPU
 
 
@@ -597,7 +600,11 @@ def test_variants_compile_for_sm90(tmp_path):
 
 @pytest.mark.parametrize(
     "b, h, hkv, lq, lk, d, causal, lengths, dropout_p",
-    [(2, 4, 2, 70, 45, 48, True, [45, 0], 0.0), (3, 2, 1, 65, 63, 32, False, None, 0.0), (2, 2, 1, 40, 40, 16, True, None, 0.2)],
+    [
+        (2, 4, 2, 70, 45, 48, True, [45, 0], 0.0),
+        (3, 2, 1, 65, 63, 32, False, None, 0.0),
+        (2, 2, 1, 40, 40, 16, True, None, 0.2),
+    ],
     ids=["causal-gqa-d48-lengths", "mqa-d32-odd", "causal-dropout-d16"],
 )
 def test_backward_kinds_match_the_float64_gradients(b, h, hkv, lq, lk, d, causal, lengths, dropout_p):

@@ -83,7 +83,10 @@ def test_packed_equals_the_op_on_each_sequence():
         if rows.stop == rows.start:
             continue
         alone = flash_attention(
-            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], causal=True,
+            q[rows].transpose(0, 1)[None],
+            k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None],
+            causal=True,
             backend="torch",
         )
         torch.testing.assert_close(out[rows], alone[0].transpose(0, 1))
@@ -191,6 +194,7 @@ def test_triton_every_sequence_empty_and_no_keys():
 def test_compiled_full_graph_on_triton(given):
     """No value of the offsets is read while tracing: fullgraph compiles, and one graph serves other packings of the
     same sizes; without max_seqlen the packed lengths bound the grid."""
+
     def attention(q, k, v, cu_q, cu_k):
         extra = dict(max_seqlen_q=17, max_seqlen_k=17) if given else {}
         return flash_attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="triton", **extra)
@@ -233,17 +237,42 @@ def _call(lengths_q=(2, 3), lengths_k=(2, 3), d=16, **kwargs):
         (dict(cu_seqlens_k=[0, 2, 5]), TypeError, "cu_seqlens_k: expected an int32 torch.Tensor"),
         (dict(cu_seqlens_q=torch.tensor([[0, 2, 5]], dtype=torch.int32)), ValueError, r"cu_seqlens_q: expected a 1-D"),
         (dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)), ValueError, "cu_seqlens_k: expected 3 offsets"),
-        (dict(cu_seqlens_q=torch.tensor([1, 2, 5], dtype=torch.int32)), ValueError, "cu_seqlens_q: expected offsets starting at 0, got 1"),
-        (dict(cu_seqlens_k=torch.tensor([0, 4, 3], dtype=torch.int32)), ValueError, "cu_seqlens_k: expected non-decreasing"),
-        (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, r"cu_seqlens_q: expected the last offset to equal the packed length q.shape\[0\] = 5, got 4"),
+        (
+            dict(cu_seqlens_q=torch.tensor([1, 2, 5], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_q: expected offsets starting at 0, got 1",
+        ),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 4, 3], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_k: expected non-decreasing",
+        ),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_q: expected the last offset to equal the packed length q.shape\[0\] = 5, got 4",
+        ),
         (dict(max_seqlen_q=2), ValueError, r"max_seqlen_q: 2 is smaller than the longest sequence \(3\)"),
         (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k: expected None or an int >= 0"),
         (dict(max_seqlen_q=3.0), ValueError, "max_seqlen_q: expected None or an int"),
         (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
     ],
     ids=[
-        "k-missing", "q-missing", "key-lengths", "attn-mask", "int64", "list", "2-d", "count", "start", "decreasing",
-        "last", "max-too-small", "max-negative", "max-float", "dropout",
+        "k-missing",
+        "q-missing",
+        "key-lengths",
+        "attn-mask",
+        "int64",
+        "list",
+        "2-d",
+        "count",
+        "start",
+        "decreasing",
+        "last",
+        "max-too-small",
+        "max-negative",
+        "max-float",
+        "dropout",
     ],
 )
 def test_errors_name_the_argument(kwargs, error, match):

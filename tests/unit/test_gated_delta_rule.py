@@ -48,11 +48,20 @@ def make_inputs(B, T, H, HV, K, V, dtype=torch.float32, state=False, sequences=N
 
 def call(function, inputs, backend, **options):
     x = inputs
-    return function(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options)
+    return function(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"), backend=backend, **options
+    )
 
 
-def triton_chunk(inputs, tuning, backward_tuning=None, scale=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+def triton_chunk(
+    inputs,
+    tuning,
+    backward_tuning=None,
+    scale=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+):
     """The Triton chunked kernels forward and backward with these variants (gdr_triton.Tuning; the backward's
     backward_tuning where given), without the op's dispatch: (o, final state or None)."""
     run = differentiable(
@@ -77,7 +86,9 @@ CASES = {
     "T130-GVA-state": dict(shape=(1, 130, 2, 4, 16, 16), state=True, options=dict(output_final_state=True)),
     "T64-l2norm-scale": dict(shape=(3, 64, 1, 3, 8, 24), options=dict(use_qk_l2norm_in_kernel=True, scale=0.37)),
     "varlen-GVA-l2norm-state": dict(
-        shape=(1, 130, 2, 4, 16, 16), state=True, sequences=4,
+        shape=(1, 130, 2, 4, 16, 16),
+        state=True,
+        sequences=4,
         options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True),
     ),  # fmt: skip
     "T1": dict(shape=(2, 1, 1, 1, 16, 16), state=True, options=dict(output_final_state=True)),
@@ -121,14 +132,23 @@ def test_chunked_matches_recurrent_in_float64(name):
 def test_recurrent_reference_matches_a_hand_written_step():
     """Two steps written out: S = e^g S; u = beta (v - S^T k); S += k u^T; o = scale S^T q."""
     x = make_inputs(1, 2, 1, 1, 3, 2, dtype=torch.float64, state=True)
-    q, k, v, g, beta, S = x["q"][0, :, 0], x["k"][0, :, 0], x["v"][0, :, 0], x["g"][0, :, 0], x["beta"][0, :, 0], x["initial_state"][0, 0]
+    q, k, v, g, beta, S = (
+        x["q"][0, :, 0],
+        x["k"][0, :, 0],
+        x["v"][0, :, 0],
+        x["g"][0, :, 0],
+        x["beta"][0, :, 0],
+        x["initial_state"][0, 0],
+    )
     expected = []
     for t in range(2):
         S = torch.exp(g[t]) * S
         u = beta[t] * (v[t] - S.T @ k[t])
         S = S + torch.outer(k[t], u)
         expected.append(0.5 * S.T @ q[t])
-    o, final = recurrent_gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, x["initial_state"], True)
+    o, final = recurrent_gated_delta_rule_reference(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, x["initial_state"], True
+    )
     torch.testing.assert_close(o[0, :, 0], torch.stack(expected), rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(final[0, 0], S, rtol=1e-13, atol=1e-13)
 
@@ -282,7 +302,9 @@ def test_triton_inverse_is_stored_in_bf16_as_its_products_round_it():
     chunks = gdr_triton.Chunks.of(v, None)
     inverse = {}
     for variant in ("single", "fused"):
-        inverse[variant] = gdr_triton.prepare(k, v, g, beta, True, chunks, "tf32", gdr_triton.Tuning(grad_wy=variant))[3]
+        inverse[variant] = gdr_triton.prepare(k, v, g, beta, True, chunks, "tf32", gdr_triton.Tuning(grad_wy=variant))[
+            3
+        ]
     assert inverse["single"].dtype == torch.float32 and inverse["fused"].dtype == torch.bfloat16
     assert torch.equal(inverse["fused"], inverse["single"].bfloat16())
     fused, single = gdr_triton.Tuning(grad_wy="fused"), gdr_triton.Tuning(grad_wy="single")
@@ -350,7 +372,9 @@ def test_triton_chunked_backward_bf16_under_the_interpreter(half_backward, K, V)
     """bf16, GVA, l2norm and an initial state, the backward's products on fp32 (tf32) or bf16 operands (and at
     K16-V32 the forward's WY factors on bf16 operands): every gradient within the GPU tier's bounds of the float64
     recurrence (the interpreter takes bf16 products as the GPU rounds)."""
-    inputs = {n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, K, V, dtype=torch.bfloat16, state=True).items()}
+    inputs = {
+        n: x.requires_grad_() for n, x in make_inputs(1, 63, 1, 2, K, V, dtype=torch.bfloat16, state=True).items()
+    }
     twin = doubled(inputs)
     with poison_outputs():
         o, state = triton_chunk(inputs, gdr_triton.Tuning(half_backward=half_backward), output_final_state=True,
@@ -381,7 +405,6 @@ def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy):
     ref_grads = torch.autograd.grad(ref, list(twin.values()), grad_out)
     for n, grad, ref_grad in zip(inputs, grads, ref_grads):
         assert_close(f"d{n}", grad, ref_grad, 1e-4)
-
 
 
 # --------------------------------------------------------------------------- step 5's variants (Tuning.grad_wy)
@@ -538,7 +561,9 @@ def _triton_outputs_and_grads(inputs, options, segment_chunks):
         o, state = triton_chunk(inputs, gdr_triton.Tuning(segment_chunks=segment_chunks), **options)
         outputs = [o] if state is None else [o, state]
         gen = torch.Generator().manual_seed(1)
-        grads = torch.autograd.grad(outputs, list(inputs.values()), [torch.randn(x.shape, generator=gen) for x in outputs])
+        grads = torch.autograd.grad(
+            outputs, list(inputs.values()), [torch.randn(x.shape, generator=gen) for x in outputs]
+        )
     return outputs, grads
 
 
@@ -555,7 +580,9 @@ def test_triton_split_matches_the_whole_walk_and_the_recurrence(name):
     twin = doubled(inputs)
     refs = [r for r in call(FUNCTIONS["recurrent"], twin, "torch", **case["options"]) if r is not None]
     gen = torch.Generator().manual_seed(1)
-    ref_grads = torch.autograd.grad(refs, list(twin.values()), [torch.randn(r.shape, generator=gen).double() for r in refs])
+    ref_grads = torch.autograd.grad(
+        refs, list(twin.values()), [torch.randn(r.shape, generator=gen).double() for r in refs]
+    )
     for label, split, ref in zip(labels, outputs + list(grads), refs + list(ref_grads)):
         assert_close(f"{label} (split vs float64 recurrence)", split, ref, 1e-4)
 
@@ -730,7 +757,9 @@ def test_launch_grids_fit_cuda_limits_at_a_large_batch(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 
     grids = []
-    monkeypatch.setattr(InterpretedFunction, "run", lambda kernel, *args, grid, **kwargs: grids.append((kernel.fn.__name__, grid)))
+    monkeypatch.setattr(
+        InterpretedFunction, "run", lambda kernel, *args, grid, **kwargs: grids.append((kernel.fn.__name__, grid))
+    )
     inputs = make_inputs(20000, 1, 4, 4, 16, 16)
     for name in ("q", "k", "v", "g", "beta"):
         inputs[name].requires_grad_()

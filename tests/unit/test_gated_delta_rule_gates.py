@@ -110,7 +110,13 @@ def test_varlen_full_decays_with_l2norm(backend):
     sequence, with the l2norm in the kernel."""
     cu = torch.tensor([0, 20, 20, 63, 200])
     x = gate_inputs(1, 200, 1, 2, 16, 16, sequences=4)
-    for step in (0, 20, 62, 63 + 63, *range(63 + 64, 200)):  # the last sequence: a chunk ends at 126, then -inf to its end
+    for step in (
+        0,
+        20,
+        62,
+        63 + 63,
+        *range(63 + 64, 200),
+    ):  # the last sequence: a chunk ends at 126, then -inf to its end
         x["g"][0, step, 0] = float("-inf")
     check_against_the_recurrence(x, backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 

@@ -129,7 +129,9 @@ def test_hstu_block_matches_a_padded_float64_layer(backend, dtype, bound, bucket
 
 
 def test_hstu_block_errors_name_the_argument():
-    with pytest.raises(ValueError, match="head_dim: None takes d_model // n_heads, but n_heads=5 does not divide d_model=24"):
+    with pytest.raises(
+        ValueError, match="head_dim: None takes d_model // n_heads, but n_heads=5 does not divide d_model=24"
+    ):
         HSTUBlock(24, 5)
     with pytest.raises(ValueError, match="position_buckets: expected an integer >= 0"):
         HSTUBlock(24, 2, position_buckets=-1)
@@ -156,7 +158,18 @@ def test_append_targets_and_positions():
 
 def _digest(batch: PCVRBatch) -> str:
     h = hashlib.sha256()
-    for name in ("sparse", "dense", "seq_items", "seq_categories", "seq_actions", "seq_lengths", "target_item", "target_category", "label", "user_id"):
+    for name in (
+        "sparse",
+        "dense",
+        "seq_items",
+        "seq_categories",
+        "seq_actions",
+        "seq_lengths",
+        "target_item",
+        "target_category",
+        "label",
+        "user_id",
+    ):
         t = getattr(batch, name)
         h.update(name.encode())
         h.update(str(t.dtype).encode())
@@ -198,7 +211,9 @@ def test_jagged_synthetic_batches_keep_their_invariants():
     inside[cu[1:-1].long() - 1] = False
     assert (step[inside] > 0).all() and (step[~inside] != 0).any()
     # deterministic by (seed, index); the padded form holds the same examples
-    again = SyntheticPCVR(seed=1, seq_len=seq_len, n_items=300, n_categories=9, val_size=40, jagged=True).train_batch(0, 2000)
+    again = SyntheticPCVR(seed=1, seq_len=seq_len, n_items=300, n_categories=9, val_size=40, jagged=True).train_batch(
+        0, 2000
+    )
     assert torch.equal(again.seq_timestamps, ts) and torch.equal(again.seq_items, batch.seq_items)
     padded = batch.padded(seq_len)
     valid = torch.arange(seq_len)[None] < lengths[:, None]
@@ -256,11 +271,19 @@ class _PaddedView:
 def test_jagged_training_gives_the_padded_losses(model, streams, tmp_path):
     # fp32 on the CPU, dropout off: the packed run does the same math as the padded one (padding is masked out), so
     # the losses agree to rounding (measured: 0 at the first step, under 1e-7 over five)
-    overrides = [f"model={model}", f"model.mhc_streams={streams}", "model.dropout=0.0", "model.n_layers=2", "trainer.steps=5"]
+    overrides = [
+        f"model={model}",
+        f"model.mhc_streams={streams}",
+        "model.dropout=0.0",
+        "model.n_layers=2",
+        "trainer.steps=5",
+    ]
     jagged = Trainer(_compose(*overrides, "data.jagged=true"), tmp_path / "jagged")
     padded = Trainer(_compose(*overrides, "data.jagged=false"), tmp_path / "padded")
     padded.data = _PaddedView(jagged.data)
-    assert all(torch.equal(a, b) for a, b in zip(jagged.model.state_dict().values(), padded.model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(jagged.model.state_dict().values(), padded.model.state_dict().values())
+    )
     losses = {}
     for name, trainer in (("jagged", jagged), ("padded", padded)):
         losses[name] = [trainer.train_step(trainer.data.train_batch(i, 32))[0].item() for i in range(5)]
@@ -276,9 +299,18 @@ def test_jagged_training_gives_the_padded_losses(model, streams, tmp_path):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model=hstu", "data.jagged=false"], "data.jagged=false: model HSTUPCVR reads jagged histories only; set data.jagged=true (or null)"),
-        (["model=gdr", "data.jagged=true"], "data.jagged=true: model GDRMixerPCVR reads padded histories only; set data.jagged=false (or null)"),
-        (["model=baseline", "data=parquet", "data.path=/d", "data.jagged=true"], "data.jagged=true with data=parquet: jagged (packed) batches are not yet read from Parquet"),
+        (
+            ["model=hstu", "data.jagged=false"],
+            "data.jagged=false: model HSTUPCVR reads jagged histories only; set data.jagged=true (or null)",
+        ),
+        (
+            ["model=gdr", "data.jagged=true"],
+            "data.jagged=true: model GDRMixerPCVR reads padded histories only; set data.jagged=false (or null)",
+        ),
+        (
+            ["model=baseline", "data=parquet", "data.path=/d", "data.jagged=true"],
+            "data.jagged=true with data=parquet: jagged (packed) batches are not yet read from Parquet",
+        ),
         (["model=hstu", "data=parquet", "data.path=/d"], "data.jagged=true with data=parquet"),
         (["model=hstu", "model.mhc_streams=2"], "model.mhc_streams: expected 0 for model=hstu"),
         (["model=hstu", "model.position_buckets=-1"], "model.position_buckets: expected an integer >= 0, got -1"),
@@ -295,7 +327,9 @@ def test_the_layout_defaults_follow_the_model(tmp_path):
     assert not Trainer(_compose("trainer.steps=1"), tmp_path / "b").data.jagged  # baseline: padded by default
     assert Trainer(_compose("model=hstu", "trainer.steps=1"), tmp_path / "h").data.jagged
     with pytest.raises(ValueError, match="data.jagged: packed batches change their token count"):
-        use_cuda_graph(_compose("model=tokenformer", "data.jagged=true", "trainer.cuda_graph=true"), torch.device("cuda"), False)
+        use_cuda_graph(
+            _compose("model=tokenformer", "data.jagged=true", "trainer.cuda_graph=true"), torch.device("cuda"), False
+        )
     with pytest.raises(ValueError, match="GDRMixerPCVR reads padded histories only"):
         gdr = Trainer(_compose("model=gdr", "trainer.steps=1"), tmp_path / "g").model
         gdr(SyntheticPCVR(seed=0, seq_len=24, n_items=200, n_categories=8, val_size=4, jagged=True).train_batch(0, 2))

@@ -218,7 +218,9 @@ def test_sizes_not_multiples_of_8_fall_back_or_raise(k, n, activation, match):
 
 def test_float32_and_cpu_bfloat16_are_reasons():
     x, w, b = make_inputs(5, 16, 16, f32, "gelu")
-    with pytest.warns(BackendFallbackWarning, match="x has dtype float32; the triton kernels .* take bfloat16 and float16"):
+    with pytest.warns(
+        BackendFallbackWarning, match="x has dtype float32; the triton kernels .* take bfloat16 and float16"
+    ):
         linear(x, w, b, "gelu", backend="triton")
     x, w, b = make_inputs(5, 16, 16, bf16, "gelu")
     with pytest.warns(BackendFallbackWarning, match="bfloat16 on the CPU"):
@@ -249,12 +251,27 @@ def test_explain_lists_the_input_reasons():
         ((torch.randn(3, 8), torch.randn(4, 8, dtype=f16)), TypeError, "weight: expected dtype float32 like x"),
         ((torch.randn(3, 8), torch.randn(4, 8), torch.randn(4, dtype=f16)), TypeError, "bias: expected dtype float32"),
         ((torch.randn(3, 8), torch.randn(4, 8), None, "tanh"), ValueError, "activation: expected one of None, 'relu'"),
-        ((torch.randn(3, 8), torch.randn(5, 8), None, "swiglu"), ValueError, "weight: swiglu needs an even number of rows"),
+        (
+            (torch.randn(3, 8), torch.randn(5, 8), None, "swiglu"),
+            ValueError,
+            "weight: swiglu needs an even number of rows",
+        ),
         ((torch.randn(3, 8), torch.randn(4, 8, device="meta")), ValueError, "weight: expected a tensor on cpu like x"),
         (([1.0], torch.randn(4, 8)), TypeError, "x: expected a torch.Tensor, got list"),
         ((torch.ones(3, 8, dtype=torch.int64), torch.randn(4, 8)), TypeError, "x: expected a floating-point tensor"),
     ],
-    ids=["k-mismatch", "weight-1d", "bias-shape", "weight-dtype", "bias-dtype", "activation", "swiglu-odd", "device", "x-list", "x-int"],
+    ids=[
+        "k-mismatch",
+        "weight-1d",
+        "bias-shape",
+        "weight-dtype",
+        "bias-dtype",
+        "activation",
+        "swiglu-odd",
+        "device",
+        "x-list",
+        "x-int",
+    ],
 )
 def test_errors_name_the_argument(args, error, match):
     with pytest.raises(error, match=match):
@@ -310,4 +327,3 @@ def test_compiled_full_graph_matches_eager(activation):
     torch.testing.assert_close(y_c, y_e)
     for g_c, g_e in zip(grads_c, grads_e):
         torch.testing.assert_close(g_c, g_e)
-

@@ -61,7 +61,9 @@ def test_reference_matches_the_definition_in_float64():
     y = torch.randn(3, 24, dtype=torch.float64)
     expected = torch.stack([h_res[t] @ x[t] + h_post[t][:, None] * y[t] for t in range(3)])
     torch.testing.assert_close(mhc_post(x, y, h_post, h_res, backend="torch"), expected)
-    torch.testing.assert_close(mhc_post(x, y, H_post=h_post, H_res=h_res, backend="torch"), expected)  # DESIGN.md's names
+    torch.testing.assert_close(
+        mhc_post(x, y, H_post=h_post, H_res=h_res, backend="torch"), expected
+    )  # DESIGN.md's names
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -75,7 +77,9 @@ def test_h_res_is_doubly_stochastic(n):
     assert (matrix >= 0).all()
 
 
-@pytest.mark.parametrize("n, C, lead", [(4, 40, (3,)), (2, 24, (2, 3)), (8, 16, (5,))], ids=["n4-C40", "n2-C24-2d", "n8-C16"])
+@pytest.mark.parametrize(
+    "n, C, lead", [(4, 40, (3,)), (2, 24, (2, 3)), (8, 16, (5,))], ids=["n4-C40", "n2-C24-2d", "n8-C16"]
+)
 def test_triton_matches_float64_reference(n, C, lead):
     check_against_float64(make_inputs(n, C, lead), "triton", 1e-4)
 
@@ -99,7 +103,9 @@ def test_triton_under_torch_compile():
     outs, eager = compiled(inputs), pre_block_post(inputs, "triton")
     grads = torch.autograd.grad([o.sum() for o in outs], list(inputs.values()))
     eager_grads = torch.autograd.grad([o.sum() for o in eager], list(inputs.values()))
-    for name, out, expected in zip(("h_in", "H_post", "H_res", "x_next", *inputs), (*outs, *grads), (*eager, *eager_grads)):
+    for name, out, expected in zip(
+        ("h_in", "H_post", "H_res", "x_next", *inputs), (*outs, *grads), (*eager, *eager_grads)
+    ):
         assert_close(name, out, expected, 1e-5)
 
 
@@ -148,4 +154,7 @@ def test_tilelang_kernels_compile_for_sm90a():
         assert "__global__" in kernel.get_kernel_source()
     # token blocks run on grid x: gridDim.y stops at 65535 blocks, 1M tokens (batch 576 x 2048 is more)
     post_forward = compiled[3].get_kernel_source()
-    assert f"blockIdx.y) * {kernels.BLOCK_TOKENS})" not in post_forward and f"blockIdx.x) * {kernels.BLOCK_TOKENS})" in post_forward
+    assert (
+        f"blockIdx.y) * {kernels.BLOCK_TOKENS})" not in post_forward
+        and f"blockIdx.x) * {kernels.BLOCK_TOKENS})" in post_forward
+    )

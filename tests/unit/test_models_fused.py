@@ -45,7 +45,10 @@ def _textbook_block(block, x, lengths, causal):
     attn, ffn = block.mix.branch.layer, block.ffn.branch.layer
     b, length, width = x.shape
     heads = attn.n_heads
-    q, k, v = (t.view(b, length, heads, -1).transpose(1, 2) for t in F.linear(_rms(x, block.mix.branch.norm.weight), attn.qkv.weight).chunk(3, -1))
+    q, k, v = (
+        t.view(b, length, heads, -1).transpose(1, 2)
+        for t in F.linear(_rms(x, block.mix.branch.norm.weight), attn.qkv.weight).chunk(3, -1)
+    )
     o = _attention(q, k, v, causal, lengths).transpose(1, 2).reshape(b, length, width)
     x = x + F.linear(o, attn.out.weight)
     gate, up = F.linear(_rms(x, block.ffn.branch.norm.weight), ffn.gate_up.weight).chunk(2, -1)
@@ -73,7 +76,11 @@ def _unfused(block, x, lengths):
 def test_fused_blocks_equal_the_unfused_residuals_and_draw_the_same_dropout(kind, mode):
     p = 0.3 if mode == "train-p0.3" else 0.0
     torch.manual_seed(0)
-    make = (lambda: TransformerBlock(16, 2, 32, dropout=p)) if kind == "attention" else (lambda: GatedDeltaBlock(16, 2, 32, dropout=p))
+    make = (
+        (lambda: TransformerBlock(16, 2, 32, dropout=p))
+        if kind == "attention"
+        else (lambda: GatedDeltaBlock(16, 2, 32, dropout=p))
+    )
     blocks = [make().double().train(mode != "eval") for _ in range(2)]
     final = blocks[0].mix.branch.norm  # any RMSNorm with weights: the model's final norm
     torch.nn.init.normal_(final.weight)
@@ -120,7 +127,10 @@ def test_swiglu_feedforward_loads_the_two_linear_layout():
     """gate_up.weight is [2F, K], gate rows first (what the unfused nn.Linear held): old checkpoints load as they are."""
     gate_up, down = torch.nn.Linear(12, 2 * 10, bias=True).double(), torch.nn.Linear(10, 12, bias=True).double()
     ffn = SwiGLUFeedForward(12, 10, bias=True).double()
-    ffn.load_state_dict({f"gate_up.{k}": v for k, v in gate_up.state_dict().items()} | {f"down.{k}": v for k, v in down.state_dict().items()})
+    ffn.load_state_dict(
+        {f"gate_up.{k}": v for k, v in gate_up.state_dict().items()}
+        | {f"down.{k}": v for k, v in down.state_dict().items()}
+    )
     x = _x(4, 12)
     gate, up = gate_up(x).chunk(2, -1)
     with use_accelerators(**TORCH):
@@ -149,7 +159,9 @@ def test_models_equal_their_unfused_composition(name, train, mhc):
     data = _data()
     batch = data.train_batch(0, 6)
     torch.manual_seed(0)
-    model = MODELS[name](data.spec, d_model=16, n_heads=2, n_layers=2, ffn_mult=2, dropout=0.1, head_hidden=24, mhc_streams=mhc)
+    model = MODELS[name](
+        data.spec, d_model=16, n_heads=2, n_layers=2, ffn_mult=2, dropout=0.1, head_hidden=24, mhc_streams=mhc
+    )
     model.train(train)
     outputs = []
     with use_accelerators(**TORCH):

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("g++
 @pytest.fixture(scope="module")
 def fake_driver(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("fake_cuda")
-    subprocess.run(["gcc", "-shared", "-fPIC", str(HERE / "native_fake_driver.c"), "-o", str(folder / "libcuda.so.1")], check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", str(HERE / "native_fake_driver.c"), "-o", str(folder / "libcuda.so.1")], check=True
+    )
     return folder
 
 
@@ -64,7 +66,9 @@ report["pointers"] = {"x": x.data_ptr(), "w": w.data_ptr(), "partial": partial.d
 """
 
 
-def run_scenario(fake_driver: Path, extension_cache: Path, tmp_path: Path, body: str, capturing: bool = False) -> tuple[dict, list]:
+def run_scenario(
+    fake_driver: Path, extension_cache: Path, tmp_path: Path, body: str, capturing: bool = False
+) -> tuple[dict, list]:
     """Runs SCENARIO then `body` in a fresh process against the fake driver; returns (its report, the launches)."""
     log = tmp_path / "launches.txt"
     script = SCENARIO + textwrap.dedent(body) + "\nprint(json.dumps(report))\n"
@@ -79,16 +83,35 @@ def run_scenario(fake_driver: Path, extension_cache: Path, tmp_path: Path, body:
 
 
 def test_the_node_launches_the_kernel_with_every_parameter_in_place(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, launches = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         dy = torch.randn(6, 16)
         dx, dw = torch.autograd.grad(y, [x, w], dy)
         report.update(dy=dy.data_ptr(), dx=dx.data_ptr(), dw=dw.data_ptr(), shapes=[list(dx.shape), list(dw.shape)])
-    """)
+    """,
+    )
     assert report["attached"] and report["node"] == "TestBackward"
     assert report["shapes"] == [[6, 16], [16]]
     (launch,) = launches
-    function, grid, threads, shared, stream, context, params = launch[0], launch[1:4], launch[4], launch[5], launch[6], launch[7], launch[8:]
-    assert (int(function, 16), grid, threads, shared, int(stream, 16)) == (0x1234, ["3", "2", "1"], "256", "4096", 0x5EED)
+    function, grid, threads, shared, stream, context, params = (
+        launch[0],
+        launch[1:4],
+        launch[4],
+        launch[5],
+        launch[6],
+        launch[7],
+        launch[8:],
+    )
+    assert (int(function, 16), grid, threads, shared, int(stream, 16)) == (
+        0x1234,
+        ["3", "2", "1"],
+        "256",
+        "4096",
+        0x5EED,
+    )
     assert int(context, 16) == 0xC0FFEE  # the forward's context, made current for the launch
     p = report["pointers"]
     expected_pointers = [report["dy"], p["x"], p["w"], report["dx"], p["partial"], report["dw"], p["counter"]]
@@ -100,24 +123,35 @@ def test_the_node_launches_the_kernel_with_every_parameter_in_place(fake_driver,
 
 
 def test_a_gradient_that_is_not_contiguous_is_copied_before_the_launch(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, launches = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         dy = torch.ones(()).expand(6, 16)
         torch.autograd.grad(y, [x, w], dy)
         report["dy"] = dy.data_ptr()
-    """)
+    """,
+    )
     (launch,) = launches
     assert int(launch[8], 16) != report["dy"]  # a contiguous copy of the expanded gradient
 
 
 def test_under_capture_the_scratch_buffers_are_fresh(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, "torch.autograd.grad(y, [x, w], torch.randn(6, 16))", capturing=True)
+    report, launches = run_scenario(
+        fake_driver, extension_cache, tmp_path, "torch.autograd.grad(y, [x, w], torch.randn(6, 16))", capturing=True
+    )
     (launch,) = launches
     params = [int(v, 16) for v in launch[8:]]
     assert params[4] != report["pointers"]["partial"] and params[6] != report["pointers"]["counter"]
 
 
 def test_backward_errors_name_the_node(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, launches = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         errors = []
         for create_graph in (True, False):
             try:
@@ -129,7 +163,8 @@ def test_backward_errors_name_the_node(fake_driver, extension_cache, tmp_path):
         except RuntimeError as error:
             errors.append(str(error).splitlines()[0])
         report["errors"] = errors
-    """)
+    """,
+    )
     double, second_time = report["errors"]
     assert double.startswith("TestBackward: double backward (create_graph=True) is not supported")
     assert "backward through the graph a second time" in second_time
@@ -137,7 +172,11 @@ def test_backward_errors_name_the_node(fake_driver, extension_cache, tmp_path):
 
 
 def test_an_input_modified_in_place_after_the_forward_is_caught(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, launches = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         with torch.no_grad():
             w.mul_(2)
         try:
@@ -145,13 +184,18 @@ def test_an_input_modified_in_place_after_the_forward_is_caught(fake_driver, ext
             report["error"] = None
         except RuntimeError as error:
             report["error"] = str(error)
-    """)
+    """,
+    )
     assert "modified by an inplace operation" in report["error"]
     assert launches == []
 
 
 def test_poisoned_outputs_and_inputs_without_gradient(fake_driver, extension_cache, tmp_path):
-    report, launches = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, launches = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         ext.set_poison(True)
         dx, dw = torch.autograd.grad(y, [x, w], torch.randn(6, 16))  # the fake launch writes nothing
         report["nan"] = bool(dx.isnan().all() and dw.isnan().all())
@@ -163,26 +207,40 @@ def test_poisoned_outputs_and_inputs_without_gradient(fake_driver, extension_cac
             ext.attach(plan, torch.empty(6, 16), [x, None], args, [counter, partial], GRAD, OUTPUT, GRAD_OF, [1], 0)
         except RuntimeError as error:
             report["error"] = str(error).splitlines()[0]
-    """)
+    """,
+    )
     assert report["nan"]
     assert report["edges"] == ["AccumulateGrad", None]
     assert report["error"] == "TestBackward: the gradient of input 1 is written, but that input is None"
 
 
 def test_an_input_with_a_forward_mode_tangent_attaches_nothing(fake_driver, extension_cache, tmp_path):
-    report, _ = run_scenario(fake_driver, extension_cache, tmp_path, """
+    report, _ = run_scenario(
+        fake_driver,
+        extension_cache,
+        tmp_path,
+        """
         import torch.autograd.forward_ad as fwAD
         with fwAD.dual_level():
             dual = fwAD.make_dual(x.detach(), torch.ones(6, 16))
             out = torch.empty(6, 16)
             report["dual"] = ext.attach(plan, out, [dual, w], args, [counter, partial], GRAD, OUTPUT, GRAD_OF, [1], 0)
             report["dual_grad_fn"] = out.grad_fn is not None
-    """)
+    """,
+    )
     assert report["dual"] is False and report["dual_grad_fn"] is False
 
 
 def test_parameter_types_follow_the_compiled_signature():
-    signature = {"a_ptr": "*bf16", "b_ptr": "*fp32", "n": "i32", "stride": "i64", "eps": "fp32", "ONE": "constexpr", "BLOCK": "constexpr"}
+    signature = {
+        "a_ptr": "*bf16",
+        "b_ptr": "*fp32",
+        "n": "i32",
+        "stride": "i64",
+        "eps": "fp32",
+        "ONE": "constexpr",
+        "BLOCK": "constexpr",
+    }
     assert native._parameter_types(signature, 6) == [(0, "p"), (1, "p"), (2, "i"), (3, "l"), (4, "f")]
     assert native._parameter_types({**signature, "flag": "i1"}, 8) is None  # a type the extension does not pass
     assert native._parameter_types({"a_ptr": "*bf16", "n": "i32"}, 1) is None  # a runtime parameter passed by name

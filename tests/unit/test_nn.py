@@ -40,7 +40,10 @@ MODULE_CASES = {
     "RMSNorm": lambda: (RMSNorm(8), (_x(3, 8, dtype=torch.float32),)),
     "LayerNorm": lambda: (LayerNorm(8), (_x(3, 8, dtype=torch.float32),)),
     "MultiHeadAttention": lambda: (MultiHeadAttention(16, 2), (_x(2, 5, 16, dtype=torch.float32),)),
-    "CrossAttention": lambda: (CrossAttention(16, 2), (_x(2, 1, 16, dtype=torch.float32), _x(2, 5, 16, dtype=torch.float32))),
+    "CrossAttention": lambda: (
+        CrossAttention(16, 2),
+        (_x(2, 1, 16, dtype=torch.float32), _x(2, 5, 16, dtype=torch.float32)),
+    ),
     "SwiGLUFeedForward": lambda: (SwiGLUFeedForward(8, 12), (_x(3, 8, dtype=torch.float32),)),
     "DropoutAdd": lambda: (DropoutAdd(0.1), (_x(3, 8, dtype=torch.float32), _x(3, 8, dtype=torch.float32))),
     "EmbeddingBagMean": lambda: (EmbeddingBagMean(10, 4, padding_idx=0), (torch.randint(0, 10, (3, 2)),)),
@@ -103,7 +106,11 @@ def test_cross_attention_matches_textbook_math():
 def test_norms_feedforward_bag_and_loss_match_torch():
     x = _x(5, 37)
     with use_accelerators(**TORCH):
-        rms, ln, ffn = RMSNorm(37).double(), LayerNorm(37).double(), SwiGLUFeedForward(37, 20, d_out=3, bias=True).double()
+        rms, ln, ffn = (
+            RMSNorm(37).double(),
+            LayerNorm(37).double(),
+            SwiGLUFeedForward(37, 20, d_out=3, bias=True).double(),
+        )
         assert_close("RMSNorm", rms(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6), 1e-12)
         assert_close("LayerNorm", ln(x), F.layer_norm(x, (37,), eps=1e-5), 1e-12)
         gate, up = F.linear(x, ffn.gate_up.weight, ffn.gate_up.bias).chunk(2, -1)

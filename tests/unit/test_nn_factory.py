@@ -87,7 +87,9 @@ def test_norms_linear_and_bags_load_torch_state_dicts():
             assert_close(f"Linear bias={bias}", _load(Linear(8, 5, bias=bias), torch_linear)(x), torch_linear(x), 1e-12)
         torch_bag = _randomised(nn.EmbeddingBag(10, 4, mode="mean", padding_idx=0))
         ids = torch.tensor([[1, 0, 3], [0, 0, 0], [9, 9, 2]])
-        assert_close("EmbeddingBagMean", _load(EmbeddingBagMean(10, 4, padding_idx=0), torch_bag)(ids), torch_bag(ids), 1e-12)
+        assert_close(
+            "EmbeddingBagMean", _load(EmbeddingBagMean(10, 4, padding_idx=0), torch_bag)(ids), torch_bag(ids), 1e-12
+        )
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -104,7 +106,9 @@ def test_attention_loads_nn_multihead_attention(bias):
         cross = _load(CrossAttention(12, 3, bias=bias), theirs)
         expected = theirs(x, context, context, key_padding_mask=padding, need_weights=False)[0]
         assert_close("cross-attention", cross(x, context, lengths), expected, 1e-12)
-    assert set(self_attention.state_dict()) == {"qkv.weight", "out.weight"} | ({"qkv.bias", "out.bias"} if bias else set())
+    assert set(self_attention.state_dict()) == {"qkv.weight", "out.weight"} | (
+        {"qkv.bias", "out.bias"} if bias else set()
+    )
     roundtrip = MultiHeadAttention(12, 3, bias=bias).double()
     roundtrip.load_state_dict(self_attention.state_dict())  # its own keys still load
     assert all(torch.equal(a, b) for a, b in zip(roundtrip.state_dict().values(), self_attention.state_dict().values()))

@@ -59,7 +59,9 @@ def check_huge(op, backend, width, offset=0.0, params=()):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_huge_rows_are_normalised(op, backend, width):
-    check_huge(op, backend, width, params=() if op == "l2norm" else ("weight", "bias") if op == "layer_norm" else ("weight",))
+    check_huge(
+        op, backend, width, params=() if op == "l2norm" else ("weight", "bias") if op == "layer_norm" else ("weight",)
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

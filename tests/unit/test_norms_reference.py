@@ -25,7 +25,9 @@ def _textbook_l2(x, eps):
 @pytest.mark.parametrize("shape", [(1, 16), (3, 5, 48), (7, 200)], ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm_reference_matches_textbook(shape):
     x, w = torch.randn(shape, dtype=torch.float64), torch.randn(shape[-1], dtype=torch.float64)
-    torch.testing.assert_close(acc.rms_norm(x, w, 1e-6, backend="torch"), _textbook_rms(x, w, 1e-6), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        acc.rms_norm(x, w, 1e-6, backend="torch"), _textbook_rms(x, w, 1e-6), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 5, 48), (7, 200)], ids=lambda s: "x".join(map(str, s)))
@@ -46,7 +48,9 @@ def test_layer_norm_reference_matches_textbook(shape):
         expected.append([(v - mean) / math.sqrt(var + 1e-5) * wi + bi for v, wi, bi in zip(r, w.tolist(), b.tolist())])
     expected = torch.tensor(expected, dtype=torch.float64).reshape(shape)
     torch.testing.assert_close(acc.layer_norm(x, w, b, 1e-5, backend="torch"), expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(acc.layer_norm(x, w, b, 1e-5, backend="torch"), F.layer_norm(x, (shape[-1],), w, b, 1e-5))
+    torch.testing.assert_close(
+        acc.layer_norm(x, w, b, 1e-5, backend="torch"), F.layer_norm(x, (shape[-1],), w, b, 1e-5)
+    )
 
 
 def test_mixed_precision_output_in_activation_dtype_grads_in_input_dtype():

@@ -13,7 +13,9 @@ import torch
 
 from conftest import SM90A, requires_nvcc
 
-tc = pytest.importorskip("runtime.accelerators.tilelang_common", reason="tilelang 0.1.15 is not installed", exc_type=ImportError)
+tc = pytest.importorskip(
+    "runtime.accelerators.tilelang_common", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+)
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -59,7 +61,9 @@ def test_norm_kernels_compile_for_sm90a(case):
         assert "atomic" not in source.lower(), f"{name}: parameter gradients must go through partial sums, not atomics"
         # the row count is a runtime argument (one kernel for every batch), the width is baked in
         rows_dim = kernel.params[0].shape[0]
-        assert not isinstance(rows_dim, int) and not hasattr(rows_dim, "value"), f"{name}: rows must be dynamic, got {rows_dim}"
+        assert not isinstance(rows_dim, int) and not hasattr(rows_dim, "value"), (
+            f"{name}: rows must be dynamic, got {rows_dim}"
+        )
         assert int(kernel.params[0].shape[1]) == width
         if dtype.itemsize == 2 and width % 8 == 0:
             # rows are read and written with 16-byte vectors

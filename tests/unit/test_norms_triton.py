@@ -84,7 +84,11 @@ def test_rms_norm_triton(shape, dtype, weight_dtype, bias_dtype):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [pytest.param((3, 48), f32, id="3x48-f32"), pytest.param((7, 200), bf16, id="7x200-bf16"), pytest.param((2, 35, 48), f16, id="2x35x48-f16")],
+    [
+        pytest.param((3, 48), f32, id="3x48-f32"),
+        pytest.param((7, 200), bf16, id="7x200-bf16"),
+        pytest.param((2, 35, 48), f16, id="2x35x48-f16"),
+    ],
 )
 def test_l2norm_triton(shape, dtype):
     check_op("l2norm", shape, dtype)

@@ -9,7 +9,11 @@ from runtime.accelerators import active_config, set_accelerators
 from runtime.nn import EmbeddingBagCollection
 from runtime.training import Trainer, config_dir
 
-PRESETS = {"pcvr_large": ("TokenFormerPCVR", 1024), "pcvr_large_gdr": ("GDRMixerPCVR", 1024), "pcvr_long": ("GDRMixerPCVR", 4096)}
+PRESETS = {
+    "pcvr_large": ("TokenFormerPCVR", 1024),
+    "pcvr_large_gdr": ("GDRMixerPCVR", 1024),
+    "pcvr_long": ("GDRMixerPCVR", 4096),
+}
 SHRINK = [
     "accelerators=torch",
     "trainer.device=cpu",

@@ -51,10 +51,14 @@ class Tower(nn.Module):
     def __init__(self):
         super().__init__()
         self.bag = nn.EmbeddingBag(20, 8, mode="mean", padding_idx=0)
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 12), nn.SiLU())
+        self.mlp = nn.Sequential(
+            nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 12), nn.SiLU()
+        )
         self.norm = nn.LayerNorm(12)
         self.rms = nn.RMSNorm(12, eps=1e-6)
-        self.other = OtherRMSNorm(12)  # computes in the input dtype (LlamaRMSNorm would round a float64 model through fp32)
+        self.other = OtherRMSNorm(
+            12
+        )  # computes in the input dtype (LlamaRMSNorm would round a float64 model through fp32)
         self.proj = nn.Linear(12, 3, bias=False)
         self.act = nn.GELU(approximate="tanh")
 
@@ -107,7 +111,10 @@ def test_replaced_modules_follow_the_config_unless_a_backend_is_pinned():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
     replace_modules(model)
     assert model[0].backend is None and model[1].backend is None
-    with use_accelerators(default="tilelang", fallback="error"), pytest.raises(BackendUnavailableError, match="tilelang"):
+    with (
+        use_accelerators(default="tilelang", fallback="error"),
+        pytest.raises(BackendUnavailableError, match="tilelang"),
+    ):
         model(torch.randn(2, 8))
     pinned = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
     replace_modules(pinned, backend="torch")
@@ -135,12 +142,16 @@ def test_bad_arguments_are_named(kwargs, expected):
 
 def test_rms_norm_classes_of_other_libraries_are_checked_before_the_swap():
     torch.manual_seed(0)
-    model = nn.ModuleDict({"llama": LlamaRMSNorm(10).to(torch.bfloat16), "other": OtherRMSNorm(10), "gemma": GemmaRMSNorm(10)})
+    model = nn.ModuleDict(
+        {"llama": LlamaRMSNorm(10).to(torch.bfloat16), "other": OtherRMSNorm(10), "gemma": GemmaRMSNorm(10)}
+    )
     x = torch.randn(4, 10)
     other_before = model["other"](x)
     report = replace_modules(model)
     assert {r.name for r in report.replaced} == {"llama", "other"}
-    assert type(model["llama"]) is RMSNorm and model["llama"].weight.dtype == torch.bfloat16 and model["other"].eps == 1e-5
+    assert (
+        type(model["llama"]) is RMSNorm and model["llama"].weight.dtype == torch.bfloat16 and model["other"].eps == 1e-5
+    )
     with use_accelerators(default="torch"):
         assert_close("eps-spelled RMSNorm", model["other"](x), other_before, 1e-5)
     (left,) = report.left
@@ -197,7 +208,9 @@ def test_a_fusion_only_where_the_pattern_is_unambiguous():
     expected = {name: seq(x) for name, seq in model.items()}
     report = replace_modules(model, backend="torch")
     for name, seq in model.items():
-        assert type(seq[0 if name != "last" else 1]) is Linear and seq[0 if name != "last" else 1].activation is None, name
+        assert type(seq[0 if name != "last" else 1]) is Linear and seq[0 if name != "last" else 1].activation is None, (
+            name
+        )
         assert_close(name, seq(x), expected[name], 1e-5)
     assert model["shared"][1] is shared_act and type(model["custom"][1]) is nn.ReLU
     assert [entry.name for entry in report.left] == ["shared.0", "also.0"]
@@ -215,7 +228,9 @@ def test_a_shared_module_is_replaced_by_one_module_everywhere():
 def test_embedding_bag_inputs_as_torch(layout):
     bag = nn.EmbeddingBag(30, 5, mode="mean", padding_idx=3, include_last_offset=layout == "last_offset").double()
     ids = torch.randint(0, 30, (4, 3)) if layout == "fixed" else torch.tensor([3, 7, 3, 9, 1, 2, 3, 29])
-    offsets = {"fixed": None, "offsets": torch.tensor([0, 2, 2, 5]), "last_offset": torch.tensor([0, 2, 2, 5, 8])}[layout]
+    offsets = {"fixed": None, "offsets": torch.tensor([0, 2, 2, 5]), "last_offset": torch.tensor([0, 2, 2, 5, 8])}[
+        layout
+    ]
     expected = bag(ids, offsets)
     model = nn.Sequential(bag)
     replace_modules(model, backend="torch")

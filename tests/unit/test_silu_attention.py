@@ -66,7 +66,9 @@ def make(lengths, h, d, dtype=torch.float32, *, targets=None, pos=None, time=Non
         shape = (5,) if time == "shared" else (h, 5)
         kwargs["time_bias"] = torch.randn(shape).requires_grad_(grad)
         # seconds: gaps from 0 to a few hours, so that every bucket below 5 and the clamped last are hit
-        kwargs["timestamps"] = torch.randint(0, 40, (total,), dtype=torch.int64).cumsum(0) * torch.randint(1, 3, (total,))
+        kwargs["timestamps"] = torch.randint(0, 40, (total,), dtype=torch.int64).cumsum(0) * torch.randint(
+            1, 3, (total,)
+        )
     return q, k, v, cu, kwargs
 
 
@@ -277,18 +279,42 @@ ERRORS = {
     "cu-float": (dict(cu_seqlens=torch.tensor([0.0, 3.0, 7.0])), TypeError, "cu_seqlens: expected dtype int32"),
     "cu-2d": (dict(cu_seqlens=torch.tensor([[0, 3, 7]])), ValueError, "cu_seqlens: expected a 1-D"),
     "cu-start": (dict(cu_seqlens=torch.tensor([1, 3, 7])), ValueError, "cu_seqlens: .*rising from 0.*the first is 1"),
-    "cu-end": (dict(cu_seqlens=torch.tensor([0, 3, 6])), ValueError, "cu_seqlens: .*total = q.shape.0. = 7; the last is 6"),
-    "cu-falling": (dict(cu_seqlens=torch.tensor([0, 5, 4, 7]), num_targets=None), ValueError, "cu_seqlens: expected non-decreasing"),
-    "max-seqlen-small": (dict(max_seqlen=3), ValueError, r"max_seqlen: expected at least the longest sequence's length \(4\), got 3"),
+    "cu-end": (
+        dict(cu_seqlens=torch.tensor([0, 3, 6])),
+        ValueError,
+        "cu_seqlens: .*total = q.shape.0. = 7; the last is 6",
+    ),
+    "cu-falling": (
+        dict(cu_seqlens=torch.tensor([0, 5, 4, 7]), num_targets=None),
+        ValueError,
+        "cu_seqlens: expected non-decreasing",
+    ),
+    "max-seqlen-small": (
+        dict(max_seqlen=3),
+        ValueError,
+        r"max_seqlen: expected at least the longest sequence's length \(4\), got 3",
+    ),
     "max-seqlen-float": (dict(max_seqlen=4.0), TypeError, "max_seqlen: expected a non-negative int"),
-    "targets-too-many": (dict(num_targets=torch.tensor([1, 5])), ValueError, "num_targets: expected at most each sequence's length"),
+    "targets-too-many": (
+        dict(num_targets=torch.tensor([1, 5])),
+        ValueError,
+        "num_targets: expected at most each sequence's length",
+    ),
     "targets-negative": (dict(num_targets=torch.tensor([-1, 0])), ValueError, "num_targets: expected counts >= 0"),
     "targets-shape": (dict(num_targets=torch.tensor([1, 1, 1])), ValueError, r"num_targets: expected shape \(2,\)"),
-    "targets-float": (dict(num_targets=torch.tensor([1.0, 1.0])), TypeError, "num_targets: expected dtype int32 or int64"),
+    "targets-float": (
+        dict(num_targets=torch.tensor([1.0, 1.0])),
+        TypeError,
+        "num_targets: expected dtype int32 or int64",
+    ),
     "timestamps-length": (dict(timestamps=torch.arange(6)), ValueError, r"timestamps: expected shape \(7,\)"),
     "timestamps-float": (dict(timestamps=torch.rand(7)), TypeError, "timestamps: expected dtype int32 or int64"),
     "time-bias-alone": (dict(timestamps=None), ValueError, "time_bias: given without timestamps"),
-    "pos-heads": (dict(position_bias=torch.randn(3, 7)), ValueError, r"position_bias: expected shape \[P\] or \[H, P\] = \[2, P\]"),
+    "pos-heads": (
+        dict(position_bias=torch.randn(3, 7)),
+        ValueError,
+        r"position_bias: expected shape \[P\] or \[H, P\] = \[2, P\]",
+    ),
     "pos-empty": (dict(position_bias=torch.randn(0)), ValueError, "position_bias: expected shape"),
     "time-3d": (dict(time_bias=torch.randn(2, 2, 5)), ValueError, "time_bias: expected shape"),
     "time-int": (dict(time_bias=torch.ones(5, dtype=torch.int64)), TypeError, "time_bias: expected a floating-point"),

@@ -13,7 +13,9 @@ kernels = pytest.importorskip(
 )
 
 KERNELS = {
-    "d24-bf16-causal-targets-pos-time-dropout": lambda: kernels.forward_entry(24, torch.bfloat16, True, True, True, True, True),
+    "d24-bf16-causal-targets-pos-time-dropout": lambda: kernels.forward_entry(
+        24, torch.bfloat16, True, True, True, True, True
+    ),
     "d128-f16-full": lambda: kernels.forward_entry(128, torch.float16, False, False, False, False, False),
 }
 

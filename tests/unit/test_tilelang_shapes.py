@@ -22,7 +22,9 @@ import torch
 from conftest import SM90A, requires_nvcc
 
 tilelang = pytest.importorskip("tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError)
-tc = pytest.importorskip("runtime.accelerators.tilelang_common", reason="tilelang 0.1.15 is not installed", exc_type=ImportError)
+tc = pytest.importorskip(
+    "runtime.accelerators.tilelang_common", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+)
 
 from runtime.accelerators import embedding_bag, mhc  # noqa: E402
 from runtime.accelerators.embedding_bag import tilelang as eb_kernels  # noqa: E402
@@ -65,7 +67,9 @@ def test_embedding_bag_tile_widths_fall_in_the_swept_classes():
     for dim in range(1, embedding_bag.TILELANG_MAX_DIM + 1):
         width, combine = eb_kernels.padded_width(dim), eb_kernels.combine_width(dim)
         assert dim <= width <= combine, dim
-        assert combine & (combine - 1) == 0, f"{dim}: the second gradient pass finds a layout only at power-of-two widths"
+        assert combine & (combine - 1) == 0, (
+            f"{dim}: the second gradient pass finds a layout only at power-of-two widths"
+        )
         assert width % 32 == 0 or width & (width - 1) == 0, dim
 
 

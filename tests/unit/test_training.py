@@ -107,7 +107,23 @@ def test_parquet_round_trip(tmp_path):
     pytest.importorskip("pyarrow")
     from runtime.training.parquet import ParquetPCVR, main
 
-    main([str(tmp_path), "--train-rows", "96", "--val-rows", "40", "--seq-len", "12", "--n-items", "60", "--n-categories", "5", "--seed", "2"])
+    main(
+        [
+            str(tmp_path),
+            "--train-rows",
+            "96",
+            "--val-rows",
+            "40",
+            "--seq-len",
+            "12",
+            "--n-items",
+            "60",
+            "--n-categories",
+            "5",
+            "--seed",
+            "2",
+        ]
+    )
     synthetic = SyntheticPCVR(seed=2, seq_len=12, n_items=60, n_categories=5, val_size=40)
     loaded = ParquetPCVR(tmp_path, seed=0)
     assert loaded.spec == synthetic.spec
@@ -135,16 +151,18 @@ def test_parquet_reader_truncates_infers_and_checks(tmp_path):
 
     from runtime.training.parquet import read_batch, read_spec
 
-    table = pa.table({
-        "label": pa.array([1.0, 0.0], pa.float32()),
-        "dense": pa.array([[0.5, 1.5], [2.0, -1.0]], pa.list_(pa.float32())),
-        "sparse_city": pa.array([[3], [1, 2]], pa.list_(pa.int64())),
-        "seq_items": pa.array([[1, 2, 3, 4, 5], [7]], pa.list_(pa.int64())),
-        "seq_categories": pa.array([[1, 1, 2, 2, 3], [3]], pa.list_(pa.int64())),
-        "seq_actions": pa.array([[1, 1, 1, 2, 3], [1]], pa.list_(pa.int64())),
-        "target_item": pa.array([4, 9], pa.int64()),
-        "target_category": pa.array([2, 3], pa.int64()),
-    })
+    table = pa.table(
+        {
+            "label": pa.array([1.0, 0.0], pa.float32()),
+            "dense": pa.array([[0.5, 1.5], [2.0, -1.0]], pa.list_(pa.float32())),
+            "sparse_city": pa.array([[3], [1, 2]], pa.list_(pa.int64())),
+            "seq_items": pa.array([[1, 2, 3, 4, 5], [7]], pa.list_(pa.int64())),
+            "seq_categories": pa.array([[1, 1, 2, 2, 3], [3]], pa.list_(pa.int64())),
+            "seq_actions": pa.array([[1, 1, 1, 2, 3], [1]], pa.list_(pa.int64())),
+            "target_item": pa.array([4, 9], pa.int64()),
+            "target_category": pa.array([2, 3], pa.int64()),
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet")
     spec = read_spec(tmp_path / "t.parquet")  # no metadata: inferred
     assert (spec.n_items, spec.n_categories, spec.n_actions, spec.seq_len, spec.n_dense) == (9, 3, 3, 5, 2)
@@ -167,7 +185,15 @@ def test_parquet_reader_truncates_infers_and_checks(tmp_path):
 
 @pytest.mark.parametrize("model", ["baseline", "tokenformer", "gdr"])
 def test_a_few_steps_lower_the_loss(model, tmp_path):
-    cfg = _compose(f"model={model}", "data.batch_size=64", "trainer.steps=40", "trainer.log_every=10", "trainer.val_every=0", "optim.lr=3e-3", "optim.warmup_steps=5")
+    cfg = _compose(
+        f"model={model}",
+        "data.batch_size=64",
+        "trainer.steps=40",
+        "trainer.log_every=10",
+        "trainer.val_every=0",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=5",
+    )
     trainer = Trainer(cfg, tmp_path)
     before = trainer.evaluate()
     metrics = trainer.fit()
@@ -182,11 +208,21 @@ def test_a_few_steps_lower_the_loss(model, tmp_path):
 
 
 def test_resume_gives_the_same_next_losses(tmp_path):
-    overrides = ["model=tokenformer", "model.dropout=0.2", "trainer.steps=6", "trainer.log_every=2", "trainer.val_every=3", "trainer.checkpoint_every=3"]
+    overrides = [
+        "model=tokenformer",
+        "model.dropout=0.2",
+        "trainer.steps=6",
+        "trainer.log_every=2",
+        "trainer.val_every=3",
+        "trainer.checkpoint_every=3",
+    ]
     straight = Trainer(_compose(*overrides), tmp_path / "straight").fit()
 
     Trainer(_compose(*overrides), tmp_path / "interrupted").fit(until=4)  # checkpoints at 3 and 4
-    resumed = Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'interrupted' / 'checkpoints' / 'step_0000003.pt'}"), tmp_path / "resumed")
+    resumed = Trainer(
+        _compose(*overrides, f"trainer.resume={tmp_path / 'interrupted' / 'checkpoints' / 'step_0000003.pt'}"),
+        tmp_path / "resumed",
+    )
     assert resumed.step == 3 and resumed.data_position == 3
     metrics = resumed.fit()
     assert metrics["losses"] == straight["losses"]  # bit for bit: model, optimizer, RNG and data position restored
@@ -210,8 +246,19 @@ def test_resume_refuses_another_world_size(tmp_path):
 def test_ddp_with_two_gloo_processes(tmp_path):
     """torchrun, 2 CPU processes with the gloo backend, through the taac-train entry point."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "runtime.training", *TINY, "trainer.steps=4", "trainer.log_every=2", "trainer.val_every=4", f"hydra.run.dir={tmp_path}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "runtime.training",
+        *TINY,
+        "trainer.steps=4",
+        "trainer.log_every=2",
+        "trainer.val_every=4",
+        f"hydra.run.dir={tmp_path}",
     ]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -231,7 +278,9 @@ def test_ddp_with_two_gloo_processes(tmp_path):
         assert got[key] == pytest.approx(expected[key], rel=1e-6), key
 
 
-@pytest.mark.parametrize("key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 1), ("trainer.log_every", 0)])
+@pytest.mark.parametrize(
+    "key, least", [("data.batch_size", 1), ("data.val_batch_size", 1), ("trainer.steps", 1), ("trainer.log_every", 0)]
+)
 def test_counts_out_of_range_are_refused_by_name(key, least, tmp_path):
     with pytest.raises(ValueError, match=f"{key}: expected an integer >= {least}, got -1"):
         Trainer(_compose(f"{key}=-1"), tmp_path)
@@ -254,24 +303,37 @@ def test_deterministic_steps_repeat_to_the_bit(tmp_path):
 
 
 def test_log_every_zero_logs_only_at_the_end(tmp_path):
-    metrics = Trainer(_compose("trainer.steps=3", "trainer.log_every=0", "trainer.val_every=0", "trainer.checkpoint_every=0"), tmp_path).fit()
+    metrics = Trainer(
+        _compose("trainer.steps=3", "trainer.log_every=0", "trainer.val_every=0", "trainer.checkpoint_every=0"),
+        tmp_path,
+    ).fit()
     assert [entry["step"] for entry in metrics["log"]] == [3] and len(metrics["losses"]) == 3
 
 
 def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
-    clipped = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=1e-6"), tmp_path / "clipped").fit()
-    free = Trainer(_compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=null"), tmp_path / "free").fit()
+    clipped = Trainer(
+        _compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=1e-6"), tmp_path / "clipped"
+    ).fit()
+    free = Trainer(
+        _compose("trainer.steps=2", "trainer.log_every=1", "trainer.grad_clip=null"), tmp_path / "free"
+    ).fit()
     assert clipped["log"][0]["grad_norm"] == free["log"][0]["grad_norm"] > 1e-3  # the same first step, before clipping
     assert clipped["losses"][1] != free["losses"][1]  # a clipped step moved the weights less
 
 
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
-    with pytest.raises(ValueError, match="trainer.cuda_graph=true cannot run: it needs a CUDA device, the run is on cpu"):
+    with pytest.raises(
+        ValueError, match="trainer.cuda_graph=true cannot run: it needs a CUDA device, the run is on cpu"
+    ):
         Trainer(_compose("trainer.cuda_graph=true"), tmp_path)
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         use_cuda_graph(_compose("trainer.cuda_graph=true"), torch.device("cuda"), True)
     with pytest.raises(ValueError, match="compile_mode=reduce-overhead makes CUDA graphs of its own"):
-        use_cuda_graph(_compose("trainer.cuda_graph=true", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"), torch.device("cuda"), False)
+        use_cuda_graph(
+            _compose("trainer.cuda_graph=true", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"),
+            torch.device("cuda"),
+            False,
+        )
     with pytest.raises(ValueError, match="trainer.cuda_graph: expected auto, true or false, got 'sometimes'"):
         Trainer(_compose("trainer.cuda_graph=sometimes"), tmp_path)
     with pytest.raises(ValueError, match="trainer.compile_mode: expected one of"):
@@ -290,7 +352,13 @@ def test_cuda_graph_auto_resolves_and_logs_why(tmp_path, caplog):
         assert "DistributedDataParallel" in caplog.text
         assert not use_cuda_graph(_compose("trainer.compile=true"), cuda, False)
         assert "auto does not capture a compiled step" in caplog.text
-        assert use_cuda_graph(_compose("trainer.compile=true", "trainer.cuda_graph=true", "trainer.compile_mode=max-autotune-no-cudagraphs"), cuda, False)
+        assert use_cuda_graph(
+            _compose(
+                "trainer.compile=true", "trainer.cuda_graph=true", "trainer.compile_mode=max-autotune-no-cudagraphs"
+            ),
+            cuda,
+            False,
+        )
         assert not use_cuda_graph(_compose("trainer.cuda_graph=false"), cuda, False)
         assert "CUDA graph: off (trainer.cuda_graph=false)" in caplog.text
 
@@ -299,7 +367,10 @@ def test_a_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
     trainer = Trainer(_compose("trainer.steps=4", "trainer.log_every=2"), tmp_path)
     original = trainer.criterion.forward
     monkeypatch.setattr(trainer.criterion, "forward", lambda logits, targets: original(logits, targets) * float("nan"))
-    with pytest.raises(FloatingPointError, match=r"non-finite training loss by step 2 .*The data passed their checks .*optim\.lr=0\.002"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"non-finite training loss by step 2 .*The data passed their checks .*optim\.lr=0\.002",
+    ):
         trainer.fit()
     assert json.loads((tmp_path / "metrics.json").read_text())["log"][0]["step"] == 2
 
@@ -336,7 +407,11 @@ def test_training_benchmark_dry_run_composes_every_variant(capsys):
         "tokenformer / triton / max-autotune + CUDA graph", "gdr / triton / max-autotune + CUDA graph",
     ])  # fmt: skip
     tuned = plan["gdr / triton / max-autotune + CUDA graph"]
-    assert {"trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"} <= set(tuned)
+    assert {
+        "trainer.compile=true",
+        "trainer.compile_mode=max-autotune-no-cudagraphs",
+        "trainer.cuda_graph=true",
+    } <= set(tuned)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=tuned)
     assert cfg.model._target_.endswith("GDRMixerPCVR") and cfg.model.sparse_collection and cfg.data.seq_len == 1024

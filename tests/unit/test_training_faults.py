@@ -78,7 +78,13 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_WRITER))
     run_dir = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, str(script), str(run_dir), *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(run_dir), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         line = child.stdout.readline()
         assert line.strip() == "WRITING", line + child.stderr.read()[-3000:]
@@ -92,10 +98,10 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes(tmp_path):
     leftovers = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert leftovers == ["step_0000002.pt", "step_0000004.pt.tmp"], leftovers
 
-    resumed = Trainer(_compose(*overrides[len(TINY):], f"trainer.resume={run_dir}"), run_dir)
+    resumed = Trainer(_compose(*overrides[len(TINY) :], f"trainer.resume={run_dir}"), run_dir)
     assert resumed.step == 2 and not (run_dir / "checkpoints" / "step_0000004.pt.tmp").exists()
     losses = resumed.fit()["losses"]
-    straight = Trainer(_compose(*overrides[len(TINY):]), tmp_path / "straight").fit()["losses"]
+    straight = Trainer(_compose(*overrides[len(TINY) :]), tmp_path / "straight").fit()["losses"]
     assert losses == straight and len(losses) == 4
     assert json.loads((run_dir / "metrics.json").read_text())["validation"][-1]["step"] == 4
 
@@ -110,7 +116,21 @@ def test_a_broken_validation_file_fails_before_the_first_step(tmp_path):
     from runtime.training.parquet import main as write_parquet
 
     data = tmp_path / "data"
-    write_parquet([str(data), "--train-rows", "64", "--val-rows", "16", "--seq-len", "8", "--n-items", "50", "--n-categories", "5"])
+    write_parquet(
+        [
+            str(data),
+            "--train-rows",
+            "64",
+            "--val-rows",
+            "16",
+            "--seq-len",
+            "8",
+            "--n-items",
+            "50",
+            "--n-categories",
+            "5",
+        ]
+    )
     val = pq.read_table(data / "val.parquet")
     labels = val.column("label").to_pylist()
     labels[3] = 2.0
@@ -120,7 +140,9 @@ def test_a_broken_validation_file_fails_before_the_first_step(tmp_path):
                "trainer.val_every=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
     assert result.returncode != 0
-    assert f"{data / 'val.parquet'}: column label, row 3: label 2.0 is outside [0, 1]" in result.stderr, result.stderr[-3000:]
+    assert f"{data / 'val.parquet'}: column label, row 3: label 2.0 is outside [0, 1]" in result.stderr, result.stderr[
+        -3000:
+    ]
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.json").exists()
 
 
@@ -154,11 +176,16 @@ def test_a_corrupt_newest_checkpoint_names_the_previous_one_and_the_fallback_tak
     assert f"{newest} is not a readable checkpoint: truncated, corrupt" in message, message
     assert f"The newest valid checkpoint before it is {directory / 'step_0000002.pt'}" in message
     assert "trainer.resume_fallback=previous" in message
-    resumed = Trainer(_compose("trainer.steps=4", f"trainer.resume={newest}", "trainer.resume_fallback=previous"), tmp_path / "next")
+    resumed = Trainer(
+        _compose("trainer.steps=4", f"trainer.resume={newest}", "trainer.resume_fallback=previous"), tmp_path / "next"
+    )
     assert resumed.step == 2
     (directory / "step_0000002.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"none of the 1 checkpoint\(s\) before it is valid either"):
-        Trainer(_compose("trainer.steps=4", f"trainer.resume={tmp_path / 'run'}", "trainer.resume_fallback=previous"), tmp_path / "next")
+        Trainer(
+            _compose("trainer.steps=4", f"trainer.resume={tmp_path / 'run'}", "trainer.resume_fallback=previous"),
+            tmp_path / "next",
+        )
 
 
 def test_a_path_that_is_not_a_checkpoint_gets_a_clear_message(tmp_path):
@@ -171,7 +198,10 @@ def test_a_path_that_is_not_a_checkpoint_gets_a_clear_message(tmp_path):
     for path, expected in [
         (text, f"{text} is not a readable checkpoint: truncated, corrupt or another kind of file (UnpicklingError"),
         (tensor, f"{tensor} is not a taac-train checkpoint: it holds a Tensor"),
-        (partial, f"{partial} is not a taac-train checkpoint: it holds a dict lacking ['data_position', 'world_size', 'optimizer'"),
+        (
+            partial,
+            f"{partial} is not a taac-train checkpoint: it holds a dict lacking ['data_position', 'world_size', 'optimizer'",
+        ),
     ]:
         with pytest.raises(ValueError) as error:
             Trainer(_compose(f"trainer.resume={path}"), tmp_path / "run")
@@ -199,7 +229,12 @@ def test_resuming_with_a_changed_config_is_refused_with_the_differences(tmp_path
     _trained(tmp_path / "run")
     resume = f"trainer.resume={tmp_path / 'run'}"
     with pytest.raises(ValueError) as error:
-        Trainer(_compose("trainer.steps=8", "trainer.checkpoint_every=2", "optim.lr=1e-3", "seed=3", "data.batch_size=8", resume), tmp_path / "next")
+        Trainer(
+            _compose(
+                "trainer.steps=8", "trainer.checkpoint_every=2", "optim.lr=1e-3", "seed=3", "data.batch_size=8", resume
+            ),
+            tmp_path / "next",
+        )
     message = str(error.value)
     assert "trainer.resume: this run's config differs from that of" in message
     for line in ("optim.lr: 0.002 in the checkpoint, 0.001 now", "seed: 0 in the checkpoint, 3 now",
@@ -207,22 +242,37 @@ def test_resuming_with_a_changed_config_is_refused_with_the_differences(tmp_path
         assert line in message, message
     assert "trainer.resume_overrides=allow" in message
     # how the run reports and executes may change freely
-    Trainer(_compose("trainer.steps=4", "trainer.checkpoint_every=1", "trainer.log_every=3", "trainer.keep_checkpoints=5", resume), tmp_path / "next")
+    Trainer(
+        _compose(
+            "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.log_every=3", "trainer.keep_checkpoints=5", resume
+        ),
+        tmp_path / "next",
+    )
 
 
 def test_allowed_overrides_are_applied_and_logged(tmp_path, caplog):
     _trained(tmp_path / "run")
     resume = f"trainer.resume={tmp_path / 'run'}"
-    trainer = Trainer(_compose("trainer.steps=8", "optim.lr=1e-3", "optim.betas=[0.8,0.9]", "trainer.resume_overrides=allow", resume), tmp_path / "next")
+    trainer = Trainer(
+        _compose("trainer.steps=8", "optim.lr=1e-3", "optim.betas=[0.8,0.9]", "trainer.resume_overrides=allow", resume),
+        tmp_path / "next",
+    )
     assert "applied what differs from" in caplog.text and "optim.lr: 0.002 in the checkpoint, 0.001 now" in caplog.text
     expected_lr = 1e-3 * trainer.scheduler.lr_lambdas[0](trainer.step)
     for group in trainer.optimizer.param_groups:
-        assert group["lr"] == pytest.approx(expected_lr) and group["betas"] == (0.8, 0.9) and group["initial_lr"] == 1e-3
+        assert (
+            group["lr"] == pytest.approx(expected_lr) and group["betas"] == (0.8, 0.9) and group["initial_lr"] == 1e-3
+        )
     assert trainer.scheduler.base_lrs == [1e-3, 1e-3]
     assert trainer.metrics["resumes"][-1]["changes"]["optim.lr"] == (0.002, 0.001)
     assert len(trainer.fit()["losses"]) == 8
-    with pytest.raises(ValueError, match=r"the weights in .* do not fit this model .*\n  model.d_model: 8 in the checkpoint, 16 now"):
-        Trainer(_compose("trainer.steps=4", "model.d_model=16", "trainer.resume_overrides=allow", resume), tmp_path / "other")
+    with pytest.raises(
+        ValueError, match=r"the weights in .* do not fit this model .*\n  model.d_model: 8 in the checkpoint, 16 now"
+    ):
+        Trainer(
+            _compose("trainer.steps=4", "model.d_model=16", "trainer.resume_overrides=allow", resume),
+            tmp_path / "other",
+        )
     with pytest.raises(ValueError, match=r"trainer.steps=3: .* is at step 4 already"):
         Trainer(_compose("trainer.steps=3", "trainer.resume_overrides=allow", resume), tmp_path / "other")
 

@@ -73,7 +73,9 @@ def test_a_failing_logger_warns_once_and_training_goes_on(tmp_path, monkeypatch,
 
 def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"logger=tensorboard needs the tensorboard package.*taac-runtime\[tensorboard\]"):
+    with pytest.raises(
+        ImportError, match=r"logger=tensorboard needs the tensorboard package.*taac-runtime\[tensorboard\]"
+    ):
         Trainer(_compose("logger=tensorboard"), tmp_path)
 
 

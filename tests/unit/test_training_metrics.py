@@ -89,7 +89,9 @@ def test_normalized_entropy_and_calibration():
     assert "val_gauc" not in metrics
     base_rate_logit = torch.full((500,), math.log(p / (1 - p)))
     constant = validation_metrics(base_rate_logit, labels)
-    assert constant["val_ne"] == pytest.approx(1.0, rel=1e-6) and constant["val_calibration"] == pytest.approx(1.0, rel=1e-6)
+    assert constant["val_ne"] == pytest.approx(1.0, rel=1e-6) and constant["val_calibration"] == pytest.approx(
+        1.0, rel=1e-6
+    )
     assert math.isnan(validation_metrics(logits, torch.zeros(500))["val_ne"])
 
 

@@ -159,7 +159,9 @@ def embedding_bag():
     # ragged bags (offsets: the entry -> bag map), padding, and the sparse gradient: other specialisations
     # (autograd.grad, not backward: the kernels do not run here, so the sparse gradient's rows are
     # garbage, and accumulating it into weight.grad would read out of bounds)
-    out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+    out = acc.embedding_bag_mean(
+        weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True
+    )
     torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
@@ -183,7 +185,9 @@ def embedding_bag_radix():
     radix_sort.sort(torch.randint(0, 1 << 26, (4096,)), 1 << 26)
     weight = _randn(1000, 64, dtype=f32)
     _backward(acc.embedding_bag_mean(weight, torch.randint(0, 1000, (128, 8))))
-    out = acc.embedding_bag_mean(weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True)
+    out = acc.embedding_bag_mean(
+        weight, torch.randint(0, 1000, (400,)), torch.arange(0, 400, 5), padding_idx=3, sparse=True
+    )
     torch.autograd.grad(out, weight, torch.randn_like(out))
 
 
@@ -196,8 +200,14 @@ def mhc():
         _backward(acc.mhc_post(x, h_in, h_post, h_res))
 
 
-def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float, backward_tma: bool | None = None,
-               kind: str | None = None):
+def _attention(
+    head_dim: int,
+    causal: bool,
+    with_lengths: bool,
+    dropout_p: float,
+    backward_tma: bool | None = None,
+    kind: str | None = None,
+):
     """The kernel module's launchers: the public op refuses bf16 on the CPU (interpreter dots), not on a GPU.
     backward_tma: True/False forces the backward kernels' descriptor path on/off with the tables' tiles, padded where
     the head dim would split (split loads take pointers; the interpreter never takes descriptors by itself); None runs
@@ -212,8 +222,10 @@ def _attention(head_dim: int, causal: bool, with_lengths: bool, dropout_p: float
         fa_triton.backward(do, *args, o, lse, kind=kind)
     else:
         delta = torch.empty(q.shape[:3])
-        dkdv, dq = (fa_triton.config(fa_triton.backward_kind(name, causal), head_dim, bf16)._replace(split_d=False)
-                    for name in ("dkdv", "dq"))
+        dkdv, dq = (
+            fa_triton.config(fa_triton.backward_kind(name, causal), head_dim, bf16)._replace(split_d=False)
+            for name in ("dkdv", "dq")
+        )
         fa_triton.backward_dq(do, *args, lse, delta, o=o, cfg=dq, tma=backward_tma)
         fa_triton.backward_dkdv(do, *args, lse, delta, cfg=dkdv, tma=backward_tma)
 
@@ -277,7 +289,16 @@ def attention_lse_delta_tma():
                                                  (48, 200, False, 0.1, d64)):  # fmt: skip
         q, do = torch.randn(2, 4, lq, head_dim).to(bf16), torch.randn(2, 4, lq, head_dim).to(bf16)
         k, v = torch.randn(2, 2, 200, head_dim).to(bf16), torch.randn(2, 2, 200, head_dim).to(bf16)
-        args = (q, k, v, torch.tensor([200, 77], dtype=torch.int32), causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
+        args = (
+            q,
+            k,
+            v,
+            torch.tensor([200, 77], dtype=torch.int32),
+            causal,
+            head_dim**-0.5,
+            dropout_p,
+            torch.tensor([1234]) if dropout_p > 0 else None,
+        )
         o, lse = fa_triton.forward(*args)
         delta = (o.float() * do.float()).sum(-1)  # as the dq kernel writes it
         fa_triton.backward_dkdv(do, *args, lse, delta, cfg=cfg, tma=True)
@@ -296,7 +317,16 @@ def attention_split_d():
         k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
         key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
         cfg = fa_triton.config("fwd_causal" if causal else "fwd", head_dim, bf16)
-        args = (q, k, v, key_lengths, causal, head_dim**-0.5, dropout_p, torch.tensor([1234]) if dropout_p > 0 else None)
+        args = (
+            q,
+            k,
+            v,
+            key_lengths,
+            causal,
+            head_dim**-0.5,
+            dropout_p,
+            torch.tensor([1234]) if dropout_p > 0 else None,
+        )
         fa_triton.forward(*args, cfg=cfg._replace(split_d=True))
         if padded:
             fa_triton.forward(*args, cfg=cfg._replace(split_d=False), tma=True)
@@ -354,7 +384,10 @@ def silu_attention():
 
 
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
-    q, k = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype), F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
+    q, k = (
+        F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype),
+        F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype),
+    )
     n = B if sequences is None else len(sequences) - 1
     return dict(
         q=q, k=k, v=torch.randn(B, T, HV, V).to(dtype),
@@ -380,7 +413,9 @@ def _chunk_delta_rule(inputs: dict, tuning) -> tuple:
 def gated_delta_rule(tuning=None):
     """The op's kernels at K = 16, 64 and 128; with tuning (a gdr_triton.Tuning), the chunked ones with those variants."""
     if tuning is None:
-        acc.fused_recurrent_gated_delta_rule(**_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63]))  # forward-only
+        acc.fused_recurrent_gated_delta_rule(
+            **_delta_rule_inputs(1, 63, 2, 4, 64, 64, sequences=[0, 20, 63])
+        )  # forward-only
     cases = [
         _delta_rule_inputs(2, 200, 4, 4, 16, 16),  # PCVR's K = 16; HV = H: the final dtypes written by the kernels
         _delta_rule_inputs(2, 200, 2, 4, 64, 64),
@@ -563,7 +598,9 @@ def test_the_modules_have_kernels():
 
 
 def test_every_launch_is_of_a_listed_kernel(compiled):
-    assert set(compiled) <= set(KERNELS), f"launched but not found by launched_kernels(): {set(compiled) - set(KERNELS)}"
+    assert set(compiled) <= set(KERNELS), (
+        f"launched but not found by launched_kernels(): {set(compiled) - set(KERNELS)}"
+    )
 
 
 def test_the_backward_attention_kernels_compile_both_paths(compiled):
@@ -576,8 +613,16 @@ def test_the_backward_attention_kernels_compile_both_paths(compiled):
 def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compiled):
     """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
     (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward)."""
-    names = ("_chunk_local_grad_kernel", "_state_grad_kernel", "_chunk_grad_qk_state_kernel", "_chunk_grad_wy_fused_kernel")
-    assert all("HALF" not in constexprs(launch) for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"])
+    names = (
+        "_chunk_local_grad_kernel",
+        "_state_grad_kernel",
+        "_chunk_grad_qk_state_kernel",
+        "_chunk_grad_wy_fused_kernel",
+    )
+    assert all(
+        "HALF" not in constexprs(launch)
+        for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"]
+    )
     for name in names:
         kernel = f"gated_delta_rule.triton_backward.{name}"
         assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel

@@ -26,7 +26,6 @@ def test_the_key_separates_everything_triton_specialises_on():
     assert _arg_key(None) != _arg_key(0)
 
 
-
 def test_the_inline_signature_agrees_with_the_key_of_each_argument():
     base = torch.zeros(64, dtype=torch.float32)
     args = (base, base[1:], base.to(torch.float16), torch.nn.Parameter(base), 0, 1, 17, 32, -16, 2**31 - 1, 2**31,

@@ -144,7 +144,11 @@ class DecisionFile:
             return {}
         try:
             data = json.loads(text)
-            if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or not isinstance(data.get("entries"), dict):
+            if (
+                not isinstance(data, dict)
+                or data.get("format") != FILE_FORMAT
+                or not isinstance(data.get("entries"), dict)
+            ):
                 raise ValueError(f"expected an object with format {FILE_FORMAT} and entries")
             return {key: entry for key, entry in data["entries"].items() if _valid_entry(entry)}
         except ValueError as error:  # json.JSONDecodeError is a ValueError
@@ -272,7 +276,9 @@ def trial(call, inputs: Mapping, backend: str, trains: bool) -> Callable[[], obj
     return forward_backward
 
 
-def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_event_timer):
+def measure(
+    call, inputs: Mapping, candidates: tuple[str, ...], device: torch.device, *, timer: Timer = cuda_event_timer
+):
     """Time each candidate backend on this call: ({backend: ms per call}, {backend: why its trial failed}).
 
     The generator states of the CPU and of the device are restored afterwards, so the caller draws what it would have.
@@ -288,7 +294,12 @@ def measure(call, inputs: Mapping, candidates: tuple[str, ...], device: torch.de
                 times[backend] = float(timer(trial(call, inputs, backend, trains)))
             except Exception as error:  # a kernel that fails to compile or run: excluded, the call goes on
                 failed[backend] = f"{type(error).__name__}: {error}"
-                logger.warning("autotune: %s on %s failed its trial and is excluded: %s", getattr(call, "__name__", call), backend, failed[backend])
+                logger.warning(
+                    "autotune: %s on %s failed its trial and is excluded: %s",
+                    getattr(call, "__name__", call),
+                    backend,
+                    failed[backend],
+                )
     return times, failed
 
 

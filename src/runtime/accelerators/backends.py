@@ -104,7 +104,9 @@ def device_reasons(backend: str, device: torch.device) -> list[str]:
     if backend == "triton":
         if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
             return []
-        return [f"tensors are on {device.type}; the triton backend needs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)"]
+        return [
+            f"tensors are on {device.type}; the triton backend needs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)"
+        ]
     if backend == "tilelang":
         if device.type != "cuda":
             return [f"tensors are on {device.type}; the tilelang backend needs CUDA tensors"]
@@ -195,7 +197,9 @@ _decisions: dict[Hashable, "str | autotune.Tuned"] = {}
 _warned: set[Hashable] = set()
 
 
-def select_backend(spec: OpSpec, backend: Backend | None, device: torch.device, key: Hashable, call=None, /, **inputs) -> str:
+def select_backend(
+    spec: OpSpec, backend: Backend | None, device: torch.device, key: Hashable, call=None, /, **inputs
+) -> str:
     """The backend ("torch", "triton" or "tilelang") that runs this call.
 
     `key` must capture everything `spec.reasons` reads from `inputs` (dtype, widths, flags);
@@ -236,8 +240,12 @@ def _describe(spec: OpSpec, inputs: dict) -> tuple:
     """
     read = spec.read_inputs  # only what the reasons read: a call's other arguments (eps, p) would be specialised
     return tuple(
-        (name, ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad) if isinstance(v, torch.Tensor)
-         else ("value", _constant(v)))
+        (
+            name,
+            ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad)
+            if isinstance(v, torch.Tensor)
+            else ("value", _constant(v)),
+        )
         for name, v in inputs.items()
         if read is None or name in read
     )
@@ -279,7 +287,9 @@ def _decide_while_compiling(op: str, backend: str | None, device: torch.device, 
         if kind == "tensor":
             dtype, rank, last, requires_grad = rest
             shape = (2,) * (rank - 1) + (last,) if rank else ()
-            inputs[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad and dtype.is_floating_point)
+            inputs[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(
+                requires_grad and dtype.is_floating_point
+            )
         else:
             inputs[name] = rest[0]
     config = _config.active_config()
@@ -322,4 +332,3 @@ def clear_decisions() -> None:
     _decisions.clear()
     _warned.clear()
     autotune.forget()
-

@@ -37,7 +37,9 @@ def check_feature_param(name: str, value, x: torch.Tensor) -> None:
         return
     check_tensor(name, value)
     if value.dim() != 1 or value.shape[0] != x.shape[-1]:
-        raise ValueError(f"{name}: expected shape ({x.shape[-1]},) to match the last dimension of x, got {tuple(value.shape)}")
+        raise ValueError(
+            f"{name}: expected shape ({x.shape[-1]},) to match the last dimension of x, got {tuple(value.shape)}"
+        )
     check_same_device(name, value, "x", x)
 
 

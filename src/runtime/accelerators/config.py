@@ -51,7 +51,9 @@ class AcceleratorConfig:
                 raise ValueError(f"accelerators.ops: unknown op {op!r}; expected one of {', '.join(OP_NAMES)}")
             _check_backend(f"ops.{op}", backend)
         if self.fallback not in FALLBACKS:
-            raise ValueError(f"accelerators.fallback: unknown rule {self.fallback!r}; expected one of {', '.join(FALLBACKS)}")
+            raise ValueError(
+                f"accelerators.fallback: unknown rule {self.fallback!r}; expected one of {', '.join(FALLBACKS)}"
+            )
         if not isinstance(self.autotune, bool):
             raise TypeError(f"accelerators.autotune: expected true or false, got {self.autotune!r}")
         object.__setattr__(self, "ops", dict(self.ops))

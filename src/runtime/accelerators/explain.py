@@ -47,8 +47,14 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         elif configured == "torch" or not reasons[configured]:
             runs = configured
         else:
-            runs = "torch (fallback)" if config.fallback == "torch" else "nothing: raises BackendUnavailableError (fallback 'error')"
-        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}")
+            runs = (
+                "torch (fallback)"
+                if config.fallback == "torch"
+                else "nothing: raises BackendUnavailableError (fallback 'error')"
+            )
+        lines.append(
+            f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}"
+        )
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
         lines += _auto_lines(name, device, config, [b for b in priority if not reasons[b]])
@@ -70,13 +76,17 @@ def _auto_lines(op: str, device: torch.device, config, runnable: list[str]) -> l
     elif off is not None:
         lines = [f"  auto: static priority ({off})"]
     elif len(runnable) < 2:
-        lines = [f"  auto: static priority (only {runnable[0] if runnable else 'torch'} can run here: nothing to measure)"]
+        lines = [
+            f"  auto: static priority (only {runnable[0] if runnable else 'torch'} can run here: nothing to measure)"
+        ]
     else:
         lines = [f"  auto: measures on the first call per shape class (decisions in {autotune.decision_file().path})"]
     for entry in autotune.measured_entries(op, device):
         times = ", ".join(f"{b} {ms:.4f} ms" for b, ms in sorted(entry["times_ms"].items(), key=lambda item: item[1]))
         failed = "".join(f"; {b} failed: {why}" for b, why in sorted(entry.get("failed", {}).items()))
-        lines.append(f"  measured {entry.get('shape')} {entry.get('key')}: {times or 'no backend ran'}{failed} -> {entry['winner']}")
+        lines.append(
+            f"  measured {entry.get('shape')} {entry.get('key')}: {times or 'no backend ran'}{failed} -> {entry['winner']}"
+        )
     return lines
 
 

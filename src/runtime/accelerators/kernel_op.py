@@ -88,7 +88,11 @@ class KernelOp:
     ) -> None:
         self.op = op
         prefix = f"{entry}_" if entry else ""
-        self.forward_name, self.backward_name, self.infer_name = f"{prefix}forward", f"{prefix}backward", f"{prefix}infer"
+        self.forward_name, self.backward_name, self.infer_name = (
+            f"{prefix}forward",
+            f"{prefix}backward",
+            f"{prefix}infer",
+        )
         self.n_outputs = n_outputs
         self.n_saved = n_saved
         self.backward_reads_outputs = backward_reads_outputs
@@ -129,7 +133,9 @@ class KernelOp:
             fake = fake_forward
         else:
             fake = lambda *args, backend: fake_forward(*args)  # noqa: E731
-        self._forward_op.register_fake(lambda backend, *args: _unwrap_single(_contiguous_fakes(fake(*args, backend=backend))))
+        self._forward_op.register_fake(
+            lambda backend, *args: _unwrap_single(_contiguous_fakes(fake(*args, backend=backend)))
+        )
         self._backward_op = torch.library.custom_op(
             f"taac::{name}_backward",
             _run_backward(op, self.backward_name, n_outputs, n_results),
@@ -273,7 +279,9 @@ def no_double_backward(op: str, backend: str, grads: tuple, inputs: tuple) -> tu
     kernel's dependence on the inputs: silently absent (None, or zero with allow_unused) or wrong."""
     if not torch.is_grad_enabled():
         return grads
-    present = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())]
+    present = [
+        i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())
+    ]
     if not present:
         return grads
     message = (
@@ -310,6 +318,7 @@ def apply_eagerly(function: type, apply: Callable, args, tensor_slots: tuple[int
         if args[i] is not None:
             args[i] = _unwrap_if_dead(args[i])
     return apply(*args)
+
 
 # helpers -------------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from .checks import check_eps, check_feature_param, check_rows, check_tensor, dt
 MAX_KERNEL_WIDTH = 16384
 
 
-def check_norm_inputs(x: torch.Tensor, eps, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+def check_norm_inputs(
+    x: torch.Tensor, eps, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> None:
     # Every call: inputs that pass everything below pass this first test too, in one frame and few tensor attribute
     # reads (each a few hundred instructions); any other input goes through the checks that name what is wrong.
     if type(x) is torch.Tensor and x.is_floating_point() and x.dim() and type(eps) is float and 0.0 <= eps < math.inf:
@@ -42,14 +44,21 @@ def rsqrt_mean_square(x: torch.Tensor, eps: float, mean: bool = True) -> torch.T
     m = x.detach().abs().amax(-1, keepdim=True)
     inv = 1.0 / torch.where(m > SCALE_ABOVE, m, torch.ones_like(m))
     squares = (x * inv).square()
-    return torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps * inv * inv) * inv
+    return (
+        torch.rsqrt((squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)) + eps * inv * inv) * inv
+    )
 
 
 def _is_feature_param(param, width: int, device: torch.device) -> bool:
     """Whether check_feature_param passes (None included)."""
     if param is None:
         return True
-    return isinstance(param, torch.Tensor) and param.is_floating_point() and param.shape == (width,) and param.device == device
+    return (
+        isinstance(param, torch.Tensor)
+        and param.is_floating_point()
+        and param.shape == (width,)
+        and param.device == device
+    )
 
 
 def norm_reasons(backend: str, x: torch.Tensor, weight=None, bias=None) -> list[str]:
@@ -58,13 +67,20 @@ def norm_reasons(backend: str, x: torch.Tensor, weight=None, bias=None) -> list[
         if param is not None:
             reasons += dtype_reasons(name, param)
     if x.shape[-1] > MAX_KERNEL_WIDTH:
-        reasons.append(f"the row width {x.shape[-1]} exceeds {MAX_KERNEL_WIDTH}, the widest the norm kernels hold in one pass")
+        reasons.append(
+            f"the row width {x.shape[-1]} exceeds {MAX_KERNEL_WIDTH}, the widest the norm kernels hold in one pass"
+        )
     return reasons
 
 
 def norm_key(x: torch.Tensor, weight=None, bias=None) -> tuple:
     """Everything norm_reasons reads: the decision cache key."""
-    return (x.dtype, x.shape[-1] > MAX_KERNEL_WIDTH, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    return (
+        x.dtype,
+        x.shape[-1] > MAX_KERNEL_WIDTH,
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+    )
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -161,7 +161,9 @@ class DirectLaunch:
         missing = [name for name in names if name not in constexprs]
         unknown = set(constexprs) - set(names) - LAUNCH_OPTIONS
         if missing or unknown:
-            raise TypeError(f"{self.kernel.fn.__name__}: constexprs missing: {missing}; unknown keywords: {sorted(unknown)}")
+            raise TypeError(
+                f"{self.kernel.fn.__name__}: constexprs missing: {missing}; unknown keywords: {sorted(unknown)}"
+            )
         return tuple(constexprs[name] for name in names)
 
 

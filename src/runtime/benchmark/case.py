@@ -40,7 +40,9 @@ class Case:
 def cases_per_shape(shapes: dict[str, tuple], make_inputs: Callable, prefix: str = "", **fields) -> list[Case]:
     """One Case per shape preset (name -> arguments): shape = prefix + name, make_inputs = make_inputs(*arguments),
     and the other Case fields as given, the same for every preset."""
-    return [Case(shape=prefix + name, make_inputs=make_inputs(*arguments), **fields) for name, arguments in shapes.items()]
+    return [
+        Case(shape=prefix + name, make_inputs=make_inputs(*arguments), **fields) for name, arguments in shapes.items()
+    ]
 
 
 def randn_rows(rows: int, width: int, *names: str) -> Callable[[torch.device, torch.dtype], Inputs]:

@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--operator", help="op to measure (see --list)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--backends", help="comma-separated backends (default: torch,triton,tilelang on CUDA, those that run on the CPU there)"
+        "--backends",
+        help="comma-separated backends (default: torch,triton,tilelang on CUDA, those that run on the CPU there)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--shape", default="all", help="a shape preset of the op (see --list), or all")
@@ -43,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the results to this path")
     parser.add_argument("--list", action="store_true", help="list operators and shape presets")
     parser.add_argument(
-        "--rounds", type=int, default=1,
+        "--rounds",
+        type=int,
+        default=1,
         help="time every implementation of a case this many times, round after round, and report the median round "
         "(for rows within a few tenths of a percent of each other)",
     )
@@ -62,7 +65,10 @@ def _device(name: str) -> torch.device | None:
         print(f"taac-benchmark: unknown device {name!r}; expected cpu, cuda or cuda:N", file=sys.stderr)
         return None
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"taac-benchmark: --device {name}: CUDA is not available here; use --device cpu --dtype float32", file=sys.stderr)
+        print(
+            f"taac-benchmark: --device {name}: CUDA is not available here; use --device cpu --dtype float32",
+            file=sys.stderr,
+        )
         return None
     return device
 
@@ -82,7 +88,10 @@ def _backends(requested: str | None, device: torch.device) -> list[str] | None:
         return [b for b in BACKENDS if device.type == "cuda" or _cpu_reason(b) is None]
     backends = [b.strip() for b in requested.split(",") if b.strip()]
     if not backends:
-        print(f"taac-benchmark: --backends {requested!r} selects no backend; expected some of {', '.join(BACKENDS)}", file=sys.stderr)
+        print(
+            f"taac-benchmark: --backends {requested!r} selects no backend; expected some of {', '.join(BACKENDS)}",
+            file=sys.stderr,
+        )
         return None
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -120,12 +129,18 @@ def main(argv=None) -> int:
             print(f"{op}: {', '.join(c.shape for c in op_cases)}", file=sys.stdout if args.list else sys.stderr)
         return 0 if args.list else 2
     if args.operator not in cases:
-        print(f"taac-benchmark: unknown operator {args.operator!r}; expected one of {', '.join(sorted(cases))}", file=sys.stderr)
+        print(
+            f"taac-benchmark: unknown operator {args.operator!r}; expected one of {', '.join(sorted(cases))}",
+            file=sys.stderr,
+        )
         return 2
     selected = [c for c in cases[args.operator] if args.shape in ("all", c.shape)]
     if not selected:
         shapes = ", ".join(c.shape for c in cases[args.operator])
-        print(f"taac-benchmark: unknown shape {args.shape!r} for {args.operator}; expected all or one of {shapes}", file=sys.stderr)
+        print(
+            f"taac-benchmark: unknown shape {args.shape!r} for {args.operator}; expected all or one of {shapes}",
+            file=sys.stderr,
+        )
         return 2
     if args.rounds < 1:
         print(f"taac-benchmark: --rounds {args.rounds}: expected a count of at least 1", file=sys.stderr)
@@ -139,7 +154,9 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         for case in selected:
-            print(f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}")
+            print(
+                f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}"
+            )
         return 0
     machine = Machine.measure(device, need_matmul=any(c.flops is not None for c in selected))
     result = {

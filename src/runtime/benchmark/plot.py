@@ -19,7 +19,9 @@ def _speedups(group: Comparison) -> dict[str, float]:
     best_peer = group.best(group.peers)
     if best_peer is None:
         return {}
-    return {name: best_peer[1] / ms for name, ms in group.ms.items() if ms and (name in group.ours or name in group.peers)}
+    return {
+        name: best_peer[1] / ms for name, ms in group.ms.items() if ms and (name in group.ours or name in group.peers)
+    }
 
 
 def plot_speedups(results: list[dict], path: Path) -> Path:
@@ -60,7 +62,9 @@ def plot_speedups(results: list[dict], path: Path) -> Path:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.set_xticks(range(len(groups)))
         labels = [g.shape if one_dtype else f"{g.shape}\n{g.dtype}" for g in groups]
-        ax.set_xticklabels(labels, fontsize=7, rotation=25 if len(groups) > 4 else 0, ha="right" if len(groups) > 4 else "center")
+        ax.set_xticklabels(
+            labels, fontsize=7, rotation=25 if len(groups) > 4 else 0, ha="right" if len(groups) > 4 else "center"
+        )
         ax.set_ylabel("speed-up vs best peer (log)")
         ax.set_title(f"{mode}, {'GPU time' if gpu else 'eager time'}: above 1 is faster than the best peer", fontsize=9)
         ax.grid(axis="y", linewidth=0.3)

@@ -51,7 +51,9 @@ def _commit() -> str | None:
     if os.environ.get("TAAC_COMMIT"):
         return os.environ["TAAC_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         modified = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode == 1
     except Exception:  # not a checkout
         return None
@@ -121,7 +123,14 @@ def measure(
     """One row: correctness, then GPU and eager time, bandwidth/FLOP rates, memory and compile time; with kernels,
     the GPU time of each kernel launched (torch.profiler)."""
     device = machine.device
-    row = {"op": case.op, "shape": case.shape, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "impl": name, "kind": kind}
+    row = {
+        "op": case.op,
+        "shape": case.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "mode": mode,
+        "impl": name,
+        "kind": kind,
+    }
     inputs = case.make_inputs(device, dtype)
     grad_out = None
     try:

@@ -154,7 +154,9 @@ def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int | None =
             fn()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    return [{"kernel": e.key[:100], "us": e.device_time_total / calls, "per_call": e.count / calls} for e in events[:top]]
+    return [
+        {"kernel": e.key[:100], "us": e.device_time_total / calls, "per_call": e.count / calls} for e in events[:top]
+    ]
 
 
 def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:

@@ -5,4 +5,12 @@ from .causal import CausalSequencePCVR, GDRMixerPCVR, TokenFormerPCVR
 from .hstu import HSTUPCVR
 from .inputs import FeatureSpec, PCVRBatch
 
-__all__ = ["BaselinePCVR", "CausalSequencePCVR", "FeatureSpec", "GDRMixerPCVR", "HSTUPCVR", "PCVRBatch", "TokenFormerPCVR"]
+__all__ = [
+    "BaselinePCVR",
+    "CausalSequencePCVR",
+    "FeatureSpec",
+    "GDRMixerPCVR",
+    "HSTUPCVR",
+    "PCVRBatch",
+    "TokenFormerPCVR",
+]

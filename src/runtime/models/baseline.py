@@ -35,9 +35,12 @@ class BaselinePCVR(nn.Module):
     ) -> None:
         super().__init__()
         self.mhc_streams = mhc_streams
-        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len, sparse_collection=sparse_collection, sparse_dim=sparse_dim)
+        self.features = FeatureEncoder(
+            spec, d_model, max_positions=spec.seq_len, sparse_collection=sparse_collection, sparse_dim=sparse_dim
+        )
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout, hyper_streams=mhc_streams) for _ in range(n_layers)
+            TransformerBlock(d_model, n_heads, ffn_mult * d_model, dropout=dropout, hyper_streams=mhc_streams)
+            for _ in range(n_layers)
         )
         self.norm = RMSNorm(d_model)
         self.target_attention = CrossAttention(d_model, n_heads)

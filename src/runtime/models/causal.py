@@ -36,10 +36,14 @@ class CausalSequencePCVR(nn.Module):
     ) -> None:
         super().__init__()
         self.mhc_streams = mhc_streams  # n > 0: blocks carry n residual streams joined by mHC
-        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1, sparse_collection=sparse_collection, sparse_dim=sparse_dim)
+        self.features = FeatureEncoder(
+            spec, d_model, max_positions=spec.seq_len + 1, sparse_collection=sparse_collection, sparse_dim=sparse_dim
+        )
         context_width = self.features.n_context * d_model
         self.context_proj = nn.Linear(context_width, d_model)
-        self.blocks = nn.ModuleList(self.make_block(d_model, n_heads, ffn_mult * d_model, dropout, mhc_streams) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            self.make_block(d_model, n_heads, ffn_mult * d_model, dropout, mhc_streams) for _ in range(n_layers)
+        )
         self.norm = RMSNorm(d_model)
         self.head = PredictionHead(d_model + context_width, head_hidden)
 
@@ -67,7 +71,6 @@ class CausalSequencePCVR(nn.Module):
         rows = torch.arange(x.shape[0], device=x.device)
         readout = self.norm(x[rows, lengths])
         return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
-
 
     def _forward_jagged(self, batch: PCVRBatch, target: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         x, cu_seqlens = append_targets(self.features.history_packed(batch), target, batch.seq_offsets)

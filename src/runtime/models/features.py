@@ -23,7 +23,12 @@ class FeatureEncoder(nn.Module):
     """
 
     def __init__(
-        self, spec: FeatureSpec, d_model: int, max_positions: int, sparse_collection: bool = False, sparse_dim: int | None = None
+        self,
+        spec: FeatureSpec,
+        d_model: int,
+        max_positions: int,
+        sparse_collection: bool = False,
+        sparse_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -48,7 +53,9 @@ class FeatureEncoder(nn.Module):
         else:
             offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
             self.register_buffer("field_offsets", offsets.view(1, -1, 1), persistent=False)
-            self.sparse = EmbeddingBagMean(sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False)
+            self.sparse = EmbeddingBagMean(
+                sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False
+            )
         self.dense = nn.Linear(spec.n_dense, d_model)
 
     @property
@@ -107,11 +114,15 @@ class FeatureEncoder(nn.Module):
 def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[total] int64: each packed token's index within its own sequence (no host read of the offsets)."""
     offsets = cu_seqlens.long()
-    owner = torch.repeat_interleave(torch.arange(offsets.shape[0] - 1, device=offsets.device), offsets.diff(), output_size=total)
+    owner = torch.repeat_interleave(
+        torch.arange(offsets.shape[0] - 1, device=offsets.device), offsets.diff(), output_size=total
+    )
     return torch.arange(total, device=offsets.device) - offsets[owner]
 
 
-def append_targets(tokens: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def append_targets(
+    tokens: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences [total, d] with sequence s's target token targets[s] placed after its last token: returns
     ([total + B, d], the new cu_seqlens int32 [B + 1]); sequence s's target is row new_cu_seqlens[s + 1] - 1."""
     offsets = cu_seqlens.long()

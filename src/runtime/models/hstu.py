@@ -43,8 +43,12 @@ class HSTUPCVR(nn.Module):
     ) -> None:
         super().__init__()
         if mhc_streams:
-            raise ValueError(f"mhc_streams: expected 0 for HSTU (each HSTU layer carries its own residual), got {mhc_streams}")
-        self.features = FeatureEncoder(spec, d_model, max_positions=spec.seq_len + 1, sparse_collection=sparse_collection, sparse_dim=sparse_dim)
+            raise ValueError(
+                f"mhc_streams: expected 0 for HSTU (each HSTU layer carries its own residual), got {mhc_streams}"
+            )
+        self.features = FeatureEncoder(
+            spec, d_model, max_positions=spec.seq_len + 1, sparse_collection=sparse_collection, sparse_dim=sparse_dim
+        )
         context_width = self.features.n_context * d_model
         self.context_proj = nn.Linear(context_width, d_model)
         self.blocks = nn.ModuleList(
@@ -56,7 +60,9 @@ class HSTUPCVR(nn.Module):
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
         """Conversion logits [B] of a jagged batch."""
         if not batch.jagged:
-            raise ValueError("batch: HSTUPCVR reads jagged histories (seq_offsets and max_seqlen set; data.jagged=true)")
+            raise ValueError(
+                "batch: HSTUPCVR reads jagged histories (seq_offsets and max_seqlen set; data.jagged=true)"
+            )
         lengths = batch.seq_lengths
         history = self.features.history_packed(batch)
         context = self.features.context(batch).flatten(1)

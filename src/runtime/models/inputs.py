@@ -68,7 +68,12 @@ class PCVRBatch:
         return self.seq_offsets is not None
 
     def _map(self, fn) -> "PCVRBatch":
-        return PCVRBatch(**{f.name: t if not isinstance(t := getattr(self, f.name), torch.Tensor) else fn(t) for f in dataclasses.fields(self)})
+        return PCVRBatch(
+            **{
+                f.name: t if not isinstance(t := getattr(self, f.name), torch.Tensor) else fn(t)
+                for f in dataclasses.fields(self)
+            }
+        )
 
     def __len__(self) -> int:
         return self.label.shape[0]
@@ -120,7 +125,11 @@ class PCVRBatch:
             out[valid] = t
             return out
 
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("seq_offsets", "max_seqlen")}
+        values = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("seq_offsets", "max_seqlen")
+        }
         values.update({name: None if (t := getattr(self, name)) is None else pad(t) for name in TOKEN_FIELDS})
         return PCVRBatch(**values)
 

@@ -95,7 +95,9 @@ class MultiHeadAttention(nn.Module):
             return self.out(o.flatten(1))
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         o = flash_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             causal=self.causal,
             key_lengths=key_lengths,
             dropout_p=self.dropout if self.training else 0.0,
@@ -145,5 +147,7 @@ class CrossAttention(nn.Module):
             return self.out(o.flatten(1))
         q = _split_heads(self.q(x), self.n_heads)
         k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
-        o = flash_attention(q, k, v, key_lengths=key_lengths, dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        o = flash_attention(
+            q, k, v, key_lengths=key_lengths, dropout_p=self.dropout if self.training else 0.0, backend=self.backend
+        )
         return self.out(_merge_heads(o))

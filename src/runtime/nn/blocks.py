@@ -107,8 +107,17 @@ class TransformerBlock(_MixThenFeedForward):
     """x + attn(norm(x)), then x + ffn(norm(x))."""
 
     def __init__(
-        self, d_model: int, n_heads: int, ffn_hidden: int, *, causal: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
-        hyper_streams: int = 0, device=None, dtype=None,
+        self,
+        d_model: int,
+        n_heads: int,
+        ffn_hidden: int,
+        *,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        hyper_streams: int = 0,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -135,7 +144,11 @@ class GatedDeltaBlock(_MixThenFeedForward):
 
 
 def run_blocks(
-    blocks: Iterable[nn.Module], x: torch.Tensor, key_lengths: torch.Tensor | None = None, *, norm: RMSNorm | None = None
+    blocks: Iterable[nn.Module],
+    x: torch.Tensor,
+    key_lengths: torch.Tensor | None = None,
+    *,
+    norm: RMSNorm | None = None,
 ):
     """The blocks (TransformerBlock / GatedDeltaBlock) in turn, each one's last residual add joined with the next
     one's first norm. Returns the stream, or with `norm`, (norm(stream), stream): the last add joined with it."""

@@ -105,9 +105,16 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, values, offsets: torch.Tensor | None = None) -> torch.Tensor:
         if is_keyed_jagged(values) and list(values.keys()) != self.names:
-            raise ValueError(f"values: the KeyedJaggedTensor's keys {list(values.keys())} must be the tables {self.names}, in order")
+            raise ValueError(
+                f"values: the KeyedJaggedTensor's keys {list(values.keys())} must be the tables {self.names}, in order"
+            )
         return embedding_bag_collection(
-            self.weights(), values, offsets, padding_idx=self.padding_idx, check_indices=self.check_indices, backend=self.backend
+            self.weights(),
+            values,
+            offsets,
+            padding_idx=self.padding_idx,
+            check_indices=self.check_indices,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:

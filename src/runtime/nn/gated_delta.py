@@ -39,7 +39,9 @@ class GatedDeltaRuleMixer(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         if n_heads <= 0 or (head_dim is None and d_model % n_heads != 0):
-            raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model} (or give head_dim), got {n_heads}")
+            raise ValueError(
+                f"n_heads: expected a positive divisor of d_model={d_model} (or give head_dim), got {n_heads}"
+            )
         self.n_heads = n_heads
         self.head_dim = head_dim or d_model // n_heads
         self.backend = backend

@@ -50,7 +50,9 @@ class HSTUBlock(nn.Module):
             raise ValueError(f"n_heads: expected a positive integer, got {n_heads}")
         if head_dim is None:
             if d_model % n_heads:
-                raise ValueError(f"head_dim: None takes d_model // n_heads, but n_heads={n_heads} does not divide d_model={d_model}; pass head_dim")
+                raise ValueError(
+                    f"head_dim: None takes d_model // n_heads, but n_heads={n_heads} does not divide d_model={d_model}; pass head_dim"
+                )
             head_dim = d_model // n_heads
         if head_dim <= 0:
             raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
@@ -67,7 +69,9 @@ class HSTUBlock(nn.Module):
         width = n_heads * head_dim
         self.input_norm = LayerNorm(d_model, **factory)
         self.uvqk = Linear(d_model, 4 * width, activation="silu", **factory)
-        self.position_bias = nn.Parameter(torch.empty(n_heads, position_buckets, **factory)) if position_buckets else None
+        self.position_bias = (
+            nn.Parameter(torch.empty(n_heads, position_buckets, **factory)) if position_buckets else None
+        )
         self.time_bias = nn.Parameter(torch.empty(n_heads, time_buckets, **factory)) if time_buckets else None
         self.output_norm = LayerNorm(width, **factory)
         self.out = Linear(width, d_model, **factory)

@@ -26,7 +26,13 @@ class HyperConnection(nn.Module):
         super().__init__()
         if streams < 1:
             raise ValueError(f"streams: expected at least 1, got {streams}")
-        self.block, self.streams, self.sinkhorn_iters, self.eps, self.backend = block, streams, sinkhorn_iters, eps, backend
+        self.block, self.streams, self.sinkhorn_iters, self.eps, self.backend = (
+            block,
+            streams,
+            sinkhorn_iters,
+            eps,
+            backend,
+        )
         m = streams * streams + 2 * streams
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.randn(streams * width, m, **factory) * (streams * width) ** -0.5)
@@ -37,7 +43,9 @@ class HyperConnection(nn.Module):
         self.bias = nn.Parameter(torch.cat([pre, post, res.flatten()]))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        h_in, h_post, h_res = mhc_pre(x, self.phi, self.alpha, self.bias, self.eps, self.sinkhorn_iters, backend=self.backend)
+        h_in, h_post, h_res = mhc_pre(
+            x, self.phi, self.alpha, self.bias, self.eps, self.sinkhorn_iters, backend=self.backend
+        )
         y = self.block(h_in, *args, **kwargs)
         return mhc_post(x, y.to(x.dtype), h_post, h_res, backend=self.backend)
 

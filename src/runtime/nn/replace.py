@@ -58,7 +58,9 @@ class ReplaceReport:
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} module(s)" + (":" if self.replaced else "")]
         width = max((len(r.name) for r in self.replaced), default=0)
-        lines += [f"  {r.name or '(root)':<{width}}  {_class_name(r.old)} -> {_class_name(r.new)}" for r in self.replaced]
+        lines += [
+            f"  {r.name or '(root)':<{width}}  {_class_name(r.old)} -> {_class_name(r.new)}" for r in self.replaced
+        ]
         if self.left:
             lines.append(f"left {len(self.left)} module(s):")
             lines += [f"  {entry.name or '(root)'}  {_class_name(entry.cls)}: {entry.reason}" for entry in self.left]
@@ -104,7 +106,14 @@ def _factory(module: nn.Module) -> dict:
 
 
 def _linear(module: nn.Linear, backend, activation: str | None = None):
-    new = Linear(module.in_features, module.out_features, module.bias is not None, activation, **_factory(module), backend=backend)
+    new = Linear(
+        module.in_features,
+        module.out_features,
+        module.bias is not None,
+        activation,
+        **_factory(module),
+        backend=backend,
+    )
     return _take_parameters(new, module, ("weight", "bias")), None
 
 
@@ -127,7 +136,11 @@ def _rms_norm(module: nn.RMSNorm, backend):
     if module.eps is None:
         return None, "eps=None (the input dtype's machine epsilon): the runtime op takes a fixed eps; set one"
     new = RMSNorm(
-        module.normalized_shape[0], module.eps, elementwise_affine=module.elementwise_affine, backend=backend, **_factory(module)
+        module.normalized_shape[0],
+        module.eps,
+        elementwise_affine=module.elementwise_affine,
+        backend=backend,
+        **_factory(module),
     )
     return _take_parameters(new, module, ("weight",)), None
 
@@ -189,7 +202,9 @@ def _foreign_rms_norm(module: nn.Module, backend):
         return None, f"its state ({sorted(module.state_dict())}) or submodules differ from RMSNorm's single weight"
     if weight.device.type == "meta":
         return None, "its weight is on the meta device: the output check needs real values"
-    new = _take_parameters(RMSNorm(weight.shape[0], float(eps), backend=backend, **_factory(module)), module, ("weight",))
+    new = _take_parameters(
+        RMSNorm(weight.shape[0], float(eps), backend=backend, **_factory(module)), module, ("weight",)
+    )
     problem = _same_output(module, new, weight)
     return (None, problem) if problem else (new, None)
 
@@ -243,7 +258,9 @@ def _fusions(model: nn.Module, uses: Counter, backend, report: ReplaceReport) ->
                 continue
             where = f"{prefix}.{name}" if prefix else name
             if uses[id(first)] > 1 or uses[id(act)] > 1:
-                report.left.append(Left(where, nn.Linear, "not fused with the next activation: one of them is also used elsewhere"))
+                report.left.append(
+                    Left(where, nn.Linear, "not fused with the next activation: one of them is also used elsewhere")
+                )
                 continue
             if _has_hooks(first) or _has_hooks(act):
                 continue  # left with its reason by the per-module pass
@@ -288,10 +305,14 @@ def replace_modules(model: nn.Module, *, ops: Iterable[str] | None = None, backe
                 report.left.append(Left(name, type(module), reasons[id(module)]))
             continue
         if not name:
-            report.left.append(Left(name, type(module), "the model itself cannot be swapped in place; use the runtime.nn module"))
+            report.left.append(
+                Left(name, type(module), "the model itself cannot be swapped in place; use the runtime.nn module")
+            )
             continue
         if _has_hooks(module):
-            report.left.append(Left(name, type(module), "it has forward or backward hooks, which a new module would not carry"))
+            report.left.append(
+                Left(name, type(module), "it has forward or backward hooks, which a new module would not carry")
+            )
             continue
         new, reason = convert(module, backend)
         if new is None:

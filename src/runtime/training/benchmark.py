@@ -49,7 +49,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int = 0, matmul_rate: float | None = None) -> dict:
+def run_one(
+    train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int = 0, matmul_rate: float | None = None
+) -> dict:
     """Train on the given batches; the step time is measured after `warmup` steps (each warmup step is timed
     alone: compilation, capture). With `profiled_steps`, that many further steps (on the first batches again)
     run under the profiler."""
@@ -92,7 +94,9 @@ def run_one(train_cfg, batches, warmup: int, run_dir: Path, profiled_steps: int 
         "samples_per_s": train_cfg.data.batch_size / step_s,
         "warmup_s": timed_from - start,
         "first_step_s": warmup_steps_s[0] if warmup_steps_s else None,  # compilation, in compiled runs
-        "capture_step_s": warmup_steps_s[capture_step] if capture_step is not None and capture_step < len(warmup_steps_s) else None,
+        "capture_step_s": warmup_steps_s[capture_step]
+        if capture_step is not None and capture_step < len(warmup_steps_s)
+        else None,
         "real_tokens_per_s": real_tokens / (end - timed_from) if timed > 0 else float("nan"),
         "matmul_flops_per_step": flops,
         "matmul_tflops": flops / step_s / 1e12,
@@ -139,8 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
         # all models under one variant before the next variant: with a time budget, the eager torch
         # references and the first presets finish first
         variants = [(preset, "eager") for preset in bench.presets] + [(preset, "compile") for preset in bench.compiled]
-        device_type = _device_type(compose("train", overrides=_base(bench, bench.models[0]) if bench.models else list(bench.overrides)))
-        graph_variants = [(preset, "cuda_graph") for preset in bench.graphed] + [(preset, "tuned") for preset in bench.tuned]
+        device_type = _device_type(
+            compose("train", overrides=_base(bench, bench.models[0]) if bench.models else list(bench.overrides))
+        )
+        graph_variants = [(preset, "cuda_graph") for preset in bench.graphed] + [
+            (preset, "tuned") for preset in bench.tuned
+        ]
         if device_type == "cuda":
             variants += graph_variants
         elif graph_variants:
@@ -159,7 +167,10 @@ def main(argv: list[str] | None = None) -> dict:
         for preset, mode in variants:
             for model in bench.models:
                 if bench.time_budget_s and time.perf_counter() - started > bench.time_budget_s:
-                    print(f"time budget of {bench.time_budget_s} s spent: {model} / {preset} and later runs skipped", flush=True)
+                    print(
+                        f"time budget of {bench.time_budget_s} s spent: {model} / {preset} and later runs skipped",
+                        flush=True,
+                    )
                     results["skipped_after_budget"] = True
                     _write(out, results)
                     return results
@@ -177,8 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
                         clear_decisions()  # each run decides (and warns) afresh
                         cfg = compose("train", overrides=run_overrides)
                         with tempfile.TemporaryDirectory() as tmp:
-                            entry.update(run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps, rate))
-                    entry["fallbacks"] = sorted({str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)})
+                            entry.update(
+                                run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps, rate)
+                            )
+                    entry["fallbacks"] = sorted(
+                        {str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)}
+                    )
                     for message in entry["fallbacks"]:
                         print(f"{name}: FALLBACK {message}", flush=True)
                 except Exception as error:  # reported, and the other runs go on

@@ -54,8 +54,12 @@ def write_atomically(path: Path, write) -> None:
     except OSError as error:
         tmp.unlink(missing_ok=True)
         if error.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left on device while writing {path}; free some space (or point "
-                          "hydra.run.dir elsewhere) and resume from the last checkpoint", str(path)) from error
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device while writing {path}; free some space (or point "
+                "hydra.run.dir elsewhere) and resume from the last checkpoint",
+                str(path),
+            ) from error
         raise
 
 
@@ -107,7 +111,9 @@ def _candidates(resume: str) -> list[Path]:
         found = checkpoints(directory)
         if found:
             return list(reversed(found))
-    raise FileNotFoundError(f"trainer.resume: {resume} is neither a checkpoint file nor a run directory with checkpoints")
+    raise FileNotFoundError(
+        f"trainer.resume: {resume} is neither a checkpoint file nor a run directory with checkpoints"
+    )
 
 
 def resolve(resume: str, fallback_previous: bool = False) -> tuple[Path, dict]:
@@ -131,7 +137,9 @@ def resolve(resume: str, fallback_previous: bool = False) -> tuple[Path, dict]:
             f"trainer.resume={path}, or let the run take it with trainer.resume_fallback=previous"
         ) from problem
     if older:
-        raise CheckpointError(f"trainer.resume: {problem}; none of the {len(older)} checkpoint(s) before it is valid either") from problem
+        raise CheckpointError(
+            f"trainer.resume: {problem}; none of the {len(older)} checkpoint(s) before it is valid either"
+        ) from problem
     raise CheckpointError(f"trainer.resume: {problem}") from problem
 
 

@@ -47,7 +47,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         gc.collect()
         final = metrics["validation"][-1] if metrics["validation"] else {}
         if run.is_main:
-            logger.info("done: %s; metrics in %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"), Path(run_dir) / "metrics.json")
+            logger.info(
+                "done: %s; metrics in %s",
+                ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k != "step"),
+                Path(run_dir) / "metrics.json",
+            )
             write_curves(metrics, Path(run_dir))
         finished = True
         return metrics

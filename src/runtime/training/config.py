@@ -141,12 +141,21 @@ class ModelSchema:
     sparse_dim: int | None = None  # the sparse tables' width (projected to d_model); null: d_model
 
     def __post_init__(self) -> None:
-        for key, least in (("n_heads", 1), ("d_model", 1), ("n_layers", 1), ("ffn_mult", 1), ("head_hidden", 1), ("mhc_streams", 0)):
+        for key, least in (
+            ("n_heads", 1),
+            ("d_model", 1),
+            ("n_layers", 1),
+            ("ffn_mult", 1),
+            ("head_hidden", 1),
+            ("mhc_streams", 0),
+        ):
             _at_least(f"model.{key}", getattr(self, key), least)
         if self.sparse_dim is not None:
             _at_least("model.sparse_dim", self.sparse_dim, 1)
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}")
+            raise ValueError(
+                f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}"
+            )
         _in_range("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
 
 
@@ -165,7 +174,9 @@ class HSTUModelSchema(ModelSchema):
         _at_least("model.position_buckets", self.position_buckets, 0)
         _at_least("model.time_buckets", self.time_buckets, 0)
         if self.mhc_streams:
-            raise ValueError(f"model.mhc_streams: expected 0 for model=hstu (each HSTU layer carries its own residual), got {self.mhc_streams}")
+            raise ValueError(
+                f"model.mhc_streams: expected 0 for model=hstu (each HSTU layer carries its own residual), got {self.mhc_streams}"
+            )
 
 
 PARQUET_JAGGED = (
@@ -208,9 +219,13 @@ class TrainerSchema:
             _at_least("trainer.cpu_threads", self.cpu_threads, 1)
         self.cuda_graph = cuda_graph_choice(self.cuda_graph)
         if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"trainer.compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+            raise ValueError(
+                f"trainer.compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
+            )
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise ValueError(f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}")
+            raise ValueError(
+                f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}"
+            )
 
 
 @dataclass

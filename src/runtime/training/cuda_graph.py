@@ -45,7 +45,9 @@ class GraphedStep:
         self.learning_rates = [group["lr"] for group in optimizer.param_groups]
         for i, lr in enumerate(self.learning_rates):
             if not (isinstance(lr, torch.Tensor) and lr.device == device):
-                raise ValueError(f"optimizer.param_groups[{i}]['lr']: expected a tensor on {device} for a CUDA graph, got {lr!r}")
+                raise ValueError(
+                    f"optimizer.param_groups[{i}]['lr']: expected a tensor on {device} for a CUDA graph, got {lr!r}"
+                )
 
     @property
     def captured(self) -> bool:

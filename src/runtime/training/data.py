@@ -40,10 +40,13 @@ def build_data(cfg, seed: int, jagged: bool = False) -> PCVRData:
     )  # fmt: skip
 
 
-def batches(data: PCVRData, indices: Iterator[int], batch_size: int, prefetch: int = 0, pin_memory: bool = False) -> Iterator[PCVRBatch]:
+def batches(
+    data: PCVRData, indices: Iterator[int], batch_size: int, prefetch: int = 0, pin_memory: bool = False
+) -> Iterator[PCVRBatch]:
     """data.train_batch(i) for each index, made up to `prefetch` batches ahead in a daemon thread
     (making a batch is mostly torch ops, which release the GIL). Batches depend only on their index,
     so prefetching changes nothing in what is trained on."""
+
     def make(index: int) -> PCVRBatch:
         batch = data.train_batch(index, batch_size)
         return batch.pin_memory() if pin_memory else batch

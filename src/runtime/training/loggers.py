@@ -87,5 +87,11 @@ class MetricLogger:
         try:
             call()
         except Exception as error:  # noqa: BLE001 - a metrics sink never stops training
-            logger.warning("logger=%s failed to %s (%s: %s); it is disabled for the rest of the run", self.kind.value, what, type(error).__name__, error)
+            logger.warning(
+                "logger=%s failed to %s (%s: %s); it is disabled for the rest of the run",
+                self.kind.value,
+                what,
+                type(error).__name__,
+                error,
+            )
             self.sink = None

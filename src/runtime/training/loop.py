@@ -51,7 +51,9 @@ def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool
         if param.requires_grad:
             (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable
+    )
 
 
 def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -90,7 +92,9 @@ def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
     if device.type != "cuda":
         reasons.append(f"it needs a CUDA device, the run is on {device}")
     if distributed:
-        reasons.append("DistributedDataParallel (torchrun) is not captured (its gradient all-reduce hooks run on the host)")
+        reasons.append(
+            "DistributedDataParallel (torchrun) is not captured (its gradient all-reduce hooks run on the host)"
+        )
     if cfg.trainer.compile and cfg.trainer.compile_mode in COMPILE_MODES_WITH_GRAPHS:
         reasons.append(
             f"trainer.compile_mode={cfg.trainer.compile_mode} makes CUDA graphs of its own, which cannot be captured "
@@ -110,13 +114,17 @@ def use_cuda_graph(cfg, device: torch.device, distributed: bool) -> bool:
     reasons = graph_blockers(cfg, device, distributed)
     if choice == "true":
         if reasons:
-            raise ValueError("trainer.cuda_graph=true cannot run: " + "; ".join(reasons) + "; set trainer.cuda_graph=false or auto")
+            raise ValueError(
+                "trainer.cuda_graph=true cannot run: " + "; ".join(reasons) + "; set trainer.cuda_graph=false or auto"
+            )
     elif cfg.trainer.compile:
         reasons.append("trainer.compile=true: auto does not capture a compiled step (trainer.cuda_graph=true does)")
     if reasons:
         logger.info("CUDA graph: off (trainer.cuda_graph=auto): %s", "; ".join(reasons))
         return False
-    logger.info("CUDA graph: on (trainer.cuda_graph=%s): the whole step is captured after 3 eager steps and replayed", choice)
+    logger.info(
+        "CUDA graph: on (trainer.cuda_graph=%s): the whole step is captured after 3 eager steps and replayed", choice
+    )
     return True
 
 
@@ -154,7 +162,9 @@ class Trainer:
         report = explain(device=self.device)
         logger.debug("%s", report)
         resolved = "\n".join(line for line in report.splitlines() if not line.startswith(" "))  # one line per op
-        logger.info("accelerators (precision %s; python -m runtime.accelerators tells why):\n%s", self.precision_name, resolved)
+        logger.info(
+            "accelerators (precision %s; python -m runtime.accelerators tells why):\n%s", self.precision_name, resolved
+        )
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every process
         self.data = build_data(cfg.data, cfg.seed, jagged=data_jagged(cfg))
@@ -173,7 +183,9 @@ class Trainer:
         self.criterion = BCEWithLogitsLoss()
         self.optimizer = make_optimizer(self.model, cfg.optim, self.device, capturable=graphed)
         total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio)
+        )
         self.step = 0
         self.data_position = 0
         torch.manual_seed(cfg.seed + 1 + self.run.rank)  # dropout streams differ between processes
@@ -300,18 +312,25 @@ class Trainer:
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as error:
-            raise ValueError(f"trainer.resume: the weights in {path} do not fit this model ({str(error).splitlines()[0]} ...); "
-                             f"the model settings that differ cannot be applied:\n{resume.describe(changed)}") from error
+            raise ValueError(
+                f"trainer.resume: the weights in {path} do not fit this model ({str(error).splitlines()[0]} ...); "
+                f"the model settings that differ cannot be applied:\n{resume.describe(changed)}"
+            ) from error
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.data_position = state["step"], state["data_position"]
         for key in ("losses", "log", "validation"):
             self.metrics[key] = list(state["metrics"][key])
-        self.metrics["resumes"] = [*state["metrics"].get("resumes", []), {"from": str(path), "step": self.step, "changes": changed}]
+        self.metrics["resumes"] = [
+            *state["metrics"].get("resumes", []),
+            {"from": str(path), "step": self.step, "changes": changed},
+        ]
         checkpoint.set_rng_state(state["rng"][self.run.rank])
         if changed:
             self._apply_optimizer_settings()
-            logger.warning("trainer.resume_overrides=allow: applied what differs from %s:\n%s", path, resume.describe(changed))
+            logger.warning(
+                "trainer.resume_overrides=allow: applied what differs from %s:\n%s", path, resume.describe(changed)
+            )
         logger.info("resumed from %s at step %d", path, self.step)
 
     def _apply_optimizer_settings(self) -> None:
@@ -321,7 +340,9 @@ class Trainer:
         self.scheduler.base_lrs = [optim.lr for _ in self.optimizer.param_groups]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, decay in zip(self.optimizer.param_groups, (optim.weight_decay, 0.0), strict=True):
-            group.update(initial_lr=optim.lr, lr=optim.lr * factor, betas=tuple(optim.betas), eps=optim.eps, weight_decay=decay)
+            group.update(
+                initial_lr=optim.lr, lr=optim.lr * factor, betas=tuple(optim.betas), eps=optim.eps, weight_decay=decay
+            )
 
     def write_metrics(self) -> None:
         if self.run.is_main:
@@ -335,7 +356,9 @@ class Trainer:
         tcfg = self.cfg.trainer
         stop = tcfg.steps if until is None else min(until, tcfg.steps)
         indices = iter(range(self.data_position + self.run.rank, 2**62, self.run.world_size))
-        stream = batches(self.data, indices, self.cfg.data.batch_size, self.cfg.data.prefetch, pin_memory=self.device.type == "cuda")
+        stream = batches(
+            self.data, indices, self.cfg.data.batch_size, self.cfg.data.prefetch, pin_memory=self.device.type == "cuda"
+        )
         bar = ProgressBar(tcfg.steps, self.step, tcfg.progress and self.run.is_main)
         pending: list[torch.Tensor] = []
         window_start, window_steps = time.perf_counter(), 0
@@ -377,9 +400,15 @@ class Trainer:
         result = self.evaluate()
         self.metrics["validation"].append(result)
         self.metric_logger.write(self.step, result)
-        logger.info("step %d  %s", self.step, "  ".join(f"{k.removeprefix('val_')} {v:.4f}" for k, v in result.items() if k != "step"))
+        logger.info(
+            "step %d  %s",
+            self.step,
+            "  ".join(f"{k.removeprefix('val_')} {v:.4f}" for k, v in result.items() if k != "step"),
+        )
 
-    def _log(self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar) -> None:
+    def _log(
+        self, pending: list[torch.Tensor], steps: int, elapsed: float, grad_norm: torch.Tensor, bar: ProgressBar
+    ) -> None:
         losses = torch.stack(pending).tolist()  # the one synchronisation per log window
         speed = steps * self.cfg.data.batch_size * self.run.world_size / elapsed
         self.metrics["losses"] += losses
@@ -403,7 +432,12 @@ class Trainer:
                 f"{self.precision_name}); to rule out a kernel, rerun with accelerators=torch (now {self.accelerators})"
             )
         logger.info(
-            "step %d  loss %.4f  lr %.2e  %.0f samples/s  %.1f ms/step", self.step, entry["loss"], entry["lr"], speed, entry["step_ms"]
+            "step %d  loss %.4f  lr %.2e  %.0f samples/s  %.1f ms/step",
+            self.step,
+            entry["loss"],
+            entry["lr"],
+            speed,
+            entry["step_ms"],
         )
 
     def _ranks_in_sync(self) -> bool:

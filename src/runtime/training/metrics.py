@@ -82,7 +82,9 @@ def _entropy(p: float) -> float:
     return -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
-def validation_metrics(logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor | None = None) -> dict[str, float]:
+def validation_metrics(
+    logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor | None = None
+) -> dict[str, float]:
     """val_auc, val_logloss, val_ne (normalized entropy), val_calibration, and val_gauc when user ids are given."""
     logits, labels = _float64(logits), _float64(labels.to(logits.device))
     loss = log_loss(logits, labels)

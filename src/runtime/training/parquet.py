@@ -42,7 +42,9 @@ def _pyarrow():
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as error:  # pragma: no cover - pyarrow is a dependency; this guards partial installs
-        raise ImportError(f"reading and writing Parquet needs pyarrow ({error}); install it with `pip install pyarrow`") from None
+        raise ImportError(
+            f"reading and writing Parquet needs pyarrow ({error}); install it with `pip install pyarrow`"
+        ) from None
     return pa, pq
 
 
@@ -54,7 +56,9 @@ def _list_column(rows: torch.Tensor, lengths: torch.Tensor):
     pa, _ = _pyarrow()
     keep = torch.arange(rows.shape[1])[None] < lengths[:, None]
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    return pa.ListArray.from_arrays(pa.array(offsets.numpy().astype(np.int32)), pa.array(rows[keep].numpy().astype(np.int64)))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.numpy().astype(np.int32)), pa.array(rows[keep].numpy().astype(np.int64))
+    )
 
 
 def batch_to_table(batch: PCVRBatch, spec: FeatureSpec):
@@ -62,7 +66,8 @@ def batch_to_table(batch: PCVRBatch, spec: FeatureSpec):
     n = len(batch)
     columns = {"label": pa.array(batch.label.numpy().astype(np.float32))}
     columns["dense"] = pa.ListArray.from_arrays(
-        pa.array((torch.arange(n + 1) * spec.n_dense).numpy().astype(np.int32)), pa.array(batch.dense.numpy().reshape(-1).astype(np.float32))
+        pa.array((torch.arange(n + 1) * spec.n_dense).numpy().astype(np.int32)),
+        pa.array(batch.dense.numpy().reshape(-1).astype(np.float32)),
     )
     for f, name in enumerate(spec.sparse_fields):
         ids = batch.sparse[:, f]
@@ -167,7 +172,10 @@ def read_batch(path: str | Path, spec: FeatureSpec, table=None) -> PCVRBatch:
     n = table.num_rows
     column = table.column("dense").combine_chunks()
     dense = torch.from_numpy(column.flatten().to_numpy().astype(np.float32)).view(n, spec.n_dense)
-    sparse = torch.stack([_padded(table.column(f"sparse_{f}"), spec.sparse_hotness, keep_last=False)[0] for f in spec.sparse_fields], dim=1)
+    sparse = torch.stack(
+        [_padded(table.column(f"sparse_{f}"), spec.sparse_hotness, keep_last=False)[0] for f in spec.sparse_fields],
+        dim=1,
+    )
     seq = {name: _padded(table.column(name), spec.seq_len, keep_last=True) for name in SEQUENCE_COLUMNS}
     return PCVRBatch(
         sparse=sparse if spec.sparse_fields else torch.zeros(n, 0, spec.sparse_hotness, dtype=torch.long),
@@ -179,7 +187,9 @@ def read_batch(path: str | Path, spec: FeatureSpec, table=None) -> PCVRBatch:
         target_item=torch.from_numpy(table.column("target_item").to_numpy().astype(np.int64)),
         target_category=torch.from_numpy(table.column("target_category").to_numpy().astype(np.int64)),
         label=torch.from_numpy(table.column("label").to_numpy().astype(np.float32)),
-        user_id=torch.from_numpy(table.column("user_id").to_numpy().astype(np.int64)) if "user_id" in table.column_names else None,
+        user_id=torch.from_numpy(table.column("user_id").to_numpy().astype(np.int64))
+        if "user_id" in table.column_names
+        else None,
     )
 
 
@@ -191,7 +201,9 @@ class ParquetPCVR:
         directory = Path(path)
         for name in ("train.parquet", "val.parquet"):
             if not (directory / name).is_file():
-                raise FileNotFoundError(f"data.path: expected {directory / name} (write one with `python -m runtime.training.parquet {directory}`)")
+                raise FileNotFoundError(
+                    f"data.path: expected {directory / name} (write one with `python -m runtime.training.parquet {directory}`)"
+                )
         self.seed = seed
         table = _read(directory / "train.parquet")
         self.spec = _spec(table.schema, directory / "train.parquet", table)
@@ -219,7 +231,9 @@ class ParquetPCVR:
 def main(argv: list[str] | None = None) -> None:
     from .synthetic import SyntheticPCVR
 
-    parser = argparse.ArgumentParser(description="Write the synthetic PCVR data set as Parquet (train.parquet, val.parquet).")
+    parser = argparse.ArgumentParser(
+        description="Write the synthetic PCVR data set as Parquet (train.parquet, val.parquet)."
+    )
     parser.add_argument("out_dir")
     parser.add_argument("--train-rows", type=int, default=65536)
     parser.add_argument("--val-rows", type=int, default=8192)
@@ -228,7 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-items", type=int, default=20000)
     parser.add_argument("--n-categories", type=int, default=64)
     args = parser.parse_args(argv)
-    data = SyntheticPCVR(seed=args.seed, seq_len=args.seq_len, n_items=args.n_items, n_categories=args.n_categories, val_size=args.val_rows)
+    data = SyntheticPCVR(
+        seed=args.seed,
+        seq_len=args.seq_len,
+        n_items=args.n_items,
+        n_categories=args.n_categories,
+        val_size=args.val_rows,
+    )
     write_synthetic(args.out_dir, args.train_rows, data)
     print(f"wrote {args.train_rows} training and {args.val_rows} validation rows to {args.out_dir}")
 

@@ -117,7 +117,9 @@ def check_structure(table, path: str | Path) -> None:
     values = _values(dense.flatten())
     bad = _first(~np.isfinite(values))
     if bad is not None:
-        _fail(path, "dense", _row_of(dense.value_lengths().to_numpy(), bad), f"dense feature {values[bad]} is not finite")
+        _fail(
+            path, "dense", _row_of(dense.value_lengths().to_numpy(), bad), f"dense feature {values[bad]} is not finite"
+        )
     for name in (*SCALAR_IDS, *optional):
         _check_ids(path, name, _values(_array(table, name)), lambda i: i)
     for name in (*ID_LISTS, *sparse_columns(table)):
@@ -129,7 +131,12 @@ def check_structure(table, path: str | Path) -> None:
         lengths = _array(table, name).value_lengths().to_numpy()
         bad = _first(lengths != history)
         if bad is not None:
-            _fail(path, name, bad, f"{lengths[bad]} values for the {history[bad]} events of seq_items; expected one per event")
+            _fail(
+                path,
+                name,
+                bad,
+                f"{lengths[bad]} values for the {history[bad]} events of seq_items; expected one per event",
+            )
 
 
 def check_against_spec(table, path: str | Path, spec: FeatureSpec) -> None:
@@ -180,6 +187,10 @@ def parse_spec(raw: bytes, path: str | Path, key: str) -> FeatureSpec:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
     fields = values["sparse_fields"]
-    if not isinstance(fields, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in fields.values()):
-        raise ValueError(f"{where}: sparse_fields must map each field name to its vocabulary size (an integer >= 1), got {fields!r}")
+    if not isinstance(fields, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in fields.values()
+    ):
+        raise ValueError(
+            f"{where}: sparse_fields must map each field name to its vocabulary size (an integer >= 1), got {fields!r}"
+        )
     return FeatureSpec.from_dict(values)

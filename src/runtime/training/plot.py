@@ -54,7 +54,7 @@ def plot_runs(runs: dict[str, dict], path: Path | str) -> Path:
         ax.set_title(LABELS.get(key, key), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in axes[len(keys):]:
+    for ax in axes[len(keys) :]:
         ax.set_visible(False)
     if keys and len(runs) > 1:
         axes[0].legend(fontsize=8)

@@ -39,7 +39,11 @@ def profile_steps(step: Callable[[int], object], steps: int, device: torch.devic
             for e in sorted(kernels, key=_device_time_us, reverse=True)[:top]
         ],
         "top_host_ops": [
-            {"name": e.key[:120], "self_ms_per_step": per_step(e.self_cpu_time_total), "calls_per_step": e.count / steps}
+            {
+                "name": e.key[:120],
+                "self_ms_per_step": per_step(e.self_cpu_time_total),
+                "calls_per_step": e.count / steps,
+            }
             for e in sorted(host_ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
         ],
     }

@@ -42,4 +42,6 @@ def differences(saved_yaml: str, current: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def describe(changed: dict[str, tuple[Any, Any]]) -> str:
-    return "\n".join(f"  {key}: {before!r} in the checkpoint, {after!r} now" for key, (before, after) in changed.items())
+    return "\n".join(
+        f"  {key}: {before!r} in the checkpoint, {after!r} now" for key, (before, after) in changed.items()
+    )

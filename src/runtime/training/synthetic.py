@@ -37,7 +37,12 @@ ACTION_WEIGHTS = (0.0, 1.0, 2.0, 4.0)  # by action id; 0 is padding
 PREFERRED_SHARE = 0.75  # history events drawn from the user's preferred categories
 TARGET_PREFERRED_SHARE = 0.5
 # name, vocabulary size, effect scale, ids per example (1: single-valued; >1: a bag of 1..that many)
-SPARSE_FIELDS = (("user_segment", 1000, 0.3, 1), ("region", 100, 0.4, 1), ("device", 8, 0.4, 1), ("interest_tags", 256, 0.5, 4))
+SPARSE_FIELDS = (
+    ("user_segment", 1000, 0.3, 1),
+    ("region", 100, 0.4, 1),
+    ("device", 8, 0.4, 1),
+    ("interest_tags", 256, 0.5, 4),
+)
 TABLE_EFFECT = 0.15  # the effect scale of each generated field (sparse_tables > 0)
 VAL_BLOCK = 1024  # the validation set is made in blocks of this size, whatever the batch size
 JAGGED_MIN_LENGTH = 16  # the shortest jagged history (or seq_len, if shorter)
@@ -89,7 +94,9 @@ class SyntheticPCVR:
         # built-in fields
         self.fields = SPARSE_FIELDS
         if sparse_tables:
-            self.fields = tuple((f"sparse_{i:02d}", sparse_vocab, TABLE_EFFECT, sparse_hotness) for i in range(sparse_tables))
+            self.fields = tuple(
+                (f"sparse_{i:02d}", sparse_vocab, TABLE_EFFECT, sparse_hotness) for i in range(sparse_tables)
+            )
         hotness = max(h for *_, h in self.fields)
         self.spec = FeatureSpec(
             n_items=n_items,
@@ -141,11 +148,18 @@ class SyntheticPCVR:
             other = torch.randint(1, n_cat + 1, shape, generator=gen)
             return torch.where(torch.rand(shape, generator=gen) < share, own, other)
 
-        seq_lengths = self._jagged_lengths(n, gen) if self.jagged else torch.randint(max(1, length // 8), length + 1, (n,), generator=gen)
+        seq_lengths = (
+            self._jagged_lengths(n, gen)
+            if self.jagged
+            else torch.randint(max(1, length // 8), length + 1, (n,), generator=gen)
+        )
         valid = torch.arange(length)[None] < seq_lengths[:, None]
         seq_categories = pick_category((n, length), PREFERRED_SHARE) * valid
         seq_items = self._items_in(seq_categories, gen) * valid
-        actions = torch.multinomial(torch.tensor(ACTION_PROBS), n * length, replacement=True, generator=gen).view(n, length) + 1
+        actions = (
+            torch.multinomial(torch.tensor(ACTION_PROBS), n * length, replacement=True, generator=gen).view(n, length)
+            + 1
+        )
         seq_actions = actions * valid
         target_category = pick_category((n,), TARGET_PREFERRED_SHARE)
         target_item = self._items_in(target_category, gen)

@@ -65,7 +65,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, weight, eps), x + residual)."""
     check_add_norm_inputs(x, residual, eps, weight)
-    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight), add_rms_norm, x=x, residual=residual, weight=weight, eps=eps)
+    chosen = select_backend(
+        SPEC, backend, x.device, norm_key(x, weight), add_rms_norm, x=x, residual=residual, weight=weight, eps=eps
+    )
     if chosen == "torch" or x.numel() == 0:
         return add_rms_norm_reference(x, residual, weight, eps)
     return RMS_KERNEL(chosen, x, residual, weight, float(eps))
@@ -83,7 +85,16 @@ def add_layer_norm(
     """(layer_norm(x + residual, weight, bias, eps), x + residual)."""
     check_add_norm_inputs(x, residual, eps, weight, bias)
     chosen = select_backend(
-        SPEC, backend, x.device, norm_key(x, weight, bias), add_layer_norm, x=x, residual=residual, weight=weight, bias=bias, eps=eps
+        SPEC,
+        backend,
+        x.device,
+        norm_key(x, weight, bias),
+        add_layer_norm,
+        x=x,
+        residual=residual,
+        weight=weight,
+        bias=bias,
+        eps=eps,
     )
     if chosen == "torch" or x.numel() == 0:
         return add_layer_norm_reference(x, residual, weight, bias, eps)

@@ -136,7 +136,16 @@ def backward_kernel(
             c2 = T.alloc_fragment((BM,), ACCUM)
             layout = row_layout(plan)
             T.annotate_layout(
-                {s_io: layout, dy_io: layout, dn_io: layout, xhat: layout, g: layout, gx: layout, dw: layout, db: layout}
+                {
+                    s_io: layout,
+                    dy_io: layout,
+                    dn_io: layout,
+                    xhat: layout,
+                    g: layout,
+                    gx: layout,
+                    dw: layout,
+                    db: layout,
+                }
             )
             T.clear(dw)
             T.clear(db)
@@ -208,7 +217,10 @@ def kernel_entries(
 ) -> list[Entry]:
     """The kernels (forward, backward, and the parameter-gradient reduction) for these dtypes, width and norm (centre:
     layer norm) on `device` (None: the compile-only H100 default)."""
-    entries = [_forward_entry(dtype, width, w_dtype, b_dtype, centre), _backward_entry(dtype, width, w_dtype, b_dtype, centre)]
+    entries = [
+        _forward_entry(dtype, width, w_dtype, b_dtype, centre),
+        _backward_entry(dtype, width, w_dtype, b_dtype, centre),
+    ]
     params = [d for d in (w_dtype, b_dtype) if d is not None]
     if params:
         n_blocks = persistent_grid(dtype, width, info_for(device).sm_count, centre)[2]
@@ -227,7 +239,9 @@ def _forward_entry(dtype, width, w_dtype, b_dtype, centre) -> Entry:
 def _backward_entry(dtype, width, w_dtype, b_dtype, centre) -> Entry:
     def build(info):
         plan, per_sm, n_blocks = persistent_grid(dtype, width, info.sm_count, centre)
-        return backward_kernel(TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype), centre, plan, n_blocks, per_sm)
+        return backward_kernel(
+            TL_DTYPE[dtype], TL_DTYPE.get(w_dtype), TL_DTYPE.get(b_dtype), centre, plan, n_blocks, per_sm
+        )
 
     return ("add_norm_bwd", dtype, width, w_dtype, b_dtype, centre), build
 

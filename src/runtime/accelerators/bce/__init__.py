@@ -129,9 +129,7 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
     check_tensor("logits", logits)
     check_tensor("targets", targets)
     if targets.shape != logits.shape:
-        raise ValueError(
-            f"targets: expected the shape of logits {tuple(logits.shape)}, got {tuple(targets.shape)}"
-        )
+        raise ValueError(f"targets: expected the shape of logits {tuple(logits.shape)}, got {tuple(targets.shape)}")
     check_same_device("targets", targets, "logits", logits)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")

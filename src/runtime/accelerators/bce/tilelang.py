@@ -288,7 +288,15 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
     divisor = float(n) if reduction == "mean" else 1.0
     unit = unit_gradient_buffer(logits, grad_in_forward)
     entry = forward_entry(
-        TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[dtype], w_mode, pw_mode, reduce, grad_in_forward
+        TL_DTYPE[x.dtype],
+        TL_DTYPE[y.dtype],
+        w_dtype,
+        pw_dtype,
+        TL_DTYPE[dtype],
+        w_mode,
+        pw_mode,
+        reduce,
+        grad_in_forward,
     )
     kernel = compiled(entry, device)
     if not reduce:
@@ -315,7 +323,15 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
     entry = backward_entry(
-        TL_DTYPE[x.dtype], TL_DTYPE[y.dtype], w_dtype, pw_dtype, TL_DTYPE[g.dtype], w_mode, pw_mode, g_scalar, targets_grad
+        TL_DTYPE[x.dtype],
+        TL_DTYPE[y.dtype],
+        w_dtype,
+        pw_dtype,
+        TL_DTYPE[g.dtype],
+        w_mode,
+        pw_mode,
+        g_scalar,
+        targets_grad,
     )
     kernel = compiled(entry, device)
     # without targets_grad the kernel never writes DY: targets stand in for it

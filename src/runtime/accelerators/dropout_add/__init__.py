@@ -44,7 +44,9 @@ def _fake_forward(x, residual, p, seed):
 # kernel modules: forward(x, residual, p, seed) -> out
 #                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
 # seed: the int64 tensor of shape (1,) from draw_seed_tensor, on x's device
-KERNEL = KernelOp("dropout_add", "Tensor x, Tensor residual, float p, Tensor seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward)
+KERNEL = KernelOp(
+    "dropout_add", "Tensor x, Tensor residual, float p, Tensor seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward
+)
 
 
 def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> float:
@@ -75,7 +77,15 @@ def dropout_add(
     check_bool("training", training)
     key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL)
     chosen = select_backend(
-        SPEC, backend, x.device, key, dropout_add if training and p else None, x=x, residual=residual, p=p, training=training
+        SPEC,
+        backend,
+        x.device,
+        key,
+        dropout_add if training and p else None,
+        x=x,
+        residual=residual,
+        p=p,
+        training=training,
     )
     if not training or p == 0.0 or x.numel() == 0:
         return x + residual

@@ -22,12 +22,16 @@ def seed_value(seed: int | torch.Tensor) -> int:
     """The seed as a Python int: a one-element seed tensor (the kernels' argument) is read back."""
     if isinstance(seed, torch.Tensor):
         if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex:
-            raise ValueError(f"seed: expected a one-element integer tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+            raise ValueError(
+                f"seed: expected a one-element integer tensor, got {seed.dtype} of shape {tuple(seed.shape)}"
+            )
         return int(seed.reshape(()).item())
     return int(seed)
 
 
-def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float = 0.0, training: bool = True) -> torch.Tensor:
+def dropout_add_reference(
+    x: torch.Tensor, residual: torch.Tensor, p: float = 0.0, training: bool = True
+) -> torch.Tensor:
     return residual + F.dropout(x, p, training)
 
 

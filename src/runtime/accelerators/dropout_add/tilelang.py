@@ -142,7 +142,9 @@ def backward_entry(dtype: torch.dtype, block: int = BLOCK, threads: int = THREAD
     return ("dropout_add_bwd", name, block, threads), lambda info: backward_kernel(name, block, threads)
 
 
-def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, block: int = BLOCK, threads: int = THREADS) -> torch.Tensor:
+def forward(
+    x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, block: int = BLOCK, threads: int = THREADS
+) -> torch.Tensor:
     """seed: the one-element int64 tensor of seeds.draw_seed_tensor, on x's device."""
     kernel = compiled(forward_entry(x.dtype, block, threads), x.device)
     out = buffers.empty_like(x)

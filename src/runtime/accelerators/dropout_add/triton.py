@@ -116,13 +116,25 @@ def forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tenso
     out = buffers.empty_like(x)
     n = x.numel()
     grid = (cdiv(n, BLOCK),)
-    _dropout_add_forward[grid](x, residual, out, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps)
+    _dropout_add_forward[grid](
+        x, residual, out, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps
+    )
     return out
 
 
-def backward(dout: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor, warps: int = WARPS):
+def backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+    out: torch.Tensor,
+    warps: int = WARPS,
+):
     dx = buffers.empty_like(x)
     n = x.numel()
     grid = (cdiv(n, BLOCK),)
-    _dropout_add_backward[grid](_contiguous(dout), dx, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps)
+    _dropout_add_backward[grid](
+        _contiguous(dout), dx, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps
+    )
     return dx, dout, None, None  # d residual = dout

@@ -64,13 +64,20 @@ class _SparseGradient(torch.autograd.Function):
         kernels = load_kernels("embedding_bag", backend)
         out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
         ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
-        ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = kernels, padding_idx, include_last_offset, backend
+        ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = (
+            kernels,
+            padding_idx,
+            include_last_offset,
+            backend,
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         weight, indices, offsets, scale, bag_of = ctx.saved_tensors
-        grad = ctx.kernels.backward_sparse(grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of)
+        grad = ctx.kernels.backward_sparse(
+            grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of
+        )
         return no_double_backward("embedding_bag", ctx.backend, (None, grad, None, None, None, None, None), (weight,))
 
 
@@ -97,7 +104,9 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
     """Validate the arguments; returns padding_idx normalised to [0, num_embeddings) (or None)."""
     check_tensor("weight", weight)
     if weight.dim() != 2:
-        raise ValueError(f"weight: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}"
+        )
     _check_index_tensor("indices", indices, weight)
     if indices.dim() == 2:
         if offsets is not None:
@@ -111,8 +120,14 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
         if include_last_offset and offsets.numel() == 0:
             raise ValueError("offsets: include_last_offset=True needs at least one offset (the end of the last bag)")
     else:
-        raise ValueError(f"indices: expected a 2-D [bags, bag_size] or 1-D (with offsets) tensor, got shape {tuple(indices.shape)}")
-    for name, flag in (("include_last_offset", include_last_offset), ("sparse", sparse), ("check_indices", check_indices)):
+        raise ValueError(
+            f"indices: expected a 2-D [bags, bag_size] or 1-D (with offsets) tensor, got shape {tuple(indices.shape)}"
+        )
+    for name, flag in (
+        ("include_last_offset", include_last_offset),
+        ("sparse", sparse),
+        ("check_indices", check_indices),
+    ):
         check_bool(name, flag)
     if padding_idx is None:
         return None
@@ -120,7 +135,9 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
         raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__}")
     if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), got {padding_idx}")
+        raise ValueError(
+            f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), got {padding_idx}"
+        )
     return padding_idx % num_embeddings
 
 
@@ -148,7 +165,9 @@ def embedding_bag_mean(
         padding_idx=padding_idx, include_last_offset=include_last_offset, sparse=sparse, check_indices=check_indices,
     )  # fmt: skip
     if chosen == "torch" or weight.numel() == 0:
-        return embedding_bag_mean_reference(weight, indices, offsets, padding, include_last_offset, sparse, check_indices)
+        return embedding_bag_mean_reference(
+            weight, indices, offsets, padding, include_last_offset, sparse, check_indices
+        )
     if indices.dim() == 2:
         include_last_offset = False  # as torch: fixed bags ignore it
     pad = -1 if padding is None else padding
@@ -156,4 +175,3 @@ def embedding_bag_mean(
         call = _sparse_call_outside_graphs() if torch.compiler.is_compiling() else _sparse_call
         return call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
     return KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
-

@@ -36,9 +36,13 @@ def _check_weights(weights) -> list[torch.Tensor]:
     for t, weight in enumerate(weights):
         check_tensor(f"weights[{t}]", weight)
         if weight.dim() != 2:
-            raise ValueError(f"weights[{t}]: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}")
+            raise ValueError(
+                f"weights[{t}]: expected a 2-D [num_embeddings, embedding_dim] table, got shape {tuple(weight.shape)}"
+            )
         if weight.dtype != first.dtype:
-            raise TypeError(f"weights[{t}]: expected {first.dtype} like weights[0] (the output has one dtype), got {weight.dtype}")
+            raise TypeError(
+                f"weights[{t}]: expected {first.dtype} like weights[0] (the output has one dtype), got {weight.dtype}"
+            )
         check_same_device(f"weights[{t}]", weight, "weights[0]", first)
     return list(weights)
 
@@ -64,10 +68,14 @@ def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...
             normalised.append(None)
             continue
         if isinstance(pad, bool) or not isinstance(pad, int):
-            raise TypeError(f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}")
+            raise TypeError(
+                f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}"
+            )
         n = weight.shape[0]
         if not -n <= pad < n:
-            raise ValueError(f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}")
+            raise ValueError(
+                f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}"
+            )
         normalised.append(pad % n)
     return tuple(normalised)
 
@@ -80,11 +88,15 @@ def _check_inputs(weights, values, offsets, padding_idx, check_indices):
             raise ValueError("offsets: must be None when values is a KeyedJaggedTensor (its offsets() are used)")
         keys = list(values.keys())
         if len(keys) != len(weights):
-            raise ValueError(f"values: the KeyedJaggedTensor has {len(keys)} keys {keys}, expected one per table ({len(weights)})")
+            raise ValueError(
+                f"values: the KeyedJaggedTensor has {len(keys)} keys {keys}, expected one per table ({len(weights)})"
+            )
         values, offsets = values.values(), values.offsets()
     _check_index_tensor("values", values, weights[0])
     if offsets is None:
-        raise ValueError("offsets: required (T*B + 1 entries: bag b of table t is values[offsets[t*B + b]:offsets[t*B + b + 1]])")
+        raise ValueError(
+            "offsets: required (T*B + 1 entries: bag b of table t is values[offsets[t*B + b]:offsets[t*B + b + 1]])"
+        )
     _check_index_tensor("offsets", offsets, weights[0])
     num_tables = len(weights)
     if offsets.numel() < 1 or (offsets.numel() - 1) % num_tables:

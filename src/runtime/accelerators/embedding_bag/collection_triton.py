@@ -37,7 +37,9 @@ BLOCK_L = 8  # bag entries gathered per step of the forward (their rows are load
 class Tables(NamedTuple):
     """The tables in kernel form (see the module docstring); the host ints are kept for launch sizes."""
 
-    arrays: torch.Tensor  # int64 [8, T]: address, row stride, width, first column, padding row, row_base, elem_base, rows
+    arrays: (
+        torch.Tensor
+    )  # int64 [8, T]: address, row stride, width, first column, padding row, row_base, elem_base, rows
     num_tables: int
     num_rows: int  # all tables' rows
     num_elements: int  # all tables' elements (the flat gradient)
@@ -104,7 +106,9 @@ def _forward_kernel(
     num_bags = batch * num_tables
     start = tl.load(offsets_ptr + bag).to(tl.int64)
     end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    bad = ((start < 0) | (end < start) | ((bag == 0) & (start != 0)) | ((bag + 1 == num_bags) & (end != num_indices))).to(tl.int32)
+    bad = (
+        (start < 0) | (end < start) | ((bag == 0) & (start != 0)) | ((bag + 1 == num_bags) & (end != num_indices))
+    ).to(tl.int32)
     start = tl.minimum(tl.maximum(start, 0), num_indices)  # memory-safe even when unchecked
     end = tl.minimum(tl.maximum(end, start), num_indices)
 
@@ -119,7 +123,9 @@ def _forward_kernel(
         bad |= tl.max((in_bag & ~in_range).to(tl.int32), 0)
         use = in_bag & in_range & (idx != padding_idx)
         count += use.to(tl.float32)
-        rows = tl.load(weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
+        rows = tl.load(
+            weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0
+        )
         acc += tl.sum(rows.to(tl.float32), 0)
         if pid_d == 0:  # what the gradient reads: each entry's bag, and its global row (-1: no gradient)
             tl.store(bag_of_ptr + e, tl.full([BLOCK_L], 0, tl.int32) + bag.to(tl.int32), mask=in_bag)
@@ -139,7 +145,9 @@ def _forward_kernel(
         if bag + 1 == num_bags:
             for k0 in range(end, num_indices, BLOCK_T):
                 tl.store(bag_of_ptr + k0 + k, tl.full([BLOCK_T], -1, tl.int32), mask=k0 + k < num_indices)
-                tl.store(keys_ptr + k0 + k, tl.full([BLOCK_T], -1, keys_ptr.dtype.element_ty), mask=k0 + k < num_indices)
+                tl.store(
+                    keys_ptr + k0 + k, tl.full([BLOCK_T], -1, keys_ptr.dtype.element_ty), mask=k0 + k < num_indices
+                )
         if CHECK == 1:  # CHECK_FLAG
             tl.store(ok_ptr, 0, mask=bad > 0)
         if CHECK == 2:  # CHECK_ASSERT
@@ -240,7 +248,9 @@ def _combine_kernel(
     acc = tl.load(head_ptr + c * max_dim + cols, mask=write, other=0.0)
     for j0 in range(lo, c, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
-        part = tl.load(tail_ptr + j[:, None] * max_dim + cols[None, :], mask=(j < c)[:, None] & (cols < dim)[None, :], other=0.0)
+        part = tl.load(
+            tail_ptr + j[:, None] * max_dim + cols[None, :], mask=(j < c)[:, None] & (cols < dim)[None, :], other=0.0
+        )
         acc += tl.sum(part, 0)
     dest = elem_base + (key.to(tl.int64) - row_base) * dim + cols
     tl.store(out_ptr + dest, acc.to(out_ptr.dtype.element_ty), mask=write)

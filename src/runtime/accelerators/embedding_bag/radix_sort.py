@@ -73,7 +73,11 @@ def fits(num_keys: int, num_embeddings: int, launch: RadixLaunch | None = None) 
     """Whether the radix sort takes these keys: its counts matrix is at most launch.max_counts entries."""
     launch = launch or RADIX
     bits, _ = plan(num_embeddings, launch)
-    return 0 < num_keys <= INT32_MAX and num_embeddings <= INT32_MAX and cdiv(num_keys, launch.tile) << bits <= launch.max_counts
+    return (
+        0 < num_keys <= INT32_MAX
+        and num_embeddings <= INT32_MAX
+        and cdiv(num_keys, launch.tile) << bits <= launch.max_counts
+    )
 
 
 # --------------------------------------------------------------------------- kernels
@@ -90,7 +94,9 @@ def _load_keys(keys_ptr, offs, mask, num_embeddings, RAW: tl.constexpr):
 
 @direct_launch
 @triton.jit(do_not_specialize=["num_keys", "num_embeddings", "num_tiles", "passes"])
-def _histogram_kernel(keys_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, passes, BITS: tl.constexpr, TILE: tl.constexpr):
+def _histogram_kernel(
+    keys_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, passes, BITS: tl.constexpr, TILE: tl.constexpr
+):
     t = tl.program_id(0)
     offs = t * TILE + tl.arange(0, TILE)
     valid = offs < num_keys
@@ -195,11 +201,15 @@ def sort(
     launch = launch or RADIX
     if zero is not None and not (zero.is_contiguous() and zero.device == flat.device):
         layout = "contiguous" if zero.is_contiguous() else "non-contiguous"
-        raise ValueError(f"radix sort: zero must be a contiguous tensor on {flat.device}, got a {layout} one on {zero.device}")
+        raise ValueError(
+            f"radix sort: zero must be a contiguous tensor on {flat.device}, got a {layout} one on {zero.device}"
+        )
     if flat.dtype not in (torch.int32, torch.int64) or flat.dim() != 1:
         raise TypeError(f"radix sort: expected 1-D int32 or int64 indices, got {flat.dim()}-D {flat.dtype}")
     if flat.numel() > INT32_MAX or num_embeddings > INT32_MAX:
-        raise ValueError(f"radix sort: {flat.numel()} keys over {num_embeddings} rows; it takes at most {INT32_MAX} of each")
+        raise ValueError(
+            f"radix sort: {flat.numel()} keys over {num_embeddings} rows; it takes at most {INT32_MAX} of each"
+        )
     flat = flat.contiguous()
     num_keys = flat.numel()
     bits, passes = plan(num_embeddings, launch)
@@ -220,7 +230,15 @@ def sort(
         return sides[0]
 
     _histogram_kernel[(num_tiles,)](
-        flat, counts, num_keys, num_embeddings, num_tiles, passes, BITS=bits, TILE=launch.tile, num_warps=launch.num_warps
+        flat,
+        counts,
+        num_keys,
+        num_embeddings,
+        num_tiles,
+        passes,
+        BITS=bits,
+        TILE=launch.tile,
+        num_warps=launch.num_warps,
     )
     fill_size = 0 if zero is None else zero.numel()
     zero = counts if zero is None else zero.view(-1)  # counts: only a pointer for the kernel, nothing is filled

@@ -11,7 +11,9 @@ INDEX_ERROR = (
 )
 
 
-def bad_indices(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool) -> torch.Tensor:
+def bad_indices(
+    weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool
+) -> torch.Tensor:
     """A 0-d bool tensor: True when an index is out of range or the offsets are malformed."""
     bad = ((indices < 0) | (indices >= weight.shape[0])).any()
     if offsets is not None and offsets.numel() > 0:
@@ -38,10 +40,16 @@ def index_error(weight, indices, offsets, include_last_offset) -> IndexError:
     if outside.any():
         at = int(outside.reshape(-1).nonzero()[0])
         value = int(indices.reshape(-1)[at])
-        return IndexError(f"embedding_bag_mean: indices: {value} (flat position {at}) is outside [0, num_embeddings={n}) (check_indices=True)")
-    end = f"len(indices)={indices.numel()}" + (" at the last offset (include_last_offset=True)" if include_last_offset else "")
+        return IndexError(
+            f"embedding_bag_mean: indices: {value} (flat position {at}) is outside [0, num_embeddings={n}) (check_indices=True)"
+        )
+    end = f"len(indices)={indices.numel()}" + (
+        " at the last offset (include_last_offset=True)" if include_last_offset else ""
+    )
     got = offsets.tolist() if offsets.numel() <= 16 else "a longer sequence that does not"
-    return IndexError(f"embedding_bag_mean: offsets: expected to start at 0 and rise to {end}, got {got} (check_indices=True)")
+    return IndexError(
+        f"embedding_bag_mean: offsets: expected to start at 0 and rise to {end}, got {got} (check_indices=True)"
+    )
 
 
 def embedding_bag_mean_reference(

@@ -93,7 +93,9 @@ def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, num_embeddings: in
     with warnings.catch_warnings():
         # torch 2.11 warns that invariant checks are "implicitly disabled" even when asked not to check: the rows
         # are sorted and unique by construction, and checking them would cost a host sync
-        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning
+        )
         return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 

@@ -20,7 +20,9 @@ def _reasons(backend: str, weight: torch.Tensor, indices=None, offsets=None, col
         reasons.append(f"weight has strides {tuple(weight.stride())}; the tilelang kernels take a contiguous table")
     if backend == "tilelang" and weight.dim() == 2 and weight.shape[1] > TILELANG_MAX_DIM:
         # the gradient kernel holds a chunk of rows of the whole width in shared memory (32 x 4 bytes per column)
-        reasons.append(f"the embedding dim {weight.shape[1]} exceeds {TILELANG_MAX_DIM}, the widest the tilelang gradient kernel holds")
+        reasons.append(
+            f"the embedding dim {weight.shape[1]} exceeds {TILELANG_MAX_DIM}, the widest the tilelang gradient kernel holds"
+        )
     return reasons
 
 
@@ -28,10 +30,14 @@ def _collection_reasons(backend: str, weight: torch.Tensor, collection: tuple) -
     """embedding_bag_collection's reasons; collection: (tables, every table has a unit column stride, widest dim)."""
     _, unit_columns, _ = collection
     if backend == "tilelang":
-        return ["the tilelang backend has no embedding_bag_collection kernel; the triton backend runs every table in one launch"]
+        return [
+            "the tilelang backend has no embedding_bag_collection kernel; the triton backend runs every table in one launch"
+        ]
     reasons = dtype_reasons("weights", weight)
     if not unit_columns:
-        reasons.append("a table of weights has a column stride other than 1; the kernels read rows with a unit column stride")
+        reasons.append(
+            "a table of weights has a column stride other than 1; the kernels read rows with a unit column stride"
+        )
     return reasons
 
 

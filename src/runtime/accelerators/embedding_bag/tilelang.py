@@ -39,7 +39,13 @@ class ForwardLaunch:
 
 FORWARD = ForwardLaunch()
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int32: "int32", torch.int64: "int64"}
+_DTYPES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 
 def padded_width(dim: int) -> int:
@@ -93,16 +99,21 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, l
                 else:
                     lo = T.if_then_else(b < num_bags, T.cast(offsets[T.min(b, num_offsets - 1)], "int64"), T.int64(0))
                     hi = T.if_then_else(
-                        b + 1 < num_offsets, T.cast(offsets[T.min(b + 1, num_offsets - 1)], "int64"), T.cast(num_indices, "int64")
+                        b + 1 < num_offsets,
+                        T.cast(offsets[T.min(b + 1, num_offsets - 1)], "int64"),
+                        T.cast(num_indices, "int64"),
                     )
                     if check != 0 and b < num_bags:
                         # offsets must rise from 0 to len(indices) (include_last_offset's last one too)
                         T.device_assert(
-                            lo >= 0 and hi >= lo and (b != 0 or lo == 0) and (b != num_bags - 1 or hi == num_indices), INDEX_ERROR
+                            lo >= 0 and hi >= lo and (b != 0 or lo == 0) and (b != num_bags - 1 or hi == num_indices),
+                            INDEX_ERROR,
                         )
                     lo = T.min(T.max(lo, T.int64(0)), T.cast(num_indices, "int64"))  # memory-safe even unchecked
                     start[i] = lo
-                    length[i] = T.if_then_else(b < num_bags, T.min(T.max(hi, lo), T.cast(num_indices, "int64")) - lo, T.int64(0))
+                    length[i] = T.if_then_else(
+                        b < num_bags, T.min(T.max(hi, lo), T.cast(num_indices, "int64")) - lo, T.int64(0)
+                    )
 
             max_len = T.cast(bag_len, "int64")
             if bag_len == 0:
@@ -113,7 +124,9 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, l
                 for i, j in T.Parallel(block_b, block_l):
                     p = start[i] + j0 * block_l + j
                     in_bag = j0 * block_l + j < length[i]
-                    v = T.if_then_else(in_bag, T.cast(indices[T.min(p, T.cast(num_indices, "int64") - 1)], "int64"), T.int64(-1))
+                    v = T.if_then_else(
+                        in_bag, T.cast(indices[T.min(p, T.cast(num_indices, "int64") - 1)], "int64"), T.int64(-1)
+                    )
                     in_range = v >= 0 and v < num_embeddings
                     if check != 0 and in_bag:
                         T.device_assert(in_range, INDEX_ERROR)
@@ -123,7 +136,9 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, l
                 for j in T.unroll(block_l):
                     for i, d in T.Parallel(block_b, width):
                         # a select, not an `if`: columns past dim read zeros (TileLang guards the access)
-                        acc[i, d] += T.if_then_else(rows[i, j] >= 0, T.cast(weight[rows[i, j], d], "float32"), T.float32(0))
+                        acc[i, d] += T.if_then_else(
+                            rows[i, j] >= 0, T.cast(weight[rows[i, j], d], "float32"), T.float32(0)
+                        )
                     for i in T.Parallel(block_b):
                         count[i] += T.if_then_else(rows[i, j] >= 0, T.float32(1), T.float32(0))
 
@@ -141,7 +156,11 @@ def forward_program(dim: int, dtype: str, index_dtype: str, offset_dtype: str, l
                     for t in T.Parallel(threads):
                         if t0 * threads + t < first:
                             bag_of[t0 * threads + t] = -1
-                end = T.if_then_else(num_bags < num_offsets, T.cast(offsets[T.min(num_bags, num_offsets - 1)], "int64"), T.int64(0) + num_indices)
+                end = T.if_then_else(
+                    num_bags < num_offsets,
+                    T.cast(offsets[T.min(num_bags, num_offsets - 1)], "int64"),
+                    T.int64(0) + num_indices,
+                )
                 last = T.min(T.max(end, T.int64(0)), T.cast(num_indices, "int64"))
                 for t0 in T.serial(T.ceildiv(num_indices - last, threads)):
                     for t in T.Parallel(threads):
@@ -187,19 +206,25 @@ def chunk_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK):
                 p = c * chunk + i
                 valid = p < num_indices
                 k = T.if_then_else(valid, T.cast(keys[T.min(p, num_indices - 1)], "int64"), T.int64(-1))
-                nxt = T.if_then_else(p + 1 < num_indices, T.cast(keys[T.min(p + 1, num_indices - 1)], "int64"), T.int64(-1))
+                nxt = T.if_then_else(
+                    p + 1 < num_indices, T.cast(keys[T.min(p + 1, num_indices - 1)], "int64"), T.int64(-1)
+                )
                 f = T.if_then_else(valid, first[T.min(p, num_indices - 1)], 0)
                 pos = T.if_then_else(valid, perm[T.min(p, num_indices - 1)], T.int64(0))
                 b = T.if_then_else(
                     bag_len > 0,
                     pos // T.max(bag_len, 1),
-                    T.if_then_else(valid, T.cast(bag_of[T.min(pos, T.cast(num_bag_of, "int64") - 1)], "int64"), T.int64(-1)),
+                    T.if_then_else(
+                        valid, T.cast(bag_of[T.min(pos, T.cast(num_bag_of, "int64") - 1)], "int64"), T.int64(-1)
+                    ),
                 )
                 row_ok = k >= 0 and k < num_embeddings and k != padding_idx
                 use = valid and row_ok and b >= 0 and b < num_bags
                 key[i] = k
                 bag[i] = T.if_then_else(use, b, T.int64(-1))
-                weight_of[i] = T.if_then_else(use, scale[T.min(T.max(b, T.int64(0)), T.cast(num_bags, "int64") - 1)], T.float32(0))
+                weight_of[i] = T.if_then_else(
+                    use, scale[T.min(T.max(b, T.int64(0)), T.cast(num_bags, "int64") - 1)], T.float32(0)
+                )
                 start[i] = T.if_then_else(p == f or i == 0, 1, 0)
                 seg_end = valid and k != nxt
                 began_here = f >= c * chunk
@@ -212,7 +237,9 @@ def chunk_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK):
 
             for i, d in T.Parallel(chunk, width):
                 sums[i, d] = T.if_then_else(
-                    bag[i] >= 0 and d < dim, T.cast(grad[T.max(bag[i], T.int64(0)), T.min(d, dim - 1)], "float32") * weight_of[i], T.float32(0)
+                    bag[i] >= 0 and d < dim,
+                    T.cast(grad[T.max(bag[i], T.int64(0)), T.min(d, dim - 1)], "float32") * weight_of[i],
+                    T.float32(0),
                 )
             # segmented inclusive scan down the chunk: each column restarts where a segment starts
             for i in T.serial(1, chunk):
@@ -271,7 +298,9 @@ def combine_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK, bl
                 for jb in T.serial(T.ceildiv(c - lo, block_j)):
                     for j, d in T.Parallel(block_j, width):
                         jj = lo + jb * block_j + j
-                        parts[j, d] = T.if_then_else(jj < c and d < dim, tail[T.min(jj, c), T.min(d, dim - 1)], T.float32(0))
+                        parts[j, d] = T.if_then_else(
+                            jj < c and d < dim, tail[T.min(jj, c), T.min(d, dim - 1)], T.float32(0)
+                        )
                     T.reduce_sum(parts, part_sum, dim=0)
                     for d in T.Parallel(width):
                         acc[d] += part_sum[d]
@@ -295,11 +324,15 @@ def forward_entry(dim: int, dtype: torch.dtype, index_dtype: torch.dtype, offset
 
 
 def chunk_entry(dim: int, dtype: torch.dtype, key_dtype: torch.dtype) -> Entry:
-    return ("embedding_bag_chunks", dim, dtype, key_dtype), lambda _: chunk_program(dim, _DTYPES[dtype], _DTYPES[key_dtype])
+    return ("embedding_bag_chunks", dim, dtype, key_dtype), lambda _: chunk_program(
+        dim, _DTYPES[dtype], _DTYPES[key_dtype]
+    )
 
 
 def combine_entry(dim: int, dtype: torch.dtype, key_dtype: torch.dtype) -> Entry:
-    return ("embedding_bag_combine", dim, dtype, key_dtype), lambda _: combine_program(dim, _DTYPES[dtype], _DTYPES[key_dtype])
+    return ("embedding_bag_combine", dim, dtype, key_dtype), lambda _: combine_program(
+        dim, _DTYPES[dtype], _DTYPES[key_dtype]
+    )
 
 
 def precompile(specs, device: torch.device) -> None:
@@ -308,7 +341,11 @@ def precompile(specs, device: torch.device) -> None:
         device = torch.device(device.type, torch.cuda.current_device())
     entries = {}
     for dim, dtype, index_dtype, offset_dtype in specs:
-        for key, build in (forward_entry(dim, dtype, index_dtype, offset_dtype), chunk_entry(dim, dtype, torch.int32), combine_entry(dim, dtype, torch.int32)):
+        for key, build in (
+            forward_entry(dim, dtype, index_dtype, offset_dtype),
+            chunk_entry(dim, dtype, torch.int32),
+            combine_entry(dim, dtype, torch.int32),
+        ):
             entries[key] = build
     precompile_entries(list(entries.items()), device)
 
@@ -381,5 +418,7 @@ def backward(grad_out, weight, indices, offsets, padding_idx, include_last_offse
 
 
 def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of):
-    rows, values = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True)
+    rows, values = _reduce(
+        grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True
+    )
     return sparse_gradient(rows, values, weight.shape[0])

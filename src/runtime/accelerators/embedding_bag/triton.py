@@ -55,7 +55,9 @@ CHECK_OFF, CHECK_FLAG, CHECK_ASSERT = 0, 1, 2
 # check, CHECK_ASSERT); it also makes Triton check every int32 add, subtract and multiply for overflow, so the
 # integer math here is int64, and the only assert is ours.
 @direct_launch
-@triton.jit(debug=True, do_not_specialize=["num_bags", "num_indices", "num_offsets", "num_embeddings", "bag_len", "padding_idx"])
+@triton.jit(
+    debug=True, do_not_specialize=["num_bags", "num_indices", "num_offsets", "num_embeddings", "bag_len", "padding_idx"]
+)
 def _forward_kernel(
     weight_ptr, indices_ptr, offsets_ptr, out_ptr, scale_ptr, bag_of_ptr, ok_ptr,
     num_bags, num_indices, num_offsets, num_embeddings, dim, bag_len, stride_w, padding_idx,
@@ -77,7 +79,9 @@ def _forward_kernel(
         start = tl.load(offsets_ptr + bags, mask=in_batch, other=0).to(tl.int64)
         end = tl.load(offsets_ptr + bags + 1, mask=in_batch & (bags + 1 < num_offsets), other=num_indices).to(tl.int64)
         # offsets must rise from 0 to len(indices) (include_last_offset's last one too)
-        malformed = (start < 0) | (end < start) | ((bags == 0) & (start != 0)) | ((bags + 1 == num_bags) & (end != num_indices))
+        malformed = (
+            (start < 0) | (end < start) | ((bags == 0) & (start != 0)) | ((bags + 1 == num_bags) & (end != num_indices))
+        )
         bad = (in_batch & malformed).to(tl.int32)
         start = tl.minimum(tl.maximum(start, 0), num_indices)  # memory-safe even when unchecked
         end = tl.minimum(tl.maximum(end, start), num_indices)
@@ -95,7 +99,9 @@ def _forward_kernel(
             bad |= (in_bag & ~in_range).to(tl.int32)
             use = in_bag & in_range & (idx != padding_idx)
             count += use.to(tl.float32)
-            rows = tl.load(weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0)
+            rows = tl.load(
+                weight_ptr + idx[:, None] * stride_w + cols[None, :], mask=use[:, None] & col_ok[None, :], other=0.0
+            )
             acc += rows.to(tl.float32)
         if not FIXED:
             if pid_d == 0:  # the entry -> bag map the gradient needs
@@ -173,10 +179,14 @@ def _chunk_kernel(
     done = seg_end & began_here & row_ok  # the whole segment lies in this chunk: write its row
     if SPARSE:
         # the sparse gradient's row for this segment, as a [CHUNK, BLOCK_D] tile (see the scale load)
-        dest = tl.load(ranks_ptr + p[:, None] + 0 * cols[None, :], mask=done[:, None] & col_ok[None, :], other=0).to(tl.int64)
+        dest = tl.load(ranks_ptr + p[:, None] + 0 * cols[None, :], mask=done[:, None] & col_ok[None, :], other=0).to(
+            tl.int64
+        )
     else:
         dest = key.to(tl.int64)[:, None] + 0 * cols[None, :]
-    tl.store(out_ptr + dest * dim + cols[None, :], sums.to(out_ptr.dtype.element_ty), mask=done[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + dest * dim + cols[None, :], sums.to(out_ptr.dtype.element_ty), mask=done[:, None] & col_ok[None, :]
+    )
     if SPARSE:
         if pid_d == 0:  # the first column of each row stores its key
             keys = key.to(tl.int64)[:, None] + 0 * cols[None, :]
@@ -278,7 +288,9 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     check = CHECK_OFF
     if check_indices:
         check = CHECK_ASSERT if weight.device.type == "cuda" else CHECK_FLAG
-    ok = torch.ones(1, dtype=torch.int32, device=weight.device) if check == CHECK_FLAG else scale  # never written otherwise
+    ok = (
+        torch.ones(1, dtype=torch.int32, device=weight.device) if check == CHECK_FLAG else scale
+    )  # never written otherwise
     grid = (cdiv(bags.num_bags, cfg["BLOCK_B"]), cdiv(dim, cfg["BLOCK_D"]))
     _forward_kernel[grid](
         weight, bags.flat, bags.offsets if not fixed else bags.flat, out, scale, bag_of, ok,
@@ -349,5 +361,7 @@ def backward(grad_out, weight, indices, offsets, padding_idx, include_last_offse
 
 
 def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of):
-    rows, values = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True)
+    rows, values = _reduce(
+        grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True
+    )
     return sparse_gradient(rows, values, weight.shape[0])

@@ -72,7 +72,9 @@ def input_reasons(
             f"{backend} backward adds dq across key blocks in no fixed order (the triton backward is deterministic)"
         )
     if attn_mask is not None:
-        reasons.append("a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)")
+        reasons.append(
+            "a general attn_mask is given; the kernels take only causal and key_lengths masks (use key_lengths for key padding)"
+        )
     if q is not None:
         if q.dtype not in support.dtypes:
             allowed = ", ".join(_dtype_name(d) for d in support.dtypes)
@@ -83,14 +85,18 @@ def input_reasons(
             reasons.append(f"head dim {q.shape[-1]} is not one of the {backend} kernels' head dims ({dims})")
         if backend == "triton" and q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # seen with Triton 3.9: the interpreter's tl.dot multiplies bfloat16 operands' raw bits
-            reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
+            reasons.append(
+                "bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there"
+            )
     reasons += packed_reasons(backend, q, k, v) if packed else []
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
     if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
         # the kernels are built on TMA loads, wgmma and warp specialisation
         major, minor = torch.cuda.get_device_capability(q.device)
-        reasons.append(f"GPU compute capability {major}.{minor}: the tilelang flash-attention kernels need Hopper (9.0) or newer")
+        reasons.append(
+            f"GPU compute capability {major}.{minor}: the tilelang flash-attention kernels need Hopper (9.0) or newer"
+        )
     return reasons
 
 
@@ -116,7 +122,9 @@ def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
     return ("tilelang", "triton") if d == 128 or (dropout_p > 0 and d >= 48) else None
 
 
-SPEC = OpSpec(name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority)
+SPEC = OpSpec(
+    name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority
+)
 
 
 def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
@@ -137,6 +145,7 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
 )
+
 
 def _check_dropout_and_scale(dropout_p, scale) -> None:
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -168,11 +177,15 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
         raise ValueError(f"k: the number of kv heads ({hkv}) must divide the number of query heads ({h}) of q")
     if key_lengths is not None:
         if not isinstance(key_lengths, torch.Tensor):
-            raise TypeError(f"key_lengths: expected an integer torch.Tensor of shape ({b},), got {type(key_lengths).__name__}")
+            raise TypeError(
+                f"key_lengths: expected an integer torch.Tensor of shape ({b},), got {type(key_lengths).__name__}"
+            )
         if key_lengths.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"key_lengths: expected dtype int32 or int64, got {_dtype_name(key_lengths.dtype)}")
         if tuple(key_lengths.shape) != (b,):
-            raise ValueError(f"key_lengths: expected shape ({b},) (one length per batch row), got {tuple(key_lengths.shape)}")
+            raise ValueError(
+                f"key_lengths: expected shape ({b},) (one length per batch row), got {tuple(key_lengths.shape)}"
+            )
         check_same_device("key_lengths", key_lengths, "q", q)
         _check_lengths_range(key_lengths, k.shape[2])
     if attn_mask is not None:
@@ -184,7 +197,9 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
         try:
             torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
-            raise ValueError(f"attn_mask: expected a shape broadcastable to {target} ([B, H, Lq, Lk]), got {tuple(attn_mask.shape)}") from None
+            raise ValueError(
+                f"attn_mask: expected a shape broadcastable to {target} ([B, H, Lq, Lk]), got {tuple(attn_mask.shape)}"
+            ) from None
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask: expected at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
     _check_dropout_and_scale(dropout_p, scale)
@@ -206,7 +221,13 @@ def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
         return
     version = None if key_lengths.is_inference() else key_lengths._version
     ref, checked_version, checked_lk = _checked_lengths
-    if version is not None and ref is not None and ref() is key_lengths and checked_version == version and checked_lk == lk:
+    if (
+        version is not None
+        and ref is not None
+        and ref() is key_lengths
+        and checked_version == version
+        and checked_lk == lk
+    ):
         return
     low, high = torch.stack(torch.aminmax(key_lengths)).tolist()  # one synchronisation
     if low < 0 or high > lk:
@@ -259,8 +280,19 @@ def flash_attention(
     check_bool("causal", causal)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _flash_attention_packed(
-            q, k, v, causal, key_lengths, attn_mask, dropout_p, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, backend,
+            q,
+            k,
+            v,
+            causal,
+            key_lengths,
+            attn_mask,
+            dropout_p,
+            scale,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            backend,
         )
     _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
@@ -279,7 +311,18 @@ def flash_attention(
 
 
 def _flash_attention_packed(
-    q, k, v, causal, key_lengths, attn_mask, dropout_p, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    q,
+    k,
+    v,
+    causal,
+    key_lengths,
+    attn_mask,
+    dropout_p,
+    scale,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
     backend,
 ) -> torch.Tensor:
     """flash_attention on packed sequences (cu_seqlens; see varlen.py)."""
@@ -291,8 +334,21 @@ def _flash_attention_packed(
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     key = (q.dtype, q.shape[-1], "packed", grads, dropout_p > 0, deterministic)
     chosen = select_backend(
-        SPEC, backend, q.device, key, flash_attention, q=q, k=k, v=v, causal=causal, dropout_p=dropout_p, scale=scale,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        SPEC,
+        backend,
+        q.device,
+        key,
+        flash_attention,
+        q=q,
+        k=k,
+        v=v,
+        causal=causal,
+        dropout_p=dropout_p,
+        scale=scale,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
         packed=True,
     )
     if chosen == "torch":
@@ -300,6 +356,16 @@ def _flash_attention_packed(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return varlen.KERNEL(
-        chosen, q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-        bool(causal), scale, float(dropout_p), seed,
+        chosen,
+        q,
+        k,
+        v,
+        cu_seqlens_q.contiguous(),
+        cu_seqlens_k.contiguous(),
+        max_seqlen_q,
+        max_seqlen_k,
+        bool(causal),
+        scale,
+        float(dropout_p),
+        seed,
     )

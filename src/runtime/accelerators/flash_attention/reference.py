@@ -123,7 +123,9 @@ def flash_attention_varlen_reference(
 ) -> torch.Tensor:
     """The torch backend for packed sequences: the op on each sequence alone, concatenated ([total_q, H, D])."""
     outs = [
-        flash_attention_reference(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, None, None, dropout_p, scale)[0].transpose(0, 1)
+        flash_attention_reference(
+            _as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, None, None, dropout_p, scale
+        )[0].transpose(0, 1)
         for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k)
     ]
     return torch.cat(outs) if outs else q * 0
@@ -146,7 +148,13 @@ def attention_float64_varlen(
     for s, (rows_q, rows_k) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         keep = None if keeps is None else keeps[s].unsqueeze(0)
         out = attention_float64(
-            _as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, scale=scale, keep=keep, dropout_p=dropout_p
+            _as_batch(q[rows_q]),
+            _as_batch(k[rows_k]),
+            _as_batch(v[rows_k]),
+            causal,
+            scale=scale,
+            keep=keep,
+            dropout_p=dropout_p,
         )
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs) if outs else q.double() * 0

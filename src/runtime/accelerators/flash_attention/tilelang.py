@@ -152,7 +152,9 @@ def _dropout_args(dropout_p: float) -> tuple[int, float]:
 # --------------------------------------------------------------------------- kernels
 
 
-def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig, varlen: bool = False):
+def forward_kernel(
+    dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig, varlen: bool = False
+):
     """varlen: packed sequences. q [total_q, H, D], k/v [total_k, Hkv, D], o alike, lse [H, total_q]; B is the number
     of sequences (CuQ/CuK hold N + 1 offsets), the grid's query blocks come from QBlocks' length (a tensor of
     ceil(max_seqlen_q / block_m) elements, never read), so one compiled kernel serves every packing. Without varlen
@@ -227,7 +229,11 @@ def forward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropou
         QBlocks: T.Tensor((NQB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
+        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
+            bx,
+            by,
+            bz,
+        ):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -490,7 +496,11 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
         inv_keep: T.float32,
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
+            bx,
+            by,
+            bz,
+        ):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -601,7 +611,12 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 
 
 def forward_entry(
-    dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig | None = None,
+    dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    has_lengths: bool,
+    dropout: bool,
+    cfg: FwdConfig | None = None,
     varlen: bool = False,
 ) -> Entry:
     cfg = cfg or FWD_CONFIGS[dim]
@@ -613,7 +628,9 @@ def preprocess_entry(dim: int, dtype: torch.dtype) -> Entry:
     return ("flash_attention_prep", dim, dtype), lambda _: preprocess_kernel(dim, TL_DTYPE[dtype])
 
 
-def backward_entry(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig | None = None) -> Entry:
+def backward_entry(
+    dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig | None = None
+) -> Entry:
     cfg = cfg or BWD_CONFIGS[dim]
     key = ("flash_attention_bwd", dim, dtype, causal, has_lengths, dropout, cfg)
     return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
@@ -702,8 +719,20 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
     kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     unused = placeholder(q.device, torch.int32)
     kernel(
-        _tma_ready(q), _tma_ready(k), _tma_ready(v), _lengths(key_lengths, q.device), o, lse,
-        float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep, unused, unused, unused,
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        _lengths(key_lengths, q.device),
+        o,
+        lse,
+        float(scale),
+        h // hkv,
+        _seed(seed, q.device),
+        threshold,
+        inv_keep,
+        unused,
+        unused,
+        unused,
     )
     return o, lse
 
@@ -721,8 +750,19 @@ def _grid_extent(n: int, device: torch.device) -> torch.Tensor:
 
 
 def varlen_forward(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed,
-    *, cfg: FwdConfig | None = None,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    *,
+    cfg: FwdConfig | None = None,
 ):
     """(o [total_q, H, D] in q's dtype, lse [H, total_q] fp32; -inf for rows that see no key) of packed sequences (see
     flash_attention/varlen.py); the forward alone: the backward takes padded batches only."""
@@ -736,14 +776,27 @@ def varlen_forward(
         return o.zero_(), lse.fill_(-math.inf)
     n = cu_seqlens_q.numel() - 1
     if n > MAX_GRID_YZ or h > MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels")
+        raise ValueError(
+            f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels"
+        )
     cfg = cfg or FWD_CONFIGS[d]
     threshold, inv_keep = _dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
     launcher(entry, q.device)(
-        _tma_ready(q), _tma_ready(k), _tma_ready(v), placeholder(q.device, torch.int32), o, lse,
-        float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep,
-        cu_seqlens_q, cu_seqlens_k, _grid_extent(-(-max_seqlen_q // cfg.block_m), q.device),
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        placeholder(q.device, torch.int32),
+        o,
+        lse,
+        float(scale),
+        h // hkv,
+        _seed(seed, q.device),
+        threshold,
+        inv_keep,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _grid_extent(-(-max_seqlen_q // cfg.block_m), q.device),
     )
     return o, lse
 
@@ -772,8 +825,21 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     threshold, inv_keep = _dropout_args(dropout_p)
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     kernel(
-        _tma_ready(q), _tma_ready(k), _tma_ready(v), do, lse2, delta, _lengths(key_lengths, q.device),
-        dq_acc, dk, dv, float(scale), h // hkv, _seed(seed, q.device), threshold, inv_keep,
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        do,
+        lse2,
+        delta,
+        _lengths(key_lengths, q.device),
+        dq_acc,
+        dk,
+        dv,
+        float(scale),
+        h // hkv,
+        _seed(seed, q.device),
+        threshold,
+        inv_keep,
     )
     if cfg.dq == "tma":
         dq.copy_(dq_acc)

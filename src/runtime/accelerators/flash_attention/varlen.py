@@ -48,18 +48,25 @@ KERNEL = KernelOp(
 
 def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask) -> None:
     """Shapes, dtypes and devices of a packed call (no value is read)."""
-    for name, given, other in (("cu_seqlens_q", cu_seqlens_q, "cu_seqlens_k"), ("cu_seqlens_k", cu_seqlens_k, "cu_seqlens_q")):
+    for name, given, other in (
+        ("cu_seqlens_q", cu_seqlens_q, "cu_seqlens_k"),
+        ("cu_seqlens_k", cu_seqlens_k, "cu_seqlens_q"),
+    ):
         if given is None:
             raise ValueError(f"{name}: expected a tensor together with {other} (packed sequences need both), got None")
     if key_lengths is not None:
-        raise ValueError("key_lengths: not taken with cu_seqlens_q/cu_seqlens_k (each packed sequence has its own keys already)")
+        raise ValueError(
+            "key_lengths: not taken with cu_seqlens_q/cu_seqlens_k (each packed sequence has its own keys already)"
+        )
     if attn_mask is not None:
         raise ValueError("attn_mask: not taken with cu_seqlens_q/cu_seqlens_k (packed sequences take causal only)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
         if x.dim() != 3:
             layout = "[total_q, H, D]" if name == "q" else "[total_k, Hkv, D]"
-            raise ValueError(f"{name}: expected a 3-D tensor {layout} with cu_seqlens (packed sequences), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: expected a 3-D tensor {layout} with cu_seqlens (packed sequences), got shape {tuple(x.shape)}"
+            )
     for name, x in (("k", k), ("v", v)):
         check_same_device(name, x, "q", q)
         if x.dtype != q.dtype and not torch.is_autocast_enabled(q.device.type):
@@ -122,7 +129,9 @@ def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
         if low < 0:
             raise ValueError(f"{name}: expected non-decreasing offsets (sequence lengths >= 0), found a step of {low}")
         if last != total:
-            raise ValueError(f"{name}: expected the last offset to equal the packed length {rows} = {total}, got {last}")
+            raise ValueError(
+                f"{name}: expected the last offset to equal the packed length {rows} = {total}, got {last}"
+            )
     _checked = (weakref.ref(cu_q), weakref.ref(cu_k), key, (long_q, long_k))
     return long_q, long_k
 

@@ -18,7 +18,9 @@ from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_g
 KERNEL_WIDTHS = (16, 32, 64, 128)
 
 
-def _reasons(backend: str, q, v, g, beta, initial_state=None, mode: str = "chunk", needs_grad: bool = False) -> list[str]:
+def _reasons(
+    backend: str, q, v, g, beta, initial_state=None, mode: str = "chunk", needs_grad: bool = False
+) -> list[str]:
     """mode ("chunk" or "recurrent") and needs_grad come from the op; explain() leaves them at the chunked op's."""
     reasons = dtype_reasons("q", q) + dtype_reasons("g", g) + dtype_reasons("beta", beta)
     if backend == "tilelang" and mode == "chunk" and q.dtype == torch.float32:
@@ -56,7 +58,9 @@ def _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
 def _fake_chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *, backend
 ):  # fmt: skip
-    o, final = _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final = _fake_forward(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )
     rows, HV = v.shape[0] * v.shape[1], v.shape[2]
     factors, inverse = _saved_dtypes(backend, k, v.shape[-1])
     saved = [((rows, HV), torch.float32), ((rows, HV, k.shape[-1]), factors), ((rows, HV, v.shape[-1]), factors),
@@ -73,7 +77,9 @@ def _saved_dtypes(backend: str, k: torch.Tensor, V: int) -> tuple[torch.dtype, t
     return torch.float32, torch.float32
 
 
-def _check_compiled_values(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+def _check_compiled_values(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+):
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
 
@@ -104,12 +110,21 @@ def _check_cu_seqlens(cu_seqlens, batch: int, length: int) -> torch.Tensor | Non
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens: expected a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens: expected a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if (
+        cu_seqlens.dim() != 1
+        or cu_seqlens.is_floating_point()
+        or cu_seqlens.is_complex()
+        or cu_seqlens.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"cu_seqlens: expected a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected N + 1 >= 2 boundaries, got {cu_seqlens.numel()}")
     if batch != 1:
-        raise ValueError(f"q: with cu_seqlens the sequences are packed along T and the batch size must be 1, got B={batch}")
+        raise ValueError(
+            f"q: with cu_seqlens the sequences are packed along T and the batch size must be 1, got B={batch}"
+        )
     host = cu_seqlens.detach().to("cpu", torch.int64)
     if not torch.compiler.is_compiling():  # compiled calls check the values at run time (_check_compiled_values)
         check_cu_seqlens_values(host, length)
@@ -156,7 +171,9 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> torch.T
         n = B if host_cu is None else host_cu.numel() - 1
         if tuple(initial_state.shape) != (n, HV, K, V):
             where = "B" if host_cu is None else "the number of sequences in cu_seqlens"
-            raise ValueError(f"initial_state: expected shape [N, HV, K, V] = {(n, HV, K, V)} (N = {where}), got {tuple(initial_state.shape)}")
+            raise ValueError(
+                f"initial_state: expected shape [N, HV, K, V] = {(n, HV, K, V)} (N = {where}), got {tuple(initial_state.shape)}"
+            )
         check_same_device("initial_state", initial_state, "q", q)
     return host_cu
 
@@ -167,10 +184,27 @@ def _check_decays(g: torch.Tensor) -> None:
     they overflow. g = -inf and any g <= -FULL_DECAY are full decays (reference.py)."""
     if g.device.type == "cpu" and not torch.compiler.is_compiling() and bool((g > 0).any()):
         step = tuple(int(i) for i in (g > 0).nonzero()[0])
-        raise ValueError(f"g: expected log decays <= 0 (g = 0: no decay, -inf: full decay), got {g[step].item()} at {step}")
+        raise ValueError(
+            f"g: expected log decays <= 0 (g = 0: no decay, -inf: full decay), got {g[step].item()} at {step}"
+        )
 
 
-def _run(mode, kernel, reference, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend):
+def _run(
+    mode,
+    kernel,
+    reference,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    cu_seqlens,
+    backend,
+):
     host_cu = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if mode == "chunk":
         _check_decays(g)

@@ -103,7 +103,16 @@ def _recurrent(q, k, v, g, beta, state):
 
 
 def recurrent_gated_delta_rule_reference(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
 ):
     """The step-by-step recurrence: returns (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] or None)."""
     qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)

@@ -370,7 +370,9 @@ def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dt
                     (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * kk[i, j], 0.0
                 )
                 cross_s[i, j] = dp_s[i, j] * qk[i, j] + T.if_then_else(
-                    (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * kk[i, j] * beta_s[i], 0.0
+                    (i > j) and (start + i < eos),
+                    -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * kk[i, j] * beta_s[i],
+                    0.0,
                 )
             T.sync_threads()
             T.gemm(dkk_s, k_s, dk)
@@ -476,7 +478,9 @@ def chunk_backward(
         q_rows, k_rows, do_rows = rows(q, H, K), rows(k, H, K), rows(grad_o, HV, V)
         h0 = initial_state if has_initial else placeholder(device)
         states = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device)
-        entry = state_output_entry(K, V, q.dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True)
+        entry = state_output_entry(
+            K, V, q.dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True
+        )
         launcher(entry, device)(
             q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, placeholder(device), states,
             chunks.cu, chunks.first, float(scale), T_, n, HV // H,

@@ -376,11 +376,15 @@ def _chunk_output_kernel(
     gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
     b_q, _ = _load_qk(q, rows, row_mask, i_h, H, K, L2NORM)
     b_k, _ = _load_qk(k, rows, row_mask, i_h, H, K, L2NORM)
-    state = tl.load(states + (i_t.to(tl.int64) * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :]).to(tl.float32)
+    state = tl.load(states + (i_t.to(tl.int64) * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :]).to(
+        tl.float32
+    )
     tokens = (rows[:, None] * HV + i_hv) * V + cols_v[None, :]
     b_corrections = tl.load(corrections + tokens, mask=row_mask[:, None], other=0.0).to(tl.float32)
     # rows past the end (gamma 0) masked: e^-gamma_j can overflow to inf, and inf * 0 is NaN
-    decay = tl.exp(tl.where((r[:, None] >= r[None, :]) & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
+    decay = tl.exp(
+        tl.where((r[:, None] >= r[None, :]) & row_mask[:, None], gamma[:, None] - gamma[None, :], float("-inf"))
+    )
     attention = _storage_dot(b_q, tl.trans(b_k), PRECISION, HALF) * decay
     b_o = _storage_dot(b_q * tl.exp(gamma)[:, None], state, PRECISION, HALF)
     b_o += _storage_dot(attention, b_corrections, PRECISION, HALF)

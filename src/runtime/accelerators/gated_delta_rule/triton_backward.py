@@ -83,6 +83,7 @@ from .triton_shared import (
 # The walk's Q_raw^T and w^T are transposes of loaded tiles (Q~^T dO = Q_raw^T diag(q_factor) dO), and dU enters
 # w^T dU untransposed.
 
+
 @triton.jit
 def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
     """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
@@ -300,7 +301,10 @@ def _grad_qk_outputs(
     causal = (r[:, None] >= r[None, :]) & row_mask[:, None]
     causal_t = (r[:, None] <= r[None, :]) & row_mask[None, :]
     dp = tl.where(causal, do_u * tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf"))), 0.0) * scale
-    dp_t = tl.where(causal_t, u_do * tl.exp(tl.where(causal_t, gamma[None, :] - gamma[:, None], float("-inf"))), 0.0) * scale
+    dp_t = (
+        tl.where(causal_t, u_do * tl.exp(tl.where(causal_t, gamma[None, :] - gamma[:, None], float("-inf"))), 0.0)
+        * scale
+    )
     e_gamma = tl.exp(gamma)
     heads = (rows[:, None] * HV + i_hv) * K + cols_k[None, :]
 
@@ -426,7 +430,9 @@ def _chunk_grad_wy_kernel(
     strictly_upper = (r[:, None] < r[None, :]) & row_mask[None, :]
     decay = tl.exp(tl.where(strictly_lower, gamma[:, None] - gamma[None, :], float("-inf")))
     decay_t = tl.exp(tl.where(strictly_upper, gamma[None, :] - gamma[:, None], float("-inf")))
-    da = tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION)
+    da = tl.dot(
+        tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION), tl.trans(inverse), input_precision=PRECISION
+    )
     da_decay = tl.where(strictly_lower, -da, 0.0) * decay
     da_t = tl.where(strictly_upper, -tl.dot(u_du, inverse, input_precision=PRECISION), 0.0)
     kk = _dot_qk(b_k, b_k, k.dtype.element_ty, L2NORM, PRECISION)
@@ -699,7 +705,9 @@ def chunk_backward(
     o, final, gamma, w, u, inverse, *, tuning: Tuning = DEFAULT_TUNING,
 ):  # fmt: skip
     """Every input's gradient (None for the non-tensor ones); tuning: the kernels' variants (the forward's)."""
-    q, k, v, g, beta, initial_state, grad_o, grad_final = _contiguous(q, k, v, g, beta, initial_state, grad_o, grad_final)
+    q, k, v, g, beta, initial_state, grad_o, grad_final = _contiguous(
+        q, k, v, g, beta, initial_state, grad_o, grad_final
+    )
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device, precision = q.device, _precision(q)
@@ -717,9 +725,7 @@ def chunk_backward(
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     # the states again, from the k factors just computed (the forward's up to rounding: the same math, another kernel)
     segments = Segments.of(chunks, q, v, cu_seqlens, tuning.segment_chunks)
-    _, states, corrections, maps = walk_states(
-        k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments
-    )
+    _, states, corrections, maps = walk_states(k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
     walk = functools.partial(_state_grad, q, k, factors, gamma, w, grad_o, du, half)

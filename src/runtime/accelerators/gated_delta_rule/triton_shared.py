@@ -197,7 +197,10 @@ def _chunk_state_kernel(
         next_last = _chunk_last(gamma_in, start + BT_, bos, eos, i_hv, HV)
         if STORE_STATES:
             chunk = first_chunk + (start - bos) // BT_
-            tl.store(states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :], state.to(states.dtype.element_ty))
+            tl.store(
+                states + (chunk * HV + i_hv) * K * V + cols_k[:, None] * V + cols_v[None, :],
+                state.to(states.dtype.element_ty),
+            )
         rows = start + r
         row_mask = rows < eos
         k_rows = _walk_operand(k, rows, row_mask, i_h, H, K, HALF)
@@ -213,8 +216,12 @@ def _chunk_state_kernel(
             corrections = b_u.to(tl.float32) - _storage_dot(b_w, state, PRECISION, HALF)
             if STORE_STATES:
                 stored = corrections.to(corrections_out.dtype.element_ty)
-                tl.store(corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None])
-            state = state * tl.exp(last) + _storage_dot(tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF)
+                tl.store(
+                    corrections_out + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], stored, mask=row_mask[:, None]
+                )
+            state = state * tl.exp(last) + _storage_dot(
+                tl.trans(k_rows), corrections * to_end[:, None], PRECISION, HALF
+            )
         last = next_last
     if STORE_FINAL_STATE:
         tl.store(ht + state_offsets, state)
@@ -444,7 +451,12 @@ class Segments:
 
     @classmethod
     def of(
-        cls, chunks: Chunks, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, forced: int | None = None
+        cls,
+        chunks: Chunks,
+        q: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        forced: int | None = None,
     ) -> "Segments | None":
         """The split the occupancy asks for, or `forced` chunks per segment (None: none); cu_seqlens on the host, as
         the launchers get it."""

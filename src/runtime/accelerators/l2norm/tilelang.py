@@ -120,5 +120,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, eps: float, y: torch.Tensor, rst
     dx = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, None
-    launcher(_entry("bwd", backward_kernel, x.dtype, width), x.device)(dy_rows, kernel_rows(y), rstd, dx.view(n_rows, width))
+    launcher(_entry("bwd", backward_kernel, x.dtype, width), x.device)(
+        dy_rows, kernel_rows(y), rstd, dx.view(n_rows, width)
+    )
     return dx, None

@@ -21,7 +21,11 @@ def _fake_forward(x, weight, bias, eps):
 #                 backward(dy, x, weight, bias, eps, y, mean, rstd) -> (dx, dweight, dbias, None); y is None in eager
 #                 calls (unread)
 KERNEL = KernelOp(
-    "layer_norm", "Tensor x, Tensor? weight, Tensor? bias, float eps", n_outputs=1, n_saved=2, fake_forward=_fake_forward,
+    "layer_norm",
+    "Tensor x, Tensor? weight, Tensor? bias, float eps",
+    n_outputs=1,
+    n_saved=2,
+    fake_forward=_fake_forward,
     backward_reads_outputs=False,
 )
 
@@ -35,7 +39,9 @@ def layer_norm(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     check_norm_inputs(x, eps, weight, bias)
-    chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight, bias), layer_norm, x=x, weight=weight, bias=bias, eps=eps)
+    chosen = select_backend(
+        SPEC, backend, x.device, norm_key(x, weight, bias), layer_norm, x=x, weight=weight, bias=bias, eps=eps
+    )
     if chosen == "torch" or x.numel() == 0:
         return layer_norm_reference(x, weight, bias, eps)
     return KERNEL(chosen, x, weight, bias, float(eps))

@@ -21,7 +21,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def input_reasons(backend: str, x=None, weight=None, rows: int | None = None, activation: str | None = None) -> list[str]:
+def input_reasons(
+    backend: str, x=None, weight=None, rows: int | None = None, activation: str | None = None
+) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). `rows`: the weight's rows (read apart from the
     weight, whose leading size torch.compile may leave symbolic)."""
     reasons = []
@@ -32,16 +34,24 @@ def input_reasons(backend: str, x=None, weight=None, rows: int | None = None, ac
                 "(run under autocast, or cast the inputs)"
             )
         if x.shape[-1] % 8:
-            reasons.append(f"K = {x.shape[-1]} (the last size of x) is not a multiple of 8, as the {backend} kernels need")
+            reasons.append(
+                f"K = {x.shape[-1]} (the last size of x) is not a multiple of 8, as the {backend} kernels need"
+            )
         if backend == "triton" and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             # seen with Triton 3.9: the interpreter's tl.dot multiplies bfloat16 operands' raw bits
-            reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 there")
+            reasons.append(
+                "bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 there"
+            )
     if rows is None and weight is not None:
         rows = weight.shape[0]
     if rows is not None:
         columns = rows // 2 if activation == "swiglu" else rows
         if columns % 8:
-            what = f"F = {columns} (half the weight's rows, swiglu)" if activation == "swiglu" else f"N = {rows} (the weight's rows)"
+            what = (
+                f"F = {columns} (half the weight's rows, swiglu)"
+                if activation == "swiglu"
+                else f"N = {rows} (the weight's rows)"
+            )
             reasons.append(f"{what} is not a multiple of 8, as the {backend} kernels need")
     return reasons
 
@@ -58,7 +68,13 @@ def _fake_forward(x, weight, bias, activation):
 # kernel modules: forward(x [M, K], weight, bias, activation) -> (y [M, N or F], z: the saved pre-activation, or an
 #                 empty tensor where backward reads none)
 #                 backward(dy, x, weight, bias, activation, y, z) -> (dx, dweight, dbias, None)
-KERNEL = KernelOp("linear", "Tensor x, Tensor weight, Tensor? bias, str? activation", n_outputs=1, n_saved=1, fake_forward=_fake_forward)
+KERNEL = KernelOp(
+    "linear",
+    "Tensor x, Tensor weight, Tensor? bias, str? activation",
+    n_outputs=1,
+    n_saved=1,
+    fake_forward=_fake_forward,
+)
 
 
 def check_linear_inputs(x, weight, bias, activation) -> None:
@@ -72,18 +88,24 @@ def check_linear_inputs(x, weight, bias, activation) -> None:
             f"got {tuple(weight.shape)}"
         )
     if activation == "swiglu" and weight.shape[0] % 2:
-        raise ValueError(f"weight: swiglu needs an even number of rows (gate rows, then up rows), got {weight.shape[0]}")
+        raise ValueError(
+            f"weight: swiglu needs an even number of rows (gate rows, then up rows), got {weight.shape[0]}"
+        )
     check_same_device("weight", weight, "x", x)
     autocast = torch.is_autocast_enabled(x.device.type)
     if weight.dtype != x.dtype and not autocast:
-        raise TypeError(f"weight: expected dtype {_dtype_name(x.dtype)} like x (or run under autocast), got {_dtype_name(weight.dtype)}")
+        raise TypeError(
+            f"weight: expected dtype {_dtype_name(x.dtype)} like x (or run under autocast), got {_dtype_name(weight.dtype)}"
+        )
     if bias is not None:
         check_tensor("bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias: expected shape ({weight.shape[0]},) (the weight's rows), got {tuple(bias.shape)}")
         check_same_device("bias", bias, "x", x)
         if bias.dtype != x.dtype and not autocast:
-            raise TypeError(f"bias: expected dtype {_dtype_name(x.dtype)} like x (or run under autocast), got {_dtype_name(bias.dtype)}")
+            raise TypeError(
+                f"bias: expected dtype {_dtype_name(x.dtype)} like x (or run under autocast), got {_dtype_name(bias.dtype)}"
+            )
 
 
 def _autocast(x, weight, bias):

@@ -42,12 +42,20 @@ def _fake_pre(x, phi, alpha, bias, eps, sinkhorn_iters):
 #                 post_forward(x, y, H_post, H_res) -> (x_next,)
 #                 post_backward(dx_next, x, y, H_post, H_res, x_next) -> (dx, dy, dH_post, dH_res)
 PRE = KernelOp(
-    "mhc", "Tensor x, Tensor phi, Tensor alpha, Tensor bias, float eps, int sinkhorn_iters", n_outputs=3, n_saved=2,
-    fake_forward=_fake_pre, entry="pre",
+    "mhc",
+    "Tensor x, Tensor phi, Tensor alpha, Tensor bias, float eps, int sinkhorn_iters",
+    n_outputs=3,
+    n_saved=2,
+    fake_forward=_fake_pre,
+    entry="pre",
 )
 POST = KernelOp(
-    "mhc", "Tensor x, Tensor y, Tensor h_post, Tensor h_res", n_outputs=1, n_saved=0,
-    fake_forward=lambda x, y, h_post, h_res: torch.empty_like(x), entry="post",
+    "mhc",
+    "Tensor x, Tensor y, Tensor h_post, Tensor h_res",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=lambda x, y, h_post, h_res: torch.empty_like(x),
+    entry="post",
 )
 
 
@@ -77,7 +85,18 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
     chosen = select_backend(
-        SPEC, backend, x.device, (x.dtype, n), mhc_pre, x=x, phi=phi, alpha=alpha, bias=bias, eps=eps, sinkhorn_iters=sinkhorn_iters, streams=n
+        SPEC,
+        backend,
+        x.device,
+        (x.dtype, n),
+        mhc_pre,
+        x=x,
+        phi=phi,
+        alpha=alpha,
+        bias=bias,
+        eps=eps,
+        sinkhorn_iters=sinkhorn_iters,
+        streams=n,
     )
     if chosen == "torch" or x.numel() == 0:
         return mhc_pre_reference(x, phi, alpha, bias, eps, sinkhorn_iters)
@@ -91,7 +110,9 @@ def mhc_post(x, y, H_post, H_res, *, backend: Backend | None = None):  # noqa: N
     _check_shape("y", y, (*lead, width), x)
     _check_shape("H_post", H_post, (*lead, n), x)
     _check_shape("H_res", H_res, (*lead, n, n), x)
-    chosen = select_backend(SPEC, backend, x.device, (x.dtype, n), mhc_post, x=x, y=y, H_post=H_post, H_res=H_res, streams=n)
+    chosen = select_backend(
+        SPEC, backend, x.device, (x.dtype, n), mhc_post, x=x, y=y, H_post=H_post, H_res=H_res, streams=n
+    )
     if chosen == "torch" or x.numel() == 0:
         return mhc_post_reference(x, y, H_post, H_res)
     return POST(chosen, x, y, H_post, H_res)

@@ -116,9 +116,13 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             T.clear(squares)
             for kb in T.serial(T.ceildiv(K, BK)):
                 for t, k in T.Parallel(BT, BK):
-                    x_s[t, k] = T.if_then_else((row0 + t < tokens) and (kb * BK + k < K), X[row0 + t, kb * BK + k], T.cast(0, dtype))
+                    x_s[t, k] = T.if_then_else(
+                        (row0 + t < tokens) and (kb * BK + k < K), X[row0 + t, kb * BK + k], T.cast(0, dtype)
+                    )
                 for k, m in T.Parallel(BK, MP):
-                    phi_s[k, m] = T.if_then_else((kb * BK + k < K) and (m < M), Phi[kb * BK + k, m], T.cast(0, phi_dtype))
+                    phi_s[k, m] = T.if_then_else(
+                        (kb * BK + k < K) and (m < M), Phi[kb * BK + k, m], T.cast(0, phi_dtype)
+                    )
                 for t, k in T.Parallel(BT, BK):
                     squares[t, k] += T.cast(x_s[t, k], ACCUM) * T.cast(x_s[t, k], ACCUM)
                 for k in T.serial(BK):
@@ -151,7 +155,10 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 for t, c in T.Parallel(BT, BK):
                     for i in T.serial(n):
                         out[t, c] += pre_s[t, i] * T.cast(
-                            T.if_then_else((row0 + t < tokens) and (cb * BK + c < C), X[row0 + t, i * C + cb * BK + c], 0), ACCUM
+                            T.if_then_else(
+                                (row0 + t < tokens) and (cb * BK + c < C), X[row0 + t, i * C + cb * BK + c], 0
+                            ),
+                            ACCUM,
                         )
                 for t, c in T.Parallel(BT, BK):
                     if (row0 + t < tokens) and (cb * BK + c < C):
@@ -211,7 +218,10 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                     for t, c in T.Parallel(BT, BK):
                         inside = (row0 + t < tokens) and (cb * BK + c < C)
                         part[t, c] += T.if_then_else(
-                            inside, T.cast(DHIn[row0 + t, cb * BK + c], ACCUM) * T.cast(X[row0 + t, i * C + cb * BK + c], ACCUM), 0.0
+                            inside,
+                            T.cast(DHIn[row0 + t, cb * BK + c], ACCUM)
+                            * T.cast(X[row0 + t, i * C + cb * BK + c], ACCUM),
+                            0.0,
                         )
                 T.reduce_sum(part, part_sum, dim=1)
                 for t in T.Parallel(BT):
@@ -266,7 +276,12 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 dg_s[t, m] = 0.0
             for t, i in T.Parallel(BT, n):
                 dg_s[t, i] = d_pre[t, i] * pre_s[t, i] * (1.0 - pre_s[t, i])
-                dg_s[t, n + i] = T.if_then_else(row0 + t < tokens, DHPost[row0 + t, i], 0.0) * 2.0 * post_s[t, i] * (1.0 - post_s[t, i])
+                dg_s[t, n + i] = (
+                    T.if_then_else(row0 + t < tokens, DHPost[row0 + t, i], 0.0)
+                    * 2.0
+                    * post_s[t, i]
+                    * (1.0 - post_s[t, i])
+                )
             for t, e in T.Parallel(BT, NN):
                 dg_s[t, 2 * n + e] = grad[t, e] * first_s[t, e]
             T.sync_threads()  # the loops above and below map threads differently onto dg_s
@@ -307,10 +322,14 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             for i in T.serial(n):
                 for cb in T.serial(T.ceildiv(C, BK)):
                     for k, m in T.Parallel(BK, MP):
-                        phi_s[k, m] = T.if_then_else((cb * BK + k < C) and (m < M), Phi[i * C + cb * BK + k, m], T.cast(0, phi_dtype))
+                        phi_s[k, m] = T.if_then_else(
+                            (cb * BK + k < C) and (m < M), Phi[i * C + cb * BK + k, m], T.cast(0, phi_dtype)
+                        )
                     for t, c in T.Parallel(BT, BK):
                         inside = (row0 + t < tokens) and (cb * BK + c < C)
-                        out[t, c] = scale[t] * T.cast(T.if_then_else(inside, X[row0 + t, i * C + cb * BK + c], 0), ACCUM)
+                        out[t, c] = scale[t] * T.cast(
+                            T.if_then_else(inside, X[row0 + t, i * C + cb * BK + c], 0), ACCUM
+                        )
                         out[t, c] += pre_s[t, i] * T.cast(T.if_then_else(inside, DHIn[row0 + t, cb * BK + c], 0), ACCUM)
                         for m in T.serial(M):
                             out[t, c] += dg_s[t, m] * T.cast(phi_s[c, m], ACCUM)
@@ -342,7 +361,9 @@ def dphi_kernel(dtype: str, phi_dtype: str, n: int, C: int, token_splits: int):
             for step in T.serial(T.ceildiv(blocks - split, token_splits)):
                 row0 = (step * token_splits + split) * BT
                 for t, k in T.Parallel(BT, BK):
-                    x_s[t, k] = T.if_then_else((row0 + t < tokens) and (bx * BK + k < K), X[row0 + t, bx * BK + k], T.cast(0, dtype))
+                    x_s[t, k] = T.if_then_else(
+                        (row0 + t < tokens) and (bx * BK + k < K), X[row0 + t, bx * BK + k], T.cast(0, dtype)
+                    )
                 for t, m in T.Parallel(BT, MP):
                     dg_s[t, m] = T.if_then_else((row0 + t < tokens) and (m < M), DG[row0 + t, m], 0.0)
                 for t in T.serial(BT):
@@ -378,7 +399,9 @@ def post_forward_kernel(dtype: str, n: int, C: int):
                     inside = (row0 + t < tokens) and (col0 + c < C)
                     acc[t, c] = coef[t, n * n + i] * T.cast(T.if_then_else(inside, Y[row0 + t, col0 + c], 0), ACCUM)
                     for j in T.serial(n):
-                        acc[t, c] += coef[t, i * n + j] * T.cast(T.if_then_else(inside, X[row0 + t, j, col0 + c], 0), ACCUM)
+                        acc[t, c] += coef[t, i * n + j] * T.cast(
+                            T.if_then_else(inside, X[row0 + t, j, col0 + c], 0), ACCUM
+                        )
                 for t, c in T.Parallel(BT, BC):
                     if (row0 + t < tokens) and (col0 + c < C):
                         Out[row0 + t, i, col0 + c] = T.cast(acc[t, c], dtype)
@@ -415,7 +438,9 @@ def post_backward_kernel(dtype: str, n: int, C: int):
                     inside = (row0 + t < tokens) and (cb * BC + c < C)
                     acc[t, c] = 0.0
                     for i in T.serial(n):
-                        acc[t, c] += coef[t, n * n + i] * T.cast(T.if_then_else(inside, DOut[row0 + t, i, cb * BC + c], 0), ACCUM)
+                        acc[t, c] += coef[t, n * n + i] * T.cast(
+                            T.if_then_else(inside, DOut[row0 + t, i, cb * BC + c], 0), ACCUM
+                        )
                 for t, c in T.Parallel(BT, BC):
                     if (row0 + t < tokens) and (cb * BC + c < C):
                         DY[row0 + t, cb * BC + c] = T.cast(acc[t, c], dtype)
@@ -424,7 +449,9 @@ def post_backward_kernel(dtype: str, n: int, C: int):
                         inside = (row0 + t < tokens) and (cb * BC + c < C)
                         acc[t, c] = 0.0
                         for i in T.serial(n):
-                            acc[t, c] += coef[t, i * n + j] * T.cast(T.if_then_else(inside, DOut[row0 + t, i, cb * BC + c], 0), ACCUM)
+                            acc[t, c] += coef[t, i * n + j] * T.cast(
+                                T.if_then_else(inside, DOut[row0 + t, i, cb * BC + c], 0), ACCUM
+                            )
                     for t, c in T.Parallel(BT, BC):
                         if (row0 + t < tokens) and (cb * BC + c < C):
                             DX[row0 + t, j, cb * BC + c] = T.cast(acc[t, c], dtype)
@@ -436,7 +463,9 @@ def post_backward_kernel(dtype: str, n: int, C: int):
                         inside = (row0 + t < tokens) and (cb * BC + c < C)
                         i = T.if_then_else(e < n * n, e // n, e - n * n)
                         other = T.if_then_else(e < n * n, X[row0 + t, e % n, cb * BC + c], Y[row0 + t, cb * BC + c])
-                        part[t, c] += T.if_then_else(inside, T.cast(DOut[row0 + t, i, cb * BC + c], ACCUM) * T.cast(other, ACCUM), 0.0)
+                        part[t, c] += T.if_then_else(
+                            inside, T.cast(DOut[row0 + t, i, cb * BC + c], ACCUM) * T.cast(other, ACCUM), 0.0
+                        )
                 T.reduce_sum(part, part_sum, dim=1)
                 for t in T.Parallel(BT):
                     if row0 + t < tokens:
@@ -492,8 +521,17 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     out = allocate_pre(x)
     tokens = out.h.shape[0]
     compiled(pre_entry(x, phi), x.device)(
-        out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
-        out.h_in.view(tokens, C), out.h_post.view(tokens, n), out.h_res.view(tokens, n * n), out.h, out.r, eps, sinkhorn_iters,
+        out.streams,
+        phi.contiguous(),
+        alpha.float().contiguous(),
+        bias.float().contiguous(),
+        out.h_in.view(tokens, C),
+        out.h_post.view(tokens, n),
+        out.h_res.view(tokens, n * n),
+        out.h,
+        out.r,
+        eps,
+        sinkhorn_iters,
     )
     return out.results
 
@@ -507,15 +545,32 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     dg = buffers.empty((tokens, m), **f32)
     partial = buffers.empty((-(-tokens // pre_block_tokens(n)), m + 3), **f32)
     compiled(pre_backward_entry(x, phi), x.device)(
-        xs, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(), h, r,
-        d_h_in.reshape(tokens, C).to(x.dtype).contiguous(), d_h_post.reshape(tokens, n).float().contiguous(),
-        d_h_res.reshape(tokens, n * n).float().contiguous(), dx, dg, partial, sinkhorn_iters,
+        xs,
+        phi.contiguous(),
+        alpha.float().contiguous(),
+        bias.float().contiguous(),
+        h,
+        r,
+        d_h_in.reshape(tokens, C).to(x.dtype).contiguous(),
+        d_h_post.reshape(tokens, n).float().contiguous(),
+        d_h_res.reshape(tokens, n * n).float().contiguous(),
+        dx,
+        dg,
+        partial,
+        sinkhorn_iters,
     )
     splits = _token_splits(x.device, n, C)
     dphi_partial = buffers.empty((splits, n * C, m), **f32)
     compiled(dphi_entry(x, phi, splits), x.device)(xs, dg, dphi_partial)
     sums = partial.sum(0)  # fixed-order reductions of per-block partials: deterministic
-    return dx.view(x.shape), dphi_partial.sum(0).to(phi.dtype), sums[m:].to(alpha.dtype), sums[:m].to(bias.dtype), None, None
+    return (
+        dx.view(x.shape),
+        dphi_partial.sum(0).to(phi.dtype),
+        sums[m:].to(alpha.dtype),
+        sums[:m].to(bias.dtype),
+        None,
+        None,
+    )
 
 
 def post_forward(x, y, h_post, h_res):
@@ -523,8 +578,11 @@ def post_forward(x, y, h_post, h_res):
     tokens = x.numel() // (n * C)
     out = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     compiled(post_entry(x), x.device)(
-        x.reshape(tokens, n, C).contiguous(), y.reshape(tokens, C).to(x.dtype).contiguous(),
-        h_post.reshape(tokens, n).float().contiguous(), h_res.reshape(tokens, n * n).float().contiguous(), out.view(tokens, n, C),
+        x.reshape(tokens, n, C).contiguous(),
+        y.reshape(tokens, C).to(x.dtype).contiguous(),
+        h_post.reshape(tokens, n).float().contiguous(),
+        h_res.reshape(tokens, n * n).float().contiguous(),
+        out.view(tokens, n, C),
     )
     return out
 
@@ -537,8 +595,19 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dh_post = buffers.empty((tokens, n), dtype=torch.float32, device=x.device)
     dh_res = buffers.empty((tokens, n * n), dtype=torch.float32, device=x.device)
     compiled(post_backward_entry(x), x.device)(
-        x.reshape(tokens, n, C).contiguous(), y.reshape(tokens, C).to(x.dtype).contiguous(),
-        h_post.reshape(tokens, n).float().contiguous(), h_res.reshape(tokens, n * n).float().contiguous(),
-        d_out.reshape(tokens, n, C).contiguous(), dx.view(tokens, n, C), dy, dh_post, dh_res,
+        x.reshape(tokens, n, C).contiguous(),
+        y.reshape(tokens, C).to(x.dtype).contiguous(),
+        h_post.reshape(tokens, n).float().contiguous(),
+        h_res.reshape(tokens, n * n).float().contiguous(),
+        d_out.reshape(tokens, n, C).contiguous(),
+        dx.view(tokens, n, C),
+        dy,
+        dh_post,
+        dh_res,
     )
-    return dx, dy.view(y.shape).to(y.dtype), dh_post.view(h_post.shape).to(h_post.dtype), dh_res.view(h_res.shape).to(h_res.dtype)
+    return (
+        dx,
+        dy.view(y.shape).to(y.dtype),
+        dh_post.view(h_post.shape).to(h_post.dtype),
+        dh_res.view(h_res.shape).to(h_res.dtype),
+    )

@@ -37,8 +37,13 @@ def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr)
     a0 = tl.load(alpha)
     a1 = tl.load(alpha + 1)
     a2 = tl.load(alpha + 2)
-    pre_logit = a0 * tl.load(base + i[None, :], mask=mask2, other=0.0) + tl.load(bias + i, mask=i_mask, other=0.0)[None, :]
-    post_logit = a1 * tl.load(base + n + i[None, :], mask=mask2, other=0.0) + tl.load(bias + n + i, mask=i_mask, other=0.0)[None, :]
+    pre_logit = (
+        a0 * tl.load(base + i[None, :], mask=mask2, other=0.0) + tl.load(bias + i, mask=i_mask, other=0.0)[None, :]
+    )
+    post_logit = (
+        a1 * tl.load(base + n + i[None, :], mask=mask2, other=0.0)
+        + tl.load(bias + n + i, mask=i_mask, other=0.0)[None, :]
+    )
     res_index = 2 * n + i[:, None] * n + j[None, :]
     valid = (i[:, None] < n) & (j[None, :] < n)
     mask3 = row_mask[:, None, None] & valid[None, :, :]
@@ -67,8 +72,25 @@ def _column(values, index, NP: tl.constexpr):
 @direct_launch
 @triton.jit
 def _pre_forward_kernel(
-    x, phi, alpha, bias, h_in, h_post, h_res, h, r, tokens, C, eps, iters,
-    n: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    x,
+    phi,
+    alpha,
+    bias,
+    h_in,
+    h_post,
+    h_res,
+    h,
+    r,
+    tokens,
+    C,
+    eps,
+    iters,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    MP: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
@@ -81,8 +103,12 @@ def _pre_forward_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         k_mask = ks < K
-        v = tl.load(x + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        weights = tl.load(phi + ks[:, None] * M + cols[None, :], mask=k_mask[:, None] & (cols < M)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(x + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(
+            tl.float32
+        )
+        weights = tl.load(
+            phi + ks[:, None] * M + cols[None, :], mask=k_mask[:, None] & (cols < M)[None, :], other=0.0
+        ).to(tl.float32)
         squares += tl.sum(v * v, 1)
         acc = tl.dot(v, weights, acc, input_precision=PRECISION)
     rstd = tl.rsqrt(squares / K + eps)
@@ -97,22 +123,40 @@ def _pre_forward_kernel(
     tl.store(h_post + rows[:, None] * n + i[None, :], 2 * post_sigmoid, mask=row_mask[:, None] & (i < n)[None, :])
     res_index = i[:, None] * n + i[None, :]
     valid = (i[:, None] < n) & (i[None, :] < n)
-    tl.store(h_res + rows[:, None, None] * (n * n) + res_index[None, :, :], matrix, mask=row_mask[:, None, None] & valid[None, :, :])
+    tl.store(
+        h_res + rows[:, None, None] * (n * n) + res_index[None, :, :],
+        matrix,
+        mask=row_mask[:, None, None] & valid[None, :, :],
+    )
 
     for c0 in range(0, C, BK):
         cs = c0 + tl.arange(0, BK)
         c_mask = cs < C
         out = tl.zeros([BT, BK], dtype=tl.float32)
         for stream in tl.static_range(n):
-            xs = tl.load(x + rows[:, None] * K + stream * C + cs[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+            xs = tl.load(
+                x + rows[:, None] * K + stream * C + cs[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0
+            )
             out += _column(pre, stream, NP)[:, None] * xs.to(tl.float32)
-        tl.store(h_in + rows[:, None] * C + cs[None, :], out.to(h_in.dtype.element_ty), mask=row_mask[:, None] & c_mask[None, :])
+        tl.store(
+            h_in + rows[:, None] * C + cs[None, :],
+            out.to(h_in.dtype.element_ty),
+            mask=row_mask[:, None] & c_mask[None, :],
+        )
 
 
 @direct_launch
 @triton.jit
 def _pre_backward_dpre_kernel(
-    x, dh_in, d_pre, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    x,
+    dh_in,
+    d_pre,
+    tokens,
+    C,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     """d H_pre[t, i] = sum_c dh_in[t, c] * x[t, i, c] [tokens, n] fp32: products add up elementwise over the C loop,
     reduced once at the end."""
@@ -128,7 +172,8 @@ def _pre_backward_dpre_kernel(
         grad = tl.load(dh_in + rows[:, None] * C + cs[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0)
         streams = tl.load(
             x + rows[:, None, None] * (n * C) + i[None, :, None] * C + cs[None, None, :],
-            mask=mask2[:, :, None] & c_mask[None, None, :], other=0.0,
+            mask=mask2[:, :, None] & c_mask[None, None, :],
+            other=0.0,
         )
         products += grad.to(tl.float32)[:, None, :] * streams.to(tl.float32)
     tl.store(d_pre + rows[:, None] * n + i[None, :], tl.sum(products, 2), mask=mask2)
@@ -137,8 +182,23 @@ def _pre_backward_dpre_kernel(
 @direct_launch
 @triton.jit
 def _pre_backward_gates_kernel(
-    alpha, bias, h, r, d_pre, dh_post, dh_res, dg, pre_out, scale_out, partials, tokens, K, iters,
-    n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+    alpha,
+    bias,
+    h,
+    r,
+    d_pre,
+    dh_post,
+    dh_res,
+    dg,
+    pre_out,
+    scale_out,
+    partials,
+    tokens,
+    K,
+    iters,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    BT: tl.constexpr,
 ):
     """The per-token part from d H_pre, d H_post and d H_res: dg = d(v @ phi) [tokens, M], H_pre [tokens, n] and
     scale [tokens] (the rstd term of dx) for the dx kernel, and per-program partial sums [programs, M + 3] of dbias
@@ -157,11 +217,15 @@ def _pre_backward_gates_kernel(
 
     # back through the sigmoids and the Sinkhorn iterations (recomputing iterate k from the first)
     pre, post_sigmoid, a_first = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
-    d_pre_logit = tl.where(mask2, tl.load(d_pre + rows[:, None] * n + i[None, :], mask=mask2, other=0.0) * pre * (1 - pre), 0.0)
+    d_pre_logit = tl.where(
+        mask2, tl.load(d_pre + rows[:, None] * n + i[None, :], mask=mask2, other=0.0) * pre * (1 - pre), 0.0
+    )
     d_post = tl.load(dh_post + rows[:, None] * n + i[None, :], mask=mask2, other=0.0).to(tl.float32)
     d_post_logit = tl.where(mask2, d_post * 2 * post_sigmoid * (1 - post_sigmoid), 0.0)
     res_index = i[:, None] * n + i[None, :]
-    grad_matrix = tl.load(dh_res + rows[:, None, None] * (n * n) + res_index[None, :, :], mask=mask3, other=0.0).to(tl.float32)
+    grad_matrix = tl.load(dh_res + rows[:, None, None] * (n * n) + res_index[None, :, :], mask=mask3, other=0.0).to(
+        tl.float32
+    )
     for back in range(iters):
         iterate = a_first
         for _ in range(iters - 1 - back):
@@ -194,21 +258,40 @@ def _pre_backward_gates_kernel(
     a1 = tl.load(alpha + 1)
     a2 = tl.load(alpha + 2)
     rstd = tl.load(r + rows, mask=row_mask, other=1.0)
-    d_r = (tl.sum(d_pre_logit * a0 * h_pre, 1) + tl.sum(d_post_logit * a1 * h_post_raw, 1)
-           + tl.sum(tl.sum(d_res_logit * a2 * h_res_raw, 2), 1)) / rstd
+    d_r = (
+        tl.sum(d_pre_logit * a0 * h_pre, 1)
+        + tl.sum(d_post_logit * a1 * h_post_raw, 1)
+        + tl.sum(tl.sum(d_res_logit * a2 * h_res_raw, 2), 1)
+    ) / rstd
     tl.store(scale_out + rows, -d_r * rstd * rstd * rstd / K, mask=row_mask)
     tl.store(pre_out + rows[:, None] * n + i[None, :], pre, mask=mask2)
     grow = dg + rows[:, None] * M
     tl.store(grow + i[None, :], rstd[:, None] * a0 * d_pre_logit, mask=mask2)
     tl.store(grow + n + i[None, :], rstd[:, None] * a1 * d_post_logit, mask=mask2)
-    tl.store(dg + rows[:, None, None] * M + 2 * n + res_index[None, :, :], rstd[:, None, None] * a2 * d_res_logit, mask=mask3)
+    tl.store(
+        dg + rows[:, None, None] * M + 2 * n + res_index[None, :, :], rstd[:, None, None] * a2 * d_res_logit, mask=mask3
+    )
 
 
 @direct_launch
 @triton.jit
 def _pre_backward_dx_kernel(
-    x, phi, dh_in, dg, pre, scale, dx, dphi_part, tokens, C, blocks_per_split,
-    n: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+    x,
+    phi,
+    dh_in,
+    dg,
+    pre,
+    scale,
+    dx,
+    dphi_part,
+    tokens,
+    C,
+    blocks_per_split,
+    n: tl.constexpr,
+    MP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """For one (stream, C block) of K and one share of the tokens: dx = dg @ phi^T + scale * v + H_pre[i] * dh_in,
     and the share's dphi[k, m] = sum_t v[t, k] * dg[t, m] (partial sums; the launcher adds the shares in order)."""
@@ -221,7 +304,9 @@ def _pre_backward_dx_kernel(
     ks = stream * C + cs
     cols = tl.arange(0, MP)
     col_mask = cols < M
-    weights_t = tl.load(phi + ks[None, :] * M + cols[:, None], mask=col_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    weights_t = tl.load(phi + ks[None, :] * M + cols[:, None], mask=col_mask[:, None] & c_mask[None, :], other=0.0).to(
+        tl.float32
+    )
     acc = tl.zeros([BC, MP], dtype=tl.float32)
     first = split * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(tokens, BT))):
@@ -243,7 +328,9 @@ def _pre_backward_dx_kernel(
 
 @direct_launch
 @triton.jit
-def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _post_forward_kernel(
+    x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr
+):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
     rows = rows.to(tl.int64)  # token offsets times n*C pass 2^31 at a million tokens
@@ -256,7 +343,9 @@ def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, N
         ys = tl.load(y + rows[:, None] * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
         acc = post[:, :, None] * ys[:, None, :]
         for stream in tl.static_range(n):
-            column = tl.load(h_res + rows[:, None] * (n * n) + i[None, :] * n + stream, mask=mask2, other=0.0).to(tl.float32)
+            column = tl.load(h_res + rows[:, None] * (n * n) + i[None, :] * n + stream, mask=mask2, other=0.0).to(
+                tl.float32
+            )
             xs = tl.load(x + rows[:, None] * (n * C) + stream * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
             acc += column[:, :, None] * xs[:, None, :]
         pointers = out + rows[:, None, None] * (n * C) + i[None, :, None] * C + cs[None, None, :]
@@ -266,7 +355,21 @@ def _post_forward_kernel(x, y, h_post, h_res, out, tokens, C, n: tl.constexpr, N
 @direct_launch
 @triton.jit
 def _post_backward_kernel(
-    x, y, h_post, h_res, d_out, dx, dy, dh_post, dh_res, tokens, C, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr
+    x,
+    y,
+    h_post,
+    h_res,
+    d_out,
+    dx,
+    dy,
+    dh_post,
+    dh_res,
+    tokens,
+    C,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
@@ -282,13 +385,18 @@ def _post_backward_kernel(
         cmask = row_mask[:, None] & (cs < C)[None, :]
         grad = tl.load(
             d_out + rows[:, None, None] * (n * C) + i[None, :, None] * C + cs[None, None, :],
-            mask=mask2[:, :, None] & (cs < C)[None, None, :], other=0.0,
+            mask=mask2[:, :, None] & (cs < C)[None, None, :],
+            other=0.0,
         ).to(tl.float32)
         ys = tl.load(y + rows[:, None] * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
         d_post += tl.sum(grad * ys[:, None, :], 2)
-        tl.store(dy + rows[:, None] * C + cs[None, :], tl.sum(post[:, :, None] * grad, 1).to(dy.dtype.element_ty), mask=cmask)
+        tl.store(
+            dy + rows[:, None] * C + cs[None, :], tl.sum(post[:, :, None] * grad, 1).to(dy.dtype.element_ty), mask=cmask
+        )
         for stream in tl.static_range(n):
-            column = tl.load(h_res + rows[:, None] * (n * n) + i[None, :] * n + stream, mask=mask2, other=0.0).to(tl.float32)
+            column = tl.load(h_res + rows[:, None] * (n * n) + i[None, :] * n + stream, mask=mask2, other=0.0).to(
+                tl.float32
+            )
             xs = tl.load(x + rows[:, None] * (n * C) + stream * C + cs[None, :], mask=cmask, other=0.0).to(tl.float32)
             d_res += tl.where(i[None, None, :] == stream, tl.sum(grad * xs[:, None, :], 2)[:, :, None], 0.0)
             d_x = tl.sum(column[:, :, None] * grad, 1)
@@ -329,9 +437,25 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     out = allocate_pre(x)
     tokens, m = out.h.shape
     _pre_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
-        out.streams, phi.contiguous(), alpha.float().contiguous(), bias.float().contiguous(),
-        out.h_in, out.h_post, out.h_res, out.h, out.r, tokens, C, eps, sinkhorn_iters,
-        n=n, NP=pow2_at_least(n, 2), MP=pow2_at_least(m, 16), BT=BLOCK_TOKENS, BK=BLOCK_K, PRECISION=_precision(x),
+        out.streams,
+        phi.contiguous(),
+        alpha.float().contiguous(),
+        bias.float().contiguous(),
+        out.h_in,
+        out.h_post,
+        out.h_res,
+        out.h,
+        out.r,
+        tokens,
+        C,
+        eps,
+        sinkhorn_iters,
+        n=n,
+        NP=pow2_at_least(n, 2),
+        MP=pow2_at_least(m, 16),
+        BT=BLOCK_TOKENS,
+        BK=BLOCK_K,
+        PRECISION=_precision(x),
     )
     return out.results
 
@@ -359,7 +483,15 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     d_h_in = d_h_in.reshape(tokens, C).contiguous()
     d_pre = buffers.empty((tokens, n), **f32)
     _pre_backward_dpre_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
-        xs, d_h_in, d_pre, tokens, C, n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
+        xs,
+        d_h_in,
+        d_pre,
+        tokens,
+        C,
+        n=n,
+        NP=pow2_at_least(n, 2),
+        BT=BLOCK_TOKENS,
+        BC=_wide_block(n, C),
     )
     block_tokens = _gates_block(n)
     programs = cdiv(tokens, block_tokens)
@@ -368,17 +500,45 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     scale = buffers.empty((tokens,), **f32)
     partials = buffers.empty((programs, m + 3), **f32)
     _pre_backward_gates_kernel[(programs,)](
-        alpha.float().contiguous(), bias.float().contiguous(), h, r, d_pre,
-        d_h_post.reshape(tokens, n).contiguous(), d_h_res.reshape(tokens, n * n).contiguous(),
-        dg, pre, scale, partials, tokens, n * C, sinkhorn_iters, n=n, NP=pow2_at_least(n, 2), BT=block_tokens,
+        alpha.float().contiguous(),
+        bias.float().contiguous(),
+        h,
+        r,
+        d_pre,
+        d_h_post.reshape(tokens, n).contiguous(),
+        d_h_res.reshape(tokens, n * n).contiguous(),
+        dg,
+        pre,
+        scale,
+        partials,
+        tokens,
+        n * C,
+        sinkhorn_iters,
+        n=n,
+        NP=pow2_at_least(n, 2),
+        BT=block_tokens,
     )
     splits, per_split = dx_splits(tokens, n, C)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
     dphi_part = buffers.empty((splits, n * C, m), **f32)
     block_tokens, block_c = _dx_blocks(n, C)
     _pre_backward_dx_kernel[(n * cdiv(C, block_c), splits)](
-        xs, phi.contiguous(), d_h_in, dg, pre, scale, dx, dphi_part, tokens, C, per_split,
-        n=n, MP=pow2_at_least(m, 16), BT=block_tokens, BC=block_c, PRECISION=_precision(x),
+        xs,
+        phi.contiguous(),
+        d_h_in,
+        dg,
+        pre,
+        scale,
+        dx,
+        dphi_part,
+        tokens,
+        C,
+        per_split,
+        n=n,
+        MP=pow2_at_least(m, 16),
+        BT=block_tokens,
+        BC=block_c,
+        PRECISION=_precision(x),
     )
     sums = partials.sum(0)  # fixed-order reductions of per-program partials: deterministic
     dphi = dphi_part.sum(0).to(phi.dtype)
@@ -390,8 +550,17 @@ def post_forward(x, y, h_post, h_res):
     tokens = x.numel() // (n * C)
     out = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
     _post_forward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
-        x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), out, tokens, C,
-        n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_post_block(n),
+        x.contiguous(),
+        y.contiguous(),
+        h_post.contiguous(),
+        h_res.contiguous(),
+        out,
+        tokens,
+        C,
+        n=n,
+        NP=pow2_at_least(n, 2),
+        BT=BLOCK_TOKENS,
+        BC=_post_block(n),
     )
     return out
 
@@ -404,7 +573,20 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dh_post = buffers.empty(h_post.shape, dtype=h_post.dtype, device=x.device)
     dh_res = buffers.empty(h_res.shape, dtype=h_res.dtype, device=x.device)
     _post_backward_kernel[(cdiv(tokens, BLOCK_TOKENS),)](
-        x.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous(), d_out.contiguous(), dx, dy, dh_post, dh_res,
-        tokens, C, n=n, NP=pow2_at_least(n, 2), BT=BLOCK_TOKENS, BC=_wide_block(n, C),
+        x.contiguous(),
+        y.contiguous(),
+        h_post.contiguous(),
+        h_res.contiguous(),
+        d_out.contiguous(),
+        dx,
+        dy,
+        dh_post,
+        dh_res,
+        tokens,
+        C,
+        n=n,
+        NP=pow2_at_least(n, 2),
+        BT=BLOCK_TOKENS,
+        BC=_wide_block(n, C),
     )
     return dx, dy, dh_post, dh_res

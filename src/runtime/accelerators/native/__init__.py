@@ -93,7 +93,9 @@ def extension():
         module = load_extension()
     except Exception as error:  # a missing compiler or headers: the ops keep their autograd.Function
         _build_error = f"{type(error).__name__}: {error}"
-        warnings.warn(f"runtime.accelerators.native: {_build_error}; eager backward stays in Python", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"runtime.accelerators.native: {_build_error}; eager backward stays in Python", RuntimeWarning, stacklevel=2
+        )
         return None
     module.set_poison(buffers.poisoning())
     return module
@@ -132,7 +134,13 @@ class NativeBackward:
         """The extension's Plan of this launch (the kernel compiled now if need be), or None where native nodes
         cannot run here or the compiled kernel needs more than a plain launch."""
         # the current device's: Triton compiles and loads a kernel for it, and launches go to its stream
-        key = (_driver()[0](), output_dtype, *[None if t is None else t.dtype for t in inputs], *constexprs.values(), *_signature(args))
+        key = (
+            _driver()[0](),
+            output_dtype,
+            *[None if t is None else t.dtype for t in inputs],
+            *constexprs.values(),
+            *_signature(args),
+        )
         plan = self._plans.get(key, False)
         if plan is False:
             plan = self._plans[key] = self._new_plan(output_dtype, inputs, grid, args, constexprs)
@@ -156,7 +164,9 @@ class NativeBackward:
         )  # fmt: skip
         types = _parameter_types(compiled.src.signature, len(args))
         if not plain or types is None:
-            logger.info("%s: the compiled kernel needs more than a plain launch; its backward stays in Python", self.name)
+            logger.info(
+                "%s: the compiled kernel needs more than a plain launch; its backward stays in Python", self.name
+            )
             return None
         positions, codes = zip(*types) if types else ((), ())
         threads = metadata.num_warps * 32

@@ -19,12 +19,18 @@ def _fake_forward(x, weight, eps):
 # kernel modules: forward(x, weight, eps) -> (y, rstd[rows] fp32)
 #                 backward(dy, x, weight, eps, y, rstd) -> (dx, dweight, None); y is None in eager calls (unread)
 KERNEL = KernelOp(
-    "rms_norm", "Tensor x, Tensor? weight, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward,
+    "rms_norm",
+    "Tensor x, Tensor? weight, float eps",
+    n_outputs=1,
+    n_saved=1,
+    fake_forward=_fake_forward,
     backward_reads_outputs=False,
 )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, backend: Backend | None = None
+) -> torch.Tensor:
     check_norm_inputs(x, eps, weight)
     chosen = select_backend(SPEC, backend, x.device, norm_key(x, weight), rms_norm, x=x, weight=weight, eps=eps)
     if chosen == "torch" or x.numel() == 0:

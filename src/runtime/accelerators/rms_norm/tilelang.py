@@ -6,7 +6,6 @@ writes dx and keeps its share of dweight in registers, then one partial row per 
 a column-sum kernel reduces the partials (no atomics).
 """
 
-
 import tilelang.language as T
 import torch
 

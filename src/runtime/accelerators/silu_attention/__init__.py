@@ -80,14 +80,18 @@ def input_reasons(
             reasons.append(f"head dim {d} is outside the kernels' range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
         if backend == "triton" and q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # the interpreter's tl.dot multiplies bfloat16 operands' raw bits (seen with Triton 3.9)
-            reasons.append("bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there")
+            reasons.append(
+                "bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there"
+            )
     return reasons
 
 
 SPEC = OpSpec(name="silu_attention", priority=("triton", "tilelang"), reasons=input_reasons)
 
 
-def _fake_forward(q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p):
+def _fake_forward(
+    q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
     return q.new_empty(q.shape)
 
 
@@ -118,7 +122,9 @@ def _check_bias(name: str, bias, h: int, q: torch.Tensor) -> None:
     check_same_device(name, bias, "q", q)
     if bias.dim() not in (1, 2) or bias.shape[-1] == 0 or (bias.dim() == 2 and bias.shape[0] != h):
         size = "P" if name == "position_bias" else "T"
-        raise ValueError(f"{name}: expected shape [{size}] or [H, {size}] = [{h}, {size}] with {size} >= 1, got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{name}: expected shape [{size}] or [H, {size}] = [{h}, {size}] with {size} >= 1, got {tuple(bias.shape)}"
+        )
 
 
 def _check_index(name: str, x, expected: str, n: int, q: torch.Tensor, dtypes=(torch.int32, torch.int64)) -> None:
@@ -131,7 +137,9 @@ def _check_index(name: str, x, expected: str, n: int, q: torch.Tensor, dtypes=(t
     check_same_device(name, x, "q", q)
 
 
-def _check_inputs(q, k, v, cu_seqlens, max_seqlen, alpha, num_targets, position_bias, time_bias, timestamps, dropout_p) -> None:
+def _check_inputs(
+    q, k, v, cu_seqlens, max_seqlen, alpha, num_targets, position_bias, time_bias, timestamps, dropout_p
+) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
         if x.dim() != 3:
@@ -184,7 +192,12 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
     global _checked
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    if _checked and _same(_checked[0], cu_seqlens) and _same(_checked[1], num_targets) and _checked[2:] == (max_seqlen, total):
+    if (
+        _checked
+        and _same(_checked[0], cu_seqlens)
+        and _same(_checked[1], num_targets)
+        and _checked[2:] == (max_seqlen, total)
+    ):
         return
     offsets = cu_seqlens.long()
     lengths = offsets[1:] - offsets[:-1]
@@ -198,13 +211,19 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
     if first != 0:
         raise ValueError(f"cu_seqlens: expected offsets rising from 0 to total ({total}); the first is {first}")
     if last != total:
-        raise ValueError(f"cu_seqlens: expected offsets rising from 0 to total = q.shape[0] = {total}; the last is {last}")
+        raise ValueError(
+            f"cu_seqlens: expected offsets rising from 0 to total = q.shape[0] = {total}; the last is {last}"
+        )
     if lengths.numel():
         shortest, longest = values[2], values[3]
         if shortest < 0:
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to total ({total}); one step is {shortest}")
+            raise ValueError(
+                f"cu_seqlens: expected non-decreasing offsets from 0 to total ({total}); one step is {shortest}"
+            )
         if longest > max_seqlen:
-            raise ValueError(f"max_seqlen: expected at least the longest sequence's length ({longest}), got {max_seqlen}")
+            raise ValueError(
+                f"max_seqlen: expected at least the longest sequence's length ({longest}), got {max_seqlen}"
+            )
         if num_targets is not None:
             if values[4] < 0:
                 raise ValueError(f"num_targets: expected counts >= 0, got {values[4]}")
@@ -258,13 +277,38 @@ def silu_attention(
     grads = needs_grad(q, k, v, position_bias, time_bias)
     key = (q.dtype, q.shape[-1], dropout_p > 0, grads)
     chosen = select_backend(
-        SPEC, backend, q.device, key, silu_attention, q=q, k=k, v=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alpha=alpha,
-        causal=causal, num_targets=num_targets, position_bias=position_bias, time_bias=time_bias, timestamps=timestamps,
+        SPEC,
+        backend,
+        q.device,
+        key,
+        silu_attention,
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        alpha=alpha,
+        causal=causal,
+        num_targets=num_targets,
+        position_bias=position_bias,
+        time_bias=time_bias,
+        timestamps=timestamps,
         dropout_p=dropout_p,
     )
     if chosen == "torch" or q.shape[0] == 0:
         return silu_attention_reference(
-            q, k, v, cu_seqlens, max_seqlen, alpha, causal, num_targets, position_bias, time_bias, timestamps, float(dropout_p)
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            alpha,
+            causal,
+            num_targets,
+            position_bias,
+            time_bias,
+            timestamps,
+            float(dropout_p),
         )
     h = q.shape[1]
     cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
@@ -272,6 +316,18 @@ def silu_attention(
     timestamps = timestamps.to(torch.int64).contiguous() if time_bias is not None else None
     seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return KERNEL(
-        chosen, q, k, v, cu_seqlens, num_targets, _as_heads(position_bias, h), _as_heads(time_bias, h), timestamps,
-        seed, max_seqlen, alpha, bool(causal), float(dropout_p),
+        chosen,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        num_targets,
+        _as_heads(position_bias, h),
+        _as_heads(time_bias, h),
+        timestamps,
+        seed,
+        max_seqlen,
+        alpha,
+        bool(causal),
+        float(dropout_p),
     )

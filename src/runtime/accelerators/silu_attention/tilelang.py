@@ -127,7 +127,9 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
     return silu_attention_fwd
 
 
-def forward_entry(dim: int, dtype: torch.dtype, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool) -> Entry:
+def forward_entry(
+    dim: int, dtype: torch.dtype, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool
+) -> Entry:
     key = ("silu_attention_fwd", dim, dtype, causal, targets, pos, time, dropout)
     return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout)
 
@@ -143,7 +145,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def forward(q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p):
+def forward(
+    q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
     """o [total, H, D] in q's dtype."""
     total, h, d = q.shape
     o = buffers.empty((total, h, d), dtype=q.dtype, device=q.device)

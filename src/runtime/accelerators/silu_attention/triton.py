@@ -134,12 +134,46 @@ def _dsilu(s, sig):
 @direct_launch
 @triton.jit(do_not_specialize=["H", "NBLOCKS", "P", "T"])
 def _fwd_kernel(
-    Q, K, V, O, CU, NT, PB, TB, TS, SEED,
-    sqt, sqh, skt, skh, svt, svh, sot, soh, sph, spp, sth, stt,
-    H, NBLOCKS, P, T, alpha, inv_max, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sot,
+    soh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     block = NBLOCKS - 1 - pid % NBLOCKS  # the heaviest (last) query blocks of causal attention first
@@ -182,12 +216,52 @@ def _fwd_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "NBLOCKS", "P", "T"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, CU, NT, PB, TB, TS, SEED,
-    sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh, sph, spp, sth, stt,
-    H, NBLOCKS, P, T, alpha, inv_max, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sdot,
+    sdoh,
+    sdkt,
+    sdkh,
+    sdvt,
+    sdvh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One key block; tiles are [keys, queries] (transposed scores), so no register tile is transposed into a dot."""
     pid = tl.program_id(0)
@@ -234,10 +308,45 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _ds_tile(
-    q, do, start, h, start_m, offs_m, start_n, offs_n, n, first_target, tq, drop_seed, K, V, TS, PB, TB,
-    skt, skh, svt, svh, sph, spp, sth, stt, P, T, alpha, inv_max, dropout_p, inv_keep, offs_d,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    do,
+    start,
+    h,
+    start_m,
+    offs_m,
+    start_n,
+    offs_n,
+    n,
+    first_target,
+    tq,
+    drop_seed,
+    K,
+    V,
+    TS,
+    PB,
+    TB,
+    skt,
+    skh,
+    svt,
+    svh,
+    sph,
+    spp,
+    sth,
+    stt,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """(ds [queries, keys] fp32, k): the score gradient of one tile, zero where not visible, and the key tile."""
     k = _rows(K, start, h, skt, skh, offs_n, n, offs_d, HEAD_DIM)
@@ -260,12 +369,49 @@ def _ds_tile(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "NBLOCKS", "P", "T"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, CU, NT, PB, TB, TS, SEED,
-    sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh, sph, spp, sth, stt,
-    H, NBLOCKS, P, T, alpha, inv_max, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sdot,
+    sdoh,
+    sdqt,
+    sdqh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     block = NBLOCKS - 1 - pid % NBLOCKS
@@ -286,9 +432,45 @@ def _bwd_dq_kernel(
         n_end = tl.minimum(n, start_m + BLOCK_M) if CAUSAL else n
         for start_n in range(0, n_end, BLOCK_N):
             ds, k = _ds_tile(
-                q, do, start, h, start_m, offs_m, start_n, start_n + offs_j, n, first_target, tq, drop_seed, K, V, TS,
-                PB, TB, skt, skh, svt, svh, sph, spp, sth, stt, P, T, alpha, inv_max, dropout_p, inv_keep, offs_d,
-                HEAD_DIM, CAUSAL, HAS_TARGETS, HAS_POS, HAS_TIME, DROPOUT, DOT_PRECISION,
+                q,
+                do,
+                start,
+                h,
+                start_m,
+                offs_m,
+                start_n,
+                start_n + offs_j,
+                n,
+                first_target,
+                tq,
+                drop_seed,
+                K,
+                V,
+                TS,
+                PB,
+                TB,
+                skt,
+                skh,
+                svt,
+                svh,
+                sph,
+                spp,
+                sth,
+                stt,
+                P,
+                T,
+                alpha,
+                inv_max,
+                dropout_p,
+                inv_keep,
+                offs_d,
+                HEAD_DIM,
+                CAUSAL,
+                HAS_TARGETS,
+                HAS_POS,
+                HAS_TIME,
+                DROPOUT,
+                DOT_PRECISION,
             )
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         _store_rows(DQ, dq * alpha, start, h, sdqt, sdqh, offs_m, n, offs_d, HEAD_DIM)
@@ -297,12 +479,49 @@ def _bwd_dq_kernel(
 @direct_launch
 @triton.jit(do_not_specialize=["H", "NBLOCKS", "NBANDS", "P", "T"])
 def _bwd_bias_kernel(
-    Q, K, V, DO, CU, NT, PB, TB, TS, SEED, POS_PART, TIME_PART,
-    sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sph, spp, sth, stt,
-    H, NBLOCKS, NBANDS, P, T, alpha, inv_max, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, T_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    POS_PART,
+    TIME_PART,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sdot,
+    sdoh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    NBANDS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    T_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Band `band` of one (sequence, head): the tiles (query block mb, key block mb - t) with t = band (causal) or
     band - (NBLOCKS - 1). Writes POS_PART[pair, band, u], the sum of ds over the band's diagonals i - j = t * BLOCK_B
@@ -335,9 +554,45 @@ def _bwd_bias_kernel(
         tq = _times(TS, start, offs_m, n, HAS_TIME)
         drop_seed = _pair_key(seed, pair) ^ _query_block(start_m) if DROPOUT else 0
         ds, _ = _ds_tile(
-            q, do, start, h, start_m, offs_m, start_n, start_n + offs_b, n, first_target, tq, drop_seed, K, V, TS,
-            PB, TB, skt, skh, svt, svh, sph, spp, sth, stt, P, T, alpha, inv_max, dropout_p, inv_keep, offs_d,
-            HEAD_DIM, CAUSAL, HAS_TARGETS, HAS_POS, HAS_TIME, DROPOUT, DOT_PRECISION,
+            q,
+            do,
+            start,
+            h,
+            start_m,
+            offs_m,
+            start_n,
+            start_n + offs_b,
+            n,
+            first_target,
+            tq,
+            drop_seed,
+            K,
+            V,
+            TS,
+            PB,
+            TB,
+            skt,
+            skh,
+            svt,
+            svh,
+            sph,
+            spp,
+            sth,
+            stt,
+            P,
+            T,
+            alpha,
+            inv_max,
+            dropout_p,
+            inv_keep,
+            offs_d,
+            HEAD_DIM,
+            CAUSAL,
+            HAS_TARGETS,
+            HAS_POS,
+            HAS_TIME,
+            DROPOUT,
+            DOT_PRECISION,
         )
         if HAS_POS:
             along = tl.gather(ds, diag_col, axis=1)
@@ -368,7 +623,9 @@ def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple:
     return bias, bias.stride(0), bias.stride(1), bias.shape[1]
 
 
-def _common(q, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p):
+def _common(
+    q, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
     """(tensor arguments, scalar strides of the biases, scalars, constexprs) that every kernel takes."""
     pb, sph, spp, p = _bias_args(position_bias, q)
     tb, sth, stt, t = _bias_args(time_bias, q)
@@ -392,7 +649,9 @@ def _head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def forward(q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p):
+def forward(
+    q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
     """o [total, H, D] in q's dtype."""
     q, k, v = (_head_dim_contiguous(x) for x in (q, k, v))
     total, h, _ = q.shape
@@ -480,7 +739,7 @@ def fold_distances(part: torch.Tensor, block: int, first_band: int, p: int) -> t
     by_distance = flat.new_zeros(h, max(flat.shape[1] + first_d, 1 - first_d))  # by |d|
     ahead = flat[:, -first_d:]  # d >= 0
     by_distance[:, : ahead.shape[1]] += ahead
-    behind = flat[:, : -first_d].flip(1)  # d = -1, -2, ...
+    behind = flat[:, :-first_d].flip(1)  # d = -1, -2, ...
     by_distance[:, 1 : behind.shape[1] + 1] += behind
     out = part.new_zeros(h, p)
     kept = min(p - 1, by_distance.shape[1])

@@ -32,7 +32,9 @@ def tile_shape(dtype: str, block: int) -> tuple[int, int]:
 def flat_layout(rows: int, vec: int, threads: int):
     """Row r of the tile (vec consecutive elements) belongs to thread r % threads: each warp
     access covers consecutive 16-byte vectors (coalesced)."""
-    return T.Fragment((rows, vec), forward_thread_fn=lambda r, v: r % threads, forward_index_fn=lambda r, v: (r // threads) * vec + v)
+    return T.Fragment(
+        (rows, vec), forward_thread_fn=lambda r, v: r % threads, forward_index_fn=lambda r, v: (r // threads) * vec + v
+    )
 
 
 @T.macro
@@ -148,7 +150,9 @@ def forward(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK, threads: i
     return y
 
 
-def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, block: int = BLOCK, threads: int = THREADS):
+def backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, block: int = BLOCK, threads: int = THREADS
+):
     kernel = compiled(backward_entry(gate.dtype, block, threads), gate.device)
     dgate, dup = buffers.empty_like(gate), buffers.empty_like(up)
     kernel(flat(dy), flat(gate), flat(up), dgate.view(-1), dup.view(-1))

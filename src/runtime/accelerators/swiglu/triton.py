@@ -96,7 +96,9 @@ def forward(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK, warps: int
     return y
 
 
-def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, block: int = BLOCK, warps: int = WARPS):
+def backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, block: int = BLOCK, warps: int = WARPS
+):
     dy, gate, up = _contiguous(dy), _contiguous(gate), _contiguous(up)
     dgate, dup = buffers.empty_like(gate), buffers.empty_like(up)
     n = gate.numel()

@@ -26,8 +26,12 @@ def _gelu_tanh_reference(x):
 def _cases(op, run, reference, eager):
     return [
         Case(
-            op=op, shape=name, make_inputs=randn_rows(*shape, "x"), bytes=_bytes,
-            run=run, reference=lambda i: reference(i["x"]),
+            op=op,
+            shape=name,
+            make_inputs=randn_rows(*shape, "x"),
+            bytes=_bytes,
+            run=run,
+            reference=lambda i: reference(i["x"]),
             peers={"torch eager": lambda i: eager(i["x"]), "torch.compile": lambda i: compiled(reference)(i["x"])},
         )  # fmt: skip
         for name, shape in SHAPES.items()

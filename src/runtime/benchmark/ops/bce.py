@@ -48,7 +48,9 @@ def _case(name: str, n: int, reduction: str) -> Case:
         op="bce_with_logits",
         shape=name,
         make_inputs=_inputs(n),
-        run=lambda backend, i: binary_cross_entropy_with_logits(i["logits"], i["targets"], reduction=reduction, backend=backend),
+        run=lambda backend, i: binary_cross_entropy_with_logits(
+            i["logits"], i["targets"], reduction=reduction, backend=backend
+        ),
         reference=lambda i: bce_with_logits_reference(i["logits"], i["targets"], reduction=reduction),
         bytes=_bytes(reduction),
         peers={

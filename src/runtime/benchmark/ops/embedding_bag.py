@@ -68,7 +68,9 @@ def _cases():
                         op="embedding_bag_mean",
                         shape=f"1Mx{dim}-B{BAGS}-bag{bag}-{dist}",
                         make_inputs=_inputs(dim, bag, dist),
-                        run=lambda backend, i: embedding_bag_mean(i["weight"], i["indices"], padding_idx=PAD, backend=backend),
+                        run=lambda backend, i: embedding_bag_mean(
+                            i["weight"], i["indices"], padding_idx=PAD, backend=backend
+                        ),
                         reference=lambda i: embedding_bag_mean_reference(i["weight"], i["indices"], None, PAD),
                         bytes=_bytes,
                         peers=peers,

@@ -83,14 +83,20 @@ def _sdpa(backend_name: str, causal: bool):
 def _case(name: str, shape, causal: bool, lengths: bool) -> Case:
     peers = {
         f"sdpa {label}": _sdpa(backend, causal)
-        for label, backend in (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))
+        for label, backend in (
+            ("flash", "FLASH_ATTENTION"),
+            ("efficient", "EFFICIENT_ATTENTION"),
+            ("cudnn", "CUDNN_ATTENTION"),
+        )
         if not (lengths and backend == "FLASH_ATTENTION")  # the flash backend takes no mask
     }
     return Case(
         op="flash_attention",
         shape=name + ("-causal" if causal else "") + ("-lengths" if lengths else ""),
         make_inputs=_inputs(*shape, lengths),
-        run=lambda backend, i: flash_attention(i["q"], i["k"], i["v"], causal=causal, key_lengths=i.get("key_lengths"), backend=backend),
+        run=lambda backend, i: flash_attention(
+            i["q"], i["k"], i["v"], causal=causal, key_lengths=i.get("key_lengths"), backend=backend
+        ),
         reference=lambda i: attention_float64(i["q"], i["k"], i["v"], causal=causal, key_lengths=i.get("key_lengths")),
         bytes=_bytes,
         flops=_flops(causal),
@@ -150,8 +156,15 @@ def _varlen_flops(inputs, mode: str) -> float:
 def _run_varlen(backend, i):
     m = i["max_seqlen"]
     return flash_attention(
-        i["q"], i["k"], i["v"], causal=True, cu_seqlens_q=i["cu_seqlens"], cu_seqlens_k=i["cu_seqlens"],
-        max_seqlen_q=m, max_seqlen_k=m, backend=backend,
+        i["q"],
+        i["k"],
+        i["v"],
+        causal=True,
+        cu_seqlens_q=i["cu_seqlens"],
+        cu_seqlens_k=i["cu_seqlens"],
+        max_seqlen_q=m,
+        max_seqlen_k=m,
+        backend=backend,
     )
 
 
@@ -177,13 +190,18 @@ def _sdpa_padded(backend_name: str):
 
 
 def _varlen_case(name: str, n: int, h: int, longest: int, d: int) -> Case:
-    peers = {f"sdpa {label} (padded)": _sdpa_padded(backend) for label, backend in (("efficient", "EFFICIENT_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}
+    peers = {
+        f"sdpa {label} (padded)": _sdpa_padded(backend)
+        for label, backend in (("efficient", "EFFICIENT_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))
+    }
     return Case(
         op="flash_attention",
         shape=f"{name}x{d}-causal",
         make_inputs=_varlen_inputs(n, h, longest, d),
         run=_run_varlen,
-        reference=lambda i: attention_float64_varlen(i["q"], i["k"], i["v"], i["cu_seqlens"], i["cu_seqlens"], causal=True),
+        reference=lambda i: attention_float64_varlen(
+            i["q"], i["k"], i["v"], i["cu_seqlens"], i["cu_seqlens"], causal=True
+        ),
         bytes=_bytes,
         flops=_varlen_flops,
         peers=peers,

@@ -51,13 +51,17 @@ def _args(i):
 
 def _run(function):
     def run(backend, i):
-        return function(*_args(i), use_qk_l2norm_in_kernel=True, cu_seqlens=i.get("cu_seqlens_host"), backend=backend)[0]
+        return function(*_args(i), use_qk_l2norm_in_kernel=True, cu_seqlens=i.get("cu_seqlens_host"), backend=backend)[
+            0
+        ]
 
     return run
 
 
 def _reference(i):
-    return chunk_gated_delta_rule_reference(*_args(i), use_qk_l2norm_in_kernel=True, cu_seqlens=i.get("cu_seqlens_host"))[0]
+    return chunk_gated_delta_rule_reference(
+        *_args(i), use_qk_l2norm_in_kernel=True, cu_seqlens=i.get("cu_seqlens_host")
+    )[0]
 
 
 def _bytes(inputs, mode: str) -> int:

@@ -19,8 +19,14 @@ from ..peers import compiled_max_autotune
 
 # name -> (M, K, weight rows, activation)
 SHAPES = {
-    **{f"pcvr-131072x{k}x{n}-gelu": (131072, k, n, "gelu") for k, n in ((64, 256), (128, 512), (256, 1024), (512, 2048))},
-    **{f"pcvr-131072x{k}x{n}-swiglu": (131072, k, n, "swiglu") for k, n in ((64, 256), (128, 512), (256, 1024), (512, 2048))},
+    **{
+        f"pcvr-131072x{k}x{n}-gelu": (131072, k, n, "gelu")
+        for k, n in ((64, 256), (128, 512), (256, 1024), (512, 2048))
+    },
+    **{
+        f"pcvr-131072x{k}x{n}-swiglu": (131072, k, n, "swiglu")
+        for k, n in ((64, 256), (128, 512), (256, 1024), (512, 2048))
+    },
     "large-8192x4096x4096-gelu": (8192, 4096, 4096, "gelu"),
 }
 
