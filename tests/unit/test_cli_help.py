@@ -12,7 +12,7 @@ def test_train_help_lists_groups_and_overrides():
     text = done.stdout
     assert text.startswith("taac-train: train a PCVR")
     for expected in (
-        "model: baseline, gdr, tokenformer",
+        "model: baseline, gdr, hstu",
         "experiment: cpu_small",
         "accelerators.ops.flash_attention=tilelang",
     ):
