@@ -29,7 +29,10 @@ EXTRA_CASES = {
         lambda backend, w, i: acc.embedding_bag_mean(w, i, sparse=True, backend=backend),
     ),
 }
-DIFFERENTIABLE = {name: case for name, case in {**CASES, **EXTRA_CASES}.items() if "fused_recurrent" not in name}
+FORWARD_ONLY = ("fused_recurrent", "top_k")  # kernels that take no gradient: nothing to differentiate twice
+DIFFERENTIABLE = {
+    name: case for name, case in {**CASES, **EXTRA_CASES}.items() if not any(op in name for op in FORWARD_ONLY)
+}
 
 
 def _second_backward(fn, inputs):
