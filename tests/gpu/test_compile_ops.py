@@ -1,22 +1,15 @@
 """Every public op compiled by inductor with fullgraph=True on strided inputs on CUDA, on the triton and tilelang
 backends (where they run): inductor checks each custom op's real strides against its fake ones; outputs and gradients
-equal eager ones. The cases are tests/unit/test_compile_ops.py's."""
+equal eager ones. The cases are tests/op_cases.py's, as on the CPU tier."""
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 import runtime.accelerators as acc
+from op_cases import CASES, run_case
 from runtime.accelerators.testing import assert_close
-
-_spec = importlib.util.spec_from_file_location(
-    "unit_compile_ops", Path(__file__).parents[1] / "unit" / "test_compile_ops.py"
-)
-cases = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cases)
 
 
 def _to_cuda(inputs):
@@ -26,15 +19,15 @@ def _to_cuda(inputs):
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
-@pytest.mark.parametrize("case", sorted(cases.CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_inductor_full_graph_on_strided_inputs_matches_eager(case, backend):
-    make_inputs, fn = cases.CASES[case]
+    make_inputs, fn = CASES[case]
     inputs = _to_cuda(make_inputs())
     fn = functools.partial(fn, backend)
     with acc.use_accelerators(fallback="error"):
         torch.manual_seed(5)
         try:
-            expected_outputs, expected_grads = cases._run(fn, inputs)
+            expected_outputs, expected_grads = run_case(fn, inputs)
         except acc.BackendUnavailableError as error:  # the backend cannot run this op or these inputs here
             pytest.skip(str(error))
         torch._dynamo.reset()
@@ -42,7 +35,7 @@ def test_inductor_full_graph_on_strided_inputs_matches_eager(case, backend):
         with torch._inductor.config.patch(force_disable_caches=True, fallback_random=True):
             compiled = torch.compile(fn, backend="inductor", fullgraph=True)
             torch.manual_seed(5)
-            outputs, grads = cases._run(compiled, inputs)
+            outputs, grads = run_case(compiled, inputs)
     names = [f"output {i}" for i in range(len(outputs))] + [f"gradient {i}" for i in range(len(grads))]
     for name, out, expected in zip(names, outputs + grads, expected_outputs + expected_grads):
         assert_close(f"{case} {name}", out, expected, 1e-5)

@@ -1,16 +1,18 @@
 """The PCVR models on the fused ops (linear with its activation, add + RMSNorm) on the kernel backends, bf16 autocast:
-the logits and every block parameter's gradient against the same weights in float64 on the torch backend (ops a preset's
-backend cannot run fall back to torch, as in training); fewer CUDA kernels per eager
+the logits and every block parameter's gradient against the same weights in float64 on the torch backend, as close as
+the torch backend's own bf16 autocast run comes (ops a preset's backend cannot run fall back to torch, as in training);
+fewer CUDA kernels per eager
 forward than the unfused composition; full-graph torch.compile (inductor) against eager."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from runtime.accelerators import use_accelerators
-from runtime.accelerators.testing import assert_close
+from runtime.accelerators.testing import assert_close, relative_rms_error
 from runtime.models import BaselinePCVR, GDRMixerPCVR, TokenFormerPCVR
 from runtime.nn.blocks import GatedDeltaBlock, join
 from runtime.training.synthetic import SyntheticPCVR
@@ -48,37 +50,54 @@ def _run(model, batch, preset, autocast=True):
 @pytest.mark.parametrize("preset", ["triton", "tilelang"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_models_on_kernels_match_float64(name, preset):
+    """Whole models compound bf16 rounding over their layers: the bound is the op bound (1e-2, gradients 2e-2) or, where
+    the torch backend's own bf16 autocast run is further from float64 than that (the GDR model: about 1.7e-2 on the
+    CPU), 1.25 times the torch backend's error."""
     model, batch = _setup(name)
     out, grads = _run(model, batch, preset)
+    torch_out, torch_grads = _run(model, batch, "torch")
     reference = copy.deepcopy(model).double()
     batch64 = batch._map(lambda t: t.double() if t.is_floating_point() else t)
     ref, ref_grads = _run(reference, batch64, "torch", autocast=False)
-    assert_close(f"{name} logits", out, ref.float(), 1e-2)
-    for (param, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+
+    def check(what, value, torch_value, expected, bound):
+        expected = expected.float()
+        torch_error = relative_rms_error(torch_value, expected)
+        print(f"{what}: torch backend's bf16 error {torch_error:.3e}")
+        assert_close(what, value, expected, max(bound, 1.25 * torch_error))
+
+    check(f"{name} logits", out, torch_out, ref, 1e-2)
+    for (param, _), g, g_torch, g_ref in zip(model.named_parameters(), grads, torch_grads, ref_grads):
         if param.startswith("blocks."):  # the fused ops' parameters (the rest of the model runs as before)
-            assert_close(f"{name} d{param}", g, g_ref.float(), 2e-2)
+            check(f"{name} d{param}", g, g_torch, g_ref, 2e-2)
 
 
-def _kernels(model, batch) -> int:
+def _kernels(model, batch) -> Counter:
     with torch.no_grad(), use_accelerators(default="triton"), torch.autocast("cuda", torch.bfloat16):
         model(batch)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(batch)
             torch.cuda.synchronize()
-    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fused_models_launch_fewer_kernels(name):
     model, batch = _setup(name)
     model.eval()
-    fused = _kernels(model, batch)
+    fused_kernels = _kernels(model, batch)
     model.blocks = torch.nn.ModuleList(_Unfused(b) for b in model.blocks)
-    unfused = _kernels(model, batch)
+    unfused_kernels = _kernels(model, batch)
+    fused, unfused = fused_kernels.total(), unfused_kernels.total()
     print(f"{name}: {fused} CUDA kernels per eager forward fused, {unfused} unfused ({SIZES['n_layers']} blocks)")
+    differences = {
+        k: (fused_kernels[k], unfused_kernels[k])
+        for k in fused_kernels | unfused_kernels
+        if fused_kernels[k] != unfused_kernels[k]
+    }
     # per block at least: the two residual adds and the SwiGLU (and the GDR's q/k/v SiLU) are gone
-    assert fused <= unfused - 3 * SIZES["n_layers"], (fused, unfused)
+    assert fused <= unfused - 3 * SIZES["n_layers"], (fused, unfused, differences)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -75,6 +76,7 @@ def gpu_time_ms(
         launch, captured = graph.replay, True
     except Exception:  # host syncs or uncapturable launches: time eager launches instead
         torch.cuda.synchronize(device)
+        _end_generator_capture(device)
         launch, captured = fn, False
     _keep_busy(flush, device)
     first = _timed(flush, launch, 1)
@@ -82,6 +84,17 @@ def gpu_time_ms(
         return percentiles(first + _timed(flush, launch, 4)), captured
     _timed(flush, launch, 5)  # warm-up after the capture and the first timing's sync
     return percentiles(_timed(flush, launch, replays)), captured
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Makes random draws work again after a capture that raised. torch ends such a capture before it tells the
+    device's random number generator, which then stays marked as capturing: every later draw on the device raised
+    "Offset increment outside graph capture encountered unexpectedly" (torch 2.11, H200). A capture of nothing
+    begins and ends the generator's capture properly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
 
 
 def _keep_busy(flush: Callable[[], None], device: torch.device, seconds: float = 0.05) -> None:
