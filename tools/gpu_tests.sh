@@ -16,11 +16,12 @@ run_file() {
 }
 
 if [ "${PARALLEL:-0}" = 1 ]; then
-  # test_large_tensors.py holds about 45 GB of GPU memory: it runs alone, after the others
+  # test_large_tensors.py holds about 45 GB of GPU memory, and test_autotune.py compares timings: they run alone,
+  # after the others
   logs=$(mktemp -d)
   alone=()
   for f in "${files[@]}"; do
-    case "$f" in *test_large_tensors*) alone+=("$f"); continue ;; esac
+    case "$f" in *test_large_tensors* | *test_autotune*) alone+=("$f"); continue ;; esac
     run_file "$f" > "$logs/$(echo "$f" | tr -c 'A-Za-z0-9_.\n' _).log" 2>&1 &
   done
   wait

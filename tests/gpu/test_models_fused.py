@@ -22,7 +22,7 @@ SIZES = dict(d_model=64, n_heads=4, n_layers=2, ffn_mult=4, dropout=0.0, head_hi
 
 
 class _Unfused(torch.nn.Module):
-    """A block whose step runs the unfused computation: dropout_add, then each sub-layer's own RMSNorm."""
+    """A block whose step does each residual add on its own (dropout_add), then the next sub-layer's own RMSNorm."""
 
     def __init__(self, block):
         super().__init__()
@@ -96,8 +96,9 @@ def test_fused_models_launch_fewer_kernels(name):
         for k in fused_kernels | unfused_kernels
         if fused_kernels[k] != unfused_kernels[k]
     }
-    # per block at least: the two residual adds and the SwiGLU (and the GDR's q/k/v SiLU) are gone
-    assert fused <= unfused - 3 * SIZES["n_layers"], (fused, unfused, differences)
+    # per block: the two residual adds are joined with the norms after them (the linear epilogues are the same modules
+    # in both, and the linear op's tests and benchmark cover them)
+    assert fused <= unfused - 2 * SIZES["n_layers"], (fused, unfused, differences)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
