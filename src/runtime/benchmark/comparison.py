@@ -52,12 +52,15 @@ def _time(row: dict, gpu: bool) -> float | None:
 
 def compare(results: list[dict]) -> list[Comparison]:
     """Every row of the results grouped by (shape, dtype, mode), in first-seen order; GPU time (median) when the
-    results have it, else eager time. A later result's row replaces an earlier one of the same implementation."""
+    results have it, else eager time. A later result's row replaces an earlier one of the same implementation. Where
+    the results hold several ops (gelu and silu on one page), the shape is named "op shape"."""
     gpu = uses_gpu_time(results)
+    several_ops = len({row.get("op") for result in results for row in result["rows"]}) > 1
     groups: dict[tuple[str, str, str], Comparison] = {}
     for result in results:
         for row in result["rows"]:
-            key = (row["shape"], row.get("dtype", ""), row["mode"])
+            shape = f"{row.get('op')} {row['shape']}" if several_ops else row["shape"]
+            key = (shape, row.get("dtype", ""), row["mode"])
             group = groups.setdefault(key, Comparison(*key))
             group.ms[row["impl"]] = _time(row, gpu) if row["status"] == "ok" else None
             group.status[row["impl"]] = row["status"]
