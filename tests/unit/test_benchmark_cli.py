@@ -1,5 +1,6 @@
 """The taac-benchmark CLI on the CPU: listing, selection errors, a dry run, a small real run and the report."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -124,7 +125,24 @@ def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     assert rows[("torch", "fwd+bwd")]["status"] == "ok" and rows[("torch", "fwd+bwd")]["eager_ms"] > 0
     assert rows[("torch", "fwd+bwd")]["errors"]["dx"] < 1e-5
     page = report.markdown([result])
-    assert "| 8192x128 | fwd+bwd | torch | ok |" in page
+    assert "| 8192x128 | fwd+bwd | torch (reference) | ok |" in page
+    assert "GPU ms" not in page and "TB/s" not in page  # a CPU run has no GPU time: those columns are hidden
+    with open(path.with_suffix(".csv")) as f:
+        header, *rows = list(csv.reader(f))
+    assert header[:4] == ["op", "dtype", "shape", "mode"] and "GPU ms (p20-p80)" in header
+    assert rows[0][:5] == ["rms_norm", "float32", "8192x128", "fwd+bwd", "torch (reference)"]
+    assert not path.with_suffix(".png").exists()  # no peer to compare with
+
+
+def test_json_gets_a_csv_and_a_plot_beside_it_when_there_are_peers(tmp_path):
+    pytest.importorskip("matplotlib")
+    from runtime.benchmark.cli import write_csv_and_plot
+
+    rows = [_timed_row("triton", 1.0, 5.0), {**_timed_row("torch eager", 2.0, 4.0), "kind": "peer"}]
+    result = {"environment": {"commit": "abc", "gpu": "H200", "versions": {}}, "device": "cuda", "rows": rows}
+    write_csv_and_plot(result, tmp_path / "l2norm.json")
+    assert (tmp_path / "l2norm.png").stat().st_size > 1000
+    assert "torch eager (peer)" in (tmp_path / "l2norm.csv").read_text()
 
 
 def test_update_page_replaces_only_the_generated_section(tmp_path):

@@ -8,6 +8,7 @@ import json
 import os
 import pkgutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -180,4 +181,23 @@ def main(argv=None) -> int:
     from .report import print_table
 
     print_table(result)
+    if args.json:
+        write_csv_and_plot(result, Path(args.json))
     return 0
+
+
+def write_csv_and_plot(result: dict, path: Path) -> None:
+    """The table as CSV and, where there are peers to compare with and matplotlib is installed, the speed-up plot
+    (as the docs pages show it), beside the JSON: rms_norm.json -> rms_norm.csv, rms_norm.png."""
+    from .comparison import compare
+    from .report import write_csv
+
+    write_csv(result, path.with_suffix(".csv"))
+    if not any(c.speedup() is not None for c in compare([result])):
+        return
+    try:
+        from .plot import plot_speedups
+
+        plot_speedups([result], path.with_suffix(".png"))
+    except ImportError:
+        print("taac-benchmark: no plot (matplotlib is not installed: pip install taac-runtime[plot])", file=sys.stderr)
