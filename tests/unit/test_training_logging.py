@@ -2,6 +2,7 @@
 a run and the plot CLI that overlays runs."""
 
 import csv
+import io
 import json
 import logging
 import sys
@@ -111,3 +112,27 @@ def test_the_run_log_is_train_log():
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=TINY, return_hydra_config=True)
     assert cfg.hydra.job.name == "train"  # Hydra names the run log <job name>.log
+
+
+def test_log_lines_print_above_the_progress_bar_not_through_it(monkeypatch, capsys):
+    """While the bar shows on a terminal, the root logger's console handler writes through rich's redirected stream
+    (the line is printed above the bar); afterwards it has its own stream back."""
+    pytest.importorskip("rich")
+    from runtime.training.progress import ProgressBar
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich treats the captured output as a terminal
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    monkeypatch.setattr(sys, "stderr", stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        bar = ProgressBar(10, 0, True)
+        assert handler.stream is not stream  # rich's proxy, which prints above the bar
+        logging.getLogger("runtime.training").warning("a log line")
+        bar.advance()
+        bar.close()
+        assert handler.stream is stream
+    finally:
+        root.removeHandler(handler)
+    assert "a log line" in capsys.readouterr().out  # printed by the bar's console, not into the bar's line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 logger = logging.getLogger("runtime.training")
 
@@ -33,7 +34,9 @@ class ProgressBar:
                     TimeRemainingColumn(),
                 )
                 self._task = self._bar.add_task("train", total=total, completed=start, loss="-", speed="-")
-                self._bar.start()
+                streams = (sys.stdout, sys.stderr)
+                self._bar.start()  # rich redirects sys.stdout and sys.stderr above the bar while it shows
+                self._rerouted = _reroute_log_handlers(streams, (sys.stdout, sys.stderr))
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -46,3 +49,19 @@ class ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+            for handler, stream in self._rerouted:
+                handler.setStream(stream)
+
+
+def _reroute_log_handlers(old: tuple, new: tuple) -> list[tuple[logging.StreamHandler, object]]:
+    """Points the root logger's console handlers (Hydra's job logging among them), which hold the terminal streams
+    from before the bar started, at rich's redirected streams, so log lines print above the bar instead of through
+    it. Returns (handler, its stream before) to undo it."""
+    rerouted = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            for before, after in zip(old, new):
+                if handler.stream is before and after is not before:
+                    rerouted.append((handler, handler.setStream(after)))
+                    break
+    return rerouted
