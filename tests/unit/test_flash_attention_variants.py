@@ -598,7 +598,7 @@ def test_variants_compile_for_sm90(tmp_path):
     assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4)
     assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True, split_d=True)
     compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
-    launches = compiled["flash_attention._fwd_kernel"]
+    launches = compiled["flash_attention.triton_forward._fwd_kernel"]
     assert {launch["case"] for launch, _ in launches} == set(VARIANT_CASES)
     for launch, _ in launches:
         names = list(launch["signature"])
