@@ -10,7 +10,7 @@ import torch
 from conftest import capture_graph
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.config import use_accelerators
-from runtime.accelerators.flash_attention import dropout, flash_attention
+from runtime.accelerators.flash_attention import dropout, flash_attention, triton_dkdv
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.seeds import draw_seed_tensor, saved_seeds
@@ -373,7 +373,7 @@ def test_an_expanded_upstream_gradient_takes_the_pointer_path():
 def lse_delta_taken(monkeypatch):
     """The LSE_DELTA_TMA constexpr of every dk/dv launch that follows, in order."""
     taken, real = [], fa.lse_delta_variant
-    monkeypatch.setattr(fa, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
+    monkeypatch.setattr(triton_dkdv, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
     return taken
 
 

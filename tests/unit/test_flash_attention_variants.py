@@ -15,7 +15,14 @@ import triton.language as tl
 
 import test_triton_compile_sm90 as sm90
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.flash_attention import dropout, flash_attention
+from runtime.accelerators.flash_attention import (
+    dropout,
+    flash_attention,
+    triton_blocks,
+    triton_dkdv,
+    triton_dq,
+    triton_forward,
+)
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
@@ -124,7 +131,7 @@ def test_plain_tuples_still_configure_the_forward():
 
 @triton.jit
 def _record_heavy_first_order(OUT, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    block, pair = fa._block_and_pair(SECTION, HEAVY_LAST)
+    block, pair = triton_blocks._block_and_pair(SECTION, HEAVY_LAST)
     launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.store(OUT + 2 * launched, block)
     tl.store(OUT + 2 * launched + 1, pair)
@@ -251,11 +258,13 @@ def test_split_through_the_public_op(monkeypatch, causal):
     kind = "fwd_causal" if causal else "fwd"
     monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
     taken = {"forward_variant": [], "backward_variant": []}
+    callers = {"forward_variant": (triton_forward,), "backward_variant": (triton_dq, triton_dkdv)}
     for name, calls in taken.items():
         real = getattr(fa, name)
-        monkeypatch.setattr(
-            fa, name, lambda *a, real=real, calls=calls, **kw: calls.append(real(*a, **kw)) or calls[-1]
-        )
+        for module in callers[name]:
+            monkeypatch.setattr(
+                module, name, lambda *a, real=real, calls=calls, **kw: calls.append(real(*a, **kw)) or calls[-1]
+            )
     q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 37, 48))
     do = torch.randn_like(q)
     lengths = [37, 0] if causal else [37, 9]
@@ -419,7 +428,7 @@ def test_plain_tuples_still_configure_the_backward():
 def lse_delta_taken(monkeypatch):
     """The LSE_DELTA_TMA constexpr of every dk/dv launch that follows, in order."""
     taken, real = [], fa.lse_delta_variant
-    monkeypatch.setattr(fa, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
+    monkeypatch.setattr(triton_dkdv, "lse_delta_variant", lambda *args: taken.append(real(*args)) or taken[-1])
     return taken
 
 
@@ -532,19 +541,22 @@ def test_fused_backward_reads_strided_views():
     assert_gradients(grads, q, k, v, do, [19, 7], True)
 
 
-def test_the_public_op_takes_the_fused_backward_where_keys_fit_one_block(monkeypatch):
+def test_the_backward_takes_the_fused_kernel_where_keys_fit_one_block(monkeypatch):
     monkeypatch.setitem(fa.CONFIGS_16BIT["fused"], 16, BwdConfig(16, 64, 4, 2))
-    monkeypatch.setattr(fa, "FUSED_MIN_PROGRAMS", 4)
     calls = []
-    monkeypatch.setattr(fa, "_bwd_dq_kernel", None)  # the split kernels must not run
+    monkeypatch.setattr(triton_dq, "_bwd_dq_kernel", None)  # the split kernels must not run
     real = fa.backward_fused
     monkeypatch.setattr(fa, "backward_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v = (x.requires_grad_() for x in make(2, 4, 2, 40, 64, 16))
+    q, k, v = make(2, 4, 2, 40, 64, 16)
     do = torch.randn_like(q)
-    lengths = torch.tensor([64, 9])
-    out = flash_attention(q, k, v, causal=True, key_lengths=lengths, backend="triton")
-    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, [64, 9], True)
+    lengths = [64, 9]
+    args = (q, k, v, torch.tensor(lengths, dtype=torch.int32), True, q.shape[-1] ** -0.5, 0.0, None)
+    o, lse = fa.forward(*args)
+    grads = fa.backward(do, *args, o, lse, min_programs=4)[:3]
+    assert_gradients(grads, q, k, v, do, lengths, True)
     assert calls == [1]
+    assert fa.use_fused(q, k, min_programs=4)
+    assert not fa.use_fused(q, k)  # 4 (batch, kv head) pairs: too few by default
     assert not fa.use_fused(*make(2, 4, 2, 40, 65, 16)[:2])  # a key past the block
     assert not fa.use_fused(*make(1, 4, 2, 40, 64, 16)[:2])  # too few (batch, kv head) pairs
     assert not fa.use_fused(*make(2, 4, 2, 40, 64, 16, torch.float32)[:2])  # measured for 16-bit inputs only
@@ -586,7 +598,7 @@ def test_variants_compile_for_sm90(tmp_path):
     assert fa.config("fwd_causal", 128, torch.bfloat16) == FwdConfig(128, 128, 8, 3, tma=True, heavy_first=4)
     assert fa.config("fwd", 64, torch.bfloat16) == FwdConfig(128, 64, 8, 4, tma=True, split_d=True)
     compiled = sm90.compile_cases(VARIANT_CASES, Path(tmp_path))
-    launches = compiled["flash_attention._fwd_kernel"]
+    launches = compiled["flash_attention.triton_forward._fwd_kernel"]
     assert {launch["case"] for launch, _ in launches} == set(VARIANT_CASES)
     for launch, _ in launches:
         names = list(launch["signature"])

@@ -605,7 +605,7 @@ def test_every_launch_is_of_a_listed_kernel(compiled):
 
 def test_the_backward_attention_kernels_compile_both_paths(compiled):
     """attention_tma_backward forces the descriptor path (no CPU launch takes it by itself)."""
-    for kernel in ("flash_attention._bwd_dkdv_kernel", "flash_attention._bwd_dq_kernel"):
+    for kernel in ("flash_attention.triton_dkdv._bwd_dkdv_kernel", "flash_attention.triton_dq._bwd_dq_kernel"):
         launches = [launch for launch, _ in compiled[kernel] if launch["case"] == "attention_tma_backward"]
         assert {constexprs(launch)["TMA"] for launch in launches} == {False, True}, kernel
 
@@ -614,17 +614,17 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
     """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
     (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward)."""
     names = (
-        "_chunk_local_grad_kernel",
-        "_state_grad_kernel",
-        "_chunk_grad_qk_state_kernel",
-        "_chunk_grad_wy_fused_kernel",
+        "triton_backward._chunk_local_grad_kernel",
+        "triton_backward._state_grad_kernel",
+        "triton_backward._chunk_grad_qk_state_kernel",
+        "triton_backward_wy._chunk_grad_wy_fused_kernel",
     )
     assert all(
         "HALF" not in constexprs(launch)
-        for launch, _ in compiled["gated_delta_rule.triton_backward._chunk_grad_wy_kernel"]
+        for launch, _ in compiled["gated_delta_rule.triton_backward_wy._chunk_grad_wy_kernel"]
     )
     for name in names:
-        kernel = f"gated_delta_rule.triton_backward.{name}"
+        kernel = f"gated_delta_rule.{name}"
         assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel
         on = {constexprs(launch)["K"] for launch, _ in compiled[kernel] if constexprs(launch)["HALF"]}
         assert on == {16, 64, 128}, f"{kernel}: HALF compiled at K = {sorted(on)} only"
@@ -632,7 +632,7 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
 
 def test_the_dq_kernel_compiles_writing_delta(compiled):
     """attention_delta_in_dq compiles the dq kernel that writes delta, with pointer loads and with descriptors."""
-    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._bwd_dq_kernel"]]
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention.triton_dq._bwd_dq_kernel"]]
     assert {c["TMA"] for c in launches if c["WRITE_DELTA"]} == {False, True}
 
 
@@ -640,7 +640,7 @@ def test_the_dkdv_kernel_compiles_reading_lse_and_delta_through_descriptors(comp
     """attention_lse_delta_tma compiles the dk/dv kernel's descriptor path with lse and delta through descriptors (head
     dims 128 and 48) and through pointers (128, Lq % 4 != 0); no launch takes descriptors for lse and delta without
     the tiles'."""
-    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._bwd_dkdv_kernel"]]
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention.triton_dkdv._bwd_dkdv_kernel"]]
     variants = {(c["HEAD_DIM"], c["TMA"], c["LSE_DELTA_TMA"]) for c in launches}
     assert {(128, True, True), (128, True, False), (48, True, True)} <= variants
     assert not any(c["LSE_DELTA_TMA"] and not c["TMA"] for c in launches)
@@ -649,7 +649,7 @@ def test_the_dkdv_kernel_compiles_reading_lse_and_delta_through_descriptors(comp
 def test_the_forward_compiles_split_head_dims(compiled):
     """attention_split_d compiles the forward with the head dim as two column parts (D_HI > 0, pointer loads: 48, 80
     and 96) beside the padded forward through descriptors at head dim 48."""
-    launches = [constexprs(launch) for launch, _ in compiled["flash_attention._fwd_kernel"]]
+    launches = [constexprs(launch) for launch, _ in compiled["flash_attention.triton_forward._fwd_kernel"]]
     split = {(c["HEAD_DIM"], c["BLOCK_D"], c["D_HI"], c["TMA"], c["CAUSAL"]) for c in launches if c["D_HI"]}
     expected = {(48, 32, 16, False, causal) for causal in (False, True)}
     assert expected | {(80, 64, 16, False, True), (96, 64, 32, False, True)} == split
@@ -661,7 +661,7 @@ def test_the_backward_compiles_split_head_dims(compiled):
     """attention_split_backward compiles the dk/dv and dq kernels with head dim 48 as two column parts (D_HI > 0,
     pointer loads even where tma is asked for), causal and not, the dq kernel writing delta and not; beside the padded
     launches at the same tiles."""
-    for kernel, write_delta in (("_bwd_dkdv_kernel", (None,)), ("_bwd_dq_kernel", (False, True))):
+    for kernel, write_delta in (("triton_dkdv._bwd_dkdv_kernel", (None,)), ("triton_dq._bwd_dq_kernel", (False, True))):
         launches = [constexprs(launch) for launch, _ in compiled[f"flash_attention.{kernel}"]]
         split = {(c["HEAD_DIM"], c["BLOCK_D"], c["D_HI"], c["TMA"], c["CAUSAL"], c.get("WRITE_DELTA")) for c in launches
                  if c["D_HI"]}  # fmt: skip
@@ -673,7 +673,7 @@ def test_the_backward_compiles_split_head_dims(compiled):
 
 def test_the_attention_kernels_compile_for_packed_sequences(compiled):
     """attention_varlen compiles the forward, dq and dk/dv kernels with VARLEN (never with descriptors)."""
-    for kernel in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+    for kernel in ("triton_forward._fwd_kernel", "triton_dq._bwd_dq_kernel", "triton_dkdv._bwd_dkdv_kernel"):
         launches = [constexprs(launch) for launch, _ in compiled[f"flash_attention.{kernel}"]]
         assert {c["HEAD_DIM"] for c in launches if c["VARLEN"]} == {48, 64}, kernel
         assert not any(c["VARLEN"] and c["TMA"] for c in launches), kernel

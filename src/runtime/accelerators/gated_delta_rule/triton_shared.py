@@ -1,6 +1,7 @@
-"""What the chunked gated delta rule's Triton forward (triton.py) and backward (triton_backward.py) share: the
-dtype and chunk-addressing helpers, the chunk tables (Chunks), the kernels' variants (Tuning), the state walk that
-both run (walk_states) and the context-parallel split of long sequences (Segments)."""
+"""What the chunked gated delta rule's Triton forward (triton.py) and backward (triton_backward.py,
+triton_backward_wy.py) share: the dtype and chunk-addressing helpers, the chunk tables (Chunks), the kernels' variants
+(Tuning), the state walk that both run (walk_states), the context-parallel split of long sequences (Segments) and the
+pieces of the backward's kernels."""
 
 from __future__ import annotations
 
@@ -520,3 +521,38 @@ def _combine(segments: Segments, maps, offsets, start, through, end, precision: 
         HV=HV, K=K, V=V, BV=BV, USE_START=start is not None, STORE_END=end is not None, REVERSE=reverse,
         PRECISION=precision, num_warps=4, num_stages=2,  # K=128 with 3 stages needs ~224 KB of shared memory
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- pieces of the backward's kernels
+
+
+@triton.jit
+def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T of two [BT, K] q/k tiles. For half inputs with 16-bit operands, which hold tf32's 10-bit mantissa:
+    the loaded values exactly in their own dtype, l2-normalised ones (|x| <= 1) in fp16. Kept in fp32, these
+    operands made Triton 3.6 ask for more shared memory than sm_90 has at K = 128 (264 KB at BV = 16)."""
+    if PRECISION == "ieee":
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    dtype: tl.constexpr = tl.float16 if L2NORM else input_dtype
+    return _half_dot(a, tl.trans(b), dtype)
+
+
+@triton.jit
+def _operand(x, HALF: tl.constexpr):
+    """x that only enters products (_storage_dot): kept in bf16 with HALF, as the products round it (half the
+    registers of fp32), else in fp32."""
+    if HALF:
+        return _to_half(x, tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _chunk_program(
+    gamma_in, cu_seqlens, chunk_indices, T, N_CHUNKS, H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """A (chunk, value head) program's chunk, value head, q/k head, rows (_chunk_rows) and gamma on them."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    rows, row_mask, last_row = _chunk_rows(cu_seqlens, chunk_indices, i_t, T, N_CHUNKS, IS_VARLEN)
+    gamma = tl.load(gamma_in + rows * HV + i_hv, mask=row_mask, other=0.0)
+    return i_t, i_hv, i_hv // (HV // H), rows, row_mask, last_row, gamma

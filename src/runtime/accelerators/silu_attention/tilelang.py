@@ -20,7 +20,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..flash_attention.tilelang import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
+from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
 from ..launch_math import next_power_of_2
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 

@@ -1,0 +1,587 @@
+"""The TileLang flash-attention kernels (tilelang.py: what they compute, their compile entries and entry points):
+launch configurations, the dropout hash as a CUDA prelude, and the forward, backward-preprocess and backward
+kernel builders."""
+
+import math
+from dataclasses import dataclass
+
+import tilelang
+import tilelang.language as T
+
+from . import dropout
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ACCUM = "float32"
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
+FAST_MATH = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int  # queries per program
+    block_n: int  # keys per step
+    stages: int  # K/V tiles in flight
+    threads: int  # compute threads; warp specialisation adds a producer warpgroup for TMA
+    min_blocks: int = 1  # > 1: cap registers so that this many programs share an SM
+    # each step issues block k's QK^T and block k-1's PV together, then block k's softmax while PV runs on the
+    # tensor cores (FlashAttention-3's overlap within a warpgroup)
+    overlap: bool = False
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_n: int  # keys per program (dk/dv rows)
+    block_m: int  # queries per step
+    stages: int
+    threads: int
+    min_blocks: int = 1
+    # each step issues S = K Q^T and dP = V dO^T together (the exponentials run while dP is on the tensor cores),
+    # then dV, dQ and dK back to back, and adds dq while dK runs (FlashAttention-3's order)
+    overlap: bool = False
+    # how each step's dq block reaches the fp32 accumulator:
+    #   "tma": through a shared tile and a TMA reduction whose shared reads are waited for at once
+    #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
+    #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
+    dq: str = "tma"
+
+    def __post_init__(self):
+        if self.dq not in ("tma", "bulk"):
+            raise ValueError(f"BwdConfig.dq must be 'tma' or 'bulk', not {self.dq!r}")
+
+
+# Register budgets checked with ptxas on sm_90a (no spills). Head dims up to 32 are bound by the exponentials and
+# by latency, so they run several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups per program
+# with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave
+# 80 registers: no room for a 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-34% at
+# D <= 48; at D = 64 (16x16x2048) it was level (1.013 against
+# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. With Q loaded by
+# TMA everywhere: at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
+# one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the one-warpgroup tiles
+# stay ahead (0.618 / 0.410 against 0.655 / 0.436).
+FWD_CONFIGS = {
+    16: FwdConfig(64, 128, 2, 128, 2),
+    32: FwdConfig(64, 128, 2, 128, 2),
+    48: FwdConfig(128, 128, 2, 256, 1),
+    64: FwdConfig(128, 128, 2, 256, 1),
+    128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
+}
+# The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions.
+# H100, forward+backward ms against the plain loop with TMA
+# reductions (non-causal, causal; cuDNN in brackets): 4x16x4096x128 4.529 / 5.304, 2.963 / 3.463 (3.666, 2.111);
+# 16x16x2048x64 3.648 / 4.071, 2.583 / 2.818 (2.365, 1.436); 64x4x2048x48 3.311 / 3.663, 2.185 / 2.368 (2.228,
+# 1.374); 128x8x1024x32 3.064 / 3.284, 2.364 / 2.524 (2.287, 1.607). At 4x16x4096x128, vector atomics for dq
+# (7.036 / 5.067) and programs that start at staggered query blocks (4.658 / 3.114) were slower and are gone.
+BWD_CONFIGS = {
+    16: BwdConfig(64, 64, 2, 128, 2),
+    32: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
+    48: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
+    64: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
+    128: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
+}
+PREP_ROWS = 128
+DQ_SUBTILE = 8  # BwdConfig.dq "bulk": the blocked accumulator's sub-tiles (rows x columns)
+HEAD_DIMS = tuple(FWD_CONFIGS)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+# The dropout hash (dropout.py) as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
+# lowbias32 round repeats its input, and the rounds make an expression tree too large to compile fast. nvcc computes
+# the tile's key once (its arguments are the same for every element). _keep passes the key index as its pair index
+# and half in TileLang's integer division, which TileLang simplifies to the same expression for keys j and j ^ 8 (in
+# one thread), so that nvcc computes their shared round once.
+DROPOUT_PRELUDE = f"""
+__device__ __forceinline__ unsigned taac_mix32(unsigned x) {{
+  x ^= x >> 16; x *= {dropout.MIX_A:#x}u; x ^= x >> 15; x *= {dropout.MIX_B:#x}u; x ^= x >> 16;  // lowbias32
+  return x;
+}}
+// {dropout.BITS} random bits of element (bh, query, key) of a dropout draw, in the tile from (q0, k0); the key as
+// its pair index (keys j and j ^ 8 share one) and half (bit 3)
+__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int q0, int k0, int query, int pair_index,
+                                                      int high) {{
+  unsigned key = taac_mix32((unsigned)seed ^ ((unsigned)bh * {dropout.PAIR_MUL:#x}u));
+  key = taac_mix32(key ^ ((unsigned)q0 >> {dropout.QUERY_BLOCK_SHIFT}) * {dropout.QUERY_BLOCK_MUL:#x}u
+                       ^ ((unsigned)k0 >> {dropout.KEY_BLOCK_SHIFT}) * {dropout.KEY_BLOCK_MUL:#x}u);
+  unsigned h = taac_mix32(key ^ ((unsigned)query << 16) ^ ((unsigned)pair_index & 0xffffu));
+  return high ? h >> 16 : h & 0xffffu;
+}}
+"""
+
+
+def _keep(seed, bh, q0, k0, i, j, threshold):
+    """True when element (bh, query q0 + i, key k0 + j) of the tile from (q0, k0) survives dropout: its random bits
+    >= the threshold."""
+    key = k0 + j
+    pair_index, high = key // 16 * 8 + key % 8, key // 8 % 2
+    return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, q0, k0, q0 + i, pair_index, high) >= threshold
+
+
+SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
+
+
+def _dropout_args(dropout_p: float) -> tuple[int, float]:
+    """(threshold on the random bits, 1 / (1 - the rate they drop at)) as the kernels take them."""
+    return dropout.keep_threshold(dropout_p), 1.0 / (1.0 - dropout.drop_rate(dropout_p))
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def forward_kernel(
+    dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig, varlen: bool = False
+):
+    """varlen: packed sequences. q [total_q, H, D], k/v [total_k, Hkv, D], o alike, lse [H, total_q]; B is the number
+    of sequences (CuQ/CuK hold N + 1 offsets), the grid's query blocks come from QBlocks' length (a tensor of
+    ceil(max_seqlen_q / block_m) elements, never read), so one compiled kernel serves every packing. Without varlen
+    CuQ, CuK and QBlocks are placeholders."""
+    bM, bN = cfg.block_m, cfg.block_n
+    B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
+    NC, NQB = T.dynamic("n_offsets, q_blocks")
+    sq = T.dynamic("sq_b, sq_h, sq_l")
+    sk = T.dynamic("sk_b, sk_h, sk_l")
+    sv = T.dynamic("sv_b, sv_h, sv_l")
+    if varlen:  # Lq, Lk: the packed lengths
+        q_type = T.StridedTensor((Lq, H, dim), (sq[0], sq[1], 1), dtype)
+        k_type = T.StridedTensor((Lk, Hkv, dim), (sk[0], sk[1], 1), dtype)
+        v_type = T.StridedTensor((Lk, Hkv, dim), (sv[0], sv[1], 1), dtype)
+        o_type, lse_type = T.Tensor((Lq, H, dim), dtype), T.Tensor((H, Lq), ACCUM)
+        q_blocks, batch = NQB, NC - 1
+    else:
+        q_type = T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype)
+        k_type = T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype)
+        v_type = T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype)
+        o_type, lse_type = T.Tensor((B, H, Lq, dim), dtype), T.Tensor((B, H, Lq), ACCUM)
+        q_blocks, batch = T.ceildiv(Lq, bM), B
+    # a program may find no key block (key lengths, packed sequences): its loop still takes one step (see below)
+    may_be_empty = has_lengths or varlen
+
+    @T.macro
+    def softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, q0, k0):
+        """Running max m, sum l and the rescale factor updated by the scores s of the key block from k0 (queries from
+        q0); s becomes its unnormalised probabilities."""
+        # mask only the blocks that straddle the key length or the causal diagonal;
+        # conditions stay inline: a boolean bound to a thread-dependent name breaks ThreadSync
+        if k0 + bN > kv_len or (causal and k0 + bN > q0 + 1):
+            for i, j in T.Parallel(bM, bN):
+                if causal:
+                    s[i, j] = T.if_then_else((k0 + j < kv_len) & (k0 + j <= q0 + i), s[i, j], -T.infinity(ACCUM))
+                else:
+                    s[i, j] = T.if_then_else(k0 + j < kv_len, s[i, j], -T.infinity(ACCUM))
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for i in T.Parallel(bM):
+            rescale[i] = T.exp2((m_prev[i] - m[i]) * sl2)
+        for i, j in T.Parallel(bM, bN):
+            s[i, j] = T.exp2(s[i, j] * sl2 - m[i] * sl2)
+        T.reduce_sum(s, row_sum, dim=1)
+        for i in T.Parallel(bM):
+            l[i] = l[i] * rescale[i] + row_sum[i]
+
+    @T.macro
+    def to_operand(s, p, seed, bh, q0, k0, threshold, inv_keep):
+        """The probabilities s in the product's dtype (dropped out where dropout is on, keys from k0) into p."""
+        if dropout:
+            for i, j in T.Parallel(bM, bN):
+                p[i, j] = T.if_then_else(_keep(seed, bh, q0, k0, i, j, threshold), s[i, j] * inv_keep, 0)
+        else:
+            T.copy(s, p)
+
+    @T.prim_func
+    def flash_fwd(
+        Q: q_type,
+        K: k_type,
+        V: v_type,
+        Lengths: T.Tensor((NL,), "int32"),
+        O: o_type,
+        LSE: lse_type,
+        scale: T.float32,
+        groups: T.int32,
+        Seed: T.Tensor((1,), SEED),
+        threshold: T.int32,
+        inv_keep: T.float32,
+        CuQ: T.Tensor((NC,), "int32"),
+        CuK: T.Tensor((NC,), "int32"),
+        QBlocks: T.Tensor((NQB,), "int32"),
+    ):
+        T.annotate_pass_configs(FAST_MATH)
+        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
+            bx,
+            by,
+            bz,
+        ):
+            if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
+            Q_s = T.alloc_shared((bM, dim), dtype)
+            K_s = T.alloc_shared((bN, dim), dtype)
+            V_s = T.alloc_shared((bN, dim), dtype)
+            O_s = T.alloc_shared((bM, dim), dtype)
+            s = T.alloc_fragment((bM, bN), ACCUM)
+            p = T.alloc_fragment((bM, bN), dtype)
+            acc = T.alloc_fragment((bM, dim), ACCUM)
+            m = T.alloc_fragment((bM,), ACCUM)
+            m_prev = T.alloc_fragment((bM,), ACCUM)
+            rescale = T.alloc_fragment((bM,), ACCUM)
+            row_sum = T.alloc_fragment((bM,), ACCUM)
+            l = T.alloc_fragment((bM,), ACCUM)
+
+            if varlen:  # sequence bz: its first rows and lengths; a query block past its rows sees no key
+                q_start = CuQ[bz]
+                k_start = CuK[bz]
+                lq = CuQ[bz + 1] - q_start
+                kv_len = T.if_then_else(bx * bM < lq, CuK[bz + 1] - k_start, 0)
+            else:
+                kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            seed = T.cast(Seed[0], "int32") if dropout else 0
+            # causal: the last query of this block sees keys < (bx + 1) * bM
+            n_blocks = T.ceildiv(T.min(kv_len, (bx + 1) * bM), bN) if causal else T.ceildiv(kv_len, bN)
+            sl2 = scale * LOG2E  # exponentials in base 2
+            # Q by TMA, waited for at its first use: in the key loop's first step. So the loop always takes a step;
+            # with no step the load would still be in flight when O_s (sharing Q_s's memory) is written and at exit.
+            # (Copied by threads instead, the forward with key lengths took up to 2.2x longer at head dim 64: TileLang
+            # cannot vectorise a copy from a strided view, so each thread loads one element at a time.)
+            if varlen:  # rows past the sequence (the next one's, or zeros past the tensor) are computed, not stored
+                T.copy(Q[q_start + bx * bM : q_start + (bx + 1) * bM, by, :], Q_s)
+            else:
+                T.copy(Q[bz, by, bx * bM : (bx + 1) * bM, :], Q_s)
+            T.fill(acc, 0)
+            T.fill(l, 0)
+            T.fill(m, -T.infinity(ACCUM))
+            h_kv = T.truncdiv(by, groups)
+
+            if cfg.overlap:
+                T.clear(p)  # read by no product before it is written; TileLang checks
+                # step k loads key block k and value block k - 1 (clamped: the first and last steps load a block
+                # they do not use), issues QK^T of block k and PV of block k - 1 as one asynchronous batch each,
+                # and runs block k's softmax while PV is on the tensor cores. With no key block (a length of 0) the
+                # one step loads block 0 and computes nothing.
+                for k in T.Pipelined(n_blocks + 1, num_stages=cfg.stages):
+                    k_block = T.max(T.min(k, n_blocks - 1), 0)
+                    v_block = T.max(k - 1, 0)
+                    if varlen:
+                        T.copy(K[k_start + k_block * bN : k_start + (k_block + 1) * bN, h_kv, :], K_s)
+                        T.copy(V[k_start + v_block * bN : k_start + (v_block + 1) * bN, h_kv, :], V_s)
+                    else:
+                        T.copy(K[bz, h_kv, k_block * bN : (k_block + 1) * bN, :], K_s)
+                        T.copy(V[bz, h_kv, v_block * bN : (v_block + 1) * bN, :], V_s)
+                    # one statement, so that TileLang's warp specialisation hands K_s and V_s back to the
+                    # loads after it: after the waits, not when the asynchronous products are issued
+                    if k < n_blocks:
+                        T.wgmma_gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if k > 0:
+                            T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)  # QK^T done; PV may still run
+                        else:
+                            T.wait_wgmma(0)
+                        softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
+                        # p and acc are PV's operands: written only once it is done (a write while it runs
+                        # makes ptxas serialise every wgmma)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(bM, dim):
+                            acc[i, j] *= rescale[i]
+                        to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
+                    elif k > 0:
+                        T.wgmma_gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+            else:
+                # with key lengths, a row of length 0 has no key block: its program still takes one step, which
+                # loads block 0 and computes nothing, so that Q's load is waited for (see above)
+                for k in T.Pipelined(T.max(n_blocks, 1) if may_be_empty else n_blocks, num_stages=cfg.stages):
+                    if varlen:
+                        T.copy(K[k_start + k * bN : k_start + (k + 1) * bN, h_kv, :], K_s)
+                    else:
+                        T.copy(K[bz, h_kv, k * bN : (k + 1) * bN, :], K_s)
+                    if not may_be_empty or k < n_blocks:
+                        T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        softmax(s, m, m_prev, rescale, row_sum, l, sl2, kv_len, bx * bM, k * bN)
+                        to_operand(s, p, seed, bz * H + by, bx * bM, k * bN, threshold, inv_keep)
+                        for i, j in T.Parallel(bM, dim):
+                            acc[i, j] *= rescale[i]
+                    if varlen:
+                        T.copy(V[k_start + k * bN : k_start + (k + 1) * bN, h_kv, :], V_s)
+                    else:
+                        T.copy(V[bz, h_kv, k * bN : (k + 1) * bN, :], V_s)
+                    if not may_be_empty or k < n_blocks:
+                        T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bM, dim):
+                acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
+            T.copy(acc, O_s)
+            if varlen:  # only the sequence's rows: the tile may reach into the next sequence's
+                for i, j in T.Parallel(bM, dim):
+                    if bx * bM + i < lq:
+                        O[q_start + bx * bM + i, by, j] = O_s[i, j]
+            else:
+                T.copy(O_s, O[bz, by, bx * bM : (bx + 1) * bM, :])
+            for i in T.Parallel(bM):
+                l[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m[i] * sl2) * LN2, -T.infinity(ACCUM))
+            if varlen:
+                for i in T.Parallel(bM):
+                    if bx * bM + i < lq:
+                        LSE[by, q_start + bx * bM + i] = l[i]
+            else:
+                T.copy(l, LSE[bz, by, bx * bM : (bx + 1) * bM])
+
+    return flash_fwd
+
+
+def preprocess_kernel(dim: int, dtype: str):
+    """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
+    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA."""
+    blk = PREP_ROWS
+    # each row's columns in parts of at most 32 (a power of two: TileLang finds no fragment layout for 48 columns;
+    # few registers at head dim 128), read into registers, not through shared memory, where a thread per row met
+    # 8-way bank conflicts (94 us at 64x4x2048x48 under ncu, five times the read of o and do at full bandwidth)
+    cols = math.gcd(dim, 32)
+    B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
+    sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+
+    @T.prim_func
+    def flash_bwd_prep(
+        O: T.Tensor((B, H, Lq, dim), dtype),
+        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
+        LSE: T.Tensor((B, H, Lq), ACCUM),
+        Delta: T.Tensor((B, H, Lqp), ACCUM),
+        LSE2: T.Tensor((B, H, Lqp), ACCUM),
+    ):
+        with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=blk) as (bx, by, bz):
+            o_f = T.alloc_fragment((blk, cols), dtype)
+            do_f = T.alloc_fragment((blk, cols), dtype)
+            prod = T.alloc_fragment((blk, cols), ACCUM)
+            delta = T.alloc_fragment((blk,), ACCUM)
+            lse = T.alloc_fragment((blk,), ACCUM)
+            T.clear(prod)
+            for c in range(dim // cols):
+                T.copy(O[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], o_f)
+                T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], do_f)
+                for i, j in T.Parallel(blk, cols):
+                    prod[i, j] += T.cast(o_f[i, j], ACCUM) * T.cast(do_f[i, j], ACCUM)
+            T.reduce_sum(prod, delta, dim=1)
+            T.copy(LSE[bz, by, bx * blk : (bx + 1) * blk], lse)
+            for i in T.Parallel(blk):
+                lse[i] = T.if_then_else(lse[i] == -T.infinity(ACCUM), T.infinity(ACCUM), lse[i] * LOG2E)
+            T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
+            T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
+
+    return flash_bwd_prep
+
+
+def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig):
+    """Per key block of one kv head: loop over its query heads and query blocks, accumulating
+    dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
+    bN, bM = cfg.block_n, cfg.block_m
+    split_k = dim * 2 not in (64, 128, 256)
+    bulk = cfg.dq == "bulk"
+    # dq = dS^T K: each compute warpgroup takes dq_dim / warpgroups of its columns. TileLang issues that as one wgmma
+    # per 16 keys only for a multiple of 16 columns, else in pieces of 8 (head dim 48 over two warpgroups: three
+    # m64n8k16, 16% slower backward), so there dq is computed on columns padded with zeros (Kt_s's extra rows).
+    per_warpgroup = 16 * (cfg.threads // 128)
+    dq_dim = -(-dim // per_warpgroup) * per_warpgroup
+    B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
+    NQB = T.dynamic("q_blocks")
+    sq = T.dynamic("sq_b, sq_h, sq_l")
+    sk = T.dynamic("sk_b, sk_h, sk_l")
+    sv = T.dynamic("sv_b, sv_h, sv_l")
+    sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+    sdq = T.dynamic("sdq_b, sdq_h, sdq_l")
+    sdk = T.dynamic("sdk_b, sdk_h, sdk_l")
+    sdv = T.dynamic("sdv_b, sdv_h, sdv_l")
+    # bulk: one contiguous bM x dim tile per query block, in DQ_SUBTILE x DQ_SUBTILE sub-tiles (a warp's
+    # accumulator fragment covers one sub-tile: conflict-free shared stores)
+    sub = DQ_SUBTILE
+    if bulk:
+        dq_acc_type = T.Tensor((B, H, NQB, bM * dim), ACCUM)
+    else:
+        dq_acc_type = T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM)
+
+    @T.macro
+    def probabilities(s, lse_s, kv_len, bx, mq, sl2):
+        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (0 where masked)."""
+        for n, i in T.Parallel(bN, bM):
+            s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
+        if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
+            for n, i in T.Parallel(bN, bM):
+                if causal:
+                    s[n, i] = T.if_then_else(
+                        (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
+                    )
+                else:
+                    s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
+
+    @T.macro
+    def dropped_out(s, dp, p_cast, kept, seed, bh, q0, k0, threshold, inv_keep):
+        """p_cast: the (dropped out) probabilities, dV's operand; dp dropped out like them."""
+        if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
+            for n, i in T.Parallel(bN, bM):
+                kept[n, i] = T.if_then_else(_keep(seed, bh, q0, k0, i, n, threshold), 1, 0)
+            for n, i in T.Parallel(bN, bM):
+                p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
+                dp[n, i] = dp[n, i] * kept[n, i] * inv_keep
+        else:
+            T.copy(s, p_cast)
+
+    @T.macro
+    def scores_grad(s, dp, ds_cast, delta_s, scale):
+        """ds_cast: dS = P (dP - delta), the operand of dK and dQ."""
+        for n, i in T.Parallel(bN, bM):
+            ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
+
+    @T.macro
+    def add_dq(dq, dq_s, dQacc, bz, hq, mq, it):
+        """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says."""
+        if cfg.dq == "tma":
+            for i, j in T.Parallel(bM, dq_dim):
+                if j < dim:
+                    dq_s[i, j] = dq[i, j]
+            T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
+        else:
+            slot = it % 2
+            for i, j in T.Parallel(bM, dq_dim):
+                if j < dim:
+                    dq_s[slot, i // sub, j // sub, i % sub, j % sub] = dq[i, j]
+            if T.shuffle_elect(cfg.threads):
+                T.fence_proxy_async()  # the tile's writes, visible to the bulk copy
+                T.call_extern(
+                    "handle",
+                    "tl::tma_store_add",
+                    T.access_ptr(dq_s[slot, 0, 0, 0, 0], "r", bM * dim),
+                    T.access_ptr(dQacc[bz, hq, mq, 0], "w", bM * dim),
+                    bM * dim * 4,
+                )
+                T.tma_store_arrive()
+                # the previous step's reduction has read the other tile, which the next step writes
+                # (after barriers the next step passes before that write)
+                T.tma_store_wait(1)
+
+    @T.prim_func
+    def flash_bwd(
+        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
+        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
+        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
+        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
+        LSE2: T.Tensor((B, H, Lqp), ACCUM),
+        Delta: T.Tensor((B, H, Lqp), ACCUM),
+        Lengths: T.Tensor((NL,), "int32"),
+        dQacc: dq_acc_type,
+        dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
+        dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
+        scale: T.float32,
+        groups: T.int32,
+        Seed: T.Tensor((1,), SEED),
+        threshold: T.int32,
+        inv_keep: T.float32,
+    ):
+        T.annotate_pass_configs(FAST_MATH)
+        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
+            bx,
+            by,
+            bz,
+        ):
+            if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
+            K_s = T.alloc_shared((bN, dim), dtype)
+            # K is the A operand of K Q^T and the B operand of dS K; for rows of 32 or 96 bytes
+            # TileLang finds no shared layout serving both, so dS K then reads a transposed copy
+            Kt_s = T.alloc_shared((dq_dim, bN), dtype) if split_k else K_s
+            V_s = T.alloc_shared((bN, dim), dtype)
+            Q_s = T.alloc_shared((bM, dim), dtype)
+            dO_s = T.alloc_shared((bM, dim), dtype)
+            lse_s = T.alloc_shared((bM,), ACCUM)
+            delta_s = T.alloc_shared((bM,), ACCUM)
+            ds_s = T.alloc_shared((bN, bM), dtype)
+            if bulk:  # two tiles: one is written while the bulk reduction of the other may still read it
+                dq_s = T.alloc_shared((2, bM // sub, dim // sub, sub, sub), ACCUM)
+            else:
+                dq_s = T.alloc_shared((bM, dim), ACCUM)
+            dk_s = T.alloc_shared((bN, dim), dtype)
+            dv_s = T.alloc_shared((bN, dim), dtype)
+            s = T.alloc_fragment((bN, bM), ACCUM)  # scores, then probabilities, transposed (keys x queries)
+            dp = T.alloc_fragment((bN, bM), ACCUM)
+            p_cast = T.alloc_fragment((bN, bM), dtype)
+            kept = T.alloc_fragment((bN, bM) if dropout else (1, 1), dtype)
+            ds_cast = T.alloc_fragment((bN, bM), dtype)
+            dk = T.alloc_fragment((bN, dim), ACCUM)
+            dv = T.alloc_fragment((bN, dim), ACCUM)
+            dq = T.alloc_fragment((bM, dq_dim), ACCUM)
+
+            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            seed = T.cast(Seed[0], "int32") if dropout else 0
+            # causal: queries before this key block see none of it
+            m_first = (bx * bN) // bM if causal else 0
+            n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
+            n_steps = groups * n_q
+            sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
+            # K and V by TMA where the query loop surely takes a step: TileLang waits for these loads only at their
+            # first use, in the loop's first step, so with no step they would still be in flight when dk_s/dv_s
+            # (sharing K_s's memory) are written and at exit. The overlapped loop always takes one (no query block: a
+            # step that only waits). Else by threads, one element at a time (see the forward's Q). The transposed
+            # copy reads K from global memory for the same reason: K_s has not landed before the loop.
+            by_threads = not cfg.overlap
+            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=by_threads)
+            if split_k:  # consecutive threads take consecutive keys: strided loads, but shared stores without bank
+                # conflicts (the other order, coalesced loads, was 3% slower at head dim 48)
+                for j, n in T.Parallel(dq_dim, bN):
+                    Kt_s[j, n] = T.if_then_else((j < dim) & (bx * bN + n < Lk), K[bz, by, bx * bN + n, j], 0)
+            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=by_threads)
+            T.clear(dk)
+            T.clear(dv)
+            if cfg.overlap:
+                T.clear(p_cast)  # read by no product before it is written; TileLang checks
+                T.clear(ds_cast)
+
+            # the overlapped loop's one step where there is no query block loads the last query block (a valid one)
+            # and computes nothing
+            n_q_safe = T.max(n_q, 1) if cfg.overlap else n_q
+            for it in T.Pipelined(T.max(n_steps, 1) if cfg.overlap else n_steps, num_stages=cfg.stages):
+                hq = by * groups + T.truncdiv(it, n_q_safe)  # the step's query head and query block
+                mq = T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(Lq, bM) - 1)
+                T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
+                T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
+                if cfg.overlap:
+                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    # one statement, so that TileLang's warp specialisation hands Q_s and dO_s back to the loads
+                    # after the last wait, not when dK/dV are issued
+                    if it < n_steps:
+                        T.wgmma_gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # S done; dP may still run
+                        probabilities(s, lse_s, kv_len, bx, mq, sl2)
+                        T.wait_wgmma(0)
+                        dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
+                        scores_grad(s, dp, ds_cast, delta_s, scale)
+                        # p_cast and ds_cast are read by the products below: not written again before the
+                        # last wait (a register write while a wgmma reads it makes ptxas serialise every wgmma)
+                        T.wgmma_gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                        T.copy(ds_cast, ds_s)
+                        T.wgmma_gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
+                        T.wgmma_gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # dV and dQ done: dq is added while dK runs
+                        add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+                        T.wait_wgmma(0)
+                else:
+                    T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    probabilities(s, lse_s, kv_len, bx, mq, sl2)
+                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                    T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
+                    T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    scores_grad(s, dp, ds_cast, delta_s, scale)
+                    T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(ds_cast, ds_s)
+                    T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
+                    add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+            if bulk and T.shuffle_elect(cfg.threads):  # dk_s/dv_s may share the tiles' memory
+                T.tma_store_wait(0)
+            T.copy(dk, dk_s)
+            T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
+            T.copy(dv, dv_s)
+            T.copy(dv_s, dV[bz, by, bx * bN : (bx + 1) * bN, :])
+
+    return flash_bwd

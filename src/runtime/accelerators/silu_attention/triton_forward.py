@@ -1,0 +1,243 @@
+"""silu_attention's Triton forward (kernel and launcher), its launch configurations, and the pieces every kernel
+and launcher shares (see triton.py for the kernels' math)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..buffers import empty
+from ..flash_attention import dropout
+from ..flash_attention.triton_blocks import _keep, _key_block, _mix32, _pair_key, _query_block
+from ..launch_math import cdiv, next_power_of_2
+from ..triton_launch import direct_launch
+
+MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
+
+# (block_m, block_n, num_warps, num_stages) per kernel; fp32 runs exact fp32 products with smaller tiles
+CONFIGS_16BIT = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2), "bias": (32, 32, 4, 2)}
+CONFIGS_FP32 = {"fwd": (32, 32, 4, 2), "dkdv": (32, 32, 4, 2), "dq": (32, 32, 4, 2), "bias": (32, 32, 4, 2)}
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, next_power_of_2(head_dim))
+
+
+def config(kind: str, dtype: torch.dtype) -> tuple:
+    return (CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT)[kind]
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _time_bucket(dt, T):
+    """min(floor(log2(1 + dt)), T - 1) of int64 dt >= 0, exact: the float log2 is at most one off, and x >> b is 1
+    exactly when b = floor(log2(x))."""
+    x = dt + 1
+    b = tl.floor(tl.log2(x.to(tl.float32))).to(tl.int32)
+    b = tl.minimum(tl.maximum(b, 0), 62)
+    r = x >> b.to(tl.int64)
+    b = b - (r == 0).to(tl.int32) + (r >= 2).to(tl.int32)
+    return tl.minimum(b, T - 1)
+
+
+@triton.jit
+def _scores(
+    qk, h, qi, kj, tq, tk, PB, TB, sph, spp, sth, stt, P, T, alpha, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr
+):
+    """alpha * qk plus the biases of queries qi and keys kj (local indices; tq, tk their timestamps), broadcast."""
+    s = qk * alpha
+    if HAS_POS:
+        s += tl.load(PB + h * sph + tl.minimum(tl.abs(qi - kj), P - 1) * spp).to(tl.float32)
+    if HAS_TIME:
+        s += tl.load(TB + h * sth + _time_bucket(tl.abs(tq - tk), T) * stt).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _visible(qi, kj, n, first_target, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr):
+    """Query qi sees key kj (broadcast): both in the sequence, kj <= qi when causal, a candidate key (kj >=
+    first_target) only by itself."""
+    visible = (qi < n) & (kj < n)
+    if CAUSAL:
+        visible = visible & (kj <= qi)
+    if HAS_TARGETS:
+        visible = visible & ((kj < first_target) | (qi == kj))
+    return visible
+
+
+@triton.jit
+def _sequence(CU, NT, s, HAS_TARGETS: tl.constexpr):
+    """(first row, length, first candidate index) of sequence s."""
+    start = tl.load(CU + s)
+    n = tl.load(CU + s + 1) - start
+    first_target = n
+    if HAS_TARGETS:
+        first_target = n - tl.load(NT + s)
+    return start, n, first_target
+
+
+@triton.jit
+def _rows(X, start, h, s_row, s_head, rows, n, offs_d, HEAD_DIM: tl.constexpr):
+    """The [rows, BLOCK_D] tile of head h at local rows `rows` of the sequence from row `start`, zero outside."""
+    ptrs = X + (start + rows).to(tl.int64)[:, None] * s_row + h * s_head + offs_d[None, :]
+    return tl.load(ptrs, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, start, h, s_row, s_head, rows, n, offs_d, HEAD_DIM: tl.constexpr):
+    ptrs = X + (start + rows).to(tl.int64)[:, None] * s_row + h * s_head + offs_d[None, :]
+    tl.store(ptrs, value.to(X.dtype.element_ty), mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _times(TS, start, rows, n, HAS_TIME: tl.constexpr):
+    if HAS_TIME:
+        return tl.load(TS + start + rows, mask=rows < n, other=0)
+    return rows.to(tl.int64)  # not read
+
+
+@triton.jit
+def _dsilu(s, sig):
+    return sig * (1.0 + s * (1.0 - sig))
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@direct_launch
+@triton.jit(do_not_specialize=["H", "NBLOCKS", "P", "T"])
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sot,
+    soh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    block = NBLOCKS - 1 - pid % NBLOCKS  # the heaviest (last) query blocks of causal attention first
+    pair = pid // NBLOCKS
+    s = pair // H
+    h = pair % H
+    start, n, first_target = _sequence(CU, NT, s, HAS_TARGETS)
+    start_m = block * BLOCK_M
+    if start_m < n:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_j = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _rows(Q, start, h, sqt, sqh, offs_m, n, offs_d, HEAD_DIM)
+        tq = _times(TS, start, offs_m, n, HAS_TIME)
+        drop_seed = _pair_key(tl.load(SEED), pair) ^ _query_block(start_m) if DROPOUT else 0
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        n_end = tl.minimum(n, start_m + BLOCK_M) if CAUSAL else n
+        for start_n in range(0, n_end, BLOCK_N):
+            offs_n = start_n + offs_j
+            k = _rows(K, start, h, skt, skh, offs_n, n, offs_d, HEAD_DIM)
+            v = _rows(V, start, h, svt, svh, offs_n, n, offs_d, HEAD_DIM)
+            tk = _times(TS, start, offs_n, n, HAS_TIME)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            sc = _scores(qk, h, offs_m[:, None], offs_n[None, :], tq[:, None], tk[None, :], PB, TB, sph, spp, sth, stt,
+                         P, T, alpha, HAS_POS, HAS_TIME)  # fmt: skip
+            a = sc * tl.sigmoid(sc) * inv_max
+            visible = _visible(offs_m[:, None], offs_n[None, :], n, first_target, CAUSAL, HAS_TARGETS)
+            if DROPOUT:
+                keep = _keep(_mix32(drop_seed ^ _key_block(start_n)), offs_m[:, None], offs_n[None, :], dropout_p)
+                visible = visible & keep
+                a = a * inv_keep
+            a = tl.where(visible, a, 0.0)
+            acc = tl.dot(a.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        _store_rows(O, acc, start, h, sot, soh, offs_m, n, offs_d, HEAD_DIM)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple:
+    """(tensor, head stride, element stride, size) of an [H, size] bias view, or stand-ins where absent."""
+    if bias is None:
+        return q, 0, 0, 1
+    return bias, bias.stride(0), bias.stride(1), bias.shape[1]
+
+
+def _common(
+    q, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
+    """(tensor arguments, scalar strides of the biases, scalars, constexprs) that every kernel takes."""
+    pb, sph, spp, p = _bias_args(position_bias, q)
+    tb, sth, stt, t = _bias_args(time_bias, q)
+    rate = dropout.drop_rate(dropout_p)
+    tensors = (cu_seqlens, num_targets if num_targets is not None else cu_seqlens, pb, tb,
+               timestamps if timestamps is not None else cu_seqlens, seed if seed is not None else cu_seqlens)  # fmt: skip
+    scalars = (p, min(t, MAX_TIME_BUCKETS), alpha, 1.0 / max_seqlen, rate, 1.0 / (1.0 - rate))
+    flags = dict(
+        HEAD_DIM=q.shape[-1], BLOCK_D=block_d(q.shape[-1]), CAUSAL=bool(causal), HAS_TARGETS=num_targets is not None,
+        HAS_POS=position_bias is not None, HAS_TIME=time_bias is not None, DROPOUT=dropout_p > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # the latter is ignored for 16-bit inputs
+    )  # fmt: skip
+    return tensors, (sph, spp, sth, stt), scalars, flags
+
+
+def _strides(*xs) -> tuple:
+    return tuple(s for x in xs for s in x.stride()[:2])
+
+
+def _head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def forward(
+    q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+):
+    """o [total, H, D] in q's dtype."""
+    q, k, v = (_head_dim_contiguous(x) for x in (q, k, v))
+    total, h, _ = q.shape
+    o = empty((total, h, q.shape[-1]), dtype=q.dtype, device=q.device)
+    n = cu_seqlens.shape[0] - 1
+    tensors, bias_strides, scalars, flags = _common(
+        q, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
+    )
+    block_m, block_n, warps, stages = config("fwd", q.dtype)
+    n_blocks = cdiv(max_seqlen, block_m)
+    if n * h * n_blocks:
+        _fwd_kernel[(n * h * n_blocks,)](
+            q, k, v, o, *tensors, *_strides(q, k, v, o), *bias_strides, h, n_blocks, *scalars,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+        )  # fmt: skip
+    return o
