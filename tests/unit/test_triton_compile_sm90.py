@@ -51,7 +51,7 @@ from runtime.accelerators.triton_launch import DirectLaunch
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
 COMPILER = Path(__file__).with_name("sm90_compile.py")
-COMPILE_TIMEOUT_S = 1800  # a hang guard: about 5 minutes alone on 2 cores, past 10 on a loaded machine
+COMPILE_TIMEOUT_S = 1800  # a hang guard: the compile took over 10 minutes on a loaded 2-core machine
 
 bf16, f32 = torch.bfloat16, torch.float32
 
