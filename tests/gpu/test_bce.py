@@ -53,7 +53,13 @@ def check(backend, x, y, weight=None, pos_weight=None, reduction="mean", sum_bac
     inputs = [t for t in (x, y) if t.requires_grad]
     grad_out = out.new_ones(()).expand(out.shape) if sum_backward else torch.randn_like(out) * grad_scale
     grads = torch.autograd.grad(out, inputs, grad_out)
+    check_against_reference(backend, x, y, weight, pos_weight, reduction, out, grads, grad_out)
+    return out, grads
 
+
+def check_against_reference(backend, x, y, weight, pos_weight, reduction, out, grads, grad_out):
+    """out and the gradients of the inputs that require one against float64 autograd of the reference."""
+    inputs = [t for t in (x, y) if t.requires_grad]
     x64 = x.detach().double().requires_grad_(x.requires_grad)
     y64 = y.detach().double().requires_grad_(y.requires_grad)
     w64 = None if weight is None else weight.double()
@@ -67,7 +73,6 @@ def check(backend, x, y, weight=None, pos_weight=None, reduction="mean", sum_bac
     for tensor, grad, ref_grad in zip(inputs, grads, ref_grads):
         assert grad.dtype == tensor.dtype
         assert_close(f"{tag} grad", grad, ref_grad, gradient_tolerance(tensor.dtype))
-    return out, grads
 
 
 def logits_targets(shape, dtype, targets_dtype=None, targets_grad=True):
@@ -149,17 +154,21 @@ LOOPING_LAUNCHES = {  # launches a sweep tried besides the default: programs loo
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("launch", LOOPING_LAUNCHES.values(), ids=LOOPING_LAUNCHES.keys())
-def test_triton_looping_launches(launch, reduction, monkeypatch):
+def test_triton_looping_launches(launch, reduction):
+    from runtime.accelerators.bce import kernel_operand
     from runtime.accelerators.bce import triton as kernels
 
-    monkeypatch.setattr(kernels, "FORWARD", kernels.Launch(**launch))
-    monkeypatch.setattr(kernels, "FORWARD_NONE", kernels.Launch(**launch))
-    monkeypatch.setattr(kernels, "BACKWARD", kernels.Launch(**launch))
+    looping = kernels.Launch(**launch)
+    launches = kernels.LargeLaunches(forward=looping, forward_none=looping, backward=looping)
     x, y = logits_targets((2**22 + 3,), bf16)  # several blocks per program and a partial one
     pos_weight = 0.5 + 2 * torch.rand(1, device="cuda")
-    out, _ = check("triton", x, y, pos_weight=pos_weight, reduction=reduction)
+    args = (x.detach(), y.detach(), None, kernel_operand(pos_weight, x.shape), reduction, True, False)
+    out, unit = kernels.forward(*args, launches=launches)
+    grad_out = torch.randn_like(out)
+    grads = kernels.backward(grad_out, *args, out, unit, launches=launches)[:2]
+    check_against_reference("triton", x, y, None, pos_weight, reduction, out, grads, grad_out)
     if reduction == "mean":  # bit-identical run to run
-        assert torch.equal(bce(x, y, pos_weight=pos_weight, backend="triton"), out)
+        assert torch.equal(kernels.infer(*args, launches=launches), out)
 
 
 @pytest.mark.parametrize(
