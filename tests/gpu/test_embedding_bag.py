@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort, segments
-from runtime.accelerators.embedding_bag import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean import embedding_bag_mean, radix_sort, segments
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -28,7 +28,7 @@ def _compile_tilelang_kernels():
     """Compile the TileLang specialisations these tests use in parallel, up front."""
     if not torch.cuda.is_available():
         return
-    from runtime.accelerators.embedding_bag import tilelang as kernels
+    from runtime.accelerators.embedding_bag_mean import tilelang as kernels
 
     specs = [(dim, dtype, torch.int64, torch.int64) for dtype, dim in DTYPES.values()]
     specs += [
@@ -352,7 +352,7 @@ def test_torch_compile_runs_the_kernels_as_custom_ops():
 BAD_INDEX_SCRIPT = textwrap.dedent(
     """
     import torch
-    from runtime.accelerators.embedding_bag import embedding_bag_mean
+    from runtime.accelerators.embedding_bag_mean import embedding_bag_mean
     weight = torch.randn(10, 16, device="cuda")
     out = embedding_bag_mean(weight, torch.tensor([[1, 10]], device="cuda"), backend="{backend}")
     torch.cuda.synchronize()

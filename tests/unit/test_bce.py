@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
-from runtime.accelerators.bce import ABSENT, BROADCAST, FULL, broadcast_layout, kernel_operand
-from runtime.accelerators.bce import binary_cross_entropy_with_logits as bce
-from runtime.accelerators.bce import triton as bce_triton
-from runtime.accelerators.bce.reference import bce_with_logits_reference
+from runtime.accelerators.bce_with_logits import ABSENT, BROADCAST, FULL, broadcast_layout, kernel_operand
+from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits as bce
+from runtime.accelerators.bce_with_logits import triton as bce_triton
+from runtime.accelerators.bce_with_logits.reference import bce_with_logits_reference
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -177,7 +177,7 @@ def test_triton_dlogits_from_the_forward_only_for_small_inputs_without_target_gr
 ):
     """Up to GRAD_IN_FORWARD_MAX_NUMEL logits, with no target gradient, backward scales the forward's dlogits;
     otherwise the backward kernel computes them. Both give the same gradient."""
-    import runtime.accelerators.bce as package
+    import runtime.accelerators.bce_with_logits as package
 
     scaled = []
     real = package.scale_unit_gradient
@@ -325,8 +325,9 @@ def test_empty_input_matches_torch():
 
 @pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 def test_compiled_custom_op_matches_eager(targets_grad):
-    """Under torch.compile the kernels run as the custom ops taac::bce_forward / taac::bce_backward (with the unit
-    gradient as the forward's second result when the targets need none)."""
+    """Under torch.compile the kernels run as the custom ops taac::bce_with_logits_forward /
+    taac::bce_with_logits_backward (with the unit gradient as the forward's second result when the targets need
+    none)."""
     x, y, w, pw = make_inputs((3, 50), weight_shape=(50,), pos_weight_shape=(50,), targets_grad=targets_grad)
     inputs = (x, y) if targets_grad else (x,)
 
@@ -365,7 +366,7 @@ TILELANG_VARIANTS = [
 def test_tilelang_compiles_for_sm90a(kind, args):
     import tilelang
 
-    from runtime.accelerators.bce import tilelang as kernels
+    from runtime.accelerators.bce_with_logits import tilelang as kernels
 
     build = {"forward": kernels.forward_func, "sum": kernels.sum_func, "backward": kernels.backward_func}[kind]
     kernel = tilelang.compile(build(*args), target=SM90A)

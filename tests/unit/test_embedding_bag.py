@@ -16,9 +16,9 @@ import runtime
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import _check_inputs, embedding_bag_mean, radix_sort
-from runtime.accelerators.embedding_bag import triton as triton_kernels
-from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
+from runtime.accelerators.embedding_bag_mean import _check_inputs, embedding_bag_mean, radix_sort
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -293,7 +293,7 @@ for launch in pickle.load(open(sys.argv[1], "rb")):
 @pytest.mark.slow
 def test_tilelang_kernels_compile_for_sm90a():
     tilelang = pytest.importorskip("tilelang")
-    from runtime.accelerators.embedding_bag import tilelang as kernels
+    from runtime.accelerators.embedding_bag_mean import tilelang as kernels
 
     programs = [
         kernels.forward_program(37, "bfloat16", "int32", "int64"),  # odd width: padded columns
@@ -408,7 +408,7 @@ def test_strided_weight_is_a_reason_and_falls_back():
 
 
 def test_tilelang_width_limit_is_a_reason():
-    from runtime.accelerators.embedding_bag import SPEC, TILELANG_MAX_DIM
+    from runtime.accelerators.embedding_bag_mean import SPEC, TILELANG_MAX_DIM
 
     (reason,) = SPEC.reasons("tilelang", weight=torch.randn(3, TILELANG_MAX_DIM + 32))
     assert f"embedding dim {TILELANG_MAX_DIM + 32} exceeds {TILELANG_MAX_DIM}" in reason

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import radix_sort
-from runtime.accelerators.embedding_bag import triton as triton_kernels
-from runtime.accelerators.embedding_bag.radix_sort import RadixLaunch
+from runtime.accelerators.embedding_bag_mean import radix_sort
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean.radix_sort import RadixLaunch
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 from test_embedding_bag import check_triton, hot_indices, mean_bags64, run_triton, table
 

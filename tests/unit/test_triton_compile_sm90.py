@@ -39,7 +39,7 @@ import runtime
 import runtime.accelerators as acc
 from runtime.accelerators import norms_triton
 from runtime.accelerators.add_norm import triton as add_norm_triton
-from runtime.accelerators.embedding_bag import radix_sort
+from runtime.accelerators.embedding_bag_mean import radix_sort
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward

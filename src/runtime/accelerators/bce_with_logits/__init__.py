@@ -111,7 +111,11 @@ class _UnitGradientFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (unit,) = ctx.saved_tensors
         grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None
-        return no_double_backward("bce", ctx.backend, grads, (ctx.logits,)) if torch.is_grad_enabled() else grads
+        return (
+            no_double_backward("bce_with_logits", ctx.backend, grads, (ctx.logits,))
+            if torch.is_grad_enabled()
+            else grads
+        )
 
 
 _apply_unit_gradient = c_apply(_UnitGradientFunction)
@@ -209,7 +213,7 @@ def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, 
 # whether to write dtargets; grad_in_forward (never with targets_grad) that the forward writes the unit gradient
 # (GRAD_IN_FORWARD_MAX_NUMEL).
 KERNEL = KernelOp(
-    "bce",
+    "bce_with_logits",
     "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad, "
     "bool grad_in_forward",
     n_outputs=1,
