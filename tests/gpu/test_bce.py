@@ -4,8 +4,8 @@ gradient (kernel outputs are poisoned with NaN by conftest), determinism of the 
 import pytest
 import torch
 
-from runtime.accelerators.bce import binary_cross_entropy_with_logits as bce
-from runtime.accelerators.bce.reference import bce_with_logits_reference, loss_dtype
+from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits as bce
+from runtime.accelerators.bce_with_logits.reference import bce_with_logits_reference, loss_dtype
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -17,10 +17,10 @@ DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
 def _tilelang_kernels_compiled_in_parallel():
     """The TileLang kernels these tests use, compiled up front in parallel (lazily, one by one, they take
     a few seconds each). Names: logits, targets, weight, pos_weight, loss-or-gradient dtypes, modes, flags."""
-    from runtime.accelerators.bce import ABSENT as A
-    from runtime.accelerators.bce import BROADCAST as B
-    from runtime.accelerators.bce import FULL as F
-    from runtime.accelerators.bce import tilelang as kernels
+    from runtime.accelerators.bce_with_logits import ABSENT as A
+    from runtime.accelerators.bce_with_logits import BROADCAST as B
+    from runtime.accelerators.bce_with_logits import FULL as F
+    from runtime.accelerators.bce_with_logits import tilelang as kernels
     from runtime.accelerators.tilelang_common import precompile
 
     f, b, h = "float32", "bfloat16", "float16"
@@ -53,7 +53,13 @@ def check(backend, x, y, weight=None, pos_weight=None, reduction="mean", sum_bac
     inputs = [t for t in (x, y) if t.requires_grad]
     grad_out = out.new_ones(()).expand(out.shape) if sum_backward else torch.randn_like(out) * grad_scale
     grads = torch.autograd.grad(out, inputs, grad_out)
+    check_against_reference(backend, x, y, weight, pos_weight, reduction, out, grads, grad_out)
+    return out, grads
 
+
+def check_against_reference(backend, x, y, weight, pos_weight, reduction, out, grads, grad_out):
+    """out and the gradients of the inputs that require one against float64 autograd of the reference."""
+    inputs = [t for t in (x, y) if t.requires_grad]
     x64 = x.detach().double().requires_grad_(x.requires_grad)
     y64 = y.detach().double().requires_grad_(y.requires_grad)
     w64 = None if weight is None else weight.double()
@@ -67,7 +73,6 @@ def check(backend, x, y, weight=None, pos_weight=None, reduction="mean", sum_bac
     for tensor, grad, ref_grad in zip(inputs, grads, ref_grads):
         assert grad.dtype == tensor.dtype
         assert_close(f"{tag} grad", grad, ref_grad, gradient_tolerance(tensor.dtype))
-    return out, grads
 
 
 def logits_targets(shape, dtype, targets_dtype=None, targets_grad=True):
@@ -149,17 +154,21 @@ LOOPING_LAUNCHES = {  # launches a sweep tried besides the default: programs loo
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("launch", LOOPING_LAUNCHES.values(), ids=LOOPING_LAUNCHES.keys())
-def test_triton_looping_launches(launch, reduction, monkeypatch):
-    from runtime.accelerators.bce import triton as kernels
+def test_triton_looping_launches(launch, reduction):
+    from runtime.accelerators.bce_with_logits import kernel_operand
+    from runtime.accelerators.bce_with_logits import triton as kernels
 
-    monkeypatch.setattr(kernels, "FORWARD", kernels.Launch(**launch))
-    monkeypatch.setattr(kernels, "FORWARD_NONE", kernels.Launch(**launch))
-    monkeypatch.setattr(kernels, "BACKWARD", kernels.Launch(**launch))
+    looping = kernels.Launch(**launch)
+    launches = kernels.LargeLaunches(forward=looping, forward_none=looping, backward=looping)
     x, y = logits_targets((2**22 + 3,), bf16)  # several blocks per program and a partial one
     pos_weight = 0.5 + 2 * torch.rand(1, device="cuda")
-    out, _ = check("triton", x, y, pos_weight=pos_weight, reduction=reduction)
+    args = (x.detach(), y.detach(), None, kernel_operand(pos_weight, x.shape), reduction, True, False)
+    out, unit = kernels.forward(*args, launches=launches)
+    grad_out = torch.randn_like(out)
+    grads = kernels.backward(grad_out, *args, out, unit, launches=launches)[:2]
+    check_against_reference("triton", x, y, None, pos_weight, reduction, out, grads, grad_out)
     if reduction == "mean":  # bit-identical run to run
-        assert torch.equal(bce(x, y, pos_weight=pos_weight, backend="triton"), out)
+        assert torch.equal(kernels.infer(*args, launches=launches), out)
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort, segments
-from runtime.accelerators.embedding_bag import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean import embedding_bag_mean, radix_sort, segments
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -28,7 +28,7 @@ def _compile_tilelang_kernels():
     """Compile the TileLang specialisations these tests use in parallel, up front."""
     if not torch.cuda.is_available():
         return
-    from runtime.accelerators.embedding_bag import tilelang as kernels
+    from runtime.accelerators.embedding_bag_mean import tilelang as kernels
 
     specs = [(dim, dtype, torch.int64, torch.int64) for dtype, dim in DTYPES.values()]
     specs += [
@@ -74,12 +74,33 @@ def mean_bags64(weight64, flat, bag_ids, num_bags, padding_idx):
     return sums / counts.clamp(min=1)[:, None]
 
 
-def check(backend, weight, indices, offsets, bag_ids, padding_idx, include_last_offset=False, tag=""):
-    """Output, dense gradient and sparse gradient against float64."""
+def triton_out_and_grad(weight, indices, offsets, pad, include_last_offset, sparse, grad_out=None, **launches):
+    """(out, weight gradient, its incoming gradient) from the Triton module's functions, launched as `launches`
+    (forward: a triton.ForwardLaunch, gradient: a triton.GradientLaunch); pad: the padding row or None."""
+    args = (weight.detach(), indices, offsets, -1 if pad is None else pad, include_last_offset)
+    out, scale, bag_of = triton_kernels.forward(*args, True, launch=launches.get("forward", triton_kernels.FORWARD))
+    grad_out = torch.randn_like(out) if grad_out is None else grad_out
+    gradient = launches.get("gradient", triton_kernels.GRADIENT)
+    if sparse:
+        grad = triton_kernels.backward_sparse(grad_out, *args, scale, bag_of, launch=gradient)
+    else:
+        grad = triton_kernels.backward(grad_out, *args, True, out, scale, bag_of, launch=gradient)[0]
+    return out, grad, grad_out
+
+
+def check(backend, weight, indices, offsets, bag_ids, padding_idx, include_last_offset=False, tag="", **launches):
+    """Output, dense gradient and sparse gradient against float64; `launches`: the Triton module's functions run
+    with them (triton_out_and_grad) instead of the op."""
     num_bags = indices.shape[0] if offsets is None else offsets.numel() - include_last_offset
     pad = None if padding_idx is None else padding_idx % weight.shape[0]
-    grads = {}
+    grads, grad_out = {}, None
     for sparse in (False, True):
+        if launches:
+            given = grad_out if sparse else None
+            out, grads[sparse], grad_out = triton_out_and_grad(
+                weight, indices, offsets, pad, include_last_offset, sparse, given, **launches
+            )
+            continue
         out = embedding_bag_mean(
             weight,
             indices,
@@ -287,14 +308,16 @@ def test_radix_sort_backward_captures_in_a_cuda_graph():
     test_forward_and_backward_capture_in_a_cuda_graph("triton")
 
 
-def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch):
+def test_radix_and_torch_sorts_give_the_same_gradient_bits():
     weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
     indices, _, _ = make_bags("2d", 4000, 4000, "zipf", padding=True, bag_len=8)
     grads = {}
     for sort, launch in (("torch", radix_sort.RadixLaunch(max_counts=0)), ("radix", radix_sort.RadixLaunch())):
-        monkeypatch.setattr(radix_sort, "RADIX", launch)  # max_counts=0: the radix sort never fits, torch.sort runs
-        out = embedding_bag_mean(weight, indices, padding_idx=PAD, backend="triton")
-        (grads[sort],) = torch.autograd.grad(out, weight, torch.ones_like(out))
+        gradient = triton_kernels.GradientLaunch(radix=launch)  # max_counts=0: the radix sort never fits, torch.sort
+        ones = torch.ones(indices.shape[0], 64, device="cuda", dtype=bf16)
+        _, grads[sort], _ = triton_out_and_grad(
+            weight, indices, None, PAD % 4000, False, False, ones, gradient=gradient
+        )
     assert torch.equal(grads["torch"], grads["radix"])
 
 
@@ -306,13 +329,12 @@ TRITON_LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", list(TRITON_LAUNCHES.values()), ids=list(TRITON_LAUNCHES))
-def test_triton_forward_block_sizes(monkeypatch, launch):
+def test_triton_forward_block_sizes(launch):
     """The forward launches a sweep compared (triton.FORWARD), fixed bags of 3 and 20."""
-    monkeypatch.setattr(triton_kernels, "FORWARD", launch)
     weight = torch.randn(4000, 64, device="cuda").to(bf16).requires_grad_()
     for bag_len in (3, 20):
         indices, offsets, bag_ids = make_bags("2d", 300, 4000, "zipf", padding=True, bag_len=bag_len)
-        check("triton", weight, indices, offsets, bag_ids, PAD, tag=f"triton {launch} bag {bag_len}")
+        check("triton", weight, indices, offsets, bag_ids, PAD, tag=f"triton {launch} bag {bag_len}", forward=launch)
 
 
 def test_torch_compile_runs_the_kernels_as_custom_ops():
@@ -330,7 +352,7 @@ def test_torch_compile_runs_the_kernels_as_custom_ops():
 BAD_INDEX_SCRIPT = textwrap.dedent(
     """
     import torch
-    from runtime.accelerators.embedding_bag import embedding_bag_mean
+    from runtime.accelerators.embedding_bag_mean import embedding_bag_mean
     weight = torch.randn(10, 16, device="cuda")
     out = embedding_bag_mean(weight, torch.tensor([[1, 10]], device="cuda"), backend="{backend}")
     torch.cuda.synchronize()

@@ -149,7 +149,7 @@ def test_varlen_boundaries_copied_on_a_busy_stream_serve_a_call_on_another(backe
     inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
     with use_accelerators(fallback="error"), torch.no_grad():
         expected = call(chunk_gated_delta_rule, inputs, backend, **options)
-        monkeypatch.setattr(gdr_varlen, "_copies", type(gdr_varlen._copies)())  # no copy of these boundaries yet
+        monkeypatch.setattr(gdr_varlen.DEVICE_COPIES, "copies", type(gdr_varlen.DEVICE_COPIES.copies)())  # no copy yet
         busy, other = torch.cuda.Stream(), torch.cuda.Stream()
         busy.wait_stream(torch.cuda.current_stream())
         other.wait_stream(torch.cuda.current_stream())

@@ -11,8 +11,8 @@ import torch
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
 from runtime.accelerators import add_layer_norm, add_rms_norm, norms_triton
+from runtime.accelerators.add_norm import triton as add_norm_triton
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.norms_triton import n_tiles
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -183,27 +183,43 @@ def test_eager_calls_do_not_keep_x_and_residual_for_backward(op):
         assert_close(f"{op} gradient after in-place change", grad, ref.double(), 1e-5)
 
 
+SEVERAL_PROGRAMS = norms_triton.ParameterBackwardLaunch(max_programs=5)
+
+
+def kernel_grads(op, x, residual, params, dy, dnew, launch):
+    """The gradients of x, residual and the parameters by the op's Triton module, its backward launched as
+    `launch`."""
+    parameters = [params["weight"].detach()] + ([params["bias"].detach()] if op == "layer" else [])
+    args = (x.detach(), residual.detach(), *parameters, EPS[op])
+    forward = getattr(add_norm_triton, f"{op}_forward")
+    backward = getattr(add_norm_triton, f"{op}_backward")
+    with poison_outputs():
+        results = forward(*args)
+        grads = backward(dy, dnew, *args, *results, launch=launch)
+    return grads[: 2 + len(params)]
+
+
 @pytest.mark.parametrize("op", list(OPS))
-def test_triton_one_launch_backward_with_several_programs(op, monkeypatch):
+def test_triton_one_launch_backward_with_several_programs(op):
     """Several persistent programs each looping over tiles: the last adds every program's partials; the gradients
     match float64, repeat bit for bit, and match the two-launch path (sum_partials)."""
-    monkeypatch.setattr(norms_triton, "backward_programs", lambda n_rows, tiles, device: min(5, n_tiles(n_rows, tiles)))
     x, residual, params = make_inputs(op, (1000, 48), bf16, f32, f32)
-    first = check(op, "triton", x, residual, params)
     torch.manual_seed(1)
     dy, dnew = torch.randn(1000, 48, dtype=bf16), torch.randn(1000, 48, dtype=bf16)
-
-    def grads():
-        with poison_outputs():
-            y, total = OPS[op](x, residual, **params, backend="triton")
-            return torch.autograd.grad((y, total), [x, residual, *params.values()], (dy, dnew))
-
-    one = grads()
-    for a, b in zip(one, grads()):
+    one = kernel_grads(op, x, residual, params, dy, dnew, SEVERAL_PROGRAMS)
+    x64, r64 = x.detach().double().requires_grad_(), residual.detach().double().requires_grad_()
+    params64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+    expected = torch.autograd.grad(
+        textbook(op, x64, r64, **params64), [x64, r64, *params64.values()], (dy.double(), dnew.double())
+    )
+    for name, tensor, grad, grad64 in zip(["x", "residual", *params], [x, residual, *params.values()], one, expected):
+        assert grad.dtype == tensor.dtype and grad.shape == tensor.shape, f"d{name}: {grad.dtype} {tuple(grad.shape)}"
+        assert_close(f"{op} d{name}", grad, grad64, gradient_tolerance(tensor.dtype, RTOL[bf16]))
+    for a, b in zip(one, kernel_grads(op, x, residual, params, dy, dnew, SEVERAL_PROGRAMS)):
         assert torch.equal(a, b)
-    monkeypatch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)  # the partials added in a second launch
-    two = grads()
-    assert len(first) == len(two)
+    # the partials added in a second launch
+    two = kernel_grads(op, x, residual, params, dy, dnew, dataclasses.replace(SEVERAL_PROGRAMS, finish_max_steps=0))
+    assert len(one) == len(two)
     for a, b in zip(one[:2], two[:2]):
         assert torch.equal(a, b)
     for a, b in zip(one[2:], two[2:]):

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
-from runtime.accelerators.bce import ABSENT, BROADCAST, FULL, broadcast_layout
-from runtime.accelerators.bce import binary_cross_entropy_with_logits as bce
-from runtime.accelerators.bce import triton as bce_triton
-from runtime.accelerators.bce.reference import bce_with_logits_reference
+from runtime.accelerators.bce_with_logits import ABSENT, BROADCAST, FULL, broadcast_layout, kernel_operand
+from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits as bce
+from runtime.accelerators.bce_with_logits import triton as bce_triton
+from runtime.accelerators.bce_with_logits.reference import bce_with_logits_reference
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -154,21 +154,21 @@ LAUNCHES = {
 @pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
-def test_triton_large_input_launches(launch, reduction, targets_grad, monkeypatch):
-    """Inputs above SMALL.block take the FORWARD / BACKWARD launches (one CPU "SM" under the interpreter): programs
-    that loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map;
+def test_triton_large_input_launches(launch, reduction, targets_grad):
+    """Inputs above SMALL.block take the large-input launches (one CPU "SM" under the interpreter): programs that
+    loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map;
     without a target gradient the looping forward writes dlogits too."""
-    monkeypatch.setattr(bce_triton, "FORWARD", launch)
-    monkeypatch.setattr(bce_triton, "FORWARD_NONE", launch)
-    monkeypatch.setattr(bce_triton, "BACKWARD", launch)
+    launches = bce_triton.LargeLaunches(forward=launch, forward_none=launch, backward=launch)
     x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,), targets_grad=targets_grad)
+    args = (x.detach(), y.detach(), kernel_operand(w, x.shape), kernel_operand(pw, x.shape), reduction)
+    flags = (targets_grad, not targets_grad)  # targets_grad, grad_in_forward
     with poison_outputs():
-        out = bce(x, y, w, pw, reduction, backend="triton")
+        out, unit = bce_triton.forward(*args, *flags, launches=launches)
         grad_out = torch.randn(out.shape)
-        grads = torch.autograd.grad(out, (x, y) if targets_grad else (x,), grad_out)
+        grads = bce_triton.backward(grad_out, *args, *flags, out, unit, launches=launches)[: 2 if targets_grad else 1]
     compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], f"triton {launch}")
     if reduction != "none":
-        assert torch.equal(out, bce(x, y, w, pw, reduction, backend="triton"))
+        assert torch.equal(out, bce_triton.infer(*args, *flags, launches=launches))
 
 
 @pytest.mark.parametrize("limit, targets_grad, expected", [(37, False, True), (36, False, False), (37, True, False)])
@@ -177,14 +177,13 @@ def test_triton_dlogits_from_the_forward_only_for_small_inputs_without_target_gr
 ):
     """Up to GRAD_IN_FORWARD_MAX_NUMEL logits, with no target gradient, backward scales the forward's dlogits;
     otherwise the backward kernel computes them. Both give the same gradient."""
-    import runtime.accelerators.bce as package
+    import runtime.accelerators.bce_with_logits as package
 
     scaled = []
-    monkeypatch.setattr(package, "GRAD_IN_FORWARD_MAX_NUMEL", limit)
     real = package.scale_unit_gradient
     monkeypatch.setattr(package, "scale_unit_gradient", lambda *args: scaled.append(1) or real(*args))
     x, y, _, _ = make_inputs((37,), bf16, targets_grad=targets_grad)
-    out = bce(x, y, backend="triton")
+    out = package.kernel_loss(x, y, None, None, "mean", "triton", grad_in_forward_max_numel=limit)
     (dx,) = torch.autograd.grad(out, x, torch.tensor(0.75, dtype=bf16))
     assert bool(scaled) == expected
     x64 = x.detach().double().requires_grad_()
@@ -326,8 +325,9 @@ def test_empty_input_matches_torch():
 
 @pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 def test_compiled_custom_op_matches_eager(targets_grad):
-    """Under torch.compile the kernels run as the custom ops taac::bce_forward / taac::bce_backward (with the unit
-    gradient as the forward's second result when the targets need none)."""
+    """Under torch.compile the kernels run as the custom ops taac::bce_with_logits_forward /
+    taac::bce_with_logits_backward (with the unit gradient as the forward's second result when the targets need
+    none)."""
     x, y, w, pw = make_inputs((3, 50), weight_shape=(50,), pos_weight_shape=(50,), targets_grad=targets_grad)
     inputs = (x, y) if targets_grad else (x,)
 
@@ -366,7 +366,7 @@ TILELANG_VARIANTS = [
 def test_tilelang_compiles_for_sm90a(kind, args):
     import tilelang
 
-    from runtime.accelerators.bce import tilelang as kernels
+    from runtime.accelerators.bce_with_logits import tilelang as kernels
 
     build = {"forward": kernels.forward_func, "sum": kernels.sum_func, "backward": kernels.backward_func}[kind]
     kernel = tilelang.compile(build(*args), target=SM90A)

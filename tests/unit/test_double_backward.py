@@ -9,7 +9,7 @@ import torch
 
 import runtime.accelerators as acc
 from op_cases import DIFFERENTIABLE, run_case, second_backward
-from runtime.accelerators.bce import KERNEL as BCE
+from runtime.accelerators.bce_with_logits import KERNEL as BCE
 
 DOUBLE_BACKWARD = r"double backward is not supported on the triton backend"
 
@@ -45,7 +45,7 @@ def test_the_custom_ops_double_backward_names_the_op():
     x, y = torch.randn(7, 10, requires_grad=True), torch.rand(7, 10)
     loss, _ = BCE._forward_op("triton", x, y, None, None, "none", False, False)
     (grad,) = torch.autograd.grad(loss.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"bce: " + DOUBLE_BACKWARD):
+    with pytest.raises(RuntimeError, match=r"bce_with_logits: " + DOUBLE_BACKWARD):
         torch.autograd.grad(grad.square().sum(), x)
 
 

@@ -16,9 +16,9 @@ import runtime
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
-from runtime.accelerators.embedding_bag import triton as triton_kernels
-from runtime.accelerators.embedding_bag.reference import embedding_bag_mean_reference
+from runtime.accelerators.embedding_bag_mean import _check_inputs, embedding_bag_mean, radix_sort
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean.reference import embedding_bag_mean_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -61,6 +61,35 @@ def check(backend, weight, indices, offsets=None, padding_idx=None, include_last
         )
         grad_out = torch.randn_like(out)
         (grad,) = torch.autograd.grad(out, weight, grad_out)
+    compare(backend, weight, indices, offsets, padding_idx, include_last_offset, sparse, out, grad, grad_out)
+
+
+def run_triton(
+    weight, indices, offsets=None, padding_idx=None, include_last_offset=False, sparse=False, check_indices=True,
+    forward=triton_kernels.FORWARD, gradient=triton_kernels.GRADIENT,
+):  # fmt: skip
+    """(out, weight gradient, its incoming gradient) from the Triton module's functions, launched as `forward` and
+    `gradient`."""
+    padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
+    args = (weight.detach(), indices, offsets, -1 if padding is None else padding, include_last_offset)
+    with poison_outputs():
+        out, scale, bag_of = triton_kernels.forward(*args, check_indices, launch=forward)
+        grad_out = torch.randn_like(out)
+        if sparse:
+            grad = triton_kernels.backward_sparse(grad_out, *args, scale, bag_of, launch=gradient)
+        else:
+            grad = triton_kernels.backward(grad_out, *args, check_indices, out, scale, bag_of, launch=gradient)[0]
+    return out, grad, grad_out
+
+
+def check_triton(weight, indices, offsets=None, padding_idx=None, include_last_offset=False, sparse=False, **launches):
+    """check's comparisons for the Triton module's functions, launched as `launches` (run_triton's)."""
+    out, grad, grad_out = run_triton(weight, indices, offsets, padding_idx, include_last_offset, sparse, **launches)
+    compare("triton", weight, indices, offsets, padding_idx, include_last_offset, sparse, out, grad, grad_out)
+
+
+def compare(backend, weight, indices, offsets, padding_idx, include_last_offset, sparse, out, grad, grad_out):
+    """Output and weight gradient against float64."""
     weight64 = weight.detach().double().requires_grad_()
     out64 = mean_bags64(weight64, indices, offsets, padding_idx, include_last_offset)
     (grad64,) = torch.autograd.grad(out64, weight64, grad_out.double())
@@ -116,17 +145,17 @@ def test_reference_matches_torch_embedding_bag():
     [(False, True), (False, False), (True, True)],
     ids=["dense", "dense-torch-sort-filled-first", "sparse"],
 )
-def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix, monkeypatch):
+def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix):
     """The dense gradient zero-filled in the radix sort's launches (by fill programs of 32 elements here, many a
     pass) or, where the radix sort does not fit (torch.sort), before the sort; poisoned buffers: a row left unfilled
     fails."""
-    if not radix:
-        monkeypatch.setattr(radix_sort, "RADIX", radix_sort.RadixLaunch(max_counts=0))
-    monkeypatch.setattr(radix_sort, "ZERO_BLOCK", 16)
-    monkeypatch.setattr(radix_sort, "ZERO_STEPS", 2)
+    small_fills = radix_sort.RadixLaunch(
+        zero_block=16, zero_steps=2, max_counts=radix_sort.RADIX.max_counts if radix else 0
+    )
     indices = hot_indices(20 * 5, 50, hot=7, copies=70).reshape(20, 5)  # 100 entries = 4 chunks of 32
     indices[3] = 11  # an all-padding bag
-    check("triton", table(50, 37), indices, padding_idx=11, sparse=sparse)
+    gradient = triton_kernels.GradientLaunch(radix=small_fills)
+    check_triton(table(50, 37), indices, padding_idx=11, sparse=sparse, gradient=gradient)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
@@ -192,16 +221,15 @@ TRITON_LAUNCHES = {
 @pytest.mark.parametrize(
     "bag_len", [3, 20], ids=["bag3", "bag20"]
 )  # one step of BLOCK_L 4; three of BLOCK_L 8, the last partial
-def test_triton_forward_block_sizes(monkeypatch, launch, bag_len):
+def test_triton_forward_block_sizes(launch, bag_len):
     """Other forward launches than the default (triton.FORWARD, as the sweep sets it), on odd bags: padding, an all-padding bag."""
-    monkeypatch.setattr(triton_kernels, "FORWARD", launch)
     indices = torch.randint(0, 40, (13, bag_len))
     indices[4] = 6  # an all-padding bag
-    check("triton", table(40, 37), indices, padding_idx=6)
+    check_triton(table(40, 37), indices, padding_idx=6, forward=launch)
     with pytest.raises(IndexError, match="outside"):
-        embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 2, 3], [4, 9, 5]]), backend="triton")
+        run_triton(torch.randn(9, 4), torch.tensor([[1, 2, 3], [4, 9, 5]]), forward=launch)
     flat = torch.randint(0, 40, (30,))
-    check("triton", table(40, 16), flat, torch.tensor([0, 4, 4, 29]), padding_idx=1)
+    check_triton(table(40, 16), flat, torch.tensor([0, 4, 4, 29]), padding_idx=1, forward=launch)
 
 
 @pytest.mark.slow
@@ -220,8 +248,7 @@ def test_triton_forward_device_assert_compiles_for_sm90(tmp_path):
         kernel = triton_kernels._forward_kernel.kernel  # the InterpretedFunction: its run() is what records
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(type(kernel), "run", lambda k, *a, **kw: recorder.run(k, *a, **kw, debug=True))  # as on a GPU
-            patch.setattr(triton_kernels, "FORWARD", launch)
-            cfg = triton_kernels.forward_config(64, 4)
+            cfg = triton_kernels.forward_config(64, 4, launch)
             kernel[(4, 1)](
                 weight, indices, indices, out, scale, torch.empty(0, dtype=torch.int32), scale,
                 64, 256, 0, 1000, 64, 4, 64, 0,
@@ -266,7 +293,7 @@ for launch in pickle.load(open(sys.argv[1], "rb")):
 @pytest.mark.slow
 def test_tilelang_kernels_compile_for_sm90a():
     tilelang = pytest.importorskip("tilelang")
-    from runtime.accelerators.embedding_bag import tilelang as kernels
+    from runtime.accelerators.embedding_bag_mean import tilelang as kernels
 
     programs = [
         kernels.forward_program(37, "bfloat16", "int32", "int64"),  # odd width: padded columns
@@ -381,7 +408,7 @@ def test_strided_weight_is_a_reason_and_falls_back():
 
 
 def test_tilelang_width_limit_is_a_reason():
-    from runtime.accelerators.embedding_bag import SPEC, TILELANG_MAX_DIM
+    from runtime.accelerators.embedding_bag_mean import SPEC, TILELANG_MAX_DIM
 
     (reason,) = SPEC.reasons("tilelang", weight=torch.randn(3, TILELANG_MAX_DIM + 32))
     assert f"embedding dim {TILELANG_MAX_DIM + 32} exceeds {TILELANG_MAX_DIM}" in reason

@@ -2,15 +2,17 @@
 torch.sort(stable=True)'s, and the Triton backward with the radix sort against float64 and bit for bit against its
 torch.sort fallback. Small digits and tiles make several passes and tiles cheap here."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.embedding_bag import embedding_bag_mean, radix_sort
-from runtime.accelerators.embedding_bag import triton as triton_kernels
-from runtime.accelerators.embedding_bag.radix_sort import RadixLaunch
+from runtime.accelerators.embedding_bag_mean import radix_sort
+from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
+from runtime.accelerators.embedding_bag_mean.radix_sort import RadixLaunch
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-from test_embedding_bag import check, hot_indices, mean_bags64, table
+from test_embedding_bag import check_triton, hot_indices, mean_bags64, run_triton, table
 
 
 def mapped_sort(flat: torch.Tensor, num_embeddings: int):
@@ -48,13 +50,12 @@ SORTS = {
 
 
 @pytest.mark.parametrize("case", list(SORTS))
-def test_radix_sort_equals_stable_torch_sort(case, monkeypatch):
+def test_radix_sort_equals_stable_torch_sort(case):
     num_embeddings, make, launch = SORTS[case]
     flat = make()
     # filled beside the sort, a share per pass, by fill programs of 32 elements (several a pass); NaN guard bands
     # around it must stay
-    monkeypatch.setattr(radix_sort, "ZERO_BLOCK", 16)
-    monkeypatch.setattr(radix_sort, "ZERO_STEPS", 2)
+    launch = dataclasses.replace(launch, zero_block=16, zero_steps=2)
     buffer = torch.full((3003 + 64,), float("nan"), dtype=torch.bfloat16)
     zero = buffer[32:-32].view(3, 1001)
     with poison_outputs():  # an unwritten key or position fails
@@ -94,42 +95,39 @@ def test_radix_sort_errors():
 # --------------------------------------------------------------------------- the backward's sorts
 
 NEVER_FITS = RadixLaunch(max_counts=0)  # radix_sort.fits is False for any keys: the backward sorts with torch.sort
-
-
-@pytest.fixture
-def radix(monkeypatch):
-    """The radix sort with 3-bit digits and 16-key tiles: two passes over 50 rows, five over 5000."""
-    monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16))
+# the radix sort with 3-bit digits and 16-key tiles: two passes over 50 rows, five over 5000
+SMALL_DIGITS = RadixLaunch(digit_bits=3, tile=16)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_radix_backward_2d_padding_and_a_hot_row(radix, sparse):
+def test_radix_backward_2d_padding_and_a_hot_row(sparse):
     indices = hot_indices(20 * 5, 50, hot=7, copies=70).reshape(20, 5)  # a row across chunks and tiles
     indices[3] = 11  # an all-padding bag
-    check("triton", table(50, 37), indices, padding_idx=11, sparse=sparse)
+    gradient = triton_kernels.GradientLaunch(radix=SMALL_DIGITS)
+    check_triton(table(50, 37), indices, padding_idx=11, sparse=sparse, gradient=gradient)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_radix_backward_offsets_int32_5_passes(radix, sparse):
+def test_radix_backward_offsets_int32_5_passes(sparse):
     indices = hot_indices(75, 5000, hot=4321, copies=40, dtype=torch.int32)
     offsets = torch.tensor([0, 3, 3, 40, 41, 41, 75], dtype=torch.int32)
-    check("triton", table(5000, 20), indices, offsets, padding_idx=-1, include_last_offset=True, sparse=sparse)
+    gradient = triton_kernels.GradientLaunch(radix=SMALL_DIGITS)
+    check_triton(table(5000, 20), indices, offsets, -1, include_last_offset=True, sparse=sparse, gradient=gradient)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
+def test_radix_and_torch_sorts_give_the_same_gradient_bits(sparse):
     """Either sort's keys give the segment edges (no `first`), the combine kernel its segment's first chunk by a
-    backward search (BLOCK_J = 2: several steps for a row over 7 chunks): the same sums in the same order."""
-    monkeypatch.setattr(triton_kernels, "BLOCK_J", 2)
+    backward search (block_j = 2: several steps for a row over 7 chunks): the same sums in the same order."""
     weight, indices = table(50, 24), hot_indices(60 * 5, 50, hot=30, copies=220).reshape(60, 5)
     grads = {}
-    for sort, launch in (("torch", NEVER_FITS), ("radix", RadixLaunch(digit_bits=3, tile=16))):
-        monkeypatch.setattr(radix_sort, "RADIX", launch)
-        segments = triton_kernels.sort_for_gradient(indices.reshape(-1), 50)
+    for sort, launch in (("torch", NEVER_FITS), ("radix", SMALL_DIGITS)):
+        segments = triton_kernels.sort_for_gradient(indices.reshape(-1), 50, radix=launch)
         assert segments.first is None  # no searchsorted launch on either path
         assert segments.perm.dtype == (torch.int32 if sort == "radix" else torch.int64)  # which sort ran
-        out = embedding_bag_mean(weight, indices, padding_idx=3, sparse=sparse, backend="triton")
-        (grads[sort],) = torch.autograd.grad(out, weight, torch.ones_like(out))
+        gradient = triton_kernels.GradientLaunch(radix=launch, block_j=2)
+        torch.manual_seed(0)  # the same incoming gradient for both sorts
+        _, grads[sort], _ = run_triton(weight, indices, padding_idx=3, sparse=sparse, gradient=gradient)
     if sparse:
         assert torch.equal(grads["torch"]._indices(), grads["radix"]._indices())
         grads = {k: g._values() for k, g in grads.items()}
@@ -138,19 +136,18 @@ def test_radix_and_torch_sorts_give_the_same_gradient_bits(monkeypatch, sparse):
 
 @pytest.mark.parametrize("sort", ["torch", "radix"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, sparse):
+def test_unchecked_out_of_range_indices_are_left_out(sort, sparse):
     """check_indices=False: out-of-range rows count as padding (the radix sort's sentinel sorts them last).
 
     Not past int32 with torch.sort (where the radix sort does not fit): sort_keys casts int64 keys to int32, so that 2**40 becomes row 0 (an
     unspecified value, as the API allows unchecked, in bounds); the radix sort reads the int64 keys themselves."""
-    if sort == "torch":
-        monkeypatch.setattr(radix_sort, "RADIX", NEVER_FITS)
+    gradient = triton_kernels.GradientLaunch(radix=NEVER_FITS if sort == "torch" else SMALL_DIGITS)
     flat = _out_of_range(60, 37, past_int32=sort == "radix")
     offsets = torch.arange(0, 60, 4)
     weight = table(37, 16)
-    out = embedding_bag_mean(weight, flat, offsets, padding_idx=5, check_indices=False, sparse=sparse, backend="triton")
-    grad_out = torch.randn_like(out)
-    (grad,) = torch.autograd.grad(out, weight, grad_out)
+    out, grad, grad_out = run_triton(
+        weight, flat, offsets, padding_idx=5, sparse=sparse, check_indices=False, gradient=gradient
+    )
     weight64 = weight.detach().double().requires_grad_()
     as_padding = torch.where((flat >= 0) & (flat < 37), flat, 5)
     out64 = mean_bags64(weight64, as_padding, offsets, padding_idx=5)
@@ -162,8 +159,8 @@ def test_unchecked_out_of_range_indices_are_left_out(radix, monkeypatch, sort, s
     assert_close("grad weight", grad, grad64, gradient_tolerance(torch.float32))
 
 
-def test_radix_sort_falls_back_to_torch_sort_past_max_counts(monkeypatch):
-    monkeypatch.setattr(radix_sort, "RADIX", RadixLaunch(digit_bits=3, tile=16, max_counts=16))  # 2 tiles of 8 buckets
+def test_radix_sort_falls_back_to_torch_sort_past_max_counts():
+    launch = RadixLaunch(digit_bits=3, tile=16, max_counts=16)  # 2 tiles of 8 buckets
     # the permutation's dtype tells the sorts apart: int32 from the radix sort, int64 from torch.sort
-    assert triton_kernels.sort_for_gradient(_random(32, 50), 50).perm.dtype == torch.int32
-    assert triton_kernels.sort_for_gradient(_random(33, 50), 50).perm.dtype == torch.int64  # 3 tiles: torch.sort
+    assert triton_kernels.sort_for_gradient(_random(32, 50), 50, radix=launch).perm.dtype == torch.int32
+    assert triton_kernels.sort_for_gradient(_random(33, 50), 50, radix=launch).perm.dtype == torch.int64  # 3 tiles

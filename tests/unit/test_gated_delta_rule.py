@@ -496,23 +496,22 @@ def test_device_copies_of_boundaries_serve_a_later_cuda_graph_capture(monkeypatc
     """varlen.on_device copies host boundaries once per value; a call inside a CUDA-graph capture (where the copy is
     refused) takes an earlier call's copy and keeps it for good, and fails clearly without one. "meta" stands in
     for the GPU here."""
-    monkeypatch.setattr(varlen, "_copies", type(varlen._copies)())
-    monkeypatch.setattr(varlen, "MAX_COPIES", 2)
+    copies = varlen.DeviceCopies(max_copies=2)
     capturing = False
     monkeypatch.setattr(varlen, "_capturing", lambda device: capturing)
     meta = torch.device("meta")
-    first = varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32)
+    first = copies.on_device(torch.tensor([0, 3, 7]), meta, torch.int32)
     assert first.device == meta and first.dtype == torch.int32
-    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # the same values: the same copy
+    assert copies.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # the same values: the same copy
     capturing = True
     with pytest.raises(RuntimeError, match="cu_seqlens: .*before capturing"):
-        varlen.on_device(torch.tensor([0, 4, 7]), meta, torch.int32)
-    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # kept from now on
+        copies.on_device(torch.tensor([0, 4, 7]), meta, torch.int32)
+    assert copies.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first  # kept from now on
     capturing = False
-    for end in (8, 9, 10):  # more copies than MAX_COPIES: the oldest not kept go
-        varlen.on_device(torch.tensor([0, 3, end]), meta, torch.int32)
-    assert varlen.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first
-    assert len(varlen._copies) == 2
+    for end in (8, 9, 10):  # more copies than max_copies: the oldest not kept go
+        copies.on_device(torch.tensor([0, 3, end]), meta, torch.int32)
+    assert copies.on_device(torch.tensor([0, 3, 7]), meta, torch.int32) is first
+    assert len(copies.copies) == 2
     host = torch.tensor([0, 5])
     assert varlen.on_device(host, host.device) is host  # already there: no copy, no cache
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import runtime.accelerators as acc
-from runtime.accelerators.bce import triton as bce_triton
+from runtime.accelerators.bce_with_logits import triton as bce_triton
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
 from runtime.accelerators.layer_norm import KERNEL as LAYER_NORM

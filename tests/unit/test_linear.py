@@ -52,13 +52,21 @@ def make_inputs(m, k, n, dtype, activation, with_bias=True, lead=()):
     return x, weight, bias
 
 
-def check(backend, x, weight, bias, activation, rtol=None):
-    """Output and every gradient (x, weight, bias) against float64 textbook math."""
+def check(backend, x, weight, bias, activation, rtol=None, triton_backward=None):
+    """Output and every gradient (x, weight, bias) against float64 textbook math. triton_backward: a
+    linear.launch.BackwardLaunch, with which the Triton module's functions run instead of the op."""
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-    y = linear(*leaves, activation, backend=backend)
-    dy = torch.randn_like(y)
-    wanted = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(y, wanted, dy)
+    if triton_backward is None:
+        y = linear(*leaves, activation, backend=backend)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy)
+    else:
+        from runtime.accelerators.linear import triton as linear_triton
+
+        args = *[None if t is None else t.detach() for t in leaves], activation
+        y, z = linear_triton.forward(*args)
+        dy = torch.randn_like(y)
+        grads = [g for g in linear_triton.backward(dy, *args, y, z, launch=triton_backward) if g is not None]
     ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
     ref = textbook(*ref_leaves, activation)
     ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t is not None], dy.double())
@@ -125,12 +133,12 @@ def test_triton_interpreter_strided_input():
     check("triton", torch.randn(64, 37).to(f16).t(), w, b, "relu")
 
 
-def test_triton_backward_dbias_partials_over_several_row_groups(monkeypatch):
-    from runtime.accelerators.linear import launch
+def test_triton_backward_dbias_partials_over_several_row_groups():
+    from runtime.accelerators.linear.launch import BackwardLaunch
 
-    monkeypatch.setattr(launch, "ROW_GROUPS", 2)  # 100 rows in 2 groups of 2 steps of 32 or 64 rows
-    check("triton", *make_inputs(100, 32, 48, f16, "gelu"), "gelu")
-    check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu")
+    two_groups = BackwardLaunch(row_groups=2)  # 100 rows in 2 groups of 2 steps of 32 or 64 rows
+    check("triton", *make_inputs(100, 32, 48, f16, "gelu"), "gelu", triton_backward=two_groups)
+    check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu", triton_backward=two_groups)
 
 
 def test_fp32_weights_under_autocast_behave_as_nn_linear():

@@ -85,14 +85,28 @@ def test_triton_matches_float64_reference(n, C, lead):
 
 
 @pytest.mark.parametrize("programs, shares", [(40, (4, 3)), (1024, (10, 1))], ids=["uneven-shares", "a-block-a-share"])
-def test_triton_backward_over_token_shares(monkeypatch, programs, shares):
+def test_triton_backward_over_token_shares(programs, shares):
     """300 tokens: several programs of every backward kernel, partial last blocks, C = 72 (whole and partial C
     blocks); the dx kernel's 10 token blocks in shares of 3, 3, 3 and 1 (dphi adds four partial sums) or one each."""
     from runtime.accelerators.mhc import triton as kernels
 
-    monkeypatch.setattr(kernels, "DX_PROGRAMS", programs)
-    assert kernels.dx_splits(300, 4, 72) == shares
-    check_against_float64(make_inputs(4, 72, (3, 100), seed=1), "triton", 1e-4)
+    launch = kernels.PreBackwardLaunch(dx_programs=programs)
+    assert kernels.dx_splits(300, 4, 72, launch) == shares
+    inputs = make_inputs(4, 72, (3, 100), seed=1)
+    names = ("x", "phi", "alpha", "bias")
+    args = (*[inputs[k].detach() for k in names], 1e-6, 20)  # mhc_pre's default eps and sinkhorn_iters
+    results = kernels.pre_forward(*args)
+    doubled = [inputs[k].detach().double().requires_grad_() for k in names]
+    refs = mhc_pre(*doubled, backend="torch")
+    for name, out, ref in zip(("h_in", "H_post", "H_res"), results, refs):
+        assert_close(name, out, ref, 1e-4)
+    grads_out = [torch.randn_like(r) for r in refs]
+    incoming = [g.to(o.dtype) for g, o in zip(grads_out, results)]
+    grads = kernels.pre_backward(*incoming, *args, *results, launch=launch)[:4]
+    ref_grads = torch.autograd.grad(refs, doubled, grads_out)
+    for name, grad, ref in zip(names, grads, ref_grads):
+        assert grad.dtype == inputs[name].dtype
+        assert_close(f"d{name}", grad, ref, 2e-4)
 
 
 def test_triton_under_torch_compile():

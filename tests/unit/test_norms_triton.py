@@ -3,6 +3,7 @@
 Forward and every gradient against float64 textbook math at tiny odd shapes.
 """
 
+import dataclasses
 import threading
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.buffers import poison_outputs
-from runtime.accelerators.norms_triton import n_tiles
+from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -136,11 +138,6 @@ def _count_sum_partials_launches(monkeypatch) -> list:
     return launches
 
 
-def _param_grads(op, x, params, dy):
-    y = OPS[op](x, **params, backend="triton")
-    return torch.autograd.grad(y, [x, *params.values()], dy)
-
-
 def _norm_inputs(op, rows, width, dtype):
     x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
     params = {"weight": (1 + 0.5 * torch.randn(width)).requires_grad_()}
@@ -149,31 +146,50 @@ def _norm_inputs(op, rows, width, dtype):
     return x, params, torch.randn(rows, width, dtype=dtype)
 
 
+KERNELS = {"rms_norm": rms_norm_triton, "layer_norm": layer_norm_triton}
+EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
+SEVERAL_PROGRAMS = norms_triton.ParameterBackwardLaunch(max_programs=5)
+
+
+def kernel_grads(op, x, params, dy, launch):
+    """The gradients of x and the parameters by the op's Triton module, its backward launched as `launch`."""
+    parameters = [params["weight"].detach()] + ([params.get("bias")] if op == "layer_norm" else [])
+    args = (x.detach(), *[None if p is None else p.detach() for p in parameters], EPS[op])
+    with poison_outputs():
+        results = KERNELS[op].forward(*args)
+        grads = KERNELS[op].backward(dy, *args, *results, launch=launch)
+    return grads[: 1 + len(params)]
+
+
+def check_kernel_grads(op, x, params, dy, grads):
+    """grads (of x and the parameters) against float64."""
+    x64 = x.detach().double().requires_grad_()
+    params64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+    grads64 = torch.autograd.grad(reference64(op, x64, **params64), [x64, *params64.values()], dy.double())
+    for name, tensor, grad, grad64 in zip(["x", *params], [x, *params.values()], grads, grads64):
+        assert grad.dtype == tensor.dtype, f"d{name} has dtype {grad.dtype}, expected {tensor.dtype}"
+        assert_close(f"{op} d{name}", grad, grad64, gradient_tolerance(tensor.dtype))
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_one_launch_backward_with_several_programs(op, monkeypatch):
     """The last of several persistent programs (each looping over tiles) adds every program's partials: the
     gradients match float64 and the two-launch path (sum_partials), and repeat bit for bit; the counter is back at
-    zero after each backward, so a second backward over the same graph gives the same bits."""
-    monkeypatch.setattr(norms_triton, "backward_programs", lambda n_rows, tiles, device: min(5, n_tiles(n_rows, tiles)))
+    zero after each backward, so a second backward gives the same bits."""
     launches = _count_sum_partials_launches(monkeypatch)
-    check_op(op, (1000, 48), bf16, f32, f32 if op == "layer_norm" else None)  # 16 tiles over 5 programs
+    x, params, dy = _norm_inputs(op, 1000, 48, bf16)  # 16 tiles over 5 programs
+    first = kernel_grads(op, x, params, dy, SEVERAL_PROGRAMS)
+    check_kernel_grads(op, x, params, dy, first)
+    counter, _ = norms_triton.backward_scratch(x.device, 0)
+    assert counter.item() == 0
+    again = kernel_grads(op, x, params, dy, SEVERAL_PROGRAMS)
+    assert counter.item() == 0
     assert not launches, "the backward took the two-launch path"
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
-    x, params, dy = _norm_inputs(op, 1000, 48, bf16)
-    with poison_outputs():
-        y = OPS[op](x, **params, backend="triton")
-        first = torch.autograd.grad(y, [x, *params.values()], dy, retain_graph=True)
-        counter, _ = norms_triton.backward_scratch(x.device, 0)
-        assert counter.item() == 0
-        again = torch.autograd.grad(y, [x, *params.values()], dy)
-        assert counter.item() == 0
-        rerun = _param_grads(op, x, params, dy)
-    for a, b, c in zip(first, again, rerun):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-    monkeypatch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)  # every backward adds its partials in sum_partials
-    with poison_outputs():
-        two_launches = _param_grads(op, x, params, dy)
+    # every backward adds its partials in sum_partials
+    two_launches = kernel_grads(op, x, params, dy, dataclasses.replace(SEVERAL_PROGRAMS, finish_max_steps=0))
     assert len(launches) == 1
     assert torch.equal(first[0], two_launches[0])
     for a, b in zip(first[1:], two_launches[1:]):
@@ -183,10 +199,15 @@ def test_one_launch_backward_with_several_programs(op, monkeypatch):
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_two_launch_backward(op, monkeypatch):
     """Wide rows over many programs add their partials in a second launch (sum_partials): forced here."""
-    monkeypatch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
+    two_launches = norms_triton.ParameterBackwardLaunch(finish_max_steps=0)
     launches = _count_sum_partials_launches(monkeypatch)
-    check_op(op, (150, 48), f16, f16, f16 if op == "layer_norm" else None)
-    check_op(op, (7, 200), bf16, f32, None)
+    for (rows, width), dtype, weight_dtype, bias_dtype in [((150, 48), f16, f16, f16), ((7, 200), bf16, f32, None)]:
+        x = torch.randn(rows, width, dtype=dtype)
+        params = {"weight": (1 + 0.5 * torch.randn(width, dtype=weight_dtype)).requires_grad_()}
+        if op == "layer_norm" and bias_dtype is not None:
+            params["bias"] = torch.randn(width, dtype=bias_dtype).requires_grad_()
+        dy = torch.randn(rows, width, dtype=dtype)
+        check_kernel_grads(op, x, params, dy, kernel_grads(op, x, params, dy, two_launches))
     assert len(launches) == 2
 
 

@@ -27,16 +27,16 @@ tc = pytest.importorskip(
     "runtime.accelerators.tilelang_common", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
 )
 
-from runtime.accelerators import embedding_bag, mhc  # noqa: E402
-from runtime.accelerators.embedding_bag import spec as embedding_bag_spec  # noqa: E402
-from runtime.accelerators.embedding_bag import tilelang as eb_kernels  # noqa: E402
+from runtime.accelerators import mhc  # noqa: E402
+from runtime.accelerators.embedding_bag_mean import spec as embedding_bag_spec  # noqa: E402
+from runtime.accelerators.embedding_bag_mean import tilelang as eb_kernels  # noqa: E402
 from runtime.accelerators.mhc import tilelang as mhc_kernels  # noqa: E402
 
 bf16 = torch.bfloat16
 
 # every class of tile width: exact powers of two, widths padded to one (24, 200, 1000), multiples of 32
 # that are no power of two below, between and at multiples of the 128 threads (96, 160, 384), the widest
-EMBEDDING_DIMS = [8, 24, 96, 160, 200, 384, 1000, embedding_bag.TILELANG_MAX_DIM]
+EMBEDDING_DIMS = [8, 24, 96, 160, 200, 384, 1000, embedding_bag_spec.TILELANG_MAX_DIM]
 STREAMS = list(range(1, mhc.MAX_KERNEL_STREAMS + 1))
 MHC_WIDTH = 96  # C: below and past one 64-column block, a masked tail
 FULL_SWEEP = os.environ.get("TAAC_TILELANG_SWEEP") == "1"
@@ -59,14 +59,14 @@ def build(program):
 def test_embedding_bag_claims_the_swept_widths():
     for dim in EMBEDDING_DIMS:
         assert embedding_bag_spec._reasons("tilelang", torch.empty(4, dim, dtype=bf16)) == [], dim
-    too_wide = embedding_bag.TILELANG_MAX_DIM + 1
+    too_wide = embedding_bag_spec.TILELANG_MAX_DIM + 1
     (reason,) = embedding_bag_spec._reasons("tilelang", torch.empty(4, too_wide, dtype=bf16))
     assert f"embedding dim {too_wide} exceeds" in reason
 
 
 def test_embedding_bag_tile_widths_fall_in_the_swept_classes():
     """Every claimed width maps to tiles of a kind the compile sweep builds."""
-    for dim in range(1, embedding_bag.TILELANG_MAX_DIM + 1):
+    for dim in range(1, embedding_bag_spec.TILELANG_MAX_DIM + 1):
         width, combine = eb_kernels.padded_width(dim), eb_kernels.combine_width(dim)
         assert dim <= width <= combine, dim
         assert combine & (combine - 1) == 0, (

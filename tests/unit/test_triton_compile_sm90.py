@@ -38,7 +38,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import runtime
 import runtime.accelerators as acc
 from runtime.accelerators import norms_triton
-from runtime.accelerators.embedding_bag import radix_sort
+from runtime.accelerators.add_norm import triton as add_norm_triton
+from runtime.accelerators.embedding_bag_mean import radix_sort
 from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
@@ -94,6 +95,9 @@ def _randn(*shape, dtype=bf16, grad=True):
     return torch.randn(*shape).to(dtype).requires_grad_(grad)
 
 
+TWO_LAUNCH_BACKWARD = norms_triton.ParameterBackwardLaunch(finish_max_steps=0)
+
+
 def _backward(*outputs):
     torch.autograd.backward(outputs, [torch.randn_like(o) for o in outputs])
 
@@ -102,9 +106,10 @@ def norms():
     x = _randn(8, 256)
     weight, bias = _randn(256, dtype=f32), _randn(256, dtype=f32)  # fp32 parameters under autocast
     _backward(acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias), acc.l2norm(_randn(8, 4, 32)))
-    with pytest.MonkeyPatch.context() as patch:  # the partials added in a second launch, as wide rows do on a GPU
-        patch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
-        _backward(acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias))
+    with torch.no_grad():  # the partials added in a second launch, as wide rows do on a GPU
+        dy = _randn(8, 256, grad=False)
+        rms_norm_triton.backward(dy, x, weight, 1e-6, None, None, launch=TWO_LAUNCH_BACKWARD)
+        layer_norm_triton.backward(dy, x, weight, bias, 1e-5, None, None, None, launch=TWO_LAUNCH_BACKWARD)
     with torch.no_grad():  # the forward kernels without the statistics (infer), and with them (the custom ops' path)
         acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias)
         rms_norm_triton.forward(x, weight, 1e-6), layer_norm_triton.forward(x, weight, bias, 1e-5)
@@ -120,9 +125,13 @@ def add_norm_and_activation():
     x, residual = _randn(8, 256), _randn(8, 256)
     weight, bias = _randn(256, dtype=f32), _randn(256, dtype=f32)
     _backward(*acc.add_rms_norm(x, residual, weight), *acc.add_layer_norm(x, residual, weight, bias))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(norms_triton, "FINISH_MAX_STEPS", 0)
-        _backward(*acc.add_rms_norm(x, residual, weight), *acc.add_layer_norm(x, residual, weight, bias))
+    with torch.no_grad():  # the partials added in a second launch
+        dy, dnew = _randn(8, 256, grad=False), _randn(8, 256, grad=False)
+        args = x, residual, weight, 1e-6
+        add_norm_triton.rms_backward(dy, dnew, *args, *add_norm_triton.rms_forward(*args), launch=TWO_LAUNCH_BACKWARD)
+        args = x, residual, weight, bias, 1e-5
+        results = add_norm_triton.layer_forward(*args)
+        add_norm_triton.layer_backward(dy, dnew, *args, *results, launch=TWO_LAUNCH_BACKWARD)
     with torch.no_grad():
         acc.add_rms_norm(x, residual, weight), acc.add_layer_norm(x, residual, weight, bias)
     x = _randn(8, 1024)

@@ -9,10 +9,10 @@ from .backends import (
     BackendFallbackWarning,
     BackendUnavailableError,
 )
-from .bce import binary_cross_entropy_with_logits
+from .bce_with_logits import binary_cross_entropy_with_logits
 from .config import AcceleratorConfig, active_config, set_accelerators, use_accelerators
 from .dropout_add import dropout_add
-from .embedding_bag import embedding_bag_collection, embedding_bag_mean
+from .embedding_bag_mean import embedding_bag_collection, embedding_bag_mean
 from .explain import explain
 from .flash_attention import flash_attention
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -109,33 +110,49 @@ def _resident_programs(device: torch.device, programs_per_sm: int) -> int:
     return sm_count(device) * programs_per_sm
 
 
-def backward_programs(n_rows: int, tiles: RowTiles, device: torch.device) -> int:
+@dataclass(frozen=True)
+class ParameterBackwardLaunch:
+    """How a backward with parameter gradients launches.
+
+    max_programs: its persistent programs at most; 0 for about what fits on the device at once.
+    finish_max_steps: its last program adds the partials when that takes at most this many steps of one tile per
+    parameter (each step about one L2 round trip): 16 covers widths up to 128 at the H100's 264 programs. Wider rows
+    take sum_partials.
+    """
+
+    max_programs: int = 0
+    finish_max_steps: int = 16
+
+
+PARAMETER_BACKWARD = ParameterBackwardLaunch()
+
+
+def backward_programs(
+    n_rows: int, tiles: RowTiles, device: torch.device, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD
+) -> int:
     """How many persistent programs a backward with parameter gradients launches (about what fits at once)."""
-    return max(1, min(n_tiles(n_rows, tiles), _resident_programs(device, tiles.programs_per_sm)))
-
-
-# The last backward program adds the partials when that takes at most this many steps of one tile per parameter
-# (each step about one L2 round trip): widths up to 128 at the H100's 264 programs. Wider rows take sum_partials.
-FINISH_MAX_STEPS = 16
+    limit = launch.max_programs or _resident_programs(device, tiles.programs_per_sm)
+    return max(1, min(n_tiles(n_rows, tiles), limit))
 
 
 def parameter_backward(
-    n_rows: int, width: int, tiles: RowTiles, device: torch.device, n_params: int, stand_in: torch.Tensor
-) -> tuple[int, bool, torch.Tensor, torch.Tensor]:
+    n_rows: int, width: int, tiles: RowTiles, device: torch.device, n_params: int, stand_in: torch.Tensor,
+    launch: ParameterBackwardLaunch = PARAMETER_BACKWARD,
+) -> tuple[int, bool, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(programs, finish, counter, partials) of a backward launch with n_params parameter gradients; finish: its last
     program adds the partials, else `sum_partials` must, after it. Without parameters one program per tile (counter
     and partials the stand-in, not accessed)."""
     if n_params == 0:
         return n_tiles(n_rows, tiles), False, stand_in, stand_in
-    programs = backward_programs(n_rows, tiles, device)
-    if finishes_in_kernel(programs, tiles):
+    programs = backward_programs(n_rows, tiles, device, launch)
+    if finishes_in_kernel(programs, tiles, launch):
         return programs, True, *backward_scratch(device, n_params * programs * width)
     return programs, False, stand_in, partials(programs, width, device, n_params)
 
 
-def finishes_in_kernel(programs: int, tiles: RowTiles) -> bool:
+def finishes_in_kernel(programs: int, tiles: RowTiles, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD) -> bool:
     """Whether a backward of this many programs adds its parameter partials in its last program."""
-    return programs <= FINISH_MAX_STEPS * tiles.rows
+    return programs <= launch.finish_max_steps * tiles.rows
 
 
 def one_launch_backward(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.accelerators.embedding_bag import embedding_bag_mean
+from runtime.accelerators.embedding_bag_mean import embedding_bag_mean
 from runtime.nn import EmbeddingBagCollection, EmbeddingBagMean, LayerNorm, SwiGLUFeedForward
 
 from .inputs import FeatureSpec, PCVRBatch

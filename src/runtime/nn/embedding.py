@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.embedding_bag import embedding_bag_collection, embedding_bag_mean
-from runtime.accelerators.embedding_bag.collection import is_keyed_jagged
+from runtime.accelerators.embedding_bag_mean import embedding_bag_collection, embedding_bag_mean
+from runtime.accelerators.embedding_bag_mean.collection import is_keyed_jagged
 
 
 class EmbeddingBagMean(nn.Module):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.bce import binary_cross_entropy_with_logits
+from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits
 
 
 class BCEWithLogitsLoss(nn.Module):

@@ -16,6 +16,8 @@ import triton.language as tl
 
 from .. import buffers
 from ..norms_triton import (
+    PARAMETER_BACKWARD,
+    ParameterBackwardLaunch,
     add_partials_if_last,
     n_tiles,
     parameter_backward,
@@ -140,14 +142,14 @@ def _forward(x, residual, weight, bias, eps: float, centre: bool, store_stats: b
     return (y, total, rstd, mean) if centre else (y, total, rstd)
 
 
-def _backward(dy, dnew, weight, bias, total, rstd, mean):
+def _backward(dy, dnew, weight, bias, total, rstd, mean, launch: ParameterBackwardLaunch):
     """(dtotal, dweight, dbias); dtotal is both dx and dresidual."""
     (dy2, n_rows, stride_dy), (dn2, _, stride_dn) = rows_of(dy), rows_of(dnew)
     width = total.shape[-1]
     tiles = row_tiles(width)
     dtotal = buffers.empty_like(total)
     n_params = (weight is not None) + (bias is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, total.device, n_params, total)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, total.device, n_params, total, launch)
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
     _backward_kernel[(programs,)](
@@ -171,9 +173,11 @@ def rms_infer(x, residual, weight, eps: float):
     return _forward(x, residual, weight, None, eps, centre=False, store_stats=False)
 
 
-def rms_backward(dy, dnew, x, residual, weight, eps, y, total, rstd):
+def rms_backward(
+    dy, dnew, x, residual, weight, eps, y, total, rstd, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD
+):
     """x, residual and y are not read (x and residual are None in eager calls)."""
-    dtotal, dweight, _ = _backward(dy, dnew, weight, None, total, rstd, None)
+    dtotal, dweight, _ = _backward(dy, dnew, weight, None, total, rstd, None, launch)
     return dtotal, dtotal, dweight, None
 
 
@@ -186,7 +190,9 @@ def layer_infer(x, residual, weight, bias, eps: float):
     return _forward(x, residual, weight, bias, eps, centre=True, store_stats=False)
 
 
-def layer_backward(dy, dnew, x, residual, weight, bias, eps, y, total, rstd, mean):
+def layer_backward(
+    dy, dnew, x, residual, weight, bias, eps, y, total, rstd, mean, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD
+):
     """x, residual and y are not read (x and residual are None in eager calls)."""
-    dtotal, dweight, dbias = _backward(dy, dnew, weight, bias, total, rstd, mean)
+    dtotal, dweight, dbias = _backward(dy, dnew, weight, bias, total, rstd, mean, launch)
     return dtotal, dtotal, dweight, dbias, None

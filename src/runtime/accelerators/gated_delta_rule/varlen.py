@@ -17,64 +17,73 @@ import triton.language as tl
 from .. import buffers
 from ..triton_launch import direct_launch
 
-# The device copies of host boundaries, by (device, dtype, the host dtype and bytes): [copy, kept, made], made: (the
-# stream the copy was made on, an event recorded after it) on CUDA, else None. A copy used while a CUDA graph is
-# captured is kept for good (the graph reads it at every replay); the others go, oldest first, past MAX_COPIES.
-_copies: OrderedDict = OrderedDict()
-MAX_COPIES = 256
-_lock = threading.Lock()  # calls from several threads (the autograd engine's among them) share _copies
-
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def on_device(cu_host: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The host boundaries on `device` (in `dtype`, default theirs), copied once per distinct value.
+class DeviceCopies:
+    """The device copies of host boundaries, by (device, dtype, the host dtype and bytes): [copy, kept, made], made:
+    (the stream the copy was made on, an event recorded after it) on CUDA, else None. A copy used while a CUDA graph
+    is captured is kept for good (the graph reads it at every replay); the others go, oldest first, past
+    max_copies."""
 
-    CUDA-graph capture refuses a copy from pageable host memory, so a call inside a capture takes the copy an
-    earlier call with the same boundaries made (the warm-up every capture needs anyway), and fails without one.
-    The copy is shared by the calls: kernels only read it. The copy runs asynchronously on the stream of the call that
-    made it, so a call on another stream waits for it (an event) and marks the copy in use there (record_stream),
-    so that it is freed only after that stream's kernels. Inside a capture neither is done: the copy is kept for
-    good, and it was made before the capture (torch.cuda.graph synchronizes the device as it begins)."""
-    dtype = cu_host.dtype if dtype is None else dtype
-    if cu_host.device == device:
-        return cu_host.to(dtype)
-    key = (device, dtype, cu_host.dtype, cu_host.numpy().tobytes())
-    capturing = _capturing(device)
-    with _lock:
-        entry = _copies.get(key)
-        if entry is None:
-            if capturing:
-                raise RuntimeError(
-                    "cu_seqlens: its copy to the device cannot be made while a CUDA graph is captured; call the op "
-                    "once with the same cu_seqlens before capturing (a warm-up), which keeps that copy for the capture"
-                )
-            copy = cu_host.to(device=device, dtype=dtype, non_blocking=True)
-            made = None
-            if device.type == "cuda":
-                stream = torch.cuda.current_stream(device)
-                made = (stream, stream.record_event())
-            entry = _copies[key] = [copy, False, made]
-            _drop_oldest()
-        else:
-            _copies.move_to_end(key)
-            if entry[2] is not None and not capturing:
-                stream = torch.cuda.current_stream(device)
-                if stream != entry[2][0]:
-                    stream.wait_event(entry[2][1])
-                    entry[0].record_stream(stream)
-        entry[1] = entry[1] or capturing
-        return entry[0]
+    def __init__(self, max_copies: int = 256):
+        self.max_copies = max_copies
+        self.copies: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # calls from several threads (the autograd engine's among them) share copies
+
+    def on_device(self, cu_host: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The host boundaries on `device` (in `dtype`, default theirs), copied once per distinct value.
+
+        CUDA-graph capture refuses a copy from pageable host memory, so a call inside a capture takes the copy an
+        earlier call with the same boundaries made (the warm-up every capture needs anyway), and fails without one.
+        The copy is shared by the calls: kernels only read it. The copy runs asynchronously on the stream of the call
+        that made it, so a call on another stream waits for it (an event) and marks the copy in use there
+        (record_stream), so that it is freed only after that stream's kernels. Inside a capture neither is done: the
+        copy is kept for good, and it was made before the capture (torch.cuda.graph synchronizes the device as it
+        begins)."""
+        dtype = cu_host.dtype if dtype is None else dtype
+        if cu_host.device == device:
+            return cu_host.to(dtype)
+        key = (device, dtype, cu_host.dtype, cu_host.numpy().tobytes())
+        capturing = _capturing(device)
+        with self._lock:
+            entry = self.copies.get(key)
+            if entry is None:
+                if capturing:
+                    raise RuntimeError(
+                        "cu_seqlens: its copy to the device cannot be made while a CUDA graph is captured; call the op "
+                        "once with the same cu_seqlens before capturing (a warm-up), which keeps that copy for the "
+                        "capture"
+                    )
+                copy = cu_host.to(device=device, dtype=dtype, non_blocking=True)
+                made = None
+                if device.type == "cuda":
+                    stream = torch.cuda.current_stream(device)
+                    made = (stream, stream.record_event())
+                entry = self.copies[key] = [copy, False, made]
+                self._drop_oldest()
+            else:
+                self.copies.move_to_end(key)
+                if entry[2] is not None and not capturing:
+                    stream = torch.cuda.current_stream(device)
+                    if stream != entry[2][0]:
+                        stream.wait_event(entry[2][1])
+                        entry[0].record_stream(stream)
+            entry[1] = entry[1] or capturing
+            return entry[0]
+
+    def _drop_oldest(self) -> None:
+        while len(self.copies) > self.max_copies:
+            dropped = next((key for key, (_, kept, _) in self.copies.items() if not kept), None)
+            if dropped is None:
+                return
+            del self.copies[dropped]
 
 
-def _drop_oldest() -> None:
-    while len(_copies) > MAX_COPIES:
-        dropped = next((key for key, (_, kept, _) in _copies.items() if not kept), None)
-        if dropped is None:
-            return
-        del _copies[dropped]
+DEVICE_COPIES = DeviceCopies()  # the copies every op call shares
+on_device = DEVICE_COPIES.on_device
 
 
 @direct_launch

@@ -19,6 +19,8 @@ import triton.language as tl
 from .. import buffers
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
+    PARAMETER_BACKWARD,
+    ParameterBackwardLaunch,
     add_partials_if_last,
     n_tiles,
     one_launch_backward,
@@ -162,14 +164,14 @@ def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
     return (y, mean, rstd) if store_stats else (y,)
 
 
-def backward(dy, x, weight, bias, eps, y, mean, rstd):
+def backward(dy, x, weight, bias, eps, y, mean, rstd, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD):
     """y, mean and rstd are not read (None in eager calls)."""
     (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
     width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     n_params = (weight is not None) + (bias is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2, launch)
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
     _backward_kernel[(programs,)](

@@ -12,6 +12,7 @@ whether 128 x 128 serves K = N = 4096 better.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..launch_math import cdiv
@@ -59,11 +60,21 @@ class RowsConfig(NamedTuple):
     num_warps: int
 
 
-def backward_config(m: int, n: int) -> RowsConfig:
+ROW_GROUPS = 256  # at most this many partial rows of dbias to add up, and still hundreds of programs for the SMs
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """The backward's elementwise pass: row_groups, the most groups of row tiles (each writes one partial row of
+    dbias) its programs split the rows into."""
+
+    row_groups: int = ROW_GROUPS
+
+
+BACKWARD = BackwardLaunch()
+
+
+def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsConfig:
     block_n = min(128, _pow2_at_least(n, 16))
     block_m = 32 if block_n >= 128 else 64
-    # at most ROW_GROUPS partial rows of dbias to add up, and still hundreds of programs for the SMs
-    return RowsConfig(block_m, block_n, max(1, cdiv(cdiv(m, block_m), ROW_GROUPS)), 4)
-
-
-ROW_GROUPS = 256
+    return RowsConfig(block_m, block_n, max(1, cdiv(cdiv(m, block_m), launch.row_groups)), 4)

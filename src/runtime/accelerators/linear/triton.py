@@ -26,7 +26,7 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from .launch import backward_config, forward_config
+from .launch import BACKWARD, BackwardLaunch, backward_config, forward_config
 from .reference import SAVES_PREACT
 
 NONE: tl.constexpr = tl.constexpr(0)
@@ -216,13 +216,16 @@ def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
     return _launch_forward(x, weight, bias, activation, save=False)[0]
 
 
-def preact_gradient(dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool):
+def preact_gradient(
+    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool,
+    launch: BackwardLaunch = BACKWARD,
+):  # fmt: skip
     """(d_preact [M, weight rows], dbias [weight rows] fp32 or None) from the output gradient."""
     if activation is None:
         return dy, dy.sum(0, dtype=torch.float32) if with_bias else None
     m, n = dy.shape
     width = 2 * n if activation == "swiglu" else n
-    cfg = backward_config(m, n)
+    cfg = backward_config(m, n, launch)
     groups = cdiv(m, cfg.block_m * cfg.steps)
     dz = buffers.empty((m, width), dtype=dy.dtype, device=dy.device)
     partial = buffers.empty((groups, width), dtype=torch.float32, device=dy.device) if with_bias else dz
@@ -234,10 +237,10 @@ def preact_gradient(dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activati
     return dz, partial.sum(0) if with_bias else None
 
 
-def backward(dy, x, weight, bias, activation, y, z):
+def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BACKWARD):
     """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
-    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None)
+    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx, dweight, None if dbias is None else dbias.to(bias.dtype), None

@@ -11,6 +11,8 @@ and the Sinkhorn iterates from exp(res logits) (O(iters^2) tiny steps instead of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -22,8 +24,18 @@ from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
-DX_PROGRAMS = 1024  # about 8 per SM of an H100: the share of tokens per program shrinks until the grid is that big
 TINY = tl.constexpr(1e-30)
+
+
+@dataclass(frozen=True)
+class PreBackwardLaunch:
+    """The pre backward's dx kernel: about dx_programs programs in all (the share of tokens per program shrinks until
+    the grid is that big; 1024 is about 8 per SM of an H100)."""
+
+    dx_programs: int = 1024
+
+
+PRE_BACKWARD = PreBackwardLaunch()
 
 
 @triton.jit
@@ -466,16 +478,19 @@ def _gates_block(n: int) -> int:
     return 128 if n <= 4 else 64
 
 
-def dx_splits(tokens: int, n: int, C: int) -> tuple[int, int]:
-    """(token shares, token blocks per share) of the dx kernel: about DX_PROGRAMS programs in all, fixed by the
+def dx_splits(tokens: int, n: int, C: int, launch: PreBackwardLaunch = PRE_BACKWARD) -> tuple[int, int]:
+    """(token shares, token blocks per share) of the dx kernel: about launch.dx_programs programs in all, fixed by the
     shape alone, so that dphi adds the same partial sums in the same order on any GPU."""
     block_tokens, block_c = _dx_blocks(n, C)
     blocks = cdiv(tokens, block_tokens)
-    per_share = cdiv(blocks, max(1, min(blocks, cdiv(DX_PROGRAMS, n * cdiv(C, block_c)))))
+    per_share = cdiv(blocks, max(1, min(blocks, cdiv(launch.dx_programs, n * cdiv(C, block_c)))))
     return cdiv(blocks, per_share), per_share
 
 
-def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_iters, h_in, h_post, h_res, h, r):
+def pre_backward(
+    d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_iters, h_in, h_post, h_res, h, r,
+    launch: PreBackwardLaunch = PRE_BACKWARD,
+):  # fmt: skip
     n, C = x.shape[-2], x.shape[-1]
     xs = token_streams(x)
     tokens, m = xs.shape[0], n * n + 2 * n
@@ -518,7 +533,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
         NP=pow2_at_least(n, 2),
         BT=block_tokens,
     )
-    splits, per_split = dx_splits(tokens, n, C)
+    splits, per_split = dx_splits(tokens, n, C, launch)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
     dphi_part = buffers.empty((splits, n * C, m), **f32)
     block_tokens, block_c = _dx_blocks(n, C)

@@ -18,6 +18,8 @@ import triton.language as tl
 from .. import buffers
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
+    PARAMETER_BACKWARD,
+    ParameterBackwardLaunch,
     add_partials_if_last,
     n_tiles,
     one_launch_backward,
@@ -135,14 +137,14 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
     return (y, rstd) if store_rstd else (y,)
 
 
-def backward(dy, x, weight, eps, y, rstd):
+def backward(dy, x, weight, eps, y, rstd, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD):
     """y and rstd are not read (None in eager calls)."""
     (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
     width = x.shape[-1]
     tiles = row_tiles(width)
     dx = buffers.empty_like(x)
     n_params = int(weight is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2, launch)
     dweight = None if weight is None else buffers.empty_like(weight)
     _backward_kernel[(programs,)](
         dy2, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight, counter,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...accelerators.bce import binary_cross_entropy_with_logits
-from ...accelerators.bce.reference import bce_with_logits_reference
+from ...accelerators.bce_with_logits import binary_cross_entropy_with_logits
+from ...accelerators.bce_with_logits.reference import bce_with_logits_reference
 from ..case import Case, tensor_bytes
 from ..peers import compiled
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...accelerators.embedding_bag import embedding_bag_mean
-from ...accelerators.embedding_bag.reference import embedding_bag_mean_reference
+from ...accelerators.embedding_bag_mean import embedding_bag_mean
+from ...accelerators.embedding_bag_mean.reference import embedding_bag_mean_reference
 from ..case import Case, tensor_bytes
 
 VOCAB = 1_000_000

@@ -43,12 +43,15 @@ from .segments import INT32_MAX, Segments
 
 @dataclass(frozen=True)
 class RadixLaunch:
-    """How the radix sort runs (RADIX: the launch the backward takes; tests shrink it to run several passes cheaply)."""
+    """How the radix sort runs, and how its extra programs zero-fill a tensor on the way (RADIX: the launch the
+    backward takes by default)."""
 
     digit_bits: int = 10  # the most key bits sorted per pass (the passes split the key's bits evenly)
     tile: int = 1024  # keys per program, a power of two
     num_warps: int = 8  # H100, 1M rows: 1024 keys / 8 warps 0.0356 ms (32768 keys), 4 warps 0.0454
     max_counts: int = 1 << 16  # the largest counts matrix (tiles x buckets per pass) that `fits`
+    zero_block: int = 4096  # elements a fill program stores at once
+    zero_steps: int = 8  # and how many times
 
     def __post_init__(self):
         if not 1 <= self.digit_bits <= 16:
@@ -59,7 +62,6 @@ class RadixLaunch:
 
 RADIX = RadixLaunch()
 COUNTS_PER_THREAD = 32  # counts entries each thread of a scatter program loads at once
-ZERO_BLOCK, ZERO_STEPS = 4096, 8  # elements a fill program stores at once, and how many times
 
 
 def plan(num_embeddings: int, launch: RadixLaunch) -> tuple[int, int]:
@@ -243,7 +245,7 @@ def sort(
     fill_size = 0 if zero is None else zero.numel()
     zero = counts if zero is None else zero.view(-1)  # counts: only a pointer for the kernel, nothing is filled
     share = cdiv(fill_size, passes)  # each pass fills zero[p * share:(p + 1) * share]
-    fill_programs = cdiv(share, ZERO_BLOCK * ZERO_STEPS)
+    fill_programs = cdiv(share, launch.zero_block * launch.zero_steps)
     source = (flat, flat)  # the first pass reads the indices, and no permutation
     for p in range(passes):
         out = sides[(passes - 1 - p) % 2]  # the last pass writes sides[0]
@@ -251,7 +253,8 @@ def sort(
             *source, *out, counts, zero, num_keys, num_embeddings, num_tiles, p,
             min(p * share, fill_size), min((p + 1) * share, fill_size),
             FIRST=p == 0, NEXT=p + 1 < passes, BITS=bits, TILE=launch.tile, LOG_TILE=launch.tile.bit_length() - 1,
-            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits), ZERO_BLOCK=ZERO_BLOCK, ZERO_STEPS=ZERO_STEPS,
+            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits), ZERO_BLOCK=launch.zero_block,
+            ZERO_STEPS=launch.zero_steps,
             num_warps=launch.num_warps,
         )  # fmt: skip
         source = out

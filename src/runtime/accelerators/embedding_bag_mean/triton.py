@@ -254,7 +254,7 @@ def _combine_kernel(
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """How the forward kernel is launched (FORWARD: the launch the op takes)."""
+    """How the forward kernel is launched (FORWARD: the launch the op takes by default)."""
 
     block_b: int = 0  # bags per program; 0: about 2K [bags, columns] elements per program, at most 64 bags
     num_warps: int = 4
@@ -263,16 +263,32 @@ class ForwardLaunch:
 FORWARD = ForwardLaunch()
 
 
-def forward_config(dim: int, bag_len: int) -> dict:
-    """Block sizes (constexprs) and warps of the forward kernel: FORWARD, for the row width and the (typical) bag length."""
-    launch = FORWARD
+@dataclass(frozen=True)
+class GradientLaunch:
+    """How the weight gradient runs: `radix`, the radix sort of its keys (torch.sort where its counts matrix does not
+    fit) and the zero-fill of the dense gradient beside it; `block_j`, the chunk partials the combine kernel sums, and
+    searches back over, at once (BLOCK_J by default)."""
+
+    radix: radix_sort.RadixLaunch = radix_sort.RADIX
+    block_j: int = BLOCK_J
+
+
+GRADIENT = GradientLaunch()
+
+
+def forward_config(dim: int, bag_len: int, launch: ForwardLaunch = FORWARD) -> dict:
+    """Block sizes (constexprs) and warps of the forward kernel `launch`, for the row width and the (typical) bag
+    length."""
     block_d = min(pow2_at_least(dim), 128)
     block_l = min(pow2_at_least(bag_len), 8)
     block_b = launch.block_b or max(1, min(64, 2048 // block_d))
     return dict(BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=launch.num_warps)
 
 
-def forward(weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool):
+def forward(
+    weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool,
+    launch: ForwardLaunch = FORWARD,
+):  # fmt: skip
     bags = bag_layout(indices, offsets, include_last_offset)
     num_embeddings, dim = weight.shape
     num_indices = bags.flat.numel()
@@ -283,7 +299,7 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     if bags.num_bags == 0:
         return out, scale, bag_of
     typical_len = bags.bag_len if fixed else -(-num_indices // bags.num_bags)
-    cfg = forward_config(dim, typical_len)
+    cfg = forward_config(dim, typical_len, launch)
     # the interpreter ignores device_assert: on the CPU the kernel clears a flag, read after it
     check = CHECK_OFF
     if check_indices:
@@ -303,17 +319,25 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
     return out, scale, bag_of
 
 
-def sort_for_gradient(flat: torch.Tensor, num_embeddings: int, zero: torch.Tensor | None = None) -> Segments:
+def sort_for_gradient(
+    flat: torch.Tensor,
+    num_embeddings: int,
+    zero: torch.Tensor | None = None,
+    radix: radix_sort.RadixLaunch = radix_sort.RADIX,
+) -> Segments:
     """The sorted indices behind the weight gradient: the radix sort where it fits, else torch.sort. Zero-fills `zero`
     (the dense gradient) too: in the radix sort's launches, beside its latency-bound work, else before the sort."""
-    if radix_sort.fits(flat.numel(), num_embeddings):
-        return radix_sort.sort_segments(flat, num_embeddings, zero=zero)
+    if radix_sort.fits(flat.numel(), num_embeddings, radix):
+        return radix_sort.sort_segments(flat, num_embeddings, radix, zero=zero)
     if zero is not None:
         zero.zero_()
     return sort_keys(flat, num_embeddings)
 
 
-def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool):
+def _reduce(
+    grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse: bool,
+    launch: GradientLaunch,
+):  # fmt: skip
     """Run both gradient passes; returns the dense gradient, or (rows, values) when sparse."""
     bags = bag_layout(indices, offsets, include_last_offset)
     num_embeddings, dim = weight.shape
@@ -326,7 +350,7 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dense = None if sparse else buffers.empty((num_embeddings, dim), dtype=weight.dtype, device=device)
-    segments = sort_for_gradient(bags.flat, num_embeddings, zero=dense)
+    segments = sort_for_gradient(bags.flat, num_embeddings, zero=dense, radix=launch.radix)
     if sparse:
         ranks, count = sparse_ranks(segments, num_embeddings, padding_idx)
         out = buffers.empty((count, dim), dtype=weight.dtype, device=device)
@@ -350,18 +374,24 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
         _combine_kernel[grid](
             segments.keys, ranks, tail, head, out, rows,
             num_indices, num_embeddings, dim, padding_idx,
-            SPARSE=sparse, CHUNK=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=block_d, num_warps=4,
+            SPARSE=sparse, CHUNK=CHUNK, BLOCK_J=launch.block_j, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return (rows, out) if sparse else out
 
 
-def backward(grad_out, weight, indices, offsets, padding_idx, include_last_offset, check_indices, out, scale, bag_of):
-    grad = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=False)
+def backward(
+    grad_out, weight, indices, offsets, padding_idx, include_last_offset, check_indices, out, scale, bag_of,
+    launch: GradientLaunch = GRADIENT,
+):  # fmt: skip
+    grad = _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, False, launch)
     return grad, None, None, None, None, None
 
 
-def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of):
+def backward_sparse(
+    grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of,
+    launch: GradientLaunch = GRADIENT,
+):  # fmt: skip
     rows, values = _reduce(
-        grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True
+        grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, True, launch
     )
     return sparse_gradient(rows, values, weight.shape[0])

@@ -34,13 +34,21 @@ class Launch:
     stages: int = 1  # > 1: loads of the next blocks are issued (cp.async) while a program works on one (loops only)
 
 
-# Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction. Larger
-# ones take FORWARD (mean / sum), FORWARD_NONE or BACKWARD, chosen from a sweep of launches on an H100 at 2^24 (bf16
-# and fp32; docs/benchmark/bce_with_logits.md).
+# Inputs of at most SMALL.block elements (PCVR batches) take one program, which also ends the reduction.
 SMALL = Launch()
-FORWARD = Launch(programs_per_sm=3, stages=2)
-FORWARD_NONE = Launch(block=1024, num_warps=4)
-BACKWARD = Launch(block=2048, num_warps=4, reverse=True)
+
+
+@dataclass(frozen=True)
+class LargeLaunches:
+    """The launches of inputs above SMALL.block elements, by kernel. The defaults come from a sweep of launches on an
+    H100 at 2^24 (bf16 and fp32; docs/benchmark/bce_with_logits.md)."""
+
+    forward: Launch = Launch(programs_per_sm=3, stages=2)  # mean / sum
+    forward_none: Launch = Launch(block=1024, num_warps=4)
+    backward: Launch = Launch(block=2048, num_warps=4, reverse=True)
+
+
+LARGE_LAUNCHES = LargeLaunches()
 SUM_BLOCK = 1024  # partials added per step by the final reduction
 
 
@@ -284,23 +292,23 @@ def _operands(logits, weight, pos_weight):
     return (weight, pos_weight), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
-def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, launches=LARGE_LAUNCHES):
     unit = unit_gradient_buffer(logits, grad_in_forward)
-    return _forward(logits, targets, weight, pos_weight, reduction, unit if grad_in_forward else None), unit
+    return _forward(logits, targets, weight, pos_weight, reduction, unit if grad_in_forward else None, launches), unit
 
 
-def infer(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
-    return _forward(logits, targets, weight, pos_weight, reduction, None)
+def infer(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, launches=LARGE_LAUNCHES):
+    return _forward(logits, targets, weight, pos_weight, reduction, None, launches)
 
 
-def _forward(logits, targets, weight, pos_weight, reduction, unit):
+def _forward(logits, targets, weight, pos_weight, reduction, unit, launches: LargeLaunches):
     """The loss; with `unit`, also the logits' gradient for an incoming gradient of one, in it."""
     n = logits.numel()
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     reduce = reduction != "none"
-    launch, programs = _plan(n, FORWARD if reduce else FORWARD_NONE, logits)
+    launch, programs = _plan(n, launches.forward if reduce else launches.forward_none, logits)
     if reduce:
         loss = buffers.empty((), dtype=dtype, device=logits.device)
         out = loss if programs == 1 else buffers.empty((programs,), dtype=torch.float32, device=logits.device)
@@ -317,7 +325,10 @@ def _forward(logits, targets, weight, pos_weight, reduction, unit):
     return loss
 
 
-def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
+def backward(
+    grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit,
+    launches=LARGE_LAUNCHES,
+):  # fmt: skip
     if grad_in_forward:
         return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None, None, None
     n = logits.numel()
@@ -328,7 +339,7 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     g_divisor = float(n) if reduction == "mean" else 1.0
     dlogits = buffers.empty_like(logits)
     dtargets = buffers.empty_like(targets) if targets_grad else None
-    launch, programs = _plan(n, BACKWARD, logits)
+    launch, programs = _plan(n, launches.backward, logits)
     _backward_kernel[(programs,)](
         g, x, y, w, pw, dlogits, dtargets, n, g_divisor, *maps,
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,

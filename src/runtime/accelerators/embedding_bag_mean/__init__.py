@@ -43,7 +43,7 @@ def _fake_forward(weight, indices, offsets, padding_idx, include_last_offset, ch
 #                     -> sparse COO grad_weight
 # padding_idx is -1 for "no padding"; a negative one is normalised first.
 KERNEL = KernelOp(
-    "embedding_bag",
+    "embedding_bag_mean",
     "Tensor weight, Tensor indices, Tensor? offsets, int padding_idx, bool include_last_offset, bool check_indices",
     n_outputs=1,
     n_saved=2,
@@ -61,7 +61,7 @@ class _SparseGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
-        kernels = load_kernels("embedding_bag", backend)
+        kernels = load_kernels("embedding_bag_mean", backend)
         out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
         ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
         ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = (
@@ -78,7 +78,9 @@ class _SparseGradient(torch.autograd.Function):
         grad = ctx.kernels.backward_sparse(
             grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of
         )
-        return no_double_backward("embedding_bag", ctx.backend, (None, grad, None, None, None, None, None), (weight,))
+        return no_double_backward(
+            "embedding_bag_mean", ctx.backend, (None, grad, None, None, None, None, None), (weight,)
+        )
 
 
 def _sparse_call(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):

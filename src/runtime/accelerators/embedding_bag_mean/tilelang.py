@@ -30,7 +30,7 @@ THREADS = 128  # gradient kernels
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """The forward kernel's tiling (FORWARD: the tiling the op takes)."""
+    """The forward kernel's tiling (FORWARD: the tiling the op takes by default)."""
 
     block_b: int = 16  # bags per block
     block_l: int = 8  # bag entries gathered per unrolled step (their indices are loaded together first)
@@ -317,8 +317,9 @@ def combine_program(dim: int, dtype: str, key_dtype: str, chunk: int = CHUNK, bl
 # --------------------------------------------------------------------------- compile cache
 
 
-def forward_entry(dim: int, dtype: torch.dtype, index_dtype: torch.dtype, offset_dtype: torch.dtype) -> Entry:
-    launch = FORWARD
+def forward_entry(
+    dim: int, dtype: torch.dtype, index_dtype: torch.dtype, offset_dtype: torch.dtype, launch: ForwardLaunch = FORWARD
+) -> Entry:
     key = ("embedding_bag_forward", dim, dtype, index_dtype, offset_dtype, launch)
     return key, lambda _: forward_program(dim, _DTYPES[dtype], _DTYPES[index_dtype], _DTYPES[offset_dtype], launch)
 
@@ -353,7 +354,10 @@ def precompile(specs, device: torch.device) -> None:
 # --------------------------------------------------------------------------- module interface
 
 
-def forward(weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool):
+def forward(
+    weight, indices, offsets, padding_idx: int, include_last_offset: bool, check_indices: bool,
+    launch: ForwardLaunch = FORWARD,
+):  # fmt: skip
     bags = bag_layout(indices, offsets, include_last_offset)
     num_embeddings, dim = weight.shape
     fixed = bags.offsets is None
@@ -368,7 +372,7 @@ def forward(weight, indices, offsets, padding_idx: int, include_last_offset: boo
         out.zero_(), scale.zero_()
         return out, scale, bag_of
     offs = bags.flat if fixed else bags.offsets
-    kernel = launcher(forward_entry(dim, weight.dtype, bags.flat.dtype, offs.dtype), weight.device)
+    kernel = launcher(forward_entry(dim, weight.dtype, bags.flat.dtype, offs.dtype, launch), weight.device)
     bag_of_arg = bag_of if not fixed else scale.new_empty(1, dtype=torch.int32)
     kernel(weight, bags.flat, offs, out, scale, bag_of_arg, bags.bag_len, padding_idx, int(check_indices))
     return out, scale, bag_of

@@ -154,14 +154,14 @@ def _tables(weights, pads: tuple[int, ...]):
     if meta is None:
         if len(_tables_cache) >= _TABLES_CACHE_SIZE:
             _tables_cache.pop(next(iter(_tables_cache)))
-        meta = _tables_cache[key] = load_kernels("embedding_bag", "collection_triton").tables(weights, pads)
+        meta = _tables_cache[key] = load_kernels("embedding_bag_mean", "collection_triton").tables(weights, pads)
     return meta
 
 
 class _Collection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pads, check_indices, values, offsets, *weights):
-        kernels = load_kernels("embedding_bag", "collection_triton")
+        kernels = load_kernels("embedding_bag_mean", "collection_triton")
         meta = _tables(weights, pads)
         out, scale, bag_of, keys = kernels.forward(weights, values, offsets, meta, check_indices)
         ctx.save_for_backward(scale, bag_of, keys, *weights)
@@ -172,7 +172,7 @@ class _Collection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         scale, bag_of, keys, *weights = ctx.saved_tensors
-        kernels = load_kernels("embedding_bag", "collection_triton")
+        kernels = load_kernels("embedding_bag_mean", "collection_triton")
         grads = kernels.backward(grad_out, weights, ctx.meta, scale, bag_of, keys)
         return (None, None, None, None, *grads)
 

@@ -111,7 +111,11 @@ class _UnitGradientFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (unit,) = ctx.saved_tensors
         grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None
-        return no_double_backward("bce", ctx.backend, grads, (ctx.logits,)) if torch.is_grad_enabled() else grads
+        return (
+            no_double_backward("bce_with_logits", ctx.backend, grads, (ctx.logits,))
+            if torch.is_grad_enabled()
+            else grads
+        )
 
 
 _apply_unit_gradient = c_apply(_UnitGradientFunction)
@@ -209,7 +213,7 @@ def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, 
 # whether to write dtargets; grad_in_forward (never with targets_grad) that the forward writes the unit gradient
 # (GRAD_IN_FORWARD_MAX_NUMEL).
 KERNEL = KernelOp(
-    "bce",
+    "bce_with_logits",
     "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad, "
     "bool grad_in_forward",
     n_outputs=1,
@@ -243,14 +247,22 @@ def binary_cross_entropy_with_logits(
         SPEC, backend, logits.device, key, binary_cross_entropy_with_logits,
         logits=logits, targets=targets, weight=weight, pos_weight=pos_weight, reduction=reduction, check_targets=check_targets,
     )  # fmt: skip
-    n = logits.numel()
-    if chosen == "torch" or n == 0:
+    if chosen == "torch" or logits.numel() == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)
+    return kernel_loss(logits, targets, weight, pos_weight, reduction, chosen)
+
+
+def kernel_loss(
+    logits, targets, weight, pos_weight, reduction, backend: str, grad_in_forward_max_numel=GRAD_IN_FORWARD_MAX_NUMEL
+):
+    """The loss by a kernel backend's module, for checked inputs: binary_cross_entropy_with_logits past dispatch.
+    Up to grad_in_forward_max_numel logits, the forward also writes the logits' gradient (see the constant)."""
+    chosen, n = backend, logits.numel()
     if weight is not None or pos_weight is not None:
         weight, pos_weight = kernel_operand(weight, logits.shape), kernel_operand(pos_weight, logits.shape)
     grad_enabled = torch.is_grad_enabled()
     targets_grad = grad_enabled and targets.requires_grad
-    grad_in_forward = grad_enabled and logits.requires_grad and not targets_grad and n <= GRAD_IN_FORWARD_MAX_NUMEL
+    grad_in_forward = grad_enabled and logits.requires_grad and not targets_grad and n <= grad_in_forward_max_numel
     if grad_in_forward and not torch.compiler.is_compiling():
         args = (logits, targets, weight, pos_weight, reduction, KERNEL.kernels(chosen))
         return apply_eagerly(_UnitGradientFunction, _apply_unit_gradient, args, (0, 1, 2, 3))
