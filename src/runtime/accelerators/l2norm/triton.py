@@ -5,6 +5,9 @@ fla's backward kernel does. The bytes are the same; y was written last, so where
 (the benchmark's forward+backward) more of it is still in L2, and backward visits the row tiles in reverse to start
 on the rows still there. For 16-bit inputs dx then carries y's rounding (relative 2^-9 at bf16), far inside the
 gradient bounds. No parameters, so backward runs one tile per program like forward.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations

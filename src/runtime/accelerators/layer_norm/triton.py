@@ -8,6 +8,9 @@ The backward kernel works mean and rstd out again from x, as the forward does (r
 that costs two row sums and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager
 calls run `infer`: two allocations and two saved tensors fewer per call; BACKWARD_READS_RESULTS). `forward`, the
 custom op's, still returns mean and rstd, as the op's schema has them.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations

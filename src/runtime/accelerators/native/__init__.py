@@ -2,8 +2,9 @@
 
 An eager call through `autograd.Function` runs its backward in Python on autograd's device thread; on the GPU
 machine handing the GIL to that thread and back costs more than a small norm's whole native backward. An op whose
-backward is one Triton launch can instead give its output a node from here (`NativeBackward.attach`): the node saves
-the tensors the launch reads and launches the compiled kernel through the CUDA driver, without Python.
+backward is one Triton launch can instead give its output a node from here (`NativeBackward.attach`), built from the
+LaunchPlan its eager backward runs: the node saves the tensors the launch reads and launches the compiled kernel
+through the CUDA driver, without Python.
 
 The extension is compiled from source with the C++ compiler on first use (about 15 s, cached per torch and Python
 version under $TAAC_NATIVE_CACHE or ~/.cache/taac-runtime). Where that cannot be, or TAAC_NATIVE_BACKWARD=0, or

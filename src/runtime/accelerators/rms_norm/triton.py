@@ -7,6 +7,9 @@ The backward kernel works rstd out again from x, as the forward does (rms_rstd):
 row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
 `infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
 still returns rstd, as the op's schema has it.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations
