@@ -165,6 +165,16 @@ def one_launch_backward(
     return parameter_backward(n_rows, width, tiles, device, n_params, stand_in)
 
 
+def backward_split(
+    n_rows: int, width: int, tiles: RowTiles, device: torch.device, n_params: int, stand_in: torch.Tensor,
+    launch: ParameterBackwardLaunch | None,
+) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """parameter_backward's launch; launch None: one_launch_backward's (a native node's: one launch or none)."""
+    if launch is None:
+        return one_launch_backward(n_rows, width, tiles, device, n_params, stand_in)
+    return parameter_backward(n_rows, width, tiles, device, n_params, stand_in, launch)
+
+
 _scratch: dict = {}
 
 

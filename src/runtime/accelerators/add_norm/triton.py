@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_plan import LaunchPlan
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
@@ -144,24 +145,38 @@ def _forward(x, residual, weight, bias, eps: float, centre: bool, store_stats: b
 
 def _backward(dy, dnew, weight, bias, total, rstd, mean, launch: ParameterBackwardLaunch):
     """(dtotal, dweight, dbias); dtotal is both dx and dresidual."""
-    (dy2, n_rows, stride_dy), (dn2, _, stride_dn) = rows_of(dy), rows_of(dnew)
-    width = total.shape[-1]
-    tiles = row_tiles(width)
+    (dy2, _, stride_dy), (dn2, _, stride_dn) = rows_of(dy), rows_of(dnew)
     dtotal = buffers.empty_like(total)
-    n_params = (weight is not None) + (bias is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, total.device, n_params, total, launch)
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
-    _backward_kernel[(programs,)](
-        dy2, dn2, total, rstd, rstd if mean is None else mean, total if weight is None else weight.contiguous(), dtotal,
-        partial, total if dweight is None else dweight, total if dbias is None else dbias, counter,
-        n_rows, width, stride_dy, stride_dn,
-        CENTRE=mean is not None, HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
-        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
-    )  # fmt: skip
-    if n_params and not finish:
-        sum_partials(partial, dweight, dbias)
+    backward_launch(
+        dy2, stride_dy, dn2, stride_dn, weight, bias, total, rstd, mean, dtotal, dweight, dbias, launch
+    ).run()
     return dtotal, dweight, dbias
+
+
+def backward_launch(
+    dy, stride_dy: int, dnew, stride_dnew: int, weight, bias, total, rstd, mean, dtotal, dweight, dbias,
+    launch: ParameterBackwardLaunch,
+) -> LaunchPlan:  # fmt: skip
+    """The backward's launch (run by `_backward`). dy and dnew: the gradients of y and of total, rows of stride
+    stride_dy and stride_dnew; dtotal, dweight, dbias (None without the parameter): where the gradients go; mean
+    None for RMSNorm."""
+    width = total.shape[-1]
+    n_rows = total.numel() // width
+    tiles = row_tiles(width)
+    n_params = (weight is not None) + (bias is not None)
+    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, total.device, n_params, total, launch)
+    return LaunchPlan(
+        _backward_kernel, (programs,),
+        (dy, dnew, total, rstd, rstd if mean is None else mean, total if weight is None else weight.contiguous(), dtotal,
+         partial, total if dweight is None else dweight, total if dbias is None else dbias, counter,
+         n_rows, width, stride_dy, stride_dnew),
+        dict(CENTRE=mean is not None, HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
+             BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+        (counter, partial) if finish else (),
+        (sum_partials, partial, dweight, dbias) if n_params and not finish else (),
+    )  # fmt: skip
 
 
 def rms_forward(x, residual, weight, eps: float):

@@ -5,6 +5,9 @@ fla's backward kernel does. The bytes are the same; y was written last, so where
 (the benchmark's forward+backward) more of it is still in L2, and backward visits the row tiles in reverse to start
 on the rows still there. For 16-bit inputs dx then carries y's rounding (relative 2^-9 at bf16), far inside the
 gradient bounds. No parameters, so backward runs one tile per program like forward.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
 from ..norms_triton import n_tiles, row_tiles, rows_of, rsqrt_mean_square
 from ..triton_launch import direct_launch
@@ -70,17 +74,17 @@ def _rstd_buffer(x: torch.Tensor) -> torch.Tensor:
 
 
 def native_forward(x: torch.Tensor, eps: float):
-    """forward's y, its backward attached as a C++ node (_NATIVE) that reads y and rstd; None, having run nothing,
-    where it cannot be (see NativeBackward.plan)."""
+    """forward's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch, reading y and rstd;
+    None, having run nothing, where it cannot be (see NativeBackward.plan)."""
     width = x.shape[-1]
-    n_rows, tiles, rstd = x.numel() // width, row_tiles(width), _rstd_buffer(x)
-    inputs, grid = (x,), (n_tiles(n_rows, tiles),)
-    args = (GRAD, OUTPUT, rstd, GRAD_OF[0], n_rows, width, width, width)
-    plan = _NATIVE.plan(x.dtype, inputs, grid, args, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps)
+    rstd = _rstd_buffer(x)
+    launch = backward_launch(x, rstd, GRAD, width, OUTPUT, width, GRAD_OF[0])
+    inputs = (x,)
+    plan = _NATIVE.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     y, _ = _forward(x, eps, rstd)
-    return y if _NATIVE.attach(plan, y, inputs, grid, args, ()) else None
+    return y if _NATIVE.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
@@ -97,15 +101,23 @@ def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
 
 
 def backward(dy, x, eps, y, rstd):
-    (dy2, n_rows, stride_dy), (y2, _, stride_y) = rows_of(dy), rows_of(y)
-    width = x.shape[-1]
-    tiles = row_tiles(width)
+    (dy2, _, stride_dy), (y2, _, stride_y) = rows_of(dy), rows_of(y)
     dx = buffers.empty_like(x)
-    _backward_kernel[(n_tiles(n_rows, tiles),)](
-        dy2, y2, rstd, dx, n_rows, width, stride_dy, stride_y,
-        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
-    )  # fmt: skip
+    backward_launch(x, rstd, dy2, stride_dy, y2, stride_y, dx).run()
     return dx, None
+
+
+def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> LaunchPlan:
+    """The backward's launch, for `backward` to run and `native_forward` to hand to the C++ node. dy and y (rows of
+    stride stride_dy and stride_y), dx: the output's gradient, the output and the input's gradient, or the node's
+    stand-ins for them (GRAD, OUTPUT, GRAD_OF)."""
+    width = x.shape[-1]
+    n_rows, tiles = x.numel() // width, row_tiles(width)
+    return LaunchPlan(
+        _backward_kernel, (n_tiles(n_rows, tiles),),
+        (dy, y, rstd, dx, n_rows, width, stride_dy, stride_y),
+        dict(BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+    )  # fmt: skip
 
 
 _NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)

@@ -8,6 +8,9 @@ The backward kernel works mean and rstd out again from x, as the forward does (r
 that costs two row sums and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager
 calls run `infer`: two allocations and two saved tensors fewer per call; BACKWARD_READS_RESULTS). `forward`, the
 custom op's, still returns mean and rstd, as the op's schema has them.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
     add_partials_if_last,
+    backward_split,
     n_tiles,
-    one_launch_backward,
-    parameter_backward,
     row_statistics,
     row_tiles,
     rows_of,
@@ -118,30 +121,19 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
 
 
 def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
-    """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
-    NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
+    """infer's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch; None, having run nothing,
+    where it cannot be (see NativeBackward.plan), or where the backward takes two launches (wide rows)."""
     rows = rows_of(x)
-    x2, n_rows, stride_x = rows
-    width = x.shape[-1]
-    tiles = row_tiles(width)
-    has_w, has_b = weight is not None, bias is not None
-    launch = one_launch_backward(n_rows, width, tiles, x.device, has_w + has_b, x2)
+    dweight, dbias = None if weight is None else GRAD_OF[1], None if bias is None else GRAD_OF[2]
+    launch = backward_launch(x, weight, bias, eps, GRAD, x.shape[-1], GRAD_OF[0], dweight, dbias, None, rows)
     if launch is None:
         return None
-    programs, finish, counter, partial = launch
-    inputs, grid = (x, weight, bias), (programs,)
-    args = (
-        GRAD, x2, weight.contiguous() if has_w else x2, GRAD_OF[0], partial, GRAD_OF[1] if has_w else x2,
-        GRAD_OF[2] if has_b else x2, counter, n_rows, width, width, stride_x, eps,
-    )  # fmt: skip
-    plan = _NATIVE.plan(
-        x.dtype, inputs, grid, args,
-        HAS_W=has_w, HAS_B=has_b, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
-    )  # fmt: skip
+    inputs = (x, weight, bias)
+    plan = _NATIVE.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     (y,) = _forward(x, weight, bias, eps, store_stats=False, rows=rows)  # infer's, on the rows the backward reads
-    return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
+    return y if _NATIVE.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
@@ -166,23 +158,38 @@ def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
 
 def backward(dy, x, weight, bias, eps, y, mean, rstd, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD):
     """y, mean and rstd are not read (None in eager calls)."""
-    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
-    width = x.shape[-1]
-    tiles = row_tiles(width)
+    dy2, _, stride_dy = rows_of(dy)
     dx = buffers.empty_like(x)
-    n_params = (weight is not None) + (bias is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2, launch)
     dweight = None if weight is None else buffers.empty_like(weight)
     dbias = None if bias is None else buffers.empty_like(bias)
-    _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight,
-        x2 if dbias is None else dbias, counter, n_rows, width, stride_dy, stride_x, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
-        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
-    )  # fmt: skip
-    if n_params and not finish:
-        sum_partials(partial, dweight, dbias)
+    backward_launch(x, weight, bias, eps, dy2, stride_dy, dx, dweight, dbias, launch).run()
     return dx, dweight, dbias, None
+
+
+def backward_launch(
+    x, weight, bias, eps, dy, stride_dy: int, dx, dweight, dbias, launch: ParameterBackwardLaunch | None, rows=None
+) -> LaunchPlan | None:
+    """The backward's launch, for `backward` to run and `native_forward` to hand to the C++ node. dy (rows of stride
+    stride_dy), dx, dweight, dbias (None without the parameter): the gradients, or the node's stand-ins for them
+    (GRAD, GRAD_OF). launch None: the default launch where it is one launch, else None, allocating nothing.
+    rows: rows_of(x)."""
+    x2, n_rows, stride_x = rows or rows_of(x)
+    width = x.shape[-1]
+    tiles = row_tiles(width)
+    n_params = (weight is not None) + (bias is not None)
+    split = backward_split(n_rows, width, tiles, x.device, n_params, x2, launch)
+    if split is None:
+        return None
+    programs, finish, counter, partial = split
+    return LaunchPlan(
+        _backward_kernel, (programs,),
+        (dy, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight,
+         x2 if dbias is None else dbias, counter, n_rows, width, stride_dy, stride_x, eps),
+        dict(HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
+             BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+        (counter, partial) if finish else (),
+        (sum_partials, partial, dweight, dbias) if n_params and not finish else (),
+    )  # fmt: skip
 
 
 _NATIVE = NativeBackward("LayerNormTritonBackward", _backward_kernel)

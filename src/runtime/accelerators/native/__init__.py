@@ -2,8 +2,9 @@
 
 An eager call through `autograd.Function` runs its backward in Python on autograd's device thread; on the GPU
 machine handing the GIL to that thread and back costs more than a small norm's whole native backward. An op whose
-backward is one Triton launch can instead give its output a node from here (`NativeBackward.attach`): the node saves
-the tensors the launch reads and launches the compiled kernel through the CUDA driver, without Python.
+backward is one Triton launch can instead give its output a node from here (`NativeBackward.attach`), built from the
+LaunchPlan its eager backward runs: the node saves the tensors the launch reads and launches the compiled kernel
+through the CUDA driver, without Python.
 
 The extension is compiled from source with the C++ compiler on first use (about 15 s, cached per torch and Python
 version under $TAAC_NATIVE_CACHE or ~/.cache/taac-runtime). Where that cannot be, or TAAC_NATIVE_BACKWARD=0, or
@@ -21,6 +22,7 @@ import torch
 
 from .. import buffers
 from ..backends import logger
+from ..launch_plan import LaunchPlan
 from .build import load_extension
 
 try:
@@ -111,18 +113,19 @@ buffers.on_poison_change(_tell_extension)
 
 
 class NativeBackward:
-    """The backward of one op's eager calls as a C++ node that launches `kernel` (a @direct_launch kernel). Per call:
+    """The backward of one op's eager calls as a C++ node that launches `kernel` (a @direct_launch kernel). Per call,
+    with `launch` the op's backward LaunchPlan (runtime.accelerators.launch_plan) of `kernel`, one launch:
 
-        plan = NATIVE.plan(output_dtype, inputs, grid, args, **constexprs)   # None: this call cannot
+        plan = NATIVE.plan(output_dtype, inputs, launch)   # None: this call cannot
         ... run the forward ...
-        NATIVE.attach(plan, output, inputs, grid, args, scratch)
+        NATIVE.attach(plan, output, inputs, launch)
 
     `inputs`: the op's differentiable inputs (None: no gradient); attach gives `output` the node, with an edge to
-    each, and returns False, attaching nothing, where an input carries a forward-mode tangent. `args`: the kernel's
-    arguments as Python would pass them at backward time (a contiguous gradient), with GRAD for the output's
-    gradient, OUTPUT for the output and GRAD_OF[i] for the gradient of inputs[i] (allocated like it); `scratch`:
-    zero-filled buffers among them that the kernel leaves zeroed (a CUDA graph captures fresh ones). Every other
-    tensor among `args` is saved for backward.
+    each, and returns False, attaching nothing, where an input carries a forward-mode tangent. `launch.args`: the
+    kernel's arguments as the eager backward passes them (a contiguous gradient), with GRAD for the output's
+    gradient, OUTPUT for the output and GRAD_OF[i] for the gradient of inputs[i] (allocated like it);
+    `launch.scratch`: zero-filled buffers among them that the kernel leaves zeroed (a CUDA graph captures fresh
+    ones). Every other tensor among the arguments is saved for backward.
     """
 
     def __init__(self, name: str, kernel) -> None:
@@ -130,7 +133,7 @@ class NativeBackward:
         self.kernel = kernel
         self._plans: dict = {}
 
-    def plan(self, output_dtype: torch.dtype, inputs: tuple, grid: tuple, args: tuple, **constexprs):
+    def plan(self, output_dtype: torch.dtype, inputs: tuple, launch: LaunchPlan):
         """The extension's Plan of this launch (the kernel compiled now if need be), or None where native nodes
         cannot run here or the compiled kernel needs more than a plain launch."""
         # the current device's: Triton compiles and loads a kernel for it, and launches go to its stream
@@ -138,24 +141,29 @@ class NativeBackward:
             _driver()[0](),
             output_dtype,
             *[None if t is None else t.dtype for t in inputs],
-            *constexprs.values(),
-            *_signature(args),
+            *launch.constexprs.values(),
+            *_signature(launch.args),
         )
         plan = self._plans.get(key, False)
         if plan is False:
-            plan = self._plans[key] = self._new_plan(output_dtype, inputs, grid, args, constexprs)
+            plan = self._plans[key] = self._new_plan(output_dtype, inputs, launch)
         return plan
 
-    def attach(self, plan, output: torch.Tensor, inputs: tuple, grid: tuple, args: tuple, scratch: tuple) -> bool:
+    def attach(self, plan, output: torch.Tensor, inputs: tuple, launch: LaunchPlan) -> bool:
         current_device, current_stream = _driver()
         stream = current_stream(current_device())
-        return extension().attach(plan, output, inputs, args, scratch, GRAD, OUTPUT, GRAD_OF, grid, stream)
+        return extension().attach(
+            plan, output, inputs, launch.args, launch.scratch, GRAD, OUTPUT, GRAD_OF, launch.grid, stream
+        )
 
-    def _new_plan(self, output_dtype, inputs, grid, args, constexprs):
+    def _new_plan(self, output_dtype, inputs, launch: LaunchPlan):
+        if launch.kernel is not self.kernel or launch.after:
+            raise ValueError(f"{self.name}: a native node runs one launch of its own kernel")
         if reasons():
             return None
+        args = launch.args
         stand_ins = [_stand_in(a, output_dtype, inputs) for a in args]
-        compiled = self.kernel.kernel.warmup(*stand_ins, grid=grid, **constexprs)
+        compiled = self.kernel.kernel.warmup(*stand_ins, grid=launch.grid, **launch.constexprs)
         compiled._init_handles()
         metadata = compiled.metadata
         plain = (

@@ -7,6 +7,9 @@ The backward kernel works rstd out again from x, as the forward does (rms_rstd):
 row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
 `infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
 still returns rstd, as the op's schema has it.
+
+The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
+hands it to the C++ node.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
     add_partials_if_last,
+    backward_split,
     n_tiles,
-    one_launch_backward,
-    parameter_backward,
     rms_rstd,
     row_tiles,
     rows_of,
@@ -99,28 +102,19 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
 
 
 def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
-    """infer's y, its backward attached as a C++ node (_NATIVE); None, having run nothing, where it cannot be (see
-    NativeBackward.plan), or where the backward takes two launches (wide rows: sum_partials after the kernel)."""
+    """infer's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch; None, having run nothing,
+    where it cannot be (see NativeBackward.plan), or where the backward takes two launches (wide rows)."""
     rows = rows_of(x)
-    x2, n_rows, stride_x = rows
-    width = x.shape[-1]
-    tiles = row_tiles(width)
-    has_w = weight is not None
-    launch = one_launch_backward(n_rows, width, tiles, x.device, int(has_w), x2)
+    dweight = None if weight is None else GRAD_OF[1]
+    launch = backward_launch(x, weight, eps, GRAD, x.shape[-1], GRAD_OF[0], dweight, None, rows)
     if launch is None:
         return None
-    programs, finish, counter, partial = launch
-    w = weight.contiguous() if has_w else x2
-    inputs, grid = (x, weight), (programs,)
-    args = (GRAD, x2, w, GRAD_OF[0], partial, GRAD_OF[1] if has_w else x2, counter, n_rows, width, width, stride_x, eps)
-    plan = _NATIVE.plan(
-        x.dtype, inputs, grid, args,
-        HAS_W=has_w, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
-    )  # fmt: skip
+    inputs = (x, weight)
+    plan = _NATIVE.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     (y,) = _forward(x, weight, eps, store_rstd=False, rows=rows)  # infer's, on the rows the backward reads
-    return y if _NATIVE.attach(plan, y, inputs, grid, args, (counter, partial) if finish else ()) else None
+    return y if _NATIVE.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool, rows=None):
@@ -139,21 +133,35 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
 
 def backward(dy, x, weight, eps, y, rstd, launch: ParameterBackwardLaunch = PARAMETER_BACKWARD):
     """y and rstd are not read (None in eager calls)."""
-    (x2, n_rows, stride_x), (dy2, _, stride_dy) = rows_of(x), rows_of(dy)
+    dy2, _, stride_dy = rows_of(dy)
+    dx = buffers.empty_like(x)
+    dweight = None if weight is None else buffers.empty_like(weight)
+    backward_launch(x, weight, eps, dy2, stride_dy, dx, dweight, launch).run()
+    return dx, dweight, None
+
+
+def backward_launch(
+    x, weight, eps, dy, stride_dy: int, dx, dweight, launch: ParameterBackwardLaunch | None, rows=None
+) -> LaunchPlan | None:
+    """The backward's launch, for `backward` to run and `native_forward` to hand to the C++ node. dy (rows of stride
+    stride_dy), dx, dweight (None without a weight): the gradients, or the node's stand-ins for them (GRAD, GRAD_OF).
+    launch None: the default launch where it is one launch, else None, allocating nothing. rows: rows_of(x)."""
+    x2, n_rows, stride_x = rows or rows_of(x)
     width = x.shape[-1]
     tiles = row_tiles(width)
-    dx = buffers.empty_like(x)
     n_params = int(weight is not None)
-    programs, finish, counter, partial = parameter_backward(n_rows, width, tiles, x.device, n_params, x2, launch)
-    dweight = None if weight is None else buffers.empty_like(weight)
-    _backward_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight, counter,
-        n_rows, width, stride_dy, stride_x, eps,
-        HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    split = backward_split(n_rows, width, tiles, x.device, n_params, x2, launch)
+    if split is None:
+        return None
+    programs, finish, counter, partial = split
+    return LaunchPlan(
+        _backward_kernel, (programs,),
+        (dy, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight, counter,
+         n_rows, width, stride_dy, stride_x, eps),
+        dict(HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+        (counter, partial) if finish else (),
+        (sum_partials, partial, dweight) if n_params and not finish else (),
     )  # fmt: skip
-    if n_params and not finish:
-        sum_partials(partial, dweight)
-    return dx, dweight, None
 
 
 _NATIVE = NativeBackward("RmsNormTritonBackward", _backward_kernel)
