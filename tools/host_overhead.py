@@ -51,7 +51,7 @@ from runtime.accelerators import (
     rms_norm,
     swiglu,
     triton_launch,
-)  # fmt: skip
+)
 from runtime.accelerators.norms import norm_key
 
 

@@ -50,8 +50,9 @@ def triton_chunk(inputs, tuning, scale=None, output_final_state=False, use_qk_l2
     dispatch: (o, final state or None)."""
     run = differentiable(
         functools.partial(gdr_triton.chunk_forward, tuning=tuning),
-        functools.partial(gdr_backward.chunk_backward, tuning=tuning), 2,
-    )  # fmt: skip
+        functools.partial(gdr_backward.chunk_backward, tuning=tuning),
+        2,
+    )
     x = inputs
     scale = float(x["q"].shape[-1] ** -0.5 if scale is None else scale)
     cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)

@@ -140,7 +140,7 @@ CALLS = {
         _bf16(8, 4, 257, 64),
         causal=True,
         key_lengths=torch.randint(1, 258, (8,), device=CUDA),
-    ),  # fmt: skip
+    ),
     "gated_delta_rule": lambda: acc.chunk_gated_delta_rule(
         _bf16(4, 256, 4, 32),
         _bf16(4, 256, 4, 32),
@@ -148,7 +148,7 @@ CALLS = {
         torch.nn.functional.logsigmoid(torch.randn(4, 256, 4, device=CUDA) + 2).to(torch.bfloat16).requires_grad_(),
         torch.rand(4, 256, 4, device=CUDA, dtype=torch.bfloat16).requires_grad_(),
         use_qk_l2norm_in_kernel=True,
-    ),  # fmt: skip
+    ),
     "mhc": lambda: acc.mhc_pre(**_mhc_inputs()),
 }
 

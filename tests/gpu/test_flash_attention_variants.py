@@ -121,7 +121,7 @@ SPLIT_CASES = [
     (2, 4, 2, 200, 200, 48, False, False, torch.float16, "blhd", S64),
     (2, 4, 2, 333, 500, 80, True, True, torch.bfloat16, "blhd", S128._replace(heavy_first=4)),
     (2, 4, 2, 500, 333, 96, False, True, torch.bfloat16, "bhld", Fwd(128, 64, 8, 3, split_d=True)),
-]  # fmt: skip
+]
 SPLIT_IDS = [
     "d48-lengths-lq<lk", "d48-fp16-causal-lengths-gqa-lq>lk-view-heavy", "d48-causal-mqa-sections",
     "d48-fp16-gqa-view", "d80-causal-lengths-gqa-view", "d96-lengths-lq>lk",
@@ -383,7 +383,7 @@ LSE_DELTA_CASES = [
     (2, 4, 4, 780, 1000, 128, False, True, "bhld", Bwd(32, 128, 8, 2, tma=True, lse_delta_tma=True)),
     (3, 4, 2, 300, 200, 48, False, True, "bhld", Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)),
     (2, 2, 2, 500, 500, 64, True, False, "blhd", Bwd(32, 128, 4, 3, tma=True, lse_delta_tma=True)),
-]  # fmt: skip
+]
 LSE_DELTA_IDS = ["d128-causal-lengths-gqa-view", "d128-m32-lengths-lq<lk", "d48-lengths-gqa-lq>lk", "d64-causal-view"]
 
 
@@ -418,7 +418,7 @@ DEFAULT_DKDV_CASES = [
     (2, 4, 2, 1000, 700, 32, False, True, "blhd"),
     (2, 4, 1, 201, 1000, 32, False, False, "bhld"),
     (2, 4, 2, 700, 1000, 32, True, True, "blhd"),
-]  # fmt: skip
+]
 DEFAULT_DKDV_IDS = [
     "causal-lengths-gqa-view", "lengths-gqa-view", "causal-lq<lk", "lq>lk",
     "causal-lengths-odd-lq-pointer-fallback", "odd-lq-pointer-fallback",
@@ -480,7 +480,7 @@ FUSED_CASES = [
     (2, 4, 2, 1000, 1000, 32, True, True, torch.bfloat16, "blhd", Bwd(32, 128, 4, 2)),
     (2, 2, 1, 500, 777, 128, False, False, torch.float16, "bhld", Bwd(64, 128, 8, 2)),
     (2, 2, 2, 200, 300, 64, True, True, torch.float32, "bhld", None),
-]  # fmt: skip
+]
 FUSED_IDS = [
     "d16-causal-lengths-gqa-view", "d32-fp16-lengths-lq<lk", "d48-causal-mqa-lq>lk", "d128-lengths-view",
     "atomic-d32-causal-lengths", "atomic-d128-fp16-mqa", "atomic-fp32-d64-causal-lengths",

@@ -18,7 +18,7 @@ from gdr_checks import (
     check_forward_matches_the_float64_recurrence,
     make_inputs,
     reference,
-)  # fmt: skip
+)
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import fused_recurrent_gated_delta_rule

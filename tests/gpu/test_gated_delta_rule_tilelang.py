@@ -16,7 +16,7 @@ from gdr_checks import (
     check_forward_matches_the_float64_recurrence,
     make_inputs,
     triton_chunk,
-)  # fmt: skip
+)
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -22,7 +22,7 @@ from runtime.accelerators import (
     rms_norm,
     swiglu,
     use_accelerators,
-)  # fmt: skip
+)
 from runtime.accelerators.flash_attention.reference import attention_float64
 from runtime.accelerators.l2norm.reference import l2norm_reference
 from runtime.accelerators.layer_norm.reference import layer_norm_reference
@@ -189,7 +189,7 @@ def test_binary_cross_entropy_with_logits(backend):
             logits.detach()[s : s + CHUNK].double(), targets[s : s + CHUNK].double(), reduction="sum"
         )
         for s in range(0, ROWS, CHUNK)
-    )  # fmt: skip
+    )
     assert_close("bce mean", mean, total / logits.numel(), RTOL[BF16])
 
 

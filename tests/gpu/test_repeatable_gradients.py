@@ -25,7 +25,7 @@ from runtime.accelerators import (
     rms_norm,
     swiglu,
     use_accelerators,
-)  # fmt: skip
+)
 from runtime.accelerators.testing import deterministic_algorithms
 
 sys.path.insert(0, str(Path(__file__).parent))

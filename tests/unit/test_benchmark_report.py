@@ -32,17 +32,19 @@ def _result(rows, gpu="NVIDIA H200", command="taac-benchmark --operator rms_norm
 
 @pytest.fixture
 def results():
-    first = _result([
-        _row("8192x128", "fwd", "triton", "backend", 0.005),
-        _row("8192x128", "fwd", "tilelang", "backend", 0.004),
-        _row("8192x128", "fwd", "torch", "backend", 0.001),  # the reference: never "ours", never a peer
-        _row("8192x128", "fwd", "torch.compile", "peer", 0.008),
-        _row("8192x128", "fwd", "liger", "peer", 0.010),
-        _row("8192x128", "fwd+bwd", "triton", "backend", 0.020),
-        _row("8192x128", "fwd+bwd", "tilelang", "backend", status="error"),
-        _row("8192x128", "fwd+bwd", "torch.compile", "peer", 0.015),
-        _row("8192x128", "fwd+bwd", "liger", "peer", 0.060),
-    ])  # fmt: skip
+    first = _result(
+        [
+            _row("8192x128", "fwd", "triton", "backend", 0.005),
+            _row("8192x128", "fwd", "tilelang", "backend", 0.004),
+            _row("8192x128", "fwd", "torch", "backend", 0.001),  # the reference: never "ours", never a peer
+            _row("8192x128", "fwd", "torch.compile", "peer", 0.008),
+            _row("8192x128", "fwd", "liger", "peer", 0.010),
+            _row("8192x128", "fwd+bwd", "triton", "backend", 0.020),
+            _row("8192x128", "fwd+bwd", "tilelang", "backend", status="error"),
+            _row("8192x128", "fwd+bwd", "torch.compile", "peer", 0.015),
+            _row("8192x128", "fwd+bwd", "liger", "peer", 0.060),
+        ]
+    )
     second = _result([
         _row("131072x64", "fwd", "triton", "backend", 0.012),
         _row("131072x64", "fwd", "liger", "peer", 0.018),

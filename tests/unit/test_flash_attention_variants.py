@@ -199,7 +199,7 @@ def test_split_head_dim():
         (1, 2, 1, 20, 30, 96, True, None, FwdConfig(16, 16, 4, 2, split_d=True)),
     ],
     ids=["causal-gqa-d48-lengths-empty-heavy", "d48-lq<lk", "mqa-d80-lengths", "causal-d96-lq<lk"],
-)  # fmt: skip
+)
 def test_split_forward(b, h, hkv, lq, lk, d, causal, lengths, cfg):
     """The head dim as two column parts: float64's output, the padded kernel's lse (to fp32 rounding: its dots add
     zero columns, in another order) and output. Descriptors asked for (tma forced) are not taken: split loads take

@@ -66,8 +66,9 @@ def triton_chunk(
     backward_tuning where given), without the op's dispatch: (o, final state or None)."""
     run = differentiable(
         functools.partial(gdr_triton.chunk_forward, tuning=tuning),
-        functools.partial(gdr_backward.chunk_backward, tuning=backward_tuning or tuning), 2,
-    )  # fmt: skip
+        functools.partial(gdr_backward.chunk_backward, tuning=backward_tuning or tuning),
+        2,
+    )
     x = inputs
     scale = float(x["q"].shape[-1] ** -0.5 if scale is None else scale)
     cu = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
@@ -90,7 +91,7 @@ CASES = {
         state=True,
         sequences=4,
         options=dict(cu_seqlens=CU, use_qk_l2norm_in_kernel=True, output_final_state=True),
-    ),  # fmt: skip
+    ),
     "T1": dict(shape=(2, 1, 1, 1, 16, 16), state=True, options=dict(output_final_state=True)),
 }
 

@@ -132,9 +132,11 @@ def test_ops_selects_the_op_kinds():
 
 @pytest.mark.parametrize(
     "kwargs, expected",
-    [({"ops": ["linear", "conv"]}, r"ops: unknown op kind\(s\) \['conv'\]; expected a subset of \['linear'"),
-     ({"backend": "cuda"}, "backend: expected None or one of auto, torch, triton, tilelang, got 'cuda'")],
-)  # fmt: skip
+    [
+        ({"ops": ["linear", "conv"]}, r"ops: unknown op kind\(s\) \['conv'\]; expected a subset of \['linear'"),
+        ({"backend": "cuda"}, "backend: expected None or one of auto, torch, triton, tilelang, got 'cuda'"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         replace_modules(nn.Linear(2, 2), **kwargs)
@@ -166,14 +168,16 @@ def test_what_cannot_be_replaced_is_left_with_a_reason():
 
     hooked = nn.Linear(4, 4)
     hooked.register_forward_hook(lambda module, args, out: out)
-    model = nn.ModuleDict({
-        "sum_bag": nn.EmbeddingBag(10, 4, mode="sum"),
-        "max_norm_bag": nn.EmbeddingBag(10, 4, mode="mean", max_norm=1.0),
-        "wide_norm": nn.LayerNorm((2, 4)),
-        "machine_eps": nn.RMSNorm(4),
-        "subclass": MyLinear(4, 4),
-        "hooked": hooked,
-    })  # fmt: skip
+    model = nn.ModuleDict(
+        {
+            "sum_bag": nn.EmbeddingBag(10, 4, mode="sum"),
+            "max_norm_bag": nn.EmbeddingBag(10, 4, mode="mean", max_norm=1.0),
+            "wide_norm": nn.LayerNorm((2, 4)),
+            "machine_eps": nn.RMSNorm(4),
+            "subclass": MyLinear(4, 4),
+            "hooked": hooked,
+        }
+    )
     report = replace_modules(model)
     assert report.replaced == []
     reasons = {entry.name: entry.reason for entry in report.left}
@@ -198,12 +202,14 @@ def test_a_fusion_only_where_the_pattern_is_unambiguous():
         def forward(self, x):
             return 2 * super().forward(x)
 
-    model = nn.ModuleDict({
-        "shared": nn.Sequential(nn.Linear(4, 4), shared_act),
-        "also": nn.Sequential(nn.Linear(4, 4), shared_act),
-        "custom": Doubling(nn.Linear(4, 4), nn.ReLU()),
-        "last": nn.Sequential(nn.ReLU(), nn.Linear(4, 4)),
-    })  # fmt: skip
+    model = nn.ModuleDict(
+        {
+            "shared": nn.Sequential(nn.Linear(4, 4), shared_act),
+            "also": nn.Sequential(nn.Linear(4, 4), shared_act),
+            "custom": Doubling(nn.Linear(4, 4), nn.ReLU()),
+            "last": nn.Sequential(nn.ReLU(), nn.Linear(4, 4)),
+        }
+    )
     x = torch.randn(3, 4)
     expected = {name: seq(x) for name, seq in model.items()}
     report = replace_modules(model, backend="torch")

@@ -319,9 +319,11 @@ def attention_split_d():
     48 = 32 + 16, causal and not; 80 = 64 + 16 with key lengths and dropout; 96 = 64 + 32 causal (split only)."""
     b, h, hkv, length = 2, 4, 2, 200
     for head_dim, causal, lengths, dropout_p, padded in (
-        (48, False, None, 0.0, True), (48, True, None, 0.0, True), (80, True, [length, 77], 0.1, False),
+        (48, False, None, 0.0, True),
+        (48, True, None, 0.0, True),
+        (80, True, [length, 77], 0.1, False),
         (96, True, None, 0.0, False),
-    ):  # fmt: skip
+    ):
         q = torch.randn(b, h, length, head_dim).to(bf16)
         k, v = torch.randn(b, hkv, length, head_dim).to(bf16), torch.randn(b, hkv, length, head_dim).to(bf16)
         key_lengths = torch.tensor(lengths, dtype=torch.int32) if lengths else None
@@ -410,8 +412,9 @@ def _chunk_delta_rule(inputs: dict, tuning) -> tuple:
     """The chunked Triton kernels with these variants (gdr_triton.Tuning), forward and backward through autograd."""
     run = differentiable(
         functools.partial(gdr_triton.chunk_forward, tuning=tuning),
-        functools.partial(gdr_backward.chunk_backward, tuning=tuning), 2,
-    )  # fmt: skip
+        functools.partial(gdr_backward.chunk_backward, tuning=tuning),
+        2,
+    )
     x, cu = inputs, inputs["cu_seqlens"]
     return run(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], x["output_final_state"],

@@ -83,7 +83,9 @@ class MultiHeadAttention(nn.Module):
         if cu_seqlens is not None:
             q, k, v = (_packed_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
             o = flash_attention(
-                q, k, v,
+                q,
+                k,
+                v,
                 causal=self.causal,
                 cu_seqlens_q=cu_seqlens,
                 cu_seqlens_k=cu_seqlens,
@@ -91,7 +93,7 @@ class MultiHeadAttention(nn.Module):
                 max_seqlen_k=max_seqlen,
                 dropout_p=self.dropout if self.training else 0.0,
                 backend=self.backend,
-            )  # fmt: skip
+            )
             return self.out(o.flatten(1))
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         o = flash_attention(
@@ -136,14 +138,16 @@ class CrossAttention(nn.Module):
             k, v = (_packed_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
             one_each = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
             o = flash_attention(
-                q, k, v,
+                q,
+                k,
+                v,
                 cu_seqlens_q=one_each,
                 cu_seqlens_k=context_cu_seqlens,
                 max_seqlen_q=1,
                 max_seqlen_k=context_max_seqlen,
                 dropout_p=self.dropout if self.training else 0.0,
                 backend=self.backend,
-            )  # fmt: skip
+            )
             return self.out(o.flatten(1))
         q = _split_heads(self.q(x), self.n_heads)
         k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))

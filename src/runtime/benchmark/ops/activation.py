@@ -33,7 +33,7 @@ def _cases(op, run, reference, eager):
             run=run,
             reference=lambda i: reference(i["x"]),
             peers={"torch eager": lambda i: eager(i["x"]), "torch.compile": lambda i: compiled(reference)(i["x"])},
-        )  # fmt: skip
+        )
         for name, shape in SHAPES.items()
     ]
 
