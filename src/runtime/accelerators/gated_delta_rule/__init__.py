@@ -92,11 +92,19 @@ def _check_compiled_values(
 # triton backend's w and u and its (I + A)^-1 where its products round them (_saved_dtypes).
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
 CHUNK = KernelOp(
-    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk",
+    "gated_delta_rule_chunk", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward,
+    backends={
+        "triton": "runtime.accelerators.gated_delta_rule.triton:CHUNK_KERNELS",
+        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:CHUNK_KERNELS",
+    },
     fake_takes_backend=True, check_values=_check_compiled_values,
 )  # fmt: skip
 RECURRENT = KernelOp(
-    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent",
+    "gated_delta_rule_recurrent", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.gated_delta_rule.triton:RECURRENT_KERNELS",
+        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:RECURRENT_KERNELS",
+    },
     check_values=_check_compiled_values,
 )  # fmt: skip
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
 from ..norms_triton import n_tiles, row_tiles, rows_of, rsqrt_mean_square
 from ..triton_launch import direct_launch
@@ -109,3 +110,6 @@ def backward(dy, x, eps, y, rstd):
 
 
 _NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, native_forward=native_forward)
