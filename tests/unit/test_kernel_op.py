@@ -134,10 +134,14 @@ def kernel_ops() -> list:
     return [value for module in modules for value in vars(module).values() if isinstance(value, KernelOp)]
 
 
-def test_every_kernel_op_names_its_triton_declaration():
-    """Each KernelOp's triton location resolves to a KernelBackend (tilelang's are resolved by the TileLang tests)."""
+def test_every_kernel_op_names_its_declarations():
+    """Each KernelOp's locations resolve to KernelBackends (where the backend's library imports here)."""
+    from runtime.accelerators.backends import library_reasons
+
     ops = kernel_ops()
     assert len({op.name for op in ops}) == len(ops) >= 18
     for op in ops:
-        assert set(op.locations) <= {"triton", "tilelang"}, op.name
-        assert isinstance(resolve(op.locations["triton"]), KernelBackend), op.name
+        assert "triton" in op.locations and set(op.locations) <= {"triton", "tilelang"}, op.name
+        for backend, location in op.locations.items():
+            if not library_reasons(backend):
+                assert isinstance(resolve(location), KernelBackend), location

@@ -63,12 +63,18 @@ class KernelBackend:
         return {"results": 0, "saved": n_outputs, "arguments": n_results}[self.backward_reads]
 
 
+def split_location(location: str) -> tuple[str, str]:
+    """("package.module", "NAME") from "package.module:NAME", raising on anything else."""
+    module_name, separator, name = location.partition(":")
+    if not separator or not name.isidentifier() or not all(part.isidentifier() for part in module_name.split(".")):
+        raise ValueError(f"kernel backend location {location!r}: expected 'package.module:NAME'")
+    return module_name, name
+
+
 def resolve(location: str) -> KernelBackend:
     """The KernelBackend at "package.module:NAME", importing the module (the one lookup by name: a KernelOp's
     declared locations)."""
-    module_name, separator, name = location.partition(":")
-    if not separator or not name.isidentifier():
-        raise ValueError(f"kernel backend location {location!r}: expected 'package.module:NAME'")
+    module_name, name = split_location(location)
     found = getattr(importlib.import_module(module_name), name)
     if not isinstance(found, KernelBackend):
         raise TypeError(f"{location}: expected a KernelBackend, got {type(found).__name__}")

@@ -50,7 +50,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .kernel_backend import KernelBackend, resolve
+from .kernel_backend import KernelBackend, resolve, split_location
 
 _UNSET = object()
 
@@ -86,6 +86,8 @@ class KernelOp:
         check_values: Callable | None = None,
     ) -> None:
         self.name = name
+        for location in backends.values():
+            split_location(location)  # a malformed location fails here, not at the first call
         self.locations = dict(backends)
         self.n_outputs = n_outputs
         self.n_saved = n_saved

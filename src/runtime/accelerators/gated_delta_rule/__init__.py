@@ -84,8 +84,8 @@ def _check_compiled_values(
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
 
 
-# kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-#                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
+# kernel modules: chunk_forward / recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+#                                                   use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
 # the chunked forward also returns, for its backward, the per-chunk factors (rows of the packed [B*T] axis): the
 # cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64], in fp32 but for the
