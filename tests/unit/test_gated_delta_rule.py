@@ -173,7 +173,7 @@ def test_the_traced_placeholder_has_the_triton_forwards_shapes_and_dtypes(dtype,
     included (w and u in bf16 for half inputs)."""
     x = make_inputs(1, 70, 1, 2, K, V, dtype=dtype, state=True, sequences=2)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True, True, torch.tensor([0, 30, 70]))
-    real = gdr_ops.CHUNK.kernels("triton").chunk_forward(*args)
+    real = gdr_ops.CHUNK.kernels("triton").forward(*args)
     fake = gdr_ops._fake_chunk_forward(*args, backend="triton")
     assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
 

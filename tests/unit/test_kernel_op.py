@@ -1,15 +1,35 @@
-"""KernelOp's eager path: what it saves for backward, and the arguments the kernel module's backward gets."""
+"""KernelOp's eager path: what it saves for backward, and the arguments a backend's backward gets."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import runtime.accelerators as acc
-from runtime.accelerators.bce_with_logits import triton as bce_triton
+from runtime.accelerators.bce_with_logits import KERNEL as BCE
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
+from runtime.accelerators.kernel_backend import KernelBackend, resolve
 from runtime.accelerators.layer_norm import KERNEL as LAYER_NORM
-from runtime.accelerators.layer_norm import triton as layer_norm_triton
-from runtime.accelerators.rms_norm import triton as rms_norm_triton
+from runtime.accelerators.rms_norm import KERNEL as RMS_NORM
+
+
+def replace_kernels(monkeypatch, kernel_op, backend: str, **entries) -> KernelBackend:
+    """For this test, kernel_op runs a copy of the backend's KernelBackend with `entries` replaced (its per-backend
+    caches emptied, so that nothing resolved before is used). Returns the original."""
+    original = kernel_op.kernels(backend)
+    monkeypatch.setattr(kernel_op, "_backends", {backend: dataclasses.replace(original, **entries)})
+    for cache in ("_infer", "_eager", "_native"):
+        monkeypatch.setattr(kernel_op, cache, {})
+    return original
+
+
+def spy_on_backward(monkeypatch, kernel_op, backend: str) -> list:
+    """The arguments of each call of the backend's backward, for this test."""
+    received = []
+    backward = kernel_op.kernels(backend).backward
+    replace_kernels(monkeypatch, kernel_op, backend, backward=lambda *args: received.append(args) or backward(*args))
+    return received
 
 
 def test_arguments_come_back_in_schema_order():
@@ -24,12 +44,10 @@ def test_arguments_come_back_in_schema_order():
 
 
 def test_backward_that_reads_no_output_gets_none_and_the_output_is_not_saved(monkeypatch):
-    """bce (backward_reads_outputs=False): the loss is neither saved nor passed; the (here empty: targets need a
+    """bce (backward_reads="saved"): the loss is neither saved nor passed; the (here empty: targets need a
     gradient) unit gradient is."""
     logits, targets = torch.randn(6, requires_grad=True), torch.rand(6, requires_grad=True)
-    received = []
-    backward = bce_triton.backward
-    monkeypatch.setattr(bce_triton, "backward", lambda *args: received.append(args) or backward(*args))
+    received = spy_on_backward(monkeypatch, BCE, "triton")
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
     saved = loss.grad_fn.saved_tensors
     assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (0,)
@@ -42,7 +60,7 @@ def test_bce_gradient_from_the_forward_saves_that_gradient_alone(monkeypatch):
     """Small eager bce calls whose logits alone need a gradient: one saved tensor, the forward's unit gradient,
     scaled in backward without the kernel module's backward."""
     logits, targets = torch.randn(2, 3, requires_grad=True), torch.rand(2, 3)
-    monkeypatch.setattr(bce_triton, "backward", lambda *args: pytest.fail("the module's backward ran"))
+    replace_kernels(monkeypatch, BCE, "triton", backward=lambda *args: pytest.fail("the backend's backward ran"))
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
     (unit,) = loss.grad_fn.saved_tensors
     assert unit.shape == (2, 3) and unit.dtype == torch.float32
@@ -53,16 +71,15 @@ def test_bce_gradient_from_the_forward_saves_that_gradient_alone(monkeypatch):
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_backward_that_reads_no_result_gets_the_arguments_alone(op, monkeypatch):
-    """The Triton norms recompute their statistics (BACKWARD_READS_RESULTS = False): an eager forward runs infer and
+    """The Triton norms recompute their statistics (backward_reads="arguments"): an eager forward runs infer and
     saves the arguments alone; backward gets None for every result, and the gradients of the custom ops' path."""
-    module = {"rms_norm": rms_norm_triton, "layer_norm": layer_norm_triton}[op]
+    kernel_op = {"rms_norm": RMS_NORM, "layer_norm": LAYER_NORM}[op]
+    kernels = kernel_op.kernels("triton")
     x = torch.randn(5, 48, requires_grad=True)
     params = {"weight": torch.randn(48, requires_grad=True)}
     if op == "layer_norm":
         params["bias"] = torch.randn(48, requires_grad=True)
-    received = []
-    backward = module.backward
-    monkeypatch.setattr(module, "backward", lambda *args: received.append(args) or backward(*args))
+    received = spy_on_backward(monkeypatch, kernel_op, "triton")
     y = getattr(acc, op)(x, **params, backend="triton")
     saved = y.grad_fn.saved_tensors
     assert len(saved) == 1 + len(params) and all(a is b for a, b in zip(saved, (x, *params.values())))
@@ -72,8 +89,8 @@ def test_backward_that_reads_no_result_gets_the_arguments_alone(op, monkeypatch)
     assert received[0][-n_results:] == (None,) * n_results
     # the results the custom ops pass (the forward's mean / rstd) change nothing
     args = (x.detach(), *(p.detach() for p in params.values()), 1e-5 if op == "layer_norm" else 1e-6)
-    results = module.forward(*args)
-    for got, want in zip(grads, backward(dy, *args, *results)):
+    results = kernels.forward(*args)
+    for got, want in zip(grads, kernels.backward(dy, *args, *results)):
         assert torch.equal(got, want)
 
 
@@ -90,3 +107,41 @@ def test_bce_gradient_from_the_forward_twice(reduction):
     reference = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction=reduction)
     expected = torch.autograd.grad(reference, logits, grad)[0]
     torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_kernel_backend_checks_its_declaration():
+    forward = lambda x: (x,)  # noqa: E731
+    with pytest.raises(ValueError, match="backward_reads"):
+        KernelBackend(forward=forward, backward=forward, backward_reads="outputs")
+    with pytest.raises(TypeError, match="KernelBackend.infer"):
+        KernelBackend(forward=forward, infer="infer")
+    with pytest.raises(ValueError, match="native_forward"):
+        KernelBackend(forward=forward, native_forward=forward)
+    with pytest.raises(ValueError, match="package.module:NAME"):
+        resolve("runtime.accelerators.rms_norm.triton")
+    with pytest.raises(TypeError, match="expected a KernelBackend"):
+        resolve("runtime.accelerators.rms_norm.triton:forward")
+
+
+def kernel_ops() -> list:
+    import importlib
+
+    from runtime.accelerators.config import OP_NAMES
+    from runtime.accelerators.kernel_op import KernelOp
+
+    modules = [importlib.import_module(f"runtime.accelerators.{op}") for op in OP_NAMES]
+    modules.append(importlib.import_module("runtime.accelerators.flash_attention.varlen"))
+    return [value for module in modules for value in vars(module).values() if isinstance(value, KernelOp)]
+
+
+def test_every_kernel_op_names_its_declarations():
+    """Each KernelOp's locations resolve to KernelBackends (where the backend's library imports here)."""
+    from runtime.accelerators.backends import library_reasons
+
+    ops = kernel_ops()
+    assert len({op.name for op in ops}) == len(ops) >= 18
+    for op in ops:
+        assert "triton" in op.locations and set(op.locations) <= {"triton", "tilelang"}, op.name
+        for backend, location in op.locations.items():
+            if not library_reasons(backend):
+                assert isinstance(resolve(location), KernelBackend), location

@@ -181,16 +181,6 @@ class OpSpec:
         return tuple(candidates), skipped
 
 
-def load_kernels(op: str, backend: str):
-    """Import an op's kernel module lazily (so the package imports without triton or tilelang)."""
-    return _load_kernels(op, backend)
-
-
-@functools.cache
-def _load_kernels(op: str, backend: str):
-    return importlib.import_module(f"runtime.accelerators.{op}.{backend}")
-
-
 # --------------------------------------------------------------------------- resolution
 
 _decisions: dict[Hashable, "str | autotune.Tuned"] = {}

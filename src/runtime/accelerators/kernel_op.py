@@ -1,33 +1,35 @@
 """The bridge from an op's kernel backends to autograd (eager) and to torch.compile.
 
-Each kernel module `runtime.accelerators.<op>.<backend>` exposes two plain functions:
+Each backend of an op declares its entry points as a KernelBackend (kernel_backend.py) at the end of its kernel
+module, and the op's KernelOp names where each declaration lives: `backends={"triton":
+"runtime.accelerators.rms_norm.triton:KERNELS", ...}`, imported on first use so that the package imports without
+triton or tilelang. KernelOp reads nothing from a kernel module but that declaration:
 
     forward(*args) -> tuple[Tensor, ...]
         the op's outputs first (`n_outputs` of them), then whatever backward needs
     backward(*grad_outputs, *args, *results) -> tuple
         one gradient (or None) per arg; `results` is everything forward returned
-
-and may expose a third:
-
-    infer(*args) -> tuple[Tensor, ...]
+    infer(*args) -> tuple[Tensor, ...]    (optional)
         the op's outputs alone, as forward computes them: what an eager call with nothing to
         differentiate runs, so that it allocates and writes nothing for a backward that will not come
+    native_forward(*args)    (optional)
+        the op's outputs with the backward attached as a C++ node (runtime.accelerators.native), or None where
+        that does not apply to these arguments: eager calls that need gradients try it first
 
 Tensor arguments that no backend's backward reads (add_norm's x and residual: it reads their sum, an output) are named
 in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops,
 whose schema is the op's, still pass them).
 
-A backward that never reads the op's outputs (results[:n_outputs]) says so with backward_reads_outputs=False:
-eager calls then do not save them (an output kept for backward costs more to save and unpack than an input) and
-pass None in their place. A kernel module whose backward reads none of forward's results (it recomputes what it
-needs from the arguments) sets `BACKWARD_READS_RESULTS = False`: its eager calls then run `infer` (when it has one)
-also where gradients are needed, keep only the arguments, and pass None for every result; the custom ops, whose
-schema is the op's, still run forward and pass its results.
+A backend's `backward_reads` says which of forward's results its backward reads, and so which eager calls save:
+"results" (all), "saved" (not the op's outputs: an output kept for backward costs more to save and unpack than an
+input; backward gets None in their place) or "arguments" (none: the backward recomputes what it needs; eager calls
+then run `infer`, where there is one, also where gradients are needed, and pass None for every result). The custom
+ops, whose schema is the op's, always run forward and pass all its results.
 
 Eager calls run them through an autograd.Function (one subclass per op and backend, holding both, so that
 neither passes through autograd as an argument): no dispatcher in between. Under
-torch.compile the same functions run as the custom ops `taac::<op>_forward` and
-`taac::<op>_backward` (opaque to the compiler, with fake implementations for tracing),
+torch.compile the same functions run as the custom ops `taac::<name>_forward` and
+`taac::<name>_backward` (opaque to the compiler, with fake implementations for tracing),
 so graphs hold one node per kernel launch. Backward always runs on the forward's backend.
 
 Every tensor the custom ops return (outputs, saved results, gradients) is contiguous, whatever the layout of the
@@ -48,7 +50,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .backends import load_kernels
+from .kernel_backend import KernelBackend, resolve, split_location
 
 _UNSET = object()
 
@@ -56,17 +58,15 @@ _UNSET = object()
 class KernelOp:
     """One op's kernel entry point.
 
-    op:            the op's folder name (kernels are loaded from runtime.accelerators.<op>.<backend>)
+    name:          the op's name in the custom ops `taac::<name>_forward` / `taac::<name>_backward` and in errors
+                   (the folder's name, or `<folder>_<entry>` for a folder holding several ops: mhc_pre, mhc_post)
     args_schema:   the forward arguments in torch schema syntax, e.g. "Tensor x, Tensor? weight, float eps"
     n_outputs:     how many leading results of forward are returned to the caller
     n_saved:       how many further results forward returns for backward
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
     fake_takes_backend: fake_forward also takes the backend's name (keyword `backend`), for an op whose backends
                    save results of different dtypes
-    entry:         for a folder holding several ops (mhc: pre and post): the kernel modules' functions
-                   are then `<entry>_forward` / `<entry>_backward` / `<entry>_infer`, the custom ops
-                   `taac::<op>_<entry>_*`
-    backward_reads_outputs: False when no backend's backward reads the op's outputs (see the module docstring)
+    backends:      backend name -> where its KernelBackend lives, "package.module:NAME" (imported on first use)
     unread_args:   names of tensor arguments no backend's backward reads (see the module docstring)
     check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
                    argument): run by the forward custom op on its real arguments, so a compiled call checks what an
@@ -75,27 +75,22 @@ class KernelOp:
 
     def __init__(
         self,
-        op: str,
+        name: str,
         args_schema: str,
         n_outputs: int,
         n_saved: int,
         fake_forward: Callable,
-        entry: str | None = None,
-        backward_reads_outputs: bool = True,
+        backends: dict[str, str],
         fake_takes_backend: bool = False,
         unread_args: tuple[str, ...] = (),
         check_values: Callable | None = None,
     ) -> None:
-        self.op = op
-        prefix = f"{entry}_" if entry else ""
-        self.forward_name, self.backward_name, self.infer_name = (
-            f"{prefix}forward",
-            f"{prefix}backward",
-            f"{prefix}infer",
-        )
+        self.name = name
+        for location in backends.values():
+            split_location(location)  # a malformed location fails here, not at the first call
+        self.locations = dict(backends)
         self.n_outputs = n_outputs
         self.n_saved = n_saved
-        self.backward_reads_outputs = backward_reads_outputs
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
         kinds = [argument.split()[0].startswith("Tensor") for argument in args_schema.split(",")]
         self.tensor_slots = tuple(i for i, is_tensor in enumerate(kinds) if is_tensor)
@@ -114,10 +109,10 @@ class KernelOp:
         self.saved_tensors_of = self.tensors_of if all(keep) else _saving(self.tensors_of, keep)
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
-        self._modules: dict = {}
+        self._backends: dict[str, KernelBackend] = {}  # backend -> its resolved KernelBackend
+        self._infer: dict = {}  # backend -> what eager calls with nothing to differentiate run: infer, else forward
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
-        self._native: dict = {}  # backend -> the kernel module's native_forward, or None (see _native_forward)
-        self.name = name = f"{op}_{entry}" if entry else op
+        self._native: dict = {}  # backend -> the KernelBackend's native_forward, or None (see _native_forward)
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
@@ -125,7 +120,7 @@ class KernelOp:
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
             f"taac::{name}_forward",
-            _run_forward(op, self.forward_name, n_results, check_values),
+            _run_forward(name, self.kernels, n_results, check_values),
             mutates_args=(),
             schema=f"(str backend, {args_schema}) -> {returns}",
         )
@@ -138,7 +133,7 @@ class KernelOp:
         )
         self._backward_op = torch.library.custom_op(
             f"taac::{name}_backward",
-            _run_backward(op, self.backward_name, n_outputs, n_results),
+            _run_backward(name, self.kernels, n_outputs, n_results),
             mutates_args=(),
             schema=f"(str backend, {grads}, {args_schema}, {saved}) -> Tensor[]",
         )
@@ -155,15 +150,14 @@ class KernelOp:
                     arg = args[i]
                     if arg is not None and arg.requires_grad:
                         return self._apply_eagerly(backend, args)  # what the op returns
-            # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the module can
-            functions = (self._modules.get(backend) or self.kernels(backend)).__dict__
-            results = functions.get(self.infer_name, functions[self.forward_name])(*args)
+            # nothing to differentiate: skip autograd's bookkeeping, and the saved results where the backend can
+            results = (self._infer.get(backend) or self._inference(backend))(*args)
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
 
     def _apply_eagerly(self, backend: str, args):
-        """The kernel module's native_forward where it has one (the backward a C++ node), else the backend's
+        """The backend's native_forward where it has one (the backward a C++ node), else the backend's
         autograd.Function applied without its Python layer (about 2 us per call; apply_eagerly). Returns what the op
         returns."""
         native_forward = self._native.get(backend, _UNSET)
@@ -176,38 +170,45 @@ class KernelOp:
         apply, function = self._eager.get(backend) or self._eager_function(backend)
         return apply_eagerly(function, apply, args, self.tensor_slots)
 
+    def _inference(self, backend: str) -> Callable:
+        kernels = self.kernels(backend)
+        found = self._infer[backend] = kernels.infer or kernels.forward
+        return found
+
     def _native_forward(self, backend: str):
-        """The kernel module's `<entry>_native_forward(*args)`: the op's outputs with the backward attached as a C++
-        node (runtime.accelerators.native), or None where it does not apply. None where the module has none or
-        native nodes cannot run here."""
-        found = getattr(self.kernels(backend), f"{self.forward_name.removesuffix('forward')}native_forward", None)
+        """The backend's native_forward(*args): the op's outputs with the backward attached as a C++ node
+        (runtime.accelerators.native), or None where it does not apply. None where the backend has none or native
+        nodes cannot run here."""
+        found = self.kernels(backend).native_forward
         if found is not None and native.reasons():
             found = None
         self._native[backend] = found
         return found
 
     def _eager_function(self, backend: str) -> tuple:
-        module = self.kernels(backend)
-        n_results = self.n_outputs + self.n_saved
-        if getattr(module, "BACKWARD_READS_RESULTS", True):
-            forward_name, first_saved = self.forward_name, 0 if self.backward_reads_outputs else self.n_outputs
-        else:  # infer where there is one: no results to save
-            forward_name = self.infer_name if hasattr(module, self.infer_name) else self.forward_name
-            first_saved = n_results
+        kernels = self.kernels(backend)
+        if kernels.backward is None:
+            raise RuntimeError(f"{self.name}: the {backend} backend has no backward")
+        first_saved = kernels.first_saved(self.n_outputs, self.n_outputs + self.n_saved)
+        # nothing saved from forward's results ("arguments"): infer where there is one
+        run_forward = (kernels.infer or kernels.forward) if kernels.backward_reads == "arguments" else kernels.forward
         attributes = {
-            "kernel_op": self, "module": module, "backend": backend, "forward_name": forward_name,
-            "first_saved": first_saved, "unsaved": (None,) * first_saved,
+            "kernel_op": self, "backend": backend, "run_forward": staticmethod(run_forward),
+            "run_backward": staticmethod(kernels.backward), "first_saved": first_saved, "unsaved": (None,) * first_saved,
         }  # fmt: skip
-        function = type(f"{self.op}_{self.forward_name}_{backend}", (_EagerFunction,), attributes)
+        function = type(f"{self.name}_forward_{backend}", (_EagerFunction,), attributes)
         found = self._eager[backend] = c_apply(function), function
         return found
 
-    def kernels(self, backend: str):
-        """The backend's kernel module (imported on first use, then a dict lookup)."""
-        module = self._modules.get(backend)
-        if module is None:
-            module = self._modules[backend] = load_kernels(self.op, backend)
-        return module
+    def kernels(self, backend: str) -> KernelBackend:
+        """The backend's KernelBackend (imported on first use, then a dict lookup)."""
+        kernels = self._backends.get(backend)
+        if kernels is None:
+            location = self.locations.get(backend)
+            if location is None:
+                raise ValueError(f"{self.name}: no {backend!r} kernels; it has {', '.join(self.locations)}")
+            kernels = self._backends[backend] = resolve(location)
+        return kernels
 
     def _save(self, ctx, inputs, output) -> None:
         """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
@@ -237,9 +238,9 @@ class _EagerFunction(torch.autograd.Function):
     """Subclassed per op and backend (KernelOp._eager_function), with these class attributes."""
 
     kernel_op: KernelOp
-    module: object  # the backend's kernel module
     backend: str
-    forward_name: str  # the module function forward runs: the op's forward, or infer (BACKWARD_READS_RESULTS)
+    run_forward: Callable  # the backend's forward, or its infer where backward reads only the arguments
+    run_backward: Callable  # the backend's backward
     first_saved: int  # the results from this one on are saved for backward
     unsaved: tuple  # None for each result not saved, passed to backward in its place
 
@@ -247,7 +248,7 @@ class _EagerFunction(torch.autograd.Function):
     def forward(ctx, *args):
         function = ctx._forward_cls
         kernel_op = function.kernel_op
-        results = function.module.__dict__[function.forward_name](*args)
+        results = function.run_forward(*args)
         if not isinstance(results, tuple):
             results = (results,)
         ctx.values = kernel_op.values_of(args)
@@ -264,8 +265,9 @@ class _EagerFunction(torch.autograd.Function):
         args = saved[:n_tensors] + ctx.values  # as kernel_op.arguments, inline
         if kernel_op.in_schema_order is not None:
             args = kernel_op.in_schema_order(args)
-        backward = function.module.__dict__[kernel_op.backward_name]
-        grads_in = tuple(backward(*grads, *args, *function.unsaved, *saved[n_tensors:]))  # a list would be 1
+        grads_in = tuple(
+            function.run_backward(*grads, *args, *function.unsaved, *saved[n_tensors:])
+        )  # a list would be 1
         if torch.is_grad_enabled():  # create_graph=True
             return no_double_backward(kernel_op.name, function.backend, grads_in, args)
         return grads_in
@@ -360,23 +362,26 @@ def _contiguous_fakes(results) -> tuple:
     return tuple(torch.empty_like(r, memory_format=torch.contiguous_format) for r in _as_tuple(results))
 
 
-def _run_forward(op: str, function: str, n_results: int, check_values: Callable | None):
+def _run_forward(name: str, kernels: Callable[[str], KernelBackend], n_results: int, check_values: Callable | None):
     def forward(backend, *args):
         if check_values is not None:
             check_values(*args)
-        results = _as_tuple(getattr(load_kernels(op, backend), function)(*args))
+        results = _as_tuple(kernels(backend).forward(*args))
         if len(results) != n_results:
-            raise RuntimeError(f"{op}.{backend}.{function} returned {len(results)} tensors, expected {n_results}")
+            raise RuntimeError(f"{name}: the {backend} forward returned {len(results)} tensors, expected {n_results}")
         return _unwrap_single(tuple(r.contiguous() for r in results))  # the layout rule (module docstring)
 
     return forward
 
 
-def _run_backward(op: str, function: str, n_outputs: int, n_results: int):
+def _run_backward(name: str, kernels: Callable[[str], KernelBackend], n_outputs: int, n_results: int):
     def backward(backend, *flat):
         grads, rest = flat[:n_outputs], flat[n_outputs:]
         args, results = rest[: len(rest) - n_results], rest[len(rest) - n_results :]
-        grads_in = getattr(load_kernels(op, backend), function)(*grads, *args, *results)
+        run_backward = kernels(backend).backward
+        if run_backward is None:
+            raise RuntimeError(f"{name}: the {backend} backend has no backward")
+        grads_in = run_backward(*grads, *args, *results)
         # Tensor[] cannot hold None: return the gradients of the tensor arguments present.
         # A custom op's outputs may alias neither its inputs nor one another: copy a gradient passed
         # straight through (dropout_add's residual gets the incoming gradient) or sharing memory with

@@ -69,7 +69,7 @@ def deterministic_algorithms() -> Iterator[None]:
 
 
 def differentiable(forward, backward, n_outputs: int):
-    """A kernel module's forward(*args) and backward(*grad_outputs, *args, *results) (kernel_op's convention) as one
+    """A kernel backend's forward(*args) and backward(*grad_outputs, *args, *results) (kernel_op's convention) as one
     function of args that autograd differentiates, returning the first n_outputs results: how tests run a launcher's
     variants (keyword arguments bound with functools.partial) forward and backward without the op's dispatch."""
 

@@ -11,6 +11,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
 from .reference import GELU, GELU_TANH, INV_SQRT_2PI, SILU, SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
@@ -134,3 +135,7 @@ def silu_forward(x: torch.Tensor) -> torch.Tensor:
 def silu_backward(dy: torch.Tensor, x: torch.Tensor, y):
     """y is not read (None in eager calls)."""
     return (_backward(dy, x, SILU),)
+
+
+GELU_KERNELS = KernelBackend(forward=gelu_forward, backward=gelu_backward, backward_reads="arguments")
+SILU_KERNELS = KernelBackend(forward=silu_forward, backward=silu_backward, backward_reads="arguments")

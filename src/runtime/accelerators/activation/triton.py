@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..swiglu.triton import BLOCK, WARPS, load_block, store_block
 from ..triton_launch import direct_launch
@@ -137,3 +138,7 @@ def silu_forward(x: torch.Tensor) -> torch.Tensor:
 def silu_backward(dy: torch.Tensor, x: torch.Tensor, y):
     """y is not read (None in eager calls)."""
     return (_backward(dy, x, SILU),)
+
+
+GELU_KERNELS = KernelBackend(forward=gelu_forward, backward=gelu_backward, backward_reads="arguments")
+SILU_KERNELS = KernelBackend(forward=silu_forward, backward=silu_backward, backward_reads="arguments")

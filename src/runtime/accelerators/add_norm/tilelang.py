@@ -11,6 +11,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
@@ -306,3 +307,7 @@ def layer_backward(dy, dnew, x, residual, weight, bias, eps, y, total, rstd, mea
     """x, residual and y are not read (x and residual are None in eager calls)."""
     dtotal, dweight, dbias = _backward(dy, dnew, weight, bias, total, rstd, mean)
     return dtotal, dtotal, dweight, dbias, None
+
+
+RMS_KERNELS = KernelBackend(forward=rms_forward, backward=rms_backward)
+LAYER_KERNELS = KernelBackend(forward=layer_forward, backward=layer_backward)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..norms_triton import (
     PARAMETER_BACKWARD,
@@ -211,3 +212,7 @@ def layer_backward(
     """x, residual and y are not read (x and residual are None in eager calls)."""
     dtotal, dweight, dbias = _backward(dy, dnew, weight, bias, total, rstd, mean, launch)
     return dtotal, dtotal, dweight, dbias, None
+
+
+RMS_KERNELS = KernelBackend(forward=rms_forward, backward=rms_backward, infer=rms_infer)
+LAYER_KERNELS = KernelBackend(forward=layer_forward, backward=layer_backward, infer=layer_infer)

@@ -93,24 +93,24 @@ def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, dtype: torch.dty
 
 
 class _UnitGradientFunction(torch.autograd.Function):
-    """Eager calls with grad_in_forward: the backend module's forward writes the loss and the logits' gradient for an
+    """Eager calls with grad_in_forward: the backend's forward writes the loss and the logits' gradient for an
     incoming gradient of one; only that gradient is saved, and backward scales it. Lighter than the KernelOp path
-    (which saves every tensor argument and runs the module's generic backward): H100, 256 / 4096 fp32 logits, us per
+    (which saves every tensor argument and runs the backend's generic backward): H100, 256 / 4096 fp32 logits, us per
     eager forward+backward, 211 / 202 through KernelOp against
     180 / 190 for this shape of Function. torch.compile keeps the custom ops."""
 
     @staticmethod
-    def forward(ctx, logits, targets, weight, pos_weight, reduction, module):
-        loss, unit = module.forward(logits, targets, weight, pos_weight, reduction, False, True)
+    def forward(ctx, logits, targets, weight, pos_weight, reduction, kernels, backend):
+        loss, unit = kernels.forward(logits, targets, weight, pos_weight, reduction, False, True)
         ctx.save_for_backward(unit)
-        ctx.logits_dtype, ctx.backend = logits.dtype, module.__name__.rpartition(".")[2]
+        ctx.logits_dtype, ctx.backend = logits.dtype, backend
         ctx.logits = logits  # not its values: the edge a double backward's error node takes (no_double_backward)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         (unit,) = ctx.saved_tensors
-        grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None
+        grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None, None
         return (
             no_double_backward("bce_with_logits", ctx.backend, grads, (ctx.logits,))
             if torch.is_grad_enabled()
@@ -219,7 +219,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
-    backward_reads_outputs=False,
+    backends={
+        "triton": "runtime.accelerators.bce_with_logits.triton:KERNELS",
+        "tilelang": "runtime.accelerators.bce_with_logits.tilelang:KERNELS",
+    },
 )
 
 
@@ -264,6 +267,6 @@ def kernel_loss(
     targets_grad = grad_enabled and targets.requires_grad
     grad_in_forward = grad_enabled and logits.requires_grad and not targets_grad and n <= grad_in_forward_max_numel
     if grad_in_forward and not torch.compiler.is_compiling():
-        args = (logits, targets, weight, pos_weight, reduction, KERNEL.kernels(chosen))
+        args = (logits, targets, weight, pos_weight, reduction, KERNEL.kernels(chosen), chosen)
         return apply_eagerly(_UnitGradientFunction, _apply_unit_gradient, args, (0, 1, 2, 3))
     return KERNEL(chosen, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)

@@ -12,6 +12,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import TL_DTYPE, compiled
 from . import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
@@ -337,3 +338,6 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     # without targets_grad the kernel never writes DY: targets stand in for it
     kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
     return dlogits, dtargets, None, None, None, None, None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="saved")

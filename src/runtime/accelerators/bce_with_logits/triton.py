@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..backends import sm_count
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
@@ -346,3 +347,6 @@ def backward(
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
     return dlogits, dtargets, None, None, None, None, None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, backward_reads="saved")

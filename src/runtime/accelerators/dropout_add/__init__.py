@@ -45,7 +45,15 @@ def _fake_forward(x, residual, p, seed):
 #                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
 # seed: the int64 tensor of shape (1,) from draw_seed_tensor, on x's device
 KERNEL = KernelOp(
-    "dropout_add", "Tensor x, Tensor residual, float p, Tensor seed", n_outputs=1, n_saved=0, fake_forward=_fake_forward
+    "dropout_add",
+    "Tensor x, Tensor residual, float p, Tensor seed",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.dropout_add.triton:KERNELS",
+        "tilelang": "runtime.accelerators.dropout_add.tilelang:KERNELS",
+    },
 )
 
 

@@ -15,6 +15,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
 from .reference import HASH_M1, HASH_M2, KEY_MULTIPLIER, keep_threshold
@@ -157,3 +158,6 @@ def backward(dout, x, residual, p: float, seed: torch.Tensor, out, block: int = 
     dx = buffers.empty_like(x)
     kernel(flat(dout), dx.view(-1), seed, keep_threshold(p), 1.0 / (1.0 - p))
     return dx, dout, None, None  # d residual = dout
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .reference import TRITON_BLOCK, keep_threshold
@@ -138,3 +139,6 @@ def backward(
         _contiguous(dout), dx, n, seed, keep_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=warps
     )
     return dx, dout, None, None  # d residual = dout
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

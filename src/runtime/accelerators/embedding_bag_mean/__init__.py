@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..backends import Backend, load_kernels, select_backend
+from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_op import KernelOp, no_double_backward
 from .collection import embedding_bag_collection
@@ -48,7 +48,22 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=2,
     fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.embedding_bag_mean.triton:KERNELS",
+        "tilelang": "runtime.accelerators.embedding_bag_mean.tilelang:KERNELS",
+    },
 )
+
+
+@functools.cache
+def _sparse_kernels(backend: str):
+    """The backend's kernel module, for its forward and backward_sparse (imported on first use: the package imports
+    without triton or tilelang)."""
+    if backend == "triton":
+        from . import triton as kernels
+    else:
+        from . import tilelang as kernels
+    return kernels
 
 
 class _SparseGradient(torch.autograd.Function):
@@ -61,7 +76,7 @@ class _SparseGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
-        kernels = load_kernels("embedding_bag_mean", backend)
+        kernels = _sparse_kernels(backend)
         out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
         ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
         ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = (

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..backends import Backend, load_kernels, select_backend
+from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
 from .spec import SPEC
 
@@ -142,6 +142,14 @@ def _check_offsets(bounds: list[int], num_values: int) -> None:
         )
 
 
+@functools.cache
+def _collection_kernels():
+    """The collection's Triton kernel module (imported on first use: the package imports without triton)."""
+    from . import collection_triton
+
+    return collection_triton
+
+
 _tables_cache: dict = {}
 
 
@@ -154,14 +162,14 @@ def _tables(weights, pads: tuple[int, ...]):
     if meta is None:
         if len(_tables_cache) >= _TABLES_CACHE_SIZE:
             _tables_cache.pop(next(iter(_tables_cache)))
-        meta = _tables_cache[key] = load_kernels("embedding_bag_mean", "collection_triton").tables(weights, pads)
+        meta = _tables_cache[key] = _collection_kernels().tables(weights, pads)
     return meta
 
 
 class _Collection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pads, check_indices, values, offsets, *weights):
-        kernels = load_kernels("embedding_bag_mean", "collection_triton")
+        kernels = _collection_kernels()
         meta = _tables(weights, pads)
         out, scale, bag_of, keys = kernels.forward(weights, values, offsets, meta, check_indices)
         ctx.save_for_backward(scale, bag_of, keys, *weights)
@@ -172,7 +180,7 @@ class _Collection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         scale, bag_of, keys, *weights = ctx.saved_tensors
-        kernels = load_kernels("embedding_bag_mean", "collection_triton")
+        kernels = _collection_kernels()
         grads = kernels.backward(grad_out, weights, ctx.meta, scale, bag_of, keys)
         return (None, None, None, None, *grads)
 

@@ -20,6 +20,7 @@ from ..tilelang_common import Entry, launcher  # first: checks the tilelang vers
 from ..tilelang_common import precompile as precompile_entries
 
 import tilelang.language as T  # noqa: E402  isort: skip
+from ..kernel_backend import KernelBackend
 from .reference import INDEX_ERROR
 from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
@@ -426,3 +427,6 @@ def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_las
         grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True
     )
     return sparse_gradient(rows, values, weight.shape[0])
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from . import radix_sort
@@ -395,3 +396,6 @@ def backward_sparse(
         grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, True, launch
     )
     return sparse_gradient(rows, values, weight.shape[0])
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

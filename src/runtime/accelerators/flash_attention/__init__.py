@@ -144,6 +144,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.flash_attention.triton:KERNELS",
+        "tilelang": "runtime.accelerators.flash_attention.tilelang:KERNELS",
+    },
 )
 
 

@@ -26,6 +26,7 @@ import math
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
 from .tilelang_kernels import (
     BWD_CONFIGS,
@@ -291,3 +292,7 @@ def _unblock(acc: torch.Tensor, dq: torch.Tensor) -> None:
     dq[:, :, : whole * sub].unflatten(2, (whole, sub)).unflatten(-1, (d // sub, sub)).copy_(tiles[:, :, :whole])
     if lq % sub:
         dq[:, :, whole * sub :].copy_(tiles[:, :, whole, : lq % sub].flatten(-2))
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)
+VARLEN_KERNELS = KernelBackend(forward=varlen_forward)

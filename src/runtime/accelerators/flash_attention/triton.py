@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..buffers import empty
+from ..kernel_backend import KernelBackend
 from .triton_configs import (
     BACKWARDS,
     CONFIGS_16BIT,
@@ -104,3 +105,7 @@ def varlen_backward(
     packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = backward(do, q, k, v, None, causal, scale, dropout_p, seed, o, lse, packing=packing)[:3]
     return dq, dk, dv, *rest
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)
+VARLEN_KERNELS = KernelBackend(forward=varlen_forward, backward=varlen_backward)

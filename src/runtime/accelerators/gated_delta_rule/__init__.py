@@ -84,19 +84,27 @@ def _check_compiled_values(
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
 
 
-# kernel modules: <entry>_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-#                                 use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
+# kernel modules: chunk_forward / recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+#                                                   use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
 # the chunked forward also returns, for its backward, the per-chunk factors (rows of the packed [B*T] axis): the
 # cumulative decay gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] and (I + A)^-1 [B*T, HV, 64], in fp32 but for the
 # triton backend's w and u and its (I + A)^-1 where its products round them (_saved_dtypes).
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
 CHUNK = KernelOp(
-    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward, entry="chunk",
+    "gated_delta_rule_chunk", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward,
+    backends={
+        "triton": "runtime.accelerators.gated_delta_rule.triton:CHUNK_KERNELS",
+        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:CHUNK_KERNELS",
+    },
     fake_takes_backend=True, check_values=_check_compiled_values,
 )  # fmt: skip
 RECURRENT = KernelOp(
-    "gated_delta_rule", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward, entry="recurrent",
+    "gated_delta_rule_recurrent", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.gated_delta_rule.triton:RECURRENT_KERNELS",
+        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:RECURRENT_KERNELS",
+    },
     check_values=_check_compiled_values,
 )  # fmt: skip
 

@@ -31,6 +31,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
 from .reference import FULL_DECAY
 from .tilelang_backward import backward_entries, chunk_backward  # noqa: F401  (chunk_backward: this backend's entry)
@@ -332,3 +333,7 @@ def warm_up(specs, device: torch.device) -> None:
     """Compile the kernels of (K, V, dtype, g_dtype, beta_dtype, has_initial, store_final, l2norm, varlen[, backward])
     specs."""
     precompile([e for spec in specs for e in entries(*spec)], device)
+
+
+CHUNK_KERNELS = KernelBackend(forward=chunk_forward, backward=chunk_backward)
+RECURRENT_KERNELS = KernelBackend(forward=recurrent_forward, backward=recurrent_backward)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import varlen
@@ -482,3 +483,7 @@ def chunk_forward(
     )
     o = _output(q, k, gamma, states, corrections, scale, use_qk_l2norm_in_kernel, chunks, v.shape)
     return o, final, gamma, w, u, inverse
+
+
+CHUNK_KERNELS = KernelBackend(forward=chunk_forward, backward=chunk_backward)
+RECURRENT_KERNELS = KernelBackend(forward=recurrent_forward, backward=recurrent_backward)

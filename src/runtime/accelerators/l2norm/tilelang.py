@@ -9,6 +9,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
@@ -124,3 +125,6 @@ def backward(dy: torch.Tensor, x: torch.Tensor, eps: float, y: torch.Tensor, rst
         dy_rows, kernel_rows(y), rstd, dx.view(n_rows, width)
     )
     return dx, None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
 from ..norms_triton import n_tiles, row_tiles, rows_of, rsqrt_mean_square
@@ -121,3 +122,6 @@ def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> Launch
 
 
 _NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, native_forward=native_forward)

@@ -26,7 +26,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=2,
     fake_forward=_fake_forward,
-    backward_reads_outputs=False,
+    backends={
+        "triton": "runtime.accelerators.layer_norm.triton:KERNELS",
+        "tilelang": "runtime.accelerators.layer_norm.tilelang:KERNELS",
+    },
 )
 
 

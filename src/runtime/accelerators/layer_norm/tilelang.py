@@ -10,6 +10,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
@@ -245,3 +246,6 @@ def _dtype(t: torch.Tensor | None):
 
 def _zeros_like(t: torch.Tensor | None):
     return None if t is None else torch.zeros_like(t)
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="saved")

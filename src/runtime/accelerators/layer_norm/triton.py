@@ -6,7 +6,7 @@ Backward (xhat = (x - mean) * rstd, g = dy * weight):
 
 The backward kernel works mean and rstd out again from x, as the forward does (row_statistics): it reads x anyway, so
 that costs two row sums and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager
-calls run `infer`: two allocations and two saved tensors fewer per call; BACKWARD_READS_RESULTS). `forward`, the
+calls run `infer`: two allocations and two saved tensors fewer per call; its KERNELS' backward_reads). `forward`, the
 custom op's, still returns mean and rstd, as the op's schema has them.
 
 The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
@@ -34,8 +35,6 @@ from ..norms_triton import (
     sum_partials,
 )
 from ..triton_launch import direct_launch
-
-BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
 
 
 @direct_launch
@@ -193,3 +192,8 @@ def backward_launch(
 
 
 _NATIVE = NativeBackward("LayerNormTritonBackward", _backward_kernel)
+
+
+KERNELS = KernelBackend(
+    forward=forward, backward=backward, infer=infer, native_forward=native_forward, backward_reads="arguments"
+)

@@ -74,6 +74,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
+    backends={
+        "triton": "runtime.accelerators.linear.triton:KERNELS",
+        "tilelang": "runtime.accelerators.linear.tilelang:KERNELS",
+    },
 )
 
 

@@ -20,6 +20,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled, placeholder
 from .launch import ROW_GROUPS
@@ -268,3 +269,6 @@ def backward(dy, x, weight, bias, activation, y, z):
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx, dweight, None if dbias is None else dbias.to(bias.dtype), None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer)

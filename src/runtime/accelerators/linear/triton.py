@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .launch import BACKWARD, BackwardLaunch, backward_config, forward_config
@@ -244,3 +245,6 @@ def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BAC
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx, dweight, None if dbias is None else dbias.to(bias.dtype), None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer)

@@ -42,20 +42,26 @@ def _fake_pre(x, phi, alpha, bias, eps, sinkhorn_iters):
 #                 post_forward(x, y, H_post, H_res) -> (x_next,)
 #                 post_backward(dx_next, x, y, H_post, H_res, x_next) -> (dx, dy, dH_post, dH_res)
 PRE = KernelOp(
-    "mhc",
+    "mhc_pre",
     "Tensor x, Tensor phi, Tensor alpha, Tensor bias, float eps, int sinkhorn_iters",
     n_outputs=3,
     n_saved=2,
     fake_forward=_fake_pre,
-    entry="pre",
+    backends={
+        "triton": "runtime.accelerators.mhc.triton:PRE_KERNELS",
+        "tilelang": "runtime.accelerators.mhc.tilelang:PRE_KERNELS",
+    },
 )
 POST = KernelOp(
-    "mhc",
+    "mhc_post",
     "Tensor x, Tensor y, Tensor h_post, Tensor h_res",
     n_outputs=1,
     n_saved=0,
     fake_forward=lambda x, y, h_post, h_res: torch.empty_like(x),
-    entry="post",
+    backends={
+        "triton": "runtime.accelerators.mhc.triton:POST_KERNELS",
+        "tilelang": "runtime.accelerators.mhc.tilelang:POST_KERNELS",
+    },
 )
 
 

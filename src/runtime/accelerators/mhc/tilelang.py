@@ -13,6 +13,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import pow2_at_least
 from ..tilelang_common import ACCUM, TL_DTYPE, compiled, device_info
 from .layout import allocate_pre, token_streams
@@ -611,3 +612,7 @@ def post_backward(d_out, x, y, h_post, h_res, out):
         dh_post.view(h_post.shape).to(h_post.dtype),
         dh_res.view(h_res.shape).to(h_res.dtype),
     )
+
+
+PRE_KERNELS = KernelBackend(forward=pre_forward, backward=pre_backward)
+POST_KERNELS = KernelBackend(forward=post_forward, backward=post_backward)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from .layout import allocate_pre, token_streams
@@ -605,3 +606,7 @@ def post_backward(d_out, x, y, h_post, h_res, out):
         BC=_wide_block(n, C),
     )
     return dx, dy, dh_post, dh_res
+
+
+PRE_KERNELS = KernelBackend(forward=pre_forward, backward=pre_backward)
+POST_KERNELS = KernelBackend(forward=post_forward, backward=post_backward)

@@ -24,7 +24,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
-    backward_reads_outputs=False,
+    backends={
+        "triton": "runtime.accelerators.rms_norm.triton:KERNELS",
+        "tilelang": "runtime.accelerators.rms_norm.tilelang:KERNELS",
+    },
 )
 
 

@@ -10,6 +10,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
@@ -193,3 +194,6 @@ def backward(dy, x, weight, eps, y, rstd):
     kernel(dy_rows, rows, weight.contiguous(), rstd, dx.view(n_rows, width), partial)
     dweight = column_sum(partial, buffers.empty((width,), dtype=weight.dtype, device=weight.device))
     return dx, dweight, None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="saved")

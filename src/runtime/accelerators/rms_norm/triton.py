@@ -5,7 +5,7 @@ Backward (xhat = x * rstd, g = dy * weight):
 
 The backward kernel works rstd out again from x, as the forward does (rms_rstd): it reads x anyway, so that costs one
 row sum and no memory traffic, and a forward that will be differentiated keeps nothing for it (eager calls run
-`infer`: one allocation and one saved tensor fewer per call; BACKWARD_READS_RESULTS). `forward`, the custom op's,
+`infer`: one allocation and one saved tensor fewer per call; its KERNELS' backward_reads). `forward`, the custom op's,
 still returns rstd, as the op's schema has it.
 
 The backward's launch is described once, by `backward_launch` (a LaunchPlan): `backward` runs it, `native_forward`
@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
 from ..norms_triton import (
@@ -33,8 +34,6 @@ from ..norms_triton import (
     sum_partials,
 )
 from ..triton_launch import direct_launch
-
-BACKWARD_READS_RESULTS = False  # see the module docstring and kernel_op
 
 
 @direct_launch
@@ -165,3 +164,8 @@ def backward_launch(
 
 
 _NATIVE = NativeBackward("RmsNormTritonBackward", _backward_kernel)
+
+
+KERNELS = KernelBackend(
+    forward=forward, backward=backward, infer=infer, native_forward=native_forward, backward_reads="arguments"
+)

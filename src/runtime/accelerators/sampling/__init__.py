@@ -63,15 +63,20 @@ def _fake_sample(logits, keep_k, max_k, temperature, top_p, uniforms):
 # kernel modules: top_k_forward(scores [..., V], k, largest) -> (values, indices) [..., k]
 #                 sample_forward(logits [B, V], keep_k [B] int32, max_k, temperature, top_p, uniforms [B] fp32) -> ids [B]
 TOP_K_KERNEL = KernelOp(
-    "sampling", "Tensor scores, int k, bool largest", n_outputs=2, n_saved=0, fake_forward=_fake_top_k, entry="top_k"
+    "sampling_top_k",
+    "Tensor scores, int k, bool largest",
+    n_outputs=2,
+    n_saved=0,
+    fake_forward=_fake_top_k,
+    backends={"triton": "runtime.accelerators.sampling.triton:TOP_K_KERNELS"},
 )
 SAMPLE_KERNEL = KernelOp(
-    "sampling",
+    "sampling_sample",
     "Tensor logits, Tensor keep_k, int max_k, Tensor temperature, Tensor top_p, Tensor uniforms",
     n_outputs=1,
     n_saved=0,
     fake_forward=_fake_sample,
-    entry="sample",
+    backends={"triton": "runtime.accelerators.sampling.triton:SAMPLE_KERNELS"},
 )
 
 

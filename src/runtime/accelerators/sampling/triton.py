@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..backends import sm_count
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 
 MAX_K = 2048  # the most survivors one sort program orders
@@ -288,3 +289,7 @@ def sample_forward(
         values, indices, max_k, keep_k, temperature, top_p, uniforms, ids, K_PAD=k_pad, num_warps=_warps(k_pad)
     )
     return ids
+
+
+TOP_K_KERNELS = KernelBackend(forward=top_k_forward)
+SAMPLE_KERNELS = KernelBackend(forward=sample_forward)

@@ -108,7 +108,10 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=0,
     fake_forward=_fake_forward,
-    backward_reads_outputs=False,
+    backends={
+        "triton": "runtime.accelerators.silu_attention.triton:KERNELS",
+        "tilelang": "runtime.accelerators.silu_attention.tilelang:KERNELS",
+    },
 )
 
 

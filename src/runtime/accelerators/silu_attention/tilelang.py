@@ -21,6 +21,7 @@ import torch
 
 from .. import buffers
 from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
+from ..kernel_backend import KernelBackend
 from ..launch_math import next_power_of_2
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 
@@ -168,3 +169,6 @@ def forward(
         seed if seed is not None else placeholder(device, torch.int64), threshold, inv_keep,
     )  # fmt: skip
     return o
+
+
+KERNELS = KernelBackend(forward=forward, backward_reads="arguments")

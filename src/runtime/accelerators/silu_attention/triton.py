@@ -29,6 +29,7 @@ The forward and the pieces every kernel shares: triton_forward.py; the backward:
 
 from __future__ import annotations
 
+from ..kernel_backend import KernelBackend
 from .triton_backward import backward, bias_gradients, fold_distances
 from .triton_forward import CONFIGS_16BIT, CONFIGS_FP32, MAX_TIME_BUCKETS, block_d, config, forward
 
@@ -43,3 +44,6 @@ __all__ = [
     "fold_distances",
     "forward",
 ]
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="arguments")

@@ -13,6 +13,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
 
 BLOCK = 4096
@@ -157,3 +158,6 @@ def backward(
     dgate, dup = buffers.empty_like(gate), buffers.empty_like(up)
     kernel(flat(dy), flat(gate), flat(up), dgate.view(-1), dup.view(-1))
     return dgate, dup
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)

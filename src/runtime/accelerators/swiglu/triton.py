@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 
@@ -104,3 +105,6 @@ def backward(
     n = gate.numel()
     _swiglu_backward[(cdiv(n, block),)](dy, gate, up, dgate, dup, n, BLOCK=block, num_warps=warps)
     return dgate, dup
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward)
