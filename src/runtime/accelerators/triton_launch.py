@@ -79,9 +79,11 @@ def _launcher(compiled) -> tuple:
     closure per launch). Other versions change that __call__, so they keep compiled.run."""
     run = compiled.run
     if (
-        triton.__version__ == "3.6.0" and type(run).__name__ == "CudaLauncher"
-        and not run.global_scratch_size and not run.profile_scratch_size
-    ):  # fmt: skip
+        triton.__version__ == "3.6.0"
+        and type(run).__name__ == "CudaLauncher"
+        and not run.global_scratch_size
+        and not run.profile_scratch_size
+    ):
         return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
     return run, ()
 

@@ -55,9 +55,10 @@ def needs_deterministic_backward(q=None, k=None, v=None) -> bool:
     """torch.use_deterministic_algorithms is on and this call will be differentiated (the backward runs on the
     forward's backend, so the forward decides)."""
     return (
-        torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled()
+        torch.are_deterministic_algorithms_enabled()
+        and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (q, k, v))
-    )  # fmt: skip
+    )
 
 
 def input_reasons(

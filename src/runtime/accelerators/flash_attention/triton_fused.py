@@ -279,9 +279,11 @@ def use_fused(q, k, min_programs: int = FUSED_MIN_PROGRAMS) -> bool:
     b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
     d = block_d(q.shape[-1])
     return (
-        q.dtype != torch.float32 and d in FUSED_HEAD_DIMS and b * hkv >= min_programs
+        q.dtype != torch.float32
+        and d in FUSED_HEAD_DIMS
+        and b * hkv >= min_programs
         and lk <= config("fused", d, q.dtype).block_n
-    )  # fmt: skip
+    )
 
 
 def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, cfg=None):

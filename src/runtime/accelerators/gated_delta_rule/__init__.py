@@ -57,7 +57,7 @@ def _fake_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
 
 def _fake_chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *, backend
-):  # fmt: skip
+):
     o, final = _fake_forward(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
     )

@@ -138,8 +138,9 @@ def recurrent_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dty
     return gdr_recurrent_fwd
 
 
-def recurrent_entry(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool,
-                    l2norm: bool, varlen: bool) -> Entry:  # fmt: skip
+def recurrent_entry(
+    K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool
+) -> Entry:
     BV = _state_block(K, V)
     flags = (has_initial, store_final, l2norm, varlen)
     key = ("gdr_recurrent_fwd", K, V, BV, dtype, g_dtype, beta_dtype, flags)

@@ -61,8 +61,9 @@ def _grad_threads(K: int) -> int:
 # --------------------------------------------------------------------------- kernels
 
 
-def state_grad_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, final_grad: bool, l2norm: bool,
-                      varlen: bool):  # fmt: skip
+def state_grad_kernel(
+    K: int, V: int, BV: int, dtype: str, has_initial: bool, final_grad: bool, l2norm: bool, varlen: bool
+):
     R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
     threads = _state_threads(K, BV)
     state_shape = (NS, HV, K, V)
@@ -443,8 +444,9 @@ def chunk_grad_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, v
     )
 
 
-def backward_entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, final_grad: bool, l2norm: bool,
-                     varlen: bool) -> list[Entry]:  # fmt: skip
+def backward_entries(
+    K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, final_grad: bool, l2norm: bool, varlen: bool
+) -> list[Entry]:
     """The kernels one backward runs beside the forward's prepare (for `precompile`)."""
     return [
         state_output_entry(K, V, dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True),

@@ -172,8 +172,9 @@ def _state_grad_kernel(
         c = n_chunks - 1 - i
         next_last = _chunk_last(gamma_in, bos + (c - 1) * BT_, bos, eos, i_hv, HV)
         if STORE_GRADS:  # dS' of chunk c: the gradient of the state leaving it
-            _state_tiles(dstates + ((first_chunk + c) * HV + i_hv) * K * V, block, block_mask, dstate, dstate_hi, K,
-                         BK, V)  # fmt: skip
+            _state_tiles(
+                dstates + ((first_chunk + c) * HV + i_hv) * K * V, block, block_mask, dstate, dstate_hi, K, BK, V
+            )
         start = bos + c * BT_
         rows = start + tl.arange(0, BT_)
         row_mask = rows < eos
@@ -193,8 +194,9 @@ def _state_grad_kernel(
         q_rows_factor = tl.load(q_factor + rows * HV + i_hv, mask=row_mask, other=0.0)
         b_do = tl.load(do + tokens, mask=tile_mask, other=0.0).to(tl.float32) * q_rows_factor[:, None]
         do_operand, du_operand, decay = _operand(b_do, HALF), _operand(-b_du, HALF), tl.exp(last)
-        dstate = _reverse_walk_tile(dstate, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand, du_operand, H, HV,
-                                    K, 0, BK, PRECISION, HALF)  # fmt: skip
+        dstate = _reverse_walk_tile(
+            dstate, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand, du_operand, H, HV, K, 0, BK, PRECISION, HALF
+        )
         if K > BK:
             dstate_hi = _reverse_walk_tile(dstate_hi, decay, q, w_in, rows, row_mask, i_h, i_hv, do_operand,
                                            du_operand, H, HV, K, BK, BK, PRECISION, HALF)  # fmt: skip

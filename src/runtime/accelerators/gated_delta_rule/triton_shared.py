@@ -350,7 +350,7 @@ def _state_block(K: int, V: int) -> int:
 
 def _walk(
     k, k_factor, gamma, w, u, chunks: Chunks, *, h0=None, ht=None, states=None, corrections=None, transition=False
-):  # fmt: skip
+):
     """One _chunk_state_kernel launch over the sequences of `chunks`: what it stores is what is given
     (states and corrections together)."""
     B, T, H, K = k.shape
@@ -373,7 +373,7 @@ def _state_buffer(n: int, HV: int, K: int, V: int, device, dtype: torch.dtype = 
 
 def walk_states(
     k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks: Chunks, segments: "Segments | None"
-):  # fmt: skip
+):
     """The inter-chunk recurrence, k_factor the walks' row factors of k (prepare): (final state, the state entering
     each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and
     with segments their maps M [segments, HV, K, K] for the backward, else None)."""

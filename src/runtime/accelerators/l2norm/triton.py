@@ -115,10 +115,11 @@ def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> Launch
     width = x.shape[-1]
     n_rows, tiles = x.numel() // width, row_tiles(width)
     return LaunchPlan(
-        _backward_kernel, (n_tiles(n_rows, tiles),),
+        _backward_kernel,
+        (n_tiles(n_rows, tiles),),
         (dy, y, rstd, dx, n_rows, width, stride_dy, stride_y),
         dict(BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
-    )  # fmt: skip
+    )
 
 
 _NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)

@@ -457,8 +457,9 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
         )  # fmt: skip
     dpos = dtime = None
     if position_bias is not None or time_bias is not None:
-        dpos, dtime = bias_gradients(do, q, k, v, tensors, bias_strides, scalars, flags, position_bias, time_bias,
-                                     max_seqlen, n, h)  # fmt: skip
+        dpos, dtime = bias_gradients(
+            do, q, k, v, tensors, bias_strides, scalars, flags, position_bias, time_bias, max_seqlen, n, h
+        )
     return dq, dk, dv, None, None, dpos, dtime, None, None, None, None, None, None
 
 
