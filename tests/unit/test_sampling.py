@@ -290,3 +290,23 @@ def test_auto_takes_triton_under_the_interpreter():
 def test_errors_name_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_sample_takes_per_row_tensors_that_require_gradients():
+    """A temperature or top_p tensor that requires a gradient (a learned temperature) is read like any other: the ids
+    take no gradient, so the forward-only kernel runs."""
+    logits = torch.randn(2, 16)
+    temperature = torch.tensor([1.0, 0.5], requires_grad=True)
+    top_p = torch.tensor([0.9, 0.8], requires_grad=True)
+    ids = {}
+    for backend in ("torch", "triton"):
+        with use_accelerators(fallback="error"):
+            ids[backend] = sample(
+                logits,
+                temperature=temperature,
+                top_k=4,
+                top_p=top_p,
+                generator=torch.Generator().manual_seed(3),
+                backend=backend,
+            )
+    assert ids["torch"].dtype == torch.int64 and torch.equal(ids["torch"], ids["triton"])

@@ -187,14 +187,12 @@ class KernelOp:
 
     def _eager_function(self, backend: str) -> tuple:
         kernels = self.kernels(backend)
-        if kernels.backward is None:
-            raise RuntimeError(f"{self.name}: the {backend} backend has no backward")
         first_saved = kernels.first_saved(self.n_outputs, self.n_outputs + self.n_saved)
         # nothing saved from forward's results ("arguments"): infer where there is one
         run_forward = (kernels.infer or kernels.forward) if kernels.backward_reads == "arguments" else kernels.forward
         attributes = {
             "kernel_op": self, "backend": backend, "run_forward": staticmethod(run_forward),
-            "run_backward": staticmethod(kernels.backward), "first_saved": first_saved, "unsaved": (None,) * first_saved,
+            "run_backward": staticmethod(kernels.backward or _no_backward(self.name, backend)), "first_saved": first_saved, "unsaved": (None,) * first_saved,
         }  # fmt: skip
         function = type(f"{self.name}_forward_{backend}", (_EagerFunction,), attributes)
         found = self._eager[backend] = c_apply(function), function
@@ -323,6 +321,16 @@ def apply_eagerly(function: type, apply: Callable, args, tensor_slots: tuple[int
 
 
 # helpers -------------------------------------------------------------------------------
+
+
+def _no_backward(name: str, backend: str) -> Callable:
+    """The backward of a forward-only backend: an input may require a gradient (a per-row temperature tensor) while
+    the outputs take none (sampled ids), so the forward runs and only a backward that is asked for fails."""
+
+    def backward(*args):
+        raise RuntimeError(f"{name}: the {backend} backend has no backward (its kernels are forward-only)")
+
+    return backward
 
 
 def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
