@@ -87,7 +87,7 @@ def test_l2norm(monkeypatch):
     x, dy, y = torch.randn(6, WIDTH), torch.randn(6, WIDTH), torch.randn(6, WIDTH)
 
     def backward(module, handed: LaunchPlan):
-        rstd = handed.args[2]  # the buffer native_forward's forward writes and the node saves
+        rstd = handed.args[3]  # the buffer native_forward's forward writes and the node saves
         return module.backward(dy, x, 1e-6, y, rstd)
 
     handed, run, (dx, _) = handed_and_run(monkeypatch, "l2norm", (x, 1e-6), backward)

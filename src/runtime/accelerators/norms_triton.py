@@ -1,4 +1,4 @@
-"""Launch logic shared by the Triton row-norm kernels (rms_norm, layer_norm, l2norm).
+"""Launch logic shared by the Triton row-norm kernels (rms_norm, layer_norm, l2norm; the kernels: norms_kernels).
 
 Every kernel works on tiles of `rows` rows x `block` columns (block: the width rounded up to a
 power of two). Narrow rows are packed several to a tile so that small widths are not

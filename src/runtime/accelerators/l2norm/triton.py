@@ -1,4 +1,5 @@
-"""L2Norm in Triton: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math.
+"""L2Norm in Triton: y = x * rstd, rstd = rsqrt(sum(x^2) + eps), fp32 math. The kernels: norms_kernels'
+row_norm_forward and row_norm_backward with L2 (no parameters).
 
 Backward: dx = rstd * (dy - y * sum(dy * y)), from the output y (= x * rstd) that forward wrote, not from x, as
 fla's backward kernel does. The bytes are the same; y was written last, so where backward follows forward closely
@@ -13,52 +14,15 @@ hands it to the C++ node.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
-from ..norms_triton import n_tiles, row_tiles, rows_of, rsqrt_mean_square
-from ..triton_launch import direct_launch
+from ..norms_kernels import launch_forward, row_norm_backward
+from ..norms_triton import n_tiles, row_tiles, rows_of
 
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _forward_kernel(
-    x_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    STORE_RSTD: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n_rows, cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = rsqrt_mean_square(x, 1, eps)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _backward_kernel(
-    dy_ptr, y_ptr, rstd_ptr, dx_ptr, n_rows, N, stride_dy, stride_y,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    # last tile first: those are the rows of y that forward wrote last (see the docstring)
-    rows = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n_rows, cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    rows = rows.to(tl.int64)
-    y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dx = (dy - y * tl.sum(dy * y, axis=1)[:, None]) * rstd
-    tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+_FLAGS = dict(CENTRE=False, L2=True, HAS_W=False, HAS_B=False)  # norms_kernels' flags of L2Norm
 
 
 def forward(x: torch.Tensor, eps: float):
@@ -94,9 +58,10 @@ def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
-        STORE_RSTD=rstd is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    launch_forward(
+        (n_tiles(n_rows, tiles),),
+        x2, None, None, y, None, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
+        **_FLAGS, STORE_STATS=rstd is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return (y,) if rstd is None else (y, rstd)
 
@@ -115,14 +80,14 @@ def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> Launch
     width = x.shape[-1]
     n_rows, tiles = x.numel() // width, row_tiles(width)
     return LaunchPlan(
-        _backward_kernel,
+        row_norm_backward,
         (n_tiles(n_rows, tiles),),
-        (dy, y, rstd, dx, n_rows, width, stride_dy, stride_y),
-        dict(BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+        (dy, y, None, rstd, dx, None, None, None, None, n_rows, width, stride_dy, stride_y, None),
+        dict(**_FLAGS, FINISH=False, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
     )
 
 
-_NATIVE = NativeBackward("L2NormTritonBackward", _backward_kernel)
+_NATIVE = NativeBackward("L2NormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, native_forward=native_forward)

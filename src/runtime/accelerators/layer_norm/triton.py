@@ -1,4 +1,5 @@
-"""LayerNorm in Triton: y = (x - mean) * rstd * weight + bias, rstd = rsqrt(var + eps), fp32 math.
+"""LayerNorm in Triton: y = (x - mean) * rstd * weight + bias, rstd = rsqrt(var + eps), fp32 math. The kernels:
+norms_kernels' row_norm_forward and row_norm_backward with CENTRE.
 
 Backward (xhat = (x - mean) * rstd, g = dy * weight):
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
@@ -16,98 +17,23 @@ hands it to the C++ node.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
+from ..norms_kernels import launch_forward, row_norm_backward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
-    add_partials_if_last,
     backward_split,
     n_tiles,
-    row_statistics,
     row_tiles,
     rows_of,
     sum_partials,
 )
-from ..triton_launch import direct_launch
 
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _forward_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n_rows, cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # the parameters are loaded before the reductions, so that their latency overlaps x's
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    mean, centred, rstd = row_statistics(x, mask, N, eps)
-    y = centred * rstd[:, None]
-    if HAS_W:
-        y = y * w
-    if HAS_B:
-        y = y + b
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if STORE_STATS:
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, dw_ptr, db_ptr, counter_ptr, n_rows, N, stride_dy, stride_x, eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, FINISH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for tile in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _, centred, rstd = row_statistics(x, mask, N, eps)
-        rstd = rstd[:, None]
-        xhat = centred * rstd
-        g = dy * w if HAS_W else dy
-        mean_g = tl.sum(g, axis=1) / N
-        mean_gx = tl.sum(g * xhat, axis=1) / N
-        dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd
-        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_W:
-            dw += dy * xhat
-        if HAS_B:
-            db += dy
-    # one partial row per program: the weight's rows, then the bias's (norms_triton.partials)
-    if HAS_W:
-        tl.store(part_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
-        b_row = tl.num_programs(0) + pid
-    else:
-        b_row = pid
-    if HAS_B:
-        tl.store(part_ptr + b_row * N + cols, tl.sum(db, axis=0), mask=col_mask)
-    if FINISH:
-        add_partials_if_last(part_ptr, dw_ptr, db_ptr, counter_ptr, N, HAS_W, HAS_B, BLOCK_N, ROWS)
+_FLAGS = dict(CENTRE=True, L2=False)  # norms_kernels' flags of LayerNorm
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
@@ -146,10 +72,11 @@ def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
         rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     else:
         mean = rstd = x2  # stand-ins, not written
-    _forward_kernel[(n_tiles(n_rows, tiles),)](
+    launch_forward(
+        (n_tiles(n_rows, tiles),),
         x2, x2 if weight is None else weight.contiguous(), x2 if bias is None else bias.contiguous(), y, mean, rstd,
         n_rows, width, stride_x, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
+        **_FLAGS, HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
         BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return (y, mean, rstd) if store_stats else (y,)
@@ -181,17 +108,17 @@ def backward_launch(
         return None
     programs, finish, counter, partial = split
     return LaunchPlan(
-        _backward_kernel, (programs,),
-        (dy, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight,
+        row_norm_backward, (programs,),
+        (dy, x2, x2 if weight is None else weight.contiguous(), None, dx, partial, x2 if dweight is None else dweight,
          x2 if dbias is None else dbias, counter, n_rows, width, stride_dy, stride_x, eps),
-        dict(HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
+        dict(**_FLAGS, HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
              BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
         (counter, partial) if finish else (),
         (sum_partials, partial, dweight, dbias) if n_params and not finish else (),
     )  # fmt: skip
 
 
-_NATIVE = NativeBackward("LayerNormTritonBackward", _backward_kernel)
+_NATIVE = NativeBackward("LayerNormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(

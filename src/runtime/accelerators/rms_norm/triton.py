@@ -1,4 +1,5 @@
-"""RMSNorm in Triton: y = x * rstd * weight, rstd = rsqrt(mean(x^2) + eps), fp32 math.
+"""RMSNorm in Triton: y = x * rstd * weight, rstd = rsqrt(mean(x^2) + eps), fp32 math. The kernels: norms_kernels'
+row_norm_forward and row_norm_backward, without CENTRE, L2 and HAS_B.
 
 Backward (xhat = x * rstd, g = dy * weight):
     dx = rstd * (g - xhat * mean(g * xhat))     dweight = sum over rows of dy * xhat
@@ -15,80 +16,23 @@ hands it to the C++ node.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
+from ..norms_kernels import launch_forward, row_norm_backward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
-    add_partials_if_last,
     backward_split,
     n_tiles,
-    rms_rstd,
     row_tiles,
     rows_of,
     sum_partials,
 )
-from ..triton_launch import direct_launch
 
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _forward_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, N, stride_x, eps,
-    HAS_W: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n_rows, cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_W:  # loaded before the reduction, so that its latency overlaps x's
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    rstd = rms_rstd(x, N, eps)
-    y = x * rstd[:, None]
-    if HAS_W:
-        y = y * w
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-
-
-@direct_launch
-@triton.jit(do_not_specialize=["n_rows"])
-def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, dw_ptr, counter_ptr, n_rows, N, stride_dy, stride_x, eps,
-    HAS_W: tl.constexpr, FINISH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for tile in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = rms_rstd(x, N, eps)[:, None]
-        xhat = x * rstd
-        g = dy * w if HAS_W else dy
-        dx = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
-        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_W:
-            dw += dy * xhat
-    if HAS_W:
-        tl.store(part_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
-        if FINISH:
-            add_partials_if_last(part_ptr, dw_ptr, dw_ptr, counter_ptr, N, True, False, BLOCK_N, ROWS)
+_FLAGS = dict(CENTRE=False, L2=False, HAS_B=False)  # norms_kernels' flags of RMSNorm
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
@@ -123,9 +67,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
-    _forward_kernel[(n_tiles(n_rows, tiles),)](
-        x2, x2 if weight is None else weight.contiguous(), y, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
-        HAS_W=weight is not None, STORE_RSTD=store_rstd, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
+    launch_forward(
+        (n_tiles(n_rows, tiles),),
+        x2, x2 if weight is None else weight.contiguous(), None, y, None, x2 if rstd is None else rstd,
+        n_rows, width, stride_x, eps,
+        **_FLAGS, HAS_W=weight is not None, STORE_STATS=store_rstd,
+        BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip
     return (y, rstd) if store_rstd else (y,)
 
@@ -154,16 +101,17 @@ def backward_launch(
         return None
     programs, finish, counter, partial = split
     return LaunchPlan(
-        _backward_kernel, (programs,),
-        (dy, x2, x2 if weight is None else weight.contiguous(), dx, partial, x2 if dweight is None else dweight, counter,
-         n_rows, width, stride_dy, stride_x, eps),
-        dict(HAS_W=weight is not None, FINISH=finish, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
+        row_norm_backward, (programs,),
+        (dy, x2, x2 if weight is None else weight.contiguous(), None, dx, partial, x2 if dweight is None else dweight,
+         None, counter, n_rows, width, stride_dy, stride_x, eps),
+        dict(**_FLAGS, HAS_W=weight is not None, FINISH=finish,
+             BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
         (counter, partial) if finish else (),
         (sum_partials, partial, dweight) if n_params and not finish else (),
     )  # fmt: skip
 
 
-_NATIVE = NativeBackward("RmsNormTritonBackward", _backward_kernel)
+_NATIVE = NativeBackward("RmsNormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(
