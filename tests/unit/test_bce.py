@@ -154,6 +154,7 @@ LAUNCHES = {
 @pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
+@pytest.mark.slow
 def test_triton_large_input_launches(launch, reduction, targets_grad):
     """Inputs above SMALL.block take the large-input launches (one CPU "SM" under the interpreter): programs that
     loop over blocks, in reverse, a masked tail (3 x 2743 is no multiple of the block), weights by index map;

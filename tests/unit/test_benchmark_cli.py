@@ -97,6 +97,7 @@ def test_dry_run(capsys):
     assert "layer_norm 8192x128 bfloat16 fwd/fwd+bwd" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     path = tmp_path / "rms.json"
     command = [

@@ -68,6 +68,7 @@ def test_every_public_op_has_a_case():
         for case in GRAPH_BREAKS
     ],
 )
+@pytest.mark.slow
 def test_compiled_full_graph_on_strided_inputs_matches_eager(case):
     make_inputs, fn = {**CASES, **GRAPH_BREAKS}[case]
     fn, inputs = functools.partial(fn, "triton"), make_inputs()
@@ -86,6 +87,7 @@ def test_compiled_full_graph_on_strided_inputs_matches_eager(case):
         torch.testing.assert_close(out, expected, msg=lambda m, i=i: f"{case} result {i}: {m}")
 
 
+@pytest.mark.slow
 def test_fused_qkv_attention_under_inductor():
     """inductor checks every custom op's real strides against its fake ones: the fused QKV case of the report."""
     inputs = (randn_leaf(B, L, 3 * H * D), torch.tensor([9, 4]))

@@ -15,6 +15,7 @@ DOUBLE_BACKWARD = r"double backward is not supported on the triton backend"
 
 
 @pytest.mark.parametrize("case", sorted(DIFFERENTIABLE))
+@pytest.mark.slow
 def test_eager_double_backward_names_the_op(case):
     make_inputs, fn = DIFFERENTIABLE[case]
     with acc.use_accelerators(fallback="error"), pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):

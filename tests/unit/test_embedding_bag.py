@@ -145,6 +145,7 @@ def test_reference_matches_torch_embedding_bag():
     [(False, True), (False, False), (True, True)],
     ids=["dense", "dense-torch-sort-filled-first", "sparse"],
 )
+@pytest.mark.slow
 def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix):
     """The dense gradient zero-filled in the radix sort's launches (by fill programs of 32 elements here, many a
     pass) or, where the radix sort does not fit (torch.sort), before the sort; poisoned buffers: a row left unfilled
@@ -159,6 +160,7 @@ def test_triton_2d_padding_and_a_hot_row_across_chunks(sparse, radix):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.slow
 def test_triton_offsets_empty_bags_int32_repeats(sparse):
     indices = hot_indices(75, 40, hot=2, copies=40, dtype=torch.int32)
     offsets = torch.tensor([0, 3, 3, 40, 41, 41, 75], dtype=torch.int32)
@@ -166,6 +168,7 @@ def test_triton_offsets_empty_bags_int32_repeats(sparse):
 
 
 @pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "f16"])
+@pytest.mark.slow
 def test_triton_half_precision(dtype):
     check("triton", table(30, 24, dtype), torch.randint(0, 30, (6, 4)), padding_idx=0)
 
@@ -221,6 +224,7 @@ TRITON_LAUNCHES = {
 @pytest.mark.parametrize(
     "bag_len", [3, 20], ids=["bag3", "bag20"]
 )  # one step of BLOCK_L 4; three of BLOCK_L 8, the last partial
+@pytest.mark.slow
 def test_triton_forward_block_sizes(launch, bag_len):
     """Other forward launches than the default (triton.FORWARD, as the sweep sets it), on odd bags: padding, an all-padding bag."""
     indices = torch.randint(0, 40, (13, bag_len))

@@ -86,6 +86,7 @@ def test_torch_matches_float64(padding_idx):
     [(f32, None, torch.int64), (f32, 0, torch.int32), (bf16, -1, torch.int64)],
     ids=["f32", "f32-pad-int32", "bf16-pad-last"],
 )
+@pytest.mark.slow
 def test_triton_matches_float64(dtype, padding_idx, index_dtype):
     check("triton", dtype, padding_idx, index_dtype)
 

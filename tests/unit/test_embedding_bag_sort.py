@@ -116,6 +116,7 @@ def test_radix_backward_offsets_int32_5_passes(sparse):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.slow
 def test_radix_and_torch_sorts_give_the_same_gradient_bits(sparse):
     """Either sort's keys give the segment edges (no `first`), the combine kernel its segment's first chunk by a
     backward search (block_j = 2: several steps for a row over 7 chunks): the same sums in the same order."""

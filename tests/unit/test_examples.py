@@ -16,6 +16,7 @@ def test_there_are_examples():
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_example_runs(script, tmp_path):
     # as a user runs them: without the Triton interpreter this test session sets (under it "auto" takes Triton on CPU)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

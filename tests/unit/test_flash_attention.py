@@ -453,6 +453,7 @@ def test_triton_under_torch_compile():
     ids=["plain", "causal-lengths", "dropout", "causal-lengths-dropout"],
 )
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_compiled_with_dynamic_shapes_matches_eager(backend, causal, lengths, dropout_p, dynamic):
     # Dynamo makes a float argument symbolic (SymFloat) under dynamic shapes, the default dropout_p and scale
     # included; the backend decision used to fail on it. Without dropout the defaults are used, with it dropout_p

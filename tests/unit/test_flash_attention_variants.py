@@ -445,6 +445,7 @@ def lse_delta_taken(monkeypatch):
     ids=["causal-gqa-d48-lengths", "lengths-d16-lq<lk", "causal-d64-lengths-partial-block", "causal-dropout-mqa-d48",
          "causal-d128-partial-block", "odd-lq-pointer-fallback-d32"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_lse_and_delta_through_descriptors(lse_delta_taken, b, h, hkv, lq, lk, d, causal, lengths, dropout_p, cfg):
     """The dk/dv kernel on its descriptor path reading lse and delta through 1-D descriptors too
     (BwdConfig.lse_delta_tma, where Lq % 4 == 0; an odd Lq falls back to pointer loads): the float64 gradients, and

@@ -208,6 +208,7 @@ TRITON_CASES = {  # shape: (B, T, H, HV, K, V)
 
 @pytest.mark.parametrize("function", ["chunk", "recurrent"])
 @pytest.mark.parametrize("name", list(TRITON_CASES))
+@pytest.mark.slow
 def test_triton_forward_under_the_interpreter(function, name):
     case = TRITON_CASES[name]
     inputs = make_inputs(*case["shape"], state=case.get("state", False), sequences=case.get("sequences"))
@@ -341,6 +342,7 @@ TRITON_BACKWARD_CASES = {  # shape: (B, T, H, HV, K, V)
 
 
 @pytest.mark.parametrize("name", list(TRITON_BACKWARD_CASES))
+@pytest.mark.slow
 def test_triton_chunked_backward_under_the_interpreter(name):
     """Every gradient (and the final state's gradient flowing back) against the float64 recurrence."""
     case = TRITON_BACKWARD_CASES[name]
@@ -434,6 +436,7 @@ def _outputs_and_grads(inputs, options, tuning):
 
 @pytest.mark.parametrize("grad_wy", ["fused"])
 @pytest.mark.parametrize("name", list(WY_CASES))
+@pytest.mark.slow
 def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name, grad_wy):
     """Every gradient of the variant against the single kernel's (fp32 rounding apart) and the float64 recurrence."""
     case = WY_CASES[name]
@@ -451,6 +454,7 @@ def test_triton_grad_wy_variants_match_the_single_kernel_and_the_recurrence(name
 
 @pytest.mark.parametrize("half_backward", list(HALF_BACKWARD.values()), ids=list(HALF_BACKWARD))
 @pytest.mark.parametrize("grad_wy", ["fused"])
+@pytest.mark.slow
 def test_triton_grad_wy_variants_bf16_under_the_interpreter(grad_wy, half_backward):
     """bf16: dA from the stored (bf16) corrections U, within the GPU tier's bounds of the float64 recurrence (the
     backward's products on fp32 or bf16 operands, Tuning.half_backward)."""
@@ -568,6 +572,7 @@ def _triton_outputs_and_grads(inputs, options, segment_chunks):
 
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
+@pytest.mark.slow
 def test_triton_split_matches_the_whole_walk_and_the_recurrence(name):
     """Forward, final state and every gradient: the split equals the whole-sequence walk up to fp32 rounding."""
     case = SPLIT_CASES[name] | {"decay_shift": SPLIT_DECAY_SHIFT}
@@ -711,6 +716,7 @@ def _packed(function, backend, q, k, v, g, beta, state, cu_seqlens):
 
 
 @pytest.mark.parametrize("function", ["chunk", "recurrent"])
+@pytest.mark.slow
 def test_compiled_full_graph_with_cu_seqlens_on_triton(function):
     """The boundaries' values are checked where they exist: eagerly before the launch, in a compiled call by the
     custom op at run time (nothing branches on them while tracing)."""

@@ -99,6 +99,7 @@ def test_torch_chunked_backend_follows_the_recurrence(shape, value):
 
 @pytest.mark.parametrize("value", list(EXTREMES))
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.slow
 def test_triton_kernels_follow_the_recurrence(shape, value):
     check_against_the_recurrence(gate_inputs(*SHAPES[shape], EXTREMES[value]), "triton")
 

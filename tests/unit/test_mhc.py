@@ -85,6 +85,7 @@ def test_triton_matches_float64_reference(n, C, lead):
 
 
 @pytest.mark.parametrize("programs, shares", [(40, (4, 3)), (1024, (10, 1))], ids=["uneven-shares", "a-block-a-share"])
+@pytest.mark.slow
 def test_triton_backward_over_token_shares(programs, shares):
     """300 tokens: several programs of every backward kernel, partial last blocks, C = 72 (whole and partial C
     blocks); the dx kernel's 10 token blocks in shares of 3, 3, 3 and 1 (dphi adds four partial sums) or one each."""

@@ -82,6 +82,7 @@ def run_scenario(
     return json.loads(done.stdout.strip().splitlines()[-1]), launches
 
 
+@pytest.mark.slow
 def test_the_node_launches_the_kernel_with_every_parameter_in_place(fake_driver, extension_cache, tmp_path):
     report, launches = run_scenario(
         fake_driver,

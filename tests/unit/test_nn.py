@@ -129,6 +129,7 @@ def test_norms_feedforward_bag_and_loss_match_torch():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_embedding_bag_with_index_checks_compiles_in_a_full_graph(backend):
     """check_indices=True under torch.compile(fullgraph=True): the check is an op of the graph (reading its flag on
     the host would break the graph); bad ids still raise."""

@@ -56,6 +56,7 @@ def scores(kind: str, shape, dtype=f32):
 @pytest.mark.parametrize("kind", ["random", "tied", "equal"])
 @pytest.mark.parametrize("width", [37, 1000])
 @pytest.mark.parametrize("k", [1, 5, "V"])
+@pytest.mark.slow
 def test_top_k_matches_stable_oracle_and_torch_topk(backend, kind, width, k):
     k = width if k == "V" else k
     x = scores(kind, (2 if k == 1000 else 3, width))
@@ -80,6 +81,7 @@ def test_top_k_signed_zeros_nan_and_infinities():
 
 
 @pytest.mark.parametrize("segments, kind", [(3, "random"), (7, "tied")])
+@pytest.mark.slow
 def test_triton_split_rows_select_per_segment_then_over_the_candidates(segments, kind):
     """The path long rows take on the GPU: each segment's k candidates, padded where a segment is shorter than k,
     then a select over them."""
@@ -134,6 +136,7 @@ def restricted(logits: torch.Tensor, temperature: float, top_k_: int | None, top
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_sample_draws_only_allowed_ids(backend):
     logits = torch.randn(1, 300).expand(32, 300).contiguous()
     allowed = restricted(logits[0], 0.7, 20, 0.8) > 0
@@ -169,6 +172,7 @@ def test_sample_frequencies_match_the_restricted_distribution(top_k_, top_p):
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16], ids=["f32", "bf16"])
+@pytest.mark.slow
 def test_sample_same_generator_state_gives_the_same_ids_on_torch_and_triton(dtype):
     logits = (torch.randn(16, 200) * 2).to(dtype)
     per_row = {

@@ -184,6 +184,7 @@ def test_parquet_reader_truncates_infers_and_checks(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["baseline", "tokenformer", "gdr"])
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss(model, tmp_path):
     cfg = _compose(
         f"model={model}",
@@ -243,6 +244,7 @@ def test_resume_refuses_another_world_size(tmp_path):
         Trainer(_compose(f"trainer.resume={path}"), tmp_path / "next")
 
 
+@pytest.mark.slow
 def test_ddp_with_two_gloo_processes(tmp_path):
     """torchrun, 2 CPU processes with the gloo backend, through the taac-train entry point."""
     command = [
