@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import os
 import pickle
 import pkgutil
@@ -71,21 +70,22 @@ def kernel_modules() -> list[str]:
 
 
 def launched_kernels() -> dict[str, tuple[str, str]]:
-    """Readable id ("rms_norm._forward_kernel") -> (module, name) of each jit function its module launches: as
-    `name[grid](...)` in its own module, or handed to a LaunchPlan (`LaunchPlan(name, ...)`) by any module."""
-    planned = set()
+    """Readable id ("rms_norm._forward_kernel") -> (module, name) of each jit function the package launches: as
+    `name[grid](...)` or handed to a LaunchPlan (`LaunchPlan(name, ...)`), in any module (the row norms' shared
+    kernels are launched by the ops' modules)."""
+    launched = set()
     for info in pkgutil.walk_packages(acc.__path__, prefix="runtime.accelerators."):
         origin = importlib.util.find_spec(info.name).origin
         if origin and origin.endswith(".py"):
-            planned.update(re.findall(r"LaunchPlan\(\s*(\w+)\s*,", Path(origin).read_text()))
+            launched.update(re.findall(r"(?:\b(\w+)\[|LaunchPlan\(\s*(\w+)\s*,)", Path(origin).read_text()))
+    launched = {name for pair in launched for name in pair if name}
     kernels = {}
     for module_name in kernel_modules():
         module = importlib.import_module(module_name)
-        source = inspect.getsource(module)
         for name, value in vars(module).items():
             value = value.kernel if isinstance(value, DirectLaunch) else value
             is_jit = isinstance(value, (InterpretedFunction, JITFunction)) and value.fn.__module__ == module_name
-            if is_jit and (name in planned or re.search(rf"\b{re.escape(name)}\[", source)):
+            if is_jit and name in launched:
                 short = module_name.removeprefix("runtime.accelerators.").removesuffix(".triton")
                 kernels[f"{short}.{name}"] = (module_name, name)
     return kernels

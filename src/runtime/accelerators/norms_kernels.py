@@ -8,7 +8,7 @@ compile-time flags. Tiles, launches and partial sums: norms_triton.
 
 Each op passes None for the parameters its kernel does not take: Triton compiles a None argument as a constexpr, so an
 op's compiled kernel takes the same parameters, in the same order, as a kernel of its own would (a native node passes
-them in that order). The launches: `launch_forward` and the ops' `backward_launch`.
+them in that order). The launches: the ops' forward launchers and their `backward_launch`.
 """
 
 from __future__ import annotations
@@ -58,11 +58,6 @@ def row_norm_forward(
         if CENTRE:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-
-
-def launch_forward(grid: tuple, *args, **constexprs) -> None:
-    """row_norm_forward[grid](*args, **constexprs)."""
-    row_norm_forward[grid](*args, **constexprs)
 
 
 @direct_launch

@@ -19,7 +19,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, OUTPUT, NativeBackward
-from ..norms_kernels import launch_forward, row_norm_backward
+from ..norms_kernels import row_norm_backward, row_norm_forward
 from ..norms_triton import n_tiles, row_tiles, rows_of
 
 _FLAGS = dict(CENTRE=False, L2=True, HAS_W=False, HAS_B=False)  # norms_kernels' flags of L2Norm
@@ -58,8 +58,7 @@ def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
     width = x.shape[-1]
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
-    launch_forward(
-        (n_tiles(n_rows, tiles),),
+    row_norm_forward[(n_tiles(n_rows, tiles),)](
         x2, None, None, y, None, x2 if rstd is None else rstd, n_rows, width, stride_x, eps,
         **_FLAGS, STORE_STATS=rstd is not None, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps,
     )  # fmt: skip

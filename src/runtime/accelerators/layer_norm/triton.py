@@ -22,7 +22,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
-from ..norms_kernels import launch_forward, row_norm_backward
+from ..norms_kernels import row_norm_backward, row_norm_forward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
@@ -72,8 +72,7 @@ def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
         rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     else:
         mean = rstd = x2  # stand-ins, not written
-    launch_forward(
-        (n_tiles(n_rows, tiles),),
+    row_norm_forward[(n_tiles(n_rows, tiles),)](
         x2, x2 if weight is None else weight.contiguous(), x2 if bias is None else bias.contiguous(), y, mean, rstd,
         n_rows, width, stride_x, eps,
         **_FLAGS, HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,

@@ -21,7 +21,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_plan import LaunchPlan
 from ..native import GRAD, GRAD_OF, NativeBackward
-from ..norms_kernels import launch_forward, row_norm_backward
+from ..norms_kernels import row_norm_backward, row_norm_forward
 from ..norms_triton import (
     PARAMETER_BACKWARD,
     ParameterBackwardLaunch,
@@ -67,8 +67,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rst
     tiles = row_tiles(width)
     y = buffers.empty_like(x)
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else None
-    launch_forward(
-        (n_tiles(n_rows, tiles),),
+    row_norm_forward[(n_tiles(n_rows, tiles),)](
         x2, x2 if weight is None else weight.contiguous(), None, y, None, x2 if rstd is None else rstd,
         n_rows, width, stride_x, eps,
         **_FLAGS, HAS_W=weight is not None, STORE_STATS=store_rstd,
