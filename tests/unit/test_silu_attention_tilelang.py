@@ -85,3 +85,64 @@ def test_tilelang_backend_declares_a_backward():
 
     assert SUPPORT["tilelang"].backward
     assert kernels.backward.__name__ == "backward"
+
+
+def _kernel_parts(ds, times, causal, max_seqlen, n_time_buckets):
+    """The bias kernel's partial sums as its docstring lays them out, computed with torch from per-sequence score
+    gradients ds [H, n, n]: band t of tiles (mb, mb - t), diagonal slot u = i - j - t * B + B - 1, time buckets."""
+    from runtime.accelerators.silu_attention.reference import time_buckets
+
+    b = kernels.BLOCK_B
+    n_blocks = -(-max_seqlen // b)
+    n_bands = n_blocks if causal else 2 * n_blocks - 1
+    h = ds[0].shape[0]
+    pos = torch.zeros(len(ds), h, n_bands, 2 * b, dtype=torch.float64)
+    time = torch.zeros(len(ds), h, n_bands, kernels.TIME_SLOTS, dtype=torch.float64)
+    r = torch.arange(b).view(-1, 1)
+    c = torch.arange(b).view(1, -1)
+    for s, (g, t_s) in enumerate(zip(ds, times)):
+        n = g.shape[-1]
+        blocks = -(-n // b)
+        padded = torch.zeros(h, blocks * b, blocks * b, dtype=torch.float64)
+        padded[:, :n, :n] = g
+        stamps = torch.zeros(blocks * b, dtype=torch.int64)
+        stamps[:n] = t_s
+        for band in range(n_bands):
+            t = band if causal else band - (n_blocks - 1)
+            for mb in range(max(t, 0), blocks + min(t, 0)):
+                rows, cols = slice(mb * b, (mb + 1) * b), slice((mb - t) * b, (mb - t + 1) * b)
+                tile = padded[:, rows, cols]
+                pos[s, :, band].index_add_(1, (r - c + b - 1).flatten(), tile.flatten(1))
+                dt = (stamps[rows].view(-1, 1) - stamps[cols].view(1, -1)).abs()
+                bucket = time_buckets(dt, min(n_time_buckets, kernels.MAX_TIME_BUCKETS))
+                time[s, :, band].index_add_(1, bucket.flatten(), tile.flatten(1))
+    return pos, time
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("p_len, t_len", [(50, 5), (300, 70)])
+def test_bias_parts_fold_into_the_bias_gradients(causal, p_len, t_len):
+    """The host half of the bias gradients: partial sums laid out as the bias kernel writes them reduce to the
+    gradients summed directly per position bucket and time bucket."""
+    from runtime.accelerators.silu_attention.reference import time_buckets, visible_mask
+    from runtime.accelerators.silu_attention.tilelang_backward import reduce_bias_parts
+
+    h, lengths = 2, [0, 1, 37, 130, 64]
+    torch.manual_seed(0)
+    ds, times = [], []
+    for n in lengths:
+        ds.append(torch.randn(h, n, n, dtype=torch.float64) * visible_mask(n, causal, None, "cpu"))
+        times.append(1_700_000_000 + (torch.randint(0, 5000, (n,)) * torch.randint(0, 2, (n,))).cumsum(0))
+    pos_part, time_part = _kernel_parts(ds, times, causal, max(lengths), t_len)
+    position_bias, time_bias = torch.zeros(h, p_len, dtype=torch.float64), torch.zeros(h, t_len, dtype=torch.float64)
+    dpos, dtime = reduce_bias_parts(pos_part, time_part, causal, position_bias, time_bias)
+
+    dpos_ref, dtime_ref = torch.zeros_like(position_bias), torch.zeros_like(time_bias)
+    for g, t_s in zip(ds, times):
+        n = g.shape[-1]
+        i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        dpos_ref.index_add_(1, (i - j).abs().clamp_max(p_len - 1).flatten(), g.flatten(1))
+        bucket = time_buckets((t_s.view(-1, 1) - t_s.view(1, -1)).abs(), t_len)
+        dtime_ref.index_add_(1, bucket.flatten(), g.flatten(1))
+    torch.testing.assert_close(dpos, dpos_ref)
+    torch.testing.assert_close(dtime, dtime_ref)

@@ -396,13 +396,20 @@ def _bias_gradients(tensors, scalars, dropout_args, flags, position_bias, time_b
         launcher(backward_entry("bias", q.shape[2], q.dtype, *flags), q.device)(
             *tensors, pos_part, time_part, n_blocks, *scalars, *dropout_args
         )
+    return reduce_bias_parts(pos_part, time_part, causal, position_bias, time_bias)
+
+
+def reduce_bias_parts(pos_part, time_part, causal: bool, position_bias, time_bias):
+    """(dposition_bias [H, P] or None, dtime_bias [H, T] or None) from the bias kernel's partial sums pos_part
+    [N, H, bands, 2 * BLOCK_B] and time_part [N, H, bands, TIME_SLOTS] (its docstring gives their layout)."""
     dpos = dtime = None
     if position_bias is not None:
-        first_band = 0 if causal else -(n_blocks - 1)
+        n_bands = pos_part.shape[2]
+        first_band = 0 if causal else -(n_bands // 2)  # non-causal: bands t = -(n_blocks - 1) .. n_blocks - 1
         dpos = fold_distances(pos_part.sum(0), BLOCK_B, first_band, position_bias.shape[1]).to(position_bias.dtype)
     if time_bias is not None:
         buckets = min(time_bias.shape[1], MAX_TIME_BUCKETS)
-        dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device)
+        dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=time_part.device)
         dtime[:, :buckets] = time_part.sum((0, 2))[:, :buckets]
         dtime = dtime.to(time_bias.dtype)
     return dpos, dtime
