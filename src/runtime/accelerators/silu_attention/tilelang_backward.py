@@ -330,6 +330,7 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             if pos:
                 PosPart[bz, by, bx, tx] = acc[0]
             if time:
+                T.sync_threads()  # the histogram's clearing, where the band holds no tile
                 if tx < TIME_SLOTS:
                     acc[0] = 0.0
                     for r in T.serial(bB):
