@@ -2,7 +2,8 @@
 
 Forward: one specialisation with every feature (causal, targets, both biases, dropout) at a padded head dim, and the
 plain kernel at the widest. Backward (dk/dv, dq and, with a bias, the bias kernel): head dim 32 causal with both
-biases, 64 with targets and dropout, 128 fp16 without a bias. The GPU tier checks the numbers."""
+biases, 64 with targets and dropout, 128 fp16 without a bias, and the bias kernel with every feature. The GPU tier
+checks the numbers."""
 
 import pytest
 import torch
@@ -33,6 +34,10 @@ BACKWARD = {
     for kernel in ("dkdv", "dq", "bias")
     if kernel != "bias" or case[4] or case[5]
 }
+# the bias kernel once more with every feature: non-causal bands, targets, dropout, fp16, the widest head dim
+BACKWARD["d128-f16-full-targets-pos-time-dropout-bias"] = lambda: kernels.backward_entry(
+    "bias", 128, torch.float16, False, True, True, True, True
+)
 
 
 def _compile(entry):
@@ -73,7 +78,7 @@ def test_backward_compiles_for_sm90a(name):
 
 def test_backward_entries_differ_per_kernel_and_flags():
     keys = {entry()[0] for entry in BACKWARD.values()}
-    assert len(keys) == len(BACKWARD) == 7
+    assert len(keys) == len(BACKWARD) == 8
     key, _ = kernels.backward_entry("bias", 32, torch.bfloat16, True, False, True, True, False)
     assert key[0] == "silu_attention_bwd_bias"
     with pytest.raises(KeyError):
