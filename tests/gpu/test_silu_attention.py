@@ -1,8 +1,8 @@
 """silu_attention's kernel backends on CUDA against float64: outputs and every gradient (q, k, v, both biases).
 
 Lengths 0, 1, odd and long (up to 1000) in one packing; each feature (causal or not, targets, each bias in both
-shapes, dropout, alpha) at least once, each dtype at least once; not the full product. The TileLang kernels are
-forward-only: their cases check the output under no_grad.
+shapes, dropout, alpha) at least once, each dtype at least once; not the full product. Both backends, forward and
+backward; the TileLang forward also alone under no_grad.
 """
 
 import pytest
@@ -88,9 +88,23 @@ def test_triton_against_float64(case):
     check(out, float64_reference(q, k, v, cu, kwargs, causal, alpha), q, k, v, kwargs, dtype)
 
 
-def test_triton_dropout_against_the_rebuilt_mask():
+def _rebuilt_keep(lengths, h, p):
+    """The kernels' keep masks per sequence [H, n, n] for the seed torch's CUDA generator gives next (the pair index
+    of (sequence s, head h) being s * H + h)."""
     from runtime.accelerators.seeds import draw_seed_tensor
 
+    seed = int(draw_seed_tensor(torch.device(CUDA)))
+    keep = []
+    for s, n in enumerate(lengths):
+        index = torch.arange(n, device=CUDA)
+        bh = (s * h + torch.arange(h, device=CUDA)).view(-1, 1, 1)
+        keep.append(
+            dropout.random_bits(seed, bh, index.view(1, -1, 1), index.view(1, 1, -1)) >= dropout.keep_threshold(p)
+        )
+    return keep
+
+
+def test_triton_dropout_against_the_rebuilt_mask():
     p, h, lengths = 0.2, 2, [0, 1, 37, 200]
     q, k, v, cu, kwargs = make(lengths, h, 32, torch.bfloat16, targets=True, pos="shared", time="per-head")
     kwargs["num_targets"] = kwargs["num_targets"][: len(lengths)]
@@ -98,15 +112,7 @@ def test_triton_dropout_against_the_rebuilt_mask():
     with use_accelerators(fallback="error"):
         out = silu_attention(q, k, v, cu, **kwargs, dropout_p=p, backend="triton")
     torch.manual_seed(7)
-    seed = int(draw_seed_tensor(torch.device(CUDA)))
-    keep = []  # per sequence [H, n, n], the pair index of (sequence s, head h) being s * H + h
-    for s, n in enumerate(lengths):
-        index = torch.arange(n, device=CUDA)
-        bh = (s * h + torch.arange(h, device=CUDA)).view(-1, 1, 1)
-        keep.append(
-            dropout.random_bits(seed, bh, index.view(1, -1, 1), index.view(1, 1, -1)) >= dropout.keep_threshold(p)
-        )
-    ref = float64_reference(q, k, v, cu, kwargs, True, None, keep, dropout.drop_rate(p))
+    ref = float64_reference(q, k, v, cu, kwargs, True, None, _rebuilt_keep(lengths, h, p), dropout.drop_rate(p))
     check(out, ref, q, k, v, kwargs, torch.bfloat16)
 
 
@@ -139,7 +145,37 @@ def test_tilelang_forward_against_float64(case):
     assert_close("o", out, float64_reference(q, k, v, cu, kwargs, causal, alpha), rtol_for(dtype))
 
 
-def test_tilelang_requiring_grad_falls_back_to_torch():
-    q, k, v, cu, kwargs = make([5, 9], 2, 32, torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="forward-only"):
-        silu_attention(q, k, v, cu, **kwargs, backend="tilelang")
+@pytest.mark.parametrize("case", TILELANG_CASES, ids=[_id(c) for c in TILELANG_CASES])
+def test_tilelang_against_float64(case):
+    """The TileLang forward and backward: the output and every gradient (q, k, v, both biases)."""
+    pytest.importorskip("runtime.accelerators.silu_attention.tilelang", exc_type=ImportError)
+    d, dtype, causal, targets, pos, time, alpha = case
+    q, k, v, cu, kwargs = make(LENGTHS, 2, d, dtype, targets=targets, pos=pos, time=time)
+    with use_accelerators(fallback="error"):
+        out = silu_attention(q, k, v, cu, **kwargs, causal=causal, alpha=alpha, backend="tilelang")
+    check(out, float64_reference(q, k, v, cu, kwargs, causal, alpha), q, k, v, kwargs, dtype)
+
+
+def test_tilelang_dropout_against_the_rebuilt_mask():
+    pytest.importorskip("runtime.accelerators.silu_attention.tilelang", exc_type=ImportError)
+    p, h, lengths = 0.2, 2, [0, 1, 37, 200]
+    q, k, v, cu, kwargs = make(lengths, h, 64, torch.bfloat16, targets=True, pos="per-head", time="shared")
+    kwargs["num_targets"] = kwargs["num_targets"][: len(lengths)]
+    torch.manual_seed(7)
+    with use_accelerators(fallback="error"):
+        out = silu_attention(q, k, v, cu, **kwargs, dropout_p=p, backend="tilelang")
+    torch.manual_seed(7)
+    ref = float64_reference(q, k, v, cu, kwargs, True, None, _rebuilt_keep(lengths, h, p), dropout.drop_rate(p))
+    check(out, ref, q, k, v, kwargs, torch.bfloat16)
+
+
+def test_tilelang_bias_gradients_are_deterministic():
+    pytest.importorskip("runtime.accelerators.silu_attention.tilelang", exc_type=ImportError)
+    for causal in (True, False):
+        q, k, v, cu, kwargs = make(LENGTHS, 2, 32, torch.bfloat16, pos="shared", time="per-head")
+        grads = []
+        for _ in range(3):
+            out = silu_attention(q, k, v, cu, **kwargs, causal=causal, backend="tilelang")
+            loss = out.float().square().sum()
+            grads.append(torch.autograd.grad(loss, (q, kwargs["position_bias"], kwargs["time_bias"])))
+        assert all(torch.equal(a, b) for run in grads[1:] for a, b in zip(grads[0], run))

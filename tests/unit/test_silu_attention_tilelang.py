@@ -1,7 +1,9 @@
-"""silu_attention's TileLang forward, compile-only: lowered and compiled for sm_90a with the local nvcc.
+"""silu_attention's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
-One specialisation with every feature (causal, targets, both biases, dropout) at a padded head dim, and the plain
-kernel at the widest; the GPU tier checks the numbers."""
+Forward: one specialisation with every feature (causal, targets, both biases, dropout) at a padded head dim, and the
+plain kernel at the widest. Backward (dk/dv, dq and, with a bias, the bias kernel): head dim 32 causal with both
+biases, 64 with targets and dropout, 128 fp16 without a bias, and the bias kernel with every feature. The GPU tier
+checks the numbers."""
 
 import pytest
 import torch
@@ -12,27 +14,140 @@ kernels = pytest.importorskip(
     "runtime.accelerators.silu_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
 )
 
-KERNELS = {
+FORWARD = {
     "d24-bf16-causal-targets-pos-time-dropout": lambda: kernels.forward_entry(
         24, torch.bfloat16, True, True, True, True, True
     ),
     "d128-f16-full": lambda: kernels.forward_entry(128, torch.float16, False, False, False, False, False),
 }
 
+# (head dim, dtype, causal, targets, position bias, time bias, dropout)
+BACKWARD_CASES = {
+    "d32-bf16-causal-pos-time": (32, torch.bfloat16, True, False, True, True, False),
+    "d64-bf16-causal-targets-dropout": (64, torch.bfloat16, True, True, False, False, True),
+    "d128-f16-full": (128, torch.float16, False, False, False, False, False),
+}
+BACKWARD = {
+    f"{name}-{kernel}": (lambda case=case, kernel=kernel: kernels.backward_entry(kernel, *case))
+    for name, case in BACKWARD_CASES.items()
+    # the bias kernel runs only where a bias is given
+    for kernel in ("dkdv", "dq", "bias")
+    if kernel != "bias" or case[4] or case[5]
+}
+# the bias kernel once more with every feature: non-causal bands, targets, dropout, fp16, the widest head dim
+BACKWARD["d128-f16-full-targets-pos-time-dropout-bias"] = lambda: kernels.backward_entry(
+    "bias", 128, torch.float16, False, True, True, True, True
+)
 
-@requires_nvcc
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_forward_compiles_for_sm90a(name):
+
+def _compile(entry):
     import tilelang
 
     from runtime.accelerators.tilelang_common import device_info
 
-    _, build = KERNELS[name]()
-    source = tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+    _, build = entry
+    return tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_forward_compiles_for_sm90a(name):
+    source = _compile(FORWARD[name]())
     assert "__global__" in source
     # sequences, heads and tokens are runtime arguments: one kernel serves every packing
     for dynamic in ("total", "heads", "n_offsets"):
         assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
     if "dropout" in name:
         assert "taac_dropout_bits" in source
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_backward_compiles_for_sm90a(name):
+    source = _compile(BACKWARD[name]())
+    assert "__global__" in source
+    for dynamic in ("total", "heads", "n_offsets"):
+        assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
+    # the forward's dropout bits and time buckets, recomputed: not stored
+    assert ("taac_dropout_bits" in source) == ("dropout" in name)
+    assert ("taac_time_bucket" in source) == ("time" in name)
+    assert "atomic" not in source.lower(), f"{name}: the backward adds nothing atomically (deterministic)"
+
+
+def test_backward_entries_differ_per_kernel_and_flags():
+    keys = {entry()[0] for entry in BACKWARD.values()}
+    assert len(keys) == len(BACKWARD) == 8
+    key, _ = kernels.backward_entry("bias", 32, torch.bfloat16, True, False, True, True, False)
+    assert key[0] == "silu_attention_bwd_bias"
+    with pytest.raises(KeyError):
+        kernels.backward_entry("dz", 32, torch.bfloat16, True, False, False, False, False)
+
+
+def test_tilelang_backend_declares_a_backward():
+    from runtime.accelerators.silu_attention import SUPPORT
+
+    assert SUPPORT["tilelang"].backward
+    assert kernels.backward.__name__ == "backward"
+
+
+def _kernel_parts(ds, times, causal, max_seqlen, n_time_buckets):
+    """The bias kernel's partial sums as its docstring lays them out, computed with torch from per-sequence score
+    gradients ds [H, n, n]: band t of tiles (mb, mb - t), diagonal slot u = i - j - t * B + B - 1, time buckets."""
+    from runtime.accelerators.silu_attention.reference import time_buckets
+
+    b = kernels.BLOCK_B
+    n_blocks = -(-max_seqlen // b)
+    n_bands = n_blocks if causal else 2 * n_blocks - 1
+    h = ds[0].shape[0]
+    pos = torch.zeros(len(ds), h, n_bands, 2 * b, dtype=torch.float64)
+    time = torch.zeros(len(ds), h, n_bands, kernels.TIME_SLOTS, dtype=torch.float64)
+    r = torch.arange(b).view(-1, 1)
+    c = torch.arange(b).view(1, -1)
+    for s, (g, t_s) in enumerate(zip(ds, times)):
+        n = g.shape[-1]
+        blocks = -(-n // b)
+        padded = torch.zeros(h, blocks * b, blocks * b, dtype=torch.float64)
+        padded[:, :n, :n] = g
+        stamps = torch.zeros(blocks * b, dtype=torch.int64)
+        stamps[:n] = t_s
+        for band in range(n_bands):
+            t = band if causal else band - (n_blocks - 1)
+            for mb in range(max(t, 0), blocks + min(t, 0)):
+                rows, cols = slice(mb * b, (mb + 1) * b), slice((mb - t) * b, (mb - t + 1) * b)
+                tile = padded[:, rows, cols]
+                pos[s, :, band].index_add_(1, (r - c + b - 1).flatten(), tile.flatten(1))
+                dt = (stamps[rows].view(-1, 1) - stamps[cols].view(1, -1)).abs()
+                bucket = time_buckets(dt, min(n_time_buckets, kernels.MAX_TIME_BUCKETS))
+                time[s, :, band].index_add_(1, bucket.flatten(), tile.flatten(1))
+    return pos, time
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("p_len, t_len", [(50, 5), (300, 70)])
+def test_bias_parts_fold_into_the_bias_gradients(causal, p_len, t_len):
+    """The host half of the bias gradients: partial sums laid out as the bias kernel writes them reduce to the
+    gradients summed directly per position bucket and time bucket."""
+    from runtime.accelerators.silu_attention.reference import time_buckets, visible_mask
+    from runtime.accelerators.silu_attention.tilelang_backward import reduce_bias_parts
+
+    h, lengths = 2, [0, 1, 37, 130, 64]
+    torch.manual_seed(0)
+    ds, times = [], []
+    for n in lengths:
+        ds.append(torch.randn(h, n, n, dtype=torch.float64) * visible_mask(n, causal, None, "cpu"))
+        times.append(1_700_000_000 + (torch.randint(0, 5000, (n,)) * torch.randint(0, 2, (n,))).cumsum(0))
+    pos_part, time_part = _kernel_parts(ds, times, causal, max(lengths), t_len)
+    position_bias, time_bias = torch.zeros(h, p_len, dtype=torch.float64), torch.zeros(h, t_len, dtype=torch.float64)
+    dpos, dtime = reduce_bias_parts(pos_part, time_part, causal, position_bias, time_bias)
+
+    dpos_ref, dtime_ref = torch.zeros_like(position_bias), torch.zeros_like(time_bias)
+    for g, t_s in zip(ds, times):
+        n = g.shape[-1]
+        i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        dpos_ref.index_add_(1, (i - j).abs().clamp_max(p_len - 1).flatten(), g.flatten(1))
+        bucket = time_buckets((t_s.view(-1, 1) - t_s.view(1, -1)).abs(), t_len)
+        dtime_ref.index_add_(1, bucket.flatten(), g.flatten(1))
+    torch.testing.assert_close(dpos, dpos_ref)
+    torch.testing.assert_close(dtime, dtime_ref)

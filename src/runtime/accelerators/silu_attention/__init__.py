@@ -43,7 +43,6 @@ SUPPORT: dict[str, KernelSupport] = {
     "triton": KernelSupport(dtypes=(torch.bfloat16, torch.float16, torch.float32)),
     "tilelang": KernelSupport(
         dtypes=(torch.bfloat16, torch.float16),
-        backward=False,
         dtype_note="the tilelang kernels compute with bf16/fp16 tensor cores; cast q/k/v to bfloat16 or float16 "
         "(or run under autocast), or use backend='triton'",
     ),
