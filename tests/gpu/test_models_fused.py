@@ -82,6 +82,7 @@ def _kernels(model, batch) -> Counter:
     return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+@pytest.mark.unpoisoned
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fused_models_launch_fewer_kernels(name):
     model, batch = _setup(name)
@@ -96,9 +97,13 @@ def test_fused_models_launch_fewer_kernels(name):
         for k in fused_kernels | unfused_kernels
         if fused_kernels[k] != unfused_kernels[k]
     }
-    # per block: the two residual adds are joined with the norms after them (the linear epilogues are the same modules
-    # in both, and the linear op's tests and benchmark cover them)
-    assert fused <= unfused - 2 * SIZES["n_layers"], (fused, unfused, differences)
+    for kernel, (n_fused, n_unfused) in differences.items():
+        print(f"  {n_fused} fused, {n_unfused} unfused: {kernel}")
+    # every residual add but the last block's second is joined with the norm after it (one kernel instead of two); the
+    # first block's first norm has no add before it. The linear epilogues are the same modules in both (the linear
+    # op's tests and benchmark cover them).
+    joined = 2 * SIZES["n_layers"] - 1
+    assert fused <= unfused - joined, (fused, unfused, differences)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from runtime.accelerators import rms_norm
-from runtime.accelerators.rms_norm import triton as rms_triton
+from runtime.accelerators.norms_kernels import row_norm_forward
 
 WIDTH = 200
 
@@ -18,8 +18,8 @@ def _reference(x, weight):
 
 @pytest.fixture
 def binder_calls(monkeypatch):
-    """How many launches of rms_norm's forward kernel went through Triton's own JIT path."""
-    jit = rms_triton._forward_kernel.kernel
+    """How many launches of the row norms' forward kernel (rms_norm's) went through Triton's own JIT path."""
+    jit = row_norm_forward.kernel
     calls, run = [], jit.run
 
     def counted(*args, **kwargs):
@@ -87,6 +87,6 @@ def test_triton_36_direct_launches_call_the_launch_function(binder_calls):
     weight = torch.randn(WIDTH, device="cuda", dtype=torch.bfloat16)
     for n in (64, 64, 37):
         _check(torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16), weight)
-    entries = list(rms_triton._forward_kernel._compiled.values())
+    entries = list(row_norm_forward._compiled.values())
     assert entries and all(type(compiled.run).__name__ == "CudaLauncher" for compiled, *_ in entries)
     assert all(launch == compiled.run.launch and len(extra) == 4 for compiled, _, launch, extra in entries)
