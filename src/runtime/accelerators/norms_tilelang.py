@@ -8,7 +8,9 @@ one persistent backward builder, the op chosen by flags. Plans, row tiles and th
               dnew and works from xhat also when not centred
     w_dtype, b_dtype  a weight, a bias; None: absent (the kernel then takes a 1-element fp32 placeholder)
 
-rms_norm's backward works from x and scales the dot product by rstd^2 / N (the others from xhat). Each kernel keeps
+An argument annotated None is not one of the kernel's (the ops that never take it), and tiles a kernel leaves unused
+are not in its source. rms_norm's backward works from x and scales the dot product by rstd^2 / N (the others from
+xhat). Each kernel keeps
 the name, argument names and tile names of the op's own kernel: they name the generated CUDA source's function and
 variables, so that source stays the op's (see docs/tuning/refactor.md).
 
