@@ -85,7 +85,9 @@ def test_models_on_kernels_match_float64(name, preset):
             print(f"{name} d{param}: {relative_rms_error(g, g_ref):.3e} from the float64 model (judged per op call)")
         elif param.startswith("blocks."):  # the fused ops' parameters (the rest of the model runs as before)
             check_against_model(f"{name} d{param}", g, g_torch, g_ref, 2e-2)
-    assert len(gdr_calls) == (SIZES["n_layers"] if name == "gdr" else 0)
+    expected_calls = SIZES["n_layers"] if name == "gdr" else 0
+    if len(gdr_calls) != expected_calls:
+        failures.append(f"{len(gdr_calls)} GDR op calls captured, expected {expected_calls}")
     for call in gdr_calls:
         for what, value, expected, bound in matched_comparisons(call):
             check(f"{name} {what} at matched rounding", value, expected, bound)
