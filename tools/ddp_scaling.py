@@ -131,9 +131,10 @@ def resume_on_one(straight: dict, resumed: dict, step: int, rtol: float, continu
             "losses": ours, "uninterrupted_losses": theirs, "ok": ok}  # fmt: skip
 
 
-def remove_checkpoints(run_dir: Path) -> None:
+def remove_checkpoints(run_dir: Path, keep: Path | None = None) -> None:
     for path in (run_dir / "checkpoints").glob("*.pt"):
-        path.unlink()
+        if path != keep:
+            path.unlink()
 
 
 def measure(args, preset: str | None, model: str, nproc: int, base: list[str], batch: int, runs: Path) -> dict:
@@ -143,10 +144,14 @@ def measure(args, preset: str | None, model: str, nproc: int, base: list[str], b
              "global_batch": nproc * batch}  # fmt: skip
     directory = runs / name.replace("/", "-") / f"n{nproc}"
     half = args.steps // 2
+    source = directory / "checkpoints" / f"step_{half:07d}.pt"
 
     def train(processes: int, extra: list[str], suffix: str = "") -> dict:
-        return torchrun(processes, [*base, *extra], directory.with_name(directory.name + suffix), args.timeout,
-                        args.threads)  # fmt: skip
+        run_dir = directory.with_name(directory.name + suffix)
+        metrics = torchrun(processes, [*base, *extra], run_dir, args.timeout, args.threads)
+        if not args.keep_checkpoints:  # at once: at pcvr_large sizes a checkpoint is about 20 GB
+            remove_checkpoints(run_dir, keep=source if nproc > 1 else None)
+        return metrics
 
     try:
         straight = train(nproc, [])
@@ -155,7 +160,7 @@ def measure(args, preset: str | None, model: str, nproc: int, base: list[str], b
         if nproc > 1:
             reference = train(1, [f"data.batch_size={nproc * batch}"], "_ref1")
             entry["vs_one_process_same_global_batch"] = against_global_batch(straight, reference)
-            checkpoint = f"trainer.resume={directory / 'checkpoints' / f'step_{half:07d}.pt'}"
+            checkpoint = f"trainer.resume={source}"
             again = train(nproc, [checkpoint], f"_resume{nproc}")
             entry["resume_same_nproc"] = resume_same(straight, again, half, args.resume_rtol)
             one = train(1, [checkpoint, "trainer.resume_overrides=allow"], "_resume1")
