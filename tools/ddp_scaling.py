@@ -3,7 +3,7 @@ process at the same global batch, and checkpoint resume on N processes and on 1.
 
     python tools/ddp_scaling.py --nproc 1 2 --experiment baseline tokenformer gdr --steps 200 --out $OUT/ddp
     PYTHONPATH=src python tools/ddp_scaling.py --device cpu --nproc 1 2 --experiment baseline --steps 8 \\
-        --log-every 2 --warmup 2 --out /tmp/ddp data.batch_size=32 model.d_model=16
+        --log-every 2 --warmup 2 --out /tmp/ddp -- data.batch_size=32 model.d_model=16
 
 Every run is `torchrun --standalone --nproc_per_node N -m runtime.training` with the same per-process batch
 (`data.batch_size`: the global batch is N times it), eager: the whole-step CUDA graph (trainer.cuda_graph) does not
@@ -18,8 +18,9 @@ capture DistributedDataParallel, so it is off in every run, the 1-process ones i
   uninterrupted run's (bitwise, or within --resume-rtol); resumed on 1 process (trainer.resume_overrides=allow, same
   per-process batch) its first loss is that of the uninterrupted run's rank 0 (same weights, same batch) within
   --resume-rtol, and the mean loss of the rest within --continue-rtol of the uninterrupted run's.
-Extra key=value arguments go to every run. Writes <out>/ddp_scaling.json (after every run) and <out>/ddp_scaling.md,
-each run's directory (metrics.json, torchrun.log) under <out>/runs; exit status 1 when a run or a check failed.
+Extra key=value arguments (after --) go to every run. Writes <out>/ddp_scaling.json (after each experiment and N, so
+a cut-short call keeps what finished) and <out>/ddp_scaling.md, each run's directory (metrics.json, torchrun.log)
+under <out>/runs, checkpoints removed once checked; exit status 1 when a run or a check failed.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def environment(device: str) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="DDP scaling and resume checks of the training presets (torchrun).")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="process counts (include 1)")
     parser.add_argument("--experiment", nargs="+", default=["baseline", "tokenformer", "gdr"], help="model configs")
     parser.add_argument("--preset", nargs="*", default=[], help="size presets (experiment=...), e.g. pcvr_large")
@@ -243,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("overrides", nargs="*", help="key=value for every run")
     args = parser.parse_args(argv)
+    if any("=" in name for name in [*args.experiment, *args.preset]):
+        parser.error("key=value overrides go after -- (or after a one-value option such as --out)")
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the resume checks start from a checkpoint at steps/2)")
     return args

@@ -28,7 +28,7 @@ TINY = [
 def test_scaling_summary_and_resume_checks_on_gloo(tmp_path):
     command = [
         sys.executable, str(ROOT / "tools" / "ddp_scaling.py"), "--device", "cpu", "--nproc", "1", "2",
-        "--experiment", "baseline", "--steps", "8", "--log-every", "2", "--warmup", "2", "--out", str(tmp_path), *TINY,
+        "--experiment", "baseline", "--steps", "8", "--log-every", "2", "--warmup", "2", "--out", str(tmp_path), "--", *TINY,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
