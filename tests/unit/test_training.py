@@ -233,7 +233,7 @@ def test_resume_gives_the_same_next_losses(tmp_path):
     assert from_dir.step == 4  # a run directory resumes from its latest checkpoint
 
 
-def test_resume_refuses_another_world_size(tmp_path):
+def test_resume_on_another_world_size_only_when_allowed(tmp_path):
     from runtime.training import checkpoint
 
     Trainer(_compose("trainer.steps=1"), tmp_path).fit()
@@ -242,6 +242,11 @@ def test_resume_refuses_another_world_size(tmp_path):
     checkpoint.save(path, state)
     with pytest.raises(ValueError, match="written by 2 process"):
         Trainer(_compose(f"trainer.resume={path}"), tmp_path / "next")
+    # allowed: the run continues on this many processes from the checkpoint's step and data position
+    allowed = _compose("trainer.steps=1", f"trainer.resume={path}", "trainer.resume_overrides=allow")
+    trainer = Trainer(allowed, tmp_path / "allowed")
+    assert trainer.step == 1 and trainer.data_position == 1
+    assert trainer.metrics["resumes"][-1]["changes"] == {"world_size": (2, 1)}
 
 
 @pytest.mark.slow
