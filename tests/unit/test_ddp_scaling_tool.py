@@ -8,27 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tiny_training import TINY_SIZES
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "data.batch_size=32",
-    "data.seq_len=16",
-    "data.n_items=200",
-    "data.n_categories=8",
-    "data.val_size=256",
-    "data.prefetch=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.ffn_mult=2",
-    "model.head_hidden=32",
-]
 
 
 @pytest.mark.slow
 def test_scaling_summary_and_resume_checks_on_gloo(tmp_path):
     command = [
         sys.executable, str(ROOT / "tools" / "ddp_scaling.py"), "--device", "cpu", "--nproc", "1", "2",
-        "--experiment", "baseline", "--steps", "8", "--log-every", "2", "--warmup", "2", "--out", str(tmp_path), "--", *TINY,
+        "--experiment", "baseline", "--steps", "8", "--log-every", "2", "--warmup", "2", "--out", str(tmp_path), "--", *TINY_SIZES,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)

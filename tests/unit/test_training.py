@@ -17,25 +17,11 @@ from runtime.training import Trainer, config_dir
 from runtime.training.loop import use_cuda_graph
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
+from tiny_training import TINY_SIZES
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # a model and data small enough for a few CPU steps; the torch backend (the interpreter would crawl)
-TINY = [
-    "accelerators=torch",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "data.batch_size=32",
-    "data.seq_len=16",
-    "data.n_items=200",
-    "data.n_categories=8",
-    "data.val_size=256",
-    "data.prefetch=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.ffn_mult=2",
-    "model.head_hidden=32",
-]
+TINY = ["accelerators=torch", "trainer.device=cpu", "trainer.progress=false", *TINY_SIZES]
 
 
 @pytest.fixture(autouse=True)
