@@ -88,6 +88,13 @@ def sparse_ranks(segments: Segments, num_embeddings: int, padding_idx: int) -> t
     return ranks, count
 
 
+def empty_input_gradient(weight: torch.Tensor, sparse: bool):
+    """The weight's gradient where no index was looked up: zeros, or (rows, values) of nothing when sparse."""
+    if sparse:
+        return torch.empty(0, dtype=torch.int64, device=weight.device), weight.new_empty(0, weight.shape[1])
+    return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+
+
 def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, num_embeddings: int) -> torch.Tensor:
     shape = (num_embeddings, values.shape[1])
     with warnings.catch_warnings():

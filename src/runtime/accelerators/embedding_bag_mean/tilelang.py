@@ -22,7 +22,7 @@ from ..tilelang_common import precompile as precompile_entries
 import tilelang.language as T  # noqa: E402  isort: skip
 from ..kernel_backend import KernelBackend
 from .reference import INDEX_ERROR
-from .segments import bag_layout, num_chunks, sort_segments, sparse_gradient, sparse_ranks
+from .segments import bag_layout, empty_input_gradient, num_chunks, sort_segments, sparse_gradient, sparse_ranks
 
 CHUNK = 32  # sorted entries per block of the gradient's first pass
 BLOCK_J = 32  # chunk partials summed at once in the second pass
@@ -385,9 +385,7 @@ def _reduce(grad_out, weight, indices, offsets, padding_idx, include_last_offset
     num_indices = bags.flat.numel()
     device = weight.device
     if num_indices == 0 or bags.num_bags == 0:
-        if sparse:
-            return torch.empty(0, dtype=torch.int64, device=device), weight.new_empty(0, dim)
-        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        return empty_input_gradient(weight, sparse)
     grad_out = grad_out.contiguous()
     segments = sort_segments(bags.flat, num_embeddings)
     placeholder = segments.first[:1]

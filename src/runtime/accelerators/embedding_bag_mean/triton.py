@@ -27,7 +27,7 @@ from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from . import radix_sort
 from .reference import INDEX_ERROR, index_error
-from .segments import Segments, bag_layout, num_chunks, sort_keys, sparse_gradient, sparse_ranks
+from .segments import Segments, bag_layout, empty_input_gradient, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
 # sorted entries per program of the gradient's first pass: more, smaller programs hide its latency better. H100,
 # forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
@@ -345,9 +345,7 @@ def _reduce(
     num_indices = bags.flat.numel()
     device = weight.device
     if num_indices == 0 or bags.num_bags == 0:
-        if sparse:
-            return torch.empty(0, dtype=torch.int64, device=device), weight.new_empty(0, dim)
-        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        return empty_input_gradient(weight, sparse)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dense = None if sparse else buffers.empty((num_embeddings, dim), dtype=weight.dtype, device=device)
