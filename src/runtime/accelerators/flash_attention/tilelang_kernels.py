@@ -350,15 +350,18 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
     cols = math.gcd(dim, 32)
     B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
     sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+    # one type object per parameter: two parameters annotated with one object are bound to one buffer
     if varlen:  # Lq: the packed length; one program per block of rows of one head
         o_type = T.Tensor((Lq, H, dim), dtype)
         do_type = T.StridedTensor((Lq, H, dim), (sdo[0], sdo[1], 1), dtype)
-        lse_type, rows_type = T.Tensor((H, Lq), ACCUM), T.Tensor((H, Lqp), ACCUM)
+        lse_type = T.Tensor((H, Lq), ACCUM)
+        delta_type, lse2_type = T.Tensor((H, Lqp), ACCUM), T.Tensor((H, Lqp), ACCUM)
         batch = 1
     else:
         o_type = T.Tensor((B, H, Lq, dim), dtype)
         do_type = T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype)
-        lse_type, rows_type = T.Tensor((B, H, Lq), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
+        lse_type = T.Tensor((B, H, Lq), ACCUM)
+        delta_type, lse2_type = T.Tensor((B, H, Lqp), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
         batch = B
 
     @T.prim_func
@@ -366,8 +369,8 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
         O: o_type,
         dO: do_type,
         LSE: lse_type,
-        Delta: rows_type,
-        LSE2: rows_type,
+        Delta: delta_type,
+        LSE2: lse2_type,
     ):
         with T.Kernel(T.ceildiv(Lq, blk), H, batch, threads=blk) as (bx, by, bz):
             o_f = T.alloc_fragment((blk, cols), dtype)
@@ -440,7 +443,7 @@ def backward_kernel(
         k_type = T.StridedTensor((Lk, Hkv, dim), (sk[0], sk[1], 1), dtype)
         v_type = T.StridedTensor((Lk, Hkv, dim), (sv[0], sv[1], 1), dtype)
         do_type = T.StridedTensor((Lq, H, dim), (sdo[0], sdo[1], 1), dtype)
-        rows_type = T.Tensor((H, Lqp), ACCUM)
+        lse2_type, delta_type = T.Tensor((H, Lqp), ACCUM), T.Tensor((H, Lqp), ACCUM)
         dk_type = T.StridedTensor((Lk, Hkv, dim), (sdk[0], sdk[1], 1), dtype)
         dv_type = T.StridedTensor((Lk, Hkv, dim), (sdv[0], sdv[1], 1), dtype)
         dq_acc_type = T.Tensor((H, NQB, bM * dim), ACCUM) if bulk else T.Tensor((NQR, H, dim), ACCUM)
@@ -450,7 +453,7 @@ def backward_kernel(
         k_type = T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype)
         v_type = T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype)
         do_type = T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype)
-        rows_type = T.Tensor((B, H, Lqp), ACCUM)
+        lse2_type, delta_type = T.Tensor((B, H, Lqp), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
         dk_type = T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype)
         dv_type = T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype)
         if bulk:
@@ -529,8 +532,8 @@ def backward_kernel(
         K: k_type,
         V: v_type,
         dO: do_type,
-        LSE2: rows_type,
-        Delta: rows_type,
+        LSE2: lse2_type,
+        Delta: delta_type,
         Lengths: T.Tensor((NL,), "int32"),
         dQacc: dq_acc_type,
         dK: dk_type,
