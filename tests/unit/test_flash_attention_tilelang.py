@@ -240,7 +240,9 @@ def test_varlen_backward_without_queries_or_keys_is_zero():
     q, k = torch.randn(5, 2, 16, dtype=torch.bfloat16), torch.randn(0, 1, 16, dtype=torch.bfloat16)
     cu_q, cu_k = offsets([2, 3]), offsets([0, 0])
     o, lse = torch.zeros_like(q), torch.full((2, 5), float("-inf"))
-    dq, dk, dv, *rest = fa.varlen_backward(torch.randn_like(q), q, k, k, cu_q, cu_k, 3, 0, True, 0.25, 0.0, None, o, lse)
+    dq, dk, dv, *rest = fa.varlen_backward(
+        torch.randn_like(q), q, k, k, cu_q, cu_k, 3, 0, True, 0.25, 0.0, None, o, lse
+    )
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == dv.shape == k.shape
     assert rest == [None] * 8
 

@@ -18,6 +18,11 @@ visits it (its key blocks are empty), so its gradients are exactly zero.
 Dropout: keep(b, h, i, j) is the counter-based hash of dropout.py, which the backward
 recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p as drawn (dropout.drop_rate).
 
+Packed sequences (varlen_forward, varlen_backward; layout in varlen.py): the same kernels built with `varlen`, one
+program per (block, head, sequence) reading its sequence's offsets; the grid's blocks come from max_seqlen, so one
+compiled kernel serves every packing. The backward adds each sequence's dq into accumulator blocks of its own
+(dq_first_block), so rows past a sequence's end never reach another's; the host gathers dq from them.
+
 The configurations and kernel builders: tilelang_kernels.py.
 """
 
