@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import NVCC, SM90A, requires_nvcc
+from tma_source import misaligned_tma_copies
 
 fa = pytest.importorskip(
     "runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -93,11 +94,16 @@ def test_kernel_compiles_for_sm90a(name, tmp_path):
         assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
     if name.startswith("preprocess"):  # delta and the log-sum-exp each stored to their own buffer
         assert "Delta[" in source and "LSE2[" in source, f"{name}: delta and lse2 should be distinct outputs"
+    if name.startswith("preprocess") and "varlen" in name:  # into the backward's query blocks (packed_dq_rows)
+        assert "Rows[" in source, f"{name}: delta and lse2 should be stored at the rows of the query blocks"
     if name.startswith("backward") and "varlen" in name:  # each program reads its sequence's offsets
         assert "CuQ[" in source and "CuK[" in source, f"{name}: the kernel should read cu_seqlens"
     if name.startswith(("forward", "backward")):
         assert "tma_load" in source, f"{name}: q/k/v tiles should be loaded with TMA"
         assert "wgmma" in source, f"{name}: the matmuls should use Hopper's wgmma"
+        # whatever the offsets (a packed sequence starts at any row): else the copy faults with an illegal instruction
+        misaligned = misaligned_tma_copies(source)
+        assert not misaligned, f"{name}: TMA copies whose innermost coordinate may not be 16-byte aligned: {misaligned}"
     if name.startswith("backward"):
         consumer = source[source.find("warpgroup_reg_alloc") :]  # the compute warpgroups' code
         if cfg.dq == "bulk":  # a 1-D bulk reduction (no descriptor) waited for one step later
@@ -245,6 +251,31 @@ def test_varlen_backward_without_queries_or_keys_is_zero():
     )
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == dv.shape == k.shape
     assert rest == [None] * 8
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_varlen_backward_lays_delta_and_lse_out_in_the_query_blocks(monkeypatch, d):
+    """The backward loads a query block's delta and log-sum-exp by TMA from row (dq_first_block + m) * block_m of
+    [H, blocks * block_m]: whole blocks, whatever row a sequence starts at (a TMA copy whose innermost coordinate is not
+    16-byte aligned faults). The preprocess gets those buffers, zeroed (the rows between sequences are read, masked),
+    and the block row of each packed row."""
+    calls = {}
+    monkeypatch.setattr(fa, "launcher", lambda entry, device: lambda *args: calls.setdefault(entry[0][0], args))
+    lengths = [37, 0, 130, 1, 5]  # sequences from rows 37, 167 and 168: not multiples of 4
+    cu = offsets(lengths)
+    total, h = int(cu[-1]), 3
+    q, k = torch.randn(total, h, d, dtype=torch.bfloat16), torch.randn(total, 1, d, dtype=torch.bfloat16)
+    o, lse = torch.randn_like(q), torch.randn(h, total)
+    fa.varlen_backward(torch.randn_like(q), q, k, k, cu, cu, 130, 130, True, 0.25, 0.0, None, o, lse)
+    *_, delta, lse2, rows = calls["flash_attention_prep"]
+    block_m = fa.BWD_CONFIGS[d].block_m
+    blocks = -(-total // block_m) + len(lengths)
+    assert delta.shape == lse2.shape == (h, blocks * block_m)
+    assert not delta.any() and not lse2.any()
+    assert torch.equal(rows, fa.packed_dq_rows(cu, total, block_m))
+    assert all(int(rows[start]) % block_m == 0 for start, n in zip(cu.tolist(), lengths) if n)
+    lse2_arg, delta_arg = calls["flash_attention_bwd"][4:6]
+    assert lse2_arg is lse2 and delta_arg is delta
 
 
 def test_varlen_entries_are_apart_from_the_padded_ones():

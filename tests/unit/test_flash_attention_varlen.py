@@ -14,6 +14,7 @@ from runtime.accelerators.flash_attention import triton as fa_triton
 from runtime.accelerators.flash_attention.reference import attention_float64_varlen
 from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
+from tma_source import misaligned_tma_copies
 
 GRAD_RTOL = gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32)
 LENGTHS = [0, 1, 5, 17]  # an empty sequence, a single row, odd lengths, one past the 16-row tiles
@@ -316,3 +317,4 @@ def test_tilelang_packed_forward_compiles_for_sm90a():
     kernel = tilelang.compile(build(device_info(None)), target=SM90A)
     source = kernel.get_kernel_source()
     assert "taac_dropout_bits" in source and "flash_fwd" in source
+    assert not misaligned_tma_copies(source), "TMA copies at a sequence's offset should keep it off the innermost axis"

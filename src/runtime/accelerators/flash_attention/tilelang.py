@@ -21,7 +21,8 @@ recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p 
 Packed sequences (varlen_forward, varlen_backward; layout in varlen.py): the same kernels built with `varlen`, one
 program per (block, head, sequence) reading its sequence's offsets; the grid's blocks come from max_seqlen, so one
 compiled kernel serves every packing. The backward adds each sequence's dq into accumulator blocks of its own
-(dq_first_block), so rows past a sequence's end never reach another's; the host gathers dq from them.
+(dq_first_block), so rows past a sequence's end never reach another's; the host gathers dq from them. Its delta and
+log-sum-exp rows lie in the same blocks, so that each sequence's rows start at a whole block for TMA.
 
 The configurations and kernel builders: tilelang_kernels.py.
 """
@@ -271,7 +272,7 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
     else:  # a block of block_m queries after another (the last padded), each in sub-tiles
         dq_acc = torch.zeros((b, h, -(-lq // cfg.block_m), cfg.block_m * d), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2)
+    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, placeholder(q.device, torch.int64))
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
@@ -346,13 +347,17 @@ def varlen_backward(
         return dq.zero_(), dk.zero_(), dv.zero_(), *rest
     _check_packed_grid(cu_seqlens_q, h)
     do = _tma_ready(do)
-    lq_padded = -(-total_q // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
-    delta = buffers.empty((h, lq_padded), dtype=torch.float32, device=q.device)
-    lse2 = buffers.empty((h, lq_padded), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype, varlen=True), q.device)(o.contiguous(), do, lse.contiguous(), delta, lse2)
     cfg = cfg or BWD_CONFIGS[d]
     n = cu_seqlens_q.numel() - 1
     blocks = -(-total_q // cfg.block_m) + n  # each sequence's query blocks apart (dq_first_block)
+    rows = packed_dq_rows(cu_seqlens_q, total_q, cfg.block_m)
+    # delta and the log-sum-exp in those blocks too: TMA loads them from a whole block (its innermost coordinate must
+    # be 16-byte aligned; a sequence's first row need not be); the rows between sequences stay 0
+    delta = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
+    lse2 = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
+    launcher(preprocess_entry(d, q.dtype, varlen=True), q.device)(
+        o.contiguous(), do, lse.contiguous(), delta, lse2, rows
+    )
     if cfg.dq == "tma":
         dq_acc = torch.zeros((blocks * cfg.block_m, h, d), dtype=torch.float32, device=q.device)
     else:
@@ -379,7 +384,6 @@ def varlen_backward(
         cu_seqlens_k,
         _grid_extent(-(-max_seqlen_k // cfg.block_n), q.device),
     )
-    rows = packed_dq_rows(cu_seqlens_q, total_q, cfg.block_m)
     if cfg.dq == "tma":
         dq.copy_(dq_acc.index_select(0, rows))
     else:

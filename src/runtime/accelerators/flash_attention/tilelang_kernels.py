@@ -341,14 +341,16 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
     """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
     sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA.
 
-    varlen: packed sequences, o/do [total_q, H, D] and lse [H, total_q] (varlen forward's), delta and the log-sum-exp
-    [H, total_q padded]; every row is computed alike, so the kernel needs no offsets."""
+    varlen: packed sequences, o/do [total_q, H, D] and lse [H, total_q] (varlen forward's); delta and the log-sum-exp
+    [H, blocks * block_m] in the backward's query blocks: packed row r at Rows[r] (packed_dq_rows), so that each
+    sequence's rows start at a whole block (the backward loads them by TMA, whose innermost coordinate must be 16-byte
+    aligned). Without varlen Rows is a placeholder."""
     blk = PREP_ROWS
     # each row's columns in parts of at most 32 (a power of two: TileLang finds no fragment layout for 48 columns;
     # few registers at head dim 128), read into registers, not through shared memory, where a thread per row met
     # 8-way bank conflicts (94 us at 64x4x2048x48 under ncu, five times the read of o and do at full bandwidth)
     cols = math.gcd(dim, 32)
-    B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
+    B, H, Lq, Lqp, NR = T.dynamic("batch, heads, q_len, q_len_padded, n_rows")
     sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
     # one type object per parameter: two parameters annotated with one object are bound to one buffer
     if varlen:  # Lq: the packed length; one program per block of rows of one head
@@ -356,12 +358,14 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
         do_type = T.StridedTensor((Lq, H, dim), (sdo[0], sdo[1], 1), dtype)
         lse_type = T.Tensor((H, Lq), ACCUM)
         delta_type, lse2_type = T.Tensor((H, Lqp), ACCUM), T.Tensor((H, Lqp), ACCUM)
+        rows_type = T.Tensor((Lq,), "int64")
         batch = 1
     else:
         o_type = T.Tensor((B, H, Lq, dim), dtype)
         do_type = T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype)
         lse_type = T.Tensor((B, H, Lq), ACCUM)
         delta_type, lse2_type = T.Tensor((B, H, Lqp), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
+        rows_type = T.Tensor((NR,), "int64")
         batch = B
 
     @T.prim_func
@@ -371,6 +375,7 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
         LSE: lse_type,
         Delta: delta_type,
         LSE2: lse2_type,
+        Rows: rows_type,
     ):
         with T.Kernel(T.ceildiv(Lq, blk), H, batch, threads=blk) as (bx, by, bz):
             o_f = T.alloc_fragment((blk, cols), dtype)
@@ -396,8 +401,10 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
             for i in T.Parallel(blk):
                 lse[i] = T.if_then_else(lse[i] == -T.infinity(ACCUM), T.infinity(ACCUM), lse[i] * LOG2E)
             if varlen:
-                T.copy(delta, Delta[by, bx * blk : (bx + 1) * blk])
-                T.copy(lse, LSE2[by, bx * blk : (bx + 1) * blk])
+                for i in T.Parallel(blk):
+                    if bx * blk + i < Lq:
+                        Delta[by, Rows[bx * blk + i]] = delta[i]
+                        LSE2[by, Rows[bx * blk + i]] = lse[i]
             else:
                 T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
                 T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
@@ -411,11 +418,12 @@ def backward_kernel(
     """Per key block of one kv head: loop over its query heads and query blocks, accumulating
     dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32).
 
-    varlen: packed sequences. q/do [total_q, H, D], k/v/dk/dv [total_k, Hkv, D], lse2/delta [H, total_q padded]
-    (preprocess_kernel's); B is the number of sequences (CuQ/CuK hold N + 1 offsets), the grid's key blocks come from
-    KBlocks' length (a tensor of ceil(max_seqlen_k / block_n) elements, never read), so one compiled kernel serves
-    every packing. Query block m of sequence s adds into block dq_first_block(CuQ[s], s, block_m) + m of dQacc
-    ("tma": [blocks * block_m, H, D], "bulk": [H, blocks, block_m * D]): no two sequences share a block. Without
+    varlen: packed sequences. q/do [total_q, H, D], k/v/dk/dv [total_k, Hkv, D], lse2/delta [H, blocks * block_m]
+    (preprocess_kernel's: query block m of sequence s at block dq_first_block(CuQ[s], s, block_m) + m, so that their
+    TMA loads start at a whole block); B is the number of sequences (CuQ/CuK hold N + 1 offsets), the grid's key
+    blocks come from KBlocks' length (a tensor of ceil(max_seqlen_k / block_n) elements, never read), so one compiled
+    kernel serves every packing. Query block m of sequence s adds into block dq_first_block(CuQ[s], s, block_m) + m of
+    dQacc ("tma": [blocks * block_m, H, D], "bulk": [H, blocks, block_m * D]): no two sequences share a block. Without
     varlen CuQ, CuK and KBlocks are placeholders."""
     bN, bM = cfg.block_n, cfg.block_m
     split_k = dim * 2 not in (64, 128, 256)
@@ -631,10 +639,12 @@ def backward_kernel(
             n_q_safe = T.max(n_q, 1) if cfg.overlap else n_q
             for it in T.Pipelined(T.max(n_steps, 1) if cfg.overlap else n_steps, num_stages=cfg.stages):
                 hq = by * groups + T.truncdiv(it, n_q_safe)  # the step's query head and query block
-                if varlen:  # a sequence without queries: block 0 (rows of the next sequence, or past the tensor)
+                # varlen, a sequence without queries: block 0 (Q rows of the next sequence or past the tensor; delta
+                # and lse rows of its own block, zeros)
+                if varlen:
                     mq = T.max(T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(q_len, bM) - 1), 0)
                     T.copy(Q[q_start + mq * bM : q_start + (mq + 1) * bM, hq, :], Q_s)
-                    T.copy(LSE2[hq, q_start + mq * bM : q_start + (mq + 1) * bM], lse_s)
+                    T.copy(LSE2[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], lse_s)
                 else:
                     mq = T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(Lq, bM) - 1)
                     T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
@@ -642,7 +652,7 @@ def backward_kernel(
                 if cfg.overlap:
                     if varlen:
                         T.copy(dO[q_start + mq * bM : q_start + (mq + 1) * bM, hq, :], dO_s)
-                        T.copy(Delta[hq, q_start + mq * bM : q_start + (mq + 1) * bM], delta_s)
+                        T.copy(Delta[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], delta_s)
                     else:
                         T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
                         T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
@@ -676,7 +686,7 @@ def backward_kernel(
                     dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
                     T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
                     if varlen:
-                        T.copy(Delta[hq, q_start + mq * bM : q_start + (mq + 1) * bM], delta_s)
+                        T.copy(Delta[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], delta_s)
                     else:
                         T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
                     scores_grad(s, dp, ds_cast, delta_s, scale)
