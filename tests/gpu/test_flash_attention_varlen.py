@@ -1,6 +1,6 @@
-"""flash_attention on packed (varlen) sequences on CUDA: the Triton backend (forward and backward) and the TileLang
-forward against float64 attention per sequence, every gradient; dropout against the rebuilt mask; one compiled kernel
-for every packing; torch.compile."""
+"""flash_attention on packed (varlen) sequences on CUDA: the Triton and TileLang backends (forward and backward)
+against float64 attention per sequence, every gradient; dropout against the rebuilt mask; one compiled kernel for
+every packing; torch.compile."""
 
 import warnings
 
@@ -73,23 +73,26 @@ def test_triton(case):
     check(out, q, k, v, cu_q, cu_k, dtype, causal=causal)
 
 
-def test_triton_max_seqlen_given_and_strided_views():
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_max_seqlen_given_and_strided_views(backend):
     """q/k/v as slices of one [total, 3, H, D] projection, max_seqlen given (no host read) and larger than needed."""
     lengths = [300, 0, 1, 777]
     cu = offsets(lengths)
     qkv = torch.randn(sum(lengths), 3, 4, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     q, k, v = qkv.unbind(1)
-    out = flash_attention(
-        q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=800, backend="triton"
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackendFallbackWarning)
+        out = flash_attention(
+            q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=800, backend=backend
+        )
     check(out, q, k, v, cu, cu, torch.bfloat16, causal=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 def test_dropout_matches_the_padded_batch_mask(backend):
-    """Both backends drop element (s, h, i, j) of the padded batch's mask; the Triton backward uses the same mask."""
+    """Both backends drop element (s, h, i, j) of the padded batch's mask, forward and backward."""
     p, lengths_q, lengths_k = 0.2, [130, 1, 0, 257], [64, 0, 9, 300]
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 32, torch.float16, requires_grad=backend == "triton")
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 32, torch.float16)
     torch.manual_seed(5)
     out = flash_attention(q, k, v, causal=True, dropout_p=p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend)
     torch.manual_seed(5)
@@ -103,35 +106,51 @@ def test_dropout_matches_the_padded_batch_mask(backend):
         cu_q,
         cu_k,
         torch.float16,
-        gradients=backend == "triton",
         causal=True,
         keeps=keeps,
         dropout_p=dropout.drop_rate(p),
     )
 
 
-# TileLang: the forward on packed sequences (no gradients); two specialisations (compiling is slow)
+# TileLang, forward and backward: each head dim once (D=16 adds dq by TMA reductions in the plain loop, the others by
+# bulk reductions in the overlapped one; D=48 reads a transposed K), GQA, MQA and cross attention, causal and not
 TILELANG_CASES = [
     ([0, 1, 63, 200, 2048], [5, 0, 63, 300, 2048], 4, 2, 64, True, torch.bfloat16),
     ([37, 0, 1000, 1], None, 4, 4, 128, False, torch.float16),
+    ([1, 0, 129, 513, 0], None, 8, 2, 32, True, torch.bfloat16),
+    ([200, 1, 513, 0], None, 4, 1, 16, False, torch.float16),
+    ([1000, 0, 77], [63, 1, 1000], 4, 2, 48, True, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("case", TILELANG_CASES, ids=case_id)
-def test_tilelang_forward(case):
+def test_tilelang(case):
     lengths_q, lengths_k, h, hkv, d, causal, dtype = case
-    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k or lengths_q, h, hkv, d, dtype, requires_grad=False)
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k or lengths_q, h, hkv, d, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BackendFallbackWarning)
         out = flash_attention(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="tilelang")
-    check(out, q, k, v, cu_q, cu_k, dtype, gradients=False, causal=causal)
+    check(out, q, k, v, cu_q, cu_k, dtype, causal=causal)
 
 
-def test_tilelang_with_gradients_follows_the_fallback_rule():
-    q, k, v, cu_q, cu_k = packed([40, 3], [40, 3], 2, 1, 64, torch.bfloat16)
-    with pytest.warns(BackendFallbackWarning, match="packed sequences"):
-        out = flash_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="tilelang")
-    check(out, q, k, v, cu_q, cu_k, torch.bfloat16)
+def test_tilelang_forward_without_gradients():
+    q, k, v, cu_q, cu_k = packed([37, 0, 1000, 1], [37, 0, 1000, 1], 4, 4, 128, torch.float16, requires_grad=False)
+    out = flash_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="tilelang")
+    check(out, q, k, v, cu_q, cu_k, torch.float16, gradients=False)
+
+
+def test_tilelang_one_compiled_kernel_serves_every_packing():
+    from runtime.accelerators import tilelang_common
+
+    def run(lengths):
+        q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, 32, torch.bfloat16)
+        out = flash_attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="tilelang")
+        out.sum().backward()
+
+    run([100, 3, 700])
+    before = set(tilelang_common._kernels)
+    run([1, 1500, 0, 33, 257])
+    assert set(tilelang_common._kernels) == before
 
 
 def test_triton_one_compiled_kernel_serves_every_packing():

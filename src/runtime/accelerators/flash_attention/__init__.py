@@ -62,7 +62,7 @@ def needs_deterministic_backward(q=None, k=None, v=None) -> bool:
 
 
 def input_reasons(
-    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, packed: bool = False, **_
+    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_
 ) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
@@ -89,7 +89,6 @@ def input_reasons(
             reasons.append(
                 "bfloat16 on the CPU: the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32 there"
             )
-    reasons += packed_reasons(backend, q, k, v) if packed else []
     if dropout_p > 0 and not support.dropout:
         reasons.append(f"dropout_p={dropout_p} > 0; the {backend} kernels have no dropout")
     if backend == "tilelang" and q is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
@@ -99,16 +98,6 @@ def input_reasons(
             f"GPU compute capability {major}.{minor}: the tilelang flash-attention kernels need Hopper (9.0) or newer"
         )
     return reasons
-
-
-def packed_reasons(backend: str, q=None, k=None, v=None) -> list[str]:
-    """Why a kernel backend cannot run packed sequences (cu_seqlens) with these inputs."""
-    if backend == "tilelang" and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v)):
-        return [
-            "packed sequences (cu_seqlens) with gradients: the tilelang backward takes padded batches only; use "
-            "backend='triton' (the tilelang forward runs packed sequences where nothing needs gradients)"
-        ]
-    return []
 
 
 def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
@@ -365,7 +354,6 @@ def _flash_attention_packed(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
-        packed=True,
     )
     if chosen == "torch":
         return flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(dropout_p), scale)

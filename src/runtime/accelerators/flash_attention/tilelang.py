@@ -18,6 +18,12 @@ visits it (its key blocks are empty), so its gradients are exactly zero.
 Dropout: keep(b, h, i, j) is the counter-based hash of dropout.py, which the backward
 recomputes (no mask is stored); kept probabilities are scaled by 1 / (1 - p), p as drawn (dropout.drop_rate).
 
+Packed sequences (varlen_forward, varlen_backward; layout in varlen.py): the same kernels built with `varlen`, one
+program per (block, head, sequence) reading its sequence's offsets; the grid's blocks come from max_seqlen, so one
+compiled kernel serves every packing. The backward adds each sequence's dq into accumulator blocks of its own
+(dq_first_block), so rows past a sequence's end never reach another's; the host gathers dq from them. Its delta and
+log-sum-exp rows lie in the same blocks, so that each sequence's rows start at a whole block for TMA.
+
 The configurations and kernel builders: tilelang_kernels.py.
 """
 
@@ -37,6 +43,7 @@ from .tilelang_kernels import (
     FwdConfig,
     _dropout_args,
     backward_kernel,
+    dq_first_block,
     forward_kernel,
     preprocess_kernel,
 )
@@ -58,16 +65,22 @@ def forward_entry(
     return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
 
 
-def preprocess_entry(dim: int, dtype: torch.dtype) -> Entry:
-    return ("flash_attention_prep", dim, dtype), lambda _: preprocess_kernel(dim, TL_DTYPE[dtype])
+def preprocess_entry(dim: int, dtype: torch.dtype, varlen: bool = False) -> Entry:
+    return ("flash_attention_prep", dim, dtype, varlen), lambda _: preprocess_kernel(dim, TL_DTYPE[dtype], varlen)
 
 
 def backward_entry(
-    dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig | None = None
+    dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    has_lengths: bool,
+    dropout: bool,
+    cfg: BwdConfig | None = None,
+    varlen: bool = False,
 ) -> Entry:
     cfg = cfg or BWD_CONFIGS[dim]
-    key = ("flash_attention_bwd", dim, dtype, causal, has_lengths, dropout, cfg)
-    return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg)
+    key = ("flash_attention_bwd", dim, dtype, causal, has_lengths, dropout, varlen, cfg)  # the config last (tests)
+    return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
 
 
 def entries(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool) -> list[Entry]:
@@ -133,6 +146,14 @@ def _check_grid(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"q: batch {b} and heads {h} must each be at most {MAX_GRID_YZ} for the tilelang kernels")
 
 
+def _check_packed_grid(cu_seqlens_q: torch.Tensor, h: int) -> None:
+    n = cu_seqlens_q.numel() - 1
+    if n > MAX_GRID_YZ or h > MAX_GRID_YZ:
+        raise ValueError(
+            f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels"
+        )
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -175,7 +196,8 @@ _blocks: dict[torch.device, torch.Tensor] = {}
 
 
 def _grid_extent(n: int, device: torch.device) -> torch.Tensor:
-    """A tensor of n elements (never read): the varlen forward takes its grid's query blocks from its length."""
+    """A tensor of n elements (never read): the varlen kernels take their grid's query (forward) or key (backward)
+    blocks from its length."""
     buffer = _blocks.get(device)
     if buffer is None or buffer.numel() < n:
         size = max(n, 64, 2 * (0 if buffer is None else buffer.numel()))
@@ -199,7 +221,7 @@ def varlen_forward(
     cfg: FwdConfig | None = None,
 ):
     """(o [total_q, H, D] in q's dtype, lse [H, total_q] fp32; -inf for rows that see no key) of packed sequences (see
-    flash_attention/varlen.py); the forward alone: the backward takes padded batches only."""
+    flash_attention/varlen.py)."""
     total_q, h, d = q.shape
     hkv = k.shape[1]
     o = buffers.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -208,11 +230,7 @@ def varlen_forward(
         return o, lse
     if k.shape[0] == 0 or max_seqlen_q == 0:
         return o.zero_(), lse.fill_(-math.inf)
-    n = cu_seqlens_q.numel() - 1
-    if n > MAX_GRID_YZ or h > MAX_GRID_YZ:
-        raise ValueError(
-            f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels"
-        )
+    _check_packed_grid(cu_seqlens_q, h)
     cfg = cfg or FWD_CONFIGS[d]
     threshold, inv_keep = _dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
@@ -254,10 +272,11 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
     else:  # a block of block_m queries after another (the last padded), each in sub-tiles
         dq_acc = torch.zeros((b, h, -(-lq // cfg.block_m), cfg.block_m * d), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2)
+    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, placeholder(q.device, torch.int64))
     dropout = dropout_p > 0
     threshold, inv_keep = _dropout_args(dropout_p)
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
+    unused = placeholder(q.device, torch.int32)
     kernel(
         _tma_ready(q),
         _tma_ready(k),
@@ -274,6 +293,9 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         _seed(seed, q.device),
         threshold,
         inv_keep,
+        unused,
+        unused,
+        unused,
     )
     if cfg.dq == "tma":
         dq.copy_(dq_acc)
@@ -294,5 +316,101 @@ def _unblock(acc: torch.Tensor, dq: torch.Tensor) -> None:
         dq[:, :, whole * sub :].copy_(tiles[:, :, whole, : lq % sub].flatten(-2))
 
 
+# --------------------------------------------------------------------------- packed sequences: backward
+
+
+def varlen_backward(
+    do,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    o,
+    lse,
+    *,
+    cfg: BwdConfig | None = None,
+):
+    """(dq, dk, dv, None x 8) of varlen_forward: gradients in the inputs' dtypes and dimension orders, dk/dv summed
+    over each kv head's query heads. cfg overrides the tile configuration (benchmark sweeps)."""
+    total_q, h, d = q.shape
+    hkv = k.shape[1]
+    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
+    rest = (None,) * 8
+    if dq.numel() == 0 or dk.numel() == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key
+        return dq.zero_(), dk.zero_(), dv.zero_(), *rest
+    _check_packed_grid(cu_seqlens_q, h)
+    do = _tma_ready(do)
+    cfg = cfg or BWD_CONFIGS[d]
+    n = cu_seqlens_q.numel() - 1
+    blocks = -(-total_q // cfg.block_m) + n  # each sequence's query blocks apart (dq_first_block)
+    rows = packed_dq_rows(cu_seqlens_q, total_q, cfg.block_m)
+    # delta and the log-sum-exp in those blocks too: TMA loads them from a whole block (its innermost coordinate must
+    # be 16-byte aligned; a sequence's first row need not be); the rows between sequences stay 0
+    delta = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
+    lse2 = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
+    launcher(preprocess_entry(d, q.dtype, varlen=True), q.device)(
+        o.contiguous(), do, lse.contiguous(), delta, lse2, rows
+    )
+    if cfg.dq == "tma":
+        dq_acc = torch.zeros((blocks * cfg.block_m, h, d), dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.zeros((h, blocks, cfg.block_m * d), dtype=torch.float32, device=q.device)
+    threshold, inv_keep = _dropout_args(dropout_p)
+    entry = backward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
+    launcher(entry, q.device)(
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        do,
+        lse2,
+        delta,
+        placeholder(q.device, torch.int32),
+        dq_acc,
+        dk,
+        dv,
+        float(scale),
+        h // hkv,
+        _seed(seed, q.device),
+        threshold,
+        inv_keep,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _grid_extent(-(-max_seqlen_k // cfg.block_n), q.device),
+    )
+    if cfg.dq == "tma":
+        dq.copy_(dq_acc.index_select(0, rows))
+    else:
+        _unblock_packed(dq_acc, dq, rows, cfg.block_m)
+    return dq, dk, dv, *rest
+
+
+def packed_dq_rows(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> torch.Tensor:
+    """int64 [total_q]: the row of the varlen backward's dq accumulator (blocks of block_m rows, see dq_first_block)
+    that holds each packed query row. Computed on the device from the offsets: no synchronisation."""
+    row = torch.arange(total_q, dtype=torch.int32, device=cu_seqlens_q.device)
+    sequence = torch.searchsorted(cu_seqlens_q, row, right=True) - 1  # the last sequence starting at or before row
+    start = cu_seqlens_q[sequence].long()
+    return dq_first_block(start, sequence, block_m) * block_m + (row - start)
+
+
+def _unblock_packed(acc: torch.Tensor, dq: torch.Tensor, rows: torch.Tensor, block_m: int) -> None:
+    """dq [total_q, H, D] = the varlen backward's blocked accumulator [H, blocks, block_m * D] (BwdConfig.dq "bulk":
+    DQ_SUBTILE x DQ_SUBTILE sub-tiles, each row-major) at the accumulator rows `rows` (packed_dq_rows)."""
+    h, blocks, _ = acc.shape
+    d = dq.shape[-1]
+    sub = DQ_SUBTILE
+    tiles = acc.view(h, blocks, block_m // sub, d // sub, sub, sub)  # [H, blocks, row groups, D / sub, sub, sub]
+    block, within = rows // block_m, rows % block_m
+    # the indexed dimensions (blocks, row groups, sub rows) are not adjacent: their index comes first
+    dq.copy_(tiles[:, block, within // sub, :, within % sub, :].flatten(-2))  # [total_q, H, D / sub, sub]
+
+
 KERNELS = KernelBackend(forward=forward, backward=backward)
-VARLEN_KERNELS = KernelBackend(forward=varlen_forward)
+VARLEN_KERNELS = KernelBackend(forward=varlen_forward, backward=varlen_backward)

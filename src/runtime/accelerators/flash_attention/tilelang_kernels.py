@@ -124,6 +124,14 @@ def _keep(seed, bh, q0, k0, i, j, threshold):
 SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
 
 
+def dq_first_block(q_start, sequence, block_m: int):
+    """The first dq accumulator block of packed sequence `sequence` (its rows start at q_start): (q_start + sequence *
+    block_m) // block_m. Sequence s + 1 starts at least ceil(length_s / block_m) blocks after sequence s, so no two
+    sequences share a block; N sequences of total_q rows use fewer than ceil(total_q / block_m) + N blocks. The same
+    expression for ints and torch tensors (the host) and TileLang expressions (the kernel)."""
+    return (q_start + sequence * block_m) // block_m
+
+
 def _dropout_args(dropout_p: float) -> tuple[int, float]:
     """(threshold on the random bits, 1 / (1 - the rate they drop at)) as the kernels take them."""
     return dropout.keep_threshold(dropout_p), 1.0 / (1.0 - dropout.drop_rate(dropout_p))
@@ -329,26 +337,47 @@ def forward_kernel(
     return flash_fwd
 
 
-def preprocess_kernel(dim: int, dtype: str):
+def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
     """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
-    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA."""
+    sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA.
+
+    varlen: packed sequences, o/do [total_q, H, D] and lse [H, total_q] (varlen forward's); delta and the log-sum-exp
+    [H, blocks * block_m] in the backward's query blocks: packed row r at Rows[r] (packed_dq_rows), so that each
+    sequence's rows start at a whole block (the backward loads them by TMA, whose innermost coordinate must be 16-byte
+    aligned). Without varlen Rows is a placeholder."""
     blk = PREP_ROWS
     # each row's columns in parts of at most 32 (a power of two: TileLang finds no fragment layout for 48 columns;
     # few registers at head dim 128), read into registers, not through shared memory, where a thread per row met
     # 8-way bank conflicts (94 us at 64x4x2048x48 under ncu, five times the read of o and do at full bandwidth)
     cols = math.gcd(dim, 32)
-    B, H, Lq, Lqp = T.dynamic("batch, heads, q_len, q_len_padded")
+    B, H, Lq, Lqp, NR = T.dynamic("batch, heads, q_len, q_len_padded, n_rows")
     sdo = T.dynamic("sdo_b, sdo_h, sdo_l")
+    # one type object per parameter: two parameters annotated with one object are bound to one buffer
+    if varlen:  # Lq: the packed length; one program per block of rows of one head
+        o_type = T.Tensor((Lq, H, dim), dtype)
+        do_type = T.StridedTensor((Lq, H, dim), (sdo[0], sdo[1], 1), dtype)
+        lse_type = T.Tensor((H, Lq), ACCUM)
+        delta_type, lse2_type = T.Tensor((H, Lqp), ACCUM), T.Tensor((H, Lqp), ACCUM)
+        rows_type = T.Tensor((Lq,), "int64")
+        batch = 1
+    else:
+        o_type = T.Tensor((B, H, Lq, dim), dtype)
+        do_type = T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype)
+        lse_type = T.Tensor((B, H, Lq), ACCUM)
+        delta_type, lse2_type = T.Tensor((B, H, Lqp), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
+        rows_type = T.Tensor((NR,), "int64")
+        batch = B
 
     @T.prim_func
     def flash_bwd_prep(
-        O: T.Tensor((B, H, Lq, dim), dtype),
-        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
-        LSE: T.Tensor((B, H, Lq), ACCUM),
-        Delta: T.Tensor((B, H, Lqp), ACCUM),
-        LSE2: T.Tensor((B, H, Lqp), ACCUM),
+        O: o_type,
+        dO: do_type,
+        LSE: lse_type,
+        Delta: delta_type,
+        LSE2: lse2_type,
+        Rows: rows_type,
     ):
-        with T.Kernel(T.ceildiv(Lq, blk), H, B, threads=blk) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lq, blk), H, batch, threads=blk) as (bx, by, bz):
             o_f = T.alloc_fragment((blk, cols), dtype)
             do_f = T.alloc_fragment((blk, cols), dtype)
             prod = T.alloc_fragment((blk, cols), ACCUM)
@@ -356,23 +385,46 @@ def preprocess_kernel(dim: int, dtype: str):
             lse = T.alloc_fragment((blk,), ACCUM)
             T.clear(prod)
             for c in range(dim // cols):
-                T.copy(O[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], o_f)
-                T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], do_f)
+                if varlen:
+                    T.copy(O[bx * blk : (bx + 1) * blk, by, c * cols : (c + 1) * cols], o_f)
+                    T.copy(dO[bx * blk : (bx + 1) * blk, by, c * cols : (c + 1) * cols], do_f)
+                else:
+                    T.copy(O[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], o_f)
+                    T.copy(dO[bz, by, bx * blk : (bx + 1) * blk, c * cols : (c + 1) * cols], do_f)
                 for i, j in T.Parallel(blk, cols):
                     prod[i, j] += T.cast(o_f[i, j], ACCUM) * T.cast(do_f[i, j], ACCUM)
             T.reduce_sum(prod, delta, dim=1)
-            T.copy(LSE[bz, by, bx * blk : (bx + 1) * blk], lse)
+            if varlen:
+                T.copy(LSE[by, bx * blk : (bx + 1) * blk], lse)
+            else:
+                T.copy(LSE[bz, by, bx * blk : (bx + 1) * blk], lse)
             for i in T.Parallel(blk):
                 lse[i] = T.if_then_else(lse[i] == -T.infinity(ACCUM), T.infinity(ACCUM), lse[i] * LOG2E)
-            T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
-            T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
+            if varlen:
+                for i in T.Parallel(blk):
+                    if bx * blk + i < Lq:
+                        Delta[by, Rows[bx * blk + i]] = delta[i]
+                        LSE2[by, Rows[bx * blk + i]] = lse[i]
+            else:
+                T.copy(delta, Delta[bz, by, bx * blk : (bx + 1) * blk])
+                T.copy(lse, LSE2[bz, by, bx * blk : (bx + 1) * blk])
 
     return flash_bwd_prep
 
 
-def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig):
+def backward_kernel(
+    dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig, varlen: bool = False
+):
     """Per key block of one kv head: loop over its query heads and query blocks, accumulating
-    dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32)."""
+    dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32).
+
+    varlen: packed sequences. q/do [total_q, H, D], k/v/dk/dv [total_k, Hkv, D], lse2/delta [H, blocks * block_m]
+    (preprocess_kernel's: query block m of sequence s at block dq_first_block(CuQ[s], s, block_m) + m, so that their
+    TMA loads start at a whole block); B is the number of sequences (CuQ/CuK hold N + 1 offsets), the grid's key
+    blocks come from KBlocks' length (a tensor of ceil(max_seqlen_k / block_n) elements, never read), so one compiled
+    kernel serves every packing. Query block m of sequence s adds into block dq_first_block(CuQ[s], s, block_m) + m of
+    dQacc ("tma": [blocks * block_m, H, D], "bulk": [H, blocks, block_m * D]): no two sequences share a block. Without
+    varlen CuQ, CuK and KBlocks are placeholders."""
     bN, bM = cfg.block_n, cfg.block_m
     split_k = dim * 2 not in (64, 128, 256)
     bulk = cfg.dq == "bulk"
@@ -382,7 +434,8 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     per_warpgroup = 16 * (cfg.threads // 128)
     dq_dim = -(-dim // per_warpgroup) * per_warpgroup
     B, H, Hkv, Lq, Lqp, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, q_len_padded, k_len, n_lengths")
-    NQB = T.dynamic("q_blocks")
+    NQB, NQR = T.dynamic("q_blocks, dq_rows")
+    NC, NKB = T.dynamic("n_offsets, k_blocks")
     sq = T.dynamic("sq_b, sq_h, sq_l")
     sk = T.dynamic("sk_b, sk_h, sk_l")
     sv = T.dynamic("sv_b, sv_h, sv_l")
@@ -393,24 +446,44 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
     # bulk: one contiguous bM x dim tile per query block, in DQ_SUBTILE x DQ_SUBTILE sub-tiles (a warp's
     # accumulator fragment covers one sub-tile: conflict-free shared stores)
     sub = DQ_SUBTILE
-    if bulk:
-        dq_acc_type = T.Tensor((B, H, NQB, bM * dim), ACCUM)
+    if varlen:  # Lq, Lk: the packed lengths
+        q_type = T.StridedTensor((Lq, H, dim), (sq[0], sq[1], 1), dtype)
+        k_type = T.StridedTensor((Lk, Hkv, dim), (sk[0], sk[1], 1), dtype)
+        v_type = T.StridedTensor((Lk, Hkv, dim), (sv[0], sv[1], 1), dtype)
+        do_type = T.StridedTensor((Lq, H, dim), (sdo[0], sdo[1], 1), dtype)
+        lse2_type, delta_type = T.Tensor((H, Lqp), ACCUM), T.Tensor((H, Lqp), ACCUM)
+        dk_type = T.StridedTensor((Lk, Hkv, dim), (sdk[0], sdk[1], 1), dtype)
+        dv_type = T.StridedTensor((Lk, Hkv, dim), (sdv[0], sdv[1], 1), dtype)
+        dq_acc_type = T.Tensor((H, NQB, bM * dim), ACCUM) if bulk else T.Tensor((NQR, H, dim), ACCUM)
+        k_blocks, batch = NKB, NC - 1
     else:
-        dq_acc_type = T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM)
+        q_type = T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype)
+        k_type = T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype)
+        v_type = T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype)
+        do_type = T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype)
+        lse2_type, delta_type = T.Tensor((B, H, Lqp), ACCUM), T.Tensor((B, H, Lqp), ACCUM)
+        dk_type = T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype)
+        dv_type = T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype)
+        if bulk:
+            dq_acc_type = T.Tensor((B, H, NQB, bM * dim), ACCUM)
+        else:
+            dq_acc_type = T.StridedTensor((B, H, Lq, dim), (sdq[0], sdq[1], sdq[2], 1), ACCUM)
+        k_blocks, batch = T.ceildiv(Lk, bN), B
 
     @T.macro
-    def probabilities(s, lse_s, kv_len, bx, mq, sl2):
-        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (0 where masked)."""
+    def probabilities(s, lse_s, kv_len, q_len, bx, mq, sl2):
+        """s: the step's scores (keys from bx * bN, queries from mq * bM), then its probabilities (0 where masked:
+        keys from kv_len, queries from q_len)."""
         for n, i in T.Parallel(bN, bM):
             s[n, i] = T.exp2(s[n, i] * sl2 - lse_s[i])
-        if (bx + 1) * bN > kv_len or (mq + 1) * bM > Lq or (causal and (bx + 1) * bN > mq * bM + 1):
+        if (bx + 1) * bN > kv_len or (mq + 1) * bM > q_len or (causal and (bx + 1) * bN > mq * bM + 1):
             for n, i in T.Parallel(bN, bM):
                 if causal:
                     s[n, i] = T.if_then_else(
-                        (bx * bN + n < kv_len) & (mq * bM + i < Lq) & (bx * bN + n <= mq * bM + i), s[n, i], 0
+                        (bx * bN + n < kv_len) & (mq * bM + i < q_len) & (bx * bN + n <= mq * bM + i), s[n, i], 0
                     )
                 else:
-                    s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < Lq), s[n, i], 0)
+                    s[n, i] = T.if_then_else((bx * bN + n < kv_len) & (mq * bM + i < q_len), s[n, i], 0)
 
     @T.macro
     def dropped_out(s, dp, p_cast, kept, seed, bh, q0, k0, threshold, inv_keep):
@@ -431,13 +504,17 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             ds_cast[n, i] = s[n, i] * (dp[n, i] - delta_s[i]) * scale
 
     @T.macro
-    def add_dq(dq, dq_s, dQacc, bz, hq, mq, it):
-        """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says."""
+    def add_dq(dq, dq_s, dQacc, bz, hq, mq, it, dq_block):
+        """dQacc[bz, hq, query block mq] += dq (step it), as BwdConfig.dq says; varlen: into dQacc's block
+        dq_block + mq of head hq."""
         if cfg.dq == "tma":
             for i, j in T.Parallel(bM, dq_dim):
                 if j < dim:
                     dq_s[i, j] = dq[i, j]
-            T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
+            if varlen:
+                T.atomic_add(dQacc[(dq_block + mq) * bM : (dq_block + mq + 1) * bM, hq, :], dq_s, use_tma=True)
+            else:
+                T.atomic_add(dQacc[bz, hq, mq * bM : (mq + 1) * bM, :], dq_s, use_tma=True)
         else:
             slot = it % 2
             for i, j in T.Parallel(bM, dq_dim):
@@ -449,7 +526,7 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                     "handle",
                     "tl::tma_store_add",
                     T.access_ptr(dq_s[slot, 0, 0, 0, 0], "r", bM * dim),
-                    T.access_ptr(dQacc[bz, hq, mq, 0], "w", bM * dim),
+                    T.access_ptr(dQacc[hq, dq_block + mq, 0] if varlen else dQacc[bz, hq, mq, 0], "w", bM * dim),
                     bM * dim * 4,
                 )
                 T.tma_store_arrive()
@@ -459,24 +536,27 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
 
     @T.prim_func
     def flash_bwd(
-        Q: T.StridedTensor((B, H, Lq, dim), (sq[0], sq[1], sq[2], 1), dtype),
-        K: T.StridedTensor((B, Hkv, Lk, dim), (sk[0], sk[1], sk[2], 1), dtype),
-        V: T.StridedTensor((B, Hkv, Lk, dim), (sv[0], sv[1], sv[2], 1), dtype),
-        dO: T.StridedTensor((B, H, Lq, dim), (sdo[0], sdo[1], sdo[2], 1), dtype),
-        LSE2: T.Tensor((B, H, Lqp), ACCUM),
-        Delta: T.Tensor((B, H, Lqp), ACCUM),
+        Q: q_type,
+        K: k_type,
+        V: v_type,
+        dO: do_type,
+        LSE2: lse2_type,
+        Delta: delta_type,
         Lengths: T.Tensor((NL,), "int32"),
         dQacc: dq_acc_type,
-        dK: T.StridedTensor((B, Hkv, Lk, dim), (sdk[0], sdk[1], sdk[2], 1), dtype),
-        dV: T.StridedTensor((B, Hkv, Lk, dim), (sdv[0], sdv[1], sdv[2], 1), dtype),
+        dK: dk_type,
+        dV: dv_type,
         scale: T.float32,
         groups: T.int32,
         Seed: T.Tensor((1,), SEED),
         threshold: T.int32,
         inv_keep: T.float32,
+        CuQ: T.Tensor((NC,), "int32"),
+        CuK: T.Tensor((NC,), "int32"),
+        KBlocks: T.Tensor((NKB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(T.ceildiv(Lk, bN), Hkv, B, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
+        with T.Kernel(k_blocks, Hkv, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
             bx,
             by,
             bz,
@@ -509,11 +589,20 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             dv = T.alloc_fragment((bN, dim), ACCUM)
             dq = T.alloc_fragment((bM, dq_dim), ACCUM)
 
-            kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+            if varlen:  # sequence bz: its first rows, its lengths and its first block of dQacc
+                q_start = CuQ[bz]
+                k_start = CuK[bz]
+                q_len = CuQ[bz + 1] - q_start
+                kv_len = CuK[bz + 1] - k_start
+                dq_block = dq_first_block(q_start, bz, bM)
+            else:
+                q_len = Lq
+                kv_len = T.min(Lk, Lengths[bz]) if has_lengths else Lk
+                dq_block = 0
             seed = T.cast(Seed[0], "int32") if dropout else 0
             # causal: queries before this key block see none of it
             m_first = (bx * bN) // bM if causal else 0
-            n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(Lq, bM) - m_first, 0), 0)
+            n_q = T.if_then_else(bx * bN < kv_len, T.max(T.ceildiv(q_len, bM) - m_first, 0), 0)
             n_steps = groups * n_q
             sl2 = scale * LOG2E  # the saved log-sum-exp is in base 2 already
             # K and V by TMA where the query loop surely takes a step: TileLang waits for these loads only at their
@@ -522,12 +611,23 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             # step that only waits). Else by threads, one element at a time (see the forward's Q). The transposed
             # copy reads K from global memory for the same reason: K_s has not landed before the loop.
             by_threads = not cfg.overlap
-            T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=by_threads)
+            if varlen:  # rows past the sequence (the next one's, or zeros past the tensor) are masked, never stored
+                T.copy(K[k_start + bx * bN : k_start + (bx + 1) * bN, by, :], K_s, disable_tma=by_threads)
+            else:
+                T.copy(K[bz, by, bx * bN : (bx + 1) * bN, :], K_s, disable_tma=by_threads)
             if split_k:  # consecutive threads take consecutive keys: strided loads, but shared stores without bank
                 # conflicts (the other order, coalesced loads, was 3% slower at head dim 48)
                 for j, n in T.Parallel(dq_dim, bN):
-                    Kt_s[j, n] = T.if_then_else((j < dim) & (bx * bN + n < Lk), K[bz, by, bx * bN + n, j], 0)
-            T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=by_threads)
+                    if varlen:
+                        Kt_s[j, n] = T.if_then_else(
+                            (j < dim) & (bx * bN + n < kv_len), K[k_start + bx * bN + n, by, j], 0
+                        )
+                    else:
+                        Kt_s[j, n] = T.if_then_else((j < dim) & (bx * bN + n < Lk), K[bz, by, bx * bN + n, j], 0)
+            if varlen:
+                T.copy(V[k_start + bx * bN : k_start + (bx + 1) * bN, by, :], V_s, disable_tma=by_threads)
+            else:
+                T.copy(V[bz, by, bx * bN : (bx + 1) * bN, :], V_s, disable_tma=by_threads)
             T.clear(dk)
             T.clear(dv)
             if cfg.overlap:
@@ -539,19 +639,30 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
             n_q_safe = T.max(n_q, 1) if cfg.overlap else n_q
             for it in T.Pipelined(T.max(n_steps, 1) if cfg.overlap else n_steps, num_stages=cfg.stages):
                 hq = by * groups + T.truncdiv(it, n_q_safe)  # the step's query head and query block
-                mq = T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(Lq, bM) - 1)
-                T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
-                T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
+                # varlen, a sequence without queries: block 0 (Q rows of the next sequence or past the tensor; delta
+                # and lse rows of its own block, zeros)
+                if varlen:
+                    mq = T.max(T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(q_len, bM) - 1), 0)
+                    T.copy(Q[q_start + mq * bM : q_start + (mq + 1) * bM, hq, :], Q_s)
+                    T.copy(LSE2[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], lse_s)
+                else:
+                    mq = T.min(m_first + T.truncmod(it, n_q_safe), T.ceildiv(Lq, bM) - 1)
+                    T.copy(Q[bz, hq, mq * bM : (mq + 1) * bM, :], Q_s)
+                    T.copy(LSE2[bz, hq, mq * bM : (mq + 1) * bM], lse_s)
                 if cfg.overlap:
-                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
-                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    if varlen:
+                        T.copy(dO[q_start + mq * bM : q_start + (mq + 1) * bM, hq, :], dO_s)
+                        T.copy(Delta[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], delta_s)
+                    else:
+                        T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                        T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
                     # one statement, so that TileLang's warp specialisation hands Q_s and dO_s back to the loads
                     # after the last wait, not when dK/dV are issued
                     if it < n_steps:
                         T.wgmma_gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wgmma_gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(1)  # S done; dP may still run
-                        probabilities(s, lse_s, kv_len, bx, mq, sl2)
+                        probabilities(s, lse_s, kv_len, q_len, bx, mq, sl2)
                         T.wait_wgmma(0)
                         dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
                         scores_grad(s, dp, ds_cast, delta_s, scale)
@@ -562,26 +673,42 @@ def backward_kernel(dim: int, dtype: str, causal: bool, has_lengths: bool, dropo
                         T.wgmma_gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
                         T.wgmma_gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(1)  # dV and dQ done: dq is added while dK runs
-                        add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+                        add_dq(dq, dq_s, dQacc, bz, hq, mq, it, dq_block)
                         T.wait_wgmma(0)
                 else:
                     T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    probabilities(s, lse_s, kv_len, bx, mq, sl2)
-                    T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
+                    probabilities(s, lse_s, kv_len, q_len, bx, mq, sl2)
+                    if varlen:
+                        T.copy(dO[q_start + mq * bM : q_start + (mq + 1) * bM, hq, :], dO_s)
+                    else:
+                        T.copy(dO[bz, hq, mq * bM : (mq + 1) * bM, :], dO_s)
                     T.gemm(V_s, dO_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     dropped_out(s, dp, p_cast, kept, seed, bz * H + hq, mq * bM, bx * bN, threshold, inv_keep)
                     T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
+                    if varlen:
+                        T.copy(Delta[hq, (dq_block + mq) * bM : (dq_block + mq + 1) * bM], delta_s)
+                    else:
+                        T.copy(Delta[bz, hq, mq * bM : (mq + 1) * bM], delta_s)
                     scores_grad(s, dp, ds_cast, delta_s, scale)
                     T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(ds_cast, ds_s)
                     T.gemm(ds_s, Kt_s, dq, transpose_A=True, transpose_B=split_k, clear_accum=True)
-                    add_dq(dq, dq_s, dQacc, bz, hq, mq, it)
+                    add_dq(dq, dq_s, dQacc, bz, hq, mq, it, dq_block)
             if bulk and T.shuffle_elect(cfg.threads):  # dk_s/dv_s may share the tiles' memory
                 T.tma_store_wait(0)
             T.copy(dk, dk_s)
-            T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
+            if varlen:  # only the sequence's rows: the tile may reach into the next sequence's
+                for n, j in T.Parallel(bN, dim):
+                    if bx * bN + n < kv_len:
+                        dK[k_start + bx * bN + n, by, j] = dk_s[n, j]
+            else:
+                T.copy(dk_s, dK[bz, by, bx * bN : (bx + 1) * bN, :])
             T.copy(dv, dv_s)
-            T.copy(dv_s, dV[bz, by, bx * bN : (bx + 1) * bN, :])
+            if varlen:
+                for n, j in T.Parallel(bN, dim):
+                    if bx * bN + n < kv_len:
+                        dV[k_start + bx * bN + n, by, j] = dv_s[n, j]
+            else:
+                T.copy(dv_s, dV[bz, by, bx * bN : (bx + 1) * bN, :])
 
     return flash_bwd
