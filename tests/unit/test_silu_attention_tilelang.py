@@ -41,12 +41,10 @@ BACKWARD["d128-f16-full-targets-pos-time-dropout-bias"] = lambda: kernels.backwa
 
 
 def _compile(entry):
-    import tilelang
-
-    from runtime.accelerators.tilelang_common import device_info
+    from runtime.accelerators.tilelang_common import compile_built, device_info
 
     _, build = entry
-    return tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+    return compile_built(build(device_info(None)), SM90A).get_kernel_source()
 
 
 @requires_nvcc
@@ -55,11 +53,13 @@ def _compile(entry):
 def test_forward_compiles_for_sm90a(name):
     source = _compile(FORWARD[name]())
     assert "__global__" in source
-    # sequences, heads and tokens are runtime arguments: one kernel serves every packing
-    for dynamic in ("total", "heads", "n_offsets"):
+    # sequences and heads are runtime arguments (the token count only ever appeared in bounds guards): one kernel
+    # serves every packing
+    for dynamic in ("heads", "n_offsets"):
         assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
     if "dropout" in name:
         assert "taac_dropout_bits" in source
+    _assert_no_bounds_guards(name, source)
 
 
 @requires_nvcc
@@ -68,11 +68,19 @@ def test_forward_compiles_for_sm90a(name):
 def test_backward_compiles_for_sm90a(name):
     source = _compile(BACKWARD[name]())
     assert "__global__" in source
-    for dynamic in ("total", "heads", "n_offsets"):
+    for dynamic in ("heads", "n_offsets"):
         assert f"int {dynamic}" in source, f"{name}: {dynamic} should be a runtime argument"
     # the forward's dropout bits and time buckets, recomputed: not stored
     assert ("taac_dropout_bits" in source) == ("dropout" in name)
     assert ("taac_time_bucket" in source) == ("time" in name)
+    _assert_no_bounds_guards(name, source)
+
+
+def _assert_no_bounds_guards(name, source):
+    """The kernels compile without TileLang's safe-memory pass (tilelang_common.Unchecked), whose guards compare
+    packed row and timestamp indices with the tensors' extents."""
+    for extent in ("< total", "< n_times"):
+        assert extent not in source, f"{name}: a bounds guard '{extent}' (compiled with the safe-memory pass?)"
     assert "atomic" not in source.lower(), f"{name}: the backward adds nothing atomically (deterministic)"
 
 
@@ -151,3 +159,11 @@ def test_bias_parts_fold_into_the_bias_gradients(causal, p_len, t_len):
         dtime_ref.index_add_(1, bucket.flatten(), g.flatten(1))
     torch.testing.assert_close(dpos, dpos_ref)
     torch.testing.assert_close(dtime, dtime_ref)
+
+
+def test_every_kernel_is_built_unchecked():
+    from runtime.accelerators.tilelang_common import Unchecked, device_info
+
+    for entry in [*FORWARD.values(), *BACKWARD.values()]:
+        _, build = entry()
+        assert isinstance(build(device_info(None)), Unchecked)

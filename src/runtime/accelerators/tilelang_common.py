@@ -68,6 +68,26 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@dataclass(frozen=True)
+class Unchecked:
+    """What a builder returns for a kernel whose every global read and write is guarded by its own conditions or in
+    range by construction (for arguments that passed the op's checks): compiled without TileLang's safe-memory pass.
+    That pass wraps each access in bounds conditions built from the index expressions; nested indices (a timestamp
+    read inside a bias index) made TVM's simplifier run for minutes on them."""
+
+    func: object
+
+
+UNCHECKED_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+def compile_built(built, target):
+    """tilelang.compile of a builder's result: a T.prim_func, or an Unchecked one."""
+    if isinstance(built, Unchecked):
+        return tilelang.compile(built.func, target=target, pass_configs=UNCHECKED_PASS_CONFIGS)
+    return tilelang.compile(built, target=target)
+
+
 def compiled(entry: Entry, device: torch.device):
     """The compiled kernel of `entry` for `device`: compiled on first use, then one dict lookup
     (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR)."""
@@ -75,7 +95,7 @@ def compiled(entry: Entry, device: torch.device):
     kernel = _kernels.get((key, device))
     if kernel is None:
         info = device_info(_index(device))
-        kernel = _kernels[(key, device)] = tilelang.compile(build(info), target=info.target)
+        kernel = _kernels[(key, device)] = compile_built(build(info), info.target)
     return kernel
 
 
@@ -87,9 +107,13 @@ def precompile(entries: list[Entry], device: torch.device) -> None:
     missing = {key: build for key, build in entries if (key, device) not in _kernels}
     if not missing:
         return
-    funcs = [build(info) for build in missing.values()]  # the TileLang builder is not thread-safe
-    for key, kernel in zip(missing, tilelang.par_compile(funcs, target=info.target)):
-        _kernels[(key, device)] = kernel
+    built = {key: build(info) for key, build in missing.items()}  # the TileLang builder is not thread-safe
+    for unchecked in (False, True):
+        keys = [key for key, func in built.items() if isinstance(func, Unchecked) == unchecked]
+        funcs = [built[key].func if unchecked else built[key] for key in keys]
+        configs = UNCHECKED_PASS_CONFIGS if unchecked else None
+        for key, kernel in zip(keys, tilelang.par_compile(funcs, target=info.target, pass_configs=configs)):
+            _kernels[(key, device)] = kernel
 
 
 _launchers: dict[Hashable, Callable] = {}

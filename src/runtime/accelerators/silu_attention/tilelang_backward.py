@@ -11,7 +11,7 @@ import torch
 
 from .. import buffers
 from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
 from .bias_folds import fold_distances
 from .tilelang_forward import (
     BLOCK_M,
@@ -351,7 +351,7 @@ def backward_entry(
     """kernel: "dkdv", "dq" or "bias"."""
     key = (f"silu_attention_bwd_{kernel}", dim, dtype, causal, targets, pos, time, dropout)
     build = _BUILDERS[kernel]
-    return key, lambda _: build(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout)
+    return key, lambda _: Unchecked(build(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout))
 
 
 def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha,

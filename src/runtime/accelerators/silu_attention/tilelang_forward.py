@@ -21,7 +21,7 @@ import torch
 from .. import buffers
 from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
 from ..launch_math import next_power_of_2
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
 
 BLOCK_M, BLOCK_N, THREADS = 64, 64, 128
 MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
@@ -135,7 +135,7 @@ def forward_entry(
     dim: int, dtype: torch.dtype, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool
 ) -> Entry:
     key = ("silu_attention_fwd", dim, dtype, causal, targets, pos, time, dropout)
-    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout)
+    return key, lambda _: Unchecked(forward_kernel(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout))
 
 
 def _fp32_bias(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor:
