@@ -425,7 +425,7 @@ def entries() -> list[Entry]:
     return found
 
 
-def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None):
+def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None, launch):
     """scores [R, n], contiguous -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     device, dtype = scores.device, scores.dtype
@@ -433,18 +433,16 @@ def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | 
     cand_x = torch.empty((rows, s * k), dtype=dtype, device=device)
     cand_idx = torch.empty((rows, s * k), dtype=torch.int32, device=device)
     no_index = placeholder(device, torch.int32).view(1, 1)
-    launcher(select_entry(dtype, largest, False), device)(scores, no_index, cand_x, cand_idx, seg_len, k)
+    launch(select_entry(dtype, largest, False), device)(scores, no_index, cand_x, cand_idx, seg_len, k)
     if s > 1:
         final_x = torch.empty((rows, k), dtype=dtype, device=device)
         final_idx = torch.empty((rows, k), dtype=torch.int32, device=device)
-        launcher(select_entry(dtype, largest, True), device)(cand_x, cand_idx, final_x, final_idx, s * k, k)
+        launch(select_entry(dtype, largest, True), device)(cand_x, cand_idx, final_x, final_idx, s * k, k)
         cand_x, cand_idx = final_x, final_idx
     values = buffers.empty((rows, k), dtype=dtype, device=device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=device)
     k_pad = pow2_at_least(k, 2)
-    launcher(sort_entry(dtype, largest), device)(
-        cand_x, cand_idx, scores, values, indices, k_pad, k_pad.bit_length() - 1
-    )
+    launch(sort_entry(dtype, largest), device)(cand_x, cand_idx, scores, values, indices, k_pad, k_pad.bit_length() - 1)
     return values, indices
 
 
@@ -454,9 +452,10 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
-def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None):
-    """scores [..., n] -> (values, int64 indices) [..., k]."""
-    values, indices = _select_sorted(_kernel_rows(scores), k, largest, segments)
+def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, launch=launcher):
+    """scores [..., n] -> (values, int64 indices) [..., k]. launch(entry, device): the kernel's entry point
+    (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU)."""
+    values, indices = _select_sorted(_kernel_rows(scores), k, largest, segments, launch)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
 
@@ -469,12 +468,13 @@ def sample_forward(
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     segments: int | None = None,
+    launch=launcher,
 ):
     """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
-    values, indices = _select_sorted(_kernel_rows(logits), max_k, True, segments)
+    values, indices = _select_sorted(_kernel_rows(logits), max_k, True, segments, launch)
     ids = buffers.empty((values.shape[0],), dtype=torch.int64, device=logits.device)
     per_row = [t.contiguous() for t in (keep_k, temperature, top_p, uniforms)]
-    launcher(draw_entry(logits.dtype), logits.device)(values, indices, *per_row, ids)
+    launch(draw_entry(logits.dtype), logits.device)(values, indices, *per_row, ids)
     return ids
 
 
