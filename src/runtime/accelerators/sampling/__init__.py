@@ -11,8 +11,8 @@ floating-point ties at the CDF boundaries.
 
 The triton and tilelang backends select with a radix select (no sort of the row: select_plan holds what their hosts
 share) and need k (top_k) <= 2048, float32, bfloat16 or float16 inputs, and no gradient. `"auto"` takes triton: the
-TileLang kernels are compiled for sm_90a in the CPU tier but have not yet run on a GPU, so they run only when asked
-for (backend="tilelang").
+TileLang kernels are compiled for sm_90a (and their generated CUDA run on the CPU) in the CPU tier but have not yet
+run on a GPU, so they run only when asked for (backend="tilelang").
 """
 
 from __future__ import annotations
