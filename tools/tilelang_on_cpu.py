@@ -206,6 +206,7 @@ def main() -> int:
         runtime = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
         env = {**os.environ, "LD_PRELOAD": runtime, "TSAN_OPTIONS": "halt_on_error=1 report_signal_unsafe=0"}
         return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+    os.environ.pop("LD_PRELOAD", None)  # loaded here already; nvcc and g++ run without it
     return 0 if CHECKS[args.op](args.tsan) else 1
 
 

@@ -4,8 +4,8 @@ written thread by thread (SIMT) with shared-memory histograms and explicit barri
 Keys: each value as fp32, mapped to a uint32 that orders as the values do (-0.0 as +0.0, every NaN above +inf;
 complemented for largest=False), paired with the complement of its index, so that (key, ~index) is unique and orders
 as the contract does (value, then lower index first). A select block finds the k-th largest pair of its segment with
-histogram passes over 8-bit digits (shared-memory atomics; each pass counts only the entries that share the digits
-found so far): four over the key, and four over ~index only where the k-th key is tied with entries that are not
+histogram passes over 8-bit digits (shared-memory atomics into one histogram per warp; each pass counts only the
+entries that share the digits found so far): four over the key, and four over ~index only where the k-th key is tied with entries that are not
 all taken. Every entry at or above that pair is taken, in any order (an atomic slot counter). A sort block orders the
 k survivors by one 64-bit (key, ~index) word each with a bitonic sort in shared memory, and reads their values back
 from the row. Rows are split into segments as in the triton backend (select_plan.split_rows); a second select runs
@@ -84,14 +84,14 @@ def index_key(index):
 
 @T.macro
 def suffix_counts(hist, tx):
-    """hist[d] <- sum of hist[d:RADIX] for d < RADIX (hist[RADIX] is 0); threads 0..RADIX-1 do the work."""
+    """hist[0, d] <- sum of hist[0, d:RADIX] for d < RADIX (hist[0, RADIX] is 0); threads 0..RADIX-1 do the work."""
     carry = T.alloc_var("int32")
     for level in T.serial(8):
         if tx < RADIX:
-            carry = hist[tx] + hist[T.min(tx + (1 << level), RADIX)]
+            carry = hist[0, tx] + hist[0, T.min(tx + (1 << level), RADIX)]
         T.sync_threads()
         if tx < RADIX:
-            hist[tx] = carry
+            hist[0, tx] = carry
         T.sync_threads()
 
 
@@ -138,6 +138,8 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
     indices are in Idx (-1: none); else an entry's index is its position in the row."""
     R, W, RI, WI, C = T.dynamic("R W RI WI C")
     block = threads * unroll
+    warps = threads // 32
+    assert threads > RADIX and threads % 32 == 0
 
     @T.prim_func
     def sampling_select(
@@ -151,7 +153,9 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
         T.annotate_pass_configs(MANUAL_SYNC)
         with T.Kernel(R, T.ceildiv(W, seg_len), threads=threads) as (row, segment):
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((RADIX + 1,), "int32")
+            # one histogram per warp (fewer threads contend for a bin: the top digits of a row take few values),
+            # summed into the first after each pass; a zero column after the last bin
+            hist = T.alloc_shared((warps, RADIX + 1), "int32")
             found = T.alloc_shared((1,), "int32")
             slots = T.alloc_shared((1,), "int32")
             key_prefix = T.alloc_var("uint32")
@@ -177,8 +181,10 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
                 if level < 4 or tied > remaining:
                     shift = 24 - 8 * (level % 4)
                     T.sync_threads()
-                    if tx <= RADIX:
-                        hist[tx] = 0
+                    for step in T.serial(T.ceildiv(warps * (RADIX + 1), threads)):
+                        cell = step * threads + tx
+                        if cell < warps * (RADIX + 1):
+                            hist[cell // (RADIX + 1), cell % (RADIX + 1)] = 0
                     T.sync_threads()
                     for step in T.serial(T.ceildiv(n, block)):
                         for u in T.unroll(unroll):
@@ -191,24 +197,28 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
                                 nkey = index_key(index)
                                 if level < 4:
                                     if index >= 0 and above(key, shift) == above(key_prefix, shift):
-                                        T.atomic_add(hist[digit_at(key, shift)], 1)
+                                        T.atomic_add(hist[tx // 32, digit_at(key, shift)], 1)
                                 else:
                                     if (
                                         index >= 0
                                         and key == key_prefix
                                         and above(nkey, shift) == above(index_prefix, shift)
                                     ):
-                                        T.atomic_add(hist[digit_at(nkey, shift)], 1)
+                                        T.atomic_add(hist[tx // 32, digit_at(nkey, shift)], 1)
+                    T.sync_threads()
+                    if tx < RADIX:  # thread d alone reads and writes column d
+                        for w in T.serial(1, warps):
+                            hist[0, tx] = hist[0, tx] + hist[w, tx]
                     T.sync_threads()
                     suffix_counts(hist, tx)
                     # the threshold's digit: the largest d with at least `remaining` entries at or above it
                     if tx < RADIX:
-                        if hist[tx] >= remaining and hist[tx + 1] < remaining:
+                        if hist[0, tx] >= remaining and hist[0, tx + 1] < remaining:
                             found[0] = tx
                     T.sync_threads()
                     digit = found[0]
-                    tied = hist[digit] - hist[digit + 1]
-                    remaining = remaining - hist[digit + 1]
+                    tied = hist[0, digit] - hist[0, digit + 1]
+                    remaining = remaining - hist[0, digit + 1]
                     if level < 4:
                         key_prefix = key_prefix | (T.cast(digit, "uint32") << T.cast(shift, "uint32"))
                     else:
