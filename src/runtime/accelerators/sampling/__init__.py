@@ -48,7 +48,7 @@ def _reasons(backend: str, scores: torch.Tensor, k: int | None, needs_grad: bool
     return reasons
 
 
-# tilelang is not in the priority list until its kernels have run on a GPU (compiled for sm_90a only so far)
+# tilelang is not in the priority list until its kernels have run on a GPU (so far: compiled for sm_90a, run on the CPU)
 SPEC = OpSpec(name="sampling", priority=("triton",), reasons=_reasons)
 
 
