@@ -17,25 +17,11 @@ from runtime.training import Trainer, config_dir
 from runtime.training.loop import use_cuda_graph
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
+from tiny_training import TINY_SIZES
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # a model and data small enough for a few CPU steps; the torch backend (the interpreter would crawl)
-TINY = [
-    "accelerators=torch",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "data.batch_size=32",
-    "data.seq_len=16",
-    "data.n_items=200",
-    "data.n_categories=8",
-    "data.val_size=256",
-    "data.prefetch=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.ffn_mult=2",
-    "model.head_hidden=32",
-]
+TINY = ["accelerators=torch", "trainer.device=cpu", "trainer.progress=false", *TINY_SIZES]
 
 
 @pytest.fixture(autouse=True)
@@ -233,7 +219,7 @@ def test_resume_gives_the_same_next_losses(tmp_path):
     assert from_dir.step == 4  # a run directory resumes from its latest checkpoint
 
 
-def test_resume_refuses_another_world_size(tmp_path):
+def test_resume_on_another_world_size_only_when_allowed(tmp_path):
     from runtime.training import checkpoint
 
     Trainer(_compose("trainer.steps=1"), tmp_path).fit()
@@ -242,6 +228,11 @@ def test_resume_refuses_another_world_size(tmp_path):
     checkpoint.save(path, state)
     with pytest.raises(ValueError, match="written by 2 process"):
         Trainer(_compose(f"trainer.resume={path}"), tmp_path / "next")
+    # allowed: the run continues on this many processes from the checkpoint's step and data position
+    allowed = _compose("trainer.steps=1", f"trainer.resume={path}", "trainer.resume_overrides=allow")
+    trainer = Trainer(allowed, tmp_path / "allowed")
+    assert trainer.step == 1 and trainer.data_position == 1
+    assert trainer.metrics["resumes"][-1]["changes"] == {"world_size": (2, 1)}
 
 
 @pytest.mark.slow

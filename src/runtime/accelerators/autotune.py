@@ -382,10 +382,18 @@ class Tuned:
         winner = min(times, key=times.get) if times else "torch"
         logger.info("autotune: %s %s -> %s (%s)", self.op, describe_shape(shape), winner, times)
         if times:  # with every trial failed (out of memory?) torch runs, and the next process measures again
-            file.put(key, {
-                "op": self.op, "shape": describe_shape(shape), "key": repr(self.key), **environment(self.device),
-                "times_ms": times, "failed": failed, "winner": winner,
-            })  # fmt: skip
+            file.put(
+                key,
+                {
+                    "op": self.op,
+                    "shape": describe_shape(shape),
+                    "key": repr(self.key),
+                    **environment(self.device),
+                    "times_ms": times,
+                    "failed": failed,
+                    "winner": winner,
+                },
+            )
         self.table[shape] = winner
         return winner
 

@@ -191,9 +191,13 @@ class KernelOp:
         # nothing saved from forward's results ("arguments"): infer where there is one
         run_forward = (kernels.infer or kernels.forward) if kernels.backward_reads == "arguments" else kernels.forward
         attributes = {
-            "kernel_op": self, "backend": backend, "run_forward": staticmethod(run_forward),
-            "run_backward": staticmethod(kernels.backward or _no_backward(self.name, backend)), "first_saved": first_saved, "unsaved": (None,) * first_saved,
-        }  # fmt: skip
+            "kernel_op": self,
+            "backend": backend,
+            "run_forward": staticmethod(run_forward),
+            "run_backward": staticmethod(kernels.backward or _no_backward(self.name, backend)),
+            "first_saved": first_saved,
+            "unsaved": (None,) * first_saved,
+        }
         function = type(f"{self.name}_forward_{backend}", (_EagerFunction,), attributes)
         found = self._eager[backend] = c_apply(function), function
         return found

@@ -55,8 +55,16 @@ def plot_speedups(results: list[dict], path: Path) -> Path:
                     xs.append(x + (i - (len(names) - 1) / 2) * width)
                     heights.append(speedup)
             label = name if name in ours else f"{name} (peer)"
-            ax.bar(xs, heights, width, label=label, color=colours[name], hatch=None if name in ours else "//",
-                   edgecolor="white" if name in ours else "black", linewidth=0.4)  # fmt: skip
+            ax.bar(
+                xs,
+                heights,
+                width,
+                label=label,
+                color=colours[name],
+                hatch=None if name in ours else "//",
+                edgecolor="white" if name in ours else "black",
+                linewidth=0.4,
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))

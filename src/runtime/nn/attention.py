@@ -62,9 +62,17 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, *, causal: bool = False, dropout: float = 0.0, bias: bool = False,
-        backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = False,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _check_heads(d_model, n_heads)
         self.n_heads = n_heads
@@ -77,9 +85,12 @@ class MultiHeadAttention(nn.Module):
         _torch_keys(self, {"qkv": 3})
 
     def forward(
-        self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        key_lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         if cu_seqlens is not None:
             q, k, v = (_packed_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
             o = flash_attention(
@@ -115,9 +126,16 @@ class CrossAttention(nn.Module):
     [N + 1]) and context_max_seqlen (forward)."""
 
     def __init__(
-        self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = False, backend: Backend | None = None,
-        device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        dropout: float = 0.0,
+        bias: bool = False,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _check_heads(d_model, n_heads)
         self.n_heads = n_heads
@@ -130,9 +148,13 @@ class CrossAttention(nn.Module):
         _torch_keys(self, {"q": 1, "kv": 2})
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, key_lengths: torch.Tensor | None = None,
-        context_cu_seqlens: torch.Tensor | None = None, context_max_seqlen: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        key_lengths: torch.Tensor | None = None,
+        context_cu_seqlens: torch.Tensor | None = None,
+        context_max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         if context_cu_seqlens is not None:
             q = _packed_heads(self.q(x), self.n_heads)
             k, v = (_packed_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))

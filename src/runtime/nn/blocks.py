@@ -82,15 +82,22 @@ class _MixThenFeedForward(nn.Module):
     mix_reads_lengths = True
 
     def forward(
-        self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        key_lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         return join(*self.step(x, None, key_lengths, cu_seqlens, max_seqlen))
 
     def step(
-        self, x: torch.Tensor, pending: Pending | None, key_lengths: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-    ) -> tuple[torch.Tensor, Pending | None]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        pending: Pending | None,
+        key_lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> tuple[torch.Tensor, Pending | None]:
         """The block on the stream (x, pending), its last residual add left pending (None with hyper-connections,
         which have no add to leave). x [B, L, d] with key_lengths, or packed [total, d] with cu_seqlens and
         max_seqlen (see MultiHeadAttention)."""
@@ -133,8 +140,16 @@ class GatedDeltaBlock(_MixThenFeedForward):
     mix_reads_lengths = False
 
     def __init__(
-        self, d_model: int, n_heads: int, ffn_hidden: int, *, dropout: float = 0.0, hyper_streams: int = 0, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        ffn_hidden: int,
+        *,
+        dropout: float = 0.0,
+        hyper_streams: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         mixer = GatedDeltaRuleMixer(d_model, n_heads, **factory)

@@ -55,9 +55,15 @@ class EmbeddingBagMean(nn.Module):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         return embedding_bag_mean(
-            self.weight, indices, offsets, self.padding_idx, include_last_offset=self.include_last_offset,
-            sparse=self.sparse, check_indices=self.check_indices, backend=self.backend,
-        )  # fmt: skip
+            self.weight,
+            indices,
+            offsets,
+            self.padding_idx,
+            include_last_offset=self.include_last_offset,
+            sparse=self.sparse,
+            check_indices=self.check_indices,
+            backend=self.backend,
+        )
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, padding_idx={self.padding_idx}, backend={self.backend}"

@@ -20,9 +20,17 @@ class SwiGLUFeedForward(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, hidden: int, d_out: int | None = None, *, bias: bool = False, backend: Backend | None = None,
-        down_backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        hidden: int,
+        d_out: int | None = None,
+        *,
+        bias: bool = False,
+        backend: Backend | None = None,
+        down_backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.backend = backend
         factory = {"device": device, "dtype": dtype}

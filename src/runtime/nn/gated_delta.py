@@ -35,8 +35,15 @@ class GatedDeltaRuleMixer(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, head_dim: int | None = None, *, backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int | None = None,
+        *,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if n_heads <= 0 or (head_dim is None and d_model % n_heads != 0):
             raise ValueError(

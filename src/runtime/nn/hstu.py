@@ -101,7 +101,10 @@ class HSTUBlock(nn.Module):
         u, v, q, k = self.uvqk(self.input_norm(x)).split(self.n_heads * self.head_dim, dim=-1)
         heads = (total, self.n_heads, self.head_dim)
         a = silu_attention(
-            q.reshape(heads), k.reshape(heads), v.reshape(heads), cu_seqlens,
+            q.reshape(heads),
+            k.reshape(heads),
+            v.reshape(heads),
+            cu_seqlens,
             max_seqlen=max_seqlen,
             causal=self.causal,
             num_targets=num_targets,
@@ -110,7 +113,7 @@ class HSTUBlock(nn.Module):
             timestamps=timestamps if self.time_bias is not None else None,
             dropout_p=self.attn_dropout if self.training else 0.0,
             backend=self.backend,
-        )  # fmt: skip
+        )
         gated = self.output_norm(a.reshape(total, -1)) * u
         return self.residual(self.out(gated), x)
 

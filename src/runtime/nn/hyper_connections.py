@@ -20,9 +20,17 @@ class HyperConnection(nn.Module):
     """
 
     def __init__(
-        self, block: nn.Module, streams: int, width: int, *, sinkhorn_iters: int = 20, eps: float = 1e-6,
-        backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        block: nn.Module,
+        streams: int,
+        width: int,
+        *,
+        sinkhorn_iters: int = 20,
+        eps: float = 1e-6,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if streams < 1:
             raise ValueError(f"streams: expected at least 1, got {streams}")

@@ -13,8 +13,14 @@ class BCEWithLogitsLoss(nn.Module):
     """As nn.BCEWithLogitsLoss. Logits are taken in float32 (a bf16 loss is too coarse to train on)."""
 
     def __init__(
-        self, pos_weight: float | None = None, reduction: str = "mean", *, backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        pos_weight: float | None = None,
+        reduction: str = "mean",
+        *,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.reduction = reduction
         self.backend = backend

@@ -17,9 +17,15 @@ class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2, -1) + eps) * weight. `backend` pins one backend; None follows the active config."""
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None,
-        device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.backend = backend
@@ -41,9 +47,16 @@ class LayerNorm(nn.Module):
     """As nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
     def __init__(
-        self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
-        backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        *,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.backend = backend
@@ -86,9 +99,15 @@ class AddRMSNorm(nn.Module):
     nn.RMSNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = True, backend: Backend | None = None,
-        device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.backend = backend
@@ -111,9 +130,16 @@ class AddLayerNorm(nn.Module):
     nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
     def __init__(
-        self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
-        backend: Backend | None = None, device=None, dtype=None,
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        *,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.backend = backend

@@ -123,9 +123,13 @@ def _layer_norm(module: nn.LayerNorm, backend):
         return None, reason
     affine = module.elementwise_affine
     new = LayerNorm(
-        module.normalized_shape[0], module.eps, elementwise_affine=affine, bias=module.bias is not None,
-        backend=backend, **_factory(module),
-    )  # fmt: skip
+        module.normalized_shape[0],
+        module.eps,
+        elementwise_affine=affine,
+        bias=module.bias is not None,
+        backend=backend,
+        **_factory(module),
+    )
     return _take_parameters(new, module, ("weight", "bias")), None
 
 
@@ -154,9 +158,14 @@ def _embedding_bag(module: nn.EmbeddingBag, backend):
         return None, "scale_grad_by_freq=True is not supported by the runtime op"
     n, dim = module.weight.shape
     new = EmbeddingBagMean(
-        n, dim, module.padding_idx, include_last_offset=module.include_last_offset, sparse=module.sparse,
-        backend=backend, **_factory(module),
-    )  # fmt: skip
+        n,
+        dim,
+        module.padding_idx,
+        include_last_offset=module.include_last_offset,
+        sparse=module.sparse,
+        backend=backend,
+        **_factory(module),
+    )
     return _take_parameters(new, module, ("weight",)), None
 
 

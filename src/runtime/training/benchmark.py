@@ -179,9 +179,12 @@ def main(argv: list[str] | None = None) -> dict:
                     batches[model] = _make_batches(compose("train", overrides=base), bench.steps)
                 name, run_overrides = _run(bench, model, preset, mode)
                 entry = {
-                    "model": model, "accelerators": preset, "mode": mode, "compiled": mode in ("compile", "tuned"),
+                    "model": model,
+                    "accelerators": preset,
+                    "mode": mode,
+                    "compiled": mode in ("compile", "tuned"),
                     "cuda_graph": mode in ("cuda_graph", "tuned"),
-                }  # fmt: skip
+                }
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always", BackendFallbackWarning)

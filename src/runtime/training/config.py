@@ -118,9 +118,20 @@ class DataSchema:
     jagged: bool | None = None
 
     def __post_init__(self) -> None:
-        for key, least in (("batch_size", 1), ("val_batch_size", 1), ("prefetch", 0), ("seq_len", 1), ("n_items", 1),
-                           ("n_categories", 1), ("n_dense", 1), ("val_size", 1), ("sparse_tables", 0), ("sparse_vocab", 1),
-                           ("sparse_hotness", 1), ("n_users", 1)):  # fmt: skip
+        for key, least in (
+            ("batch_size", 1),
+            ("val_batch_size", 1),
+            ("prefetch", 0),
+            ("seq_len", 1),
+            ("n_items", 1),
+            ("n_categories", 1),
+            ("n_dense", 1),
+            ("val_size", 1),
+            ("sparse_tables", 0),
+            ("sparse_vocab", 1),
+            ("sparse_hotness", 1),
+            ("n_users", 1),
+        ):
             _at_least(f"data.{key}", getattr(self, key), least)
 
 

@@ -34,10 +34,18 @@ def build_data(cfg, seed: int, jagged: bool = False) -> PCVRData:
     from .synthetic import SyntheticPCVR
 
     return SyntheticPCVR(
-        seed=seed, seq_len=cfg.seq_len, n_items=cfg.n_items, n_categories=cfg.n_categories, n_dense=cfg.n_dense, val_size=cfg.val_size,
-        sparse_tables=cfg.sparse_tables, sparse_vocab=cfg.sparse_vocab, sparse_hotness=cfg.sparse_hotness,
-        n_users=cfg.n_users, jagged=jagged,
-    )  # fmt: skip
+        seed=seed,
+        seq_len=cfg.seq_len,
+        n_items=cfg.n_items,
+        n_categories=cfg.n_categories,
+        n_dense=cfg.n_dense,
+        val_size=cfg.val_size,
+        sparse_tables=cfg.sparse_tables,
+        sparse_vocab=cfg.sparse_vocab,
+        sparse_hotness=cfg.sparse_hotness,
+        n_users=cfg.n_users,
+        jagged=jagged,
+    )
 
 
 def batches(

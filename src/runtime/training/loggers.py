@@ -14,9 +14,18 @@ from .config import LoggerKind
 logger = logging.getLogger("runtime.training")
 
 CSV_COLUMNS = (
-    "step", "loss", "grad_norm", "lr", "samples_per_s", "step_ms",
-    "val_auc", "val_logloss", "val_ne", "val_calibration", "val_gauc",
-)  # fmt: skip
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "samples_per_s",
+    "step_ms",
+    "val_auc",
+    "val_logloss",
+    "val_ne",
+    "val_calibration",
+    "val_gauc",
+)
 
 
 class CsvLogger:

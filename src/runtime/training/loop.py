@@ -295,13 +295,16 @@ class Trainer:
 
     def load(self, path: Path, state: dict | None = None) -> None:
         state = checkpoint.load(path) if state is None else state
-        if state["world_size"] != self.run.world_size:
-            raise ValueError(
-                f"trainer.resume: {path} was written by {state['world_size']} process(es), this run has {self.run.world_size}; "
-                "resume with the same number of processes"
-            )
         changed = resume.differences(state["config"], self.metrics["config"])
         allow = _enum(ResumeOverrides, self.cfg.trainer.resume_overrides) is ResumeOverrides.allow
+        if state["world_size"] != self.run.world_size:
+            if not allow:
+                raise ValueError(
+                    f"trainer.resume: {path} was written by {state['world_size']} process(es), this run has "
+                    f"{self.run.world_size}; resume with the same number of processes, or continue on this many with "
+                    "trainer.resume_overrides=allow (each process keeps data.batch_size, so the global batch changes)"
+                )
+            changed = {"world_size": (state["world_size"], self.run.world_size), **changed}
         if changed and not allow:
             raise ValueError(
                 f"trainer.resume: this run's config differs from that of {path}:\n{resume.describe(changed)}\n"
@@ -325,7 +328,8 @@ class Trainer:
             *state["metrics"].get("resumes", []),
             {"from": str(path), "step": self.step, "changes": changed},
         ]
-        checkpoint.set_rng_state(state["rng"][self.run.rank])
+        if self.run.rank < len(state["rng"]):  # a process the checkpoint has no state for keeps its fresh streams
+            checkpoint.set_rng_state(state["rng"][self.run.rank])
         if changed:
             self._apply_optimizer_settings()
             logger.warning(

@@ -155,8 +155,13 @@ def check_against_spec(table, path: str | Path, spec: FeatureSpec) -> None:
         bad = _first(lengths > spec.sparse_hotness)
         if bad is not None:
             _fail(path, name, bad, f"{lengths[bad]} ids; expected at most sparse_hotness={spec.sparse_hotness}")
-    limits = {"seq_items": spec.n_items, "target_item": spec.n_items, "seq_categories": spec.n_categories,
-              "target_category": spec.n_categories, "seq_actions": spec.n_actions}  # fmt: skip
+    limits = {
+        "seq_items": spec.n_items,
+        "target_item": spec.n_items,
+        "seq_categories": spec.n_categories,
+        "target_category": spec.n_categories,
+        "seq_actions": spec.n_actions,
+    }
     limits.update({f"sparse_{name}": vocab for name, vocab in spec.sparse_fields.items()})
     for name, vocab in limits.items():
         array = _array(table, name)

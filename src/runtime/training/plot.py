@@ -14,9 +14,13 @@ import math
 from pathlib import Path
 
 LABELS = {
-    "loss": "training loss", "val_auc": "validation AUC", "val_gauc": "validation GAUC",
-    "val_logloss": "validation log-loss", "val_ne": "validation normalized entropy", "val_calibration": "validation calibration",
-}  # fmt: skip
+    "loss": "training loss",
+    "val_auc": "validation AUC",
+    "val_gauc": "validation GAUC",
+    "val_logloss": "validation log-loss",
+    "val_ne": "validation normalized entropy",
+    "val_calibration": "validation calibration",
+}
 
 
 def _series(metrics: dict) -> dict[str, tuple[list[int], list[float]]]:

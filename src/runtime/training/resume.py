@@ -8,11 +8,25 @@ from omegaconf import OmegaConf
 
 # where and how the run executes and reports, not what it trains: these may differ from the checkpoint's
 FREE_KEYS = (
-    "trainer.resume", "trainer.resume_overrides", "trainer.resume_fallback", "trainer.progress", "trainer.log_every",
-    "trainer.val_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.cpu_threads",
-    "trainer.device", "trainer.compile", "trainer.compile_mode", "trainer.cuda_graph", "trainer.deterministic", "data.prefetch",
-    "data.val_batch_size", "accelerators", "logger",
-)  # fmt: skip
+    "trainer.resume",
+    "trainer.resume_overrides",
+    "trainer.resume_fallback",
+    "trainer.progress",
+    "trainer.log_every",
+    "trainer.val_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.cpu_threads",
+    "trainer.device",
+    "trainer.compile",
+    "trainer.compile_mode",
+    "trainer.cuda_graph",
+    "trainer.deterministic",
+    "data.prefetch",
+    "data.val_batch_size",
+    "accelerators",
+    "logger",
+)
 
 
 def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:

@@ -186,11 +186,20 @@ class SyntheticPCVR:
         if self.jagged:
             timestamps = self._timestamps(seq_lengths, gen)
             batch = PCVRBatch(
-                sparse=sparse, dense=dense, seq_items=pack_histories(seq_items, seq_lengths),
-                seq_categories=pack_histories(seq_categories, seq_lengths), seq_actions=pack_histories(seq_actions, seq_lengths),
-                seq_lengths=seq_lengths, target_item=target_item, target_category=target_category, label=label, user_id=user_id,
-                seq_timestamps=timestamps, seq_offsets=offsets_of(seq_lengths), max_seqlen=int(seq_lengths.max()),
-            )  # fmt: skip
+                sparse=sparse,
+                dense=dense,
+                seq_items=pack_histories(seq_items, seq_lengths),
+                seq_categories=pack_histories(seq_categories, seq_lengths),
+                seq_actions=pack_histories(seq_actions, seq_lengths),
+                seq_lengths=seq_lengths,
+                target_item=target_item,
+                target_category=target_category,
+                label=label,
+                user_id=user_id,
+                seq_timestamps=timestamps,
+                seq_offsets=offsets_of(seq_lengths),
+                max_seqlen=int(seq_lengths.max()),
+            )
             return batch, logit
 
         batch = PCVRBatch(

@@ -35,19 +35,27 @@ def _fake_forward(x, *flags):
 #                 silu_forward(x) -> y            silu_backward(dy, x, y) -> (dx,)
 # backward reads x, never y (None in eager calls)
 GELU_KERNEL = KernelOp(
-    "activation_gelu", "Tensor x, bool tanh", n_outputs=1, n_saved=0, fake_forward=_fake_forward,
+    "activation_gelu",
+    "Tensor x, bool tanh",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_forward,
     backends={
         "triton": "runtime.accelerators.activation.triton:GELU_KERNELS",
         "tilelang": "runtime.accelerators.activation.tilelang:GELU_KERNELS",
     },
-)  # fmt: skip
+)
 SILU_KERNEL = KernelOp(
-    "activation_silu", "Tensor x", n_outputs=1, n_saved=0, fake_forward=_fake_forward,
+    "activation_silu",
+    "Tensor x",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_forward,
     backends={
         "triton": "runtime.accelerators.activation.triton:SILU_KERNELS",
         "tilelang": "runtime.accelerators.activation.tilelang:SILU_KERNELS",
     },
-)  # fmt: skip
+)
 
 
 def _key(x: torch.Tensor) -> tuple:

@@ -36,21 +36,29 @@ def _fake_layer_forward(x, residual, weight, bias, eps):
 # total = x + residual; backward reads total and the statistics, not x, residual (unread_args: eager calls keep them
 # not alive for it) or y; dx and dresidual are one tensor (the custom ops copy one: their outputs may not alias)
 RMS_KERNEL = KernelOp(
-    "add_norm_rms", "Tensor x, Tensor residual, Tensor? weight, float eps", n_outputs=2, n_saved=1,
-    fake_forward=_fake_rms_forward, unread_args=("x", "residual"),
+    "add_norm_rms",
+    "Tensor x, Tensor residual, Tensor? weight, float eps",
+    n_outputs=2,
+    n_saved=1,
+    fake_forward=_fake_rms_forward,
+    unread_args=("x", "residual"),
     backends={
         "triton": "runtime.accelerators.add_norm.triton:RMS_KERNELS",
         "tilelang": "runtime.accelerators.add_norm.tilelang:RMS_KERNELS",
     },
-)  # fmt: skip
+)
 LAYER_KERNEL = KernelOp(
-    "add_norm_layer", "Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps", n_outputs=2, n_saved=2,
-    fake_forward=_fake_layer_forward, unread_args=("x", "residual"),
+    "add_norm_layer",
+    "Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps",
+    n_outputs=2,
+    n_saved=2,
+    fake_forward=_fake_layer_forward,
+    unread_args=("x", "residual"),
     backends={
         "triton": "runtime.accelerators.add_norm.triton:LAYER_KERNELS",
         "tilelang": "runtime.accelerators.add_norm.tilelang:LAYER_KERNELS",
     },
-)  # fmt: skip
+)
 
 
 def check_add_norm_inputs(x, residual, eps, weight=None, bias=None) -> None:

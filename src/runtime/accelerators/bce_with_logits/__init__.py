@@ -125,10 +125,16 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
     # Every call: the common case (plain tensors, no weights), when valid, in one frame; any other input goes through
     # the checks that name what is wrong.
     if (
-        weight is None and pos_weight is None and type(logits) is torch.Tensor and type(targets) is torch.Tensor
-        and logits.is_floating_point() and targets.is_floating_point() and targets.shape == logits.shape
-        and targets.device == logits.device and reduction in REDUCTIONS
-    ):  # fmt: skip
+        weight is None
+        and pos_weight is None
+        and type(logits) is torch.Tensor
+        and type(targets) is torch.Tensor
+        and logits.is_floating_point()
+        and targets.is_floating_point()
+        and targets.shape == logits.shape
+        and targets.device == logits.device
+        and reduction in REDUCTIONS
+    ):
         return
     check_tensor("logits", logits)
     check_tensor("targets", targets)
@@ -247,9 +253,18 @@ def binary_cross_entropy_with_logits(
         check_target_range(targets)
     key = bce_key(logits, targets, weight, pos_weight)
     chosen = select_backend(
-        SPEC, backend, logits.device, key, binary_cross_entropy_with_logits,
-        logits=logits, targets=targets, weight=weight, pos_weight=pos_weight, reduction=reduction, check_targets=check_targets,
-    )  # fmt: skip
+        SPEC,
+        backend,
+        logits.device,
+        key,
+        binary_cross_entropy_with_logits,
+        logits=logits,
+        targets=targets,
+        weight=weight,
+        pos_weight=pos_weight,
+        reduction=reduction,
+        check_targets=check_targets,
+    )
     if chosen == "torch" or logits.numel() == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)
     return kernel_loss(logits, targets, weight, pos_weight, reduction, chosen)

@@ -178,9 +178,19 @@ def embedding_bag_mean(
     padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
     key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous(), weight.shape[1] > TILELANG_MAX_DIM)
     chosen = select_backend(
-        SPEC, backend, weight.device, key, embedding_bag_mean, weight=weight, indices=indices, offsets=offsets,
-        padding_idx=padding_idx, include_last_offset=include_last_offset, sparse=sparse, check_indices=check_indices,
-    )  # fmt: skip
+        SPEC,
+        backend,
+        weight.device,
+        key,
+        embedding_bag_mean,
+        weight=weight,
+        indices=indices,
+        offsets=offsets,
+        padding_idx=padding_idx,
+        include_last_offset=include_last_offset,
+        sparse=sparse,
+        check_indices=check_indices,
+    )
     if chosen == "torch" or weight.numel() == 0:
         return embedding_bag_mean_reference(
             weight, indices, offsets, padding, include_last_offset, sparse, check_indices

@@ -121,28 +121,71 @@ def _zero_fill(zero_ptr, zero_start, zero_end, f, ZERO_BLOCK: tl.constexpr, ZERO
 @direct_launch
 @triton.jit(do_not_specialize=["num_keys", "num_embeddings", "num_tiles", "pass_index", "zero_start", "zero_end"])
 def _scatter_kernel(
-    keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, zero_ptr,
-    num_keys, num_embeddings, num_tiles, pass_index, zero_start, zero_end,
-    FIRST: tl.constexpr, NEXT: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
-    BLOCK_T: tl.constexpr, ZERO_BLOCK: tl.constexpr, ZERO_STEPS: tl.constexpr,
-):  # fmt: skip
+    keys_ptr,
+    perm_ptr,
+    keys_out_ptr,
+    perm_out_ptr,
+    counts_ptr,
+    zero_ptr,
+    num_keys,
+    num_embeddings,
+    num_tiles,
+    pass_index,
+    zero_start,
+    zero_end,
+    FIRST: tl.constexpr,
+    NEXT: tl.constexpr,
+    BITS: tl.constexpr,
+    TILE: tl.constexpr,
+    LOG_TILE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
+    ZERO_STEPS: tl.constexpr,
+):
     """Programs past num_tiles zero-fill their part of zero_ptr[zero_start:zero_end]; the others sort their tile."""
     t = tl.program_id(0)
     if t >= num_tiles:
         _zero_fill(zero_ptr, zero_start, zero_end, t - num_tiles, ZERO_BLOCK, ZERO_STEPS)
     else:
         _scatter_tile(
-            keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, pass_index,
-            t, FIRST, NEXT, BITS, TILE, LOG_TILE, BLOCK_T,
-        )  # fmt: skip
+            keys_ptr,
+            perm_ptr,
+            keys_out_ptr,
+            perm_out_ptr,
+            counts_ptr,
+            num_keys,
+            num_embeddings,
+            num_tiles,
+            pass_index,
+            t,
+            FIRST,
+            NEXT,
+            BITS,
+            TILE,
+            LOG_TILE,
+            BLOCK_T,
+        )
 
 
 @triton.jit
 def _scatter_tile(
-    keys_ptr, perm_ptr, keys_out_ptr, perm_out_ptr, counts_ptr, num_keys, num_embeddings, num_tiles, pass_index, t,
-    FIRST: tl.constexpr, NEXT: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
+    keys_ptr,
+    perm_ptr,
+    keys_out_ptr,
+    perm_out_ptr,
+    counts_ptr,
+    num_keys,
+    num_embeddings,
+    num_tiles,
+    pass_index,
+    t,
+    FIRST: tl.constexpr,
+    NEXT: tl.constexpr,
+    BITS: tl.constexpr,
+    TILE: tl.constexpr,
+    LOG_TILE: tl.constexpr,
     BLOCK_T: tl.constexpr,
-):  # fmt: skip
+):
     start = t * TILE
     i = tl.arange(0, TILE)
     bins = tl.arange(0, 1 << BITS)
@@ -250,13 +293,26 @@ def sort(
     for p in range(passes):
         out = sides[(passes - 1 - p) % 2]  # the last pass writes sides[0]
         _scatter_kernel[(num_tiles + fill_programs,)](
-            *source, *out, counts, zero, num_keys, num_embeddings, num_tiles, p,
-            min(p * share, fill_size), min((p + 1) * share, fill_size),
-            FIRST=p == 0, NEXT=p + 1 < passes, BITS=bits, TILE=launch.tile, LOG_TILE=launch.tile.bit_length() - 1,
-            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits), ZERO_BLOCK=launch.zero_block,
+            *source,
+            *out,
+            counts,
+            zero,
+            num_keys,
+            num_embeddings,
+            num_tiles,
+            p,
+            min(p * share, fill_size),
+            min((p + 1) * share, fill_size),
+            FIRST=p == 0,
+            NEXT=p + 1 < passes,
+            BITS=bits,
+            TILE=launch.tile,
+            LOG_TILE=launch.tile.bit_length() - 1,
+            BLOCK_T=max(1, COUNTS_PER_THREAD * 32 * launch.num_warps >> bits),
+            ZERO_BLOCK=launch.zero_block,
             ZERO_STEPS=launch.zero_steps,
             num_warps=launch.num_warps,
-        )  # fmt: skip
+        )
         source = out
     return sides[0]
 

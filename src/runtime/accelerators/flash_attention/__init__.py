@@ -303,9 +303,20 @@ def flash_attention(
     q, k, v = _autocast(q, k, v)
     key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))
     chosen = select_backend(
-        SPEC, backend, q.device, key, flash_attention,
-        q=q, k=k, v=v, causal=causal, key_lengths=key_lengths, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
-    )  # fmt: skip
+        SPEC,
+        backend,
+        q.device,
+        key,
+        flash_attention,
+        q=q,
+        k=k,
+        v=v,
+        causal=causal,
+        key_lengths=key_lengths,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:

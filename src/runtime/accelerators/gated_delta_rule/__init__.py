@@ -63,8 +63,12 @@ def _fake_chunk_forward(
     )
     rows, HV = v.shape[0] * v.shape[1], v.shape[2]
     factors, inverse = _saved_dtypes(backend, k, v.shape[-1])
-    saved = [((rows, HV), torch.float32), ((rows, HV, k.shape[-1]), factors), ((rows, HV, v.shape[-1]), factors),
-             ((rows, HV, CHUNK_SIZE), inverse)]  # fmt: skip
+    saved = [
+        ((rows, HV), torch.float32),
+        ((rows, HV, k.shape[-1]), factors),
+        ((rows, HV, v.shape[-1]), factors),
+        ((rows, HV, CHUNK_SIZE), inverse),
+    ]
     return (o, final, *(v.new_empty(shape, dtype=dtype) for shape, dtype in saved))
 
 
@@ -92,21 +96,30 @@ def _check_compiled_values(
 # triton backend's w and u and its (I + A)^-1 where its products round them (_saved_dtypes).
 # cu_seqlens reaches the kernel modules on the host (validated there); they copy it to the device.
 CHUNK = KernelOp(
-    "gated_delta_rule_chunk", _ARGS, n_outputs=2, n_saved=4, fake_forward=_fake_chunk_forward,
+    "gated_delta_rule_chunk",
+    _ARGS,
+    n_outputs=2,
+    n_saved=4,
+    fake_forward=_fake_chunk_forward,
     backends={
         "triton": "runtime.accelerators.gated_delta_rule.triton:CHUNK_KERNELS",
         "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:CHUNK_KERNELS",
     },
-    fake_takes_backend=True, check_values=_check_compiled_values,
-)  # fmt: skip
+    fake_takes_backend=True,
+    check_values=_check_compiled_values,
+)
 RECURRENT = KernelOp(
-    "gated_delta_rule_recurrent", _ARGS, n_outputs=2, n_saved=0, fake_forward=_fake_forward,
+    "gated_delta_rule_recurrent",
+    _ARGS,
+    n_outputs=2,
+    n_saved=0,
+    fake_forward=_fake_forward,
     backends={
         "triton": "runtime.accelerators.gated_delta_rule.triton:RECURRENT_KERNELS",
         "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:RECURRENT_KERNELS",
     },
     check_values=_check_compiled_values,
-)  # fmt: skip
+)
 
 
 # --------------------------------------------------------------------------- validation
@@ -222,14 +235,34 @@ def _run(
     tensors = (q, k, v, g, beta, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     key = (
-        mode, q.dtype, g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype,
-        q.shape[-1], v.shape[-1], needs_grad,
-    )  # fmt: skip
+        mode,
+        q.dtype,
+        g.dtype,
+        beta.dtype,
+        None if initial_state is None else initial_state.dtype,
+        q.shape[-1],
+        v.shape[-1],
+        needs_grad,
+    )
     chosen = select_backend(
-        SPEC, backend, q.device, key, chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule,
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, mode=mode, needs_grad=needs_grad,
-    )  # fmt: skip
+        SPEC,
+        backend,
+        q.device,
+        key,
+        chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        mode=mode,
+        needs_grad=needs_grad,
+    )
     args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel))
     if chosen == "torch" and host_cu is not None and torch.compiler.is_compiling():
         name = "chunk_gated_delta_rule" if mode == "chunk" else "fused_recurrent_gated_delta_rule"
@@ -260,9 +293,21 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule over chunks of 64 steps (training): (o, final state or None)."""
     return _run(
-        "chunk", CHUNK, chunk_gated_delta_rule_reference, q, k, v, g, beta, scale, initial_state,
-        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend,
-    )  # fmt: skip
+        "chunk",
+        CHUNK,
+        chunk_gated_delta_rule_reference,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        backend,
+    )
 
 
 def fused_recurrent_gated_delta_rule(
@@ -281,9 +326,21 @@ def fused_recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule step by step (decoding); the kernels are forward-only: (o, final state or None)."""
     return _run(
-        "recurrent", RECURRENT, recurrent_gated_delta_rule_reference, q, k, v, g, beta, scale, initial_state,
-        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend,
-    )  # fmt: skip
+        "recurrent",
+        RECURRENT,
+        recurrent_gated_delta_rule_reference,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        backend,
+    )
 
 
 __all__ = ["CHUNK_SIZE", "SPEC", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]

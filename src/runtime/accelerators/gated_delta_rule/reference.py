@@ -189,9 +189,18 @@ def _pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule_reference(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
     chunk_size: int = CHUNK_SIZE,
-):  # fmt: skip
+):
     """The chunked form (the torch backend); same arguments and results as the recurrent reference."""
     qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, HV, K = ks.shape

@@ -89,9 +89,18 @@ on_device = DEVICE_COPIES.on_device
 @direct_launch
 @triton.jit
 def _pieces_kernel(
-    cu_seqlens, first_piece, table, starts, chunk_offsets, first_chunks, SIZE, CHUNK,
-    TABLE: tl.constexpr, BOUNDS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    cu_seqlens,
+    first_piece,
+    table,
+    starts,
+    chunk_offsets,
+    first_chunks,
+    SIZE,
+    CHUNK,
+    TABLE: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i_n = tl.program_id(0)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -124,9 +133,19 @@ def _first_pieces(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
 
 def _launch(cu_seqlens, first, size: int, table=None, starts=None, chunk_offsets=None, first_chunks=None, chunk=1):
     _pieces_kernel[(cu_seqlens.numel() - 1,)](
-        cu_seqlens, first, table, starts, chunk_offsets, first_chunks, size, chunk,
-        TABLE=table is not None, BOUNDS=starts is not None, BLOCK=256, num_warps=2,
-    )  # fmt: skip
+        cu_seqlens,
+        first,
+        table,
+        starts,
+        chunk_offsets,
+        first_chunks,
+        size,
+        chunk,
+        TABLE=table is not None,
+        BOUNDS=starts is not None,
+        BLOCK=256,
+        num_warps=2,
+    )
 
 
 def chunk_table(cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

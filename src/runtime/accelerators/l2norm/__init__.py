@@ -20,12 +20,16 @@ def _fake_forward(x, eps):
 #                 infer(x, eps) -> (y,) where the module has it (Triton: no rstd)
 #                 backward(dy, x, eps, y, rstd) -> (dx, None), from y and rstd
 KERNEL = KernelOp(
-    "l2norm", "Tensor x, float eps", n_outputs=1, n_saved=1, fake_forward=_fake_forward,
+    "l2norm",
+    "Tensor x, float eps",
+    n_outputs=1,
+    n_saved=1,
+    fake_forward=_fake_forward,
     backends={
         "triton": "runtime.accelerators.l2norm.triton:KERNELS",
         "tilelang": "runtime.accelerators.l2norm.tilelang:KERNELS",
     },
-)  # fmt: skip
+)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 One compiled kernel per (dtype, width) and direction serves every row count. No
 parameters, so backward needs no partial sums: dx = rstd * (dy - y * sum(dy * y)), from the output y
-(see triton.py).
+(see triton.py). The forward kernel is built by the row norms' family (norms_tilelang, flag l2).
 """
 
 import tilelang.language as T
@@ -10,6 +10,7 @@ import torch
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
+from ..norms_tilelang import forward_kernel
 from ..tilelang_common import (
     ACCUM,
     TL_DTYPE,
@@ -20,40 +21,8 @@ from ..tilelang_common import (
     load_rows,
     plan_for,
     row_layout,
-    scaled_squares,
     store_rows,
 )
-
-
-def forward_kernel(dtype: str, plan: RowPlan):
-    N, NP, BM = plan.width, plan.padded, plan.block_rows
-    M = T.dynamic("M")
-
-    @T.prim_func
-    def l2norm_fwd(X: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype), Rstd: T.Tensor((M,), ACCUM), eps: T.float32):
-        with T.Kernel(T.ceildiv(M, BM), threads=plan.threads) as bx:
-            io = T.alloc_fragment((BM, NP), dtype)
-            x = T.alloc_fragment((BM, NP), ACCUM)
-            sq = T.alloc_fragment((BM, NP), ACCUM)
-            rstd = T.alloc_fragment((BM,), ACCUM)
-            inv = T.alloc_fragment((BM,), ACCUM)  # 1 / the row's scale (see norms.SCALE_ABOVE)
-            layout = row_layout(plan)
-            T.annotate_layout({io: layout, x: layout, sq: layout})
-            row0 = bx * BM
-            load_rows(X, io, row0, M, N)
-            for i, j in T.Parallel(BM, NP):
-                x[i, j] = T.cast(io[i, j], ACCUM)
-            scaled_squares(x, sq, inv)
-            T.reduce_sum(sq, rstd, dim=1)
-            for i in T.Parallel(BM):
-                rstd[i] = T.rsqrt(rstd[i] + eps * inv[i] * inv[i]) * inv[i]
-                if row0 + i < M:
-                    Rstd[row0 + i] = rstd[i]
-            for i, j in T.Parallel(BM, NP):
-                io[i, j] = T.cast(x[i, j] * rstd[i], dtype)
-            store_rows(io, Y, row0, M, N)
-
-    return l2norm_fwd
 
 
 def backward_kernel(dtype: str, plan: RowPlan):
@@ -96,7 +65,11 @@ def backward_kernel(dtype: str, plan: RowPlan):
 
 def kernel_entries(dtype: torch.dtype, width: int) -> list[Entry]:
     """The kernels (forward, backward) for this dtype and width."""
-    return [_entry("fwd", forward_kernel, dtype, width), _entry("bwd", backward_kernel, dtype, width)]
+    return [_entry("fwd", _forward_kernel, dtype, width), _entry("bwd", backward_kernel, dtype, width)]
+
+
+def _forward_kernel(dtype: str, plan: RowPlan):
+    return forward_kernel("l2norm_fwd", dtype, None, None, plan, l2=True)
 
 
 def _entry(direction: str, builder, dtype: torch.dtype, width: int) -> Entry:
@@ -110,7 +83,7 @@ def forward(x: torch.Tensor, eps: float):
     rstd = buffers.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, rstd
-    launcher(_entry("fwd", forward_kernel, x.dtype, width), x.device)(rows, y.view(n_rows, width), rstd, eps)
+    launcher(_entry("fwd", _forward_kernel, x.dtype, width), x.device)(rows, y.view(n_rows, width), rstd, eps)
     return y, rstd
 
 

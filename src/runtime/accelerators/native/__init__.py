@@ -167,9 +167,12 @@ class NativeBackward:
         compiled._init_handles()
         metadata = compiled.metadata
         plain = (
-            getattr(metadata, "num_ctas", 1) == 1 and not metadata.launch_cooperative_grid and not metadata.launch_pdl
-            and not metadata.global_scratch_size and not metadata.profile_scratch_size
-        )  # fmt: skip
+            getattr(metadata, "num_ctas", 1) == 1
+            and not metadata.launch_cooperative_grid
+            and not metadata.launch_pdl
+            and not metadata.global_scratch_size
+            and not metadata.profile_scratch_size
+        )
         types = _parameter_types(compiled.src.signature, len(args))
         if not plain or types is None:
             logger.info(

@@ -30,12 +30,26 @@ def compile_command(source: Path, target: Path) -> list[str]:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     return [
-        compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w",
+        compiler,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-std=c++20",
+        "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
-        str(source), "-o", str(target),
-        f"-L{torch_dir / 'lib'}", f"-Wl,-rpath,{torch_dir / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python",
-    ]  # fmt: skip
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(source),
+        "-o",
+        str(target),
+        f"-L{torch_dir / 'lib'}",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+        "-ltorch_python",
+    ]
 
 
 def library_path() -> Path:

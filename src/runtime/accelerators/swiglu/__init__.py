@@ -31,12 +31,16 @@ def _fake_forward(gate, up):
 # kernel modules: forward(gate, up) -> y
 #                 backward(dy, gate, up, y) -> (dgate, dup)
 KERNEL = KernelOp(
-    "swiglu", "Tensor gate, Tensor up", n_outputs=1, n_saved=0, fake_forward=_fake_forward,
+    "swiglu",
+    "Tensor gate, Tensor up",
+    n_outputs=1,
+    n_saved=0,
+    fake_forward=_fake_forward,
     backends={
         "triton": "runtime.accelerators.swiglu.triton:KERNELS",
         "tilelang": "runtime.accelerators.swiglu.tilelang:KERNELS",
     },
-)  # fmt: skip
+)
 
 
 def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:

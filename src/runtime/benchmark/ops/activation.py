@@ -40,7 +40,11 @@ def _cases(op, run, reference, eager):
 
 CASES = (
     _cases("gelu", lambda backend, i: gelu(i["x"], backend=backend), gelu_reference, F.gelu)
-    + _cases("gelu_tanh", lambda backend, i: gelu(i["x"], "tanh", backend=backend), _gelu_tanh_reference,
-             lambda x: F.gelu(x, approximate="tanh"))
+    + _cases(
+        "gelu_tanh",
+        lambda backend, i: gelu(i["x"], "tanh", backend=backend),
+        _gelu_tanh_reference,
+        lambda x: F.gelu(x, approximate="tanh"),
+    )
     + _cases("silu", lambda backend, i: silu(i["x"], backend=backend), silu_reference, F.silu)
-)  # fmt: skip
+)

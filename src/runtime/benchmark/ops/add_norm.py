@@ -53,23 +53,31 @@ def _eager_layer(i):
 
 
 RMS_CASES = cases_per_shape(
-    SHAPES, partial(_inputs, bias=False), op="add_rms_norm", bytes=_bytes,
+    SHAPES,
+    partial(_inputs, bias=False),
+    op="add_rms_norm",
+    bytes=_bytes,
     peers={
         "torch eager": _eager_rms,
         "torch.compile": lambda i: compiled(add_rms_norm_reference)(i["x"], i["residual"], i["weight"], 1e-6),
     },
     run=lambda backend, i: add_rms_norm(i["x"], i["residual"], i["weight"], 1e-6, backend=backend),
     reference=lambda i: add_rms_norm_reference(i["x"], i["residual"], i["weight"], 1e-6),
-)  # fmt: skip
+)
 
 LAYER_CASES = cases_per_shape(
-    SHAPES, partial(_inputs, bias=True), op="add_layer_norm", bytes=_bytes,
+    SHAPES,
+    partial(_inputs, bias=True),
+    op="add_layer_norm",
+    bytes=_bytes,
     peers={
         "torch eager": _eager_layer,
-        "torch.compile": lambda i: compiled(add_layer_norm_reference)(i["x"], i["residual"], i["weight"], i["bias"], 1e-5),
+        "torch.compile": lambda i: compiled(add_layer_norm_reference)(
+            i["x"], i["residual"], i["weight"], i["bias"], 1e-5
+        ),
     },
     run=lambda backend, i: add_layer_norm(i["x"], i["residual"], i["weight"], i["bias"], 1e-5, backend=backend),
     reference=lambda i: add_layer_norm_reference(i["x"], i["residual"], i["weight"], i["bias"], 1e-5),
-)  # fmt: skip
+)
 
 CASES = RMS_CASES + LAYER_CASES

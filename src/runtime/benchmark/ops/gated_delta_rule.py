@@ -90,13 +90,21 @@ def _cases():
     fla = peer_available("fla")
     common = dict(op="gated_delta_rule", reference=_reference, bytes=_bytes, rtol=RTOL)
     chunk = cases_per_shape(
-        SHAPES, _inputs, "chunk-", run=_run(chunk_gated_delta_rule), peers={"fla chunk": _fla_chunk} if fla else {},
+        SHAPES,
+        _inputs,
+        "chunk-",
+        run=_run(chunk_gated_delta_rule),
+        peers={"fla chunk": _fla_chunk} if fla else {},
         **common,
-    )  # fmt: skip
+    )
     recurrent = cases_per_shape(
-        RECURRENT_SHAPES, _inputs, "recurrent-", run=_run(fused_recurrent_gated_delta_rule),
-        peers={"fla fused_recurrent": _fla_recurrent} if fla else {}, **common,
-    )  # fmt: skip
+        RECURRENT_SHAPES,
+        _inputs,
+        "recurrent-",
+        run=_run(fused_recurrent_gated_delta_rule),
+        peers={"fla fused_recurrent": _fla_recurrent} if fla else {},
+        **common,
+    )
     return chunk + recurrent
 
 

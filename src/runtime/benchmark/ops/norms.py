@@ -50,10 +50,14 @@ def _rms_cases():
     if peer_available("liger_kernel"):
         peers["liger"] = liger
     return cases_per_shape(
-        SHAPES, partial(_inputs, weight=True, bias=False), op="rms_norm", bytes=_bytes, peers=peers,
+        SHAPES,
+        partial(_inputs, weight=True, bias=False),
+        op="rms_norm",
+        bytes=_bytes,
+        peers=peers,
         run=lambda backend, i: rms_norm(i["x"], i["weight"], 1e-6, backend=backend),
         reference=lambda i: rms_norm_reference(i["x"], i["weight"], 1e-6),
-    )  # fmt: skip
+    )
 
 
 def _layer_cases():
@@ -69,10 +73,14 @@ def _layer_cases():
     if peer_available("liger_kernel"):
         peers["liger"] = liger
     return cases_per_shape(
-        SHAPES, partial(_inputs, weight=True, bias=True), op="layer_norm", bytes=_bytes, peers=peers,
+        SHAPES,
+        partial(_inputs, weight=True, bias=True),
+        op="layer_norm",
+        bytes=_bytes,
+        peers=peers,
         run=lambda backend, i: layer_norm(i["x"], i["weight"], i["bias"], 1e-5, backend=backend),
         reference=lambda i: layer_norm_reference(i["x"], i["weight"], i["bias"], 1e-5),
-    )  # fmt: skip
+    )
 
 
 def _l2_cases():
@@ -88,10 +96,14 @@ def _l2_cases():
     if peer_available("fla"):
         peers["fla"] = fla
     return cases_per_shape(
-        SHAPES, partial(_inputs, weight=False, bias=False), op="l2norm", bytes=_bytes, peers=peers,
+        SHAPES,
+        partial(_inputs, weight=False, bias=False),
+        op="l2norm",
+        bytes=_bytes,
+        peers=peers,
         run=lambda backend, i: l2norm(i["x"], 1e-6, backend=backend),
         reference=lambda i: l2norm_reference(i["x"], 1e-6),
-    )  # fmt: skip
+    )
 
 
 CASES = _rms_cases() + _layer_cases() + _l2_cases()

@@ -55,16 +55,29 @@ def _inputs(n: int, longest: int, d: int):
 
 def _run(backend, i):
     return silu_attention(
-        i["q"], i["k"], i["v"], i["cu_seqlens"], max_seqlen=i["max_seqlen"], position_bias=i["position_bias"],
-        time_bias=i["time_bias"], timestamps=i["timestamps"], backend=backend,
-    )  # fmt: skip
+        i["q"],
+        i["k"],
+        i["v"],
+        i["cu_seqlens"],
+        max_seqlen=i["max_seqlen"],
+        position_bias=i["position_bias"],
+        time_bias=i["time_bias"],
+        timestamps=i["timestamps"],
+        backend=backend,
+    )
 
 
 def _reference(i):
     return silu_attention_reference(
-        i["q"], i["k"], i["v"], i["cu_seqlens"], i["max_seqlen"], position_bias=i["position_bias"],
-        time_bias=i["time_bias"], timestamps=i["timestamps"],
-    )  # fmt: skip
+        i["q"],
+        i["k"],
+        i["v"],
+        i["cu_seqlens"],
+        i["max_seqlen"],
+        position_bias=i["position_bias"],
+        time_bias=i["time_bias"],
+        timestamps=i["timestamps"],
+    )
 
 
 def padded_silu_attention(q, k, v, position_bias, time_bias, timestamps, padded_slot, token_slot, max_seqlen: int):
@@ -94,8 +107,17 @@ def padded_silu_attention(q, k, v, position_bias, time_bias, timestamps, padded_
 def _padded(eager: bool):
     def run(i):
         fn = padded_silu_attention if eager else compiled(padded_silu_attention)
-        return fn(i["q"], i["k"], i["v"], i["position_bias"], i["time_bias"], i["timestamps"], i["padded_slot"],
-                  i["token_slot"], i["max_seqlen"])  # fmt: skip
+        return fn(
+            i["q"],
+            i["k"],
+            i["v"],
+            i["position_bias"],
+            i["time_bias"],
+            i["timestamps"],
+            i["padded_slot"],
+            i["token_slot"],
+            i["max_seqlen"],
+        )
 
     return run
 
