@@ -1,7 +1,8 @@
 """top_k and sample on the CPU: exact agreement of top_k with a stable-sort oracle and torch.topk (random, tied and
 all-equal scores), the Triton kernels under TRITON_INTERPRET=1 (the single-program and the split-row paths), sample's
 support and frequencies against the restricted distribution in float64, the same ids on every backend from the same
-generator state, dispatch and every error."""
+generator state, the host-side plan the kernel backends share, dispatch and every error (the TileLang kernels are
+compiled for sm_90a in test_sampling_tilelang.py)."""
 
 import math
 import warnings
@@ -12,8 +13,10 @@ import torch
 from runtime.accelerators import explain, sample, top_k
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.config import use_accelerators
+from runtime.accelerators.sampling import MAX_K, SPEC
 from runtime.accelerators.sampling import triton as kernels
 from runtime.accelerators.sampling.reference import restricted_draw
+from runtime.accelerators.sampling.select_plan import as_rows, segments_per_row, split_rows
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -236,12 +239,62 @@ def test_sample_empty_batch():
 # --------------------------------------------------------------------------- dispatch and errors
 
 
-def test_tilelang_has_no_kernels_and_falls_back():
-    with pytest.warns(BackendFallbackWarning, match="no TileLang kernels"):
+def test_tilelang_on_cpu_falls_back_naming_cuda():
+    with pytest.warns(BackendFallbackWarning, match="tilelang backend needs CUDA tensors"):
         check_top_k("tilelang", torch.randn(2, 37), 3)
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="sampling: the tilelang"):
         sample(torch.randn(2, 37), top_k=3, backend="tilelang")
     assert "sampling: configured 'auto'" in explain("sampling")
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_kernel_backends_give_the_same_input_reasons(backend):
+    """What the kernels cannot do, beyond the device: the same limits for both kernel backends, each naming itself."""
+    x = torch.empty(2, 3000)
+    assert SPEC.reasons(backend, scores=x, k=MAX_K) == []
+    (too_many,) = SPEC.reasons(backend, scores=x, k=MAX_K + 1)
+    assert f"the {backend} kernels select at most {MAX_K}" in too_many
+    (no_top_k,) = SPEC.reasons(backend, scores=x, k=None)
+    assert f"the {backend} kernels need top_k" in no_top_k
+    (grad,) = SPEC.reasons(backend, scores=x, k=5, needs_grad=True)
+    assert f"the {backend} kernels are forward-only" in grad
+    (dtype,) = SPEC.reasons(backend, scores=x.double(), k=5)
+    assert "float64" in dtype
+
+
+def test_auto_does_not_take_the_tilelang_kernels_yet():
+    """Compiled for sm_90a, not yet run on a GPU: "auto" never tries them."""
+    assert "tilelang" not in SPEC.priority
+
+
+# --------------------------------------------------------------------------- host-side plan shared by the kernels
+
+
+@pytest.mark.parametrize(
+    "n, k, asked, expected",
+    [(1000, 5, 7, (7, 143)), (10, 3, 4, (4, 3)), (9, 3, 4, (3, 3)), (5, 5, 9, (5, 1)), (37, 3, None, (1, 37))],
+)
+def test_split_rows_gives_non_empty_segments(n, k, asked, expected):
+    segments, length = split_rows(3, n, k, torch.device("cpu"), asked)
+    assert (segments, length) == expected
+    assert (segments - 1) * length < n <= segments * length  # every segment holds an entry, together all of them
+
+
+def test_segments_per_row_on_the_cpu_is_one_unless_asked():
+    cpu = torch.device("cpu")
+    assert segments_per_row(1, 2**24, 100, cpu, None) == 1
+    assert segments_per_row(1, 10, 3, cpu, 64) == 10  # never more segments than entries
+    assert segments_per_row(1, 10, 3, cpu, 0) == 1
+
+
+def test_as_rows_keeps_a_unit_stride_view_and_copies_otherwise():
+    x = torch.randn(2, 3, 37)
+    assert as_rows(x).shape == (6, 37) and as_rows(x).data_ptr() == x.data_ptr()
+    sliced = torch.randn(4, 50)[:, :37]  # rows apart by 50: kept as a view
+    assert as_rows(sliced).stride() == (50, 1) and as_rows(sliced).data_ptr() == sliced.data_ptr()
+    columns = torch.randn(37, 6).t()
+    rows = as_rows(columns)
+    assert rows.stride(-1) == 1 and torch.equal(rows, columns)
 
 
 def test_auto_takes_triton_under_the_interpreter():

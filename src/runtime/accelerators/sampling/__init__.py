@@ -9,9 +9,10 @@ sample draws one id per row. Every backend draws exactly one uniform per row fro
 (descending probability, then ascending id), so the same generator state gives the same ids on every backend up to
 floating-point ties at the CDF boundaries.
 
-The triton backend selects with a radix select (no sort of the row) and needs k (top_k) <= 2048, float32, bfloat16
-or float16 inputs, and no gradient. The sampling ops have no TileLang kernels: the tilelang backend gives that reason
-and the fallback rule applies.
+The triton and tilelang backends select with a radix select (no sort of the row: select_plan holds what their hosts
+share) and need k (top_k) <= 2048, float32, bfloat16 or float16 inputs, and no gradient. `"auto"` takes triton: the
+TileLang kernels are compiled for sm_90a (and their generated CUDA run on the CPU) in the CPU tier but have not yet
+run on a GPU, so they run only when asked for (backend="tilelang").
 """
 
 from __future__ import annotations
@@ -25,29 +26,29 @@ from ..backends import Backend, OpSpec, select_backend
 from ..checks import KERNEL_DTYPES, check_bool, check_tensor, dtype_reasons
 from ..kernel_op import KernelOp
 from .reference import restricted_draw, sample_reference, top_k_reference
+from .select_plan import MAX_K
 
-MAX_K = 2048  # the most survivors the triton kernels sort in one program (triton.MAX_K)
 MAX_WIDTH = 2**31 - 1  # the kernels index a row with 32-bit offsets
 
 
 def _reasons(backend: str, scores: torch.Tensor, k: int | None, needs_grad: bool = False) -> list[str]:
     """k: the top-k size (the largest top_k of sample), None where sample has no top_k."""
-    if backend == "tilelang":
-        return ["the sampling ops have no TileLang kernels; use backend='triton' or 'torch'"]
     reasons = dtype_reasons("the scores (logits)", scores, KERNEL_DTYPES)
     if k is None:
-        reasons.append("sample without top_k draws from the whole sorted vocabulary; the triton kernels need top_k")
+        reasons.append(f"sample without top_k draws from the whole sorted vocabulary; the {backend} kernels need top_k")
     elif k > MAX_K:
-        reasons.append(f"k = {k}; the triton kernels select at most {MAX_K} entries per row")
+        reasons.append(f"k = {k}; the {backend} kernels select at most {MAX_K} entries per row")
     if scores.shape[-1] > MAX_WIDTH:
-        reasons.append(f"the last dim has {scores.shape[-1]} entries; the triton kernels take at most {MAX_WIDTH}")
+        reasons.append(f"the last dim has {scores.shape[-1]} entries; the {backend} kernels take at most {MAX_WIDTH}")
     if needs_grad:
         reasons.append(
-            "scores require grad; the triton kernels are forward-only (run under torch.no_grad(), or backend='torch')"
+            f"scores require grad; the {backend} kernels are forward-only (run under torch.no_grad(), or "
+            "backend='torch')"
         )
     return reasons
 
 
+# tilelang is not in the priority list until its kernels have run on a GPU (so far: compiled for sm_90a, run on the CPU)
 SPEC = OpSpec(name="sampling", priority=("triton",), reasons=_reasons)
 
 
@@ -68,7 +69,10 @@ TOP_K_KERNEL = KernelOp(
     n_outputs=2,
     n_saved=0,
     fake_forward=_fake_top_k,
-    backends={"triton": "runtime.accelerators.sampling.triton:TOP_K_KERNELS"},
+    backends={
+        "triton": "runtime.accelerators.sampling.triton:TOP_K_KERNELS",
+        "tilelang": "runtime.accelerators.sampling.tilelang:TOP_K_KERNELS",
+    },
 )
 SAMPLE_KERNEL = KernelOp(
     "sampling_sample",
@@ -76,7 +80,10 @@ SAMPLE_KERNEL = KernelOp(
     n_outputs=1,
     n_saved=0,
     fake_forward=_fake_sample,
-    backends={"triton": "runtime.accelerators.sampling.triton:SAMPLE_KERNELS"},
+    backends={
+        "triton": "runtime.accelerators.sampling.triton:SAMPLE_KERNELS",
+        "tilelang": "runtime.accelerators.sampling.tilelang:SAMPLE_KERNELS",
+    },
 )
 
 
@@ -93,7 +100,7 @@ def top_k(
     """The k largest (or smallest) entries of the last dim of scores [..., V]: (values, int64 indices) [..., k].
 
     Values as torch.topk; among equal values the lower index first. Gradients flow to scores on the torch backend
-    (as torch.topk's values); the triton backend is forward-only.
+    (as torch.topk's values); the triton and tilelang backends are forward-only.
     """
     check_tensor("scores", scores, min_dim=1)
     width = scores.shape[-1]

@@ -19,13 +19,11 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..backends import sm_count
 from ..kernel_backend import KernelBackend
-from ..launch_math import cdiv, pow2_at_least
+from ..launch_math import pow2_at_least
+from .select_plan import as_rows, split_rows
 
-MAX_K = 2048  # the most survivors one sort program orders
 BLOCK = 4096  # elements a select program reads per step
-SEGMENT_MIN = 16384  # the shortest segment a row is split into
 
 
 @triton.jit
@@ -187,24 +185,11 @@ def _warps(k_pad: int) -> int:
     return 4 if k_pad <= 256 else 8
 
 
-def _segments(rows: int, n: int, k: int, device: torch.device, segments: int | None) -> int:
-    """Segments per row: enough programs to fill the GPU when rows are few, each segment at least SEGMENT_MIN long
-    and 4 k; 1 on the CPU (the interpreter) unless asked."""
-    if segments is not None:
-        return max(1, min(segments, n))
-    sms = sm_count(device)
-    if sms == 0 or rows >= 2 * sms:
-        return 1
-    return max(1, min(cdiv(2 * sms, rows), n // max(SEGMENT_MIN, 4 * k)))
-
-
 def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
     """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
-    s = _segments(rows, n, k, scores.device, segments)
-    seg_stride = cdiv(n, s)
-    s = cdiv(n, seg_stride)
+    s, seg_stride = split_rows(rows, n, k, scores.device, segments)
     cand_x = torch.empty((rows, s * k), dtype=scores.dtype, device=scores.device)
     cand_idx = torch.empty((rows, s * k), dtype=torch.int64, device=scores.device)
     _select[(rows, s)](
@@ -258,14 +243,9 @@ def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | 
     return values, indices
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
     """scores [..., n] -> (values, int64 indices) [..., k]."""
-    values, indices = _select_sorted(_rows(scores), k, largest, segments, block)
+    values, indices = _select_sorted(as_rows(scores), k, largest, segments, block)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
 
@@ -281,7 +261,7 @@ def sample_forward(
     block: int = BLOCK,
 ):
     """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
-    values, indices = _select_sorted(_rows(logits), max_k, True, segments, block)
+    values, indices = _select_sorted(as_rows(logits), max_k, True, segments, block)
     rows = values.shape[0]
     ids = buffers.empty((rows,), dtype=torch.int64, device=logits.device)
     k_pad = pow2_at_least(max_k, 16)

@@ -1,0 +1,104 @@
+"""The sampling ops' TileLang kernels, compile-only: every specialisation (select over the row and over candidates,
+sort, draw; each dtype, largest True and False) lowered and compiled for sm_90a with the local nvcc. Rows, widths and
+k are runtime arguments. A small case runs the generated CUDA on the CPU (tools/tilelang_on_cpu.py, a thread per CUDA
+thread) against the reference; the GPU tier (tests/gpu/test_sampling.py) checks the results on the GPU."""
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SM90A, requires_nvcc
+
+kernels = pytest.importorskip(
+    "runtime.accelerators.sampling.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
+)
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+ENTRIES = {
+    **{
+        f"select-{name}-{'largest' if largest else 'smallest'}-{'candidates' if indexed else 'row'}": (
+            lambda dtype=dtype, largest=largest, indexed=indexed: kernels.select_entry(dtype, largest, indexed)
+        )
+        for name, dtype in DTYPES.items()
+        for largest in (True, False)
+        for indexed in (False, True)
+    },
+    **{
+        f"sort-{name}-{'largest' if largest else 'smallest'}": (
+            lambda dtype=dtype, largest=largest: kernels.sort_entry(dtype, largest)
+        )
+        for name, dtype in DTYPES.items()
+        for largest in (True, False)
+    },
+    **{f"draw-{name}": (lambda dtype=dtype: kernels.draw_entry(dtype)) for name, dtype in DTYPES.items()},
+}
+# the runtime arguments of each kernel (one compiled kernel serves every shape and k)
+RUNTIME = {
+    "select": ("R", "W", "C", "k", "seg_len"),
+    "sort": ("R", "K", "W", "k_pad", "log_k_pad"),
+    "draw": ("R", "K"),
+}
+
+
+def test_the_entries_cover_every_specialisation():
+    keys = {kernels_entry()[0] for kernels_entry in ENTRIES.values()}
+    assert keys == {key for key, _ in kernels.entries()}
+    assert len(keys) == 21
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_kernel_compiles_for_sm90a(name):
+    import tilelang
+
+    from runtime.accelerators.tilelang_common import device_info
+
+    _, build = ENTRIES[name]()
+    source = tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+    signature = re.search(r"__global__ void __launch_bounds__\(\d+, 1\) \w+\(([^)]*)\)", source)
+    assert signature, source[:2000]
+    for dynamic in RUNTIME[name.split("-")[0]]:
+        assert re.search(rf"\bint {dynamic}\b", signature.group(1)), f"{name}: {dynamic} should be a runtime argument"
+    # the barriers are all written out in the kernels (no automatic ones inside branches)
+    assert "__syncthreads" in source
+    if name.startswith("select"):
+        assert "AtomicAddRet" in source and "AtomicAdd(" in source  # the slot counter and the histograms
+
+
+def _cpu_tool():
+    path = Path(__file__).resolve().parents[2] / "tools" / "tilelang_on_cpu.py"
+    spec = importlib.util.spec_from_file_location("tilelang_on_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@requires_nvcc
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernels cannot run here")
+@pytest.mark.slow
+def test_generated_kernels_run_on_the_cpu_and_match_the_reference():
+    """The generated CUDA of the select (over the row and over candidates), sort and draw kernels, run on the CPU by
+    tools/tilelang_on_cpu.py (a thread per CUDA thread): ties across segments, and one draw."""
+    from runtime.accelerators.sampling.reference import restricted_draw, top_k_reference
+
+    tool = _cpu_tool()
+    launch = tool.cpu_launcher(tool.SAMPLING_GRIDS)
+    x = torch.randint(-2, 3, (2, 300)).float()
+    values, indices = kernels.top_k_forward(x, 40, False, segments=3, launch=launch)
+    ref_values, ref_indices = top_k_reference(x, 40, largest=False)
+    assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
+    logits = torch.randn(2, 300, dtype=torch.bfloat16)
+    keep_k, temperature, top_p, uniforms = (
+        torch.tensor([30, 7], dtype=torch.int32),
+        torch.ones(2),
+        torch.ones(2) * 0.8,
+        torch.rand(2),
+    )
+    ids = kernels.sample_forward(logits, keep_k, 30, temperature, top_p, uniforms, launch=launch)
+    values, indices = top_k_reference(logits, 30)
+    assert torch.equal(ids, restricted_draw(values, indices, keep_k, temperature, top_p, uniforms))

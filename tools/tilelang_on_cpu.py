@@ -1,0 +1,214 @@
+"""Run TileLang kernels written thread by thread (SIMT: T.get_thread_binding, shared memory, barriers, atomics) on
+the CPU, from the CUDA source TileLang generates for sm_90a: no GPU needed.
+
+The source is compiled with g++ against tilelang_simt_shim.h (one std::thread per CUDA thread, a std::barrier per
+block, the blocks one after another) and called through ctypes on CPU tensors. It checks the kernels' logic and,
+with --tsan (ThreadSanitizer), their barriers: a shared-memory access left unordered by __syncthreads is reported.
+It models neither warps nor the GPU's memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp
+specialisation) are out of its reach: the GPU tier stays the judge.
+
+    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling [--tsan]
+
+sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, NaN / signed zeros /
+infinities, both directions, each dtype, split rows, k = 2048) and sample's ids against reference.restricted_draw.
+Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.path.join(tempfile.gettempdir(), "tilelang_on_cpu")
+# prim_func name -> (its runtime arguments by name) -> (blocks in x, blocks in y): the grid, which TileLang's host code
+# computes (it is not in the kernel source)
+SAMPLING_GRIDS = {
+    "sampling_select": lambda v: (v["R"], -(-v["W"] // v["seg_len"])),
+    "sampling_sort": lambda v: (v["R"], 1),
+    "sampling_draw": lambda v: (v["R"], 1),
+}
+
+
+class CpuKernel:
+    """One compiled entry (key, build) as a CPU function taking the prim_func's arguments in order."""
+
+    def __init__(self, entry, grids: dict, tsan: bool):
+        import tilelang
+
+        from runtime.accelerators.tilelang_common import SM90A, device_info
+
+        self.func = entry[1](device_info(None))
+        self.grid = grids[str(self.func.attrs["global_symbol"])]
+        source = tilelang.compile(self.func, target=SM90A).get_kernel_source()
+        found = re.search(r"__launch_bounds__\((\d+), \d+\) (\w+)\(([^)]*)\)", source)
+        threads, name = int(found.group(1)), found.group(2)
+        params = [p.replace("__restrict__", "").strip().rsplit(" ", 1) for p in found.group(3).split(",")]
+        self.names = [name for _, name in params]
+        args = ", ".join(f"({t})args[{i}]" if "*" in t else f"*({t}*)args[{i}]" for i, (t, _) in enumerate(params))
+        code = (
+            '#include "tilelang_simt_shim.h"\n#define __align__(n) alignas(n)\n'
+            + self._portable(source)
+            + f'\nextern "C" void run(int gx, int gy, void** args) {{\n'
+            f"  launch_blocks(gx, gy, {threads}, [=] {{ {name}({args}); }});\n}}\n"
+        )
+        self.lib = ctypes.CDLL(self._build(code, tsan))
+        self.lib.run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+
+    @staticmethod
+    def _portable(source: str) -> str:
+        source = re.sub(r"#if defined\(_MSC_VER\).*?#endif\n", "", source, flags=re.S)
+        source = re.sub(r"#ifdef ENABLE_BF16.*?#endif\n", "", source, flags=re.S)
+        source = re.sub(r"#include.*\n", "", source)
+        return re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_shmem;", source)
+
+    @staticmethod
+    def _build(code: str, tsan: bool) -> str:
+        os.makedirs(BUILD, exist_ok=True)
+        digest = hashlib.sha1((code + str(tsan)).encode()).hexdigest()[:16]
+        library = os.path.join(BUILD, f"{digest}.so")
+        if not os.path.exists(library):
+            path = os.path.join(BUILD, f"{digest}.cpp")
+            with open(path, "w") as f:
+                f.write(code)
+            flags = ["-fsanitize=thread", "-O1", "-g"] if tsan else ["-O2"]
+            command = ["g++", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-w", *flags]
+            subprocess.run([*command, "-I", HERE, path, "-o", library], check=True)
+        return library
+
+    def __call__(self, *args):
+        values, keep = {}, []
+        for param, arg in zip(self.func.params, args):
+            if param in self.func.buffer_map:
+                buffer = self.func.buffer_map[param]
+                if not arg.is_contiguous() or arg.device.type != "cpu":
+                    raise ValueError(f"{buffer.name}: expected a contiguous CPU tensor")
+                values[buffer.name] = ctypes.c_void_p(arg.data_ptr())
+                for dim, size in zip(buffer.shape, arg.shape):
+                    if hasattr(dim, "name"):
+                        values[dim.name] = size
+            else:
+                values[param.name] = int(arg)
+        pointers = (ctypes.c_void_p * len(self.names))()
+        for i, name in enumerate(self.names):
+            value = values[name]
+            if not isinstance(value, ctypes.c_void_p):
+                value = ctypes.c_int(value)
+                keep.append(value)
+                value = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
+            pointers[i] = value.value
+        gx, gy = self.grid(values)
+        self.lib.run(gx, gy, pointers)
+
+
+def cpu_launcher(grids: dict, tsan: bool = False):
+    """A launch(entry, device) for the kernel modules' host functions that runs the kernels on the CPU (grids: as
+    SAMPLING_GRIDS)."""
+    kernels = {}
+
+    def launch(entry, device):
+        if entry[0] not in kernels:
+            kernels[entry[0]] = CpuKernel(entry, grids, tsan)
+        return kernels[entry[0]]
+
+    return launch
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def check_sampling(tsan: bool) -> bool:
+    from runtime.accelerators.sampling import tilelang as kernels
+    from runtime.accelerators.sampling.reference import restricted_draw, top_k_reference
+
+    launch = cpu_launcher(SAMPLING_GRIDS, tsan)
+    torch.manual_seed(0)
+    failures = []
+
+    def top_k(x, k, largest, segments=None):
+        values, indices = kernels.top_k_forward(x, k, largest, segments, launch=launch)
+        ref_values, ref_indices = top_k_reference(x, k, largest)
+        same = torch.equal(indices, ref_indices) and torch.equal(values.nan_to_num(7.0), ref_values.nan_to_num(7.0))
+        label = f"top_k {tuple(x.shape)} {x.dtype} k={k} largest={largest} segments={segments}"
+        print(label, "ok" if same else "DIFFERS", flush=True)
+        if not same:
+            failures.append(label)
+
+    def draw(logits, keep_k, temperature, top_p):
+        uniforms = torch.rand(logits.shape[0])
+        max_k = int(keep_k.max())
+        ids = kernels.sample_forward(logits, keep_k, max_k, temperature, top_p, uniforms, launch=launch)
+        values, indices = top_k_reference(logits, max_k)
+        same = torch.equal(ids, restricted_draw(values, indices, keep_k, temperature, top_p, uniforms))
+        label = f"sample {tuple(logits.shape)} {logits.dtype} max_k={max_k}"
+        print(label, "ok" if same else "DIFFERS", flush=True)
+        if not same:
+            failures.append(label)
+
+    if tsan:  # one small case per kernel: ThreadSanitizer is slow
+        top_k(torch.randint(-2, 3, (1, 300)).float(), 40, True, segments=3)
+        draw(torch.randn(1, 300), torch.full((1,), 30, dtype=torch.int32), torch.ones(1), torch.full((1,), 0.8))
+        return not failures
+    kinds = {
+        "random": lambda shape: torch.randn(shape),
+        "tied": lambda shape: torch.randint(-3, 4, shape).float(),
+        "equal": lambda shape: torch.full(shape, 0.5),
+    }
+    for make in kinds.values():
+        for k in (1, 5, 37):
+            for largest in (True, False):
+                top_k(make((3, 37)), k, largest)
+    special = torch.tensor([[0.0, -0.0, 1.0, math.nan, -0.0, 0.0, math.nan, -1.0, math.inf, -math.inf, 2.0]])
+    for k in (1, 3, 6, 11):
+        for largest in (True, False):
+            top_k(special, k, largest)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (kinds["tied"]((2, 1000)) / 4 + kinds["random"]((2, 1000)) / 64).to(dtype)
+        top_k(x, 50, True)
+        top_k(x, 50, False)
+    top_k(kinds["random"]((2, 9000)), 300, True)
+    for segments, k, largest in ((3, 5, True), (7, 150, False), (7, 200, True), (100, 3, True)):
+        top_k(kinds["tied"]((2, 1000)), k, largest, segments)
+    top_k(kinds["random"]((1, 5000)), 2048, True)
+    top_k(kinds["tied"]((1, 5000)).bfloat16(), 2048, False, 4)
+    rows = 16
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = (torch.randn(rows, 300) * 2).to(dtype)
+        keep_k = torch.randint(1, 60, (rows,), dtype=torch.int32)
+        draw(logits, keep_k, torch.rand(rows) + 0.3, torch.rand(rows) * 0.9 + 0.1)
+        draw(logits, torch.full((rows,), 300, dtype=torch.int32), torch.full((rows,), 0.5), torch.ones(rows))
+    draw(torch.randn(4, 3000), torch.full((4,), 2048, dtype=torch.int32), torch.ones(4), torch.ones(4))
+    logits = torch.randn(4, 3000)
+    logits[1, 7] = math.nan
+    draw(logits, torch.full((4,), 8, dtype=torch.int32), torch.ones(4), torch.ones(4))
+    print(f"{len(failures)} differ" if failures else "all agree with the reference", flush=True)
+    return not failures
+
+
+CHECKS = {"sampling": check_sampling}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=sorted(CHECKS))
+    parser.add_argument("--tsan", action="store_true", help="build with ThreadSanitizer and report data races")
+    args = parser.parse_args()
+    if args.tsan and "libtsan" not in os.environ.get("LD_PRELOAD", ""):
+        runtime = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+        env = {**os.environ, "LD_PRELOAD": runtime, "TSAN_OPTIONS": "halt_on_error=1 report_signal_unsafe=0"}
+        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+    os.environ.pop("LD_PRELOAD", None)  # loaded here already; nvcc and g++ run without it
+    return 0 if CHECKS[args.op](args.tsan) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
