@@ -22,7 +22,8 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 
 SM90 = ("cuda", 90, 32)  # GPUTarget(backend, compute capability, warp size)
-PTX_MARKERS = ("cp.async.bulk.tensor", "wgmma.mma_async")  # TMA copies, Hopper tensor-core MMAs
+# TMA loads (into shared memory; ::cluster in Triton 3.6, ::cta in 3.9) and stores, Hopper tensor-core MMAs
+PTX_MARKERS = ("cp.async.bulk.tensor.2d.shared::", "cp.async.bulk.tensor.2d.global.shared::", "wgmma.mma_async")
 
 
 def compile_one(launch: dict) -> dict:
