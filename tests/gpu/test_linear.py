@@ -186,7 +186,7 @@ def _persistent_id(case) -> str:
 @pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[_persistent_id(c) for c in PERSISTENT_CASES])
 def test_persistent_forward_against_float64(dtype, case):
-    """The persistent kernel forced on: y and the saved pre-activation against float64, infer equal to forward,"""
+    """The persistent kernel forced on: y and the saved pre-activation against float64, infer equal to forward."""
     from runtime.accelerators.linear import triton as linear_triton
     from runtime.accelerators.linear import triton_persistent
 
