@@ -3,7 +3,8 @@
 Forward: each program computes a block_m x block_n tile of the output over K in block_k steps (tl.dot, fp32
 accumulation), programs ordered in GROUP_M-row groups so that neighbouring programs share x and w tiles in L2. For
 swiglu a program holds two accumulators, weight rows j (gate) and F + j (up), and writes silu(gate) * up. Plain pointer
-loads: block pointers and TMA descriptors are not used so that the same kernel runs under the interpreter.
+loads: block pointers and TMA descriptors are not used so that the same kernel runs under the interpreter; on
+Hopper the persistent TMA kernel of triton_persistent.py takes over where it runs and pays (_launch_forward).
 
 What the forward writes for backward, in the input dtype (bf16/fp16), as eager torch keeps F.linear's output: the
 pre-activation z = x @ w^T + b for gelu, gelu_tanh and silu (their derivatives need it; recomputing it would cost a
