@@ -1,7 +1,8 @@
 """linear on CUDA: both kernel backends against float64, the output and every gradient (x, weight, bias), kernel
 outputs poisoned with NaN by conftest. Rows 1, 37, 4096 and 65536; (K, N) in (64, 256), (256, 1024), (1024, 4096),
 (4096, 4096); every activation, bias or not, both dtypes (not the full product); fp32 parameters under autocast,
-strided and batched inputs, torch.compile."""
+strided and batched inputs, torch.compile; the Hopper persistent TMA forward forced on (every activation, ragged
+rows and tiles, flattened and nested tile loops) and taken by the op at the benchmark shape."""
 
 import math
 
@@ -158,3 +159,81 @@ def test_compiled_full_graph_matches_eager(backend):
     (dx_c,) = torch.autograd.grad(y_c.float().square().sum(), [x])
     (dx_e,) = torch.autograd.grad(y_e.float().square().sum(), [x])
     torch.testing.assert_close(dx_c, dx_e)
+
+
+# --------------------------------------------------------------------------- the Hopper persistent TMA forward
+
+# (M, K, N = the weight's rows, activation, bias): ragged M (4097, 1000 rows: a part row tile), odd tile counts
+# (N = 384: 3 column tiles of 128; 131 x 3 tiles, a partial last wave over 132 SMs), N = 200 (a part column tile),
+# K = 40 (a part K block), swiglu with F = 192 (3 column tiles of 64), the benchmark's shape class (K 256, N 1024)
+PERSISTENT_CASES = [
+    (4097, 256, 1024, "gelu", True),
+    (131 * 128, 256, 384, "gelu_tanh", False),
+    (1000, 40, 200, "silu", True),
+    (4097, 64, 256, "relu", True),
+    (4097, 1024, 384, None, False),
+    (4097, 256, 384, "swiglu", True),
+    (1000, 40, 400, "swiglu", False),
+    (65536, 256, 1024, "gelu", False),
+]
+
+
+def _persistent_id(case) -> str:
+    m, k, n, activation, bias = case
+    return f"{m}x{k}x{n}-{activation}" + ("-bias" if bias else "")
+
+
+@pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[_persistent_id(c) for c in PERSISTENT_CASES])
+def test_persistent_forward_against_float64(dtype, case):
+    """The persistent kernel forced on: y and the saved pre-activation against float64, infer equal to forward."""
+    from runtime.accelerators.linear import triton as linear_triton
+    from runtime.accelerators.linear import triton_persistent
+
+    m, k, n, activation, bias = case
+    x, w, b = make_inputs(dtype, m, k, n, bias)
+    assert triton_persistent.hopper_ready(x, w)
+    y, z = linear_triton.forward(x, w, b, activation, persistent=True)
+    tag = f"persistent {dtype} {_persistent_id(case)}"
+    assert_close(f"{tag} y", y, textbook(x, w, b, activation), RTOL[dtype])
+    if activation in ("gelu", "gelu_tanh", "silu", "swiglu"):
+        assert_close(f"{tag} z", z, textbook(x, w, b, None), RTOL[dtype])
+    torch.testing.assert_close(linear_triton.infer(x, w, b, activation, persistent=True), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_persistent_forward_nested_tile_loop(activation):
+    """The tile loop not flattened into the K loop (the other schedule the benchmark may compare)."""
+    from runtime.accelerators.linear import triton as linear_triton
+    from runtime.accelerators.linear import triton_persistent
+    from runtime.accelerators.linear.launch import persistent_forward_config
+
+    n = 768 if activation == "swiglu" else 384
+    x, w, b = make_inputs(bf16, 4097, 256, n, True)
+    columns = n // 2 if activation == "swiglu" else n
+    y = torch.empty(4097, columns, device="cuda", dtype=bf16)
+    z = torch.empty(4097, n, device="cuda", dtype=bf16)
+    cfg = persistent_forward_config(4097, columns, 256, activation == "swiglu")
+    triton_persistent.launch(x, w, b, y, z, activation, True, cfg, flatten=False)
+    assert_close(f"nested {activation} y", y, textbook(x, w, b, activation), RTOL[bf16])
+    flat_y, flat_z = linear_triton.forward(x, w, b, activation, persistent=True)
+    torch.testing.assert_close(y, flat_y, rtol=0, atol=0)
+    torch.testing.assert_close(z, flat_z, rtol=0, atol=0)
+
+
+def test_the_op_takes_the_persistent_kernel_at_the_benchmark_shape(monkeypatch):
+    """linear(...) on an sm_90 GPU at M = 131072, K = 256, N = 1024 launches the persistent kernel (and the portable
+    one for a single row), and the result matches float64 either way."""
+    from runtime.accelerators.linear import triton_persistent
+
+    launched = []
+    real_launch = triton_persistent.launch
+    monkeypatch.setattr(
+        triton_persistent, "launch", lambda *a, **kw: launched.append(a[0].shape) or real_launch(*a, **kw)
+    )
+    for m in (131072, 1):
+        x, w, b = make_inputs(bf16, m, 256, 1024, True)
+        with torch.no_grad():
+            y = linear(x, w, b, "gelu", backend="triton")
+        assert_close(f"op gelu {m} rows", y, textbook(x, w, b, "gelu"), RTOL[bf16])
+    assert launched == [torch.Size([131072, 256])]

@@ -6,7 +6,7 @@ Run in a fresh process without TRITON_INTERPRET, so that importing a kernel modu
 JITFunctions (under the interpreter they are InterpretedFunctions, which cannot be compiled).
 LAUNCHES.pkl holds a list of dicts (module, name, signature, constexprs, attrs, options) as Triton's
 launch binder works them out; RESULTS.pkl gets one dict per launch: {"shared": bytes, "seconds": compile time,
-"registers" and "stack_bytes" per thread} or {"error": text}.
+"registers" and "stack_bytes" per thread, "ptx_markers": which of PTX_MARKERS the PTX holds} or {"error": text}.
 """
 
 import importlib
@@ -22,6 +22,8 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 
 SM90 = ("cuda", 90, 32)  # GPUTarget(backend, compute capability, warp size)
+# TMA loads (into shared memory; ::cluster in Triton 3.6, ::cta in 3.9) and stores, Hopper tensor-core MMAs
+PTX_MARKERS = ("cp.async.bulk.tensor.2d.shared::", "cp.async.bulk.tensor.2d.global.shared::", "wgmma.mma_async")
 
 
 def compile_one(launch: dict) -> dict:
@@ -38,6 +40,7 @@ def compile_one(launch: dict) -> dict:
         source = ASTSource(kernel, launch["signature"], launch["constexprs"], launch["attrs"])
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=launch["options"])
         result = {"shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 1)}
+        result["ptx_markers"] = [marker for marker in PTX_MARKERS if marker in compiled.asm["ptx"]]
         return result | register_use(compiled.asm["cubin"], os.path.dirname(triton.__file__))
     except Exception as error:  # reported per launch; the test shows it
         return {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"}

@@ -14,7 +14,8 @@ from conftest import SM90A, requires_nvcc
 from runtime.accelerators import explain, linear
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.config import use_accelerators
-from runtime.accelerators.linear.reference import ACTIVATIONS, linear_reference
+from runtime.accelerators.linear.launch import GemmConfig
+from runtime.accelerators.linear.reference import ACTIVATIONS, SAVES_PREACT, linear_reference
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
@@ -139,6 +140,59 @@ def test_triton_backward_dbias_partials_over_several_row_groups():
     two_groups = BackwardLaunch(row_groups=2)  # 100 rows in 2 groups of 2 steps of 32 or 64 rows
     check("triton", *make_inputs(100, 32, 48, f16, "gelu"), "gelu", triton_backward=two_groups)
     check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu", triton_backward=two_groups)
+
+
+SMALL_PERSISTENT = GemmConfig(32, 16, 16, 4, 2, 2)  # tiles small enough for several per program on the CPU
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "nested"])
+def test_triton_interpreter_persistent_forward(activation, with_bias, flatten):
+    """The Hopper kernel forced on (the interpreter runs its descriptors): 37 rows (a ragged row tile), N = 40 (a
+    ragged column tile), K = 40 (a partial K block), 6 tiles over the interpreter's 3 programs; y against float64,
+    the saved pre-activation equal to the portable kernel's, infer's y equal to forward's."""
+    from runtime.accelerators.linear import triton as linear_triton
+    from runtime.accelerators.linear import triton_persistent
+
+    x, weight, bias = make_inputs(37, 40, 40, f16, activation, with_bias)
+    columns = 40
+    y = torch.full((37, columns), float("nan"), dtype=f16)
+    z = torch.full((37, weight.shape[0]), float("nan"), dtype=f16)
+    saved = activation in SAVES_PREACT
+    z = z if saved else torch.empty(0, dtype=f16)
+    triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten)
+    assert_close(f"persistent {activation} y", y, textbook(x, weight, bias, activation), RTOL[f16])
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, persistent=False)
+    if saved:
+        assert torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3), (z - portable_z).abs().max()
+    inferred = linear_triton.infer(x, weight, bias, activation, persistent=True, cfg=SMALL_PERSISTENT)
+    assert torch.equal(inferred, y)
+
+
+def test_triton_interpreter_persistent_forward_through_the_forward_launcher():
+    """forward(persistent=True) with the variant's own table (one 128-row tile) and the backward on its z."""
+    from runtime.accelerators.linear import triton as linear_triton
+
+    x, weight, bias = make_inputs(37, 64, 24, f16, "swiglu")
+    y, z = linear_triton.forward(x, weight, bias, "swiglu", persistent=True)
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, "swiglu", persistent=False)
+    assert torch.allclose(y, portable_y, rtol=1e-3, atol=1e-3) and torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3)
+
+
+def test_the_persistent_variant_is_for_compiled_hopper_launches_only():
+    from runtime.accelerators.linear import triton_persistent
+    from runtime.accelerators.linear.launch import persistent_forward_config, persistent_pays
+
+    x, weight, _ = make_inputs(37, 64, 64, f16, "gelu")
+    assert not triton_persistent.hopper_ready(x, weight)  # the CPU, under the interpreter
+    assert persistent_forward_config(131072, 1024, 256) == GemmConfig(128, 128, 64, 8, 4, 8)
+    assert persistent_forward_config(4096, 512, 256, swiglu=True).block_n == 64
+    assert persistent_forward_config(37, 24, 40).block_n == 32
+    assert persistent_pays(131072, 1024, 256, False, 132)  # 8192 tiles
+    assert persistent_pays(4096, 1024, 256, False, 132)  # 256 tiles: at least one wave
+    assert not persistent_pays(1, 4096, 4096, False, 132)  # 32 tiles: fewer than the SMs
+    assert not persistent_pays(131072, 1024, 256, False, 0)  # no SMs: the CPU
 
 
 def test_fp32_weights_under_autocast_behave_as_nn_linear():

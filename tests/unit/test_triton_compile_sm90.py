@@ -44,10 +44,13 @@ from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.linear import launch as linear_launch
 from runtime.accelerators.linear import triton as linear_triton
+from runtime.accelerators.linear import triton_persistent as linear_persistent_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import differentiable
 from runtime.accelerators.triton_launch import DirectLaunch
+from sm90_compile import PTX_MARKERS
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
 COMPILER = Path(__file__).with_name("sm90_compile.py")
@@ -157,6 +160,25 @@ def linear():
         y, z = linear_triton.forward(x, w, b, activation)
         linear_triton.infer(x, w, b, activation)
         linear_triton.preact_gradient(torch.randn_like(y), z, y, activation, bias)
+
+
+def linear_persistent():
+    """The Hopper persistent TMA forward (no CPU launch takes it by itself) at the shapes of its table: 128 x 128
+    tiles over K = 256 (gelu, saving z; infer), swiglu's two accumulators and two z descriptors, a partial K block
+    (K = 40) and narrow N, every other activation, bias and not; the tile loop flattened and not."""
+    for m, k, n, activation, bias in ((4096, 256, 1024, "gelu", True), (1024, 256, 512, "swiglu", True),
+                                      (37, 40, 24, "gelu_tanh", False), (300, 64, 256, "silu", False),
+                                      (300, 64, 256, "relu", True), (300, 64, 256, None, True)):  # fmt: skip
+        rows = 2 * n if activation == "swiglu" else n
+        x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
+        b = _randn(rows, grad=False) if bias else None
+        linear_triton.forward(x, w, b, activation, persistent=True)
+        linear_triton.infer(x, w, b, activation, persistent=True)
+    x, w = _randn(4096, 256, grad=False), _randn(1024, 256, grad=False)
+    cfg = linear_launch.persistent_forward_config(4096, 1024, 256)
+    linear_persistent_triton.launch(
+        x, w, None, torch.empty(4096, 1024, dtype=bf16), torch.empty(0, dtype=bf16), "gelu", False, cfg, False
+    )
 
 
 def bce():
@@ -508,6 +530,7 @@ CASES = {
     "add_norm_and_activation": add_norm_and_activation,
     "bce": bce,
     "linear": linear,
+    "linear_persistent": linear_persistent,
     "embedding_bag": embedding_bag,
     "embedding_bag_radix": embedding_bag_radix,
     "embedding_bag_collection": embedding_bag_collection,
@@ -707,3 +730,14 @@ def test_compiles_for_sm90(kernel, compiled):
         assert result["shared"] <= H100_SHARED_BYTES, (
             f"{kernel} needs {result['shared']} bytes of shared memory, the H100 has {H100_SHARED_BYTES} ({_describe(launch)})"
         )
+
+
+def test_the_linear_forward_compiles_persistent_with_tma_and_wgmma(compiled):
+    """linear_persistent compiles the Hopper forward for every activation, saving z and not, and its PTX loads and
+    stores through TMA (cp.async.bulk.tensor, both directions) and multiplies with wgmma."""
+    launches = compiled["linear.triton_persistent._linear_forward_persistent"]
+    variants = {(constexprs(launch)["ACT"], constexprs(launch)["SAVE"]) for launch, _ in launches}
+    assert {act for act, _ in variants} == set(range(6)) and {save for _, save in variants} == {False, True}
+    for launch, result in launches:
+        assert "error" not in result, f"{_describe(launch)}:\n{result['error']}"
+        assert result["ptx_markers"] == list(PTX_MARKERS), f"{result['ptx_markers']}: {_describe(launch)}"

@@ -78,3 +78,20 @@ def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsCo
     block_n = min(128, _pow2_at_least(n, 16))
     block_m = 32 if block_n >= 128 else 64
     return RowsConfig(block_m, block_n, max(1, cdiv(cdiv(m, block_m), launch.row_groups)), 4)
+
+
+def persistent_forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
+    """Tiles of the Hopper persistent TMA forward (triton_persistent.py). Its shared memory holds num_stages x and w
+    tiles plus the y (and z) tiles the epilogue stores through descriptors, so it takes 128 x 128 where the portable
+    kernel takes 128 x 256 (4 stages: 128 KiB of operands, 64 KiB of output tiles). Not yet measured on a GPU."""
+    block_k = min(64, _pow2_at_least(k, 16))
+    if swiglu:  # two accumulators, two w tiles a stage
+        return GemmConfig(128, min(64, _pow2_at_least(n, 16)), block_k, 8, 4, 8)
+    return GemmConfig(128, min(128, _pow2_at_least(n, 16)), block_k, 8, 4, 8)
+
+
+def persistent_pays(m: int, n: int, k: int, swiglu: bool, sm_count: int) -> bool:
+    """Whether the persistent kernel is worth taking: at least one full wave of its tiles over the SMs (with fewer,
+    each program has one tile and persistence buys nothing over the portable kernel's grid)."""
+    cfg = persistent_forward_config(m, n, k, swiglu)
+    return cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) >= sm_count > 0

@@ -3,7 +3,8 @@
 Forward: each program computes a block_m x block_n tile of the output over K in block_k steps (tl.dot, fp32
 accumulation), programs ordered in GROUP_M-row groups so that neighbouring programs share x and w tiles in L2. For
 swiglu a program holds two accumulators, weight rows j (gate) and F + j (up), and writes silu(gate) * up. Plain pointer
-loads: block pointers and TMA descriptors are not used so that the same kernel runs under the interpreter.
+loads: block pointers and TMA descriptors are not used so that the same kernel runs under the interpreter; on
+Hopper the persistent TMA kernel of triton_persistent.py takes over where it runs and pays (_launch_forward).
 
 What the forward writes for backward, in the input dtype (bf16/fp16), as eager torch keeps F.linear's output: the
 pre-activation z = x @ w^T + b for gelu, gelu_tanh and silu (their derivatives need it; recomputing it would cost a
@@ -24,39 +25,25 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import sm_count
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from .launch import BACKWARD, BackwardLaunch, backward_config, forward_config
+from . import triton_persistent
+from .launch import BACKWARD, BackwardLaunch, GemmConfig, backward_config, forward_config, persistent_pays
 from .reference import SAVES_PREACT
-
-NONE: tl.constexpr = tl.constexpr(0)
-RELU: tl.constexpr = tl.constexpr(1)
-GELU: tl.constexpr = tl.constexpr(2)
-GELU_TANH: tl.constexpr = tl.constexpr(3)
-SILU: tl.constexpr = tl.constexpr(4)
-SWIGLU: tl.constexpr = tl.constexpr(5)
-ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "swiglu": 5}
-
-SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
-INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
-TANH_C: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
-TANH_A: tl.constexpr = tl.constexpr(0.044715)
-
-
-@triton.jit
-def _activate(z, ACT: tl.constexpr):
-    if ACT == RELU:
-        out = tl.maximum(z, 0.0)
-    elif ACT == GELU:
-        out = 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
-    elif ACT == GELU_TANH:  # 0.5 z (1 + tanh(u)) = z sigmoid(2u)
-        out = z * tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
-    elif ACT == SILU:
-        out = z * tl.sigmoid(z)
-    else:
-        out = z
-    return out
+from .triton_activations import (
+    ACTIVATION_CODES,
+    GELU,
+    GELU_TANH,
+    INV_SQRT_2PI,
+    RELU,
+    SQRT_HALF,
+    SWIGLU,
+    TANH_A,
+    TANH_C,
+    _activate,
+)
 
 
 @triton.jit
@@ -189,7 +176,10 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _launch_forward(x, weight, bias, activation, save: bool):
+def _launch_forward(x, weight, bias, activation, save: bool, cfg: GemmConfig | None = None, persistent=None):
+    """persistent: None picks the Hopper persistent TMA kernel where it runs (triton_persistent.hopper_ready) and pays
+    (launch.persistent_pays); True/False force it on (tests: the interpreter runs it too) or off. cfg: the variant's
+    tiles, its table's by default."""
     x, weight = _contiguous(x), _contiguous(weight)
     m, k = x.shape
     swiglu = activation == "swiglu"
@@ -197,7 +187,12 @@ def _launch_forward(x, weight, bias, activation, save: bool):
     y = buffers.empty((m, n), dtype=x.dtype, device=x.device)
     saved = save and activation in SAVES_PREACT
     z = buffers.empty((m, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
-    cfg = forward_config(m, n, k, swiglu)
+    if persistent is None:
+        persistent = triton_persistent.hopper_ready(x, weight) and persistent_pays(m, n, k, swiglu, sm_count(x.device))
+    if persistent:
+        triton_persistent.launch(x, weight, bias if bias is None else _contiguous(bias), y, z, activation, saved, cfg)
+        return y, z
+    cfg = cfg or forward_config(m, n, k, swiglu)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _linear_forward[grid](
         x, weight, x if bias is None else _contiguous(bias), y, z, m, n, k,
@@ -208,13 +203,14 @@ def _launch_forward(x, weight, bias, activation, save: bool):
     return y, z
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    """x [M, K], weight [N, K] (swiglu: [2F, K]), bias [N] or None -> (y [M, N or F], z: what backward reads)."""
-    return _launch_forward(x, weight, bias, activation, save=True)
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, **variant):
+    """x [M, K], weight [N, K] (swiglu: [2F, K]), bias [N] or None -> (y [M, N or F], z: what backward reads).
+    variant: cfg and persistent, as _launch_forward takes them."""
+    return _launch_forward(x, weight, bias, activation, save=True, **variant)
 
 
-def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    return _launch_forward(x, weight, bias, activation, save=False)[0]
+def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, **variant):
+    return _launch_forward(x, weight, bias, activation, save=False, **variant)[0]
 
 
 def preact_gradient(

@@ -1,0 +1,33 @@
+"""The linear kernels' activation codes and the epilogue's activation, shared by the forward kernels (the portable
+one in triton.py and the Hopper one in triton_persistent.py)."""
+
+import triton
+import triton.language as tl
+
+NONE: tl.constexpr = tl.constexpr(0)
+RELU: tl.constexpr = tl.constexpr(1)
+GELU: tl.constexpr = tl.constexpr(2)
+GELU_TANH: tl.constexpr = tl.constexpr(3)
+SILU: tl.constexpr = tl.constexpr(4)
+SWIGLU: tl.constexpr = tl.constexpr(5)
+ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "swiglu": 5}
+
+SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
+TANH_C: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+TANH_A: tl.constexpr = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _activate(z, ACT: tl.constexpr):
+    if ACT == RELU:
+        out = tl.maximum(z, 0.0)
+    elif ACT == GELU:
+        out = 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
+    elif ACT == GELU_TANH:  # 0.5 z (1 + tanh(u)) = z sigmoid(2u)
+        out = z * tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
+    elif ACT == SILU:
+        out = z * tl.sigmoid(z)
+    else:
+        out = z
+    return out
