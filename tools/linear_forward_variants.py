@@ -1,5 +1,5 @@
 """Times linear's Triton forward variants side by side on one GPU: torch eager (cuBLAS, then the activation), the
-portable kernel, and the Hopper persistent TMA kernel with its default tiles, with nested tile loops, and with
+portable kernel, and the op's own choice, the Hopper persistent TMA kernel with its default tiles (tile loop flattened or nested), and with
 128 x 256 tiles at 3 stages. bf16 inference (no saved pre-activation), every shape of the linear benchmark.
 Usage (GPU machine): python tools/linear_forward_variants.py [--shapes NAME ...] [--json PATH]
 """
@@ -7,6 +7,7 @@ Usage (GPU machine): python tools/linear_forward_variants.py [--shapes NAME ...]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -32,7 +33,8 @@ def variants(activation: str, m: int, k: int, n: int):
     out = {
         "torch eager": lambda x, w, b: linear_reference(x, w, b, activation),
         "portable": lambda x, w, b: linear_triton.infer(x, w, b, activation, persistent=False),
-        "persistent": lambda x, w, b: persistent(x, w, b, activation),
+        "op (its selection)": lambda x, w, b: linear_triton.infer(x, w, b, activation),
+        "persistent flat": lambda x, w, b: persistent(x, w, b, activation),
         "persistent nested": lambda x, w, b: persistent(x, w, b, activation, flatten=False),
     }
     if activation != "swiglu":
@@ -61,7 +63,7 @@ def main() -> None:
         for label, fn in variants(activation, m, k, rows).items():
             try:
                 diff = (fn(x, w, b).float() - expected).abs().max().item()
-                times, _ = gpu_time_ms(lambda fn=fn: fn(x, w, b), device)
+                times, _ = gpu_time_ms(functools.partial(fn, x, w, b), device)
             except Exception as error:  # a variant that does not compile or launch is a finding, not a stop
                 print(f"| {name} | {label} | failed: {type(error).__name__}: {str(error)[:120]} | | |", flush=True)
                 continue

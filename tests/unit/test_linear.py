@@ -182,7 +182,7 @@ def test_triton_interpreter_persistent_forward_through_the_forward_launcher():
 
 def test_the_persistent_variant_is_for_compiled_hopper_launches_only():
     from runtime.accelerators.linear import triton_persistent
-    from runtime.accelerators.linear.launch import persistent_forward_config, persistent_pays
+    from runtime.accelerators.linear.launch import persistent_flattens, persistent_forward_config, persistent_pays
 
     x, weight, _ = make_inputs(37, 64, 64, f16, "gelu")
     assert not triton_persistent.hopper_ready(x, weight)  # the CPU, under the interpreter
@@ -193,6 +193,9 @@ def test_the_persistent_variant_is_for_compiled_hopper_launches_only():
     assert persistent_pays(4096, 1024, 256, False, 132)  # 256 tiles: at least one wave
     assert not persistent_pays(1, 4096, 4096, False, 132)  # 32 tiles: fewer than the SMs
     assert not persistent_pays(131072, 1024, 256, False, 0)  # no SMs: the CPU
+    assert not persistent_pays(131072, 512, 128, True, 132)  # swiglu below K = 256: the portable kernel
+    assert persistent_pays(131072, 1024, 256, True, 132)
+    assert persistent_flattens(256, True) and persistent_flattens(512, False) and not persistent_flattens(512, True)
 
 
 def test_fp32_weights_under_autocast_behave_as_nn_linear():

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..backends import sm_count, triton_interpret
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from .launch import GemmConfig, persistent_forward_config
+from .launch import GemmConfig, persistent_flattens, persistent_forward_config
 from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate
 
 try:
@@ -131,11 +131,14 @@ def programs(m: int, n: int, cfg: GemmConfig, device: torch.device) -> int:
     return max(1, min(tiles, sm_count(device) or 3))
 
 
-def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool = True):
-    """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default."""
+def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None):
+    """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default; flatten:
+    persistent_flattens's by default."""
     m, k = x.shape
     n = y.shape[1]
-    cfg = cfg or persistent_forward_config(m, n, k, activation == "swiglu")
+    swiglu = activation == "swiglu"
+    cfg = cfg or persistent_forward_config(m, n, k, swiglu)
+    flatten = persistent_flattens(k, swiglu) if flatten is None else flatten
     count = programs(m, n, cfg, x.device)
     _ensure_scratch_allocator()
     _linear_forward_persistent[(count,)](
