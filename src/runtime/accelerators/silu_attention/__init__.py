@@ -85,7 +85,7 @@ def input_reasons(
     return reasons
 
 
-SPEC = OpSpec(name="silu_attention", priority=("triton", "tilelang"), reasons=input_reasons)
+SPEC = OpSpec(name="silu_attention", priority=("tilelang", "triton"), reasons=input_reasons)
 
 
 def _fake_forward(
