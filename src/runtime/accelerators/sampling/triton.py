@@ -4,9 +4,18 @@ Keys: each value as fp32, mapped to a uint32 that orders as the values do (-0.0 
 complemented for largest=False). A select program finds the k-th largest key of its row with four histogram passes
 over 8-bit digits (each pass counts only the elements that share the digits found so far), then compacts, in
 ascending index order, the elements above that key and the first ones equal to it. A sort program orders the k
-survivors by (key descending, index ascending) through one 64-bit key per survivor. Where there are few rows and long
-ones, each row is split into segments: every segment selects its own k candidates (padded with index -1 where it is
-shorter), and a second select runs over the candidates of the row, which stay in ascending index order.
+survivors by (key descending, index ascending) through one 64-bit key per survivor.
+
+The select's fast path (filter=True) touches the row only twice with cheap work before that: the element-wise maximum
+of the keys over BLOCK-sized steps gives BLOCK distinct group maxima, whose k-th largest (found in registers) is a
+lower bound of the k-th key; the entries at or above it are then compacted in index order to a scratch of CAPACITY
+per program, and the digit passes and the compaction run over those alone. Where more than CAPACITY pass the bound
+(heavy ties: an all-equal row) the program selects over its whole segment as without the filter; the result is the
+same either way.
+
+Where there are few rows and long ones, each row is split into segments: every segment selects its own k candidates
+(padded with index -1 where it is shorter), and a second select runs over the candidates of the row, which stay in
+ascending index order.
 
 sample: the top-k select and sort of the logits (the maximum top_k over the rows), then one small program per row:
 softmax over its first top_k[b] survivors at its temperature, the top-p prefix, and the inverse CDF at its uniform.
@@ -24,6 +33,9 @@ from ..launch_math import pow2_at_least
 from .select_plan import as_rows, split_rows
 
 BLOCK = 4096  # elements a select program reads per step
+# entries passing the filter's bound that a select program keeps: for distinct keys about
+# BLOCK * -ln(1 - k / BLOCK) pass (k for small k, 2839 at k = MAX_K = 2048), so every k fits with room for ties
+CAPACITY = 4096
 
 
 @triton.jit
@@ -44,11 +56,23 @@ def _load_keys(x_ptr, idx_ptr, offs, n, LARGEST: tl.constexpr, HAS_IDX: tl.const
     valid = offs < n
     x = tl.load(x_ptr + offs, mask=valid, other=0.0)
     if HAS_IDX:
-        index = tl.load(idx_ptr + offs, mask=valid, other=-1)
+        index = tl.load(idx_ptr + offs, mask=valid, other=-1).to(tl.int64)
         valid = valid & (index >= 0)
     else:
         index = offs.to(tl.int64)
     return _keys(x, LARGEST), x, index, valid
+
+
+@triton.jit
+def _choose_digit(hist, prefix, remaining, SHIFT: tl.constexpr):
+    """From the histogram of the digit at SHIFT: prefix with the threshold's digit set, and how many entries equal
+    to the threshold so far are still wanted."""
+    bins = tl.arange(0, 256)
+    # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
+    remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return prefix | (digit.to(tl.uint32) << SHIFT), remaining
 
 
 @triton.jit
@@ -63,9 +87,7 @@ def _digit(
     BLOCK: tl.constexpr,
     SHIFT: tl.constexpr,
 ):
-    """One histogram pass over the 8-bit digit at SHIFT of the keys that share prefix's digits above it: prefix with
-    the threshold's digit set, and how many entries equal to the threshold so far are still wanted."""
-    bins = tl.arange(0, 256)
+    """One histogram pass over the 8-bit digit at SHIFT of the keys that share prefix's digits above it."""
     hist = tl.zeros((256,), dtype=tl.int32)
     for step in range(0, n, BLOCK):
         offs = step + tl.arange(0, BLOCK)
@@ -73,11 +95,103 @@ def _digit(
         if SHIFT < 24:
             valid = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
         hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=valid)
-    # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
-    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-    digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
-    remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-    return prefix | (digit.to(tl.uint32) << SHIFT), remaining
+    return _choose_digit(hist, prefix, remaining, SHIFT)
+
+
+@triton.jit
+def _register_digit(key, prefix, remaining, SHIFT: tl.constexpr):
+    """_digit over a vector of keys held in registers."""
+    inside = key == key
+    if SHIFT < 24:
+        inside = (key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))
+    hist = tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=inside)
+    return _choose_digit(hist, prefix, remaining, SHIFT)
+
+
+@triton.jit
+def _select_exact(
+    x_ptr,
+    idx_ptr,
+    n,
+    index_base,
+    out_x_ptr,
+    out_idx_ptr,
+    wanted,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The `wanted` best of x[:n] to out[:wanted] in ascending index order (index + index_base): the threshold key
+    by four digit passes, then the entries above it and the first ones equal to it."""
+    prefix = tl.zeros((), dtype=tl.uint32)
+    remaining = wanted
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 24)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 16)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 8)
+    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 0)
+    taken = tl.zeros((), dtype=tl.int32)
+    tied = tl.zeros((), dtype=tl.int32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        equal = valid & (key == prefix)
+        rank = tied + tl.cumsum(equal.to(tl.int32), 0)
+        take = (valid & (key > prefix)) | (equal & (rank <= remaining))
+        position = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_x_ptr + position, x, mask=take)
+        tl.store(out_idx_ptr + position, index + index_base, mask=take)
+        taken += tl.sum(take.to(tl.int32), 0)
+        tied += tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit
+def _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+    """A key t with at least `wanted` entries of x[:n] at or above it (0 where it cannot tell): the wanted-th
+    largest of the BLOCK maxima of the strided groups x[j::BLOCK], which are distinct entries."""
+    group_max = tl.zeros((BLOCK,), dtype=tl.uint32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        group_max = tl.maximum(group_max, tl.where(valid, key, 0))
+    # a group without an entry holds 0: it only lowers t, and any t > 0 is still the key of `wanted` real entries
+    prefix = tl.zeros((), dtype=tl.uint32)
+    remaining = wanted
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 24)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 16)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 8)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 0)
+    return prefix
+
+
+@triton.jit
+def _filter(
+    x_ptr,
+    idx_ptr,
+    n,
+    index_base,
+    bound,
+    kept_x_ptr,
+    kept_idx_ptr,
+    capacity,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The entries of x[:n] with key >= bound, in ascending index order, to kept[:capacity] (index + index_base);
+    returns how many there are (all of them counted, also past capacity)."""
+    count = tl.zeros((), dtype=tl.int32)
+    for step in range(0, n, BLOCK):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        keep = valid & (key >= bound)
+        n_keep = tl.sum(keep.to(tl.int32), 0)
+        if n_keep > 0:  # most steps of a long row keep nothing: no scan, no store
+            position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+            keep = keep & (position < capacity)
+            tl.store(kept_x_ptr + position, x, mask=keep)
+            tl.store(kept_idx_ptr + position, (index + index_base).to(tl.int32), mask=keep)
+        count += n_keep
+    return count
 
 
 @triton.jit
@@ -90,13 +204,22 @@ def _select(
     out_x_ptr,
     out_idx_ptr,
     k,
+    kept_x_ptr,
+    kept_idx_ptr,
+    kept_count_ptr,
+    capacity,
     LARGEST: tl.constexpr,
     HAS_IDX: tl.constexpr,
+    FILTER: tl.constexpr,
     BLOCK: tl.constexpr,
     K_PAD: tl.constexpr,
 ):
     """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
-    shorter; index -1 after them) to out[row, segment, :k], in ascending index order."""
+    shorter; index -1 after them) to out[row, segment, :k], in ascending index order.
+
+    FILTER: first the entries at or above a lower bound of the k-th key (two cheap passes over the segment) to a
+    scratch of `capacity` entries per program, then the exact select over those alone; over the whole segment
+    where more than `capacity` pass the bound (heavy ties). kept_count[row, segment]: how many passed."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -105,33 +228,29 @@ def _select(
     x_ptr += row * row_stride + start
     if HAS_IDX:
         idx_ptr += row * row_stride + start
-    out = (row * n_segments + segment) * k
+        index_base = tl.zeros((), dtype=tl.int64)
+    else:
+        index_base = start
+    program = row * n_segments + segment
+    out = program * k
     out_x_ptr += out
     out_idx_ptr += out
     wanted = tl.minimum(k, n)
-    prefix = tl.zeros((), dtype=tl.uint32)
-    remaining = wanted
-    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 24)
-    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 16)
-    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 8)
-    prefix, remaining = _digit(x_ptr, idx_ptr, n, prefix, remaining, LARGEST, HAS_IDX, BLOCK, 0)
-    # compaction: above the threshold, and the first `remaining` equal to it, in index order
-    taken = tl.zeros((), dtype=tl.int32)
-    tied = tl.zeros((), dtype=tl.int32)
-    for step in range(0, n, BLOCK):
-        offs = step + tl.arange(0, BLOCK)
-        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        equal = valid & (key == prefix)
-        rank = tied + tl.cumsum(equal.to(tl.int32), 0)
-        take = (valid & (key > prefix)) | (equal & (rank <= remaining))
-        position = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_x_ptr + position, x, mask=take)
-        if HAS_IDX:
-            tl.store(out_idx_ptr + position, index, mask=take)
+    if FILTER:
+        bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK)
+        kept_x_ptr += program * capacity
+        kept_idx_ptr += program * capacity
+        count = _filter(
+            x_ptr, idx_ptr, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, LARGEST, HAS_IDX, BLOCK
+        )
+        tl.store(kept_count_ptr + program, count)
+        tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it back
+        if count <= capacity:
+            _select_exact(kept_x_ptr, kept_idx_ptr, count, 0, out_x_ptr, out_idx_ptr, wanted, LARGEST, True, BLOCK)
         else:
-            tl.store(out_idx_ptr + position, index + start, mask=take)
-        taken += tl.sum(take.to(tl.int32), 0)
-        tied += tl.sum(equal.to(tl.int32), 0)
+            _select_exact(x_ptr, idx_ptr, n, index_base, out_x_ptr, out_idx_ptr, wanted, LARGEST, HAS_IDX, BLOCK)
+    else:
+        _select_exact(x_ptr, idx_ptr, n, index_base, out_x_ptr, out_idx_ptr, wanted, LARGEST, HAS_IDX, BLOCK)
     pad = tl.arange(0, K_PAD)
     tl.store(out_idx_ptr + pad, tl.full((K_PAD,), -1, tl.int64), mask=(pad >= wanted) & (pad < k))
 
@@ -185,47 +304,70 @@ def _warps(k_pad: int) -> int:
     return 4 if k_pad <= 256 else 8
 
 
-def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
+def _select_launch(
+    x: torch.Tensor,
+    idx: torch.Tensor | None,
+    n: int,
+    segments: int,
+    seg_stride: int,
+    k: int,
+    largest: bool,
+    filter: bool,
+    block: int,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One select launch over the rows of x [R, >= n] (with idx: candidates and their indices, -1 for none), each
+    split into `segments` of seg_stride entries -> (values, indices) [R, segments * k] in ascending index order
+    per segment, and with filter how many entries passed the bound per (row, segment) ([R, segments] int32; more
+    than capacity: that program selected over its whole segment)."""
+    rows = x.shape[0]
+    out_x = torch.empty((rows, segments * k), dtype=x.dtype, device=x.device)
+    out_idx = torch.empty((rows, segments * k), dtype=torch.int64, device=x.device)
+    if filter:
+        kept_x = torch.empty((rows * segments, capacity), dtype=x.dtype, device=x.device)
+        kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=x.device)
+        kept_count = torch.empty((rows, segments), dtype=torch.int32, device=x.device)
+    else:
+        kept_x, kept_idx, kept_count = x, out_idx, None
+    _select[(rows, segments)](
+        x,
+        x if idx is None else idx,
+        n,
+        seg_stride,
+        x.stride(0),
+        out_x,
+        out_idx,
+        k,
+        kept_x,
+        kept_idx,
+        out_idx if kept_count is None else kept_count,
+        capacity,
+        LARGEST=largest,
+        HAS_IDX=idx is not None,
+        FILTER=filter,
+        BLOCK=block,
+        K_PAD=pow2_at_least(k, 16),
+        num_warps=8,
+    )
+    return out_x, out_idx, kept_count
+
+
+def _select_sorted(
+    scores: torch.Tensor,
+    k: int,
+    largest: bool,
+    segments: int | None = None,
+    block: int = BLOCK,
+    filter: bool = True,
+    capacity: int = CAPACITY,
+):
     """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
     s, seg_stride = split_rows(rows, n, k, scores.device, segments)
-    cand_x = torch.empty((rows, s * k), dtype=scores.dtype, device=scores.device)
-    cand_idx = torch.empty((rows, s * k), dtype=torch.int64, device=scores.device)
-    _select[(rows, s)](
-        scores,
-        scores,
-        n,
-        seg_stride,
-        scores.stride(0),
-        cand_x,
-        cand_idx,
-        k,
-        LARGEST=largest,
-        HAS_IDX=False,
-        BLOCK=block,
-        K_PAD=k_pad,
-        num_warps=8,
-    )
+    cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, filter, block, capacity)
     if s > 1:
-        final_x = torch.empty((rows, k), dtype=scores.dtype, device=scores.device)
-        final_idx = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
-        _select[(rows, 1)](
-            cand_x,
-            cand_idx,
-            s * k,
-            s * k,
-            s * k,
-            final_x,
-            final_idx,
-            k,
-            LARGEST=largest,
-            HAS_IDX=True,
-            BLOCK=block,
-            K_PAD=k_pad,
-            num_warps=8,
-        )
-        cand_x, cand_idx = final_x, final_idx
+        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, s * k, k, largest, filter, block, capacity)
     values = buffers.empty((rows, k), dtype=scores.dtype, device=scores.device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=scores.device)
     _sort[(rows,)](
@@ -243,9 +385,18 @@ def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | 
     return values, indices
 
 
-def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, block: int = BLOCK):
-    """scores [..., n] -> (values, int64 indices) [..., k]."""
-    values, indices = _select_sorted(as_rows(scores), k, largest, segments, block)
+def top_k_forward(
+    scores: torch.Tensor,
+    k: int,
+    largest: bool,
+    segments: int | None = None,
+    block: int = BLOCK,
+    filter: bool = True,
+    capacity: int = CAPACITY,
+):
+    """scores [..., n] -> (values, int64 indices) [..., k]. filter: the threshold-filter fast path of the select
+    (`_select`); the same result either way."""
+    values, indices = _select_sorted(as_rows(scores), k, largest, segments, block, filter, capacity)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
 
@@ -259,9 +410,11 @@ def sample_forward(
     uniforms: torch.Tensor,
     segments: int | None = None,
     block: int = BLOCK,
+    filter: bool = True,
+    capacity: int = CAPACITY,
 ):
     """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
-    values, indices = _select_sorted(as_rows(logits), max_k, True, segments, block)
+    values, indices = _select_sorted(as_rows(logits), max_k, True, segments, block, filter, capacity)
     rows = values.shape[0]
     ids = buffers.empty((rows,), dtype=torch.int64, device=logits.device)
     k_pad = pow2_at_least(max_k, 16)
