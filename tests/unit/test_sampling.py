@@ -15,7 +15,7 @@ from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavail
 from runtime.accelerators.config import use_accelerators
 from runtime.accelerators.sampling import MAX_K, SPEC
 from runtime.accelerators.sampling import triton as kernels
-from runtime.accelerators.sampling.reference import restricted_draw
+from runtime.accelerators.sampling.reference import restricted_draw, sample_reference
 from runtime.accelerators.sampling.select_plan import as_rows, segments_per_row, split_rows
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -93,6 +93,89 @@ def test_triton_split_rows_select_per_segment_then_over_the_candidates(segments,
         values, indices = kernels.top_k_forward(x, k, largest, segments=segments, block=64)
         assert torch.equal(indices, oracle(x, k, largest))
         assert torch.equal(values, x.gather(-1, indices))
+
+
+def filter_rows(kind: str, rows: int = 2, width: int = 2000, k: int = 40) -> torch.Tensor:
+    """Rows that stress the select's threshold filter: its bound, the ties at the k-th value, the fallback."""
+    x = torch.randn(rows, width)
+    if kind == "tied_at_kth":  # 30 more entries equal to the k-th largest value, spread over the row
+        kth = torch.topk(x, k).values[:, -1:]
+        x[:, torch.randperm(width)[:30]] = kth
+    elif kind == "equal":
+        x = torch.full((rows, width), -1.5)
+    elif kind == "ascending":
+        x = torch.sort(x).values
+    elif kind == "descending":
+        x = torch.sort(x, descending=True).values
+    elif kind == "specials":  # signed zeros, NaN and infinities among the best and the worst
+        picks = torch.randperm(width)[:120].view(6, 20)
+        for values, where in zip((0.0, -0.0, math.nan, math.inf, -math.inf, 5.0), picks):
+            x[:, where] = values
+    return x
+
+
+def check_kernel(x, k, largest, **launch):
+    values, indices = kernels.top_k_forward(x, k, largest, **launch)
+    expected = oracle(x, k, largest)
+    assert torch.equal(indices, expected), f"{launch} k={k} largest={largest}\n{indices}\n{expected}"
+    torch.testing.assert_close(values, x.gather(-1, expected), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["random", "tied_at_kth", "equal", "ascending", "descending", "specials"])
+@pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
+def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filter_):
+    """Both paths of the select (block 256: eight steps per row) on rows built for the filter: its bound from the
+    group maxima, ties at the k-th value (all of them kept, the first taken), an all-equal row (more than the
+    capacity pass: the full select)."""
+    x = filter_rows(kind)
+    for k, largest in ((40, True), (40, False), (1, True)):
+        check_kernel(x, k, largest, block=256, filter=filter_, capacity=512)
+
+
+@pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
+def test_triton_select_rows_shorter_than_the_block_strided_and_split(filter_):
+    """k up to the whole row, BLOCK below k (the bound says nothing: every entry passes), rows apart by more than
+    their width, bf16 ties, and split rows whose segments are shorter than k (the second select over padded
+    candidates)."""
+    x = torch.randn(3, 37)
+    for k in (37, 30):
+        check_kernel(x, k, True, block=16, filter=filter_)
+        check_kernel(x, k, False, block=16, filter=filter_)
+    sliced = torch.randn(2, 1500)[:, :1000]
+    assert as_rows(sliced).stride(0) == 1500
+    check_kernel(sliced, 25, True, block=128, filter=filter_)
+    check_kernel(scores("tied", (2, 1000), bf16), 25, False, block=128, filter=filter_)
+    for segments, k in ((3, 10), (7, 150)):  # 1000 / 7 segments: shorter than 150
+        check_kernel(filter_rows("tied_at_kth", width=1000, k=k), k, True, segments=segments, block=64, filter=filter_)
+
+
+def test_triton_filter_keeps_few_on_a_random_row_and_falls_back_on_an_equal_one():
+    """How many entries pass the bound per (row, segment): the kernel selects over them where they fit the
+    capacity, over the whole segment otherwise; the result is exact both ways."""
+    width, k, block, capacity = 3000, 20, 256, 512
+    random, equal = torch.randn(1, width), torch.full((1, width), 2.0)
+    for x, fits in ((random, True), (equal, False)):
+        out_x, out_idx, kept = kernels._select_launch(x, None, width, 1, width, k, True, True, block, capacity)
+        assert kept.shape == (1, 1) and (0 < kept.item() <= capacity) == fits, kept
+        assert torch.equal(out_idx.sort().values, oracle(x, k).sort().values)
+    # a random row in two segments: each keeps about k (for distinct keys block * -ln(1 - k / block) pass)
+    _, _, kept = kernels._select_launch(random, None, width, 2, width // 2, k, True, True, block, capacity)
+    assert kept.shape == (1, 2) and ((kept >= k) & (kept <= 4 * k)).all(), kept
+    # a capacity below k overflows on any row: the full select, still exact
+    check_kernel(random, k, True, block=block, capacity=k - 1)
+    _, _, kept = kernels._select_launch(random, None, width, 1, width, k, True, True, block, k - 1)
+    assert kept.item() > k - 1
+
+
+@pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
+def test_triton_sample_ids_with_and_without_the_filter_match_torch(filter_):
+    logits = (torch.randn(8, 1500) * 2).to(bf16)
+    logits[:4, 100:140] = logits[:4].amax(-1, keepdim=True)  # ties at the top of half the rows
+    keep_k = torch.randint(1, 60, (8,), dtype=torch.int32)
+    temperature, top_p, uniforms = torch.rand(8) + 0.3, torch.rand(8) * 0.9 + 0.1, torch.rand(8)
+    ids = kernels.sample_forward(logits, keep_k, 60, temperature, top_p, uniforms, block=256, filter=filter_)
+    expected = sample_reference(logits, keep_k, 60, temperature, top_p, uniforms)
+    assert torch.equal(ids, expected)
 
 
 def test_top_k_batch_dims_strided_and_empty():

@@ -478,12 +478,13 @@ def gated_delta_rule_grad_wy_variants():
 
 
 def sampling():
-    """top_k through one program per row (bf16, k = 100) and split rows (fp32, k = 2048, smallest), and sample's
-    draw at top_k = 50."""
+    """top_k through one program per row (bf16, k = 100; the select with its threshold filter and without) and split
+    rows (fp32, k = 2048, smallest), and sample's draw at top_k = 50."""
     from runtime.accelerators.sampling import triton as sampling_triton
 
     x = torch.randn(4, 5000).to(bf16)
     sampling_triton.top_k_forward(x, 100, True)
+    sampling_triton.top_k_forward(x, 100, True, filter=False)
     sampling_triton.top_k_forward(x.float(), 2048, False, segments=2)
     ones = torch.ones(4)
     sampling_triton.sample_forward(x, torch.full((4,), 50, dtype=torch.int32), 50, ones, ones, torch.rand(4))
@@ -670,6 +671,12 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
         assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel
         on = {constexprs(launch)["K"] for launch, _ in compiled[kernel] if constexprs(launch)["HALF"]}
         assert on == {16, 64, 128}, f"{kernel}: HALF compiled at K = {sorted(on)} only"
+
+
+def test_the_sampling_select_compiles_with_and_without_the_filter(compiled):
+    """The select over rows, with the threshold filter (the default) and without; over split rows' candidates with."""
+    launches = [constexprs(launch) for launch, _ in compiled["sampling._select"]]
+    assert {(c["HAS_IDX"], c["FILTER"]) for c in launches} == {(False, True), (False, False), (True, True)}
 
 
 def test_the_dq_kernel_compiles_writing_delta(compiled):
