@@ -161,6 +161,9 @@ def test_triton_filter_keeps_few_on_a_random_row_and_falls_back_on_an_equal_one(
     # a random row in two segments: each keeps about k (for distinct keys block * -ln(1 - k / block) pass)
     _, _, kept = kernels._select_launch(random, None, width, 2, width // 2, k, True, True, block, capacity)
     assert kept.shape == (1, 2) and ((kept >= k) & (kept <= 4 * k)).all(), kept
+    # the equal row within the default capacity: the select over the kept entries takes several steps
+    check_kernel(equal, k, True, block=block)
+    check_kernel(equal, k, False, block=block)
     # a capacity below k overflows on any row: the full select, still exact
     check_kernel(random, k, True, block=block, capacity=k - 1)
     _, _, kept = kernels._select_launch(random, None, width, 1, width, k, True, True, block, k - 1)

@@ -36,6 +36,8 @@ BLOCK = 4096  # elements a select program reads per step
 # entries passing the filter's bound that a select program keeps: for distinct keys about
 # BLOCK * -ln(1 - k / BLOCK) pass (k for small k, 2839 at k = MAX_K = 2048), so every k fits with room for ties
 CAPACITY = 4096
+# the step of the select over the kept entries: about k of them, and a smaller tile holds fewer registers
+KEPT_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
@@ -246,7 +248,7 @@ def _select(
         tl.store(kept_count_ptr + program, count)
         tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it back
         if count <= capacity:
-            _select_exact(kept_x_ptr, kept_idx_ptr, count, 0, out_x_ptr, out_idx_ptr, wanted, LARGEST, True, BLOCK)
+            _select_exact(kept_x_ptr, kept_idx_ptr, count, 0, out_x_ptr, out_idx_ptr, wanted, LARGEST, True, KEPT_BLOCK)
         else:
             _select_exact(x_ptr, idx_ptr, n, index_base, out_x_ptr, out_idx_ptr, wanted, LARGEST, HAS_IDX, BLOCK)
     else:
