@@ -133,6 +133,7 @@ def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filt
 
 
 @pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
+@pytest.mark.slow
 def test_triton_select_rows_shorter_than_the_block_strided_and_split(filter_):
     """k up to the whole row, BLOCK below k (the bound says nothing: every entry passes), rows apart by more than
     their width, bf16 ties, and split rows whose segments are shorter than k (the second select over padded
