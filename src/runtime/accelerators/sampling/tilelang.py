@@ -35,6 +35,9 @@ RADIX = 256  # 8-bit digits
 SELECT_THREADS = 1024
 UNROLL = 4  # entries a select thread reads per step: 4096 per block and step, as the triton kernels
 SORT_THREADS = 256
+# entries passing the filter's bound that a select block keeps: for distinct keys about
+# UNROLL * SELECT_THREADS * -ln(1 - k / 4096) pass (k for small k, 2839 at k = MAX_K), so every k fits with room for ties
+CAPACITY = 4096
 DRAW_THREADS = 256
 DRAW_PER_THREAD = MAX_K // DRAW_THREADS  # consecutive survivors each draw thread holds
 # every barrier is written out: the automatic ones could land inside branches that only some threads take
@@ -77,6 +80,11 @@ def digit_at(word, shift):
 def index_key(index):
     """~index as uint32: larger for lower indices, so ties go to the lower index."""
     return ~T.reinterpret("uint32", T.cast(index, "int32"))
+
+
+def pair_word(key, index):
+    """(key, ~index) as one uint64 that orders as the pair does; above 0 for every entry (~index >= 2^31)."""
+    return (T.cast(key, "uint64") << T.uint64(32)) | T.cast(index_key(index), "uint64")
 
 
 # --------------------------------------------------------------------------- block-wide steps (all threads call them)
@@ -129,17 +137,78 @@ def _min(a, b):
     return T.min(a, b)
 
 
+@T.macro
+def entry_key(raw, largest, bits: T.Ref, key: T.Ref):
+    """key <- the uint32 key of raw (a value in the input dtype); bits is scratch."""
+    bits = zero_bits(T.cast(raw, "float32"))
+    key = order_key(bits, largest)  # noqa: F841  a store through the reference
+
+
+@T.macro
+def clear_histograms(hist, tx, threads, warps):
+    T.sync_threads()
+    for step in T.serial(T.ceildiv(warps * (RADIX + 1), threads)):
+        cell = step * threads + tx
+        if cell < warps * (RADIX + 1):
+            hist[cell // (RADIX + 1), cell % (RADIX + 1)] = 0
+    T.sync_threads()
+
+
+@T.macro
+def count_entry(hist, tx, level, shift, key, nkey, key_prefix, index_prefix):
+    """One entry (key, nkey = ~index) into this warp's histogram at pass `level`: passes 0-3 count the key's digit at
+    shift among the keys sharing key_prefix's digits above it, passes 4-7 ~index's digit among the entries whose key
+    is key_prefix and whose ~index shares index_prefix's digits above it."""
+    if level < 4:
+        if above(key, shift) == above(key_prefix, shift):
+            T.atomic_add(hist[tx // 32, digit_at(key, shift)], 1)
+    else:
+        if key == key_prefix and above(nkey, shift) == above(index_prefix, shift):
+            T.atomic_add(hist[tx // 32, digit_at(nkey, shift)], 1)
+
+
+@T.macro
+def choose_digit(
+    hist, found, tx, warps, level, shift, key_prefix: T.Ref, index_prefix: T.Ref, remaining: T.Ref, tied: T.Ref
+):
+    """After a counting pass: the per-warp histograms summed, and the threshold's digit at shift (the largest d with
+    at least `remaining` counted entries at or above it) set in key_prefix (passes 0-3) or index_prefix (4-7);
+    remaining and tied (the counted entries with that digit) updated."""
+    T.sync_threads()
+    if tx < RADIX:  # thread d alone reads and writes column d
+        for w in T.serial(1, warps):
+            hist[0, tx] = hist[0, tx] + hist[w, tx]
+    T.sync_threads()
+    suffix_counts(hist, tx)
+    if tx < RADIX:
+        if hist[0, tx] >= remaining and hist[0, tx + 1] < remaining:
+            found[0] = tx
+    T.sync_threads()
+    digit = found[0]
+    tied = hist[0, digit] - hist[0, digit + 1]  # noqa: F841  a store through the reference
+    remaining = remaining - hist[0, digit + 1]
+    if level < 4:
+        key_prefix = key_prefix | (T.cast(digit, "uint32") << T.cast(shift, "uint32"))
+    else:
+        index_prefix = index_prefix | (T.cast(digit, "uint32") << T.cast(shift, "uint32"))
+
+
 # --------------------------------------------------------------------------- kernels
 
 
 def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELECT_THREADS, unroll: int = UNROLL):
-    """Block (row, segment): the min(k, n) best entries of X[row, segment * seg_len :][:seg_len] (n of them) to
+    """Block (row, segment): the min(k, n) best entries of X[row, segment * seg_len :][:n] to
     OutX / OutIdx[row, segment * k :][:k] in any order, index -1 after them. indexed: X holds candidates whose row
-    indices are in Idx (-1: none); else an entry's index is its position in the row."""
-    R, W, RI, WI, C = T.dynamic("R W RI WI C")
+    indices are in Idx (-1: none); else an entry's index is its position in the row.
+
+    use_filter (else the scratch is not touched): first a lower bound of the k-th (key, ~index) pair, then the
+    entries at or above it to KeptX / KeptIdx[row * segments + segment, :capacity] (capacity: their width) and
+    their count to KeptCount (all counted, also past capacity); the radix select then runs over those entries
+    where they fit, over the segment otherwise."""
+    R, W, RI, WI, C, P, KC = T.dynamic("R W RI WI C P KC")
     block = threads * unroll
     warps = threads // 32
-    assert threads > RADIX and threads % 32 == 0
+    assert threads > RADIX and threads % 32 == 0 and block >= MAX_K
 
     @T.prim_func
     def sampling_select(
@@ -147,8 +216,12 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
         Idx: T.Tensor((RI, WI), "int32"),
         OutX: T.Tensor((R, C), dtype),
         OutIdx: T.Tensor((R, C), "int32"),
+        KeptX: T.Tensor((P, KC), dtype),
+        KeptIdx: T.Tensor((P, KC), "int32"),
+        KeptCount: T.Tensor((P,), "int32"),
         seg_len: T.int32,
         k: T.int32,
+        use_filter: T.int32,
     ):
         T.annotate_pass_configs(MANUAL_SYNC)
         with T.Kernel(R, T.ceildiv(W, seg_len), threads=threads) as (row, segment):
@@ -158,89 +231,137 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
             hist = T.alloc_shared((warps, RADIX + 1), "int32")
             found = T.alloc_shared((1,), "int32")
             slots = T.alloc_shared((1,), "int32")
+            group_max = T.alloc_local((unroll,), "uint64")
             key_prefix = T.alloc_var("uint32")
             index_prefix = T.alloc_var("uint32")
             remaining = T.alloc_var("int32")
             tied = T.alloc_var("int32")
+            bound = T.alloc_var("uint64")
+            from_kept = T.alloc_var("int32")  # the radix select's entries: the scratch (1) or the segment (0)
+            source_n = T.alloc_var("int32")
             # one entry, held in variables (names bound by plain assignment are substituted into every use)
-            value = T.alloc_var("float32")
+            raw = T.alloc_var(dtype)
             bits = T.alloc_var("uint32")
             key = T.alloc_var("uint32")
             index = T.alloc_var("int32")
+            program = T.alloc_var("int32")  # the block's row of the scratch
+            program = row * T.ceildiv(W, seg_len) + segment
             start = segment * seg_len
             n = T.min(W - start, seg_len)
             wanted = T.min(k, n)
             out = segment * k
+            from_kept = 0
+            source_n = n
+            if use_filter != 0:
+                # The bound: entry p of the segment belongs to group p % block (thread tx, unrolled step u: group
+                # u * threads + tx), so the block groups are disjoint and each nonempty one's maximum pair is a
+                # distinct entry. The wanted-th largest of the block group maxima (empty groups hold 0, below every
+                # entry) is thus either 0 (everything passes) or the pair of an entry with at least wanted entries
+                # at or above it: at most the segment's wanted-th pair, so every entry taken passes.
+                for u in T.unroll(unroll):
+                    group_max[u] = T.uint64(0)
+                for step in T.serial(T.ceildiv(n, block)):
+                    for u in T.unroll(unroll):
+                        pos = (step * unroll + u) * threads + tx
+                        if pos < n:
+                            raw = X[row, start + pos]
+                            index = Idx[row, start + pos] if indexed else start + pos
+                            if index >= 0:
+                                entry_key(raw, largest, bits, key)
+                                group_max[u] = T.max(group_max[u], pair_word(key, index))
+                key_prefix = T.uint32(0)
+                index_prefix = T.uint32(0)
+                remaining = wanted
+                tied = 0
+                for level in T.serial(8):
+                    if level < 4 or tied > remaining:
+                        shift = 24 - 8 * (level % 4)
+                        clear_histograms(hist, tx, threads, warps)
+                        for u in T.unroll(unroll):  # each thread counts its own group maxima
+                            count_entry(
+                                hist,
+                                tx,
+                                level,
+                                shift,
+                                T.cast(group_max[u] >> T.uint64(32), "uint32"),
+                                T.cast(group_max[u] & T.uint64(0xFFFFFFFF), "uint32"),
+                                key_prefix,
+                                index_prefix,
+                            )
+                        choose_digit(hist, found, tx, warps, level, shift, key_prefix, index_prefix, remaining, tied)
+                # index_prefix stays 0 where the key passes alone decide: a lower bound still
+                bound = (T.cast(key_prefix, "uint64") << T.uint64(32)) | T.cast(index_prefix, "uint64")
+                # the entries at or above the bound to the scratch, in any order (the sort orders them)
+                T.sync_threads()
+                if tx == 0:
+                    slots[0] = 0
+                T.sync_threads()
+                for step in T.serial(T.ceildiv(n, block)):
+                    for u in T.unroll(unroll):
+                        pos = (step * unroll + u) * threads + tx
+                        if pos < n:
+                            raw = X[row, start + pos]
+                            index = Idx[row, start + pos] if indexed else start + pos
+                            if index >= 0:
+                                entry_key(raw, largest, bits, key)
+                                if pair_word(key, index) >= bound:
+                                    slot = T.atomic_add(slots[0], 1, return_prev=True)
+                                    if slot < KC:
+                                        KeptX[program, slot] = raw
+                                        KeptIdx[program, slot] = index
+                T.sync_threads()  # the scratch and the count, written by every thread, before any reads them
+                if tx == 0:
+                    KeptCount[program] = slots[0]
+                if slots[0] <= KC:
+                    from_kept = 1
+                    source_n = slots[0]
+            # the radix select of the wanted-th largest (key, ~index) pair of the source: passes 0-3 over the
+            # digits of the key; 4-7 over those of ~index among the entries tied with the k-th key, where those are
+            # not all taken (the lower indices win)
             key_prefix = T.uint32(0)
             index_prefix = T.uint32(0)
             remaining = wanted
             tied = 0
-            # passes 0-3: the digits of the key; 4-7: of ~index among the entries tied with the k-th key, where
-            # those are not all taken (the lower indices win)
             for level in T.serial(8):
                 if level < 4 or tied > remaining:
                     shift = 24 - 8 * (level % 4)
-                    T.sync_threads()
-                    for step in T.serial(T.ceildiv(warps * (RADIX + 1), threads)):
-                        cell = step * threads + tx
-                        if cell < warps * (RADIX + 1):
-                            hist[cell // (RADIX + 1), cell % (RADIX + 1)] = 0
-                    T.sync_threads()
-                    for step in T.serial(T.ceildiv(n, block)):
+                    clear_histograms(hist, tx, threads, warps)
+                    for step in T.serial(T.ceildiv(source_n, block)):
                         for u in T.unroll(unroll):
                             pos = (step * unroll + u) * threads + tx
-                            if pos < n:
-                                value = T.cast(X[row, start + pos], "float32")
-                                bits = zero_bits(value)
-                                key = order_key(bits, largest)
-                                index = Idx[row, start + pos] if indexed else start + pos
-                                nkey = index_key(index)
-                                if level < 4:
-                                    if index >= 0 and above(key, shift) == above(key_prefix, shift):
-                                        T.atomic_add(hist[tx // 32, digit_at(key, shift)], 1)
+                            if pos < source_n:
+                                if from_kept != 0:
+                                    raw = KeptX[program, pos]
+                                    index = KeptIdx[program, pos]
                                 else:
-                                    if (
-                                        index >= 0
-                                        and key == key_prefix
-                                        and above(nkey, shift) == above(index_prefix, shift)
-                                    ):
-                                        T.atomic_add(hist[tx // 32, digit_at(nkey, shift)], 1)
-                    T.sync_threads()
-                    if tx < RADIX:  # thread d alone reads and writes column d
-                        for w in T.serial(1, warps):
-                            hist[0, tx] = hist[0, tx] + hist[w, tx]
-                    T.sync_threads()
-                    suffix_counts(hist, tx)
-                    # the threshold's digit: the largest d with at least `remaining` entries at or above it
-                    if tx < RADIX:
-                        if hist[0, tx] >= remaining and hist[0, tx + 1] < remaining:
-                            found[0] = tx
-                    T.sync_threads()
-                    digit = found[0]
-                    tied = hist[0, digit] - hist[0, digit + 1]
-                    remaining = remaining - hist[0, digit + 1]
-                    if level < 4:
-                        key_prefix = key_prefix | (T.cast(digit, "uint32") << T.cast(shift, "uint32"))
-                    else:
-                        index_prefix = index_prefix | (T.cast(digit, "uint32") << T.cast(shift, "uint32"))
+                                    raw = X[row, start + pos]
+                                    index = Idx[row, start + pos] if indexed else start + pos
+                                if index >= 0:
+                                    entry_key(raw, largest, bits, key)
+                                    count_entry(hist, tx, level, shift, key, index_key(index), key_prefix, index_prefix)
+                    choose_digit(hist, found, tx, warps, level, shift, key_prefix, index_prefix, remaining, tied)
             # taken: every entry at or above (key_prefix, index_prefix), exactly `wanted` of them, in any order
             T.sync_threads()
             if tx == 0:
                 slots[0] = 0
             T.sync_threads()
-            for step in T.serial(T.ceildiv(n, block)):
+            for step in T.serial(T.ceildiv(source_n, block)):
                 for u in T.unroll(unroll):
                     pos = (step * unroll + u) * threads + tx
-                    if pos < n:
-                        value = T.cast(X[row, start + pos], "float32")
-                        bits = zero_bits(value)
-                        key = order_key(bits, largest)
-                        index = Idx[row, start + pos] if indexed else start + pos
-                        nkey = index_key(index)
-                        if index >= 0 and (key > key_prefix or (key == key_prefix and nkey >= index_prefix)):
-                            slot = T.atomic_add(slots[0], 1, return_prev=True)
-                            OutX[row, out + slot] = X[row, start + pos]
-                            OutIdx[row, out + slot] = index
+                    if pos < source_n:
+                        if from_kept != 0:
+                            raw = KeptX[program, pos]
+                            index = KeptIdx[program, pos]
+                        else:
+                            raw = X[row, start + pos]
+                            index = Idx[row, start + pos] if indexed else start + pos
+                        if index >= 0:
+                            entry_key(raw, largest, bits, key)
+                            nkey = index_key(index)
+                            if key > key_prefix or (key == key_prefix and nkey >= index_prefix):
+                                slot = T.atomic_add(slots[0], 1, return_prev=True)
+                                OutX[row, out + slot] = raw
+                                OutIdx[row, out + slot] = index
             for step in T.serial(T.ceildiv(k, threads)):
                 pad = step * threads + tx
                 if pad >= wanted and pad < k:
@@ -435,20 +556,51 @@ def entries() -> list[Entry]:
     return found
 
 
-def _select_sorted(scores: torch.Tensor, k: int, largest: bool, segments: int | None, launch):
+def _select_launch(
+    x: torch.Tensor,
+    idx: torch.Tensor | None,
+    seg_len: int,
+    segments: int,
+    k: int,
+    largest: bool,
+    filter: bool,
+    capacity: int,
+    launch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One select launch over the rows of x [R, n] (with idx: candidates and their indices, -1 for none) in
+    segments of seg_len -> (values, int32 indices) [R, segments * k], any order within a segment, and with filter
+    how many entries passed the bound per (row, segment) ([R, segments] int32; more than capacity: that block
+    selected over its whole segment)."""
+    rows, device, dtype = x.shape[0], x.device, x.dtype
+    out_x = torch.empty((rows, segments * k), dtype=dtype, device=device)
+    out_idx = torch.empty((rows, segments * k), dtype=torch.int32, device=device)
+    if filter:
+        kept_x = torch.empty((rows * segments, capacity), dtype=dtype, device=device)
+        kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=device)
+        kept_count = torch.empty((rows * segments,), dtype=torch.int32, device=device)
+    else:
+        kept_x = placeholder(device, dtype).view(1, 1)
+        kept_idx = placeholder(device, torch.int32).view(1, 1)
+        kept_count = placeholder(device, torch.int32)
+    indexed = idx is not None
+    if not indexed:
+        idx = placeholder(device, torch.int32).view(1, 1)
+    launch(select_entry(dtype, largest, indexed), device)(
+        x, idx, out_x, out_idx, kept_x, kept_idx, kept_count, seg_len, k, int(filter)
+    )
+    return out_x, out_idx, kept_count.view(rows, segments) if filter else None
+
+
+def _select_sorted(
+    scores: torch.Tensor, k: int, largest: bool, segments: int | None, launch, filter: bool, capacity: int
+):
     """scores [R, n], contiguous -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     device, dtype = scores.device, scores.dtype
     s, seg_len = split_rows(rows, n, k, device, segments)
-    cand_x = torch.empty((rows, s * k), dtype=dtype, device=device)
-    cand_idx = torch.empty((rows, s * k), dtype=torch.int32, device=device)
-    no_index = placeholder(device, torch.int32).view(1, 1)
-    launch(select_entry(dtype, largest, False), device)(scores, no_index, cand_x, cand_idx, seg_len, k)
+    cand_x, cand_idx, _ = _select_launch(scores, None, seg_len, s, k, largest, filter, capacity, launch)
     if s > 1:
-        final_x = torch.empty((rows, k), dtype=dtype, device=device)
-        final_idx = torch.empty((rows, k), dtype=torch.int32, device=device)
-        launch(select_entry(dtype, largest, True), device)(cand_x, cand_idx, final_x, final_idx, s * k, k)
-        cand_x, cand_idx = final_x, final_idx
+        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, k, largest, filter, capacity, launch)
     values = buffers.empty((rows, k), dtype=dtype, device=device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=device)
     k_pad = pow2_at_least(k, 2)
@@ -462,10 +614,19 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
-def top_k_forward(scores: torch.Tensor, k: int, largest: bool, segments: int | None = None, launch=launcher):
+def top_k_forward(
+    scores: torch.Tensor,
+    k: int,
+    largest: bool,
+    segments: int | None = None,
+    launch=launcher,
+    filter: bool = True,
+    capacity: int = CAPACITY,
+):
     """scores [..., n] -> (values, int64 indices) [..., k]. launch(entry, device): the kernel's entry point
-    (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU)."""
-    values, indices = _select_sorted(_kernel_rows(scores), k, largest, segments, launch)
+    (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU). filter: the select's
+    threshold-filter fast path, with a scratch of `capacity` entries per block; the same result either way."""
+    values, indices = _select_sorted(_kernel_rows(scores), k, largest, segments, launch, filter, capacity)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
 
@@ -479,9 +640,11 @@ def sample_forward(
     uniforms: torch.Tensor,
     segments: int | None = None,
     launch=launcher,
+    filter: bool = True,
+    capacity: int = CAPACITY,
 ):
     """logits [B, V]; keep_k (int32), temperature, top_p, uniforms (fp32): [B] -> ids [B] (int64)."""
-    values, indices = _select_sorted(_kernel_rows(logits), max_k, True, segments, launch)
+    values, indices = _select_sorted(_kernel_rows(logits), max_k, True, segments, launch, filter, capacity)
     ids = buffers.empty((values.shape[0],), dtype=torch.int64, device=logits.device)
     per_row = [t.contiguous() for t in (keep_k, temperature, top_p, uniforms)]
     launch(draw_entry(logits.dtype), logits.device)(values, indices, *per_row, ids)
