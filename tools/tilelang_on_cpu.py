@@ -9,8 +9,10 @@ specialisation) are out of its reach: the GPU tier stays the judge.
 
     PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling [--tsan]
 
-sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, NaN / signed zeros /
-infinities, both directions, each dtype, split rows, k = 2048) and sample's ids against reference.restricted_draw.
+sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, sorted, NaN / signed
+zeros / infinities, both directions, each dtype, split rows, k = 2048; the select with and without its threshold
+filter, and its fallback where more entries pass than the scratch holds) and sample's ids against
+reference.restricted_draw.
 Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
 """
 
@@ -134,11 +136,12 @@ def check_sampling(tsan: bool) -> bool:
     torch.manual_seed(0)
     failures = []
 
-    def top_k(x, k, largest, segments=None):
-        values, indices = kernels.top_k_forward(x, k, largest, segments, launch=launch)
+    def top_k(x, k, largest, segments=None, **select):
+        """select: the select's filter and capacity (the launchers' defaults where absent)."""
+        values, indices = kernels.top_k_forward(x, k, largest, segments, launch=launch, **select)
         ref_values, ref_indices = top_k_reference(x, k, largest)
         same = torch.equal(indices, ref_indices) and torch.equal(values.nan_to_num(7.0), ref_values.nan_to_num(7.0))
-        label = f"top_k {tuple(x.shape)} {x.dtype} k={k} largest={largest} segments={segments}"
+        label = f"top_k {tuple(x.shape)} {x.dtype} k={k} largest={largest} segments={segments} {select}"
         print(label, "ok" if same else "DIFFERS", flush=True)
         if not same:
             failures.append(label)
@@ -154,23 +157,44 @@ def check_sampling(tsan: bool) -> bool:
         if not same:
             failures.append(label)
 
-    if tsan:  # one small case per kernel: ThreadSanitizer is slow
+    if tsan:  # one small case per kernel and select path: ThreadSanitizer is slow
         top_k(torch.randint(-2, 3, (1, 300)).float(), 40, True, segments=3)
+        top_k(torch.randint(-2, 3, (1, 300)).float(), 40, True, segments=3, filter=False)
+        top_k(torch.randn(1, 300), 40, False, capacity=39)
         draw(torch.randn(1, 300), torch.full((1,), 30, dtype=torch.int32), torch.ones(1), torch.full((1,), 0.8))
         return not failures
     kinds = {
         "random": lambda shape: torch.randn(shape),
         "tied": lambda shape: torch.randint(-3, 4, shape).float(),
         "equal": lambda shape: torch.full(shape, 0.5),
+        "ascending": lambda shape: torch.sort(torch.randn(shape)).values,
+        "descending": lambda shape: torch.sort(torch.randn(shape), descending=True).values,
     }
     for make in kinds.values():
         for k in (1, 5, 37):
             for largest in (True, False):
                 top_k(make((3, 37)), k, largest)
+    # both select paths over rows of two 4096-entry steps (groups of two entries), and the fallback: a capacity
+    # below k, and one just below (k - 1: overflow) or at (k: fits) what an all-equal row keeps
+    for make in kinds.values():
+        x = make((2, 8000))
+        for largest in (True, False):
+            top_k(x, 40, largest)
+            top_k(x, 40, largest, filter=False)
+        top_k(x, 40, True, capacity=39)
+    top_k(kinds["equal"]((2, 8000)), 40, False, capacity=40)
+    top_k(kinds["random"]((2, 8000)), 2048, True, capacity=2048)
     special = torch.tensor([[0.0, -0.0, 1.0, math.nan, -0.0, 0.0, math.nan, -1.0, math.inf, -math.inf, 2.0]])
     for k in (1, 3, 6, 11):
         for largest in (True, False):
             top_k(special, k, largest)
+    specials = torch.randn(2, 6000)
+    for value, where in zip((0.0, -0.0, math.nan, math.inf, -math.inf), torch.randperm(6000)[:200].view(5, 40)):
+        specials[:, where] = value
+    for k in (30, 100):
+        for largest in (True, False):
+            top_k(specials, k, largest)
+            top_k(specials, k, largest, filter=False)
     for dtype in (torch.bfloat16, torch.float16):
         x = (kinds["tied"]((2, 1000)) / 4 + kinds["random"]((2, 1000)) / 64).to(dtype)
         top_k(x, 50, True)
@@ -178,6 +202,7 @@ def check_sampling(tsan: bool) -> bool:
     top_k(kinds["random"]((2, 9000)), 300, True)
     for segments, k, largest in ((3, 5, True), (7, 150, False), (7, 200, True), (100, 3, True)):
         top_k(kinds["tied"]((2, 1000)), k, largest, segments)
+        top_k(kinds["tied"]((2, 1000)), k, largest, segments, filter=False)
     top_k(kinds["random"]((1, 5000)), 2048, True)
     top_k(kinds["tied"]((1, 5000)).bfloat16(), 2048, False, 4)
     rows = 16

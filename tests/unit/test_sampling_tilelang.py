@@ -4,6 +4,7 @@ k are runtime arguments. A small case runs the generated CUDA on the CPU (tools/
 thread) against the reference; the GPU tier (tests/gpu/test_sampling.py) checks the results on the GPU."""
 
 import importlib.util
+import math
 import re
 import shutil
 from pathlib import Path
@@ -38,7 +39,7 @@ ENTRIES = {
 }
 # the runtime arguments of each kernel (one compiled kernel serves every shape and k)
 RUNTIME = {
-    "select": ("R", "W", "C", "k", "seg_len"),
+    "select": ("R", "W", "C", "KC", "P", "k", "seg_len", "use_filter"),
     "sort": ("R", "K", "W", "k_pad", "log_k_pad"),
     "draw": ("R", "K"),
 }
@@ -78,16 +79,27 @@ def _cpu_tool():
     return module
 
 
+@pytest.fixture(scope="module")
+def cpu_launch():
+    """One launcher for the module's CPU runs: each kernel is compiled once."""
+    tool = _cpu_tool()
+    return tool.cpu_launcher(tool.SAMPLING_GRIDS)
+
+
+runs_on_the_cpu = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernels cannot run here"
+)
+
+
 @requires_nvcc
-@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernels cannot run here")
+@runs_on_the_cpu
 @pytest.mark.slow
-def test_generated_kernels_run_on_the_cpu_and_match_the_reference():
+def test_generated_kernels_run_on_the_cpu_and_match_the_reference(cpu_launch):
     """The generated CUDA of the select (over the row and over candidates), sort and draw kernels, run on the CPU by
     tools/tilelang_on_cpu.py (a thread per CUDA thread): ties across segments, and one draw."""
     from runtime.accelerators.sampling.reference import restricted_draw, top_k_reference
 
-    tool = _cpu_tool()
-    launch = tool.cpu_launcher(tool.SAMPLING_GRIDS)
+    launch = cpu_launch
     x = torch.randint(-2, 3, (2, 300)).float()
     values, indices = kernels.top_k_forward(x, 40, False, segments=3, launch=launch)
     ref_values, ref_indices = top_k_reference(x, 40, largest=False)
@@ -102,3 +114,44 @@ def test_generated_kernels_run_on_the_cpu_and_match_the_reference():
     ids = kernels.sample_forward(logits, keep_k, 30, temperature, top_p, uniforms, launch=launch)
     values, indices = top_k_reference(logits, 30)
     assert torch.equal(ids, restricted_draw(values, indices, keep_k, temperature, top_p, uniforms))
+
+
+@requires_nvcc
+@runs_on_the_cpu
+@pytest.mark.slow
+def test_generated_select_with_and_without_the_filter_on_the_cpu(cpu_launch):
+    """The select's threshold filter on the CPU (rows of two 4096-entry steps): how many entries pass its bound (about
+    k on a random row, exactly k on an all-equal one: the bound is a (key, ~index) pair), the fallback where more
+    pass than the scratch holds, and the same result as the reference on both paths (ties at the k-th value, sorted
+    rows, signed zeros, NaN and infinities)."""
+    from runtime.accelerators.sampling.reference import top_k_reference
+
+    width, k = 6000, 40
+    torch.manual_seed(0)
+    random, equal = torch.randn(1, width), torch.full((1, width), 0.5)
+    for x, low, high in ((random, k, 4 * k), (equal, k, k)):
+        _, indices, kept = kernels._select_launch(x, None, width, 1, k, False, True, kernels.CAPACITY, cpu_launch)
+        assert kept.shape == (1, 1) and low <= kept.item() <= high, kept
+        assert torch.equal(indices.sort().values, top_k_reference(x, k, largest=False)[1].int().sort().values)
+    _, _, kept = kernels._select_launch(random, None, width, 1, k, False, True, k - 1, cpu_launch)
+    assert kept.item() > k - 1  # overflows: the block selected over its whole segment
+
+    tied = torch.randn(2, width)
+    tied[:, torch.randperm(width)[:30]] = torch.topk(tied, k, largest=False).values[:, -1:]
+    specials = torch.randn(2, width)
+    for value, where in zip((0.0, -0.0, math.nan, math.inf, -math.inf), torch.randperm(width)[:100].view(5, 20)):
+        specials[:, where] = value
+    cases = [
+        (tied, {}),
+        (tied, {"filter": False}),
+        (torch.sort(torch.randn(1, width), descending=True).values, {}),
+        (specials, {}),
+        (specials, {"filter": False}),
+        (random, {"capacity": k - 1}),
+        (equal, {"capacity": k}),  # exactly k pass: they fit
+    ]
+    for x, select in cases:
+        values, indices = kernels.top_k_forward(x, k, False, launch=cpu_launch, **select)
+        ref_values, ref_indices = top_k_reference(x, k, largest=False)
+        assert torch.equal(indices, ref_indices), select
+        torch.testing.assert_close(values, ref_values, rtol=0, atol=0, equal_nan=True)

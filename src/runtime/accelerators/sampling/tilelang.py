@@ -5,11 +5,20 @@ Keys: each value as fp32, mapped to a uint32 that orders as the values do (-0.0 
 complemented for largest=False), paired with the complement of its index, so that (key, ~index) is unique and orders
 as the contract does (value, then lower index first). A select block finds the k-th largest pair of its segment with
 histogram passes over 8-bit digits (shared-memory atomics into one histogram per warp; each pass counts only the
-entries that share the digits found so far): four over the key, and four over ~index only where the k-th key is tied with entries that are not
-all taken. Every entry at or above that pair is taken, in any order (an atomic slot counter). A sort block orders the
-k survivors by one 64-bit (key, ~index) word each with a bitonic sort in shared memory, and reads their values back
-from the row. Rows are split into segments as in the triton backend (select_plan.split_rows); a second select runs
-over the candidates of the segments (index -1 pads a segment shorter than k).
+entries that share the digits found so far): four over the key, and four over ~index only where the k-th key is tied
+with entries that are not all taken. Every entry at or above that pair is taken, in any order (an atomic slot counter).
+
+The select's fast path (filter=True): one pass keeps each thread's running maximum (key, ~index) over its strided
+entries (4096 disjoint groups per block), whose k-th largest, found with the same histogram passes over those 4096
+words, has at least k entries at or above it; a second pass moves the entries at or above that bound to a scratch of
+CAPACITY per block (in any order), and the histogram passes and the take run over those alone (about k on a random
+row, exactly k on an all-equal one). Where more than CAPACITY pass, the block selects over its whole segment; the
+result is the same either way.
+
+A sort block orders the k survivors by one 64-bit (key, ~index) word each with a bitonic sort in shared memory, and
+reads their values back from the row. Rows are split into segments as in the triton backend
+(select_plan.split_rows); a second select runs over the candidates of the segments (index -1 pads a segment shorter
+than k).
 
 sample: the top-k select and sort of the logits (the maximum top_k over the rows), then one block per row: softmax
 over its first top_k[b] survivors at its temperature, the cumulative sum, the top-p prefix and the inverse CDF at its
@@ -253,11 +262,12 @@ def select_kernel(dtype: str, largest: bool, indexed: bool, threads: int = SELEC
             from_kept = 0
             source_n = n
             if use_filter != 0:
-                # The bound: entry p of the segment belongs to group p % block (thread tx, unrolled step u: group
-                # u * threads + tx), so the block groups are disjoint and each nonempty one's maximum pair is a
-                # distinct entry. The wanted-th largest of the block group maxima (empty groups hold 0, below every
-                # entry) is thus either 0 (everything passes) or the pair of an entry with at least wanted entries
-                # at or above it: at most the segment's wanted-th pair, so every entry taken passes.
+                # The bound t: entry p of the segment falls in group p % block (thread tx at unrolled step u: group
+                # u * threads + tx), so the block (>= MAX_K) groups are disjoint, and as pairs are unique the maxima
+                # of the nonempty ones are distinct entries. t is the wanted-th largest of the maxima, an empty group
+                # counting as 0 (below every entry's word: ~index >= 2^31). t > 0: wanted groups have maxima >= t,
+                # so wanted distinct entries are at or above t, hence the segment's wanted-th pair is too and every
+                # entry taken passes; t = 0: every entry passes. Ties need no care: the pairs are unique.
                 for u in T.unroll(unroll):
                     group_max[u] = T.uint64(0)
                 for step in T.serial(T.ceildiv(n, block)):
