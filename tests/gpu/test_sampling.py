@@ -1,7 +1,7 @@
 """top_k and sample on CUDA, for the triton and the tilelang kernels: one program per row and split rows against the
-exact reference at V in {1000, 50257, 1M, 16M}, bf16 ties included; sample's ids equal to the torch backend's from
-the same generator state, its frequencies against the restricted distribution, NaN rows, CUDA-graph capture. Kernel
-outputs are poisoned with NaN by conftest."""
+exact reference at V in {1000, 50257, 1M, 16M}, bf16 ties included, the select with and without its threshold
+filter; sample's ids equal to the torch backend's from the same generator state, its frequencies against the
+restricted distribution, NaN rows, CUDA-graph capture. Kernel outputs are poisoned with NaN by conftest."""
 
 import importlib
 import math
@@ -170,6 +170,23 @@ def test_forced_split_matches_one_program_per_row(backend):
     for segments in (1, 5, 64):
         values, indices = kernels(backend).top_k_forward(x, 257, True, segments=segments)
         assert torch.equal(indices, top_k_reference(x, 257)[1]), segments
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_select_with_and_without_the_filter(backend):
+    """The select's threshold filter (the default), its full path and its fallback (a capacity below k: more pass
+    than the scratch holds) give the same exact result: random rows, ties at the k-th value, an all-equal row, split
+    rows."""
+    x = torch.randn(64, 2**20, device="cuda", dtype=bf16)
+    kth = x[2].topk(64).values[-1]
+    x[1] = 0.5
+    x[2, ::1000] = kth
+    for select in ({}, {"filter": False}, {"capacity": 63}, {"segments": 8}):
+        for largest in (True, False):
+            values, indices = kernels(backend).top_k_forward(x, 64, largest, **select)
+            ref_values, ref_indices = top_k_reference(x, 64, largest)
+            assert torch.equal(indices, ref_indices), (select, largest)
+            assert torch.equal(values, ref_values)
 
 
 def test_tilelang_split_rows_with_ties_across_segments():
