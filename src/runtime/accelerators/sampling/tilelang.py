@@ -44,8 +44,9 @@ RADIX = 256  # 8-bit digits
 SELECT_THREADS = 1024
 UNROLL = 4  # entries a select thread reads per step: 4096 per block and step, as the triton kernels
 SORT_THREADS = 256
-# entries passing the filter's bound that a select block keeps: for distinct keys about
-# UNROLL * SELECT_THREADS * -ln(1 - k / 4096) pass (k for small k, 2839 at k = MAX_K), so every k fits with room for ties
+# entries passing the filter's bound that a select block keeps: for distinct keys of a long segment about
+# G * -ln(1 - k / G) pass, G = UNROLL * SELECT_THREADS = 4096 groups (k for small k, 2839 at k = MAX_K), so every k
+# fits with room for ties
 CAPACITY = 4096
 DRAW_THREADS = 256
 DRAW_PER_THREAD = MAX_K // DRAW_THREADS  # consecutive survivors each draw thread holds
