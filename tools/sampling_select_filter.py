@@ -1,0 +1,76 @@
+"""Times top_k's select with and without its threshold filter, both kernel backends beside torch.topk, on one GPU:
+the top_k shapes of the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes
+the bound, so each program falls back to the select over its whole segment). Each result is checked against
+torch.topk's values first.
+Usage (GPU machine): python tools/sampling_select_filter.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+from runtime.accelerators.sampling import tilelang as sampling_tilelang
+from runtime.accelerators.sampling import triton as sampling_triton
+from runtime.benchmark.ops.sampling import TOP_K_SHAPES
+from runtime.benchmark.timing import gpu_time_ms
+
+CASES = {
+    **{name: (rows, width, k, "randn") for name, (rows, width, k) in TOP_K_SHAPES.items()},
+    "1x16M-k2048-f32": (1, 2**24, 2048, "randn"),
+    "64x1M-k64-all-equal": (64, 2**20, 64, "ones"),
+}
+
+
+def variants():
+    return {
+        "torch.topk": lambda x, k: torch.topk(x, k, dim=-1),
+        "triton filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=True),
+        "triton no filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=False),
+        "tilelang filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=True),
+        "tilelang no filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=False),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = []
+    print("| case | variant | median ms | vs torch.topk |")
+    print("|---|---|---:|---:|")
+    for name, (rows, width, k, fill) in CASES.items():
+        torch.manual_seed(0)
+        dtype = torch.float32 if name.endswith("f32") else torch.bfloat16
+        x = (
+            torch.randn(rows, width, device=device, dtype=dtype)
+            if fill == "randn"
+            else torch.ones(rows, width, device=device, dtype=dtype)
+        )
+        expected = torch.topk(x, k, dim=-1).values.sort(dim=-1).values
+        topk_ms = None
+        for label, fn in variants().items():
+            try:
+                values = fn(x, k)[0].sort(dim=-1).values
+                if not torch.equal(values, expected):
+                    print(f"| {name} | {label} | wrong values | |", flush=True)
+                    continue
+                times, _ = gpu_time_ms(functools.partial(fn, x, k), device)
+            except Exception as error:  # a variant that fails is a finding, not a stop
+                print(f"| {name} | {label} | failed: {type(error).__name__}: {str(error)[:120]} | |", flush=True)
+                continue
+            ms = times["median"]
+            topk_ms = topk_ms or ms
+            results.append({"case": name, "variant": label, "median_ms": ms})
+            print(f"| {name} | {label} | {ms:.3f} | {topk_ms / ms:.2f}x |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
