@@ -125,8 +125,8 @@ def check_kernel(x, k, largest, **launch):
 @pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
 def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filter_):
     """Both paths of the select (block 256: eight steps per row) on rows built for the filter: its bound from the
-    group maxima, ties at the k-th value (all of them kept, the first taken), an all-equal row (more than the
-    capacity pass: the full select)."""
+    group maxima, ties at the k-th value (the first k of them kept, the first taken), an all-equal row (exactly k
+    kept)."""
     x = filter_rows(kind)
     for k, largest in ((40, True), (40, False), (1, True)):
         check_kernel(x, k, largest, block=256, filter=filter_, capacity=512)
@@ -150,21 +150,29 @@ def test_triton_select_rows_shorter_than_the_block_strided_and_split(filter_):
         check_kernel(filter_rows("tied_at_kth", width=1000, k=k), k, True, segments=segments, block=64, filter=filter_)
 
 
-def test_triton_filter_keeps_few_on_a_random_row_and_falls_back_on_an_equal_one():
-    """How many entries pass the bound per (row, segment): the kernel selects over them where they fit the
-    capacity, over the whole segment otherwise; the result is exact both ways."""
+def test_triton_filter_keeps_few_on_a_random_row_and_exactly_k_on_an_equal_one():
+    """How many entries each (row, segment) keeps: those above the bound and the first k equal to it, so about k on a
+    random row and exactly k on an all-equal one; the kernel selects over them where they fit the capacity, over the
+    whole segment otherwise (a capacity below k); the result is exact every way."""
     width, k, block, capacity = 3000, 20, 256, 512
     random, equal = torch.randn(1, width), torch.full((1, width), 2.0)
-    for x, fits in ((random, True), (equal, False)):
+    for x in (random, equal):
         out_x, out_idx, kept = kernels._select_launch(x, None, width, 1, width, k, True, True, block, capacity)
-        assert kept.shape == (1, 1) and (0 < kept.item() <= capacity) == fits, kept
+        assert kept.shape == (1, 1) and k <= kept.item() <= capacity, kept
         assert torch.equal(out_idx.sort().values, oracle(x, k).sort().values)
+    _, _, kept = kernels._select_launch(equal, None, width, 1, width, k, True, True, block, capacity)
+    assert kept.item() == k
     # a random row in two segments: each keeps about k (for distinct keys block * -ln(1 - k / block) pass)
     _, _, kept = kernels._select_launch(random, None, width, 2, width // 2, k, True, True, block, capacity)
     assert kept.shape == (1, 2) and ((kept >= k) & (kept <= 4 * k)).all(), kept
-    # the equal row within the default capacity: the select over the kept entries takes several steps
     check_kernel(equal, k, True, block=block)
     check_kernel(equal, k, False, block=block)
+    # a tie class above the bound larger than the capacity: the full select, still exact
+    few_best = torch.randn(1, width)
+    few_best[0, ::block] = 9.0  # one strided group of the bound holds them all: the bound stays below 9
+    check_kernel(few_best, k, True, block=block, capacity=8)
+    _, _, kept = kernels._select_launch(few_best, None, width, 1, width, k, True, True, block, 8)
+    assert kept.item() > 8
     # a capacity below k overflows on any row: the full select, still exact
     check_kernel(random, k, True, block=block, capacity=k - 1)
     _, _, kept = kernels._select_launch(random, None, width, 1, width, k, True, True, block, k - 1)

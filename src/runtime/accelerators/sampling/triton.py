@@ -8,10 +8,10 @@ survivors by (key descending, index ascending) through one 64-bit key per surviv
 
 The select's fast path (filter=True) touches the row only twice with cheap work before that: the element-wise maximum
 of the keys over BLOCK-sized steps gives BLOCK distinct group maxima, whose k-th largest (found in registers) is a
-lower bound of the k-th key; the entries at or above it are then compacted in index order to a scratch of CAPACITY
-per program, and the digit passes and the compaction run over those alone. Where more than CAPACITY pass the bound
-(heavy ties: an all-equal row) the program selects over its whole segment as without the filter; the result is the
-same either way.
+lower bound of the k-th key; the entries above it and the first k equal to it are then compacted in index order to a
+scratch of CAPACITY per program (an all-equal row keeps exactly k), and the digit passes and the compaction run over
+those alone. Where more than CAPACITY are kept (a large tie class above the bound) the program selects over its whole
+segment as without the filter; the result is the same either way.
 
 Where there are few rows and long ones, each row is split into segments: every segment selects its own k candidates
 (padded with index -1 where it is shorter), and a second select runs over the candidates of the row, which stay in
@@ -175,24 +175,29 @@ def _filter(
     kept_x_ptr,
     kept_idx_ptr,
     capacity,
+    wanted,
     LARGEST: tl.constexpr,
     HAS_IDX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The entries of x[:n] with key >= bound, in ascending index order, to kept[:capacity] (index + index_base);
-    returns how many there are (all of them counted, also past capacity)."""
+    """The entries of x[:n] with key > bound and the first `wanted` with key == bound, in ascending index order, to
+    kept[:capacity] (index + index_base); returns how many there are (all of them counted, also past capacity).
+    As bound is at most the wanted-th key, those hold the wanted best entries (ties: the lower index first)."""
     count = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
     for step in range(0, n, BLOCK):
         offs = step + tl.arange(0, BLOCK)
         key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        keep = valid & (key >= bound)
-        n_keep = tl.sum(keep.to(tl.int32), 0)
-        if n_keep > 0:  # most steps of a long row keep nothing: no scan, no store
+        above = valid & (key >= bound)
+        if tl.sum(above.to(tl.int32), 0) > 0:  # most steps of a long row keep nothing: no scan, no store
+            equal = above & (key == bound)
+            n_equal = tl.sum(equal.to(tl.int32), 0)
+            keep = above & ((key > bound) | (ties + tl.cumsum(equal.to(tl.int32), 0) <= wanted))
             position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-            keep = keep & (position < capacity)
-            tl.store(kept_x_ptr + position, x, mask=keep)
-            tl.store(kept_idx_ptr + position, (index + index_base).to(tl.int32), mask=keep)
-        count += n_keep
+            tl.store(kept_x_ptr + position, x, mask=keep & (position < capacity))
+            tl.store(kept_idx_ptr + position, (index + index_base).to(tl.int32), mask=keep & (position < capacity))
+            count += tl.sum(keep.to(tl.int32), 0)
+            ties += n_equal
     return count
 
 
@@ -219,9 +224,9 @@ def _select(
     """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
     shorter; index -1 after them) to out[row, segment, :k], in ascending index order.
 
-    FILTER: first the entries at or above a lower bound of the k-th key (two cheap passes over the segment) to a
-    scratch of `capacity` entries per program, then the exact select over those alone; over the whole segment
-    where more than `capacity` pass the bound (heavy ties). kept_count[row, segment]: how many passed."""
+    FILTER: first the entries above a lower bound of the k-th key and the first k equal to it (two cheap passes over
+    the segment) to a scratch of `capacity` entries per program, then the exact select over those alone; over the
+    whole segment where more than `capacity` are kept. kept_count[row, segment]: how many were kept."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -243,7 +248,7 @@ def _select(
         kept_x_ptr += program * capacity
         kept_idx_ptr += program * capacity
         count = _filter(
-            x_ptr, idx_ptr, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, LARGEST, HAS_IDX, BLOCK
+            x_ptr, idx_ptr, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, wanted, LARGEST, HAS_IDX, BLOCK
         )
         tl.store(kept_count_ptr + program, count)
         tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it back
