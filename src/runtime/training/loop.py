@@ -181,6 +181,8 @@ class Trainer:
             mode = None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode
             self.forward = torch.compile(trained, mode=mode)
         self.criterion = BCEWithLogitsLoss()
+        # what clipping reads every step (model.parameters() walks the module tree on each call)
+        self.parameters = tuple(self.model.parameters())
         self.optimizer = make_optimizer(self.model, cfg.optim, self.device, capturable=graphed)
         total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -228,7 +230,8 @@ class Trainer:
 
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the loss and the gradient norm (device tensors, no synchronisation)."""
-        self.model.train()
+        if not self.model.training:  # evaluate() leaves the model in eval mode; train() walks every module
+            self.model.train()
         loss, grad_norm = (self.graphed_step or self._optimizer_step)(batch)
         self.scheduler.step()
         self.step += 1
@@ -243,9 +246,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.trainer.grad_clip is None:
-            grad_norm = nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            grad_norm = nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
         else:
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+            grad_norm = nn.utils.clip_grad_norm_(self.parameters, self.cfg.trainer.grad_clip)
         self.optimizer.step()
         return loss.detach(), grad_norm.detach()
 
