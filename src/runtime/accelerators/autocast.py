@@ -12,4 +12,4 @@ def autocast_inputs(device_type: str, *tensors: torch.Tensor | None) -> tuple:
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors)
+    return tuple([t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors])  # a list: no generator frame
