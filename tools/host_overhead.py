@@ -24,7 +24,7 @@ cost (dispatch, autograd), not a GPU figure.
 loss, backward, gradient clipping, fused AdamW, the scheduler) of the model at the training benchmark's
 architecture (d_model 64, 4 heads, 2 layers, dropout off) on tiny data (batch 2, histories of 8 events, a 64-item
 table), so that the CPU's arithmetic is small beside the host path; the presets take turns within each repeat. Per
-preset (torch, triton): thread CPU ms per step (fastest of the repeats), our op calls per step (select_backend's
+preset (torch, triton): thread CPU ms per step (the fastest step, each timed alone), our op calls per step (select_backend's
 calls), with --aten the top-level ATen ops per step (torch.profiler), with --profile PRESET a cProfile of --steps
 steps. The triton preset runs with fallback "error" (no op silently runs torch), and the backends' "bfloat16 on the
 CPU" refusal (the interpreter's dot products, irrelevant with launches stubbed) is lifted. What it leaves out or
@@ -339,7 +339,7 @@ def time_steps(model: str, args) -> dict[str, float]:
     lift_cpu_bf16_refusals()
     print(
         f"torch {torch.__version__}, CPU, launches stubbed; {model} training step (batch 2, histories of 8), "
-        f"thread CPU ms per step (fastest of {args.repeats} x {args.steps} steps)"
+        f"thread CPU ms per step (the fastest of {args.repeats} x {args.steps} steps, each timed alone)"
     )
     steps = {}
     with tempfile.TemporaryDirectory() as run_dir:
@@ -350,7 +350,8 @@ def time_steps(model: str, args) -> dict[str, float]:
         for _ in range(args.repeats):
             for preset, (config, step) in steps.items():
                 accelerators.set_accelerators(config)  # each Trainer set its own; the last one built is active
-                best[preset] = min(best[preset], per_call_us(step, args.steps, 1, warmup=3) / 1000)
+                # each step timed alone: on a busy machine the fastest single step is the likeliest to have run alone
+                best[preset] = min(best[preset], per_call_us(step, 1, args.steps, warmup=3) / 1000)
         for preset, (config, step) in steps.items():
             accelerators.set_accelerators(config)
             calls, stats = op_calls_per_step(step, args.steps)
