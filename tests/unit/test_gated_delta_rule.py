@@ -777,3 +777,24 @@ def test_launch_grids_fit_cuda_limits_at_a_large_batch(monkeypatch):
     assert len({name for name, _ in grids}) >= 6, grids
     for name, grid in grids:
         assert all(size <= 65535 for size in tuple(grid)[1:]), f"{name}: grid {grid}"
+
+
+@pytest.mark.parametrize("case", ["unit-keys", "l2norm-keys", "raw-keys"])
+def test_blockwise_inverse_of_the_tilelang_prepare_matches_float64(case):
+    """reference.blockwise_unit_lower_inverse, the TileLang prepare kernel's algorithm: exact in float64, and with
+    its tf32 products within a bound that the chunk's other roundings (bf16 operands after it) exceed."""
+    from runtime.accelerators.gated_delta_rule.reference import blockwise_unit_lower_inverse
+
+    n, K = 64, 32
+    gen = torch.Generator().manual_seed(1)
+    if case == "unit-keys":  # identical unit keys, beta = 1, no decay: all ones below the diagonal
+        k, beta, gamma = torch.ones(n, K) / K**0.5, torch.ones(n), torch.zeros(n)
+    else:
+        k = torch.randn(n, K, generator=gen)
+        k = F.normalize(k, dim=-1) if case == "l2norm-keys" else k * 0.3
+        beta = torch.rand(n, generator=gen)
+        gamma = torch.cumsum(F.logsigmoid(torch.randn(n, generator=gen) + 2.0), 0)
+    a = torch.tril(beta[:, None] * torch.exp(gamma[:, None] - gamma[None, :]) * (k @ k.T), -1).double()
+    expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)
+    assert_close("inverse float64", blockwise_unit_lower_inverse(a), expected, 1e-12)
+    assert_close("inverse tf32", blockwise_unit_lower_inverse(a.float(), tf32=True), expected, 2e-3)

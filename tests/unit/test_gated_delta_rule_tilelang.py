@@ -1,9 +1,9 @@
 """gated_delta_rule's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
 One representative specialisation per kernel (recurrent, chunk prepare, chunk state/output, and the chunked
-backward's state store, state gradient and chunk gradient); the GPU tier checks the numbers. The backward
-kernels at K=128 are also checked to fit sm_90's shared memory (a launch-time failure that compiling does not
-catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
+backward's state store, state gradient and chunk gradient; the forward also at K=128, where its products are
+wgmma); the GPU tier checks the numbers. The chunk kernels at K=128 are also checked to fit sm_90's shared memory
+(a launch-time failure that compiling does not catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
 """
 
 import re
@@ -30,6 +30,13 @@ KERNELS = {
         16, 16, torch.float16, torch.float16, torch.float16, True, True
     ),
     "state-output-K16-V16-bf16-state": lambda: gt.state_output_entry(16, 16, torch.bfloat16, True, True, False, False),
+    # the forward at the widths of the long-sequence benchmark: wgmma products, the walk warp-specialised
+    "prepare-K128-V128-bf16-varlen-l2norm": lambda: gt.prepare_entry(
+        128, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True
+    ),
+    "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
+        128, 128, torch.bfloat16, True, True, True, True
+    ),
     # the backward: the forward's state walk storing the state entering each chunk (no output)
     "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
         16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
@@ -86,7 +93,9 @@ def test_kernel_compiles_for_sm90a(name):
     if "varlen" in name:
         assert "Cu[" in source, f"{name}: the varlen boundaries should be read on the device"
     if not name.startswith("recurrent"):
-        assert "mma_sync" in source, f"{name}: the chunk matmuls should use tensor cores"
+        assert "mma_sync" in source or "wgmma" in source, f"{name}: the chunk matmuls should use tensor cores"
+    if name.startswith(("prepare-K128", "state-output-K128")):
+        assert "wgmma" in source, f"{name}: the forward's 16-bit products should be warpgroup MMAs on sm_90a"
     for kernel, stores in STORES.items():
         if name.startswith(kernel):
             for tensor in stores:
@@ -102,8 +111,8 @@ def accessed(tensor: str, source: str) -> bool:
 
 @requires_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in KERNELS if "grad-K128" in name])
-def test_backward_kernels_fit_sm90_shared_memory(name):
+@pytest.mark.parametrize("name", [name for name in KERNELS if "K128" in name and not name.startswith("recurrent")])
+def test_chunk_kernels_at_k128_fit_sm90_shared_memory(name):
     used = dynamic_shared_bytes(KERNELS[name]())
     assert 0 < used <= SM90_SHARED_BYTES, f"{name}: {used} bytes of shared memory, sm_90 has {SM90_SHARED_BYTES}"
 

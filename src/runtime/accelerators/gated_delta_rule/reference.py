@@ -230,3 +230,34 @@ def chunk_gated_delta_rule_reference(
     o, state = _chunked(*(gather(x) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
     o = o.reshape(-1, HV, V)[valid.reshape(-1)].unsqueeze(0)
     return _finish(o, state, q, output_final_state)
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x as a tensor core's tf32 product reads it: the low 13 mantissa bits dropped."""
+    return (x.view(torch.int32) & -8192).view(torch.float32)
+
+
+def blockwise_unit_lower_inverse(a: torch.Tensor, block: int = 16, tf32: bool = False) -> torch.Tensor:
+    """(I + A)^-1 of strictly lower A [..., n, n] (n a multiple of `block`) as the TileLang prepare kernel forms it:
+    D = the inverses of I + A's diagonal blocks by forward substitution, N = D A below the diagonal blocks
+    (N^(n / block) = 0) and X_0 = D, X_{s+1} = D - N X_s, exact after n / block - 1 steps (row block b is exact
+    from X_b on: block forward substitution). With `tf32` (fp32 a) the products read their operands as tf32,
+    as the kernel's do."""
+    n = a.shape[-1]
+    rows = torch.arange(n, device=a.device)
+    diagonal = rows[:, None] // block == rows[None, :] // block
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    d = eye.expand_as(a).clone()
+    for i in range(n):  # a row of D at a time: d[i] = e_i - sum_{m < i, same block} a[i, m] d[m]
+        same = diagonal[i] & (rows < i)
+        d[..., i, :] -= (a[..., i, :] * same).unsqueeze(-2).matmul(d).squeeze(-2)
+
+    def product(x, y):
+        return _tf32(x).matmul(_tf32(y)) if tf32 else x.matmul(y)
+
+    below = rows[:, None] // block > rows[None, :] // block
+    nilpotent = torch.where(below, product(d, a), 0.0)
+    x = d
+    for _ in range(n // block - 1):
+        x = d - product(nilpotent, x)
+    return x
