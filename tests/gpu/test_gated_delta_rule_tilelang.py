@@ -1,7 +1,7 @@
 """Gated delta rule on the GPU, the TileLang backend: both forwards at every case, the chunked forward and backward
-at the half-precision cases (its chunked kernels multiply in tf32, so fp32 inputs are a not-supported reason there),
-against the float64 recurrence with test_gated_delta_rule.py's bounds; and, on both kernel backends, strong decay in a
-partial chunk and packed sequences under CUDA graphs and across streams."""
+at the half-precision cases (its chunked kernels multiply on bf16 operands, so fp32 inputs are a not-supported reason
+there), against the float64 recurrence with test_gated_delta_rule.py's bounds; and, on both kernel backends, strong
+decay in a partial chunk and packed sequences under CUDA graphs and across streams."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from runtime.accelerators.testing import assert_close
 
 # --------------------------------------------------------------------------- tilelang
 
-# the chunked TileLang kernels multiply in tf32: fp32 inputs are a not-supported reason there
+# the chunked TileLang kernels multiply on bf16 operands: fp32 inputs are a not-supported reason there
 TILELANG_CHUNK_CASES = [name for name, case in CASES.items() if case[6] != torch.float32]
 TILELANG_CASES = [("recurrent", name) for name in CASES] + [("chunk", name) for name in TILELANG_CHUNK_CASES]
 

@@ -25,8 +25,8 @@ def _reasons(
     reasons = dtype_reasons("q", q) + dtype_reasons("g", g) + dtype_reasons("beta", beta)
     if backend == "tilelang" and mode == "chunk" and q.dtype == torch.float32:
         reasons.append(
-            "q has dtype float32; the tilelang chunked kernels multiply in tf32 (above the fp32 error bound): "
-            "use bf16/fp16 inputs, the triton backend, or fused_recurrent_gated_delta_rule"
+            "q has dtype float32; the tilelang chunked kernels multiply on bf16 operands and in tf32 (above the fp32 "
+            "error bound): use bf16/fp16 inputs, the triton backend, or fused_recurrent_gated_delta_rule"
         )
     if initial_state is not None:
         reasons += dtype_reasons("initial_state", initial_state)

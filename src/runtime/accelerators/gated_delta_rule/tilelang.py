@@ -16,15 +16,23 @@ Recurrent: one program per (V block, sequence x value head) keeps its [K, BV] st
 fragment and walks the steps; q/k are normalised in fp32 as they are loaded when asked.
 
 Chunked (chunks of BT = 64 steps; see reference.py for the math):
-  1. prepare, one program per (chunk, value head): gamma = cumsum(g), A = beta exp(gamma_t - gamma_j)
-     k_t.k_j (strictly lower), (I + A)^-1 by forward substitution (a thread per column: the columns
-     are independent), w = (I + A)^-1 diag(beta e^gamma) K and u = (I + A)^-1 diag(beta) V.
-  2. state/output, one program per (V block, sequence x value head): walks the chunks with the
-     [K, BV] state, U = u - w S, O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j<=t} U),
-     S <- e^gamma_last S + (K * e^(gamma_last - gamma))^T U. The backward runs it again with no output,
-     storing the state entering each chunk.
-The matmuls are tensor-core gemms on fp32 operands (tf32), so the chunked kernels take half inputs
-only; fp32 inputs get the recurrent kernel's exact fp32 math or the other backends.
+  1. prepare, one program per (chunk, value head), one warpgroup: gamma = cumsum(g) (full decays counted apart),
+     k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
+     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by 16x16 blocks: the four
+     diagonal blocks by forward substitution (a thread per (block, column), 16 rows deep), then
+     N = D A_below and X <- D - N X three times from X = D (block forward substitution as 64x64 products, in
+     tf32: its operands are computed values, which bf16 would round too coarsely). w = (I + A)^-1
+     diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the inverse and the scaled rows
+     rounded to bf16, as the Triton kernel's HALF_WY products).
+  2. state/output, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: q, k, w and
+     gamma loaded a chunk ahead, q and k by TMA for bf16 inputs; at K = 128 TileLang warp-specialises it) with the [K, BV] state in an
+     fp32 fragment across the walk; per chunk U = u - w S, O = scale (diag(e^gamma rstd_q) Q S + P U) with
+     P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
+     rstd_k), every product on bf16 operands (S, w, U, P rounded) accumulated in fp32, the state update straight
+     into the state's fragment. The backward runs it again with no output, storing the state entering each chunk.
+gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
+inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
+the other backends.
 """
 
 import tilelang.language as T
