@@ -798,3 +798,37 @@ def test_blockwise_inverse_of_the_tilelang_prepare_matches_float64(case):
     expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)
     assert_close("inverse float64", blockwise_unit_lower_inverse(a), expected, 1e-12)
     assert_close("inverse tf32", blockwise_unit_lower_inverse(a.float(), tf32=True), expected, 2e-3)
+
+
+@pytest.mark.parametrize("case", ["plain", "l2norm-state-full-decay"])
+def test_tilelang_backward_stages_match_autograd_in_float64(case):
+    """reference.chunked_backward_stages, the TileLang backward's decompositions (folded l2norm factors, dA through
+    dU U^T, dgamma by row and column sums and the last row): every gradient equals autograd of the recurrence."""
+    from runtime.accelerators.gated_delta_rule.reference import chunked_backward_stages
+
+    l2norm = case != "plain"
+    B, T, H, K, V = 2, 128, 2, 16, 8
+    x = {n: t.double() for n, t in make_inputs(B, T, H, H, K, V, state=l2norm, seed=3).items()}
+    if l2norm:
+        x["q"], x["k"] = x["q"] * 3.0, x["k"] * 0.5  # raw rows far from unit norm
+        x["g"][0, 70, 1] = -200.0  # a full decay inside the second chunk
+        x["g"][1, 127, 0] = -1e4  # and on a chunk's last row
+    initial = x.pop("initial_state", None)
+    scale = K**-0.5
+    gen = torch.Generator().manual_seed(4)
+    grad_o = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    grad_final = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    if initial is not None:
+        leaves["initial_state"] = initial.clone().requires_grad_()
+    o, final = recurrent_gated_delta_rule_reference(
+        *(leaves[n] for n in ("q", "k", "v", "g", "beta")), scale, leaves.get("initial_state"), True, l2norm
+    )
+    ((o * grad_o).sum() + (final * grad_final).sum()).backward()
+    got = chunked_backward_stages(
+        *(x[n] for n in ("q", "k", "v", "g", "beta")), scale, initial, grad_o, grad_final, l2norm
+    )
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for name, value in zip(names, got):
+        if name in leaves:
+            assert_close(f"d{name}", value, leaves[name].grad, 1e-10)

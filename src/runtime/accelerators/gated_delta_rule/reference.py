@@ -261,3 +261,96 @@ def blockwise_unit_lower_inverse(a: torch.Tensor, block: int = 16, tf32: bool = 
     for _ in range(n // block - 1):
         x = d - product(nilpotent, x)
     return x
+
+
+def _l2norm_backward(dx_n: torch.Tensor, raw: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """d raw of x_n = raw rstd: (dx_n - x_n (dx_n . x_n)) rstd, with x_n . dx_n = rstd (raw . dx_n)."""
+    projection = (dx_n * raw).sum(-1, keepdim=True) * rstd * rstd
+    return (dx_n - raw * projection) * rstd
+
+
+def chunked_backward_stages(q, k, v, g, beta, scale, initial_state, grad_o, grad_final, l2norm: bool):
+    """The TileLang chunked backward's stages (tilelang_backward.py) in torch, on one sequence per batch row, HV = H
+    and T a multiple of CHUNK_SIZE: the same decompositions (raw q/k rows with the l2norm's rsqrt factors folded
+    into the other operand, dA = -T^T (dU U^T), dgamma by row and column sums, dS_last on the chunk's last row) in the
+    inputs' dtype, for a float64 check against autograd. Returns (dq, dk, dv, dg, dbeta, d(initial_state))."""
+    B, T, H, K = q.shape
+    V, C = v.shape[-1], CHUNK_SIZE
+    n_chunks = T // C
+
+    def blocks(x):  # [B, T, H, ...] -> [B, H, n_chunks, C, ...]
+        x = x.reshape(B, n_chunks, C, H, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    q, k, v, g, beta, grad_o = (blocks(x) for x in (q, k, v, g, beta, grad_o))
+    ones = lambda x: torch.ones_like(x[..., 0])  # noqa: E731
+    rq = torch.rsqrt((q * q).sum(-1) + 1e-6) if l2norm else ones(q)
+    rk = torch.rsqrt((k * k).sum(-1) + 1e-6) if l2norm else ones(k)
+    gamma = local_gamma(g)
+    last = gamma[..., -1:]
+    e_gamma, to_end = gamma.exp(), (last - gamma).exp()
+    rows = torch.arange(C, device=q.device)
+    causal, strict = rows[:, None] >= rows[None, :], rows[:, None] > rows[None, :]
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kk = (k @ k.transpose(-1, -2)) * rk[..., :, None] * rk[..., None, :]
+    a = (beta[..., None] * kk * decay).masked_fill(~strict, 0.0)
+    inverse = torch.linalg.inv(torch.eye(C, dtype=q.dtype, device=q.device) + a)
+    w = inverse @ ((beta * e_gamma * rk)[..., None] * k)
+    u = inverse @ (beta[..., None] * v)
+    # 0: the states entering each chunk and the corrections U
+    state = initial_state.to(q.dtype) if initial_state is not None else q.new_zeros(B, H, K, V)
+    states, corrections = [], []
+    for c in range(n_chunks):
+        states.append(state)
+        corrections.append(u[:, :, c] - w[:, :, c] @ state)
+        k_tilde = k[:, :, c] * (to_end[:, :, c] * rk[:, :, c])[..., None]
+        state = last[:, :, c, :, None].exp() * state + k_tilde.transpose(-1, -2) @ corrections[-1]
+    states, corrections = torch.stack(states, 2), torch.stack(corrections, 2)
+    # 1: dU_local = scale P^T dO and the walk's row factors
+    q_factor, k_factor = scale * e_gamma * rq, to_end * rk
+    attention_t = (k @ q.transpose(-1, -2)) * (decay * rq[..., :, None] * rk[..., None, :]).transpose(-1, -2) * scale
+    du_local = attention_t @ grad_o
+    # 2: the reverse walk
+    dstate = grad_final.to(q.dtype) if grad_final is not None else q.new_zeros(B, H, K, V)
+    dstates, du = [None] * n_chunks, [None] * n_chunks
+    for c in reversed(range(n_chunks)):
+        dstates[c] = dstate
+        du[c] = du_local[:, :, c] + k_factor[:, :, c, :, None] * (k[:, :, c] @ dstate)
+        dstate = (
+            last[:, :, c, :, None].exp() * dstate
+            + q[:, :, c].transpose(-1, -2) @ (q_factor[:, :, c, :, None] * grad_o[:, :, c])
+            - w[:, :, c].transpose(-1, -2) @ du[c]
+        )
+    dstates, du = torch.stack(dstates, 2), torch.stack(du, 2)
+    # 3: the products with the states; dq, and the output's and S''s parts of dk and dgamma
+    dq_state = grad_o @ states.transpose(-1, -2)
+    dk_state = corrections @ dstates.transpose(-1, -2)
+    dw = -(du @ states.transpose(-1, -2))
+    dp = (grad_o @ corrections.transpose(-1, -2)) * decay * scale
+    m = dp * (q @ k.transpose(-1, -2)) * rq[..., :, None] * rk[..., None, :]
+    k_term = to_end * rk * (dk_state * k).sum(-1)
+    d_gamma = q_factor * (dq_state * q).sum(-1) + m.sum(-1) - m.sum(-2) - k_term
+    d_gamma[..., -1] += last[..., 0].exp() * (states * dstates).sum((-1, -2)) + k_term.sum(-1)
+    dq = dq_state * (scale * e_gamma)[..., None] + (dp * rk[..., None, :]) @ k  # of the normalised rows
+    dk = dk_state * to_end[..., None] + (dp * rq[..., :, None]).transpose(-1, -2) @ q
+    # 4: through u, w and T
+    du_u = du @ corrections.transpose(-1, -2)
+    dv_beta = inverse.transpose(-1, -2) @ du
+    da = -(inverse.transpose(-1, -2) @ du_u) * decay.masked_fill(~strict, 0.0)
+    dk_w = inverse.transpose(-1, -2) @ dw
+    k_dkw = e_gamma * rk * (dk_w * k).sum(-1)
+    m = da * kk
+    a_rows, a_cols = m.sum(-1), (m * beta[..., None]).sum(-2)
+    dkk = (da * beta[..., :, None] + da.transpose(-1, -2) * beta[..., None, :]) * rk[..., None, :]
+    dk = dk + dk_w * (beta * e_gamma)[..., None] + dkk @ k
+    dbeta = (dv_beta * v).sum(-1) + k_dkw + a_rows
+    d_gamma = d_gamma + beta * (k_dkw + a_rows) - a_cols
+    dg = d_gamma.flip(-1).cumsum(-1).flip(-1).masked_fill(g <= -FULL_DECAY, 0.0)
+    if l2norm:
+        dq, dk = _l2norm_backward(dq, q, rq[..., None]), _l2norm_backward(dk, k, rk[..., None])
+
+    def unblock(x):  # [B, H, n_chunks, C, ...] -> [B, T, H, ...]
+        return x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(B, T, H, *x.shape[4:])
+
+    dv = dv_beta * beta[..., None]
+    return (*(unblock(x) for x in (dq, dk, dv, dg, dbeta)), dstate)

@@ -47,6 +47,7 @@ from .tilelang_shared import (
     BT,
     L2NORM_EPS,
     OPERAND,
+    OPERAND_TORCH,
     SUB,
     Chunks,
     _contiguous,
@@ -356,7 +357,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     entry = state_output_entry(K, V, q.dtype, initial_state is not None, bool(output_final_state), l2norm, varlen)
     launcher(entry, device)(
         q_rows, k_rows, gamma, w, u, rows(o, HV, V), placeholder(device) if initial_state is None else initial_state,
-        final if output_final_state else placeholder(device), placeholder(device), chunks.cu, chunks.first,
+        final if output_final_state else placeholder(device), placeholder(device, OPERAND_TORCH),
+        placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first,
         float(scale), T_, n, HV // H,
     )  # fmt: skip
     return o, final, gamma, w, u, inverse

@@ -13,6 +13,7 @@ from .varlen import chunk_table, on_device
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 SUB = 16  # the diagonal blocks of (I + A) that prepare inverts by substitution
 OPERAND = "bfloat16"  # the 16-bit operands of the forward's products (fp32 accumulation), as the Triton kernels'
+OPERAND_TORCH = torch.bfloat16
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
 CU_DTYPE = torch.int32
 
@@ -132,7 +133,8 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                         varlen: bool, write_output: bool = True, store_states: bool = False,
                         stages: int = 2):  # fmt: skip
     """The forward's state walk; for the backward (store_states, no output) it stores the state entering
-    each chunk at the chunk's global index: States[First[n] + c] (fixed length: n * chunks per sequence + c).
+    each chunk at the chunk's global index, States[First[n] + c] (fixed length: n * chunks per sequence + c), and the
+    corrections U = u - w S per row, both in bf16 as the backward's products take them.
     `stages`: the software pipeline's depth over the chunks' q/k loads."""
     R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
     threads = _state_threads(K, BV)
@@ -148,7 +150,8 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         O: T.Tensor((R, HV, V) if write_output else (1,), dtype),
         H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
-        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), ACCUM),
+        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), OPERAND),
+        Corrections: T.Tensor((R, HV, V) if store_states else (1,), OPERAND),
         Cu: T.Tensor((NC,), "int32"),
         First: T.Tensor((NF,), "int32"),
         scale: T.float32,
@@ -192,7 +195,7 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
                 if store_states:
                     for i, j in T.Parallel(K, BV):
-                        States[first + c, hv, i, v0 + j] = state[i, j]
+                        States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
                 last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
                 for i, j in T.Parallel(BT, K):
                     w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
@@ -215,6 +218,10 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                         corr[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i], 0.0),
                         OPERAND,
                     )
+                if store_states:
+                    for i, j in T.Parallel(BT, BV):
+                        if start + i < eos:
+                            Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
                 if write_output:
                     # O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}
                     T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
