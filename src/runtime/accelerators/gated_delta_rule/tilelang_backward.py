@@ -314,8 +314,9 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             T.clear(s_ds)
             for i_v in T.Pipelined(V // BV, num_stages=2):
                 v0 = i_v * BV
-                T.copy(States[i_t, hv, 0:K, v0 : v0 + BV], s_h)
-                T.copy(DStates[i_t, hv, 0:K, v0 : v0 + BV], ds_h)
+                # cp.async, not TMA: TMA would warp-specialise the loop, halving the registers of the accumulators
+                T.copy(States[i_t, hv, 0:K, v0 : v0 + BV], s_h, disable_tma=True)
+                T.copy(DStates[i_t, hv, 0:K, v0 : v0 + BV], ds_h, disable_tma=True)
                 load_rows(DO, do_h, hv, v0, start, eos)
                 load_rows(DU, du_h, hv, v0, start, eos)
                 load_rows(Corrections, u_h, hv, v0, start, eos)
