@@ -269,14 +269,17 @@ def _l2norm_backward(dx_n: torch.Tensor, raw: torch.Tensor, rstd: torch.Tensor) 
     return (dx_n - raw * projection) * rstd
 
 
-def chunked_backward_stages(q, k, v, g, beta, scale, initial_state, grad_o, grad_final, l2norm: bool):
+def chunked_backward_stages(q, k, v, g, beta, scale, initial_state, grad_o, grad_final, l2norm: bool, operand=None):
     """The TileLang chunked backward's stages (tilelang_backward.py) in torch, on one sequence per batch row, HV = H
     and T a multiple of CHUNK_SIZE: the same decompositions (raw q/k rows with the l2norm's rsqrt factors folded
     into the other operand, dA = -T^T (dU U^T), dgamma by row and column sums, dS_last on the chunk's last row) in the
-    inputs' dtype, for a float64 check against autograd. Returns (dq, dk, dv, dg, dbeta, d(initial_state))."""
+    inputs' dtype, for a float64 check against autograd. `operand` (None: exact) rounds what the kernels take as 16-bit
+    product operands or store in 16 bits, the forward's w, u and states included. Returns (dq, dk, dv, dg, dbeta,
+    d(initial_state))."""
     B, T, H, K = q.shape
     V, C = v.shape[-1], CHUNK_SIZE
     n_chunks = T // C
+    op = operand or (lambda x: x)
 
     def blocks(x):  # [B, T, H, ...] -> [B, H, n_chunks, C, ...]
         x = x.reshape(B, n_chunks, C, H, *x.shape[3:])
@@ -295,54 +298,56 @@ def chunked_backward_stages(q, k, v, g, beta, scale, initial_state, grad_o, grad
     kk = (k @ k.transpose(-1, -2)) * rk[..., :, None] * rk[..., None, :]
     a = (beta[..., None] * kk * decay).masked_fill(~strict, 0.0)
     inverse = torch.linalg.inv(torch.eye(C, dtype=q.dtype, device=q.device) + a)
-    w = inverse @ ((beta * e_gamma * rk)[..., None] * k)
-    u = inverse @ (beta[..., None] * v)
+    w = op(inverse) @ op((beta * e_gamma * rk)[..., None] * k)
+    u = op(inverse) @ op(beta[..., None] * v)
     # 0: the states entering each chunk and the corrections U
     state = initial_state.to(q.dtype) if initial_state is not None else q.new_zeros(B, H, K, V)
     states, corrections = [], []
     for c in range(n_chunks):
-        states.append(state)
-        corrections.append(u[:, :, c] - w[:, :, c] @ state)
-        k_tilde = k[:, :, c] * (to_end[:, :, c] * rk[:, :, c])[..., None]
-        state = last[:, :, c, :, None].exp() * state + k_tilde.transpose(-1, -2) @ corrections[-1]
-    states, corrections = torch.stack(states, 2), torch.stack(corrections, 2)
+        states.append(op(state))
+        corrections.append(u[:, :, c] - op(w[:, :, c]) @ states[-1])
+        scaled = op(corrections[-1] * (to_end[:, :, c] * rk[:, :, c])[..., None])
+        state = last[:, :, c, :, None].exp() * state + k[:, :, c].transpose(-1, -2) @ scaled
+    states, corrections = torch.stack(states, 2), op(torch.stack(corrections, 2))
     # 1: dU_local = scale P^T dO and the walk's row factors
     q_factor, k_factor = scale * e_gamma * rq, to_end * rk
     attention_t = (k @ q.transpose(-1, -2)) * (decay * rq[..., :, None] * rk[..., None, :]).transpose(-1, -2) * scale
-    du_local = attention_t @ grad_o
+    du_local = op(op(attention_t) @ grad_o)
     # 2: the reverse walk
     dstate = grad_final.to(q.dtype) if grad_final is not None else q.new_zeros(B, H, K, V)
     dstates, du = [None] * n_chunks, [None] * n_chunks
     for c in reversed(range(n_chunks)):
-        dstates[c] = dstate
-        du[c] = du_local[:, :, c] + k_factor[:, :, c, :, None] * (k[:, :, c] @ dstate)
+        dstates[c] = op(dstate)
+        du_fp32 = du_local[:, :, c] + k_factor[:, :, c, :, None] * (k[:, :, c] @ dstates[c])
+        du[c] = op(du_fp32)
         dstate = (
             last[:, :, c, :, None].exp() * dstate
-            + q[:, :, c].transpose(-1, -2) @ (q_factor[:, :, c, :, None] * grad_o[:, :, c])
-            - w[:, :, c].transpose(-1, -2) @ du[c]
+            + q[:, :, c].transpose(-1, -2) @ op(q_factor[:, :, c, :, None] * grad_o[:, :, c])
+            - op(w[:, :, c]).transpose(-1, -2) @ du[c]
         )
     dstates, du = torch.stack(dstates, 2), torch.stack(du, 2)
     # 3: the products with the states; dq, and the output's and S''s parts of dk and dgamma
     dq_state = grad_o @ states.transpose(-1, -2)
     dk_state = corrections @ dstates.transpose(-1, -2)
-    dw = -(du @ states.transpose(-1, -2))
+    dw = op(-(du @ states.transpose(-1, -2)))
     dp = (grad_o @ corrections.transpose(-1, -2)) * decay * scale
     m = dp * (q @ k.transpose(-1, -2)) * rq[..., :, None] * rk[..., None, :]
     k_term = to_end * rk * (dk_state * k).sum(-1)
     d_gamma = q_factor * (dq_state * q).sum(-1) + m.sum(-1) - m.sum(-2) - k_term
     d_gamma[..., -1] += last[..., 0].exp() * (states * dstates).sum((-1, -2)) + k_term.sum(-1)
-    dq = dq_state * (scale * e_gamma)[..., None] + (dp * rk[..., None, :]) @ k  # of the normalised rows
-    dk = dk_state * to_end[..., None] + (dp * rq[..., :, None]).transpose(-1, -2) @ q
+    dq = dq_state * (scale * e_gamma)[..., None] + op(dp * rk[..., None, :]) @ k  # of the normalised rows
+    dk = dk_state * to_end[..., None] + op(dp * rq[..., :, None]).transpose(-1, -2) @ q
     # 4: through u, w and T
+    inverse_t = op(inverse).transpose(-1, -2)
     du_u = du @ corrections.transpose(-1, -2)
-    dv_beta = inverse.transpose(-1, -2) @ du
-    da = -(inverse.transpose(-1, -2) @ du_u) * decay.masked_fill(~strict, 0.0)
-    dk_w = inverse.transpose(-1, -2) @ dw
+    dv_beta = inverse_t @ du
+    da = -(inverse_t @ op(du_u)) * decay.masked_fill(~strict, 0.0)
+    dk_w = inverse_t @ dw
     k_dkw = e_gamma * rk * (dk_w * k).sum(-1)
     m = da * kk
     a_rows, a_cols = m.sum(-1), (m * beta[..., None]).sum(-2)
     dkk = (da * beta[..., :, None] + da.transpose(-1, -2) * beta[..., None, :]) * rk[..., None, :]
-    dk = dk + dk_w * (beta * e_gamma)[..., None] + dkk @ k
+    dk = dk + dk_w * (beta * e_gamma)[..., None] + op(dkk) @ k
     dbeta = (dv_beta * v).sum(-1) + k_dkw + a_rows
     d_gamma = d_gamma + beta * (k_dkw + a_rows) - a_cols
     dg = d_gamma.flip(-1).cumsum(-1).flip(-1).masked_fill(g <= -FULL_DECAY, 0.0)
