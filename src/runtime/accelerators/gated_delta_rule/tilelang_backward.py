@@ -22,8 +22,11 @@ Five launches after the forward's factors (gamma, w, u, T):
   4. grad_wy, one program per (chunk, value head): dv = beta T^T dU and dA = -T^T (dU U^T) (T dT^T = dU U^T, see
      triton_backward_wy.py) over V blocks, then dk and dbeta through w = T diag(beta e^gamma) K and through A, the
      l2norm backward of k and dg, the reverse cumulative sum of dgamma within the chunk (0 at a full decay).
-Every product takes bf16 operands (the stored tensors as they are, computed ones rounded: as the Triton backward's
-HALF products) and accumulates in fp32 (wgmma on sm_90a); row and column sums are fragment reductions.
+Every product takes bf16 operands (the stored tensors as they are, computed ones rounded; fp16 q/k rounded, as the
+forward's) and accumulates in fp32 (wgmma on sm_90a), at every K: the Triton backward's HALF products, which it runs
+at K = 128 (reference.chunked_backward_stages mirrors the roundings: about 3e-3 from float64 at every K of the GPU
+cases). Row and column sums are fragment reductions; the loads of step 3's V loop are cp.async (TMA would
+warp-specialise it and halve the registers of its three [BT, K] accumulators).
 dq/dk are written per value head (fp32) and summed over the value heads of each q/k head (GVA) in torch.
 
 Rows of chunks past their sequence's end are masked in every operand that a product sums over, and every decay
@@ -538,13 +541,12 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
                     0.0,
                 )
             # dg = the reverse cumulative sum of dgamma within the chunk
+            T.sync_threads()
+            T.cumsum(dgamma_s, dim=0, reverse=True)
+            T.sync_threads()
             for i in T.Parallel(BT):
-                total = T.alloc_var(ACCUM)
-                total = 0.0
-                for j in T.serial(BT):
-                    total += T.if_then_else(j >= i, dgamma_s[j], 0.0)
                 if start + i < eos:  # 0 at a full decay, which gamma does not sum (reference.local_gamma)
-                    DG[start + i, hv] = T.if_then_else(T.cast(G[start + i, hv], ACCUM) <= -FULL_DECAY, 0.0, total)
+                    DG[start + i, hv] = T.if_then_else(T.cast(G[start + i, hv], ACCUM) <= -FULL_DECAY, 0.0, dgamma_s[i])
 
     return gdr_chunk_grad_wy
 
