@@ -12,8 +12,8 @@ Five launches after the forward's factors (gamma, w, u, T):
      each chunk, States[global chunk], and U per row, both bf16;
   1. local_grad, one program per (chunk, value head): dU_local = scale P^T dO over V blocks (stored bf16 where dU
      goes), and the walk's row factors scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k;
-  2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined loads)
-     with dS' in an fp32 fragment: DStates[chunk] = dS' (bf16), dU = dU_local + K~ dS',
+  2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined: q, k,
+     dO and dU_local by TMA, w and the factors loaded a chunk ahead by the producer warps) with dS' in an fp32 fragment: DStates[chunk] = dS' (bf16), dU = dU_local + K~ dS',
      dS = e^gamma_last dS' + Q~^T dO - w^T dU (K~, Q~: the rows times the factors); the first chunk's dS is
      d(initial_state);
   3. grad_qk, one program per (chunk, value head): over V blocks the products with the states, dO S^T, U dS'^T,
@@ -197,6 +197,8 @@ def state_grad_kernel(
             w_h = T.alloc_shared((BT, K), OPERAND)
             q_factor_s = T.alloc_shared((BT,), ACCUM)
             k_factor_s = T.alloc_shared((BT,), ACCUM)
+            do_s = T.alloc_shared((BT, BV), dtype)  # dO and dU_local as stored (pipelined loads), rows past eos unused
+            du_s = T.alloc_shared((BT, BV), OPERAND)
             du = T.alloc_fragment((BT, BV), ACCUM)
             du_neg_h = T.alloc_shared((BT, BV), OPERAND)  # -dU
             do_q_h = T.alloc_shared((BT, BV), OPERAND)  # diag(q factor) dO
@@ -211,6 +213,8 @@ def state_grad_kernel(
                 start = bos + c * BT
                 T.copy(Q[start : start + BT, h, 0:K], q_s)
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
+                T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
+                T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
                 for i, j in T.Parallel(BT, K):
                     w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
                 for i in T.Parallel(BT):
@@ -224,12 +228,11 @@ def state_grad_kernel(
                 T.gemm(k_s, dstate_h, du, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     du[i, j] = T.if_then_else(
-                        start + i < eos, T.cast(DU[start + i, hv, v0 + j], ACCUM) + du[i, j] * k_factor_s[i], 0.0
+                        start + i < eos, T.cast(du_s[i, j], ACCUM) + du[i, j] * k_factor_s[i], 0.0
                     )
                     du_neg_h[i, j] = T.cast(-du[i, j], OPERAND)
                     do_q_h[i, j] = T.cast(
-                        T.if_then_else(start + i < eos, T.cast(DO[start + i, hv, v0 + j], ACCUM) * q_factor_s[i], 0.0),
-                        OPERAND,
+                        T.if_then_else(start + i < eos, T.cast(do_s[i, j], ACCUM) * q_factor_s[i], 0.0), OPERAND
                     )
                 for i, j in T.Parallel(BT, BV):
                     if start + i < eos:
