@@ -320,12 +320,16 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             T.clear(s_ds)
             for i_v in T.Pipelined(V // BV, num_stages=2):
                 v0 = i_v * BV
-                # cp.async, not TMA: TMA would warp-specialise the loop, halving the registers of the accumulators
+                # cp.async, not TMA: TMA would warp-specialise the loop, halving the registers of the accumulators.
+                # Rows past eos are not masked: every product here is per row of dO, dU, U or masked by dP's select
                 T.copy(States[i_t, hv, 0:K, v0 : v0 + BV], s_h, disable_tma=True)
                 T.copy(DStates[i_t, hv, 0:K, v0 : v0 + BV], ds_h, disable_tma=True)
-                load_rows(DO, do_h, hv, v0, start, eos)
-                load_rows(DU, du_h, hv, v0, start, eos)
-                load_rows(Corrections, u_h, hv, v0, start, eos)
+                T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_h, disable_tma=True)
+                T.copy(Corrections[start : start + BT, hv, v0 : v0 + BV], u_h, disable_tma=True)
+                if dtype == OPERAND:
+                    T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_h, disable_tma=True)
+                else:
+                    load_rows(DO, do_h, hv, v0, start, eos)
                 for i, j in T.Parallel(K, BV):
                     s_ds[i, j] += T.cast(s_h[i, j], ACCUM) * T.cast(ds_h[i, j], ACCUM)
                 T.gemm(do_h, s_h, dq, transpose_B=True)
