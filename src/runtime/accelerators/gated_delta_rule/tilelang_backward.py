@@ -442,7 +442,8 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             beta_s = T.alloc_shared((BT,), ACCUM)
             inv_h = T.alloc_shared((BT, BT), OPERAND)  # T = (I + A)^-1
             # the V loop
-            du_h = T.alloc_shared((BT, BV), OPERAND)
+            du_h = T.alloc_shared((BT, BV), OPERAND)  # dU as dU U^T's first operand
+            du_t = T.alloc_shared((BV, BT), OPERAND)  # dU^T: T^T dU's second operand, K-major (N-major failed at BV 16)
             u_h = T.alloc_shared((BT, BV), OPERAND)
             du_u = T.alloc_fragment((BT, BT), ACCUM)  # dU U^T = dT T^T
             dv_beta = T.alloc_fragment((BT, BV), ACCUM)  # T^T dU
@@ -481,9 +482,13 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             for i_v in T.Pipelined(V // BV, num_stages=2):
                 v0 = i_v * BV
                 load_rows(DU, du_h, hv, v0, start, eos)
+                for i, j in T.Parallel(BT, BV):
+                    du_t[j, i] = T.cast(
+                        T.if_then_else(start + i < eos, T.cast(DU[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND
+                    )
                 load_rows(Corrections, u_h, hv, v0, start, eos)
                 T.gemm(du_h, u_h, du_u, transpose_B=True)
-                T.gemm(inv_h, du_h, dv_beta, transpose_A=True, clear_accum=True)
+                T.gemm(inv_h, du_t, dv_beta, transpose_A=True, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     if start + i < eos:
                         DV[start + i, hv, v0 + j] = T.cast(dv_beta[i, j] * beta_s[i], dtype)
