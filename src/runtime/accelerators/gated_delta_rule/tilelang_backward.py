@@ -60,8 +60,9 @@ from .tilelang_shared import (
 
 
 def _walk_stages(K: int, dtype) -> int:
-    """Pipeline depth of the reverse walk's loads (q, k, w of a chunk): two stages but at K = 128, where they take
-    124 KB of shared memory (one block an SM: the B4-T4096-H16 walk's 256 programs would run in two waves), and for
+    """Pipeline depth of the reverse walk's loads (q, k, dO, dU, w of a chunk): two stages but at K = 128, where they
+    take 132 KB of shared memory against 75 KB (one block an SM: the B4-T4096-H16 walk's 256 programs would run in
+    two waves), and for
     fp16 inputs, whose q/k loads convert (no TMA; two stages of them failed to lower in TileLang 0.1.15)."""
     return 1 if K >= 128 or dtype != torch.bfloat16 else 2
 
