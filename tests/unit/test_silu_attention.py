@@ -265,7 +265,7 @@ def test_explicit_tilelang_follows_the_fallback_rule():
     assert_close("o", out, oracle(q, k, v, cu, kwargs), 1e-6)
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="silu_attention"):
         silu_attention(q, k, v, cu, **kwargs, backend="tilelang")
-    assert SPEC.priority == ("triton", "tilelang")
+    assert SPEC.priority == ("tilelang", "triton")  # TileLang ran 2.2x faster than Triton on an H200
 
 
 def _call(**changes):

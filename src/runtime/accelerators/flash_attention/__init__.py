@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autocast import autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
@@ -229,13 +230,34 @@ def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
     _checked_lengths = (None, -1, -1) if version is None else (weakref.ref(key_lengths), version, lk)
 
 
+_lengths_copy: tuple = (None, -1, None)  # (weakref to the last key_lengths cast for the kernels, its version, the copy)
+
+
+def _kernel_lengths(key_lengths: torch.Tensor) -> torch.Tensor:
+    """key_lengths as the kernels read them, contiguous int32. The copy made for a tensor passed again unchanged is
+    reused (every attention layer of a model gets the same lengths: one cast a step, not one a layer); not while
+    compiling or capturing a CUDA graph, where the cast must be recorded, nor for an inference tensor (no version
+    counter to tell whether it changed in place)."""
+    global _lengths_copy
+    if key_lengths.dtype == torch.int32 and key_lengths.is_contiguous():
+        return key_lengths
+    if (
+        torch.compiler.is_compiling()
+        or key_lengths.is_inference()
+        or (key_lengths.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return key_lengths.to(torch.int32).contiguous()
+    ref, version, copy = _lengths_copy
+    if ref is not None and ref() is key_lengths and version == key_lengths._version:
+        return copy
+    copy = key_lengths.to(torch.int32).contiguous()
+    _lengths_copy = (weakref.ref(key_lengths), key_lengths._version, copy)
+    return copy
+
+
 def _autocast(q, k, v):
     """Under autocast, attention runs in the autocast dtype (as SDPA does)."""
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v
+    return autocast_inputs(q.device.type, q, k, v)
 
 
 def flash_attention(
@@ -309,7 +331,7 @@ def flash_attention(
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:
-        key_lengths = key_lengths.to(torch.int32).contiguous()
+        key_lengths = _kernel_lengths(key_lengths)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)
