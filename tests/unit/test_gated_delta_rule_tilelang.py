@@ -30,6 +30,8 @@ KERNELS = {
         16, 16, torch.float16, torch.float16, torch.float16, True, True
     ),
     "state-output-K16-V16-bf16-state": lambda: gt.state_output_entry(16, 16, torch.bfloat16, True, True, False, False),
+    # fp16 q and k converted to bf16 on load, l2-normalised in the walk
+    "state-output-K64-V32-f16-l2norm": lambda: gt.state_output_entry(64, 32, torch.float16, False, True, True, False),
     # the forward at the widths of the long-sequence benchmark: wgmma products, the walk warp-specialised
     "prepare-K128-V128-bf16-varlen-l2norm": lambda: gt.prepare_entry(
         128, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True

@@ -27,10 +27,14 @@ def _state_threads(K: int, BV: int) -> int:
     return 32 * min(4, (K // 16) * (BV // 8))
 
 
-def _state_stages(K: int, write_output: bool) -> int:
+def _state_stages(K: int, dtype, write_output: bool) -> int:
     """Pipeline depth of the state walk: two stages but at K = 128 with the output, where they take 132 KB of shared
-    memory (one block an SM: the B4-T4096-H16 walk's 256 programs would run in two waves)."""
-    return 1 if K >= 128 and write_output else 2
+    memory (one block an SM: the B4-T4096-H16 walk's 256 programs would run in two waves), and with fp16 q and k
+    with the output: their loads convert to bf16 there, and TileLang 0.1.15's pipeline then waits on a loop-dependent
+    count of copy groups, which its CUDA code generator rejects."""
+    if write_output and (K >= 128 or dtype == torch.float16):
+        return 1
+    return 2
 
 
 def chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
@@ -258,7 +262,7 @@ def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bo
                        write_output: bool = True, store_states: bool = False, stages: int | None = None) -> Entry:  # fmt: skip
     """stages: the pipeline depth of the walk's loads (None: _state_stages)."""
     BV = _state_block(K, V)
-    stages = _state_stages(K, write_output) if stages is None else stages
+    stages = _state_stages(K, dtype, write_output) if stages is None else stages
     flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
     key = ("gdr_chunk_state_output", K, V, BV, dtype, flags, stages)
     return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
