@@ -16,6 +16,22 @@ What this leaves out: the launcher itself (a few us on the GPU host), the CUDA c
 and the GPU itself. Times are microseconds of this thread's CPU time per call, back to back, the fastest of several
 repeats (the machine is noisy); compare runs on one machine only. The torch rows run the eager torch op on CPU at a tiny size: its host
 cost (dispatch, autograd), not a GPU figure.
+
+    PYTHONPATH=src python tools/host_overhead.py --step baseline               # a whole training step, per preset
+    PYTHONPATH=src python tools/host_overhead.py --step gdr --profile triton   # plus cProfile of the step
+
+--step MODEL times a whole eager training step (runtime.training's Trainer.train_step: forward under bf16 autocast,
+loss, backward, gradient clipping, fused AdamW, the scheduler) of the model at the training benchmark's
+architecture (d_model 64, 4 heads, 2 layers, dropout off) on tiny data (batch 2, histories of 8 events, a 64-item
+table), so that the CPU's arithmetic is small beside the host path; the presets take turns within each repeat. Per
+preset (torch, triton): thread CPU ms per step (the fastest step, each timed alone), our op calls per step (select_backend's
+calls), with --aten the top-level ATen ops per step (torch.profiler), with --profile PRESET a cProfile of --steps
+steps. The triton preset runs with fallback "error" (no op silently runs torch), and the backends' "bfloat16 on the
+CPU" refusal (the interpreter's dot products, irrelevant with launches stubbed) is lifted. What it leaves out or
+counts differently from a GPU host: every torch op (both presets' casts, embeddings, the linear backward's matmuls,
+torch's own attention and norms in the torch preset, AdamW and clipping) computes on the CPU, which is small but
+not nothing (a bf16 matmul is tens of us here, a launch of a few us there); a CUDA launch's own cost per torch op;
+the CUDA caching allocator; CPU autocast's op lists (CUDA's differ a little); and any wait on the GPU (a sync).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import argparse
 import collections
 import cProfile
 import importlib
+import inspect
 import os
 import pkgutil
 import pstats
@@ -229,10 +246,10 @@ def pcvr_layer_cases() -> dict:
     return out
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
+def per_call_us(fn, calls: int, repeats: int, warmup: int = 20) -> float:
     """CPU time of this thread per call (nothing waits on a device here, and time spent descheduled by other
     processes on a shared machine is left out), the fastest of `repeats` runs of `calls` calls."""
-    for _ in range(20):
+    for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
@@ -255,15 +272,117 @@ def aten_ops_per_call(fn, calls: int = 20) -> str:
     return ", ".join(f"{name.removeprefix('aten::')} {count / calls:g}" for name, count in sorted(top.items()))
 
 
+STEP_PRESETS = ("torch", "triton")
+
+
+def step_trainer(model: str, preset: str, run_dir: Path, batch_size: int = 2, seq_len: int = 8):
+    """A Trainer of `model` under the accelerators preset, on the CPU with bf16 autocast and fused AdamW (as the
+    training benchmark's CUDA runs), and a batch of its data."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.training.config import config_dir
+    from runtime.training.distributed import Run
+    from runtime.training.loop import Trainer, make_optimizer
+
+    overrides = [
+        f"model={model}",
+        f"accelerators={preset}",
+        "accelerators.fallback=error",
+        "model.dropout=0.0",
+        "trainer.device=cpu",
+        "trainer.precision=bf16",
+        "trainer.cuda_graph=false",
+        "trainer.progress=false",
+        "logger=none",
+        f"data.batch_size={batch_size}",
+        f"data.seq_len={seq_len}",
+        "data.val_size=16",
+        "data.n_items=64",  # the item table's size sets only arithmetic (its gradient, AdamW), not the host path
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    trainer = Trainer(cfg, run_dir, Run(torch.device("cpu")))
+    # make_optimizer asks for fused AdamW on CUDA only; the step on a GPU host runs the fused one
+    trainer.optimizer = make_optimizer(trainer.model, cfg.optim, torch.device("cuda"))
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, trainer.scheduler.lr_lambdas[0])
+    return trainer, trainer.data.train_batch(0, batch_size)
+
+
+def lift_cpu_bf16_refusals() -> None:
+    """The backends refuse bf16 products on CPU tensors (the interpreter's dots are wrong there); with launches
+    stubbed nothing is computed, so bf16 CPU inputs take the path bf16 CUDA inputs take."""
+    for spec in backends.REGISTRY.values():
+
+        def reasons(*args, _reasons=spec.reasons, **inputs):
+            return [r for r in _reasons(*args, **inputs) if not r.startswith("bfloat16 on the CPU")]
+
+        reasons.__signature__ = inspect.signature(spec.reasons)  # select_backend passes what the signature names
+        object.__setattr__(spec, "reasons", reasons)
+
+
+def op_calls_per_step(step, steps: int) -> tuple[float, pstats.Stats]:
+    """The cProfile of `steps` steps (in thread CPU time: other processes' share of a noisy machine is left out), and
+    the calls of select_backend per step (one per call of one of our ops)."""
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    calls = sum(nc for (_, _, name), (_, nc, *_) in stats.stats.items() if name == "select_backend")
+    return calls / steps, stats
+
+
+def time_steps(model: str, args) -> dict[str, float]:
+    """Thread CPU ms per step of each preset, the fastest of the repeats; the presets take turns within each repeat,
+    so that a busy spell of the machine slows both. Returns preset -> ms."""
+    lift_cpu_bf16_refusals()
+    print(
+        f"torch {torch.__version__}, CPU, launches stubbed; {model} training step (batch 2, histories of 8), "
+        f"thread CPU ms per step (the fastest of {args.repeats} x {args.steps} steps, each timed alone)"
+    )
+    steps = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for preset in args.presets:
+            trainer, batch = step_trainer(model, preset, Path(run_dir) / preset)
+            steps[preset] = (trainer.accelerators, lambda trainer=trainer, batch=batch: trainer.train_step(batch))
+        best = dict.fromkeys(steps, float("inf"))
+        for _ in range(args.repeats):
+            for preset, (config, step) in steps.items():
+                accelerators.set_accelerators(config)  # each Trainer set its own; the last one built is active
+                # each step timed alone: on a busy machine the fastest single step is the likeliest to have run alone
+                best[preset] = min(best[preset], per_call_us(step, 1, args.steps, warmup=3) / 1000)
+        for preset, (config, step) in steps.items():
+            accelerators.set_accelerators(config)
+            calls, stats = op_calls_per_step(step, args.steps)
+            line = f"{model:12s} {preset:8s} {best[preset]:8.2f} ms/step   {calls:g} op calls"
+            if args.aten:
+                line += f"   ATen ops: {aten_ops_per_call(step, calls=3)}"
+            print(line, flush=True)
+            if args.profile == preset:
+                print(f"cProfile of {args.steps} steps (thread CPU time; the profiler's own cost inflates each call)")
+                stats.sort_stats("tottime").print_stats(40)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", default="", help="time only cases whose name contains this")
     parser.add_argument("--aten", action="store_true", help="also count top-level ATen ops per call")
-    parser.add_argument("--profile", default=None, help="cProfile the case with this exact name")
+    parser.add_argument("--profile", default=None, help="cProfile the case with this exact name (--step: the preset)")
+    parser.add_argument("--step", default=None, metavar="MODEL", help="time a whole training step of this model")
+    parser.add_argument("--steps", type=int, default=20, help="--step: steps per repeat")
+    parser.add_argument(
+        "--presets", nargs="+", default=list(STEP_PRESETS), choices=STEP_PRESETS, help="--step: presets"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.step:
+        stub_launches()
+        time_steps(args.step, args)
+        return
     accelerators.set_accelerators(
         accelerators.AcceleratorConfig(fallback="error")
     )  # a case the Triton backend refuses fails, never times torch

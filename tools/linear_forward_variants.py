@@ -1,5 +1,5 @@
 """Times linear's Triton forward variants side by side on one GPU: torch eager (cuBLAS, then the activation), the
-portable kernel, and the op's own choice, the Hopper persistent TMA kernel with its default tiles (tile loop flattened or nested), and with
+portable kernel, and the op's own choice, the Hopper persistent TMA kernel with its default tiles (tile loop flattened or nested, the epilogue whole or in two column halves), and with
 128 x 256 tiles at 3 stages. bf16 inference (no saved pre-activation), every shape of the linear benchmark.
 Usage (GPU machine): python tools/linear_forward_variants.py [--shapes NAME ...] [--json PATH]
 """
@@ -20,12 +20,12 @@ from runtime.benchmark.ops.linear import SHAPES
 from runtime.benchmark.timing import gpu_time_ms
 
 
-def persistent(x, w, b, activation, cfg=None, flatten=True):
+def persistent(x, w, b, activation, cfg=None, flatten=True, subtile=False):
     swiglu = activation == "swiglu"
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     y = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     z = torch.empty(0, device=x.device, dtype=x.dtype)
-    triton_persistent.launch(x, w, b, y, z, activation, False, cfg, flatten)
+    triton_persistent.launch(x, w, b, y, z, activation, False, cfg, flatten, subtile)
     return y
 
 
@@ -36,6 +36,7 @@ def variants(activation: str, m: int, k: int, n: int):
         "op (its selection)": lambda x, w, b: linear_triton.infer(x, w, b, activation),
         "persistent flat": lambda x, w, b: persistent(x, w, b, activation),
         "persistent nested": lambda x, w, b: persistent(x, w, b, activation, flatten=False),
+        "persistent subtiled": lambda x, w, b: persistent(x, w, b, activation, subtile=True),
     }
     if activation != "swiglu":
         wide = GemmConfig(128, 256, persistent_forward_config(m, n, k).block_k, 8, 3, 8)

@@ -97,6 +97,13 @@ def test_dry_run(capsys):
     assert "layer_norm 8192x128 bfloat16 fwd/fwd+bwd" in capsys.readouterr().out
 
 
+def test_auto_is_a_selectable_row(capsys):
+    assert main(["--operator", "layer_norm", "--dry-run", "--device", "cpu", "--backends", "torch,auto"]) == 0
+    assert "backends ['torch', 'auto']" in capsys.readouterr().out
+    assert main(["--operator", "layer_norm", "--dry-run", "--device", "cpu", "--backends", "fastest"]) == 2
+    assert "unknown backends ['fastest']; expected torch, triton, tilelang, auto" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cpu_run_checks_then_times_and_writes_json(tmp_path):
     path = tmp_path / "rms.json"

@@ -131,3 +131,30 @@ def test_plot_draws_shapes_without_a_timed_peer(tmp_path):
     )
     path = plot_speedups([result], tmp_path / "sub" / "op.png")
     assert path.exists() and path.stat().st_size > 0
+
+
+def test_auto_rows_get_their_ratio_to_the_fastest_backend_and_a_summary():
+    result = _result(
+        [
+            _row("8192x128", "fwd", "triton", "backend", 0.005),
+            _row("8192x128", "fwd", "tilelang", "backend", 0.004),
+            _row("8192x128", "fwd", "auto", "backend", 0.0041),  # took tilelang
+            _row("8192x128", "fwd", "torch.compile", "peer", 0.008),
+            _row("8192x128", "fwd+bwd", "triton", "backend", 0.020),
+            _row("8192x128", "fwd+bwd", "tilelang", "backend", 0.016),
+            _row("8192x128", "fwd+bwd", "auto", "backend", 0.020),  # took triton, 25% slower
+        ]
+    )
+    fwd, fwd_bwd = compare([result])
+    assert fwd.ours == ["triton", "tilelang"] and fwd.best(fwd.ours) == ("tilelang", 0.004)  # auto is not "ours"
+    assert fwd.auto_ratio() == pytest.approx(0.004 / 0.0041) and fwd_bwd.auto_ratio() == pytest.approx(0.8)
+    lines = report.figures([result]).splitlines()
+    assert next(line for line in lines if line.startswith("| shape")).endswith(
+        "| ours vs best peer | fastest backend / auto |"
+    )
+    assert "| 8192x128 | bfloat16 | fwd+bwd | 0.0200 | 0.0160 | 0.0200 |  |  | 0.80 |" in lines
+    assert lines[-1] == "Auto ran within 5% of the fastest backend on 1 of 2 rows; worst: 0.80 (8192x128, fwd+bwd)."
+
+
+def test_without_auto_rows_there_is_no_auto_column(results):
+    assert "auto" not in report.figures(results)

@@ -13,7 +13,7 @@ from runtime.accelerators import (
     explain,
     use_accelerators,
 )
-from runtime.accelerators.flash_attention import SPEC, dropout, flash_attention, input_reasons
+from runtime.accelerators.flash_attention import SPEC, _kernel_lengths, dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention.reference import attention_float64, flash_attention_reference
 from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import (
@@ -287,6 +287,33 @@ def test_lengths_changed_in_place_are_checked_again():
     flash_attention(q, k7, k7, key_lengths=key_lengths, backend="torch")
     with pytest.raises(ValueError, match=r"key_lengths: expected values in \[0, 6\]"):
         flash_attention(q, k, v, key_lengths=key_lengths, backend="torch")
+
+
+def test_kernel_lengths_cast_once_per_unchanged_tensor():
+    # the int32 copy the kernels read is made once for lengths passed again unchanged (every layer of a model)
+    lengths = torch.tensor([6, 2])
+    first = _kernel_lengths(lengths)
+    assert first.dtype == torch.int32 and first.tolist() == [6, 2]
+    assert _kernel_lengths(lengths) is first
+    lengths.fill_(3)  # changed in place: cast again
+    again = _kernel_lengths(lengths)
+    assert again is not first and again.tolist() == [3, 3]
+    other = torch.tensor([6, 2])  # another tensor: its own copy
+    assert _kernel_lengths(other) is not again and _kernel_lengths(other).tolist() == [6, 2]
+    as_is = torch.tensor([1, 2], dtype=torch.int32)  # already what the kernels read
+    assert _kernel_lengths(as_is) is as_is
+    with torch.inference_mode():
+        frozen = torch.tensor([4, 5])  # no version counter: never reused
+    assert _kernel_lengths(frozen) is not _kernel_lengths(frozen)
+
+
+def test_triton_reads_lengths_changed_in_place():
+    q, k, v = make(2, 2, 1, 9, 11, 16, requires_grad=False)
+    lengths = torch.tensor([11, 4])
+    flash_attention(q, k, v, key_lengths=lengths, backend="triton")
+    lengths[1] = 7
+    out = flash_attention(q, k, v, key_lengths=lengths, backend="triton")
+    assert_close("o", out, attention_float64(q, k, v, key_lengths=lengths), RTOL_ATTENTION_FP32)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

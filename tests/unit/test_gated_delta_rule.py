@@ -777,3 +777,85 @@ def test_launch_grids_fit_cuda_limits_at_a_large_batch(monkeypatch):
     assert len({name for name, _ in grids}) >= 6, grids
     for name, grid in grids:
         assert all(size <= 65535 for size in tuple(grid)[1:]), f"{name}: grid {grid}"
+
+
+@pytest.mark.parametrize("case", ["unit-keys", "l2norm-keys", "raw-keys"])
+def test_blockwise_inverse_of_the_tilelang_prepare_matches_float64(case):
+    """reference.blockwise_unit_lower_inverse, the TileLang prepare kernel's algorithm: exact in float64, and with
+    its tf32 products within a bound that the chunk's other roundings (bf16 operands after it) exceed."""
+    from runtime.accelerators.gated_delta_rule.reference import blockwise_unit_lower_inverse
+
+    n, K = 64, 32
+    gen = torch.Generator().manual_seed(1)
+    if case == "unit-keys":  # identical unit keys, beta = 1, no decay: all ones below the diagonal
+        k, beta, gamma = torch.ones(n, K) / K**0.5, torch.ones(n), torch.zeros(n)
+    else:
+        k = torch.randn(n, K, generator=gen)
+        k = F.normalize(k, dim=-1) if case == "l2norm-keys" else k * 0.3
+        beta = torch.rand(n, generator=gen)
+        gamma = torch.cumsum(F.logsigmoid(torch.randn(n, generator=gen) + 2.0), 0)
+    a = torch.tril(beta[:, None] * torch.exp(gamma[:, None] - gamma[None, :]) * (k @ k.T), -1).double()
+    expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)
+    assert_close("inverse float64", blockwise_unit_lower_inverse(a), expected, 1e-12)
+    assert_close("inverse tf32", blockwise_unit_lower_inverse(a.float(), tf32=True), expected, 2e-3)
+
+
+@pytest.mark.parametrize("case", ["plain", "l2norm-state-full-decay"])
+def test_tilelang_backward_stages_match_autograd_in_float64(case):
+    """reference.chunked_backward_stages, the TileLang backward's decompositions (folded l2norm factors, dA through
+    dU U^T, dgamma by row and column sums and the last row): every gradient equals autograd of the recurrence."""
+    from runtime.accelerators.gated_delta_rule.reference import chunked_backward_stages
+
+    l2norm = case != "plain"
+    B, T, H, K, V = 2, 128, 2, 16, 8
+    x = {n: t.double() for n, t in make_inputs(B, T, H, H, K, V, state=l2norm, seed=3).items()}
+    if l2norm:
+        x["q"], x["k"] = x["q"] * 3.0, x["k"] * 0.5  # raw rows far from unit norm
+        x["g"][0, 70, 1] = -200.0  # a full decay inside the second chunk
+        x["g"][1, 127, 0] = -1e4  # and on a chunk's last row
+    initial = x.pop("initial_state", None)
+    scale = K**-0.5
+    gen = torch.Generator().manual_seed(4)
+    grad_o = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    grad_final = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    if initial is not None:
+        leaves["initial_state"] = initial.clone().requires_grad_()
+    o, final = recurrent_gated_delta_rule_reference(
+        *(leaves[n] for n in ("q", "k", "v", "g", "beta")), scale, leaves.get("initial_state"), True, l2norm
+    )
+    ((o * grad_o).sum() + (final * grad_final).sum()).backward()
+    got = chunked_backward_stages(
+        *(x[n] for n in ("q", "k", "v", "g", "beta")), scale, initial, grad_o, grad_final, l2norm
+    )
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for name, value in zip(names, got):
+        if name in leaves:
+            assert_close(f"d{name}", value, leaves[name].grad, 1e-10)
+
+
+def test_tilelang_backward_stages_with_bf16_operands_stay_inside_the_gpu_bounds():
+    """reference.chunked_backward_stages in fp32 with every 16-bit operand and stored tensor of the TileLang kernels
+    rounded to bf16 (products at every K on bf16 operands, as the Triton backward's at K = 128): each gradient within
+    half the GPU tier's bound against float64 on the same bf16 inputs (about 3e-3 at every K of the GPU cases)."""
+    from runtime.accelerators.gated_delta_rule.reference import chunked_backward_stages
+
+    def bf16(x):
+        return x.to(torch.bfloat16).to(x.dtype)
+
+    B, T, H, K, V = 2, 128, 2, 32, 32
+    x = {n: bf16(t) for n, t in make_inputs(B, T, H, H, K, V, state=True, seed=5).items()}
+    x["initial_state"] = x["initial_state"].float()
+    gen = torch.Generator().manual_seed(6)
+    grad_o, grad_final = bf16(torch.randn(B, T, H, V, generator=gen)), torch.randn(B, H, K, V, generator=gen)
+    leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta")]
+    o, final = recurrent_gated_delta_rule_reference(*args, K**-0.5, leaves["initial_state"], True, True)
+    ((o * grad_o.double()).sum() + (final * grad_final.double()).sum()).backward()
+    got = chunked_backward_stages(
+        *(x[n] for n in ("q", "k", "v", "g", "beta")), K**-0.5, x["initial_state"], grad_o, grad_final, True, bf16
+    )
+    bounds = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, initial_state=8e-3)
+    for (name, bound), value in zip(bounds.items(), got):
+        value = value if name == "initial_state" else bf16(value)  # dq..dbeta are returned in the inputs' dtype
+        assert_close(f"d{name}", value.double(), leaves[name].grad, bound / 2)

@@ -148,7 +148,7 @@ def test_growth_is_rejected_on_cpu_tensors(backend):
 
 @requires_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["prepare-bf16-g-fp32", "prepare-f16-varlen", "chunk-grad-K16-varlen-l2norm"])
+@pytest.mark.parametrize("kernel", ["prepare-bf16-g-fp32", "prepare-f16-varlen", "grad-wy-K16-varlen-l2norm"])
 def test_tilelang_gate_kernels_compile_for_sm90a(kernel):
     """The TileLang kernels that read g for the full decays (the prepare's gamma, the chunked backward's dg)."""
     gt = pytest.importorskip("runtime.accelerators.gated_delta_rule.tilelang", exc_type=ImportError)
@@ -162,7 +162,7 @@ def test_tilelang_gate_kernels_compile_for_sm90a(kernel):
             32, 32, torch.bfloat16, torch.float32, torch.bfloat16, False, False
         ),
         "prepare-f16-varlen": lambda: gt.prepare_entry(16, 16, torch.float16, torch.float16, torch.float16, True, True),
-        "chunk-grad-K16-varlen-l2norm": lambda: gb.chunk_grad_entry(
+        "grad-wy-K16-varlen-l2norm": lambda: gb.grad_wy_entry(
             16, 16, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True
         ),
     }

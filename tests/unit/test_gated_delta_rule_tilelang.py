@@ -1,9 +1,9 @@
 """gated_delta_rule's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
 One representative specialisation per kernel (recurrent, chunk prepare, chunk state/output, and the chunked
-backward's state store, state gradient and chunk gradient); the GPU tier checks the numbers. The backward
-kernels at K=128 are also checked to fit sm_90's shared memory (a launch-time failure that compiling does not
-catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
+backward's state store, local dU, reverse walk and the two chunk-gradient kernels; the chunk kernels at K=128, where
+their products are wgmma); the GPU tier checks the numbers. The chunk kernels at K=128 are also checked to fit
+sm_90's shared memory (a launch-time failure that compiling does not catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
 """
 
 import re
@@ -30,23 +30,40 @@ KERNELS = {
         16, 16, torch.float16, torch.float16, torch.float16, True, True
     ),
     "state-output-K16-V16-bf16-state": lambda: gt.state_output_entry(16, 16, torch.bfloat16, True, True, False, False),
-    # the backward: the forward's state walk storing the state entering each chunk (no output)
+    # fp16 q and k converted to bf16 on load, l2-normalised in the walk
+    "state-output-K64-V32-f16-l2norm": lambda: gt.state_output_entry(64, 32, torch.float16, False, True, True, False),
+    # the forward at the widths of the long-sequence benchmark: wgmma products, the walk warp-specialised
+    "prepare-K128-V128-bf16-varlen-l2norm": lambda: gt.prepare_entry(
+        128, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True
+    ),
+    "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
+        128, 128, torch.bfloat16, True, True, True, True
+    ),
+    # the backward: the forward's state walk storing the state entering each chunk and U (no output)
     "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
         16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
     ),
-    "state-grad-K128-V128-bf16-varlen-l2norm-state": lambda: gb.state_grad_entry(
-        128, 128, torch.bfloat16, True, True, True, True
+    "state-store-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
+        128, 128, torch.bfloat16, True, False, True, True, write_output=False, store_states=True
     ),
-    "chunk-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.chunk_grad_entry(
+    # the backward's own kernels at K=128 (wgmma, shared-memory fit) and at K=16 (two-warp and mma.sync products)
+    "local-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.local_grad_entry(128, 128, torch.bfloat16, True, True),
+    "state-grad-K128-V128-bf16-varlen-state": lambda: gb.state_grad_entry(128, 128, torch.bfloat16, True, True, True),
+    "state-grad-K16-V16-f16-state": lambda: gb.state_grad_entry(16, 16, torch.float16, True, True, False),
+    "grad-qk-K128-V128-bf16-varlen-l2norm": lambda: gb.grad_qk_entry(128, 128, torch.bfloat16, True, True),
+    "grad-qk-K16-V16-f16": lambda: gb.grad_qk_entry(16, 16, torch.float16, False, False),
+    "grad-wy-K128-V128-bf16-varlen-l2norm": lambda: gb.grad_wy_entry(
         128, 128, torch.bfloat16, torch.bfloat16, torch.float32, True, True
     ),
 }
 # the tensors each kernel must store to (one missing from the source: that store was compiled away)
 STORES = {
     "state-output": ("O", "HT"),
-    "state-store": ("States",),
+    "state-store": ("States", "Corrections"),
+    "local-grad": ("DU", "QFactor", "KFactor"),
     "state-grad": ("DStates", "DU", "DH0"),
-    "chunk-grad": ("DQ", "DK", "DV", "DBeta", "DG"),
+    "grad-qk": ("DQ", "DKPart", "DW", "DGamma"),
+    "grad-wy": ("DK", "DV", "DBeta", "DG"),
 }
 SM90_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
@@ -86,7 +103,9 @@ def test_kernel_compiles_for_sm90a(name):
     if "varlen" in name:
         assert "Cu[" in source, f"{name}: the varlen boundaries should be read on the device"
     if not name.startswith("recurrent"):
-        assert "mma_sync" in source, f"{name}: the chunk matmuls should use tensor cores"
+        assert "mma_sync" in source or "wgmma" in source, f"{name}: the chunk matmuls should use tensor cores"
+    if "K128" in name and not name.startswith("recurrent"):
+        assert "wgmma" in source, f"{name}: the 16-bit products should be warpgroup MMAs on sm_90a"
     for kernel, stores in STORES.items():
         if name.startswith(kernel):
             for tensor in stores:
@@ -102,8 +121,8 @@ def accessed(tensor: str, source: str) -> bool:
 
 @requires_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in KERNELS if "grad-K128" in name])
-def test_backward_kernels_fit_sm90_shared_memory(name):
+@pytest.mark.parametrize("name", [name for name in KERNELS if "K128" in name and not name.startswith("recurrent")])
+def test_chunk_kernels_at_k128_fit_sm90_shared_memory(name):
     used = dynamic_shared_bytes(KERNELS[name]())
     assert 0 < used <= SM90_SHARED_BYTES, f"{name}: {used} bytes of shared memory, sm_90 has {SM90_SHARED_BYTES}"
 
@@ -122,6 +141,10 @@ def test_tilelang_reasons():
     (reason,) = SPEC.reasons("tilelang", **fp32, mode="chunk", needs_grad=False)
     assert "tf32" in reason and "float32" in reason
     assert SPEC.reasons("tilelang", **bf16, mode="chunk", needs_grad=True) == []  # the chunked backward
+    fp16 = _inputs(torch.float16)
+    assert SPEC.reasons("tilelang", **fp16, mode="chunk", needs_grad=False) == []  # the chunked forward
+    (reason,) = SPEC.reasons("tilelang", **fp16, mode="chunk", needs_grad=True)
+    assert "float16" in reason and "bf16" in reason
     (reason,) = SPEC.reasons("tilelang", **fp32, mode="chunk", needs_grad=True)
     assert "tf32" in reason
     (reason,) = SPEC.reasons("tilelang", **bf16, mode="recurrent", needs_grad=True)

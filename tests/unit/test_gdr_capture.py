@@ -1,6 +1,6 @@
-"""tests/gdr_capture.py, which the GPU tier's model test judges the GDR mixers' gate gradients with: on a tiny GDR
-model on the CPU (torch backend), one captured call per mixer, exact in float64, and the matched check passing for
-the torch backend's own bf16 autocast run."""
+"""tests/gdr_capture.py, which the GPU tier's model test judges the GDR mixers' gate and output norm weight gradients
+with: on a tiny GDR model on the CPU (torch backend), one captured op call and output norm call per mixer, exact in
+float64, and the matched check passing for the torch backend's own bf16 autocast run."""
 
 import copy
 
@@ -10,9 +10,10 @@ import torch
 from gdr_capture import (
     capture_gdr_calls,
     gate_parameter_gradients,
-    gate_parameter_names,
     matched_comparisons,
+    matched_parameter_names,
     recompute_in_float64,
+    recompute_norm_weight_gradient_in_float64,
 )
 from runtime.accelerators import use_accelerators
 from runtime.accelerators.testing import assert_close
@@ -44,7 +45,8 @@ def test_one_call_per_mixer_with_its_inputs_and_gradients(model_and_batch):
     model, batch = model_and_batch
     calls, _ = _captured_run(model, batch, autocast=True)
     assert [call.mixer for call in calls] == [f"blocks.{i}.mix.branch.layer" for i in range(LAYERS)]
-    assert gate_parameter_names(model) == {f"{call.mixer}.{p}" for call in calls for p in ("A_log", "dt_bias")}
+    parameters = ("A_log", "dt_bias", "norm.weight")
+    assert matched_parameter_names(model) == {f"{call.mixer}.{p}" for call in calls for p in parameters}
     steps, head_dim = HISTORY + 1, D_MODEL // HEADS  # the history, then the target
     for call in calls:
         assert set(call.inputs) == {"q", "k", "v", "g", "beta"}
@@ -55,11 +57,17 @@ def test_one_call_per_mixer_with_its_inputs_and_gradients(model_and_batch):
             assert call.inputs[name].shape == (BATCH, steps, HEADS)
         assert call.o.shape == call.do.shape == (BATCH, steps, HEADS, head_dim)
         assert call.dg.shape == call.inputs["g"].shape
+        norm = call.norm  # the mixer's output norm, on the op's output
+        assert torch.equal(norm.x, call.o)
+        assert norm.weight.shape == norm.dweight.shape == (head_dim,)
+        assert norm.weight.dtype == norm.dweight.dtype == torch.float32
+        assert norm.dy.shape == call.o.shape
 
 
 def test_float64_recomputation_reproduces_a_float64_run(model_and_batch):
-    """From a float64 run's own captured tensors the recomputation is that run's o and dg, and the sums of dg are its
-    A_log and dt_bias gradients: the capture misses nothing."""
+    """From a float64 run's own captured tensors the recomputation is that run's o, dg and output norm weight
+    gradient, the sums of dg are its A_log and dt_bias gradients, and the norm's is its norm.weight gradient: the
+    capture misses nothing."""
     model, batch = model_and_batch
     model64 = copy.deepcopy(model).double()
     calls, grads = _captured_run(model64, batch._map(lambda t: t.double() if t.is_floating_point() else t), False)
@@ -69,6 +77,9 @@ def test_float64_recomputation_reproduces_a_float64_run(model_and_batch):
         assert torch.equal(dg, call.dg)
         for parameter, summed in gate_parameter_gradients(call, dg).items():
             assert_close(f"{call.mixer}.{parameter}", summed, grads[f"{call.mixer}.{parameter}"], 1e-12)
+        dweight = recompute_norm_weight_gradient_in_float64(call.norm)
+        assert torch.equal(dweight, call.norm.dweight)
+        assert torch.equal(dweight, grads[f"{call.mixer}.norm.weight"])
 
 
 def test_matched_check_passes_for_the_torch_backends_autocast_run(model_and_batch):
@@ -76,6 +87,6 @@ def test_matched_check_passes_for_the_torch_backends_autocast_run(model_and_batc
     calls, _ = _captured_run(model, batch, autocast=True)
     for call in calls:
         comparisons = matched_comparisons(call)
-        assert len(comparisons) == 4  # o, dg, and the A_log and dt_bias gradients
+        assert len(comparisons) == 5  # o, dg, the A_log and dt_bias gradients, and the norm weight's
         for what, value, expected, bound in comparisons:
             assert_close(what, value, expected, bound)

@@ -147,8 +147,10 @@ SMALL_PERSISTENT = GemmConfig(32, 16, 16, 4, 2, 2)  # tiles small enough for sev
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "nested"])
-def test_triton_interpreter_persistent_forward(activation, with_bias, flatten):
+@pytest.mark.parametrize(
+    "flatten, subtile", [(True, False), (False, False), (True, True)], ids=["flat", "nested", "subtiled"]
+)
+def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, subtile):
     """The Hopper kernel forced on (the interpreter runs its descriptors): 37 rows (a ragged row tile), N = 40 (a
     ragged column tile), K = 40 (a partial K block), 6 tiles over the interpreter's 3 programs; y against float64,
     the saved pre-activation equal to the portable kernel's, infer's y equal to forward's."""
@@ -161,7 +163,7 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten):
     z = torch.full((37, weight.shape[0]), float("nan"), dtype=f16)
     saved = activation in SAVES_PREACT
     z = z if saved else torch.empty(0, dtype=f16)
-    triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten)
+    triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten, subtile)
     assert_close(f"persistent {activation} y", y, textbook(x, weight, bias, activation), RTOL[f16])
     portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, persistent=False)
     if saved:

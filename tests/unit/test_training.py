@@ -314,6 +314,19 @@ def test_grad_clip_null_trains_without_clipping_and_logs_the_norm(tmp_path):
     assert clipped["losses"][1] != free["losses"][1]  # a clipped step moved the weights less
 
 
+def test_train_step_after_validation_trains_in_training_mode(tmp_path):
+    """train_step switches to training mode only when the model is not in it (a walk over every module otherwise):
+    after evaluate() every module is back in training mode, and the clipped parameters are the model's."""
+    trainer = Trainer(_compose("trainer.steps=2"), tmp_path)
+    batch = trainer.data.train_batch(0, trainer.cfg.data.batch_size)
+    trainer.train_step(batch)
+    trainer.evaluate()
+    assert not any(module.training for module in trainer.model.modules())
+    trainer.train_step(batch)
+    assert all(module.training for module in trainer.model.modules())
+    assert [id(p) for p in trainer.parameters] == [id(p) for p in trainer.model.parameters()]
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path):
     with pytest.raises(
         ValueError, match="trainer.cuda_graph=true cannot run: it needs a CUDA device, the run is on cpu"

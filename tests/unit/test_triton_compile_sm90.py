@@ -165,7 +165,8 @@ def linear():
 def linear_persistent():
     """The Hopper persistent TMA forward (no CPU launch takes it by itself) at the shapes of its table: 128 x 128
     tiles over K = 256 (gelu, saving z; infer), swiglu's two accumulators and two z descriptors, a partial K block
-    (K = 40) and narrow N, every other activation, bias and not; the tile loop flattened and not."""
+    (K = 40) and narrow N, every other activation, bias and not; the tile loop flattened and not; the epilogue whole
+    and in two column halves."""
     for m, k, n, activation, bias in ((4096, 256, 1024, "gelu", True), (1024, 256, 512, "swiglu", True),
                                       (37, 40, 24, "gelu_tanh", False), (300, 64, 256, "silu", False),
                                       (300, 64, 256, "relu", True), (300, 64, 256, None, True)):  # fmt: skip
@@ -179,6 +180,10 @@ def linear_persistent():
     linear_persistent_triton.launch(
         x, w, None, torch.empty(4096, 1024, dtype=bf16), torch.empty(0, dtype=bf16), "gelu", False, cfg, False
     )
+    for activation, rows in (("gelu", 1024), ("swiglu", 2048)):  # the epilogue in two column halves, z saved
+        w = _randn(rows, 256, grad=False)
+        y, z = torch.empty(4096, 1024, dtype=bf16), torch.empty(4096, rows, dtype=bf16)
+        linear_persistent_triton.launch(x, w, None, y, z, activation, True, None, True, subtile=True)
 
 
 def bce():
@@ -740,11 +745,13 @@ def test_compiles_for_sm90(kernel, compiled):
 
 
 def test_the_linear_forward_compiles_persistent_with_tma_and_wgmma(compiled):
-    """linear_persistent compiles the Hopper forward for every activation, saving z and not, and its PTX loads and
-    stores through TMA (cp.async.bulk.tensor, both directions) and multiplies with wgmma."""
+    """linear_persistent compiles the Hopper forward for every activation, saving z and not, with the epilogue whole
+    and split, and its PTX loads and stores through TMA (cp.async.bulk.tensor, both directions) and multiplies with
+    wgmma."""
     launches = compiled["linear.triton_persistent._linear_forward_persistent"]
     variants = {(constexprs(launch)["ACT"], constexprs(launch)["SAVE"]) for launch, _ in launches}
     assert {act for act, _ in variants} == set(range(6)) and {save for _, save in variants} == {False, True}
+    assert {constexprs(launch)["SUBTILE"] for launch, _ in launches} == {False, True}
     for launch, result in launches:
         assert "error" not in result, f"{_describe(launch)}:\n{result['error']}"
         assert result["ptx_markers"] == list(PTX_MARKERS), f"{result['ptx_markers']}: {_describe(launch)}"

@@ -8,16 +8,19 @@ import json
 import os
 import pkgutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from ..accelerators.autotune import CACHE_DIR_ENV
 from ..accelerators.backends import triton_interpret
 from . import ops as ops_package
 from .case import Case
 from .runner import MODES, Machine, environment, merge_rounds, run_case
 
-BACKENDS = ("torch", "triton", "tilelang")
+BACKENDS = ("torch", "triton", "tilelang")  # the default selection
+SELECTABLE = (*BACKENDS, "auto")  # auto: the op's own choice, timed as a row beside the backends it chooses from
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--backends",
-        help="comma-separated backends (default: torch,triton,tilelang on CUDA, those that run on the CPU there)",
+        help="comma-separated backends (default: torch,triton,tilelang on CUDA, those that run on the CPU there); "
+        "auto adds a row for the op's own choice (on CUDA measured in this run, in a fresh decisions file unless "
+        f"${CACHE_DIR_ENV} is set)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--shape", default="all", help="a shape preset of the op (see --list), or all")
@@ -90,13 +95,13 @@ def _backends(requested: str | None, device: torch.device) -> list[str] | None:
     backends = [b.strip() for b in requested.split(",") if b.strip()]
     if not backends:
         print(
-            f"taac-benchmark: --backends {requested!r} selects no backend; expected some of {', '.join(BACKENDS)}",
+            f"taac-benchmark: --backends {requested!r} selects no backend; expected some of {', '.join(SELECTABLE)}",
             file=sys.stderr,
         )
         return None
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b not in SELECTABLE]
     if unknown:
-        print(f"taac-benchmark: unknown backends {unknown}; expected {', '.join(BACKENDS)}", file=sys.stderr)
+        print(f"taac-benchmark: unknown backends {unknown}; expected {', '.join(SELECTABLE)}", file=sys.stderr)
         return None
     if device.type == "cpu":
         reasons = [f"{b}: {_cpu_reason(b)}" for b in backends if _cpu_reason(b)]
@@ -159,6 +164,9 @@ def main(argv=None) -> int:
                 f"{case.op} {case.shape} {args.dtype} {'/'.join(modes)}: backends {backends}, peers {list(case.peers) if not args.no_peers else []}"
             )
         return 0
+    if "auto" in backends and device.type == "cuda" and not os.environ.get(CACHE_DIR_ENV):
+        # measured afresh: decisions cached by earlier runs (other code, other clocks) would not be this run's
+        os.environ[CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="taac-benchmark-auto-")
     machine = Machine.measure(device, need_matmul=any(c.flops is not None for c in selected))
     result = {
         "command": "taac-benchmark " + " ".join(sys.argv[1:] if argv is None else argv),

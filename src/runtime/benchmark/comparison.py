@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KERNEL_BACKENDS = ("triton", "tilelang")
+BACKENDS = ("torch", *KERNEL_BACKENDS)  # what "auto" chooses from
+AUTO_SLACK = 1.05  # auto counts as choosing the fastest backend within 5% of its time
 
 
 @dataclass
@@ -30,6 +32,26 @@ class Comparison:
         """Best peer's time over the best of ours: above 1, ours is faster."""
         ours, peer = self.best(self.ours), self.best(self.peers)
         return peer[1] / ours[1] if ours and peer else None
+
+    def auto_ratio(self) -> float | None:
+        """The fastest backend's time over auto's (1: auto took the fastest; below 1/AUTO_SLACK: a slower one), where
+        auto and a backend were timed."""
+        fastest = self.best([name for name in BACKENDS if name in self.ms])
+        auto = self.ms.get("auto")
+        return fastest[1] / auto if fastest and auto else None
+
+
+def auto_summary(comparisons: list[Comparison]) -> str | None:
+    """How often auto ran within AUTO_SLACK of the fastest backend, and its worst row; None without auto rows."""
+    ratios = [(c.auto_ratio(), c) for c in comparisons if c.auto_ratio() is not None]
+    if not ratios:
+        return None
+    good = sum(ratio * AUTO_SLACK >= 1 for ratio, _ in ratios)
+    worst, row = min(ratios, key=lambda pair: pair[0])
+    return (
+        f"auto ran within {AUTO_SLACK - 1:.0%} of the fastest backend on {good} of {len(ratios)} rows; worst: "
+        f"{worst:.2f} ({row.shape}, {row.mode})"
+    )
 
 
 def _is_ours(row: dict) -> bool:

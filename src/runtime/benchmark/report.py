@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from .comparison import compare, uses_gpu_time
+from .comparison import auto_summary, compare, uses_gpu_time
 
 
 def _fmt(value, spec: str) -> str:
@@ -162,7 +162,9 @@ def figures(results: list[dict], plot_name: str | None = None) -> str:
         f"Time: {unit}; the last column is the best peer's time over the best of ours (above 1: ours is faster).",
         "",
     ]
+    summary = auto_summary(comparisons)
     header = ["shape", "dtype", "mode", *(f"{n} (peer)" if n in peers else n for n in impls), "ours vs best peer"]
+    header += ["fastest backend / auto"] if summary else []
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for c in comparisons:
         cells = [c.shape, c.dtype, c.mode]
@@ -170,7 +172,11 @@ def figures(results: list[dict], plot_name: str | None = None) -> str:
             cells.append("" if name not in c.ms else c.status[name] if c.ms[name] is None else f"{c.ms[name]:.4f}")
         speedup, best_ours, best_peer = c.speedup(), c.best(c.ours), c.best(c.peers)
         cells.append(f"{speedup:.2f}x ({best_ours[0]} vs {best_peer[0]})" if speedup is not None else "")
+        if summary:
+            cells.append(f"{c.auto_ratio():.2f}" if c.auto_ratio() is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
+    if summary:
+        lines += ["", summary[0].upper() + summary[1:] + "."]
     if plot_name:
         lines += ["", f"![ours beside the peers]({plot_name})"]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autocast import autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
@@ -199,43 +200,60 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
     _check_dropout_and_scale(dropout_p, scale)
 
 
-_checked_lengths: tuple = (None, -1, -1)  # (weakref to the last key_lengths checked, its version, Lk)
+_last_lengths: tuple = (None, -1, {})  # (weakref to the last key_lengths seen, its version, what was done for it)
+
+
+def _in_graph(key_lengths: torch.Tensor) -> bool:
+    """Compiling or capturing a CUDA graph: work on the lengths must be recorded, never reused or read on the host."""
+    return torch.compiler.is_compiling() or (key_lengths.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _remembered(key_lengths: torch.Tensor) -> dict | None:
+    """What was done for this key_lengths tensor while it is the last one seen and unchanged in place (every attention
+    layer of a model gets the same lengths: one range check and one cast a step, not one a layer); a fresh record for
+    a new tensor. None for an inference tensor (made under torch.inference_mode: no version counter to tell whether
+    it changed in place). Not for use inside a graph (_in_graph)."""
+    global _last_lengths
+    if key_lengths.is_inference():
+        return None
+    ref, version, record = _last_lengths
+    if ref is None or ref() is not key_lengths or version != key_lengths._version:
+        record = {}
+        _last_lengths = (weakref.ref(key_lengths), key_lengths._version, record)
+    return record
 
 
 def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
-    """Values in [0, Lk]. Reading them synchronises with the device, so the check is skipped while
-    capturing a CUDA graph or compiling, and done once for a tensor passed again unchanged (the same
-    lengths given to every attention layer of a model cost one synchronisation, not one per layer).
-    An inference tensor (made under torch.inference_mode) has no version counter to tell whether it changed
-    in place: it is checked on every call."""
-    global _checked_lengths
-    if key_lengths.numel() == 0 or torch.compiler.is_compiling():
+    """Values in [0, Lk]. Reading them synchronises with the device, so the check is skipped while capturing a CUDA
+    graph or compiling, and done once for a tensor passed again unchanged (_remembered)."""
+    if key_lengths.numel() == 0 or _in_graph(key_lengths):
         return
-    if key_lengths.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    version = None if key_lengths.is_inference() else key_lengths._version
-    ref, checked_version, checked_lk = _checked_lengths
-    if (
-        version is not None
-        and ref is not None
-        and ref() is key_lengths
-        and checked_version == version
-        and checked_lk == lk
-    ):
+    record = _remembered(key_lengths)
+    if record is not None and record.get("checked_lk") == lk:
         return
     low, high = torch.stack(torch.aminmax(key_lengths)).tolist()  # one synchronisation
     if low < 0 or high > lk:
         raise ValueError(f"key_lengths: expected values in [0, {lk}] (Lk of k), got values in [{low}, {high}]")
-    _checked_lengths = (None, -1, -1) if version is None else (weakref.ref(key_lengths), version, lk)
+    if record is not None:
+        record["checked_lk"] = lk
+
+
+def _kernel_lengths(key_lengths: torch.Tensor) -> torch.Tensor:
+    """key_lengths as the kernels read them, contiguous int32: cast once for a tensor passed again unchanged
+    (_remembered), on every call inside a graph, where the cast must be recorded."""
+    if key_lengths.dtype == torch.int32 and key_lengths.is_contiguous():
+        return key_lengths
+    record = None if _in_graph(key_lengths) else _remembered(key_lengths)
+    if record is None:
+        return key_lengths.to(torch.int32).contiguous()
+    if "int32" not in record:
+        record["int32"] = key_lengths.to(torch.int32).contiguous()
+    return record["int32"]
 
 
 def _autocast(q, k, v):
     """Under autocast, attention runs in the autocast dtype (as SDPA does)."""
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v
+    return autocast_inputs(q.device.type, q, k, v)
 
 
 def flash_attention(
@@ -309,7 +327,7 @@ def flash_attention(
     if chosen == "torch" or q.numel() == 0 or k.shape[2] == 0:
         return flash_attention_reference(q, k, v, causal, key_lengths, attn_mask, float(dropout_p), scale)
     if key_lengths is not None:
-        key_lengths = key_lengths.to(torch.int32).contiguous()
+        key_lengths = _kernel_lengths(key_lengths)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     seed = draw_seed_tensor(q.device) if dropout_p > 0 else None
     return KERNEL(chosen, q, k, v, key_lengths, bool(causal), scale, float(dropout_p), seed)

@@ -230,3 +230,132 @@ def chunk_gated_delta_rule_reference(
     o, state = _chunked(*(gather(x) for x in (qs, ks, vs, gs, bs)), state, chunk_size)
     o = o.reshape(-1, HV, V)[valid.reshape(-1)].unsqueeze(0)
     return _finish(o, state, q, output_final_state)
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x as a tensor core's tf32 product reads it: the low 13 mantissa bits dropped."""
+    return (x.view(torch.int32) & -8192).view(torch.float32)
+
+
+def blockwise_unit_lower_inverse(a: torch.Tensor, block: int = 16, tf32: bool = False) -> torch.Tensor:
+    """(I + A)^-1 of strictly lower A [..., n, n] (n a multiple of `block`) as the TileLang prepare kernel forms it:
+    D = the inverses of I + A's diagonal blocks by forward substitution, N = D A below the diagonal blocks
+    (N^(n / block) = 0) and X_0 = D, X_{s+1} = D - N X_s, exact after n / block - 1 steps (row block b is exact
+    from X_b on: block forward substitution). With `tf32` (fp32 a) the products read their operands as tf32,
+    as the kernel's do."""
+    n = a.shape[-1]
+    rows = torch.arange(n, device=a.device)
+    diagonal = rows[:, None] // block == rows[None, :] // block
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    d = eye.expand_as(a).clone()
+    for i in range(n):  # a row of D at a time: d[i] = e_i - sum_{m < i, same block} a[i, m] d[m]
+        same = diagonal[i] & (rows < i)
+        d[..., i, :] -= (a[..., i, :] * same).unsqueeze(-2).matmul(d).squeeze(-2)
+
+    def product(x, y):
+        return _tf32(x).matmul(_tf32(y)) if tf32 else x.matmul(y)
+
+    below = rows[:, None] // block > rows[None, :] // block
+    nilpotent = torch.where(below, product(d, a), 0.0)
+    x = d
+    for _ in range(n // block - 1):
+        x = d - product(nilpotent, x)
+    return x
+
+
+def _l2norm_backward(dx_n: torch.Tensor, raw: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """d raw of x_n = raw rstd: (dx_n - x_n (dx_n . x_n)) rstd, with x_n . dx_n = rstd (raw . dx_n)."""
+    projection = (dx_n * raw).sum(-1, keepdim=True) * rstd * rstd
+    return (dx_n - raw * projection) * rstd
+
+
+def chunked_backward_stages(q, k, v, g, beta, scale, initial_state, grad_o, grad_final, l2norm: bool, operand=None):
+    """The TileLang chunked backward's stages (tilelang_backward.py) in torch, on one sequence per batch row, HV = H
+    and T a multiple of CHUNK_SIZE: the same decompositions (raw q/k rows with the l2norm's rsqrt factors folded
+    into the other operand, dA = -T^T (dU U^T), dgamma by row and column sums, dS_last on the chunk's last row) in the
+    inputs' dtype, for a float64 check against autograd. `operand` (None: exact) rounds what the kernels take as 16-bit
+    product operands or store in 16 bits, the forward's w, u and states included. Returns (dq, dk, dv, dg, dbeta,
+    d(initial_state))."""
+    B, T, H, K = q.shape
+    V, C = v.shape[-1], CHUNK_SIZE
+    n_chunks = T // C
+    op = operand or (lambda x: x)
+
+    def blocks(x):  # [B, T, H, ...] -> [B, H, n_chunks, C, ...]
+        x = x.reshape(B, n_chunks, C, H, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    q, k, v, g, beta, grad_o = (blocks(x) for x in (q, k, v, g, beta, grad_o))
+    ones = lambda x: torch.ones_like(x[..., 0])  # noqa: E731
+    rq = torch.rsqrt((q * q).sum(-1) + 1e-6) if l2norm else ones(q)
+    rk = torch.rsqrt((k * k).sum(-1) + 1e-6) if l2norm else ones(k)
+    gamma = local_gamma(g)
+    last = gamma[..., -1:]
+    e_gamma, to_end = gamma.exp(), (last - gamma).exp()
+    rows = torch.arange(C, device=q.device)
+    causal, strict = rows[:, None] >= rows[None, :], rows[:, None] > rows[None, :]
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kk = (k @ k.transpose(-1, -2)) * rk[..., :, None] * rk[..., None, :]
+    a = (beta[..., None] * kk * decay).masked_fill(~strict, 0.0)
+    inverse = torch.linalg.inv(torch.eye(C, dtype=q.dtype, device=q.device) + a)
+    w = op(inverse) @ op((beta * e_gamma * rk)[..., None] * k)
+    u = op(inverse) @ op(beta[..., None] * v)
+    # 0: the states entering each chunk and the corrections U
+    state = initial_state.to(q.dtype) if initial_state is not None else q.new_zeros(B, H, K, V)
+    states, corrections = [], []
+    for c in range(n_chunks):
+        states.append(op(state))
+        corrections.append(u[:, :, c] - op(w[:, :, c]) @ states[-1])
+        scaled = op(corrections[-1] * (to_end[:, :, c] * rk[:, :, c])[..., None])
+        state = last[:, :, c, :, None].exp() * state + k[:, :, c].transpose(-1, -2) @ scaled
+    states, corrections = torch.stack(states, 2), op(torch.stack(corrections, 2))
+    # 1: dU_local = scale P^T dO and the walk's row factors
+    q_factor, k_factor = scale * e_gamma * rq, to_end * rk
+    attention_t = (k @ q.transpose(-1, -2)) * (decay * rq[..., :, None] * rk[..., None, :]).transpose(-1, -2) * scale
+    du_local = op(op(attention_t) @ grad_o)
+    # 2: the reverse walk
+    dstate = grad_final.to(q.dtype) if grad_final is not None else q.new_zeros(B, H, K, V)
+    dstates, du = [None] * n_chunks, [None] * n_chunks
+    for c in reversed(range(n_chunks)):
+        dstates[c] = op(dstate)
+        du_fp32 = du_local[:, :, c] + k_factor[:, :, c, :, None] * (k[:, :, c] @ dstates[c])
+        du[c] = op(du_fp32)
+        dstate = (
+            last[:, :, c, :, None].exp() * dstate
+            + q[:, :, c].transpose(-1, -2) @ op(q_factor[:, :, c, :, None] * grad_o[:, :, c])
+            - op(w[:, :, c]).transpose(-1, -2) @ du[c]
+        )
+    dstates, du = torch.stack(dstates, 2), torch.stack(du, 2)
+    # 3: the products with the states; dq, and the output's and S''s parts of dk and dgamma
+    dq_state = grad_o @ states.transpose(-1, -2)
+    dk_state = corrections @ dstates.transpose(-1, -2)
+    dw = op(-(du @ states.transpose(-1, -2)))
+    dp = (grad_o @ corrections.transpose(-1, -2)) * decay * scale
+    m = dp * (q @ k.transpose(-1, -2)) * rq[..., :, None] * rk[..., None, :]
+    k_term = to_end * rk * (dk_state * k).sum(-1)
+    d_gamma = q_factor * (dq_state * q).sum(-1) + m.sum(-1) - m.sum(-2) - k_term
+    d_gamma[..., -1] += last[..., 0].exp() * (states * dstates).sum((-1, -2)) + k_term.sum(-1)
+    dq = dq_state * (scale * e_gamma)[..., None] + op(dp * rk[..., None, :]) @ k  # of the normalised rows
+    dk = dk_state * to_end[..., None] + op(dp * rq[..., :, None]).transpose(-1, -2) @ q
+    # 4: through u, w and T
+    inverse_t = op(inverse).transpose(-1, -2)
+    du_u = du @ corrections.transpose(-1, -2)
+    dv_beta = inverse_t @ du
+    da = -(inverse_t @ op(du_u)) * decay.masked_fill(~strict, 0.0)
+    dk_w = inverse_t @ dw
+    k_dkw = e_gamma * rk * (dk_w * k).sum(-1)
+    m = da * kk
+    a_rows, a_cols = m.sum(-1), (m * beta[..., None]).sum(-2)
+    dkk = (da * beta[..., :, None] + da.transpose(-1, -2) * beta[..., None, :]) * rk[..., None, :]
+    dk = dk + dk_w * (beta * e_gamma)[..., None] + op(dkk) @ k
+    dbeta = (dv_beta * v).sum(-1) + k_dkw + a_rows
+    d_gamma = d_gamma + beta * (k_dkw + a_rows) - a_cols
+    dg = d_gamma.flip(-1).cumsum(-1).flip(-1).masked_fill(g <= -FULL_DECAY, 0.0)
+    if l2norm:
+        dq, dk = _l2norm_backward(dq, q, rq[..., None]), _l2norm_backward(dk, k, rk[..., None])
+
+    def unblock(x):  # [B, H, n_chunks, C, ...] -> [B, T, H, ...]
+        return x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(B, T, H, *x.shape[4:])
+
+    dv = dv_beta * beta[..., None]
+    return (*(unblock(x) for x in (dq, dk, dv, dg, dbeta)), dstate)

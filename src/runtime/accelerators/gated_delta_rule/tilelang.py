@@ -16,15 +16,23 @@ Recurrent: one program per (V block, sequence x value head) keeps its [K, BV] st
 fragment and walks the steps; q/k are normalised in fp32 as they are loaded when asked.
 
 Chunked (chunks of BT = 64 steps; see reference.py for the math):
-  1. prepare, one program per (chunk, value head): gamma = cumsum(g), A = beta exp(gamma_t - gamma_j)
-     k_t.k_j (strictly lower), (I + A)^-1 by forward substitution (a thread per column: the columns
-     are independent), w = (I + A)^-1 diag(beta e^gamma) K and u = (I + A)^-1 diag(beta) V.
-  2. state/output, one program per (V block, sequence x value head): walks the chunks with the
-     [K, BV] state, U = u - w S, O = scale (diag(e^gamma) Q S + (Q K^T * decay)_{j<=t} U),
-     S <- e^gamma_last S + (K * e^(gamma_last - gamma))^T U. The backward runs it again with no output,
-     storing the state entering each chunk.
-The matmuls are tensor-core gemms on fp32 operands (tf32), so the chunked kernels take half inputs
-only; fp32 inputs get the recurrent kernel's exact fp32 math or the other backends.
+  1. prepare, one program per (chunk, value head), one warpgroup: gamma = cumsum(g) (full decays counted apart),
+     k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
+     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by 16x16 blocks: the four
+     diagonal blocks by forward substitution (a thread per (block, column), 16 rows deep), then
+     N = D A_below and X <- D - N X three times from X = D (block forward substitution as 64x64 products, in
+     tf32: its operands are computed values, which bf16 would round too coarsely). w = (I + A)^-1
+     diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the inverse and the scaled rows
+     rounded to bf16, as the Triton kernel's HALF_WY products).
+  2. state/output, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: q, k, w and
+     gamma loaded a chunk ahead, q and k by TMA for bf16 inputs; at K = 128 TileLang warp-specialises it) with the [K, BV] state in an
+     fp32 fragment across the walk; per chunk U = u - w S, O = scale (diag(e^gamma rstd_q) Q S + P U) with
+     P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
+     rstd_k), every product on bf16 operands (S, w, U, P rounded) accumulated in fp32, the state update straight
+     into the state's fragment. The backward runs it again with no output, storing the state entering each chunk.
+gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
+inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
+the other backends.
 """
 
 import tilelang.language as T
@@ -38,6 +46,9 @@ from .tilelang_backward import backward_entries, chunk_backward  # noqa: F401  (
 from .tilelang_shared import (
     BT,
     L2NORM_EPS,
+    OPERAND,
+    OPERAND_TORCH,
+    SUB,
     Chunks,
     _contiguous,
     _device_cu,
@@ -45,8 +56,8 @@ from .tilelang_shared import (
     _state_block,
     chunk_end,
     chunk_start,
-    load_qk_rows,
     load_state,
+    row_rstd,
     state_output_entry,
     state_program,
     store_state,
@@ -172,70 +183,107 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
         groups: T.int32,
     ):
         with T.Kernel(n_total, HV, threads=threads) as (i_t, hv):
-            k_f = T.alloc_fragment((BT, K), ACCUM)
+            k_s = T.alloc_shared((BT, K), dtype)  # k as stored: k k^T on it is exact up to fp32 accumulation
             sq = T.alloc_fragment((BT, K), ACCUM)
-            rstd = T.alloc_fragment((BT,), ACCUM)
-            k_s = T.alloc_shared((BT, K), ACCUM)
-            kb_s = T.alloc_shared((BT, K), ACCUM)
-            vb_s = T.alloc_shared((BT, V), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            rstd_s = T.alloc_shared((BT,), ACCUM)
             g_s = T.alloc_shared((BT,), ACCUM)
             fulls_s = T.alloc_shared((BT,), ACCUM)  # 1 at a full decay, then their count
             beta_s = T.alloc_shared((BT,), ACCUM)
             kk = T.alloc_fragment((BT, BT), ACCUM)
-            a_s = T.alloc_shared((BT, BT), ACCUM)
-            inv_s = T.alloc_shared((BT, BT), ACCUM)
+            a_s = T.alloc_shared((BT, BT), ACCUM)  # A (strictly lower), then N = D A below the diagonal blocks
+            d_s = T.alloc_shared((BT, BT), ACCUM)  # D: the inverses of the diagonal blocks of I + A
+            x_s = T.alloc_shared((BT, BT), ACCUM)  # (I + A)^-1 as the block substitution fills it
+            step = T.alloc_fragment((BT, BT), ACCUM)
+            inv_h = T.alloc_shared((BT, BT), OPERAND)
+            kb_h = T.alloc_shared((BT, K), OPERAND)
+            vb_h = T.alloc_shared((BT, V), OPERAND)
             w_f = T.alloc_fragment((BT, K), ACCUM)
             u_f = T.alloc_fragment((BT, V), ACCUM)
 
             h = hv // groups
             start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)  # rows past eos: another sequence's or zeros, masked below
             for i in T.Parallel(BT):
                 # a full decay (reference.local_gamma) is not summed in gamma but counted (G read only inside)
                 g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
                 fulls_s[i] = T.if_then_else(g_s[i] <= -FULL_DECAY, 1.0, 0.0)
                 g_s[i] = T.if_then_else(g_s[i] <= -FULL_DECAY, 0.0, g_s[i])
                 beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
-            load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
-            T.copy(k_f, k_s)
             T.sync_threads()
             T.cumsum(g_s, dim=0)
             T.cumsum(fulls_s, dim=0)
             T.sync_threads()
             for i in T.Parallel(BT):
                 g_s[i] = g_s[i] - FULL_DECAY * fulls_s[i]  # gamma, the sum rounded once
+            if l2norm:
+                row_rstd(k_s, sq, rsum, rstd_s)
+            else:
+                for i in T.Parallel(BT):
+                    rstd_s[i] = 1.0
             T.sync_threads()
             for i in T.Parallel(BT):
                 if start + i < eos:
                     Gamma[start + i, hv] = g_s[i]
-            for i, j in T.Parallel(BT, K):
-                kb_s[i, j] = k_s[i, j] * beta_s[i] * T.exp(g_s[i])
-            for i, j in T.Parallel(BT, V):
-                vb_s[i, j] = T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, j], ACCUM), 0.0) * beta_s[i]
+            # A = beta_t rstd_t rstd_j e^(gamma_t - gamma_j) k_t.k_j (j < t), the l2norm applied after the product
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(i > j, beta_s[i] * T.exp(g_s[i] - g_s[j]) * kk[i, j], 0.0)
+                a_s[i, j] = T.if_then_else(
+                    (i > j) and (start + i < eos),
+                    beta_s[i] * rstd_s[i] * rstd_s[j] * T.exp(g_s[i] - g_s[j]) * kk[i, j],
+                    0.0,
+                )
+                d_s[i, j] = 0.0
             T.sync_threads()
-            # (I + A)^-1 column by column (forward substitution; each column is independent)
-            for j in T.Parallel(BT):
-                for i in T.serial(BT):
+            # D = (I + A_bb)^-1 on the four diagonal blocks: forward substitution, a thread per (block, column)
+            for b, j in T.Parallel(BT // SUB, SUB):
+                for i in T.serial(SUB):
                     acc = T.alloc_var(ACCUM)
                     acc = T.if_then_else(i == j, 1.0, 0.0)
                     for m in T.serial(i):
-                        acc = acc - a_s[i, m] * inv_s[m, j]
-                    inv_s[i, j] = acc
+                        acc = acc - a_s[b * SUB + i, b * SUB + m] * d_s[b * SUB + m, b * SUB + j]
+                    d_s[b * SUB + i, b * SUB + j] = acc
             T.sync_threads()
-            T.gemm(inv_s, kb_s, w_f, clear_accum=True)
-            T.gemm(inv_s, vb_s, u_f, clear_accum=True)
+            # I + A = (I + A_diag)(I + N), N = D A_below (strictly block lower, N^4 = 0), so (I + A)^-1 = X_3 for
+            # X_0 = D, X_{s+1} = D - N X_s: row block b is exact from X_b on (block forward substitution)
+            T.gemm(d_s, a_s, step, clear_accum=True)
+            T.sync_threads()
+            for i, j in T.Parallel(BT, BT):
+                a_s[i, j] = T.if_then_else(i // SUB > j // SUB, step[i, j], 0.0)
+                x_s[i, j] = d_s[i, j]
+            T.sync_threads()
+            for _ in T.serial(BT // SUB - 1):
+                T.gemm(a_s, x_s, step, clear_accum=True)
+                T.sync_threads()
+                for i, j in T.Parallel(BT, BT):
+                    x_s[i, j] = d_s[i, j] - step[i, j]
+                T.sync_threads()
+            for i, j in T.Parallel(BT, BT):
+                inv_h[i, j] = T.cast(x_s[i, j], OPERAND)
+                if start + i < eos:
+                    Inverse[start + i, hv, j] = x_s[i, j]
+            # w = (I + A)^-1 diag(beta e^gamma rstd) K, u = (I + A)^-1 diag(beta) V, on 16-bit operands
+            for i, j in T.Parallel(BT, K):
+                kb_h[i, j] = T.cast(
+                    T.if_then_else(
+                        start + i < eos, T.cast(k_s[i, j], ACCUM) * (beta_s[i] * rstd_s[i] * T.exp(g_s[i])), 0.0
+                    ),
+                    OPERAND,
+                )
+            for i, j in T.Parallel(BT, V):
+                vb_h[i, j] = T.cast(
+                    T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, j], ACCUM) * beta_s[i], 0.0), OPERAND
+                )
+            T.sync_threads()
+            T.gemm(inv_h, kb_h, w_f, clear_accum=True)
+            T.gemm(inv_h, vb_h, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 if start + i < eos:
                     W[start + i, hv, j] = w_f[i, j]
             for i, j in T.Parallel(BT, V):
                 if start + i < eos:
                     U[start + i, hv, j] = u_f[i, j]
-            for i, j in T.Parallel(BT, BT):
-                if start + i < eos:
-                    Inverse[start + i, hv, j] = inv_s[i, j]
 
     return gdr_chunk_prepare
 
@@ -309,7 +357,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
     entry = state_output_entry(K, V, q.dtype, initial_state is not None, bool(output_final_state), l2norm, varlen)
     launcher(entry, device)(
         q_rows, k_rows, gamma, w, u, rows(o, HV, V), placeholder(device) if initial_state is None else initial_state,
-        final if output_final_state else placeholder(device), placeholder(device), chunks.cu, chunks.first,
+        final if output_final_state else placeholder(device), placeholder(device, OPERAND_TORCH),
+        placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first,
         float(scale), T_, n, HV // H,
     )  # fmt: skip
     return o, final, gamma, w, u, inverse

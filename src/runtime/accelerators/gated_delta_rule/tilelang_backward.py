@@ -1,26 +1,36 @@
 """The chunked gated delta rule's backward in TileLang (the contract of triton.chunk_backward).
 
-The math is triton.py's ("chunked backward"). Per chunk, with S the state entering it, S' the state
-leaving it, P the causal attention (Q K^T * e^(gamma_t - gamma_j))_{j <= t}, T = (I + A)^-1 and the
-corrections U = u - w S:
+The math is triton.py's ("chunked backward") and the stages are triton_backward.py's. Per chunk, with S the state
+entering it, S' the state leaving it, P the causal attention (Q K^T * e^(gamma_t - gamma_j))_{j <= t},
+T = (I + A)^-1 and the corrections U = u - w S (q and k l2-normalised when asked: Q, K below are the normalised
+rows; the kernels take the raw rows as stored and fold the rsqrt factors into the other operand):
 
     O = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
 
-Three launches after the forward's factors (gamma, w, u, T):
-  0. the forward's state walk again (tilelang.state_output_kernel, store_states, no output): the state
-     entering each chunk, States[global chunk];
-  1. state_grad, one program per (V block, sequence x value head), walks the chunks backwards with
-     dS' in a fragment:  DStates[chunk] = dS',  dU = scale P^T dO + (K e^(gamma_last - gamma)) dS',
-     dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU;  the first chunk's dS is d(initial_state);
-  2. chunk_grad, one program per (chunk, value head): over V blocks the terms that need S, dS', dO, dU,
-     u and v (dO S^T, U dS'^T, dw = -dU S^T, dO U^T, dT's u part, dv = beta T^T dU), then the
-     intra-chunk terms of O and S', the WY factors through T (dA = -T^T dT T^T, strictly lower), the
-     reverse cumulative sum dgamma -> dg and the l2norm backward of q and k.
+Five launches after the forward's factors (gamma, w, u, T):
+  0. the forward's state walk again (tilelang_shared.state_output_kernel, store_states, no output): the state entering
+     each chunk, States[global chunk], and U per row, both bf16;
+  1. local_grad, one program per (chunk, value head): dU_local = scale P^T dO over V blocks (stored bf16 where dU
+     goes), and the walk's row factors scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k;
+  2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined: q, k,
+     dO and dU_local by TMA, w and the factors loaded a chunk ahead by the producer warps) with dS' in an fp32 fragment: DStates[chunk] = dS' (bf16), dU = dU_local + K~ dS',
+     dS = e^gamma_last dS' + Q~^T dO - w^T dU (K~, Q~: the rows times the factors); the first chunk's dS is
+     d(initial_state);
+  3. grad_qk, one program per (chunk, value head): over V blocks the products with the states, dO S^T, U dS'^T,
+     dw = -dU S^T, dO U^T and <S, dS'>; then dq (final, with the l2norm backward), the output's and S''s parts of
+     dk and dgamma (fp32, for step 4) and dw (bf16);
+  4. grad_wy, one program per (chunk, value head): dv = beta T^T dU and dA = -T^T (dU U^T) (T dT^T = dU U^T, see
+     triton_backward_wy.py) over V blocks, then dk and dbeta through w = T diag(beta e^gamma) K and through A, the
+     l2norm backward of k and dg, the reverse cumulative sum of dgamma within the chunk (0 at a full decay).
+Every product takes bf16 operands (the stored tensors as they are, computed ones rounded; fp16 q/k rounded, as the
+forward's) and accumulates in fp32 (wgmma on sm_90a), at every K: the Triton backward's HALF products, which it runs
+at K = 128 (reference.chunked_backward_stages mirrors the roundings: about 3e-3 from float64 at every K of the GPU
+cases). Row and column sums are fragment reductions; the loads of step 3's V loop are cp.async (TMA would
+warp-specialise it and halve the registers of its three [BT, K] accumulators).
 dq/dk are written per value head (fp32) and summed over the value heads of each q/k head (GVA) in torch.
 
-Rows of chunks past their sequence's end are zero in every shared tile, and every decay factor is
-masked to the rows inside the sequence (so a strong decay cannot make 0 * inf there). The row and
-column sums over [BT, BT] tiles run a thread per row on shared memory.
+Rows of chunks past their sequence's end are masked in every operand that a product sums over, and every decay
+factor is a select on the rows inside the sequence (so a strong decay cannot make 0 * inf there).
 """
 
 import tilelang.language as T
@@ -31,7 +41,8 @@ from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 from .reference import FULL_DECAY
 from .tilelang_shared import (
     BT,
-    L2NORM_EPS,
+    OPERAND,
+    OPERAND_TORCH,
     Chunks,
     _contiguous,
     _sequences,
@@ -39,30 +50,122 @@ from .tilelang_shared import (
     _state_threads,
     chunk_end,
     chunk_start,
-    load_chunk_decay_and_w,
-    load_qk_rows,
+    load_chunk_decay,
     load_state,
+    row_rstd,
     state_output_entry,
     state_program,
     store_state,
 )
 
 
-def _grad_block(K: int, V: int) -> int:
-    """V block of chunk_grad: its fp32 tiles for K=128 and BV=32 stay under sm_90's shared memory."""
-    return min(V, 32 if K >= 64 else 64)
+def _walk_stages(K: int, dtype) -> int:
+    """Pipeline depth of the reverse walk's loads (q, k, dO, dU, w of a chunk): two stages but at K = 128, where they
+    take 132 KB of shared memory against 75 KB (one block an SM: the B4-T4096-H16 walk's 256 programs would run in
+    two waves), and for
+    fp16 inputs, whose q/k loads convert (no TMA; two stages of them failed to lower in TileLang 0.1.15)."""
+    return 1 if K >= 128 or dtype != torch.bfloat16 else 2
+
+
+def _value_block(K: int, V: int) -> int:
+    """V block of the per-chunk gradient kernels: 32 at K = 128 (its three [BT, K] fp32 accumulators), as Triton's."""
+    return min(V, 32 if K >= 128 else 64)
 
 
 def _grad_threads(K: int) -> int:
-    # three [BT, K] fp32 accumulators live across the V loop: with 4 warps at K >= 64 ptxas spills
+    # [BT, K] fp32 accumulators live across the V loop: 8 warps from K = 64, as the Triton kernels'
     return 256 if K >= 64 else 128
+
+
+@T.macro
+def load_rstd(x_s, sq, rsum, rstd_s, l2norm: bool):
+    """rstd_s = the rows' l2norm factors (row_rstd), or 1 without the l2norm."""
+    if l2norm:
+        row_rstd(x_s, sq, rsum, rstd_s)
+    else:
+        for i in T.Parallel(BT):
+            rstd_s[i] = 1.0
+
+
+@T.macro
+def load_rows(X, x_h, hv, v0, start, eos):
+    """x_h = rows [start, start + BT) of X[:, hv], columns from v0, as a 16-bit operand, zero from eos on."""
+    for i, j in T.Parallel(BT, x_h.shape[1]):
+        x_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(X[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND)
 
 
 # --------------------------------------------------------------------------- kernels
 
 
+def local_grad_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bool):
+    R, H, HV, NC, NT = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows")
+
+    @T.prim_func
+    def gdr_chunk_local_grad(
+        Q: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        DO: T.Tensor((R, HV, V), dtype),
+        DU: T.Tensor((R, HV, V), OPERAND),
+        QFactor: T.Tensor((R, HV), ACCUM),
+        KFactor: T.Tensor((R, HV), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        Chunks: T.Tensor((NT, 2) if varlen else (1,), "int32"),
+        scale: T.float32,
+        seq_len: T.int32,
+        n_chunks: T.int32,
+        n_total: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(n_total, HV, threads=128) as (i_t, hv):
+            q_s = T.alloc_shared((BT, K), OPERAND)
+            k_s = T.alloc_shared((BT, K), OPERAND)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            q_rstd_s = T.alloc_shared((BT,), ACCUM)
+            k_rstd_s = T.alloc_shared((BT,), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
+            attn_t = T.alloc_fragment((BT, BT), ACCUM)
+            attn_t_h = T.alloc_shared((BT, BT), OPERAND)  # scale P^T
+            do_h = T.alloc_shared((BT, BV), OPERAND)
+            du = T.alloc_fragment((BT, BV), ACCUM)
+
+            h = hv // groups
+            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P^T below
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            load_rstd(q_s, sq, rsum, q_rstd_s, l2norm)
+            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
+            for i in T.Parallel(BT):
+                if start + i < eos:
+                    QFactor[start + i, hv] = scale * T.exp(gamma_s[i]) * q_rstd_s[i]
+                    KFactor[start + i, hv] = T.exp(last - gamma_s[i]) * k_rstd_s[i]
+            # P^T[j, t] = k_j . q_t e^(gamma_t - gamma_j) for key j <= query t
+            T.gemm(k_s, q_s, attn_t, transpose_B=True, clear_accum=True)
+            for j, i in T.Parallel(BT, BT):
+                attn_t_h[j, i] = T.cast(
+                    T.if_then_else(
+                        (i >= j) and (start + i < eos),
+                        attn_t[j, i] * T.exp(gamma_s[i] - gamma_s[j]) * (scale * q_rstd_s[i] * k_rstd_s[j]),
+                        0.0,
+                    ),
+                    OPERAND,
+                )
+            for i_v in T.Pipelined(V // BV, num_stages=2):
+                v0 = i_v * BV
+                load_rows(DO, do_h, hv, v0, start, eos)
+                T.gemm(attn_t_h, do_h, du, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    if start + i < eos:
+                        DU[start + i, hv, v0 + j] = T.cast(du[i, j], OPERAND)
+
+    return gdr_chunk_local_grad
+
+
 def state_grad_kernel(
-    K: int, V: int, BV: int, dtype: str, has_initial: bool, final_grad: bool, l2norm: bool, varlen: bool
+    K: int, V: int, BV: int, dtype: str, has_initial: bool, final_grad: bool, varlen: bool, stages: int
 ):
     R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
     threads = _state_threads(K, BV)
@@ -74,113 +177,95 @@ def state_grad_kernel(
         Kx: T.Tensor((R, H, K), dtype),
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
+        QFactor: T.Tensor((R, HV), ACCUM),
+        KFactor: T.Tensor((R, HV), ACCUM),
         DO: T.Tensor((R, HV, V), dtype),
-        DU: T.Tensor((R, HV, V), ACCUM),
-        DStates: T.Tensor((NTC, HV, K, V), ACCUM),
+        DU: T.Tensor((R, HV, V), OPERAND),
+        DStates: T.Tensor((NTC, HV, K, V), OPERAND),
         DHT: T.Tensor(state_shape if final_grad else (1,), ACCUM),
         DH0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         Cu: T.Tensor((NC,), "int32"),
         First: T.Tensor((NF,), "int32"),
-        scale: T.float32,
         seq_len: T.int32,
         n_seq: T.int32,
         groups: T.int32,
     ):
         with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
-            dstate = T.alloc_fragment((K, BV), ACCUM)
-            dstate_s = T.alloc_shared((K, BV), ACCUM)
-            q_f = T.alloc_fragment((BT, K), ACCUM)
-            k_f = T.alloc_fragment((BT, K), ACCUM)
-            sq = T.alloc_fragment((BT, K), ACCUM)
-            rsum = T.alloc_fragment((BT,), ACCUM)
-            q_s = T.alloc_shared((BT, K), ACCUM)
-            k_s = T.alloc_shared((BT, K), ACCUM)
-            qg_s = T.alloc_shared((BT, K), ACCUM)
-            kd_s = T.alloc_shared((BT, K), ACCUM)
-            w_s = T.alloc_shared((BT, K), ACCUM)
-            gamma_s = T.alloc_shared((BT,), ACCUM)
-            do_s = T.alloc_shared((BT, BV), ACCUM)
-            attn = T.alloc_fragment((BT, BT), ACCUM)
-            attn_s = T.alloc_shared((BT, BT), ACCUM)
-            du_attn = T.alloc_fragment((BT, BV), ACCUM)
-            du_state = T.alloc_fragment((BT, BV), ACCUM)
-            du_s = T.alloc_shared((BT, BV), ACCUM)
-            ds_output = T.alloc_fragment((K, BV), ACCUM)
-            ds_w = T.alloc_fragment((K, BV), ACCUM)
+            dstate = T.alloc_fragment((K, BV), ACCUM)  # dS', fp32 across the whole walk
+            dstate_h = T.alloc_shared((K, BV), OPERAND)
+            q_s = T.alloc_shared((BT, K), OPERAND)  # q and k as stored (pipelined loads), rows past eos unused
+            k_s = T.alloc_shared((BT, K), OPERAND)
+            w_h = T.alloc_shared((BT, K), OPERAND)
+            q_factor_s = T.alloc_shared((BT,), ACCUM)
+            k_factor_s = T.alloc_shared((BT,), ACCUM)
+            do_s = T.alloc_shared((BT, BV), dtype)  # dO and dU_local as stored (pipelined loads), rows past eos unused
+            du_s = T.alloc_shared((BT, BV), OPERAND)
+            du = T.alloc_fragment((BT, BV), ACCUM)
+            du_neg_h = T.alloc_shared((BT, BV), OPERAND)  # -dU
+            do_q_h = T.alloc_shared((BT, BV), OPERAND)  # diag(q factor) dO
 
             n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
             first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
             n_chunks = T.ceildiv(eos - bos, BT)
             load_state(dstate, DHT, n, hv, v0, final_grad)
-            for step in T.serial(n_chunks):
+            # no explicit barrier in the walk (as the forward's: TileLang plans the pipeline's barriers)
+            for step in T.Pipelined(n_chunks, num_stages=stages):
                 c = n_chunks - 1 - step
                 start = bos + c * BT
-                # dS' of chunk c: the gradient of the state leaving it
-                for i, j in T.Parallel(K, BV):
-                    DStates[first + c, hv, i, v0 + j] = dstate[i, j]
-                last = load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos)
-                for i, j in T.Parallel(BT, BV):
-                    do_s[i, j] = T.if_then_else(start + i < eos, T.cast(DO[start + i, hv, v0 + j], ACCUM), 0.0)
-                load_qk_rows(Q, h, start, eos, q_f, sq, rsum, l2norm)
-                T.copy(q_f, q_s)
-                load_qk_rows(Kx, h, start, eos, k_f, sq, rsum, l2norm)
-                T.copy(k_f, k_s)
-                T.copy(dstate, dstate_s)
-                T.sync_threads()
+                T.copy(Q[start : start + BT, h, 0:K], q_s)
+                T.copy(Kx[start : start + BT, h, 0:K], k_s)
+                T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
+                T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
                 for i, j in T.Parallel(BT, K):
-                    qg_s[i, j] = q_s[i, j] * (T.exp(gamma_s[i]) * scale)
-                    kd_s[i, j] = T.if_then_else(start + i < eos, k_s[i, j] * T.exp(last - gamma_s[i]), 0.0)
-                T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):  # scale P
-                    attn_s[i, j] = T.if_then_else(
-                        (i >= j) and (start + i < eos), attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, 0.0
-                    )
-                T.sync_threads()
-                # dU = scale P^T dO + (K e^(gamma_last - gamma)) dS'
-                T.gemm(attn_s, do_s, du_attn, transpose_A=True, clear_accum=True)
-                T.gemm(kd_s, dstate_s, du_state, clear_accum=True)
+                    w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
+                for i in T.Parallel(BT):
+                    q_factor_s[i] = T.if_then_else(start + i < eos, QFactor[start + i, hv], 0.0)
+                    k_factor_s[i] = T.if_then_else(start + i < eos, KFactor[start + i, hv], 0.0)
+                last = Gamma[T.min(start + BT, eos) - 1, hv]
+                for i, j in T.Parallel(K, BV):  # dS' of chunk c: the gradient of the state leaving it
+                    DStates[first + c, hv, i, v0 + j] = T.cast(dstate[i, j], OPERAND)
+                T.copy(dstate, dstate_h)
+                # dU = dU_local + diag(k factor) K dS'
+                T.gemm(k_s, dstate_h, du, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    du_s[i, j] = du_attn[i, j] + du_state[i, j]
+                    du[i, j] = T.if_then_else(
+                        start + i < eos, T.cast(du_s[i, j], ACCUM) + du[i, j] * k_factor_s[i], 0.0
+                    )
+                    du_neg_h[i, j] = T.cast(-du[i, j], OPERAND)
+                    do_q_h[i, j] = T.cast(
+                        T.if_then_else(start + i < eos, T.cast(do_s[i, j], ACCUM) * q_factor_s[i], 0.0), OPERAND
+                    )
                 for i, j in T.Parallel(BT, BV):
                     if start + i < eos:
-                        DU[start + i, hv, v0 + j] = du_attn[i, j] + du_state[i, j]
-                T.sync_threads()
-                # dS = e^gamma_last dS' + scale (Q e^gamma)^T dO - w^T dU
-                T.gemm(qg_s, do_s, ds_output, transpose_A=True, clear_accum=True)
-                T.gemm(w_s, du_s, ds_w, transpose_A=True, clear_accum=True)
+                        DU[start + i, hv, v0 + j] = T.cast(du[i, j], OPERAND)
+                # dS = e^gamma_last dS' + Q~^T dO - w^T dU, accumulated into the fp32 fragment
                 for i, j in T.Parallel(K, BV):
-                    dstate[i, j] = dstate[i, j] * T.exp(last) + ds_output[i, j] - ds_w[i, j]
-                T.sync_threads()  # the next chunk overwrites the shared tiles
+                    dstate[i, j] = dstate[i, j] * T.exp(last)
+                T.gemm(q_s, do_q_h, dstate, transpose_A=True)
+                T.gemm(w_h, du_neg_h, dstate, transpose_A=True)
             if has_initial:
                 store_state(DH0, dstate, n, hv, v0)
 
     return gdr_chunk_state_grad
 
 
-def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype: str, l2norm: bool, varlen: bool):
+def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bool):
     R, H, HV, NC, NT, NTC = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows, n_chunks_total")
-    threads = _grad_threads(K)
 
     @T.prim_func
-    def gdr_chunk_grad(
+    def gdr_chunk_grad_qk(
         Q: T.Tensor((R, H, K), dtype),
         Kx: T.Tensor((R, H, K), dtype),
-        Vx: T.Tensor((R, HV, V), dtype),
-        G: T.Tensor((R, HV), g_dtype),
-        Beta: T.Tensor((R, HV), beta_dtype),
         Gamma: T.Tensor((R, HV), ACCUM),
-        W: T.Tensor((R, HV, K), ACCUM),
-        U: T.Tensor((R, HV, V), ACCUM),
-        Inverse: T.Tensor((R, HV, BT), ACCUM),
-        States: T.Tensor((NTC, HV, K, V), ACCUM),
-        DStates: T.Tensor((NTC, HV, K, V), ACCUM),
+        States: T.Tensor((NTC, HV, K, V), OPERAND),
+        DStates: T.Tensor((NTC, HV, K, V), OPERAND),
+        Corrections: T.Tensor((R, HV, V), OPERAND),
         DO: T.Tensor((R, HV, V), dtype),
-        DU: T.Tensor((R, HV, V), ACCUM),
+        DU: T.Tensor((R, HV, V), OPERAND),
         DQ: T.Tensor((R, HV, K), ACCUM),
-        DK: T.Tensor((R, HV, K), ACCUM),
-        DV: T.Tensor((R, HV, V), dtype),
-        DBeta: T.Tensor((R, HV), ACCUM),
-        DG: T.Tensor((R, HV), ACCUM),
+        DKPart: T.Tensor((R, HV, K), ACCUM),
+        DW: T.Tensor((R, HV, K), OPERAND),
+        DGamma: T.Tensor((R, HV), ACCUM),
         Cu: T.Tensor((NC,), "int32"),
         Chunks: T.Tensor((NT, 2) if varlen else (1,), "int32"),
         scale: T.float32,
@@ -188,258 +273,323 @@ def chunk_grad_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dt
         n_chunks: T.int32,
         groups: T.int32,
     ):
-        with T.Kernel(NTC, HV, threads=threads) as (i_t, hv):
-            q_f = T.alloc_fragment((BT, K), ACCUM)
-            k_f = T.alloc_fragment((BT, K), ACCUM)
+        with T.Kernel(NTC, HV, threads=_grad_threads(K)) as (i_t, hv):
+            q_s = T.alloc_shared((BT, K), OPERAND)
+            k_s = T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
-            q_s = T.alloc_shared((BT, K), ACCUM)
-            k_s = T.alloc_shared((BT, K), ACCUM)
-            w_s = T.alloc_shared((BT, K), ACCUM)
-            inv_s = T.alloc_shared((BT, BT), ACCUM)  # T = (I + A)^-1
-            gamma_s = T.alloc_shared((BT,), ACCUM)
-            beta_s = T.alloc_shared((BT,), ACCUM)
             q_rstd_s = T.alloc_shared((BT,), ACCUM)
             k_rstd_s = T.alloc_shared((BT,), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
             # the V loop's tiles and accumulators
-            s_s = T.alloc_shared((K, BV), ACCUM)
-            ds_s = T.alloc_shared((K, BV), ACCUM)
-            do_s = T.alloc_shared((BT, BV), ACCUM)
-            du_s = T.alloc_shared((BT, BV), ACCUM)
-            v_s = T.alloc_shared((BT, BV), ACCUM)
-            corr_s = T.alloc_shared((BT, BV), ACCUM)
-            corr = T.alloc_fragment((BT, BV), ACCUM)
-            dv_beta = T.alloc_fragment((BT, BV), ACCUM)  # T^T dU
-            dbeta_v = T.alloc_fragment((BT, BV), ACCUM)  # sum over V blocks of (T^T dU) * v
+            s_h = T.alloc_shared((K, BV), OPERAND)
+            ds_h = T.alloc_shared((K, BV), OPERAND)
+            do_h = T.alloc_shared((BT, BV), OPERAND)
+            du_h = T.alloc_shared((BT, BV), OPERAND)
+            u_h = T.alloc_shared((BT, BV), OPERAND)
             s_ds = T.alloc_fragment((K, BV), ACCUM)  # sum over V blocks of S * dS'
             dq = T.alloc_fragment((BT, K), ACCUM)  # dO S^T, then dq
-            dk = T.alloc_fragment((BT, K), ACCUM)  # U dS'^T, then dk
+            dk = T.alloc_fragment((BT, K), ACCUM)  # U dS'^T, then the part of dk from O and S'
             dw_neg = T.alloc_fragment((BT, K), ACCUM)  # dU S^T = -dw
-            do_u = T.alloc_fragment((BT, BT), ACCUM)  # dO U^T
-            du_v = T.alloc_fragment((BT, BT), ACCUM)  # dU V^T (dT's u part without beta)
+            dp = T.alloc_fragment((BT, BT), ACCUM)  # dO U^T, then dP
             # after the V loop
+            qk = T.alloc_fragment((BT, BT), ACCUM)
+            dp_k_h = T.alloc_shared((BT, BT), OPERAND)  # dP diag(rstd_k)
+            dp_q_h = T.alloc_shared((BT, BT), OPERAND)  # diag(rstd_q) dP
             prod = T.alloc_fragment((BT, K), ACCUM)
-            row_k = T.alloc_fragment((BT,), ACCUM)
-            row_v = T.alloc_fragment((BT,), ACCUM)
+            row = T.alloc_fragment((BT,), ACCUM)
+            column = T.alloc_fragment((BT,), ACCUM)
             row_s = T.alloc_fragment((K,), ACCUM)
             s_ds_s = T.alloc_shared((K,), ACCUM)
-            qk = T.alloc_fragment((BT, BT), ACCUM)
-            kk = T.alloc_fragment((BT, BT), ACCUM)
-            dp_s = T.alloc_shared((BT, BT), ACCUM)
-            dpt_s = T.alloc_shared((BT, BT), ACCUM)  # dp transposed
-            dw_s = T.alloc_shared((BT, K), ACCUM)
-            kw_s = T.alloc_shared((BT, K), ACCUM)  # k beta e^gamma
-            dk_w = T.alloc_fragment((BT, K), ACCUM)  # T^T dw
-            dt_w = T.alloc_fragment((BT, BT), ACCUM)  # dw (k beta e^gamma)^T
-            dt_s = T.alloc_shared((BT, BT), ACCUM)  # dT
-            tdt = T.alloc_fragment((BT, BT), ACCUM)
-            tdt_s = T.alloc_shared((BT, BT), ACCUM)  # T^T dT
-            inv2_s = T.alloc_shared((BT, BT), ACCUM)  # T again, as the second gemm operand
-            da = T.alloc_fragment((BT, BT), ACCUM)  # T^T dT T^T = -dA
-            dkk_s = T.alloc_shared((BT, BT), ACCUM)  # dA * decay * beta_t: d(k_t.k_j)
-            dkkt_s = T.alloc_shared((BT, BT), ACCUM)
-            cross_s = T.alloc_shared((BT, BT), ACCUM)  # terms whose row sums minus column sums go to dgamma
-            dakk_s = T.alloc_shared((BT, BT), ACCUM)  # dA * decay * kk: row sums go to dbeta
-            # per row
-            dbeta_v_s = T.alloc_shared((BT,), ACCUM)
+            m_rows_s = T.alloc_shared((BT,), ACCUM)
+            m_cols_s = T.alloc_shared((BT,), ACCUM)
             q_dq_s = T.alloc_shared((BT,), ACCUM)
-            k_dk_s = T.alloc_shared((BT,), ACCUM)
+            k_term_s = T.alloc_shared((BT,), ACCUM)
+
+            h = hv // groups
+            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in every sum over rows below
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            load_rstd(q_s, sq, rsum, q_rstd_s, l2norm)
+            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
+            T.clear(dq)
+            T.clear(dk)
+            T.clear(dw_neg)
+            T.clear(dp)
+            T.clear(s_ds)
+            for i_v in T.Pipelined(V // BV, num_stages=2):
+                v0 = i_v * BV
+                # cp.async, not TMA: TMA would warp-specialise the loop, halving the registers of the accumulators.
+                # Rows past eos are not masked: every product here is per row of dO, dU, U or masked by dP's select
+                T.copy(States[i_t, hv, 0:K, v0 : v0 + BV], s_h, disable_tma=True)
+                T.copy(DStates[i_t, hv, 0:K, v0 : v0 + BV], ds_h, disable_tma=True)
+                T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_h, disable_tma=True)
+                T.copy(Corrections[start : start + BT, hv, v0 : v0 + BV], u_h, disable_tma=True)
+                if dtype == OPERAND:
+                    T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_h, disable_tma=True)
+                else:
+                    load_rows(DO, do_h, hv, v0, start, eos)
+                for i, j in T.Parallel(K, BV):
+                    s_ds[i, j] += T.cast(s_h[i, j], ACCUM) * T.cast(ds_h[i, j], ACCUM)
+                T.gemm(do_h, s_h, dq, transpose_B=True)
+                T.gemm(u_h, ds_h, dk, transpose_B=True)
+                T.gemm(du_h, s_h, dw_neg, transpose_B=True)
+                T.gemm(do_h, u_h, dp, transpose_B=True)
+            for i, j in T.Parallel(BT, K):
+                if start + i < eos:
+                    DW[start + i, hv, j] = T.cast(-dw_neg[i, j], OPERAND)
+            T.reduce_sum(s_ds, row_s, dim=1)
+            T.copy(row_s, s_ds_s)
+            # O: dP = scale (dO U^T * decay) (causal); dgamma gets the row minus the column sums of dP * (Q K^T)
+            for i, j in T.Parallel(BT, BT):
+                dp[i, j] = T.if_then_else(
+                    (i >= j) and (start + i < eos), dp[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, 0.0
+                )
+                dp_k_h[i, j] = T.cast(dp[i, j] * k_rstd_s[j], OPERAND)
+                dp_q_h[i, j] = T.cast(dp[i, j] * q_rstd_s[i], OPERAND)
+            T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(BT, BT):
+                qk[i, j] = dp[i, j] * qk[i, j] * (q_rstd_s[i] * k_rstd_s[j])
+            T.reduce_sum(qk, row, dim=1)
+            T.copy(row, m_rows_s)
+            T.reduce_sum(qk, column, dim=0)
+            T.copy(column, m_cols_s)
+            # per row: q . dO S^T (dgamma through diag(e^gamma)), k . U dS'^T (through e^(gamma_last - gamma))
+            for i, j in T.Parallel(BT, K):
+                prod[i, j] = dq[i, j] * T.cast(q_s[i, j], ACCUM)
+            T.reduce_sum(prod, row, dim=1)
+            T.copy(row, q_dq_s)
+            for i, j in T.Parallel(BT, K):
+                prod[i, j] = dk[i, j] * T.cast(k_s[i, j], ACCUM)
+            T.reduce_sum(prod, row, dim=1)
+            for i in T.Parallel(BT):
+                k_term_s[i] = T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i] * row[i], 0.0)
+            # dq = scale e^gamma dO S^T + dP K, dk = e^(gamma_last - gamma) U dS'^T + dP^T Q (normalised rows)
+            for i, j in T.Parallel(BT, K):
+                dq[i, j] = dq[i, j] * (scale * T.exp(gamma_s[i]))
+                dk[i, j] = dk[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]), 0.0)
+            T.gemm(dp_k_h, k_s, dq)
+            T.gemm(dp_q_h, q_s, dk, transpose_A=True)
+            if l2norm:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
+                for i, j in T.Parallel(BT, K):
+                    prod[i, j] = dq[i, j] * T.cast(q_s[i, j], ACCUM)
+                T.reduce_sum(prod, row, dim=1)
+                for i, j in T.Parallel(BT, K):
+                    dq[i, j] = (dq[i, j] - T.cast(q_s[i, j], ACCUM) * (q_rstd_s[i] * q_rstd_s[i] * row[i])) * q_rstd_s[
+                        i
+                    ]
+            for i, j in T.Parallel(BT, K):
+                if start + i < eos:
+                    DQ[start + i, hv, j] = dq[i, j]
+                    DKPart[start + i, hv, j] = dk[i, j]
+            # dgamma_last = e^gamma_last <S, dS'> + sum_t e^(gamma_last - gamma_t) k_t . (U dS'^T)_t, on the last row
+            # (the reverse cumulative sum takes it to every g of the chunk)
+            for i in T.Parallel(BT):
+                to_last = T.alloc_var(ACCUM)
+                to_last = 0.0
+                if i == T.min(BT, eos - start) - 1:
+                    for j in T.serial(K):
+                        to_last += s_ds_s[j]
+                    to_last = to_last * T.exp(last)
+                    for j in T.serial(BT):
+                        to_last += k_term_s[j]
+                if start + i < eos:
+                    DGamma[start + i, hv] = (
+                        scale * T.exp(gamma_s[i]) * q_rstd_s[i] * q_dq_s[i]
+                        + m_rows_s[i]
+                        - m_cols_s[i]
+                        - k_term_s[i]
+                        + to_last
+                    )
+
+    return gdr_chunk_grad_qk
+
+
+def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype: str, l2norm: bool, varlen: bool):
+    R, H, HV, NC, NT = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows")
+
+    @T.prim_func
+    def gdr_chunk_grad_wy(
+        Kx: T.Tensor((R, H, K), dtype),
+        Vx: T.Tensor((R, HV, V), dtype),
+        G: T.Tensor((R, HV), g_dtype),
+        Beta: T.Tensor((R, HV), beta_dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        Inverse: T.Tensor((R, HV, BT), ACCUM),
+        Corrections: T.Tensor((R, HV, V), OPERAND),
+        DU: T.Tensor((R, HV, V), OPERAND),
+        DW: T.Tensor((R, HV, K), OPERAND),
+        DKPart: T.Tensor((R, HV, K), ACCUM),
+        DGamma: T.Tensor((R, HV), ACCUM),
+        DK: T.Tensor((R, HV, K), ACCUM),
+        DV: T.Tensor((R, HV, V), dtype),
+        DBeta: T.Tensor((R, HV), ACCUM),
+        DG: T.Tensor((R, HV), ACCUM),
+        Cu: T.Tensor((NC,), "int32"),
+        Chunks: T.Tensor((NT, 2) if varlen else (1,), "int32"),
+        seq_len: T.int32,
+        n_chunks: T.int32,
+        n_total: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(n_total, HV, threads=_grad_threads(K)) as (i_t, hv):
+            k_s = T.alloc_shared((BT, K), OPERAND)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            k_rstd_s = T.alloc_shared((BT,), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
+            beta_s = T.alloc_shared((BT,), ACCUM)
+            inv_h = T.alloc_shared((BT, BT), OPERAND)  # T = (I + A)^-1
+            # the V loop
+            du_h = T.alloc_shared((BT, BV), OPERAND)  # dU as dU U^T's first operand
+            du_t = T.alloc_shared((BV, BT), OPERAND)  # dU^T: T^T dU's second operand, K-major (N-major failed at BV 16)
+            u_h = T.alloc_shared((BT, BV), OPERAND)
+            du_u = T.alloc_fragment((BT, BT), ACCUM)  # dU U^T = dT T^T
+            dv_beta = T.alloc_fragment((BT, BV), ACCUM)  # T^T dU
+            prod_v = T.alloc_fragment((BT, BV), ACCUM)
+            dbeta_v = T.alloc_fragment((BT,), ACCUM)  # sum over V of (T^T dU) * v
+            # through A and w
+            du_u_h = T.alloc_shared((BT, BT), OPERAND)
+            da = T.alloc_fragment((BT, BT), ACCUM)
+            da_s = T.alloc_shared((BT, BT), ACCUM)  # dA~ = dA * decay, strictly lower
+            kk = T.alloc_fragment((BT, BT), ACCUM)
+            dkk_h = T.alloc_shared((BT, BT), OPERAND)
+            dw_h = T.alloc_shared((BT, K), OPERAND)
+            dk_w = T.alloc_fragment((BT, K), ACCUM)  # T^T dw
+            dk = T.alloc_fragment((BT, K), ACCUM)
+            prod = T.alloc_fragment((BT, K), ACCUM)
+            row = T.alloc_fragment((BT,), ACCUM)
+            column = T.alloc_fragment((BT,), ACCUM)
+            dbeta_v_s = T.alloc_shared((BT,), ACCUM)
             k_dkw_s = T.alloc_shared((BT,), ACCUM)
+            a_rows_s = T.alloc_shared((BT,), ACCUM)
+            a_cols_s = T.alloc_shared((BT,), ACCUM)
             dgamma_s = T.alloc_shared((BT,), ACCUM)
 
             h = hv // groups
             start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            last = Gamma[T.min(start + BT, eos) - 1, hv]
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)  # rows past eos: masked in every sum over rows below
+            load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
             for i in T.Parallel(BT):
-                gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
                 beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
-            for i, j in T.Parallel(BT, K):
-                w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
-            for i, j in T.Parallel(BT, BT):
-                inv_s[i, j] = T.if_then_else(start + i < eos, Inverse[start + i, hv, j], 0.0)
-                inv2_s[i, j] = T.if_then_else(start + i < eos, Inverse[start + i, hv, j], 0.0)
-            load_qk_rows(Q, h, start, eos, q_f, sq, rsum, l2norm)
-            if l2norm:
-                for i in T.Parallel(BT):
-                    q_rstd_s[i] = T.rsqrt(rsum[i] + L2NORM_EPS)
-            T.copy(q_f, q_s)
-            load_qk_rows(Kx, h, start, eos, k_f, sq, rsum, l2norm)
-            if l2norm:
-                for i in T.Parallel(BT):
-                    k_rstd_s[i] = T.rsqrt(rsum[i] + L2NORM_EPS)
-            T.copy(k_f, k_s)
-            T.clear(dq)
-            T.clear(dk)
-            T.clear(dw_neg)
-            T.clear(do_u)
-            T.clear(du_v)
+            load_rows(Inverse, inv_h, hv, 0, start, eos)
+            T.clear(du_u)
             T.clear(dbeta_v)
-            T.clear(s_ds)
-            T.sync_threads()
-
-            # over V blocks: the terms that need S, dS', dO, dU, u, v
-            for i_v in T.serial(V // BV):
+            # u = T diag(beta) V: dv = beta T^T dU; dbeta's part from v
+            for i_v in T.Pipelined(V // BV, num_stages=2):
                 v0 = i_v * BV
-                for i, j in T.Parallel(K, BV):
-                    s_s[i, j] = States[i_t, hv, i, v0 + j]
-                    ds_s[i, j] = DStates[i_t, hv, i, v0 + j]
+                load_rows(DU, du_h, hv, v0, start, eos)
                 for i, j in T.Parallel(BT, BV):
-                    do_s[i, j] = T.if_then_else(start + i < eos, T.cast(DO[start + i, hv, v0 + j], ACCUM), 0.0)
-                    du_s[i, j] = T.if_then_else(start + i < eos, DU[start + i, hv, v0 + j], 0.0)
-                    v_s[i, j] = T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, v0 + j], ACCUM), 0.0)
-                T.sync_threads()
-                T.gemm(w_s, s_s, corr, clear_accum=True)
-                for i, j in T.Parallel(BT, BV):  # U = u - w S
-                    corr_s[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j], 0.0) - corr[i, j]
-                for i, j in T.Parallel(K, BV):
-                    s_ds[i, j] += s_s[i, j] * ds_s[i, j]
-                T.gemm(do_s, s_s, dq, transpose_B=True)
-                T.gemm(du_s, s_s, dw_neg, transpose_B=True)
-                T.gemm(du_s, v_s, du_v, transpose_B=True)
-                # u = T diag(beta) V: dv = beta T^T dU
-                T.gemm(inv_s, du_s, dv_beta, transpose_A=True, clear_accum=True)
+                    du_t[j, i] = T.cast(
+                        T.if_then_else(start + i < eos, T.cast(DU[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND
+                    )
+                load_rows(Corrections, u_h, hv, v0, start, eos)
+                T.gemm(du_h, u_h, du_u, transpose_B=True)
+                T.gemm(inv_h, du_t, dv_beta, transpose_A=True, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     if start + i < eos:
                         DV[start + i, hv, v0 + j] = T.cast(dv_beta[i, j] * beta_s[i], dtype)
                 for i, j in T.Parallel(BT, BV):
-                    dbeta_v[i, j] += dv_beta[i, j] * v_s[i, j]
-                T.sync_threads()
-                T.gemm(corr_s, ds_s, dk, transpose_B=True)
-                T.gemm(do_s, corr_s, do_u, transpose_B=True)
-                T.sync_threads()  # the next V block overwrites the shared tiles
-
-            # per row: dbeta's v part; e^gamma_last <S, dS'> (summed over K below)
-            T.reduce_sum(dbeta_v, row_v, dim=1)
-            T.copy(row_v, dbeta_v_s)
-            T.reduce_sum(s_ds, row_s, dim=1)
-            T.copy(row_s, s_ds_s)
-            # O: dq = scale e^gamma dO S^T + dP K, dk = dP^T Q + ..., dP = scale (dO U^T * decay) (causal)
+                    prod_v[i, j] = dv_beta[i, j] * T.if_then_else(
+                        start + i < eos, T.cast(Vx[start + i, hv, v0 + j], ACCUM), 0.0
+                    )
+                T.reduce_sum(prod_v, dbeta_v, dim=1, clear=False)
+            T.copy(dbeta_v, dbeta_v_s)
+            # T = (I + A)^-1: dA = -T^T dT T^T = -T^T (dU U^T), strictly lower; dA~ = dA * e^(gamma_t - gamma_j)
+            T.copy(du_u, du_u_h)
+            T.gemm(inv_h, du_u_h, da, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
-                dp_s[i, j] = T.if_then_else(
-                    (i >= j) and (start + i < eos), do_u[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, 0.0
+                da_s[i, j] = T.if_then_else(
+                    (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0
                 )
-                dpt_s[j, i] = T.if_then_else(
-                    (i >= j) and (start + i < eos), do_u[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, 0.0
-                )
-            # S': dk = U dS'^T e^(gamma_last - gamma) + ...; dw = -dU S^T
+            # w = T diag(beta e^gamma) K: dk += diag(beta e^gamma) T^T dw, dbeta += e^gamma (T^T dw) . k
+            load_rows(DW, dw_h, hv, 0, start, eos)
+            T.gemm(inv_h, dw_h, dk_w, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
-                dq[i, j] = dq[i, j] * (T.exp(gamma_s[i]) * scale)
-                dk[i, j] = dk[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]), 0.0)
-                dw_s[i, j] = -dw_neg[i, j]
-                kw_s[i, j] = k_s[i, j] * (beta_s[i] * T.exp(gamma_s[i]))
-            # dgamma's terms of the inter-chunk parts (before the intra-chunk gemms join dq and dk)
-            for i, j in T.Parallel(BT, K):
-                prod[i, j] = q_s[i, j] * dq[i, j]
-            T.reduce_sum(prod, row_k, dim=1)
-            T.copy(row_k, q_dq_s)
-            for i, j in T.Parallel(BT, K):
-                prod[i, j] = k_s[i, j] * dk[i, j]
-            T.reduce_sum(prod, row_k, dim=1)
-            T.copy(row_k, k_dk_s)
-            T.sync_threads()
-            T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                prod[i, j] = dk_w[i, j] * T.cast(k_s[i, j], ACCUM)
+            T.reduce_sum(prod, row, dim=1)
+            T.copy(row, k_dkw_s)
+            # A = beta_t e^(gamma_t - gamma_j) k_t . k_j (j < t): dbeta += rows of dA~ * KK^T; dgamma += beta (rows)
+            # - (columns of beta dA~ * KK^T)
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
-            T.gemm(dp_s, k_s, dq)
-            T.gemm(dpt_s, q_s, dk)
-            # w = T diag(beta e^gamma) K: dk += beta e^gamma T^T dw, dT += dw (K beta e^gamma)^T
-            T.gemm(inv_s, dw_s, dk_w, transpose_A=True, clear_accum=True)
-            T.gemm(dw_s, kw_s, dt_w, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(BT, K):
-                prod[i, j] = dk_w[i, j] * k_s[i, j]
-            T.reduce_sum(prod, row_k, dim=1)
-            T.copy(row_k, k_dkw_s)
-            for i, j in T.Parallel(BT, K):
-                dk[i, j] += dk_w[i, j] * (beta_s[i] * T.exp(gamma_s[i]))
             for i, j in T.Parallel(BT, BT):
-                dt_s[i, j] = du_v[i, j] * beta_s[j] + dt_w[i, j]
-            T.sync_threads()
-            # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
-            T.gemm(inv_s, dt_s, tdt, transpose_A=True, clear_accum=True)
-            T.copy(tdt, tdt_s)
-            T.sync_threads()
-            T.gemm(tdt_s, inv2_s, da, transpose_B=True, clear_accum=True)
-            # A = beta_t e^(gamma_t - gamma_j) k_t.k_j (j < t)
+                kk[i, j] = da_s[i, j] * kk[i, j] * (k_rstd_s[i] * k_rstd_s[j])
+            T.reduce_sum(kk, row, dim=1)
+            T.copy(row, a_rows_s)
             for i, j in T.Parallel(BT, BT):
-                dkk_s[i, j] = T.if_then_else(
-                    (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * beta_s[i], 0.0
+                kk[i, j] = kk[i, j] * beta_s[i]
+            T.reduce_sum(kk, column, dim=0)
+            T.copy(column, a_cols_s)
+            # dk += (diag(beta) dA~ + dA~^T diag(beta)) K (normalised rows: K = diag(rstd) K_raw)
+            for i, j in T.Parallel(BT, BT):
+                dkk_h[i, j] = T.cast((da_s[i, j] * beta_s[i] + da_s[j, i] * beta_s[j]) * k_rstd_s[j], OPERAND)
+            for i, j in T.Parallel(BT, K):
+                dk[i, j] = T.if_then_else(start + i < eos, DKPart[start + i, hv, j], 0.0) + dk_w[i, j] * (
+                    beta_s[i] * T.exp(gamma_s[i])
                 )
-                dkkt_s[j, i] = T.if_then_else(
-                    (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * beta_s[i], 0.0
-                )
-                dakk_s[i, j] = T.if_then_else(
-                    (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * kk[i, j], 0.0
-                )
-                cross_s[i, j] = dp_s[i, j] * qk[i, j] + T.if_then_else(
-                    (i > j) and (start + i < eos),
-                    -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * kk[i, j] * beta_s[i],
+            T.gemm(dkk_h, k_s, dk)
+            if l2norm:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
+                for i, j in T.Parallel(BT, K):
+                    prod[i, j] = dk[i, j] * T.cast(k_s[i, j], ACCUM)
+                T.reduce_sum(prod, row, dim=1)
+                for i, j in T.Parallel(BT, K):
+                    dk[i, j] = (dk[i, j] - T.cast(k_s[i, j], ACCUM) * (k_rstd_s[i] * k_rstd_s[i] * row[i])) * k_rstd_s[
+                        i
+                    ]
+            for i, j in T.Parallel(BT, K):
+                if start + i < eos:
+                    DK[start + i, hv, j] = dk[i, j]
+            for i in T.Parallel(BT):
+                k_dkw = T.alloc_var(ACCUM)
+                k_dkw = T.exp(gamma_s[i]) * k_rstd_s[i] * k_dkw_s[i]
+                if start + i < eos:
+                    DBeta[start + i, hv] = dbeta_v_s[i] + k_dkw + a_rows_s[i]
+                dgamma_s[i] = T.if_then_else(
+                    start + i < eos,
+                    DGamma[start + i, hv] + beta_s[i] * (k_dkw + a_rows_s[i]) - a_cols_s[i],
                     0.0,
                 )
+            # dg = the reverse cumulative sum of dgamma within the chunk
             T.sync_threads()
-            T.gemm(dkk_s, k_s, dk)
-            T.gemm(dkkt_s, k_s, dk)
-
-            # dbeta and dgamma per row (a thread per row), then dg = the reverse cumulative sum of dgamma
-            for i in T.Parallel(BT):
-                kdk = T.alloc_var(ACCUM)
-                kdk = T.exp(gamma_s[i]) * k_dkw_s[i]
-                dbeta = T.alloc_var(ACCUM)
-                dbeta = dbeta_v_s[i] + kdk
-                dgamma = T.alloc_var(ACCUM)
-                dgamma = q_dq_s[i] - k_dk_s[i] + beta_s[i] * kdk
-                for j in T.serial(BT):
-                    dbeta += dakk_s[i, j]
-                    dgamma += cross_s[i, j] - cross_s[j, i]
-                dgamma_s[i] = T.if_then_else(start + i < eos, dgamma, 0.0)
-                if start + i < eos:
-                    DBeta[start + i, hv] = dbeta
+            T.cumsum(dgamma_s, dim=0, reverse=True)
             T.sync_threads()
             for i in T.Parallel(BT):
-                # dgamma_last = e^gamma_last <S, dS'> + sum_t e^(gamma_last - gamma_t) k_t . (U dS'^T)_t
-                # reaches every g of the chunk (gamma_last sums them all)
-                total = T.alloc_var(ACCUM)
-                total = 0.0
-                for j in T.serial(K):
-                    total += s_ds_s[j]
-                total = total * T.exp(last)
-                for j in T.serial(BT):
-                    total += k_dk_s[j] + T.if_then_else(j >= i, dgamma_s[j], 0.0)
                 if start + i < eos:  # 0 at a full decay, which gamma does not sum (reference.local_gamma)
-                    DG[start + i, hv] = T.if_then_else(T.cast(G[start + i, hv], ACCUM) <= -FULL_DECAY, 0.0, total)
-            # l2norm: x_n = x rstd, dx = (dx_n - x_n (dx_n . x_n)) rstd
-            if l2norm:
-                for i, j in T.Parallel(BT, K):
-                    prod[i, j] = dq[i, j] * q_s[i, j]
-                T.reduce_sum(prod, row_k, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    dq[i, j] = (dq[i, j] - q_s[i, j] * row_k[i]) * q_rstd_s[i]
-                for i, j in T.Parallel(BT, K):
-                    prod[i, j] = dk[i, j] * k_s[i, j]
-                T.reduce_sum(prod, row_k, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    dk[i, j] = (dk[i, j] - k_s[i, j] * row_k[i]) * k_rstd_s[i]
-            for i, j in T.Parallel(BT, K):
-                if start + i < eos:
-                    DQ[start + i, hv, j] = dq[i, j]
-                    DK[start + i, hv, j] = dk[i, j]
+                    DG[start + i, hv] = T.if_then_else(T.cast(G[start + i, hv], ACCUM) <= -FULL_DECAY, 0.0, dgamma_s[i])
 
-    return gdr_chunk_grad
+    return gdr_chunk_grad_wy
 
 
 # --------------------------------------------------------------------------- entries and launcher
 
 
-def state_grad_entry(K: int, V: int, dtype, has_initial: bool, final_grad: bool, l2norm: bool, varlen: bool) -> Entry:
-    BV = _state_block(K, V)
-    flags = (has_initial, final_grad, l2norm, varlen)
-    key = ("gdr_chunk_state_grad", K, V, BV, dtype, flags)
-    return key, lambda _: state_grad_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
+def local_grad_entry(K: int, V: int, dtype, l2norm: bool, varlen: bool) -> Entry:
+    BV = min(V, 64)
+    key = ("gdr_chunk_local_grad", K, V, BV, dtype, l2norm, varlen)
+    return key, lambda _: local_grad_kernel(K, V, BV, TL_DTYPE[dtype], l2norm, varlen)
 
 
-def chunk_grad_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varlen: bool) -> Entry:
-    BV = _grad_block(K, V)
-    key = ("gdr_chunk_grad", K, V, BV, dtype, g_dtype, beta_dtype, l2norm, varlen)
-    return key, lambda _: chunk_grad_kernel(
+def state_grad_entry(K: int, V: int, dtype, has_initial: bool, final_grad: bool, varlen: bool) -> Entry:
+    BV, stages = _state_block(K, V), _walk_stages(K, dtype)
+    flags = (has_initial, final_grad, varlen)
+    key = ("gdr_chunk_state_grad", K, V, BV, dtype, flags, stages)
+    return key, lambda _: state_grad_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages)
+
+
+def grad_qk_entry(K: int, V: int, dtype, l2norm: bool, varlen: bool) -> Entry:
+    BV = _value_block(K, V)
+    key = ("gdr_chunk_grad_qk", K, V, BV, dtype, l2norm, varlen)
+    return key, lambda _: grad_qk_kernel(K, V, BV, TL_DTYPE[dtype], l2norm, varlen)
+
+
+def grad_wy_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varlen: bool) -> Entry:
+    BV = _value_block(K, V)
+    key = ("gdr_chunk_grad_wy", K, V, BV, dtype, g_dtype, beta_dtype, l2norm, varlen)
+    return key, lambda _: grad_wy_kernel(
         K, V, BV, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen
     )
 
@@ -450,8 +600,10 @@ def backward_entries(
     """The kernels one backward runs beside the forward's prepare (for `precompile`)."""
     return [
         state_output_entry(K, V, dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True),
-        state_grad_entry(K, V, dtype, has_initial, final_grad, l2norm, varlen),
-        chunk_grad_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
+        local_grad_entry(K, V, dtype, l2norm, varlen),
+        state_grad_entry(K, V, dtype, has_initial, final_grad, varlen),
+        grad_qk_entry(K, V, dtype, l2norm, varlen),
+        grad_wy_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
     ]
 
 
@@ -478,26 +630,40 @@ def chunk_backward(
     if n > 0 and chunks.total > 0:
         rows = lambda x, *tail: x.view(R, *tail)  # noqa: E731
         q_rows, k_rows, do_rows = rows(q, H, K), rows(k, H, K), rows(grad_o, HV, V)
+        per_chunk = (chunks.cu, chunks.table, float(scale), T_, max(chunks.per_sequence, 1))
         h0 = initial_state if has_initial else placeholder(device)
-        states = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device)
+        states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
+        corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)
         entry = state_output_entry(
             K, V, q.dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True
         )
         launcher(entry, device)(
-            q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, placeholder(device), states,
+            q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, placeholder(device), states, corrections,
             chunks.cu, chunks.first, float(scale), T_, n, HV // H,
         )  # fmt: skip
-        dstates = buffers.empty((chunks.total, HV, K, V), dtype=torch.float32, device=device)
-        du = buffers.empty((R, HV, V), dtype=torch.float32, device=device)
-        launcher(state_grad_entry(K, V, q.dtype, has_initial, final_grad, l2norm, varlen), device)(
-            q_rows, k_rows, gamma, w, do_rows, du, dstates,
+        du = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)  # dU_local, then dU
+        q_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)
+        k_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)
+        launcher(local_grad_entry(K, V, q.dtype, l2norm, varlen), device)(
+            q_rows, k_rows, gamma, do_rows, du, q_factor, k_factor, *per_chunk, chunks.total, HV // H
+        )
+        dstates = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
+        launcher(state_grad_entry(K, V, q.dtype, has_initial, final_grad, varlen), device)(
+            q_rows, k_rows, gamma, w, q_factor, k_factor, do_rows, du, dstates,
             grad_final.to(torch.float32).contiguous() if final_grad else placeholder(device),
-            dh0 if has_initial else placeholder(device), chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+            dh0 if has_initial else placeholder(device), chunks.cu, chunks.first, T_, n, HV // H,
         )  # fmt: skip
-        launcher(chunk_grad_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)(
-            q_rows, k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, states, dstates, do_rows, du,
-            dq, dk, rows(dv, HV, V), dbeta, dg, chunks.cu, chunks.table,
-            float(scale), T_, max(chunks.per_sequence, 1), HV // H,
+        dk_part = buffers.empty((R, HV, K), dtype=torch.float32, device=device)
+        dw = buffers.empty((R, HV, K), dtype=OPERAND_TORCH, device=device)
+        d_gamma = buffers.empty((R, HV), dtype=torch.float32, device=device)
+        launcher(grad_qk_entry(K, V, q.dtype, l2norm, varlen), device)(
+            q_rows, k_rows, gamma, states, dstates, corrections, do_rows, du, dq, dk_part, dw, d_gamma,
+            *per_chunk, HV // H,
+        )  # fmt: skip
+        launcher(grad_wy_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)(
+            k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, inverse, corrections, du, dw, dk_part,
+            d_gamma, dk, rows(dv, HV, V), dbeta, dg, chunks.cu, chunks.table, T_, max(chunks.per_sequence, 1),
+            chunks.total, HV // H,
         )  # fmt: skip
     elif has_initial:  # no step at all: the final state is the initial one
         dh0.copy_(grad_final) if final_grad else dh0.zero_()

@@ -11,6 +11,9 @@ from ..tilelang_common import ACCUM, TL_DTYPE, Entry, placeholder
 from .varlen import chunk_table, on_device
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
+SUB = 16  # the diagonal blocks of (I + A) that prepare inverts by substitution
+OPERAND = "bfloat16"  # the 16-bit operands of the forward's products (fp32 accumulation), as the Triton kernels'
+OPERAND_TORCH = torch.bfloat16
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
 CU_DTYPE = torch.int32
 
@@ -22,6 +25,16 @@ def _state_block(K: int, V: int) -> int:
 def _state_threads(K: int, BV: int) -> int:
     """Threads of the kernels walking a [K, BV] state: its gemm needs 16 rows x 8 columns per warp."""
     return 32 * min(4, (K // 16) * (BV // 8))
+
+
+def _state_stages(K: int, dtype, write_output: bool) -> int:
+    """Pipeline depth of the state walk: two stages but at K = 128 with the output, where they take 132 KB of shared
+    memory (one block an SM: the B4-T4096-H16 walk's 256 programs would run in two waves), and with fp16 q and k
+    with the output: their loads convert to bf16 there, and TileLang 0.1.15's pipeline then waits on a loop-dependent
+    count of copy groups, which its CUDA code generator rejects."""
+    if write_output and (K >= 128 or dtype == torch.float16):
+        return 1
+    return 2
 
 
 def chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
@@ -86,6 +99,27 @@ def load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos):
 
 
 @T.macro
+def load_chunk_decay(Gamma, gamma_s, hv, start, eos):
+    """gamma_s = the chunk's rows [start, start + BT) of Gamma[:, hv], zero from eos on; returns gamma at the chunk's
+    last row."""
+    last = Gamma[T.min(start + BT, eos) - 1, hv]
+    for i in T.Parallel(BT):
+        gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
+    return last
+
+
+@T.macro
+def row_rstd(x_s, sq, rsum, rstd_s):
+    """rstd_s[i] = 1 / sqrt(sum_j x_s[i, j]^2 + eps) in fp32: the l2norm of rows kept as stored (x_s, 16-bit) and
+    applied to the products that take them."""
+    for i, j in T.Parallel(BT, x_s.shape[1]):
+        sq[i, j] = T.cast(x_s[i, j], ACCUM) * T.cast(x_s[i, j], ACCUM)
+    T.reduce_sum(sq, rsum, dim=1)
+    for i in T.Parallel(BT):
+        rstd_s[i] = T.rsqrt(rsum[i] + L2NORM_EPS)
+
+
+@T.macro
 def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
     """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
     (then rsum holds each row's sum of squares)."""
@@ -100,9 +134,12 @@ def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
 
 
 def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
-                        varlen: bool, write_output: bool = True, store_states: bool = False):  # fmt: skip
+                        varlen: bool, write_output: bool = True, store_states: bool = False,
+                        stages: int = 2):  # fmt: skip
     """The forward's state walk; for the backward (store_states, no output) it stores the state entering
-    each chunk at the chunk's global index: States[First[n] + c] (fixed length: n * chunks per sequence + c)."""
+    each chunk at the chunk's global index, States[First[n] + c] (fixed length: n * chunks per sequence + c), and the
+    corrections U = u - w S per row, both in bf16 as the backward's products take them.
+    `stages`: the software pipeline's depth over the chunks' q/k loads."""
     R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
     threads = _state_threads(K, BV)
     state_shape = (NS, HV, K, V)
@@ -117,7 +154,8 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         O: T.Tensor((R, HV, V) if write_output else (1,), dtype),
         H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
-        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), ACCUM),
+        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), OPERAND),
+        Corrections: T.Tensor((R, HV, V) if store_states else (1,), OPERAND),
         Cu: T.Tensor((NC,), "int32"),
         First: T.Tensor((NF,), "int32"),
         scale: T.float32,
@@ -126,66 +164,94 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         groups: T.int32,
     ):
         with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
-            state = T.alloc_fragment((K, BV), ACCUM)
-            state_s = T.alloc_shared((K, BV), ACCUM)
-            q_f = T.alloc_fragment((BT, K), ACCUM)
-            k_f = T.alloc_fragment((BT, K), ACCUM)
+            state = T.alloc_fragment((K, BV), ACCUM)  # fp32 across the whole walk
+            state_h = T.alloc_shared((K, BV), OPERAND)  # the state entering the chunk, as the products take it
+            q_s = T.alloc_shared((BT, K), OPERAND)  # q and k as stored (pipelined loads), rows past eos unused
+            k_s = T.alloc_shared((BT, K), OPERAND)
+            w_h = T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
-            rstd = T.alloc_fragment((BT,), ACCUM)
-            q_s = T.alloc_shared((BT, K), ACCUM)
-            qg_s = T.alloc_shared((BT, K), ACCUM)
-            k_s = T.alloc_shared((BT, K), ACCUM)
-            kd_s = T.alloc_shared((BT, K), ACCUM)
-            w_s = T.alloc_shared((BT, K), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            q_rstd_s = T.alloc_shared((BT,), ACCUM)
+            q_scale_s = T.alloc_shared((BT,), ACCUM)  # e^gamma rstd_q: the row factor of Q S
+            k_rstd_s = T.alloc_shared((BT,), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)
             corr = T.alloc_fragment((BT, BV), ACCUM)
-            corr_s = T.alloc_shared((BT, BV), ACCUM)
+            corr_h = T.alloc_shared((BT, BV), OPERAND)  # U = u - w S
+            corr_kd_h = T.alloc_shared((BT, BV), OPERAND)  # U's rows times e^(gamma_last - gamma) rstd_k
             attn = T.alloc_fragment((BT, BT), ACCUM)
-            attn_s = T.alloc_shared((BT, BT), ACCUM)
+            attn_h = T.alloc_shared((BT, BT), OPERAND)
             o_state = T.alloc_fragment((BT, BV), ACCUM)
             o_intra = T.alloc_fragment((BT, BV), ACCUM)
-            update = T.alloc_fragment((K, BV), ACCUM)
 
             n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
             first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
             load_state(state, H0, n, hv, v0, has_initial)
-            for c in T.serial(T.ceildiv(eos - bos, BT)):
+            if not l2norm:
+                for i in T.Parallel(BT):
+                    q_rstd_s[i] = 1.0
+                    k_rstd_s[i] = 1.0
+            # no explicit barrier in the walk: under Hopper warp specialisation TileLang plans the producer's and the
+            # consumer's barriers itself (a T.sync_threads here became a named barrier both groups share)
+            for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
                 start = bos + c * BT
+                if write_output:
+                    T.copy(Q[start : start + BT, h, 0:K], q_s)
+                T.copy(Kx[start : start + BT, h, 0:K], k_s)
                 if store_states:
                     for i, j in T.Parallel(K, BV):
-                        States[first + c, hv, i, v0 + j] = state[i, j]
-                last = load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos)
-                if write_output:
-                    load_qk_rows(Q, h, start, eos, q_f, sq, rstd, l2norm)
-                    T.copy(q_f, q_s)
-                load_qk_rows(Kx, h, start, eos, k_f, sq, rstd, l2norm)
-                T.copy(k_f, k_s)
-                T.copy(state, state_s)
-                T.sync_threads()
+                        States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
+                last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
                 for i, j in T.Parallel(BT, K):
-                    kd_s[i, j] = T.if_then_else(start + i < eos, k_s[i, j] * T.exp(last - gamma_s[i]), 0.0)
+                    w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
+                T.copy(state, state_h)
+                if l2norm:
+                    row_rstd(k_s, sq, rsum, k_rstd_s)
+                    if write_output:
+                        row_rstd(q_s, sq, rsum, q_rstd_s)
                 if write_output:
-                    for i, j in T.Parallel(BT, K):
-                        qg_s[i, j] = q_s[i, j] * T.exp(gamma_s[i])
-                # U = u - w S
-                T.gemm(w_s, state_s, corr, clear_accum=True)
+                    # gamma_s shares the q stage of the pipeline, released after the last product on q: the output's
+                    # row factor is taken from it before
+                    for i in T.Parallel(BT):
+                        q_scale_s[i] = T.exp(gamma_s[i]) * q_rstd_s[i]
+                # U = u - w S; the state update takes its rows scaled (k is used as stored)
+                T.gemm(w_h, state_h, corr, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    corr_s[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j], 0.0) - corr[i, j]
-                if write_output:
-                    T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        attn_s[i, j] = T.if_then_else(i >= j, attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0)
-                T.sync_threads()
-                if write_output:
-                    T.gemm(qg_s, state_s, o_state, clear_accum=True)
-                    T.gemm(attn_s, corr_s, o_intra, clear_accum=True)
+                    corr[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j] - corr[i, j], 0.0)
+                    corr_h[i, j] = T.cast(corr[i, j], OPERAND)
+                    corr_kd_h[i, j] = T.cast(
+                        corr[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i], 0.0),
+                        OPERAND,
+                    )
+                if store_states:
                     for i, j in T.Parallel(BT, BV):
                         if start + i < eos:
-                            O[start + i, hv, v0 + j] = T.cast((o_state[i, j] + o_intra[i, j]) * scale, dtype)
-                T.gemm(kd_s, corr_s, update, transpose_A=True, clear_accum=True)
+                            Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
+                if write_output:
+                    # O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}
+                    T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        attn_h[i, j] = T.cast(
+                            T.if_then_else(
+                                (i >= j) and (start + i < eos),
+                                attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * (q_rstd_s[i] * k_rstd_s[j]),
+                                0.0,
+                            ),
+                            OPERAND,
+                        )  # fmt: skip
+                if write_output:
+                    T.gemm(q_s, state_h, o_state, clear_accum=True)
+                    T.gemm(attn_h, corr_h, o_intra, clear_accum=True)
+                    for i, j in T.Parallel(BT, BV):
+                        if start + i < eos:
+                            O[start + i, hv, v0 + j] = T.cast(
+                                (o_state[i, j] * q_scale_s[i] + o_intra[i, j])
+                                * scale,
+                                dtype,
+                            )  # fmt: skip
+                # S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), accumulated into the fp32 state
                 for i, j in T.Parallel(K, BV):
-                    state[i, j] = state[i, j] * T.exp(last) + update[i, j]
-                T.sync_threads()  # the next chunk overwrites the shared tiles
+                    state[i, j] = state[i, j] * T.exp(last)
+                T.gemm(k_s, corr_kd_h, state, transpose_A=True)
             if store_final:
                 store_state(HT, state, n, hv, v0)
 
@@ -193,11 +259,13 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
 
 
 def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
-                       write_output: bool = True, store_states: bool = False) -> Entry:  # fmt: skip
+                       write_output: bool = True, store_states: bool = False, stages: int | None = None) -> Entry:  # fmt: skip
+    """stages: the pipeline depth of the walk's loads (None: _state_stages)."""
     BV = _state_block(K, V)
+    stages = _state_stages(K, dtype, write_output) if stages is None else stages
     flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
-    key = ("gdr_chunk_state_output", K, V, BV, dtype, flags)
-    return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags)
+    key = ("gdr_chunk_state_output", K, V, BV, dtype, flags, stages)
+    return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
 
 
 # --------------------------------------------------------------------------- launchers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autocast import autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
@@ -114,11 +115,7 @@ def check_linear_inputs(x, weight, bias, activation) -> None:
 
 def _autocast(x, weight, bias):
     """Under autocast the GEMM runs in the autocast dtype, as F.linear does."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    return x, weight, bias
+    return autocast_inputs(x.device.type, x, weight, bias)
 
 
 def linear(

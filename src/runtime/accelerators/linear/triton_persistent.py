@@ -41,21 +41,22 @@ def _linear_forward_persistent(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, PROGRAMS,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
-    """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu)."""
+    """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu).
+    SUBTILE: the epilogue in two [BLOCK_M, BLOCK_N / 2] halves, each activated and stored on its own."""
     dtype = y_ptr.dtype.element_ty
+    STORE_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-    y_desc = tl.make_tensor_descriptor(y_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
-    if ACT == SWIGLU:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [2 * N, K], [K, 1], [BLOCK_N, BLOCK_K])
-        if SAVE:
-            z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [2 * N, 1], [BLOCK_M, BLOCK_N])
-            z_up_desc = tl.make_tensor_descriptor(z_ptr + N, [M, N], [2 * N, 1], [BLOCK_M, BLOCK_N])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-        if SAVE:
-            z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+    y_desc = tl.make_tensor_descriptor(y_ptr, [M, N], [N, 1], [BLOCK_M, STORE_N])
+    W_ROWS: tl.constexpr = 2 if ACT == SWIGLU else 1
+    w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS * N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    z_desc = y_desc  # placeholders where z is not saved: never stored through
+    z_up_desc = y_desc
+    if SAVE:
+        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [W_ROWS * N, 1], [BLOCK_M, STORE_N])
+        if ACT == SWIGLU:
+            z_up_desc = tl.make_tensor_descriptor(z_ptr + N, [M, N], [2 * N, 1], [BLOCK_M, STORE_N])
 
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -82,16 +83,27 @@ def _linear_forward_persistent(
             acc += tl.load(b_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
             if ACT == SWIGLU:
                 acc_up += tl.load(b_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-        if ACT == SWIGLU:
-            if SAVE:
-                z_desc.store([off_m, off_n], acc.to(dtype))
-                z_up_desc.store([off_m, off_n], acc_up.to(dtype))
-            out = acc * tl.sigmoid(acc) * acc_up
+        if SUBTILE:
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            left_up, right_up = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            _store_epilogue(y_desc, z_desc, z_up_desc, left, left_up, off_m, off_n, ACT, SAVE, dtype)
+            _store_epilogue(y_desc, z_desc, z_up_desc, right, right_up, off_m, off_n + BLOCK_N // 2, ACT, SAVE, dtype)
         else:
-            if SAVE:
-                z_desc.store([off_m, off_n], acc.to(dtype))
-            out = _activate(acc, ACT)
-        y_desc.store([off_m, off_n], out.to(dtype))
+            _store_epilogue(y_desc, z_desc, z_up_desc, acc, acc_up, off_m, off_n, ACT, SAVE, dtype)
+
+
+@triton.jit
+def _store_epilogue(y_desc, z_desc, z_up_desc, acc, acc_up, off_m, off_n, ACT: tl.constexpr, SAVE: tl.constexpr, dtype):
+    """Stores the pre-activation (where saved) and the activated tile at (off_m, off_n)."""
+    if SAVE:
+        z_desc.store([off_m, off_n], acc.to(dtype))
+        if ACT == SWIGLU:
+            z_up_desc.store([off_m, off_n], acc_up.to(dtype))
+    if ACT == SWIGLU:
+        out = acc * tl.sigmoid(acc) * acc_up
+    else:
+        out = _activate(acc, ACT)
+    y_desc.store([off_m, off_n], out.to(dtype))
 
 
 @functools.cache
@@ -131,9 +143,12 @@ def programs(m: int, n: int, cfg: GemmConfig, device: torch.device) -> int:
     return max(1, min(tiles, sm_count(device) or 3))
 
 
-def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None):
+def launch(
+    x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None,
+    subtile: bool = False,
+):  # fmt: skip
     """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default; flatten:
-    persistent_flattens's by default."""
+    persistent_flattens's by default; subtile: the epilogue in two column halves (not yet measured on a GPU)."""
     m, k = x.shape
     n = y.shape[1]
     swiglu = activation == "swiglu"
@@ -145,5 +160,5 @@ def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | Non
         x, weight, x if bias is None else bias, y, z, m, n, k, count,
         HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[activation], SAVE=saved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FLATTEN=flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLATTEN=flatten, SUBTILE=subtile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autocast import autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
@@ -238,11 +239,7 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
 
 def _autocast(q, k, v):
     """Under autocast, attention runs in the autocast dtype (as SDPA does)."""
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v
+    return autocast_inputs(q.device.type, q, k, v)
 
 
 def _as_heads(bias, h: int):
