@@ -10,7 +10,8 @@ The select's fast path (filter=True) touches the row only twice with cheap work 
 of the keys over BLOCK-sized steps gives BLOCK distinct group maxima, whose k-th largest (found in registers) is a
 lower bound of the k-th key; the entries above it and the first k equal to it are then compacted in index order to a
 scratch of CAPACITY per program (an all-equal row keeps exactly k), and the digit passes and the compaction run over
-those alone. Where more than CAPACITY are kept (a large tie class above the bound) the program selects over its whole
+those alone. The two passes are their own kernel (_filter_segment), light enough that 512 threads of it stream per
+SM where the select's program, which the digit passes make heavy, runs one per SM. Where more than CAPACITY are kept (a large tie class above the bound) the program selects over its whole
 segment as without the filter; the result is the same either way.
 
 Where there are few rows and long ones, each row is split into segments: every segment selects its own k candidates
@@ -38,6 +39,7 @@ BLOCK = 4096  # elements a select program reads per step
 CAPACITY = 4096
 # the step of the select over the kept entries: about k of them, and a smaller tile holds fewer registers
 KEPT_BLOCK = tl.constexpr(1024)
+FILTER_WARPS = 16  # warps of a _filter_segment program: 85 registers per thread on sm_90 (bf16), 512 threads an SM
 
 
 @triton.jit
@@ -202,6 +204,63 @@ def _filter(
 
 
 @triton.jit
+def _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX: tl.constexpr):
+    """What program (row, segment) of a select works on: its segment's x and idx pointers, its length, the index of
+    its first entry (0 with idx: the indices are read), and the program's number (row-major)."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    start = segment.to(tl.int64) * seg_stride
+    n = tl.minimum(n - start, seg_stride).to(tl.int32)
+    x_ptr += row * row_stride + start
+    if HAS_IDX:
+        idx_ptr += row * row_stride + start
+        index_base = tl.zeros((), dtype=tl.int64)
+    else:
+        index_base = start
+    return x_ptr, idx_ptr, n, index_base, row * tl.num_programs(1) + segment
+
+
+@triton.jit
+def _filter_segment(
+    x_ptr,
+    idx_ptr,
+    n,
+    seg_stride,
+    row_stride,
+    k,
+    kept_x_ptr,
+    kept_idx_ptr,
+    kept_count_ptr,
+    capacity,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (row, segment): the entries of its segment above a lower bound of the k-th key and the first k equal
+    to it, in ascending index order, to its scratch of `capacity`; kept_count[row, segment]: how many (all of them
+    counted, also past capacity). Two streaming passes, apart from the select's kernel: few registers, so several
+    programs share an SM and hide each other's load latency."""
+    x_ptr, idx_ptr, n, index_base, program = _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX)
+    wanted = tl.minimum(k, n)
+    bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK)
+    count = _filter(
+        x_ptr,
+        idx_ptr,
+        n,
+        index_base,
+        bound,
+        kept_x_ptr + program * capacity,
+        kept_idx_ptr + program * capacity,
+        capacity,
+        wanted,
+        LARGEST,
+        HAS_IDX,
+        BLOCK,
+    )
+    tl.store(kept_count_ptr + program, count)
+
+
+@triton.jit
 def _select(
     x_ptr,
     idx_ptr,
@@ -224,35 +283,18 @@ def _select(
     """Program (row, segment): the k best entries of x[row, segment * seg_stride :][:n] (fewer where the segment is
     shorter; index -1 after them) to out[row, segment, :k], in ascending index order.
 
-    FILTER: first the entries above a lower bound of the k-th key and the first k equal to it (two cheap passes over
-    the segment) to a scratch of `capacity` entries per program, then the exact select over those alone; over the
-    whole segment where more than `capacity` are kept. kept_count[row, segment]: how many were kept."""
-    row = tl.program_id(0).to(tl.int64)
-    segment = tl.program_id(1)
-    n_segments = tl.num_programs(1)
-    start = segment.to(tl.int64) * seg_stride
-    n = tl.minimum(n - start, seg_stride).to(tl.int32)
-    x_ptr += row * row_stride + start
-    if HAS_IDX:
-        idx_ptr += row * row_stride + start
-        index_base = tl.zeros((), dtype=tl.int64)
-    else:
-        index_base = start
-    program = row * n_segments + segment
+    FILTER: the exact select over the entries _filter_segment kept in the program's scratch, or over the whole
+    segment where more than `capacity` were kept."""
+    x_ptr, idx_ptr, n, index_base, program = _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX)
     out = program * k
     out_x_ptr += out
     out_idx_ptr += out
     wanted = tl.minimum(k, n)
     if FILTER:
-        bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK)
-        kept_x_ptr += program * capacity
-        kept_idx_ptr += program * capacity
-        count = _filter(
-            x_ptr, idx_ptr, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, wanted, LARGEST, HAS_IDX, BLOCK
-        )
-        tl.store(kept_count_ptr + program, count)
-        tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it back
+        count = tl.load(kept_count_ptr + program)
         if count <= capacity:
+            kept_x_ptr += program * capacity
+            kept_idx_ptr += program * capacity
             _select_exact(kept_x_ptr, kept_idx_ptr, count, 0, out_x_ptr, out_idx_ptr, wanted, LARGEST, True, KEPT_BLOCK)
         else:
             _select_exact(x_ptr, idx_ptr, n, index_base, out_x_ptr, out_idx_ptr, wanted, LARGEST, HAS_IDX, BLOCK)
@@ -334,6 +376,22 @@ def _select_launch(
         kept_x = torch.empty((rows * segments, capacity), dtype=x.dtype, device=x.device)
         kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=x.device)
         kept_count = torch.empty((rows, segments), dtype=torch.int32, device=x.device)
+        _filter_segment[(rows, segments)](
+            x,
+            x if idx is None else idx,
+            n,
+            seg_stride,
+            x.stride(0),
+            k,
+            kept_x,
+            kept_idx,
+            kept_count,
+            capacity,
+            LARGEST=largest,
+            HAS_IDX=idx is not None,
+            BLOCK=block,
+            num_warps=FILTER_WARPS,
+        )
     else:
         kept_x, kept_idx, kept_count = x, out_idx, None
     _select[(rows, segments)](
