@@ -216,8 +216,7 @@ def state_grad_kernel(
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
                 T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
                 T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
-                for i, j in T.Parallel(BT, K):
-                    w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
+                T.copy(W[start : start + BT, hv, 0:K], w_h)  # rows past eos: dU is zero there
                 for i in T.Parallel(BT):
                     q_factor_s[i] = T.if_then_else(start + i < eos, QFactor[start + i, hv], 0.0)
                     k_factor_s[i] = T.if_then_else(start + i < eos, KFactor[start + i, hv], 0.0)
