@@ -39,6 +39,9 @@ KERNELS = {
     "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
         128, 128, torch.bfloat16, True, True, True, True
     ),
+    # the output of every chunk from the stored states and U (the forward's default after the storing walk)
+    "output-K16-V16-f16": lambda: gt.output_entry(16, 16, torch.float16, False, False),
+    "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
     # the backward: the forward's state walk storing the state entering each chunk and U (no output)
     "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
         16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
@@ -60,6 +63,7 @@ KERNELS = {
 STORES = {
     "state-output": ("O", "HT"),
     "state-store": ("States", "Corrections"),
+    "output": ("O",),
     "local-grad": ("DU", "QFactor", "KFactor"),
     "state-grad": ("DStates", "DU", "DH0"),
     "grad-qk": ("DQ", "DKPart", "DW", "DGamma"),
