@@ -13,49 +13,19 @@ from runtime.accelerators.layer_norm import layer_norm
 from runtime.accelerators.rms_norm import rms_norm
 
 
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2, -1) + eps) * weight. `backend` pins one backend; None follows the active config."""
+class _AffineNorm(nn.Module):
+    """What the affine norms share: eps, the pinned backend, a weight of ones (and for the LayerNorms a bias of
+    zeros) over the last dimension as nn.RMSNorm / nn.LayerNorm hold them (their state_dicts load unchanged)."""
 
     def __init__(
         self,
         dim: int,
-        eps: float = 1e-6,
-        *,
-        elementwise_affine: bool = True,
-        backend: Backend | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, backend=self.backend)
-
-    def extra_repr(self) -> str:
-        dim = None if self.weight is None else self.weight.shape[0]
-        return f"{dim}, eps={self.eps}, backend={self.backend}"
-
-
-class LayerNorm(nn.Module):
-    """As nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
-
-    def __init__(
-        self,
-        dim: int,
-        eps: float = 1e-5,
-        *,
-        elementwise_affine: bool = True,
-        bias: bool = True,
-        backend: Backend | None = None,
-        device=None,
-        dtype=None,
+        eps: float,
+        elementwise_affine: bool,
+        bias: bool,
+        backend: Backend | None,
+        device,
+        dtype,
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -70,12 +40,48 @@ class LayerNorm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
-
     def extra_repr(self) -> str:
         dim = None if self.weight is None else self.weight.shape[0]
         return f"{dim}, eps={self.eps}, backend={self.backend}"
+
+
+class RMSNorm(_AffineNorm):
+    """x * rsqrt(mean(x^2, -1) + eps) * weight. `backend` pins one backend; None follows the active config."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, eps, elementwise_affine, False, backend, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class LayerNorm(_AffineNorm):
+    """As nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        *,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        backend: Backend | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, eps, elementwise_affine, bias, backend, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
 
 
 class L2Norm(nn.Module):
@@ -94,7 +100,7 @@ class L2Norm(nn.Module):
         return f"eps={self.eps}, backend={self.backend}"
 
 
-class AddRMSNorm(nn.Module):
+class AddRMSNorm(_AffineNorm):
     """(y, new_residual) = (rms_norm(x + residual), x + residual) in one pass; the parameters (and state_dict) of
     nn.RMSNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
@@ -108,24 +114,13 @@ class AddRMSNorm(nn.Module):
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
+        super().__init__(dim, eps, elementwise_affine, False, backend, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, residual, self.weight, self.eps, backend=self.backend)
 
-    def extra_repr(self) -> str:
-        dim = None if self.weight is None else self.weight.shape[0]
-        return f"{dim}, eps={self.eps}, backend={self.backend}"
 
-
-class AddLayerNorm(nn.Module):
+class AddLayerNorm(_AffineNorm):
     """(y, new_residual) = (layer_norm(x + residual), x + residual) in one pass; the parameters (and state_dict) of
     nn.LayerNorm over the last dimension. `backend` pins one backend; None follows the active config."""
 
@@ -140,22 +135,7 @@ class AddLayerNorm(nn.Module):
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.backend = backend
-        factory = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(dim, **factory)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if elementwise_affine and bias else None
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        super().__init__(dim, eps, elementwise_affine, bias, backend, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_layer_norm(x, residual, self.weight, self.bias, self.eps, backend=self.backend)
-
-    def extra_repr(self) -> str:
-        dim = None if self.weight is None else self.weight.shape[0]
-        return f"{dim}, eps={self.eps}, backend={self.backend}"
