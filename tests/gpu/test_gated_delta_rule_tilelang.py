@@ -15,6 +15,7 @@ from gdr_checks import (
     check_chunked_forward_and_every_gradient,
     check_forward_matches_the_float64_recurrence,
     make_inputs,
+    reference,
     triton_chunk,
 )
 from runtime.accelerators import use_accelerators
@@ -30,8 +31,6 @@ from runtime.accelerators.testing import assert_close
 # the chunked TileLang kernels multiply on bf16 operands: fp32 inputs are a not-supported reason there
 TILELANG_CHUNK_CASES = [name for name, case in CASES.items() if case[6] != torch.float32]
 TILELANG_CASES = [("recurrent", name) for name in CASES] + [("chunk", name) for name in TILELANG_CHUNK_CASES]
-# the chunked backward misses the bounds at fp16 (a not-supported reason there)
-TILELANG_GRAD_CASES = [name for name, case in CASES.items() if case[6] == torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,29 @@ def test_tilelang_forward_matches_the_float64_recurrence(function, name, tilelan
     check_forward_matches_the_float64_recurrence(function, name, "tilelang")
 
 
-@pytest.mark.parametrize("name", TILELANG_GRAD_CASES)
+@pytest.mark.parametrize("name", ["T200-K128-bf16-l2norm-state", "T256-K16-bf16-pcvr", "varlen-K128-bf16-GVA-state"])
+def test_tilelang_forward_with_the_output_in_the_walk(name, tilelang_compiled):
+    """The forward whose state walk computes the output itself (kept to time against the default) against the
+    float64 recurrence, and against the default forward (output from the stored states) within the same bound."""
+    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
+
+    (B, T, H, HV, K, V, dtype, state, sequences), options = case_options(name)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    cu = options.get("cu_seqlens")
+    flags = (options.get("scale", K**-0.5), inputs.get("initial_state"), options.get("output_final_state", False),
+             options.get("use_qk_l2norm_in_kernel", False), cu)  # fmt: skip
+    fused = gdr_tilelang.chunk_forward(*args, *flags, fused_output=True)
+    split = gdr_tilelang.chunk_forward(*args, *flags)
+    o_ref, final_ref = reference(inputs, **options)
+    assert_close("o (output in the walk)", fused[0], o_ref, BOUND[dtype])
+    assert_close("o (output kernel)", split[0], o_ref, BOUND[dtype])
+    assert_close("o (output in the walk vs the output kernel)", fused[0], split[0].double(), BOUND[dtype])
+    if final_ref is not None:
+        assert torch.equal(fused[1], split[1])  # the same walk of the states
+
+
+@pytest.mark.parametrize("name", TILELANG_CHUNK_CASES)
 def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
     """As the Triton test, with the same bounds (bf16/fp16: dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2)."""
     check_chunked_forward_and_every_gradient(name, "tilelang")
@@ -91,14 +112,11 @@ def test_strong_decay_in_a_partial_chunk_keeps_gradients_finite(backend, grad_wy
         assert_close(f"d{n}", grad, ref_grad, GRAD_BOUND[f"d{n}"])
 
 
-def test_tilelang_chunked_kernels_refuse_fp32_and_fp16_gradients_and_recurrent_gradients_fall_back():
+def test_tilelang_chunked_kernels_refuse_fp32_and_recurrent_gradients_fall_back():
     from runtime.accelerators.backends import BackendUnavailableError
 
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="tf32"):
         call(chunk_gated_delta_rule, make_inputs(1, 8, 1, 1, 16, 16, torch.float32), "tilelang")
-    fp16 = {n: t.requires_grad_() for n, t in make_inputs(1, 8, 1, 1, 16, 16, torch.float16).items()}
-    with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="float16"):
-        call(chunk_gated_delta_rule, fp16, "tilelang")
     inputs = {n: t.requires_grad_() for n, t in make_inputs(1, 8, 1, 1, 16, 16, torch.bfloat16).items()}
     with pytest.warns(BackendFallbackWarning, match="forward-only"):
         o, _ = call(fused_recurrent_gated_delta_rule, inputs, "tilelang")

@@ -28,11 +28,6 @@ def _reasons(
             "q has dtype float32; the tilelang chunked kernels multiply on bf16 operands and in tf32 (above the fp32 "
             "error bound): use bf16/fp16 inputs, the triton backend, or fused_recurrent_gated_delta_rule"
         )
-    if backend == "tilelang" and mode == "chunk" and needs_grad and q.dtype == torch.float16:
-        reasons.append(
-            "gradients are required and q has dtype float16; the tilelang chunked backward misses the error bound "
-            "for fp16 inputs (dk, dv, dg, dbeta about 4e-2 relative on an H200): use bf16 inputs or the triton backend"
-        )
     if initial_state is not None:
         reasons += dtype_reasons("initial_state", initial_state)
     for name, width in (("K (the q/k head dim)", q.shape[-1]), ("V (the v head dim)", v.shape[-1])):

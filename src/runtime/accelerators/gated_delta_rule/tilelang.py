@@ -24,12 +24,15 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      tf32: its operands are computed values, which bf16 would round too coarsely). w = (I + A)^-1
      diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the inverse and the scaled rows
      rounded to bf16, as the Triton kernel's HALF_WY products).
-  2. state/output, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: q, k, w and
-     gamma loaded a chunk ahead, q and k by TMA for bf16 inputs; at K = 128 TileLang warp-specialises it) with the [K, BV] state in an
-     fp32 fragment across the walk; per chunk U = u - w S, O = scale (diag(e^gamma rstd_q) Q S + P U) with
-     P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
-     rstd_k), every product on bf16 operands (S, w, U, P rounded) accumulated in fp32, the state update straight
-     into the state's fragment. The backward runs it again with no output, storing the state entering each chunk.
+  2. the state walk, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: k, w and
+     gamma loaded a chunk ahead, k by TMA for bf16 inputs, warp-specialised by TileLang) with the [K, BV] state in
+     an fp32 fragment across the walk; per chunk it stores the state entering it (bf16, States[global chunk]) and
+     U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), every product on bf16
+     operands accumulated in fp32, the update straight into the state's fragment. The backward runs it again.
+  3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
+     with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U, the whole value width
+     per program (Q K^T once per chunk), Q's rows scaled before their bf16 rounding. With fused_output the walk
+     computes O itself instead (five products per chunk on its sequential path instead of two).
 gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
 inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
 the other backends.
@@ -56,6 +59,9 @@ from .tilelang_shared import (
     _state_block,
     chunk_end,
     chunk_start,
+    load_chunk_decay,
+    load_rows,
+    load_rstd,
     load_state,
     row_rstd,
     state_output_entry,
@@ -293,6 +299,82 @@ def prepare_entry(K: int, V: int, dtype, g_dtype, beta_dtype, l2norm: bool, varl
     return key, lambda _: prepare_kernel(K, V, TL_DTYPE[dtype], TL_DTYPE[g_dtype], TL_DTYPE[beta_dtype], l2norm, varlen)
 
 
+def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
+    """O of every chunk in parallel from the state entering it and its corrections U, both stored bf16 by the state
+    walk: O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}. One
+    program per (chunk, value head) takes the whole value width: Q K^T once per chunk, a [64, V <= 128] fp32
+    accumulator in one warpgroup (64 registers per thread at V = 128)."""
+    R, H, HV, NC, NT, NTC = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows, n_chunks_total")
+
+    @T.prim_func
+    def gdr_chunk_output(
+        Q: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        States: T.Tensor((NTC, HV, K, V), OPERAND),
+        Corrections: T.Tensor((R, HV, V), OPERAND),
+        O: T.Tensor((R, HV, V), dtype),
+        Cu: T.Tensor((NC,), "int32"),
+        Chunks: T.Tensor((NT, 2) if varlen else (1,), "int32"),
+        scale: T.float32,
+        seq_len: T.int32,
+        n_chunks: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(NTC, HV, threads=128) as (i_t, hv):
+            q_s = T.alloc_shared((BT, K), OPERAND)
+            k_s = T.alloc_shared((BT, K), OPERAND)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            q_rstd_s = T.alloc_shared((BT,), ACCUM)
+            k_rstd_s = T.alloc_shared((BT,), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
+            q_scaled_h = T.alloc_shared((BT, K), OPERAND)  # the rows of Q times e^gamma rstd_q, zero from eos on
+            state_h = T.alloc_shared((K, V), OPERAND)
+            corr_h = T.alloc_shared((BT, V), OPERAND)
+            attn = T.alloc_fragment((BT, BT), ACCUM)
+            attn_h = T.alloc_shared((BT, BT), OPERAND)
+            out = T.alloc_fragment((BT, V), ACCUM)
+
+            h = hv // groups
+            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P and in the scaled rows
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            T.copy(States[i_t, hv, 0:K, 0:V], state_h)
+            load_rows(Corrections, corr_h, hv, 0, start, eos)
+            load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            load_rstd(q_s, sq, rsum, q_rstd_s, l2norm)
+            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
+            T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(BT, BT):
+                attn_h[i, j] = T.cast(
+                    T.if_then_else(
+                        (i >= j) and (start + i < eos),
+                        attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * (q_rstd_s[i] * k_rstd_s[j]),
+                        0.0,
+                    ),
+                    OPERAND,
+                )  # fmt: skip
+            for i, j in T.Parallel(BT, K):
+                q_scaled_h[i, j] = T.cast(
+                    T.if_then_else(start + i < eos, T.cast(q_s[i, j], ACCUM) * T.exp(gamma_s[i]) * q_rstd_s[i], 0.0),
+                    OPERAND,
+                )
+            T.gemm(q_scaled_h, state_h, out, clear_accum=True)
+            T.gemm(attn_h, corr_h, out)
+            for i, j in T.Parallel(BT, V):
+                if start + i < eos:
+                    O[start + i, hv, j] = T.cast(out[i, j] * scale, dtype)
+
+    return gdr_chunk_output
+
+
+def output_entry(K: int, V: int, dtype, l2norm: bool, varlen: bool) -> Entry:
+    key = ("gdr_chunk_output", K, V, dtype, l2norm, varlen)
+    return key, lambda _: output_kernel(K, V, TL_DTYPE[dtype], l2norm, varlen)
+
+
 def _final_state(output_final_state: bool, n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
     shape = (n, HV, K, V) if output_final_state else (0,)
     return buffers.empty(shape, dtype=torch.float32, device=device)
@@ -328,8 +410,15 @@ def recurrent_backward(*_):
     raise RuntimeError("gated_delta_rule: the recurrent TileLang kernels are forward-only")
 
 
-def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward)."""
+def chunk_forward(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
+    fused_output: bool = False,
+):  # fmt: skip
+    """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward).
+
+    The state walk stores the state entering each chunk and the corrections (bf16), then the output kernel computes
+    every chunk's output in parallel; fused_output: the walk computes the output itself instead (the products on the
+    walk's sequential path grow from two to five per chunk), kept to time the two against each other."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -347,20 +436,35 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, us
         return o, final, gamma, w, u, inverse
     chunks = Chunks.of(B, T_, cu_seqlens, device)
     rows = lambda x, *tail: x.view(R, *tail)  # noqa: E731
-    q_rows, k_rows = rows(q, H, K), rows(k, H, K)
+    q_rows, k_rows, o_rows = rows(q, H, K), rows(k, H, K), rows(o, HV, V)
     if chunks.total > 0:
         prepare = launcher(prepare_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)
         prepare(
             k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, chunks.cu, chunks.table,
             T_, max(chunks.per_sequence, 1), chunks.total, HV // H,
         )  # fmt: skip
-    entry = state_output_entry(K, V, q.dtype, initial_state is not None, bool(output_final_state), l2norm, varlen)
-    launcher(entry, device)(
-        q_rows, k_rows, gamma, w, u, rows(o, HV, V), placeholder(device) if initial_state is None else initial_state,
-        final if output_final_state else placeholder(device), placeholder(device, OPERAND_TORCH),
-        placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first,
-        float(scale), T_, n, HV // H,
+    flags = (initial_state is not None, bool(output_final_state), l2norm, varlen)
+    h0 = placeholder(device) if initial_state is None else initial_state
+    ht = final if output_final_state else placeholder(device)
+    if fused_output:
+        launcher(state_output_entry(K, V, q.dtype, *flags), device)(
+            q_rows, k_rows, gamma, w, u, o_rows, h0, ht, placeholder(device, OPERAND_TORCH),
+            placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+        )  # fmt: skip
+        return o, final, gamma, w, u, inverse
+    stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
+    states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
+    corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
+    launcher(state_output_entry(K, V, q.dtype, *flags, write_output=False, store_states=True), device)(
+        q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, ht,
+        states if stored else placeholder(device, OPERAND_TORCH), corrections if stored else placeholder(device, OPERAND_TORCH),
+        chunks.cu, chunks.first, float(scale), T_, n, HV // H,
     )  # fmt: skip
+    if stored:
+        launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
+            q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,
+            max(chunks.per_sequence, 1), HV // H,
+        )  # fmt: skip
     return o, final, gamma, w, u, inverse
 
 
@@ -372,7 +476,8 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
     forward = [
         recurrent_entry(K, V, dtype, g_dtype, beta_dtype, *flags),
         prepare_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
-        state_output_entry(K, V, dtype, *flags),
+        state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True),
+        output_entry(K, V, dtype, l2norm, varlen),
     ]
     if not backward:
         return forward

@@ -51,8 +51,9 @@ from .tilelang_shared import (
     chunk_end,
     chunk_start,
     load_chunk_decay,
+    load_rows,
+    load_rstd,
     load_state,
-    row_rstd,
     state_output_entry,
     state_program,
     store_state,
@@ -75,23 +76,6 @@ def _value_block(K: int, V: int) -> int:
 def _grad_threads(K: int) -> int:
     # [BT, K] fp32 accumulators live across the V loop: 8 warps from K = 64, as the Triton kernels'
     return 256 if K >= 64 else 128
-
-
-@T.macro
-def load_rstd(x_s, sq, rsum, rstd_s, l2norm: bool):
-    """rstd_s = the rows' l2norm factors (row_rstd), or 1 without the l2norm."""
-    if l2norm:
-        row_rstd(x_s, sq, rsum, rstd_s)
-    else:
-        for i in T.Parallel(BT):
-            rstd_s[i] = 1.0
-
-
-@T.macro
-def load_rows(X, x_h, hv, v0, start, eos):
-    """x_h = rows [start, start + BT) of X[:, hv], columns from v0, as a 16-bit operand, zero from eos on."""
-    for i, j in T.Parallel(BT, x_h.shape[1]):
-        x_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(X[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -216,8 +200,7 @@ def state_grad_kernel(
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
                 T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
                 T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
-                for i, j in T.Parallel(BT, K):
-                    w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
+                T.copy(W[start : start + BT, hv, 0:K], w_h)  # rows past eos: dU is zero there
                 for i in T.Parallel(BT):
                     q_factor_s[i] = T.if_then_else(start + i < eos, QFactor[start + i, hv], 0.0)
                     k_factor_s[i] = T.if_then_else(start + i < eos, KFactor[start + i, hv], 0.0)

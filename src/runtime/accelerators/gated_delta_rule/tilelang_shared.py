@@ -120,6 +120,23 @@ def row_rstd(x_s, sq, rsum, rstd_s):
 
 
 @T.macro
+def load_rstd(x_s, sq, rsum, rstd_s, l2norm: bool):
+    """rstd_s = the rows' l2norm factors (row_rstd), or 1 without the l2norm."""
+    if l2norm:
+        row_rstd(x_s, sq, rsum, rstd_s)
+    else:
+        for i in T.Parallel(BT):
+            rstd_s[i] = 1.0
+
+
+@T.macro
+def load_rows(X, x_h, hv, v0, start, eos):
+    """x_h = rows [start, start + BT) of X[:, hv], columns from v0, as a 16-bit operand, zero from eos on."""
+    for i, j in T.Parallel(BT, x_h.shape[1]):
+        x_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(X[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND)
+
+
+@T.macro
 def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
     """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
     (then rsum holds each row's sum of squares)."""
