@@ -26,7 +26,7 @@ def _compose(*overrides: str, name: str = "train"):
 def test_config_dir_is_the_source_checkout_and_the_configs_package():
     assert (CONFIGS / "train.yaml").is_file()
     assert MODELS == ["baseline", "gdr", "hstu", "tokenformer"]
-    assert ACCELERATORS == ["auto", "tilelang", "torch", "triton"]
+    assert ACCELERATORS == ["auto", "tilelang", "torch", "triton", "triton_unfused"]
     import runtime.configs  # what the wheel ships (src/runtime/configs links to configs/)
 
     assert (Path(runtime.configs.__file__).parent / "train.yaml").read_text() == (CONFIGS / "train.yaml").read_text()
@@ -37,10 +37,16 @@ def test_schema_enums_are_the_accelerator_lists():
     assert [op.value for op in OpName] == list(OP_NAMES)
 
 
-@pytest.mark.parametrize("preset", ACCELERATORS)
+@pytest.mark.parametrize("preset", [name for name in ACCELERATORS if name in BACKENDS])
 def test_accelerator_presets_compose_to_accelerator_configs(preset):
     config = accelerator_config(_compose(f"accelerators={preset}").accelerators)
     assert config == AcceleratorConfig(default=preset, ops={}, fallback="torch")
+
+
+def test_the_unfused_preset_runs_the_fused_block_ops_as_torch_does():
+    config = accelerator_config(_compose("accelerators=triton_unfused").accelerators)
+    unfused = {"linear": "torch", "add_norm": "torch", "activation": "torch"}
+    assert config == AcceleratorConfig(default="triton", ops=unfused, fallback="torch")
 
 
 def test_per_op_override_and_fallback():

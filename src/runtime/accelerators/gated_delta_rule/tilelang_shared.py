@@ -87,18 +87,6 @@ def store_state(Dst, state, n, hv, v0):
 
 
 @T.macro
-def load_chunk_decay_and_w(Gamma, W, gamma_s, w_s, hv, start, eos):
-    """gamma_s and w_s = the chunk's rows [start, start + BT) of Gamma[:, hv] and W[:, hv], zero from eos on;
-    returns gamma at the chunk's last row."""
-    last = Gamma[T.min(start + BT, eos) - 1, hv]
-    for i in T.Parallel(BT):
-        gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
-    for i, j in T.Parallel(BT, w_s.shape[1]):
-        w_s[i, j] = T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0)
-    return last
-
-
-@T.macro
 def load_chunk_decay(Gamma, gamma_s, hv, start, eos):
     """gamma_s = the chunk's rows [start, start + BT) of Gamma[:, hv], zero from eos on; returns gamma at the chunk's
     last row."""
@@ -134,20 +122,6 @@ def load_rows(X, x_h, hv, v0, start, eos):
     """x_h = rows [start, start + BT) of X[:, hv], columns from v0, as a 16-bit operand, zero from eos on."""
     for i, j in T.Parallel(BT, x_h.shape[1]):
         x_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(X[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND)
-
-
-@T.macro
-def load_qk_rows(X, h, start, eos, x_f, sq, rsum, l2norm: bool):
-    """x_f = rows [start, start + BT) of X[:, h] in fp32, zero from eos on, l2-normalised when asked
-    (then rsum holds each row's sum of squares)."""
-    for i, j in T.Parallel(BT, x_f.shape[1]):
-        x_f[i, j] = T.if_then_else(start + i < eos, T.cast(X[start + i, h, j], ACCUM), 0.0)
-    if l2norm:
-        for i, j in T.Parallel(BT, x_f.shape[1]):
-            sq[i, j] = x_f[i, j] * x_f[i, j]
-        T.reduce_sum(sq, rsum, dim=1)
-        for i, j in T.Parallel(BT, x_f.shape[1]):
-            x_f[i, j] = x_f[i, j] * T.rsqrt(rsum[i] + L2NORM_EPS)
 
 
 def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
