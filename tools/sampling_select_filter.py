@@ -1,5 +1,5 @@
-"""Times top_k's select with and without its threshold filter, both kernel backends beside torch.topk, on one GPU:
-the top_k shapes of the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes
+"""Times top_k's select with and without its threshold filter, both kernel backends beside torch.topk, on one GPU,
+and the Triton filter kernel's other launches (FILTER_LAUNCHES), at the top_k shapes of the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes
 the bound, so each program falls back to the select over its whole segment). Each result is checked against
 torch.topk's values first.
 Usage (GPU machine): python tools/sampling_select_filter.py [--json PATH]
@@ -25,11 +25,31 @@ CASES = {
 }
 
 
+# the filter kernel's launches beside its default (4096-entry steps, 16 warps, no pipeline); registers per thread
+# on sm_90 (bf16, k = 64): 125 pipelined, 64 at 32 warps (8192 steps: 32 B of spills), 194 at 8 warps pipelined
+FILTER_LAUNCHES = [
+    sampling_triton.FilterLaunch(stages=2),
+    sampling_triton.FilterLaunch(warps=32),
+    sampling_triton.FilterLaunch(step=8192, warps=32),
+    sampling_triton.FilterLaunch(warps=8, stages=2),
+]
+
+
+def _triton_launch(x, k, launch):
+    return sampling_triton.top_k_forward(x, k, True, filter_launch=launch)
+
+
 def variants():
     return {
         "torch.topk": lambda x, k: torch.topk(x, k, dim=-1),
         "triton filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=True),
         "triton no filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=False),
+        **{
+            f"triton filter {launch.step or sampling_triton.BLOCK}/{launch.warps}w/{launch.stages}st": functools.partial(
+                _triton_launch, launch=launch
+            )
+            for launch in FILTER_LAUNCHES
+        },
         "tilelang filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=True),
         "tilelang no filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=False),
     }

@@ -132,6 +132,21 @@ def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filt
         check_kernel(x, k, largest, block=256, filter=filter_, capacity=512)
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [kernels.FilterLaunch(step=512, warps=4), kernels.FilterLaunch(warps=8, stages=3)],
+    ids=["wider-step", "pipelined"],
+)
+def test_triton_filter_launches_give_the_same_result(launch):
+    """The filter's launch options (a step wider than the select's block, so more group maxima; a load pipeline)
+    change how it runs, not what it keeps: ties at the k-th value, an all-equal row, split rows."""
+    for kind in ("tied_at_kth", "equal"):
+        x = filter_rows(kind)
+        check_kernel(x, 40, True, block=256, capacity=512, filter_launch=launch)
+        check_kernel(x, 40, False, block=256, capacity=512, filter_launch=launch)
+    check_kernel(filter_rows("random"), 20, True, segments=3, block=128, filter_launch=launch)
+
+
 @pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
 @pytest.mark.slow
 def test_triton_select_rows_shorter_than_the_block_strided_and_split(filter_):

@@ -490,6 +490,7 @@ def sampling():
     x = torch.randn(4, 5000).to(bf16)
     sampling_triton.top_k_forward(x, 100, True)
     sampling_triton.top_k_forward(x, 100, True, filter=False)
+    sampling_triton.top_k_forward(x, 100, True, filter_launch=sampling_triton.FilterLaunch(step=16384, stages=2))
     sampling_triton.top_k_forward(x.float(), 2048, False, segments=2)
     ones = torch.ones(4)
     sampling_triton.sample_forward(x, torch.full((4,), 50, dtype=torch.int32), 50, ones, ones, torch.rand(4))
@@ -679,9 +680,15 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
 
 
 def test_the_sampling_select_compiles_with_and_without_the_filter(compiled):
-    """The select over rows, with the threshold filter (the default) and without; over split rows' candidates with."""
+    """The select over rows, with the threshold filter (the default) and without; over split rows' candidates with;
+    the filter at its default launch and at a wider, pipelined one."""
     launches = [constexprs(launch) for launch, _ in compiled["sampling._select"]]
     assert {(c["HAS_IDX"], c["FILTER"]) for c in launches} == {(False, True), (False, False), (True, True)}
+    filters = {
+        (c["BLOCK"], c["STAGES"])
+        for c in map(constexprs, (launch for launch, _ in compiled["sampling._filter_segment"]))
+    }
+    assert {(4096, 1), (16384, 2)} <= filters
 
 
 def test_the_dq_kernel_compiles_writing_delta(compiled):

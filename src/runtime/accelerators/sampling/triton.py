@@ -24,6 +24,8 @@ softmax over its first top_k[b] survivors at its temperature, the top-p prefix, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,21 @@ BLOCK = 4096  # elements a select program reads per step
 CAPACITY = 4096
 # the step of the select over the kept entries: about k of them, and a smaller tile holds fewer registers
 KEPT_BLOCK = tl.constexpr(1024)
-FILTER_WARPS = 16  # warps of a _filter_segment program: 85 registers per thread on sm_90 (bf16), 512 threads an SM
+
+
+@dataclass(frozen=True)
+class FilterLaunch:
+    """How _filter_segment runs. step: entries per step of its two passes, and so its number of group maxima (None:
+    the select's block); at least the largest k, so that the bound keeps about k entries. warps: 16 give 85
+    registers per thread on sm_90 (bf16), 512 threads an SM. stages: the load pipeline depth of its two loops
+    (1: none); deeper keeps more loads in flight per thread, where the loop's block-wide sum otherwise waits on each."""
+
+    step: int | None = None
+    warps: int = 16
+    stages: int = 1
+
+
+FILTER_LAUNCH = FilterLaunch()
 
 
 @triton.jit
@@ -149,11 +165,13 @@ def _select_exact(
 
 
 @triton.jit
-def _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+def _lower_bound(
+    x_ptr, idx_ptr, n, wanted, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr
+):
     """A key t with at least `wanted` entries of x[:n] at or above it (0 where it cannot tell): the wanted-th
     largest of the BLOCK maxima of the strided groups x[j::BLOCK], which are distinct entries."""
     group_max = tl.zeros((BLOCK,), dtype=tl.uint32)
-    for step in range(0, n, BLOCK):
+    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
         offs = step + tl.arange(0, BLOCK)
         key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
         group_max = tl.maximum(group_max, tl.where(valid, key, 0))
@@ -181,13 +199,14 @@ def _filter(
     LARGEST: tl.constexpr,
     HAS_IDX: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The entries of x[:n] with key > bound and the first `wanted` with key == bound, in ascending index order, to
     kept[:capacity] (index + index_base); returns how many there are (all of them counted, also past capacity).
     As bound is at most the wanted-th key, those hold the wanted best entries (ties: the lower index first)."""
     count = tl.zeros((), dtype=tl.int32)
     ties = tl.zeros((), dtype=tl.int32)
-    for step in range(0, n, BLOCK):
+    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
         offs = step + tl.arange(0, BLOCK)
         key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
         above = valid & (key >= bound)
@@ -235,6 +254,7 @@ def _filter_segment(
     LARGEST: tl.constexpr,
     HAS_IDX: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Program (row, segment): the entries of its segment above a lower bound of the k-th key and the first k equal
     to it, in ascending index order, to its scratch of `capacity`; kept_count[row, segment]: how many (all of them
@@ -242,7 +262,7 @@ def _filter_segment(
     programs share an SM and hide each other's load latency."""
     x_ptr, idx_ptr, n, index_base, program = _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX)
     wanted = tl.minimum(k, n)
-    bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK)
+    bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK, STAGES)
     count = _filter(
         x_ptr,
         idx_ptr,
@@ -256,6 +276,7 @@ def _filter_segment(
         LARGEST,
         HAS_IDX,
         BLOCK,
+        STAGES,
     )
     tl.store(kept_count_ptr + program, count)
 
@@ -364,6 +385,7 @@ def _select_launch(
     filter: bool,
     block: int,
     capacity: int,
+    filter_launch: FilterLaunch = FILTER_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One select launch over the rows of x [R, >= n] (with idx: candidates and their indices, -1 for none), each
     split into `segments` of seg_stride entries -> (values, indices) [R, segments * k] in ascending index order
@@ -389,8 +411,9 @@ def _select_launch(
             capacity,
             LARGEST=largest,
             HAS_IDX=idx is not None,
-            BLOCK=block,
-            num_warps=FILTER_WARPS,
+            BLOCK=filter_launch.step or block,
+            STAGES=filter_launch.stages,
+            num_warps=filter_launch.warps,
         )
     else:
         kept_x, kept_idx, kept_count = x, out_idx, None
@@ -425,14 +448,16 @@ def _select_sorted(
     block: int = BLOCK,
     filter: bool = True,
     capacity: int = CAPACITY,
+    filter_launch: FilterLaunch = FILTER_LAUNCH,
 ):
     """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
     s, seg_stride = split_rows(rows, n, k, scores.device, segments)
-    cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, filter, block, capacity)
+    launch = (filter, block, capacity, filter_launch)
+    cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, *launch)
     if s > 1:
-        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, s * k, k, largest, filter, block, capacity)
+        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, s * k, k, largest, *launch)
     values = buffers.empty((rows, k), dtype=scores.dtype, device=scores.device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=scores.device)
     _sort[(rows,)](
@@ -458,10 +483,11 @@ def top_k_forward(
     block: int = BLOCK,
     filter: bool = True,
     capacity: int = CAPACITY,
+    filter_launch: FilterLaunch = FILTER_LAUNCH,
 ):
     """scores [..., n] -> (values, int64 indices) [..., k]. filter: the threshold-filter fast path of the select
-    (`_select`); the same result either way."""
-    values, indices = _select_sorted(as_rows(scores), k, largest, segments, block, filter, capacity)
+    (`_select`), launched as filter_launch says; the same result either way."""
+    values, indices = _select_sorted(as_rows(scores), k, largest, segments, block, filter, capacity, filter_launch)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
 
