@@ -1,7 +1,6 @@
 """The plot of an op's page: per shape, our kernel backends beside the peers, as speed-up over the best peer.
 
-matplotlib is imported only when a plot is drawn, and only its object API with the Agg canvas is used: no display
-and no process-wide backend switch are needed.
+matplotlib is imported only when a plot is drawn (runtime.benchmark.pages.new_figure: the Agg canvas, no display).
 """
 
 from __future__ import annotations
@@ -9,9 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .comparison import Comparison, compare
-
-OUR_COLOURS = ("#d62728", "#ff7f0e", "#9467bd")  # ours: warm colours, solid
-PEER_COLOURS = ("#1f77b4", "#2ca02c", "#17becf", "#7f7f7f", "#8c564b", "#bcbd22")  # peers: cool colours, hatched
+from .pages import OUR_COLOURS, PEER_COLOURS, PEER_HATCH, new_figure, save_figure
 
 
 def _speedups(group: Comparison) -> dict[str, float]:
@@ -27,8 +24,6 @@ def _speedups(group: Comparison) -> dict[str, float]:
 def plot_speedups(results: list[dict], path: Path) -> Path:
     """One panel per mode, one group of bars per shape (and dtype): each bar an implementation's speed-up over the
     best peer of that shape, ours first. Writes a PNG to path and returns it."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
     comparisons = compare(results)
@@ -40,8 +35,7 @@ def plot_speedups(results: list[dict], path: Path) -> Path:
     n_groups = max(sum(c.mode == m for c in comparisons) for m in modes) if modes else 1
     one_dtype = len({c.dtype for c in comparisons}) == 1
 
-    figure = Figure(figsize=(min(16.0, 3.0 + 0.25 * n_groups * max(len(names), 1)), 0.6 + 3.0 * max(len(modes), 1)))
-    FigureCanvasAgg(figure)
+    figure = new_figure(figsize=(min(16.0, 3.0 + 0.25 * n_groups * max(len(names), 1)), 0.6 + 3.0 * max(len(modes), 1)))
     axes = figure.subplots(max(len(modes), 1), 1, squeeze=False)[:, 0]
     width = 0.8 / max(len(names), 1)
     gpu = any(row.get("gpu_ms") for result in results for row in result["rows"])
@@ -61,7 +55,7 @@ def plot_speedups(results: list[dict], path: Path) -> Path:
                 width,
                 label=label,
                 color=colours[name],
-                hatch=None if name in ours else "//",
+                hatch=None if name in ours else PEER_HATCH,
                 edgecolor="white" if name in ours else "black",
                 linewidth=0.4,
             )
@@ -80,6 +74,4 @@ def plot_speedups(results: list[dict], path: Path) -> Path:
         handles, labels = axes[0].get_legend_handles_labels()
         figure.legend(handles, labels, fontsize=8, ncol=len(names), loc="upper center", frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.35 / figure.get_figheight()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    return save_figure(figure, path, dpi=110)

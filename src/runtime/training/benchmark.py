@@ -140,18 +140,11 @@ def main(argv: list[str] | None = None) -> dict:
         results = {"benchmark": OmegaConf.to_container(bench), "environment": _environment(), "runs": []}
         out = Path(bench.output)
         started = time.perf_counter()
-        # all models under one variant before the next variant: with a time budget, the eager torch
-        # references and the first presets finish first
-        variants = [(preset, "eager") for preset in bench.presets] + [(preset, "compile") for preset in bench.compiled]
         device_type = _device_type(
             compose("train", overrides=_base(bench, bench.models[0]) if bench.models else list(bench.overrides))
         )
-        graph_variants = [(preset, "cuda_graph") for preset in bench.graphed] + [
-            (preset, "tuned") for preset in bench.tuned
-        ]
-        if device_type == "cuda":
-            variants += graph_variants
-        elif graph_variants:
+        variants = planned_variants(bench, cuda=device_type == "cuda")
+        if device_type != "cuda" and (bench.graphed or bench.tuned):
             print(f"the runs are on {device_type}: the CUDA-graph variants (graphed, tuned) are left out", flush=True)
         plan = _plan(bench, variants)
         if bench.dry_run:
@@ -217,6 +210,18 @@ def main(argv: list[str] | None = None) -> dict:
                 _write(out, results)
                 print(_line(name, entry), flush=True)
     return results
+
+
+def planned_variants(bench, cuda: bool) -> list[tuple[str, str]]:
+    """(preset, mode) in the order they run, each for every model in turn: all models under one variant before the
+    next variant, so that with a time budget the eager torch references and the first presets finish first. The
+    CUDA-graph variants (graphed, tuned) only on CUDA. bench: the benchmark config, or its copy in a result JSON."""
+    variants = [(preset, "eager") for preset in bench["presets"]]
+    variants += [(preset, "compile") for preset in bench["compiled"]]
+    if cuda:
+        variants += [(preset, "cuda_graph") for preset in bench["graphed"]]
+        variants += [(preset, "tuned") for preset in bench["tuned"]]
+    return variants
 
 
 MODES = {
