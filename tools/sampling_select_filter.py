@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import torch
+from variant_timing import time_variant, write_json
 
 from runtime.accelerators.sampling import tilelang as sampling_tilelang
 from runtime.accelerators.sampling import triton as sampling_triton
 from runtime.benchmark.ops.sampling import TOP_K_SHAPES
-from runtime.benchmark.timing import gpu_time_ms
 
 CASES = {
     **{name: (rows, width, k, "randn") for name, (rows, width, k) in TOP_K_SHAPES.items()},
@@ -55,6 +54,10 @@ def variants():
     }
 
 
+def _check(expected, result):
+    return None if torch.equal(result[0].sort(dim=-1).values, expected) else "wrong values"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -74,22 +77,13 @@ def main() -> None:
         expected = torch.topk(x, k, dim=-1).values.sort(dim=-1).values
         topk_ms = None
         for label, fn in variants().items():
-            try:
-                values = fn(x, k)[0].sort(dim=-1).values
-                if not torch.equal(values, expected):
-                    print(f"| {name} | {label} | wrong values | |", flush=True)
-                    continue
-                times, _ = gpu_time_ms(functools.partial(fn, x, k), device)
-            except Exception as error:  # a variant that fails is a finding, not a stop
-                print(f"| {name} | {label} | failed: {type(error).__name__}: {str(error)[:120]} | |", flush=True)
+            ms = time_variant(name, label, functools.partial(fn, x, k), check=functools.partial(_check, expected))
+            if ms is None:
                 continue
-            ms = times["median"]
             topk_ms = topk_ms or ms
             results.append({"case": name, "variant": label, "median_ms": ms})
             print(f"| {name} | {label} | {ms:.3f} | {topk_ms / ms:.2f}x |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":
