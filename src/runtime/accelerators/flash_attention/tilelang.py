@@ -24,7 +24,7 @@ compiled kernel serves every packing. The backward adds each sequence's dq into 
 (dq_first_block), so rows past a sequence's end never reach another's; the host gathers dq from them. Its delta and
 log-sum-exp rows lie in the same blocks, so that each sequence's rows start at a whole block for TMA.
 
-The configurations and kernel builders: tilelang_kernels.py.
+The kernel builders: tilelang_kernels.py; their configurations: tilelang_configs.py.
 """
 
 import math
@@ -34,19 +34,9 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
-from .tilelang_kernels import (
-    BWD_CONFIGS,
-    DQ_SUBTILE,
-    FWD_CONFIGS,
-    MAX_GRID_YZ,
-    BwdConfig,
-    FwdConfig,
-    _dropout_args,
-    backward_kernel,
-    dq_first_block,
-    forward_kernel,
-    preprocess_kernel,
-)
+from .tilelang_configs import BWD_CONFIGS, DQ_SUBTILE, FWD_CONFIGS, BwdConfig, FwdConfig
+from .tilelang_dropout import dropout_args
+from .tilelang_kernels import MAX_GRID_YZ, backward_kernel, dq_first_block, forward_kernel, preprocess_kernel
 
 # --------------------------------------------------------------------------- compile entries
 
@@ -170,7 +160,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
         return o.zero_(), lse.fill_(-math.inf)
     _check_grid(q, k)
     dropout = dropout_p > 0
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     unused = placeholder(q.device, torch.int32)
     kernel(
@@ -232,7 +222,7 @@ def varlen_forward(
         return o.zero_(), lse.fill_(-math.inf)
     _check_packed_grid(cu_seqlens_q, h)
     cfg = cfg or FWD_CONFIGS[d]
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
     launcher(entry, q.device)(
         _tma_ready(q),
@@ -274,7 +264,7 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         dq_acc = torch.zeros((b, h, -(-lq // cfg.block_m), cfg.block_m * d), dtype=torch.float32, device=q.device)
     launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, placeholder(q.device, torch.int64))
     dropout = dropout_p > 0
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
     unused = placeholder(q.device, torch.int32)
     kernel(
@@ -362,7 +352,7 @@ def varlen_backward(
         dq_acc = torch.zeros((blocks * cfg.block_m, h, d), dtype=torch.float32, device=q.device)
     else:
         dq_acc = torch.zeros((h, blocks, cfg.block_m * d), dtype=torch.float32, device=q.device)
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     entry = backward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
     launcher(entry, q.device)(
         _tma_ready(q),

@@ -1,14 +1,14 @@
-"""The TileLang flash-attention kernels (tilelang.py: what they compute, their compile entries and entry points):
-launch configurations, the dropout hash as a CUDA prelude, and the forward, backward-preprocess and backward
-kernel builders."""
+"""The TileLang flash-attention kernel builders: forward, backward preprocess and backward (tilelang.py: what they
+compute, their compile entries and entry points; tilelang_configs.py: their launch configurations per head dim;
+tilelang_dropout.py: dropout inside them)."""
 
 import math
-from dataclasses import dataclass
 
 import tilelang
 import tilelang.language as T
 
-from . import dropout
+from .tilelang_configs import DQ_SUBTILE, PREP_ROWS, BwdConfig, FwdConfig
+from .tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_keep
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -17,124 +17,12 @@ MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
 FAST_MATH = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-# --------------------------------------------------------------------------- configurations
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    block_m: int  # queries per program
-    block_n: int  # keys per step
-    stages: int  # K/V tiles in flight
-    threads: int  # compute threads; warp specialisation adds a producer warpgroup for TMA
-    min_blocks: int = 1  # > 1: cap registers so that this many programs share an SM
-    # each step issues block k's QK^T and block k-1's PV together, then block k's softmax while PV runs on the
-    # tensor cores (FlashAttention-3's overlap within a warpgroup)
-    overlap: bool = False
-
-
-@dataclass(frozen=True)
-class BwdConfig:
-    block_n: int  # keys per program (dk/dv rows)
-    block_m: int  # queries per step
-    stages: int
-    threads: int
-    min_blocks: int = 1
-    # each step issues S = K Q^T and dP = V dO^T together (the exponentials run while dP is on the tensor cores),
-    # then dV, dQ and dK back to back, and adds dq while dK runs (FlashAttention-3's order)
-    overlap: bool = False
-    # how each step's dq block reaches the fp32 accumulator:
-    #   "tma": through a shared tile and a TMA reduction whose shared reads are waited for at once
-    #   "bulk": a double-buffered shared tile and a 1-D bulk reduction waited for one step later; the
-    #           accumulator is then blocked (8 x 8 sub-tiles, see DQ_SUBTILE) and reordered on the host
-    dq: str = "tma"
-
-    def __post_init__(self):
-        if self.dq not in ("tma", "bulk"):
-            raise ValueError(f"BwdConfig.dq must be 'tma' or 'bulk', not {self.dq!r}")
-
-
-# Register budgets checked with ptxas on sm_90a (no spills). Head dims up to 32 are bound by the exponentials and
-# by latency, so they run several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups per program
-# with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave
-# 80 registers: no room for a 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-34% at
-# D <= 48; at D = 64 (16x16x2048) it was level (1.013 against
-# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. With Q loaded by
-# TMA everywhere: at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
-# one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the one-warpgroup tiles
-# stay ahead (0.618 / 0.410 against 0.655 / 0.436).
-FWD_CONFIGS = {
-    16: FwdConfig(64, 128, 2, 128, 2),
-    32: FwdConfig(64, 128, 2, 128, 2),
-    48: FwdConfig(128, 128, 2, 256, 1),
-    64: FwdConfig(128, 128, 2, 256, 1),
-    128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
-}
-# The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions.
-# H100, forward+backward ms against the plain loop with TMA
-# reductions (non-causal, causal; cuDNN in brackets): 4x16x4096x128 4.529 / 5.304, 2.963 / 3.463 (3.666, 2.111);
-# 16x16x2048x64 3.648 / 4.071, 2.583 / 2.818 (2.365, 1.436); 64x4x2048x48 3.311 / 3.663, 2.185 / 2.368 (2.228,
-# 1.374); 128x8x1024x32 3.064 / 3.284, 2.364 / 2.524 (2.287, 1.607). At 4x16x4096x128, vector atomics for dq
-# (7.036 / 5.067) and programs that start at staggered query blocks (4.658 / 3.114) were slower and are gone.
-BWD_CONFIGS = {
-    16: BwdConfig(64, 64, 2, 128, 2),
-    32: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
-    48: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
-    64: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
-    128: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),
-}
-PREP_ROWS = 128
-DQ_SUBTILE = 8  # BwdConfig.dq "bulk": the blocked accumulator's sub-tiles (rows x columns)
-HEAD_DIMS = tuple(FWD_CONFIGS)
-
-
-# --------------------------------------------------------------------------- dropout
-
-
-# The dropout hash (dropout.py) as a CUDA helper in the kernels' prelude: written as a TileLang expression, each
-# lowbias32 round repeats its input, and the rounds make an expression tree too large to compile fast. nvcc computes
-# the tile's key once (its arguments are the same for every element). _keep passes the key index as its pair index
-# and half in TileLang's integer division, which TileLang simplifies to the same expression for keys j and j ^ 8 (in
-# one thread), so that nvcc computes their shared round once.
-DROPOUT_PRELUDE = f"""
-__device__ __forceinline__ unsigned taac_mix32(unsigned x) {{
-  x ^= x >> 16; x *= {dropout.MIX_A:#x}u; x ^= x >> 15; x *= {dropout.MIX_B:#x}u; x ^= x >> 16;  // lowbias32
-  return x;
-}}
-// {dropout.BITS} random bits of element (bh, query, key) of a dropout draw, in the tile from (q0, k0); the key as
-// its pair index (keys j and j ^ 8 share one) and half (bit 3)
-__device__ __forceinline__ unsigned taac_dropout_bits(int seed, int bh, int q0, int k0, int query, int pair_index,
-                                                      int high) {{
-  unsigned key = taac_mix32((unsigned)seed ^ ((unsigned)bh * {dropout.PAIR_MUL:#x}u));
-  key = taac_mix32(key ^ ((unsigned)q0 >> {dropout.QUERY_BLOCK_SHIFT}) * {dropout.QUERY_BLOCK_MUL:#x}u
-                       ^ ((unsigned)k0 >> {dropout.KEY_BLOCK_SHIFT}) * {dropout.KEY_BLOCK_MUL:#x}u);
-  unsigned h = taac_mix32(key ^ ((unsigned)query << 16) ^ ((unsigned)pair_index & 0xffffu));
-  return high ? h >> 16 : h & 0xffffu;
-}}
-"""
-
-
-def _keep(seed, bh, q0, k0, i, j, threshold):
-    """True when element (bh, query q0 + i, key k0 + j) of the tile from (q0, k0) survives dropout: its random bits
-    >= the threshold."""
-    key = k0 + j
-    pair_index, high = key // 16 * 8 + key % 8, key // 8 % 2
-    return T.call_pure_extern("int32", "taac_dropout_bits", seed, bh, q0, k0, q0 + i, pair_index, high) >= threshold
-
-
-SEED = "int64"  # the seed tensor's dtype (seeds.draw_seed_tensor)
-
-
 def dq_first_block(q_start, sequence, block_m: int):
     """The first dq accumulator block of packed sequence `sequence` (its rows start at q_start): (q_start + sequence *
     block_m) // block_m. Sequence s + 1 starts at least ceil(length_s / block_m) blocks after sequence s, so no two
     sequences share a block; N sequences of total_q rows use fewer than ceil(total_q / block_m) + N blocks. The same
     expression for ints and torch tensors (the host) and TileLang expressions (the kernel)."""
     return (q_start + sequence * block_m) // block_m
-
-
-def _dropout_args(dropout_p: float) -> tuple[int, float]:
-    """(threshold on the random bits, 1 / (1 - the rate they drop at)) as the kernels take them."""
-    return dropout.keep_threshold(dropout_p), 1.0 / (1.0 - dropout.drop_rate(dropout_p))
 
 
 # --------------------------------------------------------------------------- kernels
@@ -195,7 +83,7 @@ def forward_kernel(
         """The probabilities s in the product's dtype (dropped out where dropout is on, keys from k0) into p."""
         if dropout:
             for i, j in T.Parallel(bM, bN):
-                p[i, j] = T.if_then_else(_keep(seed, bh, q0, k0, i, j, threshold), s[i, j] * inv_keep, 0)
+                p[i, j] = T.if_then_else(dropout_keep(seed, bh, q0, k0, i, j, threshold), s[i, j] * inv_keep, 0)
         else:
             T.copy(s, p)
 
@@ -490,7 +378,7 @@ def backward_kernel(
         """p_cast: the (dropped out) probabilities, dV's operand; dp dropped out like them."""
         if dropout:  # the forward's mask, recomputed once per element: 1 kept, 0 dropped
             for n, i in T.Parallel(bN, bM):
-                kept[n, i] = T.if_then_else(_keep(seed, bh, q0, k0, i, n, threshold), 1, 0)
+                kept[n, i] = T.if_then_else(dropout_keep(seed, bh, q0, k0, i, n, threshold), 1, 0)
             for n, i in T.Parallel(bN, bM):
                 p_cast[n, i] = s[n, i] * kept[n, i] * inv_keep
                 dp[n, i] = dp[n, i] * kept[n, i] * inv_keep

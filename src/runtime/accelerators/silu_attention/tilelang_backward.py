@@ -10,7 +10,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
+from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
 from .bias_folds import fold_distances
 from .tilelang_forward import (
@@ -61,7 +61,7 @@ def _tile_terms(args, s_qk, by, bz, start, n, first_target, qi, kj, q0, k0, i, j
         visible = visible & ((kj < first_target) | (qi == kj))
     scale = inv_max
     if dropout:
-        visible = visible & _keep(seed, bz * heads + by, q0, k0, i, j, threshold)
+        visible = visible & dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
         scale = inv_max * inv_keep
     return x, visible, scale
 
@@ -363,7 +363,7 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
     n = cu_seqlens.shape[0] - 1
     n_blocks = -(-max_seqlen // BLOCK_M)
     flags = (bool(causal), num_targets is not None, position_bias is not None, time_bias is not None, dropout_p > 0)
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     tensors = (
         _rows(q), _rows(k), _rows(v), _rows(do), cu_seqlens,
         num_targets if num_targets is not None else cu_seqlens,
@@ -371,19 +371,21 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
         timestamps if timestamps is not None else placeholder(device, torch.int64),
     )  # fmt: skip
     scalars = (float(alpha), 1.0 / max_seqlen if max_seqlen else 0.0)
-    dropout_args = (seed if seed is not None else placeholder(device, torch.int64), threshold, inv_keep)
+    dropout_launch = (seed if seed is not None else placeholder(device, torch.int64), threshold, inv_keep)
     dpos = dtime = None
     if total and n and n_blocks:
         launcher(backward_entry("dkdv", d, q.dtype, *flags), device)(
-            *tensors, dk, dv, n_blocks, *scalars, *dropout_args
+            *tensors, dk, dv, n_blocks, *scalars, *dropout_launch
         )
-        launcher(backward_entry("dq", d, q.dtype, *flags), device)(*tensors, dq, n_blocks, *scalars, *dropout_args)
+        launcher(backward_entry("dq", d, q.dtype, *flags), device)(*tensors, dq, n_blocks, *scalars, *dropout_launch)
     if position_bias is not None or time_bias is not None:
-        dpos, dtime = _bias_gradients(tensors, scalars, dropout_args, flags, position_bias, time_bias, max_seqlen, n, h)
+        dpos, dtime = _bias_gradients(
+            tensors, scalars, dropout_launch, flags, position_bias, time_bias, max_seqlen, n, h
+        )
     return dq, dk, dv, None, None, dpos, dtime, None, None, None, None, None, None
 
 
-def _bias_gradients(tensors, scalars, dropout_args, flags, position_bias, time_bias, max_seqlen, n, h):
+def _bias_gradients(tensors, scalars, dropout_launch, flags, position_bias, time_bias, max_seqlen, n, h):
     """(dposition_bias [H, P] or None, dtime_bias [H, T] or None): the bias kernel's partial sums, added over the
     sequences and folded into buckets in a fixed order (as the Triton backward does)."""
     q = tensors[0]
@@ -395,7 +397,7 @@ def _bias_gradients(tensors, scalars, dropout_args, flags, position_bias, time_b
     time_part = torch.zeros((n, h, n_bands, TIME_SLOTS), dtype=torch.float32, device=q.device)
     if q.shape[0] and n and n_bands:
         launcher(backward_entry("bias", q.shape[2], q.dtype, *flags), q.device)(
-            *tensors, pos_part, time_part, n_blocks, *scalars, *dropout_args
+            *tensors, pos_part, time_part, n_blocks, *scalars, *dropout_launch
         )
     return reduce_bias_parts(pos_part, time_part, causal, position_bias, time_bias)
 

@@ -19,7 +19,7 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..flash_attention.tilelang_kernels import DROPOUT_PRELUDE, SEED, _dropout_args, _keep
+from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
 from ..launch_math import next_power_of_2
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
 
@@ -118,7 +118,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
                     if targets:
                         visible = visible and ((kj < first_target) or (qi == kj))
                     if dropout:
-                        visible = visible and _keep(seed, bz * heads + by, q0, k0, i, j, threshold)
+                        visible = visible and dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
                         x_scale = inv_max * inv_keep
                     else:
                         x_scale = inv_max
@@ -160,7 +160,7 @@ def forward(
     if o.numel() == 0 or n == 0 or n_blocks == 0:
         return o
     device = q.device
-    threshold, inv_keep = _dropout_args(dropout_p)
+    threshold, inv_keep = dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), num_targets is not None, position_bias is not None,
                           time_bias is not None, dropout_p > 0)  # fmt: skip
     launcher(entry, device)(
