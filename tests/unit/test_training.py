@@ -392,7 +392,7 @@ def test_training_benchmark_times_and_profiles_a_run(tmp_path):
     ])  # fmt: skip
     (run,) = results["runs"]
     assert "error" not in run, run.get("error")
-    assert run["step_ms"] > 0 and len(run["losses"]) == 4
+    assert run["step_ms"] > 0 and len(run["losses"]) == 4 and run["layout"] == "padded"
     profile = run["profile"]
     assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
     assert any(op["name"].startswith("aten::") for op in profile["top_host_ops"])
@@ -432,6 +432,86 @@ def test_training_benchmark_on_cpu_leaves_graph_variants_out(capsys):
                               "overrides=['trainer.device=cpu']"])  # fmt: skip
     assert [run["name"] for run in results["plan"]] == ["baseline / torch"]
     assert "CUDA-graph variants (graphed, tuned) are left out" in capsys.readouterr().out
+
+
+def _tiny_benchmark_overrides(*changes: str) -> str:
+    """The `overrides` benchmark setting: the tiny CPU sizes, dropout off (then `changes`)."""
+    run = [o for o in TINY if not o.startswith(("accelerators=", "trainer.progress="))]
+    return "overrides=[" + ",".join(f"'{o}'" for o in [*run, "model.dropout=0.0", *changes]) + "]"
+
+
+def test_training_benchmark_layouts_train_the_same_samples_packed_and_padded(tmp_path, capsys):
+    from runtime.training import benchmark, report
+
+    # histories of 16-48 events (the jagged set's shortest is 16): the padded batches hold padding
+    results = benchmark.main([
+        "models=[baseline,hstu]", "layouts=[padded,jagged]", "presets=[torch]", "compiled=[]", "steps=3", "warmup=1",
+        f"output={tmp_path / 'bench.json'}", _tiny_benchmark_overrides("data.seq_len=48", "data.batch_size=8"),
+    ])  # fmt: skip
+    runs = results["runs"]
+    assert [(r["model"], r["layout"], r["accelerators"], r["mode"]) for r in runs] == [
+        ("baseline", "padded", "torch", "eager"),
+        ("baseline", "jagged", "torch", "eager"),
+        ("hstu", "jagged", "torch", "eager"),
+    ]
+    assert all("error" not in r for r in runs), [r.get("error") for r in runs]
+    reason = "HSTUPCVR reads jagged histories only"
+    assert results["skipped"] == [
+        {"model": "hstu", "layout": "padded", "accelerators": "torch", "mode": "eager", "reason": reason}
+    ]
+    assert f"hstu (padded) / torch: skipped, {reason}" in capsys.readouterr().out
+    padded, jagged, hstu = runs
+    # the same samples from the same weights: the same losses, not merely the same level
+    assert jagged["vs_padded_torch_eager"]["max_abs_diff_first_10"] <= 1e-4
+    assert jagged["loss_within_bound_vs_padded"] and "vs_padded_torch_eager" not in padded | hstu
+    # real tokens: the same unpadded count in both layouts (tokens/s x s/step), fewer than the padded batch holds
+    tokens = [r["real_tokens_per_s"] * r["step_ms"] / 1000 for r in (padded, jagged)]
+    assert tokens[0] == pytest.approx(tokens[1], rel=1e-9) and 8 * 16 < tokens[0] < 8 * 48
+    lines = report.table([report.Run(1, "bench.json", "bench.json", results)])
+    assert lines[0].startswith("| model | accelerators | mode | layout | ms/step |")
+    assert lines[0].endswith("| loss within bound | real tokens/s vs padded | loss within bound of padded |")
+    ratio = jagged["real_tokens_per_s"] / padded["real_tokens_per_s"]
+    assert lines[2].startswith("| baseline | torch | eager | padded |") and lines[2].endswith("| yes |  |  |")
+    assert lines[3].startswith("| baseline | torch | eager | jagged |") and lines[3].endswith(f"| {ratio:.2f}x | yes |")
+    assert lines[4].startswith("| hstu | torch | eager | jagged |") and lines[4].endswith("| yes |  |  |")
+
+
+@pytest.mark.parametrize("layouts", ["[padded,jaged]", "[default,jagged]", "[jagged,jagged]", "[]"])
+def test_training_benchmark_rejects_layouts_that_do_not_exist(layouts):
+    from runtime.training import benchmark
+
+    with pytest.raises(ValueError, match=r"^layouts: expected \[default\] or some of \[padded, jagged\], each once"):
+        benchmark.main([f"layouts={layouts}", "dry_run=true", "overrides=['trainer.device=cpu']"])
+
+
+def test_training_benchmark_dry_run_shows_the_layouts_and_skips_compiled_and_graphed_jagged_runs(capsys):
+    from runtime.training import benchmark
+
+    results = benchmark.main([
+        "models=[tokenformer,gdr]", "layouts=[padded,jagged]", "presets=[torch]", "compiled=[torch]",
+        "graphed=[triton]", "tuned=[]", "dry_run=true", "overrides=['trainer.device=cuda']",
+    ])  # fmt: skip
+    plan = {run["name"]: (run["layout"], run["overrides"]) for run in results["plan"]}
+    assert list(plan) == [
+        "tokenformer (padded) / torch", "gdr (padded) / torch", "tokenformer (jagged) / torch",
+        "tokenformer (padded) / torch / torch.compile", "gdr (padded) / torch / torch.compile",
+        "tokenformer (padded) / triton / CUDA graph", "gdr (padded) / triton / CUDA graph",
+    ]  # fmt: skip
+    assert plan["tokenformer (jagged) / torch"][0] == "jagged"
+    assert "data.jagged=true" in plan["tokenformer (jagged) / torch"][1]
+    assert "data.jagged=false" in plan["gdr (padded) / triton / CUDA graph"][1]
+    skipped = {(s["model"], s["layout"], s["mode"]): s["reason"] for s in results["skipped"]}
+    assert skipped[("gdr", "jagged", "eager")] == "GDRMixerPCVR reads padded histories only"
+    assert "packed batches change their token count" in skipped[("tokenformer", "jagged", "cuda_graph")]
+    assert "every new total recompiles" in skipped[("tokenformer", "jagged", "compile")]
+    assert len(skipped) == 5  # gdr's three jagged runs, tokenformer's compiled and graphed jagged runs
+    out = capsys.readouterr().out
+    assert "tokenformer (jagged) / triton / CUDA graph: skipped, the whole-step CUDA graph needs" in out
+    assert "tokenformer (jagged) / torch: [jagged batches] " in out
+    variants = benchmark.planned_variants(
+        {"presets": ["torch"], "compiled": [], "graphed": [], "tuned": [], "layouts": ["padded", "jagged"]}, cuda=True
+    )
+    assert variants == [("torch", "eager", "padded"), ("torch", "eager", "jagged")]
 
 
 def test_step_matmul_flops_from_the_config():

@@ -162,6 +162,70 @@ def test_two_files_merge_with_a_run_column_and_ratios_of_each_run():
     assert 'python -m runtime.training.benchmark steps=120 warmup=20 "models=[baseline]" "presets=[torch]" ' in text
 
 
+def _layouts():
+    """baseline on both layouts (the jagged one faster, its CUDA graph left out), hstu on jagged batches only; the
+    time budget cut hstu's triton run."""
+    graph_reason = "the whole-step CUDA graph needs the shapes it captured (data.jagged: ...)"
+    return {
+        "benchmark": _bench(models=["baseline", "hstu"], graphed=["triton"], tuned=[], layouts=["padded", "jagged"]),
+        "environment": ENV,
+        "bf16_matmul_tflops": 780.2,
+        "loss_bound": 0.01,
+        "skipped_after_budget": True,
+        "skipped": [
+            {"model": "hstu", "layout": "padded", "accelerators": p, "mode": m, "reason": "HSTUPCVR reads jagged only"}
+            for p, m in (("torch", "eager"), ("triton", "eager"), ("triton", "cuda_graph"))
+        ]
+        + [
+            {"model": m, "layout": "jagged", "accelerators": "triton", "mode": "cuda_graph", "reason": graph_reason}
+            for m in ("baseline", "hstu")
+        ],
+        "runs": [
+            _entry("baseline", "torch", "eager", 16.0, layout="padded"),
+            _entry("baseline", "torch", "eager", 8.0, layout="jagged", loss_within_bound_vs_padded=True),
+            _entry("hstu", "torch", "eager", 10.0, layout="jagged"),
+            _entry("baseline", "triton", "eager", 12.0, layout="padded"),
+            _entry("baseline", "triton", "eager", 4.0, layout="jagged", loss_within_bound_vs_padded=False),
+            _entry("baseline", "triton", "cuda_graph", 2.0, layout="padded"),
+        ],
+    }
+
+
+def test_layouts_get_a_column_and_the_jagged_rows_their_ratio_to_padded():
+    text = report.figures(_runs(_layouts()))
+    header = next(line for line in text.splitlines() if line.startswith("| model |"))
+    assert header.startswith("| model | accelerators | mode | layout | ms/step |")
+    assert header.endswith("| loss within bound | real tokens/s vs padded | loss within bound of padded |")
+    rows = _table_rows(text)[1:]
+    # padded and jagged of one model, preset and mode side by side; vs torch eager within the row's layout
+    assert rows[0].startswith("| baseline | torch | eager | padded | 16.00 |") and rows[0].endswith(
+        "| 1.00x | 1.00x (eager) | yes |  |  |"
+    )
+    assert rows[1].startswith("| baseline | torch | eager | jagged | 8.00 |") and rows[1].endswith(
+        "| 1.00x | 1.00x (eager) | yes | 2.00x | yes |"
+    )
+    assert rows[2].startswith("| baseline | triton | eager | padded | 12.00 |") and rows[2].endswith("| yes |  |  |")
+    assert rows[3].startswith("| baseline | triton | eager | jagged | 4.00 |") and rows[3].endswith(
+        "| 2.00x | 2.00x (eager) | yes | 3.00x | no |"
+    )
+    assert rows[4].startswith("| baseline | triton | CUDA graph | padded | 2.00 |") and rows[4].endswith("|  |  |")
+    assert rows[5].startswith("| hstu | torch | eager | jagged | 10.00 |") and rows[5].endswith("| yes |  |  |")
+    assert "- The run left out baseline / triton / CUDA graph / jagged, hstu / triton / CUDA graph / jagged: " in text
+    assert "- The run left out hstu / torch / eager / padded, hstu / triton / eager / padded, " in text
+    # the time budget cut only hstu's triton eager run: the left-out runs are not counted as cut
+    assert "some planned runs were skipped (hstu / triton / eager / jagged)." in text
+    assert '"tuned=[]" "layouts=[padded,jagged]" output=' in text
+    assert "Real tokens/s vs padded: the jagged row's real tokens/s over the padded row's" in text
+
+
+def test_one_layout_has_no_layout_columns():
+    result = _layouts()
+    result["runs"] = [e for e in result["runs"] if e["layout"] == "padded"]
+    lines = report.table(_runs(result))
+    assert "layout" not in lines[0] and "vs padded" not in lines[0]
+    assert report.command(_bench(layouts=["default"]), "a.json").endswith('"tuned=[torch]" output=a.json')
+
+
 def test_failures_and_fallbacks_are_listed():
     result = _first()
     result["runs"][2]["fallbacks"] = ["flash_attention: triton cannot run these inputs"]

@@ -16,6 +16,14 @@ step's (graphed runs), the loss curve against the all-torch eager run of the sam
 difference of the mean loss over the last 50 steps) and every fallback to torch that happened (a requested backend
 that could not run an op), so no run silently times torch instead. `dry_run=true` composes every run's config and
 prints the plan without training.
+
+`layouts=[padded,jagged]` runs every planned run once per data layout the model reads, side by side: jagged batches
+are packed (`cu_seqlens`, no padding; attention through varlen flash_attention), padded ones hold the same samples
+padded to data.seq_len, so real tokens/s compares the layouts and the jagged run's loss curve is also
+compared with the padded all-torch eager run's. A layout the model cannot read, and on jagged batches the
+torch.compile and CUDA-graph variants (compiled, graphed, tuned: their token count changes from step to step, see
+JAGGED_LIMITS), are skipped with the reason printed. `layouts=[default]` (the default) takes whatever
+layout data.jagged and the model say.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,10 +44,11 @@ from omegaconf import OmegaConf
 from runtime.accelerators import BackendFallbackWarning
 from runtime.accelerators.backends import clear_decisions
 
-from .config import config_dir
+from .config import config_dir, data_jagged, model_layouts
+from .data import build_data
 from .distributed import Run
 from .flops import measured_bf16_matmul_rate, step_matmul_flops
-from .loop import Trainer
+from .loop import JAGGED_GRAPH_BLOCKER, Trainer
 from .profiling import profile_steps
 
 logger = logging.getLogger("runtime.training")
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = list(sys.argv[1:] if argv is None else argv)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         bench = compose("benchmark", overrides=overrides)
+        OmegaConf.to_object(bench)  # the checks a type cannot state (layouts)
         results = {"benchmark": OmegaConf.to_container(bench), "environment": _environment(), "runs": []}
         out = Path(bench.output)
         started = time.perf_counter()
@@ -147,81 +158,95 @@ def main(argv: list[str] | None = None) -> dict:
         if device_type != "cuda" and (bench.graphed or bench.tuned):
             print(f"the runs are on {device_type}: the CUDA-graph variants (graphed, tuned) are left out", flush=True)
         plan = _plan(bench, variants)
+        results["skipped"] = [
+            {"model": r.model, "layout": r.data_layout, "accelerators": r.preset, "mode": r.mode, "reason": r.skipped}
+            for r in plan
+            if r.skipped
+        ]
+        for run in plan:
+            if run.skipped:
+                print(f"{run.name}: skipped, {run.skipped}", flush=True)
+        plan = [run for run in plan if not run.skipped]
         if bench.dry_run:
-            for name, run_overrides in plan:
-                compose("train", overrides=run_overrides)  # every run's config composes (and validates)
-                print(f"{name}: {' '.join(run_overrides)}", flush=True)
-            results["plan"] = [{"name": name, "overrides": run_overrides} for name, run_overrides in plan]
+            for run in plan:
+                compose("train", overrides=run.overrides)  # every run's config composes (and validates)
+                print(f"{run.name}: [{run.data_layout} batches] {' '.join(run.overrides)}", flush=True)
+            results["plan"] = [{"name": r.name, "layout": r.data_layout, "overrides": r.overrides} for r in plan]
             return results
         rate = measured_bf16_matmul_rate(torch.device(device_type))
         results["bf16_matmul_tflops"] = rate / 1e12 if rate else None
         results["loss_bound"] = bench.loss_bound
         batches, references = {}, {}
-        for preset, mode in variants:
-            for model in bench.models:
-                if bench.time_budget_s and time.perf_counter() - started > bench.time_budget_s:
-                    print(
-                        f"time budget of {bench.time_budget_s} s spent: {model} / {preset} and later runs skipped",
-                        flush=True,
-                    )
-                    results["skipped_after_budget"] = True
-                    _write(out, results)
-                    return results
-                base = _base(bench, model)
-                if model not in batches:
-                    batches[model] = _make_batches(compose("train", overrides=base), bench.steps)
-                name, run_overrides = _run(bench, model, preset, mode)
-                entry = {
-                    "model": model,
-                    "accelerators": preset,
-                    "mode": mode,
-                    "compiled": mode in ("compile", "tuned"),
-                    "cuda_graph": mode in ("cuda_graph", "tuned"),
-                }
-                try:
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always", BackendFallbackWarning)
-                        clear_decisions()  # each run decides (and warns) afresh
-                        cfg = compose("train", overrides=run_overrides)
-                        with tempfile.TemporaryDirectory() as tmp:
-                            entry.update(
-                                run_one(cfg, batches[model], bench.warmup, Path(tmp), bench.profile_steps, rate)
-                            )
-                    entry["fallbacks"] = sorted(
-                        {str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)}
-                    )
-                    for message in entry["fallbacks"]:
-                        print(f"{name}: FALLBACK {message}", flush=True)
-                except Exception as error:  # reported, and the other runs go on
-                    entry["error"] = f"{type(error).__name__}: {error}"
-                    print(f"{name}: FAILED {entry['error'][:2000]}", flush=True)
-                    results["runs"].append(entry)
-                    _write(out, results)
-                    continue
-                if preset == "torch" and mode == "eager":
-                    references[model] = entry
-                reference = references.get(model)
-                if reference is not None:
-                    entry["vs_torch_eager"] = compare(entry["losses"], reference["losses"])
-                    tail_key = next(k for k in entry["vs_torch_eager"] if k.endswith("_mean_diff"))
-                    entry["speedup_vs_torch_eager"] = reference["step_ms"] / entry["step_ms"]
-                    entry["loss_within_bound"] = entry["vs_torch_eager"][tail_key] <= bench.loss_bound
+        for run in plan:
+            if bench.time_budget_s and time.perf_counter() - started > bench.time_budget_s:
+                print(f"time budget of {bench.time_budget_s} s spent: {run.name} and later runs skipped", flush=True)
+                results["skipped_after_budget"] = True
+                _write(out, results)
+                return results
+            key = (run.model, run.layout)
+            if key not in batches:
+                batches[key] = _make_batches(compose("train", overrides=run.data_overrides), bench.steps, run.layout)
+            entry = {
+                "model": run.model,
+                "layout": run.data_layout,
+                "accelerators": run.preset,
+                "mode": run.mode,
+                "compiled": run.mode in ("compile", "tuned"),
+                "cuda_graph": run.mode in GRAPH_MODES,
+            }
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", BackendFallbackWarning)
+                    clear_decisions()  # each run decides (and warns) afresh
+                    cfg = compose("train", overrides=run.overrides)
+                    with tempfile.TemporaryDirectory() as tmp:
+                        entry.update(run_one(cfg, batches[key], bench.warmup, Path(tmp), bench.profile_steps, rate))
+                entry["fallbacks"] = sorted(
+                    {str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)}
+                )
+                for message in entry["fallbacks"]:
+                    print(f"{run.name}: FALLBACK {message}", flush=True)
+            except Exception as error:  # reported, and the other runs go on
+                entry["error"] = f"{type(error).__name__}: {error}"
+                print(f"{run.name}: FAILED {entry['error'][:2000]}", flush=True)
                 results["runs"].append(entry)
                 _write(out, results)
-                print(_line(name, entry), flush=True)
+                continue
+            if run.preset == "torch" and run.mode == "eager":
+                references[key] = entry
+            reference = references.get(key)
+            if reference is not None:
+                entry["vs_torch_eager"] = compare(entry["losses"], reference["losses"])
+                entry["speedup_vs_torch_eager"] = reference["step_ms"] / entry["step_ms"]
+                entry["loss_within_bound"] = _tail_diff(entry["vs_torch_eager"]) <= bench.loss_bound
+            # the same samples padded: "the same loss curve" across layouts
+            padded = references.get((run.model, "padded")) if run.layout == "jagged" else None
+            if padded is not None:
+                entry["vs_padded_torch_eager"] = compare(entry["losses"], padded["losses"])
+                entry["loss_within_bound_vs_padded"] = _tail_diff(entry["vs_padded_torch_eager"]) <= bench.loss_bound
+            results["runs"].append(entry)
+            _write(out, results)
+            print(_line(run.name, entry), flush=True)
     return results
 
 
-def planned_variants(bench, cuda: bool) -> list[tuple[str, str]]:
-    """(preset, mode) in the order they run, each for every model in turn: all models under one variant before the
-    next variant, so that with a time budget the eager torch references and the first presets finish first. The
-    CUDA-graph variants (graphed, tuned) only on CUDA. bench: the benchmark config, or its copy in a result JSON."""
+def _tail_diff(comparison: dict) -> float:
+    """The difference of the mean loss over the last steps: what `loss_bound` judges."""
+    return next(value for key, value in comparison.items() if key.endswith("_mean_diff"))
+
+
+def planned_variants(bench, cuda: bool) -> list[tuple[str, str, str]]:
+    """(preset, mode, layout) in the order they run, each for every model in turn: all models under one variant before
+    the next variant, so that with a time budget the eager torch references (of every layout) and the first presets
+    finish first. The CUDA-graph variants (graphed, tuned) only on CUDA. bench: the benchmark config, or its copy in a
+    result JSON (files from before `layouts` have the default layout)."""
     variants = [(preset, "eager") for preset in bench["presets"]]
     variants += [(preset, "compile") for preset in bench["compiled"]]
     if cuda:
         variants += [(preset, "cuda_graph") for preset in bench["graphed"]]
         variants += [(preset, "tuned") for preset in bench["tuned"]]
-    return variants
+    layouts = bench.get("layouts") or ["default"]
+    return [(preset, mode, layout) for preset, mode in variants for layout in layouts]
 
 
 MODES = {
@@ -233,6 +258,32 @@ MODES = {
         ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"],
     ),
 }
+GRAPH_MODES = ("cuda_graph", "tuned")
+# why a mode is not timed on jagged batches, whose token count changes from step to step
+JAGGED_LIMITS = {
+    "compile": "torch.compile specialises on the packed token count (the accelerators' dispatch guards on each input's "
+    "last size, for packed [total] inputs the token count): every new total recompiles, up to dynamo's recompile "
+    "limit, after which the step runs uncompiled",
+    "cuda_graph": f"the whole-step CUDA graph needs the shapes it captured ({JAGGED_GRAPH_BLOCKER})",
+}
+JAGGED_LIMITS["tuned"] = JAGGED_LIMITS["cuda_graph"]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run: a model under a preset and mode, on one layout. layout: the benchmark's name (default, padded or
+    jagged); data_layout: its batches' layout (default resolves to data.jagged's or the model's own); data_overrides:
+    the train config its batches are made from; skipped: why the run is left out (None: it runs)."""
+
+    model: str
+    preset: str
+    mode: str
+    layout: str
+    data_layout: str
+    name: str
+    overrides: list[str]
+    data_overrides: list[str]
+    skipped: str | None
 
 
 def _base(bench, model: str) -> list[str]:
@@ -240,22 +291,65 @@ def _base(bench, model: str) -> list[str]:
     return [*experiment, f"model={model}", f"trainer.steps={bench.steps}", "trainer.progress=false", *bench.overrides]
 
 
-def _run(bench, model: str, preset: str, mode: str) -> tuple[str, list[str]]:
+def _with_layout(bench, model: str, layout: str) -> list[str]:
+    jagged = {"default": [], "padded": ["data.jagged=false"], "jagged": ["data.jagged=true"]}[layout]
+    return [*_base(bench, model), *jagged]
+
+
+def _run(bench, model: str, preset: str, mode: str, layout: str) -> tuple[str, list[str]]:
     suffix, flags = MODES[mode]
-    return f"{model} / {preset}{suffix}", [*_base(bench, model), f"accelerators={preset}", *flags]
+    where = model if layout == "default" else f"{model} ({layout})"
+    return f"{where} / {preset}{suffix}", [*_with_layout(bench, model, layout), f"accelerators={preset}", *flags]
 
 
-def _plan(bench, variants) -> list[tuple[str, list[str]]]:
-    return [_run(bench, model, preset, mode) for preset, mode in variants for model in bench.models]
+def _plan(bench, variants) -> list[PlannedRun]:
+    """Every planned run in order; those that cannot run carry the reason: a layout the model does not read, or a mode
+    that cannot be timed on jagged batches (JAGGED_LIMITS)."""
+    layouts = {}  # (model, layout) -> (its batches' layout, or why the model cannot read it)
+    planned = []
+    for preset, mode, layout in variants:
+        for model in bench.models:
+            if (model, layout) not in layouts:
+                layouts[model, layout] = _data_layout(bench, model, layout)
+            data_layout, unreadable = layouts[model, layout]
+            skipped = unreadable or (JAGGED_LIMITS.get(mode) if data_layout == "jagged" else None)
+            name, overrides = _run(bench, model, preset, mode, layout)
+            data_overrides = _with_layout(bench, model, layout)
+            planned.append(
+                PlannedRun(model, preset, mode, layout, data_layout, name, overrides, data_overrides, skipped)
+            )
+    return planned
 
 
-def _make_batches(cfg, steps: int) -> list:
-    from .config import data_jagged
-    from .data import build_data
+def _data_layout(bench, model: str, layout: str) -> tuple[str, str | None]:
+    """The layout of a model's batches under a benchmark layout, and why the model cannot read it (None: it can)."""
+    cfg = compose("train", overrides=_with_layout(bench, model, layout))
+    if layout == "default":
+        try:
+            return ("jagged" if data_jagged(cfg) else "padded"), None
+        except ValueError as error:  # data.jagged in the overrides, against the model or the data source
+            return layout, str(error)
+    if str(getattr(cfg.data.source, "value", cfg.data.source)) != "synthetic":
+        raise ValueError(
+            f"layouts=[{','.join(bench.layouts)}]: the padded and jagged layouts are drawn from the synthetic data set; "
+            "take layouts=[default] with data=parquet"
+        )
+    readable = model_layouts(cfg.model._target_)
+    if layout not in readable:
+        return layout, f"{cfg.model._target_.rsplit('.', 1)[-1]} reads {' and '.join(readable)} histories only"
+    return layout, None
 
-    data = build_data(cfg.data, cfg.seed, jagged=data_jagged(cfg))
+
+def _make_batches(cfg, steps: int, layout: str) -> list:
+    """The run's batches, on its device. The padded and jagged layouts both take the jagged synthetic set's batches
+    (one seed: the same users, histories and labels), the padded layout with every history padded to data.seq_len:
+    only the packing differs, so their loss curves are comparable. default: the data set the config says."""
+    data = build_data(cfg.data, cfg.seed, jagged=data_jagged(cfg) if layout == "default" else True)
+    made = [data.train_batch(i, cfg.data.batch_size) for i in range(steps)]
+    if layout == "padded":
+        made = [batch.padded(cfg.data.seq_len) for batch in made]
     device = _device(cfg)
-    return [data.train_batch(i, cfg.data.batch_size).to(device) for i in range(steps)]
+    return [batch.to(device) for batch in made]
 
 
 def _line(name: str, entry: dict) -> str:
@@ -276,6 +370,10 @@ def _line(name: str, entry: dict) -> str:
             f", speedup {entry['speedup_vs_torch_eager']:.2f}x, |dloss| step 1 {cmp['first_step_abs_diff']:.1e}, "
             f"mean {cmp['mean_abs_diff']:.1e}, {tail_key} {cmp[tail_key]:.1e}"
         )
+    if "vs_padded_torch_eager" in entry:
+        cmp = entry["vs_padded_torch_eager"]
+        tail_key = next(k for k in cmp if k.endswith("_mean_diff"))
+        text += f", vs padded torch eager: {tail_key} {cmp[tail_key]:.1e}"
     if "profile" in entry:
         prof = entry["profile"]
         text += (

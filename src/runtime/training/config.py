@@ -285,6 +285,9 @@ class BenchmarkSchema:
     # presets also run speed-tuned: torch.compile(mode="max-autotune-no-cudagraphs") inside the whole-step CUDA graph,
     # fused capturable AdamW (CUDA only)
     tuned: list[str] = field(default_factory=list)
+    # the data layouts of each run: [default] (what data.jagged and the model say), or some of padded and jagged (each
+    # planned run once per layout the model reads, on the same samples: the jagged synthetic set, packed or padded)
+    layouts: list[str] = field(default_factory=lambda: ["default"])
     experiment_preset: str | None = None  # an experiment preset applied to every run (e.g. pcvr_large)
     dry_run: bool = False  # compose every run's config and print the plan; train nothing
     steps: int = 200
@@ -294,6 +297,15 @@ class BenchmarkSchema:
     output: str = "training-benchmark.json"
     time_budget_s: float = 0.0  # > 0: start no new run after this many seconds
     profile_steps: int = 0  # > 0: after timing, profile this many steps (host vs kernel time, top kernels)
+
+    def __post_init__(self) -> None:
+        named = set(self.layouts)
+        if self.layouts != ["default"] and (
+            not named <= {"padded", "jagged"} or len(named) < len(self.layouts) or not named
+        ):
+            raise ValueError(
+                f"layouts: expected [default] or some of [padded, jagged], each once; got [{', '.join(self.layouts)}]"
+            )
 
 
 def register_configs() -> None:

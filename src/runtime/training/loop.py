@@ -83,12 +83,15 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+JAGGED_GRAPH_BLOCKER = "data.jagged: packed batches change their token count and max_seqlen from step to step"
+
+
 def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
     """Why the whole step cannot be one CUDA graph in this run (empty: it can). Padded batches from both data sources
     have the same shapes (fixed batch size, histories padded to data.seq_len); jagged ones do not."""
     reasons = []
     if data_jagged(cfg):
-        reasons.append("data.jagged: packed batches change their token count and max_seqlen from step to step")
+        reasons.append(JAGGED_GRAPH_BLOCKER)
     if device.type != "cuda":
         reasons.append(f"it needs a CUDA device, the run is on {device}")
     if distributed:
