@@ -18,12 +18,11 @@ fragment and walks the steps; q/k are normalised in fp32 as they are loaded when
 Chunked (chunks of BT = 64 steps; see reference.py for the math):
   1. prepare, one program per (chunk, value head), one warpgroup: gamma = cumsum(g) (full decays counted apart),
      k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
-     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by 16x16 blocks: the four
-     diagonal blocks by forward substitution (a thread per (block, column), 16 rows deep), then
-     N = D A_below and X <- D - N X three times from X = D (block forward substitution as 64x64 products, in
-     tf32: its operands are computed values, which bf16 would round too coarsely). w = (I + A)^-1
-     diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the inverse and the scaled rows
-     rounded to bf16, as the Triton kernel's HALF_WY products).
+     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by forward substitution in fp32,
+     a thread per column holding it in registers (reference.unit_lower_inverse_by_columns): no barrier and no
+     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the
+     inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each stored before the
+     next product so that their accumulators are not live together.
   2. the state walk, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: k, w and
      gamma loaded a chunk ahead, k by TMA for bf16 inputs, warp-specialised by TileLang) with the [K, BV] state in
      an fp32 fragment across the walk; per chunk it stores the state entering it (bf16, States[global chunk]) and
@@ -51,7 +50,6 @@ from .tilelang_shared import (
     L2NORM_EPS,
     OPERAND,
     OPERAND_TORCH,
-    SUB,
     Chunks,
     _contiguous,
     _device_cu,
@@ -190,6 +188,7 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
     ):
         with T.Kernel(n_total, HV, threads=threads) as (i_t, hv):
             k_s = T.alloc_shared((BT, K), dtype)  # k as stored: k k^T on it is exact up to fp32 accumulation
+            v_s = T.alloc_shared((BT, V), dtype)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
             rstd_s = T.alloc_shared((BT,), ACCUM)
@@ -197,20 +196,22 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             fulls_s = T.alloc_shared((BT,), ACCUM)  # 1 at a full decay, then their count
             beta_s = T.alloc_shared((BT,), ACCUM)
             kk = T.alloc_fragment((BT, BT), ACCUM)
-            a_s = T.alloc_shared((BT, BT), ACCUM)  # A (strictly lower), then N = D A below the diagonal blocks
-            d_s = T.alloc_shared((BT, BT), ACCUM)  # D: the inverses of the diagonal blocks of I + A
-            x_s = T.alloc_shared((BT, BT), ACCUM)  # (I + A)^-1 as the block substitution fills it
-            step = T.alloc_fragment((BT, BT), ACCUM)
+            a_s = T.alloc_shared((BT, BT), ACCUM)  # A (strictly lower), then (I + A)^-1
+            column = T.alloc_local((BT,), ACCUM)  # one column of (I + A)^-1 per thread
+            partial = T.alloc_local((4,), ACCUM)  # four independent sums: a shorter dependent chain per row
             inv_h = T.alloc_shared((BT, BT), OPERAND)
             kb_h = T.alloc_shared((BT, K), OPERAND)
             vb_h = T.alloc_shared((BT, V), OPERAND)
             w_f = T.alloc_fragment((BT, K), ACCUM)
             u_f = T.alloc_fragment((BT, V), ACCUM)
 
+            tx = T.get_thread_binding()
             h = hv // groups
             start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            T.copy(Kx[start : start + BT, h, 0:K], k_s)  # rows past eos: another sequence's or zeros, masked below
+            # rows past eos: another sequence's or zeros, masked below; v is loaded now so that its latency overlaps k's
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            T.copy(Vx[start : start + BT, hv, 0:V], v_s)
             for i in T.Parallel(BT):
                 # a full decay (reference.local_gamma) is not summed in gamma but counted (G read only inside)
                 g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
@@ -240,36 +241,7 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
                     beta_s[i] * rstd_s[i] * rstd_s[j] * T.exp(g_s[i] - g_s[j]) * kk[i, j],
                     0.0,
                 )
-                d_s[i, j] = 0.0
-            T.sync_threads()
-            # D = (I + A_bb)^-1 on the four diagonal blocks: forward substitution, a thread per (block, column)
-            for b, j in T.Parallel(BT // SUB, SUB):
-                for i in T.serial(SUB):
-                    acc = T.alloc_var(ACCUM)
-                    acc = T.if_then_else(i == j, 1.0, 0.0)
-                    for m in T.serial(i):
-                        acc = acc - a_s[b * SUB + i, b * SUB + m] * d_s[b * SUB + m, b * SUB + j]
-                    d_s[b * SUB + i, b * SUB + j] = acc
-            T.sync_threads()
-            # I + A = (I + A_diag)(I + N), N = D A_below (strictly block lower, N^4 = 0), so (I + A)^-1 = X_3 for
-            # X_0 = D, X_{s+1} = D - N X_s: row block b is exact from X_b on (block forward substitution)
-            T.gemm(d_s, a_s, step, clear_accum=True)
-            T.sync_threads()
-            for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(i // SUB > j // SUB, step[i, j], 0.0)
-                x_s[i, j] = d_s[i, j]
-            T.sync_threads()
-            for _ in T.serial(BT // SUB - 1):
-                T.gemm(a_s, x_s, step, clear_accum=True)
-                T.sync_threads()
-                for i, j in T.Parallel(BT, BT):
-                    x_s[i, j] = d_s[i, j] - step[i, j]
-                T.sync_threads()
-            for i, j in T.Parallel(BT, BT):
-                inv_h[i, j] = T.cast(x_s[i, j], OPERAND)
-                if start + i < eos:
-                    Inverse[start + i, hv, j] = x_s[i, j]
-            # w = (I + A)^-1 diag(beta e^gamma rstd) K, u = (I + A)^-1 diag(beta) V, on 16-bit operands
+            # the 16-bit operands of w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V
             for i, j in T.Parallel(BT, K):
                 kb_h[i, j] = T.cast(
                     T.if_then_else(
@@ -278,15 +250,33 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
                     OPERAND,
                 )
             for i, j in T.Parallel(BT, V):
-                vb_h[i, j] = T.cast(
-                    T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, j], ACCUM) * beta_s[i], 0.0), OPERAND
-                )
+                vb_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(v_s[i, j], ACCUM) * beta_s[i], 0.0), OPERAND)
             T.sync_threads()
+            # (I + A)^-1 by forward substitution in fp32, a thread per column: X[i, j] = [i = j] - sum_{m<i} A[i, m]
+            # X[m, j] needs only the thread's own column (in registers) and rows of A (the same for every thread)
+            if tx < BT:
+                T.clear(column)
+                for i in T.unroll(BT):
+                    T.clear(partial)
+                    for m in T.unroll(i):
+                        partial[m % 4] = partial[m % 4] - a_s[i, m] * column[m]
+                    column[i] = T.if_then_else(i == tx, 1.0, 0.0) + (
+                        (partial[0] + partial[1]) + (partial[2] + partial[3])
+                    )
+            T.sync_threads()
+            if tx < BT:  # A is no longer read: its buffer takes the inverse in fp32, stored below by whole rows
+                for i in T.unroll(BT):
+                    a_s[i, tx] = column[i]
+                    inv_h[i, tx] = T.cast(column[i], OPERAND)
+            T.sync_threads()
+            for i, j in T.Parallel(BT, BT):
+                if start + i < eos:
+                    Inverse[start + i, hv, j] = a_s[i, j]
             T.gemm(inv_h, kb_h, w_f, clear_accum=True)
-            T.gemm(inv_h, vb_h, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 if start + i < eos:
                     W[start + i, hv, j] = w_f[i, j]
+            T.gemm(inv_h, vb_h, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, V):
                 if start + i < eos:
                     U[start + i, hv, j] = u_f[i, j]

@@ -11,7 +11,6 @@ from ..tilelang_common import ACCUM, TL_DTYPE, Entry, placeholder
 from .varlen import chunk_table, on_device
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
-SUB = 16  # the diagonal blocks of (I + A) that prepare inverts by substitution
 OPERAND = "bfloat16"  # the 16-bit operands of the forward's products (fp32 accumulation), as the Triton kernels'
 OPERAND_TORCH = torch.bfloat16
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
