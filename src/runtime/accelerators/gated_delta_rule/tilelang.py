@@ -23,15 +23,20 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the
      inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each stored before the
      next product so that their accumulators are not live together.
-  2. the state walk, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: k, w and
-     gamma loaded a chunk ahead, k by TMA for bf16 inputs, warp-specialised by TileLang) with the [K, BV] state in
-     an fp32 fragment across the walk; per chunk it stores the state entering it (bf16, States[global chunk]) and
-     U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), every product on bf16
-     operands accumulated in fp32, the update straight into the state's fragment. The backward runs it again.
+  2. the storing walk (tilelang_shared.state_store_kernel), one program per (V block of 64, sequence x value head):
+     walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
+     ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
+     (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
+     rstd_k), every product on bf16 operands (w, and fp16 k, rounded in shared memory) accumulated in fp32, the update
+     straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
+     tilelang_shared.state_output_kernel (store_states), which stores the same.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
-     with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U, the whole value width
-     per program (Q K^T once per chunk), Q's rows scaled before their bf16 rounding. With fused_output the walk
-     computes O itself instead (five products per chunk on its sequential path instead of two).
+     with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U (q, k, S and U by TMA on
+     one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
+     in fp32. With fused_output the walk computes O itself instead (five products per chunk on its sequential path
+     instead of two).
+The walk and the output bind their scalars (sequence, heads, chunk bounds) once with T.alloc_var: as expressions of
+the block index TileLang inlines them at every access, each division by a dynamic size a 64-bit division routine.
 gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
 inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
 the other backends.
@@ -58,12 +63,12 @@ from .tilelang_shared import (
     chunk_end,
     chunk_start,
     load_chunk_decay,
-    load_rows,
     load_rstd,
     load_state,
     row_rstd,
     state_output_entry,
     state_program,
+    state_store_entry,
     store_state,
 )
 
@@ -293,7 +298,8 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
     """O of every chunk in parallel from the state entering it and its corrections U, both stored bf16 by the state
     walk: O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}. One
     program per (chunk, value head) takes the whole value width: Q K^T once per chunk, a [64, V <= 128] fp32
-    accumulator in one warpgroup (64 registers per thread at V = 128)."""
+    accumulator in one warpgroup (64 registers per thread at V = 128). Q S takes q as stored and its rows are scaled
+    in fp32 after the product (one rounding fewer than scaling q's rows before the product)."""
     R, H, HV, NC, NT, NTC = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows, n_chunks_total")
 
     @T.prim_func
@@ -312,31 +318,40 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
         groups: T.int32,
     ):
         with T.Kernel(NTC, HV, threads=128) as (i_t, hv):
-            q_s = T.alloc_shared((BT, K), OPERAND)
-            k_s = T.alloc_shared((BT, K), OPERAND)
+            q_s = T.alloc_shared((BT, K), dtype)  # q and k as stored, rows past eos masked in P and in O
+            k_s = T.alloc_shared((BT, K), dtype)
+            q_h = q_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)  # fp16 q and k rounded to bf16
+            k_h = k_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
             q_rstd_s = T.alloc_shared((BT,), ACCUM)
             k_rstd_s = T.alloc_shared((BT,), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)
-            q_scaled_h = T.alloc_shared((BT, K), OPERAND)  # the rows of Q times e^gamma rstd_q, zero from eos on
             state_h = T.alloc_shared((K, V), OPERAND)
-            corr_h = T.alloc_shared((BT, V), OPERAND)
+            corr_h = T.alloc_shared((BT, V), OPERAND)  # rows past eos: another sequence's, P is zero there
             attn = T.alloc_fragment((BT, BT), ACCUM)
             attn_h = T.alloc_shared((BT, BT), OPERAND)
             out = T.alloc_fragment((BT, V), ACCUM)
+            loaded = T.alloc_barrier(128)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P and in the scaled rows
-            T.copy(Kx[start : start + BT, h, 0:K], k_s)
-            T.copy(States[i_t, hv, 0:K, 0:V], state_h)
-            load_rows(Corrections, corr_h, hv, 0, start, eos)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            # the four tiles by TMA on one barrier, waited on once (T.copy would load them one after the other)
+            T.tma_copy(Q[start : start + BT, h, 0:K], q_s, barrier=loaded)
+            T.tma_copy(Kx[start : start + BT, h, 0:K], k_s, barrier=loaded)
+            T.tma_copy(States[i_t, hv, 0:K, 0:V], state_h, barrier=loaded)
+            T.tma_copy(Corrections[start : start + BT, hv, 0:V], corr_h, barrier=loaded)
+            T.mbarrier_arrive(loaded)
             load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            T.mbarrier_wait_parity(loaded, 0)
             load_rstd(q_s, sq, rsum, q_rstd_s, l2norm)
             load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
-            T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+            if dtype != OPERAND:
+                T.copy(q_s, q_h)
+                T.copy(k_s, k_h)
+            T.gemm(q_h, k_h, attn, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 attn_h[i, j] = T.cast(
                     T.if_then_else(
@@ -346,12 +361,9 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
                     ),
                     OPERAND,
                 )  # fmt: skip
-            for i, j in T.Parallel(BT, K):
-                q_scaled_h[i, j] = T.cast(
-                    T.if_then_else(start + i < eos, T.cast(q_s[i, j], ACCUM) * T.exp(gamma_s[i]) * q_rstd_s[i], 0.0),
-                    OPERAND,
-                )
-            T.gemm(q_scaled_h, state_h, out, clear_accum=True)
+            T.gemm(q_h, state_h, out, clear_accum=True)
+            for i, j in T.Parallel(BT, V):
+                out[i, j] = out[i, j] * (T.exp(gamma_s[i]) * q_rstd_s[i])
             T.gemm(attn_h, corr_h, out)
             for i, j in T.Parallel(BT, V):
                 if start + i < eos:
@@ -445,10 +457,9 @@ def chunk_forward(
     stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
     states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
     corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    launcher(state_output_entry(K, V, q.dtype, *flags, write_output=False, store_states=True), device)(
-        q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, ht,
-        states if stored else placeholder(device, OPERAND_TORCH), corrections if stored else placeholder(device, OPERAND_TORCH),
-        chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+    launcher(state_store_entry(K, V, q.dtype, *flags), device)(
+        k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
+        corrections if stored else placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first, T_, n, HV // H,
     )  # fmt: skip
     if stored:
         launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
@@ -466,7 +477,7 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
     forward = [
         recurrent_entry(K, V, dtype, g_dtype, beta_dtype, *flags),
         prepare_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
-        state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True),
+        state_store_entry(K, V, dtype, *flags),
         output_entry(K, V, dtype, l2norm, varlen),
     ]
     if not backward:
