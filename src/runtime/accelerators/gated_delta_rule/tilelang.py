@@ -35,8 +35,9 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
      in fp32. With fused_output the walk computes O itself instead (five products per chunk on its sequential path
      instead of two).
-The walk and the output bind their scalars (sequence, heads, chunk bounds) once with T.alloc_var: as expressions of
-the block index TileLang inlines them at every access, each division by a dynamic size a 64-bit division routine.
+The chunked forward's kernels bind their scalars (sequence, heads, chunk bounds) once with T.alloc_var: as
+expressions of the block index TileLang inlines them at every access, each division by a dynamic size a call of a
+64-bit division routine.
 gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
 inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
 the other backends.
@@ -211,9 +212,9 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             u_f = T.alloc_fragment((BT, V), ACCUM)
 
             tx = T.get_thread_binding()
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            h = T.alloc_var("int32", init=hv // groups)  # bound once (see the module's docstring)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             # rows past eos: another sequence's or zeros, masked below; v is loaded now so that its latency overlaps k's
             T.copy(Kx[start : start + BT, h, 0:K], k_s)
             T.copy(Vx[start : start + BT, hv, 0:V], v_s)
