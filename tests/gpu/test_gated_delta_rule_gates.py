@@ -37,16 +37,11 @@ def tilelang_compiled():
     """The chunked TileLang kernels of the cases, forward and backward, compiled in parallel once (a disk-cache hit
     where test_gated_delta_rule_tilelang.py compiled them first)."""
     from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
-    from runtime.accelerators.gated_delta_rule.tilelang_backward import backward_entries
     from runtime.accelerators.tilelang_common import precompile
 
     entries = []
     for K, V, dtype, state, final, l2norm, varlen in TILELANG_SPECS:
-        entries += [
-            gdr_tilelang.prepare_entry(K, V, dtype, dtype, dtype, l2norm, varlen),
-            gdr_tilelang.state_output_entry(K, V, dtype, state, final, l2norm, varlen),
-            *backward_entries(K, V, dtype, dtype, dtype, state, final, l2norm, varlen),
-        ]
+        entries += gdr_tilelang.entries(K, V, dtype, dtype, dtype, state, final, l2norm, varlen, backward=True)
     precompile(entries, torch.device("cuda"))
 
 

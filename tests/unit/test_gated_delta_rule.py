@@ -779,11 +779,11 @@ def test_launch_grids_fit_cuda_limits_at_a_large_batch(monkeypatch):
         assert all(size <= 65535 for size in tuple(grid)[1:]), f"{name}: grid {grid}"
 
 
-@pytest.mark.parametrize("case", ["unit-keys", "l2norm-keys", "raw-keys"])
-def test_blockwise_inverse_of_the_tilelang_prepare_matches_float64(case):
-    """reference.blockwise_unit_lower_inverse, the TileLang prepare kernel's algorithm: exact in float64, and with
-    its tf32 products within a bound that the chunk's other roundings (bf16 operands after it) exceed."""
-    from runtime.accelerators.gated_delta_rule.reference import blockwise_unit_lower_inverse
+@pytest.mark.parametrize("case", ["unit-keys", "l2norm-keys", "raw-keys", "full-decay"])
+def test_column_inverse_of_the_tilelang_prepare_matches_float64(case):
+    """reference.unit_lower_inverse_by_columns, the TileLang prepare kernel's algorithm: exact in float64, and in
+    fp32 (the kernel's arithmetic) within a bound far below the bf16 rounding of the products that take it."""
+    from runtime.accelerators.gated_delta_rule.reference import FULL_DECAY, unit_lower_inverse_by_columns
 
     n, K = 64, 32
     gen = torch.Generator().manual_seed(1)
@@ -791,13 +791,15 @@ def test_blockwise_inverse_of_the_tilelang_prepare_matches_float64(case):
         k, beta, gamma = torch.ones(n, K) / K**0.5, torch.ones(n), torch.zeros(n)
     else:
         k = torch.randn(n, K, generator=gen)
-        k = F.normalize(k, dim=-1) if case == "l2norm-keys" else k * 0.3
+        k = F.normalize(k, dim=-1) if case in ("l2norm-keys", "full-decay") else k * 0.3
         beta = torch.rand(n, generator=gen)
         gamma = torch.cumsum(F.logsigmoid(torch.randn(n, generator=gen) + 2.0), 0)
+        if case == "full-decay":  # A is zero across it: two independent blocks
+            gamma[37:] -= FULL_DECAY
     a = torch.tril(beta[:, None] * torch.exp(gamma[:, None] - gamma[None, :]) * (k @ k.T), -1).double()
     expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)
-    assert_close("inverse float64", blockwise_unit_lower_inverse(a), expected, 1e-12)
-    assert_close("inverse tf32", blockwise_unit_lower_inverse(a.float(), tf32=True), expected, 2e-3)
+    assert_close("inverse float64", unit_lower_inverse_by_columns(a), expected, 1e-12)
+    assert_close("inverse fp32", unit_lower_inverse_by_columns(a.float()), expected, 1e-6)
 
 
 @pytest.mark.parametrize("case", ["plain", "l2norm-state-full-decay"])

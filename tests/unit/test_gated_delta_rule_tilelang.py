@@ -1,8 +1,8 @@
 """gated_delta_rule's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
 
-One representative specialisation per kernel (recurrent, chunk prepare, chunk state/output, and the chunked
-backward's state store, local dU, reverse walk and the two chunk-gradient kernels; the chunk kernels at K=128, where
-their products are wgmma); the GPU tier checks the numbers. The chunk kernels at K=128 are also checked to fit
+One representative specialisation per kernel (recurrent, chunk prepare, the forward's storing walk and output, the
+walk computing the output itself, and the chunked backward's state store, local dU, reverse walk and the two
+chunk-gradient kernels; the chunk kernels at K=128, where their products are wgmma); the GPU tier checks the numbers. The chunk kernels at K=128 are also checked to fit
 sm_90's shared memory (a launch-time failure that compiling does not catch). Also what needs no GPU: the tilelang backend's reasons and the varlen chunk table.
 """
 
@@ -39,6 +39,14 @@ KERNELS = {
     "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
         128, 128, torch.bfloat16, True, True, True, True
     ),
+    # the forward's storing walk (every tile through the pipeline; fp16 k by TMA, rounded to bf16 in shared memory)
+    "store-walk-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_store_entry(
+        16, 16, torch.float16, True, True, True, True
+    ),
+    "store-walk-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(
+        128, 128, torch.bfloat16, True, True, True, True
+    ),
+    "store-walk-K128-V128-f16-l2norm": lambda: gt.state_store_entry(128, 128, torch.float16, False, False, True, False),
     # the output of every chunk from the stored states and U (the forward's default after the storing walk)
     "output-K16-V16-f16": lambda: gt.output_entry(16, 16, torch.float16, False, False),
     "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
@@ -63,6 +71,7 @@ KERNELS = {
 STORES = {
     "state-output": ("O", "HT"),
     "state-store": ("States", "Corrections"),
+    "store-walk": ("States", "Corrections"),
     "output": ("O",),
     "local-grad": ("DU", "QFactor", "KFactor"),
     "state-grad": ("DStates", "DU", "DH0"),

@@ -232,34 +232,18 @@ def chunk_gated_delta_rule_reference(
     return _finish(o, state, q, output_final_state)
 
 
-def _tf32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x as a tensor core's tf32 product reads it: the low 13 mantissa bits dropped."""
-    return (x.view(torch.int32) & -8192).view(torch.float32)
-
-
-def blockwise_unit_lower_inverse(a: torch.Tensor, block: int = 16, tf32: bool = False) -> torch.Tensor:
-    """(I + A)^-1 of strictly lower A [..., n, n] (n a multiple of `block`) as the TileLang prepare kernel forms it:
-    D = the inverses of I + A's diagonal blocks by forward substitution, N = D A below the diagonal blocks
-    (N^(n / block) = 0) and X_0 = D, X_{s+1} = D - N X_s, exact after n / block - 1 steps (row block b is exact
-    from X_b on: block forward substitution). With `tf32` (fp32 a) the products read their operands as tf32,
-    as the kernel's do."""
+def unit_lower_inverse_by_columns(a: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 of strictly lower A [..., n, n] as the TileLang prepare kernel forms it: forward substitution,
+    X[i, j] = [i = j] - sum_{m < i} A[i, m] X[m, j], each column on its own (a thread per column), the sum over m
+    in four partial sums by m mod 4, each accumulated in order of m in a's dtype, then added as (s0 + s1) + (s2 + s3)."""
     n = a.shape[-1]
-    rows = torch.arange(n, device=a.device)
-    diagonal = rows[:, None] // block == rows[None, :] // block
+    x = torch.zeros_like(a)
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
-    d = eye.expand_as(a).clone()
-    for i in range(n):  # a row of D at a time: d[i] = e_i - sum_{m < i, same block} a[i, m] d[m]
-        same = diagonal[i] & (rows < i)
-        d[..., i, :] -= (a[..., i, :] * same).unsqueeze(-2).matmul(d).squeeze(-2)
-
-    def product(x, y):
-        return _tf32(x).matmul(_tf32(y)) if tf32 else x.matmul(y)
-
-    below = rows[:, None] // block > rows[None, :] // block
-    nilpotent = torch.where(below, product(d, a), 0.0)
-    x = d
-    for _ in range(n // block - 1):
-        x = d - product(nilpotent, x)
+    for i in range(n):
+        partial = [torch.zeros_like(a[..., i, :]) for _ in range(4)]
+        for m in range(i):
+            partial[m % 4] = partial[m % 4] - a[..., i, m, None] * x[..., m, :]
+        x[..., i, :] = eye[i] + ((partial[0] + partial[1]) + (partial[2] + partial[3]))
     return x
 
 

@@ -18,21 +18,26 @@ fragment and walks the steps; q/k are normalised in fp32 as they are loaded when
 Chunked (chunks of BT = 64 steps; see reference.py for the math):
   1. prepare, one program per (chunk, value head), one warpgroup: gamma = cumsum(g) (full decays counted apart),
      k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
-     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by 16x16 blocks: the four
-     diagonal blocks by forward substitution (a thread per (block, column), 16 rows deep), then
-     N = D A_below and X <- D - N X three times from X = D (block forward substitution as 64x64 products, in
-     tf32: its operands are computed values, which bf16 would round too coarsely). w = (I + A)^-1
-     diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the inverse and the scaled rows
-     rounded to bf16, as the Triton kernel's HALF_WY products).
-  2. the state walk, one program per (V block, sequence x value head): walks the chunks (T.Pipelined: k, w and
-     gamma loaded a chunk ahead, k by TMA for bf16 inputs, warp-specialised by TileLang) with the [K, BV] state in
-     an fp32 fragment across the walk; per chunk it stores the state entering it (bf16, States[global chunk]) and
-     U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), every product on bf16
-     operands accumulated in fp32, the update straight into the state's fragment. The backward runs it again.
+     and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by forward substitution in fp32,
+     a thread per column holding it in registers (reference.unit_lower_inverse_by_columns): no barrier and no
+     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the
+     inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each stored before the
+     next product so that their accumulators are not live together.
+  2. the storing walk (tilelang_shared.state_store_kernel), one program per (V block of 64, sequence x value head):
+     walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
+     ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
+     (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
+     rstd_k), every product on bf16 operands (w, and fp16 k, rounded in shared memory) accumulated in fp32, the update
+     straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
+     tilelang_shared.state_output_kernel (store_states), which stores the same.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
-     with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U, the whole value width
-     per program (Q K^T once per chunk), Q's rows scaled before their bf16 rounding. With fused_output the walk
-     computes O itself instead (five products per chunk on its sequential path instead of two).
+     with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U (q, k, S and U by TMA on
+     one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
+     in fp32. With fused_output the walk computes O itself instead (five products per chunk on its sequential path
+     instead of two).
+The chunked forward's kernels bind their scalars (sequence, heads, chunk bounds) once with T.alloc_var: as
+expressions of the block index TileLang inlines them at every access, each division by a dynamic size a call of a
+64-bit division routine.
 gamma, w, u and (I + A)^-1 stay fp32 in memory (the backward's contract). The products' 16-bit operands make fp32
 inputs a not-supported reason of the chunked kernels; fp32 inputs get the recurrent kernel's exact fp32 math or
 the other backends.
@@ -51,7 +56,6 @@ from .tilelang_shared import (
     L2NORM_EPS,
     OPERAND,
     OPERAND_TORCH,
-    SUB,
     Chunks,
     _contiguous,
     _device_cu,
@@ -60,12 +64,12 @@ from .tilelang_shared import (
     chunk_end,
     chunk_start,
     load_chunk_decay,
-    load_rows,
     load_rstd,
     load_state,
     row_rstd,
     state_output_entry,
     state_program,
+    state_store_entry,
     store_state,
 )
 
@@ -190,6 +194,7 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
     ):
         with T.Kernel(n_total, HV, threads=threads) as (i_t, hv):
             k_s = T.alloc_shared((BT, K), dtype)  # k as stored: k k^T on it is exact up to fp32 accumulation
+            v_s = T.alloc_shared((BT, V), dtype)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
             rstd_s = T.alloc_shared((BT,), ACCUM)
@@ -197,20 +202,22 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
             fulls_s = T.alloc_shared((BT,), ACCUM)  # 1 at a full decay, then their count
             beta_s = T.alloc_shared((BT,), ACCUM)
             kk = T.alloc_fragment((BT, BT), ACCUM)
-            a_s = T.alloc_shared((BT, BT), ACCUM)  # A (strictly lower), then N = D A below the diagonal blocks
-            d_s = T.alloc_shared((BT, BT), ACCUM)  # D: the inverses of the diagonal blocks of I + A
-            x_s = T.alloc_shared((BT, BT), ACCUM)  # (I + A)^-1 as the block substitution fills it
-            step = T.alloc_fragment((BT, BT), ACCUM)
+            a_s = T.alloc_shared((BT, BT), ACCUM)  # A (strictly lower), then (I + A)^-1
+            column = T.alloc_local((BT,), ACCUM)  # one column of (I + A)^-1 per thread
+            partial = T.alloc_local((4,), ACCUM)  # four independent sums: a shorter dependent chain per row
             inv_h = T.alloc_shared((BT, BT), OPERAND)
             kb_h = T.alloc_shared((BT, K), OPERAND)
             vb_h = T.alloc_shared((BT, V), OPERAND)
             w_f = T.alloc_fragment((BT, K), ACCUM)
             u_f = T.alloc_fragment((BT, V), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            T.copy(Kx[start : start + BT, h, 0:K], k_s)  # rows past eos: another sequence's or zeros, masked below
+            tx = T.get_thread_binding()
+            h = T.alloc_var("int32", init=hv // groups)  # bound once (see the module's docstring)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            # rows past eos: another sequence's or zeros, masked below; v is loaded now so that its latency overlaps k's
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            T.copy(Vx[start : start + BT, hv, 0:V], v_s)
             for i in T.Parallel(BT):
                 # a full decay (reference.local_gamma) is not summed in gamma but counted (G read only inside)
                 g_s[i] = T.if_then_else(start + i < eos, T.cast(G[start + i, hv], ACCUM), 0.0)
@@ -240,36 +247,7 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
                     beta_s[i] * rstd_s[i] * rstd_s[j] * T.exp(g_s[i] - g_s[j]) * kk[i, j],
                     0.0,
                 )
-                d_s[i, j] = 0.0
-            T.sync_threads()
-            # D = (I + A_bb)^-1 on the four diagonal blocks: forward substitution, a thread per (block, column)
-            for b, j in T.Parallel(BT // SUB, SUB):
-                for i in T.serial(SUB):
-                    acc = T.alloc_var(ACCUM)
-                    acc = T.if_then_else(i == j, 1.0, 0.0)
-                    for m in T.serial(i):
-                        acc = acc - a_s[b * SUB + i, b * SUB + m] * d_s[b * SUB + m, b * SUB + j]
-                    d_s[b * SUB + i, b * SUB + j] = acc
-            T.sync_threads()
-            # I + A = (I + A_diag)(I + N), N = D A_below (strictly block lower, N^4 = 0), so (I + A)^-1 = X_3 for
-            # X_0 = D, X_{s+1} = D - N X_s: row block b is exact from X_b on (block forward substitution)
-            T.gemm(d_s, a_s, step, clear_accum=True)
-            T.sync_threads()
-            for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(i // SUB > j // SUB, step[i, j], 0.0)
-                x_s[i, j] = d_s[i, j]
-            T.sync_threads()
-            for _ in T.serial(BT // SUB - 1):
-                T.gemm(a_s, x_s, step, clear_accum=True)
-                T.sync_threads()
-                for i, j in T.Parallel(BT, BT):
-                    x_s[i, j] = d_s[i, j] - step[i, j]
-                T.sync_threads()
-            for i, j in T.Parallel(BT, BT):
-                inv_h[i, j] = T.cast(x_s[i, j], OPERAND)
-                if start + i < eos:
-                    Inverse[start + i, hv, j] = x_s[i, j]
-            # w = (I + A)^-1 diag(beta e^gamma rstd) K, u = (I + A)^-1 diag(beta) V, on 16-bit operands
+            # the 16-bit operands of w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V
             for i, j in T.Parallel(BT, K):
                 kb_h[i, j] = T.cast(
                     T.if_then_else(
@@ -278,15 +256,33 @@ def prepare_kernel(K: int, V: int, dtype: str, g_dtype: str, beta_dtype: str, l2
                     OPERAND,
                 )
             for i, j in T.Parallel(BT, V):
-                vb_h[i, j] = T.cast(
-                    T.if_then_else(start + i < eos, T.cast(Vx[start + i, hv, j], ACCUM) * beta_s[i], 0.0), OPERAND
-                )
+                vb_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(v_s[i, j], ACCUM) * beta_s[i], 0.0), OPERAND)
             T.sync_threads()
+            # (I + A)^-1 by forward substitution in fp32, a thread per column: X[i, j] = [i = j] - sum_{m<i} A[i, m]
+            # X[m, j] needs only the thread's own column (in registers) and rows of A (the same for every thread)
+            if tx < BT:
+                T.clear(column)
+                for i in T.unroll(BT):
+                    T.clear(partial)
+                    for m in T.unroll(i):
+                        partial[m % 4] = partial[m % 4] - a_s[i, m] * column[m]
+                    column[i] = T.if_then_else(i == tx, 1.0, 0.0) + (
+                        (partial[0] + partial[1]) + (partial[2] + partial[3])
+                    )
+            T.sync_threads()
+            if tx < BT:  # A is no longer read: its buffer takes the inverse in fp32, stored below by whole rows
+                for i in T.unroll(BT):
+                    a_s[i, tx] = column[i]
+                    inv_h[i, tx] = T.cast(column[i], OPERAND)
+            T.sync_threads()
+            for i, j in T.Parallel(BT, BT):
+                if start + i < eos:
+                    Inverse[start + i, hv, j] = a_s[i, j]
             T.gemm(inv_h, kb_h, w_f, clear_accum=True)
-            T.gemm(inv_h, vb_h, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 if start + i < eos:
                     W[start + i, hv, j] = w_f[i, j]
+            T.gemm(inv_h, vb_h, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, V):
                 if start + i < eos:
                     U[start + i, hv, j] = u_f[i, j]
@@ -303,7 +299,8 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
     """O of every chunk in parallel from the state entering it and its corrections U, both stored bf16 by the state
     walk: O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}. One
     program per (chunk, value head) takes the whole value width: Q K^T once per chunk, a [64, V <= 128] fp32
-    accumulator in one warpgroup (64 registers per thread at V = 128)."""
+    accumulator in one warpgroup (64 registers per thread at V = 128). Q S takes q as stored and its rows are scaled
+    in fp32 after the product (one rounding fewer than scaling q's rows before the product)."""
     R, H, HV, NC, NT, NTC = T.dynamic("rows, heads, v_heads, n_cu, n_chunk_rows, n_chunks_total")
 
     @T.prim_func
@@ -322,31 +319,40 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
         groups: T.int32,
     ):
         with T.Kernel(NTC, HV, threads=128) as (i_t, hv):
-            q_s = T.alloc_shared((BT, K), OPERAND)
-            k_s = T.alloc_shared((BT, K), OPERAND)
+            q_s = T.alloc_shared((BT, K), dtype)  # q and k as stored, rows past eos masked in P and in O
+            k_s = T.alloc_shared((BT, K), dtype)
+            q_h = q_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)  # fp16 q and k rounded to bf16
+            k_h = k_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
             q_rstd_s = T.alloc_shared((BT,), ACCUM)
             k_rstd_s = T.alloc_shared((BT,), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)
-            q_scaled_h = T.alloc_shared((BT, K), OPERAND)  # the rows of Q times e^gamma rstd_q, zero from eos on
             state_h = T.alloc_shared((K, V), OPERAND)
-            corr_h = T.alloc_shared((BT, V), OPERAND)
+            corr_h = T.alloc_shared((BT, V), OPERAND)  # rows past eos: another sequence's, P is zero there
             attn = T.alloc_fragment((BT, BT), ACCUM)
             attn_h = T.alloc_shared((BT, BT), OPERAND)
             out = T.alloc_fragment((BT, V), ACCUM)
+            loaded = T.alloc_barrier(128)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P and in the scaled rows
-            T.copy(Kx[start : start + BT, h, 0:K], k_s)
-            T.copy(States[i_t, hv, 0:K, 0:V], state_h)
-            load_rows(Corrections, corr_h, hv, 0, start, eos)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            # the four tiles by TMA on one barrier, waited on once (T.copy would load them one after the other)
+            T.tma_copy(Q[start : start + BT, h, 0:K], q_s, barrier=loaded)
+            T.tma_copy(Kx[start : start + BT, h, 0:K], k_s, barrier=loaded)
+            T.tma_copy(States[i_t, hv, 0:K, 0:V], state_h, barrier=loaded)
+            T.tma_copy(Corrections[start : start + BT, hv, 0:V], corr_h, barrier=loaded)
+            T.mbarrier_arrive(loaded)
             load_chunk_decay(Gamma, gamma_s, hv, start, eos)
+            T.mbarrier_wait_parity(loaded, 0)
             load_rstd(q_s, sq, rsum, q_rstd_s, l2norm)
             load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
-            T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
+            if dtype != OPERAND:
+                T.copy(q_s, q_h)
+                T.copy(k_s, k_h)
+            T.gemm(q_h, k_h, attn, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 attn_h[i, j] = T.cast(
                     T.if_then_else(
@@ -356,12 +362,9 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
                     ),
                     OPERAND,
                 )  # fmt: skip
-            for i, j in T.Parallel(BT, K):
-                q_scaled_h[i, j] = T.cast(
-                    T.if_then_else(start + i < eos, T.cast(q_s[i, j], ACCUM) * T.exp(gamma_s[i]) * q_rstd_s[i], 0.0),
-                    OPERAND,
-                )
-            T.gemm(q_scaled_h, state_h, out, clear_accum=True)
+            T.gemm(q_h, state_h, out, clear_accum=True)
+            for i, j in T.Parallel(BT, V):
+                out[i, j] = out[i, j] * (T.exp(gamma_s[i]) * q_rstd_s[i])
             T.gemm(attn_h, corr_h, out)
             for i, j in T.Parallel(BT, V):
                 if start + i < eos:
@@ -455,10 +458,9 @@ def chunk_forward(
     stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
     states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
     corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    launcher(state_output_entry(K, V, q.dtype, *flags, write_output=False, store_states=True), device)(
-        q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, ht,
-        states if stored else placeholder(device, OPERAND_TORCH), corrections if stored else placeholder(device, OPERAND_TORCH),
-        chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+    launcher(state_store_entry(K, V, q.dtype, *flags), device)(
+        k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
+        corrections if stored else placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first, T_, n, HV // H,
     )  # fmt: skip
     if stored:
         launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
@@ -476,7 +478,7 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
     forward = [
         recurrent_entry(K, V, dtype, g_dtype, beta_dtype, *flags),
         prepare_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
-        state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True),
+        state_store_entry(K, V, dtype, *flags),
         output_entry(K, V, dtype, l2norm, varlen),
     ]
     if not backward:

@@ -11,7 +11,6 @@ from ..tilelang_common import ACCUM, TL_DTYPE, Entry, placeholder
 from .varlen import chunk_table, on_device
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
-SUB = 16  # the diagonal blocks of (I + A) that prepare inverts by substitution
 OPERAND = "bfloat16"  # the 16-bit operands of the forward's products (fp32 accumulation), as the Triton kernels'
 OPERAND_TORCH = torch.bfloat16
 L2NORM_EPS = 1e-6  # the l2norm op's default eps
@@ -257,6 +256,113 @@ def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bo
     flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
     key = ("gdr_chunk_state_output", K, V, BV, dtype, flags, stages)
     return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
+
+
+def _store_block(K: int, V: int) -> int:
+    """V block of the storing walk: 64 columns (at K = 128 its pipeline takes about 170 KB, one program an SM)."""
+    return min(V, 64)
+
+
+def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
+                       varlen: bool, stages: int = 2):  # fmt: skip
+    """The walk that only stores, per chunk, the state entering it (States[global chunk]) and the corrections
+    U = u - w S (both bf16): state_output_kernel's results with write_output False and store_states True.
+
+    Every tile a chunk needs comes through the pipeline (k; w, u and gamma in fp32, by TMA where TileLang can), so
+    the walk's sequential path holds no load from global memory: w is rounded to bf16 in shared memory, gamma_last
+    is read from the chunk's gamma tile. The program's scalars (sequence, heads, bounds) are bound once
+    (T.alloc_var): as expressions TileLang would recompute their divisions, in int64, at every access."""
+    R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
+    threads = _state_threads(K, BV)
+    state_shape = (NS, HV, K, V)
+
+    @T.prim_func
+    def gdr_chunk_state_store(
+        Kx: T.Tensor((R, H, K), dtype),
+        Gamma: T.Tensor((R, HV), ACCUM),
+        W: T.Tensor((R, HV, K), ACCUM),
+        U: T.Tensor((R, HV, V), ACCUM),
+        H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
+        HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
+        States: T.Tensor((NTC, HV, K, V), OPERAND),
+        Corrections: T.Tensor((R, HV, V), OPERAND),
+        Cu: T.Tensor((NC,), "int32"),
+        First: T.Tensor((NF,), "int32"),
+        seq_len: T.int32,
+        n_seq: T.int32,
+        groups: T.int32,
+    ):
+        with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
+            state = T.alloc_fragment((K, BV), ACCUM)  # fp32 across the whole walk
+            state_h = T.alloc_shared((K, BV), OPERAND)  # the state entering the chunk, as the products take it
+            k_s = T.alloc_shared((BT, K), dtype)  # pipelined: k, w and u as stored, rows past eos unused
+            k_h = k_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)  # fp16 k rounded to bf16
+            w_s = T.alloc_shared((BT, K), ACCUM)
+            u_s = T.alloc_shared((BT, BV), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)  # pipelined: gamma, zero from eos on
+            w_h = T.alloc_shared((BT, K), OPERAND)
+            sq = T.alloc_fragment((BT, K), ACCUM)
+            rsum = T.alloc_fragment((BT,), ACCUM)
+            k_rstd_s = T.alloc_shared((BT,), ACCUM)
+            corr = T.alloc_fragment((BT, BV), ACCUM)
+            corr_kd_h = T.alloc_shared((BT, BV), OPERAND)  # U's rows times e^(gamma_last - gamma) rstd_k
+
+            # the program's scalars as expressions (the gamma load needs them so: a copy whose index or mask reads a
+            # T.alloc_var is not made asynchronous), and bound once for the rest
+            n_, hv_, h_, v0, bos_, eos_ = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
+            n = T.alloc_var("int32", init=n_)
+            hv = T.alloc_var("int32", init=hv_)
+            bos = T.alloc_var("int32", init=bos_)
+            eos = T.alloc_var("int32", init=eos_)
+            first = T.alloc_var("int32", init=First[n] if varlen else n * T.ceildiv(seq_len, BT))
+            load_state(state, H0, n, hv, v0, has_initial)
+            if not l2norm:
+                for i in T.Parallel(BT):
+                    k_rstd_s[i] = 1.0
+            for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
+                start_ = bos_ + c * BT
+                T.copy(Kx[start_ : start_ + BT, h_, 0:K], k_s)
+                T.copy(W[start_ : start_ + BT, hv_, 0:K], w_s)
+                T.copy(U[start_ : start_ + BT, hv_, v0 : v0 + BV], u_s)
+                load_chunk_decay(Gamma, gamma_s, hv_, start_, eos_)
+                start = bos + c * BT
+                for i, j in T.Parallel(K, BV):
+                    States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
+                T.copy(state, state_h)
+                for i, j in T.Parallel(BT, K):
+                    w_h[i, j] = T.cast(w_s[i, j], OPERAND)  # rows past eos: only their own rows of U, masked below
+                if dtype != OPERAND:
+                    T.copy(k_s, k_h)
+                if l2norm:
+                    row_rstd(k_s, sq, rsum, k_rstd_s)
+                last = gamma_s[T.min(eos - start, BT) - 1]
+                # U = u - w S; the state update takes its rows scaled (k is used as stored)
+                T.gemm(w_h, state_h, corr, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    corr[i, j] = T.if_then_else(start + i < eos, u_s[i, j] - corr[i, j], 0.0)
+                    corr_kd_h[i, j] = T.cast(
+                        corr[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i], 0.0),
+                        OPERAND,
+                    )
+                for i, j in T.Parallel(BT, BV):
+                    if start + i < eos:
+                        Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
+                # S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), accumulated into the fp32 state
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = state[i, j] * T.exp(last)
+                T.gemm(k_h, corr_kd_h, state, transpose_A=True)
+            if store_final:
+                store_state(HT, state, n, hv, v0)
+
+    return gdr_chunk_state_store
+
+
+def state_store_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
+                      stages: int = 2) -> Entry:  # fmt: skip
+    BV = _store_block(K, V)
+    flags = (has_initial, store_final, l2norm, varlen)
+    key = ("gdr_chunk_state_store", K, V, BV, dtype, flags, stages)
+    return key, lambda _: state_store_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
 
 
 # --------------------------------------------------------------------------- launchers
