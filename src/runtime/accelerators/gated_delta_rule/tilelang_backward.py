@@ -212,6 +212,8 @@ def state_grad_kernel(
                 T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
                 T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
                 T.copy(W[start : start + BT, hv, 0:K], w_s)  # rows past eos: dU is zero there
+                # the row vectors by cp.async: TileLang 0.1.15 lets the producer refill them once the first TMA tile
+                # above (q's, or dO's where fp16 q and k convert) is released, so each read comes before its last use
                 for i in T.Parallel(BT):
                     q_factor_s[i] = T.if_then_else(start + i < eos, QFactor[start + i, hv], 0.0)
                     k_factor_s[i] = T.if_then_else(start + i < eos, KFactor[start + i, hv], 0.0)
