@@ -13,9 +13,10 @@ Five launches after the forward's factors (gamma, w, u, T):
   1. local_grad, one program per (chunk, value head): dU_local = scale P^T dO over V blocks (stored bf16 where dU
      goes), and the walk's row factors scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k;
   2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined: q, k,
-     dO and dU_local by TMA, w and the factors loaded a chunk ahead by the producer warps) with dS' in an fp32 fragment: DStates[chunk] = dS' (bf16), dU = dU_local + K~ dS',
-     dS = e^gamma_last dS' + Q~^T dO - w^T dU (K~, Q~: the rows times the factors); the first chunk's dS is
-     d(initial_state);
+     dO, dU_local and w (fp32) by TMA, the factors and gamma by cp.async, all a chunk ahead in the producer warps; no
+     global load on the consumer's path) with dS' in an fp32 fragment: DStates[chunk] = dS' (bf16),
+     dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU (K~, Q~: the rows times the factors); the first
+     chunk's dS is d(initial_state);
   3. grad_qk, one program per (chunk, value head): over V blocks the products with the states, dO S^T, U dS'^T,
      dw = -dU S^T, dO U^T and <S, dS'>; then dq (final, with the l2norm backward), the output's and S''s parts of
      dk and dgamma (fp32, for step 4) and dw (bf16);
@@ -25,8 +26,9 @@ Five launches after the forward's factors (gamma, w, u, T):
 Every product takes bf16 operands (the stored tensors as they are, computed ones rounded; fp16 q/k rounded, as the
 forward's) and accumulates in fp32 (wgmma on sm_90a), at every K: the Triton backward's HALF products, which it runs
 at K = 128 (reference.chunked_backward_stages mirrors the roundings: about 3e-3 from float64 at every K of the GPU
-cases). Row and column sums are fragment reductions; the loads of step 3's V loop are cp.async (TMA would
-warp-specialise it and halve the registers of its three [BT, K] accumulators).
+cases). Row and column sums are fragment reductions; the loads of the V loops of steps 3 and 4 are cp.async (TMA
+would warp-specialise them and halve the registers of step 3's three [BT, K] accumulators), the loads before them
+issued together.
 dq/dk are written per value head (fp32) and summed over the value heads of each q/k head (GVA) in torch.
 
 Rows of chunks past their sequence's end are masked in every operand that a product sums over, and every decay
@@ -69,8 +71,15 @@ def _walk_stages(K: int, dtype) -> int:
 
 
 def _value_block(K: int, V: int) -> int:
-    """V block of the per-chunk gradient kernels: 32 at K = 128 (its three [BT, K] fp32 accumulators), as Triton's."""
+    """V block of grad_wy: 32 at K = 128, where 64 takes 132 KB of shared memory (one block an SM instead of two)."""
     return min(V, 32 if K >= 128 else 64)
+
+
+def _qk_value_block(V: int) -> int:
+    """V block of grad_qk: 64, as wide as its registers allow (221 at K = 128, no spills): at V = 128 its two
+    pipeline stages put every load of the V loop in flight at once, and half the barriers and product waits of
+    blocks of 32. Its three [BT, K] fp32 accumulators keep it at one block an SM at K = 128 either way."""
+    return min(V, 64)
 
 
 def _grad_threads(K: int) -> int:
@@ -179,9 +188,11 @@ def state_grad_kernel(
             dstate_h = T.alloc_shared((K, BV), OPERAND)
             q_s = T.alloc_shared((BT, K), OPERAND)  # q and k as stored (pipelined loads), rows past eos unused
             k_s = T.alloc_shared((BT, K), OPERAND)
+            w_s = T.alloc_shared((BT, K), ACCUM)  # w as stored (pipelined loads), rows past eos unused
             w_h = T.alloc_shared((BT, K), OPERAND)
             q_factor_s = T.alloc_shared((BT,), ACCUM)
             k_factor_s = T.alloc_shared((BT,), ACCUM)
+            gamma_s = T.alloc_shared((BT,), ACCUM)
             do_s = T.alloc_shared((BT, BV), dtype)  # dO and dU_local as stored (pipelined loads), rows past eos unused
             du_s = T.alloc_shared((BT, BV), OPERAND)
             du = T.alloc_fragment((BT, BV), ACCUM)
@@ -200,11 +211,17 @@ def state_grad_kernel(
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
                 T.copy(DO[start : start + BT, hv, v0 : v0 + BV], do_s)
                 T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_s)  # rows of chunk c: written back below
-                T.copy(W[start : start + BT, hv, 0:K], w_h)  # rows past eos: dU is zero there
+                T.copy(W[start : start + BT, hv, 0:K], w_s)  # rows past eos: dU is zero there
+                # the row vectors by cp.async: TileLang 0.1.15 lets the producer refill them once the first TMA tile
+                # above (q's, or dO's where fp16 q and k convert) is released, so each read comes before its last use
                 for i in T.Parallel(BT):
                     q_factor_s[i] = T.if_then_else(start + i < eos, QFactor[start + i, hv], 0.0)
                     k_factor_s[i] = T.if_then_else(start + i < eos, KFactor[start + i, hv], 0.0)
-                last = Gamma[T.min(start + BT, eos) - 1, hv]
+                    gamma_s[i] = T.if_then_else(start + i < eos, Gamma[start + i, hv], 0.0)
+                # w rounded to bf16 here, not in its load: a tile the producer writes is released before the last
+                # product that reads it (TileLang 0.1.15), and w^T dU is the walk's last product
+                T.copy(w_s, w_h)
+                last = gamma_s[T.min(BT, eos - start) - 1]
                 for i, j in T.Parallel(K, BV):  # dS' of chunk c: the gradient of the state leaving it
                     DStates[first + c, hv, i, v0 + j] = T.cast(dstate[i, j], OPERAND)
                 T.copy(dstate, dstate_h)
@@ -283,7 +300,9 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             row = T.alloc_fragment((BT,), ACCUM)
             column = T.alloc_fragment((BT,), ACCUM)
             row_s = T.alloc_fragment((K,), ACCUM)
-            s_ds_s = T.alloc_shared((K,), ACCUM)
+            k_term = T.alloc_fragment((BT,), ACCUM)
+            total = T.alloc_fragment((1,), ACCUM)
+            totals_s = T.alloc_shared((2,), ACCUM)  # <S, dS'> and the sum of the k terms
             m_rows_s = T.alloc_shared((BT,), ACCUM)
             m_cols_s = T.alloc_shared((BT,), ACCUM)
             q_dq_s = T.alloc_shared((BT,), ACCUM)
@@ -324,7 +343,8 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
                 if start + i < eos:
                     DW[start + i, hv, j] = T.cast(-dw_neg[i, j], OPERAND)
             T.reduce_sum(s_ds, row_s, dim=1)
-            T.copy(row_s, s_ds_s)
+            T.reduce_sum(row_s, total, dim=0)
+            T.copy(total, totals_s[0:1])
             # O: dP = scale (dO U^T * decay) (causal); dgamma gets the row minus the column sums of dP * (Q K^T)
             for i, j in T.Parallel(BT, BT):
                 dp[i, j] = T.if_then_else(
@@ -348,7 +368,10 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
                 prod[i, j] = dk[i, j] * T.cast(k_s[i, j], ACCUM)
             T.reduce_sum(prod, row, dim=1)
             for i in T.Parallel(BT):
-                k_term_s[i] = T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i] * row[i], 0.0)
+                k_term[i] = T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i] * row[i], 0.0)
+            T.copy(k_term, k_term_s)
+            T.reduce_sum(k_term, total, dim=0)
+            T.copy(total, totals_s[1:2])
             # dq = scale e^gamma dO S^T + dP K, dk = e^(gamma_last - gamma) U dS'^T + dP^T Q (normalised rows)
             for i, j in T.Parallel(BT, K):
                 dq[i, j] = dq[i, j] * (scale * T.exp(gamma_s[i]))
@@ -370,14 +393,7 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             # dgamma_last = e^gamma_last <S, dS'> + sum_t e^(gamma_last - gamma_t) k_t . (U dS'^T)_t, on the last row
             # (the reverse cumulative sum takes it to every g of the chunk)
             for i in T.Parallel(BT):
-                to_last = T.alloc_var(ACCUM)
-                to_last = 0.0
-                if i == T.min(BT, eos - start) - 1:
-                    for j in T.serial(K):
-                        to_last += s_ds_s[j]
-                    to_last = to_last * T.exp(last)
-                    for j in T.serial(BT):
-                        to_last += k_term_s[j]
+                to_last = T.if_then_else(i == T.min(BT, eos - start) - 1, totals_s[0] * T.exp(last) + totals_s[1], 0.0)
                 if start + i < eos:
                     DGamma[start + i, hv] = (
                         scale * T.exp(gamma_s[i]) * q_rstd_s[i] * q_dq_s[i]
@@ -425,14 +441,16 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             gamma_s = T.alloc_shared((BT,), ACCUM)
             beta_s = T.alloc_shared((BT,), ACCUM)
             inv_h = T.alloc_shared((BT, BT), OPERAND)  # T = (I + A)^-1
+            dk_part_s = T.alloc_shared((BT, K), ACCUM)
             # the V loop
             du_h = T.alloc_shared((BT, BV), OPERAND)  # dU as dU U^T's first operand
             du_t = T.alloc_shared((BV, BT), OPERAND)  # dU^T: T^T dU's second operand, K-major (N-major failed at BV 16)
             u_h = T.alloc_shared((BT, BV), OPERAND)
+            v_s = T.alloc_shared((BT, BV), dtype)
             du_u = T.alloc_fragment((BT, BT), ACCUM)  # dU U^T = dT T^T
             dv_beta = T.alloc_fragment((BT, BV), ACCUM)  # T^T dU
-            prod_v = T.alloc_fragment((BT, BV), ACCUM)
-            dbeta_v = T.alloc_fragment((BT,), ACCUM)  # sum over V of (T^T dU) * v
+            prod_v = T.alloc_fragment((BT, BV), ACCUM)  # (T^T dU) * v summed over the V blocks
+            dbeta_v = T.alloc_fragment((BT,), ACCUM)
             # through A and w
             du_u_h = T.alloc_shared((BT, BT), OPERAND)
             da = T.alloc_fragment((BT, BT), ACCUM)
@@ -454,43 +472,45 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             h = hv // groups
             start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
             eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            T.copy(Kx[start : start + BT, h, 0:K], k_s)  # rows past eos: masked in every sum over rows below
+            # every load that waits on no other first, so that their latencies overlap. Rows past eos are another
+            # sequence's or zeros: masked (a select: 0 * inf would be NaN) where a product sums over rows, else they
+            # only reach rows that are not stored
+            T.copy(Kx[start : start + BT, h, 0:K], k_s)
+            load_rows(DW, dw_h, hv, 0, start, eos)
+            T.copy(DKPart[start : start + BT, hv, 0:K], dk_part_s)
+            load_rows(Inverse, inv_h, hv, 0, start, eos)
             load_chunk_decay(Gamma, gamma_s, hv, start, eos)
-            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
             for i in T.Parallel(BT):
                 beta_s[i] = T.if_then_else(start + i < eos, T.cast(Beta[start + i, hv], ACCUM), 0.0)
-            load_rows(Inverse, inv_h, hv, 0, start, eos)
+            load_rstd(k_s, sq, rsum, k_rstd_s, l2norm)
             T.clear(du_u)
-            T.clear(dbeta_v)
+            T.clear(prod_v)
             # u = T diag(beta) V: dv = beta T^T dU; dbeta's part from v
             for i_v in T.Pipelined(V // BV, num_stages=2):
                 v0 = i_v * BV
-                load_rows(DU, du_h, hv, v0, start, eos)
+                T.copy(DU[start : start + BT, hv, v0 : v0 + BV], du_h, disable_tma=True)
+                T.copy(Corrections[start : start + BT, hv, v0 : v0 + BV], u_h, disable_tma=True)
+                T.copy(Vx[start : start + BT, hv, v0 : v0 + BV], v_s, disable_tma=True)
                 for i, j in T.Parallel(BT, BV):
-                    du_t[j, i] = T.cast(
-                        T.if_then_else(start + i < eos, T.cast(DU[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND
-                    )
-                load_rows(Corrections, u_h, hv, v0, start, eos)
+                    du_t[j, i] = T.if_then_else(start + i < eos, du_h[i, j], T.cast(0.0, OPERAND))
                 T.gemm(du_h, u_h, du_u, transpose_B=True)
                 T.gemm(inv_h, du_t, dv_beta, transpose_A=True, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     if start + i < eos:
                         DV[start + i, hv, v0 + j] = T.cast(dv_beta[i, j] * beta_s[i], dtype)
                 for i, j in T.Parallel(BT, BV):
-                    prod_v[i, j] = dv_beta[i, j] * T.if_then_else(
-                        start + i < eos, T.cast(Vx[start + i, hv, v0 + j], ACCUM), 0.0
-                    )
-                T.reduce_sum(prod_v, dbeta_v, dim=1, clear=False)
+                    prod_v[i, j] += dv_beta[i, j] * T.cast(v_s[i, j], ACCUM)
+            T.reduce_sum(prod_v, dbeta_v, dim=1)
             T.copy(dbeta_v, dbeta_v_s)
             # T = (I + A)^-1: dA = -T^T dT T^T = -T^T (dU U^T), strictly lower; dA~ = dA * e^(gamma_t - gamma_j)
-            T.copy(du_u, du_u_h)
+            for i, j in T.Parallel(BT, BT):  # dU and U unmasked in the V loop
+                du_u_h[i, j] = T.cast(T.if_then_else((start + i < eos) and (start + j < eos), du_u[i, j], 0.0), OPERAND)
             T.gemm(inv_h, du_u_h, da, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 da_s[i, j] = T.if_then_else(
                     (i > j) and (start + i < eos), -da[i, j] * T.exp(gamma_s[i] - gamma_s[j]), 0.0
                 )
             # w = T diag(beta e^gamma) K: dk += diag(beta e^gamma) T^T dw, dbeta += e^gamma (T^T dw) . k
-            load_rows(DW, dw_h, hv, 0, start, eos)
             T.gemm(inv_h, dw_h, dk_w, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 prod[i, j] = dk_w[i, j] * T.cast(k_s[i, j], ACCUM)
@@ -511,9 +531,7 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             for i, j in T.Parallel(BT, BT):
                 dkk_h[i, j] = T.cast((da_s[i, j] * beta_s[i] + da_s[j, i] * beta_s[j]) * k_rstd_s[j], OPERAND)
             for i, j in T.Parallel(BT, K):
-                dk[i, j] = T.if_then_else(start + i < eos, DKPart[start + i, hv, j], 0.0) + dk_w[i, j] * (
-                    beta_s[i] * T.exp(gamma_s[i])
-                )
+                dk[i, j] = dk_part_s[i, j] + dk_w[i, j] * (beta_s[i] * T.exp(gamma_s[i]))
             T.gemm(dkk_h, k_s, dk)
             if l2norm:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
                 for i, j in T.Parallel(BT, K):
@@ -564,7 +582,7 @@ def state_grad_entry(K: int, V: int, dtype, has_initial: bool, final_grad: bool,
 
 
 def grad_qk_entry(K: int, V: int, dtype, l2norm: bool, varlen: bool) -> Entry:
-    BV = _value_block(K, V)
+    BV = _qk_value_block(V)
     key = ("gdr_chunk_grad_qk", K, V, BV, dtype, l2norm, varlen)
     return key, lambda _: grad_qk_kernel(K, V, BV, TL_DTYPE[dtype], l2norm, varlen)
 
@@ -588,6 +606,14 @@ def backward_entries(
         grad_qk_entry(K, V, dtype, l2norm, varlen),
         grad_wy_entry(K, V, dtype, g_dtype, beta_dtype, l2norm, varlen),
     ]
+
+
+def _per_qk_head(x: torch.Tensor, B: int, T_: int, H: int, dtype) -> torch.Tensor:
+    """[B * T, HV, K] fp32 per value head -> [B, T, H, K] in dtype: GVA sums a q/k head's value heads (one pass over
+    the fp32 buffer without GVA: no sum over a single value head)."""
+    groups, K = x.shape[1] // H, x.shape[2]
+    x = x.view(B, T_, H, groups, K)
+    return (x[:, :, :, 0] if groups == 1 else x.sum(3)).to(dtype)
 
 
 def chunk_backward(
@@ -650,9 +676,7 @@ def chunk_backward(
         )  # fmt: skip
     elif has_initial:  # no step at all: the final state is the initial one
         dh0.copy_(grad_final) if final_grad else dh0.zero_()
-    groups = HV // H  # GVA: a q/k head's gradient sums over its value heads
-    dq = dq.view(B, T_, H, groups, K).sum(3).to(q.dtype)
-    dk = dk.view(B, T_, H, groups, K).sum(3).to(k.dtype)
+    dq, dk = _per_qk_head(dq, B, T_, H, q.dtype), _per_qk_head(dk, B, T_, H, k.dtype)
     dg = dg.view(B, T_, HV).to(g.dtype)
     dbeta = dbeta.view(B, T_, HV).to(beta.dtype)
     dh0 = None if dh0 is None else dh0.to(state_dtype)
