@@ -38,10 +38,10 @@ ENDS = 48  # rows checked at each end
 CHUNK = 2**16  # rows per chunk of a float64 reference over all rows
 # (op, backend) pairs whose kernels take at most 2^31 - 2^16 elements, and the reason they give
 DECLINED = {
-    ("swiglu", "tilelang"): "the tilelang kernels take at most",
-    ("dropout_add", "tilelang"): "the tilelang kernels take at most",
-    ("bce", "triton"): "the kernels index at most",
-    ("bce", "tilelang"): "the kernels index at most",
+    ("swiglu", "tilelang"): "the most the tilelang kernels take",
+    ("dropout_add", "tilelang"): "the most the tilelang kernels take",
+    ("bce", "triton"): "the most the kernels index",
+    ("bce", "tilelang"): "the most the kernels index",
 }
 ATTENTION = (2**31 // (4 * 1024 * 64) + 1, 4, 1024, 64)  # [B, H, L, D]: 2^31 + 2^18 elements
 

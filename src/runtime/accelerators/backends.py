@@ -140,22 +140,31 @@ class OpSpec:
     input_priority: (**inputs) -> another order for inputs where the benchmarks show it winning, or None
                 (priority); its docstring says where. Like reasons, it may read only what the op's decision
                 key holds.
+    widths:     the tensor inputs whose last size reasons or input_priority read: a feature width (row width,
+                head dim, embedding dim), which a graph compiled with torch.compile specialises on
 
     reasons and input_priority receive the inputs their signature names (select_backend's inputs also
-    hold the arguments a measurement replays the call with).
+    hold the arguments a measurement replays the call with). From a tensor they read its dtype, rank,
+    device and requires_grad, and the last size of those in `widths`; any other size (a rank-1 input's
+    length is a count of tokens, indices or sequences, different in every jagged batch), a comparison of
+    numel() with a limit or a layout flag, they take as a value the op passes (see _describe).
     """
 
     name: str
     priority: tuple[str, ...]
     reasons: InputReasons
     input_priority: Callable[..., tuple[str, ...] | None] | None = None
+    widths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.name not in OP_NAMES:
             raise ValueError(f"OpSpec: unknown op {self.name!r}; expected one of {OP_NAMES}")
-        REGISTRY[self.name] = self
         read = [autotune.parameter_names(f) for f in (self.reasons, self.input_priority) if f is not None]
-        object.__setattr__(self, "read_inputs", None if None in read else frozenset().union(*read))
+        read_inputs = None if None in read else frozenset().union(*read)
+        if read_inputs is not None and not read_inputs.issuperset(self.widths):
+            raise ValueError(f"OpSpec {self.name}: widths {self.widths} name inputs its reasons do not take")
+        REGISTRY[self.name] = self
+        object.__setattr__(self, "read_inputs", read_inputs)
 
     def priority_for(self, **inputs) -> tuple[str, ...]:
         """The order `"auto"` tries the kernel backends in for these inputs."""
@@ -222,17 +231,23 @@ def _decide_or_tune(spec: OpSpec, requested: str, config, device: torch.device, 
 
 
 def _describe(spec: OpSpec, inputs: dict) -> tuple:
-    """The inputs as constants for torch.compile: a tensor by dtype, rank, last size and requires_grad.
-
-    Leading sizes may be symbolic under dynamic shapes, so reasons seen while compiling must depend
-    only on the dtype, the rank and the last (feature) size. A symbolic last size, bool, int or float
-    value (dynamic=True) is specialised: the graph guards on it.
+    """The inputs as constants for torch.compile: a tensor by dtype, rank, requires_grad and, for the inputs the
+    spec names in `widths`, its last size, which the graph specialises on. Other sizes are left out: they may be
+    symbolic, and a rank-1 input's length (values, offsets, timestamps, cu_seqlens) changes from batch to batch,
+    so describing it would compile a graph per length. A bool, int or float value (symbolic under dynamic shapes)
+    is specialised: the graph guards on it.
     """
-    read = spec.read_inputs  # only what the reasons read: a call's other arguments (eps, p) would be specialised
+    read, widths = spec.read_inputs, spec.widths  # only what the reasons read: a call's eps or p would be specialised
     return tuple(
         (
             name,
-            ("tensor", v.dtype, v.dim(), operator.index(v.shape[-1]) if v.dim() else None, v.requires_grad)
+            (
+                "tensor",
+                v.dtype,
+                v.dim(),
+                operator.index(v.shape[-1]) if name in widths and v.dim() else None,
+                v.requires_grad,
+            )
             if isinstance(v, torch.Tensor)
             else ("value", _constant(v)),
         )
@@ -268,23 +283,26 @@ def _constant(value):
 
 
 def _decide_while_compiling(op: str, backend: str | None, device: torch.device, described: tuple) -> str:
-    """Runs (untraced) while torch.compile traces an op: the decision is a constant of the compiled graph.
+    """Runs (untraced) while torch.compile traces an op: the decision is a constant of the compiled graph."""
+    config = _config.active_config()
+    requested = backend if backend is not None else config.backend_for(op)
+    return _decide(REGISTRY[op], requested, config.fallback, device, _stand_ins(described, device))
 
-    Meta tensors of the same dtype, rank and last size stand in for the inputs (leading sizes 2).
-    """
+
+def _stand_ins(described: tuple, device: torch.device) -> dict:
+    """The inputs _describe describes, tensors as empty ones of the same dtype, rank and requires_grad on the same
+    device, their last size the described one (a width) or 2, as every other size."""
     inputs = {}
     for name, (kind, *rest) in described:
         if kind == "tensor":
             dtype, rank, last, requires_grad = rest
-            shape = (2,) * (rank - 1) + (last,) if rank else ()
-            inputs[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(
+            shape = (2,) * (rank - 1) + (2 if last is None else last,) if rank else ()
+            inputs[name] = torch.empty(shape, dtype=dtype, device=device).requires_grad_(
                 requires_grad and dtype.is_floating_point
             )
         else:
             inputs[name] = rest[0]
-    config = _config.active_config()
-    requested = backend if backend is not None else config.backend_for(op)
-    return _decide(REGISTRY[op], requested, config.fallback, device, inputs)
+    return inputs
 
 
 # what torch.compiler.assume_constant_result does, without importing torch._dynamo (over a second) at

@@ -21,9 +21,8 @@ prints the plan without training.
 are packed (`cu_seqlens`, no padding; attention through varlen flash_attention), padded ones hold the same samples
 padded to data.seq_len, so real tokens/s compares the layouts and the jagged run's loss curve is also
 compared with the padded all-torch eager run's. A layout the model cannot read, and on jagged batches the
-torch.compile and CUDA-graph variants (compiled, graphed, tuned: their token count changes from step to step, see
-JAGGED_LIMITS), are skipped with the reason printed. `layouts=[default]` (the default) takes whatever
-layout data.jagged and the model say.
+CUDA-graph variants (graphed, tuned: their token count changes from step to step, see JAGGED_LIMITS), are skipped
+with the reason printed. `layouts=[default]` (the default) takes whatever layout data.jagged and the model say.
 """
 
 from __future__ import annotations
@@ -260,12 +259,7 @@ MODES = {
 }
 GRAPH_MODES = ("cuda_graph", "tuned")
 # why a mode is not timed on jagged batches, whose token count changes from step to step
-JAGGED_LIMITS = {
-    "compile": "torch.compile specialises on the packed token count (the accelerators' dispatch guards on each input's "
-    "last size, for packed [total] inputs the token count): every new total recompiles, up to dynamo's recompile "
-    "limit, after which the step runs uncompiled",
-    "cuda_graph": f"the whole-step CUDA graph needs the shapes it captured ({JAGGED_GRAPH_BLOCKER})",
-}
+JAGGED_LIMITS = {"cuda_graph": f"the whole-step CUDA graph needs the shapes it captured ({JAGGED_GRAPH_BLOCKER})"}
 JAGGED_LIMITS["tuned"] = JAGGED_LIMITS["cuda_graph"]
 
 

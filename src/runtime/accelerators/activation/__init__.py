@@ -17,10 +17,14 @@ APPROXIMATIONS = ("none", "tanh")
 TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
-def _reasons(backend: str, x: torch.Tensor) -> list[str]:
+def _reasons(backend: str, x: torch.Tensor, too_large: bool | None = None) -> list[str]:
+    """too_large: x.numel() > TILELANG_MAX_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
+    no such size); explain() reads it from x."""
     reasons = dtype_reasons("x", x)
-    if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
-        reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    if too_large is None:
+        too_large = x.numel() > TILELANG_MAX_NUMEL
+    if backend == "tilelang" and too_large:
+        reasons.append(f"x has more than {TILELANG_MAX_NUMEL} elements, the most the tilelang kernels take")
     return reasons
 
 
@@ -58,16 +62,15 @@ SILU_KERNEL = KernelOp(
 )
 
 
-def _key(x: torch.Tensor) -> tuple:
-    return x.dtype, x.numel() > TILELANG_MAX_NUMEL
-
-
 def gelu(x: torch.Tensor, approximate: str = "none", *, backend: Backend | None = None) -> torch.Tensor:
     """As F.gelu: x * Phi(x), or its tanh approximation with approximate="tanh"."""
     check_tensor("x", x)
     if approximate not in APPROXIMATIONS:  # also anything that is not a string
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
-    chosen = select_backend(SPEC, backend, x.device, _key(x), gelu, x=x, approximate=approximate)
+    too_large = x.numel() > TILELANG_MAX_NUMEL
+    chosen = select_backend(
+        SPEC, backend, x.device, (x.dtype, too_large), gelu, x=x, approximate=approximate, too_large=too_large
+    )
     if chosen == "torch" or x.numel() == 0:
         return gelu_reference(x, approximate)
     return GELU_KERNEL(chosen, x, approximate == "tanh")
@@ -76,7 +79,8 @@ def gelu(x: torch.Tensor, approximate: str = "none", *, backend: Backend | None 
 def silu(x: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     """As F.silu: x * sigmoid(x)."""
     check_tensor("x", x)
-    chosen = select_backend(SPEC, backend, x.device, _key(x), silu, x=x)
+    too_large = x.numel() > TILELANG_MAX_NUMEL
+    chosen = select_backend(SPEC, backend, x.device, (x.dtype, too_large), silu, x=x, too_large=too_large)
     if chosen == "torch" or x.numel() == 0:
         return silu_reference(x)
     return SILU_KERNEL(chosen, x)

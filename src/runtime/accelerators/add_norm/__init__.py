@@ -15,7 +15,7 @@ from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import add_layer_norm_reference, add_rms_norm_reference
 
-SPEC = OpSpec(name="add_norm", priority=("triton", "tilelang"), reasons=norm_reasons)
+SPEC = OpSpec(name="add_norm", priority=("triton", "tilelang"), reasons=norm_reasons, widths=("x",))
 
 
 def _fake_rms_forward(x, residual, weight, eps):

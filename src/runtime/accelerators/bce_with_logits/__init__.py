@@ -175,7 +175,11 @@ def _needs_grad(tensor: torch.Tensor | None) -> bool:
     return tensor is not None and tensor.requires_grad and torch.is_grad_enabled()
 
 
-def bce_reasons(backend: str, logits, targets, weight=None, pos_weight=None) -> list[str]:
+def bce_reasons(
+    backend: str, logits, targets, weight=None, pos_weight=None, too_large: bool | None = None
+) -> list[str]:
+    """too_large: logits.numel() > MAX_KERNEL_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
+    no such size); explain() reads it from logits."""
     reasons = dtype_reasons("logits", logits) + dtype_reasons("targets", targets)
     for name, operand in (("weight", weight), ("pos_weight", pos_weight)):
         if operand is None:
@@ -183,8 +187,10 @@ def bce_reasons(backend: str, logits, targets, weight=None, pos_weight=None) -> 
         reasons += dtype_reasons(name, operand)
         if _needs_grad(operand):
             reasons.append(f"{name} requires grad; the {backend} kernels compute gradients for logits and targets only")
-    if logits.numel() > MAX_KERNEL_NUMEL:
-        reasons.append(f"logits has {logits.numel()} elements; the kernels index at most {MAX_KERNEL_NUMEL}")
+    if too_large is None:
+        too_large = logits.numel() > MAX_KERNEL_NUMEL
+    if too_large:
+        reasons.append(f"logits has more than {MAX_KERNEL_NUMEL} elements, the most the kernels index")
     return reasons
 
 
@@ -264,6 +270,7 @@ def binary_cross_entropy_with_logits(
         pos_weight=pos_weight,
         reduction=reduction,
         check_targets=check_targets,
+        too_large=key[-1],  # logits.numel() > MAX_KERNEL_NUMEL
     )
     if chosen == "torch" or logits.numel() == 0:
         return bce_with_logits_reference(logits, targets, weight, pos_weight, reduction)

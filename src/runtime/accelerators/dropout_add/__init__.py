@@ -26,10 +26,14 @@ from .reference import dropout_add_reference
 TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
-def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor) -> list[str]:
+def _reasons(backend: str, x: torch.Tensor, residual: torch.Tensor, too_large: bool | None = None) -> list[str]:
+    """too_large: x.numel() > TILELANG_MAX_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
+    no such size); explain() reads it from x."""
     reasons = dtype_reasons("x", x)
-    if backend == "tilelang" and x.numel() > TILELANG_MAX_NUMEL:
-        reasons.append(f"x has {x.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    if too_large is None:
+        too_large = x.numel() > TILELANG_MAX_NUMEL
+    if backend == "tilelang" and too_large:
+        reasons.append(f"x has more than {TILELANG_MAX_NUMEL} elements, the most the tilelang kernels take")
     return reasons
 
 
@@ -83,17 +87,18 @@ def dropout_add(
 ) -> torch.Tensor:
     p = check_dropout_add_inputs(x, residual, p)
     check_bool("training", training)
-    key = (x.dtype, x.numel() > TILELANG_MAX_NUMEL)
+    too_large = x.numel() > TILELANG_MAX_NUMEL
     chosen = select_backend(
         SPEC,
         backend,
         x.device,
-        key,
+        (x.dtype, too_large),
         dropout_add if training and p else None,
         x=x,
         residual=residual,
         p=p,
         training=training,
+        too_large=too_large,
     )
     if not training or p == 0.0 or x.numel() == 0:
         return x + residual

@@ -176,7 +176,8 @@ def embedding_bag_mean(
     values (never out-of-bounds memory accesses).
     """
     padding = _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sparse, check_indices)
-    key = (weight.dtype, weight.stride(1) == 1, weight.is_contiguous(), weight.shape[1] > TILELANG_MAX_DIM)
+    unit_columns, contiguous = weight.stride(1) == 1, weight.is_contiguous()
+    key = (weight.dtype, unit_columns, contiguous, weight.shape[1] > TILELANG_MAX_DIM)
     chosen = select_backend(
         SPEC,
         backend,
@@ -184,6 +185,8 @@ def embedding_bag_mean(
         key,
         embedding_bag_mean,
         weight=weight,
+        unit_columns=unit_columns,
+        contiguous=contiguous,
         indices=indices,
         offsets=offsets,
         padding_idx=padding_idx,

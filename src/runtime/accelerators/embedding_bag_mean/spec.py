@@ -10,14 +10,24 @@ from ..checks import dtype_reasons
 TILELANG_MAX_DIM = 1024
 
 
-def _reasons(backend: str, weight: torch.Tensor, indices=None, offsets=None, collection=None) -> list[str]:
+def _reasons(
+    backend: str,
+    weight: torch.Tensor,
+    unit_columns: bool | None = None,
+    contiguous: bool | None = None,
+    collection=None,
+) -> list[str]:
+    """unit_columns and contiguous: weight.stride(1) == 1 and weight.is_contiguous(), passed by the op (the stand-ins
+    of torch.compile's decision have strides of their own); explain() reads them from weight."""
     if collection is not None:
         return _collection_reasons(backend, weight, collection)
     reasons = dtype_reasons("weight", weight)
-    if weight.dim() == 2 and weight.stride(1) != 1:
-        reasons.append(f"weight has strides {tuple(weight.stride())}; the kernels read rows with a unit column stride")
-    elif backend == "tilelang" and not weight.is_contiguous():
-        reasons.append(f"weight has strides {tuple(weight.stride())}; the tilelang kernels take a contiguous table")
+    if unit_columns is None:
+        unit_columns, contiguous = weight.dim() != 2 or weight.stride(1) == 1, weight.is_contiguous()
+    if not unit_columns:
+        reasons.append("weight has a column stride other than 1; the kernels read rows with a unit column stride")
+    elif backend == "tilelang" and not contiguous:
+        reasons.append("weight is not contiguous; the tilelang kernels take a contiguous table")
     if backend == "tilelang" and weight.dim() == 2 and weight.shape[1] > TILELANG_MAX_DIM:
         # the gradient kernel holds a chunk of rows of the whole width in shared memory (32 x 4 bytes per column)
         reasons.append(
@@ -41,4 +51,4 @@ def _collection_reasons(backend: str, weight: torch.Tensor, collection: tuple) -
     return reasons
 
 
-SPEC = OpSpec(name="embedding_bag_mean", priority=("triton", "tilelang"), reasons=_reasons)
+SPEC = OpSpec(name="embedding_bag_mean", priority=("triton", "tilelang"), reasons=_reasons, widths=("weight",))

@@ -62,9 +62,7 @@ def needs_deterministic_backward(q=None, k=None, v=None) -> bool:
     )
 
 
-def input_reasons(
-    backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0, scale=None, **_
-) -> list[str]:
+def input_reasons(backend: str, q=None, k=None, v=None, attn_mask=None, dropout_p: float = 0.0) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
     reasons = []
@@ -101,7 +99,7 @@ def input_reasons(
     return reasons
 
 
-def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
+def input_priority(q=None, dropout_p=0.0) -> tuple[str, ...] | None:
     """tilelang > triton at head dim 128, and with dropout at head dims 48 and 64"""
     # forward + backward (docs/benchmark/flash_attention.md): TileLang ran 1.2-1.3x faster at head
     # dim 128, lengths 512-8192, causal or not; Triton as fast or faster at head dims up to 64. With dropout 0.1
@@ -114,7 +112,11 @@ def input_priority(q=None, dropout_p=0.0, **_) -> tuple[str, ...] | None:
 
 
 SPEC = OpSpec(
-    name="flash_attention", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority
+    name="flash_attention",
+    priority=("triton", "tilelang"),
+    reasons=input_reasons,
+    input_priority=input_priority,
+    widths=("q",),
 )
 
 

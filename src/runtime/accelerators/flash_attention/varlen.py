@@ -35,10 +35,11 @@ def _fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 #                 varlen_backward(do, *those arguments, o, lse) -> (dq, dk, dv, None x 8)
 # cu_seqlens: int32 [N + 1], contiguous, on q's device; max_seqlen_*: at least every sequence's length. Dropout keeps
 # element (s, h, i, j) (sequence s, positions i and j within it) as the padded batch [N, H, max_q, max_k] does.
+# max_seqlen is a SymInt: it changes from batch to batch, and an int would specialise a compiled graph on it
 KERNEL = KernelOp(
     "flash_attention_varlen",
-    "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
-    "bool causal, float scale, float dropout_p, Tensor? seed",
+    "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, bool causal, float scale, float dropout_p, Tensor? seed",
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,

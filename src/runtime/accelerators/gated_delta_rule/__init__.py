@@ -41,7 +41,7 @@ def _reasons(
     return reasons
 
 
-SPEC = OpSpec(name="gated_delta_rule", priority=("triton", "tilelang"), reasons=_reasons)
+SPEC = OpSpec(name="gated_delta_rule", priority=("triton", "tilelang"), reasons=_reasons, widths=("q", "v"))
 
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "

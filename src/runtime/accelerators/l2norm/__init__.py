@@ -9,7 +9,7 @@ from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import l2norm_reference
 
-SPEC = OpSpec(name="l2norm", priority=("triton", "tilelang"), reasons=norm_reasons)
+SPEC = OpSpec(name="l2norm", priority=("triton", "tilelang"), reasons=norm_reasons, widths=("x",))
 
 
 def _fake_forward(x, eps):

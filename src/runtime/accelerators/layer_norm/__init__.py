@@ -9,7 +9,7 @@ from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import layer_norm_reference
 
-SPEC = OpSpec(name="layer_norm", priority=("triton", "tilelang"), reasons=norm_reasons)
+SPEC = OpSpec(name="layer_norm", priority=("triton", "tilelang"), reasons=norm_reasons, widths=("x",))
 
 
 def _fake_forward(x, weight, bias, eps):

@@ -57,7 +57,7 @@ def input_reasons(
     return reasons
 
 
-SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reasons)
+SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reasons, widths=("x",))
 
 
 def _fake_forward(x, weight, bias, activation):

@@ -47,7 +47,7 @@ def _reasons(backend: str, scores: torch.Tensor, k: int | None, needs_grad: bool
     return reasons
 
 
-SPEC = OpSpec(name="sampling", priority=("tilelang", "triton"), reasons=_reasons)
+SPEC = OpSpec(name="sampling", priority=("tilelang", "triton"), reasons=_reasons, widths=("scores",))
 
 
 def _fake_top_k(scores, k, largest):

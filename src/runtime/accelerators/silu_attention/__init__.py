@@ -60,7 +60,7 @@ def needs_grad(*tensors) -> bool:
 
 
 def input_reasons(
-    backend: str, q=None, k=None, v=None, position_bias=None, time_bias=None, dropout_p: float = 0.0, **_
+    backend: str, q=None, k=None, v=None, position_bias=None, time_bias=None, dropout_p: float = 0.0
 ) -> list[str]:
     """Why a kernel backend cannot run these inputs (empty: it can). Every input is optional (explain())."""
     support = SUPPORT[backend]
@@ -86,7 +86,7 @@ def input_reasons(
     return reasons
 
 
-SPEC = OpSpec(name="silu_attention", priority=("tilelang", "triton"), reasons=input_reasons)
+SPEC = OpSpec(name="silu_attention", priority=("tilelang", "triton"), reasons=input_reasons, widths=("q",))
 
 
 def _fake_forward(
@@ -101,10 +101,11 @@ def _fake_forward(
 # cu_seqlens, num_targets: int32 contiguous; position_bias / time_bias: [H, P] / [H, T] views (a [P] bias expanded,
 # head stride 0) whose gradients are summed back by the launcher; timestamps int64 contiguous; seed: a one-element
 # int64 tensor on q's device (None without dropout).
+# max_seqlen is a SymInt: it changes from batch to batch, and an int would specialise a compiled graph on it
 KERNEL = KernelOp(
     "silu_attention",
     "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor? num_targets, Tensor? position_bias, Tensor? time_bias, "
-    "Tensor? timestamps, Tensor? seed, int max_seqlen, float alpha, bool causal, float dropout_p",
+    "Tensor? timestamps, Tensor? seed, SymInt max_seqlen, float alpha, bool causal, float dropout_p",
     n_outputs=1,
     n_saved=0,
     fake_forward=_fake_forward,

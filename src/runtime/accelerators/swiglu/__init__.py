@@ -13,10 +13,14 @@ from .reference import swiglu_reference
 TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
-def _reasons(backend: str, gate: torch.Tensor, up: torch.Tensor) -> list[str]:
+def _reasons(backend: str, gate: torch.Tensor, up: torch.Tensor, too_large: bool | None = None) -> list[str]:
+    """too_large: gate.numel() > TILELANG_MAX_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
+    no such size); explain() reads it from gate."""
     reasons = dtype_reasons("gate", gate)
-    if backend == "tilelang" and gate.numel() > TILELANG_MAX_NUMEL:
-        reasons.append(f"gate has {gate.numel()} elements; the tilelang kernels take at most {TILELANG_MAX_NUMEL}")
+    if too_large is None:
+        too_large = gate.numel() > TILELANG_MAX_NUMEL
+    if backend == "tilelang" and too_large:
+        reasons.append(f"gate has more than {TILELANG_MAX_NUMEL} elements, the most the tilelang kernels take")
     return reasons
 
 
@@ -55,8 +59,10 @@ def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     check_swiglu_inputs(gate, up)
-    key = (gate.dtype, gate.numel() > TILELANG_MAX_NUMEL)
-    chosen = select_backend(SPEC, backend, gate.device, key, swiglu, gate=gate, up=up)
+    too_large = gate.numel() > TILELANG_MAX_NUMEL
+    chosen = select_backend(
+        SPEC, backend, gate.device, (gate.dtype, too_large), swiglu, gate=gate, up=up, too_large=too_large
+    )
     if chosen == "torch" or gate.numel() == 0:
         return swiglu_reference(gate, up)
     return KERNEL(chosen, gate, up)
