@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import torch
 import torch.nn.functional as F
+from variant_timing import time_variant, write_json
 
 from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.benchmark.ops.gated_delta_rule import SHAPES
-from runtime.benchmark.timing import gpu_time_ms
 
 
 def kernel_times_us(fn) -> dict[str, float]:
@@ -57,18 +56,14 @@ def main() -> None:
             "triton": functools.partial(gdr_triton.chunk_forward, *x, *rest),
         }
         for label, fn in ways.items():
-            try:
-                times, _ = gpu_time_ms(fn, device)
-                kernels = kernel_times_us(fn)
-            except Exception as error:  # a way that fails is a finding, not a stop
-                print(f"| {name} | {label} | failed: {type(error).__name__}: {str(error)[:120]} | |", flush=True)
+            ms = time_variant(name, label, fn)
+            if ms is None:
                 continue
-            results.append({"shape": name, "forward": label, "median_ms": times["median"], "kernels_us": kernels})
+            kernels = kernel_times_us(fn)
+            results.append({"shape": name, "forward": label, "median_ms": ms, "kernels_us": kernels})
             listed = ", ".join(f"{k[:28]} {v:.0f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:4])
-            print(f"| {name} | {label} | {times['median']:.3f} | {listed} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            print(f"| {name} | {label} | {ms:.3f} | {listed} |", flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

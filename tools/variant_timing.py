@@ -1,6 +1,6 @@
 """Side by side timing for the variant tools (linear_forward_variants.py, linear_backward_pieces.py,
-sampling_select_filter.py): each variant is checked, then timed by the benchmark's CUDA-graph timer; a variant that
-fails to compile, launch or check becomes a row saying so, not a stop."""
+gdr_tilelang_forward.py, sampling_select_filter.py): each variant is checked, then timed by the benchmark's CUDA-graph
+timer; a variant that fails to compile, launch or check becomes a row saying so, not a stop."""
 
 from __future__ import annotations
 

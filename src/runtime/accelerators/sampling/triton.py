@@ -392,6 +392,8 @@ def _select_launch(
     per segment, and with filter how many entries passed the bound per (row, segment) ([R, segments] int32; more
     than capacity: that program selected over its whole segment)."""
     rows = x.shape[0]
+    segment = (x, x if idx is None else idx, n, seg_stride, x.stride(0))  # what both kernels split their rows by
+    flags = {"LARGEST": largest, "HAS_IDX": idx is not None}
     out_x = torch.empty((rows, segments * k), dtype=x.dtype, device=x.device)
     out_idx = torch.empty((rows, segments * k), dtype=torch.int64, device=x.device)
     if filter:
@@ -399,18 +401,13 @@ def _select_launch(
         kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=x.device)
         kept_count = torch.empty((rows, segments), dtype=torch.int32, device=x.device)
         _filter_segment[(rows, segments)](
-            x,
-            x if idx is None else idx,
-            n,
-            seg_stride,
-            x.stride(0),
+            *segment,
             k,
             kept_x,
             kept_idx,
             kept_count,
             capacity,
-            LARGEST=largest,
-            HAS_IDX=idx is not None,
+            **flags,
             BLOCK=filter_launch.step or block,
             STAGES=filter_launch.stages,
             num_warps=filter_launch.warps,
@@ -418,11 +415,7 @@ def _select_launch(
     else:
         kept_x, kept_idx, kept_count = x, out_idx, None
     _select[(rows, segments)](
-        x,
-        x if idx is None else idx,
-        n,
-        seg_stride,
-        x.stride(0),
+        *segment,
         out_x,
         out_idx,
         k,
@@ -430,8 +423,7 @@ def _select_launch(
         kept_idx,
         out_idx if kept_count is None else kept_count,
         capacity,
-        LARGEST=largest,
-        HAS_IDX=idx is not None,
+        **flags,
         FILTER=filter,
         BLOCK=block,
         K_PAD=pow2_at_least(k, 16),
