@@ -39,14 +39,10 @@ KERNELS = {
     "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
         128, 128, torch.bfloat16, True, True, True, True
     ),
-    # the forward's storing walk (every tile through the pipeline; fp16 k by TMA, rounded to bf16 in shared memory)
-    "store-walk-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_store_entry(
-        16, 16, torch.float16, True, True, True, True
-    ),
-    "store-walk-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(
-        128, 128, torch.bfloat16, True, True, True, True
-    ),
-    "store-walk-K128-V128-f16-l2norm": lambda: gt.state_store_entry(128, 128, torch.float16, False, False, True, False),
+    # the forward's storing walk for bf16 inputs (every tile through the pipeline)
+    "store-walk-K16-V16-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(16, 16, True, True, True, True),
+    "store-walk-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(128, 128, True, True, True, True),
+    "store-walk-K128-V128-bf16-l2norm": lambda: gt.state_store_entry(128, 128, False, False, True, False),
     # the output of every chunk from the stored states and U (the forward's default after the storing walk)
     "output-K16-V16-f16": lambda: gt.output_entry(16, 16, torch.float16, False, False),
     "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
@@ -160,6 +156,15 @@ def test_tilelang_reasons():
     assert "recurrent kernels are forward-only" in reason
     (reason,) = SPEC.reasons("tilelang", **_inputs(torch.bfloat16, K=24), mode="recurrent", needs_grad=False)
     assert "K (the q/k head dim) is 24" in reason
+
+
+def test_fp16_forward_stores_states_with_the_walk_that_converts_outside_the_pipeline():
+    """The pipelined storing walk takes bf16 only: fp16 inputs get state_output_kernel's walk (store_states)."""
+    flags = (True, False, True, True)
+    keys = {dtype: gt.storing_walk_entry(64, 32, dtype, *flags)[0][0] for dtype in (torch.bfloat16, torch.float16)}
+    assert keys == {torch.bfloat16: "gdr_chunk_state_store", torch.float16: "gdr_chunk_state_output"}
+    forward = [key[0] for key, _ in gt.entries(64, 32, torch.float16, torch.float32, torch.float16, *flags)]
+    assert "gdr_chunk_state_store" not in forward and "gdr_chunk_state_output" in forward
 
 
 def test_chunk_table_numbers_chunks_sequence_by_sequence():

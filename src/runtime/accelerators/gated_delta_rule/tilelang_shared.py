@@ -263,10 +263,11 @@ def _store_block(K: int, V: int) -> int:
     return min(V, 64)
 
 
-def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
+def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: bool, l2norm: bool,
                        varlen: bool, stages: int = 2):  # fmt: skip
     """The walk that only stores, per chunk, the state entering it (States[global chunk]) and the corrections
-    U = u - w S (both bf16): state_output_kernel's results with write_output False and store_states True.
+    U = u - w S (both bf16): state_output_kernel's results with write_output False and store_states True, for bf16
+    inputs only.
 
     Every tile a chunk needs comes through the pipeline (k; w, u and gamma in fp32, by TMA where TileLang can), so
     the walk's sequential path holds no load from global memory: w is rounded to bf16 in shared memory, gamma_last
@@ -278,7 +279,7 @@ def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, s
 
     @T.prim_func
     def gdr_chunk_state_store(
-        Kx: T.Tensor((R, H, K), dtype),
+        Kx: T.Tensor((R, H, K), OPERAND),
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
         U: T.Tensor((R, HV, V), ACCUM),
@@ -295,8 +296,7 @@ def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, s
         with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
             state = T.alloc_fragment((K, BV), ACCUM)  # fp32 across the whole walk
             state_h = T.alloc_shared((K, BV), OPERAND)  # the state entering the chunk, as the products take it
-            k_s = T.alloc_shared((BT, K), dtype)  # pipelined: k, w and u as stored, rows past eos unused
-            k_h = k_s if dtype == OPERAND else T.alloc_shared((BT, K), OPERAND)  # fp16 k rounded to bf16
+            k_s = T.alloc_shared((BT, K), OPERAND)  # pipelined: k (bf16), w and u as stored, rows past eos unused
             w_s = T.alloc_shared((BT, K), ACCUM)
             u_s = T.alloc_shared((BT, BV), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)  # pipelined: gamma, zero from eos on
@@ -331,8 +331,6 @@ def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, s
                 T.copy(state, state_h)
                 for i, j in T.Parallel(BT, K):
                     w_h[i, j] = T.cast(w_s[i, j], OPERAND)  # rows past eos: only their own rows of U, masked below
-                if dtype != OPERAND:
-                    T.copy(k_s, k_h)
                 if l2norm:
                     row_rstd(k_s, sq, rsum, k_rstd_s)
                 last = gamma_s[T.min(eos - start, BT) - 1]
@@ -350,19 +348,20 @@ def state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, s
                 # S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), accumulated into the fp32 state
                 for i, j in T.Parallel(K, BV):
                     state[i, j] = state[i, j] * T.exp(last)
-                T.gemm(k_h, corr_kd_h, state, transpose_A=True)
+                T.gemm(k_s, corr_kd_h, state, transpose_A=True)
             if store_final:
                 store_state(HT, state, n, hv, v0)
 
     return gdr_chunk_state_store
 
 
-def state_store_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
+def state_store_entry(K: int, V: int, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
                       stages: int = 2) -> Entry:  # fmt: skip
+    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see tilelang.storing_walk_entry)."""
     BV = _store_block(K, V)
     flags = (has_initial, store_final, l2norm, varlen)
-    key = ("gdr_chunk_state_store", K, V, BV, dtype, flags, stages)
-    return key, lambda _: state_store_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
+    key = ("gdr_chunk_state_store", K, V, BV, flags, stages)
+    return key, lambda _: state_store_kernel(K, V, BV, *flags, stages=stages)
 
 
 # --------------------------------------------------------------------------- launchers
