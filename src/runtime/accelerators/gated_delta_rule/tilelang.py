@@ -27,7 +27,7 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
      ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
      (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
-     rstd_k), every product on bf16 operands (w, and fp16 k, rounded in shared memory) accumulated in fp32, the update
+     rstd_k), every product on bf16 operands (w rounded in shared memory) accumulated in fp32, the update
      straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
      it again (tilelang_shared.store_states). fp16 inputs take state_output_kernel's walk (store_states) instead.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
