@@ -40,18 +40,24 @@ KERNELS = {
         128, 128, torch.bfloat16, True, True, True, True
     ),
     # the forward's storing walk for bf16 inputs (every tile through the pipeline)
-    "store-walk-K16-V16-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(16, 16, True, True, True, True),
-    "store-walk-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_store_entry(128, 128, True, True, True, True),
-    "store-walk-K128-V128-bf16-l2norm": lambda: gt.state_store_entry(128, 128, False, False, True, False),
+    "store-walk-K16-V16-bf16-varlen-l2norm-state": lambda: gt.storing_walk_entry(
+        16, 16, torch.bfloat16, True, True, True, True
+    ),
+    "store-walk-K128-V128-bf16-varlen-l2norm-state": lambda: gt.storing_walk_entry(
+        128, 128, torch.bfloat16, True, True, True, True
+    ),
+    "store-walk-K128-V128-bf16-l2norm": lambda: gt.storing_walk_entry(
+        128, 128, torch.bfloat16, False, False, True, False
+    ),
     # the output of every chunk from the stored states and U (the forward's default after the storing walk)
     "output-K16-V16-f16": lambda: gt.output_entry(16, 16, torch.float16, False, False),
     "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
-    # the backward: the forward's state walk storing the state entering each chunk and U (no output)
+    # the storing walk of fp16 inputs, forward and backward (state_output_kernel storing states and U, no output)
     "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
         16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
     ),
-    "state-store-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
-        128, 128, torch.bfloat16, True, False, True, True, write_output=False, store_states=True
+    "state-store-K128-V128-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
+        128, 128, torch.float16, True, False, True, True, write_output=False, store_states=True
     ),
     # the backward's own kernels at K=128 (wgmma, shared-memory fit) and at K=16 (two-warp and mma.sync products)
     "local-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.local_grad_entry(128, 128, torch.bfloat16, True, True),
@@ -158,13 +164,19 @@ def test_tilelang_reasons():
     assert "K (the q/k head dim) is 24" in reason
 
 
-def test_fp16_forward_stores_states_with_the_walk_that_converts_outside_the_pipeline():
-    """The pipelined storing walk takes bf16 only: fp16 inputs get state_output_kernel's walk (store_states)."""
+@pytest.mark.parametrize(
+    "dtype, walk", [(torch.bfloat16, "gdr_chunk_state_store"), (torch.float16, "gdr_chunk_state_output")]
+)
+def test_forward_and_backward_store_states_with_one_walk_per_dtype(dtype, walk):
+    """The pipelined storing walk takes bf16 only: fp16 inputs get state_output_kernel's walk (store_states), in the
+    forward and in the backward, which walks again."""
     flags = (True, False, True, True)
-    keys = {dtype: gt.storing_walk_entry(64, 32, dtype, *flags)[0][0] for dtype in (torch.bfloat16, torch.float16)}
-    assert keys == {torch.bfloat16: "gdr_chunk_state_store", torch.float16: "gdr_chunk_state_output"}
-    forward = [key[0] for key, _ in gt.entries(64, 32, torch.float16, torch.float32, torch.float16, *flags)]
-    assert "gdr_chunk_state_store" not in forward and "gdr_chunk_state_output" in forward
+    assert gt.storing_walk_entry(64, 32, dtype, *flags)[0][0] == walk
+    other = {"gdr_chunk_state_store", "gdr_chunk_state_output"} - {walk}
+    forward = [key[0] for key, _ in gt.entries(64, 32, dtype, torch.float32, dtype, *flags)]
+    backward = [key[0] for key, _ in gb.backward_entries(64, 32, dtype, torch.float32, dtype, True, False, True, True)]
+    for keys in (forward, backward):
+        assert walk in keys and not other & set(keys)
 
 
 def test_chunk_table_numbers_chunks_sequence_by_sequence():

@@ -27,9 +27,9 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
      ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
      (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
-     rstd_k), every product on bf16 operands (w, and fp16 k, rounded in shared memory) accumulated in fp32, the update
+     rstd_k), every product on bf16 operands (w rounded in shared memory) accumulated in fp32, the update
      straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
-     tilelang_shared.state_output_kernel (store_states), which stores the same.
+     it again (tilelang_shared.store_states). fp16 inputs take state_output_kernel's walk (store_states) instead.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
      with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U (q, k, S and U by TMA on
      one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
@@ -69,8 +69,9 @@ from .tilelang_shared import (
     row_rstd,
     state_output_entry,
     state_program,
-    state_store_entry,
     store_state,
+    store_states,
+    storing_walk_entry,
 )
 
 
@@ -413,18 +414,6 @@ def recurrent_backward(*_):
     raise RuntimeError("gated_delta_rule: the recurrent TileLang kernels are forward-only")
 
 
-def storing_walk_entry(
-    K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool
-) -> Entry:
-    """The forward's storing walk: state_store_kernel for bf16 inputs; for fp16 the backward's state_output_kernel
-    (store_states), because TileLang 0.1.15's pipelined walk that rounds fp16 k to bf16 in shared memory stores wrong
-    states from the third chunk on (measured on the H200: state error 1e3 relative at T = 1000)."""
-    flags = (has_initial, store_final, l2norm, varlen)
-    if dtype == OPERAND_TORCH:
-        return state_store_entry(K, V, *flags)
-    return state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True)
-
-
 def chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
     fused_output: bool = False,
@@ -470,14 +459,10 @@ def chunk_forward(
     stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
     states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
     corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    stored_out = (states if stored else placeholder(device, OPERAND_TORCH),
-                  corrections if stored else placeholder(device, OPERAND_TORCH))  # fmt: skip
-    walk = launcher(storing_walk_entry(K, V, q.dtype, *flags), device)
-    if q.dtype == OPERAND_TORCH:
-        walk(k_rows, gamma, w, u, h0, ht, *stored_out, chunks.cu, chunks.first, T_, n, HV // H)
-    else:
-        walk(q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, ht, *stored_out, chunks.cu, chunks.first,
-             float(scale), T_, n, HV // H)  # fmt: skip
+    store_states(
+        q_rows, k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
+        corrections if stored else placeholder(device, OPERAND_TORCH), chunks, float(scale), T_, n, flags,
+    )  # fmt: skip
     if stored:
         launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
             q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,

@@ -8,8 +8,8 @@ rows; the kernels take the raw rows as stored and fold the rsqrt factors into th
     O = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
 
 Five launches after the forward's factors (gamma, w, u, T):
-  0. the forward's state walk again (tilelang_shared.state_output_kernel, store_states, no output): the state entering
-     each chunk, States[global chunk], and U per row, both bf16;
+  0. the forward's storing walk again (tilelang_shared.store_states): the state entering each chunk, States[global
+     chunk], and U per row, both bf16;
   1. local_grad, one program per (chunk, value head): dU_local = scale P^T dO over V blocks (stored bf16 where dU
      goes), and the walk's row factors scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k;
   2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined: q, k,
@@ -56,9 +56,10 @@ from .tilelang_shared import (
     load_rows,
     load_rstd,
     load_state,
-    state_output_entry,
     state_program,
     store_state,
+    store_states,
+    storing_walk_entry,
 )
 
 
@@ -600,7 +601,7 @@ def backward_entries(
 ) -> list[Entry]:
     """The kernels one backward runs beside the forward's prepare (for `precompile`)."""
     return [
-        state_output_entry(K, V, dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True),
+        storing_walk_entry(K, V, dtype, has_initial, False, l2norm, varlen),
         local_grad_entry(K, V, dtype, l2norm, varlen),
         state_grad_entry(K, V, dtype, has_initial, final_grad, varlen),
         grad_qk_entry(K, V, dtype, l2norm, varlen),
@@ -643,12 +644,9 @@ def chunk_backward(
         h0 = initial_state if has_initial else placeholder(device)
         states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
         corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)
-        entry = state_output_entry(
-            K, V, q.dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True
-        )
-        launcher(entry, device)(
-            q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, placeholder(device), states, corrections,
-            chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+        store_states(
+            q_rows, k_rows, gamma, w, u, h0, placeholder(device), states, corrections, chunks, float(scale), T_, n,
+            (has_initial, False, l2norm, varlen),
         )  # fmt: skip
         du = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)  # dU_local, then dU
         q_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)
