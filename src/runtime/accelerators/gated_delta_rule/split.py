@@ -28,6 +28,13 @@ MIN_SEGMENTS = 4  # the split walks each segment about three times: it pays from
 MIN_SEGMENT_CHUNKS = 4
 
 
+def occupancy_segments(programs: int, sms: int) -> int:
+    """Segments per sequence that would give SPLIT_PROGRAMS_PER_SM walking programs per SM, or 0 where fewer than
+    MIN_SEGMENTS (not worth a split): the first half of the rule, which needs no chunk counts."""
+    segments = SPLIT_PROGRAMS_PER_SM * sms // max(programs, 1)
+    return segments if segments >= MIN_SEGMENTS else 0
+
+
 def split_length(sequences: int, longest: int, total: int, programs: int, sms: int) -> int:
     """The occupancy rule: chunks per segment when `programs` walking programs leave most of `sms` SMs idle, else 0.
 
@@ -36,8 +43,8 @@ def split_length(sequences: int, longest: int, total: int, programs: int, sms: i
     H100's 132 SMs: at most 66 programs), into segments of at least MIN_SEGMENT_CHUNKS, and only when the longest
     sequence is longer than one segment. Every sequence is cut with the same length.
     """
-    segments = SPLIT_PROGRAMS_PER_SM * sms // max(programs, 1)
-    if segments < MIN_SEGMENTS:
+    segments = occupancy_segments(programs, sms)
+    if segments == 0:
         return 0
     # the chain walks a sequence's segments one by one, each step about a quarter of a chunk's:
     # segments of ~sqrt(chunks) / 2 balance it against the segment walks
