@@ -50,6 +50,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
 from .reference import FULL_DECAY
+from .split import check_segment_chunks
 from .tilelang_backward import backward_entries, chunk_backward  # noqa: F401  (chunk_backward: this backend's entry)
 from .tilelang_shared import (
     BT,
@@ -73,6 +74,7 @@ from .tilelang_shared import (
     store_states,
     storing_walk_entry,
 )
+from .tilelang_split import split_entries, split_segments, split_walk
 
 
 def _threads(elements: int) -> int:
@@ -416,13 +418,21 @@ def recurrent_backward(*_):
 
 def chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
-    fused_output: bool = False,
+    fused_output: bool = False, segment_chunks: int | None = None,
 ):  # fmt: skip
     """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward).
 
     The state walk stores the state entering each chunk and the corrections (bf16), then the output kernel computes
     every chunk's output in parallel; fused_output: the walk computes the output itself instead (the products on the
-    walk's sequential path grow from two to five per chunk), kept to time the two against each other."""
+    walk's sequential path grow from two to five per chunk), kept to time the two against each other.
+    segment_chunks: the context-parallel split of bf16 inputs' storing walk (tilelang_split.py), chunks per segment;
+    None: the occupancy rule decides, 0: never split. fp16 inputs and fused_output walk whole sequences."""
+    check_segment_chunks(segment_chunks, "chunk_forward: segment_chunks")
+    if segment_chunks and (q.dtype != OPERAND_TORCH or fused_output):
+        raise ValueError(
+            f"chunk_forward: segment_chunks={segment_chunks} splits the storing walk of bf16 inputs only, before the "
+            f"output kernel; got {q.dtype} inputs{' with fused_output' if fused_output else ''}"
+        )
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -459,10 +469,17 @@ def chunk_forward(
     stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
     states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
     corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    store_states(
-        q_rows, k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
-        corrections if stored else placeholder(device, OPERAND_TORCH), chunks, float(scale), T_, n, flags,
-    )  # fmt: skip
+    segments = None
+    if stored and q.dtype == OPERAND_TORCH:
+        segments = split_segments(chunks, B, T_, n, HV, K, V, cu_seqlens, device, segment_chunks)
+    if segments is not None:
+        split_walk(k_rows, gamma, w, u, h0, ht, states, corrections, segments, has_initial=flags[0],
+                   store_final=flags[1], l2norm=l2norm, seq_len=T_, groups=HV // H)  # fmt: skip
+    else:
+        store_states(
+            q_rows, k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
+            corrections if stored else placeholder(device, OPERAND_TORCH), chunks, float(scale), T_, n, flags,
+        )  # fmt: skip
     if stored:
         launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
             q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,
@@ -482,6 +499,8 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
         storing_walk_entry(K, V, dtype, *flags),
         output_entry(K, V, dtype, l2norm, varlen),
     ]
+    if dtype == OPERAND_TORCH:  # the context-parallel split's walks, where the occupancy rule cuts sequences
+        forward += split_entries(K, V, has_initial, store_final, l2norm)
     if not backward:
         return forward
     return forward + backward_entries(K, V, dtype, g_dtype, beta_dtype, *flags)
