@@ -686,7 +686,7 @@ def test_the_sampling_select_compiles_with_and_without_the_filter(compiled):
     assert {(c["HAS_IDX"], c["FILTER"]) for c in launches} == {(False, True), (False, False), (True, True)}
     filters = {
         (c["BLOCK"], c["STAGES"])
-        for c in map(constexprs, (launch for launch, _ in compiled["sampling._filter_segment"]))
+        for c in map(constexprs, (launch for launch, _ in compiled["sampling.triton_filter._filter_segment"]))
     }
     assert {(4096, 1), (16384, 2)} <= filters
 

@@ -1,0 +1,162 @@
+"""The threshold filter of the Triton select (triton.py), its own kernel: per (row, segment) program, a lower bound of
+the k-th key from group maxima, then the entries above it and the first k equal to it, in ascending index order, to a
+scratch of `capacity` entries that the select reads instead of the segment (the docstring of triton.py has the
+design; docs/tuning/sampling.md the figures)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_shared import _choose_digit, _load_keys, _segment
+
+
+@dataclass(frozen=True)
+class FilterLaunch:
+    """How _filter_segment runs. step: entries per step of its two passes, and so its number of group maxima (None:
+    the select's block); at least the largest k, so that the bound keeps about k entries. warps: 16 give 85
+    registers per thread on sm_90 (bf16), 512 threads an SM. stages: the load pipeline depth of its two loops
+    (1: none); deeper keeps more loads in flight per thread, where the loop's block-wide sum otherwise waits on each."""
+
+    step: int | None = None
+    warps: int = 16
+    stages: int = 1
+
+
+FILTER_LAUNCH = FilterLaunch()
+
+
+@triton.jit
+def _register_digit(key, prefix, remaining, SHIFT: tl.constexpr):
+    """The select's digit pass over a vector of keys held in registers."""
+    inside = key == key
+    if SHIFT < 24:
+        inside = (key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))
+    hist = tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=inside)
+    return _choose_digit(hist, prefix, remaining, SHIFT)
+
+
+@triton.jit
+def _lower_bound(
+    x_ptr, idx_ptr, n, wanted, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr
+):
+    """A key t with at least `wanted` entries of x[:n] at or above it (0 where it cannot tell): the wanted-th
+    largest of the BLOCK maxima of the strided groups x[j::BLOCK], which are distinct entries."""
+    group_max = tl.zeros((BLOCK,), dtype=tl.uint32)
+    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        group_max = tl.maximum(group_max, tl.where(valid, key, 0))
+    # a group without an entry holds 0: it only lowers t, and any t > 0 is still the key of `wanted` real entries
+    prefix = tl.zeros((), dtype=tl.uint32)
+    remaining = wanted
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 24)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 16)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 8)
+    prefix, remaining = _register_digit(group_max, prefix, remaining, 0)
+    return prefix
+
+
+@triton.jit
+def _filter(
+    x_ptr,
+    idx_ptr,
+    n,
+    index_base,
+    bound,
+    kept_x_ptr,
+    kept_idx_ptr,
+    capacity,
+    wanted,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """The entries of x[:n] with key > bound and the first `wanted` with key == bound, in ascending index order, to
+    kept[:capacity] (index + index_base); returns how many there are (all of them counted, also past capacity).
+    As bound is at most the wanted-th key, those hold the wanted best entries (ties: the lower index first)."""
+    count = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        above = valid & (key >= bound)
+        if tl.sum(above.to(tl.int32), 0) > 0:  # most steps of a long row keep nothing: no scan, no store
+            equal = above & (key == bound)
+            n_equal = tl.sum(equal.to(tl.int32), 0)
+            keep = above & ((key > bound) | (ties + tl.cumsum(equal.to(tl.int32), 0) <= wanted))
+            position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(kept_x_ptr + position, x, mask=keep & (position < capacity))
+            tl.store(kept_idx_ptr + position, (index + index_base).to(tl.int32), mask=keep & (position < capacity))
+            count += tl.sum(keep.to(tl.int32), 0)
+            ties += n_equal
+    return count
+
+
+@triton.jit
+def _filter_segment(
+    x_ptr,
+    idx_ptr,
+    n,
+    seg_stride,
+    row_stride,
+    k,
+    kept_x_ptr,
+    kept_idx_ptr,
+    kept_count_ptr,
+    capacity,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Program (row, segment): the entries of its segment above a lower bound of the k-th key and the first k equal
+    to it, in ascending index order, to its scratch of `capacity`; kept_count[row, segment]: how many (all of them
+    counted, also past capacity). Two streaming passes, apart from the select's kernel: few registers, so several
+    programs share an SM and hide each other's load latency."""
+    x_ptr, idx_ptr, n, index_base, program = _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX)
+    wanted = tl.minimum(k, n)
+    bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK, STAGES)
+    count = _filter(
+        x_ptr,
+        idx_ptr,
+        n,
+        index_base,
+        bound,
+        kept_x_ptr + program * capacity,
+        kept_idx_ptr + program * capacity,
+        capacity,
+        wanted,
+        LARGEST,
+        HAS_IDX,
+        BLOCK,
+        STAGES,
+    )
+    tl.store(kept_count_ptr + program, count)
+
+
+def filter_segments(segment: tuple, rows: int, segments: int, k: int, flags: dict, capacity: int, block: int, launch):
+    """Launches _filter_segment over the (row, segment) programs of `segment` (x, idx, n, seg_stride, row_stride, as
+    the select splits its rows) -> (kept values, kept int32 indices) [programs, capacity] and the count of each
+    program's kept entries [rows, segments] (int32; more than capacity: it overflowed)."""
+    x = segment[0]
+    kept_x = torch.empty((rows * segments, capacity), dtype=x.dtype, device=x.device)
+    kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=x.device)
+    kept_count = torch.empty((rows, segments), dtype=torch.int32, device=x.device)
+    _filter_segment[(rows, segments)](
+        *segment,
+        k,
+        kept_x,
+        kept_idx,
+        kept_count,
+        capacity,
+        **flags,
+        BLOCK=launch.step or block,
+        STAGES=launch.stages,
+        num_warps=launch.warps,
+    )
+    return kept_x, kept_idx, kept_count
