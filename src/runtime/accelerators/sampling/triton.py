@@ -254,7 +254,8 @@ def _select_sorted(
     """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
-    s, seg_stride = split_rows(rows, n, k, scores.device, segments)
+    # the full-tile filter reads aligned segments with 16-byte loads
+    s, seg_stride = split_rows(rows, n, k, scores.device, segments, 1 if filter_launch.tiles is None else 16)
     launch = (filter, block, capacity, filter_launch)
     cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, *launch)
     if s > 1:
