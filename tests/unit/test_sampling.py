@@ -218,9 +218,9 @@ def test_triton_filter_keeps_few_on_a_random_row_and_exactly_k_on_an_equal_one(f
 
 @pytest.mark.parametrize("form", ["masked", "tiles2"])
 def test_triton_filter_at_the_largest_k(form):
-    """k = MAX_K = 2048 through the filter at the GPU's block (4096 group maxima; for distinct keys about 2800 pass) on a random
-    row, ties at the k-th value and NaN among the best, fp32 and bf16, both directions; split rows whose segments are
-    shorter than k (the second select over padded candidates)."""
+    """k = MAX_K = 2048 through the filter at the GPU's block (4096 group maxima; for distinct keys about 2800 pass):
+    a random row with ties at the k-th value and NaN among the best, fp32 and bf16, both directions; split rows whose
+    segments are shorter than k (the second select over padded candidates)."""
     launch = FILTER_FORMS[form]
     x = filter_rows("tied_at_kth", rows=1, width=9000, k=MAX_K)
     x[0, torch.randperm(9000)[:5]] = math.nan
