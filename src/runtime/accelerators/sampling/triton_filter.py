@@ -18,14 +18,13 @@ from .triton_shared import _choose_digit, _keys, _load_keys, _segment
 class FilterLaunch:
     """How _filter_segment runs. step: entries per step of its two passes, and so its number of group maxima (None:
     the select's block); at least the largest k, so that the bound keeps about k entries. warps: 16 give 85
-    registers per thread on sm_90 (bf16), 512 threads an SM. stages: the load pipeline depth of its two loops
-    (1: none); deeper keeps more loads in flight per thread, where the loop's block-wide sum otherwise waits on each.
-    tiles: None, each step one tile read under a mask (the bounds check costs 16-byte loads, and each step's loads
-    wait on the previous step's block-wide sum); n, the full-tile form: n whole tiles of `step` entries per loop
-    iteration, read without a mask, their group maxima or one block-wide test for an entry at or above the bound
-    over all n, the rest of the segment in masked steps, segments a multiple of 16 entries long. At about one DRAM
-    round trip per 4096-entry step per program, n times the bytes in flight per thread should cut the time of both
-    passes where one reduction per step does not."""
+    registers per thread on sm_90 (bf16; 124 where the segment length is a multiple of 16, as at 1M-wide rows), 512
+    threads an SM. stages: the load pipeline depth of its two loops (1: none); deeper keeps more loads in flight per
+    thread, where the loop's block-wide sum otherwise waits on each. tiles: None, one masked tile per step; n, the
+    full-tile form: n whole tiles per loop iteration read without a mask (segments a multiple of 16 entries long),
+    with one block-wide test per iteration in the compaction pass, the rest in masked steps; the same entries kept.
+    Why: at 1024x1M each 4096-entry step costs about one DRAM round trip per SM, so n times the bytes in flight per
+    step should cut both passes, where the block-wide sum alone does not bound them (the bound pass has none)."""
 
     step: int | None = None
     warps: int = 16
