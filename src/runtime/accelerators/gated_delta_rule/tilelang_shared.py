@@ -370,7 +370,7 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
 
 def state_store_entry(K: int, V: int, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
                       stages: int = 2, *, store_states: bool = True, transition: bool = False) -> Entry:  # fmt: skip
-    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see tilelang.storing_walk_entry);
+    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see storing_walk_entry);
     store_states False: only the end state; transition: the walk of the chunk maps' linear part (V = K, from the
     identity, only the end map)."""
     if transition and (V != K or has_initial or store_states or not store_final):
