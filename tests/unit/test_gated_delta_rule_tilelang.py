@@ -181,6 +181,26 @@ def _inputs(dtype, K=16, V=16):
     return dict(q=q, v=v, g=torch.randn(1, 5, 1), beta=torch.rand(1, 5, 1), initial_state=None)
 
 
+@requires_nvcc
+@pytest.mark.parametrize("kernel", ["gdr_chunk_local_grad", "gdr_chunk_grad_qk", "gdr_chunk_grad_wy"])
+def test_per_chunk_backward_kernels_bind_their_scalars_once(kernel, tmp_path):
+    """The (chunk, value head) programs' q/k head, first row and sequence end are bound once: as expressions of the
+    block index TileLang recomputes them at every access, each division by a dynamic size a call of a 64-bit division
+    routine (55 calls in local_grad's SASS at K = 128)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    import tilelang_resources as resources
+
+    if resources.nvdisasm_tool() is None:
+        pytest.skip("no nvdisasm (on PATH or bundled with Triton)")
+    entries = gb.backward_entries(128, 128, torch.bfloat16, torch.float32, torch.bfloat16, False, False, True, False)
+    (entry,) = [entry for entry in entries if entry[0][0] == kernel]
+    report, sass = resources.compile_source(compile_entry(entry).get_kernel_source(), tmp_path)
+    assert resources.profile(report, sass)["calls"] == 0
+
+
 def test_tilelang_reasons():
     bf16, fp32 = _inputs(torch.bfloat16), _inputs(torch.float32)
     assert SPEC.reasons("tilelang", **bf16, mode="chunk", needs_grad=False) == []

@@ -124,9 +124,10 @@ def local_grad_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen:
             do_h = T.alloc_shared((BT, BV), OPERAND)
             du = T.alloc_fragment((BT, BV), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P^T below
             T.copy(Kx[start : start + BT, h, 0:K], k_s)
             last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
@@ -309,9 +310,10 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             q_dq_s = T.alloc_shared((BT,), ACCUM)
             k_term_s = T.alloc_shared((BT,), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in every sum over rows below
             T.copy(Kx[start : start + BT, h, 0:K], k_s)
             last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
@@ -470,9 +472,10 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             a_cols_s = T.alloc_shared((BT,), ACCUM)
             dgamma_s = T.alloc_shared((BT,), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             # every load that waits on no other first, so that their latencies overlap. Rows past eos are another
             # sequence's or zeros: masked (a select: 0 * inf would be NaN) where a product sums over rows, else they
             # only reach rows that are not stored
