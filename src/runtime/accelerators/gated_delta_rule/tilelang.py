@@ -20,9 +20,9 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
      and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by forward substitution in fp32,
      a thread per column holding it in registers (reference.unit_lower_inverse_by_columns): no barrier and no
-     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the
-     inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each stored before the
-     next product so that their accumulators are not live together.
+     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V
+     on bf16 operands (the inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each
+     stored before the next product so that their accumulators are not live together.
   2. the storing walk (tilelang_shared.state_store_kernel), one program per (V block of 64, sequence x value head):
      walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
      ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
