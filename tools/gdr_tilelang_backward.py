@@ -12,11 +12,19 @@ import argparse
 import json
 
 import torch
-from gdr_tilelang_forward import kernel_times_us  # the sibling tool (tools/ is on sys.path when run as a script)
+from gdr_tilelang_forward import kernel_launches_us  # the sibling tool (tools/ is on sys.path when run as a script)
 
 from runtime.accelerators import use_accelerators
 from runtime.benchmark.ops.gated_delta_rule import CASES, NAMES
 from runtime.benchmark.timing import gpu_time_ms
+
+
+def kernel_times_us(fn) -> dict[str, float]:
+    """GPU microseconds per kernel name over one call (a kernel launched several times summed)."""
+    totals: dict[str, float] = {}
+    for name, us in kernel_launches_us(fn):
+        totals[name] = totals.get(name, 0.0) + us
+    return totals
 
 
 def calls(case, backend: str, device: torch.device):

@@ -30,9 +30,10 @@ def torch_gelu_backward(dy, z):
 
 
 def torch_whole_backward(x, w, b, dy, activation):
+    """Eager torch's backward alone: the autograd graph is recorded once and replayed by each call."""
     x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
     y = linear_reference(x, w, b, activation)
-    return torch.autograd.grad(y, (x, w, b), dy)
+    return lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
 
 
 def pieces(m, k, n, device, activation="gelu"):
@@ -54,7 +55,7 @@ def pieces(m, k, n, device, activation="gelu"):
         },
         "dx = d_preact @ w (cuBLAS)": lambda: torch.matmul(dz, w),
         "dw = d_preact^T @ x (cuBLAS)": lambda: torch.matmul(dz.t(), x),
-        "torch: whole backward (autograd)": lambda: torch_whole_backward(x, w, b, dy, activation),
+        "torch: whole backward (autograd)": torch_whole_backward(x, w, b, dy, activation),
         "ours: whole backward": lambda: linear_triton.backward(dy, x, w, b, activation, y, z),
     }
     return variants

@@ -1,7 +1,7 @@
 """Times top_k's select with and without its threshold filter, both kernel backends beside torch.topk, on one GPU,
-and the Triton filter kernel's other launches (FILTER_LAUNCHES), at the top_k shapes of the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes
-the bound, so each program falls back to the select over its whole segment). Each result is checked against
-torch.topk's values first.
+and the Triton filter kernel's other launches and its full-tile formulation (FILTER_LAUNCHES), at the top_k shapes of
+the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes the bound, so each
+program falls back to the select over its whole segment). Each result is checked against torch.topk's values first.
 Usage (GPU machine): python tools/sampling_select_filter.py [--json PATH]
 """
 
@@ -25,13 +25,23 @@ CASES = {
 
 
 # the filter kernel's launches beside its default (4096-entry steps, 16 warps, no pipeline); registers per thread
-# on sm_90 (bf16, k = 64): 125 pipelined, 64 at 32 warps (8192 steps: 32 B of spills), 194 at 8 warps pipelined
+# on sm_90 (bf16, k = 64): 125 pipelined, 64 at 32 warps (8192 steps: 32 B of spills), 194 at 8 warps pipelined.
+# Then its full-tile formulation (tiles per iteration; aligned rows, no spills): 128 (bf16 and fp32) at 16 warps
+# and 4 tiles, 189 / 195 at 8 warps and 2 tiles, 216 / 240 at 8 warps and 4 tiles
 FILTER_LAUNCHES = [
     sampling_triton.FilterLaunch(stages=2),
     sampling_triton.FilterLaunch(warps=32),
     sampling_triton.FilterLaunch(step=8192, warps=32),
     sampling_triton.FilterLaunch(warps=8, stages=2),
+    sampling_triton.FilterLaunch(tiles=4),
+    sampling_triton.FilterLaunch(warps=8, tiles=2),
+    sampling_triton.FilterLaunch(warps=8, tiles=4),
 ]
+
+
+def _label(launch) -> str:
+    tiles = "" if launch.tiles is None else f"/{launch.tiles}t"
+    return f"triton filter {launch.step or sampling_triton.BLOCK}/{launch.warps}w/{launch.stages}st{tiles}"
 
 
 def _triton_launch(x, k, launch):
@@ -43,12 +53,7 @@ def variants():
         "torch.topk": lambda x, k: torch.topk(x, k, dim=-1),
         "triton filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=True),
         "triton no filter": lambda x, k: sampling_triton.top_k_forward(x, k, True, filter=False),
-        **{
-            f"triton filter {launch.step or sampling_triton.BLOCK}/{launch.warps}w/{launch.stages}st": functools.partial(
-                _triton_launch, launch=launch
-            )
-            for launch in FILTER_LAUNCHES
-        },
+        **{_label(launch): functools.partial(_triton_launch, launch=launch) for launch in FILTER_LAUNCHES},
         "tilelang filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=True),
         "tilelang no filter": lambda x, k: sampling_tilelang.top_k_forward(x, k, True, filter=False),
     }

@@ -45,7 +45,7 @@ def test_triton_split_of_long_sequences_matches_the_recurrence_and_the_whole_wal
     made = make_inputs(B, T, H, HV, K, V, dtype, True, sequences, decay_shift=SPLIT_DECAY_SHIFT)
     inputs = {n: t.requires_grad_() for n, t in made.items()}
     chunks = gdr_triton.Chunks.of(inputs["v"], cu)
-    assert gdr_triton.Segments.of(chunks, inputs["q"], inputs["v"], cu) is not None, "the occupancy rule should split"
+    assert gdr_triton.split(chunks, inputs["q"], inputs["v"], cu) is not None, "the occupancy rule should split"
     twin = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
     refs = recurrent_gated_delta_rule_reference(
         twin["q"], twin["k"], twin["v"], twin["g"], twin["beta"], None, twin["initial_state"], True,

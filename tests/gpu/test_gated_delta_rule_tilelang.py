@@ -185,3 +185,88 @@ def test_varlen_boundaries_copied_on_a_busy_stream_serve_a_call_on_another(backe
     torch.cuda.synchronize()
     for name, g, want in zip(["o", "final_state"], got, expected):
         assert torch.equal(g, want), name
+
+
+# --------------------------------------------------------------------------- context-parallel split (tilelang)
+
+# Weak decay (about e^-0.2 to e^-0.4 over a segment): with the default one a segment forgets the state it was entered
+# with below bf16 rounding, and a wrong chain of the segment maps would go unseen.
+SPLIT_DECAY_SHIFT = 7.0
+SPLIT_CASES = {  # name: (B, T, H, HV, K, V, initial state, segment_chunks, options)
+    "B2-T1000-K128-GVA-l2norm-state-final-seg3": (2, 1000, 1, 2, 128, 128, True, 3,
+                                                  dict(use_qk_l2norm_in_kernel=True, output_final_state=True)),
+    # uneven lengths: shorter than a segment, empty, and segments whose last one is partial
+    "varlen-K64-GVA-state-final-seg2": (1, 1900, 2, 4, 64, 64, True, 2,
+                                        dict(cu_seqlens=torch.tensor([0, 37, 37, 700, 1000, 1900]),
+                                             output_final_state=True)),
+    "B3-T300-K16-final-seg1": (3, 300, 2, 2, 16, 16, False, 1, dict(output_final_state=True)),  # a segment a chunk
+    # V != K: [K, K] maps beside [K, V] offsets and states
+    "varlen-K128-V64-l2norm-seg4": (1, 2000, 1, 1, 128, 64, False, 4,
+                                    dict(cu_seqlens=torch.tensor([0, 1300, 2000]), use_qk_l2norm_in_kernel=True)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def split_compiled():
+    """The chunked forward's kernels of the split cases, whole and split, compiled in parallel once."""
+    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
+    from runtime.accelerators.gated_delta_rule import tilelang_split
+    from runtime.accelerators.tilelang_common import precompile
+
+    entries, bf16 = [], torch.bfloat16
+    for *_, K, V, state, _, options in SPLIT_CASES.values():
+        final = options.get("output_final_state", False)
+        l2norm, varlen = options.get("use_qk_l2norm_in_kernel", False), "cu_seqlens" in options
+        entries += [
+            gdr_tilelang.prepare_entry(K, V, bf16, bf16, bf16, l2norm, varlen),
+            gdr_tilelang.storing_walk_entry(K, V, bf16, state, final, l2norm, varlen),
+            gdr_tilelang.output_entry(K, V, bf16, l2norm, varlen),
+            *tilelang_split.split_entries(K, V, state, final, l2norm),
+        ]
+    precompile(entries, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_tilelang_split_matches_the_recurrence_and_the_whole_walk(name, split_compiled):
+    """The storing walk cut into segments (forced) against the float64 recurrence with the op's bound, and against
+    the whole-sequence walk (segment_chunks=0) within the same bound; outputs poisoned, so that a state or correction
+    the split leaves unwritten fails."""
+    from runtime.accelerators.buffers import poison_outputs
+    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
+    from runtime.accelerators.gated_delta_rule import tilelang_split
+
+    B, T, H, HV, K, V, state, segment_chunks, options = SPLIT_CASES[name]
+    cu = options.get("cu_seqlens")
+    sequences = None if cu is None else len(cu) - 1
+    inputs = make_inputs(B, T, H, HV, K, V, torch.bfloat16, state, sequences, decay_shift=SPLIT_DECAY_SHIFT)
+    n = B if cu is None else sequences
+    chunks = gdr_tilelang.Chunks.of(B, T, cu, inputs["q"].device)
+    segments = tilelang_split.split_segments(chunks, B, T, n, HV, K, V, cu, inputs["q"].device, segment_chunks)
+    assert segments is not None and segments.count > n, "several segments per sequence"
+    args = [inputs[x] for x in ("q", "k", "v", "g", "beta")]
+    rest = (K**-0.5, inputs.get("initial_state"), options.get("output_final_state", False),
+            options.get("use_qk_l2norm_in_kernel", False), cu)  # fmt: skip
+    with poison_outputs(), torch.no_grad():
+        split = gdr_tilelang.chunk_forward(*args, *rest, segment_chunks=segment_chunks)
+        whole = gdr_tilelang.chunk_forward(*args, *rest, segment_chunks=0)
+    o_ref, final_ref = reference(inputs, **options)
+    bound = BOUND[torch.bfloat16]
+    assert_close("o (split)", split[0], o_ref, bound)
+    assert_close("o (split vs whole walk)", split[0], whole[0].double(), bound)
+    if final_ref is not None:
+        assert_close("final_state (split)", split[1], final_ref, bound)
+        assert_close("final_state (split vs whole walk)", split[1], whole[1].double(), bound)
+    for label, x, y in zip(("gamma", "w", "u", "(I + A)^-1"), split[2:], whole[2:]):
+        assert torch.equal(x, y), f"{label}: prepare runs the same either way"
+
+
+def test_the_occupancy_rule_splits_the_packed_benchmark_shape():
+    """One packed 32768-token sequence, 32 value heads, K = V = 128: 64 storing-walk programs, too few for the SMs."""
+    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
+    from runtime.accelerators.gated_delta_rule import tilelang_split
+
+    device, cu = torch.device("cuda"), torch.tensor([0, 32768])
+    chunks = gdr_tilelang.Chunks.of(1, 32768, cu, device)
+    segments = tilelang_split.split_segments(chunks, 1, 32768, 1, 32, 128, 128, cu, device, None)
+    assert segments is not None and segments.count >= 4
+    assert tilelang_split.split_segments(chunks, 1, 32768, 1, 32, 128, 128, cu, device, 0) is None

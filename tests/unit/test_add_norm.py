@@ -3,6 +3,7 @@ TRITON_INTERPRET=1 (set by conftest) forward and backward with gradients flowing
 kernels compiled for sm_90a, torch.compile, the benchmark runner's two-output path, dispatch and every error."""
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -372,6 +373,43 @@ def test_tilelang_kernels_compile_for_sm90a(args):
         assert not isinstance(rows_dim, int) and not hasattr(rows_dim, "value"), f"{name}: rows must be dynamic"
         assert int(kernel.params[0].shape[1]) == width
         assert "uint4" in source, f"{name}: expected 16-byte accesses"
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [(bf16, 4096, bf16, bf16, True), (bf16, 4096, bf16, None, False), (bf16, 256, bf16, bf16, True)],
+    ids=["layer-4096-bf16", "rms-4096-bf16", "layer-256-bf16"],
+)
+def test_tilelang_backward_loads_each_row_at_once_and_fills_the_sm(args, tmp_path):
+    """The persistent backward launches as many blocks an SM as its registers allow (ptxas's count, no spills), and
+    every 16-byte load of a row is issued before the row sums' barriers (dnew too: one round trip to memory a row)."""
+    pytest.importorskip("runtime.accelerators.add_norm.tilelang", reason="tilelang 0.1.15 is not installed")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    import tilelang_resources as resources
+
+    from runtime.accelerators.add_norm import tilelang as kernels
+    from runtime.accelerators.tilelang_common import compile_built, device_info
+
+    if resources.nvdisasm_tool() is None:
+        pytest.skip("no nvdisasm (on PATH or bundled with Triton)")
+    (build,) = [build for key, build in kernels.kernel_entries(*args) if key[0] == "add_norm_bwd"]
+    source = compile_built(build(device_info(None)), SM90A).get_kernel_source()
+    report, sass = resources.compile_source(source, tmp_path)
+    found = resources.profile(report, sass)
+    threads, launched = map(int, re.search(r"__launch_bounds__\((\d+), (\d+)\)", source).groups())
+    assert found["spill"] == 0, report
+    fit = min(4, resources.blocks_per_sm(threads, found["registers"], found["smem"]))
+    assert launched == fit, f"{launched} blocks an SM launched, {fit} fit ({found['registers']} registers)"
+    addresses = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(\S+)", sass)]
+    loads = [a for a, op in addresses if op.startswith("LDG.E.128")]
+    barriers = [a for a, op in addresses if op.startswith("BAR.SYNC") and a > loads[0]]
+    late = [hex(a) for a in loads if barriers and a > barriers[0]]
+    assert not late, f"16-byte loads issued after a barrier of the row sums: {late}"
 
 
 # --------------------------------------------------------------------------- nn modules

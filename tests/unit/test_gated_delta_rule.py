@@ -12,6 +12,7 @@ from runtime.accelerators import use_accelerators
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, varlen
+from runtime.accelerators.gated_delta_rule import split as gdr_split
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
 from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
@@ -597,24 +598,24 @@ def test_fixed_length_segments_are_numbered_as_sequences_of_their_own():
     x = make_inputs(2, 450, 1, 1, 16, 16)
     chunks = gdr_triton.Chunks.of(x["v"], None)
     with poison_outputs():
-        segments = gdr_triton.Segments.of(chunks, x["q"], x["v"], None, forced=3)
-    assert segments.chunks.cu.tolist() == [0, 192, 384, 450, 642, 834, 900]
-    assert segments.chunks.offsets.tolist() == [0, 3, 6, 8, 11, 14]
+        segments = gdr_triton.split(chunks, x["q"], x["v"], None, forced=3)
+        parts = gdr_shared.segment_chunks(segments, chunks.total)
+    assert parts.cu.tolist() == [0, 192, 384, 450, 642, 834, 900]
+    assert parts.offsets.tolist() == [0, 3, 6, 8, 11, 14]
     assert segments.first.tolist() == [0, 3]
-    assert (segments.chunks.n, segments.chunks.total, segments.tokens) == (6, 16, 192)
+    assert (parts.n, parts.total, segments.tokens) == (6, 16, 192)
 
 
 def test_the_occupancy_rule_splits_only_few_long_walks():
-    def chunks(n, per_sequence):
-        return gdr_triton.Chunks(n, per_sequence, n * per_sequence, per_sequence, None, None, None)
+    def rule(n, per_sequence, programs):
+        return gdr_split.split_length(n, per_sequence, n * per_sequence, programs=programs, sms=132)  # an H100
 
-    sms = 132  # an H100
-    assert gdr_shared.split_length(chunks(1, 1024), programs=2, sms=sms) == 16  # ~sqrt(1024) / 2 balances the chain
-    assert gdr_shared.split_length(chunks(1, 64), programs=2, sms=sms) == 4
-    assert gdr_shared.split_length(chunks(2, 4096), programs=4, sms=sms) == 63  # enough segments to fill the SMs
-    assert gdr_shared.split_length(chunks(33, 64), programs=66, sms=sms) == 16  # 4 segments per sequence
-    assert gdr_shared.split_length(chunks(34, 64), programs=67, sms=sms) == 0  # fewer than 4: not worth it
-    assert gdr_shared.split_length(chunks(1, 4), programs=1, sms=sms) == 0  # one segment would hold it all
+    assert rule(1, 1024, programs=2) == 16  # ~sqrt(1024) / 2 balances the chain
+    assert rule(1, 64, programs=2) == 4
+    assert rule(2, 4096, programs=4) == 63  # enough segments to fill the SMs
+    assert rule(33, 64, programs=66) == 16  # 4 segments per sequence
+    assert rule(34, 64, programs=67) == 0  # fewer than 4: not worth it
+    assert rule(1, 4, programs=1) == 0  # one segment would hold it all
 
 
 # --------------------------------------------------------------------------- dispatch reasons

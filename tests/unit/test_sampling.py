@@ -121,21 +121,37 @@ def check_kernel(x, k, largest, **launch):
     torch.testing.assert_close(values, x.gather(-1, expected), rtol=0, atol=0, equal_nan=True)
 
 
+# the filter's formulations: masked steps (the default), and whole tiles read unmasked, two or three per iteration
+# (rows of 2000 at block 256: three or two iterations, then masked steps over the rest)
+FILTER_FORMS = {
+    "masked": kernels.FilterLaunch(),
+    "tiles2": kernels.FilterLaunch(tiles=2),
+    "tiles3": kernels.FilterLaunch(tiles=3, warps=8),
+}
+
+
 @pytest.mark.parametrize("kind", ["random", "tied_at_kth", "equal", "ascending", "descending", "specials"])
-@pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
-def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filter_):
-    """Both paths of the select (block 256: eight steps per row) on rows built for the filter: its bound from the
-    group maxima, ties at the k-th value (the first k of them kept, the first taken), an all-equal row (exactly k
-    kept)."""
+@pytest.mark.parametrize(
+    "filter_, form", [(True, "masked"), (True, "tiles2"), (True, "tiles3"), (False, "masked")], ids=lambda v: str(v)
+)
+def test_triton_select_with_and_without_the_filter_matches_the_oracle(kind, filter_, form):
+    """Both paths of the select (block 256: eight steps per row), the filter in each formulation, on rows built for
+    the filter: its bound from the group maxima, ties at the k-th value (the first k of them kept, the first taken),
+    an all-equal row (exactly k kept), NaN, infinities and signed zeros among the best."""
     x = filter_rows(kind)
     for k, largest in ((40, True), (40, False), (1, True)):
-        check_kernel(x, k, largest, block=256, filter=filter_, capacity=512)
+        check_kernel(x, k, largest, block=256, filter=filter_, capacity=512, filter_launch=FILTER_FORMS[form])
 
 
 @pytest.mark.parametrize(
     "launch",
-    [kernels.FilterLaunch(step=512, warps=4), kernels.FilterLaunch(warps=8, stages=3)],
-    ids=["wider-step", "pipelined"],
+    [
+        kernels.FilterLaunch(step=512, warps=4),
+        kernels.FilterLaunch(warps=8, stages=3),
+        kernels.FilterLaunch(step=512, tiles=2),
+        kernels.FilterLaunch(tiles=4, stages=2),
+    ],
+    ids=["wider-step", "pipelined", "tiles-wider-step", "tiles-pipelined"],
 )
 def test_triton_filter_launches_give_the_same_result(launch):
     """The filter's launch options (a step wider than the select's block, so more group maxima; a load pipeline)
@@ -165,33 +181,52 @@ def test_triton_select_rows_shorter_than_the_block_strided_and_split(filter_):
         check_kernel(filter_rows("tied_at_kth", width=1000, k=k), k, True, segments=segments, block=64, filter=filter_)
 
 
-def test_triton_filter_keeps_few_on_a_random_row_and_exactly_k_on_an_equal_one():
+@pytest.mark.parametrize("form", list(FILTER_FORMS))
+def test_triton_filter_keeps_few_on_a_random_row_and_exactly_k_on_an_equal_one(form):
     """How many entries each (row, segment) keeps: those above the bound and the first k equal to it, so about k on a
     random row and exactly k on an all-equal one; the kernel selects over them where they fit the capacity, over the
-    whole segment otherwise (a capacity below k); the result is exact every way."""
-    width, k, block, capacity = 3000, 20, 256, 512
+    whole segment otherwise (a capacity below k); the result is exact every way, and every formulation of the
+    filter keeps the same entries."""
+    width, k, block, capacity, launch = 3000, 20, 256, 512, FILTER_FORMS[form]
+
+    def select(x, segments, capacity):
+        seg_stride = -(-width // segments)
+        return kernels._select_launch(x, None, width, segments, seg_stride, k, True, True, block, capacity, launch)
+
     random, equal = torch.randn(1, width), torch.full((1, width), 2.0)
     for x in (random, equal):
-        out_x, out_idx, kept = kernels._select_launch(x, None, width, 1, width, k, True, True, block, capacity)
+        out_x, out_idx, kept = select(x, 1, capacity)
         assert kept.shape == (1, 1) and k <= kept.item() <= capacity, kept
         assert torch.equal(out_idx.sort().values, oracle(x, k).sort().values)
-    _, _, kept = kernels._select_launch(equal, None, width, 1, width, k, True, True, block, capacity)
-    assert kept.item() == k
+        _, _, kept_masked = kernels._select_launch(x, None, width, 1, width, k, True, True, block, capacity)
+        assert torch.equal(kept, kept_masked)
+    assert select(equal, 1, capacity)[2].item() == k
     # a random row in two segments: each keeps about k (for distinct keys block * -ln(1 - k / block) pass)
-    _, _, kept = kernels._select_launch(random, None, width, 2, width // 2, k, True, True, block, capacity)
+    kept = select(random, 2, capacity)[2]
     assert kept.shape == (1, 2) and ((kept >= k) & (kept <= 4 * k)).all(), kept
-    check_kernel(equal, k, True, block=block)
-    check_kernel(equal, k, False, block=block)
+    check_kernel(equal, k, True, block=block, filter_launch=launch)
+    check_kernel(equal, k, False, block=block, filter_launch=launch)
     # a tie class above the bound larger than the capacity: the full select, still exact
     few_best = torch.randn(1, width)
     few_best[0, ::block] = 9.0  # one strided group of the bound holds them all: the bound stays below 9
-    check_kernel(few_best, k, True, block=block, capacity=8)
-    _, _, kept = kernels._select_launch(few_best, None, width, 1, width, k, True, True, block, 8)
-    assert kept.item() > 8
+    check_kernel(few_best, k, True, block=block, capacity=8, filter_launch=launch)
+    assert select(few_best, 1, 8)[2].item() > 8
     # a capacity below k overflows on any row: the full select, still exact
-    check_kernel(random, k, True, block=block, capacity=k - 1)
-    _, _, kept = kernels._select_launch(random, None, width, 1, width, k, True, True, block, k - 1)
-    assert kept.item() > k - 1
+    check_kernel(random, k, True, block=block, capacity=k - 1, filter_launch=launch)
+    assert select(random, 1, k - 1)[2].item() > k - 1
+
+
+@pytest.mark.parametrize("form", ["masked", "tiles2"])
+def test_triton_filter_at_the_largest_k(form):
+    """k = MAX_K = 2048 through the filter at the GPU's block (4096 group maxima; for distinct keys about 2800 pass):
+    a random row with ties at the k-th value and NaN among the best, fp32 and bf16, both directions; split rows whose
+    segments are shorter than k (the second select over padded candidates)."""
+    launch = FILTER_FORMS[form]
+    x = filter_rows("tied_at_kth", rows=1, width=9000, k=MAX_K)
+    x[0, torch.randperm(9000)[:5]] = math.nan
+    for values, largest in ((x, True), (x.to(bf16), False)):
+        check_kernel(values, MAX_K, largest, capacity=4096, filter_launch=launch)
+    check_kernel(x, MAX_K, True, segments=5, filter_launch=launch)
 
 
 @pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
@@ -381,12 +416,20 @@ def test_auto_tries_the_tilelang_kernels_first():
 
 
 @pytest.mark.parametrize(
-    "n, k, asked, expected",
-    [(1000, 5, 7, (7, 143)), (10, 3, 4, (4, 3)), (9, 3, 4, (3, 3)), (5, 5, 9, (5, 1)), (37, 3, None, (1, 37))],
+    "n, k, asked, multiple, expected",
+    [
+        (1000, 5, 7, 1, (7, 143)),
+        (10, 3, 4, 1, (4, 3)),
+        (9, 3, 4, 1, (3, 3)),
+        (5, 5, 9, 1, (5, 1)),
+        (37, 3, None, 1, (1, 37)),
+        (1000, 5, 7, 16, (7, 144)),
+        (40, 3, 7, 16, (3, 16)),  # lengths a multiple of 16: fewer segments where it must
+    ],
 )
-def test_split_rows_gives_non_empty_segments(n, k, asked, expected):
-    segments, length = split_rows(3, n, k, torch.device("cpu"), asked)
-    assert (segments, length) == expected
+def test_split_rows_gives_non_empty_segments(n, k, asked, multiple, expected):
+    segments, length = split_rows(3, n, k, torch.device("cpu"), asked, multiple)
+    assert (segments, length) == expected and length % multiple == 0
     assert (segments - 1) * length < n <= segments * length  # every segment holds an entry, together all of them
 
 

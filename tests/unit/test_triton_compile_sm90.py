@@ -496,6 +496,18 @@ def sampling():
     sampling_triton.sample_forward(x, torch.full((4,), 50, dtype=torch.int32), 50, ones, ones, torch.rand(4))
 
 
+def sampling_filter_tiles():
+    """top_k's filter in its full-tile formulation (FilterLaunch.tiles) on aligned rows, as 1M-wide ones are: bf16 and
+    fp32 at 16 warps, bf16 at 8 warps over split rows (the candidates' pass with indices)."""
+    from runtime.accelerators.sampling import triton as sampling_triton
+
+    x = torch.randn(4, 8192).to(bf16)
+    for launch in (sampling_triton.FilterLaunch(tiles=4), sampling_triton.FilterLaunch(tiles=2, warps=8)):
+        sampling_triton.top_k_forward(x, 64, True, filter_launch=launch)
+        sampling_triton.top_k_forward(x.float(), 64, True, filter_launch=launch)
+    sampling_triton.top_k_forward(x, 100, True, segments=2, filter_launch=sampling_triton.FilterLaunch(tiles=4))
+
+
 def gated_delta_rule_half_backward():
     """The backward with its products on bf16 or tf32 operands forced (Tuning.half_backward; by default it depends on
     K), each step-5 variant, at the shapes of gated_delta_rule (K = 16, 64, 128)."""
@@ -554,6 +566,7 @@ CASES = {
     "attention_varlen": attention_varlen,
     "silu_attention": silu_attention,
     "sampling": sampling,
+    "sampling_filter_tiles": sampling_filter_tiles,
     "gated_delta_rule": gated_delta_rule,
     "gated_delta_rule_grad_wy_variants": gated_delta_rule_grad_wy_variants,
     "gated_delta_rule_half_backward": gated_delta_rule_half_backward,
@@ -681,14 +694,14 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
 
 def test_the_sampling_select_compiles_with_and_without_the_filter(compiled):
     """The select over rows, with the threshold filter (the default) and without; over split rows' candidates with;
-    the filter at its default launch and at a wider, pipelined one."""
+    the filter at its default launch, at a wider, pipelined one and in its full-tile formulation."""
     launches = [constexprs(launch) for launch, _ in compiled["sampling._select"]]
     assert {(c["HAS_IDX"], c["FILTER"]) for c in launches} == {(False, True), (False, False), (True, True)}
     filters = {
-        (c["BLOCK"], c["STAGES"])
-        for c in map(constexprs, (launch for launch, _ in compiled["sampling._filter_segment"]))
+        (c["BLOCK"], c["STAGES"], c["TILES"], c["HAS_IDX"])
+        for c in map(constexprs, (launch for launch, _ in compiled["sampling.triton_filter._filter_segment"]))
     }
-    assert {(4096, 1), (16384, 2)} <= filters
+    assert {(4096, 1, 0, False), (16384, 2, 0, False), (4096, 1, 4, False), (4096, 1, 4, True)} <= filters
 
 
 def test_the_dq_kernel_compiles_writing_delta(compiled):

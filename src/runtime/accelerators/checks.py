@@ -81,6 +81,15 @@ def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> lis
     return [f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; the kernels take {names}"]
 
 
+def size_reasons(name: str, tensor: torch.Tensor, limit: int, too_large: bool | None, most: str) -> list[str]:
+    """Why kernels cannot take `tensor` for its size: more than `limit` elements (`most`: what they do with at most
+    that many). too_large is that comparison as the op passes it, because the stand-ins of torch.compile's decision
+    keep no such size; None (explain()): read from tensor."""
+    if too_large is None:
+        too_large = tensor.numel() > limit
+    return [f"{name} has more than {limit} elements, the most {most}"] if too_large else []
+
+
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """fp32 for half-precision inputs, the input's own dtype otherwise (float64 references stay float64)."""
     return torch.promote_types(tensor.dtype, torch.float32)

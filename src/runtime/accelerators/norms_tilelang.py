@@ -150,6 +150,7 @@ def backward_kernel(
     from_x = not (centre or residual)  # rms_norm's own math (see the module docstring)
     takes_mean = centre or residual
     mean_first = centre and not residual  # layer_norm reads the mean before rstd, add_layer_norm after
+    stage_dn = residual and plan.row_threads > 32
     M = T.dynamic("M")
 
     @T.prim_func
@@ -168,7 +169,9 @@ def backward_kernel(
                 T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             x_io = T.alloc_fragment((BM, NP), dtype)
             dy_io = T.alloc_fragment((BM, NP), dtype)
-            dn_io = T.alloc_fragment((BM, NP), dtype)
+            # dnew is read only after the row sums; where they cross warps (barriers), ptxas sinks a register tile's
+            # load past them, a second round trip to memory per row: a shared tile is written before the barriers
+            dn_io = (T.alloc_shared if stage_dn else T.alloc_fragment)((BM, NP), dtype)
             xhat = T.alloc_fragment((BM, NP), ACCUM)  # x itself when from_x
             g = T.alloc_fragment((BM, NP), ACCUM)  # dy * w
             gx = T.alloc_fragment((BM, NP), ACCUM)
@@ -187,9 +190,8 @@ def backward_kernel(
                 keep_name(xhat, "x")
                 keep_name(c1, "dot")
                 keep_name(col_sum, "dw_sum")
-            T.annotate_layout(
-                shared_layout(plan, [x_io, dy_io, dn_io if residual else None, xhat, g, gx, dw, None if from_x else db])
-            )
+            fragments = [x_io, dy_io, dn_io if residual and not stage_dn else None, xhat, g, gx, dw]
+            T.annotate_layout(shared_layout(plan, [*fragments, None if from_x else db]))
             T.clear(dw)
             if not from_x:
                 T.clear(db)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_tensor, dtype_reasons
+from ..checks import check_tensor, dtype_reasons, size_reasons
 from ..kernel_op import KernelOp
 from .reference import gelu_reference, silu_reference
 
@@ -18,13 +18,9 @@ TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
 def _reasons(backend: str, x: torch.Tensor, too_large: bool | None = None) -> list[str]:
-    """too_large: x.numel() > TILELANG_MAX_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
-    no such size); explain() reads it from x."""
     reasons = dtype_reasons("x", x)
-    if too_large is None:
-        too_large = x.numel() > TILELANG_MAX_NUMEL
-    if backend == "tilelang" and too_large:
-        reasons.append(f"x has more than {TILELANG_MAX_NUMEL} elements, the most the tilelang kernels take")
+    if backend == "tilelang":
+        reasons += size_reasons("x", x, TILELANG_MAX_NUMEL, too_large, "the tilelang kernels take")
     return reasons
 
 

@@ -28,9 +28,9 @@ from ..tilelang_common import (
     reduce_partials,
 )
 
-# backward register budget per fp32 row element a thread holds (tilelang_common.blocks_per_sm): the row norms' (4 and
-# 8) and one more row tile (dnew)
-REGISTERS_PER_ELEMENT = {False: 6, True: 10}
+# backward register budget per fp32 row element a thread holds (tilelang_common.blocks_per_sm), from ptxas on sm_90a
+# at 16 elements a thread (tools/tilelang_resources.py): 94-101 registers for rms, 118-121 for layer
+REGISTERS_PER_ELEMENT = {False: 6, True: 8}
 
 
 def persistent_grid(dtype: torch.dtype, width: int, sm_count: int, centre: bool) -> tuple[RowPlan, int, int]:

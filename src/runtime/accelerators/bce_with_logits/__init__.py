@@ -19,7 +19,7 @@ import torch
 
 from .. import buffers
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons
+from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 
@@ -178,8 +178,6 @@ def _needs_grad(tensor: torch.Tensor | None) -> bool:
 def bce_reasons(
     backend: str, logits, targets, weight=None, pos_weight=None, too_large: bool | None = None
 ) -> list[str]:
-    """too_large: logits.numel() > MAX_KERNEL_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
-    no such size); explain() reads it from logits."""
     reasons = dtype_reasons("logits", logits) + dtype_reasons("targets", targets)
     for name, operand in (("weight", weight), ("pos_weight", pos_weight)):
         if operand is None:
@@ -187,11 +185,7 @@ def bce_reasons(
         reasons += dtype_reasons(name, operand)
         if _needs_grad(operand):
             reasons.append(f"{name} requires grad; the {backend} kernels compute gradients for logits and targets only")
-    if too_large is None:
-        too_large = logits.numel() > MAX_KERNEL_NUMEL
-    if too_large:
-        reasons.append(f"logits has more than {MAX_KERNEL_NUMEL} elements, the most the kernels index")
-    return reasons
+    return reasons + size_reasons("logits", logits, MAX_KERNEL_NUMEL, too_large, "the kernels index")
 
 
 def bce_key(logits, targets, weight=None, pos_weight=None) -> tuple:

@@ -20,16 +20,16 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      k k^T on k as stored (bf16/fp16 operands, fp32 accumulation: exact products; the l2norm's rsqrt factors
      and beta e^(gamma_t - gamma_j) scale the result), A strictly lower. (I + A)^-1 by forward substitution in fp32,
      a thread per column holding it in registers (reference.unit_lower_inverse_by_columns): no barrier and no
-     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V on bf16 operands (the
-     inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each stored before the
-     next product so that their accumulators are not live together.
+     shared-memory round trip between rows. w = (I + A)^-1 diag(beta e^gamma rstd) K and u = (I + A)^-1 diag(beta) V
+     on bf16 operands (the inverse and the scaled rows rounded to bf16, as the Triton kernel's HALF_WY products), each
+     stored before the next product so that their accumulators are not live together.
   2. the storing walk (tilelang_shared.state_store_kernel), one program per (V block of 64, sequence x value head):
      walks the chunks (T.Pipelined, warp-specialised by TileLang: k, w and u by TMA and gamma by cp.async a chunk
      ahead) with the [K, BV] state in an fp32 fragment across the walk; per chunk it stores the state entering it
      (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
-     rstd_k), every product on bf16 operands (w, and fp16 k, rounded in shared memory) accumulated in fp32, the update
+     rstd_k), every product on bf16 operands (w rounded in shared memory) accumulated in fp32, the update
      straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
-     tilelang_shared.state_output_kernel (store_states), which stores the same.
+     it again (tilelang_shared.store_states). fp16 inputs take state_output_kernel's walk (store_states) instead.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
      with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U (q, k, S and U by TMA on
      one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
@@ -50,6 +50,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder, precompile
 from .reference import FULL_DECAY
+from .split import check_segment_chunks
 from .tilelang_backward import backward_entries, chunk_backward  # noqa: F401  (chunk_backward: this backend's entry)
 from .tilelang_shared import (
     BT,
@@ -69,9 +70,11 @@ from .tilelang_shared import (
     row_rstd,
     state_output_entry,
     state_program,
-    state_store_entry,
     store_state,
+    store_states,
+    storing_walk_entry,
 )
+from .tilelang_split import split_entries, split_segments, split_walk
 
 
 def _threads(elements: int) -> int:
@@ -413,27 +416,23 @@ def recurrent_backward(*_):
     raise RuntimeError("gated_delta_rule: the recurrent TileLang kernels are forward-only")
 
 
-def storing_walk_entry(
-    K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool
-) -> Entry:
-    """The forward's storing walk: state_store_kernel for bf16 inputs; for fp16 the backward's state_output_kernel
-    (store_states), because TileLang 0.1.15's pipelined walk that rounds fp16 k to bf16 in shared memory stores wrong
-    states from the third chunk on (measured on the H200: state error 1e3 relative at T = 1000)."""
-    flags = (has_initial, store_final, l2norm, varlen)
-    if dtype == OPERAND_TORCH:
-        return state_store_entry(K, V, *flags)
-    return state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True)
-
-
 def chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
-    fused_output: bool = False,
+    fused_output: bool = False, segment_chunks: int | None = None,
 ):  # fmt: skip
     """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward).
 
     The state walk stores the state entering each chunk and the corrections (bf16), then the output kernel computes
     every chunk's output in parallel; fused_output: the walk computes the output itself instead (the products on the
-    walk's sequential path grow from two to five per chunk), kept to time the two against each other."""
+    walk's sequential path grow from two to five per chunk), kept to time the two against each other.
+    segment_chunks: the context-parallel split of bf16 inputs' storing walk (tilelang_split.py), chunks per segment;
+    None: the occupancy rule decides, 0: never split. fp16 inputs and fused_output walk whole sequences."""
+    check_segment_chunks(segment_chunks, "chunk_forward: segment_chunks")
+    if segment_chunks and (q.dtype != OPERAND_TORCH or fused_output):
+        raise ValueError(
+            f"chunk_forward: segment_chunks={segment_chunks} splits the storing walk of bf16 inputs only, before the "
+            f"output kernel; got {q.dtype} inputs{' with fused_output' if fused_output else ''}"
+        )
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -470,14 +469,17 @@ def chunk_forward(
     stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
     states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
     corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    stored_out = (states if stored else placeholder(device, OPERAND_TORCH),
-                  corrections if stored else placeholder(device, OPERAND_TORCH))  # fmt: skip
-    walk = launcher(storing_walk_entry(K, V, q.dtype, *flags), device)
-    if q.dtype == OPERAND_TORCH:
-        walk(k_rows, gamma, w, u, h0, ht, *stored_out, chunks.cu, chunks.first, T_, n, HV // H)
+    segments = None
+    if stored and q.dtype == OPERAND_TORCH:
+        segments = split_segments(chunks, B, T_, n, HV, K, V, cu_seqlens, device, segment_chunks)
+    if segments is not None:
+        split_walk(k_rows, gamma, w, u, h0, ht, states, corrections, segments, has_initial=flags[0],
+                   store_final=flags[1], l2norm=l2norm, seq_len=T_, groups=HV // H)  # fmt: skip
     else:
-        walk(q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, ht, *stored_out, chunks.cu, chunks.first,
-             float(scale), T_, n, HV // H)  # fmt: skip
+        store_states(
+            q_rows, k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
+            corrections if stored else placeholder(device, OPERAND_TORCH), chunks, float(scale), T_, n, flags,
+        )  # fmt: skip
     if stored:
         launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
             q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,
@@ -497,6 +499,8 @@ def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store
         storing_walk_entry(K, V, dtype, *flags),
         output_entry(K, V, dtype, l2norm, varlen),
     ]
+    if dtype == OPERAND_TORCH:  # the context-parallel split's walks, where the occupancy rule cuts sequences
+        forward += split_entries(K, V, has_initial, store_final, l2norm)
     if not backward:
         return forward
     return forward + backward_entries(K, V, dtype, g_dtype, beta_dtype, *flags)

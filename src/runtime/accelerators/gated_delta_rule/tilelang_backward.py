@@ -8,8 +8,8 @@ rows; the kernels take the raw rows as stored and fold the rsqrt factors into th
     O = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + (K * e^(gamma_last - gamma))^T U
 
 Five launches after the forward's factors (gamma, w, u, T):
-  0. the forward's state walk again (tilelang_shared.state_output_kernel, store_states, no output): the state entering
-     each chunk, States[global chunk], and U per row, both bf16;
+  0. the forward's storing walk again (tilelang_shared.store_states): the state entering each chunk, States[global
+     chunk], and U per row, both bf16;
   1. local_grad, one program per (chunk, value head): dU_local = scale P^T dO over V blocks (stored bf16 where dU
      goes), and the walk's row factors scale e^gamma rstd_q and e^(gamma_last - gamma) rstd_k;
   2. state_grad, one program per (V block, sequence x value head), walks the chunks backwards (T.Pipelined: q, k,
@@ -56,9 +56,10 @@ from .tilelang_shared import (
     load_rows,
     load_rstd,
     load_state,
-    state_output_entry,
     state_program,
     store_state,
+    store_states,
+    storing_walk_entry,
 )
 
 
@@ -123,9 +124,10 @@ def local_grad_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen:
             do_h = T.alloc_shared((BT, BV), OPERAND)
             du = T.alloc_fragment((BT, BV), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in P^T below
             T.copy(Kx[start : start + BT, h, 0:K], k_s)
             last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
@@ -308,9 +310,10 @@ def grad_qk_kernel(K: int, V: int, BV: int, dtype: str, l2norm: bool, varlen: bo
             q_dq_s = T.alloc_shared((BT,), ACCUM)
             k_term_s = T.alloc_shared((BT,), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             T.copy(Q[start : start + BT, h, 0:K], q_s)  # rows past eos: masked in every sum over rows below
             T.copy(Kx[start : start + BT, h, 0:K], k_s)
             last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
@@ -469,9 +472,10 @@ def grad_wy_kernel(K: int, V: int, BV: int, dtype: str, g_dtype: str, beta_dtype
             a_cols_s = T.alloc_shared((BT,), ACCUM)
             dgamma_s = T.alloc_shared((BT,), ACCUM)
 
-            h = hv // groups
-            start = chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
-            eos = chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen)
+            # bound once: as expressions TileLang would recompute their divisions, in int64, at every access
+            h = T.alloc_var("int32", init=hv // groups)
+            start = T.alloc_var("int32", init=chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
+            eos = T.alloc_var("int32", init=chunk_end(Cu, Chunks, i_t, seq_len, n_chunks, varlen))
             # every load that waits on no other first, so that their latencies overlap. Rows past eos are another
             # sequence's or zeros: masked (a select: 0 * inf would be NaN) where a product sums over rows, else they
             # only reach rows that are not stored
@@ -600,7 +604,7 @@ def backward_entries(
 ) -> list[Entry]:
     """The kernels one backward runs beside the forward's prepare (for `precompile`)."""
     return [
-        state_output_entry(K, V, dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True),
+        storing_walk_entry(K, V, dtype, has_initial, False, l2norm, varlen),
         local_grad_entry(K, V, dtype, l2norm, varlen),
         state_grad_entry(K, V, dtype, has_initial, final_grad, varlen),
         grad_qk_entry(K, V, dtype, l2norm, varlen),
@@ -643,12 +647,9 @@ def chunk_backward(
         h0 = initial_state if has_initial else placeholder(device)
         states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
         corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)
-        entry = state_output_entry(
-            K, V, q.dtype, has_initial, False, l2norm, varlen, write_output=False, store_states=True
-        )
-        launcher(entry, device)(
-            q_rows, k_rows, gamma, w, u, placeholder(device, q.dtype), h0, placeholder(device), states, corrections,
-            chunks.cu, chunks.first, float(scale), T_, n, HV // H,
+        store_states(
+            q_rows, k_rows, gamma, w, u, h0, placeholder(device), states, corrections, chunks, float(scale), T_, n,
+            (has_initial, False, l2norm, varlen),
         )  # fmt: skip
         du = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)  # dU_local, then dU
         q_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 import torch
 
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 from .varlen import chunk_table, on_device
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
@@ -264,10 +264,16 @@ def _store_block(K: int, V: int) -> int:
 
 
 def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: bool, l2norm: bool,
-                       varlen: bool, stages: int = 2):  # fmt: skip
+                       varlen: bool, stages: int = 2, store_states: bool = True,
+                       transition: bool = False):  # fmt: skip
     """The walk that only stores, per chunk, the state entering it (States[global chunk]) and the corrections
     U = u - w S (both bf16): state_output_kernel's results with write_output False and store_states True, for bf16
     inputs only.
+
+    For the context-parallel split (split.py) it also walks without storing them (store_states False: only the end
+    state, in HT; from a zero state, the segments' offsets b) and, with `transition`, walks the linear part of the
+    chunk maps instead: the state is [K, V = K] from the identity, u is taken as zero (U is not read), and the end
+    state is the segment's map M.
 
     Every tile a chunk needs comes through the pipeline (k; w, u and gamma in fp32, by TMA where TileLang can), so
     the walk's sequential path holds no load from global memory: w is rounded to bf16 in shared memory, gamma_last
@@ -282,11 +288,11 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
         Kx: T.Tensor((R, H, K), OPERAND),
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
-        U: T.Tensor((R, HV, V), ACCUM),
+        U: T.Tensor((1,) if transition else (R, HV, V), ACCUM),
         H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
-        States: T.Tensor((NTC, HV, K, V), OPERAND),
-        Corrections: T.Tensor((R, HV, V), OPERAND),
+        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), OPERAND),
+        Corrections: T.Tensor((R, HV, V) if store_states else (1,), OPERAND),
         Cu: T.Tensor((NC,), "int32"),
         First: T.Tensor((NF,), "int32"),
         seq_len: T.int32,
@@ -298,7 +304,7 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
             state_h = T.alloc_shared((K, BV), OPERAND)  # the state entering the chunk, as the products take it
             k_s = T.alloc_shared((BT, K), OPERAND)  # pipelined: k (bf16), w and u as stored, rows past eos unused
             w_s = T.alloc_shared((BT, K), ACCUM)
-            u_s = T.alloc_shared((BT, BV), ACCUM)
+            u_s = None if transition else T.alloc_shared((BT, BV), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)  # pipelined: gamma, zero from eos on
             w_h = T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
@@ -315,7 +321,11 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
             bos = T.alloc_var("int32", init=bos_)
             eos = T.alloc_var("int32", init=eos_)
             first = T.alloc_var("int32", init=First[n] if varlen else n * T.ceildiv(seq_len, BT))
-            load_state(state, H0, n, hv, v0, has_initial)
+            if transition:
+                for i, j in T.Parallel(K, BV):
+                    state[i, j] = T.if_then_else(i == v0 + j, 1.0, 0.0)
+            else:
+                load_state(state, H0, n, hv, v0, has_initial)
             if not l2norm:
                 for i in T.Parallel(BT):
                     k_rstd_s[i] = 1.0
@@ -323,28 +333,31 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
                 start_ = bos_ + c * BT
                 T.copy(Kx[start_ : start_ + BT, h_, 0:K], k_s)
                 T.copy(W[start_ : start_ + BT, hv_, 0:K], w_s)
-                T.copy(U[start_ : start_ + BT, hv_, v0 : v0 + BV], u_s)
+                if not transition:
+                    T.copy(U[start_ : start_ + BT, hv_, v0 : v0 + BV], u_s)
                 load_chunk_decay(Gamma, gamma_s, hv_, start_, eos_)
                 start = bos + c * BT
-                for i, j in T.Parallel(K, BV):
-                    States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
+                if store_states:
+                    for i, j in T.Parallel(K, BV):
+                        States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
                 T.copy(state, state_h)
                 for i, j in T.Parallel(BT, K):
                     w_h[i, j] = T.cast(w_s[i, j], OPERAND)  # rows past eos: only their own rows of U, masked below
                 if l2norm:
                     row_rstd(k_s, sq, rsum, k_rstd_s)
                 last = gamma_s[T.min(eos - start, BT) - 1]
-                # U = u - w S; the state update takes its rows scaled (k is used as stored)
+                # U = u - w S (u = 0 in the transition walk); the state update takes its rows scaled (k as stored)
                 T.gemm(w_h, state_h, corr, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    corr[i, j] = T.if_then_else(start + i < eos, u_s[i, j] - corr[i, j], 0.0)
+                    corr[i, j] = T.if_then_else(start + i < eos, (0.0 if transition else u_s[i, j]) - corr[i, j], 0.0)
                     corr_kd_h[i, j] = T.cast(
                         corr[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i], 0.0),
                         OPERAND,
                     )
-                for i, j in T.Parallel(BT, BV):
-                    if start + i < eos:
-                        Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
+                if store_states:
+                    for i, j in T.Parallel(BT, BV):
+                        if start + i < eos:
+                            Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
                 # S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), accumulated into the fp32 state
                 for i, j in T.Parallel(K, BV):
                     state[i, j] = state[i, j] * T.exp(last)
@@ -356,12 +369,49 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
 
 
 def state_store_entry(K: int, V: int, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
-                      stages: int = 2) -> Entry:  # fmt: skip
-    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see tilelang.storing_walk_entry)."""
+                      stages: int = 2, *, store_states: bool = True, transition: bool = False) -> Entry:  # fmt: skip
+    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see storing_walk_entry);
+    store_states False: only the end state; transition: the walk of the chunk maps' linear part (V = K, from the
+    identity, only the end map)."""
+    if transition and (V != K or has_initial or store_states or not store_final):
+        raise ValueError(
+            "state_store_entry: the transition walk takes V = K, no initial state, stores only the end map "
+            f"(store_final, not store_states); got K={K}, V={V}, has_initial={has_initial}, "
+            f"store_final={store_final}, store_states={store_states}"
+        )
     BV = _store_block(K, V)
     flags = (has_initial, store_final, l2norm, varlen)
-    key = ("gdr_chunk_state_store", K, V, BV, flags, stages)
-    return key, lambda _: state_store_kernel(K, V, BV, *flags, stages=stages)
+    key = ("gdr_chunk_state_store", K, V, BV, flags, stages, store_states, transition)
+    return key, lambda _: state_store_kernel(
+        K, V, BV, *flags, stages=stages, store_states=store_states, transition=transition
+    )
+
+
+def storing_walk_entry(
+    K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool
+) -> Entry:
+    """The walk storing the state entering each chunk and U, forward and backward: state_store_kernel for bf16
+    inputs; for fp16 state_output_kernel (store_states), because TileLang 0.1.15's pipelined walk that rounds fp16 k
+    to bf16 in shared memory stores wrong states from the third chunk on (measured on the H200: state error 1e3
+    relative at T = 1000). For bf16 the two store the same bits."""
+    flags = (has_initial, store_final, l2norm, varlen)
+    if dtype == OPERAND_TORCH:
+        return state_store_entry(K, V, *flags)
+    return state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True)
+
+
+def store_states(q_rows, k_rows, gamma, w, u, h0, ht, states, corrections, chunks: "Chunks", scale: float, T_: int,
+                 n: int, flags: tuple[bool, bool, bool, bool]) -> None:  # fmt: skip
+    """Launches storing_walk_entry's walk (flags: has_initial, store_final, l2norm, varlen); q_rows only feeds the
+    fp16 walk's unused output path."""
+    K, V, dtype, device = k_rows.shape[-1], u.shape[-1], k_rows.dtype, k_rows.device
+    walk = launcher(storing_walk_entry(K, V, dtype, *flags), device)
+    groups = u.shape[1] // k_rows.shape[1]
+    if dtype == OPERAND_TORCH:
+        walk(k_rows, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.first, T_, n, groups)
+    else:
+        walk(q_rows, k_rows, gamma, w, u, placeholder(device, dtype), h0, ht, states, corrections, chunks.cu,
+             chunks.first, scale, T_, n, groups)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launchers

@@ -43,7 +43,6 @@ from .triton_shared import (
     FULL_DECAY_,
     L2NORM_EPS,
     Chunks,
-    Segments,
     Tuning,
     _bounds,
     _chunk_rows,
@@ -56,6 +55,7 @@ from .triton_shared import (
     _precision,
     _storage_dot,
     _to_half,
+    split,
     storage_dtype,
     walk_states,
 )
@@ -477,7 +477,7 @@ def chunk_forward(
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     chunks = Chunks.of(v, cu_seqlens)
     gamma, w, u, inverse, k_factor = prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks, _precision(q), tuning)
-    segments = Segments.of(chunks, q, v, cu_seqlens, tuning.segment_chunks)
+    segments = split(chunks, q, v, cu_seqlens, tuning.segment_chunks)
     final, states, corrections, _ = walk_states(
         k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks, segments
     )

@@ -18,7 +18,6 @@ from .triton_shared import (
     BT_,
     DEFAULT_TUNING,
     Chunks,
-    Segments,
     Tuning,
     _as_operand,
     _bounds,
@@ -34,6 +33,8 @@ from .triton_shared import (
     _state_buffer,
     _storage_dot,
     _walk_operand_columns,
+    segment_chunks,
+    split,
     walk_states,
 )
 
@@ -424,7 +425,7 @@ def chunk_backward(
     du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
     # the states again, from the k factors just computed (the forward's up to rounding: the same math, another kernel)
-    segments = Segments.of(chunks, q, v, cu_seqlens, tuning.segment_chunks)
+    segments = split(chunks, q, v, cu_seqlens, tuning.segment_chunks)
     _, states, corrections, maps = walk_states(k, v, factors[1], gamma, w, u, initial_state, False, chunks, segments)
     dh0 = _state_buffer(chunks.n, HV, K, V, device) if initial_state is not None else None
     dht = grad_final if output_final_state else None
@@ -432,7 +433,7 @@ def chunk_backward(
     if segments is None:
         walk(chunks, dht=dht, dstates=dstates, dh0=dh0)
     else:  # dS = M^T dS' + c per segment: c from a zero dS', the chain backwards, then the segments again
-        parts = segments.chunks
+        parts = segment_chunks(segments, chunks.total)
         offsets, leaving = _state_buffer(parts.n, HV, K, V, device), _state_buffer(parts.n, HV, K, V, device)
         walk(parts, dh0=offsets)
         _combine(segments, maps, offsets, dht, leaving, dh0, precision, reverse=True)

@@ -1,12 +1,11 @@
 """What the chunked gated delta rule's Triton forward (triton.py) and backward (triton_backward.py,
 triton_backward_wy.py) share: the dtype and chunk-addressing helpers, the chunk tables (Chunks), the kernels' variants
-(Tuning), the state walk that both run (walk_states), the context-parallel split of long sequences (Segments) and the
-pieces of the backward's kernels."""
+(Tuning), the state walk that both run (walk_states), the Triton side of the context-parallel split of long sequences
+(split, and the chain of the segments; split.py has the rest) and the pieces of the backward's kernels."""
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import varlen
 from .reference import FULL_DECAY
+from .split import Segments, check_segment_chunks, segment_length
 
 BT = 64  # the chunk size (reference.CHUNK_SIZE)
 BT_ = tl.constexpr(BT)
@@ -313,7 +313,7 @@ class Tuning:
         the single step-5 kernel (on bf16 operands it faulted on the H100 at K = 16 and 32); None: where step 5 runs
         fused, where it pays (docs/tuning/gated_delta_rule.md has the timings and the errors against float64).
     segment_chunks: chunks per segment of the context-parallel split (0: never split); None: the occupancy rule
-        (split_length) decides.
+        (split.split_length) decides.
     """
 
     grad_wy: str | None = None
@@ -323,8 +323,7 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.grad_wy not in (None, "single", "fused"):
             raise ValueError(f"Tuning.grad_wy: expected None, 'single' or 'fused', got {self.grad_wy!r}")
-        if self.segment_chunks is not None and (not isinstance(self.segment_chunks, int) or self.segment_chunks < 0):
-            raise ValueError(f"Tuning.segment_chunks: expected None or an int >= 0, got {self.segment_chunks!r}")
+        check_segment_chunks(self.segment_chunks, "Tuning.segment_chunks")
 
     def step5(self, K: int) -> str:
         """The backward's step-5 kernel at this K: "single" or "fused"."""
@@ -387,7 +386,7 @@ def walk_states(
         return final, states, corrections, None
     # each segment maps the state entering it to S -> M S + b: M and b (from a zero state) in parallel,
     # then the states entering the segments in order (cheap), then the segments again from those
-    parts = segments.chunks
+    parts = segment_chunks(segments, chunks.total)
     maps, offsets = _state_buffer(parts.n, HV, K, K, device), _state_buffer(parts.n, HV, K, V, device)
     walk(parts, ht=maps, transition=True)
     walk(parts, ht=offsets)
@@ -398,79 +397,27 @@ def walk_states(
 
 
 # --------------------------------------------------------------------------- context-parallel split
-# The walks above run one program per (sequence, value head, V block) through all of a sequence's chunks.
-# When those programs are too few to fill the GPU (few long sequences, few heads), every sequence is cut
-# into segments of the same number of chunks (the last may be shorter; a shorter sequence is one segment).
-# Per chunk the state map is affine, S' = M S + b with M = e^gamma_last I - K~^T w and b = K~^T u
-# (K~ = K e^(gamma_last - gamma)), and so is a segment's: its M (the walk of the linear part from the
-# identity) and b (the walk from a zero state) are computed for all segments in parallel, one short
-# walk per sequence (_segment_combine_kernel) chains them into the state entering each segment, and the
-# segments are walked again in parallel from those states. Segments are handed to the walking kernels as
-# sequences of their own (their boundaries as cu_seqlens, their first global chunk as chunk offsets).
-# The backward's reverse walk is affine in dS' with M^T: the same three steps, the chain run backwards.
-
-SPLIT_PROGRAMS_PER_SM = 2  # split to reach about this many walking programs per SM
-MIN_SEGMENTS = 4  # the split walks each segment about three times: it pays from about four segments per sequence
-MIN_SEGMENT_CHUNKS = 4
+# split.py explains it (and holds the occupancy rule and the segment tables both backends use); here the Triton
+# walks' program count that the rule weighs, and the chain of the segments (_segment_combine_kernel).
 
 
-def _segment_chunks(chunks: Chunks, HV: int, K: int, V: int, device: torch.device, forced: int | None) -> int:
-    """Chunks per segment of the split, or 0 to walk every sequence whole; `forced` (Tuning.segment_chunks) where
-    given."""
-    if forced is not None:
-        return forced
-    if device.type != "cuda" or chunks.total == 0:
-        return 0
+def split(
+    chunks: Chunks, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, forced: int | None = None
+) -> Segments | None:
+    """The split the occupancy asks for, or `forced` chunks per segment (Tuning.segment_chunks; None: the rule),
+    or None to walk every sequence whole; cu_seqlens on the host, as the launchers get it."""
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     programs = chunks.n * HV * cdiv(V, _state_block(K, V))
-    return split_length(chunks, programs, sm_count(device))
+    length = segment_length(forced, v.device, chunks.n, chunks.longest, chunks.total, programs)
+    if length == 0 or chunks.total == 0:
+        return None
+    B, T = v.shape[:2]
+    return Segments.of(length, BT, B, T, cu_seqlens, chunks.cu, v.device)
 
 
-def split_length(chunks: Chunks, programs: int, sms: int) -> int:
-    """The occupancy rule: chunks per segment when `programs` walking programs leave most of `sms` SMs idle, else 0.
-
-    Split when the segments per sequence that would give SPLIT_PROGRAMS_PER_SM programs per SM are at least
-    MIN_SEGMENTS (on an H100's 132 SMs: at most 66 programs), into segments of at least MIN_SEGMENT_CHUNKS,
-    and only when the longest sequence is longer than one segment. Every sequence is cut with the same length.
-    """
-    segments = SPLIT_PROGRAMS_PER_SM * sms // max(programs, 1)
-    if segments < MIN_SEGMENTS:
-        return 0
-    # the chain walks a sequence's segments one by one, each step about a quarter of a chunk's:
-    # segments of ~sqrt(chunks) / 2 balance it against the segment walks
-    length = max(MIN_SEGMENT_CHUNKS, math.isqrt(chunks.longest) // 2, cdiv(chunks.total, chunks.n * segments))
-    return length if length < chunks.longest else 0
-
-
-@dataclass
-class Segments:
-    """The split: `chunks` describes the segments as sequences of their own (for the walking kernels)."""
-
-    chunks: Chunks
-    tokens: int  # per segment (a multiple of BT)
-    cu: torch.Tensor  # device [N + 1] int64: the sequences' boundaries (fixed length: every T tokens)
-    first: torch.Tensor  # device [N] int32: each sequence's first segment
-
-    @classmethod
-    def of(
-        cls,
-        chunks: Chunks,
-        q: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
-        forced: int | None = None,
-    ) -> "Segments | None":
-        """The split the occupancy asks for, or `forced` chunks per segment (None: none); cu_seqlens on the host, as
-        the launchers get it."""
-        length = _segment_chunks(chunks, v.shape[2], q.shape[-1], v.shape[-1], v.device, forced)
-        if length == 0 or chunks.total == 0:
-            return None
-        B, T = v.shape[:2]
-        cu_host = torch.arange(0, B * T + 1, T) if cu_seqlens is None else cu_seqlens
-        cu = torch.arange(0, B * T + 1, T, device=v.device) if chunks.cu is None else chunks.cu
-        tokens = length * BT
-        bounds, first_chunks, first = varlen.piece_bounds(cu, cu_host, tokens, BT)
-        parts = Chunks(bounds.numel() - 1, 0, chunks.total, length, bounds, None, first_chunks)
-        return cls(parts, tokens, cu, first)
+def segment_chunks(segments: Segments, total: int) -> Chunks:
+    """The segments as the walking kernels take sequences (`total`: the chunks over all sequences)."""
+    return Chunks(segments.count, 0, total, segments.length, segments.bounds, None, segments.first_chunks)
 
 
 @direct_launch

@@ -1,8 +1,8 @@
 """Packed sequences (cu_seqlens) cut into fixed-size pieces, numbered on the device (shared by the Triton and
 TileLang kernels).
 
-Pieces (the 64-step chunks, or the Triton backend's segments of several chunks) are numbered sequence by
-sequence: sequence n owns cdiv(len_n, size) of them (none when empty), from first[n] on. The boundaries are
+Pieces (the 64-step chunks, or the context-parallel split's segments of several chunks, split.py) are numbered
+sequence by sequence: sequence n owns cdiv(len_n, size) of them (none when empty), from first[n] on. The boundaries are
 validated on the host, so the number of pieces (the size of what is written) is known there without a
 device sync; one kernel (one program per sequence) writes the per-piece numbers from the device copy.
 """
@@ -161,15 +161,15 @@ def chunk_table(cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int) -> t
 
 
 def piece_bounds(
-    cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int, chunk: int
+    cu_seqlens: torch.Tensor, cu_host: torch.Tensor, size: int, chunk: int, dtype: torch.dtype = torch.int64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pieces as sequences of their own, on cu_seqlens' device: ([pieces + 1] int64 boundaries, [pieces] int32
-    global index of each piece's first chunk (chunks of `chunk` tokens, a divisor of size, numbered sequence by
-    sequence), [N] int32 first piece of each sequence)."""
+    """The pieces as sequences of their own, on cu_seqlens' device: ([pieces + 1] boundaries in `dtype` (int64, or
+    int32 for kernels that index with it), [pieces] int32 global index of each piece's first chunk (chunks of `chunk`
+    tokens, a divisor of size, numbered sequence by sequence), [N] int32 first piece of each sequence)."""
     total = int(piece_counts(cu_host, size).sum())
     first = _first_pieces(cu_seqlens, size)
     device = cu_seqlens.device
-    starts = buffers.empty((total + 1,), dtype=torch.int64, device=device)
+    starts = buffers.empty((total + 1,), dtype=dtype, device=device)
     first_chunks = buffers.empty((total,), dtype=torch.int32, device=device)
     chunk_offsets = _first_pieces(cu_seqlens, chunk)
     _launch(cu_seqlens, first, size, starts=starts, chunk_offsets=chunk_offsets, first_chunks=first_chunks, chunk=chunk)

@@ -163,7 +163,8 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
                 T.clear(total)
                 if swiglu:
                     T.clear(total_up)
-            steps = T.ceildiv(T.ceildiv(M, bm), G)
+            # bound once: as an expression TileLang would recompute its division by G, in int64, at every use
+            steps = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(M, bm), G))
             for step in T.serial(steps):
                 r0 = (by * steps + step) * bm
                 for i, j in T.Parallel(bm, bn):

@@ -23,10 +23,12 @@ def segments_per_row(rows: int, n: int, k: int, device: torch.device, segments: 
     return max(1, min(cdiv(2 * sms, rows), n // max(SEGMENT_MIN, 4 * k)))
 
 
-def split_rows(rows: int, n: int, k: int, device: torch.device, segments: int | None) -> tuple[int, int]:
+def split_rows(
+    rows: int, n: int, k: int, device: torch.device, segments: int | None, multiple: int = 1
+) -> tuple[int, int]:
     """(segments, segment length) of rows of n entries: every segment holds at least one entry, the last may be
-    shorter."""
-    seg_stride = cdiv(n, segments_per_row(rows, n, k, device, segments))
+    shorter; the length rounded up to a multiple of `multiple` (aligned segments, fewer of them where it must)."""
+    seg_stride = cdiv(cdiv(n, segments_per_row(rows, n, k, device, segments)), multiple) * multiple
     return cdiv(n, seg_stride), seg_stride
 
 

@@ -24,8 +24,6 @@ softmax over its first top_k[b] survivors at its temperature, the top-p prefix, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,8 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import pow2_at_least
 from .select_plan import as_rows, split_rows
+from .triton_filter import FILTER_LAUNCH, FilterLaunch, filter_segments
+from .triton_shared import _choose_digit, _keys, _load_keys, _segment
 
 BLOCK = 4096  # elements a select program reads per step
 # entries passing the filter's bound that a select program keeps: for distinct keys about
@@ -41,58 +41,6 @@ BLOCK = 4096  # elements a select program reads per step
 CAPACITY = 4096
 # the step of the select over the kept entries: about k of them, and a smaller tile holds fewer registers
 KEPT_BLOCK = tl.constexpr(1024)
-
-
-@dataclass(frozen=True)
-class FilterLaunch:
-    """How _filter_segment runs. step: entries per step of its two passes, and so its number of group maxima (None:
-    the select's block); at least the largest k, so that the bound keeps about k entries. warps: 16 give 85
-    registers per thread on sm_90 (bf16), 512 threads an SM. stages: the load pipeline depth of its two loops
-    (1: none); deeper keeps more loads in flight per thread, where the loop's block-wide sum otherwise waits on each."""
-
-    step: int | None = None
-    warps: int = 16
-    stages: int = 1
-
-
-FILTER_LAUNCH = FilterLaunch()
-
-
-@triton.jit
-def _keys(x, LARGEST: tl.constexpr):
-    x = x.to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
-    key = tl.where(x != x, 0xFFFFFFFF, key)
-    if not LARGEST:
-        key = ~key
-    return key
-
-
-@triton.jit
-def _load_keys(x_ptr, idx_ptr, offs, n, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr):
-    """(keys, values, indices, valid) at offs of a row of n entries; without HAS_IDX the index is the offset."""
-    valid = offs < n
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-    if HAS_IDX:
-        index = tl.load(idx_ptr + offs, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (index >= 0)
-    else:
-        index = offs.to(tl.int64)
-    return _keys(x, LARGEST), x, index, valid
-
-
-@triton.jit
-def _choose_digit(hist, prefix, remaining, SHIFT: tl.constexpr):
-    """From the histogram of the digit at SHIFT: prefix with the threshold's digit set, and how many entries equal
-    to the threshold so far are still wanted."""
-    bins = tl.arange(0, 256)
-    # at_least[d]: entries whose digit is >= d; the threshold's digit is the largest d with enough of them
-    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-    digit = tl.max(tl.where(at_least >= remaining, bins, 0), 0)
-    remaining -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-    return prefix | (digit.to(tl.uint32) << SHIFT), remaining
 
 
 @triton.jit
@@ -115,16 +63,6 @@ def _digit(
         if SHIFT < 24:
             valid = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
         hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=valid)
-    return _choose_digit(hist, prefix, remaining, SHIFT)
-
-
-@triton.jit
-def _register_digit(key, prefix, remaining, SHIFT: tl.constexpr):
-    """_digit over a vector of keys held in registers."""
-    inside = key == key
-    if SHIFT < 24:
-        inside = (key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))
-    hist = tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=inside)
     return _choose_digit(hist, prefix, remaining, SHIFT)
 
 
@@ -162,123 +100,6 @@ def _select_exact(
         tl.store(out_idx_ptr + position, index + index_base, mask=take)
         taken += tl.sum(take.to(tl.int32), 0)
         tied += tl.sum(equal.to(tl.int32), 0)
-
-
-@triton.jit
-def _lower_bound(
-    x_ptr, idx_ptr, n, wanted, LARGEST: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr
-):
-    """A key t with at least `wanted` entries of x[:n] at or above it (0 where it cannot tell): the wanted-th
-    largest of the BLOCK maxima of the strided groups x[j::BLOCK], which are distinct entries."""
-    group_max = tl.zeros((BLOCK,), dtype=tl.uint32)
-    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
-        offs = step + tl.arange(0, BLOCK)
-        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        group_max = tl.maximum(group_max, tl.where(valid, key, 0))
-    # a group without an entry holds 0: it only lowers t, and any t > 0 is still the key of `wanted` real entries
-    prefix = tl.zeros((), dtype=tl.uint32)
-    remaining = wanted
-    prefix, remaining = _register_digit(group_max, prefix, remaining, 24)
-    prefix, remaining = _register_digit(group_max, prefix, remaining, 16)
-    prefix, remaining = _register_digit(group_max, prefix, remaining, 8)
-    prefix, remaining = _register_digit(group_max, prefix, remaining, 0)
-    return prefix
-
-
-@triton.jit
-def _filter(
-    x_ptr,
-    idx_ptr,
-    n,
-    index_base,
-    bound,
-    kept_x_ptr,
-    kept_idx_ptr,
-    capacity,
-    wanted,
-    LARGEST: tl.constexpr,
-    HAS_IDX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """The entries of x[:n] with key > bound and the first `wanted` with key == bound, in ascending index order, to
-    kept[:capacity] (index + index_base); returns how many there are (all of them counted, also past capacity).
-    As bound is at most the wanted-th key, those hold the wanted best entries (ties: the lower index first)."""
-    count = tl.zeros((), dtype=tl.int32)
-    ties = tl.zeros((), dtype=tl.int32)
-    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
-        offs = step + tl.arange(0, BLOCK)
-        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        above = valid & (key >= bound)
-        if tl.sum(above.to(tl.int32), 0) > 0:  # most steps of a long row keep nothing: no scan, no store
-            equal = above & (key == bound)
-            n_equal = tl.sum(equal.to(tl.int32), 0)
-            keep = above & ((key > bound) | (ties + tl.cumsum(equal.to(tl.int32), 0) <= wanted))
-            position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(kept_x_ptr + position, x, mask=keep & (position < capacity))
-            tl.store(kept_idx_ptr + position, (index + index_base).to(tl.int32), mask=keep & (position < capacity))
-            count += tl.sum(keep.to(tl.int32), 0)
-            ties += n_equal
-    return count
-
-
-@triton.jit
-def _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX: tl.constexpr):
-    """What program (row, segment) of a select works on: its segment's x and idx pointers, its length, the index of
-    its first entry (0 with idx: the indices are read), and the program's number (row-major)."""
-    row = tl.program_id(0).to(tl.int64)
-    segment = tl.program_id(1)
-    start = segment.to(tl.int64) * seg_stride
-    n = tl.minimum(n - start, seg_stride).to(tl.int32)
-    x_ptr += row * row_stride + start
-    if HAS_IDX:
-        idx_ptr += row * row_stride + start
-        index_base = tl.zeros((), dtype=tl.int64)
-    else:
-        index_base = start
-    return x_ptr, idx_ptr, n, index_base, row * tl.num_programs(1) + segment
-
-
-@triton.jit
-def _filter_segment(
-    x_ptr,
-    idx_ptr,
-    n,
-    seg_stride,
-    row_stride,
-    k,
-    kept_x_ptr,
-    kept_idx_ptr,
-    kept_count_ptr,
-    capacity,
-    LARGEST: tl.constexpr,
-    HAS_IDX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """Program (row, segment): the entries of its segment above a lower bound of the k-th key and the first k equal
-    to it, in ascending index order, to its scratch of `capacity`; kept_count[row, segment]: how many (all of them
-    counted, also past capacity). Two streaming passes, apart from the select's kernel: few registers, so several
-    programs share an SM and hide each other's load latency."""
-    x_ptr, idx_ptr, n, index_base, program = _segment(x_ptr, idx_ptr, n, seg_stride, row_stride, HAS_IDX)
-    wanted = tl.minimum(k, n)
-    bound = _lower_bound(x_ptr, idx_ptr, n, wanted, LARGEST, HAS_IDX, BLOCK, STAGES)
-    count = _filter(
-        x_ptr,
-        idx_ptr,
-        n,
-        index_base,
-        bound,
-        kept_x_ptr + program * capacity,
-        kept_idx_ptr + program * capacity,
-        capacity,
-        wanted,
-        LARGEST,
-        HAS_IDX,
-        BLOCK,
-        STAGES,
-    )
-    tl.store(kept_count_ptr + program, count)
 
 
 @triton.jit
@@ -397,20 +218,8 @@ def _select_launch(
     out_x = torch.empty((rows, segments * k), dtype=x.dtype, device=x.device)
     out_idx = torch.empty((rows, segments * k), dtype=torch.int64, device=x.device)
     if filter:
-        kept_x = torch.empty((rows * segments, capacity), dtype=x.dtype, device=x.device)
-        kept_idx = torch.empty((rows * segments, capacity), dtype=torch.int32, device=x.device)
-        kept_count = torch.empty((rows, segments), dtype=torch.int32, device=x.device)
-        _filter_segment[(rows, segments)](
-            *segment,
-            k,
-            kept_x,
-            kept_idx,
-            kept_count,
-            capacity,
-            **flags,
-            BLOCK=filter_launch.step or block,
-            STAGES=filter_launch.stages,
-            num_warps=filter_launch.warps,
+        kept_x, kept_idx, kept_count = filter_segments(
+            segment, rows, segments, k, flags, capacity, block, filter_launch
         )
     else:
         kept_x, kept_idx, kept_count = x, out_idx, None
@@ -445,7 +254,8 @@ def _select_sorted(
     """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
-    s, seg_stride = split_rows(rows, n, k, scores.device, segments)
+    # the full-tile filter reads aligned segments with 16-byte loads
+    s, seg_stride = split_rows(rows, n, k, scores.device, segments, 1 if filter_launch.tiles is None else 16)
     launch = (filter, block, capacity, filter_launch)
     cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, *launch)
     if s > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons
+from ..checks import check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_op import KernelOp
 from .reference import swiglu_reference
 
@@ -14,13 +14,9 @@ TILELANG_MAX_NUMEL = 2**31 - 2**16
 
 
 def _reasons(backend: str, gate: torch.Tensor, up: torch.Tensor, too_large: bool | None = None) -> list[str]:
-    """too_large: gate.numel() > TILELANG_MAX_NUMEL, passed by the op (the stand-ins of torch.compile's decision keep
-    no such size); explain() reads it from gate."""
     reasons = dtype_reasons("gate", gate)
-    if too_large is None:
-        too_large = gate.numel() > TILELANG_MAX_NUMEL
-    if backend == "tilelang" and too_large:
-        reasons.append(f"gate has more than {TILELANG_MAX_NUMEL} elements, the most the tilelang kernels take")
+    if backend == "tilelang":
+        reasons += size_reasons("gate", gate, TILELANG_MAX_NUMEL, too_large, "the tilelang kernels take")
     return reasons
 
 
