@@ -7,6 +7,7 @@ compiled for sm_90a in test_sampling_tilelang.py)."""
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,6 +251,13 @@ def test_top_k_batch_dims_strided_and_empty():
     x = torch.randn(37)
     values, indices = top_k(x, 3, backend="triton")
     assert values.shape == (3,) and torch.equal(indices, oracle(x, 3))
+
+
+def test_top_k_accepts_any_integral_k_on_every_backend():
+    x = torch.randn(3, 37)
+    for backend in ("torch", "triton"):
+        values, indices = top_k(x, np.int64(4), backend=backend)
+        assert torch.equal(indices, oracle(x, 4))
 
 
 def test_top_k_gradients_on_torch_and_a_reason_on_triton():

@@ -103,6 +103,7 @@ def top_k(
     check_tensor("scores", scores, min_dim=1)
     width = scores.shape[-1]
     _check_count("k", k, width)
+    k = int(k)  # any Integral (numpy's too) as a Python int: the launchers and the kernel schema take one
     check_bool("largest", largest)
     check_bool("sorted", sorted)
     needs_grad = scores.requires_grad and torch.is_grad_enabled()
