@@ -8,8 +8,9 @@ import torch
 def autocast_inputs(device_type: str, *tensors: torch.Tensor | None) -> tuple:
     """Under autocast on `device_type`, the tensors in its dtype (None stays None); else the tensors as they are. A
     tensor already in that dtype comes back as it is, as `.to` would return it, without `.to`'s dispatcher round trip
-    (a few us of host time per call on an eager step's hot path)."""
+    (a few us of host time per call on an eager step's hot path). float64 tensors stay float64, as autocast leaves
+    them (it casts only the lower-precision-eligible float16/bfloat16/float32 inputs)."""
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple([t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors])  # a list: no generator frame
+    return tuple([t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype) for t in tensors])  # a list
