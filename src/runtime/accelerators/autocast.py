@@ -14,3 +14,12 @@ def autocast_inputs(device_type: str, *tensors: torch.Tensor | None) -> tuple:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple([t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype) for t in tensors])  # a list
+
+
+def autocast_to_float32(device_type: str, *tensors: torch.Tensor | None) -> tuple:
+    """Under autocast on `device_type`, the float16 / bfloat16 tensors as float32 (others, and None, as they are), as
+    autocast casts the arguments of the ops it runs in float32 (binary_cross_entropy_with_logits among them); else the
+    tensors as they are."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    return tuple([t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors])
