@@ -385,6 +385,17 @@ def test_sample_without_top_k_runs_torch_with_the_reason():
         sample(torch.randn(2, 3000), top_k=2049, backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_takes_a_temperature_beyond_float32_range(backend):
+    logits = torch.randn(3, 37)
+    ids = sample(logits, temperature=1e39, top_k=5, generator=torch.Generator().manual_seed(0), backend=backend)
+    top = torch.topk(logits, 5).indices
+    assert (ids[:, None] == top).any(-1).all()
+    widest = torch.finfo(torch.float32).max  # the same (uniform) draw as the widest float32 temperature
+    same = sample(logits, temperature=widest, top_k=5, generator=torch.Generator().manual_seed(0), backend=backend)
+    assert torch.equal(ids, same)
+
+
 def test_sample_empty_batch():
     assert sample(torch.randn(0, 10), top_k=3, backend="triton").shape == (0,)
 
