@@ -131,12 +131,14 @@ def _linear_backward_act(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dz = dy * act'(z) over STEPS row tiles of BLOCK_M rows, column sums of dz into partial[program row, :].
-    N: the columns of dy (F for swiglu, whose z and dz have 2N)."""
+    N: the columns of dy (F for swiglu, whose z and dz have 2N). The sums accumulate tile by tile in a [BLOCK_M,
+    BLOCK_N] fp32 block and fold over rows once at the end: a fold per tile put a cross-warp reduction (shared
+    memory and barriers) between every tile's loads and the next's."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
-    col_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    col_sum_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    col_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    col_sum_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(STEPS):
         rows = (pid_m * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & in_n[None, :]
@@ -153,8 +155,8 @@ def _linear_backward_act(
             tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=mask)
             tl.store(dz_ptrs + N, du.to(dz_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                col_sum += tl.sum(dg, axis=0)
-                col_sum_up += tl.sum(du, axis=0)
+                col_sum += dg
+                col_sum_up += du
         else:
             if ACT == RELU:
                 y = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
@@ -164,12 +166,12 @@ def _linear_backward_act(
                 dz = dy * _derivative(z, ACT)
             tl.store(dz_ptr + row_offsets * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                col_sum += tl.sum(dz, axis=0)
+                col_sum += dz
     if HAS_BIAS:
         width = 2 * N if ACT == SWIGLU else N
-        tl.store(partial_ptr + pid_m * width + cols, col_sum, mask=in_n)
+        tl.store(partial_ptr + pid_m * width + cols, tl.sum(col_sum, axis=0), mask=in_n)
         if ACT == SWIGLU:
-            tl.store(partial_ptr + pid_m * width + N + cols, col_sum_up, mask=in_n)
+            tl.store(partial_ptr + pid_m * width + N + cols, tl.sum(col_sum_up, axis=0), mask=in_n)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
