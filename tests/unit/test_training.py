@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from torch import nn
 
 from runtime.accelerators import active_config, set_accelerators
 from runtime.accelerators.testing import deterministic_algorithms
 from runtime.models import PCVRBatch
 from runtime.training import Trainer, config_dir
-from runtime.training.loop import use_cuda_graph
+from runtime.training.loop import clip_grad_norm, use_cuda_graph
 from runtime.training.metrics import log_loss, roc_auc
 from runtime.training.synthetic import SyntheticPCVR
 from tiny_training import TINY_SIZES
@@ -545,3 +546,26 @@ def test_step_matmul_flops_from_the_config():
     d, tokens, layers = 256, 512 * 1025, 4
     per_token = 4 * d * d + 3 * d * 4 * d + 1025 * d  # projections, SwiGLU, causal scores and values
     assert step_matmul_flops(cfg) == 3 * 2 * tokens * layers * per_token
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, None])
+@pytest.mark.parametrize("dtypes", ["one dtype", "mixed"])
+def test_clip_grad_norm_matches_torch_bit_for_bit(max_norm, dtypes):
+    """The loop's clipping (torch's foreach ops without their per-call grouping) against nn.utils.clip_grad_norm_
+    (or get_total_norm without max_norm): the same norm and gradients, bit for bit; mixed dtypes take torch's."""
+    torch.manual_seed(0)
+    shapes = [(37, 5), (200,), (3, 4, 5), (1,)]
+    kinds = [torch.float32] * 4 if dtypes == "one dtype" else [torch.float32, torch.float64] * 2
+    ours = tuple(torch.randn(s, dtype=d).requires_grad_() for s, d in zip(shapes, kinds))
+    theirs = tuple(p.detach().clone().requires_grad_() for p in ours)
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    ours[1].grad = None  # a parameter without a gradient is left out
+    theirs[1].grad = None
+    norm = clip_grad_norm(ours, max_norm)
+    grads = [p.grad for p in theirs if p.grad is not None]
+    expected = nn.utils.get_total_norm(grads) if max_norm is None else nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert torch.equal(norm, expected)
+    for a, b in zip(ours, theirs):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)

@@ -83,6 +83,36 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def clip_grad_norm(parameters: tuple[torch.Tensor, ...], max_norm: float | None) -> torch.Tensor:
+    """nn.utils.clip_grad_norm_(parameters, max_norm) (max_norm None: get_total_norm of the gradients alone), the same
+    ops in the same order, where the gradients are plain tensors of one device and dtype (its foreach path has then
+    one group): without its per-call grouping, checks and a no-op `.to(device)` per gradient. Other gradients go
+    through torch's."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return _torch_clip(parameters, grads, max_norm)
+    first = grads[0]
+    kind = (first.device, first.dtype)
+    if kind[0].type not in _FOREACH_DEVICES or any(
+        type(g) is not torch.Tensor or (g.device, g.dtype) != kind for g in grads
+    ):
+        return _torch_clip(parameters, grads, max_norm)
+    with torch.no_grad():
+        total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        if max_norm is not None:
+            torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0))
+    return total_norm
+
+
+_FOREACH_DEVICES = ("cuda", "cpu")
+
+
+def _torch_clip(parameters, grads, max_norm: float | None) -> torch.Tensor:
+    if max_norm is None:
+        return nn.utils.get_total_norm(grads)
+    return nn.utils.clip_grad_norm_(parameters, max_norm)
+
+
 JAGGED_GRAPH_BLOCKER = "data.jagged: packed batches change their token count and max_seqlen from step to step"
 
 
@@ -251,10 +281,7 @@ class Trainer:
         for param in self.parameters:  # optimizer.zero_grad(set_to_none=True) without its profiler range: ~0.1 ms
             param.grad = None
         loss.backward()
-        if self.grad_clip is None:
-            grad_norm = nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
-        else:
-            grad_norm = nn.utils.clip_grad_norm_(self.parameters, self.grad_clip)
+        grad_norm = clip_grad_norm(self.parameters, self.grad_clip)
         self.optimizer.step()
         return loss.detach(), grad_norm.detach()
 

@@ -61,13 +61,13 @@ SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reas
 
 
 def _fake_forward(x, weight, bias, activation):
-    rows = weight.shape[0]
-    y = x.new_empty(x.shape[0], rows // 2 if activation == "swiglu" else rows)
-    return y, x.new_empty((x.shape[0], rows) if activation in SAVES_PREACT else (0,))
+    rows, lead = weight.shape[0], x.shape[:-1]
+    y = x.new_empty(*lead, rows // 2 if activation == "swiglu" else rows)
+    return y, x.new_empty((*lead, rows) if activation in SAVES_PREACT else (0,))
 
 
-# kernel modules: forward(x [M, K], weight, bias, activation) -> (y [M, N or F], z: the saved pre-activation, or an
-#                 empty tensor where backward reads none)
+# kernel modules: forward(x [..., K], weight, bias, activation) -> (y [..., N or F], z: the saved pre-activation, or
+#                 an empty tensor where backward reads none)
 #                 backward(dy, x, weight, bias, activation, y, z) -> (dx, dweight, dbias, None)
 KERNEL = KernelOp(
     "linear",
@@ -136,5 +136,4 @@ def linear(
     )
     if chosen == "torch" or x.numel() == 0 or rows == 0:
         return linear_reference(x, weight, bias, activation)
-    y = KERNEL(chosen, x.reshape(-1, k), weight, bias, activation)
-    return y.view(*x.shape[:-1], columns)
+    return KERNEL(chosen, x, weight, bias, activation)

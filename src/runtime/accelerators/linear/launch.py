@@ -12,10 +12,16 @@ whether 128 x 128 serves K = N = 4096 better.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from ..launch_math import cdiv
+
+# the configs are pure functions of their arguments, asked again on every eager call
+_cached = functools.lru_cache(maxsize=4096)
 
 
 class GemmConfig(NamedTuple):
@@ -27,10 +33,17 @@ class GemmConfig(NamedTuple):
     group_m: int
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous [..., C] tensor as its [rows, C] view (the tensor itself where it is 2-D): the kernels take rows;
+    the op's forward and backward take and give any leading dimensions, so that autograd records no reshapes."""
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
 def _pow2_at_least(n: int, low: int) -> int:
     return max(low, 1 << max(0, (n - 1).bit_length()))
 
 
+@_cached
 def forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
     """Tiles of the forward GEMM y[m, n] = x[m, k] @ w[n, k]^T (n: the columns of one accumulator)."""
     block_k = min(64, _pow2_at_least(k, 16))
@@ -85,6 +98,7 @@ class BackwardLaunch:
 BACKWARD = BackwardLaunch()
 
 
+@_cached
 def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsConfig:
     block_n = min(128, _pow2_at_least(n, 16))
     block_m = launch.block_m or (32 if block_n >= 128 else 64)
@@ -92,6 +106,7 @@ def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsCo
     return RowsConfig(block_m, block_n, steps, launch.num_warps or 4)
 
 
+@_cached
 def persistent_forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
     """Tiles of the Hopper persistent TMA forward (triton_persistent.py). Its shared memory holds num_stages x and w
     tiles plus the y (and z) tiles the epilogue stores through descriptors, so it takes 128 x 128 where the portable

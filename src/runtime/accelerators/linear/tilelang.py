@@ -23,7 +23,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled, placeholder
-from .launch import ROW_GROUPS
+from .launch import ROW_GROUPS, as_rows
 from .reference import SAVES_PREACT
 
 SQRT_HALF = 0.7071067811865476
@@ -246,19 +246,19 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _launch_forward(x, weight, bias, activation, save: bool):
     x, weight = _contiguous(x), _contiguous(weight)
-    m, k = x.shape
+    *lead, k = x.shape
     n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
     saved = save and activation in SAVES_PREACT
-    y = buffers.empty((m, n), dtype=x.dtype, device=x.device)
-    z = buffers.empty((m, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
+    y = buffers.empty((*lead, n), dtype=x.dtype, device=x.device)
+    z = buffers.empty((*lead, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
     kernel = compiled(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
     b = placeholder(x.device, x.dtype) if bias is None else _contiguous(bias)
-    kernel(x, weight, b, y, z if saved else placeholder(x.device, x.dtype))
+    kernel(as_rows(x), weight, b, as_rows(y), as_rows(z) if saved else placeholder(x.device, x.dtype))
     return y, z
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    """x [M, K], weight [N, K] (swiglu: [2F, K]), bias or None -> (y [M, N or F], z: what backward reads)."""
+    """x [..., K], weight [N, K] (swiglu: [2F, K]), bias or None -> (y [..., N or F], z: what backward reads)."""
     return _launch_forward(x, weight, bias, activation, save=True)
 
 
@@ -285,10 +285,12 @@ def preact_gradient(dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activati
 def backward(dy, x, weight, bias, activation, y, z):
     """(dx, dweight, dbias, None): d_preact from one elementwise kernel, then the two backward GEMMs by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
-    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None)
+    shape = x.shape
+    dy, x = as_rows(dy), as_rows(x)
+    dz, dbias = preact_gradient(dy, as_rows(z) if z.numel() else z, as_rows(y), activation, bias is not None)
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
-    return dx, dweight, None if dbias is None else dbias.to(bias.dtype), None
+    return dx if len(shape) == 2 else dx.view(shape), dweight, None if dbias is None else dbias.to(bias.dtype), None
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer)

@@ -20,6 +20,8 @@ fused epilogue and the single elementwise pass, not in the two backward GEMMs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,15 @@ from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import triton_persistent
-from .launch import BACKWARD, BackwardLaunch, GemmConfig, backward_config, forward_config, persistent_pays
+from .launch import (
+    BACKWARD,
+    BackwardLaunch,
+    GemmConfig,
+    as_rows,
+    backward_config,
+    forward_config,
+    persistent_pays,
+)
 from .reference import SAVES_PREACT
 from .triton_activations import (
     ACTIVATION_CODES,
@@ -183,12 +193,13 @@ def _launch_forward(x, weight, bias, activation, save: bool, cfg: GemmConfig | N
     (launch.persistent_pays); True/False force it on (tests: the interpreter runs it too) or off. cfg: the variant's
     tiles, its table's by default."""
     x, weight = _contiguous(x), _contiguous(weight)
-    m, k = x.shape
+    *lead, k = x.shape
+    m = math.prod(lead)
     swiglu = activation == "swiglu"
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    y = buffers.empty((m, n), dtype=x.dtype, device=x.device)
+    y = buffers.empty((*lead, n), dtype=x.dtype, device=x.device)
     saved = save and activation in SAVES_PREACT
-    z = buffers.empty((m, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
+    z = buffers.empty((*lead, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
     if persistent is None:
         persistent = triton_persistent.hopper_ready(x, weight) and persistent_pays(m, n, k, swiglu, sm_count(x.device))
     if persistent:
@@ -206,8 +217,8 @@ def _launch_forward(x, weight, bias, activation, save: bool, cfg: GemmConfig | N
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, **variant):
-    """x [M, K], weight [N, K] (swiglu: [2F, K]), bias [N] or None -> (y [M, N or F], z: what backward reads).
-    variant: cfg and persistent, as _launch_forward takes them."""
+    """x [..., K] (M rows), weight [N, K] (swiglu: [2F, K]), bias [N] or None -> (y [..., N or F], z: what backward
+    reads). variant: cfg and persistent, as _launch_forward takes them."""
     return _launch_forward(x, weight, bias, activation, save=True, **variant)
 
 
@@ -239,10 +250,12 @@ def preact_gradient(
 def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BACKWARD):
     """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
+    shape = x.shape
+    dy, x = as_rows(dy), as_rows(x)
     dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
-    return dx, dweight, None if dbias is None else dbias.to(bias.dtype), None
+    return dx if len(shape) == 2 else dx.view(shape), dweight, None if dbias is None else dbias.to(bias.dtype), None
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer)

@@ -149,8 +149,8 @@ def launch(
 ):  # fmt: skip
     """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default; flatten:
     persistent_flattens's by default; subtile: the epilogue in two column halves (not yet measured on a GPU)."""
-    m, k = x.shape
-    n = y.shape[1]
+    k, n = x.shape[-1], y.shape[-1]
+    m = y.numel() // n  # x and y: [..., K] and [..., N], contiguous
     swiglu = activation == "swiglu"
     cfg = cfg or persistent_forward_config(m, n, k, swiglu)
     flatten = persistent_flattens(k, swiglu) if flatten is None else flatten
