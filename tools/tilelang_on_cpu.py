@@ -1,5 +1,6 @@
-"""Run TileLang kernels written thread by thread (SIMT: T.get_thread_binding, shared memory, barriers, atomics) on
-the CPU, from the CUDA source TileLang generates for sm_90a: no GPU needed.
+"""Run TileLang kernels written thread by thread (SIMT: T.get_thread_binding, shared memory, barriers, atomics), or
+elementwise over fragments with block reductions, on the CPU, from the CUDA source TileLang generates for sm_90a: no
+GPU needed.
 
 The source is compiled with g++ against tilelang_simt_shim.h (one std::thread per CUDA thread, a std::barrier per
 block, the blocks one after another) and called through ctypes on CPU tensors. It checks the kernels' logic and,
@@ -7,8 +8,10 @@ with --tsan (ThreadSanitizer), their barriers: a shared-memory access left unord
 It models neither warps nor the GPU's memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp
 specialisation) are out of its reach: the GPU tier stays the judge.
 
-    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling [--tsan]
+    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear [--tsan]
 
+linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
+a bias) against autograd in float64.
 sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, sorted, NaN / signed
 zeros / infinities, both directions, each dtype, split rows, k = 2048; the select with and without its threshold
 filter, and its fallback where more entries pass than the scratch holds) and sample's ids against
@@ -219,7 +222,62 @@ def check_sampling(tsan: bool) -> bool:
     return not failures
 
 
-CHECKS = {"sampling": check_sampling}
+# --------------------------------------------------------------------------- linear
+
+
+def linear_backward_problems(m: int, n: int, activation: str, with_bias: bool = True, tsan: bool = False) -> list:
+    """The backward's elementwise kernel on [m, n] bf16 inputs against autograd of the activation in float64: d_preact
+    within one bf16 ulp of the exact value rounded once, the dbias partial sums within 1e-5 of the float64 column
+    sums. Returns the problems found (none: it agrees)."""
+    from runtime.accelerators.linear import tilelang as kernels
+    from runtime.accelerators.linear.reference import activate
+
+    _, bn, _ = kernels.backward_tiles(n)
+    launch = cpu_launcher({"linear_bwd": lambda v: (-(-n // bn), v["G"])}, tsan)
+    width = 2 * n if activation == "swiglu" else n
+    z = (torch.randn(m, width) * 2).bfloat16()
+    dy = torch.randn(m, n).bfloat16()
+    z64 = z.double().requires_grad_()
+    y64 = activate(z64, activation)
+    (dz64,) = torch.autograd.grad(y64, z64, dy.double())
+    dz, dbias = kernels.preact_gradient(dy, z, y64.detach().bfloat16(), activation, with_bias, launch=launch)
+    problems = []
+    rounded = dz64.bfloat16().double()  # one bf16 ulp apart where fp32 and float64 straddle a rounding point
+    ulps = (dz.double() - rounded).abs() / (2**-7 * torch.maximum(dz.double().abs(), rounded.abs()) + 1e-6)
+    if ulps.max() > 1:
+        problems.append(f"d_preact {ulps.max():.3g} bf16 ulps from float64")
+    if with_bias and not torch.allclose(dbias.double(), dz64.sum(0), rtol=1e-5, atol=1e-4):
+        problems.append(f"dbias max error {(dbias.double() - dz64.sum(0)).abs().max():.3g}")
+    return problems
+
+
+def check_linear(tsan: bool) -> bool:
+    from runtime.accelerators.linear import tilelang as kernels
+
+    torch.manual_seed(0)
+    failures = []
+
+    def case(m: int, n: int, activation: str, with_bias: bool = True):
+        problems = linear_backward_problems(m, n, activation, with_bias, tsan)
+        rows = kernels.backward_tiles(n)[0]
+        label = f"linear backward pass {activation} M={m} N={n} bias={with_bias} (steps of {rows} rows)"
+        print(label, "ok" if not problems else "DIFFERS: " + ", ".join(problems), flush=True)
+        if problems:
+            failures.append(label)
+
+    if tsan:
+        case(300, 40, "gelu")
+        return not failures
+    for activation in ("gelu", "gelu_tanh", "silu", "relu", "swiglu"):
+        case(9001, 200, activation)  # 282 row tiles over 256 groups: programs of one and of two steps
+    case(70, 16, "gelu")
+    case(5, 8, "swiglu")
+    case(300, 64, "gelu", with_bias=False)
+    print(f"{len(failures)} differ" if failures else "all agree with the reference", flush=True)
+    return not failures
+
+
+CHECKS = {"sampling": check_sampling, "linear": check_linear}
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
-// CPU stand-ins for the CUDA built-ins of TileLang kernels written thread by thread (tools/tilelang_on_cpu.py):
-// one std::thread per CUDA thread, a std::barrier per block for __syncthreads, the blocks one after another.
+// CPU stand-ins for the CUDA built-ins of TileLang kernels written thread by thread, and of the elementwise code it
+// generates for fragments (tools/tilelang_on_cpu.py): one std::thread per CUDA thread, a std::barrier per block for
+// __syncthreads, the blocks one after another.
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -36,6 +37,45 @@ inline float max(float a, float b) { return std::fmax(a, b); }
 inline float min(float a, float b) { return std::fmin(a, b); }
 template <class T> inline void AtomicAdd(T* p, T v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T AtomicAddRet(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+// The vector types, bf16 pairs and block reduction of TileLang's generated elementwise code (row tiles in fragments).
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct __nv_bfloat162 { bfloat16_t x, y; };
+inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
+inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return {bfloat16_t(v.x), bfloat16_t(v.y)}; }
+inline unsigned __pack_nv_bfloat162(bfloat16_t x, bfloat16_t y) { return (unsigned(y.bits) << 16) | x.bits; }
+namespace tl {
+struct SumOp { template <class T> T operator()(T a, T b) const { return a + b; } };
+struct MaxOp { template <class T> T operator()(T a, T b) const { return max(a, b); } };
+struct MinOp { template <class T> T operator()(T a, T b) const { return min(a, b); } };
+template <int count> struct NamedBarrier {};
+alignas(16) static unsigned char g_exchange[1024 * 8];
+// x of the thread whose index differs from this one's in `offset`; every thread of the block calls it (a warp
+// shuffle or a shared-memory exchange on the GPU, here a block-wide slot array between two barriers)
+template <class T> T exchange(T x, int offset) {
+  T* slots = reinterpret_cast<T*>(g_exchange);
+  slots[threadIdx.x] = x;
+  __syncthreads();
+  T other = slots[threadIdx.x ^ offset];
+  __syncthreads();
+  return other;
+}
+// tl::AllReduce's butterfly (offsets threads / 2 down to scale), in its order: the same sums bit for bit
+template <class Reducer, int threads, int scale, int thread_offset = 0, class Barrier = void, int batch = 1,
+          int stride = 0>
+struct AllReduce {
+  static_assert(thread_offset == 0, "the CPU runner reduces over whole blocks only");
+  template <class T> static T run(T x, T* = nullptr) {
+    for (int offset = threads / 2; offset >= scale; offset /= 2) x = Reducer()(x, exchange(x, offset));
+    return x;
+  }
+};
+}  // namespace tl
 template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
   for (int by = 0; by < gy; ++by)
     for (int bx = 0; bx < gx; ++bx) {

@@ -4,6 +4,7 @@ sm_90a, autocast, dispatch, fallback reasons and errors, and the runtime.nn.Line
 
 import math
 import re
+import shutil
 import warnings
 
 import pytest
@@ -318,6 +319,24 @@ def test_tilelang_backward_folds_the_dbias_sums_after_the_row_walk(activation, t
     if activation == "gelu" and resources.nvdisasm_tool() is not None:  # the tile layout keeps 16-byte loads
         report, sass = resources.compile_source(source, tmp_path)
         assert resources.profile(report, sass)["ldg_narrow"] == 0
+
+
+@requires_nvcc
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernel cannot run here")
+@pytest.mark.slow
+@pytest.mark.parametrize("activation, m, n", [("gelu", 16500, 16), ("swiglu", 300, 24), ("relu", 70, 200)])
+def test_tilelang_backward_pass_runs_on_the_cpu_and_matches_float64(activation, m, n):
+    """The elementwise kernel's generated CUDA run on the CPU (tools/tilelang_on_cpu.py): d_preact and the dbias
+    partials against float64. 16500 rows of 64 over 256 groups: programs of one and of two row steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "tilelang_on_cpu.py"
+    spec = importlib.util.spec_from_file_location("tilelang_on_cpu", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    torch.manual_seed(0)
+    assert tool.linear_backward_problems(m, n, activation) == []
 
 
 # --------------------------------------------------------------------------- dispatch, reasons and errors

@@ -266,8 +266,11 @@ def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
     return _launch_forward(x, weight, bias, activation, save=False)[0]
 
 
-def preact_gradient(dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool):
-    """(d_preact [M, weight rows], dbias [weight rows] fp32 or None)."""
+def preact_gradient(
+    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool, launch=compiled
+):
+    """(d_preact [M, weight rows], dbias [weight rows] fp32 or None). launch(entry, device): the kernel's entry point
+    (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU)."""
     if activation is None:
         return dy, dy.sum(0, dtype=torch.float32) if with_bias else None
     m, n = dy.shape
@@ -277,7 +280,7 @@ def preact_gradient(dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activati
     dz = buffers.empty((m, width), dtype=dy.dtype, device=dy.device)
     partial = buffers.empty((groups, width) if with_bias else (groups,), dtype=torch.float32, device=dy.device)
     other = placeholder(dy.device, dy.dtype)
-    kernel = compiled(backward_entry(dy.dtype, n, activation, with_bias), dy.device)
+    kernel = launch(backward_entry(dy.dtype, n, activation, with_bias), dy.device)
     kernel(dy, other if activation == "relu" else z, y if activation == "relu" else other, dz, partial)
     return dz, partial.sum(0) if with_bias else None
 

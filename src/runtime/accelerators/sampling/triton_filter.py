@@ -127,6 +127,37 @@ def _keep(key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, cap
 
 
 @triton.jit
+def _filter_steps(
+    x_ptr,
+    idx_ptr,
+    start,
+    n,
+    index_base,
+    bound,
+    kept_x_ptr,
+    kept_idx_ptr,
+    capacity,
+    wanted,
+    count,
+    ties,
+    LARGEST: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """_filter's walk over x[start:n] in BLOCK steps (masked), from the running (count, ties); returns them."""
+    for step in tl.range(start, n, BLOCK, num_stages=STAGES):
+        offs = step + tl.arange(0, BLOCK)
+        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
+        above = valid & (key >= bound)
+        if tl.sum(above.to(tl.int32), 0) > 0:  # most steps of a long row keep nothing: no scan, no store
+            count, ties = _keep(
+                key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties
+            )
+    return count, ties
+
+
+@triton.jit
 def _filter(
     x_ptr,
     idx_ptr,
@@ -145,16 +176,11 @@ def _filter(
     """The entries of x[:n] with key > bound and the first `wanted` with key == bound, in ascending index order, to
     kept[:capacity] (index + index_base); returns how many there are (all of them counted, also past capacity).
     As bound is at most the wanted-th key, those hold the wanted best entries (ties: the lower index first)."""
-    count = tl.zeros((), dtype=tl.int32)
-    ties = tl.zeros((), dtype=tl.int32)
-    for step in tl.range(0, n, BLOCK, num_stages=STAGES):
-        offs = step + tl.arange(0, BLOCK)
-        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        above = valid & (key >= bound)
-        if tl.sum(above.to(tl.int32), 0) > 0:  # most steps of a long row keep nothing: no scan, no store
-            count, ties = _keep(
-                key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties
-            )
+    zero = tl.zeros((), dtype=tl.int32)
+    count, ties = _filter_steps(
+        x_ptr, idx_ptr, 0, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, wanted, zero, zero,
+        LARGEST, HAS_IDX, BLOCK, STAGES,
+    )  # fmt: skip
     return count
 
 
@@ -193,21 +219,17 @@ def _tiled_filter(
                 key, x, index, valid = _load_full_keys(x_ptr, idx_ptr, offs, LARGEST, HAS_IDX)
                 above = valid & (key >= bound)
                 if TILES == 1:
+                    worth = True  # the block-wide test above was this tile's
+                else:
+                    worth = tl.sum(above.to(tl.int32), 0) > 0
+                if worth:
                     count, ties = _keep(
                         key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties
                     )
-                elif tl.sum(above.to(tl.int32), 0) > 0:
-                    count, ties = _keep(
-                        key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties
-                    )
-    for step in tl.range(full, n, BLOCK, num_stages=STAGES):
-        offs = step + tl.arange(0, BLOCK)
-        key, x, index, valid = _load_keys(x_ptr, idx_ptr, offs, n, LARGEST, HAS_IDX)
-        above = valid & (key >= bound)
-        if tl.sum(above.to(tl.int32), 0) > 0:
-            count, ties = _keep(
-                key, x, index, above, bound, index_base, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties
-            )
+    count, ties = _filter_steps(
+        x_ptr, idx_ptr, full, n, index_base, bound, kept_x_ptr, kept_idx_ptr, capacity, wanted, count, ties,
+        LARGEST, HAS_IDX, BLOCK, STAGES,
+    )  # fmt: skip
     return count
 
 
