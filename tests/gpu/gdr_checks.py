@@ -83,6 +83,8 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, state, options)
     # fp32 at K = 128: the walks' IEEE launches (BV 32, 8 warps, 1 stage), covered by no other case
     "T130-K128-V64-fp32-state": (1, 130, 1, 2, 128, 64, torch.float32, True, dict(output_final_state=True)),
     "T256-K16-bf16-pcvr": (8, 256, 4, 4, 16, 16, torch.bfloat16, False, dict(use_qk_l2norm_in_kernel=True)),
+    # fp16 at small K: half inputs take bf16 products, and the CPU interpreter (which truncates) put o near the bound
+    "T100-K16-V32-fp16-state": (2, 100, 2, 2, 16, 32, torch.float16, True, dict(output_final_state=True)),
     "varlen-K128-bf16-GVA-state": (1, 1000, 2, 4, 128, 64, torch.bfloat16, True,
                                    dict(cu_seqlens=torch.tensor(VARLEN), use_qk_l2norm_in_kernel=True, output_final_state=True)),
     "varlen-K64-fp32-cuda-boundaries": (1, 1000, 1, 1, 64, 64, torch.float32, True,

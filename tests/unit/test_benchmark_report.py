@@ -90,6 +90,17 @@ def test_figures_table_has_times_ratios_and_where_it_ran(results):
     assert lines[-1] == "![ours beside the peers](rms_norm.png)"
 
 
+def test_times_without_cuda_graph_replay_are_marked():
+    eager_peer = _row("256", "fwd", "torch.compile", "peer", 0.030)
+    eager_peer["graph"] = False
+    text = report.figures([_result([_row("256", "fwd", "triton", "backend", 0.010), eager_peer])])
+    lines = text.splitlines()
+    assert "| 256 | bfloat16 | fwd | 0.0100 | 0.0300 \u2020 | 3.00x (triton vs torch.compile) |" in lines
+    assert "\u2020: GPU time of eager launches (the pass could not be captured in a CUDA graph)." in lines
+    graphed = report.figures([_result([_row("256", "fwd", "triton", "backend", 0.010)])])
+    assert "\u2020" not in graphed
+
+
 def test_without_gpu_times_the_table_compares_eager_times():
     result = _result(
         [

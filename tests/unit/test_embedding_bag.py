@@ -349,6 +349,23 @@ def test_last_offset_must_end_the_indices():
         )
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "indices, offsets, message",
+    [
+        (torch.tensor([1, 2, 3]), torch.tensor([0]), r"rise to len\(indices\)=3 at the last offset .* got \[0\]"),
+        (torch.tensor([], dtype=torch.int64), torch.tensor([2]), r"rise to len\(indices\)=0 at the last offset"),
+        (torch.tensor([99]), torch.tensor([0]), r"indices: 99 \(flat position 0\) is outside"),
+    ],
+    ids=["indices past the last offset", "last offset past the indices", "index out of range"],
+)
+def test_one_offset_with_include_last_offset_is_no_bag_and_still_checked(backend, indices, offsets, message):
+    """include_last_offset=True with one offset makes no bag: the kernels launch nothing, yet the offsets must end
+    at len(indices) and every index must be in range, as on the torch backend."""
+    with pytest.raises(IndexError, match=message):
+        embedding_bag_mean(torch.randn(9, 4), indices, offsets, include_last_offset=True, backend=backend)
+
+
 def test_unchecked_bad_indices_stay_in_bounds():
     out = embedding_bag_mean(torch.randn(9, 4), torch.tensor([[1, 90, -5]]), check_indices=False, backend="triton")
     assert torch.isfinite(out).all()

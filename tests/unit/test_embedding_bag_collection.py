@@ -169,6 +169,19 @@ def test_errors(backend):
         embedding_bag_collection(weights, bad, offsets, check_indices=False, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "values, offset",
+    [(torch.tensor([1, 2, 3]), 3), (torch.tensor([1]), 0), (torch.tensor([], dtype=torch.int64), 2)],
+    ids=["values after the one offset", "values with offset 0", "no values, offset 2"],
+)
+def test_one_offset_is_no_bag_and_still_checked(backend, values, offset):
+    """offsets of one entry (B = 0): the kernels launch nothing, yet offsets must be [0] and values empty, as on
+    the torch backend."""
+    with pytest.raises(IndexError, match=r"offsets: expected to rise from 0 to len\(values\)"):
+        embedding_bag_collection(tables(), values, torch.tensor([offset]), backend=backend)
+
+
 def test_tilelang_falls_back_with_its_reason():
     weights = tables()
     values, offsets = jagged()

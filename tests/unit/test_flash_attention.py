@@ -71,6 +71,20 @@ def test_torch_backend(causal, lengths, gqa, masked):
     )
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("shape", [(29,), ()], ids=["keys-only", "scalar"])
+def test_attn_mask_of_fewer_than_two_dims_broadcasts(shape, causal):
+    """A bool mask broadcastable to [B, H, Lq, Lk] may have one dim (a key mask [Lk]) or none, as the contract says."""
+    q, k, v = make(2, 4, 2, 13, 29, 16)
+    attn_mask = torch.rand(shape) > 0.3 if shape else torch.tensor(True)
+    out = flash_attention(q, k, v, causal=causal, attn_mask=attn_mask, backend="torch")
+    full = attn_mask.expand(13, 29)
+    check_against_float64(
+        out, q, k, v, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32),
+        causal=causal, attn_mask=full,
+    )  # fmt: skip
+
+
 def test_rows_without_keys_give_zeros_and_finite_gradients():
     q, k, v = make(2, 2, 2, 9, 8, 16)
     out = flash_attention(q, k, v, key_lengths=torch.tensor([0, 8]), backend="torch")

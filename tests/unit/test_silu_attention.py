@@ -323,6 +323,8 @@ ERRORS = {
     "time-int": (dict(time_bias=torch.ones(5, dtype=torch.int64)), TypeError, "time_bias: expected a floating-point"),
     "alpha-str": (dict(alpha="0.1"), TypeError, "alpha: expected a float or None"),
     "dropout": (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+    "causal-str": (dict(causal="no"), TypeError, r"causal: expected a bool \(True or False\), got str 'no'"),
+    "causal-none": (dict(causal=None), TypeError, r"causal: expected a bool \(True or False\), got NoneType"),
 }
 
 

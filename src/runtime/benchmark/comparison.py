@@ -23,6 +23,7 @@ class Comparison:
     status: dict[str, str] = field(default_factory=dict)
     ours: list[str] = field(default_factory=list)
     peers: list[str] = field(default_factory=list)
+    not_graphed: set[str] = field(default_factory=set)  # GPU time of eager launches: the pass could not be captured
 
     def best(self, names: list[str]) -> tuple[str, float] | None:
         timed = [(self.ms[n], n) for n in names if self.ms.get(n) is not None]
@@ -86,6 +87,8 @@ def compare(results: list[dict]) -> list[Comparison]:
             group = groups.setdefault(key, Comparison(*key))
             group.ms[row["impl"]] = _time(row, gpu) if row["status"] == "ok" else None
             group.status[row["impl"]] = row["status"]
+            if gpu and not row.get("graph", True):
+                group.not_graphed.add(row["impl"])
             names = group.ours if _is_ours(row) else group.peers if _is_peer(row) else None
             if names is not None and row["impl"] not in names:
                 names.append(row["impl"])

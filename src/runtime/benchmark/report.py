@@ -144,6 +144,9 @@ def _environment_line(result: dict) -> str:
     return f"{env['gpu'] or result['device']}; {versions}" + (f"; source {env['commit']}" if env.get("commit") else "")
 
 
+NOT_GRAPHED = " \u2020"  # a dagger after a time measured without CUDA-graph replay
+
+
 def figures(results: list[dict], plot_name: str | None = None) -> str:
     """The generated figures section of an op's page: where it was measured, the commands, one table of time per
     implementation with the speed-up of the best of ours over the best peer, and the plot."""
@@ -170,12 +173,20 @@ def figures(results: list[dict], plot_name: str | None = None) -> str:
     for c in comparisons:
         cells = [c.shape, c.dtype, c.mode]
         for name in impls:
-            cells.append("" if name not in c.ms else c.status[name] if c.ms[name] is None else f"{c.ms[name]:.4f}")
+            mark = NOT_GRAPHED if name in c.not_graphed else ""
+            cells.append(
+                "" if name not in c.ms else c.status[name] if c.ms[name] is None else f"{c.ms[name]:.4f}{mark}"
+            )
         speedup, best_ours, best_peer = c.speedup(), c.best(c.ours), c.best(c.peers)
         cells.append(f"{speedup:.2f}x ({best_ours[0]} vs {best_peer[0]})" if speedup is not None else "")
         if summary:
             cells.append(f"{c.auto_ratio():.2f}" if c.auto_ratio() is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
+    if any(c.not_graphed for c in comparisons):
+        lines += [
+            "",
+            f"{NOT_GRAPHED.strip()}: GPU time of eager launches (the pass could not be captured in a CUDA graph).",
+        ]
     if summary:
         lines += ["", summary[0].upper() + summary[1:] + "."]
     if plot_name:

@@ -16,7 +16,7 @@ from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_op import KernelOp, no_double_backward
 from .collection import embedding_bag_collection
-from .reference import embedding_bag_mean_reference
+from .reference import check_indices_, embedding_bag_mean_reference
 from .spec import SPEC, TILELANG_MAX_DIM
 
 __all__ = ["SPEC", "TILELANG_MAX_DIM", "embedding_bag_collection", "embedding_bag_mean"]
@@ -200,6 +200,10 @@ def embedding_bag_mean(
         )
     if indices.dim() == 2:
         include_last_offset = False  # as torch: fixed bags ignore it
+    elif check_indices and offsets.numel() == int(include_last_offset):
+        # no bag: the kernels launch nothing, so they would check nothing (include_last_offset=True with offsets
+        # [x] must still end at len(indices), and every index must be in range, as the torch backend checks)
+        check_indices_(weight, indices, offsets, include_last_offset)
     pad = -1 if padding is None else padding
     if sparse and weight.requires_grad and torch.is_grad_enabled():
         call = _sparse_call_outside_graphs() if torch.compiler.is_compiling() else _sparse_call

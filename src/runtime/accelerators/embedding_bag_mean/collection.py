@@ -142,6 +142,20 @@ def _check_offsets(bounds: list[int], num_values: int) -> None:
         )
 
 
+def _check_no_bags(values: torch.Tensor, offsets: torch.Tensor) -> None:
+    """offsets [x] (B = 0): the kernels launch nothing and check nothing; x must be 0 and values empty (as the torch
+    backend checks), read on the host on the CPU only (a device-side assert elsewhere and under torch.compile)."""
+    if values.numel() != 0:
+        raise IndexError(
+            f"embedding_bag_collection: offsets: expected to rise from 0 to len(values)={values.numel()}, got "
+            "a single offset (no bag) (check_indices=True)"
+        )
+    if offsets.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(offsets[0] == 0, "embedding_bag_collection: offsets: expected [0] with no bag")
+    elif int(offsets[0]) != 0:
+        _check_offsets(offsets.tolist(), 0)
+
+
 @functools.cache
 def _collection_kernels():
     """The collection's Triton kernel module (imported on first use: the package imports without triton)."""
@@ -221,6 +235,8 @@ def embedding_bag_collection(
     chosen = select_backend(SPEC, backend, first.device, key, weight=first, collection=summary)
     if chosen == "torch" or summary[2] == 0:
         return embedding_bag_collection_reference(weights, values, offsets, paddings, check_indices)
+    if check_indices and offsets.numel() == 1:
+        _check_no_bags(values, offsets)
     pads = tuple(-1 if p is None else p for p in paddings)
     call = _kernel_call_outside_graphs() if torch.compiler.is_compiling() else _kernel_call
     return call(weights, values, offsets, pads, check_indices)

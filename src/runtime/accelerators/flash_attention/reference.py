@@ -28,6 +28,8 @@ def visible_mask(
         keys = torch.arange(lk, device=device) < key_lengths.to(device).view(batch, 1, 1, 1)
         mask = keys if mask is None else mask & keys
     if attn_mask is not None:
+        if attn_mask.dim() < 2:  # [Lk] or a scalar: SDPA takes a mask with the query and key dims
+            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
         mask = attn_mask if mask is None else mask & attn_mask
     return mask
 

@@ -24,7 +24,7 @@ import torch
 
 from ..autocast import autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor
+from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import silu_attention_reference
@@ -142,7 +142,7 @@ def _check_index(name: str, x, expected: str, n: int, q: torch.Tensor, dtypes=(t
 
 
 def _check_inputs(
-    q, k, v, cu_seqlens, max_seqlen, alpha, num_targets, position_bias, time_bias, timestamps, dropout_p
+    q, k, v, cu_seqlens, max_seqlen, alpha, causal, num_targets, position_bias, time_bias, timestamps, dropout_p
 ) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
@@ -166,6 +166,7 @@ def _check_inputs(
         raise TypeError(f"max_seqlen: expected a non-negative int (the longest sequence's length), got {max_seqlen!r}")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
         raise TypeError(f"alpha: expected a float or None, got {type(alpha).__name__}")
+    check_bool("causal", causal)  # a string or None would be read by its truth value
     if num_targets is not None:
         _check_index("num_targets", num_targets, "(one count per sequence)", n, q)
     _check_bias("position_bias", position_bias, h, q)
@@ -271,7 +272,9 @@ def silu_attention(
     timestamps int [total] (seconds). dropout_p is applied whenever > 0 (pass 0 in eval); its seed comes from
     torch's generator of q's device. Returns [total, H, D] in q's dtype.
     """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen, alpha, num_targets, position_bias, time_bias, timestamps, dropout_p)
+    _check_inputs(
+        q, k, v, cu_seqlens, max_seqlen, alpha, causal, num_targets, position_bias, time_bias, timestamps, dropout_p
+    )
     q, k, v = _autocast(q, k, v)
     alpha = q.shape[-1] ** -0.5 if alpha is None else float(alpha)
     grads = needs_grad(q, k, v, position_bias, time_bias)
