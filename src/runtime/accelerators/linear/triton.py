@@ -31,7 +31,7 @@ from ..backends import sm_count
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from . import triton_persistent
+from . import triton_backward, triton_persistent
 from .launch import (
     BACKWARD,
     BackwardLaunch,
@@ -42,32 +42,7 @@ from .launch import (
     persistent_pays,
 )
 from .reference import SAVES_PREACT
-from .triton_activations import (
-    ACTIVATION_CODES,
-    GELU,
-    GELU_TANH,
-    INV_SQRT_2PI,
-    RELU,
-    SQRT_HALF,
-    SWIGLU,
-    TANH_A,
-    TANH_C,
-    _activate,
-)
-
-
-@triton.jit
-def _derivative(z, ACT: tl.constexpr):
-    """d act(z) / dz for gelu, gelu_tanh and silu."""
-    if ACT == GELU:
-        out = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF)) + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
-    elif ACT == GELU_TANH:
-        s = tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
-        out = s + z * s * (1.0 - s) * (2.0 * TANH_C) * (1.0 + z * z * (3.0 * TANH_A))
-    else:
-        s = tl.sigmoid(z)
-        out = s * (1.0 + z * (1.0 - s))
-    return out
+from .triton_activations import ACTIVATION_CODES, RELU, SWIGLU, _activate, _derivative
 
 
 @direct_launch
@@ -248,12 +223,16 @@ def preact_gradient(
 
 
 def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BACKWARD):
-    """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS."""
+    """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS; with
+    launch.fused_dx, d_preact and dx from one kernel (triton_backward.py), then dweight by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
     shape = x.shape
     dy, x = as_rows(dy), as_rows(x)
-    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
-    dx = torch.matmul(dz, weight)
+    if launch.fused_dx and activation is not None:
+        dx, dz, dbias = triton_backward.dx_and_preact_gradient(dy, z, y, weight, activation, bias is not None)
+    else:
+        dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
+        dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx if len(shape) == 2 else dx.view(shape), dweight, None if dbias is None else dbias.to(bias.dtype), None
 
