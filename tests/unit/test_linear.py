@@ -154,7 +154,8 @@ def test_triton_interpreter_fused_dx_backward(activation, with_bias):
     check("triton", x, w, b if with_bias else None, activation, triton_backward=BackwardLaunch(fused_dx=True))
 
 
-def test_triton_interpreter_fused_dx_over_several_k_blocks_matches_the_elementwise_pass():
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_triton_interpreter_fused_dx_over_several_k_blocks_matches_the_elementwise_pass(activation):
     """K = 40 in 16-wide K blocks (three programs per row block, the first storing d_preact and the dbias partials):
     dx, d_preact and dbias as the elementwise pass and a dx GEMM give them."""
     from runtime.accelerators.linear import triton as linear_triton
@@ -162,11 +163,12 @@ def test_triton_interpreter_fused_dx_over_several_k_blocks_matches_the_elementwi
     from runtime.accelerators.linear.launch import GemmConfig
 
     torch.manual_seed(0)
-    x, w, b = make_inputs(50, 40, 48, f16, "gelu")
-    y, z = linear_triton.forward(x, w, b, "gelu")
+    x, w, b = make_inputs(50, 40, 48, f16, activation)
+    y, z = linear_triton.forward(x, w, b, activation)
     dy = torch.randn_like(y)
-    dx, dz, dbias = triton_backward.dx_and_preact_gradient(dy, z, y, w, "gelu", True, GemmConfig(32, 16, 16, 4, 1, 1))
-    dz_pass, dbias_pass = linear_triton.preact_gradient(dy, z, y, "gelu", True)
+    tiles = GemmConfig(32, 16, 16, 4, 1, 1)
+    dx, dz, dbias = triton_backward.dx_and_preact_gradient(dy, z, y, w, activation, True, tiles)
+    dz_pass, dbias_pass = linear_triton.preact_gradient(dy, z, y, activation, True)
     assert torch.equal(dz, dz_pass)
     torch.testing.assert_close(dbias, dbias_pass, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx.float(), (dz_pass.float() @ w.float()), rtol=2e-3, atol=2e-3)
