@@ -1,8 +1,10 @@
 """Times linear's backward piece by piece beside eager torch's, on one GPU: where forward+backward loses to torch.
 
-Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU backward plus its dbias column sum, our elementwise pass (d_preact and dbias partial sums in one pass) at several row-group counts,
-the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), and each whole backward: ours
-(`linear.triton.backward`) and eager torch's (autograd through F.linear and the activation).
+Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU backward plus its dbias column sum,
+our elementwise pass (d_preact and dbias partial sums in one pass) at several launches,
+the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), the fused dx kernel (the derivative in the dx
+GEMM's prologue), and each whole backward: ours (`linear.triton.backward`, both ways) and eager torch's (autograd
+through F.linear and the activation).
 Usage (GPU machine): python tools/linear_backward_pieces.py [--shapes NAME ...] [--json PATH]
 """
 
@@ -16,11 +18,19 @@ import torch.nn.functional as F
 from variant_timing import time_variant, write_json
 
 from runtime.accelerators.linear import triton as linear_triton
+from runtime.accelerators.linear import triton_backward
 from runtime.accelerators.linear.launch import ROW_GROUPS, BackwardLaunch
 from runtime.accelerators.linear.reference import linear_reference
 from runtime.benchmark.ops.linear import SHAPES
 
 GELU_SHAPES = [name for name in SHAPES if name.endswith("-gelu")]
+PASS_LAUNCHES = (
+    BackwardLaunch(),
+    BackwardLaunch(ROW_GROUPS * 4),
+    BackwardLaunch(ROW_GROUPS, block_m=16),
+    BackwardLaunch(ROW_GROUPS, block_m=64, num_warps=8),
+    BackwardLaunch(ROW_GROUPS, num_warps=8),
+)
 
 
 def torch_gelu_backward(dy, z):
@@ -48,15 +58,21 @@ def pieces(m, k, n, device, activation="gelu"):
     variants = {
         "torch: gelu backward + dbias sum": lambda: torch_gelu_backward(dy, z),
         **{
-            f"ours: elementwise pass, {groups} row groups": functools.partial(
-                linear_triton.preact_gradient, dy, z, y, activation, True, BackwardLaunch(groups)
+            f"ours: elementwise pass, {launch}": functools.partial(
+                linear_triton.preact_gradient, dy, z, y, activation, True, launch
             )
-            for groups in (ROW_GROUPS // 4, ROW_GROUPS, ROW_GROUPS * 4)
+            for launch in PASS_LAUNCHES
         },
         "dx = d_preact @ w (cuBLAS)": lambda: torch.matmul(dz, w),
         "dw = d_preact^T @ x (cuBLAS)": lambda: torch.matmul(dz.t(), x),
         "torch: whole backward (autograd)": torch_whole_backward(x, w, b, dy, activation),
         "ours: whole backward": lambda: linear_triton.backward(dy, x, w, b, activation, y, z),
+        "ours: fused dx (derivative in the dx GEMM, d_preact and dbias stored)": functools.partial(
+            triton_backward.dx_and_preact_gradient, dy, z, y, w, activation, True
+        ),
+        "ours: whole backward, fused dx": functools.partial(
+            linear_triton.backward, dy, x, w, b, activation, y, z, BackwardLaunch(fused_dx=True)
+        ),
     }
     return variants
 

@@ -31,3 +31,17 @@ def _activate(z, ACT: tl.constexpr):
     else:
         out = z
     return out
+
+
+@triton.jit
+def _derivative(z, ACT: tl.constexpr):
+    """d act(z) / dz for gelu, gelu_tanh and silu."""
+    if ACT == GELU:
+        out = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF)) + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+    elif ACT == GELU_TANH:
+        s = tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
+        out = s + z * s * (1.0 - s) * (2.0 * TANH_C) * (1.0 + z * z * (3.0 * TANH_A))
+    else:
+        s = tl.sigmoid(z)
+        out = s * (1.0 + z * (1.0 - s))
+    return out
