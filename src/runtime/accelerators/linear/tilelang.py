@@ -22,7 +22,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 from .launch import ROW_GROUPS, as_rows
 from .reference import SAVES_PREACT
 
@@ -251,7 +251,7 @@ def _launch_forward(x, weight, bias, activation, save: bool):
     saved = save and activation in SAVES_PREACT
     y = buffers.empty((*lead, n), dtype=x.dtype, device=x.device)
     z = buffers.empty((*lead, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
-    kernel = compiled(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
+    kernel = launcher(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
     b = placeholder(x.device, x.dtype) if bias is None else _contiguous(bias)
     kernel(as_rows(x), weight, b, as_rows(y), as_rows(z) if saved else placeholder(x.device, x.dtype))
     return y, z
@@ -267,7 +267,7 @@ def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
 
 
 def preact_gradient(
-    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool, launch=compiled
+    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool, launch=launcher
 ):
     """(d_preact [M, weight rows], dbias [weight rows] fp32 or None). launch(entry, device): the kernel's entry point
     (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU)."""
