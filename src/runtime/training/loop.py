@@ -178,8 +178,18 @@ def _precision_name(precision: Precision, device: torch.device) -> str:
 def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
     """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json
     or metrics.csv rows, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
-    run_dir continues that run there."""
+    run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
+    overwritten or pruned."""
     if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
+        named = checkpoint.CHECKPOINT_PATTERN.fullmatch(Path(resume).name)
+        found = checkpoint.checkpoints(run_dir / "checkpoints")
+        later = [p.name for p in found if named and checkpoint.step_of(p) > int(named.group(1))]
+        if Path(resume).is_file() and later:
+            return (
+                f"trainer.resume: {run_dir} holds checkpoints after {Path(resume).name} ({', '.join(later)}), which "
+                "this run would overwrite or prune: resume it into another directory (hydra.run.dir=...), or resume "
+                f"the newest with trainer.resume={run_dir}"
+            )
         return None
     found = [path.name for path in checkpoint.checkpoints(run_dir / "checkpoints")[-1:]]
     found += [name for name in ("metrics.json",) if (run_dir / name).is_file()]
