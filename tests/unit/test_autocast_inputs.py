@@ -2,7 +2,7 @@
 
 import torch
 
-from runtime.accelerators.autocast import autocast_inputs
+from runtime.accelerators.autocast import autocast_enabled, autocast_inputs, autocast_to_float32
 
 
 def test_outside_autocast_the_tensors_are_returned_as_they_are():
@@ -19,3 +19,12 @@ def test_under_autocast_only_tensors_of_another_dtype_are_cast():
     assert same is x and none is None
     assert cast.dtype == torch.bfloat16 and cast.grad_fn is not None  # differentiable, as w.to(bfloat16)
     assert torch.equal(cast, w.to(torch.bfloat16))
+
+
+def test_meta_tensors_pass_through_as_autocast_has_no_meta_device():
+    """torch.is_autocast_enabled("meta") raises: the helpers treat a device autocast lacks as not autocasting."""
+    x = torch.empty(4, device="meta", dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_inputs("meta", x)[0] is x
+        assert autocast_to_float32("meta", x)[0] is x
+        assert not autocast_enabled("meta")

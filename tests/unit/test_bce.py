@@ -317,6 +317,23 @@ def test_triton_sum_is_deterministic():
     assert torch.equal(first, bce(x, y, reduction="sum", backend="triton"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [bf16, f16])
+def test_under_autocast_the_loss_is_float32_as_torch_gives_it(backend, dtype):
+    x, y, w, pw = make_inputs((5, 37), dtype, weight_shape=(37,), pos_weight_shape=(5, 1))
+    w, pw = w.to(dtype), pw.to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        ours = bce(x, y, w, pw, backend=backend)
+        theirs = F.binary_cross_entropy_with_logits(x, y, w, pos_weight=pw)
+    assert ours.dtype == theirs.dtype == f32
+    assert_close("loss", ours, theirs, RTOL[f32])
+    grads = torch.autograd.grad(ours, [x, y])
+    expected = torch.autograd.grad(theirs, [x, y])
+    for name, grad, want in zip(("dlogits", "dtargets"), grads, expected):
+        assert grad.dtype == dtype
+        assert_close(name, grad, want, gradient_tolerance(dtype))
+
+
 def test_empty_input_matches_torch():
     x, y = torch.empty(0, 3, requires_grad=True), torch.empty(0, 3)
     for reduction in ("none", "mean", "sum"):

@@ -244,6 +244,15 @@ def test_fp32_weights_under_autocast_behave_as_nn_linear():
     assert dw.dtype == f32
 
 
+def test_float64_inputs_stay_float64_under_autocast_as_in_f_linear():
+    x, weight, bias = torch.randn(5, 16, dtype=f64), torch.randn(8, 16, dtype=f64), torch.randn(8, dtype=f64)
+    with torch.autocast("cpu", dtype=bf16):
+        ours = linear(x, weight, bias, "gelu", backend="torch")
+        theirs = F.gelu(F.linear(x, weight, bias))
+    assert ours.dtype == theirs.dtype == f64
+    torch.testing.assert_close(ours, theirs)
+
+
 def test_empty_inputs():
     x = torch.randn(0, 16, dtype=f16, requires_grad=True)
     y = linear(x, torch.randn(8, 16, dtype=f16), None, "silu", backend="triton")

@@ -7,6 +7,7 @@ compiled for sm_90a in test_sampling_tilelang.py)."""
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -252,6 +253,13 @@ def test_top_k_batch_dims_strided_and_empty():
     assert values.shape == (3,) and torch.equal(indices, oracle(x, 3))
 
 
+def test_top_k_accepts_any_integral_k_on_every_backend():
+    x = torch.randn(3, 37)
+    for backend in ("torch", "triton"):
+        values, indices = top_k(x, np.int64(4), backend=backend)
+        assert torch.equal(indices, oracle(x, 4))
+
+
 def test_top_k_gradients_on_torch_and_a_reason_on_triton():
     x = torch.randn(3, 37, requires_grad=True)
     values, indices = top_k(x, 4, backend="torch")
@@ -375,6 +383,17 @@ def test_sample_without_top_k_runs_torch_with_the_reason():
     assert ids.shape == (4,)
     with use_accelerators(fallback="error"), pytest.raises(BackendUnavailableError, match="at most 2048"):
         sample(torch.randn(2, 3000), top_k=2049, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_takes_a_temperature_beyond_float32_range(backend):
+    logits = torch.randn(3, 37)
+    ids = sample(logits, temperature=1e39, top_k=5, generator=torch.Generator().manual_seed(0), backend=backend)
+    top = torch.topk(logits, 5).indices
+    assert (ids[:, None] == top).any(-1).all()
+    widest = torch.finfo(torch.float32).max  # the same (uniform) draw as the widest float32 temperature
+    same = sample(logits, temperature=widest, top_k=5, generator=torch.Generator().manual_seed(0), backend=backend)
+    assert torch.equal(ids, same)
 
 
 def test_sample_empty_batch():

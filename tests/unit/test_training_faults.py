@@ -222,6 +222,49 @@ def test_leftover_partial_writes_are_removed_at_the_next_start(tmp_path):
     assert not any(path.exists() for path in leftovers) and all(path.exists() for path in kept)
 
 
+# ------------------------------------------------------------------ a run directory that holds another run
+
+
+def test_a_new_run_in_a_run_directory_with_outputs_is_refused_and_leaves_them_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    _trained(run_dir, "trainer.log_every=1")
+    written = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    assert {"metrics.json", "metrics.csv", "step_0000002.pt", "step_0000004.pt"} <= {path.name for path in written}
+    for overrides in (["trainer.steps=2", "trainer.checkpoint_every=1", "seed=5"], ["trainer.steps=4"]):
+        with pytest.raises(ValueError) as error:
+            Trainer(_compose(*overrides), run_dir)
+        message = str(error.value)
+        assert f"{run_dir} already holds the outputs of a run" in message, message
+        assert f"trainer.resume={run_dir}" in message and "hydra.run.dir" in message, message
+    # resuming another run into it is refused too; resuming this run's own checkpoints is how it continues
+    _trained(tmp_path / "other")
+    with pytest.raises(ValueError, match="already holds the outputs of a run"):
+        Trainer(_compose("trainer.steps=4", f"trainer.resume={tmp_path / 'other'}"), run_dir)
+    assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == written
+    resumed = Trainer(
+        _compose("trainer.steps=6", "trainer.resume_overrides=allow", f"trainer.resume={run_dir}"), run_dir
+    )
+    assert resumed.step == 4 and len(resumed.fit()["losses"]) == 6
+
+
+def test_resuming_an_earlier_checkpoint_into_its_own_run_directory_is_refused_and_keeps_the_later_ones(tmp_path):
+    run_dir = tmp_path / "run"
+    _trained(run_dir, "trainer.keep_checkpoints=0")
+    directory = run_dir / "checkpoints"
+    written = {path: path.read_bytes() for path in directory.iterdir()}
+    earlier = directory / "step_0000002.pt"
+    resume = [f"trainer.resume={earlier}", "trainer.resume_overrides=allow", "optim.lr=1e-3"]
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose("trainer.steps=4", "trainer.checkpoint_every=1", *resume), run_dir)
+    message = str(error.value)
+    assert f"{run_dir} holds checkpoints after {earlier.name} (step_0000004.pt)" in message, message
+    assert "hydra.run.dir" in message, message
+    assert {path: path.read_bytes() for path in directory.iterdir()} == written
+    # into another directory the earlier checkpoint resumes, and the run directory it came from is left as it was
+    assert Trainer(_compose("trainer.steps=4", *resume), tmp_path / "branch").fit()["losses"]
+    assert {path: path.read_bytes() for path in directory.iterdir()} == written
+
+
 # ------------------------------------------------------------------ a resumed run with another config
 
 

@@ -95,7 +95,7 @@ def checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _step(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(CHECKPOINT_PATTERN.search(path.name).group(1))
 
 
@@ -105,7 +105,7 @@ def _candidates(resume: str) -> list[Path]:
     path = Path(resume)
     if path.is_file():
         match = CHECKPOINT_PATTERN.search(path.name)
-        older = [p for p in checkpoints(path.parent) if match and _step(p) < int(match.group(1))]
+        older = [p for p in checkpoints(path.parent) if match and step_of(p) < int(match.group(1))]
         return [path, *reversed(older)]
     for directory in (path / "checkpoints", path):
         found = checkpoints(directory)

@@ -175,6 +175,38 @@ def _precision_name(precision: Precision, device: torch.device) -> str:
     return precision.value
 
 
+def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
+    """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json
+    or metrics.csv rows, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
+    run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
+    overwritten or pruned."""
+    if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
+        named = checkpoint.CHECKPOINT_PATTERN.fullmatch(Path(resume).name)
+        found = checkpoint.checkpoints(run_dir / "checkpoints")
+        later = [p.name for p in found if named and checkpoint.step_of(p) > int(named.group(1))]
+        if Path(resume).is_file() and later:
+            return (
+                f"trainer.resume: {run_dir} holds checkpoints after {Path(resume).name} ({', '.join(later)}), which "
+                "this run would overwrite or prune: resume it into another directory (hydra.run.dir=...), or resume "
+                f"the newest with trainer.resume={run_dir}"
+            )
+        return None
+    found = [path.name for path in checkpoint.checkpoints(run_dir / "checkpoints")[-1:]]
+    found += [name for name in ("metrics.json",) if (run_dir / name).is_file()]
+    csv = run_dir / "metrics.csv"
+    if csv.is_file():
+        with open(csv) as file:
+            if file.readline() and file.readline():  # a row after the header
+                found.append(csv.name)
+    if not found:
+        return None
+    return (
+        f"{run_dir} already holds the outputs of a run ({', '.join(found)}), which this run would overwrite or mix its "
+        f"own into: continue that run with trainer.resume={run_dir}, or write this one to another directory "
+        "(hydra.run.dir=...)"
+    )
+
+
 class Trainer:
     """Builds data, model and optimizer from a composed train config; `fit()` trains, validates and checkpoints.
 
@@ -191,6 +223,11 @@ class Trainer:
         # read once: each step reads them, and an omegaconf lookup costs tens of us of host time
         self.precision_name = _precision_name(_precision(cfg), self.device)
         self.grad_clip = cfg.trainer.grad_clip
+        occupied = broadcast_object(
+            self.run, other_run_outputs(self.run_dir, cfg.trainer.resume) if self.run.is_main else None
+        )
+        if occupied:
+            raise ValueError(occupied)
         if self.run.is_main:
             checkpoint.remove_partial_writes(self.run_dir)
             checkpoint.remove_partial_writes(self.checkpoint_dir)

@@ -18,6 +18,7 @@ import math
 import torch
 
 from .. import buffers
+from ..autocast import autocast_to_float32
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
@@ -242,7 +243,8 @@ def binary_cross_entropy_with_logits(
     check_targets: bool = False,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """As torch.nn.functional.binary_cross_entropy_with_logits, with fp32 math for every input dtype.
+    """As torch.nn.functional.binary_cross_entropy_with_logits, with fp32 math for every input dtype. Under autocast
+    the float16 / bfloat16 arguments are cast to float32 first, as autocast does for torch's op (a float32 loss).
 
     check_targets=True verifies that targets lie in [0, 1] (one device synchronisation).
     The mean and sum reductions are deterministic (fixed-order, no atomics) on every backend.
@@ -251,6 +253,9 @@ def binary_cross_entropy_with_logits(
     check_bool("check_targets", check_targets)
     if check_targets:
         check_target_range(targets)
+    # as torch under autocast: every argument in float32, so the loss is float32 (an fp16 loss times a GradScaler
+    # scale would overflow); the gradients reach the inputs in their own dtypes through the casts
+    logits, targets, weight, pos_weight = autocast_to_float32(logits.device.type, logits, targets, weight, pos_weight)
     key = bce_key(logits, targets, weight, pos_weight)
     chosen = select_backend(
         SPEC,

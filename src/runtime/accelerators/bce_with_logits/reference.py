@@ -15,7 +15,8 @@ REDUCTIONS = ("none", "mean", "sum")
 
 
 def loss_dtype(logits: torch.Tensor, targets: torch.Tensor, weight=None, pos_weight=None) -> torch.dtype:
-    """The loss dtype torch gives: the promotion of every tensor argument's dtype."""
+    """The loss dtype: the promotion of every tensor argument's dtype. Torch (2.13) gives the targets' dtype where
+    they are narrower than the logits (fp32 logits, bf16 targets: a bf16 loss); the promotion keeps the wider one."""
     dtype = logits.dtype
     for operand in (targets, weight, pos_weight):
         if operand is not None and operand.dtype != dtype:  # equal dtypes promote to themselves

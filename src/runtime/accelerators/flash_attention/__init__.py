@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..autocast import autocast_inputs
+from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_op import KernelOp
@@ -158,7 +158,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
             raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(x.shape)}")
     for name, x in (("k", k), ("v", v)):
         check_same_device(name, x, "q", q)
-        if x.dtype != q.dtype and not torch.is_autocast_enabled(q.device.type):  # autocast casts all three (as SDPA)
+        if x.dtype != q.dtype and not autocast_enabled(q.device.type):  # autocast casts all three (as SDPA)
             raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)} ([B, Hkv, Lk, D]), got {tuple(v.shape)}")

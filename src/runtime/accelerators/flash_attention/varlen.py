@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ..autocast import autocast_enabled
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
 
@@ -73,7 +74,7 @@ def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             )
     for name, x in (("k", k), ("v", v)):
         check_same_device(name, x, "q", q)
-        if x.dtype != q.dtype and not torch.is_autocast_enabled(q.device.type):
+        if x.dtype != q.dtype and not autocast_enabled(q.device.type):
             raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)} ([total_k, Hkv, D]), got {tuple(v.shape)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..autocast import autocast_inputs
+from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
@@ -97,7 +97,7 @@ def check_linear_inputs(x, weight, bias, activation) -> None:
             f"weight: swiglu needs an even number of rows (gate rows, then up rows), got {weight.shape[0]}"
         )
     check_same_device("weight", weight, "x", x)
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_enabled(x.device.type)
     if weight.dtype != x.dtype and not autocast:
         raise TypeError(
             f"weight: expected dtype {_dtype_name(x.dtype)} like x (or run under autocast), got {_dtype_name(weight.dtype)}"

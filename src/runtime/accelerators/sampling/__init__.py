@@ -103,6 +103,7 @@ def top_k(
     check_tensor("scores", scores, min_dim=1)
     width = scores.shape[-1]
     _check_count("k", k, width)
+    k = int(k)  # any Integral (numpy's too) as a Python int: the launchers and the kernel schema take one
     check_bool("largest", largest)
     check_bool("sorted", sorted)
     needs_grad = scores.requires_grad and torch.is_grad_enabled()
@@ -132,11 +133,15 @@ def _per_row(
             raise ValueError(f"{name}: expected a tensor on {device} like logits, got one on {value.device}")
         if rows and not bool(valid(value).all()):
             raise ValueError(f"{name}: expected {expected} in every row, got {value.tolist()}")
+        if value.dtype == torch.float64 and dtype == torch.float32:  # as a number past float32's range is taken
+            value = value.clamp(max=torch.finfo(dtype).max)
         return value.to(dtype)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected} (a number or a per-row tensor), got {type(value).__name__}")
     if not valid(value):  # plain Python: nothing for torch.compile to trace
         raise ValueError(f"{name}: expected {expected}, got {value}")
+    if dtype.is_floating_point:  # a finite number past float32's range (a temperature of 1e39): its widest value
+        value = min(value, torch.finfo(dtype).max)
     return torch.full((rows,), value, dtype=dtype, device=device)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..autocast import autocast_inputs
+from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_op import KernelOp
@@ -152,7 +152,7 @@ def _check_inputs(
         check_same_device(name, x, "q", q)
         if x.shape != q.shape:
             raise ValueError(f"{name}: expected the shape of q {tuple(q.shape)} ([total, H, D]), got {tuple(x.shape)}")
-        if x.dtype != q.dtype and not torch.is_autocast_enabled(q.device.type):
+        if x.dtype != q.dtype and not autocast_enabled(q.device.type):
             raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}")
     total, h, d = q.shape
     if d == 0 or h == 0:
