@@ -42,7 +42,7 @@ from .launch import (
     persistent_pays,
 )
 from .reference import SAVES_PREACT
-from .triton_activations import ACTIVATION_CODES, RELU, SWIGLU, _activate, _derivative
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient_tile
 
 
 @direct_launch
@@ -128,30 +128,15 @@ def _linear_backward_act(
         rows = (pid_m * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & in_n[None, :]
         row_offsets = rows.to(tl.int64)[:, None]
-        dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz, du = _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT)
+        dz_ptrs = dz_ptr + row_offsets * (2 * N if ACT == SWIGLU else N) + cols[None, :]
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            col_sum += dz
         if ACT == SWIGLU:
-            z_ptrs = z_ptr + row_offsets * (2 * N) + cols[None, :]
-            g = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            s = tl.sigmoid(g)
-            dg = dy * u * s * (1.0 + g * (1.0 - s))
-            du = dy * g * s
-            dz_ptrs = dz_ptr + row_offsets * (2 * N) + cols[None, :]
-            tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=mask)
             tl.store(dz_ptrs + N, du.to(dz_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                col_sum += dg
                 col_sum_up += du
-        else:
-            if ACT == RELU:
-                y = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
-                dz = tl.where(y > 0, dy, 0.0)
-            else:
-                z = tl.load(z_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dz = dy * _derivative(z, ACT)
-            tl.store(dz_ptr + row_offsets * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-            if HAS_BIAS:
-                col_sum += dz
     if HAS_BIAS:
         width = 2 * N if ACT == SWIGLU else N
         tl.store(partial_ptr + pid_m * width + cols, tl.sum(col_sum, axis=0), mask=in_n)

@@ -19,7 +19,7 @@ from .. import buffers
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .launch import GemmConfig, fused_dx_config
-from .triton_activations import ACTIVATION_CODES, RELU, SWIGLU, _derivative
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _preact_gradient_tile
 
 
 @triton.jit
@@ -53,35 +53,19 @@ def _linear_backward_dx(
         cols = n0 + tl.arange(0, BLOCK_N)
         in_n = cols < N
         mask = in_m[:, None] & in_n[None, :]
-        dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz, du = _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT)
+        acc = _times_weight(acc, dz, w_ptr, cols, ks, in_n, in_k, K)
         if ACT == SWIGLU:
-            z_ptrs = z_ptr + row_offsets * width + cols[None, :]
-            g = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            s = tl.sigmoid(g)
-            dz = dy * u * s * (1.0 + g * (1.0 - s))
-            du = dy * g * s
-            acc = _times_weight(acc, dz, w_ptr, cols, ks, in_n, in_k, K)
             acc = _times_weight(acc, du, w_ptr, N + cols, ks, in_n, in_k, K)
-            if first:
-                dz_ptrs = dz_ptr + row_offsets * width + cols[None, :]
-                tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if first:
+            dz_ptrs = dz_ptr + row_offsets * width + cols[None, :]
+            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            if HAS_BIAS:
+                tl.store(partial_ptr + pid_m * width + cols, tl.sum(dz, axis=0), mask=in_n)
+            if ACT == SWIGLU:
                 tl.store(dz_ptrs + N, du.to(dz_ptr.dtype.element_ty), mask=mask)
                 if HAS_BIAS:
-                    tl.store(partial_ptr + pid_m * width + cols, tl.sum(dz, axis=0), mask=in_n)
                     tl.store(partial_ptr + pid_m * width + N + cols, tl.sum(du, axis=0), mask=in_n)
-        else:
-            if ACT == RELU:
-                y = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
-                dz = tl.where(y > 0, dy, 0.0)
-            else:
-                z = tl.load(z_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dz = dy * _derivative(z, ACT)
-            acc = _times_weight(acc, dz, w_ptr, cols, ks, in_n, in_k, K)
-            if first:
-                tl.store(dz_ptr + row_offsets * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-                if HAS_BIAS:
-                    tl.store(partial_ptr + pid_m * width + cols, tl.sum(dz, axis=0), mask=in_n)
     tl.store(
         dx_ptr + row_offsets * K + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=in_m[:, None] & in_k[None, :]
     )
