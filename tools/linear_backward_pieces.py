@@ -2,9 +2,8 @@
 
 Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU backward plus its dbias column sum,
 our elementwise pass (d_preact and dbias partial sums in one pass) at several launches,
-the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), the fused dx kernel (the derivative in the dx
-GEMM's prologue), and each whole backward: ours (`linear.triton.backward`, both ways) and eager torch's (autograd
-through F.linear and the activation).
+the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), and each whole backward: ours
+(`linear.triton.backward`) and eager torch's (autograd through F.linear and the activation).
 Usage (GPU machine): python tools/linear_backward_pieces.py [--shapes NAME ...] [--json PATH]
 """
 
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 from variant_timing import time_variant, write_json
 
 from runtime.accelerators.linear import triton as linear_triton
-from runtime.accelerators.linear import triton_backward
 from runtime.accelerators.linear.launch import ROW_GROUPS, BackwardLaunch
 from runtime.accelerators.linear.reference import linear_reference
 from runtime.benchmark.ops.linear import SHAPES
@@ -67,12 +65,6 @@ def pieces(m, k, n, device, activation="gelu"):
         "dw = d_preact^T @ x (cuBLAS)": lambda: torch.matmul(dz.t(), x),
         "torch: whole backward (autograd)": torch_whole_backward(x, w, b, dy, activation),
         "ours: whole backward": lambda: linear_triton.backward(dy, x, w, b, activation, y, z),
-        "ours: fused dx (derivative in the dx GEMM, d_preact and dbias stored)": functools.partial(
-            triton_backward.dx_and_preact_gradient, dy, z, y, w, activation, True
-        ),
-        "ours: whole backward, fused dx": functools.partial(
-            linear_triton.backward, dy, x, w, b, activation, y, z, BackwardLaunch(fused_dx=True)
-        ),
     }
     return variants
 

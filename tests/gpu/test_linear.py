@@ -109,28 +109,6 @@ def test_forward_backward_against_float64(backend, case):
     check(backend, *make_inputs(dtype, m, k, n, bias), activation)
 
 
-FUSED_DX_CASES = [c for c in CASES if c[4] is not None and c[2] <= 1024 and c[1] > 1]  # K blocks 1-8, ragged rows
-
-
-@pytest.mark.parametrize("case", FUSED_DX_CASES, ids=[_id(c) for c in FUSED_DX_CASES])
-def test_fused_dx_backward_against_float64(case):
-    """BackwardLaunch(fused_dx=True): the derivative in the dx GEMM's prologue, every gradient against float64."""
-    from runtime.accelerators.linear import triton as linear_triton
-    from runtime.accelerators.linear.launch import BackwardLaunch
-
-    dtype, m, k, n, activation, bias = case
-    x, w, b = make_inputs(dtype, m, k, n, bias)
-    y, z = linear_triton.forward(x, w, b, activation)
-    dy = torch.randn_like(y)
-    grads = linear_triton.backward(dy, x, w, b, activation, y, z, BackwardLaunch(fused_dx=True))[:3]
-    ref_leaves = [None if t is None else t.double().requires_grad_() for t in (x, w, b)]
-    ref = textbook(*ref_leaves, activation)
-    ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t is not None], dy.double())
-    tag = f"fused dx {activation} {m}x{k}x{n} {dtype}"
-    for name, g, r in zip(("dx", "dweight", "dbias"), [g for g in grads if g is not None], ref_grads):
-        assert_close(f"{tag} {name}", g, r, gradient_tolerance(dtype))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_no_grad_forward_matches(backend, activation):

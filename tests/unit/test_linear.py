@@ -143,37 +143,6 @@ def test_triton_backward_dbias_partials_over_several_row_groups():
     check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu", triton_backward=two_groups)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu", "swiglu"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_triton_interpreter_fused_dx_backward(activation, with_bias):
-    """The derivative in the dx GEMM's prologue (BackwardLaunch(fused_dx=True)): every gradient against float64, at
-    70 rows (a ragged row block), N = 40 over 64- or 32-column steps, K = 24 (one ragged K block)."""
-    from runtime.accelerators.linear.launch import BackwardLaunch
-
-    x, w, b = make_inputs(70, 24, 80 if activation == "swiglu" else 40, f16, activation)
-    check("triton", x, w, b if with_bias else None, activation, triton_backward=BackwardLaunch(fused_dx=True))
-
-
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_triton_interpreter_fused_dx_over_several_k_blocks_matches_the_elementwise_pass(activation):
-    """K = 40 in 16-wide K blocks (three programs per row block, the first storing d_preact and the dbias partials):
-    dx, d_preact and dbias as the elementwise pass and a dx GEMM give them."""
-    from runtime.accelerators.linear import triton as linear_triton
-    from runtime.accelerators.linear import triton_backward
-    from runtime.accelerators.linear.launch import GemmConfig
-
-    torch.manual_seed(0)
-    x, w, b = make_inputs(50, 40, 48, f16, activation)
-    y, z = linear_triton.forward(x, w, b, activation)
-    dy = torch.randn_like(y)
-    tiles = GemmConfig(32, 16, 16, 4, 1, 1)
-    dx, dz, dbias = triton_backward.dx_and_preact_gradient(dy, z, y, w, activation, True, tiles)
-    dz_pass, dbias_pass = linear_triton.preact_gradient(dy, z, y, activation, True)
-    assert torch.equal(dz, dz_pass)
-    torch.testing.assert_close(dbias, dbias_pass, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dx.float(), (dz_pass.float() @ w.float()), rtol=2e-3, atol=2e-3)
-
-
 SMALL_PERSISTENT = GemmConfig(32, 16, 16, 4, 2, 2)  # tiles small enough for several per program on the CPU
 
 

@@ -46,7 +46,6 @@ from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.linear import launch as linear_launch
 from runtime.accelerators.linear import triton as linear_triton
-from runtime.accelerators.linear import triton_backward as linear_triton_backward
 from runtime.accelerators.linear import triton_persistent as linear_persistent_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import differentiable
@@ -151,8 +150,7 @@ def add_norm_and_activation():
 def linear():
     """The forward GEMM at each table entry (128 x 256 tiles at K = N = 256, 128 x 128 at K = 64, swiglu's two
     accumulators, narrow column blocks for few rows), saving the pre-activation and not (infer), K = 40 (masked K),
-    and the backward's elementwise pass (and the fused dx GEMM) for every activation that has one, with and without
-    dbias partials."""
+    and the backward's elementwise pass for every activation that has one, with and without dbias partials."""
     for m, k, n, activation, bias in ((2048, 256, 256, "gelu", True), (256, 64, 256, "silu", False),
                                       (256, 256, 512, "swiglu", True), (37, 40, 64, "gelu_tanh", True),
                                       (37, 64, 64, "relu", True), (1, 4096, 4096, None, True)):  # fmt: skip
@@ -162,8 +160,6 @@ def linear():
         y, z = linear_triton.forward(x, w, b, activation)
         linear_triton.infer(x, w, b, activation)
         linear_triton.preact_gradient(torch.randn_like(y), z, y, activation, bias)
-        if activation is not None:
-            linear_triton_backward.dx_and_preact_gradient(torch.randn_like(y), z, y, w, activation, bias)
 
 
 def linear_persistent():

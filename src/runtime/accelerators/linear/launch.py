@@ -80,12 +80,11 @@ ROW_GROUPS = 256  # at most this many partial rows of dbias to add up, and still
 class BackwardLaunch:
     """The backward's elementwise pass: row_groups, the most groups of row tiles (each writes one partial row of
     dbias) its programs split the rows into; block_m and num_warps, the row tile and warps of a program (None: the
-    rule of backward_config); fused_dx, the whole pass inside the dx GEMM (its tiles: fused_dx_config)."""
+    rule of backward_config)."""
 
     row_groups: int = ROW_GROUPS
     block_m: int | None = None
     num_warps: int | None = None
-    fused_dx: bool = False  # the derivative in the dx GEMM's prologue instead (triton_backward.py; Triton only)
 
     def __post_init__(self):
         if self.row_groups < 1:
@@ -108,14 +107,6 @@ def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsCo
 
 
 @_cached
-@_cached
-def fused_dx_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
-    """Tiles of the backward's fused dx GEMM (triton_backward.py): K in blocks of up to 128 (each K block forms
-    d_preact again from dy and z; 256 took 243-255 registers a thread with the GELU prologue, and spilled for swiglu);
-    swiglu's two w tiles a step take half the block_n."""
-    return GemmConfig(64, 32 if swiglu else 64, min(128, _pow2_at_least(k, 16)), 8, 3, 1)
-
-
 def persistent_forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
     """Tiles of the Hopper persistent TMA forward (triton_persistent.py). Its shared memory holds num_stages x and w
     tiles plus the y (and z) tiles the epilogue stores through descriptors, so it takes 128 x 128 where the portable

@@ -31,7 +31,7 @@ from ..backends import sm_count
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from . import triton_backward, triton_persistent
+from . import triton_persistent
 from .launch import (
     BACKWARD,
     BackwardLaunch,
@@ -208,16 +208,12 @@ def preact_gradient(
 
 
 def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BACKWARD):
-    """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS; with
-    launch.fused_dx, d_preact and dx from one kernel (triton_backward.py), then dweight by cuBLAS."""
+    """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
     shape = x.shape
     dy, x = as_rows(dy), as_rows(x)
-    if launch.fused_dx and activation is not None:
-        dx, dz, dbias = triton_backward.dx_and_preact_gradient(dy, z, y, weight, activation, bias is not None)
-    else:
-        dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
-        dx = torch.matmul(dz, weight)
+    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
+    dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx if len(shape) == 2 else dx.view(shape), dweight, None if dbias is None else dbias.to(bias.dtype), None
 
