@@ -1,6 +1,7 @@
 """Times linear's backward piece by piece beside eager torch's, on one GPU: where forward+backward loses to torch.
 
-Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU backward plus its dbias column sum, our elementwise pass (d_preact and dbias partial sums in one pass) at several row-group counts,
+Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU backward plus its dbias column sum,
+our elementwise pass (d_preact and dbias partial sums in one pass) at several launches,
 the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), and each whole backward: ours
 (`linear.triton.backward`) and eager torch's (autograd through F.linear and the activation).
 Usage (GPU machine): python tools/linear_backward_pieces.py [--shapes NAME ...] [--json PATH]
@@ -21,6 +22,13 @@ from runtime.accelerators.linear.reference import linear_reference
 from runtime.benchmark.ops.linear import SHAPES
 
 GELU_SHAPES = [name for name in SHAPES if name.endswith("-gelu")]
+PASS_LAUNCHES = (
+    BackwardLaunch(),
+    BackwardLaunch(ROW_GROUPS * 4),
+    BackwardLaunch(ROW_GROUPS, block_m=16),
+    BackwardLaunch(ROW_GROUPS, block_m=64, num_warps=8),
+    BackwardLaunch(ROW_GROUPS, num_warps=8),
+)
 
 
 def torch_gelu_backward(dy, z):
@@ -48,10 +56,10 @@ def pieces(m, k, n, device, activation="gelu"):
     variants = {
         "torch: gelu backward + dbias sum": lambda: torch_gelu_backward(dy, z),
         **{
-            f"ours: elementwise pass, {groups} row groups": functools.partial(
-                linear_triton.preact_gradient, dy, z, y, activation, True, BackwardLaunch(groups)
+            f"ours: elementwise pass, {launch}": functools.partial(
+                linear_triton.preact_gradient, dy, z, y, activation, True, launch
             )
-            for groups in (ROW_GROUPS // 4, ROW_GROUPS, ROW_GROUPS * 4)
+            for launch in PASS_LAUNCHES
         },
         "dx = d_preact @ w (cuBLAS)": lambda: torch.matmul(dz, w),
         "dw = d_preact^T @ x (cuBLAS)": lambda: torch.matmul(dz.t(), x),

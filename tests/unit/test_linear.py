@@ -265,21 +265,28 @@ def test_tilelang_kernels_compile_for_sm90a(direction, args):
         assert "atomic" not in source.lower(), "dbias must go through partial sums, not atomics"
 
 
+def _tilelang_resources():
+    """tools/tilelang_resources.py (SASS profiles of TileLang kernels), imported from the repository."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    import tilelang_resources
+
+    return tilelang_resources
+
+
 @requires_nvcc
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_tilelang_backward_binds_its_row_steps_once(activation, tmp_path):
     """The elementwise backward's steps per row group divide by the dynamic group count: bound once, not recomputed
     (a 64-bit division call each time: 12 in the GELU pass's SASS, 40 in the ReLU one's)."""
-    import sys
-    from pathlib import Path
-
     import tilelang
 
     from runtime.accelerators.linear import tilelang as kernels
     from runtime.accelerators.tilelang_common import device_info
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
-    import tilelang_resources as resources
+    resources = _tilelang_resources()
 
     if resources.nvdisasm_tool() is None:
         pytest.skip("no nvdisasm (on PATH or bundled with Triton)")
@@ -287,6 +294,40 @@ def test_tilelang_backward_binds_its_row_steps_once(activation, tmp_path):
     source = tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
     report, sass = resources.compile_source(source, tmp_path)
     assert "div_s64" not in sass and resources.profile(report, sass)["calls"] == 0
+
+
+def _loop_body(source: str, header: str) -> str:
+    """The body of the first C loop whose header starts with `header`, braces matched."""
+    start = source.index("{", source.index(header))
+    depth = 0
+    for end in range(start, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[end], 0)
+        if depth == 0:
+            return source[start : end + 1]
+    raise AssertionError(f"unbalanced braces after {header!r}")
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_tilelang_backward_folds_the_dbias_sums_after_the_row_walk(activation, tmp_path):
+    """The dbias partial sums accumulate per thread over the row tiles and fold across threads once, after the
+    walk: a fold per tile put shared memory and barriers between every tile's loads and the next's."""
+    import tilelang
+
+    from runtime.accelerators.linear import tilelang as kernels
+    from runtime.accelerators.tilelang_common import device_info
+
+    resources = _tilelang_resources()
+
+    key, build = kernels.backward_entry(bf16, 1024, activation, True)
+    source = tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+    walk = _loop_body(source, "for (int step = 0;")
+    assert "AllReduce" not in walk and "__syncthreads" not in walk
+    assert source.count("AllReduce") == (2 if activation == "swiglu" else 1)
+    if activation == "gelu" and resources.nvdisasm_tool() is not None:  # the tile layout keeps 16-byte loads
+        report, sass = resources.compile_source(source, tmp_path)
+        assert resources.profile(report, sass)["ldg_narrow"] == 0
 
 
 @requires_nvcc

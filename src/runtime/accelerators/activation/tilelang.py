@@ -13,7 +13,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher
 from .reference import GELU, GELU_TANH, INV_SQRT_2PI, SILU, SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
 
 ACTIVATIONS = {SILU: "silu", GELU: "gelu", GELU_TANH: "gelu_tanh"}
@@ -109,13 +109,13 @@ def kernel_entries(dtype: torch.dtype, act: int) -> list[Entry]:
 
 def _forward(x: torch.Tensor, act: int) -> torch.Tensor:
     y = buffers.empty_like(x)
-    compiled(forward_entry(x.dtype, act), x.device)(flat(x), y.view(-1))
+    launcher(forward_entry(x.dtype, act), x.device)(flat(x), y.view(-1))
     return y
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, act: int) -> torch.Tensor:
     dx = buffers.empty_like(x)
-    compiled(backward_entry(x.dtype, act), x.device)(flat(dy), flat(x), dx.view(-1))
+    launcher(backward_entry(x.dtype, act), x.device)(flat(dy), flat(x), dx.view(-1))
     return dx
 
 

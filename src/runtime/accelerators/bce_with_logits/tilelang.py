@@ -13,7 +13,7 @@ import torch
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
-from ..tilelang_common import TL_DTYPE, compiled
+from ..tilelang_common import TL_DTYPE, launcher
 from . import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
@@ -299,7 +299,7 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
         reduce,
         grad_in_forward,
     )
-    kernel = compiled(entry, device)
+    kernel = launcher(entry, device)
     if not reduce:
         loss = buffers.empty(logits.shape, dtype=dtype, device=device)
         kernel(x, y, w, pw, w_inner, pw_inner, divisor, loss.view(-1), unit.view(-1))
@@ -307,7 +307,7 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
     partials = buffers.empty((-(-n // BLOCK),), dtype=torch.float32, device=device)
     kernel(x, y, w, pw, w_inner, pw_inner, divisor, partials, unit.view(-1))
     loss = buffers.empty((), dtype=dtype, device=device)
-    compiled(sum_entry(TL_DTYPE[dtype]), device)(partials, divisor, loss.view(1))
+    launcher(sum_entry(TL_DTYPE[dtype]), device)(partials, divisor, loss.view(1))
     return loss, unit
 
 
@@ -334,7 +334,7 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
         g_scalar,
         targets_grad,
     )
-    kernel = compiled(entry, device)
+    kernel = launcher(entry, device)
     # without targets_grad the kernel never writes DY: targets stand in for it
     kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
     return dlogits, dtargets, None, None, None, None, None

@@ -17,7 +17,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..swiglu.tilelang import BLOCK, THREADS, flat, flat_layout, load_flat, store_flat, tile_shape
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher
 from .reference import HASH_M1, HASH_M2, KEY_MULTIPLIER, keep_threshold
 
 U32 = "uint32"
@@ -147,14 +147,14 @@ def forward(
     x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor, block: int = BLOCK, threads: int = THREADS
 ) -> torch.Tensor:
     """seed: the one-element int64 tensor of seeds.draw_seed_tensor, on x's device."""
-    kernel = compiled(forward_entry(x.dtype, block, threads), x.device)
+    kernel = launcher(forward_entry(x.dtype, block, threads), x.device)
     out = buffers.empty_like(x)
     kernel(flat(x), flat(residual), out.view(-1), seed, keep_threshold(p), 1.0 / (1.0 - p))
     return out
 
 
 def backward(dout, x, residual, p: float, seed: torch.Tensor, out, block: int = BLOCK, threads: int = THREADS):
-    kernel = compiled(backward_entry(x.dtype, block, threads), x.device)
+    kernel = launcher(backward_entry(x.dtype, block, threads), x.device)
     dx = buffers.empty_like(x)
     kernel(flat(dout), dx.view(-1), seed, keep_threshold(p), 1.0 / (1.0 - p))
     return dx, dout, None, None  # d residual = dout

@@ -79,9 +79,20 @@ ROW_GROUPS = 256  # at most this many partial rows of dbias to add up, and still
 @dataclass(frozen=True)
 class BackwardLaunch:
     """The backward's elementwise pass: row_groups, the most groups of row tiles (each writes one partial row of
-    dbias) its programs split the rows into."""
+    dbias) its programs split the rows into; block_m and num_warps, the row tile and warps of a program (None: the
+    rule of backward_config)."""
 
     row_groups: int = ROW_GROUPS
+    block_m: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        if self.row_groups < 1:
+            raise ValueError(f"BackwardLaunch.row_groups: expected a positive count, got {self.row_groups}")
+        for name in ("block_m", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"BackwardLaunch.{name}: expected a power of two or None, got {value}")
 
 
 BACKWARD = BackwardLaunch()
@@ -90,8 +101,9 @@ BACKWARD = BackwardLaunch()
 @_cached
 def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsConfig:
     block_n = min(128, _pow2_at_least(n, 16))
-    block_m = 32 if block_n >= 128 else 64
-    return RowsConfig(block_m, block_n, max(1, cdiv(cdiv(m, block_m), launch.row_groups)), 4)
+    block_m = launch.block_m or (32 if block_n >= 128 else 64)
+    steps = max(1, cdiv(cdiv(m, block_m), launch.row_groups))
+    return RowsConfig(block_m, block_n, steps, launch.num_warps or 4)
 
 
 @_cached

@@ -22,7 +22,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
 from .launch import ROW_GROUPS, as_rows
 from .reference import SAVES_PREACT
 
@@ -135,6 +135,20 @@ def backward_tiles(n: int) -> tuple[int, int, int]:
     return (32 if bn >= 128 else 64), bn, 128
 
 
+def _row_tile_layout(bm: int, bn: int, threads: int) -> T.Fragment:
+    """A [bm, bn] fp32 tile with 8 consecutive columns a thread (16-byte loads of 2-byte inputs), the tile's rows
+    dealt to the thread groups in turn. Given explicitly: the dbias reducer alone would give each thread whole
+    columns, and 2-byte loads."""
+    vec = 8
+    groups_per_row = bn // vec
+    rows_a_pass = threads // groups_per_row
+    return T.Fragment(
+        (bm, bn),
+        forward_thread_fn=lambda i, j: (i % rows_a_pass) * groups_per_row + j // vec,
+        forward_index_fn=lambda i, j: (i // rows_a_pass) * vec + j % vec,
+    )
+
+
 def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
     """DZ [M, width] = DY [M, n] * act'(Z) (relu: from Y); Partial [G, width] fp32: the column sums of DZ over the
     rows of each of G row groups. width = 2n for swiglu (gate columns, then up), else n."""
@@ -156,13 +170,17 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
         with T.Kernel(T.ceildiv(n, bn), G, threads=threads) as (bx, by):
             dz = T.alloc_fragment((bm, bn), ACCUM)
             du = T.alloc_fragment((bm, bn) if swiglu else (1,), ACCUM)
-            part = T.alloc_fragment((bn,), ACCUM)
-            total = T.alloc_fragment((bn,), ACCUM)
-            total_up = T.alloc_fragment((bn,) if swiglu else (1,), ACCUM)
-            if has_bias:  # left unused without a bias (a cleared but unread fragment gets no layout)
-                T.clear(total)
-                if swiglu:
-                    T.clear(total_up)
+            tile_layout = _row_tile_layout(bm, bn, threads)
+            T.annotate_layout({dz: tile_layout, **({du: tile_layout} if swiglu else {})})
+            # the dbias sums are reducers: each thread adds its elements over the whole row walk and the threads
+            # combine once at the end (a reduction per row tile put shared memory and barriers between tiles)
+            if has_bias:
+                acc = T.alloc_reducer((bn,), ACCUM, op="sum")
+                T.reducer_init(acc)
+                total = T.alloc_fragment((bn,), ACCUM)
+            if has_bias and swiglu:
+                acc_up = T.alloc_reducer((bn,), ACCUM, op="sum")
+                T.reducer_init(acc_up)
             # bound once: as an expression TileLang would recompute its division by G, in int64, at every use
             steps = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(M, bm), G))
             for step in T.serial(steps):
@@ -182,25 +200,26 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
                     else:
                         z = T.if_then_else(inside, T.cast(Z[r0 + i, bx * bn + j], ACCUM), 0.0)
                         dz[i, j] = dy * _derivative(z, activation)
+                if has_bias:  # a loop of its own: an update beside the loads keeps them from vectorizing
+                    for i, j in T.Parallel(bm, bn):
+                        T.reducer_update(acc[j], dz[i, j])
+                        if swiglu:
+                            T.reducer_update(acc_up[j], du[i, j])
                 for i, j in T.Parallel(bm, bn):
                     if (r0 + i < M) and (bx * bn + j < n):
                         DZ[r0 + i, bx * bn + j] = T.cast(dz[i, j], dtype)
                         if swiglu:
                             DZ[r0 + i, n + bx * bn + j] = T.cast(du[i, j], dtype)
-                if has_bias:
-                    T.reduce_sum(dz, part, dim=0)
-                    for j in T.Parallel(bn):
-                        total[j] += part[j]
-                    if swiglu:
-                        T.reduce_sum(du, part, dim=0)
-                        for j in T.Parallel(bn):
-                            total_up[j] += part[j]
             if has_bias:
+                T.finalize_reducer(acc, total)
                 for j in T.Parallel(bn):
                     if bx * bn + j < n:
                         Partial[by, bx * bn + j] = total[j]
-                        if swiglu:
-                            Partial[by, n + bx * bn + j] = total_up[j]
+                if swiglu:
+                    T.finalize_reducer(acc_up, total)
+                    for j in T.Parallel(bn):
+                        if bx * bn + j < n:
+                            Partial[by, n + bx * bn + j] = total[j]
 
     return linear_bwd
 
@@ -232,7 +251,7 @@ def _launch_forward(x, weight, bias, activation, save: bool):
     saved = save and activation in SAVES_PREACT
     y = buffers.empty((*lead, n), dtype=x.dtype, device=x.device)
     z = buffers.empty((*lead, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
-    kernel = compiled(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
+    kernel = launcher(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
     b = placeholder(x.device, x.dtype) if bias is None else _contiguous(bias)
     kernel(as_rows(x), weight, b, as_rows(y), as_rows(z) if saved else placeholder(x.device, x.dtype))
     return y, z
@@ -248,7 +267,7 @@ def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
 
 
 def preact_gradient(
-    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool, launch=compiled
+    dy: torch.Tensor, z: torch.Tensor, y: torch.Tensor, activation: str | None, with_bias: bool, launch=launcher
 ):
     """(d_preact [M, weight rows], dbias [weight rows] fp32 or None). launch(entry, device): the kernel's entry point
     (tools/tilelang_on_cpu.py passes one that runs the generated code on the CPU)."""

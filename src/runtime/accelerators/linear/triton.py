@@ -42,32 +42,7 @@ from .launch import (
     persistent_pays,
 )
 from .reference import SAVES_PREACT
-from .triton_activations import (
-    ACTIVATION_CODES,
-    GELU,
-    GELU_TANH,
-    INV_SQRT_2PI,
-    RELU,
-    SQRT_HALF,
-    SWIGLU,
-    TANH_A,
-    TANH_C,
-    _activate,
-)
-
-
-@triton.jit
-def _derivative(z, ACT: tl.constexpr):
-    """d act(z) / dz for gelu, gelu_tanh and silu."""
-    if ACT == GELU:
-        out = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF)) + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
-    elif ACT == GELU_TANH:
-        s = tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
-        out = s + z * s * (1.0 - s) * (2.0 * TANH_C) * (1.0 + z * z * (3.0 * TANH_A))
-    else:
-        s = tl.sigmoid(z)
-        out = s * (1.0 + z * (1.0 - s))
-    return out
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient_tile
 
 
 @direct_launch
@@ -141,45 +116,32 @@ def _linear_backward_act(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dz = dy * act'(z) over STEPS row tiles of BLOCK_M rows, column sums of dz into partial[program row, :].
-    N: the columns of dy (F for swiglu, whose z and dz have 2N)."""
+    N: the columns of dy (F for swiglu, whose z and dz have 2N). The sums accumulate tile by tile in a [BLOCK_M,
+    BLOCK_N] fp32 block and fold over rows once at the end: a fold per tile put a cross-warp reduction (shared
+    memory and barriers) between every tile's loads and the next's."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
-    col_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    col_sum_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    col_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    col_sum_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(STEPS):
         rows = (pid_m * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & in_n[None, :]
         row_offsets = rows.to(tl.int64)[:, None]
-        dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz, du = _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT)
+        dz_ptrs = dz_ptr + row_offsets * (2 * N if ACT == SWIGLU else N) + cols[None, :]
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            col_sum += dz
         if ACT == SWIGLU:
-            z_ptrs = z_ptr + row_offsets * (2 * N) + cols[None, :]
-            g = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            s = tl.sigmoid(g)
-            dg = dy * u * s * (1.0 + g * (1.0 - s))
-            du = dy * g * s
-            dz_ptrs = dz_ptr + row_offsets * (2 * N) + cols[None, :]
-            tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=mask)
             tl.store(dz_ptrs + N, du.to(dz_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                col_sum += tl.sum(dg, axis=0)
-                col_sum_up += tl.sum(du, axis=0)
-        else:
-            if ACT == RELU:
-                y = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
-                dz = tl.where(y > 0, dy, 0.0)
-            else:
-                z = tl.load(z_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dz = dy * _derivative(z, ACT)
-            tl.store(dz_ptr + row_offsets * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-            if HAS_BIAS:
-                col_sum += tl.sum(dz, axis=0)
+                col_sum_up += du
     if HAS_BIAS:
         width = 2 * N if ACT == SWIGLU else N
-        tl.store(partial_ptr + pid_m * width + cols, col_sum, mask=in_n)
+        tl.store(partial_ptr + pid_m * width + cols, tl.sum(col_sum, axis=0), mask=in_n)
         if ACT == SWIGLU:
-            tl.store(partial_ptr + pid_m * width + N + cols, col_sum_up, mask=in_n)
+            tl.store(partial_ptr + pid_m * width + N + cols, tl.sum(col_sum_up, axis=0), mask=in_n)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import pow2_at_least
-from ..tilelang_common import ACCUM, TL_DTYPE, compiled, device_info
+from ..tilelang_common import ACCUM, TL_DTYPE, device_info, launcher
 from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
@@ -521,7 +521,7 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
     n, C = x.shape[-2], x.shape[-1]
     out = allocate_pre(x)
     tokens = out.h.shape[0]
-    compiled(pre_entry(x, phi), x.device)(
+    launcher(pre_entry(x, phi), x.device)(
         out.streams,
         phi.contiguous(),
         alpha.float().contiguous(),
@@ -545,7 +545,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
     dg = buffers.empty((tokens, m), **f32)
     partial = buffers.empty((-(-tokens // pre_block_tokens(n)), m + 3), **f32)
-    compiled(pre_backward_entry(x, phi), x.device)(
+    launcher(pre_backward_entry(x, phi), x.device)(
         xs,
         phi.contiguous(),
         alpha.float().contiguous(),
@@ -562,7 +562,7 @@ def pre_backward(d_h_in, d_h_post, d_h_res, x, phi, alpha, bias, eps, sinkhorn_i
     )
     splits = _token_splits(x.device, n, C)
     dphi_partial = buffers.empty((splits, n * C, m), **f32)
-    compiled(dphi_entry(x, phi, splits), x.device)(xs, dg, dphi_partial)
+    launcher(dphi_entry(x, phi, splits), x.device)(xs, dg, dphi_partial)
     sums = partial.sum(0)  # fixed-order reductions of per-block partials: deterministic
     return (
         dx.view(x.shape),
@@ -578,7 +578,7 @@ def post_forward(x, y, h_post, h_res):
     n, C = x.shape[-2], x.shape[-1]
     tokens = x.numel() // (n * C)
     out = buffers.empty(x.shape, dtype=x.dtype, device=x.device)
-    compiled(post_entry(x), x.device)(
+    launcher(post_entry(x), x.device)(
         x.reshape(tokens, n, C).contiguous(),
         y.reshape(tokens, C).to(x.dtype).contiguous(),
         h_post.reshape(tokens, n).float().contiguous(),
@@ -595,7 +595,7 @@ def post_backward(d_out, x, y, h_post, h_res, out):
     dy = buffers.empty((tokens, C), dtype=x.dtype, device=x.device)
     dh_post = buffers.empty((tokens, n), dtype=torch.float32, device=x.device)
     dh_res = buffers.empty((tokens, n * n), dtype=torch.float32, device=x.device)
-    compiled(post_backward_entry(x), x.device)(
+    launcher(post_backward_entry(x), x.device)(
         x.reshape(tokens, n, C).contiguous(),
         y.reshape(tokens, C).to(x.dtype).contiguous(),
         h_post.reshape(tokens, n).float().contiguous(),

@@ -14,7 +14,7 @@ import torch
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, compiled
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher
 
 BLOCK = 4096
 THREADS = 256
@@ -145,7 +145,7 @@ def backward_entry(dtype: torch.dtype, block: int = BLOCK, threads: int = THREAD
 
 
 def forward(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK, threads: int = THREADS) -> torch.Tensor:
-    kernel = compiled(forward_entry(gate.dtype, block, threads), gate.device)
+    kernel = launcher(forward_entry(gate.dtype, block, threads), gate.device)
     y = buffers.empty_like(gate)
     kernel(flat(gate), flat(up), y.view(-1))
     return y
@@ -154,7 +154,7 @@ def forward(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK, threads: i
 def backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, block: int = BLOCK, threads: int = THREADS
 ):
-    kernel = compiled(backward_entry(gate.dtype, block, threads), gate.device)
+    kernel = launcher(backward_entry(gate.dtype, block, threads), gate.device)
     dgate, dup = buffers.empty_like(gate), buffers.empty_like(up)
     kernel(flat(dy), flat(gate), flat(up), dgate.view(-1), dup.view(-1))
     return dgate, dup
