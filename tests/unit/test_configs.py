@@ -141,6 +141,14 @@ def test_benchmark_config_composes():
     assert cfg.steps == 200
 
 
+def test_warmup_defaults_to_a_tenth_of_the_steps():
+    from runtime.training.config import warmup_steps
+
+    assert warmup_steps(_compose()) == 30  # trainer.steps=300
+    assert warmup_steps(_compose("trainer.steps=4")) == 0
+    assert warmup_steps(_compose("trainer.steps=40", "optim.warmup_steps=5")) == 5
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [
@@ -150,6 +158,8 @@ def test_benchmark_config_composes():
         ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio: expected a value in [0, 1], got 1.5"),
         ("optim.min_lr_ratio=-0.1", "optim.min_lr_ratio: expected a value in [0, 1], got -0.1"),
         ("optim.warmup_steps=-1", "optim.warmup_steps: expected an integer >= 0, got -1"),
+        ("optim.warmup_steps=300", "optim.warmup_steps: expected fewer than trainer.steps=300 (the run would end inside "
+         "its warm-up, before the learning rate reaches optim.lr), or null for a tenth of the steps; got 300"),
         ("optim.betas=[0.9]", "optim.betas: expected two values in [0, 1), got [0.9]"),
         ("optim.betas=[0.9,0.98,0.5]", "optim.betas: expected two values in [0, 1), got [0.9, 0.98, 0.5]"),
         ("optim.betas=[0.9,1.0]", "optim.betas: expected two values in [0, 1), got [0.9, 1.0]"),

@@ -245,14 +245,15 @@ class OptimSchema:
     weight_decay: float = 0.01  # on matrices only (not embeddings, norms, biases)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
-    warmup_steps: int = 30
+    warmup_steps: int | None = None  # linear warm-up; null: a tenth of trainer.steps
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
 
     def __post_init__(self) -> None:
         _in_range("optim.lr", self.lr, 0.0, math.inf, low_open=True, high_open=True)
         _in_range("optim.weight_decay", self.weight_decay, 0.0, math.inf, high_open=True)
         _in_range("optim.eps", self.eps, 0.0, math.inf, low_open=True, high_open=True)
-        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        if self.warmup_steps is not None:
+            _at_least("optim.warmup_steps", self.warmup_steps, 0)
         _in_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         if len(self.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"optim.betas: expected two values in [0, 1), got {list(self.betas)}")
@@ -272,6 +273,20 @@ class TrainSchema:
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
+
+    def __post_init__(self) -> None:
+        warmup, steps = self.optim.warmup_steps, self.trainer.steps
+        if warmup and warmup >= steps:
+            raise ValueError(
+                f"optim.warmup_steps: expected fewer than trainer.steps={steps} (the run would end inside its warm-up, "
+                f"before the learning rate reaches optim.lr), or null for a tenth of the steps; got {warmup}"
+            )
+
+
+def warmup_steps(cfg) -> int:
+    """optim.warmup_steps of a composed config, null resolved to a tenth of trainer.steps."""
+    warmup = cfg.optim.warmup_steps
+    return cfg.trainer.steps // 10 if warmup is None else warmup
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .config import (
     check_train_config,
     cuda_graph_choice,
     data_jagged,
+    warmup_steps,
 )
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
@@ -263,7 +264,7 @@ class Trainer:
         # what each step clears and clips (model.parameters() walks the module tree on each call)
         self.parameters = tuple(self.model.parameters())
         self.optimizer = make_optimizer(self.model, cfg.optim, self.device, capturable=graphed)
-        total, warmup, min_ratio = cfg.trainer.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+        total, warmup, min_ratio = cfg.trainer.steps, warmup_steps(cfg), cfg.optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total, warmup, min_ratio)
         )
