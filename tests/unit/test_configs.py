@@ -142,11 +142,15 @@ def test_benchmark_config_composes():
 
 
 def test_warmup_defaults_to_a_tenth_of_the_steps():
-    from runtime.training.config import warmup_steps
+    from runtime.training.config import check_train_config, warmup_steps
 
     assert warmup_steps(_compose()) == 30  # trainer.steps=300
     assert warmup_steps(_compose("trainer.steps=4")) == 0
     assert warmup_steps(_compose("trainer.steps=40", "optim.warmup_steps=5")) == 5
+    # a preset's short benchmark run keeps a warm-up shorter than itself
+    short_large = _compose("experiment=pcvr_large", "trainer.steps=60")
+    check_train_config(short_large)
+    assert warmup_steps(short_large) == 6
 
 
 @pytest.mark.parametrize(
