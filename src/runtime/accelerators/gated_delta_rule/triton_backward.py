@@ -414,13 +414,15 @@ def chunk_backward(
     device, precision = q.device, _precision(q)
     chunks = Chunks.of(v, cu_seqlens)
     is_varlen = cu_seqlens is not None
-    half = tuning.half(q)  # every kernel's HALF
+    half = tuning.half(q)  # every kernel's HALF but step 5's
+    half_step5 = tuning.half_step5(q)
     step5 = tuning.step5(K)
     # dS', dU and dw only ever enter products after they are stored: with HALF in bf16, as those products round them
     # (the walk adds dU_local to K~ dS' in fp32 after one rounding; <S, dS'> for d gamma_last takes dS' rounded). dU
-    # stays fp32 for the single step-5 kernel, whose products are tf32 (bf16 dU: dv's error 9.5e-3 -> 1.3e-2 at K 32)
+    # stays fp32 for a step-5 kernel without HALF, whose products are tf32 (bf16 dU: dv's error 9.5e-3 -> 1.3e-2 at
+    # K 32 with the single kernel); step 5 takes dw in either dtype
     product_dtype = torch.bfloat16 if half else torch.float32
-    du_dtype = product_dtype if step5 == "fused" else torch.float32
+    du_dtype = torch.bfloat16 if half_step5 else torch.float32
     dstates = _state_buffer(chunks.total, HV, K, V, device, product_dtype)
     du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)
@@ -458,7 +460,7 @@ def chunk_backward(
             **_grad_qk_state_launch(K, V), **shared,
         )  # fmt: skip
         wy_inputs = (k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, g)
-        _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, shared, step5)
+        _grad_wy(wy_inputs, (dk_out, dv, dbeta, dg), chunks, T, dict(shared, HALF=half_step5), step5)
     if groups > 1:
         dq_out, dk_out = _sum_value_heads(dq_out, B, T, H, q.dtype), _sum_value_heads(dk_out, B, T, H, k.dtype)
     dq_out, dk_out = dq_out.view(B, T, H, K), dk_out.view(B, T, H, K)

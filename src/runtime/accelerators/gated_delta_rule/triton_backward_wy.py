@@ -174,7 +174,7 @@ def _grad_wy_keys(
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
         k_operand, raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK, HALF)
         kk += _storage_dot(k_operand, tl.trans(k_operand), PRECISION, HALF)  # half inputs: exact in tf32 (bf16: HALF)
-        dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+        dw = _operand(tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0), HALF)  # bf16 where step 4 used HALF
         kdk += tl.sum(_storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * raw, 1)
         if L2NORM:
             squares += tl.sum(raw * raw, 1)
@@ -208,7 +208,7 @@ def _grad_wy_keys(
     for c in range(0, K, BK):
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
         k_operand, raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK, HALF)
-        dw = tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0)
+        dw = _operand(tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0), HALF)
         dk_new = _storage_dot(dkk, k_operand, PRECISION, HALF, tl.load(dk + heads, mask=row_mask[:, None], other=0.0))
         dk_new += _storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * k_weight[:, None]
         if L2NORM:  # x_n = x rstd: dx = (dx_n - x_n (dx_n . x_n)) rstd
@@ -279,7 +279,8 @@ def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict, variant: str) -> None:
     """Step 5 as `variant` ("single" or "fused", Tuning.step5): inputs (k, v, beta, gamma, inverse, corrections, dw,
-    du, dk, d_gamma, g), outputs (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel."""
+    du, dk, d_gamma, g), outputs (dk_out, dv, dbeta, dg); `shared`, the constexprs of the qk kernel with step 5's HALF
+    (Tuning.half_step5)."""
     k, v, beta, gamma, inverse, corrections, dw, du, dk, d_gamma, g = inputs
     dk_out, dv, dbeta, dg = outputs
     K, V, precision = shared["K"], shared["V"], shared["PRECISION"]

@@ -310,8 +310,9 @@ class Tuning:
     grad_wy: how the backward runs its step 5 (triton_backward): "single" (_chunk_grad_wy_kernel, tf32 products) or
         "fused" (_chunk_grad_wy_fused_kernel); None: "fused" at K = 128 and "single" below, as the H100 timings chose.
     half_backward: the backward's products on bf16 operands (fp32 accumulation) for half inputs, in every kernel but
-        the single step-5 kernel (on bf16 operands it faulted on the H100 at K = 16 and 32); None: where step 5 runs
-        fused, where it pays (docs/tuning/gated_delta_rule.md has the timings and the errors against float64).
+        the single step-5 kernel (on bf16 operands it faulted on the H100 at K = 16 and 32) and the fused one at K = 16
+        (half_step5); None: where step 5 runs fused, where it pays (docs/tuning/gated_delta_rule.md has the timings
+        and the errors against float64).
     segment_chunks: chunks per segment of the context-parallel split (0: never split); None: the occupancy rule
         (split.split_length) decides.
     """
@@ -330,14 +331,30 @@ class Tuning:
         return self.grad_wy or ("fused" if K == 128 else "single")
 
     def half(self, q: torch.Tensor) -> bool:
-        """The HALF constexpr of the backward's kernels for these inputs (half inputs only, _half_dots)."""
+        """The HALF constexpr of the backward's kernels but step 5's (half_step5) for these inputs (half inputs only,
+        _half_dots)."""
         on = self.step5(q.shape[-1]) == "fused" if self.half_backward is None else self.half_backward
         return on and _half_dots(q)
 
+    def half_step5(self, q: torch.Tensor) -> bool:
+        """The HALF constexpr of the backward's step-5 kernel: the single kernel never takes it; the fused one as the
+        other kernels (half), but not at K = 16. There its loops over blocks of k's columns have one block (BK = K) and
+        Triton 3.6 builds another program for sm_90, and that program was wrong on the H200 with bf16 products: fp16,
+        K = 16, V = 32 (B2-T100, an initial state, four seeds) gave dk 9.3e-3..1.1e-2 (bound 8e-3), dg 1.2e-2..2.8e-2
+        and dbeta 7e-3..1e-2 against float64, while the same kernel under the interpreter, bf16 rounding to nearest
+        as the GPU's, gives 3.9e-3..4.1e-3, 3.2e-3 and 3.3e-3 (dk, dbeta and dg come from its keys' part; dv, from
+        its values' part, and dq, from step 4, agree: 3.4e-3 and 3.9e-3); bf16 inputs made an illegal memory access
+        there. Without HALF (fp32 products,
+        T in fp32) it agreed with the single kernel (dk 2.7e-3, dg 2.0e-3..2.9e-3); the fused kernel only tied the
+        single one at K = 16 on the H100, so nothing is lost."""
+        K = q.shape[-1]
+        return self.step5(K) == "fused" and K > 16 and self.half(q)
+
     def half_inverse(self, k: torch.Tensor) -> bool:
-        """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF), so
-        that prepare may store it in bf16 (_inverse_dtype). Both step-5 kernels take T in either dtype."""
-        return self.step5(k.shape[-1]) == "fused" and self.half(k)
+        """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF,
+        half_step5), so that prepare may store it in bf16 (_inverse_dtype). Both step-5 kernels take T in either
+        dtype."""
+        return self.half_step5(k)
 
 
 DEFAULT_TUNING = Tuning()
