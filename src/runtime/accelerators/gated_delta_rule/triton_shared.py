@@ -338,15 +338,9 @@ class Tuning:
 
     def half_step5(self, q: torch.Tensor) -> bool:
         """The HALF constexpr of the backward's step-5 kernel: the single kernel never takes it; the fused one as the
-        other kernels (half), but not at K = 16. There its loops over blocks of k's columns have one block (BK = K) and
-        Triton 3.6 builds another program for sm_90, and that program was wrong on the H200 with bf16 products: fp16,
-        K = 16, V = 32 (B2-T100, an initial state, four seeds) gave dk 9.3e-3..1.1e-2 (bound 8e-3), dg 1.2e-2..2.8e-2
-        and dbeta 7e-3..1e-2 against float64, while the same kernel under the interpreter, bf16 rounding to nearest
-        as the GPU's, gives 3.9e-3..4.1e-3, 3.2e-3 and 3.3e-3 (dk, dbeta and dg come from its keys' part; dv, from
-        its values' part, and dq, from step 4, agree: 3.4e-3 and 3.9e-3); bf16 inputs made an illegal memory access
-        there. Without HALF (fp32 products,
-        T in fp32) it agreed with the single kernel (dk 2.7e-3, dg 2.0e-3..2.9e-3); the fused kernel only tied the
-        single one at K = 16 on the H100, so nothing is lost."""
+        other kernels (half), but not at K = 16, where Triton 3.6's sm_90 program for it (one block of k's columns)
+        was wrong on the H200 with bf16 products while the interpreter's agreed with float64; the fused kernel only
+        tied the single one there (docs/tuning/gated_delta_rule.md)."""
         K = q.shape[-1]
         return self.step5(K) == "fused" and K > 16 and self.half(q)
 
