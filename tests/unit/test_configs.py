@@ -162,8 +162,11 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio: expected a value in [0, 1], got 1.5"),
         ("optim.min_lr_ratio=-0.1", "optim.min_lr_ratio: expected a value in [0, 1], got -0.1"),
         ("optim.warmup_steps=-1", "optim.warmup_steps: expected an integer >= 0, got -1"),
-        ("optim.warmup_steps=300", "optim.warmup_steps: expected fewer than trainer.steps=300 (the run would end inside "
-         "its warm-up, before the learning rate reaches optim.lr), or null for a tenth of the steps; got 300"),
+        (
+            "optim.warmup_steps=300",
+            "optim.warmup_steps: expected fewer than trainer.steps=300 (the run would end inside "
+            "its warm-up, before the learning rate reaches optim.lr), or null for a tenth of the steps; got 300",
+        ),
         ("optim.betas=[0.9]", "optim.betas: expected two values in [0, 1), got [0.9]"),
         ("optim.betas=[0.9,0.98,0.5]", "optim.betas: expected two values in [0, 1), got [0.9, 0.98, 0.5]"),
         ("optim.betas=[0.9,1.0]", "optim.betas: expected two values in [0, 1), got [0.9, 1.0]"),
