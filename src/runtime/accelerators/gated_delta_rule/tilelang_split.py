@@ -122,7 +122,7 @@ def split_walk(k_rows, gamma, w, u, h0, ht, states, corrections, segments: Segme
     none, none_h = placeholder(device), placeholder(device, OPERAND_TORCH)
     transition, offset, chain, walk = split_entries(K, V, has_initial, store_final, l2norm)
     tables = (segments.bounds, segments.first_chunks, seq_len, parts, groups)
-    launcher(transition, device)(k_rows, gamma, w, none, none, maps, none_h, none_h, *tables)
+    launcher(transition, device)(k_rows, gamma, w, placeholder(device, u.dtype), none, maps, none_h, none_h, *tables)
     launcher(offset, device)(k_rows, gamma, w, u, none, offsets, none_h, none_h, *tables)
     launcher(chain, device)(
         maps, offsets, h0, entering, ht, segments.cu, segments.first, segments.tokens, segments.first.numel()
