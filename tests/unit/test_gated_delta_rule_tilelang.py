@@ -18,10 +18,10 @@ gt = pytest.importorskip(
 )
 gb = pytest.importorskip("runtime.accelerators.gated_delta_rule.tilelang_backward", exc_type=ImportError)
 gs = pytest.importorskip("runtime.accelerators.gated_delta_rule.tilelang_split", exc_type=ImportError)
-gsh = pytest.importorskip("runtime.accelerators.gated_delta_rule.tilelang_shared", exc_type=ImportError)
 
 from runtime.accelerators.gated_delta_rule import SPEC  # noqa: E402
 from runtime.accelerators.gated_delta_rule.split import split_length  # noqa: E402
+from tilelang_launch_check import patch_launchers  # noqa: E402
 
 # each kernel once, at widths and flags that exercise its special paths: K=V=16 (two-warp state
 # gemms), varlen with l2norm, initial and final state, g in fp32 beside bf16 q/k/v
@@ -233,32 +233,6 @@ def test_forward_and_backward_store_states_with_one_walk_per_dtype(dtype, walk):
         assert walk in keys and not other & set(keys)
 
 
-def _checking_launcher(launched: list):
-    """A stand-in for tilelang_common.launcher that runs nothing: each launch's tensors must have the dtypes its
-    kernel's signature declares (on the GPU a mismatch is refused at the call); it records the kernels' names."""
-    from runtime.accelerators.tilelang_common import TL_DTYPE
-
-    dtype_name = {**TL_DTYPE, torch.int32: "int32", torch.int64: "int64"}
-
-    def launcher(entry, device):
-        func, name = entry[1](None), entry[0][0]
-
-        def run(*args):
-            assert len(args) == len(func.params), f"{name}: {len(args)} arguments for {len(func.params)}"
-            for param, arg in zip(func.params, args):
-                if param in func.buffer_map:
-                    buffer = func.buffer_map[param]
-                    assert isinstance(arg, torch.Tensor), f"{name}: {buffer.name} is not a tensor"
-                    assert dtype_name[arg.dtype] == str(buffer.dtype), (
-                        f"{name}: {buffer.name} is {arg.dtype}, the kernel declares {buffer.dtype}"
-                    )
-            launched.append(name)
-
-        return run
-
-    return launcher
-
-
 @pytest.mark.parametrize(
     "dtype, segment_chunks",
     [(torch.bfloat16, 0), (torch.bfloat16, 2), (torch.float16, 0)],
@@ -268,9 +242,7 @@ def test_every_launch_passes_the_dtypes_its_kernel_declares(monkeypatch, dtype, 
     """The forward (the whole walk, and the context-parallel split in segments of two chunks for bf16) and the
     backward, K = 64, V = 32, grouped value heads, an initial and a final state, l2norm: every tensor each launch
     passes has the dtype its kernel declares."""
-    launched = []
-    for module in (gt, gb, gs, gsh):
-        monkeypatch.setattr(module, "launcher", _checking_launcher(launched))
+    launched = patch_launchers(monkeypatch)
     B, T_, H, HV, K, V = 2, 300, 1, 2, 64, 32
     q, k = torch.randn(B, T_, H, K, dtype=dtype), torch.randn(B, T_, H, K, dtype=dtype)
     v, beta = torch.randn(B, T_, HV, V, dtype=dtype), torch.rand(B, T_, HV, dtype=dtype)
