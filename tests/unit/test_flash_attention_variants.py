@@ -25,6 +25,7 @@ from runtime.accelerators.flash_attention import (
 )
 from runtime.accelerators.flash_attention import triton as fa
 from runtime.accelerators.flash_attention.reference import attention_float64
+from runtime.accelerators.flash_attention.triton_launch_args import grid_of
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 SEED = torch.tensor([1234])  # the dropout seed tensor the kernel functions take (seeds.draw_seed_tensor's form)
@@ -130,22 +131,23 @@ def test_plain_tuples_still_configure_the_forward():
 
 
 @triton.jit
-def _record_heavy_first_order(OUT, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    block, pair = triton_blocks._block_and_pair(SECTION, HEAVY_LAST)
-    launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+def _record_heavy_first_order(OUT, n_blocks, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    block, pair = triton_blocks._block_and_pair(n_blocks, SECTION, HEAVY_LAST)
+    launched = tl.program_id(0)
     tl.store(OUT + 2 * launched, block)
     tl.store(OUT + 2 * launched + 1, pair)
 
 
-@pytest.mark.parametrize("n_blocks, n_pairs, section", [(3, 8, 3), (4, 5, 1), (2, 6, 8), (1, 3, 2)])
+@pytest.mark.parametrize("n_blocks, n_pairs, section", [(3, 8, 3), (4, 5, 1), (2, 6, 8), (1, 3, 2), (3, 5, 0)])
 @pytest.mark.parametrize("heavy_last", [True, False])
 def test_heavy_first_order(n_blocks, n_pairs, section, heavy_last):
     """Launch order -> (block, pair): sections of `section` pairs (the last one shorter), heaviest block rank first
-    across a section's pairs; every (block, pair) exactly once."""
+    across a section's pairs (section 0: block fastest, as a (blocks, pairs) grid); every (block, pair) exactly
+    once."""
     out = torch.full((n_blocks * n_pairs, 2), -1, dtype=torch.int32)
-    _record_heavy_first_order[(n_blocks, n_pairs)](out, SECTION=section, HEAVY_LAST=heavy_last)
-    expected = []
-    for first in range(0, n_pairs, section):
+    _record_heavy_first_order[grid_of(n_blocks, n_pairs)](out, n_blocks, SECTION=section, HEAVY_LAST=heavy_last)
+    expected = [(block, pair) for pair in range(n_pairs) for block in range(n_blocks)] if section == 0 else []
+    for first in range(0, n_pairs, section) if section else ():
         for rank in range(n_blocks):
             block = n_blocks - 1 - rank if heavy_last else rank
             expected += [(block, pair) for pair in range(first, min(n_pairs, first + section))]

@@ -162,18 +162,19 @@ def _tile_once(
 
 
 @triton.jit
-def _block_and_pair(SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(block, pair) of this program on a (blocks, pairs) grid. SECTION 0: the launch order. Else heavy-first (see the
+def _block_and_pair(n_blocks, SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(block, pair) of this program on a grid of n_blocks x pairs programs, all on x (the launchers' grid_of: y
+    caps at 65535, fewer than the (batch, head) pairs of a large batch), in the order of a (blocks, pairs) grid: the
+    hardware starts programs in the order of x. SECTION 0: the launch order, block fastest. Else heavy-first (see the
     module docstring): the launch order runs through sections of SECTION pairs, and within a section through the
     block ranks, heaviest first, each across the section's pairs. HEAVY_LAST: block n_blocks - 1 is the heaviest (the
     forward's and the dq kernel's query blocks), else block 0 (the dk/dv kernel's key blocks)."""
+    launched = tl.program_id(0)
     if SECTION == 0:
-        block, pair = tl.program_id(0), tl.program_id(1)
+        block, pair = launched % n_blocks, launched // n_blocks
     else:
-        n_blocks = tl.num_programs(0)
-        launched = tl.program_id(1) * n_blocks + tl.program_id(0)  # the hardware starts programs in this order
         first_pair = launched // (SECTION * n_blocks) * SECTION
-        pairs = tl.minimum(SECTION, tl.num_programs(1) - first_pair)  # the last section may hold fewer
+        pairs = tl.minimum(SECTION, tl.num_programs(0) // n_blocks - first_pair)  # the last section may hold fewer
         within = launched - first_pair * n_blocks
         rank = within // pairs
         block = n_blocks - 1 - rank if HEAVY_LAST else rank

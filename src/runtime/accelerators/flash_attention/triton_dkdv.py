@@ -28,7 +28,7 @@ from .triton_blocks import (
 )
 from .triton_configs import BwdConfig, launch_options
 from .triton_forward import _ensure_scratch_allocator, backward_variant
-from .triton_launch_args import _flags, _packing_args, _seed_arg, _sizes, _strides
+from .triton_launch_args import _flags, _packing_args, _seed_arg, _sizes, _strides, grid_of
 
 
 @triton.jit
@@ -229,7 +229,7 @@ def _dv_and_ds_t(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK"])
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "N_BLOCKS"])
 def _bwd_dkdv_kernel(
     Q,
     K,
@@ -269,6 +269,7 @@ def _bwd_dkdv_kernel(
     GROUP,
     LQ,
     LK,
+    N_BLOCKS,
     qk_scale,
     sm_scale,
     dropout_p,
@@ -293,7 +294,7 @@ def _bwd_dkdv_kernel(
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
     tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
-    block, bhk = _block_and_pair(HEAVY_FIRST, False)
+    block, bhk = _block_and_pair(N_BLOCKS, HEAVY_FIRST, False)
     start_n = block * BLOCK_N
     b = bhk // HKV
     hk = bhk % HKV
@@ -475,7 +476,8 @@ def backward_dkdv(
     variant["LSE_DELTA_TMA"] = lse_delta_variant(cfg, lse, delta, variant["TMA"])
     if variant["TMA"]:
         _ensure_scratch_allocator()
-    _bwd_dkdv_kernel[(cdiv(rows_k, cfg.block_n), b * hkv)](
+    n_blocks = cdiv(rows_k, cfg.block_n)
+    _bwd_dkdv_kernel[grid_of(n_blocks, b * hkv)](
         q,
         k,
         v,
@@ -497,6 +499,7 @@ def backward_dkdv(
         h // hkv,
         lq,
         lk,
+        n_blocks,
         scale * LOG2E,
         scale,
         dropout.drop_rate(dropout_p),

@@ -28,7 +28,7 @@ from .triton_blocks import (
 )
 from .triton_configs import launch_options
 from .triton_forward import _ensure_scratch_allocator, backward_variant
-from .triton_launch_args import _flags, _packing_args, _seed_arg, _sizes, _strides
+from .triton_launch_args import _flags, _packing_args, _seed_arg, _sizes, _strides, grid_of
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def _dq_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "N_BLOCKS"])
 def _bwd_dq_kernel(
     Q,
     K,
@@ -166,6 +166,7 @@ def _bwd_dq_kernel(
     GROUP,
     LQ,
     LK,
+    N_BLOCKS,
     qk_scale,
     sm_scale,
     dropout_p,
@@ -191,7 +192,7 @@ def _bwd_dq_kernel(
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
     tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
-    block, bh = _block_and_pair(HEAVY_FIRST, True)
+    block, bh = _block_and_pair(N_BLOCKS, HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
@@ -342,7 +343,8 @@ def backward_dq(
     if variant["TMA"]:
         _ensure_scratch_allocator()
     o_arg = q if o is None else o  # a stand-in, not read, without o
-    _bwd_dq_kernel[(cdiv(rows_q, cfg.block_m), b * h)](
+    n_blocks = cdiv(rows_q, cfg.block_m)
+    _bwd_dq_kernel[grid_of(n_blocks, b * h)](
         q,
         k,
         v,
@@ -363,6 +365,7 @@ def backward_dq(
         h // hkv,
         lq,
         lk,
+        n_blocks,
         scale * LOG2E,
         scale,
         dropout.drop_rate(dropout_p),

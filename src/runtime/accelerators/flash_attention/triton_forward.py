@@ -34,7 +34,7 @@ from .triton_blocks import (
     _tile_once,
 )
 from .triton_configs import BwdConfig, FwdConfig, backward_kind, config, launch_options, split_head_dim
-from .triton_launch_args import _flags, _packing_args, _row_shape, _seed_arg, _sizes, _strides
+from .triton_launch_args import _flags, _packing_args, _row_shape, _seed_arg, _sizes, _strides, grid_of
 
 
 @functools.cache
@@ -134,7 +134,7 @@ def _fwd_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK"])
+@triton.jit(do_not_specialize=["H", "GROUP", "LQ", "LK", "N_BLOCKS"])
 def _fwd_kernel(
     Q,
     K,
@@ -163,6 +163,7 @@ def _fwd_kernel(
     GROUP,
     LQ,
     LK,
+    N_BLOCKS,
     qk_scale,
     dropout_p,
     SEED,
@@ -185,7 +186,7 @@ def _fwd_kernel(
     tl.static_assert(D_HI == 0 or not TMA, "the split head dim loads through pointers")
     tl.static_assert(not (VARLEN and TMA), "packed sequences load through pointers")
     PAD_D: tl.constexpr = BLOCK_D + D_HI != HEAD_DIM
-    block, bh = _block_and_pair(HEAVY_FIRST, True)
+    block, bh = _block_and_pair(N_BLOCKS, HEAVY_FIRST, True)
     start_m = block * BLOCK_M
     b = bh // H
     h = bh % H
@@ -363,7 +364,8 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
     cfg, variant = forward_variant(q, k, v, causal, cfg, False if packing is not None else tma)
     if variant["TMA"]:
         _ensure_scratch_allocator()
-    _fwd_kernel[(cdiv(rows_q, cfg.block_m), b * h)](
+    n_blocks = cdiv(rows_q, cfg.block_m)
+    _fwd_kernel[grid_of(n_blocks, b * h)](
         q,
         k,
         v,
@@ -379,6 +381,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg=None, t
         h // hkv,
         lq,
         lk,
+        n_blocks,
         scale * LOG2E,
         dropout.drop_rate(dropout_p),
         _seed_arg(seed, q),

@@ -14,7 +14,7 @@ from . import dropout
 from .triton_blocks import LOG2E, _key_block, _pair_key, _rows_src, _store, _tile, _tile_once
 from .triton_configs import FUSED_HEAD_DIMS, FUSED_MIN_PROGRAMS, BwdConfig, block_d, config, launch_options
 from .triton_dkdv import _dv_and_ds_t, _query_blocks, _store_dkdv
-from .triton_launch_args import _flags, _seed_arg
+from .triton_launch_args import _flags, _seed_arg, grid_of
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def _fused_block(
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK"])
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "LQ", "LK", "N_BLOCKS"])
 def _bwd_fused_kernel(
     Q,
     K,
@@ -145,6 +145,7 @@ def _bwd_fused_kernel(
     GROUP,
     LQ,
     LK,
+    N_BLOCKS,
     qk_scale,
     sm_scale,
     dropout_p,
@@ -162,8 +163,8 @@ def _bwd_fused_kernel(
     """dq, dk and dv in one kernel, no launch for delta: the dk/dv kernel's loop, which also computes each query block's
     delta and its dq part (5 products and one exp per score, against the two kernels' 7 and two)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    start_n = tl.program_id(0) % N_BLOCKS * BLOCK_N  # key blocks fastest, then (batch, kv head): see grid_of
+    bhk = tl.program_id(0) // N_BLOCKS
     b = bhk // HKV
     hk = bhk % HKV
     offs_j = tl.arange(0, BLOCK_N)
@@ -301,7 +302,8 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
     )
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    _bwd_fused_kernel[(cdiv(lk, cfg.block_n), b * hkv)](
+    n_blocks = cdiv(lk, cfg.block_n)
+    _bwd_fused_kernel[grid_of(n_blocks, b * hkv)](
         q,
         k,
         v,
@@ -325,6 +327,7 @@ def backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, 
         h // hkv,
         lq,
         lk,
+        n_blocks,
         scale * LOG2E,
         scale,
         dropout.drop_rate(dropout_p),

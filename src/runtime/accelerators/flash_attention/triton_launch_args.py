@@ -32,6 +32,12 @@ def _sizes(q, k, packing: Packing | None) -> tuple[int, int, int, int, int, int,
     return packing.cu_q.numel() - 1, h, hkv, lq, lk, packing.max_q, packing.max_k
 
 
+def grid_of(n_blocks: int, pairs: int) -> tuple[int]:
+    """The kernels' grid: n_blocks blocks of rows for each of `pairs` (batch, head) pairs, all on x (gridDim.y caps at
+    65535, which B x H passes at batch 16384 with 4 heads); the kernels take n_blocks (N_BLOCKS) to tell them apart."""
+    return (n_blocks * pairs,)
+
+
 def _strides(x: torch.Tensor, packing: Packing | None) -> tuple[int, ...]:
     """The kernels' (batch, head, row, column) strides: a packed [total, H, D] tensor has a batch stride of 0 (the
     kernels add each sequence's first row)."""

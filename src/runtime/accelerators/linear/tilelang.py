@@ -89,14 +89,16 @@ def forward_kernel(dtype: str, n: int, k: int, activation: str | None, has_bias:
         Y: T.Tensor((M, n), dtype),
         Z: T.Tensor(z_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm), threads=threads) as (bx, by):
+        # row blocks on x (gridDim.y caps at 65535 blocks: 8.4M rows); the column swizzle on this grid visits the
+        # tiles in the order the row swizzle did on the (column blocks, row blocks) grid
+        with T.Kernel(T.ceildiv(M, bm), T.ceildiv(n, bn), threads=threads) as (by, bx):
             X_s = T.alloc_shared((bm, bk), dtype)
             W_s = T.alloc_shared((bn, bk), dtype)
             W_up_s = T.alloc_shared((bn, bk) if swiglu else (1,), dtype)
             acc = T.alloc_fragment((bm, bn), ACCUM)
             acc_up = T.alloc_fragment((bm, bn) if swiglu else (1,), ACCUM)
             Y_s = T.alloc_shared((bm, bn), dtype)
-            T.use_swizzle(panel_size=8)
+            T.use_swizzle(panel_size=8, order="column")
             T.clear(acc)
             if swiglu:
                 T.clear(acc_up)

@@ -23,6 +23,7 @@ from .tilelang_forward import (
     _rows,
     _time_bucket,
     padded_dim,
+    program_of,
 )
 
 BLOCK_B = 64  # the bias kernel's square tiles: 2 * BLOCK_B diagonal slots, one per thread
@@ -101,11 +102,8 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks, heads, n_offsets - 1, threads=THREADS, prelude=_prelude(time, dropout)) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+            bx, by, bz = program_of(pid, n_blocks, heads)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
             Q_s = T.alloc_shared((bM, dp), dtype)
@@ -181,11 +179,8 @@ def dq_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks, heads, n_offsets - 1, threads=THREADS, prelude=_prelude(time, dropout)) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+            bx, by, bz = program_of(pid, n_blocks, heads)
             Q_s = T.alloc_shared((bM, dp), dtype)
             dO_s = T.alloc_shared((bM, dp), dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
@@ -262,11 +257,8 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_bands, heads, n_offsets - 1, threads=THREADS, prelude=_prelude(time, dropout)) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(n_bands * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+            bx, by, bz = program_of(pid, n_bands, heads)
             Q_s = T.alloc_shared((bB, dp), dtype)
             dO_s = T.alloc_shared((bB, dp), dtype)
             K_s = T.alloc_shared((bB, dp), dtype)

@@ -43,6 +43,17 @@ def _time_bucket(tq, tk, n_buckets):
     return T.call_pure_extern("int32", "taac_time_bucket", tq, tk, n_buckets)
 
 
+def program_of(pid, n_blocks, heads):
+    """(block, head, sequence) of program pid of a launch of n_blocks x heads x sequences programs, all on x (gridDim.y
+    and z cap at 65535: fewer sequences than a large batch holds), block fastest, then head: the order of a (blocks,
+    heads, sequences) grid. Each bound once (T.alloc_var): as expressions TileLang would recompute the divisions at
+    every use."""
+    block = T.alloc_var("int32", init=pid % n_blocks)
+    head = T.alloc_var("int32", init=pid // n_blocks % heads)
+    sequence = T.alloc_var("int32", init=pid // (n_blocks * heads))
+    return block, head, sequence
+
+
 def padded_dim(dim: int) -> int:
     """The head dim of the kernels' tiles: a power of two, at least 16 (the extra columns read as zero)."""
     return max(16, next_power_of_2(dim))
@@ -75,7 +86,8 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks, heads, n_offsets - 1, threads=THREADS, prelude=prelude) as (bx, by, bz):
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude) as pid:
+            bx, by, bz = program_of(pid, n_blocks, heads)
             Q_s = T.alloc_shared((bM, dp), dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
