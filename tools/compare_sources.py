@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# each op's shapes as its issue named them (norms, flash_attention, gated delta rule, embedding bag, bce, swiglu, mhc)
+# each op's target shapes (norms, flash_attention, gated delta rule, embedding bag, bce, swiglu, mhc)
 DEFAULT_CASES = [
     "rms_norm",
     "layer_norm",

@@ -1,5 +1,5 @@
 """Gated delta rule on the GPU: the Triton kernels (chunked and recurrent forward, chunked backward) against
-the float64 recurrent reference with the issue's bounds (o and final state 5e-3 for half inputs, 1e-4 for
+the float64 recurrent reference with the op's bounds (o and final state 5e-3 for half inputs, 1e-4 for
 fp32; gradients dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2 for half inputs, 2e-4 for fp32), and the
 torch backend's forward and every gradient on CUDA. Triton 3.4-3.7 has miscompiled this kind of backward
 elsewhere: every gradient is compared here, on the GPU machine's Triton. The Triton backward's variants are in

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-# relative RMS error bounds per dtype (gradients get twice these; an issue may set tighter ones)
+# relative RMS error bounds per dtype (gradients get twice these; an op may set tighter ones)
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 RTOL_ATTENTION_FP32 = 1e-4
 

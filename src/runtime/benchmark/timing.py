@@ -194,7 +194,7 @@ def copy_bandwidth_tbs(device: torch.device, nbytes: int = 2**28) -> float:
     """Measured device-to-device copy bandwidth (bytes read + written per second), in TB/s.
 
     256 MiB each way, the size of the large benchmark cases' tensors. A 1 GiB copy (the size used before)
-    ran at 2.44 TB/s on an H100 of the GPU machine, whatever the dtype, against 3.05-3.06 at 256 MiB (the issues'
+    ran at 2.44 TB/s on an H100 of the GPU machine, whatever the dtype, against 3.05-3.06 at 256 MiB (the target
     figure is 3.02), so the "of copy" fractions of earlier runs are about 25% too high."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)

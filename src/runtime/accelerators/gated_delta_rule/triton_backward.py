@@ -77,7 +77,7 @@ from .triton_shared import (
 #
 # No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
 # miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
-# flash-linear-attention issues #640/#984), and the GPU machine has Triton 3.6. The transposed matrices
+# reported in flash-linear-attention's issue tracker), and the GPU machine has Triton 3.6. The transposed matrices
 # are computed directly from their factors instead, transposes only of tiles loaded from memory:
 #   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
 #   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).

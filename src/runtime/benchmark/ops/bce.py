@@ -1,6 +1,6 @@
 """Benchmark cases of binary_cross_entropy_with_logits (op key bce_with_logits).
 
-Large: 2^24 logits with the mean (the issue's bandwidth target) and with reduction none.
+Large: 2^24 logits with the mean (the bandwidth target) and with reduction none.
 PCVR: one logit per sample, batches of 4096 and 256 (launch-bound).
 """
 

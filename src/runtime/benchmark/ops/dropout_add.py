@@ -1,6 +1,6 @@
 """Benchmark cases of dropout_add: residual + dropout(x, p), training, p = 0.1.
 
-Large: 8192 x 4096 (the issue's bandwidth target). PCVR: 65536 x 64 (batch 256 x 256 tokens, width 64).
+Large: 8192 x 4096 (the bandwidth target). PCVR: 65536 x 64 (batch 256 x 256 tokens, width 64).
 
 Every implementation draws its own random mask, so a float64 reference cannot know it in
 advance. Each implementation is wrapped to record the random generators' states before it

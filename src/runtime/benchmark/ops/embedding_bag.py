@@ -1,4 +1,4 @@
-"""Benchmark cases of embedding_bag_mean: the issue's PCVR pooling shapes.
+"""Benchmark cases of embedding_bag_mean: the PCVR pooling shapes.
 
 A 1M-row table, 8192 fixed-size bags of 4 or 8 indices, 25% of the entries padding, the rest
 uniform or Zipf(1.1) over the rows (a few very hot rows); widths 64 and 128. The peer is

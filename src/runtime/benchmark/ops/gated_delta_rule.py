@@ -1,6 +1,6 @@
 """Benchmark cases of the gated delta rule: the chunked op (training) and the recurrent op (decoding).
 
-All with l2norm of q/k in the kernel, as the issue measures fla. The chunked cases run in both modes
+All with l2norm of q/k in the kernel, as fla is measured. The chunked cases run in both modes
 (fwd, and fwd+bwd through the chunked backward of each kernel backend: dq, dk, dv, dg, dbeta); the recurrent kernels are
 forward-only, so their fwd+bwd rows report that reason instead of a time. The correctness check uses the
 chunked reference in float64 (equal to the recurrence to float64 rounding, see the unit tests; the

@@ -1,6 +1,6 @@
 """Benchmark cases of swiglu: silu(gate) * up.
 
-Large: 8192 x 4096 (the issue's bandwidth target). PCVR: 131072 x 256 (an MLP of a PCVR model).
+Large: 8192 x 4096 (the bandwidth target). PCVR: 131072 x 256 (an MLP of a PCVR model).
 Peers: torch eager, torch.compile and liger-kernel's SiLUMul (whose backward writes the
 gradients over gate and up in place: the timed inputs change from call to call).
 """
