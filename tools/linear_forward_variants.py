@@ -1,6 +1,8 @@
 """Times linear's Triton forward variants side by side on one GPU: torch eager (cuBLAS, then the activation), the
-portable kernel, and the op's own choice, the Hopper persistent TMA kernel with its default tiles (tile loop flattened or nested, the epilogue whole or in two column halves), and with
-128 x 256 tiles at 3 stages. bf16 inference (no saved pre-activation), every shape of the linear benchmark.
+portable kernel, and the op's own choice, the Hopper persistent TMA kernel with its default tiles (tile loop flattened
+or nested, the epilogue whole or in two column halves), with 128 x 256 tiles at 3 stages, and with two stages and the
+epilogue in halves, one and two programs an SM. bf16 inference (no saved pre-activation), every shape of the linear
+benchmark.
 Usage (GPU machine): python tools/linear_forward_variants.py [--shapes NAME ...] [--json PATH]
 """
 
@@ -19,12 +21,12 @@ from runtime.accelerators.linear.reference import linear_reference
 from runtime.benchmark.ops.linear import SHAPES
 
 
-def persistent(x, w, b, activation, cfg=None, flatten=True, subtile=False):
+def persistent(x, w, b, activation, cfg=None, flatten=True, subtile=False, per_sm=1):
     swiglu = activation == "swiglu"
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     y = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     z = torch.empty(0, device=x.device, dtype=x.dtype)
-    triton_persistent.launch(x, w, b, y, z, activation, False, cfg, flatten, subtile)
+    triton_persistent.launch(x, w, b, y, z, activation, False, cfg, flatten, subtile, per_sm)
     return y
 
 
@@ -38,8 +40,15 @@ def variants(activation: str, m: int, k: int, n: int):
         "persistent subtiled": lambda x, w, b: persistent(x, w, b, activation, subtile=True),
     }
     if activation != "swiglu":
-        wide = GemmConfig(128, 256, persistent_forward_config(m, n, k).block_k, 8, 3, 8)
+        default = persistent_forward_config(m, n, k)
+        wide = GemmConfig(128, 256, default.block_k, 8, 3, 8)
         out["persistent 128x256x3"] = lambda x, w, b: persistent(x, w, b, activation, cfg=wide)
+        # two programs an SM: two stages and the halved epilogue (about 100 registers) leave room for a second
+        two = GemmConfig(default.block_m, default.block_n, default.block_k, 8, 2, 8)
+        out["persistent 2/SM subtiled 2 stages"] = lambda x, w, b: persistent(
+            x, w, b, activation, cfg=two, subtile=True, per_sm=2
+        )
+        out["persistent subtiled 2 stages"] = lambda x, w, b: persistent(x, w, b, activation, cfg=two, subtile=True)
     return out
 
 

@@ -53,6 +53,7 @@ from runtime.accelerators.triton_launch import DirectLaunch
 from sm90_compile import PTX_MARKERS
 
 H100_SHARED_BYTES = 232448  # opt-in shared memory per block on sm_90 (227 KiB)
+SM_SHARED_BYTES = 233472  # shared memory per SM on sm_90 (228 KiB), for all its blocks
 COMPILER = Path(__file__).with_name("sm90_compile.py")
 COMPILE_TIMEOUT_S = 1800  # a hang guard: the compile took over 10 minutes on a loaded 2-core machine
 
@@ -184,6 +185,10 @@ def linear_persistent():
         w = _randn(rows, 256, grad=False)
         y, z = torch.empty(4096, 1024, dtype=bf16), torch.empty(4096, rows, dtype=bf16)
         linear_persistent_triton.launch(x, w, None, y, z, activation, True, None, True, subtile=True)
+    two_stages = linear_launch.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, 8, 2, 8)
+    for saved in (False, True):  # two programs an SM: two stages, the epilogue in halves
+        y, z = torch.empty(4096, 1024, dtype=bf16), torch.empty(4096 if saved else 0, 1024, dtype=bf16)
+        linear_persistent_triton.launch(x, w[:1024], None, y, z, "gelu", saved, two_stages, True, True, per_sm=2)
 
 
 def bce():
@@ -777,3 +782,18 @@ def test_the_linear_forward_compiles_persistent_with_tma_and_wgmma(compiled):
     for launch, result in launches:
         assert "error" not in result, f"{_describe(launch)}:\n{result['error']}"
         assert result["ptx_markers"] == list(PTX_MARKERS), f"{result['ptx_markers']}: {_describe(launch)}"
+
+
+def test_the_two_stage_linear_forward_leaves_room_for_two_programs_an_sm(compiled):
+    """The persistent forward at two stages with the epilogue in halves (the per_sm=2 launch) must fit two programs
+    of 256 threads on an SM: at most 128 registers a thread and half of the SM's shared memory each."""
+    launches = [
+        (launch, result)
+        for launch, result in compiled["linear.triton_persistent._linear_forward_persistent"]
+        if launch["options"].get("num_stages") == 2 and constexprs(launch)["SUBTILE"]
+    ]
+    assert len(launches) == 2, [_describe(launch) for launch, _ in launches]
+    for launch, result in launches:
+        assert result["registers"] <= 128, f"{result['registers']} registers: {_describe(launch)}"
+        room = SM_SHARED_BYTES // 2 - 1024  # each block also reserves 1 KiB
+        assert result["shared"] <= room, f"{result['shared']} bytes shared: {_describe(launch)}"

@@ -137,24 +137,26 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
-def programs(m: int, n: int, cfg: GemmConfig, device: torch.device) -> int:
-    """One program per SM (a few under the interpreter, which has none), never more than there are tiles."""
+def programs(m: int, n: int, cfg: GemmConfig, device: torch.device, per_sm: int = 1) -> int:
+    """per_sm programs an SM (a few under the interpreter, which has none), never more than there are tiles."""
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    return max(1, min(tiles, sm_count(device) or 3))
+    return max(1, min(tiles, per_sm * sm_count(device) or 3))
 
 
 def launch(
     x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None,
-    subtile: bool = False,
+    subtile: bool = False, per_sm: int = 1,
 ):  # fmt: skip
     """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default; flatten:
-    persistent_flattens's by default; subtile: the epilogue in two column halves (not yet measured on a GPU)."""
+    persistent_flattens's by default; subtile: the epilogue in two column halves (not yet measured on a GPU);
+    per_sm: programs an SM (2 lets one program's epilogue overlap the other's main loop where registers and shared
+    memory leave room for two: not yet measured on a GPU)."""
     k, n = x.shape[-1], y.shape[-1]
     m = y.numel() // n  # x and y: [..., K] and [..., N], contiguous
     swiglu = activation == "swiglu"
     cfg = cfg or persistent_forward_config(m, n, k, swiglu)
     flatten = persistent_flattens(k, swiglu) if flatten is None else flatten
-    count = programs(m, n, cfg, x.device)
+    count = programs(m, n, cfg, x.device, per_sm)
     _ensure_scratch_allocator()
     _linear_forward_persistent[(count,)](
         x, weight, x if bias is None else bias, y, z, m, n, k, count,
