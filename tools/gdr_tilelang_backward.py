@@ -12,7 +12,7 @@ import argparse
 import json
 
 import torch
-from gdr_tilelang_forward import kernel_launches_us  # the sibling tool (tools/ is on sys.path when run as a script)
+from variant_timing import kernel_launches_us  # tools/ is on sys.path when run as a script
 
 from runtime.accelerators import use_accelerators
 from runtime.benchmark.ops.gated_delta_rule import CASES, NAMES

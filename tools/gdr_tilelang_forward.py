@@ -14,26 +14,13 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from variant_timing import time_variant, write_json
+from variant_timing import kernel_launches_us, time_variant, write_json
 
 from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
 from runtime.accelerators.gated_delta_rule import triton as gdr_triton
 from runtime.benchmark.ops.gated_delta_rule import SHAPES
 
 SPLIT_BOUND = 5e-3  # relative RMS of the split's o from the whole walk's (the op's bf16 bound)
-
-
-def kernel_launches_us(fn) -> list[tuple[str, float]]:
-    """(kernel name, GPU microseconds) of one call's kernels in launch order (after a warm-up call): the split runs
-    the storing walk kernel three times (maps, offsets, from the entering states), which a sum per name would merge."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us()) for e in kernels]
 
 
 def close_to(reference: torch.Tensor):

@@ -1,8 +1,9 @@
 """Times top_k's select with and without its threshold filter, both kernel backends beside torch.topk, on one GPU,
 and the Triton filter kernel's other launches and its full-tile formulation (FILTER_LAUNCHES), at the top_k shapes of
 the sampling benchmark plus a wide-k case (k = 2048) and an all-equal row (every entry passes the bound, so each
-program falls back to the select over its whole segment). Each result is checked against torch.topk's values first.
-Usage (GPU machine): python tools/sampling_select_filter.py [--json PATH]
+program falls back to the select over its whole segment). Each result is checked against torch.topk's values first;
+each timed variant's kernels are listed with their GPU times (the passes of a select: where its time goes).
+Usage (GPU machine): python tools/sampling_select_filter.py [--cases NAME ...] [--variants LABEL ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import functools
 
 import torch
-from variant_timing import time_variant, write_json
+from variant_timing import kernel_launches_us, time_variant, write_json
 
 from runtime.accelerators.sampling import tilelang as sampling_tilelang
 from runtime.accelerators.sampling import triton as sampling_triton
@@ -65,13 +66,24 @@ def _check(expected, result):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--variants", nargs="*", default=None, help="labels to time (default: all); torch.topk always")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    chosen = {
+        label: fn
+        for label, fn in variants().items()
+        if label == "torch.topk" or not args.variants or label in args.variants
+    }
+    unknown = set(args.variants or ()) - set(variants())
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(variants())}")
     device = torch.device("cuda")
     results = []
-    print("| case | variant | median ms | vs torch.topk |")
-    print("|---|---|---:|---:|")
-    for name, (rows, width, k, fill) in CASES.items():
+    print("| case | variant | median ms | vs torch.topk | kernels in launch order (us) |")
+    print("|---|---|---:|---:|---|")
+    for name in args.cases:
+        rows, width, k, fill = CASES[name]
         torch.manual_seed(0)
         dtype = torch.float32 if name.endswith("f32") else torch.bfloat16
         x = (
@@ -81,13 +93,16 @@ def main() -> None:
         )
         expected = torch.topk(x, k, dim=-1).values.sort(dim=-1).values
         topk_ms = None
-        for label, fn in variants().items():
-            ms = time_variant(name, label, functools.partial(fn, x, k), check=functools.partial(_check, expected))
+        for label, fn in chosen.items():
+            call = functools.partial(fn, x, k)
+            ms = time_variant(name, label, call, check=functools.partial(_check, expected))
             if ms is None:
                 continue
             topk_ms = topk_ms or ms
-            results.append({"case": name, "variant": label, "median_ms": ms})
-            print(f"| {name} | {label} | {ms:.3f} | {topk_ms / ms:.2f}x |", flush=True)
+            kernels = kernel_launches_us(call)
+            results.append({"case": name, "variant": label, "median_ms": ms, "kernels_us": kernels})
+            listed = ", ".join(f"{kernel[:28]} {us:.0f}" for kernel, us in kernels)
+            print(f"| {name} | {label} | {ms:.3f} | {topk_ms / ms:.2f}x | {listed} |", flush=True)
     write_json(args.json, results)
 
 
