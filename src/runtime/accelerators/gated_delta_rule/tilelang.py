@@ -364,7 +364,7 @@ def output_kernel(K: int, V: int, dtype: str, l2norm: bool, varlen: bool):
                         0.0,
                     ),
                     OPERAND,
-                )  # fmt: skip
+                )
             T.gemm(q_h, state_h, out, clear_accum=True)
             for i, j in T.Parallel(BT, V):
                 out[i, j] = out[i, j] * (T.exp(gamma_s[i]) * q_rstd_s[i])

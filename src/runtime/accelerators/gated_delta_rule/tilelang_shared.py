@@ -227,7 +227,7 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
                                 0.0,
                             ),
                             OPERAND,
-                        )  # fmt: skip
+                        )
                 if write_output:
                     T.gemm(q_s, state_h, o_state, clear_accum=True)
                     T.gemm(attn_h, corr_h, o_intra, clear_accum=True)
