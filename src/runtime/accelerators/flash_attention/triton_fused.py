@@ -11,7 +11,7 @@ from ..buffers import empty
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from . import dropout
-from .triton_blocks import LOG2E, _key_block, _pair_key, _rows_src, _store, _tile, _tile_once
+from .triton_blocks import LOG2E, _block_and_pair, _key_block, _pair_key, _rows_src, _store, _tile, _tile_once
 from .triton_configs import FUSED_HEAD_DIMS, FUSED_MIN_PROGRAMS, BwdConfig, block_d, config, launch_options
 from .triton_dkdv import _dv_and_ds_t, _query_blocks, _store_dkdv
 from .triton_launch_args import _flags, _seed_arg, grid_of
@@ -163,8 +163,8 @@ def _bwd_fused_kernel(
     """dq, dk and dv in one kernel, no launch for delta: the dk/dv kernel's loop, which also computes each query block's
     delta and its dq part (5 products and one exp per score, against the two kernels' 7 and two)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    start_n = tl.program_id(0) % N_BLOCKS * BLOCK_N  # key blocks fastest, then (batch, kv head): see grid_of
-    bhk = tl.program_id(0) // N_BLOCKS
+    block, bhk = _block_and_pair(N_BLOCKS, 0, False)
+    start_n = block * BLOCK_N
     b = bhk // HKV
     hk = bhk % HKV
     offs_j = tl.arange(0, BLOCK_N)
