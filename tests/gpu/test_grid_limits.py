@@ -34,15 +34,16 @@ def picked(n: int, total: int) -> torch.Tensor:
     return torch.cat([torch.arange(n), torch.arange(total - n, total)]).to(DEVICE)
 
 
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_flash_attention_triton_with_more_than_65535_batch_heads(causal):
-    """B x H = 70002 pairs (and B x Hkv = 35001 with GQA), 2 query blocks each: forward and backward (the fused
-    backward, one key block); the first and the last batch rows against float64."""
+def test_flash_attention_with_more_than_65535_batch_heads(causal, backend):
+    """B x H = 70002 pairs (and B x Hkv = 35001 with GQA), 2 query blocks each: forward and backward (Triton: the
+    fused backward, one key block); the first and the last batch rows against float64."""
     b, h, hkv, length, d = 35001, 2, 1, 80, 16
     q = torch.randn(b, h, length, d, device=DEVICE, dtype=BF16, requires_grad=True)
     k = torch.randn(b, hkv, length, d, device=DEVICE, dtype=BF16, requires_grad=True)
     v = torch.randn(b, hkv, length, d, device=DEVICE, dtype=BF16, requires_grad=True)
-    out = flash_attention(q, k, v, causal=causal, backend="triton")
+    out = flash_attention(q, k, v, causal=causal, backend=backend)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     rows = picked(3, b)
@@ -68,6 +69,34 @@ def test_flash_attention_triton_split_backward_with_more_than_65535_batch_heads(
     assert_close("attention out", out[rows], ref, RTOL[BF16])
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close(f"attention {name}", g[rows], g_ref, gradient_tolerance(BF16))
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_packed_flash_attention_with_more_than_65535_sequences(backend):
+    """70001 packed sequences of 1-5 tokens, 2 heads (one kv head), causal: output and dq/dk/dv of the first and the
+    last sequences against float64, each sequence alone."""
+    n, h, hkv, d = 70001, 2, 1, 32
+    lengths = torch.randint(1, 6, (n,), generator=torch.Generator().manual_seed(1))
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total, max_len = int(cu[-1]), int(lengths.max())
+    q = torch.randn(total, h, d, device=DEVICE, dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(total, hkv, d, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
+    cu_dev = cu.to(DEVICE)
+    out = flash_attention(
+        q, k, v, causal=True, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        backend=backend,
+    )  # fmt: skip
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for s in (0, 1, n - 2, n - 1):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        seq = [t.detach()[lo:hi].double().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ref = attention_float64(*seq, causal=True)  # [1, H, L, D]
+        grads_ref = torch.autograd.grad(ref, seq, dout[lo:hi].double().transpose(0, 1).unsqueeze(0))
+        assert_close("attention out", out[lo:hi], ref[0].transpose(0, 1), RTOL[BF16])
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+            assert_close(f"attention {name}", g[lo:hi], g_ref[0].transpose(0, 1), gradient_tolerance(BF16))
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])

@@ -77,6 +77,45 @@ def test_silu_attention_tilelang_puts_sequences_and_heads_on_x(kernel):
     assert all(extents.get(axis, 1) <= MAX_GRID_YZ for axis in ("blockIdx.y", "blockIdx.z")), extents
 
 
+@pytest.mark.parametrize("kernel", ["forward", "preprocess", "backward"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+def test_flash_attention_tilelang_puts_blocks_heads_and_sequences_on_x(kernel, varlen):
+    pytest.importorskip("runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed")
+    from runtime.accelerators.flash_attention import tilelang as kernels
+    from runtime.accelerators.flash_attention.tilelang_configs import BWD_CONFIGS, FWD_CONFIGS, PREP_ROWS
+
+    sequences, heads, kv_heads, length = 2**17, 8, 2, 256  # 131072 sequences (or a batch) of 256 tokens
+    packed = sequences * length
+    sizes = dict(batch=sequences, heads=heads, kv_heads=kv_heads, q_len=length, k_len=length, kv_len=length)
+    if varlen:  # q_len, k_len: the packed lengths; the block counts come from max_seqlen
+        sizes.update(n_offsets=sequences + 1, q_len=packed, k_len=packed)
+    if kernel == "forward":
+        entry = kernels.forward_entry(64, torch.bfloat16, True, False, False, varlen=varlen)
+        blocks = length // FWD_CONFIGS[64].block_m
+        sizes["q_blocks"] = blocks
+        expected = blocks * heads * sequences
+    elif kernel == "preprocess":
+        entry = kernels.preprocess_entry(64, torch.bfloat16, varlen=varlen)
+        expected = packed // PREP_ROWS * heads  # varlen: one program per block of packed rows of one head
+    else:
+        entry = kernels.backward_entry(64, torch.bfloat16, True, False, False, varlen=varlen)
+        blocks = length // BWD_CONFIGS[64].block_n
+        sizes["k_blocks"] = blocks
+        expected = blocks * kv_heads * sequences
+    extents = block_extents(built(entry), sizes)
+    assert extents["blockIdx.x"] == expected
+    assert all(extents.get(axis, 1) <= MAX_GRID_YZ for axis in ("blockIdx.y", "blockIdx.z")), extents
+
+
+def test_tilelang_launch_past_grid_x_names_the_argument():
+    pytest.importorskip("runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed")
+    from runtime.accelerators.flash_attention import tilelang as kernels
+
+    with pytest.raises(ValueError, match="cu_seqlens_q: .* programs"):
+        kernels._check_programs("cu_seqlens_q", 2**24, (2**16, 64, 16))  # 16M sequences x 1024 blocks x 16 heads
+    kernels._check_programs("q", 2**17, (256, 64, 8))  # 4M programs: fine
+
+
 def test_flash_attention_triton_grid_is_one_dimensional():
     from runtime.accelerators.flash_attention.triton_launch_args import grid_of
 

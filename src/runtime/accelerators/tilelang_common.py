@@ -56,6 +56,29 @@ def device_info(index: int | None) -> DeviceInfo:
     return DeviceInfo({"kind": "cuda", "arch": arch}, sm_count(torch.device("cuda", index)))
 
 
+# --------------------------------------------------------------------------- launch grids
+
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on gridDim.x; y and z cap at 65535, so large counts go on x
+
+
+def program_of(pid, n_blocks, heads):
+    """(block, head, sequence) of program pid of a launch of n_blocks x heads x sequences programs, all on x, block
+    fastest, then head: the order of a (blocks, heads, sequences) grid. Each bound once (T.alloc_var): as expressions
+    TileLang would recompute the divisions at every use."""
+    block = T.alloc_var("int32", init=pid % n_blocks)
+    head = T.alloc_var("int32", init=pid // n_blocks % heads)
+    sequence = T.alloc_var("int32", init=pid // (n_blocks * heads))
+    return block, head, sequence
+
+
+def check_program_count(programs: int, what: str) -> None:
+    """A launch of `programs` programs on grid x, or a ValueError that names what made it too large."""
+    if programs > MAX_PROGRAMS:
+        raise ValueError(
+            f"{what}: {programs} programs; one launch of the tilelang kernels takes at most {MAX_PROGRAMS}"
+        )
+
+
 # --------------------------------------------------------------------------- compile cache
 
 # A kernel entry is (key, build): key names what changes the code (kernel, dtypes, width,

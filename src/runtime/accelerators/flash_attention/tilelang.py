@@ -33,10 +33,11 @@ import torch
 
 from .. import buffers
 from ..kernel_backend import KernelBackend
-from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder, precompile
-from .tilelang_configs import BWD_CONFIGS, DQ_SUBTILE, FWD_CONFIGS, BwdConfig, FwdConfig
+from ..launch_math import cdiv
+from ..tilelang_common import TL_DTYPE, Entry, check_program_count, launcher, placeholder, precompile
+from .tilelang_configs import BWD_CONFIGS, DQ_SUBTILE, FWD_CONFIGS, PREP_ROWS, BwdConfig, FwdConfig
 from .tilelang_dropout import dropout_args
-from .tilelang_kernels import MAX_GRID_YZ, backward_kernel, dq_first_block, forward_kernel, preprocess_kernel
+from .tilelang_kernels import backward_kernel, dq_first_block, forward_kernel, preprocess_kernel
 
 # --------------------------------------------------------------------------- compile entries
 
@@ -130,18 +131,10 @@ def _seed(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return placeholder(device, torch.int64) if seed is None else seed
 
 
-def _check_grid(q: torch.Tensor, k: torch.Tensor) -> None:
-    b, h = q.shape[:2]
-    if b > MAX_GRID_YZ or h > MAX_GRID_YZ:
-        raise ValueError(f"q: batch {b} and heads {h} must each be at most {MAX_GRID_YZ} for the tilelang kernels")
-
-
-def _check_packed_grid(cu_seqlens_q: torch.Tensor, h: int) -> None:
-    n = cu_seqlens_q.numel() - 1
-    if n > MAX_GRID_YZ or h > MAX_GRID_YZ:
-        raise ValueError(
-            f"cu_seqlens_q: {n} sequences and {h} heads must each be at most {MAX_GRID_YZ} for the tilelang kernels"
-        )
+def _check_programs(what: str, sequences: int, *launches: tuple[int, int, int]) -> None:
+    """Each kernel's programs, (rows, rows a program takes, heads) per sequence, fit one launch (grid x)."""
+    for rows, block, heads in launches:
+        check_program_count(cdiv(rows, block) * heads * sequences, what)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -158,7 +151,7 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
         return o, lse
     if lk == 0:
         return o.zero_(), lse.fill_(-math.inf)
-    _check_grid(q, k)
+    _check_programs("q", b, (lq, (cfg or FWD_CONFIGS[d]).block_m, h))
     dropout = dropout_p > 0
     threshold, inv_keep = dropout_args(dropout_p)
     kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
@@ -220,8 +213,8 @@ def varlen_forward(
         return o, lse
     if k.shape[0] == 0 or max_seqlen_q == 0:
         return o.zero_(), lse.fill_(-math.inf)
-    _check_packed_grid(cu_seqlens_q, h)
     cfg = cfg or FWD_CONFIGS[d]
+    _check_programs("cu_seqlens_q", cu_seqlens_q.numel() - 1, (max_seqlen_q, cfg.block_m, h))
     threshold, inv_keep = dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
     launcher(entry, q.device)(
@@ -252,12 +245,12 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
     rest = (None,) * 5
     if dq.numel() == 0 or lk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), *rest
-    _check_grid(q, k)
+    cfg = cfg or BWD_CONFIGS[d]
+    _check_programs("q", b, (lq, PREP_ROWS, h), (lk, cfg.block_n, hkv))
     do = _tma_ready(do)
     lq_padded = -(-lq // 4) * 4  # fp32 rows of a multiple of 16 bytes, as TMA needs
     delta = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
     lse2 = buffers.empty((b, h, lq_padded), dtype=torch.float32, device=q.device)
-    cfg = cfg or BWD_CONFIGS[d]
     if cfg.dq == "tma":
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
     else:  # a block of block_m queries after another (the last padded), each in sub-tiles
@@ -335,10 +328,11 @@ def varlen_backward(
     rest = (None,) * 8
     if dq.numel() == 0 or dk.numel() == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key
         return dq.zero_(), dk.zero_(), dv.zero_(), *rest
-    _check_packed_grid(cu_seqlens_q, h)
-    do = _tma_ready(do)
     cfg = cfg or BWD_CONFIGS[d]
     n = cu_seqlens_q.numel() - 1
+    _check_programs("cu_seqlens_q", n, (max_seqlen_k, cfg.block_n, hkv))
+    _check_programs("q", 1, (total_q, PREP_ROWS, h))
+    do = _tma_ready(do)
     blocks = -(-total_q // cfg.block_m) + n  # each sequence's query blocks apart (dq_first_block)
     rows = packed_dq_rows(cu_seqlens_q, total_q, cfg.block_m)
     # delta and the log-sum-exp in those blocks too: TMA loads them from a whole block (its innermost coordinate must

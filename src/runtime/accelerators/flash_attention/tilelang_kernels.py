@@ -7,13 +7,13 @@ import math
 import tilelang
 import tilelang.language as T
 
+from ..tilelang_common import program_of
 from .tilelang_configs import DQ_SUBTILE, PREP_ROWS, BwdConfig, FwdConfig
 from .tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_keep
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 ACCUM = "float32"
-MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
 FAST_MATH = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
@@ -105,11 +105,8 @@ def forward_kernel(
         QBlocks: T.Tensor((NQB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(q_blocks, H, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(q_blocks * H * batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as pid:
+            bx, by, bz = program_of(pid, q_blocks, H)
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -265,7 +262,8 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
         LSE2: lse2_type,
         Rows: rows_type,
     ):
-        with T.Kernel(T.ceildiv(Lq, blk), H, batch, threads=blk) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Lq, blk) * H * batch, threads=blk) as pid:
+            bx, by, bz = program_of(pid, T.ceildiv(Lq, blk), H)
             o_f = T.alloc_fragment((blk, cols), dtype)
             do_f = T.alloc_fragment((blk, cols), dtype)
             prod = T.alloc_fragment((blk, cols), ACCUM)
@@ -444,11 +442,8 @@ def backward_kernel(
         KBlocks: T.Tensor((NKB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(k_blocks, Hkv, batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(k_blocks * Hkv * batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as pid:
+            bx, by, bz = program_of(pid, k_blocks, Hkv)
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)

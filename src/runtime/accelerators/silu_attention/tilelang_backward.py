@@ -11,7 +11,7 @@ import torch
 
 from .. import buffers
 from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
 from .bias_folds import fold_distances
 from .tilelang_forward import (
     BLOCK_M,
@@ -23,7 +23,6 @@ from .tilelang_forward import (
     _rows,
     _time_bucket,
     padded_dim,
-    program_of,
 )
 
 BLOCK_B = 64  # the bias kernel's square tiles: 2 * BLOCK_B diagonal slots, one per thread
@@ -366,6 +365,7 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
     dropout_launch = (seed if seed is not None else placeholder(device, torch.int64), threshold, inv_keep)
     dpos = dtime = None
     if total and n and n_blocks:
+        check_program_count(n_blocks * h * n, "cu_seqlens")
         launcher(backward_entry("dkdv", d, q.dtype, *flags), device)(
             *tensors, dk, dv, n_blocks, *scalars, *dropout_launch
         )
@@ -388,6 +388,7 @@ def _bias_gradients(tensors, scalars, dropout_launch, flags, position_bias, time
     pos_part = torch.zeros((n, h, n_bands, 2 * BLOCK_B), dtype=torch.float32, device=q.device)
     time_part = torch.zeros((n, h, n_bands, TIME_SLOTS), dtype=torch.float32, device=q.device)
     if q.shape[0] and n and n_bands:
+        check_program_count(n_bands * h * n, "cu_seqlens")
         launcher(backward_entry("bias", q.shape[2], q.dtype, *flags), q.device)(
             *tensors, pos_part, time_part, n_blocks, *scalars, *dropout_launch
         )

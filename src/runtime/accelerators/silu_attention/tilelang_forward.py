@@ -21,7 +21,7 @@ import torch
 from .. import buffers
 from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
 from ..launch_math import next_power_of_2
-from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, launcher, placeholder
+from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
 
 BLOCK_M, BLOCK_N, THREADS = 64, 64, 128
 MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
@@ -41,17 +41,6 @@ __device__ __forceinline__ int taac_time_bucket(long long tq, long long tk, int 
 
 def _time_bucket(tq, tk, n_buckets):
     return T.call_pure_extern("int32", "taac_time_bucket", tq, tk, n_buckets)
-
-
-def program_of(pid, n_blocks, heads):
-    """(block, head, sequence) of program pid of a launch of n_blocks x heads x sequences programs, all on x (gridDim.y
-    and z cap at 65535: fewer sequences than a large batch holds), block fastest, then head: the order of a (blocks,
-    heads, sequences) grid. Each bound once (T.alloc_var): as expressions TileLang would recompute the divisions at
-    every use."""
-    block = T.alloc_var("int32", init=pid % n_blocks)
-    head = T.alloc_var("int32", init=pid // n_blocks % heads)
-    sequence = T.alloc_var("int32", init=pid // (n_blocks * heads))
-    return block, head, sequence
 
 
 def padded_dim(dim: int) -> int:
@@ -171,6 +160,7 @@ def forward(
     n_blocks = -(-max_seqlen // BLOCK_M)
     if o.numel() == 0 or n == 0 or n_blocks == 0:
         return o
+    check_program_count(n_blocks * h * n, "cu_seqlens")
     device = q.device
     threshold, inv_keep = dropout_args(dropout_p)
     entry = forward_entry(d, q.dtype, bool(causal), num_targets is not None, position_bias is not None,
