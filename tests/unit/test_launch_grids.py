@@ -77,34 +77,38 @@ def test_silu_attention_tilelang_puts_sequences_and_heads_on_x(kernel):
     assert all(extents.get(axis, 1) <= MAX_GRID_YZ for axis in ("blockIdx.y", "blockIdx.z")), extents
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["grid", "folded"])
 @pytest.mark.parametrize("kernel", ["forward", "preprocess", "backward"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
-def test_flash_attention_tilelang_puts_blocks_heads_and_sequences_on_x(kernel, varlen):
+def test_flash_attention_tilelang_folds_blocks_heads_and_sequences_onto_x(kernel, varlen, fold):
+    """Folded, every program is on x; otherwise (the launchers' choice up to 65535 heads and sequences) the grid is
+    (blocks, heads, sequences), as fast as before the fold existed."""
     pytest.importorskip("runtime.accelerators.flash_attention.tilelang", reason="tilelang 0.1.15 is not installed")
     from runtime.accelerators.flash_attention import tilelang as kernels
     from runtime.accelerators.flash_attention.tilelang_configs import BWD_CONFIGS, FWD_CONFIGS, PREP_ROWS
 
-    sequences, heads, kv_heads, length = 2**17, 8, 2, 256  # 131072 sequences (or a batch) of 256 tokens
+    sequences, heads, kv_heads, length = 2**17 if fold else 2**10, 8, 2, 256  # a batch (or pack) of 256 tokens each
     packed = sequences * length
     sizes = dict(batch=sequences, heads=heads, kv_heads=kv_heads, q_len=length, k_len=length, kv_len=length)
     if varlen:  # q_len, k_len: the packed lengths; the block counts come from max_seqlen
         sizes.update(n_offsets=sequences + 1, q_len=packed, k_len=packed)
     if kernel == "forward":
-        entry = kernels.forward_entry(64, torch.bfloat16, True, False, False, varlen=varlen)
-        blocks = length // FWD_CONFIGS[64].block_m
+        entry = kernels.forward_entry(64, torch.bfloat16, True, False, False, varlen=varlen, fold=fold)
+        blocks, h = length // FWD_CONFIGS[64].block_m, heads
         sizes["q_blocks"] = blocks
-        expected = blocks * heads * sequences
     elif kernel == "preprocess":
-        entry = kernels.preprocess_entry(64, torch.bfloat16, varlen=varlen)
-        expected = packed // PREP_ROWS * heads  # varlen: one program per block of packed rows of one head
+        entry = kernels.preprocess_entry(64, torch.bfloat16, varlen=varlen, fold=fold)
+        blocks, h = (packed if varlen else length) // PREP_ROWS, heads
+        sequences = 1 if varlen else sequences  # varlen: one program per block of packed rows of one head
     else:
-        entry = kernels.backward_entry(64, torch.bfloat16, True, False, False, varlen=varlen)
-        blocks = length // BWD_CONFIGS[64].block_n
+        entry = kernels.backward_entry(64, torch.bfloat16, True, False, False, varlen=varlen, fold=fold)
+        blocks, h = length // BWD_CONFIGS[64].block_n, kv_heads
         sizes["k_blocks"] = blocks
-        expected = blocks * kv_heads * sequences
     extents = block_extents(built(entry), sizes)
-    assert extents["blockIdx.x"] == expected
-    assert all(extents.get(axis, 1) <= MAX_GRID_YZ for axis in ("blockIdx.y", "blockIdx.z")), extents
+    if fold:
+        assert extents == {"blockIdx.x": blocks * h * sequences}
+    else:
+        assert extents == {"blockIdx.x": blocks, "blockIdx.y": h, "blockIdx.z": sequences}
 
 
 def test_tilelang_launch_past_grid_x_names_the_argument():

@@ -7,6 +7,7 @@ Imported only by the tilelang kernel modules, so the package imports without til
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def device_info(index: int | None) -> DeviceInfo:
 
 # --------------------------------------------------------------------------- launch grids
 
-MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on gridDim.x; y and z cap at 65535, so large counts go on x
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on gridDim.x
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 
 def program_of(pid, n_blocks, heads):
@@ -69,6 +71,24 @@ def program_of(pid, n_blocks, heads):
     head = T.alloc_var("int32", init=pid // n_blocks % heads)
     sequence = T.alloc_var("int32", init=pid // (n_blocks * heads))
     return block, head, sequence
+
+
+@contextlib.contextmanager
+def program_grid(blocks, heads, sequences, fold: bool, **kernel):
+    """T.Kernel over (blocks, heads, sequences) programs, yielding (block, head, sequence): a 3-D grid, or with fold
+    every program on x (program_of), for counts past gridDim.y / z's 65535. The 3-D grid costs no index arithmetic:
+    folded, flash_attention's small-tile kernels measured 7-8% slower (H200, 256 x 4 heads x 256 tokens)."""
+    if fold:
+        with T.Kernel(blocks * heads * sequences, **kernel) as pid:
+            yield program_of(pid, blocks, heads)
+    else:
+        with T.Kernel(blocks, heads, sequences, **kernel) as ids:
+            yield ids
+
+
+def needs_fold(heads: int, sequences: int) -> bool:
+    """Whether a (blocks, heads, sequences) launch must fold its grid onto x (program_grid)."""
+    return heads > MAX_GRID_YZ or sequences > MAX_GRID_YZ
 
 
 def check_program_count(programs: int, what: str) -> None:

@@ -34,7 +34,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
-from ..tilelang_common import TL_DTYPE, Entry, check_program_count, launcher, placeholder, precompile
+from ..tilelang_common import TL_DTYPE, Entry, check_program_count, launcher, needs_fold, placeholder, precompile
 from .tilelang_configs import BWD_CONFIGS, DQ_SUBTILE, FWD_CONFIGS, PREP_ROWS, BwdConfig, FwdConfig
 from .tilelang_dropout import dropout_args
 from .tilelang_kernels import backward_kernel, dq_first_block, forward_kernel, preprocess_kernel
@@ -50,14 +50,26 @@ def forward_entry(
     dropout: bool,
     cfg: FwdConfig | None = None,
     varlen: bool = False,
+    fold: bool = False,
 ) -> Entry:
     cfg = cfg or FWD_CONFIGS[dim]
-    key = ("flash_attention_fwd", dim, dtype, causal, has_lengths, dropout, varlen, cfg)  # the config last (tests)
-    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
+    key = (
+        "flash_attention_fwd",
+        dim,
+        dtype,
+        causal,
+        has_lengths,
+        dropout,
+        varlen,
+        fold,
+        cfg,
+    )  # the config last (tests)
+    return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen, fold)
 
 
-def preprocess_entry(dim: int, dtype: torch.dtype, varlen: bool = False) -> Entry:
-    return ("flash_attention_prep", dim, dtype, varlen), lambda _: preprocess_kernel(dim, TL_DTYPE[dtype], varlen)
+def preprocess_entry(dim: int, dtype: torch.dtype, varlen: bool = False, fold: bool = False) -> Entry:
+    key = ("flash_attention_prep", dim, dtype, varlen, fold)
+    return key, lambda _: preprocess_kernel(dim, TL_DTYPE[dtype], varlen, fold)
 
 
 def backward_entry(
@@ -68,10 +80,21 @@ def backward_entry(
     dropout: bool,
     cfg: BwdConfig | None = None,
     varlen: bool = False,
+    fold: bool = False,
 ) -> Entry:
     cfg = cfg or BWD_CONFIGS[dim]
-    key = ("flash_attention_bwd", dim, dtype, causal, has_lengths, dropout, varlen, cfg)  # the config last (tests)
-    return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen)
+    key = (
+        "flash_attention_bwd",
+        dim,
+        dtype,
+        causal,
+        has_lengths,
+        dropout,
+        varlen,
+        fold,
+        cfg,
+    )  # the config last (tests)
+    return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen, fold)
 
 
 def entries(dim: int, dtype: torch.dtype, causal: bool, has_lengths: bool, dropout: bool) -> list[Entry]:
@@ -154,7 +177,10 @@ def forward(q, k, v, key_lengths, causal, scale, dropout_p, seed, *, cfg: FwdCon
     _check_programs("q", b, (lq, (cfg or FWD_CONFIGS[d]).block_m, h))
     dropout = dropout_p > 0
     threshold, inv_keep = dropout_args(dropout_p)
-    kernel = launcher(forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
+    fold = needs_fold(h, b)
+    kernel = launcher(
+        forward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg, fold=fold), q.device
+    )
     unused = placeholder(q.device, torch.int32)
     kernel(
         _tma_ready(q),
@@ -216,7 +242,8 @@ def varlen_forward(
     cfg = cfg or FWD_CONFIGS[d]
     _check_programs("cu_seqlens_q", cu_seqlens_q.numel() - 1, (max_seqlen_q, cfg.block_m, h))
     threshold, inv_keep = dropout_args(dropout_p)
-    entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
+    fold = needs_fold(h, cu_seqlens_q.numel() - 1)
+    entry = forward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True, fold=fold)
     launcher(entry, q.device)(
         _tma_ready(q),
         _tma_ready(k),
@@ -255,10 +282,14 @@ def backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)  # dq's layout; the backward adds into it
     else:  # a block of block_m queries after another (the last padded), each in sub-tiles
         dq_acc = torch.zeros((b, h, -(-lq // cfg.block_m), cfg.block_m * d), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype), q.device)(o, do, lse, delta, lse2, placeholder(q.device, torch.int64))
+    fold = needs_fold(h, b)
+    launcher(preprocess_entry(d, q.dtype, fold=fold), q.device)(
+        o, do, lse, delta, lse2, placeholder(q.device, torch.int64)
+    )
     dropout = dropout_p > 0
     threshold, inv_keep = dropout_args(dropout_p)
-    kernel = launcher(backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg), q.device)
+    entry = backward_entry(d, q.dtype, bool(causal), key_lengths is not None, dropout, cfg, fold=fold)
+    kernel = launcher(entry, q.device)
     unused = placeholder(q.device, torch.int32)
     kernel(
         _tma_ready(q),
@@ -339,7 +370,7 @@ def varlen_backward(
     # be 16-byte aligned; a sequence's first row need not be); the rows between sequences stay 0
     delta = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
     lse2 = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype, varlen=True), q.device)(
+    launcher(preprocess_entry(d, q.dtype, varlen=True, fold=needs_fold(h, 1)), q.device)(
         o.contiguous(), do, lse.contiguous(), delta, lse2, rows
     )
     if cfg.dq == "tma":
@@ -347,7 +378,7 @@ def varlen_backward(
     else:
         dq_acc = torch.zeros((h, blocks, cfg.block_m * d), dtype=torch.float32, device=q.device)
     threshold, inv_keep = dropout_args(dropout_p)
-    entry = backward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True)
+    entry = backward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True, fold=needs_fold(h, n))
     launcher(entry, q.device)(
         _tma_ready(q),
         _tma_ready(k),

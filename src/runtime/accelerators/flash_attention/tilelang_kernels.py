@@ -7,7 +7,7 @@ import math
 import tilelang
 import tilelang.language as T
 
-from ..tilelang_common import program_of
+from ..tilelang_common import program_grid
 from .tilelang_configs import DQ_SUBTILE, PREP_ROWS, BwdConfig, FwdConfig
 from .tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_keep
 
@@ -29,12 +29,20 @@ def dq_first_block(q_start, sequence, block_m: int):
 
 
 def forward_kernel(
-    dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: FwdConfig, varlen: bool = False
+    dim: int,
+    dtype: str,
+    causal: bool,
+    has_lengths: bool,
+    dropout: bool,
+    cfg: FwdConfig,
+    varlen: bool = False,
+    fold: bool = False,
 ):
     """varlen: packed sequences. q [total_q, H, D], k/v [total_k, Hkv, D], o alike, lse [H, total_q]; B is the number
     of sequences (CuQ/CuK hold N + 1 offsets), the grid's query blocks come from QBlocks' length (a tensor of
     ceil(max_seqlen_q / block_m) elements, never read), so one compiled kernel serves every packing. Without varlen
-    CuQ, CuK and QBlocks are placeholders."""
+    CuQ, CuK and QBlocks are placeholders. fold: every program on grid x (program_grid), for more than 65535 heads or
+    sequences."""
     bM, bN = cfg.block_m, cfg.block_n
     B, H, Hkv, Lq, Lk, NL = T.dynamic("batch, heads, kv_heads, q_len, k_len, n_lengths")
     NC, NQB = T.dynamic("n_offsets, q_blocks")
@@ -105,8 +113,8 @@ def forward_kernel(
         QBlocks: T.Tensor((NQB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(q_blocks * H * batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as pid:
-            bx, by, bz = program_of(pid, q_blocks, H)
+        prelude = DROPOUT_PRELUDE if dropout else None
+        with program_grid(q_blocks, H, batch, fold, threads=cfg.threads, prelude=prelude) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -222,7 +230,7 @@ def forward_kernel(
     return flash_fwd
 
 
-def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
+def preprocess_kernel(dim: int, dtype: str, varlen: bool = False, fold: bool = False):
     """Per query row: delta = rowsum(o * do) and the log-sum-exp in base 2 (+inf for a row that
     sees no key), both fp32 in rows padded to 16 bytes so that the backward loads them with TMA.
 
@@ -262,8 +270,7 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
         LSE2: lse2_type,
         Rows: rows_type,
     ):
-        with T.Kernel(T.ceildiv(Lq, blk) * H * batch, threads=blk) as pid:
-            bx, by, bz = program_of(pid, T.ceildiv(Lq, blk), H)
+        with program_grid(T.ceildiv(Lq, blk), H, batch, fold, threads=blk) as (bx, by, bz):
             o_f = T.alloc_fragment((blk, cols), dtype)
             do_f = T.alloc_fragment((blk, cols), dtype)
             prod = T.alloc_fragment((blk, cols), ACCUM)
@@ -299,7 +306,14 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False):
 
 
 def backward_kernel(
-    dim: int, dtype: str, causal: bool, has_lengths: bool, dropout: bool, cfg: BwdConfig, varlen: bool = False
+    dim: int,
+    dtype: str,
+    causal: bool,
+    has_lengths: bool,
+    dropout: bool,
+    cfg: BwdConfig,
+    varlen: bool = False,
+    fold: bool = False,
 ):
     """Per key block of one kv head: loop over its query heads and query blocks, accumulating
     dk/dv in registers (GQA sums without atomics) and adding each dq block into dQacc (fp32).
@@ -442,8 +456,8 @@ def backward_kernel(
         KBlocks: T.Tensor((NKB,), "int32"),
     ):
         T.annotate_pass_configs(FAST_MATH)
-        with T.Kernel(k_blocks * Hkv * batch, threads=cfg.threads, prelude=DROPOUT_PRELUDE if dropout else None) as pid:
-            bx, by, bz = program_of(pid, k_blocks, Hkv)
+        prelude = DROPOUT_PRELUDE if dropout else None
+        with program_grid(k_blocks, Hkv, batch, fold, threads=cfg.threads, prelude=prelude) as (bx, by, bz):
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
