@@ -13,9 +13,9 @@ specialisation) are out of its reach: the GPU tier stays the judge.
 linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
 a bias) against autograd in float64.
 sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, sorted, NaN / signed
-zeros / infinities, both directions, each dtype, split rows, k = 2048; the select with and without its threshold
-filter, and its fallback where more entries pass than the scratch holds) and sample's ids against
-reference.restricted_draw.
+zeros / infinities, both directions, each dtype, split rows and their candidates merged in rounds, k = 2048; the
+select with and without its threshold filter, and its fallback where more entries pass than the scratch holds) and
+sample's ids against reference.restricted_draw.
 Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
 """
 
@@ -206,6 +206,9 @@ def check_sampling(tsan: bool) -> bool:
     for segments, k, largest in ((3, 5, True), (7, 150, False), (7, 200, True), (100, 3, True)):
         top_k(kinds["tied"]((2, 1000)), k, largest, segments)
         top_k(kinds["tied"]((2, 1000)), k, largest, segments, filter=False)
+    for make in (kinds["tied"], kinds["equal"]):  # the candidates merged in three rounds (9, 4, 2 segments, then 1)
+        top_k(make((2, 1000)), 20, True, (9, 4, 2))
+        top_k(make((2, 1000)), 20, False, (9, 4, 2), filter=False)
     top_k(kinds["random"]((1, 5000)), 2048, True)
     top_k(kinds["tied"]((1, 5000)).bfloat16(), 2048, False, 4)
     rows = 16

@@ -1,7 +1,8 @@
-"""top_k and sample on CUDA, for the triton and the tilelang kernels: one program per row and split rows against the
-exact reference at V in {1000, 50257, 1M, 16M}, bf16 ties included, the select with and without its threshold
-filter; sample's ids equal to the torch backend's from the same generator state, its frequencies against the
-restricted distribution, NaN rows, CUDA-graph capture. Kernel outputs are poisoned with NaN by conftest."""
+"""top_k and sample on CUDA, for the triton and the tilelang kernels: one program per row and split rows (their
+candidates merged in rounds) against the exact reference at V in {1000, 50257, 1M, 16M}, bf16 ties included, the
+select with and without its threshold filter; sample's ids equal to the torch backend's from the same generator state,
+its frequencies against the restricted distribution, NaN rows, CUDA-graph capture. Kernel outputs are poisoned with
+NaN by conftest."""
 
 import importlib
 import math
@@ -66,7 +67,9 @@ def test_top_k_ties_and_all_equal_rows(backend):
         check_top_k(tied, k, True, backend)
         check_top_k(tied, k, False, backend)
     check_top_k(torch.full((2, 2**20), 0.25, device="cuda"), 300, True, backend)
-    check_top_k(torch.randint(0, 2, (1, 2**24), device="cuda").to(f16), 100, True, backend)  # split rows, all ties
+    ties = torch.randint(0, 2, (1, 2**24), device="cuda").to(f16)
+    for k in (100, 2048):  # split rows, all ties: the candidates merged once at k = 100, in three rounds at 2048
+        check_top_k(ties, k, True, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,7 +170,7 @@ def test_captured_in_a_cuda_graph(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forced_split_matches_one_program_per_row(backend):
     x = torch.randn(3, 200003, device="cuda", dtype=bf16)
-    for segments in (1, 5, 64):
+    for segments in (1, 5, 64, (64, 8), (64, 8, 2)):  # tuples: the candidates merged in two and three rounds
         values, indices = kernels(backend).top_k_forward(x, 257, True, segments=segments)
         assert torch.equal(indices, top_k_reference(x, 257)[1]), segments
 

@@ -14,10 +14,10 @@ import torch
 from runtime.accelerators import explain, sample, top_k
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.config import use_accelerators
-from runtime.accelerators.sampling import MAX_K, SPEC
+from runtime.accelerators.sampling import MAX_K, SPEC, select_plan
 from runtime.accelerators.sampling import triton as kernels
 from runtime.accelerators.sampling.reference import restricted_draw, sample_reference
-from runtime.accelerators.sampling.select_plan import as_rows, segments_per_row, split_rows
+from runtime.accelerators.sampling.select_plan import as_rows, segments_per_row, select_rounds, split_rows
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -228,6 +228,42 @@ def test_triton_filter_at_the_largest_k(form):
     for values, largest in ((x, True), (x.to(bf16), False)):
         check_kernel(values, MAX_K, largest, capacity=4096, filter_launch=launch)
     check_kernel(x, MAX_K, True, segments=5, filter_launch=launch)
+
+
+def check_rounds(x, k, largest, segments, rounds, **launch):
+    """top_k through the select's rounds (as many as `rounds`): indices as the stable oracle, values as torch.topk."""
+    rows, width = x.shape
+    assert len(select_rounds(rows, width, k, x.device, segments)) == rounds
+    values, indices = kernels.top_k_forward(x, k, largest, segments=segments, **launch)
+    assert torch.equal(indices, oracle(x, k, largest)), f"{segments} k={k} largest={largest}"
+    torch.testing.assert_close(values, torch.topk(x, k, largest=largest).values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("random", marks=pytest.mark.slow), "tied", pytest.param("equal", marks=pytest.mark.slow)]
+)
+def test_triton_select_merges_the_candidates_in_rounds_at_the_largest_k(kind):
+    """k = MAX_K over a row in 16 segments (each shorter than k: padded): its 16 * 2048 candidates in two segments of
+    16384, then one (three rounds, as the plan gives any row at k = 2048); ties at the k-th value across segments
+    and rounds go to the lower index."""
+    x = scores(kind, (1, 9000))
+    check_rounds(x, MAX_K, kind != "tied", 16, 3)
+
+
+@pytest.mark.parametrize("kind", ["random", "tied", "equal"])
+@pytest.mark.slow
+def test_triton_select_rounds_forced_per_round(kind):
+    """Four rounds forced (9, 4 and 2 segments, then one) at small blocks: each round's segments cut its candidate
+    list anywhere (not at the earlier segments' edges), with and without the filter, both directions; sample draws
+    from the survivors of the same rounds."""
+    x = scores(kind, (2, 1000))
+    for largest, filter_ in ((True, True), (False, True), (True, False)):
+        check_rounds(x, 20, largest, (9, 4, 2), 4, block=64, filter=filter_)
+    logits = x.to(bf16)
+    keep_k = torch.tensor([20, 7], dtype=torch.int32)
+    temperature, top_p, uniforms = torch.rand(2) + 0.3, torch.rand(2) * 0.9 + 0.1, torch.rand(2)
+    ids = kernels.sample_forward(logits, keep_k, 20, temperature, top_p, uniforms, segments=(9, 4, 2), block=64)
+    assert torch.equal(ids, sample_reference(logits, keep_k, 20, temperature, top_p, uniforms))
 
 
 @pytest.mark.parametrize("filter_", [True, False], ids=["filter", "full"])
@@ -457,6 +493,35 @@ def test_segments_per_row_on_the_cpu_is_one_unless_asked():
     assert segments_per_row(1, 2**24, 100, cpu, None) == 1
     assert segments_per_row(1, 10, 3, cpu, 64) == 10  # never more segments than entries
     assert segments_per_row(1, 10, 3, cpu, 0) == 1
+
+
+def test_select_rounds_merge_until_one_segment_per_row(monkeypatch):
+    """The plan on a GPU of 132 SMs: one 16M row at k = 2048 in 264 segments, then its candidates in rounds of
+    segments of at least 16384 (33, 4, then one program); k = 100 keeps one merge of 26400 candidates; many rows one
+    round. Every round covers the candidates of the one before; forced counts and the CPU's plan."""
+    monkeypatch.setattr(select_plan, "sm_count", lambda device: 132)
+    gpu = torch.device("cpu")  # the SM count is patched: the plan of a 132-SM GPU
+    plan = select_rounds(1, 2**24, MAX_K, gpu, None)
+    assert plan == [(264, 63551), (33, 16384), (4, 16896), (1, 8192)]
+    assert [s for s, _ in select_rounds(1, 2**24, 100, gpu, None)] == [264, 1]
+    assert [s for s, _ in select_rounds(1, 2**24, 512, gpu, None)] == [264, 8, 1]
+    assert [s for s, _ in select_rounds(8, 2**24, MAX_K, gpu, None, 16)] == [33, 4, 1]
+    assert select_rounds(1024, 2**20, 64, gpu, None) == [(1, 2**20)]
+    for rows, n, k in ((1, 2**24, MAX_K), (1, 2**24 - 3, MAX_K), (8, 2**24, 700), (2, 10**6, 5)):
+        for multiple in (1, 16):
+            plan = select_rounds(rows, n, k, gpu, None, multiple)
+            widths = [n] + [s * k for s, _ in plan[:-1]]
+            for (s, length), width in zip(plan, widths):
+                assert (s - 1) * length < width <= s * length and length % multiple == 0
+            assert plan[-1][0] == 1
+            for (before, _), (after, _) in zip(plan, plan[1:]):
+                assert after == 1 or after <= before // 8  # a round cuts the programs by 8 at least
+    monkeypatch.undo()
+    cpu = torch.device("cpu")
+    assert select_rounds(1, 2**24, MAX_K, cpu, None) == [(1, 2**24)]  # the interpreter: one program per row
+    assert select_rounds(1, 9000, MAX_K, cpu, 16) == [(16, 563), (2, 16384), (1, 4096)]  # merged as on a GPU
+    assert select_rounds(2, 1000, 20, cpu, (9, 4, 2)) == [(9, 112), (4, 45), (2, 40), (1, 40)]
+    assert select_rounds(2, 1000, 20, cpu, (9,)) == [(9, 112), (1, 180)]
 
 
 def test_as_rows_keeps_a_unit_stride_view_and_copies_otherwise():

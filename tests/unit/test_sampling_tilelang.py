@@ -96,13 +96,17 @@ runs_on_the_cpu = pytest.mark.skipif(
 @pytest.mark.slow
 def test_generated_kernels_run_on_the_cpu_and_match_the_reference(cpu_launch):
     """The generated CUDA of the select (over the row and over candidates), sort and draw kernels, run on the CPU by
-    tools/tilelang_on_cpu.py (a thread per CUDA thread): ties across segments, and one draw."""
+    tools/tilelang_on_cpu.py (a thread per CUDA thread): ties across segments and merging rounds, and one draw."""
     from runtime.accelerators.sampling.reference import restricted_draw, top_k_reference
 
     launch = cpu_launch
     x = torch.randint(-2, 3, (2, 300)).float()
     values, indices = kernels.top_k_forward(x, 40, False, segments=3, launch=launch)
     ref_values, ref_indices = top_k_reference(x, 40, largest=False)
+    assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
+    # the select in three rounds (5 segments, their 200 candidates in 2, then 1): ties across segments and rounds
+    values, indices = kernels.top_k_forward(x, 40, True, segments=(5, 2), launch=launch)
+    ref_values, ref_indices = top_k_reference(x, 40)
     assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
     logits = torch.randn(2, 300, dtype=torch.bfloat16)
     keep_k, temperature, top_p, uniforms = (

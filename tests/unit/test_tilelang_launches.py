@@ -167,14 +167,15 @@ def silu_attention(d, variant, dtype):
     return acc.silu_attention(q, k, v, cu, max_seqlen=35, backend="tilelang", **extra)
 
 
-def top_k(n, k, largest, dtype):
-    """n = 40000 over 3 rows: each row split into two segments (the H100's plan), then their candidates selected."""
-    scores = torch.randn(3, n).to(dtype)
+def top_k(n, k, largest, dtype, rows=3):
+    """n = 40000 over 3 rows: each row split into two segments (the H100's plan), then their candidates selected; one
+    16M row at k = 2048: 264 segments, then their candidates in rounds of 33, 4 and 1 segments."""
+    scores = torch.randn(rows, n).to(dtype)
     return acc.top_k(scores, k, largest=largest, backend="tilelang")
 
 
-def sample(n, top_k, dtype):
-    logits = torch.randn(3, n).to(dtype)
+def sample(n, top_k, dtype, rows=3):
+    logits = torch.randn(rows, n).to(dtype)
     return acc.sample(logits, temperature=0.7, top_k=top_k, top_p=0.9, backend="tilelang")
 
 
@@ -360,8 +361,10 @@ CASES = {
     "top_k-300-7": (p(top_k, 300, 7, True), ALL, False),
     "top_k-300-300-smallest": (p(top_k, 300, 300, False), (bf16,), False),
     "top_k-40000-7-segments": (p(top_k, 40000, 7, True), HALF, False),
+    "top_k-16M-2048-rounds": (p(top_k, 2**24, 2048, False, rows=1), (f32,), False),
     "sample-300": (p(sample, 300, 5), ALL, False),
     "sample-40000-segments": (p(sample, 40000, 50), (bf16,), False),
+    "sample-16M-2048-rounds": (p(sample, 2**24, 2048, rows=1), (bf16,), False),
     "chunk_gated_delta_rule-varlen": (p(gated_delta_rule, "chunk", True), (bf16,), True),
     "fused_recurrent_gated_delta_rule": (p(gated_delta_rule, "recurrent", False), HALF, False),
     "fused_recurrent_gated_delta_rule-varlen": (p(gated_delta_rule, "recurrent", True), (bf16,), False),
@@ -391,6 +394,8 @@ EXPECTED = {
     "embedding_bag-fixed-96": {"embedding_bag_combine": 1},
     "top_k-40000-7-segments": {"sampling_select": 2},  # segments, then their candidates
     "sample-40000-segments": {"sampling_select": 2},
+    "top_k-16M-2048-rounds": {"sampling_select": 4},  # segments, then their candidates in three rounds
+    "sample-16M-2048-rounds": {"sampling_select": 4},
 }
 PARAMS = [
     pytest.param(name, dtype, id=f"{name}-{str(dtype).removeprefix('torch.')}")

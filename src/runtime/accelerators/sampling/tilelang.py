@@ -16,9 +16,9 @@ row, exactly k on an all-equal one). Where more than CAPACITY pass, the block se
 result is the same either way.
 
 A sort block orders the k survivors by one 64-bit (key, ~index) word each with a bitonic sort in shared memory, and
-reads their values back from the row. Rows are split into segments as in the triton backend
-(select_plan.split_rows); a second select runs over the candidates of the segments (index -1 pads a segment shorter
-than k).
+reads their values back from the row. Rows are split into segments as in the triton backend, and the same select
+runs in rounds over the candidates of the segments (select_plan.select_rounds, until one segment per row; index -1
+pads a segment shorter than k; the candidates keep the row's indices).
 
 sample: the top-k select and sort of the logits (the maximum top_k over the rows), then one block per row: softmax
 over its first top_k[b] survivors at its temperature, the cumulative sum, the top-p prefix and the inverse CDF at its
@@ -29,6 +29,8 @@ Rows, widths and k are dynamic: one compiled select per (dtype, largest, indexed
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the kernels' annotations, which name closure variables
+from collections.abc import Sequence
+
 import torch
 
 from .. import buffers
@@ -38,7 +40,7 @@ from ..tilelang_common import TL_DTYPE, Entry, launcher, placeholder  # first: c
 import tilelang  # noqa: E402  isort: skip
 import tilelang.language as T  # noqa: E402  isort: skip
 from ..kernel_backend import KernelBackend
-from .select_plan import MAX_K, as_rows, split_rows
+from .select_plan import MAX_K, as_rows, select_rounds
 
 RADIX = 256  # 8-bit digits
 SELECT_THREADS = 1024
@@ -603,15 +605,21 @@ def _select_launch(
 
 
 def _select_sorted(
-    scores: torch.Tensor, k: int, largest: bool, segments: int | None, launch, filter: bool, capacity: int
+    scores: torch.Tensor,
+    k: int,
+    largest: bool,
+    segments: int | Sequence[int] | None,
+    launch,
+    filter: bool,
+    capacity: int,
 ):
-    """scores [R, n], contiguous -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
+    """scores [R, n], contiguous -> (values [R, k] in scores' dtype, int64 indices [R, k]). segments: as
+    select_rounds takes it (None: the plan for this GPU)."""
     rows, n = scores.shape
     device, dtype = scores.device, scores.dtype
-    s, seg_len = split_rows(rows, n, k, device, segments)
-    cand_x, cand_idx, _ = _select_launch(scores, None, seg_len, s, k, largest, filter, capacity, launch)
-    if s > 1:
-        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, k, largest, filter, capacity, launch)
+    cand_x, cand_idx = scores, None
+    for s, seg_len in select_rounds(rows, n, k, device, segments):  # the row, then its candidates
+        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, seg_len, s, k, largest, filter, capacity, launch)
     values = buffers.empty((rows, k), dtype=dtype, device=device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=device)
     k_pad = pow2_at_least(k, 2)
@@ -629,7 +637,7 @@ def top_k_forward(
     scores: torch.Tensor,
     k: int,
     largest: bool,
-    segments: int | None = None,
+    segments: int | Sequence[int] | None = None,
     launch=launcher,
     filter: bool = True,
     capacity: int = CAPACITY,
@@ -649,7 +657,7 @@ def sample_forward(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
-    segments: int | None = None,
+    segments: int | Sequence[int] | None = None,
     launch=launcher,
     filter: bool = True,
     capacity: int = CAPACITY,

@@ -15,14 +15,17 @@ SM where the select's program, which the digit passes make heavy, runs one per S
 segment as without the filter; the result is the same either way.
 
 Where there are few rows and long ones, each row is split into segments: every segment selects its own k candidates
-(padded with index -1 where it is shorter), and a second select runs over the candidates of the row, which stay in
-ascending index order.
+(padded with index -1 where it is shorter), then the same select runs in rounds over the candidates of the row
+(select_plan.select_rounds: each round splits them into segments again, until one per row), which stay in ascending
+index order and keep the row's indices.
 
 sample: the top-k select and sort of the logits (the maximum top_k over the rows), then one small program per row:
 softmax over its first top_k[b] survivors at its temperature, the top-p prefix, and the inverse CDF at its uniform.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -31,7 +34,7 @@ import triton.language as tl
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import pow2_at_least
-from .select_plan import as_rows, split_rows
+from .select_plan import as_rows, select_rounds
 from .triton_filter import FILTER_LAUNCH, FilterLaunch, filter_segments
 from .triton_shared import _choose_digit, _keys, _load_keys, _segment
 
@@ -245,21 +248,23 @@ def _select_sorted(
     scores: torch.Tensor,
     k: int,
     largest: bool,
-    segments: int | None = None,
+    segments: int | Sequence[int] | None = None,
     block: int = BLOCK,
     filter: bool = True,
     capacity: int = CAPACITY,
     filter_launch: FilterLaunch = FILTER_LAUNCH,
 ):
-    """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k])."""
+    """scores [R, n] with a contiguous last dim -> (values [R, k] in scores' dtype, int64 indices [R, k]). segments:
+    as select_rounds takes it (None: the plan for this GPU)."""
     rows, n = scores.shape
     k_pad = pow2_at_least(k, 16)
     # the full-tile filter reads aligned segments with 16-byte loads
-    s, seg_stride = split_rows(rows, n, k, scores.device, segments, 1 if filter_launch.tiles is None else 16)
+    plan = select_rounds(rows, n, k, scores.device, segments, 1 if filter_launch.tiles is None else 16)
     launch = (filter, block, capacity, filter_launch)
-    cand_x, cand_idx, _ = _select_launch(scores, None, n, s, seg_stride, k, largest, *launch)
-    if s > 1:
-        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, s * k, 1, s * k, k, largest, *launch)
+    cand_x, cand_idx, width = scores, None, n
+    for s, seg_stride in plan:  # the row, then its candidates until one segment per row
+        cand_x, cand_idx, _ = _select_launch(cand_x, cand_idx, width, s, seg_stride, k, largest, *launch)
+        width = s * k
     values = buffers.empty((rows, k), dtype=scores.dtype, device=scores.device)
     indices = buffers.empty((rows, k), dtype=torch.int64, device=scores.device)
     _sort[(rows,)](
@@ -281,7 +286,7 @@ def top_k_forward(
     scores: torch.Tensor,
     k: int,
     largest: bool,
-    segments: int | None = None,
+    segments: int | Sequence[int] | None = None,
     block: int = BLOCK,
     filter: bool = True,
     capacity: int = CAPACITY,
@@ -301,7 +306,7 @@ def sample_forward(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
-    segments: int | None = None,
+    segments: int | Sequence[int] | None = None,
     block: int = BLOCK,
     filter: bool = True,
     capacity: int = CAPACITY,
