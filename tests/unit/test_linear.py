@@ -144,8 +144,9 @@ def test_triton_backward_dbias_partials_over_several_row_groups():
     from runtime.accelerators.linear.launch import BackwardLaunch
 
     two_groups = BackwardLaunch(row_groups=2)  # 100 rows in 2 groups of 2 steps of 32 or 64 rows
-    check("triton", *make_inputs(100, 32, 48, f16, "gelu"), "gelu", triton_backward=two_groups)
-    check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu", triton_backward=two_groups)
+    for activation in ("gelu", "swiglu"):  # z saved (forced): the elementwise pass reads it
+        x, weight, bias = make_inputs(100, 32, 48, f16, activation)
+        check("triton", x, weight, bias, activation, triton_backward=two_groups, recompute=False)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
@@ -231,7 +232,7 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, s
     z = z if saved else torch.empty(0, dtype=f16)
     triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten, subtile)
     assert_close(f"persistent {activation} y", y, textbook(x, weight, bias, activation), RTOL[f16])
-    portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, persistent=False)
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, recompute=False, persistent=False)
     if saved:
         assert torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3), (z - portable_z).abs().max()
     inferred = linear_triton.infer(x, weight, bias, activation, persistent=True, cfg=SMALL_PERSISTENT)
@@ -239,12 +240,13 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, s
 
 
 def test_triton_interpreter_persistent_forward_through_the_forward_launcher():
-    """forward(persistent=True) with the variant's own table (one 128-row tile) and the backward on its z."""
+    """forward(persistent=True) with the variant's own table (one 128-row tile), z saved (forced: K = 64 would
+    recompute it) as the portable kernel saves it."""
     from runtime.accelerators.linear import triton as linear_triton
 
     x, weight, bias = make_inputs(37, 64, 24, f16, "swiglu")
-    y, z = linear_triton.forward(x, weight, bias, "swiglu", persistent=True)
-    portable_y, portable_z = linear_triton.forward(x, weight, bias, "swiglu", persistent=False)
+    y, z = linear_triton.forward(x, weight, bias, "swiglu", recompute=False, persistent=True)
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, "swiglu", recompute=False, persistent=False)
     assert torch.allclose(y, portable_y, rtol=1e-3, atol=1e-3) and torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3)
 
 

@@ -190,7 +190,7 @@ def linear_persistent():
         rows = 2 * n if activation == "swiglu" else n
         x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
         b = _randn(rows, grad=False) if bias else None
-        linear_triton.forward(x, w, b, activation, persistent=True)
+        linear_triton.forward(x, w, b, activation, recompute=False, persistent=True)
         linear_triton.infer(x, w, b, activation, persistent=True)
     x, w = _randn(4096, 256, grad=False), _randn(1024, 256, grad=False)
     cfg = linear_launch.persistent_forward_config(4096, 1024, 256)
