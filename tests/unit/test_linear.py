@@ -174,8 +174,13 @@ def test_triton_op_reads_the_saved_z_above_the_recompute_limit(activation):
     check("triton", *make_inputs(21, 264, 16, f16, activation), activation)
 
 
-def test_the_recompute_rule():
-    from runtime.accelerators.linear.launch import RECOMPUTE_MAX_K, recomputes_preact, saves_preact
+def test_the_recompute_rule_and_tiles():
+    from runtime.accelerators.linear.launch import RECOMPUTE_MAX_K, recompute_config, recomputes_preact, saves_preact
+
+    # at most 128 columns (the forward takes 128 x 256 here), 8 warps from 128 x 128 on (the forward takes 4 here)
+    assert recompute_config(131072, 1024, 256) == GemmConfig(128, 128, 64, 8, 3, 8)
+    assert recompute_config(131072, 512, 256, swiglu=True) == GemmConfig(128, 64, 64, 8, 4, 8)
+    assert recompute_config(100, 16384, 64)[:4] == (128, 128, 64, 8)
 
     assert RECOMPUTE_MAX_K == 256
     for activation in ACTIVATIONS:

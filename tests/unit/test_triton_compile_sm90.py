@@ -167,12 +167,12 @@ def linear():
 def linear_recompute():
     """The backward that recomputes the pre-activation, at the tiles of the PCVR shapes (K = 64, 128, 256 with
     N = 4K; M = 4096 takes the tiles of M = 131072): every activation that needs z, swiglu's two accumulators, bias
-    and not, K = 40 (masked K) and few rows (4 warps)."""
+    and not, K = 40 (masked K) and few rows (4 warps; 128 x 128 tiles at 8 warps where the forward takes 4)."""
     for m, k, n, activation, bias in ((4096, 64, 256, "gelu", True), (4096, 128, 512, "gelu", True),
                                       (4096, 256, 1024, "gelu", True), (4096, 256, 1024, "gelu_tanh", False),
                                       (4096, 128, 512, "silu", True), (4096, 64, 256, "swiglu", True),
                                       (4096, 128, 512, "swiglu", True), (4096, 256, 1024, "swiglu", False),
-                                      (37, 40, 64, "gelu", True)):  # fmt: skip
+                                      (37, 40, 64, "gelu", True), (100, 64, 16384, "gelu", True)):  # fmt: skip
         columns = n // 2 if activation == "swiglu" else n
         x, w = _randn(m, k, grad=False), _randn(n, k, grad=False)
         b = _randn(n, grad=False) if bias else None

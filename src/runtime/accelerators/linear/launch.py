@@ -82,10 +82,13 @@ def saves_preact(backend: str, k: int, activation: str | None) -> bool:
 
 @_cached
 def recompute_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
-    """Tiles of the backward that recomputes z: the forward's, at most 128 columns wide. Its epilogue also holds the
-    dy tile and the derivative; 128 x 256 tiles spilled in the forward's GELU epilogue alone."""
+    """Tiles of the backward that recomputes z: the forward's, at most 128 columns wide and 8 warps from 128 x 128 on.
+    Its epilogue also holds the dy tile and the derivative; in the forward's GELU epilogue alone 128 x 256 tiles
+    spilled, and 128 x 128 at 4 warps."""
     cfg = forward_config(m, n, k, swiglu)
-    return cfg._replace(block_n=min(cfg.block_n, 128))
+    block_n = min(cfg.block_n, 128)
+    num_warps = 8 if cfg.block_m * block_n >= 128 * 128 else cfg.num_warps
+    return cfg._replace(block_n=block_n, num_warps=num_warps)
 
 
 class RowsConfig(NamedTuple):

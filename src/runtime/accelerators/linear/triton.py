@@ -140,7 +140,7 @@ def _linear_backward_recompute(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """dz = dy * act'(z) with z recomputed tile by tile by the forward's GEMM (the forward saved none); the tile's
-    column sums of dz into partial[pid_m, :] (one program per element: a fixed order of sums). N: the columns of dy
+    column sums of dz into partial[pid_m, :] (each element written by one program: a fixed order of sums). N: the columns of dy
     (F for swiglu, whose dz has 2N: the gate gradient, then the up one). Rows past M (x's rows wrapped, dy's loaded
     as zeros) add zeros."""
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
