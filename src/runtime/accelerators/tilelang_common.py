@@ -7,7 +7,6 @@ Imported only by the tilelang kernel modules, so the package imports without til
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -73,17 +72,16 @@ def program_of(pid, n_blocks, heads):
     return block, head, sequence
 
 
-@contextlib.contextmanager
-def program_grid(blocks, heads, sequences, fold: bool, **kernel):
-    """T.Kernel over (blocks, heads, sequences) programs, yielding (block, head, sequence): a 3-D grid, or with fold
-    every program on x (program_of), for counts past gridDim.y / z's 65535. The 3-D grid costs no index arithmetic:
+def program_grid(blocks, heads, sequences, fold: bool) -> tuple:
+    """T.Kernel's extents for (blocks, heads, sequences) programs: the 3-D grid, or with fold every program on x,
+    for counts past gridDim.y / z's 65535 (program_ids decodes either). The 3-D grid costs no index arithmetic:
     folded, flash_attention's small-tile kernels measured 7-8% slower (H200, 256 x 4 heads x 256 tokens)."""
-    if fold:
-        with T.Kernel(blocks * heads * sequences, **kernel) as pid:
-            yield program_of(pid, blocks, heads)
-    else:
-        with T.Kernel(blocks, heads, sequences, **kernel) as ids:
-            yield ids
+    return (blocks * heads * sequences,) if fold else (blocks, heads, sequences)
+
+
+def program_ids(ids, blocks, heads, fold: bool):
+    """(block, head, sequence) of the program T.Kernel(*program_grid(...)) bound to ids."""
+    return program_of(ids, blocks, heads) if fold else ids
 
 
 def needs_fold(heads: int, sequences: int) -> bool:

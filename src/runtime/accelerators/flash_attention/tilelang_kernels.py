@@ -7,7 +7,7 @@ import math
 import tilelang
 import tilelang.language as T
 
-from ..tilelang_common import program_grid
+from ..tilelang_common import program_grid, program_ids
 from .tilelang_configs import DQ_SUBTILE, PREP_ROWS, BwdConfig, FwdConfig
 from .tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_keep
 
@@ -114,7 +114,8 @@ def forward_kernel(
     ):
         T.annotate_pass_configs(FAST_MATH)
         prelude = DROPOUT_PRELUDE if dropout else None
-        with program_grid(q_blocks, H, batch, fold, threads=cfg.threads, prelude=prelude) as (bx, by, bz):
+        with T.Kernel(*program_grid(q_blocks, H, batch, fold), threads=cfg.threads, prelude=prelude) as ids:
+            bx, by, bz = program_ids(ids, q_blocks, H, fold)
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
@@ -270,7 +271,8 @@ def preprocess_kernel(dim: int, dtype: str, varlen: bool = False, fold: bool = F
         LSE2: lse2_type,
         Rows: rows_type,
     ):
-        with program_grid(T.ceildiv(Lq, blk), H, batch, fold, threads=blk) as (bx, by, bz):
+        with T.Kernel(*program_grid(T.ceildiv(Lq, blk), H, batch, fold), threads=blk) as ids:
+            bx, by, bz = program_ids(ids, T.ceildiv(Lq, blk), H, fold)
             o_f = T.alloc_fragment((blk, cols), dtype)
             do_f = T.alloc_fragment((blk, cols), dtype)
             prod = T.alloc_fragment((blk, cols), ACCUM)
@@ -457,7 +459,8 @@ def backward_kernel(
     ):
         T.annotate_pass_configs(FAST_MATH)
         prelude = DROPOUT_PRELUDE if dropout else None
-        with program_grid(k_blocks, Hkv, batch, fold, threads=cfg.threads, prelude=prelude) as (bx, by, bz):
+        with T.Kernel(*program_grid(k_blocks, Hkv, batch, fold), threads=cfg.threads, prelude=prelude) as ids:
+            bx, by, bz = program_ids(ids, k_blocks, Hkv, fold)
             if cfg.min_blocks > 1:  # several programs per SM: registers capped by the compiler,
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()  # and no warpgroup register reallocation (it assumes one)
