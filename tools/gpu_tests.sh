@@ -2,8 +2,8 @@
 # The GPU tier on the GPU machine, one pytest process per test file (or per line of a list), each under a time limit,
 # with the whole log kept in $OUT (so a call cut short still brings back what ran). PARALLEL=N runs up to N processes
 # side by side (TileLang compiles are CPU-bound: about 8 per 16 cores; more pushed the load average to 300 and every
-# file past its limit); GPUS=N spreads them over N GPUs (a machine of two H200s and 32 cores runs the whole tier in one
-# call of about ten minutes with PARALLEL=18 GPUS=2 LIST=tools/gpu_tier.txt). Each process gets OMP_NUM_THREADS=2.
+# file past its limit); GPUS=N spreads them over N GPUs, in turn (for a machine of two H200s and 32 cores:
+# GPUS=2 PARALLEL=18 LIST=tools/gpu_tier.txt). Each process gets OMP_NUM_THREADS=2.
 # Arguments are files or test node ids (file::test); LIST=FILE takes one pytest argument string per line instead
 # (a slow file split with -k). Tests are listed as they finish (-v), so a process cut at its limit shows how far it got.
 # Usage (GPU machine, repo root): bash .device/gpu bash tools/gpu_tests.sh [tests/gpu/test_x.py ...]
