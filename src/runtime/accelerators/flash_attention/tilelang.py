@@ -53,17 +53,8 @@ def forward_entry(
     fold: bool = False,
 ) -> Entry:
     cfg = cfg or FWD_CONFIGS[dim]
-    key = (
-        "flash_attention_fwd",
-        dim,
-        dtype,
-        causal,
-        has_lengths,
-        dropout,
-        varlen,
-        fold,
-        cfg,
-    )  # the config last (tests)
+    flags = (causal, has_lengths, dropout, varlen, fold)
+    key = ("flash_attention_fwd", dim, dtype, *flags, cfg)  # the config last (tests)
     return key, lambda _: forward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen, fold)
 
 
@@ -83,17 +74,8 @@ def backward_entry(
     fold: bool = False,
 ) -> Entry:
     cfg = cfg or BWD_CONFIGS[dim]
-    key = (
-        "flash_attention_bwd",
-        dim,
-        dtype,
-        causal,
-        has_lengths,
-        dropout,
-        varlen,
-        fold,
-        cfg,
-    )  # the config last (tests)
+    flags = (causal, has_lengths, dropout, varlen, fold)
+    key = ("flash_attention_bwd", dim, dtype, *flags, cfg)  # the config last (tests)
     return key, lambda _: backward_kernel(dim, TL_DTYPE[dtype], causal, has_lengths, dropout, cfg, varlen, fold)
 
 
