@@ -4,9 +4,7 @@ Per GELU shape of the linear benchmark (bf16; --shapes chooses): torch's GELU ba
 our elementwise pass (d_preact and dbias partial sums in one pass) at several launches,
 the two backward GEMMs (dx = d_preact @ w, dw = d_preact^T @ x), and each whole backward: ours
 (`linear.triton.backward`) and eager torch's (autograd through F.linear and the activation).
---recompute: instead, forward + backward with the pre-activation saved and recomputed (the forward launcher's
-recompute=), and the d_preact piece of each, at the GELU and SwiGLU shapes with K <= 256.
-Usage (GPU machine): python tools/linear_backward_pieces.py [--recompute] [--shapes NAME ...] [--json PATH]
+Usage (GPU machine): python tools/linear_backward_pieces.py [--shapes NAME ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,9 +22,6 @@ from runtime.accelerators.linear.reference import linear_reference
 from runtime.benchmark.ops.linear import SHAPES
 
 GELU_SHAPES = [name for name in SHAPES if name.endswith("-gelu")]
-RECOMPUTE_SHAPES = [
-    f"pcvr-131072x{k}x{n}-{a}" for a in ("gelu", "swiglu") for k, n in ((64, 256), (128, 512), (256, 1024))
-]
 PASS_LAUNCHES = (
     BackwardLaunch(),
     BackwardLaunch(ROW_GROUPS * 4),
@@ -49,15 +44,11 @@ def torch_whole_backward(x, w, b, dy, activation):
     return lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
 
 
-def _inputs(m, k, rows, device, dtype=torch.bfloat16):
-    torch.manual_seed(0)
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = (torch.randn(rows, k, device=device) / k**0.5).to(dtype)
-    return x, w, torch.randn(rows, device=device, dtype=dtype)
-
-
 def pieces(m, k, n, device, activation="gelu"):
-    x, w, b = _inputs(m, k, n, device)
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=device, dtype=torch.bfloat16)
     z = F.linear(x, w, b)
     y = linear_reference(x, w, b, activation)
     dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -78,42 +69,17 @@ def pieces(m, k, n, device, activation="gelu"):
     return variants
 
 
-def forward_backward(x, w, b, dy, activation, recompute):
-    y, z = linear_triton.forward(x, w, b, activation, recompute=recompute)
-    return linear_triton.backward(dy, x, w, b, activation, y, z)
-
-
-def recompute_pieces(m, k, rows, activation, device, dtype=torch.bfloat16):
-    """Forward + backward with z saved and recomputed, and the d_preact piece of each (bias included). float16 on
-    the CPU: the Triton interpreter's bfloat16 dot products are wrong."""
-    x, w, b = _inputs(m, k, rows, device, dtype)
-    y, z = linear_triton.forward(x, w, b, activation, recompute=False)
-    dy = torch.randn_like(y)
-    return {
-        "forward + backward, z saved": functools.partial(forward_backward, x, w, b, dy, activation, False),
-        "forward + backward, z recomputed": functools.partial(forward_backward, x, w, b, dy, activation, True),
-        "d_preact from the saved z": functools.partial(linear_triton.preact_gradient, dy, z, y, activation, True),
-        "d_preact recomputing z": functools.partial(linear_triton.recomputed_preact_gradient, dy, x, w, b, activation),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--shapes", nargs="*", default=None, choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=GELU_SHAPES, choices=GELU_SHAPES)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    shapes = args.shapes or (RECOMPUTE_SHAPES if args.recompute else GELU_SHAPES)
-    if not args.recompute and set(shapes) - set(GELU_SHAPES):
-        parser.error("without --recompute the pieces are GELU's: --shapes takes the -gelu shapes")
-    device = torch.device("cuda")
     results = []
     print("| shape | piece | median us |")
     print("|---|---|---:|")
-    for name in shapes:
-        m, k, n, activation = SHAPES[name]
-        found = recompute_pieces(m, k, n, activation, device) if args.recompute else pieces(m, k, n, device)
-        for label, fn in found.items():
+    for name in args.shapes:
+        m, k, n, _ = SHAPES[name]
+        for label, fn in pieces(m, k, n, torch.device("cuda")).items():
             ms = time_variant(name, label, fn)
             if ms is not None:
                 results.append({"shape": name, "piece": label, "median_us": ms * 1e3})

@@ -2,8 +2,7 @@
 outputs poisoned with NaN by conftest. Rows 1, 37, 4096 and 65536; (K, N) in (64, 256), (256, 1024), (1024, 4096),
 (4096, 4096); every activation, bias or not, both dtypes (not the full product); fp32 parameters under autocast,
 strided and batched inputs, torch.compile; the Hopper persistent TMA forward forced on (every activation, ragged
-rows and tiles, flattened and nested tile loops) and taken by the op at the benchmark shape; the Triton backward
-with the pre-activation recomputed and saved (forced either way) at K = 128 and 256."""
+rows and tiles, flattened and nested tile loops) and taken by the op at the benchmark shape."""
 
 import math
 
@@ -162,29 +161,6 @@ def test_compiled_full_graph_matches_eager(backend):
     torch.testing.assert_close(dx_c, dx_e)
 
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved"])
-@pytest.mark.parametrize("k", [128, 256])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "swiglu", None], ids=str)
-def test_triton_backward_recomputing_or_reading_z(activation, k, recompute):
-    """The forward launcher's recompute= forced on and off: y and every gradient against float64 (M = 4096, N =
-    1024 weight rows, bias), the saved z present exactly where the backward reads it."""
-    from runtime.accelerators.linear import triton as linear_triton
-
-    x, w, b = make_inputs(bf16, 4096, k, 1024, True)
-    y, z = linear_triton.forward(x, w, b, activation, recompute=recompute)
-    assert (z.numel() > 0) == (activation not in (None, "relu") and not recompute)
-    dy = torch.randn_like(y)
-    grads = linear_triton.backward(dy, x, w, b, activation, y, z)[:3]
-    ref_leaves = [t.double().requires_grad_() for t in (x, w, b)]
-    ref = textbook(*ref_leaves, activation)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
-    tag = f"{activation} K={k} recompute={recompute}"
-    assert_close(f"{tag} y", y, ref, RTOL[bf16])
-    for name, g, r in zip(("dx", "dweight", "dbias"), grads, ref_grads):
-        assert g.dtype == bf16
-        assert_close(f"{tag} {name}", g, r, gradient_tolerance(bf16))
-
-
 # --------------------------------------------------------------------------- the Hopper persistent TMA forward
 
 # (M, K, N = the weight's rows, activation, bias): ragged M (4097, 1000 rows: a part row tile), odd tile counts
@@ -217,7 +193,7 @@ def test_persistent_forward_against_float64(dtype, case):
     m, k, n, activation, bias = case
     x, w, b = make_inputs(dtype, m, k, n, bias)
     assert triton_persistent.hopper_ready(x, w)
-    y, z = linear_triton.forward(x, w, b, activation, recompute=False, persistent=True)
+    y, z = linear_triton.forward(x, w, b, activation, persistent=True)
     tag = f"persistent {dtype} {_persistent_id(case)}"
     assert_close(f"{tag} y", y, textbook(x, w, b, activation), RTOL[dtype])
     if activation in ("gelu", "gelu_tanh", "silu", "swiglu"):
@@ -240,7 +216,7 @@ def test_persistent_forward_nested_tile_loop(activation):
     cfg = persistent_forward_config(4097, columns, 256, activation == "swiglu")
     triton_persistent.launch(x, w, b, y, z, activation, True, cfg, flatten=False)
     assert_close(f"nested {activation} y", y, textbook(x, w, b, activation), RTOL[bf16])
-    flat_y, flat_z = linear_triton.forward(x, w, b, activation, recompute=False, persistent=True)
+    flat_y, flat_z = linear_triton.forward(x, w, b, activation, persistent=True)
     torch.testing.assert_close(y, flat_y, rtol=0, atol=0)
     torch.testing.assert_close(z, flat_z, rtol=0, atol=0)
 

@@ -54,26 +54,21 @@ def make_inputs(m, k, n, dtype, activation, with_bias=True, lead=()):
     return x, weight, bias
 
 
-def check(backend, x, weight, bias, activation, rtol=None, triton_backward=None, recompute=None):
-    """Output and every gradient (x, weight, bias) against float64 textbook math. triton_backward (a
-    linear.launch.BackwardLaunch) or recompute (True/False: the forward saves no z and the backward recomputes it, or
-    not): the Triton module's functions run instead of the op, with these."""
+def check(backend, x, weight, bias, activation, rtol=None, triton_backward=None):
+    """Output and every gradient (x, weight, bias) against float64 textbook math. triton_backward: a
+    linear.launch.BackwardLaunch, with which the Triton module's functions run instead of the op."""
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-    if triton_backward is None and recompute is None:
+    if triton_backward is None:
         y = linear(*leaves, activation, backend=backend)
         dy = torch.randn_like(y)
         grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy)
     else:
         from runtime.accelerators.linear import triton as linear_triton
-        from runtime.accelerators.linear.launch import BACKWARD
 
         args = *[None if t is None else t.detach() for t in leaves], activation
-        y, z = linear_triton.forward(*args, recompute=recompute)
-        if recompute is not None:
-            assert (z.numel() > 0) == (activation in SAVES_PREACT and not recompute), tuple(z.shape)
+        y, z = linear_triton.forward(*args)
         dy = torch.randn_like(y)
-        launch = triton_backward or BACKWARD
-        grads = [g for g in linear_triton.backward(dy, *args, y, z, launch=launch) if g is not None]
+        grads = [g for g in linear_triton.backward(dy, *args, y, z, launch=triton_backward) if g is not None]
     ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
     ref = textbook(*ref_leaves, activation)
     ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t is not None], dy.double())
@@ -144,74 +139,8 @@ def test_triton_backward_dbias_partials_over_several_row_groups():
     from runtime.accelerators.linear.launch import BackwardLaunch
 
     two_groups = BackwardLaunch(row_groups=2)  # 100 rows in 2 groups of 2 steps of 32 or 64 rows
-    for activation in ("gelu", "swiglu"):  # z saved (forced): the elementwise pass reads it
-        x, weight, bias = make_inputs(100, 32, 48, f16, activation)
-        check("triton", x, weight, bias, activation, triton_backward=two_groups, recompute=False)
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved"])
-@pytest.mark.parametrize("m, k, n", [(37, 40, 24), (157, 72, 200)], ids=["37x40x24", "157x72x200"])
-def test_triton_interpreter_backward_recomputing_or_reading_z(activation, with_bias, recompute, m, k, n):
-    """Both backward paths forced through the forward launcher's recompute=: odd M over one and two row tiles, K a
-    part K block (40) and one full and one part (72), N off the column tiles (24, 200; swiglu: F)."""
-    check("triton", *make_inputs(m, k, n, f16, activation, with_bias), activation, recompute=recompute)
-
-
-@pytest.mark.parametrize("activation", ["gelu", "silu", "swiglu"])
-def test_triton_interpreter_recomputed_dbias_over_row_tiles(activation):
-    """The recomputing backward's dbias: partial sums of 300 rows over row tiles (128, 128 and a ragged 44)."""
-    check("triton", *make_inputs(300, 16, 24, f16, activation), activation, recompute=True)
-
-
-@pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
-def test_triton_op_reads_the_saved_z_above_the_recompute_limit(activation):
-    """K = 264 > RECOMPUTE_MAX_K: through the op the forward saves z and the backward reads it."""
-    from runtime.accelerators.linear.launch import RECOMPUTE_MAX_K
-
-    assert 264 > RECOMPUTE_MAX_K
-    check("triton", *make_inputs(21, 264, 16, f16, activation), activation)
-
-
-def test_the_recompute_rule_and_tiles():
-    from runtime.accelerators.linear.launch import RECOMPUTE_MAX_K, recompute_config, recomputes_preact, saves_preact
-
-    # at most 128 columns (the forward takes 128 x 256 here), 8 warps from 128 x 128 on (the forward takes 4 here)
-    assert recompute_config(131072, 1024, 256) == GemmConfig(128, 128, 64, 8, 3, 8)
-    assert recompute_config(131072, 512, 256, swiglu=True) == GemmConfig(128, 64, 64, 8, 4, 8)
-    assert recompute_config(100, 16384, 64)[:4] == (128, 128, 64, 8)
-
-    assert RECOMPUTE_MAX_K == 256
-    for activation in ACTIVATIONS:
-        needs_z = activation in SAVES_PREACT
-        assert recomputes_preact(64, activation) == recomputes_preact(256, activation) == needs_z
-        assert not recomputes_preact(264, activation)
-        assert not saves_preact("triton", 256, activation) and saves_preact("triton", 264, activation) == needs_z
-        assert saves_preact("tilelang", 64, activation) == saves_preact("tilelang", 264, activation) == needs_z
-
-
-@pytest.mark.parametrize("k", [64, 264])
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-def test_what_the_forward_saves_follows_the_rule_eager_and_fake(activation, k):
-    """The z an eager call saves for backward (the autograd node's saved tensors), the Triton forward's and the fake
-    forward's (torch.compile's tracing) agree with launch.saves_preact: none at K <= 256, [M, weight rows] above
-    for the activations that need it; the TileLang fake saves it at any K."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from runtime.accelerators.linear import triton as linear_triton
-    from runtime.accelerators.linear.launch import saves_preact
-
-    x, weight, bias = make_inputs(5, k, 16, f16, activation)
-    expected = {b: (5, weight.shape[0]) if saves_preact(b, k, activation) else (0,) for b in ("triton", "tilelang")}
-    assert linear_triton.forward(x, weight, bias, activation)[1].shape == expected["triton"]
-    y = linear(x, weight.clone().requires_grad_(), bias, activation, backend="triton")
-    assert y.grad_fn.saved_tensors[-1].shape == expected["triton"]
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t) for t in (x, weight, bias)]
-        for backend in ("triton", "tilelang"):
-            _, z = torch.ops.taac.linear_forward(backend, *fakes, activation)
-            assert z.shape == expected[backend], backend
+    check("triton", *make_inputs(100, 32, 48, f16, "gelu"), "gelu", triton_backward=two_groups)
+    check("triton", *make_inputs(100, 32, 48, f16, "swiglu"), "swiglu", triton_backward=two_groups)
 
 
 SMALL_PERSISTENT = GemmConfig(32, 16, 16, 4, 2, 2)  # tiles small enough for several per program on the CPU
@@ -237,7 +166,7 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, s
     z = z if saved else torch.empty(0, dtype=f16)
     triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten, subtile)
     assert_close(f"persistent {activation} y", y, textbook(x, weight, bias, activation), RTOL[f16])
-    portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, recompute=False, persistent=False)
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, persistent=False)
     if saved:
         assert torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3), (z - portable_z).abs().max()
     inferred = linear_triton.infer(x, weight, bias, activation, persistent=True, cfg=SMALL_PERSISTENT)
@@ -245,13 +174,12 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, s
 
 
 def test_triton_interpreter_persistent_forward_through_the_forward_launcher():
-    """forward(persistent=True) with the variant's own table (one 128-row tile), z saved (forced: K = 64 would
-    recompute it) as the portable kernel saves it."""
+    """forward(persistent=True) with the variant's own table (one 128-row tile) and the backward on its z."""
     from runtime.accelerators.linear import triton as linear_triton
 
     x, weight, bias = make_inputs(37, 64, 24, f16, "swiglu")
-    y, z = linear_triton.forward(x, weight, bias, "swiglu", recompute=False, persistent=True)
-    portable_y, portable_z = linear_triton.forward(x, weight, bias, "swiglu", recompute=False, persistent=False)
+    y, z = linear_triton.forward(x, weight, bias, "swiglu", persistent=True)
+    portable_y, portable_z = linear_triton.forward(x, weight, bias, "swiglu", persistent=False)
     assert torch.allclose(y, portable_y, rtol=1e-3, atol=1e-3) and torch.allclose(z, portable_z, rtol=1e-3, atol=1e-3)
 
 
@@ -542,12 +470,10 @@ def test_module_without_bias_and_on_triton():
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("k", [64, 264], ids=["recomputed-z", "saved-z"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_compiled_full_graph_matches_eager(activation, k):
-    """The custom ops (fake shapes, the saved pre-activation or none, the optional bias and activation in the
-    schema)."""
-    x, w, b = make_inputs(37, k, 64, f16, activation)
+def test_compiled_full_graph_matches_eager(activation):
+    """The custom ops (fake shapes, the saved pre-activation, the optional bias and activation in the schema)."""
+    x, w, b = make_inputs(37, 64, 64, f16, activation)
     leaves = [t.requires_grad_() for t in (x, w, b)]
 
     def fn(x, w, b):

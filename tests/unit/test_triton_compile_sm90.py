@@ -150,33 +150,17 @@ def add_norm_and_activation():
 
 def linear():
     """The forward GEMM at each table entry (128 x 256 tiles at K = N = 256, 128 x 128 at K = 64, swiglu's two
-    accumulators, narrow column blocks for few rows), saving the pre-activation (forced where the rule would
-    recompute it) and not (infer), K = 40 (masked K), and the backward's elementwise pass for every activation that
-    has one, with and without dbias partials."""
+    accumulators, narrow column blocks for few rows), saving the pre-activation and not (infer), K = 40 (masked K),
+    and the backward's elementwise pass for every activation that has one, with and without dbias partials."""
     for m, k, n, activation, bias in ((2048, 256, 256, "gelu", True), (256, 64, 256, "silu", False),
                                       (256, 256, 512, "swiglu", True), (37, 40, 64, "gelu_tanh", True),
                                       (37, 64, 64, "relu", True), (1, 4096, 4096, None, True)):  # fmt: skip
         rows = 2 * n if activation == "swiglu" else n
         x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
         b = _randn(rows, grad=False) if bias else None
-        y, z = linear_triton.forward(x, w, b, activation, recompute=False)
+        y, z = linear_triton.forward(x, w, b, activation)
         linear_triton.infer(x, w, b, activation)
         linear_triton.preact_gradient(torch.randn_like(y), z, y, activation, bias)
-
-
-def linear_recompute():
-    """The backward that recomputes the pre-activation, at the tiles of the PCVR shapes (K = 64, 128, 256 with
-    N = 4K; M = 4096 takes the tiles of M = 131072): every activation that needs z, swiglu's two accumulators, bias
-    and not, K = 40 (masked K) and few rows (4 warps; 128 x 128 tiles at 8 warps where the forward takes 4)."""
-    for m, k, n, activation, bias in ((4096, 64, 256, "gelu", True), (4096, 128, 512, "gelu", True),
-                                      (4096, 256, 1024, "gelu", True), (4096, 256, 1024, "gelu_tanh", False),
-                                      (4096, 128, 512, "silu", True), (4096, 64, 256, "swiglu", True),
-                                      (4096, 128, 512, "swiglu", True), (4096, 256, 1024, "swiglu", False),
-                                      (37, 40, 64, "gelu", True), (100, 64, 16384, "gelu", True)):  # fmt: skip
-        columns = n // 2 if activation == "swiglu" else n
-        x, w = _randn(m, k, grad=False), _randn(n, k, grad=False)
-        b = _randn(n, grad=False) if bias else None
-        linear_triton.recomputed_preact_gradient(_randn(m, columns, grad=False), x, w, b, activation)
 
 
 def linear_persistent():
@@ -190,7 +174,7 @@ def linear_persistent():
         rows = 2 * n if activation == "swiglu" else n
         x, w = _randn(m, k, grad=False), _randn(rows, k, grad=False)
         b = _randn(rows, grad=False) if bias else None
-        linear_triton.forward(x, w, b, activation, recompute=False, persistent=True)
+        linear_triton.forward(x, w, b, activation, persistent=True)
         linear_triton.infer(x, w, b, activation, persistent=True)
     x, w = _randn(4096, 256, grad=False), _randn(1024, 256, grad=False)
     cfg = linear_launch.persistent_forward_config(4096, 1024, 256)
@@ -571,7 +555,6 @@ CASES = {
     "bce": bce,
     "linear": linear,
     "linear_persistent": linear_persistent,
-    "linear_recompute": linear_recompute,
     "embedding_bag": embedding_bag,
     "embedding_bag_radix": embedding_bag_radix,
     "embedding_bag_collection": embedding_bag_collection,
@@ -814,15 +797,3 @@ def test_the_two_stage_linear_forward_leaves_room_for_two_programs_an_sm(compile
         assert result["registers"] <= 128, f"{result['registers']} registers: {_describe(launch)}"
         room = SM_SHARED_BYTES // 2 - 1024  # each block also reserves 1 KiB
         assert result["shared"] <= room, f"{result['shared']} bytes shared: {_describe(launch)}"
-
-
-def test_the_recomputing_linear_backward_does_not_spill(compiled):
-    """The backward recomputing z holds the dy tile and the derivative beside the GEMM's accumulators: at the PCVR
-    tiles (at most 128 columns) no launch may spill registers."""
-    launches = compiled["linear._linear_backward_recompute"]
-    assert {constexprs(launch)["ACT"] for launch, _ in launches} == {2, 3, 4, 5}
-    for launch, result in launches:
-        assert "error" not in result, f"{_describe(launch)}:\n{result['error']}"
-        assert result["stack_bytes"] == 0, (
-            f"{result['registers']} registers, {result['stack_bytes']} bytes of stack: {_describe(launch)}"
-        )

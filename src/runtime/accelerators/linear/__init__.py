@@ -13,8 +13,7 @@ from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
 from ..kernel_op import KernelOp
-from .launch import saves_preact
-from .reference import ACTIVATIONS, linear_reference
+from .reference import ACTIVATIONS, SAVES_PREACT, linear_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -61,15 +60,14 @@ def input_reasons(
 SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reasons, widths=("x",))
 
 
-def _fake_forward(x, weight, bias, activation, *, backend):
-    """y, and the pre-activation z where the backend's forward saves it (else an empty tensor, as the kernels give)."""
+def _fake_forward(x, weight, bias, activation):
     rows, lead = weight.shape[0], x.shape[:-1]
     y = x.new_empty(*lead, rows // 2 if activation == "swiglu" else rows)
-    return y, x.new_empty((*lead, rows) if saves_preact(backend, x.shape[-1], activation) else (0,))
+    return y, x.new_empty((*lead, rows) if activation in SAVES_PREACT else (0,))
 
 
 # kernel modules: forward(x [..., K], weight, bias, activation) -> (y [..., N or F], z: the saved pre-activation, or
-#                 an empty tensor where backward reads none or recomputes it: launch.saves_preact)
+#                 an empty tensor where backward reads none)
 #                 backward(dy, x, weight, bias, activation, y, z) -> (dx, dweight, dbias, None)
 KERNEL = KernelOp(
     "linear",
@@ -77,7 +75,6 @@ KERNEL = KernelOp(
     n_outputs=1,
     n_saved=1,
     fake_forward=_fake_forward,
-    fake_takes_backend=True,
     backends={
         "triton": "runtime.accelerators.linear.triton:KERNELS",
         "tilelang": "runtime.accelerators.linear.tilelang:KERNELS",

@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from ..launch_math import cdiv
-from .reference import SAVES_PREACT
 
 # the configs are pure functions of their arguments, asked again on every eager call
 _cached = functools.lru_cache(maxsize=4096)
@@ -62,33 +61,6 @@ def forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
 
 
 MIN_PROGRAMS = 128  # about one program per SM of an H100 (132) or H200 (132)
-
-# Up to this K the Triton backward recomputes the pre-activation z with the forward's GEMM instead of the forward
-# saving it: at M = 131072, K = 128, N = 512 writing and re-reading z moves 256 MiB (about 60 us at 4.3 TB/s on an
-# H200) where recomputing it is 17 GFLOP (about 22 us at 790 TFLOP/s); the GEMM grows with K, the bytes do not.
-RECOMPUTE_MAX_K = 256
-
-
-def recomputes_preact(k: int, activation: str | None) -> bool:
-    """Whether the Triton backward recomputes z (its forward then saves none): activations whose derivative needs z
-    (relu reads the output, no activation nothing), K <= RECOMPUTE_MAX_K."""
-    return activation in SAVES_PREACT and k <= RECOMPUTE_MAX_K
-
-
-def saves_preact(backend: str, k: int, activation: str | None) -> bool:
-    """Whether `backend`'s forward saves z for backward (the op's fake forward shapes its saved result by this)."""
-    return activation in SAVES_PREACT and not (backend == "triton" and recomputes_preact(k, activation))
-
-
-@_cached
-def recompute_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
-    """Tiles of the backward that recomputes z: the forward's, at most 128 columns wide and 8 warps from 128 x 128 on.
-    Its epilogue also holds the dy tile and the derivative; in the forward's GELU epilogue alone 128 x 256 tiles
-    spilled, and 128 x 128 at 4 warps."""
-    cfg = forward_config(m, n, k, swiglu)
-    block_n = min(cfg.block_n, 128)
-    num_warps = 8 if cfg.block_m * block_n >= 128 * 128 else cfg.num_warps
-    return cfg._replace(block_n=block_n, num_warps=num_warps)
 
 
 class RowsConfig(NamedTuple):

@@ -6,19 +6,16 @@ swiglu a program holds two accumulators, weight rows j (gate) and F + j (up), an
 loads: block pointers and TMA descriptors are not used so that the same kernel runs under the interpreter; on
 Hopper the persistent TMA kernel of triton_persistent.py takes over where it runs and pays (_launch_forward).
 
-What the forward writes for backward, in the input dtype (bf16/fp16), as eager torch keeps F.linear's output: for
-K > launch.RECOMPUTE_MAX_K the pre-activation z = x @ w^T + b for gelu, gelu_tanh and silu (their derivatives need
-it), the gate and up pre-activations [M, 2F] for swiglu (the same column order as the weight's rows, so the
-backward's d_preact multiplies the weight as it is); for smaller K no z (launch.recomputes_preact: the GEMM
-recomputing it costs less than writing and reading it back); nothing for relu (y > 0 exactly where z > 0: the output
-serves) or no activation.
+What the forward writes for backward, in the input dtype (bf16/fp16), as eager torch keeps F.linear's output: the
+pre-activation z = x @ w^T + b for gelu, gelu_tanh and silu (their derivatives need it; recomputing it would cost a
+GEMM, writing it one output-sized store), the gate and up pre-activations [M, 2F] for swiglu (the same column order
+as the weight's rows, so the backward's d_preact multiplies the weight as it is), and nothing for relu (y > 0 exactly
+where z > 0: the output serves) or no activation.
 
-Backward: d_preact comes from one elementwise pass over dy and the saved pre-activation (or y for relu), or, where
-the forward saved no z, from a kernel that recomputes z with the forward's GEMM (_preact_tile, the same grouped
-tiles) and forms d_preact in its epilogue. Either adds d_preact's columns into partial sums of dbias in the same
-kernel (one partial row per row group or row tile, added up by torch: a fixed order); then dx = d_preact @ w and
-dw = d_preact^T @ x run as cuBLAS GEMMs (torch.matmul): the saving over eager torch is in the fused epilogues, not
-in the two backward GEMMs.
+Backward: one elementwise pass makes d_preact from dy and the saved pre-activation (or y for relu) and adds its
+columns into per-row-group partial sums of dbias in the same pass (a [groups, N] fp32 sum left); then
+dx = d_preact @ w and dw = d_preact^T @ x run as cuBLAS GEMMs (torch.matmul): the saving over eager torch is in the
+fused epilogue and the single elementwise pass, not in the two backward GEMMs.
 """
 
 from __future__ import annotations
@@ -43,36 +40,32 @@ from .launch import (
     backward_config,
     forward_config,
     persistent_pays,
-    recompute_config,
-    recomputes_preact,
 )
 from .reference import SAVES_PREACT
-from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient, _preact_gradient_tile
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient_tile
 
 
+@direct_launch
 @triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program's output tile: programs ordered in GROUP_M-row groups, so that neighbouring
-    programs share x and w tiles in L2."""
+def _linear_forward(
+    x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
 
-
-@triton.jit
-def _preact_tile(
-    x_ptr, w_ptr, b_ptr, rows, cols, M, N, K,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """(z, z_up): the fp32 pre-activation x[rows] @ w[cols]^T + b[cols] of a [BLOCK_M, BLOCK_N] tile, over K in
-    BLOCK_K steps; z_up: swiglu's up rows (N + cols), zeros for the other activations. Rows and columns past the
-    ends load a valid row again (wrapped): the caller masks its stores."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    # rows and columns past the end load a valid row again (wrapped): only the stores are masked
     x_ptrs = x_ptr + (rows % M).to(tl.int64)[:, None] * K + ks[None, :]
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[None, :] * K + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of w^T
     up_offset = N.to(tl.int64) * K  # swiglu: the up rows start N rows further
@@ -95,29 +88,13 @@ def _preact_tile(
             acc_up = tl.dot(a, b_up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+
+    in_n = cols < N
     if HAS_BIAS:
-        in_n = cols < N
         acc += tl.load(b_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
         if ACT == SWIGLU:
             acc_up += tl.load(b_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-    return acc, acc_up
-
-
-@direct_launch
-@triton.jit
-def _linear_forward(
-    x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu)."""
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc, acc_up = _preact_tile(
-        x_ptr, w_ptr, b_ptr, rows, cols, M, N, K, HAS_BIAS, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K
-    )
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = (rows < M)[:, None] & in_n[None, :]
     row_offsets = rows.to(tl.int64)[:, None]
     if ACT == SWIGLU:
         if SAVE:
@@ -130,37 +107,6 @@ def _linear_forward(
             tl.store(z_ptr + row_offsets * N + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
         out = _activate(acc, ACT)
     tl.store(y_ptr + row_offsets * N + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@direct_launch
-@triton.jit
-def _linear_backward_recompute(
-    x_ptr, w_ptr, b_ptr, dy_ptr, dz_ptr, partial_ptr, M, N, K,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """dz = dy * act'(z) with z recomputed tile by tile by the forward's GEMM (the forward saved none); the tile's
-    column sums of dz into partial[pid_m, :] (each element written by one program: a fixed order of sums). N: the columns of dy
-    (F for swiglu, whose dz has 2N: the gate gradient, then the up one). Rows past M (x's rows wrapped, dy's loaded
-    as zeros) add zeros."""
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    z, z_up = _preact_tile(x_ptr, w_ptr, b_ptr, rows, cols, M, N, K, HAS_BIAS, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    in_n = cols < N
-    mask = (rows < M)[:, None] & in_n[None, :]
-    row_offsets = rows.to(tl.int64)[:, None]
-    dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dz, du = _preact_gradient(dy, z, z_up, ACT)
-    width = 2 * N if ACT == SWIGLU else N
-    dz_ptrs = dz_ptr + row_offsets * width + cols[None, :]
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-    if ACT == SWIGLU:
-        tl.store(dz_ptrs + N, du.to(dz_ptr.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
-        tl.store(partial_ptr + pid_m * width + cols, tl.sum(dz, axis=0), mask=in_n)
-        if ACT == SWIGLU:
-            tl.store(partial_ptr + pid_m * width + N + cols, tl.sum(du, axis=0), mask=in_n)
 
 
 @direct_launch
@@ -230,16 +176,10 @@ def _launch_forward(x, weight, bias, activation, save: bool, cfg: GemmConfig | N
     return y, z
 
 
-def forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-    recompute: bool | None = None, **variant,
-):  # fmt: skip
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, **variant):
     """x [..., K] (M rows), weight [N, K] (swiglu: [2F, K]), bias [N] or None -> (y [..., N or F], z: what backward
-    reads). recompute: save no z, backward recomputes it (None: launch.recomputes_preact's rule; True/False force
-    either path). variant: cfg and persistent, as _launch_forward takes them."""
-    if recompute is None:
-        recompute = recomputes_preact(x.shape[-1], activation)
-    return _launch_forward(x, weight, bias, activation, save=not recompute, **variant)
+    reads). variant: cfg and persistent, as _launch_forward takes them."""
+    return _launch_forward(x, weight, bias, activation, save=True, **variant)
 
 
 def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, **variant):
@@ -267,38 +207,12 @@ def preact_gradient(
     return dz, partial.sum(0) if with_bias else None
 
 
-def recomputed_preact_gradient(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias, activation: str):
-    """preact_gradient's results where the forward saved no z: one kernel recomputes it from x, weight and bias (the
-    forward's GEMM) and forms d_preact and the dbias partials (a [row tiles, weight rows] fp32 sum left) in its
-    epilogue. dy, x: [M, F or N] and [M, K] rows, contiguous."""
-    m, n = dy.shape
-    k = x.shape[1]
-    width = weight.shape[0]
-    cfg = recompute_config(m, n, k, activation == "swiglu")
-    num_m = cdiv(m, cfg.block_m)
-    dz = buffers.empty((m, width), dtype=dy.dtype, device=dy.device)
-    with_bias = bias is not None
-    partial = buffers.empty((num_m, width), dtype=torch.float32, device=dy.device) if with_bias else dz
-    _linear_backward_recompute[(num_m * cdiv(n, cfg.block_n),)](
-        x, weight, _contiguous(bias) if with_bias else x, dy, dz, partial, m, n, k,
-        HAS_BIAS=with_bias, ACT=ACTIVATION_CODES[activation], EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return dz, partial.sum(0) if with_bias else None
-
-
 def backward(dy, x, weight, bias, activation, y, z, launch: BackwardLaunch = BACKWARD):
-    """(dx, dweight, dbias, None): d_preact from one elementwise pass over the saved z, or from the kernel that
-    recomputes z where the forward saved none (the rule, or forward's recompute=), then the two backward GEMMs by
-    cuBLAS."""
+    """(dx, dweight, dbias, None): d_preact from one elementwise pass, then the two backward GEMMs by cuBLAS."""
     dy, x, weight = _contiguous(dy), _contiguous(x), _contiguous(weight)
     shape = x.shape
     dy, x = as_rows(dy), as_rows(x)
-    if activation in SAVES_PREACT and not z.numel() and dy.numel():
-        dz, dbias = recomputed_preact_gradient(dy, x, weight, bias, activation)
-    else:
-        dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
+    dz, dbias = preact_gradient(dy, z, y, activation, bias is not None, launch)
     dx = torch.matmul(dz, weight)
     dweight = torch.matmul(dz.t(), x)
     return dx if len(shape) == 2 else dx.view(shape), dweight, None if dbias is None else dbias.to(bias.dtype), None

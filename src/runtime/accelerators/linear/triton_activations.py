@@ -1,6 +1,5 @@
-"""The linear kernels' activation codes, the epilogue's activation (shared by the forward kernels: the portable one in
-triton.py and the Hopper one in triton_persistent.py) and its gradient (shared by the backward kernels: the
-elementwise pass on the saved pre-activation and the pass that recomputes it)."""
+"""The linear kernels' activation codes and the epilogue's activation, shared by the forward kernels (the portable
+one in triton.py and the Hopper one in triton_persistent.py)."""
 
 import triton
 import triton.language as tl
@@ -49,36 +48,23 @@ def _derivative(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _preact_gradient(dy, z, up, ACT: tl.constexpr):
-    """(d_preact, d_up) in fp32 from dy and the pre-activation: for swiglu z is the gate and up the up pre-activation
-    (d_preact: the gate's gradient, d_up: the up one's); for relu z may be the output (positive where z is); for the
-    others d_up is d_preact again."""
-    if ACT == SWIGLU:
-        s = tl.sigmoid(z)
-        dz = dy * up * s * (1.0 + z * (1.0 - s))
-        du = dy * z * s
-    elif ACT == RELU:
-        dz = tl.where(z > 0, dy, 0.0)
-        du = dz
-    else:
-        dz = dy * _derivative(z, ACT)
-        du = dz
-    return dz, du
-
-
-@triton.jit
 def _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT: tl.constexpr):
     """(d_preact, d_up) of a [rows, cols] tile in fp32, from dy [M, N] and what the forward saved: z [M, 2N] for
     swiglu (d_preact: the gate half, d_up: the up half), y for relu, else z (d_up is d_preact again)."""
     dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACT == SWIGLU:
         z_ptrs = z_ptr + row_offsets * (2 * N) + cols[None, :]
-        z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        dz = dy * u * s * (1.0 + g * (1.0 - s))
+        du = dy * g * s
     elif ACT == RELU:
-        z = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
-        up = z
+        y = tl.load(y_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0)
+        dz = tl.where(y > 0, dy, 0.0)
+        du = dz
     else:
         z = tl.load(z_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = z
-    return _preact_gradient(dy, z, up, ACT)
+        dz = dy * _derivative(z, ACT)
+        du = dz
+    return dz, du
