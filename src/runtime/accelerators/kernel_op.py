@@ -1,9 +1,10 @@
 """The bridge from an op's kernel backends to autograd (eager) and to torch.compile.
 
 Each backend of an op declares its entry points as a KernelBackend (kernel_backend.py) at the end of its kernel
-module, and the op's KernelOp names where each declaration lives: `backends={"triton":
-"runtime.accelerators.rms_norm.triton:KERNELS", ...}`, imported on first use so that the package imports without
-triton or tilelang. KernelOp reads nothing from a kernel module but that declaration:
+module, and the op's KernelOp takes a loader per backend, a function of the op's package that imports the declaration
+and returns it: `backends={"triton": _triton_kernels, "tilelang": _tilelang_kernels}`, called on the backend's first
+use so that the package imports without triton or tilelang. KernelOp reads nothing from a kernel module but that
+declaration:
 
     forward(*args) -> tuple[Tensor, ...]
         the op's outputs first (`n_outputs` of them), then whatever backward needs
@@ -50,7 +51,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .kernel_backend import KernelBackend, resolve, split_location
+from .kernel_backend import KernelBackend
 
 _UNSET = object()
 
@@ -66,7 +67,8 @@ class KernelOp:
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
     fake_takes_backend: fake_forward also takes the backend's name (keyword `backend`), for an op whose backends
                    save results of different dtypes
-    backends:      backend name -> where its KernelBackend lives, "package.module:NAME" (imported on first use)
+    backends:      backend name -> its loader: () -> the backend's KernelBackend, a function that imports it from the
+                   kernel module (called on the backend's first use)
     unread_args:   names of tensor arguments no backend's backward reads (see the module docstring)
     check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
                    argument): run by the forward custom op on its real arguments, so a compiled call checks what an
@@ -80,15 +82,16 @@ class KernelOp:
         n_outputs: int,
         n_saved: int,
         fake_forward: Callable,
-        backends: dict[str, str],
+        backends: dict[str, Callable[[], KernelBackend]],
         fake_takes_backend: bool = False,
         unread_args: tuple[str, ...] = (),
         check_values: Callable | None = None,
     ) -> None:
         self.name = name
-        for location in backends.values():
-            split_location(location)  # a malformed location fails here, not at the first call
-        self.locations = dict(backends)
+        for backend, loader in backends.items():
+            if not callable(loader):  # a wrong declaration fails here, not at the first call
+                raise TypeError(f"{name}: the {backend!r} backend's loader is not callable: {loader!r}")
+        self.loaders = dict(backends)
         self.n_outputs = n_outputs
         self.n_saved = n_saved
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
@@ -109,7 +112,7 @@ class KernelOp:
         self.saved_tensors_of = self.tensors_of if all(keep) else _saving(self.tensors_of, keep)
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
-        self._backends: dict[str, KernelBackend] = {}  # backend -> its resolved KernelBackend
+        self._backends: dict[str, KernelBackend] = {}  # backend -> its loaded KernelBackend
         self._infer: dict = {}  # backend -> what eager calls with nothing to differentiate run: infer, else forward
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
         self._native: dict = {}  # backend -> the KernelBackend's native_forward, or None (see _native_forward)
@@ -203,13 +206,19 @@ class KernelOp:
         return found
 
     def kernels(self, backend: str) -> KernelBackend:
-        """The backend's KernelBackend (imported on first use, then a dict lookup)."""
+        """The backend's KernelBackend (its loader called on first use, then a dict lookup)."""
         kernels = self._backends.get(backend)
         if kernels is None:
-            location = self.locations.get(backend)
-            if location is None:
-                raise ValueError(f"{self.name}: no {backend!r} kernels; it has {', '.join(self.locations)}")
-            kernels = self._backends[backend] = resolve(location)
+            loader = self.loaders.get(backend)
+            if loader is None:
+                raise ValueError(f"{self.name}: no {backend!r} kernels; it has {', '.join(self.loaders)}")
+            kernels = loader()
+            if not isinstance(kernels, KernelBackend):
+                raise TypeError(
+                    f"{self.name}: the {backend!r} backend's loader returned {type(kernels).__name__}, "
+                    "expected a KernelBackend"
+                )
+            self._backends[backend] = kernels
         return kernels
 
     def _save(self, ctx, inputs, output) -> None:

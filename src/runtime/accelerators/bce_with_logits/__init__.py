@@ -11,6 +11,7 @@ import torch
 from ..autocast import autocast_to_float32
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
 from .layout import kernel_operand, scale_unit_gradient
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
@@ -144,6 +145,18 @@ def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, 
     return loss, logits.new_empty(logits.shape if grad_in_forward else (0,), dtype=torch.float32)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)
 #                     -> (loss, unit gradient: see unit_gradient_buffer)
 #                 infer(same arguments) -> loss
@@ -160,8 +173,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.bce_with_logits.triton:KERNELS",
-        "tilelang": "runtime.accelerators.bce_with_logits.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

@@ -12,6 +12,7 @@ import torch
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .launch import saves_preact
 from .reference import ACTIVATIONS, linear_reference
@@ -68,6 +69,18 @@ def _fake_forward(x, weight, bias, activation, *, backend):
     return y, x.new_empty((*lead, rows) if saves_preact(backend, x.shape[-1], activation) else (0,))
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(x [..., K], weight, bias, activation) -> (y [..., N or F], z: the saved pre-activation, or
 #                 an empty tensor where backward reads none or recomputes it: launch.saves_preact)
 #                 backward(dy, x, weight, bias, activation, y, z) -> (dx, dweight, dbias, None)
@@ -79,8 +92,8 @@ KERNEL = KernelOp(
     fake_forward=_fake_forward,
     fake_takes_backend=True,
     backends={
-        "triton": "runtime.accelerators.linear.triton:KERNELS",
-        "tilelang": "runtime.accelerators.linear.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 
