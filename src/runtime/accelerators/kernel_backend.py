@@ -40,7 +40,8 @@ class KernelBackend:
                     "arguments": none (backward recomputes what it needs from the arguments): eager calls run infer
                                  where there is one, also where gradients are needed, save the arguments alone, and
                                  backward gets None for every result.
-                    The custom ops (torch.compile), whose schema is the op's, always run forward and pass every result.
+                    The custom ops (torch.compile) always run forward (their schema fixes its results), and save
+                    and pass its results as eager calls do: None for each one backward does not read.
     """
 
     forward: Callable

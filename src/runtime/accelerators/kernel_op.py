@@ -18,14 +18,17 @@ declaration:
         that does not apply to these arguments: eager calls that need gradients try it first
 
 Tensor arguments that no backend's backward reads (add_norm's x and residual: it reads their sum, an output) are named
-in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops,
-whose schema is the op's, still pass them).
+in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops
+still save and pass them: the backward op returns a gradient for each tensor argument, shaped like it, and a None
+in an argument's place would leave its fake without the shape and the tensor arguments without their order).
 
-A backend's `backward_reads` says which of forward's results its backward reads, and so which eager calls save:
+A backend's `backward_reads` says which of forward's results its backward reads, and so which are saved for it:
 "results" (all), "saved" (not the op's outputs: an output kept for backward costs more to save and unpack than an
-input; backward gets None in their place) or "arguments" (none: the backward recomputes what it needs; eager calls
-then run `infer`, where there is one, also where gradients are needed, and pass None for every result). The custom
-ops, whose schema is the op's, always run forward and pass all its results.
+input; backward gets None in their place) or "arguments" (none: the backward recomputes what it needs, and gets None
+for every result). Eager calls with "arguments" run `infer`, where there is one, also where gradients are needed;
+the forward custom op, whose results the schema fixes, always runs forward, and its registered autograd saves and
+passes what eager calls do (the backward op takes each result as `Tensor?`), so a compiled graph keeps no result
+for a backward that does not read it.
 
 Eager calls run them through an autograd.Function (one subclass per op and backend, holding both, so that
 neither passes through autograd as an argument): no dispatcher in between. Under
@@ -119,7 +122,7 @@ class KernelOp:
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
-        saved = ", ".join(f"Tensor result{i}" for i in range(n_results))
+        saved = ", ".join(f"Tensor? result{i}" for i in range(n_results))  # None: not saved (backward_reads)
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
             f"taac::{name}_forward",
@@ -222,16 +225,19 @@ class KernelOp:
         return kernels
 
     def _save(self, ctx, inputs, output) -> None:
-        """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
+        """Keep what backward needs: tensors through save_for_backward, plain values on ctx; of forward's results, those
+        the backend's backward reads (its backward_reads), as eager calls do."""
         backend, args = inputs[0], inputs[1:]
         ctx.backend = backend
         ctx.values = self.values_of(args)
-        ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output))
+        ctx.first_saved = self.kernels(backend).first_saved(self.n_outputs, self.n_outputs + self.n_saved)
+        ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output)[ctx.first_saved :])
 
     def _saved(self, ctx) -> tuple[tuple, tuple]:
-        """(the forward's arguments, its results) from ctx."""
+        """(the forward's arguments, its results, None for each one not saved) from ctx."""
         saved = ctx.saved_tensors
-        return self.arguments(saved[: self.n_tensors], ctx.values), saved[self.n_tensors :]
+        results = (None,) * ctx.first_saved + saved[self.n_tensors :]
+        return self.arguments(saved[: self.n_tensors], ctx.values), results
 
     def arguments(self, tensors: tuple, values: tuple) -> tuple:
         """The forward's arguments in schema order, from its tensor arguments and its plain values."""
@@ -239,9 +245,9 @@ class KernelOp:
         return merged if self.in_schema_order is None else self.in_schema_order(merged)
 
     def _compiled_backward(self, ctx, *grads):
+        # grads are never None here: autograd materialises missing output gradients as zeros (materialize_grads)
         args, results = self._saved(ctx)
-        grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads[: self.n_outputs], results)]
-        flat = self._backward_op(ctx.backend, *grad_outputs, *args, *results)
+        flat = self._backward_op(ctx.backend, *grads[: self.n_outputs], *args, *results)
         return no_double_backward(self.name, ctx.backend, (None, *_unflatten_grads(args, flat)), args)
 
 
@@ -368,10 +374,6 @@ def _saving(tensors_of: Callable[[tuple], tuple], keep: tuple[bool, ...]) -> Cal
 
 def _as_tuple(results) -> tuple:
     return tuple(results) if isinstance(results, (tuple, list)) else (results,)
-
-
-def _zeros_if_none(grad, like):
-    return torch.zeros_like(like) if grad is None else grad
 
 
 def _unwrap_single(results: tuple):
