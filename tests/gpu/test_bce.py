@@ -17,10 +17,10 @@ DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
 def _tilelang_kernels_compiled_in_parallel():
     """The TileLang kernels these tests use, compiled up front in parallel (lazily, one by one, they take
     a few seconds each). Names: logits, targets, weight, pos_weight, loss-or-gradient dtypes, modes, flags."""
-    from runtime.accelerators.bce_with_logits import ABSENT as A
-    from runtime.accelerators.bce_with_logits import BROADCAST as B
-    from runtime.accelerators.bce_with_logits import FULL as F
     from runtime.accelerators.bce_with_logits import tilelang as kernels
+    from runtime.accelerators.bce_with_logits.layout import ABSENT as A
+    from runtime.accelerators.bce_with_logits.layout import BROADCAST as B
+    from runtime.accelerators.bce_with_logits.layout import FULL as F
     from runtime.accelerators.tilelang_common import precompile
 
     f, b, h = "float32", "bfloat16", "float16"
@@ -155,8 +155,8 @@ LOOPING_LAUNCHES = {  # launches a sweep tried besides the default: programs loo
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("launch", LOOPING_LAUNCHES.values(), ids=LOOPING_LAUNCHES.keys())
 def test_triton_looping_launches(launch, reduction):
-    from runtime.accelerators.bce_with_logits import kernel_operand
     from runtime.accelerators.bce_with_logits import triton as kernels
+    from runtime.accelerators.bce_with_logits.layout import kernel_operand
 
     looping = kernels.Launch(**launch)
     launches = kernels.LargeLaunches(forward=looping, forward_none=looping, backward=looping)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import runtime.accelerators as acc
 from conftest import SM90A, requires_nvcc
-from runtime.accelerators.bce_with_logits import ABSENT, BROADCAST, FULL, broadcast_layout, kernel_operand
 from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits as bce
 from runtime.accelerators.bce_with_logits import triton as bce_triton
+from runtime.accelerators.bce_with_logits.layout import ABSENT, BROADCAST, FULL, broadcast_layout, kernel_operand
 from runtime.accelerators.bce_with_logits.reference import bce_with_logits_reference
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance

@@ -131,3 +131,50 @@ def test_compiled_norms_dropout_and_mhc_on_the_torch_backend():
     torch.testing.assert_close(out, expected)
     for grad, ref in zip(torch.autograd.grad(out.sum(), leaves), torch.autograd.grad(expected.sum(), leaves)):
         torch.testing.assert_close(grad, ref)
+
+
+SAVING = {  # op -> (its KernelOp, a call on the triton backend, the results its backward reads)
+    "rms_norm": ("rms_norm", lambda x: acc.rms_norm(x, backend="triton"), "arguments"),
+    "bce_with_logits": (
+        "bce_with_logits",
+        lambda x: acc.binary_cross_entropy_with_logits(x, torch.rand_like(x), backend="triton"),
+        "saved",
+    ),
+    "l2norm": ("l2norm", lambda x: acc.l2norm(x, backend="triton"), "results"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SAVING))
+def test_compiled_backward_gets_the_results_its_backend_reads(op, monkeypatch):
+    """The custom op's registered autograd saves what eager calls save (backward_reads): the backward op gets None for
+    each result its backend does not read (so the graph keeps none of them), every other result as forward wrote it;
+    the gradients are eager's."""
+    import dataclasses
+    import importlib
+
+    kernel_op = importlib.import_module(f"runtime.accelerators.{SAVING[op][0]}").KERNEL
+    call, reads = SAVING[op][1:]
+    kernels = kernel_op.kernels("triton")
+    assert kernels.backward_reads == reads
+    received = []
+
+    def backward(*args):
+        received.append(args)
+        return kernels.backward(*args)
+
+    monkeypatch.setattr(kernel_op, "_backends", {"triton": dataclasses.replace(kernels, backward=backward)})
+    for cache in ("_infer", "_eager", "_native"):
+        monkeypatch.setattr(kernel_op, cache, {})
+    x = torch.randn(6, 40, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(0)
+    (grad,) = torch.autograd.grad(compiled(x).sum(), x)
+    torch.manual_seed(0)
+    (expected,) = torch.autograd.grad(call(x).sum(), x)
+    torch.testing.assert_close(grad, expected)
+    n_results = kernel_op.n_outputs + kernel_op.n_saved
+    results = received[0][-n_results:]  # the compiled call's: the eager one ran its own autograd.Function
+    first_saved = kernels.first_saved(kernel_op.n_outputs, n_results)
+    assert all(r is None for r in results[:first_saved]), results
+    assert all(isinstance(r, torch.Tensor) for r in results[first_saved:]), results

@@ -9,7 +9,8 @@ import runtime.accelerators as acc
 from runtime.accelerators.bce_with_logits import KERNEL as BCE
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
-from runtime.accelerators.kernel_backend import KernelBackend, resolve
+from runtime.accelerators.kernel_backend import KernelBackend
+from runtime.accelerators.kernel_op import KernelOp
 from runtime.accelerators.layer_norm import KERNEL as LAYER_NORM
 from runtime.accelerators.rms_norm import KERNEL as RMS_NORM
 
@@ -117,31 +118,67 @@ def test_kernel_backend_checks_its_declaration():
         KernelBackend(forward=forward, infer="infer")
     with pytest.raises(ValueError, match="native_forward"):
         KernelBackend(forward=forward, native_forward=forward)
-    with pytest.raises(ValueError, match="package.module:NAME"):
-        resolve("runtime.accelerators.rms_norm.triton")
-    with pytest.raises(TypeError, match="expected a KernelBackend"):
-        resolve("runtime.accelerators.rms_norm.triton:forward")
+
+
+def _kernel_op(name: str, backends: dict) -> KernelOp:
+    return KernelOp(name, "Tensor x", n_outputs=1, n_saved=0, fake_forward=torch.empty_like, backends=backends)
+
+
+def test_kernel_op_checks_its_loaders():
+    """A loader that is not a function fails when the op is declared; one that returns something else than a
+    KernelBackend, at its first use, naming the op and the backend; a backend the op has not, naming those it has."""
+    with pytest.raises(TypeError, match="test_not_callable: the 'triton' backend's loader is not callable"):
+        _kernel_op("test_not_callable", {"triton": "runtime.accelerators.rms_norm.triton:KERNELS"})
+    op = _kernel_op("test_wrong_loader", {"triton": lambda: lambda x: (x,)})
+    with pytest.raises(TypeError, match="test_wrong_loader: the 'triton' backend's loader returned function"):
+        op.kernels("triton")
+    with pytest.raises(ValueError, match="test_wrong_loader: no 'tilelang' kernels; it has triton"):
+        op.kernels("tilelang")
+
+
+def test_loaders_run_on_first_use_alone():
+    """A backend's loader runs at its first use, once: declaring the op imports no kernel module."""
+    kernels, calls = KernelBackend(forward=lambda x: (x * 2,)), []
+    op = _kernel_op("test_first_use", {"triton": lambda: calls.append(1) or kernels})
+    assert calls == []
+    x = torch.randn(3)
+    torch.testing.assert_close(op("triton", x), x * 2)
+    torch.testing.assert_close(op("triton", x), x * 2)
+    assert calls == [1] and op.kernels("triton") is kernels
 
 
 def kernel_ops() -> list:
     import importlib
 
     from runtime.accelerators.config import OP_NAMES
-    from runtime.accelerators.kernel_op import KernelOp
 
     modules = [importlib.import_module(f"runtime.accelerators.{op}") for op in OP_NAMES]
     modules.append(importlib.import_module("runtime.accelerators.flash_attention.varlen"))
     return [value for module in modules for value in vars(module).values() if isinstance(value, KernelOp)]
 
 
-def test_every_kernel_op_names_its_declarations():
-    """Each KernelOp's locations resolve to KernelBackends (where the backend's library imports here)."""
+def test_every_kernel_op_loads_its_declarations():
+    """Each KernelOp's loaders return KernelBackends (where the backend's library imports here)."""
     from runtime.accelerators.backends import library_reasons
 
     ops = kernel_ops()
     assert len({op.name for op in ops}) == len(ops) >= 18
     for op in ops:
-        assert "triton" in op.locations and set(op.locations) <= {"triton", "tilelang"}, op.name
-        for backend, location in op.locations.items():
+        assert "triton" in op.loaders and set(op.loaders) <= {"triton", "tilelang"}, op.name
+        for backend, loader in op.loaders.items():
             if not library_reasons(backend):
-                assert isinstance(resolve(location), KernelBackend), location
+                assert isinstance(loader(), KernelBackend), (op.name, backend)
+
+
+def test_importing_the_package_imports_no_kernel_module():
+    """The loaders are called on a backend's first use: importing the public API (and the nn wrappers) imports none
+    of the ops' triton.py / tilelang.py."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, runtime.accelerators, runtime.nn\n"
+        "print([m for m in sys.modules if m.startswith('runtime.') and m.rsplit('.', 1)[-1] in ('triton', 'tilelang')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

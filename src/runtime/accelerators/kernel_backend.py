@@ -2,13 +2,19 @@
 
 A kernel module ends with its declaration (`KERNELS = KernelBackend(forward=forward, backward=backward, ...)`; a
 module serving several ops, such as mhc's pre and post, declares one per op under explicit names), and the op's
-KernelOp names where each backend's declaration lives ("runtime.accelerators.rms_norm.triton:KERNELS"). The
-declaration is imported on first use (resolve), so the package imports without triton or tilelang.
+KernelOp takes, per backend, a function of its package that imports that declaration and returns it:
+
+    def _triton_kernels() -> KernelBackend:
+        from .triton import KERNELS
+
+        return KERNELS
+
+KernelOp calls it on the backend's first use, so the package imports without triton or tilelang and imports no
+kernel module before a call needs it; a reader (and a static tool) follows the import to the kernels.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +40,8 @@ class KernelBackend:
                     "arguments": none (backward recomputes what it needs from the arguments): eager calls run infer
                                  where there is one, also where gradients are needed, save the arguments alone, and
                                  backward gets None for every result.
-                    The custom ops (torch.compile), whose schema is the op's, always run forward and pass every result.
+                    The custom ops (torch.compile) always run forward (their schema fixes its results), and save
+                    and pass its results as eager calls do: None for each one backward does not read.
     """
 
     forward: Callable
@@ -61,21 +68,3 @@ class KernelBackend:
     def first_saved(self, n_outputs: int, n_results: int) -> int:
         """The index of the first of forward's n_results results that eager calls save for backward."""
         return {"results": 0, "saved": n_outputs, "arguments": n_results}[self.backward_reads]
-
-
-def split_location(location: str) -> tuple[str, str]:
-    """("package.module", "NAME") from "package.module:NAME", raising on anything else."""
-    module_name, separator, name = location.partition(":")
-    if not separator or not name.isidentifier() or not all(part.isidentifier() for part in module_name.split(".")):
-        raise ValueError(f"kernel backend location {location!r}: expected 'package.module:NAME'")
-    return module_name, name
-
-
-def resolve(location: str) -> KernelBackend:
-    """The KernelBackend at "package.module:NAME", importing the module (the one lookup by name: a KernelOp's
-    declared locations)."""
-    module_name, name = split_location(location)
-    found = getattr(importlib.import_module(module_name), name)
-    if not isinstance(found, KernelBackend):
-        raise TypeError(f"{location}: expected a KernelBackend, got {type(found).__name__}")
-    return found

@@ -1,9 +1,10 @@
 """The bridge from an op's kernel backends to autograd (eager) and to torch.compile.
 
 Each backend of an op declares its entry points as a KernelBackend (kernel_backend.py) at the end of its kernel
-module, and the op's KernelOp names where each declaration lives: `backends={"triton":
-"runtime.accelerators.rms_norm.triton:KERNELS", ...}`, imported on first use so that the package imports without
-triton or tilelang. KernelOp reads nothing from a kernel module but that declaration:
+module, and the op's KernelOp takes a loader per backend, a function of the op's package that imports the declaration
+and returns it: `backends={"triton": _triton_kernels, "tilelang": _tilelang_kernels}`, called on the backend's first
+use so that the package imports without triton or tilelang. KernelOp reads nothing from a kernel module but that
+declaration:
 
     forward(*args) -> tuple[Tensor, ...]
         the op's outputs first (`n_outputs` of them), then whatever backward needs
@@ -17,14 +18,17 @@ triton or tilelang. KernelOp reads nothing from a kernel module but that declara
         that does not apply to these arguments: eager calls that need gradients try it first
 
 Tensor arguments that no backend's backward reads (add_norm's x and residual: it reads their sum, an output) are named
-in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops,
-whose schema is the op's, still pass them).
+in unread_args: eager calls save None in their place, so that they are not kept alive for backward (the custom ops
+still save and pass them: the backward op returns a gradient for each tensor argument, shaped like it, and a None
+in an argument's place would leave its fake without the shape and the tensor arguments without their order).
 
-A backend's `backward_reads` says which of forward's results its backward reads, and so which eager calls save:
+A backend's `backward_reads` says which of forward's results its backward reads, and so which are saved for it:
 "results" (all), "saved" (not the op's outputs: an output kept for backward costs more to save and unpack than an
-input; backward gets None in their place) or "arguments" (none: the backward recomputes what it needs; eager calls
-then run `infer`, where there is one, also where gradients are needed, and pass None for every result). The custom
-ops, whose schema is the op's, always run forward and pass all its results.
+input; backward gets None in their place) or "arguments" (none: the backward recomputes what it needs, and gets None
+for every result). Eager calls with "arguments" run `infer`, where there is one, also where gradients are needed;
+the forward custom op, whose results the schema fixes, always runs forward, and its registered autograd saves and
+passes what eager calls do (the backward op takes each result as `Tensor?`), so a compiled graph keeps no result
+for a backward that does not read it.
 
 Eager calls run them through an autograd.Function (one subclass per op and backend, holding both, so that
 neither passes through autograd as an argument): no dispatcher in between. Under
@@ -50,7 +54,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .kernel_backend import KernelBackend, resolve, split_location
+from .kernel_backend import KernelBackend
 
 _UNSET = object()
 
@@ -66,7 +70,8 @@ class KernelOp:
     fake_forward:  (*args) -> tuple of empty tensors shaped like forward's results (for tracing)
     fake_takes_backend: fake_forward also takes the backend's name (keyword `backend`), for an op whose backends
                    save results of different dtypes
-    backends:      backend name -> where its KernelBackend lives, "package.module:NAME" (imported on first use)
+    backends:      backend name -> its loader: () -> the backend's KernelBackend, a function that imports it from the
+                   kernel module (called on the backend's first use)
     unread_args:   names of tensor arguments no backend's backward reads (see the module docstring)
     check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
                    argument): run by the forward custom op on its real arguments, so a compiled call checks what an
@@ -80,15 +85,16 @@ class KernelOp:
         n_outputs: int,
         n_saved: int,
         fake_forward: Callable,
-        backends: dict[str, str],
+        backends: dict[str, Callable[[], KernelBackend]],
         fake_takes_backend: bool = False,
         unread_args: tuple[str, ...] = (),
         check_values: Callable | None = None,
     ) -> None:
         self.name = name
-        for location in backends.values():
-            split_location(location)  # a malformed location fails here, not at the first call
-        self.locations = dict(backends)
+        for backend, loader in backends.items():
+            if not callable(loader):  # a wrong declaration fails here, not at the first call
+                raise TypeError(f"{name}: the {backend!r} backend's loader is not callable: {loader!r}")
+        self.loaders = dict(backends)
         self.n_outputs = n_outputs
         self.n_saved = n_saved
         # which arguments are (optional) tensors, saved for backward, and which are plain values kept on ctx
@@ -109,14 +115,14 @@ class KernelOp:
         self.saved_tensors_of = self.tensors_of if all(keep) else _saving(self.tensors_of, keep)
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
-        self._backends: dict[str, KernelBackend] = {}  # backend -> its resolved KernelBackend
+        self._backends: dict[str, KernelBackend] = {}  # backend -> its loaded KernelBackend
         self._infer: dict = {}  # backend -> what eager calls with nothing to differentiate run: infer, else forward
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
         self._native: dict = {}  # backend -> the KernelBackend's native_forward, or None (see _native_forward)
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
-        saved = ", ".join(f"Tensor result{i}" for i in range(n_results))
+        saved = ", ".join(f"Tensor? result{i}" for i in range(n_results))  # None: not saved (backward_reads)
         returns = "Tensor" if n_results == 1 else f"({results})"
         self._forward_op = torch.library.custom_op(
             f"taac::{name}_forward",
@@ -203,26 +209,35 @@ class KernelOp:
         return found
 
     def kernels(self, backend: str) -> KernelBackend:
-        """The backend's KernelBackend (imported on first use, then a dict lookup)."""
+        """The backend's KernelBackend (its loader called on first use, then a dict lookup)."""
         kernels = self._backends.get(backend)
         if kernels is None:
-            location = self.locations.get(backend)
-            if location is None:
-                raise ValueError(f"{self.name}: no {backend!r} kernels; it has {', '.join(self.locations)}")
-            kernels = self._backends[backend] = resolve(location)
+            loader = self.loaders.get(backend)
+            if loader is None:
+                raise ValueError(f"{self.name}: no {backend!r} kernels; it has {', '.join(self.loaders)}")
+            kernels = loader()
+            if not isinstance(kernels, KernelBackend):
+                raise TypeError(
+                    f"{self.name}: the {backend!r} backend's loader returned {type(kernels).__name__}, "
+                    "expected a KernelBackend"
+                )
+            self._backends[backend] = kernels
         return kernels
 
     def _save(self, ctx, inputs, output) -> None:
-        """Keep what backward needs: tensors through save_for_backward, plain values on ctx."""
+        """Keep what backward needs: tensors through save_for_backward, plain values on ctx; of forward's results, those
+        the backend's backward reads (its backward_reads), as eager calls do."""
         backend, args = inputs[0], inputs[1:]
         ctx.backend = backend
         ctx.values = self.values_of(args)
-        ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output))
+        ctx.first_saved = self.kernels(backend).first_saved(self.n_outputs, self.n_outputs + self.n_saved)
+        ctx.save_for_backward(*self.tensors_of(args), *_as_tuple(output)[ctx.first_saved :])
 
     def _saved(self, ctx) -> tuple[tuple, tuple]:
-        """(the forward's arguments, its results) from ctx."""
+        """(the forward's arguments, its results, None for each one not saved) from ctx."""
         saved = ctx.saved_tensors
-        return self.arguments(saved[: self.n_tensors], ctx.values), saved[self.n_tensors :]
+        results = (None,) * ctx.first_saved + saved[self.n_tensors :]
+        return self.arguments(saved[: self.n_tensors], ctx.values), results
 
     def arguments(self, tensors: tuple, values: tuple) -> tuple:
         """The forward's arguments in schema order, from its tensor arguments and its plain values."""
@@ -230,9 +245,9 @@ class KernelOp:
         return merged if self.in_schema_order is None else self.in_schema_order(merged)
 
     def _compiled_backward(self, ctx, *grads):
+        # grads are never None here: autograd materialises missing output gradients as zeros (materialize_grads)
         args, results = self._saved(ctx)
-        grad_outputs = [_zeros_if_none(g, r) for g, r in zip(grads[: self.n_outputs], results)]
-        flat = self._backward_op(ctx.backend, *grad_outputs, *args, *results)
+        flat = self._backward_op(ctx.backend, *grads[: self.n_outputs], *args, *results)
         return no_double_backward(self.name, ctx.backend, (None, *_unflatten_grads(args, flat)), args)
 
 
@@ -359,10 +374,6 @@ def _saving(tensors_of: Callable[[tuple], tuple], keep: tuple[bool, ...]) -> Cal
 
 def _as_tuple(results) -> tuple:
     return tuple(results) if isinstance(results, (tuple, list)) else (results,)
-
-
-def _zeros_if_none(grad, like):
-    return torch.zeros_like(like) if grad is None else grad
 
 
 def _unwrap_single(results: tuple):

@@ -9,6 +9,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_tensor, dtype_reasons, size_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import gelu_reference, silu_reference
 
@@ -31,6 +32,30 @@ def _fake_forward(x, *flags):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _triton_gelu_kernels() -> KernelBackend:
+    from .triton import GELU_KERNELS
+
+    return GELU_KERNELS
+
+
+def _tilelang_gelu_kernels() -> KernelBackend:
+    from .tilelang import GELU_KERNELS
+
+    return GELU_KERNELS
+
+
+def _triton_silu_kernels() -> KernelBackend:
+    from .triton import SILU_KERNELS
+
+    return SILU_KERNELS
+
+
+def _tilelang_silu_kernels() -> KernelBackend:
+    from .tilelang import SILU_KERNELS
+
+    return SILU_KERNELS
+
+
 # kernel modules: gelu_forward(x, tanh) -> y      gelu_backward(dy, x, tanh, y) -> (dx, None)
 #                 silu_forward(x) -> y            silu_backward(dy, x, y) -> (dx,)
 # backward reads x, never y (None in eager calls)
@@ -41,8 +66,8 @@ GELU_KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.activation.triton:GELU_KERNELS",
-        "tilelang": "runtime.accelerators.activation.tilelang:GELU_KERNELS",
+        "triton": _triton_gelu_kernels,
+        "tilelang": _tilelang_gelu_kernels,
     },
 )
 SILU_KERNEL = KernelOp(
@@ -52,8 +77,8 @@ SILU_KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.activation.triton:SILU_KERNELS",
-        "tilelang": "runtime.accelerators.activation.tilelang:SILU_KERNELS",
+        "triton": _triton_silu_kernels,
+        "tilelang": _tilelang_silu_kernels,
     },
 )
 

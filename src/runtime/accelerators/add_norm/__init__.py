@@ -11,6 +11,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import add_layer_norm_reference, add_rms_norm_reference
@@ -28,6 +29,30 @@ def _fake_layer_forward(x, residual, weight, bias, eps):
     return *_fake_rms_forward(x, residual, weight, eps), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
+def _triton_rms_kernels() -> KernelBackend:
+    from .triton import RMS_KERNELS
+
+    return RMS_KERNELS
+
+
+def _tilelang_rms_kernels() -> KernelBackend:
+    from .tilelang import RMS_KERNELS
+
+    return RMS_KERNELS
+
+
+def _triton_layer_kernels() -> KernelBackend:
+    from .triton import LAYER_KERNELS
+
+    return LAYER_KERNELS
+
+
+def _tilelang_layer_kernels() -> KernelBackend:
+    from .tilelang import LAYER_KERNELS
+
+    return LAYER_KERNELS
+
+
 # kernel modules: rms_forward(x, residual, weight, eps) -> (y, total, rstd[rows] fp32)
 #                 rms_backward(dy, dtotal, x, residual, weight, eps, y, total, rstd) -> (dx, dresidual, dweight, None)
 #                 layer_forward(x, residual, weight, bias, eps) -> (y, total, rstd, mean)
@@ -43,8 +68,8 @@ RMS_KERNEL = KernelOp(
     fake_forward=_fake_rms_forward,
     unread_args=("x", "residual"),
     backends={
-        "triton": "runtime.accelerators.add_norm.triton:RMS_KERNELS",
-        "tilelang": "runtime.accelerators.add_norm.tilelang:RMS_KERNELS",
+        "triton": _triton_rms_kernels,
+        "tilelang": _tilelang_rms_kernels,
     },
 )
 LAYER_KERNEL = KernelOp(
@@ -55,8 +80,8 @@ LAYER_KERNEL = KernelOp(
     fake_forward=_fake_layer_forward,
     unread_args=("x", "residual"),
     backends={
-        "triton": "runtime.accelerators.add_norm.triton:LAYER_KERNELS",
-        "tilelang": "runtime.accelerators.add_norm.tilelang:LAYER_KERNELS",
+        "triton": _triton_layer_kernels,
+        "tilelang": _tilelang_layer_kernels,
     },
 )
 

@@ -1,34 +1,23 @@
 """binary_cross_entropy_with_logits(logits, targets, weight=None, pos_weight=None, reduction="mean"): as torch.
 
-Kernel argument layout (shared by triton.py and tilelang.py): logits and targets are read as flat
-contiguous arrays of N elements. `weight` and `pos_weight` are passed in their own (small) shape
-when their broadcast to the logits can be expressed as one index map,
-
-    operand value at flat logits index i  =  operand.flatten()[(i // inner) % count]
-
-which covers full tensors (inner 1, count N), per-class vectors [C] (inner 1, count C), per-row
-weights [B, 1] (inner C, count B), scalars and any broadcast over leading and trailing dims.
-Other broadcasts (e.g. [B, 1, C] against [B, H, C]) are materialised to the logits' shape first.
+How the kernels read their arguments (weight and pos_weight by one index map, the unit gradient) is in layout.py,
+which both kernel modules import.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import buffers
 from ..autocast import autocast_to_float32
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
+from .layout import kernel_operand, scale_unit_gradient
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 
 # flat indices are 32-bit in the kernels (with room for one block past the end)
 MAX_KERNEL_NUMEL = 2**31 - 2**16
-
-# how a kernel reads weight / pos_weight
-ABSENT, FULL, BROADCAST = 0, 1, 2
 
 # Up to this many logits (PCVR batches: launch-bound), when the logits alone need a gradient, the forward kernel
 # also writes that gradient for an incoming gradient of one (fp32), and backward only scales it: one ATen multiply
@@ -36,61 +25,6 @@ ABSENT, FULL, BROADCAST = 0, 1, 2
 # logits, us per call: 384 / 346 with two launch paths, 288 / 251 with
 # one, torch eager 286 / 271. Larger inputs keep the one-pass backward kernel (no fp32 gradient written and read).
 GRAD_IN_FORWARD_MAX_NUMEL = 2**16
-
-
-def broadcast_layout(operand: torch.Tensor, shape: torch.Size) -> tuple[int, int] | None:
-    """(inner, count) such that operand broadcast to `shape`, flattened, is operand.flatten()[(i // inner) % count].
-
-    None when the broadcast is not of that form (a broadcast dimension between two kept ones).
-    """
-    sizes = [1] * (len(shape) - operand.dim()) + list(operand.shape)
-    kept = [d for d, size in enumerate(sizes) if size > 1]
-    if not kept:
-        return 1, 1
-    first, last = kept[0], kept[-1] + 1
-    if any(sizes[d] != shape[d] for d in range(first, last)):
-        return None
-    return math.prod(shape[last:]), math.prod(shape[first:last])
-
-
-def operand_mode(operand: torch.Tensor | None, shape: torch.Size) -> tuple[int, int, int]:
-    """(mode, inner, count) of a kernel operand prepared by `kernel_operand`."""
-    if operand is None:
-        return ABSENT, 1, 1
-    inner, count = broadcast_layout(operand, shape)
-    if inner == 1 and count == math.prod(shape):
-        return FULL, 1, count
-    return BROADCAST, inner, count
-
-
-def kernel_operand(operand: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
-    """weight / pos_weight as the kernels read it: contiguous, materialised only when no index map fits."""
-    if operand is None:
-        return None
-    if broadcast_layout(operand, shape) is None:
-        return operand.expand(shape).contiguous()
-    return operand.contiguous()
-
-
-def is_scalar_gradient(grad: torch.Tensor) -> bool:
-    """A loss gradient that is one value everywhere (mean / sum, or `none` after loss.sum().backward()):
-    the backward kernels then read that one value instead of N."""
-    return grad.dim() == 0 or all(s == 0 for s in grad.stride())
-
-
-def unit_gradient_buffer(logits: torch.Tensor, grad_in_forward: bool) -> torch.Tensor:
-    """Where a forward kernel writes the logits' fp32 gradient for an incoming gradient of one: logits-shaped when
-    grad_in_forward, else empty (the custom op's second result still has to be a tensor)."""
-    if grad_in_forward:  # empty_like: about 1 us less host time than torch.empty on the GPU machine
-        return buffers.empty_like(logits, dtype=torch.float32)
-    return buffers.empty((0,), dtype=torch.float32, device=logits.device)
-
-
-def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dlogits = grad * unit (fp32 math) in the logits' dtype: the backward of a forward that ran with grad_in_forward."""
-    if dtype == grad.dtype == torch.float32:  # the product has the logits' dtype: one ATen op, not two
-        return torch.mul(unit, grad)
-    return torch.mul(unit, grad, out=buffers.empty_like(unit, dtype=dtype))
 
 
 class _UnitGradientFunction(torch.autograd.Function):
@@ -211,6 +145,18 @@ def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, 
     return loss, logits.new_empty(logits.shape if grad_in_forward else (0,), dtype=torch.float32)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)
 #                     -> (loss, unit gradient: see unit_gradient_buffer)
 #                 infer(same arguments) -> loss
@@ -227,8 +173,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.bce_with_logits.triton:KERNELS",
-        "tilelang": "runtime.accelerators.bce_with_logits.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

@@ -14,7 +14,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..tilelang_common import TL_DTYPE, launcher
-from . import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
+from .layout import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
 THREADS = 256

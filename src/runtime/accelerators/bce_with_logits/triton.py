@@ -22,7 +22,7 @@ from ..backends import sm_count
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from . import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
+from .layout import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
 from .reference import loss_dtype
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import dropout_add_reference
@@ -41,6 +42,18 @@ def _fake_forward(x, residual, p, seed):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(x, residual, p, seed) -> out
 #                 backward(dout, x, residual, p, seed, out) -> (dx, dresidual, None, None)
 # seed: the int64 tensor of shape (1,) from draw_seed_tensor, on x's device
@@ -51,8 +64,8 @@ KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.dropout_add.triton:KERNELS",
-        "tilelang": "runtime.accelerators.dropout_add.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

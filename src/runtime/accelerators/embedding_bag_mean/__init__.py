@@ -14,6 +14,7 @@ import torch
 
 from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp, no_double_backward
 from .collection import embedding_bag_collection
 from .reference import check_indices_, embedding_bag_mean_reference
@@ -36,6 +37,18 @@ def _fake_forward(weight, indices, offsets, padding_idx, include_last_offset, ch
     )
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
 #                     -> (out [B, D], scale [B] fp32, bag_of [N] int32 for ragged bags, else empty)
 #                 backward(grad_out, *args, out, scale, bag_of) -> (dense grad_weight, None x 5)
@@ -49,8 +62,8 @@ KERNEL = KernelOp(
     n_saved=2,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.embedding_bag_mean.triton:KERNELS",
-        "tilelang": "runtime.accelerators.embedding_bag_mean.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

@@ -16,6 +16,7 @@ import torch
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from . import varlen
@@ -125,6 +126,18 @@ def _fake_forward(q, k, v, key_lengths, causal, scale, dropout_p, seed):
     return q.new_empty(b, h, lq, d), q.new_empty(b, h, lq, dtype=torch.float32)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(q, k, v, key_lengths, causal, scale, dropout_p, seed) -> (o [B,H,Lq,D] in q's dtype, lse [B,H,Lq] fp32)
 #                 backward(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
 #                     -> (dq, dk, dv, None, None, None, None, None)
@@ -138,8 +151,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.flash_attention.triton:KERNELS",
-        "tilelang": "runtime.accelerators.flash_attention.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

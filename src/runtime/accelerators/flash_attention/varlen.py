@@ -19,6 +19,7 @@ import torch
 
 from ..autocast import autocast_enabled
 from ..checks import check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 
 
@@ -29,6 +30,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, seed):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(h, total_q, dtype=torch.float32)
+
+
+def _triton_varlen_kernels() -> KernelBackend:
+    from .triton import VARLEN_KERNELS
+
+    return VARLEN_KERNELS
+
+
+def _tilelang_varlen_kernels() -> KernelBackend:
+    from .tilelang import VARLEN_KERNELS
+
+    return VARLEN_KERNELS
 
 
 # kernel modules: varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
@@ -45,8 +58,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.flash_attention.triton:VARLEN_KERNELS",
-        "tilelang": "runtime.accelerators.flash_attention.tilelang:VARLEN_KERNELS",
+        "triton": _triton_varlen_kernels,
+        "tilelang": _tilelang_varlen_kernels,
     },
 )
 

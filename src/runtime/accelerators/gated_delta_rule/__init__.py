@@ -12,6 +12,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor, dtype_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
 
@@ -88,6 +89,30 @@ def _check_compiled_values(
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
 
 
+def _triton_chunk_kernels() -> KernelBackend:
+    from .triton import CHUNK_KERNELS
+
+    return CHUNK_KERNELS
+
+
+def _tilelang_chunk_kernels() -> KernelBackend:
+    from .tilelang import CHUNK_KERNELS
+
+    return CHUNK_KERNELS
+
+
+def _triton_recurrent_kernels() -> KernelBackend:
+    from .triton import RECURRENT_KERNELS
+
+    return RECURRENT_KERNELS
+
+
+def _tilelang_recurrent_kernels() -> KernelBackend:
+    from .tilelang import RECURRENT_KERNELS
+
+    return RECURRENT_KERNELS
+
+
 # kernel modules: chunk_forward / recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 #                                                   use_qk_l2norm_in_kernel, cu_seqlens [host, int64])
 #                   -> (o [B, T, HV, V] q's dtype, final state [N, HV, K, V] fp32, or an empty tensor when not asked)
@@ -102,8 +127,8 @@ CHUNK = KernelOp(
     n_saved=4,
     fake_forward=_fake_chunk_forward,
     backends={
-        "triton": "runtime.accelerators.gated_delta_rule.triton:CHUNK_KERNELS",
-        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:CHUNK_KERNELS",
+        "triton": _triton_chunk_kernels,
+        "tilelang": _tilelang_chunk_kernels,
     },
     fake_takes_backend=True,
     check_values=_check_compiled_values,
@@ -115,8 +140,8 @@ RECURRENT = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.gated_delta_rule.triton:RECURRENT_KERNELS",
-        "tilelang": "runtime.accelerators.gated_delta_rule.tilelang:RECURRENT_KERNELS",
+        "triton": _triton_recurrent_kernels,
+        "tilelang": _tilelang_recurrent_kernels,
     },
     check_values=_check_compiled_values,
 )

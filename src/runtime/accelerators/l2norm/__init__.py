@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import l2norm_reference
@@ -14,6 +15,18 @@ SPEC = OpSpec(name="l2norm", priority=("triton", "tilelang"), reasons=norm_reaso
 
 def _fake_forward(x, eps):
     return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
 
 
 # kernel modules: forward(x, eps) -> (y, rstd[rows] fp32); y contiguous
@@ -26,8 +39,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.l2norm.triton:KERNELS",
-        "tilelang": "runtime.accelerators.l2norm.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

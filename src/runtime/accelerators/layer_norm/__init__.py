@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import layer_norm_reference
@@ -17,6 +18,18 @@ def _fake_forward(x, weight, bias, eps):
     return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(x, weight, bias, eps) -> (y, mean[rows] fp32, rstd[rows] fp32)
 #                 backward(dy, x, weight, bias, eps, y, mean, rstd) -> (dx, dweight, dbias, None); y is None in eager
 #                 calls (unread)
@@ -27,8 +40,8 @@ KERNEL = KernelOp(
     n_saved=2,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.layer_norm.triton:KERNELS",
-        "tilelang": "runtime.accelerators.layer_norm.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

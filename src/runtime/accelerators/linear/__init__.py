@@ -12,6 +12,7 @@ import torch
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import ACTIVATIONS, SAVES_PREACT, linear_reference
 
@@ -66,6 +67,18 @@ def _fake_forward(x, weight, bias, activation):
     return y, x.new_empty((*lead, rows) if activation in SAVES_PREACT else (0,))
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(x [..., K], weight, bias, activation) -> (y [..., N or F], z: the saved pre-activation, or
 #                 an empty tensor where backward reads none)
 #                 backward(dy, x, weight, bias, activation, y, z) -> (dx, dweight, dbias, None)
@@ -76,8 +89,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.linear.triton:KERNELS",
-        "tilelang": "runtime.accelerators.linear.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

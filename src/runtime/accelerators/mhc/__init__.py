@@ -6,6 +6,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_eps, check_same_device, check_tensor, dtype_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import mhc_post_reference, mhc_pre_reference
 
@@ -37,6 +38,30 @@ def _fake_pre(x, phi, alpha, bias, eps, sinkhorn_iters):
     )
 
 
+def _triton_pre_kernels() -> KernelBackend:
+    from .triton import PRE_KERNELS
+
+    return PRE_KERNELS
+
+
+def _tilelang_pre_kernels() -> KernelBackend:
+    from .tilelang import PRE_KERNELS
+
+    return PRE_KERNELS
+
+
+def _triton_post_kernels() -> KernelBackend:
+    from .triton import POST_KERNELS
+
+    return POST_KERNELS
+
+
+def _tilelang_post_kernels() -> KernelBackend:
+    from .tilelang import POST_KERNELS
+
+    return POST_KERNELS
+
+
 # kernel modules: pre_forward(x, phi, alpha, bias, eps, iters) -> (h_in, H_post, H_res, h[tokens, n*n+2n] fp32, r[tokens] fp32)
 #                 pre_backward(dh_in, dH_post, dH_res, x, phi, alpha, bias, eps, iters, *results) -> (dx, dphi, dalpha, dbias, None, None)
 #                 post_forward(x, y, H_post, H_res) -> (x_next,)
@@ -48,8 +73,8 @@ PRE = KernelOp(
     n_saved=2,
     fake_forward=_fake_pre,
     backends={
-        "triton": "runtime.accelerators.mhc.triton:PRE_KERNELS",
-        "tilelang": "runtime.accelerators.mhc.tilelang:PRE_KERNELS",
+        "triton": _triton_pre_kernels,
+        "tilelang": _tilelang_pre_kernels,
     },
 )
 POST = KernelOp(
@@ -59,8 +84,8 @@ POST = KernelOp(
     n_saved=0,
     fake_forward=lambda x, y, h_post, h_res: torch.empty_like(x),
     backends={
-        "triton": "runtime.accelerators.mhc.triton:POST_KERNELS",
-        "tilelang": "runtime.accelerators.mhc.tilelang:POST_KERNELS",
+        "triton": _triton_post_kernels,
+        "tilelang": _tilelang_post_kernels,
     },
 )
 

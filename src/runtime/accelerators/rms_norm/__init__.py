@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
 from .reference import rms_norm_reference
@@ -16,6 +17,18 @@ def _fake_forward(x, weight, eps):
     return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(x, weight, eps) -> (y, rstd[rows] fp32)
 #                 backward(dy, x, weight, eps, y, rstd) -> (dx, dweight, None); y is None in eager calls (unread)
 KERNEL = KernelOp(
@@ -25,8 +38,8 @@ KERNEL = KernelOp(
     n_saved=1,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.rms_norm.triton:KERNELS",
-        "tilelang": "runtime.accelerators.rms_norm.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

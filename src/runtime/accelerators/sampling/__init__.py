@@ -23,6 +23,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import KERNEL_DTYPES, check_bool, check_tensor, dtype_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import restricted_draw, sample_reference, top_k_reference
 from .select_plan import MAX_K
@@ -59,6 +60,30 @@ def _fake_sample(logits, keep_k, max_k, temperature, top_p, uniforms):
     return logits.new_empty(logits.shape[:1], dtype=torch.int64)
 
 
+def _triton_top_k_kernels() -> KernelBackend:
+    from .triton import TOP_K_KERNELS
+
+    return TOP_K_KERNELS
+
+
+def _tilelang_top_k_kernels() -> KernelBackend:
+    from .tilelang import TOP_K_KERNELS
+
+    return TOP_K_KERNELS
+
+
+def _triton_sample_kernels() -> KernelBackend:
+    from .triton import SAMPLE_KERNELS
+
+    return SAMPLE_KERNELS
+
+
+def _tilelang_sample_kernels() -> KernelBackend:
+    from .tilelang import SAMPLE_KERNELS
+
+    return SAMPLE_KERNELS
+
+
 # kernel modules: top_k_forward(scores [..., V], k, largest) -> (values, indices) [..., k]
 #                 sample_forward(logits [B, V], keep_k [B] int32, max_k, temperature, top_p, uniforms [B] fp32) -> ids [B]
 TOP_K_KERNEL = KernelOp(
@@ -68,8 +93,8 @@ TOP_K_KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_top_k,
     backends={
-        "triton": "runtime.accelerators.sampling.triton:TOP_K_KERNELS",
-        "tilelang": "runtime.accelerators.sampling.tilelang:TOP_K_KERNELS",
+        "triton": _triton_top_k_kernels,
+        "tilelang": _tilelang_top_k_kernels,
     },
 )
 SAMPLE_KERNEL = KernelOp(
@@ -79,8 +104,8 @@ SAMPLE_KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_sample,
     backends={
-        "triton": "runtime.accelerators.sampling.triton:SAMPLE_KERNELS",
-        "tilelang": "runtime.accelerators.sampling.tilelang:SAMPLE_KERNELS",
+        "triton": _triton_sample_kernels,
+        "tilelang": _tilelang_sample_kernels,
     },
 )
 

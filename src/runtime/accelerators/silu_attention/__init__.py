@@ -25,6 +25,7 @@ import torch
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
 from .reference import silu_attention_reference
@@ -95,6 +96,18 @@ def _fake_forward(
     return q.new_empty(q.shape)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(q, k, v, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed,
 #                         max_seqlen, alpha, causal, dropout_p) -> o [total, H, D] in q's dtype
 #                 backward(do, <the same arguments>, None) -> a gradient (or None) per argument
@@ -110,8 +123,8 @@ KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.silu_attention.triton:KERNELS",
-        "tilelang": "runtime.accelerators.silu_attention.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 

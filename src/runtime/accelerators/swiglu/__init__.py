@@ -6,6 +6,7 @@ import torch
 
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import swiglu_reference
 
@@ -28,6 +29,18 @@ def _fake_forward(gate, up):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
+def _triton_kernels() -> KernelBackend:
+    from .triton import KERNELS
+
+    return KERNELS
+
+
+def _tilelang_kernels() -> KernelBackend:
+    from .tilelang import KERNELS
+
+    return KERNELS
+
+
 # kernel modules: forward(gate, up) -> y
 #                 backward(dy, gate, up, y) -> (dgate, dup)
 KERNEL = KernelOp(
@@ -37,8 +50,8 @@ KERNEL = KernelOp(
     n_saved=0,
     fake_forward=_fake_forward,
     backends={
-        "triton": "runtime.accelerators.swiglu.triton:KERNELS",
-        "tilelang": "runtime.accelerators.swiglu.tilelang:KERNELS",
+        "triton": _triton_kernels,
+        "tilelang": _tilelang_kernels,
     },
 )
 
