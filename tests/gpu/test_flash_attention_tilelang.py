@@ -199,21 +199,32 @@ def _variants_compiled():
 
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: f"d{c[5]}")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_backward_variants_against_float64(variant, case, _variants_compiled, monkeypatch):
+def test_backward_variants_against_float64(variant, case, _variants_compiled):
+    """Each variant passed to the backward launcher the op runs (its cfg), after the forward the op runs."""
     from dataclasses import replace
 
     b, h, hkv, lq, lk, d, causal, lengths, p, layout = case
-    monkeypatch.setitem(fa.BWD_CONFIGS, d, replace(fa.BWD_CONFIGS[d], **VARIANTS[variant]))
+    cfg = replace(fa.BWD_CONFIGS[d], **VARIANTS[variant])
     q, k, v = make(b, h, hkv, lq, lk, d, bf16, layout)
     key_lengths = None
-    if lengths:
-        key_lengths = torch.tensor([0, lk // 2 + 1], device=CUDA)  # a batch row without any key
+    if lengths:  # a batch row without any key
+        key_lengths = torch.tensor([0, lk // 2 + 1], device=CUDA, dtype=torch.int32)
     torch.manual_seed(5)
-    out = flash_attention(q, k, v, causal=causal, key_lengths=key_lengths, dropout_p=p, backend="tilelang")
-    torch.manual_seed(5)
-    keep = dropout.keep_mask(int(draw_seed_tensor(q.device)), b, h, lq, lk, p, q.device) if p > 0 else None
+    seed = draw_seed_tensor(q.device) if p > 0 else None  # the draw flash_attention makes
+    args = (q, k, v, key_lengths, causal, d**-0.5, p, seed)
+    with torch.no_grad():
+        o, lse = fa.forward(*args)
+        do = torch.randn_like(o)
+        dq, dk, dv = fa.backward(do, *args, o, lse, cfg=cfg)[:3]
+    keep = dropout.keep_mask(int(seed), b, h, lq, lk, p, q.device) if p > 0 else None
     extra = {"keep": keep, "dropout_p": p} if p > 0 else {}
-    dq, dk, _ = check(out, q, k, v, bf16, causal=causal, key_lengths=key_lengths, **extra)
+    ref = attention_float64(q, k, v, causal=causal, key_lengths=key_lengths, **extra)
+    assert o.dtype == q.dtype
+    assert_close("o", o, ref, RTOL[bf16])
+    grads_ref = torch.autograd.grad(ref, (q, k, v), do.double())
+    for name, g, g_ref, x in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, (q, k, v)):
+        assert g.dtype == x.dtype
+        assert_close(name, g, g_ref, gradient_tolerance(bf16))
     if lengths:
         assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.equal(dk[0], torch.zeros_like(dk[0]))
     assert dq.stride() == torch.empty_like(q).stride()

@@ -1,7 +1,7 @@
 """The Triton flash attention's variants on CUDA against the float64 reference: forward (FwdConfig: TMA descriptor
 loads, heavy-first causal order, the head dim in two column parts) and backward (BwdConfig: TMA descriptor loads in
 the dk/dv and dq kernels, lse and delta through descriptors in the dk/dv kernel, the head dim in two column parts),
-each forced at a few shapes whatever the tables say, and TMA table entries through the public API; and dropout past
+each forced at a few shapes whatever the tables say, and TMA table entries through the backward launcher; and dropout past
 2^16 queries and 2^17 keys and inside a CUDA graph on both kernel backends."""
 
 import pytest
@@ -298,19 +298,23 @@ def test_tma_backward(case):
 
 
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (48, False)])
-def test_backward_tma_entries_through_the_public_api(monkeypatch, d, causal):
-    """TMA entries in the dkdv/dq tables (as a sweep may make them; padded: split loads take pointers) serve
-    flash_attention's backward on Hopper."""
-    bd = fa.block_d(d)
-    for kind in (fa.backward_kind("dkdv", causal), fa.backward_kind("dq", causal)):
-        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], bd, fa.CONFIGS_16BIT[kind][bd]._replace(tma=True, split_d=False))
-    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 300, 300, d, torch.bfloat16, "blhd"))
-    out = flash_attention(q, k, v, causal=causal, backend="triton")
-    do = torch.randn_like(out)
-    assert fa.backward_variant("dkdv", q, k, v, do, causal=causal)[1]["TMA"] == hopper()
-    grads = torch.autograd.grad(out, (q, k, v), do)
+def test_backward_tma_entries_through_the_backward_launcher(d, causal):
+    """TMA entries for the dkdv/dq kernels (the tables' own with tma, as a sweep may make them; padded: split loads
+    take pointers), passed to the backward the op runs, serve it on Hopper with tma left to the config."""
+    dtype = torch.bfloat16
+    dkdv_cfg, dq_cfg = (
+        fa.config(fa.backward_kind(kind, causal), d, dtype)._replace(tma=True, split_d=False) for kind in ("dkdv", "dq")
+    )
+    q, k, v = make(2, 4, 2, 300, 300, d, dtype, "blhd")
+    args = (q, k, v, None, causal, d**-0.5, 0.0, None)
+    o, lse = fa.forward(*args)
+    do = torch.randn_like(o)
+    for kind, cfg in (("dkdv", dkdv_cfg), ("dq", dq_cfg)):
+        assert fa.backward_variant(kind, q, k, v, do, cfg, causal=causal)[1]["TMA"] == hopper()
+    with poison_outputs():
+        grads = fa.backward(do, *args, o, lse, kind="split", dq_cfg=dq_cfg, dkdv_cfg=dkdv_cfg)[:3]
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference_grads(do, q, k, v, None, causal)):
-        assert_close(name, g, g_ref, gradient_tolerance(torch.bfloat16))
+        assert_close(name, g, g_ref, gradient_tolerance(dtype))
 
 
 # (B, H, Hkv, Lq, Lk, D, causal, lengths, dtype, layout, dk/dv config, dq config): SB_DQ is the 16-bit dq table's

@@ -79,21 +79,28 @@ def test_compiled_dropout_draws_a_fresh_seed_per_call_in_a_full_graph():
 def test_compiled_scalar_inputs_without_a_traceable_guard_scalar(monkeypatch):
     # Dynamo traces guard_scalar from torch 2.8 on; torch 2.4 to 2.7 skip it (a graph break: fullgraph fails), so there
     # the backend decision must keep its constant bool / int / float inputs without calling it. Emulated here: a
-    # guard_scalar Dynamo does not trace, and the gate as on those versions.
+    # guard_scalar Dynamo does not trace, and the decision select_backend makes while compiling, its inputs described
+    # as on those versions (traces_guard_scalar=False).
     from torch.fx.experimental import symbolic_shapes
 
     from runtime.accelerators import backends
+    from runtime.accelerators.flash_attention import SPEC
+    from runtime.accelerators.flash_attention.reference import flash_attention_reference
 
     monkeypatch.setattr(symbolic_shapes, "guard_scalar", torch._dynamo.disable(symbolic_shapes.guard_scalar))
-    monkeypatch.setattr(backends, "_TRACES_GUARD_SCALAR", False)
-    q, k, v = (torch.randn(2, 2, 9, 16) for _ in range(3))  # dropout_p, scale and capturing: float, None, bool
+    q, k, v = (torch.randn(2, 2, 9, 16) for _ in range(3))
 
-    def attention(q, k, v):
-        return acc.flash_attention(q, k, v, causal=True, backend="torch")
+    def attention(q, k, v, causal, dropout_p):  # dropout_p, scale and causal: float, None, bool
+        inputs = dict(q=q, k=k, v=v, causal=causal, key_lengths=None, attn_mask=None, dropout_p=dropout_p, scale=None)
+        described = backends._describe(SPEC, inputs, traces_guard_scalar=False)
+        chosen = backends._decide_while_compiling(SPEC.name, "torch", q.device, described)
+        assert chosen == "torch"
+        return flash_attention_reference(q, k, v, causal, None, None, dropout_p, None)
 
     torch._dynamo.reset()
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v))
+    for causal in (True, False):
+        torch.testing.assert_close(compiled(q, k, v, causal, 0.0), attention(q, k, v, causal, 0.0))
 
 
 def _norms_dropout_mhc(x, residual, phi, alpha, bias):

@@ -99,22 +99,21 @@ def test_unaligned_views_take_the_pointer_path():
         assert_close(f"o ({name})", o, attention_float64(bad, k, v, key_lengths=torch.tensor([20, 5])), RTOL[f16])
 
 
-def test_the_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
-    """A table entry asking for TMA runs the pointer path here; heavy_first applies to causal calls only."""
+def test_a_config_asking_for_descriptors_takes_pointers_under_the_interpreter():
+    """A config asking for TMA, as a table entry does (tma left to the config), runs the pointer path here;
+    heavy_first applies to causal calls only."""
     variant = FwdConfig(16, 16, 4, 2, tma=True, heavy_first=True)
-    monkeypatch.setitem(fa.CONFIGS_16BIT["fwd"], 16, variant)
-    monkeypatch.setitem(fa.CONFIGS_16BIT["fwd_causal"], 16, variant)
     q, k, v = make(2, 2, 1, 40, 37, 16)
-    assert fa.forward_variant(q, k, v, False)[1] == dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
-    assert fa.forward_variant(q, k, v, True)[1] == dict(TMA=False, HEAVY_FIRST=1, D_HI=0)
+    assert fa.forward_variant(q, k, v, False, variant)[1] == dict(TMA=False, HEAVY_FIRST=0, D_HI=0)
+    assert fa.forward_variant(q, k, v, True, variant)[1] == dict(TMA=False, HEAVY_FIRST=1, D_HI=0)
     for causal in (False, True):
-        out = flash_attention(q, k, v, causal=causal, backend="triton")
-        assert_close("o", out, attention_float64(q, k, v, causal=causal), RTOL[f16])
+        o, _ = run_forward(q, k, v, None, causal, variant, tma=None)
+        assert_close("o", o, attention_float64(q, k, v, causal=causal), RTOL[f16])
 
 
 @pytest.mark.parametrize("d", [48, 64, 128])
 def test_the_default_tma_entries_take_the_pointer_path_here(d):
-    """The tables' own TMA entries (as shipped, no monkeypatch) never reach the descriptor path on the CPU."""
+    """The tables' own TMA entries (as shipped) never reach the descriptor path on the CPU."""
     q, k, v = make(1, 2, 2, 8, 8, d)
     for causal in (False, True):
         cfg, flags = fa.forward_variant(q, k, v, causal)
@@ -254,11 +253,9 @@ def test_split_forward_dropout_and_backward():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_through_the_public_op(monkeypatch, causal):
-    """A forward table entry with split_d serves flash_attention at head dim 48 (padded entry 64), and so does the dq
-    table's entry as shipped (the dq kernel writing delta), the dk/dv entry padded, both reading the split
-    forward's lse: float64's gradients (GQA, a key length, a row of no visible key)."""
-    kind = "fwd_causal" if causal else "fwd"
-    monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 64, FwdConfig(16, 16, 4, 2, heavy_first=2, split_d=True))
+    """The forward and dq table entries as shipped (split_d at padded head dim 64) serve flash_attention at head dim
+    48 split (the dq kernel writing delta), the dk/dv entry padded, both reading the split forward's lse: float64's
+    gradients (GQA, a key length, a row of no visible key)."""
     taken = {"forward_variant": [], "backward_variant": []}
     callers = {"forward_variant": (triton_forward,), "backward_variant": (triton_dq, triton_dkdv)}
     for name, calls in taken.items():
@@ -396,19 +393,20 @@ def test_launch_options_pass_a_register_cap_only_where_a_config_sets_one():
     assert capped == [("dkdv", 32), ("dkdv_causal", 32)]  # the head-dim-32 dk/dv entries
 
 
-def test_the_backward_tables_never_choose_descriptors_under_the_interpreter(monkeypatch):
-    for kind in ("dkdv", "dq", "dkdv_causal", "dq_causal"):
-        monkeypatch.setitem(fa.CONFIGS_16BIT[kind], 16, BwdConfig(16, 16, 4, 2, tma=True))
-    q, k, v = (x.requires_grad_() for x in make(2, 2, 1, 40, 37, 16))
+def test_a_backward_config_asking_for_descriptors_takes_pointers_under_the_interpreter():
+    """A BwdConfig asking for TMA, as the dk/dv table entries do (tma left to the config), runs the pointer path
+    here, in the dq and the dk/dv kernel."""
+    cfg = BwdConfig(16, 16, 4, 2, tma=True)
+    q, k, v = make(2, 2, 1, 40, 37, 16)
     do = torch.randn_like(q)
     for kind in ("dkdv", "dq"):
         for causal in (False, True):
-            assert fa.backward_variant(kind, q, k, v, do, causal=causal) == (
-                BwdConfig(16, 16, 4, 2, tma=True),
+            assert fa.backward_variant(kind, q, k, v, do, cfg, causal=causal) == (
+                cfg,
                 dict(TMA=False, HEAVY_FIRST=0, D_HI=0),
             )
-    out = flash_attention(q, k, v, causal=True, backend="triton")
-    assert_gradients(torch.autograd.grad(out, (q, k, v), do), q, k, v, do, None, True)
+    grads = run_backward(q, k, v, do, None, True, cfg, tma=None)
+    assert_gradients(grads, q, k, v, do, None, True)
 
 
 def test_plain_tuples_still_configure_the_backward():
@@ -544,26 +542,26 @@ def test_fused_backward_reads_strided_views():
     assert_gradients(grads, q, k, v, do, [19, 7], True)
 
 
-def test_the_backward_takes_the_fused_kernel_where_keys_fit_one_block(monkeypatch):
-    monkeypatch.setitem(fa.CONFIGS_16BIT["fused"], 16, BwdConfig(16, 64, 4, 2))
-    calls = []
-    monkeypatch.setattr(triton_dq, "_bwd_dq_kernel", None)  # the split kernels must not run
-    real = fa.backward_fused
-    monkeypatch.setattr(fa, "backward_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+def test_the_backward_takes_the_fused_kernel_where_keys_fit_one_block():
+    cfg = BwdConfig(16, 64, 4, 2)  # the fused kernel's config: keys in one block of 64
     q, k, v = make(2, 4, 2, 40, 64, 16)
     do = torch.randn_like(q)
     lengths = [64, 9]
     args = (q, k, v, torch.tensor(lengths, dtype=torch.int32), True, q.shape[-1] ** -0.5, 0.0, None)
     o, lse = fa.forward(*args)
-    grads = fa.backward(do, *args, o, lse, min_programs=4)[:3]
+    with poison_outputs():
+        grads = fa.backward(do, *args, o, lse, min_programs=4, fused_cfg=cfg)[:3]
+        fused = fa.backward_fused(do, *args, o, lse, cfg=cfg)
     assert_gradients(grads, q, k, v, do, lengths, True)
-    assert calls == [1]
-    assert fa.use_fused(q, k, min_programs=4)
-    assert not fa.use_fused(q, k)  # 4 (batch, kv head) pairs: too few by default
-    assert not fa.use_fused(*make(2, 4, 2, 40, 65, 16)[:2])  # a key past the block
-    assert not fa.use_fused(*make(1, 4, 2, 40, 64, 16)[:2])  # too few (batch, kv head) pairs
-    assert not fa.use_fused(*make(2, 4, 2, 40, 64, 16, torch.float32)[:2])  # measured for 16-bit inputs only
-    assert not fa.use_fused(*make(2, 4, 2, 40, 64, 32)[:2])  # head dim 32: the split kernels won
+    for name, g, g_fused in zip(("dq", "dk", "dv"), grads, fused):  # one key block: dq stored, no atomics
+        assert torch.equal(g, g_fused), name
+    assert fa.use_fused(q, k, 4, cfg)
+    assert not fa.use_fused(q, k, cfg=cfg)  # 4 (batch, kv head) pairs: too few by default
+    assert not fa.use_fused(*make(2, 4, 2, 40, 65, 16)[:2], 4, cfg)  # a key past the block
+    assert fa.use_fused(*make(2, 4, 2, 40, 65, 16)[:2], 4)  # the table's entry: 256 keys a block
+    assert not fa.use_fused(*make(1, 4, 2, 40, 64, 16)[:2], 4, cfg)  # too few (batch, kv head) pairs
+    assert not fa.use_fused(*make(2, 4, 2, 40, 64, 16, torch.float32)[:2], 4, cfg)  # measured for 16-bit inputs only
+    assert not fa.use_fused(*make(2, 4, 2, 40, 64, 32)[:2], 4, cfg)  # head dim 32: the split kernels won
 
 
 # --------------------------------------------------------------------------- the sm_90 build, no GPU

@@ -230,12 +230,17 @@ def _decide_or_tune(spec: OpSpec, requested: str, config, device: torch.device, 
     return _decide(spec, requested, config.fallback, device, inputs)
 
 
-def _describe(spec: OpSpec, inputs: dict) -> tuple:
+# Whether Dynamo traces guard_scalar (into a constant and a guard): from torch 2.8 on. Torch 2.4 to 2.7 skip it, a
+# graph break in every compiled op with a bool, int or float input (fullgraph fails), constant ones included.
+_TRACES_GUARD_SCALAR = torch.__version__ >= (2, 8)
+
+
+def _describe(spec: OpSpec, inputs: dict, traces_guard_scalar: bool = _TRACES_GUARD_SCALAR) -> tuple:
     """The inputs as constants for torch.compile: a tensor by dtype, rank, requires_grad and, for the inputs the
     spec names in `widths`, its last size, which the graph specialises on. Other sizes are left out: they may be
     symbolic, and a rank-1 input's length (values, offsets, timestamps, cu_seqlens) changes from batch to batch,
     so describing it would compile a graph per length. A bool, int or float value (symbolic under dynamic shapes)
-    is specialised: the graph guards on it.
+    is specialised: the graph guards on it (traces_guard_scalar: see _constant).
     """
     read, widths = spec.read_inputs, spec.widths  # only what the reasons read: a call's eps or p would be specialised
     return tuple(
@@ -249,27 +254,23 @@ def _describe(spec: OpSpec, inputs: dict) -> tuple:
                 v.requires_grad,
             )
             if isinstance(v, torch.Tensor)
-            else ("value", _constant(v)),
+            else ("value", _constant(v, traces_guard_scalar)),
         )
         for name, v in inputs.items()
         if read is None or name in read
     )
 
 
-# Whether Dynamo traces guard_scalar (into a constant and a guard): from torch 2.8 on. Torch 2.4 to 2.7 skip it, a
-# graph break in every compiled op with a bool, int or float input (fullgraph fails), constant ones included.
-_TRACES_GUARD_SCALAR = torch.__version__ >= (2, 8)
-
-
-def _constant(value):
+def _constant(value, traces_guard_scalar: bool = _TRACES_GUARD_SCALAR):
     """A symbolic bool, int or float as the constant the graph then guards on.
 
     Dynamo makes a float argument symbolic under dynamic shapes (dropout_p, scale, eps, also a default value), and
     it sees symbolic numbers as plain bool/int/float (isinstance(x, torch.SymFloat) is False while tracing), where
     float() and int() would keep them symbolic: guard_scalar is the call Dynamo turns into a constant and a guard.
-    Before torch 2.8 (_TRACES_GUARD_SCALAR), only what isinstance finds symbolic is specialised.
+    Where Dynamo does not trace it (traces_guard_scalar False, before torch 2.8: _TRACES_GUARD_SCALAR), only what
+    isinstance finds symbolic is specialised.
     """
-    if not _TRACES_GUARD_SCALAR:
+    if not traces_guard_scalar:
         if isinstance(value, torch.SymInt):
             return operator.index(value)
         if isinstance(value, torch.SymBool):

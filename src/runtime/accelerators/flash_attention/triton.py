@@ -62,23 +62,25 @@ __all__ = [
 
 def backward(
     do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse, *, kind=None, packing=None,
-    min_programs=FUSED_MIN_PROGRAMS,
+    min_programs=FUSED_MIN_PROGRAMS, fused_cfg=None, dq_cfg=None, dkdv_cfg=None,
 ):  # fmt: skip
     """(dq, dk, dv, None x 5): gradients in the inputs' dtypes, dk/dv summed over each kv head's query heads.
 
     kind: "fused" (one kernel, backward_fused) or "split" (the dq kernel, which also writes delta = rowsum(o * do),
     then the dk/dv kernel); None: use_fused decides (min_programs: its least number of (batch, kv head) pairs).
-    packing: packed sequences (see forward; the split kernels)."""
+    packing: packed sequences (see forward; the split kernels). fused_cfg, dq_cfg, dkdv_cfg: a BwdConfig for that
+    kernel instead of its table's entry (None: the table's)."""
     if kind not in (None, *BACKWARDS):
         raise ValueError(f"kind: expected None or one of {BACKWARDS}, got {kind!r}")
     if packing is not None and kind == "fused":
         raise ValueError("kind: the fused backward takes no packed sequences; use 'split' or None")
-    if kind == "fused" or (kind is None and packing is None and use_fused(q, k, min_programs)):
-        dq, dk, dv = backward_fused(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, o, lse)
+    args = (do, q, k, v, key_lengths, causal, scale, dropout_p, seed)
+    if kind == "fused" or (kind is None and packing is None and use_fused(q, k, min_programs, fused_cfg)):
+        dq, dk, dv = backward_fused(*args, o, lse, cfg=fused_cfg)
     else:
         delta = empty(_row_shape(q, packing), dtype=torch.float32, device=q.device)
-        dq = backward_dq(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, o=o, packing=packing)
-        dk, dv = backward_dkdv(do, q, k, v, key_lengths, causal, scale, dropout_p, seed, lse, delta, packing=packing)
+        dq = backward_dq(*args, lse, delta, o=o, cfg=dq_cfg, packing=packing)
+        dk, dv = backward_dkdv(*args, lse, delta, cfg=dkdv_cfg, packing=packing)
     return dq, dk, dv, None, None, None, None, None
 
 

@@ -273,17 +273,18 @@ def _bwd_fused_kernel(
 # --------------------------------------------------------------------------- launch
 
 
-def use_fused(q, k, min_programs: int = FUSED_MIN_PROGRAMS) -> bool:
+def use_fused(q, k, min_programs: int = FUSED_MIN_PROGRAMS, cfg=None) -> bool:
     """The fused kernel for 16-bit inputs at the head dims where it won, where every key fits its block (it then
     stores dq: no atomics) and there are enough (batch, kv head) pairs to fill the GPU (min_programs), one program
-    each; else the dq and dk/dv kernels."""
+    each; else the dq and dk/dv kernels. cfg: the fused kernel's BwdConfig, as backward_fused takes it (None: the
+    table's "fused" entry)."""
     b, hkv, lk = k.shape[0], k.shape[1], k.shape[2]
     d = block_d(q.shape[-1])
     return (
         q.dtype != torch.float32
         and d in FUSED_HEAD_DIMS
         and b * hkv >= min_programs
-        and lk <= config("fused", d, q.dtype).block_n
+        and lk <= (config("fused", d, q.dtype) if cfg is None else BwdConfig(*cfg)).block_n
     )
 
 

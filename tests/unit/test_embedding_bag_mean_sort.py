@@ -12,7 +12,7 @@ from runtime.accelerators.embedding_bag_mean import radix_sort
 from runtime.accelerators.embedding_bag_mean import triton as triton_kernels
 from runtime.accelerators.embedding_bag_mean.radix_sort import RadixLaunch
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
-from test_embedding_bag import check_triton, hot_indices, mean_bags64, run_triton, table
+from test_embedding_bag_mean import check_triton, hot_indices, mean_bags64, run_triton, table
 
 
 def mapped_sort(flat: torch.Tensor, num_embeddings: int):
