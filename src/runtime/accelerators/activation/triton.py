@@ -22,7 +22,8 @@ import triton.language as tl
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
-from ..swiglu.triton import BLOCK, WARPS, load_block, store_block
+from ..swiglu.configs import BLOCK, WARPS
+from ..swiglu.triton import load_block, store_block
 from ..triton_launch import direct_launch
 from . import reference as constants
 from .reference import GELU, GELU_TANH, SILU

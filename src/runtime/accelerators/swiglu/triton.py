@@ -15,17 +15,7 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-
-# H100, 8192 x 4096 bf16 (GPU us, median of 7 interleaved rounds):
-# 1024 x 4 warps 64.5 forward / 177.1 forward+backward, 4096 x 8 (the earlier default) 64.8 / 177.8, torch.compile
-# 64.4 / 177.1; larger blocks and 4096 x 4 were 0.5-3% slower.
-BLOCK = 1024
-WARPS = 4
-# The forward loads g and u with the evict-last hint. H100, 8192 x 4096: 62.7-63.0 us against 64.0-64.4
-# without it (torch.compile 63.9-64.3). ncu with its
-# caches flushed: the same 134.2 MB read from DRAM, 46 MB instead of 50 MB written back while the kernel runs (the
-# rest of y stays dirty in L2 when it ends), 61.3-61.6 us against 62.5-62.9.
-FORWARD_LOAD_POLICY: tl.constexpr = tl.constexpr("evict_last")
+from .configs import BLOCK, FORWARD_LOAD_POLICY, WARPS
 
 
 @triton.jit
