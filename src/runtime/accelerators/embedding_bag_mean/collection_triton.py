@@ -26,9 +26,10 @@ import triton.language as tl
 from .. import buffers
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
+from .configs import BLOCK_J, CHUNK
 from .reference import INDEX_ERROR
 from .segments import INT32_MAX, num_chunks
-from .triton import BLOCK_J, CHECK_ASSERT, CHECK_FLAG, CHECK_OFF, CHUNK, _segmented_add, sort_for_gradient
+from .triton import CHECK_ASSERT, CHECK_FLAG, CHECK_OFF, _segmented_add, sort_for_gradient
 
 INDEX_MESSAGE = tl.constexpr(INDEX_ERROR.replace("embedding_bag_mean", "embedding_bag_collection"))
 BLOCK_L = 8  # bag entries gathered per step of the forward (their rows are loaded together)

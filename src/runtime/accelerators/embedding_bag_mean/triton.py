@@ -26,21 +26,12 @@ from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from . import radix_sort
+from .configs import BLOCK_J, CHUNK
 from .reference import INDEX_ERROR, index_error
 from .segments import Segments, bag_layout, empty_input_gradient, num_chunks, sort_keys, sparse_gradient, sparse_ranks
 
-# sorted entries per program of the gradient's first pass: more, smaller programs hide its latency better. H100,
-# forward+backward at 1Mx128 bag 4: 16 0.1260 / 0.1323 ms
-# (uniform / Zipf) against 32 0.1349 / 0.1370 and 64 0.1469 / 0.1471; within 2% at 1Mx64 Zipf.
-CHUNK = 16
-# chunk partials summed, and chunk ends searched, at once in the second pass: a hot (Zipf) row's segment spans
-# hundreds of chunks. H100, with CHUNK 16, 1Mx128 bag 4 Zipf: 32
-# 0.1323 ms, 64 0.1309, 128 0.1289; bag 8 Zipf 0.1658 / 0.1634 / 0.1587; uniform tables up to 1% slower with 128.
-BLOCK_J = 128
-# The weight gradient sorts its keys with radix_sort.py where they fit (radix_sort.fits), else with torch.sort
-# (segments.sort_keys): on the H100 the radix sort of 32768 keys over 1M rows takes 0.036 ms against 0.060 for
-# torch's, and 65536 keys 0.041 against 0.063. The dense gradient's zero fill runs in the radix sort's launches
-# (radix_sort.sort's `zero`), so that the memory-bound fill and the latency-bound sort overlap.
+# The weight gradient sorts its keys with radix_sort.py where they fit (radix_sort.fits), else with torch.sort; the
+# dense gradient's zero fill runs in the radix sort's launches (docs/tuning/embedding_bag_mean.md).
 
 
 # --------------------------------------------------------------------------- kernels
