@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from ..kernel_backend import KernelBackend
 from .triton_backward import backward, bias_gradients, fold_distances
-from .triton_forward import CONFIGS_16BIT, CONFIGS_FP32, MAX_TIME_BUCKETS, block_d, config, forward
+from .triton_configs import CONFIGS_16BIT, CONFIGS_FP32, config
+from .triton_forward import MAX_TIME_BUCKETS, block_d, forward
 
 __all__ = [
     "CONFIGS_16BIT",

@@ -11,6 +11,7 @@ from ..flash_attention.triton_blocks import _keep, _key_block, _mix32, _pair_key
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
 from .bias_folds import fold_distances
+from .triton_configs import config
 from .triton_forward import (
     _common,
     _dsilu,
@@ -23,7 +24,6 @@ from .triton_forward import (
     _time_bucket,
     _times,
     _visible,
-    config,
 )
 
 # --------------------------------------------------------------------------- backward

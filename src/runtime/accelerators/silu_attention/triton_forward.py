@@ -1,5 +1,5 @@
-"""silu_attention's Triton forward (kernel and launcher), its launch configurations, and the pieces every kernel
-and launcher shares (see triton.py for the kernels' math)."""
+"""silu_attention's Triton forward (kernel and launcher) and the pieces every kernel and launcher shares (launch
+configurations: triton_configs.py; the kernels' math: triton.py)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,13 @@ from ..flash_attention import dropout
 from ..flash_attention.triton_blocks import _keep, _key_block, _mix32, _pair_key, _query_block
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
+from .triton_configs import config
 
 MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
-
-# (block_m, block_n, num_warps, num_stages) per kernel; fp32 runs exact fp32 products with smaller tiles
-CONFIGS_16BIT = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2), "bias": (32, 32, 4, 2)}
-CONFIGS_FP32 = {"fwd": (32, 32, 4, 2), "dkdv": (32, 32, 4, 2), "dq": (32, 32, 4, 2), "bias": (32, 32, 4, 2)}
 
 
 def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
-
-
-def config(kind: str, dtype: torch.dtype) -> tuple:
-    return (CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT)[kind]
 
 
 # --------------------------------------------------------------------------- shared pieces
