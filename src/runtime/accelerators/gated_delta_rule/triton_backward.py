@@ -10,9 +10,9 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..backends import sm_count
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
+from .triton_backward_launch import _grad_qk_state_launch, _local_grad_launch, _walk_launch
 from .triton_backward_wy import _grad_wy
 from .triton_shared import (
     BT_,
@@ -39,50 +39,24 @@ from .triton_shared import (
 )
 
 # --------------------------------------------------------------------------- chunked backward
-# The chunked backward (fp32 accumulation throughout).
+# The chunked backward (fp32 accumulation throughout). Per chunk (see reference.py), with S the state entering it, S'
+# the state leaving it, P the causal attention (Q K^T * exp(gamma_t - gamma_j))_{j <= t}, T = (I + A)^-1 and the
+# corrections U = u - w S:  O = scale (diag(e^gamma) Q S + P U),  S' = e^gamma_last S + K~^T U,  K~ = diag(e^(gamma_last
+# - gamma)) K. Given dO and dS', after the forward's S and U are recomputed (walk_states):
+#   1. _chunk_local_grad_kernel, per (chunk, value head): dU_local = scale P^T dO, and the row factors that make Q~ and
+#      K~ from the raw q/k rows (scale e^gamma rstd_q, e^(gamma_last - gamma) rstd_k; rstd: the l2norm's, else 1);
+#   2. _state_grad_kernel, per (sequence, value head, V block), walks the chunks backwards: dU = dU_local + K~ dS',
+#      dS = e^gamma_last dS' + Q~^T dO - w^T dU; it stores dS' per chunk, dU, and d(initial_state);
+#   3. and 4. _chunk_grad_qk_state_kernel, per (chunk, value head): the products with the states in registers, then
+#      dq (final) and the parts of dk and dgamma from O and S';
+#   5. triton_backward_wy.py: through the WY factors and T: dv, dbeta, the rest of dk and dgamma, the l2norm backward
+#      of k and dg. GVA (HV > H) sums dq/dk over each q/k head's value heads in _sum_value_heads (from fp32).
+# Why the steps split as they do, and their launches (triton_backward_launch.py): docs/tuning/gated_delta_rule.md.
 #
-# Per chunk (see reference.py), with S the state entering it, S' the state leaving it, P the causal
-# attention (Q K^T * exp(gamma_t - gamma_j))_{j <= t}, T = (I + A)^-1 and the corrections U = u - w S:
-#
-#     O  = scale (diag(e^gamma) Q S + P U)        S' = e^gamma_last S + K~^T U,   K~ = diag(e^(gamma_last - gamma)) K
-#
-# Backward, given dO and dS' (the gradient of the final state for the last chunk):
-#   0. the forward's states S and corrections U per chunk are recomputed (walk_states);
-#   1. _chunk_local_grad_kernel, one program per (chunk, value head), all in parallel: the part of dU that does
-#      not depend on dS', dU_local = scale P^T dO (P^T = (K Q^T) * decay^T), written where dU goes, and the row
-#      factors that turn the raw q/k rows into Q~ = diag(scale e^gamma rstd_q) Q_raw and K~ = diag(e^(gamma_last
-#      - gamma) rstd_k) K_raw (rstd: the l2norm's rsqrt, 1 without it) [B*T, HV] (fp32);
-#   2. _state_grad_kernel, one program per (sequence, value head, V block), walks the chunks backwards, three
-#      dots a chunk ([BT, K] x [K, BV] and twice [K, BT] x [BT, BV]; at K = 128 each as two over 64 state rows)
-#      and no exp or l2norm over tiles:
-#         dU = dU_local + K~ dS'          dS = e^gamma_last dS' + Q~^T dO - w^T dU
-#      storing dS' per chunk and dU (in place of dU_local), and dS of the first chunk as d(initial_state);
-#   3. and 4. _chunk_grad_qk_state_kernel, one program per (chunk, value head): the products with the states,
-#      dO S^T, U dS'^T, dw = -dU S^T and <S, dS'> (for d gamma_last), in registers; then the output's and S''s
-#      parts, dq (final, with the l2norm backward of q), and dk's and dgamma's parts from O and S' (kept in fp32 for
-#      step 5). (As two kernels, with dO S^T and U dS'^T through memory in fp32, they were slower.)
-#   5. _chunk_grad_wy_kernel, one program per (chunk, value head): through the WY factors w = T diag(beta e^gamma) K
-#      and u = T diag(beta) V and through T (dA = -T^T dT T^T on the strictly lower part): dv, dbeta and the rest
-#      of dk and dgamma, then the l2norm backward of k and the reverse cumulative sum dgamma -> dg within the chunk.
-#      (Or in two parts through dA = -T^T dU U^T, in one kernel: Tuning.grad_wy, see "step 5 through" below.)
-# dq/dk of GVA (HV > H) are written per value head in fp32 and summed over the value heads of each q/k head by
-# _sum_value_heads_kernel, which casts too (torch's sum, then the cast, passed over the fp32 sums a second time: 0.92
-# ms of kernels at the packed shape, HV 32, on an H100); with HV = H steps 4 and 5 write them, and every other
-# gradient, in their final dtype.
-# Steps 3 to 5 were one kernel: carrying every accumulator through one V loop spilled 5 KB per thread at K = 128;
-# steps 4 and 5 together still spilled 1.3 KB at K = 128 (2.27 ms of the backward's 6.2 at B4-T4096-H16 on an H100).
-# Step 1 was part of the walk (five dots a chunk: [BT, K] x [K, BT] and [BT, BT] x [BT, BV] besides the three,
-# a [BT, BT] decay and two l2norms, recomputed by every V block): 2.12 ms of the walk at B4-T4096-H16-D128 became
-# 0.18 ms (step 1) + 0.70 ms (step 2) on an H100. Launch settings per K: _walk_launch, _grad_qk_state_launch, _grad_launch, _grad_wy_launch.
-#
-# No tl.dot here takes tl.trans(X) of an X computed in registers from another tl.dot: Triton 3.4 to 3.7.0
-# miscompiles that on Hopper (the wgmma operand of a transposed MMA-layout tensor gives wrong numbers:
-# reported in flash-linear-attention's issue tracker), and the GPU machine has Triton 3.6. The transposed matrices
-# are computed directly from their factors instead, transposes only of tiles loaded from memory:
-#   P^T = (K Q^T) * decay^T;  dP^T from U dO^T, accumulated next to dO U^T = dO u^T - (dO S^T) w^T;
-#   dA^T = -(T dT^T T) with T dT^T = u dU^T + w dw^T = U dU^T (u = T diag(beta) V, w = T diag(beta e^gamma) K).
-# The walk's Q_raw^T and w^T are transposes of loaded tiles (Q~^T dO = Q_raw^T diag(q_factor) dO), and dU enters
-# w^T dU untransposed.
+# No tl.dot here takes tl.trans(X) of an X computed by another tl.dot: Triton 3.4 to 3.7.0 miscompiles that on Hopper
+# (wrong numbers from the wgmma operand of a transposed MMA-layout tensor). Transposes are computed from their
+# factors instead, or taken of tiles loaded from memory: P^T = (K Q^T) * decay^T; dP^T from U dO^T; dA^T = -(T dT^T
+# T) with T dT^T = U dU^T; the walk's Q_raw^T and w^T are loaded tiles, and dU enters w^T dU untransposed.
 
 
 @direct_launch
@@ -216,31 +190,9 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
         _chunk_local_grad_kernel[(chunks.total, HV)](
             q, k, gamma, grad_o, du, q_factor, k_factor, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
-            HALF=half,
-            # one warp at K = 16: 0.636 against 0.641 ms forward + backward with 4 (PCVR, H100)
-            **dict(BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2),
+            HALF=half, **_local_grad_launch(K, V),
         )  # fmt: skip
     return q_factor, k_factor
-
-
-def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.device) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _state_grad_kernel for `walks` sequences x value heads, from H100 timings (Triton 3.6,
-    bf16) and sm_90 compiles. Half inputs:
-    - K = 128: 4 warps and 3 stages, BV 32 where the grid stays within one program per SM, else 64. Forward +
-      backward: packed 32768 H16 HV32 (128 programs at BV 32) 10.74 -> 10.45 ms with BV 32, B4-T4096-H16
-      (256) 2.251 -> 2.351, so BV 64 there; 2 stages 2.312 and 10.92 at BV 64; 8 warps slower. BV 32 runs since
-      the state is held as two [64, BV] tiles: as one [128, 32] tile it faulted (illegal accesses, or
-      results off by 3.4e-3; tests/gpu's K128-V32 case). A block wider than V is masked.
-    - K = 64 BV 64 with 4 warps (BV 32 and 8 warps were slower), K = 16 2 warps (faster than 4 and 8 at
-      B256-T256-H4).
-    fp32 inputs: IEEE dots run on the FMA units in registers, which spill least with 8 warps and BV 32."""
-    if precision == "ieee":
-        return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
-    if K == 128:
-        return (32 if V <= 32 or walks * cdiv(V, 32) <= sm_count(device) else 64), 4, 3
-    if K == 64:
-        return min(V, 64), 4, 2
-    return min(V, 32), 2 if K == 16 else 4, 2
 
 
 def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
@@ -344,19 +296,6 @@ def _chunk_grad_qk_state_kernel(
         q, k, dq_out, dk_part_out, d_gamma_out, rows, row_mask, last_row, gamma, last, i_h, i_hv, do_u, u_do,
         dq_state, dk_state, tl.sum(s_ds, 0), scale, H, HV, K, L2NORM, PRECISION, HALF,
     )  # fmt: skip
-
-
-def _grad_qk_state_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_qk_state_kernel ("grad_qk_state"), from H100 timings
-    (forward + backward ms, bf16): at K = 128 8 warps, 3 stages, V blocks of 32 (B4-T4096-H16-D128 2.415
-    against 2.473 with 2 stages, 3.031 with 4 warps; its three [BT, K] fp32 accumulators take 96 registers a thread,
-    and it still spills about 200-280 B a thread at sm_90, Triton 3.6); at K = 16 2 warps, 1 stage (B256-T256-H4-D16
-    0.555 against 0.605 with 4 warps); 8 warps at K = 64 (spilling about 300-350 B a thread, 550 with 4; K = 32 and 64
-    not timed)."""
-    if K == 128:
-        return dict(BV=min(V, 32), num_warps=8, num_stages=3)
-    warps = 2 if K == 16 else 8 if K >= 64 else 4
-    return dict(BV=min(V, 64), num_warps=warps, num_stages=1 if K == 16 else 2)
 
 
 @direct_launch

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .. import buffers
 from ..triton_launch import direct_launch
+from .triton_backward_launch import _grad_launch, _grad_wy_launch
 from .triton_shared import (
     BT_,
     L2NORM_EPS,
@@ -99,24 +100,15 @@ def _chunk_grad_wy_kernel(
 
 
 # --------------------------------------------------------------------------- step 5 through dA = -T^T dU U^T
-# T's gradient needs no dT of its own: with dw = -dU S^T (U = u - w S is w's only use),
-#     dT T^T = dU (T diag(beta) V)^T + dw (T diag(beta e^gamma) K)^T = dU u^T + dw w^T = dU U^T,
-# so dA = -T^T dT T^T = -T^T (dU U^T): one [BT, BT] accumulator over V blocks of loaded tiles and one
-# [BT, BT] x [BT, BT] dot, where _chunk_grad_wy_kernel accumulates dT = dU (beta V)^T + dw (beta e^gamma K)^T and
-# U dU^T and takes three [BT, BT] dots besides dw (beta e^gamma K)^T. (U is stored in bf16 for half inputs: the
-# single kernel's dA^T takes the same route.) The rest splits into two parts that share only dA~ = dA * decay
-# (strictly lower) and dbeta's part from v:
-#   the values' part (_grad_wy_values), over V blocks: dv = diag(beta) T^T dU, dbeta's part sum_v (T^T dU) V, and
-#     dA~, stored (fp32);
-#   the keys' part (_grad_wy_keys), over K blocks: dk and dbeta through w, and dk, dbeta and dgamma through A, from
-#     dA~ loaded once and transposed in registers (a loaded tile, not a dot's result: see above), so
-#     that dk = dk + diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K takes two dots per K block;
+# T needs no dT of its own: with dw = -dU S^T, dT T^T = dU u^T + dw w^T = dU U^T, so dA = -T^T (dU U^T): one [BT, BT]
+# accumulator over V blocks and one [BT, BT] dot (the single kernel above takes three). The rest splits into two parts
+# that share only dA~ = dA * decay (strictly lower) and dbeta's part from v:
+#   the values' part (_grad_wy_values), over V blocks: dv = diag(beta) T^T dU, dbeta's part, and dA~, stored (fp32);
+#   the keys' part (_grad_wy_keys), over K blocks, from dA~ loaded once (a loaded tile may be transposed: see
+#     triton_backward.py): dk += diag(beta e^gamma) T^T dw + (diag(beta) dA~ + dA~^T diag(beta)) K, dbeta, dgamma,
 #     then the l2norm backward of k and dg.
-# Tuning.grad_wy picks how chunk_backward runs step 5: "single", _chunk_grad_wy_kernel; "fused", both parts in one
-# program, _chunk_grad_wy_fused_kernel (dA~ through memory and a barrier). Registers a thread at sm_90 (Triton 3.6,
-# bf16, K = V = 16 / 64 / 128): the single kernel 255 at all three, spilling 152 B at K = 64 and 304 B at K = 128;
-# the fused one 199 / 158 / 134 with 8 warps, none spilling. On an H100 the fused kernel won at K = 128 and tied at
-# K = 16 (docs/tuning/gated_delta_rule.md); the parts as two kernels were slower at both and are gone.
+# Tuning.grad_wy: "single" (_chunk_grad_wy_kernel) or "fused" (both parts in one program, dA~ through memory and a
+# barrier). Which wins where, and their registers: docs/tuning/gated_delta_rule.md.
 
 
 @triton.jit
@@ -255,26 +247,6 @@ def _chunk_grad_wy_fused_kernel(
         k, dw_in, dk, d_gamma_in, g, da_scratch, inverse, b_beta, gamma, dbeta, rows, row_mask, i_h, i_hv, dk_out,
         dbeta_out, dg_out, H, HV, K, BK, L2NORM, PRECISION, HALF,
     )  # fmt: skip
-
-
-def _grad_launch(K: int, V: int) -> dict:
-    """Launch options of _chunk_grad_wy_kernel: 8 warps from K = 64 (its [BT, K] fp32 tiles), V blocks of 32 at
-    K = 128. Half inputs, sm_90, Triton 3.6: it spills 152 B at K = 64 and 304 B at K = 128."""
-    if K <= 32:
-        return dict(BV=min(V, 64), num_warps=4, num_stages=2)
-    return dict(BV=min(V, 32 if K == 128 else 64), num_warps=8, num_stages=2)
-
-
-def _grad_wy_launch(K: int, V: int, precision: str) -> dict:
-    """Launch options of _chunk_grad_wy_fused_kernel ("grad_wy_fused"): v in blocks of 64 (32 with IEEE dots, which
-    run on the FMA units in registers), 4 warps and 2 stages, the fastest in a sweep at K = 16 and 128
-    (at K = 128: 3.767 ms against 4.256 with 8 warps); k in blocks of 16 columns (the fewest registers), but of 64
-    with bf16 products at K = 128: 4 steps over K instead of 16, each waiting on its loads (as fla's WY backward
-    takes them). H100, forward + backward at B4-T4096-H16-D128: 2.250 -> 2.084 ms (BK 32:
-    2.119; BK 64 with 3 stages 2.125; BV 32 made an illegal memory access)."""
-    BV = min(V, 32 if precision == "ieee" else 64)
-    BK = 64 if K == 128 and precision != "ieee" else min(K, 16)
-    return dict(BK=BK, BV=BV, num_warps=4, num_stages=2)
 
 
 def _grad_wy(inputs: tuple, outputs: tuple, chunks: Chunks, T: int, shared: dict, variant: str) -> None:
