@@ -36,15 +36,9 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.dq must be 'tma' or 'bulk', not {self.dq!r}")
 
 
-# Register budgets checked with ptxas on sm_90a (no spills). Head dims up to 32 are bound by the exponentials and
-# by latency, so they run several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups per program
-# with TileLang's default register split (one program per SM). (Two compute warpgroups with 2 programs per SM leave
-# 80 registers: no room for a 64x128 fp32 score tile.) The overlap gained 3% at D = 128 on an H100 and lost 5-34% at
-# D <= 48; at D = 64 (16x16x2048) it was level (1.013 against
-# 1.018 ms) and 2% slower causal (0.758 against 0.740), so D = 64 keeps the plain loop. With Q loaded by
-# TMA everywhere: at 64x4x2048x48 the two-warpgroup tiles took 0.657 / 0.405 ms against the
-# one-warpgroup 0.801 / 0.456 (non-causal / causal; cuDNN 0.589 / 0.342); at 128x8x1024x32 the one-warpgroup tiles
-# stay ahead (0.618 / 0.410 against 0.655 / 0.436).
+# Register budgets checked with ptxas on sm_90a (no spills). Head dims up to 32 are bound by the exponentials and by
+# latency: several one-warpgroup programs per SM; D >= 48 runs two compute warpgroups, one program per SM. Only
+# D = 128 overlaps the softmax with PV (level at 64, slower below): docs/tuning/flash_attention.md.
 FWD_CONFIGS = {
     16: FwdConfig(64, 128, 2, 128, 2),
     32: FwdConfig(64, 128, 2, 128, 2),
@@ -52,12 +46,8 @@ FWD_CONFIGS = {
     64: FwdConfig(128, 128, 2, 256, 1),
     128: FwdConfig(128, 128, 2, 256, 1, overlap=True),
 }
-# The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions.
-# H100, forward+backward ms against the plain loop with TMA
-# reductions (non-causal, causal; cuDNN in brackets): 4x16x4096x128 4.529 / 5.304, 2.963 / 3.463 (3.666, 2.111);
-# 16x16x2048x64 3.648 / 4.071, 2.583 / 2.818 (2.365, 1.436); 64x4x2048x48 3.311 / 3.663, 2.185 / 2.368 (2.228,
-# 1.374); 128x8x1024x32 3.064 / 3.284, 2.364 / 2.524 (2.287, 1.607). At 4x16x4096x128, vector atomics for dq
-# (7.036 / 5.067) and programs that start at staggered query blocks (4.658 / 3.114) were slower and are gone.
+# The backward's two-warpgroup programs (D >= 32) overlap their products and add dq with deferred bulk reductions
+# (faster than the plain loop at every head dim measured: docs/tuning/flash_attention.md).
 BWD_CONFIGS = {
     16: BwdConfig(64, 64, 2, 128, 2),
     32: BwdConfig(128, 64, 2, 256, 1, overlap=True, dq="bulk"),

@@ -81,43 +81,9 @@ class BwdConfig(NamedTuple):
     maxnreg: int = 0  # as FwdConfig's
 
 
-# A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs.
-# BLOCK_M runs over queries and BLOCK_N over keys in every kernel. Chosen per kernel from a sweep
-# on an H100 (bf16) at (256,4,256,16), (128,8,1024,32), (64,4,2048,48) and (4,16,4096,128);
-# head dim 64 shares the 48 column (both pad to 64). Each kernel but the fused one has a table for causal attention
-# apart.
-# The forward's TMA entries come from a sweep on an H100 (bf16, GPU time), same tiles
-# as the pointer entries they replace: "fwd"[128] 1.136 -> 0.983 ms at (4,16,4096,128) (cuDNN 0.865),
-# "fwd_causal"[128] with heavy_first 0.664 -> 0.596 ms (cuDNN 0.486), "fwd"[64] 0.669 -> 0.659 ms at
-# (64,4,2048,48). Kept on pointers: head dim 32 (TMA 0.535 against 0.480 ms at (128,8,1024,32)) and causal 64
-# (TMA heavy 0.426 against 0.416 ms). TMA runs only where forward_variant allows it (compiled, Hopper on).
-# The backward's TMA variants (H100, forward+backward ms) won only for dk/dv at
-# head dim 64: 2.978 -> 2.890 at (64,4,2048,48) (cuDNN 2.241). Elsewhere pointers stay: at (4,16,4096,128) dk/dv TMA
-# 5.123 against 5.083, dq 5.118 against 5.097 (cuDNN 3.637); at D <= 32 TMA is 5-25% slower.
-# H100, forward+backward ms at (4,16,4096,128): dk/dv at head dim 128
-# with tma and lse_delta_tma (lse and delta through descriptors too) 4.861 against 4.984 for the pointer entry (same
-# tiles; 0.74x cuDNN), causal 2.755 against 2.799.
-# Causal heavy-first sections (H100, bf16; the same section in the forward,
-# dk/dv and dq entries; forward / forward+backward ms, launch order -> chosen section): 4x16x4096x128 0.593 / 2.837 ->
-# 0.564 / 2.717 at 4 (per-pair heavy-first, the old forward entry: 0.590 / 2.824; 8 and 16 in between);
-# 64x4x2048x48 0.417 / 1.752 -> 0.409 / 1.700 at 16; 128x8x1024x32 and 256x4x256x16 fastest in launch order
-# (1.331 against 1.370-1.377, 0.136 against 0.138), so head dims 16 and 32 keep it.
-# split_d at head dim 64's entries: head dim 48 as 32 + 16 columns (64x4x2048x48,
-# H100, two runs, forward ms): 0.654-0.660 against the padded TMA entry's 0.664-0.670, causal 0.398-0.399
-# against 0.406-0.411 (cuDNN 0.585 / 0.341). Head dim 64 itself does not split and keeps its tma.
-# The backward at head dim 64's entries (64x4x2048x48, H100, forward +
-# backward ms, causal / non-causal, cuDNN 1.376 / 2.245): dq split 1.570 / 2.894 against padded 1.608 / 2.976, so
-# the dq entry splits. The dk/dv kernel split did worse than padded with lse and delta through descriptors too:
-# 1.582 / 2.895 against 1.542 / 2.608 (the padded TMA entry it had: 1.651 / 2.793; split tiles that do not spill,
-# 8 warps or 64 keys: 1.783-3.601). On sm_90 (Triton 3.6, head dim 48) the dk/dv kernel at these tiles spills
-# either way (255 registers; 34 bytes with lse/delta descriptors, 304-328 padded TMA, 328-464 split). The entry's
-# heavy_first=16 sections: 1.503 ms causal against 1.537 without (a second sweep).
-# The dk/dv and dq tables split by causality. Head dim 32 (128x8x1024x32, H100,
-# forward + backward ms, non-causal / causal; cuDNN 2.285 / 1.611): the dk/dv kernel
-# with lse and delta through descriptors takes 217 registers (two programs of 4 warps per SM); capped at 168
-# (maxnreg: three programs, 6-12 spilled bytes) it took 1.877 / 1.301 against 1.939 uncapped / 1.331 for the pointer
-# entry causal had (128 registers: 2.883, 60 bytes spilled). The causal dq entry 64x32 took 1.312 against 128x32's
-# 1.343; not causal 128x32 stays (1.935 against 1.959-2.024).
+# A launch config (FwdConfig, BwdConfig) per kernel and padded head dim, for 16-bit inputs; BLOCK_M runs over queries
+# and BLOCK_N over keys in every kernel, and head dim 48 takes the 64 column. Swept per kernel and causality on an H100
+# (bf16) at 256x4x256x16, 128x8x1024x32, 64x4x2048x48 and 4x16x4096x128: docs/tuning/flash_attention.md.
 CONFIGS_16BIT = {
     "fwd": {
         16: FwdConfig(64, 64, 4, 3),
@@ -174,12 +140,8 @@ CONFIGS_FP32 = {
     "fused": {d: BwdConfig(32, 64, 4, 2) for d in (16, 32, 64, 128)},
 }
 FUSED_MIN_PROGRAMS = 264  # (batch, kv head) pairs for the fused backward: two programs per SM of an H100
-# Padded head dims where use_fused may pick the fused backward. Sweep (H100,
-# forward+backward ms, fused against split): 256x4x256x16 0.131 / 0.159, causal 0.136 / 0.152; 256x4x128x64 causal
-# 0.124 / 0.169; 128x4x128x128 causal 0.132 / 0.170. Not 32: 256x4x256x32 0.228 / 0.202 (dq added with atomics
-# over two key blocks: 0.217 / 0.202, causal 0.193 / 0.192). Longer keys (atomics): 128x8x1024x32 causal 1.407 /
-# 1.370, 64x4x2048x48 causal 2.015 / 1.79: the split kernels stay. (The dq kernel's programs in heavy-first order
-# were tried too at 128x8x1024x32 causal: 1.386 against 1.369 ms, not kept.)
+# Padded head dims where use_fused may pick the fused backward: not 32, where dq by atomics lost to the split kernels
+# (docs/tuning/flash_attention.md)
 FUSED_HEAD_DIMS = frozenset({16, 64, 128})
 BACKWARDS = ("fused", "split")  # backward's `kind`; None lets use_fused choose
 
