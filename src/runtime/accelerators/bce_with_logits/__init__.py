@@ -19,20 +19,16 @@ from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 # flat indices are 32-bit in the kernels (with room for one block past the end)
 MAX_KERNEL_NUMEL = 2**31 - 2**16
 
-# Up to this many logits (PCVR batches: launch-bound), when the logits alone need a gradient, the forward kernel
-# also writes that gradient for an incoming gradient of one (fp32), and backward only scales it: one ATen multiply
-# where a kernel launch path ran. An eager forward+backward then pays one launch path, not two. H100 host, 256 / 4096
-# logits, us per call: 384 / 346 with two launch paths, 288 / 251 with
-# one, torch eager 286 / 271. Larger inputs keep the one-pass backward kernel (no fp32 gradient written and read).
+# Up to this many logits (launch-bound PCVR batches), when the logits alone need a gradient, the forward also writes
+# it for an incoming gradient of one and backward only scales it: one launch path, not two (docs/tuning/bce_with_logits.md).
 GRAD_IN_FORWARD_MAX_NUMEL = 2**16
 
 
 class _UnitGradientFunction(torch.autograd.Function):
     """Eager calls with grad_in_forward: the backend's forward writes the loss and the logits' gradient for an
     incoming gradient of one; only that gradient is saved, and backward scales it. Lighter than the KernelOp path
-    (which saves every tensor argument and runs the backend's generic backward): H100, 256 / 4096 fp32 logits, us per
-    eager forward+backward, 211 / 202 through KernelOp against
-    180 / 190 for this shape of Function. torch.compile keeps the custom ops."""
+    (which saves every tensor argument and runs the backend's generic backward; docs/tuning/bce_with_logits.md).
+    torch.compile keeps the custom ops."""
 
     @staticmethod
     def forward(ctx, logits, targets, weight, pos_weight, reduction, kernels, backend):
