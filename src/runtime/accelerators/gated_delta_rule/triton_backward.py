@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import sm_count
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
 from .triton_backward_launch import _grad_qk_state_launch, _local_grad_launch, _walk_launch
@@ -199,7 +200,7 @@ def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks,
     """One _state_grad_kernel launch over the sequences of `chunks` (dU and dS' are stored when dstates is given)."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
-    BV, warps, stages = _walk_launch(K, V, _precision(q), chunks.n * HV, q.device)
+    BV, warps, stages = _walk_launch(K, V, _precision(q), chunks.n * HV, sm_count(q.device))
     options = dict(BV=BV, num_warps=warps, num_stages=stages)
     _state_grad_kernel[(chunks.n * HV, cdiv(V, options["BV"]))](
         q, k, *factors, gamma, w, grad_o, du, dstates, dht, dh0, chunks.cu, chunks.offsets, T, chunks.per_sequence,

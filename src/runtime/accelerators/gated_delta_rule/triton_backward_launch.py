@@ -4,9 +4,6 @@ them: docs/tuning/gated_delta_rule.md ("Backward launches")."""
 
 from __future__ import annotations
 
-import torch
-
-from ..backends import sm_count
 from ..launch_math import cdiv
 
 
@@ -15,14 +12,15 @@ def _local_grad_launch(K: int, V: int) -> dict:
     return dict(BV=min(V, 64), num_warps=1 if K == 16 else 4, num_stages=2)
 
 
-def _walk_launch(K: int, V: int, precision: str, walks: int, device: torch.device) -> tuple[int, int, int]:
-    """(BV, warps, stages) of _state_grad_kernel (step 2) for `walks` sequences x value heads. Half inputs at K = 128:
-    BV 32 while the grid stays within one program per SM, else 64 (BV 32 needs the walk's 64-row state tiles; a
-    block wider than V is masked); fp32 inputs (IEEE dots on the FMA units) spill least with 8 warps and BV 32."""
+def _walk_launch(K: int, V: int, precision: str, walks: int, sms: int) -> tuple[int, int, int]:
+    """(BV, warps, stages) of _state_grad_kernel (step 2) for `walks` sequences x value heads on `sms` SMs (the
+    caller's backends.sm_count, 0 off CUDA). Half inputs at K = 128: BV 32 while the grid stays within one program
+    per SM, else 64 (BV 32 needs the walk's 64-row state tiles; a block wider than V is masked); fp32 inputs (IEEE
+    dots on the FMA units) spill least with 8 warps and BV 32."""
     if precision == "ieee":
         return (min(V, 32), 8, 1) if K >= 64 else (min(V, 32), 4, 2)
     if K == 128:
-        return (32 if V <= 32 or walks * cdiv(V, 32) <= sm_count(device) else 64), 4, 3
+        return (32 if V <= 32 or walks * cdiv(V, 32) <= sms else 64), 4, 3
     if K == 64:
         return min(V, 64), 4, 2
     return min(V, 32), 2 if K == 16 else 4, 2
