@@ -5,12 +5,12 @@
     PYTHONPATH=src python tools/host_overhead.py --aten 2>/dev/null   # plus ATen ops per call (torch.profiler;
                                                                         # its log lines go to stderr)
 
-The tensors live on the CPU and the kernels are real JITFunctions (TRITON_INTERPRET is not set), so every call
-takes the path an eager call takes on a GPU host: argument checks, backend selection, the autograd Function,
-output allocation, grid and key building in triton_launch.DirectLaunch. Only three things are replaced, in this
-process only: the triton backend accepts CPU tensors (as under the interpreter), Triton's driver answers device 0
-and stream 0, and `kernel[grid](...)` returns a stand-in compiled kernel whose `run` (the launcher) does nothing.
-The first call of each signature therefore "compiles" to the stand-in and later calls launch it directly.
+The tensors live on the CPU and every call takes the path an eager call takes on a GPU host: argument checks, backend
+selection, the autograd Function, output allocation, grid and key building in triton_launch.DirectLaunch. The tool runs
+under TRITON_INTERPRET=1 (set here), the documented way the triton backend takes CPU tensors, and times the direct
+launch path through triton_launch.stand_in_launches: within it every Triton kernel of the package launches directly
+against a stand-in whose first call per signature "compiles" to a stand-in compiled kernel whose launcher does
+nothing (the current device and stream read as 0), so later calls run exactly a direct launch's host work.
 
 What this leaves out: the launcher itself (a few us on the GPU host), the CUDA caching allocator (CPU malloc here)
 and the GPU itself. Times are microseconds of this thread's CPU time per call, back to back, the fastest of several
@@ -20,15 +20,16 @@ cost (dispatch, autograd), not a GPU figure.
     PYTHONPATH=src python tools/host_overhead.py --step baseline               # a whole training step, per preset
     PYTHONPATH=src python tools/host_overhead.py --step gdr --profile triton   # plus cProfile of the step
 
---step MODEL times a whole eager training step (runtime.training's Trainer.train_step: forward under bf16 autocast,
+--step MODEL times a whole eager training step (runtime.training's Trainer.train_step: forward under autocast,
 loss, backward, gradient clipping, fused AdamW, the scheduler) of the model at the training benchmark's
 architecture (d_model 64, 4 heads, 2 layers, dropout off) on tiny data (batch 2, histories of 8 events, a 64-item
 table), so that the CPU's arithmetic is small beside the host path; the presets take turns within each repeat. Per
 preset (torch, triton): thread CPU ms per step (the fastest step, each timed alone), our op calls per step (select_backend's
 calls), with --aten the top-level ATen ops per step (torch.profiler), with --profile PRESET a cProfile of --steps
-steps. The triton preset runs with fallback "error" (no op silently runs torch), and the backends' "bfloat16 on the
-CPU" refusal (the interpreter's dot products, irrelevant with launches stubbed) is lifted. What it leaves out or
-counts differently from a GPU host: every torch op (both presets' casts, embeddings, the linear backward's matmuls,
+steps. The triton preset runs with fallback "error" (no op silently runs torch). The step runs under float16 autocast
+where the training benchmark's runs bf16: on CPU tensors the triton backends of the ops with dot products refuse
+bfloat16 (the interpreter computes those wrongly), and float16 takes the same host path (the same casts and launches,
+another dtype in the keys). What it leaves out or counts differently from a GPU host: every torch op (both presets' casts, embeddings, the linear backward's matmuls,
 torch's own attention and norms in the torch preset, AdamW and clipping) computes on the CPU, which is small but
 not nothing (a bf16 matmul is tens of us here, a launch of a few us there); a CUDA launch's own cost per torch op;
 the CUDA caching allocator; CPU autocast's op lists (CUDA's differ a little); and any wait on the GPU (a sync).
@@ -38,9 +39,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import importlib
-import inspect
 import os
 import pkgutil
 import pstats
@@ -49,8 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    raise SystemExit("run without TRITON_INTERPRET=1: the harness times the direct (compiled-kernel) launch path")
+# the triton backend takes CPU tensors under the interpreter (read when the kernels are defined: before any import);
+# stand_in_launches then times the direct path, never the interpreter
+os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import torch.nn.functional as F
@@ -72,29 +74,6 @@ from runtime.accelerators import (
 from runtime.accelerators.norms import norm_key
 
 
-class _StubCompiled:
-    """Stands in for a CompiledKernel: what DirectLaunch reads from it, and a launcher that does nothing."""
-
-    function, packed_metadata = 0, ()
-
-    def run(self, *args):
-        pass
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-
-class _StubKernel:
-    """Stands in for a JITFunction: `kernel[grid](...)` "compiles" (returns the stand-in) without launching."""
-
-    def __init__(self, fn):
-        self.fn = fn  # DirectLaunch reads the kernel's signature from it
-        self.compiled = _StubCompiled()
-
-    def __getitem__(self, grid):
-        return lambda *args, **constexprs: self.compiled
-
-
 def triton_modules() -> list:
     """Every module of runtime.accelerators whose name says Triton (the ops' kernel modules), and the modules those
     import from runtime.accelerators (helpers holding kernels of their own, such as embedding_bag.radix_sort)."""
@@ -104,18 +83,21 @@ def triton_modules() -> list:
     return [module for name, module in list(sys.modules.items()) if name.startswith("runtime.accelerators.")]
 
 
-def stub_launches() -> None:
-    """Make every Triton kernel a direct launch of the stand-in, runnable on CPU tensors."""
-    backends.triton_interpret = lambda: True  # the triton backend accepts CPU tensors
-    backends.clear_decisions()
-    triton_launch._driver = lambda: (lambda: 0, lambda device: 0)
+def direct_launches() -> list:
+    """Every Triton kernel of the package (the DirectLaunch objects its modules define)."""
+    found = {}
     for module in triton_modules():
         for value in vars(module).values():
             if isinstance(value, triton_launch.DirectLaunch):
-                if not value.direct:
-                    raise SystemExit(f"{module.__name__}: kernels are interpreted; unset TRITON_INTERPRET")
-                value.kernel = _StubKernel(value.kernel.fn)
-                value._compiled.clear()
+                found[id(value)] = value
+    return list(found.values())
+
+
+def stand_in_launches() -> contextlib.AbstractContextManager:
+    """Every Triton kernel a direct launch of a stand-in (see the module docstring), within the block; decisions made
+    before are forgotten."""
+    backends.clear_decisions()
+    return triton_launch.stand_in_launches(direct_launches())
 
 
 def _forward(fn):
@@ -173,17 +155,15 @@ def cases() -> dict:
 
 def measured_auto_cases() -> dict:
     """rms_norm through "auto" when its decision is measured (what select_backend keeps on CUDA: the op's table of
-    decisions per shape class, here placed under the CPU call's key): the shape class and its lookup on top of the
+    decisions per shape class, here placed for the CPU call by backends.place_decision): the shape class and its lookup on top of the
     triton rows. The one measurement is faked (no GPU) and happens in the warm-up calls."""
     out = {}
     x = torch.randn(8192, 128, dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(128, dtype=torch.bfloat16)).requires_grad_()
-    config = accelerators.active_config()
-    key = ("rms_norm", "auto", config.fallback, config.autotune, x.device, norm_key(x, w))
+    key = norm_key(x, w)
     file = autotune.DecisionFile(Path(tempfile.mkdtemp()) / "autotune.json")
-    backends._decisions[key] = autotune.Tuned(
-        "rms_norm", key[-1], x.device, ("triton",), "triton", timer=lambda run: 1.0, file=file
-    )
+    tuned = autotune.Tuned("rms_norm", key, x.device, ("triton",), "triton", timer=lambda run: 1.0, file=file)
+    backends.place_decision("rms_norm", key, x.device, tuned)
     _both(
         out,
         "rms_norm 8192x128 auto (measured)",
@@ -276,13 +256,17 @@ STEP_PRESETS = ("torch", "triton")
 
 
 def step_trainer(model: str, preset: str, run_dir: Path, batch_size: int = 2, seq_len: int = 8):
-    """A Trainer of `model` under the accelerators preset, on the CPU with bf16 autocast and fused AdamW (as the
-    training benchmark's CUDA runs), and a batch of its data."""
+    """A Trainer of `model` under the accelerators preset, on the CPU with float16 autocast (for the bf16 of the
+    training benchmark's CUDA runs) and fused AdamW (as those), and a batch of its data."""
     from hydra import compose, initialize_config_dir
 
     from runtime.training.config import config_dir
     from runtime.training.distributed import Run
     from runtime.training.loop import Trainer, make_optimizer
+
+    class Float16Trainer(Trainer):
+        def autocast(self):  # float16 for bfloat16: see the module docstring
+            return torch.autocast(self.device.type, dtype=torch.float16)
 
     overrides = [
         f"model={model}",
@@ -301,23 +285,11 @@ def step_trainer(model: str, preset: str, run_dir: Path, batch_size: int = 2, se
     ]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    trainer = Trainer(cfg, run_dir, Run(torch.device("cpu")))
+    trainer = Float16Trainer(cfg, run_dir, Run(torch.device("cpu")))
     # make_optimizer asks for fused AdamW on CUDA only; the step on a GPU host runs the fused one
     trainer.optimizer = make_optimizer(trainer.model, cfg.optim, torch.device("cuda"))
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, trainer.scheduler.lr_lambdas[0])
     return trainer, trainer.data.train_batch(0, batch_size)
-
-
-def lift_cpu_bf16_refusals() -> None:
-    """The backends refuse bf16 products on CPU tensors (the interpreter's dots are wrong there); with launches
-    stubbed nothing is computed, so bf16 CPU inputs take the path bf16 CUDA inputs take."""
-    for spec in backends.REGISTRY.values():
-
-        def reasons(*args, _reasons=spec.reasons, **inputs):
-            return [r for r in _reasons(*args, **inputs) if not r.startswith("bfloat16 on the CPU")]
-
-        reasons.__signature__ = inspect.signature(spec.reasons)  # select_backend passes what the signature names
-        object.__setattr__(spec, "reasons", reasons)
 
 
 def op_calls_per_step(step, steps: int) -> tuple[float, pstats.Stats]:
@@ -336,7 +308,6 @@ def op_calls_per_step(step, steps: int) -> tuple[float, pstats.Stats]:
 def time_steps(model: str, args) -> dict[str, float]:
     """Thread CPU ms per step of each preset, the fastest of the repeats; the presets take turns within each repeat,
     so that a busy spell of the machine slows both. Returns preset -> ms."""
-    lift_cpu_bf16_refusals()
     print(
         f"torch {torch.__version__}, CPU, launches stubbed; {model} training step (batch 2, histories of 8), "
         f"thread CPU ms per step (the fastest of {args.repeats} x {args.steps} steps, each timed alone)"
@@ -380,13 +351,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step:
-        stub_launches()
-        time_steps(args.step, args)
+        with stand_in_launches():
+            time_steps(args.step, args)
         return
     accelerators.set_accelerators(
         accelerators.AcceleratorConfig(fallback="error")
     )  # a case the Triton backend refuses fails, never times torch
-    stub_launches()
+    with stand_in_launches():
+        run_cases(args)
+
+
+def run_cases(args) -> None:
     table = cases()
     print(
         f"torch {torch.__version__}, CPU, launches stubbed; thread CPU us per call (fastest of {args.repeats} x {args.calls} calls)"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.accelerators import triton_launch
-from runtime.accelerators.triton_launch import DirectLaunch, _arg_key, _signature
+from runtime.accelerators.triton_launch import DirectLaunch, _arg_key, _int_key, _signature
 
 
 def test_the_key_separates_everything_triton_specialises_on():
@@ -34,13 +34,12 @@ def test_the_inline_signature_agrees_with_the_key_of_each_argument():
     assert _signature((1,)) != _signature((True,)) and _signature((16,)) != _signature((16.0,))
 
 
-def test_int_keys_are_remembered_up_to_a_bound(monkeypatch):
-    monkeypatch.setattr(triton_launch, "_INT_KEYS", {})
-    monkeypatch.setattr(triton_launch, "_INT_KEYS_MAX", 4)
+def test_int_keys_are_remembered_up_to_a_bound():
     ints = (1, 17, 32, 2**31, 2**31 + 1, 2**63, -16)
-    first = _signature(ints)
-    assert len(triton_launch._INT_KEYS) == 4
-    assert _signature(ints) == first == [_arg_key(a) for a in ints]
+    known: dict[int, int] = {}
+    first = [_int_key(a, known, 4) for a in ints]
+    assert list(known) == list(ints[:4])
+    assert [_int_key(a, known, 4) for a in ints] == first == [_arg_key(a) for a in ints] == _signature(ints)
     assert first[2] == first[6] and len(set(first)) == len(first) - 1  # 32 and -16 alike, the others not
 
 
@@ -78,12 +77,12 @@ class _Kernel:
 
 
 @pytest.fixture
-def direct(monkeypatch):
-    monkeypatch.setattr(triton_launch, "_driver", lambda: (lambda: 0, lambda device: 1234))
+def direct():
     kernel = _Kernel()
     launcher = DirectLaunch(kernel)
     launcher.direct = True  # what a JITFunction gets (this stand-in is not one)
-    return kernel, launcher
+    with triton_launch.stand_in_driver(device=0, stream=1234):
+        yield kernel, launcher
 
 
 def test_first_call_per_signature_goes_through_triton_then_launches_directly(direct):
@@ -171,3 +170,19 @@ def test_arguments_the_key_cannot_hold_are_refused_by_name(direct, interpreted):
     with pytest.raises(TypeError, match="BLCOK"):
         launcher[(1,)](x, 100, BLCOK=64, BLOCK=64, FLAG=True)
     assert kernel.calls == []
+
+
+def test_stand_in_launches_take_the_direct_path_and_restore_the_launch_on_exit():
+    kernel = _Kernel()
+    launcher = DirectLaunch(kernel)
+    launcher.direct = False  # as under TRITON_INTERPRET=1
+    with triton_launch.stand_in_launches([launcher], stream=99):
+        assert launcher.direct and launcher.kernel is not kernel
+        x = torch.zeros(32)
+        first = launcher[(3,)](x, 100, BLOCK=64, FLAG=True)
+        assert launcher[(3,)](x, 200, BLOCK=64, FLAG=True) is first  # compiled once, then launched directly
+        with pytest.raises(TypeError, match="constexprs missing"):  # the argument rules hold
+            launcher[(3,)](x, 100, BLOCK=64)
+    assert launcher.kernel is kernel and not launcher.direct and kernel.calls == []
+    launcher[(3,)](x, 100, BLOCK=64, FLAG=True)
+    assert len(kernel.calls) == 1

@@ -335,6 +335,18 @@ def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, i
     return "torch"
 
 
+def place_decision(
+    op: str, key: Hashable, device: torch.device, decision: "str | autotune.Tuned", backend: Backend | None = None
+) -> None:
+    """Make `decision` what select_backend answers for calls of `op` with this decision key on `device`, `backend`
+    requested (None: what the active config asks for the op), under the active config: for tools and tests that time
+    or check a decision select_backend would not make here, such as a table of measured decisions (autotune.Tuned,
+    with a timer of theirs) on the CPU. clear_decisions() forgets it."""
+    config = _config.active_config()
+    requested = backend if backend is not None else config.backend_for(op)
+    _decisions[(op, requested, config.fallback, config.autotune, device, key)] = decision
+
+
 def clear_decisions() -> None:
     """Forget cached decisions (measured ones too: the decisions file is read again, as by a new process) and
     emitted warnings (tests; after changing TRITON_INTERPRET, TAAC_AUTOTUNE or TAAC_CACHE)."""

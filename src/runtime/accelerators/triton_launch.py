@@ -14,12 +14,17 @@ calls with the same signature therefore get the same compiled kernel from Triton
 costs an extra first call. The key is one flat tuple of scalars (hashing and comparing nested tuples
 was a good part of a launch's host time). Under TRITON_INTERPRET=1 (the CPU tier) every call goes
 through Triton.
+
+`stand_in_launches` times that host path on a machine without a GPU (tools/host_overhead.py): within its block the
+given launches take the direct path against stand-ins that compile to nothing and launch nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterable, Iterator
 
 import torch
 import triton
@@ -49,12 +54,12 @@ _INT_KEYS: dict[int, int] = {}  # int argument -> _int_key: kernels see the same
 _INT_KEYS_MAX = 1 << 16
 
 
-def _int_key(arg: int) -> int:
+def _int_key(arg: int, known: dict[int, int] = _INT_KEYS, bound: int = _INT_KEYS_MAX) -> int:
     """An int's flags as bits: == 1, divisible by 16, 32-bit, unsigned 64-bit (working them out costs several times
-    the lookup in _INT_KEYS)."""
+    the lookup in _INT_KEYS), remembered in `known` while it holds fewer than `bound` ints."""
     key = (arg == 1) | (arg % 16 == 0) << 1 | (arg in _INT32) << 2 | (arg >= _U64) << 3
-    if len(_INT_KEYS) < _INT_KEYS_MAX:
-        _INT_KEYS[arg] = key
+    if len(known) < bound:
+        known[arg] = key
     return key
 
 
@@ -167,6 +172,62 @@ class DirectLaunch:
                 f"{self.kernel.fn.__name__}: constexprs missing: {missing}; unknown keywords: {sorted(unknown)}"
             )
         return tuple(constexprs[name] for name in names)
+
+
+class _StandInCompiled:
+    """Stands in for a CompiledKernel: what a direct launch reads from it, and a launcher that does nothing."""
+
+    function, packed_metadata = 0, ()
+
+    def run(self, *args) -> None:
+        pass
+
+    def launch_metadata(self, grid, stream, *args) -> None:
+        return None
+
+
+class _StandInKernel:
+    """Stands in for a JITFunction: `kernel[grid](...)` "compiles" to the stand-in without launching anything."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn  # the kernel's signature, which DirectLaunch reads
+        self.compiled = _StandInCompiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.compiled
+
+
+@contextlib.contextmanager
+def stand_in_driver(device: int = 0, stream: int = 0) -> Iterator[None]:
+    """Within the block, direct launches read `device` as the current device and `stream` as its current stream
+    instead of asking Triton's driver (none is active on a machine without a GPU)."""
+    global _driver
+    previous = _driver
+    getters = (lambda: device, lambda index: stream)
+    _driver = functools.cache(lambda: getters)
+    try:
+        yield
+    finally:
+        _driver = previous
+
+
+@contextlib.contextmanager
+def stand_in_launches(launches: Iterable[DirectLaunch], *, device: int = 0, stream: int = 0) -> Iterator[None]:
+    """For timing the host path of eager calls on a machine without a GPU: within the block each of `launches` takes
+    the direct path (under TRITON_INTERPRET=1 too) against a stand-in kernel, whose first call per signature
+    "compiles" to a stand-in compiled kernel whose launcher does nothing, so later calls run exactly the host work of
+    a direct launch on the GPU machine; the current device and stream are `device` and `stream` (stand_in_driver).
+    Kernels computing nothing, outputs hold whatever their memory held. On exit every launch gets back its kernel,
+    its path and the compiled kernels it had."""
+    saved = [(launch, launch.kernel, launch.direct, launch._compiled) for launch in launches]
+    with stand_in_driver(device, stream):
+        try:
+            for launch, kernel, _, _ in saved:
+                launch.kernel, launch.direct, launch._compiled = _StandInKernel(kernel.fn), True, {}
+            yield
+        finally:
+            for launch, kernel, direct, compiled in saved:
+                launch.kernel, launch.direct, launch._compiled = kernel, direct, compiled
 
 
 def direct_launch(kernel) -> DirectLaunch:
