@@ -31,8 +31,7 @@ def handed_and_run(monkeypatch, op: str, native_args: tuple, backward) -> tuple[
     """(the launch native_forward hands its node, the launch backward runs, backward's results)."""
     module = importlib.import_module(f"runtime.accelerators.{op}.triton")
     recorder = Recorder()
-    monkeypatch.setattr(module, "_NATIVE", recorder)
-    assert module.native_forward(*native_args) is None
+    assert module.native_forward(*native_args, native=recorder) is None
     ran = []
     monkeypatch.setattr(LaunchPlan, "run", lambda launch: ran.append(launch))
     results = backward(module, recorder.launches[0])

@@ -38,18 +38,22 @@ def _rstd_buffer(x: torch.Tensor) -> torch.Tensor:
     return buffers.empty((x.numel() // x.shape[-1],), dtype=torch.float32, device=x.device)
 
 
-def native_forward(x: torch.Tensor, eps: float):
-    """forward's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch, reading y and rstd;
+# the C++ node of the eager backward (native_forward's default; tests pass a recorder)
+_NATIVE = NativeBackward("L2NormTritonBackward", row_norm_backward)
+
+
+def native_forward(x: torch.Tensor, eps: float, *, native: NativeBackward = _NATIVE):
+    """forward's y, its backward attached as a C++ node (`native`) that runs backward_launch, reading y and rstd;
     None, having run nothing, where it cannot be (see NativeBackward.plan)."""
     width = x.shape[-1]
     rstd = _rstd_buffer(x)
     launch = backward_launch(x, rstd, GRAD, width, OUTPUT, width, GRAD_OF[0])
     inputs = (x,)
-    plan = _NATIVE.plan(x.dtype, inputs, launch)
+    plan = native.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     y, _ = _forward(x, eps, rstd)
-    return y if _NATIVE.attach(plan, y, inputs, launch) else None
+    return y if native.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x: torch.Tensor, eps: float, rstd: torch.Tensor | None):
@@ -84,9 +88,6 @@ def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> Launch
         (dy, y, None, rstd, dx, None, None, None, None, n_rows, width, stride_dy, stride_y, None),
         dict(**_FLAGS, FINISH=False, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
     )
-
-
-_NATIVE = NativeBackward("L2NormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, native_forward=native_forward)

@@ -45,8 +45,19 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
     return _forward(x, weight, bias, eps, store_stats=False)
 
 
-def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float):
-    """infer's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch; None, having run nothing,
+# the C++ node of the eager backward (native_forward's default; tests pass a recorder)
+_NATIVE = NativeBackward("LayerNormTritonBackward", row_norm_backward)
+
+
+def native_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    native: NativeBackward = _NATIVE,
+):
+    """infer's y, its backward attached as a C++ node (`native`) that runs backward_launch; None, having run nothing,
     where it cannot be (see NativeBackward.plan), or where the backward takes two launches (wide rows)."""
     rows = rows_of(x)
     dweight, dbias = None if weight is None else GRAD_OF[1], None if bias is None else GRAD_OF[2]
@@ -54,11 +65,11 @@ def native_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     if launch is None:
         return None
     inputs = (x, weight, bias)
-    plan = _NATIVE.plan(x.dtype, inputs, launch)
+    plan = native.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     (y,) = _forward(x, weight, bias, eps, store_stats=False, rows=rows)  # infer's, on the rows the backward reads
-    return y if _NATIVE.attach(plan, y, inputs, launch) else None
+    return y if native.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x, weight, bias, eps: float, store_stats: bool, rows=None):
@@ -115,9 +126,6 @@ def backward_launch(
         (counter, partial) if finish else (),
         (sum_partials, partial, dweight, dbias) if n_params and not finish else (),
     )  # fmt: skip
-
-
-_NATIVE = NativeBackward("LayerNormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(

@@ -44,8 +44,12 @@ def infer(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     return _forward(x, weight, eps, store_rstd=False)
 
 
-def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
-    """infer's y, its backward attached as a C++ node (_NATIVE) that runs backward_launch; None, having run nothing,
+# the C++ node of the eager backward (native_forward's default; tests pass a recorder)
+_NATIVE = NativeBackward("RmsNormTritonBackward", row_norm_backward)
+
+
+def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, native: NativeBackward = _NATIVE):
+    """infer's y, its backward attached as a C++ node (`native`) that runs backward_launch; None, having run nothing,
     where it cannot be (see NativeBackward.plan), or where the backward takes two launches (wide rows)."""
     rows = rows_of(x)
     dweight = None if weight is None else GRAD_OF[1]
@@ -53,11 +57,11 @@ def native_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
     if launch is None:
         return None
     inputs = (x, weight)
-    plan = _NATIVE.plan(x.dtype, inputs, launch)
+    plan = native.plan(x.dtype, inputs, launch)
     if plan is None:
         return None
     (y,) = _forward(x, weight, eps, store_rstd=False, rows=rows)  # infer's, on the rows the backward reads
-    return y if _NATIVE.attach(plan, y, inputs, launch) else None
+    return y if native.attach(plan, y, inputs, launch) else None
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool, rows=None):
@@ -108,9 +112,6 @@ def backward_launch(
         (counter, partial) if finish else (),
         (sum_partials, partial, dweight) if n_params and not finish else (),
     )  # fmt: skip
-
-
-_NATIVE = NativeBackward("RmsNormTritonBackward", row_norm_backward)
 
 
 KERNELS = KernelBackend(
