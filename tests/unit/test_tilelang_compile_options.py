@@ -32,14 +32,14 @@ def test_compile_built_passes_the_unchecked_configs(calls):
     assert calls == [("plain", None), ("guarded", common.UNCHECKED_PASS_CONFIGS)]
 
 
-def test_precompile_compiles_each_kind_with_its_configs(calls, monkeypatch):
-    monkeypatch.setattr(common, "_index", lambda device: None)  # the compile-only target (no CUDA device here)
-    monkeypatch.setattr(common, "_kernels", {})
+def test_precompile_compiles_each_kind_with_its_configs(calls):
+    kernels = {}
     device = torch.device("cpu")
     entries = [(("a",), lambda _: "a"), (("b",), lambda _: common.Unchecked("b")), (("c",), lambda _: "c")]
-    common.precompile(entries, device)
+    # the compile-only target (no CUDA device here), into a cache of the test's own
+    common.precompile(entries, device, info=common.device_info(None), kernels=kernels)
     assert sorted(calls) == [("a", None), ("b", common.UNCHECKED_PASS_CONFIGS), ("c", None)]
-    assert {key: common.compiled((key, None), device) for key in (("a",), ("b",), ("c",))} == {
+    assert {key: common.compiled((key, None), device, kernels) for key in (("a",), ("b",), ("c",))} == {
         ("a",): "a",
         ("b",): "b",
         ("c",): "c",

@@ -129,23 +129,33 @@ def compile_built(built, target):
     return tilelang.compile(built, target=target)
 
 
-def compiled(entry: Entry, device: torch.device):
+def compiled(entry: Entry, device: torch.device, kernels: dict[Hashable, object] = _kernels):
     """The compiled kernel of `entry` for `device`: compiled on first use, then one dict lookup
-    (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR)."""
+    (TileLang also keeps compiled kernels on disk across processes, under TILELANG_CACHE_DIR). kernels: the
+    cache, (key, device) -> kernel (the process's own by default)."""
     key, build = entry
-    kernel = _kernels.get((key, device))
+    kernel = kernels.get((key, device))
     if kernel is None:
         info = device_info(_index(device))
-        kernel = _kernels[(key, device)] = compile_built(build(info), info.target)
+        kernel = kernels[(key, device)] = compile_built(build(info), info.target)
     return kernel
 
 
-def precompile(entries: list[Entry], device: torch.device) -> None:
+def precompile(
+    entries: list[Entry],
+    device: torch.device,
+    *,
+    info: DeviceInfo | None = None,
+    kernels: dict[Hashable, object] = _kernels,
+) -> None:
     """Compile the entries not compiled yet for `device`, in parallel (nvcc runs in subprocesses).
 
-    Useful before a test suite or a benchmark sweep; calls to `compiled` then find them."""
-    info = device_info(_index(device))
-    missing = {key: build for key, build in entries if (key, device) not in _kernels}
+    Useful before a test suite or a benchmark sweep; calls to `compiled` then find them. info: the compile target
+    and SM count (default: the device's; device_info(None) compiles for sm_90a without a GPU); kernels: the cache
+    `compiled` reads (the process's own by default)."""
+    if info is None:
+        info = device_info(_index(device))
+    missing = {key: build for key, build in entries if (key, device) not in kernels}
     if not missing:
         return
     built = {key: build(info) for key, build in missing.items()}  # the TileLang builder is not thread-safe
@@ -154,7 +164,7 @@ def precompile(entries: list[Entry], device: torch.device) -> None:
         funcs = [built[key].func if unchecked else built[key] for key in keys]
         configs = UNCHECKED_PASS_CONFIGS if unchecked else None
         for key, kernel in zip(keys, tilelang.par_compile(funcs, target=info.target, pass_configs=configs)):
-            _kernels[(key, device)] = kernel
+            kernels[(key, device)] = kernel
 
 
 _launchers: dict[Hashable, Callable] = {}
