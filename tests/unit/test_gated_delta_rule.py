@@ -550,13 +550,12 @@ def test_chunk_table_matches_the_python_construction(name, size, dtype):
     assert first.dtype == torch.int32 and first.tolist() == [sum(counts[:n]) for n in range(len(counts))]
 
 
-def test_device_copies_of_boundaries_serve_a_later_cuda_graph_capture(monkeypatch):
+def test_device_copies_of_boundaries_serve_a_later_cuda_graph_capture():
     """varlen.on_device copies host boundaries once per value; a call inside a CUDA-graph capture (where the copy is
     refused) takes an earlier call's copy and keeps it for good, and fails clearly without one. "meta" stands in
     for the GPU here."""
-    copies = varlen.DeviceCopies(max_copies=2)
     capturing = False
-    monkeypatch.setattr(varlen, "_capturing", lambda device: capturing)
+    copies = varlen.DeviceCopies(max_copies=2, capturing=lambda device: capturing)
     meta = torch.device("meta")
     first = copies.on_device(torch.tensor([0, 3, 7]), meta, torch.int32)
     assert first.device == meta and first.dtype == torch.int32

@@ -9,6 +9,7 @@ device sync; one kernel (one program per sequence) writes the per-piece numbers 
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import triton
@@ -26,10 +27,12 @@ class DeviceCopies:
     """The device copies of host boundaries, by (device, dtype, the host dtype and bytes): [copy, kept, made], made:
     (the stream the copy was made on, an event recorded after it) on CUDA, else None. A copy used while a CUDA graph
     is captured is kept for good (the graph reads it at every replay); the others go, oldest first, past
-    max_copies."""
+    max_copies. capturing(device): whether a CUDA graph is being captured on the device's current stream (tests pass
+    their own)."""
 
-    def __init__(self, max_copies: int = 256):
+    def __init__(self, max_copies: int = 256, capturing: Callable[[torch.device], bool] = _capturing):
         self.max_copies = max_copies
+        self.capturing = capturing
         self.copies: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # calls from several threads (the autograd engine's among them) share copies
 
@@ -47,7 +50,7 @@ class DeviceCopies:
         if cu_host.device == device:
             return cu_host.to(dtype)
         key = (device, dtype, cu_host.dtype, cu_host.numpy().tobytes())
-        capturing = _capturing(device)
+        capturing = self.capturing(device)
         with self._lock:
             entry = self.copies.get(key)
             if entry is None:
