@@ -57,29 +57,6 @@ def test_tilelang_forward_matches_the_float64_recurrence(function, name, tilelan
     check_forward_matches_the_float64_recurrence(function, name, "tilelang")
 
 
-@pytest.mark.parametrize("name", ["T200-K128-bf16-l2norm-state", "T256-K16-bf16-pcvr", "varlen-K128-bf16-GVA-state"])
-def test_tilelang_forward_with_the_output_in_the_walk(name, tilelang_compiled):
-    """The forward whose state walk computes the output itself (kept to time against the default) against the
-    float64 recurrence, and against the default forward (output from the stored states) within the same bound."""
-    from runtime.accelerators.gated_delta_rule import tilelang as gdr_tilelang
-
-    (B, T, H, HV, K, V, dtype, state, sequences), options = case_options(name)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, state, sequences)
-    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
-    cu = options.get("cu_seqlens")
-    flags = (options.get("scale", K**-0.5), inputs.get("initial_state"), options.get("output_final_state", False),
-             options.get("use_qk_l2norm_in_kernel", False), cu)  # fmt: skip
-    fused = gdr_tilelang.chunk_forward(*args, *flags, fused_output=True)
-    split = gdr_tilelang.chunk_forward(*args, *flags)
-    o_ref, final_ref = reference(inputs, **options)
-    assert_close("o (output in the walk)", fused[0], o_ref, BOUND[dtype])
-    assert_close("o (output kernel)", split[0], o_ref, BOUND[dtype])
-    assert_close("o (output in the walk vs the output kernel)", fused[0], split[0].double(), BOUND[dtype])
-    if final_ref is not None:
-        assert_close("final_state (output in the walk)", fused[1], final_ref, BOUND[dtype])
-        assert_close("final_state (storing walk)", split[1], final_ref, BOUND[dtype])
-
-
 @pytest.mark.parametrize("name", TILELANG_CHUNK_CASES)
 def test_tilelang_chunked_forward_and_every_gradient(name, tilelang_compiled):
     """As the Triton test, with the same bounds (bf16/fp16: dq/dk/dv/d(initial_state) 8e-3, dg/dbeta 2e-2)."""

@@ -32,15 +32,9 @@ KERNELS = {
     "prepare-K16-V16-f16-varlen-l2norm": lambda: gt.prepare_entry(
         16, 16, torch.float16, torch.float16, torch.float16, True, True
     ),
-    "state-output-K16-V16-bf16-state": lambda: gt.state_output_entry(16, 16, torch.bfloat16, True, True, False, False),
-    # fp16 q and k converted to bf16 on load, l2-normalised in the walk
-    "state-output-K64-V32-f16-l2norm": lambda: gt.state_output_entry(64, 32, torch.float16, False, True, True, False),
     # the forward at the widths of the long-sequence benchmark: wgmma products, the walk warp-specialised
     "prepare-K128-V128-bf16-varlen-l2norm": lambda: gt.prepare_entry(
         128, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True
-    ),
-    "state-output-K128-V128-bf16-varlen-l2norm-state": lambda: gt.state_output_entry(
-        128, 128, torch.bfloat16, True, True, True, True
     ),
     # the forward's storing walk for bf16 inputs (every tile through the pipeline)
     "store-walk-K16-V16-bf16-varlen-l2norm-state": lambda: gs.state_store_entry(16, 16, True, True, True, True),
@@ -76,12 +70,12 @@ KERNELS = {
     # the output of every chunk from the stored states and U (the forward's default after the storing walk)
     "output-K16-V16-f16": lambda: gt.output_entry(16, 16, torch.float16, False, False),
     "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
-    # the storing walk of fp16 inputs, forward and backward (state_output_kernel storing states and U, no output)
-    "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
-        16, 16, torch.float16, True, False, True, True, write_output=False, store_states=True
-    ),
-    "state-store-K128-V128-f16-varlen-l2norm-state": lambda: gt.state_output_entry(
-        128, 128, torch.float16, True, False, True, True, write_output=False, store_states=True
+    # the storing walk of fp16 inputs, forward and backward (fp16 k converted to bf16 on load, l2-normalised in the
+    # walk)
+    "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gs.fp16_state_store_entry(16, 16, True, False, True, True),
+    "state-store-K64-V32-f16-l2norm": lambda: gs.fp16_state_store_entry(64, 32, False, True, True, False),
+    "state-store-K128-V128-f16-varlen-l2norm-state": lambda: gs.fp16_state_store_entry(
+        128, 128, True, False, True, True
     ),
     # the backward's own kernels at K=128 (wgmma, shared-memory fit) and at K=16 (two-warp and mma.sync products)
     "local-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.local_grad_entry(128, 128, torch.bfloat16, True, True),
@@ -219,14 +213,14 @@ def test_tilelang_reasons():
 
 
 @pytest.mark.parametrize(
-    "dtype, walk", [(torch.bfloat16, "gdr_chunk_state_store"), (torch.float16, "gdr_chunk_state_output")]
+    "dtype, walk", [(torch.bfloat16, "gdr_chunk_state_store"), (torch.float16, "gdr_chunk_state_store_fp16")]
 )
 def test_forward_and_backward_store_states_with_one_walk_per_dtype(dtype, walk):
-    """The pipelined storing walk takes bf16 only: fp16 inputs get state_output_kernel's walk (store_states), in the
-    forward and in the backward, which walks again."""
+    """The pipelined storing walk takes bf16 only: fp16 inputs get fp16_state_store_kernel's walk, in the forward and
+    in the backward, which walks again."""
     flags = (True, False, True, True)
     assert gt.storing_walk_entry(64, 32, dtype, *flags)[0][0] == walk
-    other = {"gdr_chunk_state_store", "gdr_chunk_state_output"} - {walk}
+    other = {"gdr_chunk_state_store", "gdr_chunk_state_store_fp16"} - {walk}
     forward = [key[0] for key, _ in gt.entries(64, 32, dtype, torch.float32, dtype, *flags)]
     backward = [key[0] for key, _ in gb.backward_entries(64, 32, dtype, torch.float32, dtype, True, False, True, True)]
     for keys in (forward, backward):
@@ -316,8 +310,6 @@ def test_bad_segment_chunks_are_refused():
         fp16 = _inputs(torch.float16)
         gt.chunk_forward(fp16["q"], fp16["q"], fp16["v"], fp16["g"], fp16["beta"], 1.0, None, False, False, None,
                          segment_chunks=2)  # fmt: skip
-    with pytest.raises(ValueError, match="with fused_output"):
-        gt.chunk_forward(*args, fused_output=True, segment_chunks=2)
     with pytest.raises(ValueError, match="transition walk takes V = K"):
         gs.state_store_entry(16, 32, False, True, False, True, store_states=False, transition=True)
 

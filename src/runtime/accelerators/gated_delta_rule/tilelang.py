@@ -29,12 +29,12 @@ Chunked (chunks of BT = 64 steps; see reference.py for the math):
      (bf16, States[global chunk]) and U = u - w S (bf16), then S <- e^gamma_last S + K^T (U e^(gamma_last - gamma)
      rstd_k), every product on bf16 operands (w rounded in shared memory) accumulated in fp32, the update
      straight into the state's fragment. No load from global memory on the walk's sequential path. The backward runs
-     it again (tilelang_shared.store_states). fp16 inputs take state_output_kernel's walk (store_states) instead.
+     it again (tilelang_shared.store_states). fp16 inputs take fp16_state_store_kernel's walk instead.
   3. output, one program per (chunk, value head), all chunks in parallel: O = scale (diag(e^gamma rstd_q) Q S + P U)
      with P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}, from the stored S and U (q, k, S and U by TMA on
      one barrier), the whole value width per program (Q K^T once per chunk), Q S on q as stored with its rows scaled
-     in fp32. With fused_output the walk computes O itself instead (five products per chunk on its sequential path
-     instead of two).
+     in fp32. (The walk computing O itself, five products per chunk on its sequential path instead of two, was
+     slower on the GPU: docs/tuning/gated_delta_rule.md.)
 The chunked forward's kernels bind their scalars (sequence, heads, chunk bounds) once with T.alloc_var: as
 expressions of the block index TileLang inlines them at every access, each division by a dynamic size a call of a
 64-bit division routine.
@@ -68,7 +68,6 @@ from .tilelang_shared import (
     load_rstd,
     load_state,
     row_rstd,
-    state_output_entry,
     state_program,
     store_state,
     store_states,
@@ -418,74 +417,94 @@ def recurrent_backward(*_):
 
 def chunk_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, *,
-    fused_output: bool = False, segment_chunks: int | None = None,
+    segment_chunks: int | None = None,
 ):  # fmt: skip
     """(o, final state, and the per-chunk factors gamma, w, u, (I + A)^-1, all fp32, as triton.chunk_forward).
 
-    The state walk stores the state entering each chunk and the corrections (bf16), then the output kernel computes
-    every chunk's output in parallel; fused_output: the walk computes the output itself instead (the products on the
-    walk's sequential path grow from two to five per chunk), kept to time the two against each other.
-    segment_chunks: the context-parallel split of bf16 inputs' storing walk (tilelang_split.py), chunks per segment;
-    None: the occupancy rule decides, 0: never split. fp16 inputs and fused_output walk whole sequences."""
+    Three stages: prepare the chunks' factors, walk the sequences storing the state entering each chunk and the
+    corrections (bf16), then every chunk's output in parallel from them. segment_chunks: the context-parallel split
+    of bf16 inputs' storing walk (tilelang_split.py), chunks per segment; None: the occupancy rule decides, 0: never
+    split. fp16 inputs walk whole sequences."""
     check_segment_chunks(segment_chunks, "chunk_forward: segment_chunks")
-    if segment_chunks and (q.dtype != OPERAND_TORCH or fused_output):
+    if segment_chunks and q.dtype != OPERAND_TORCH:
         raise ValueError(
-            f"chunk_forward: segment_chunks={segment_chunks} splits the storing walk of bf16 inputs only, before the "
-            f"output kernel; got {q.dtype} inputs{' with fused_output' if fused_output else ''}"
+            f"chunk_forward: segment_chunks={segment_chunks} splits the storing walk of bf16 inputs only; got "
+            f"{q.dtype} inputs"
         )
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, n, device = B * T_, _sequences(v, cu_seqlens), q.device
-    l2norm, varlen = bool(use_qk_l2norm_in_kernel), cu_seqlens is not None
-    gamma = buffers.empty((R, HV), dtype=torch.float32, device=device)
-    w = buffers.empty((R, HV, K), dtype=torch.float32, device=device)
-    u = buffers.empty((R, HV, V), dtype=torch.float32, device=device)
-    inverse = buffers.empty((R, HV, BT), dtype=torch.float32, device=device)
+    factors = _chunk_factors(R, HV, K, V, device)
     o = buffers.empty(v.shape, dtype=q.dtype, device=device)
     final = _final_state(output_final_state, n, HV, K, V, device)
     if n == 0 or q.numel() == 0:
         if output_final_state:
             final.copy_(initial_state) if initial_state is not None else final.zero_()
-        return o, final, gamma, w, u, inverse
+        return o, final, *factors
     chunks = Chunks.of(B, T_, cu_seqlens, device)
+    l2norm, varlen = bool(use_qk_l2norm_in_kernel), cu_seqlens is not None
     rows = lambda x, *tail: x.view(R, *tail)  # noqa: E731
     q_rows, k_rows, o_rows = rows(q, H, K), rows(k, H, K), rows(o, HV, V)
-    if chunks.total > 0:
-        prepare = launcher(prepare_entry(K, V, q.dtype, g.dtype, beta.dtype, l2norm, varlen), device)
-        prepare(
-            k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), gamma, w, u, inverse, chunks.cu, chunks.table,
-            T_, max(chunks.per_sequence, 1), chunks.total, HV // H,
-        )  # fmt: skip
     flags = (initial_state is not None, bool(output_final_state), l2norm, varlen)
     h0 = placeholder(device) if initial_state is None else initial_state
     ht = final if output_final_state else placeholder(device)
-    if fused_output:
-        launcher(state_output_entry(K, V, q.dtype, *flags), device)(
-            q_rows, k_rows, gamma, w, u, o_rows, h0, ht, placeholder(device, OPERAND_TORCH),
-            placeholder(device, OPERAND_TORCH), chunks.cu, chunks.first, float(scale), T_, n, HV // H,
-        )  # fmt: skip
-        return o, final, gamma, w, u, inverse
-    stored = chunks.total > 0  # else the walk only passes the initial state through to the final one
-    states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device) if stored else None
-    corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device) if stored else None
+    if chunks.total == 0:  # the walk only passes the initial state through to the final one
+        _walk(k_rows, *factors[:3], h0, ht, None, None, chunks, segment_chunks, B, T_, n, flags, cu_seqlens)
+        return o, final, *factors
+    _prepare(k_rows, rows(v, HV, V), rows(g, HV), rows(beta, HV), factors, chunks, T_, HV // H, l2norm, varlen)
+    states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
+    corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)
+    _walk(k_rows, *factors[:3], h0, ht, states, corrections, chunks, segment_chunks, B, T_, n, flags, cu_seqlens)
+    _output(q_rows, k_rows, factors[0], states, corrections, o_rows, chunks, scale, T_, HV // H, l2norm, varlen)
+    return o, final, *factors
+
+
+def _chunk_factors(R: int, HV: int, K: int, V: int, device) -> tuple[torch.Tensor, ...]:
+    """(gamma, w, u, (I + A)^-1) per row, fp32: the prepare stage's results, which the backward reads."""
+    return tuple(
+        buffers.empty(shape, dtype=torch.float32, device=device)
+        for shape in ((R, HV), (R, HV, K), (R, HV, V), (R, HV, BT))
+    )
+
+
+def _prepare(k_rows, v_rows, g_rows, beta_rows, factors, chunks: Chunks, T_: int, groups: int, l2norm: bool,
+             varlen: bool) -> None:  # fmt: skip
+    """The chunks' factors: the cumulative decay gamma, the WY factors w and u, and (I + A)^-1."""
+    K, V = k_rows.shape[-1], v_rows.shape[-1]
+    prepare = launcher(prepare_entry(K, V, k_rows.dtype, g_rows.dtype, beta_rows.dtype, l2norm, varlen), k_rows.device)
+    prepare(
+        k_rows, v_rows, g_rows, beta_rows, *factors, chunks.cu, chunks.table, T_, max(chunks.per_sequence, 1),
+        chunks.total, groups,
+    )  # fmt: skip
+
+
+def _walk(k_rows, gamma, w, u, h0, ht, states, corrections, chunks: Chunks, segment_chunks, B: int, T_: int, n: int,
+          flags: tuple[bool, bool, bool, bool], cu_seqlens) -> None:  # fmt: skip
+    """The storing walk: the state entering each chunk into `states` and the corrections into `corrections` (None
+    where there are no chunks: only the final state), bf16 long sequences split by the occupancy rule."""
+    device = k_rows.device
+    HV, K, V = u.shape[1], k_rows.shape[-1], u.shape[-1]
     segments = None
-    if stored and q.dtype == OPERAND_TORCH:
+    if states is not None and k_rows.dtype == OPERAND_TORCH:
         segments = split_segments(chunks, B, T_, n, HV, K, V, cu_seqlens, device, segment_chunks)
     if segments is not None:
         split_walk(k_rows, gamma, w, u, h0, ht, states, corrections, segments, has_initial=flags[0],
-                   store_final=flags[1], l2norm=l2norm, seq_len=T_, groups=HV // H)  # fmt: skip
-    else:
-        store_states(
-            q_rows, k_rows, gamma, w, u, h0, ht, states if stored else placeholder(device, OPERAND_TORCH),
-            corrections if stored else placeholder(device, OPERAND_TORCH), chunks, float(scale), T_, n, flags,
-        )  # fmt: skip
-    if stored:
-        launcher(output_entry(K, V, q.dtype, l2norm, varlen), device)(
-            q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,
-            max(chunks.per_sequence, 1), HV // H,
-        )  # fmt: skip
-    return o, final, gamma, w, u, inverse
+                   store_final=flags[1], l2norm=flags[2], seq_len=T_, groups=HV // k_rows.shape[1])  # fmt: skip
+        return
+    unused = placeholder(device, OPERAND_TORCH)
+    store_states(k_rows, gamma, w, u, h0, ht, unused if states is None else states,
+                 unused if corrections is None else corrections, chunks, T_, n, flags)  # fmt: skip
+
+
+def _output(q_rows, k_rows, gamma, states, corrections, o_rows, chunks: Chunks, scale: float, T_: int, groups: int,
+            l2norm: bool, varlen: bool) -> None:  # fmt: skip
+    """Every chunk's output in parallel from the stored states and corrections."""
+    K, V = k_rows.shape[-1], o_rows.shape[-1]
+    launcher(output_entry(K, V, q_rows.dtype, l2norm, varlen), q_rows.device)(
+        q_rows, k_rows, gamma, states, corrections, o_rows, chunks.cu, chunks.table, float(scale), T_,
+        max(chunks.per_sequence, 1), groups,
+    )  # fmt: skip
 
 
 def entries(K: int, V: int, dtype, g_dtype, beta_dtype, has_initial: bool, store_final: bool, l2norm: bool,

@@ -647,10 +647,8 @@ def chunk_backward(
         h0 = initial_state if has_initial else placeholder(device)
         states = buffers.empty((chunks.total, HV, K, V), dtype=OPERAND_TORCH, device=device)
         corrections = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)
-        store_states(
-            q_rows, k_rows, gamma, w, u, h0, placeholder(device), states, corrections, chunks, float(scale), T_, n,
-            (has_initial, False, l2norm, varlen),
-        )  # fmt: skip
+        walk_flags = (has_initial, False, l2norm, varlen)
+        store_states(k_rows, gamma, w, u, h0, placeholder(device), states, corrections, chunks, T_, n, walk_flags)
         du = buffers.empty((R, HV, V), dtype=OPERAND_TORCH, device=device)  # dU_local, then dU
         q_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)
         k_factor = buffers.empty((R, HV), dtype=torch.float32, device=device)

@@ -26,16 +26,6 @@ def _state_threads(K: int, BV: int) -> int:
     return 32 * min(4, (K // 16) * (BV // 8))
 
 
-def _state_stages(K: int, dtype, write_output: bool) -> int:
-    """Pipeline depth of the state walk: two stages but at K = 128 with the output, where they take 132 KB of shared
-    memory (one block an SM: the B4-T4096-H16 walk's 256 programs would run in two waves), and with fp16 q and k
-    with the output: their loads convert to bf16 there, and TileLang 0.1.15's pipeline then waits on a loop-dependent
-    count of copy groups, which its CUDA code generator rejects."""
-    if write_output and (K >= 128 or dtype == torch.float16):
-        return 1
-    return 2
-
-
 def chunk_start(Cu, Chunks, i_t, seq_len, n_chunks, varlen: bool):
     """First token of global chunk i_t (chunks are numbered sequence by sequence)."""
     if varlen:
@@ -123,32 +113,28 @@ def load_rows(X, x_h, hv, v0, start, eos):
         x_h[i, j] = T.cast(T.if_then_else(start + i < eos, T.cast(X[start + i, hv, v0 + j], ACCUM), 0.0), OPERAND)
 
 
-def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
-                        varlen: bool, write_output: bool = True, store_states: bool = False,
-                        stages: int = 2):  # fmt: skip
-    """The forward's state walk; for the backward (store_states, no output) it stores the state entering
-    each chunk at the chunk's global index, States[First[n] + c] (fixed length: n * chunks per sequence + c), and the
-    corrections U = u - w S per row, both in bf16 as the backward's products take them.
-    `stages`: the software pipeline's depth over the chunks' q/k loads."""
+def fp16_state_store_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, store_final: bool, l2norm: bool,
+                            varlen: bool, stages: int = 2):  # fmt: skip
+    """The storing walk of fp16 inputs (storing_walk_entry says why they do not take state_store_kernel's): per chunk
+    the state entering it, States[First[n] + c] (fixed length: n * chunks per sequence + c), and the corrections
+    U = u - w S per row, both in bf16 as the products take them; the same arguments as state_store_kernel's walk.
+    `stages`: the software pipeline's depth over the chunks' k loads."""
     R, H, HV, NS, NC, NTC, NF = T.dynamic("rows, heads, v_heads, n_states, n_cu, n_chunks_total, n_first")
     threads = _state_threads(K, BV)
     state_shape = (NS, HV, K, V)
 
     @T.prim_func
-    def gdr_chunk_state_output(
-        Q: T.Tensor((R, H, K), dtype),
+    def gdr_chunk_state_store_fp16(
         Kx: T.Tensor((R, H, K), dtype),
         Gamma: T.Tensor((R, HV), ACCUM),
         W: T.Tensor((R, HV, K), ACCUM),
         U: T.Tensor((R, HV, V), ACCUM),
-        O: T.Tensor((R, HV, V) if write_output else (1,), dtype),
         H0: T.Tensor(state_shape if has_initial else (1,), ACCUM),
         HT: T.Tensor(state_shape if store_final else (1,), ACCUM),
-        States: T.Tensor((NTC, HV, K, V) if store_states else (1,), OPERAND),
-        Corrections: T.Tensor((R, HV, V) if store_states else (1,), OPERAND),
+        States: T.Tensor((NTC, HV, K, V), OPERAND),
+        Corrections: T.Tensor((R, HV, V), OPERAND),
         Cu: T.Tensor((NC,), "int32"),
         First: T.Tensor((NF,), "int32"),
-        scale: T.float32,
         seq_len: T.int32,
         n_seq: T.int32,
         groups: T.int32,
@@ -156,88 +142,45 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
         with T.Kernel(n_seq * HV, V // BV, threads=threads) as (bnh, bv):  # sequences x heads on x (y caps at 65535)
             state = T.alloc_fragment((K, BV), ACCUM)  # fp32 across the whole walk
             state_h = T.alloc_shared((K, BV), OPERAND)  # the state entering the chunk, as the products take it
-            q_s = T.alloc_shared((BT, K), OPERAND)  # q and k as stored (pipelined loads), rows past eos unused
-            k_s = T.alloc_shared((BT, K), OPERAND)
+            k_s = T.alloc_shared((BT, K), OPERAND)  # k as stored (pipelined loads), rows past eos unused
             w_h = T.alloc_shared((BT, K), OPERAND)
             sq = T.alloc_fragment((BT, K), ACCUM)
             rsum = T.alloc_fragment((BT,), ACCUM)
-            q_rstd_s = T.alloc_shared((BT,), ACCUM)
-            q_scale_s = T.alloc_shared((BT,), ACCUM)  # e^gamma rstd_q: the row factor of Q S
             k_rstd_s = T.alloc_shared((BT,), ACCUM)
             gamma_s = T.alloc_shared((BT,), ACCUM)
             corr = T.alloc_fragment((BT, BV), ACCUM)
-            corr_h = T.alloc_shared((BT, BV), OPERAND)  # U = u - w S
             corr_kd_h = T.alloc_shared((BT, BV), OPERAND)  # U's rows times e^(gamma_last - gamma) rstd_k
-            attn = T.alloc_fragment((BT, BT), ACCUM)
-            attn_h = T.alloc_shared((BT, BT), OPERAND)
-            o_state = T.alloc_fragment((BT, BV), ACCUM)
-            o_intra = T.alloc_fragment((BT, BV), ACCUM)
 
             n, hv, h, v0, bos, eos = state_program(bnh, bv, HV, groups, BV, Cu, seq_len, varlen)
             first = First[n] if varlen else n * T.ceildiv(seq_len, BT)  # global index of the sequence's first chunk
             load_state(state, H0, n, hv, v0, has_initial)
             if not l2norm:
                 for i in T.Parallel(BT):
-                    q_rstd_s[i] = 1.0
                     k_rstd_s[i] = 1.0
             # no explicit barrier in the walk: under Hopper warp specialisation TileLang plans the producer's and the
             # consumer's barriers itself (a T.sync_threads here became a named barrier both groups share)
             for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
                 start = bos + c * BT
-                if write_output:
-                    T.copy(Q[start : start + BT, h, 0:K], q_s)
                 T.copy(Kx[start : start + BT, h, 0:K], k_s)
-                if store_states:
-                    for i, j in T.Parallel(K, BV):
-                        States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
+                for i, j in T.Parallel(K, BV):
+                    States[first + c, hv, i, v0 + j] = T.cast(state[i, j], OPERAND)
                 last = load_chunk_decay(Gamma, gamma_s, hv, start, eos)
                 for i, j in T.Parallel(BT, K):
                     w_h[i, j] = T.cast(T.if_then_else(start + i < eos, W[start + i, hv, j], 0.0), OPERAND)
                 T.copy(state, state_h)
                 if l2norm:
                     row_rstd(k_s, sq, rsum, k_rstd_s)
-                    if write_output:
-                        row_rstd(q_s, sq, rsum, q_rstd_s)
-                if write_output:
-                    # gamma_s shares the q stage of the pipeline, released after the last product on q: the output's
-                    # row factor is taken from it before
-                    for i in T.Parallel(BT):
-                        q_scale_s[i] = T.exp(gamma_s[i]) * q_rstd_s[i]
                 # U = u - w S; the state update takes its rows scaled (k is used as stored)
                 T.gemm(w_h, state_h, corr, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     corr[i, j] = T.if_then_else(start + i < eos, U[start + i, hv, v0 + j] - corr[i, j], 0.0)
-                    corr_h[i, j] = T.cast(corr[i, j], OPERAND)
                     corr_kd_h[i, j] = T.cast(
                         corr[i, j] * T.if_then_else(start + i < eos, T.exp(last - gamma_s[i]) * k_rstd_s[i], 0.0),
                         OPERAND,
                     )
-                if store_states:
-                    for i, j in T.Parallel(BT, BV):
-                        if start + i < eos:
-                            Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
-                if write_output:
-                    # O = scale (diag(e^gamma rstd_q) Q S + P U), P = (Q K^T rstd_q rstd_k e^(gamma_t - gamma_j))_{j<=t}
-                    T.gemm(q_s, k_s, attn, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        attn_h[i, j] = T.cast(
-                            T.if_then_else(
-                                (i >= j) and (start + i < eos),
-                                attn[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * (q_rstd_s[i] * k_rstd_s[j]),
-                                0.0,
-                            ),
-                            OPERAND,
-                        )
-                if write_output:
-                    T.gemm(q_s, state_h, o_state, clear_accum=True)
-                    T.gemm(attn_h, corr_h, o_intra, clear_accum=True)
-                    for i, j in T.Parallel(BT, BV):
-                        if start + i < eos:
-                            O[start + i, hv, v0 + j] = T.cast(
-                                (o_state[i, j] * q_scale_s[i] + o_intra[i, j])
-                                * scale,
-                                dtype,
-                            )  # fmt: skip
+                for i, j in T.Parallel(BT, BV):
+                    if start + i < eos:
+                        Corrections[start + i, hv, v0 + j] = T.cast(corr[i, j], OPERAND)
                 # S <- e^gamma_last S + K^T (U e^(gamma_last - gamma) rstd_k), accumulated into the fp32 state
                 for i, j in T.Parallel(K, BV):
                     state[i, j] = state[i, j] * T.exp(last)
@@ -245,17 +188,14 @@ def state_output_kernel(K: int, V: int, BV: int, dtype: str, has_initial: bool, 
             if store_final:
                 store_state(HT, state, n, hv, v0)
 
-    return gdr_chunk_state_output
+    return gdr_chunk_state_store_fp16
 
 
-def state_output_entry(K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
-                       write_output: bool = True, store_states: bool = False, stages: int | None = None) -> Entry:  # fmt: skip
-    """stages: the pipeline depth of the walk's loads (None: _state_stages)."""
+def fp16_state_store_entry(K: int, V: int, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool) -> Entry:
     BV = _state_block(K, V)
-    stages = _state_stages(K, dtype, write_output) if stages is None else stages
-    flags = (has_initial, store_final, l2norm, varlen, write_output, store_states)
-    key = ("gdr_chunk_state_output", K, V, BV, dtype, flags, stages)
-    return key, lambda _: state_output_kernel(K, V, BV, TL_DTYPE[dtype], *flags, stages=stages)
+    flags = (has_initial, store_final, l2norm, varlen)
+    key = ("gdr_chunk_state_store_fp16", K, V, BV, flags)
+    return key, lambda _: fp16_state_store_kernel(K, V, BV, TL_DTYPE[torch.float16], *flags)
 
 
 def _store_block(K: int, V: int) -> int:
@@ -267,8 +207,7 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
                        varlen: bool, stages: int = 2, store_states: bool = True,
                        transition: bool = False):  # fmt: skip
     """The walk that only stores, per chunk, the state entering it (States[global chunk]) and the corrections
-    U = u - w S (both bf16): state_output_kernel's results with write_output False and store_states True, for bf16
-    inputs only.
+    U = u - w S (both bf16), for bf16 inputs only (fp16 ones: fp16_state_store_kernel).
 
     For the context-parallel split (split.py) it also walks without storing them (store_states False: only the end
     state, in HT; from a zero state, the segments' offsets b) and, with `transition`, walks the linear part of the
@@ -370,7 +309,7 @@ def state_store_kernel(K: int, V: int, BV: int, has_initial: bool, store_final: 
 
 def state_store_entry(K: int, V: int, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool,
                       stages: int = 2, *, store_states: bool = True, transition: bool = False) -> Entry:  # fmt: skip
-    """The storing walk for bf16 inputs (fp16 ones take state_output_entry's: see storing_walk_entry);
+    """The storing walk for bf16 inputs (fp16 ones take fp16_state_store_entry's: see storing_walk_entry);
     store_states False: only the end state; transition: the walk of the chunk maps' linear part (V = K, from the
     identity, only the end map)."""
     if transition and (V != K or has_initial or store_states or not store_final):
@@ -391,27 +330,23 @@ def storing_walk_entry(
     K: int, V: int, dtype, has_initial: bool, store_final: bool, l2norm: bool, varlen: bool
 ) -> Entry:
     """The walk storing the state entering each chunk and U, forward and backward: state_store_kernel for bf16
-    inputs; for fp16 state_output_kernel (store_states), because TileLang 0.1.15's pipelined walk that rounds fp16 k
+    inputs; for fp16 fp16_state_store_kernel, because TileLang 0.1.15's pipelined walk that rounds fp16 k
     to bf16 in shared memory stores wrong states from the third chunk on (measured on the H200: state error 1e3
     relative at T = 1000). For bf16 the two store the same bits."""
     flags = (has_initial, store_final, l2norm, varlen)
     if dtype == OPERAND_TORCH:
         return state_store_entry(K, V, *flags)
-    return state_output_entry(K, V, dtype, *flags, write_output=False, store_states=True)
+    return fp16_state_store_entry(K, V, *flags)
 
 
-def store_states(q_rows, k_rows, gamma, w, u, h0, ht, states, corrections, chunks: "Chunks", scale: float, T_: int,
-                 n: int, flags: tuple[bool, bool, bool, bool]) -> None:  # fmt: skip
-    """Launches storing_walk_entry's walk (flags: has_initial, store_final, l2norm, varlen); q_rows only feeds the
-    fp16 walk's unused output path."""
-    K, V, dtype, device = k_rows.shape[-1], u.shape[-1], k_rows.dtype, k_rows.device
-    walk = launcher(storing_walk_entry(K, V, dtype, *flags), device)
-    groups = u.shape[1] // k_rows.shape[1]
-    if dtype == OPERAND_TORCH:
-        walk(k_rows, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.first, T_, n, groups)
-    else:
-        walk(q_rows, k_rows, gamma, w, u, placeholder(device, dtype), h0, ht, states, corrections, chunks.cu,
-             chunks.first, scale, T_, n, groups)  # fmt: skip
+def store_states(k_rows, gamma, w, u, h0, ht, states, corrections, chunks: "Chunks", T_: int, n: int,
+                 flags: tuple[bool, bool, bool, bool]) -> None:  # fmt: skip
+    """Launches storing_walk_entry's walk (flags: has_initial, store_final, l2norm, varlen)."""
+    K, V, device = k_rows.shape[-1], u.shape[-1], k_rows.device
+    walk = launcher(storing_walk_entry(K, V, k_rows.dtype, *flags), device)
+    walk(
+        k_rows, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.first, T_, n, u.shape[1] // k_rows.shape[1]
+    )
 
 
 # --------------------------------------------------------------------------- launchers
