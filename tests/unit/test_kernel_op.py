@@ -7,6 +7,7 @@ import torch
 
 import runtime.accelerators as acc
 from runtime.accelerators.bce_with_logits import KERNEL as BCE
+from runtime.accelerators.bce_with_logits import UNIT_GRADIENT_KERNEL as BCE_UNIT_GRADIENT
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
 from runtime.accelerators.kernel_backend import KernelBackend
@@ -44,30 +45,33 @@ def test_arguments_come_back_in_schema_order():
     assert CHUNK.arguments(CHUNK.tensors_of(args), CHUNK.values_of(args)) == args
 
 
-def test_backward_that_reads_no_output_gets_none_and_the_output_is_not_saved(monkeypatch):
-    """bce (backward_reads="saved"): the loss is neither saved nor passed; the (here empty: targets need a
-    gradient) unit gradient is."""
+def test_bce_backward_recomputes_from_the_arguments(monkeypatch):
+    """bce's KERNEL (backward_reads="arguments"): the loss is neither saved nor passed, the arguments are (None for
+    the absent weight and pos_weight)."""
     logits, targets = torch.randn(6, requires_grad=True), torch.rand(6, requires_grad=True)
     received = spy_on_backward(monkeypatch, BCE, "triton")
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
     saved = loss.grad_fn.saved_tensors
-    assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (0,)
+    assert len(saved) == 4 and saved[0] is logits and saved[1] is targets and saved[2:] == (None, None)
     torch.autograd.grad(loss, (logits, targets))
-    *_, loss_, unit = received[0]
-    assert loss_ is None and unit.shape == (0,)
+    assert received[0][-1] is None  # the loss
 
 
-def test_bce_gradient_from_the_forward_saves_that_gradient_alone(monkeypatch):
-    """Small eager bce calls whose logits alone need a gradient: one saved tensor, the forward's unit gradient,
-    scaled in backward without the kernel module's backward."""
+def test_bce_gradient_from_the_forward_saves_the_logits_and_that_gradient_alone(monkeypatch):
+    """Small eager bce calls whose logits alone need a gradient run UNIT_GRADIENT_KERNEL: it saves the logits and
+    the forward's unit gradient, not the targets (unread_args) nor the loss (backward_reads="saved"); its backward
+    scales that gradient, and KERNEL's backward never runs."""
     logits, targets = torch.randn(2, 3, requires_grad=True), torch.rand(2, 3)
     replace_kernels(monkeypatch, BCE, "triton", backward=lambda *args: pytest.fail("the backend's backward ran"))
+    received = spy_on_backward(monkeypatch, BCE_UNIT_GRADIENT, "triton")
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
-    (unit,) = loss.grad_fn.saved_tensors
+    logits_, *unread, unit = loss.grad_fn.saved_tensors
+    assert logits_ is logits and unread == [None, None, None]
     assert unit.shape == (2, 3) and unit.dtype == torch.float32
     (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(2.0))
     expected = 2.0 * (torch.sigmoid(logits.detach()) - targets) / 6
     torch.testing.assert_close(dlogits, expected)
+    assert received[0][2:5] == (None, None, None) and received[0][-2] is None  # targets, weights, loss
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
