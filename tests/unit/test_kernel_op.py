@@ -186,3 +186,51 @@ def test_importing_the_package_imports_no_kernel_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_an_op_outside_graphs_registers_no_custom_ops_and_breaks_the_graph():
+    """in_graphs=False: no custom ops (no fake needed); under torch.compile the call runs eagerly outside the graph,
+    through the same eager path, its gradient included."""
+    kernels = KernelBackend(forward=lambda x, scale: (x * scale,), backward=lambda g, x, scale, out: (g * scale, None))
+    op = KernelOp(
+        "test_outside_graphs", "Tensor x, float scale", 1, 0, None, {"triton": lambda: kernels}, in_graphs=False
+    )
+    assert op._forward_op is None and not hasattr(torch.ops.taac, "test_outside_graphs_forward")
+    x = torch.randn(5, requires_grad=True)
+    breaks = []
+
+    def backend(gm, example_inputs):
+        breaks.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: op("triton", x.sin(), 3.0).cos(), backend=backend)
+    out = compiled(x)
+    torch.testing.assert_close(out, (3.0 * x.detach().sin()).cos())
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(grad, -(3.0 * x.detach().sin()).sin() * 3.0 * x.detach().cos())
+    assert len(breaks) == 2  # the graphs before and after the call
+    with pytest.raises(ValueError, match="test_no_fake: fake_forward is required"):
+        KernelOp("test_no_fake", "Tensor x", 1, 0, None, {"triton": lambda: kernels})
+
+
+def test_unread_arguments_are_saved_as_none():
+    """unread_args: eager calls save None in their place, whatever their position among the tensor arguments."""
+    kernels = KernelBackend(forward=lambda a, b, c, d: (a + c,))
+    op = KernelOp(
+        "test_unread", "Tensor a, Tensor b, Tensor? c, float d", 1, 0, torch.add, {"triton": lambda: kernels},
+        unread_args=("b",),
+    )  # fmt: skip
+    a, b, c = torch.randn(3), torch.randn(3), torch.randn(3)
+    assert op.saved_tensors_of((a, b, c, 1.0)) == (a, None, c)
+
+
+def test_the_collection_declares_its_triton_kernels():
+    """embedding_bag_collection reaches its Triton entry points through a loader returning a KernelBackend."""
+    from runtime.accelerators.backends import library_reasons
+    from runtime.accelerators.embedding_bag_mean import collection
+
+    assert set(collection.BACKENDS) == {"triton"}
+    if not library_reasons("triton"):
+        kernels = collection.BACKENDS["triton"]()
+        assert isinstance(kernels, KernelBackend) and kernels.backward_reads == "saved"
