@@ -82,7 +82,7 @@ def triton_out_and_grad(weight, indices, offsets, pad, include_last_offset, spar
     grad_out = torch.randn_like(out) if grad_out is None else grad_out
     gradient = launches.get("gradient", triton_kernels.GRADIENT)
     if sparse:
-        grad = triton_kernels.backward_sparse(grad_out, *args, scale, bag_of, launch=gradient)
+        grad = triton_kernels.backward_sparse(grad_out, *args, True, None, scale, bag_of, launch=gradient)[0]
     else:
         grad = triton_kernels.backward(grad_out, *args, True, out, scale, bag_of, launch=gradient)[0]
     return out, grad, grad_out

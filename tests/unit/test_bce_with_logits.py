@@ -162,14 +162,18 @@ def test_triton_large_input_launches(launch, reduction, targets_grad):
     launches = bce_triton.LargeLaunches(forward=launch, forward_none=launch, backward=launch)
     x, y, w, pw = make_inputs((3, 2743), weight_shape=(3, 1), pos_weight_shape=(2743,), targets_grad=targets_grad)
     args = (x.detach(), y.detach(), kernel_operand(w, x.shape), kernel_operand(pw, x.shape), reduction)
-    flags = (targets_grad, not targets_grad)  # targets_grad, grad_in_forward
     with poison_outputs():
-        out, unit = bce_triton.forward(*args, *flags, launches=launches)
-        grad_out = torch.randn(out.shape)
-        grads = bce_triton.backward(grad_out, *args, *flags, out, unit, launches=launches)[: 2 if targets_grad else 1]
+        if targets_grad:
+            out = bce_triton.forward(*args, True, launches=launches)
+            grad_out = torch.randn(out.shape)
+            grads = bce_triton.backward(grad_out, *args, True, None, launches=launches)[:2]
+        else:
+            out, unit = bce_triton.unit_gradient_forward(*args, launches=launches)
+            grad_out = torch.randn(out.shape)
+            grads = bce_triton.UNIT_GRADIENT_KERNELS.backward(grad_out, *args, None, unit)[:1]
     compare(out, grads, x, y, w, pw, reduction, grad_out, RTOL[f32], f"triton {launch}")
-    if reduction != "none":
-        assert torch.equal(out, bce_triton.infer(*args, *flags, launches=launches))
+    if not targets_grad:  # the loss of the forward that also writes the unit gradient is the plain forward's
+        assert torch.equal(out, bce_triton.forward(*args, False, launches=launches))
 
 
 @pytest.mark.parametrize("limit, targets_grad, expected", [(37, False, True), (36, False, False), (37, True, False)])
@@ -179,10 +183,11 @@ def test_triton_dlogits_from_the_forward_only_for_small_inputs_without_target_gr
     """Up to GRAD_IN_FORWARD_MAX_NUMEL logits, with no target gradient, backward scales the forward's dlogits;
     otherwise the backward kernel computes them. Both give the same gradient."""
     import runtime.accelerators.bce_with_logits as package
+    from runtime.accelerators.bce_with_logits import layout
 
     scaled = []
-    real = package.scale_unit_gradient
-    monkeypatch.setattr(package, "scale_unit_gradient", lambda *args: scaled.append(1) or real(*args))
+    real = layout.scale_unit_gradient
+    monkeypatch.setattr(layout, "scale_unit_gradient", lambda *args: scaled.append(1) or real(*args))
     x, y, _, _ = make_inputs((37,), bf16, targets_grad=targets_grad)
     out = package.kernel_loss(x, y, None, None, "mean", "triton", grad_in_forward_max_numel=limit)
     (dx,) = torch.autograd.grad(out, x, torch.tensor(0.75, dtype=bf16))
@@ -344,8 +349,8 @@ def test_empty_input_matches_torch():
 @pytest.mark.parametrize("targets_grad", [True, False], ids=["targets-grad", "dlogits-in-forward"])
 def test_compiled_custom_op_matches_eager(targets_grad):
     """Under torch.compile the kernels run as the custom ops taac::bce_with_logits_forward /
-    taac::bce_with_logits_backward (with the unit gradient as the forward's second result when the targets need
-    none)."""
+    taac::bce_with_logits_backward, or, when the targets need no gradient, taac::bce_with_logits_unit_gradient_forward
+    (the unit gradient as its second result) / taac::bce_with_logits_unit_gradient_backward."""
     x, y, w, pw = make_inputs((3, 50), weight_shape=(50,), pos_weight_shape=(50,), targets_grad=targets_grad)
     inputs = (x, y) if targets_grad else (x,)
 

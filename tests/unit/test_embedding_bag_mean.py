@@ -76,7 +76,9 @@ def run_triton(
         out, scale, bag_of = triton_kernels.forward(*args, check_indices, launch=forward)
         grad_out = torch.randn_like(out)
         if sparse:
-            grad = triton_kernels.backward_sparse(grad_out, *args, scale, bag_of, launch=gradient)
+            grad = triton_kernels.backward_sparse(grad_out, *args, check_indices, None, scale, bag_of, launch=gradient)[
+                0
+            ]
         else:
             grad = triton_kernels.backward(grad_out, *args, check_indices, out, scale, bag_of, launch=gradient)[0]
     return out, grad, grad_out

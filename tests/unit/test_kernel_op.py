@@ -7,6 +7,7 @@ import torch
 
 import runtime.accelerators as acc
 from runtime.accelerators.bce_with_logits import KERNEL as BCE
+from runtime.accelerators.bce_with_logits import UNIT_GRADIENT_KERNEL as BCE_UNIT_GRADIENT
 from runtime.accelerators.dropout_add import KERNEL as DROPOUT_ADD
 from runtime.accelerators.gated_delta_rule import CHUNK
 from runtime.accelerators.kernel_backend import KernelBackend
@@ -44,30 +45,33 @@ def test_arguments_come_back_in_schema_order():
     assert CHUNK.arguments(CHUNK.tensors_of(args), CHUNK.values_of(args)) == args
 
 
-def test_backward_that_reads_no_output_gets_none_and_the_output_is_not_saved(monkeypatch):
-    """bce (backward_reads="saved"): the loss is neither saved nor passed; the (here empty: targets need a
-    gradient) unit gradient is."""
+def test_bce_backward_recomputes_from_the_arguments(monkeypatch):
+    """bce's KERNEL (backward_reads="arguments"): the loss is neither saved nor passed, the arguments are (None for
+    the absent weight and pos_weight)."""
     logits, targets = torch.randn(6, requires_grad=True), torch.rand(6, requires_grad=True)
     received = spy_on_backward(monkeypatch, BCE, "triton")
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
     saved = loss.grad_fn.saved_tensors
-    assert len(saved) == 5 and saved[0] is logits and saved[2:4] == (None, None) and saved[4].shape == (0,)
+    assert len(saved) == 4 and saved[0] is logits and saved[1] is targets and saved[2:] == (None, None)
     torch.autograd.grad(loss, (logits, targets))
-    *_, loss_, unit = received[0]
-    assert loss_ is None and unit.shape == (0,)
+    assert received[0][-1] is None  # the loss
 
 
-def test_bce_gradient_from_the_forward_saves_that_gradient_alone(monkeypatch):
-    """Small eager bce calls whose logits alone need a gradient: one saved tensor, the forward's unit gradient,
-    scaled in backward without the kernel module's backward."""
+def test_bce_gradient_from_the_forward_saves_the_logits_and_that_gradient_alone(monkeypatch):
+    """Small eager bce calls whose logits alone need a gradient run UNIT_GRADIENT_KERNEL: it saves the logits and
+    the forward's unit gradient, not the targets (unread_args) nor the loss (backward_reads="saved"); its backward
+    scales that gradient, and KERNEL's backward never runs."""
     logits, targets = torch.randn(2, 3, requires_grad=True), torch.rand(2, 3)
     replace_kernels(monkeypatch, BCE, "triton", backward=lambda *args: pytest.fail("the backend's backward ran"))
+    received = spy_on_backward(monkeypatch, BCE_UNIT_GRADIENT, "triton")
     loss = acc.binary_cross_entropy_with_logits(logits, targets, backend="triton")
-    (unit,) = loss.grad_fn.saved_tensors
+    logits_, *unread, unit = loss.grad_fn.saved_tensors
+    assert logits_ is logits and unread == [None, None, None]
     assert unit.shape == (2, 3) and unit.dtype == torch.float32
     (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(2.0))
     expected = 2.0 * (torch.sigmoid(logits.detach()) - targets) / 6
     torch.testing.assert_close(dlogits, expected)
+    assert received[0][2:5] == (None, None, None) and received[0][-2] is None  # targets, weights, loss
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
@@ -182,3 +186,51 @@ def test_importing_the_package_imports_no_kernel_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_an_op_outside_graphs_registers_no_custom_ops_and_breaks_the_graph():
+    """in_graphs=False: no custom ops (no fake needed); under torch.compile the call runs eagerly outside the graph,
+    through the same eager path, its gradient included."""
+    kernels = KernelBackend(forward=lambda x, scale: (x * scale,), backward=lambda g, x, scale, out: (g * scale, None))
+    op = KernelOp(
+        "test_outside_graphs", "Tensor x, float scale", 1, 0, None, {"triton": lambda: kernels}, in_graphs=False
+    )
+    assert op._forward_op is None and not hasattr(torch.ops.taac, "test_outside_graphs_forward")
+    x = torch.randn(5, requires_grad=True)
+    breaks = []
+
+    def backend(gm, example_inputs):
+        breaks.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: op("triton", x.sin(), 3.0).cos(), backend=backend)
+    out = compiled(x)
+    torch.testing.assert_close(out, (3.0 * x.detach().sin()).cos())
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(grad, -(3.0 * x.detach().sin()).sin() * 3.0 * x.detach().cos())
+    assert len(breaks) == 2  # the graphs before and after the call
+    with pytest.raises(ValueError, match="test_no_fake: fake_forward is required"):
+        KernelOp("test_no_fake", "Tensor x", 1, 0, None, {"triton": lambda: kernels})
+
+
+def test_unread_arguments_are_saved_as_none():
+    """unread_args: eager calls save None in their place, whatever their position among the tensor arguments."""
+    kernels = KernelBackend(forward=lambda a, b, c, d: (a + c,))
+    op = KernelOp(
+        "test_unread", "Tensor a, Tensor b, Tensor? c, float d", 1, 0, torch.add, {"triton": lambda: kernels},
+        unread_args=("b",),
+    )  # fmt: skip
+    a, b, c = torch.randn(3), torch.randn(3), torch.randn(3)
+    assert op.saved_tensors_of((a, b, c, 1.0)) == (a, None, c)
+
+
+def test_the_collection_declares_its_triton_kernels():
+    """embedding_bag_collection reaches its Triton entry points through a loader returning a KernelBackend."""
+    from runtime.accelerators.backends import library_reasons
+    from runtime.accelerators.embedding_bag_mean import collection
+
+    assert set(collection.BACKENDS) == {"triton"}
+    if not library_reasons("triton"):
+        kernels = collection.BACKENDS["triton"]()
+        assert isinstance(kernels, KernelBackend) and kernels.backward_reads == "saved"

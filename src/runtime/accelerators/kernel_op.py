@@ -76,6 +76,10 @@ class KernelOp:
     check_values:  (*args) -> None, raising on argument values that tracing cannot read (the values of a tensor
                    argument): run by the forward custom op on its real arguments, so a compiled call checks what an
                    eager call checks before its launch
+    in_graphs:     False for an op whose calls cannot be graph nodes (embedding_bag_mean's sparse weight gradient:
+                   torch.compile does not trace sparse tensors, and a custom op's backward declares a gradient
+                   shaped like its argument): no custom ops are registered (fake_forward may be None), and a call
+                   under torch.compile runs eagerly outside the graph (a graph break), as the same eager call
     """
 
     def __init__(
@@ -84,11 +88,12 @@ class KernelOp:
         args_schema: str,
         n_outputs: int,
         n_saved: int,
-        fake_forward: Callable,
+        fake_forward: Callable | None,
         backends: dict[str, Callable[[], KernelBackend]],
         fake_takes_backend: bool = False,
         unread_args: tuple[str, ...] = (),
         check_values: Callable | None = None,
+        in_graphs: bool = True,
     ) -> None:
         self.name = name
         for backend, loader in backends.items():
@@ -111,14 +116,24 @@ class KernelOp:
         if unknown:
             raise ValueError(f"unread_args: {sorted(unknown)} are not tensor arguments of {args_schema!r}")
         # the tensor arguments eager calls save: None in place of the unread ones
-        keep = tuple(names[i] not in unread_args for i in self.tensor_slots)
-        self.saved_tensors_of = self.tensors_of if all(keep) else _saving(self.tensors_of, keep)
+        kept = tuple(i if names[i] not in unread_args else None for i in self.tensor_slots)
+        self.saved_tensors_of = self.tensors_of if not unread_args else _saving(kept, self.n_args)
         order = tuple(map((self.tensor_slots + self.value_slots).index, range(self.n_args)))
         self.in_schema_order = None if order == tuple(range(self.n_args)) else _picker(order)
         self._backends: dict[str, KernelBackend] = {}  # backend -> its loaded KernelBackend
         self._infer: dict = {}  # backend -> what eager calls with nothing to differentiate run: infer, else forward
         self._eager: dict = {}  # backend -> (the C-level apply, the _EagerFunction subclass) of eager calls
         self._native: dict = {}  # backend -> the KernelBackend's native_forward, or None (see _native_forward)
+        self._outside_graphs: Callable | None = None  # in_graphs=False: __call__ under torch.compiler.disable
+        self._forward_op = self._backward_op = None
+        if in_graphs:
+            if fake_forward is None:
+                raise ValueError(f"{name}: fake_forward is required for an op whose calls are graph nodes")
+            self._register_custom_ops(args_schema, fake_forward, fake_takes_backend, check_values)
+
+    def _register_custom_ops(self, args_schema, fake_forward, fake_takes_backend, check_values) -> None:
+        """The custom ops taac::<name>_forward / taac::<name>_backward, their fakes and their autograd."""
+        name, n_outputs, n_saved = self.name, self.n_outputs, self.n_saved
         n_results = n_outputs + n_saved
         results = ", ".join(["Tensor"] * n_results)
         grads = ", ".join(f"Tensor grad{i}" for i in range(n_outputs))
@@ -149,6 +164,8 @@ class KernelOp:
     def __call__(self, backend: str, *args):
         """Run the op on `backend` ("triton" or "tilelang"), differentiably."""
         if torch.compiler.is_compiling():
+            if self._forward_op is None:  # in_graphs=False
+                return (self._outside_graphs or self._call_outside_graphs())(backend, *args)
             results = self._forward_op(backend, *args)
         else:
             if torch.is_grad_enabled():
@@ -161,6 +178,12 @@ class KernelOp:
         if not isinstance(results, tuple):
             return results
         return results[0] if self.n_outputs == 1 else results[: self.n_outputs]
+
+    def _call_outside_graphs(self) -> Callable:
+        """__call__ under torch.compiler.disable: the call runs eagerly, a graph break (in_graphs=False). Made on first
+        use: torch.compiler.disable imports torch._dynamo, over a second at import."""
+        self._outside_graphs = torch.compiler.disable(self.__call__)
+        return self._outside_graphs
 
     def _apply_eagerly(self, backend: str, args):
         """The backend's native_forward where it has one (the backward a C++ node), else the backend's
@@ -363,13 +386,17 @@ def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*indices)
 
 
-def _saving(tensors_of: Callable[[tuple], tuple], keep: tuple[bool, ...]) -> Callable[[tuple], tuple]:
-    """tensors_of, with None where keep is False."""
-
-    def saved(args: tuple) -> tuple:
-        return tuple(t if k else None for t, k in zip(tensors_of(args), keep))
-
-    return saved
+def _saving(kept: tuple[int | None, ...], n_args: int) -> Callable[[tuple], tuple]:
+    """args -> tuple(args[i] or None where i is None for i in kept): the tensor arguments eager calls save, None in
+    place of an unread one; C-level but for one frame (an itemgetter on the arguments and one None past them)."""
+    if all(i is None for i in kept):
+        nones = (None,) * len(kept)
+        return lambda args: nones
+    pick = _picker(tuple(n_args if i is None else i for i in kept))
+    if len(kept) == 1:
+        return pick
+    past = (None,)
+    return lambda args: pick(args + past)
 
 
 def _as_tuple(results) -> tuple:

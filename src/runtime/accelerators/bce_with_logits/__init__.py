@@ -2,6 +2,13 @@
 
 How the kernels read their arguments (weight and pos_weight by one index map, the unit gradient) is in layout.py,
 which both kernel modules import.
+
+Two KernelOps, each backend declaring one KernelBackend for each (its module's KERNELS and UNIT_GRADIENT_KERNELS):
+KERNEL, a forward and a backward kernel (the backward recomputes from the arguments), and UNIT_GRADIENT_KERNEL, for
+small inputs whose logits alone need a gradient (GRAD_IN_FORWARD_MAX_NUMEL): its forward also writes the logits'
+gradient for an incoming gradient of one, saved as its second result, and its backward (layout.unit_gradient_backward)
+only scales it. It saves the logits (for their dtype, and as the edge a double backward's error node takes) and
+that gradient, nothing else (unread_args), eager and compiled alike.
 """
 
 from __future__ import annotations
@@ -12,8 +19,8 @@ from ..autocast import autocast_to_float32
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
-from ..kernel_op import KernelOp, apply_eagerly, c_apply, no_double_backward
-from .layout import kernel_operand, scale_unit_gradient
+from ..kernel_op import KernelOp
+from .layout import kernel_operand
 from .reference import REDUCTIONS, bce_with_logits_reference, loss_dtype
 
 # flat indices are 32-bit in the kernels (with room for one block past the end)
@@ -22,34 +29,6 @@ MAX_KERNEL_NUMEL = 2**31 - 2**16
 # Up to this many logits (launch-bound PCVR batches), when the logits alone need a gradient, the forward also writes
 # it for an incoming gradient of one and backward only scales it: one launch path, not two (docs/tuning/bce_with_logits.md).
 GRAD_IN_FORWARD_MAX_NUMEL = 2**16
-
-
-class _UnitGradientFunction(torch.autograd.Function):
-    """Eager calls with grad_in_forward: the backend's forward writes the loss and the logits' gradient for an
-    incoming gradient of one; only that gradient is saved, and backward scales it. Lighter than the KernelOp path
-    (which saves every tensor argument and runs the backend's generic backward; docs/tuning/bce_with_logits.md).
-    torch.compile keeps the custom ops."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, weight, pos_weight, reduction, kernels, backend):
-        loss, unit = kernels.forward(logits, targets, weight, pos_weight, reduction, False, True)
-        ctx.save_for_backward(unit)
-        ctx.logits_dtype, ctx.backend = logits.dtype, backend
-        ctx.logits = logits  # not its values: the edge a double backward's error node takes (no_double_backward)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        (unit,) = ctx.saved_tensors
-        grads = scale_unit_gradient(unit, grad, ctx.logits_dtype), None, None, None, None, None, None
-        return (
-            no_double_backward("bce_with_logits", ctx.backend, grads, (ctx.logits,))
-            if torch.is_grad_enabled()
-            else grads
-        )
-
-
-_apply_unit_gradient = c_apply(_UnitGradientFunction)
 
 
 def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
@@ -135,10 +114,14 @@ def bce_key(logits, targets, weight=None, pos_weight=None) -> tuple:
 SPEC = OpSpec(name="bce_with_logits", priority=("triton", "tilelang"), reasons=bce_reasons)
 
 
-def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
+def _fake_forward(logits, targets, weight, pos_weight, reduction, targets_grad=False):
     shape = logits.shape if reduction == "none" else ()
-    loss = logits.new_empty(shape, dtype=loss_dtype(logits, targets, weight, pos_weight))
-    return loss, logits.new_empty(logits.shape if grad_in_forward else (0,), dtype=torch.float32)
+    return logits.new_empty(shape, dtype=loss_dtype(logits, targets, weight, pos_weight))
+
+
+def _fake_unit_gradient_forward(logits, targets, weight, pos_weight, reduction):
+    loss = _fake_forward(logits, targets, weight, pos_weight, reduction)
+    return loss, logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 def _triton_kernels() -> KernelBackend:
@@ -153,25 +136,49 @@ def _tilelang_kernels() -> KernelBackend:
     return KERNELS
 
 
-# kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)
-#                     -> (loss, unit gradient: see unit_gradient_buffer)
-#                 infer(same arguments) -> loss
-#                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss,
-#                          unit) -> (dlogits, dtargets or None, None, None, None, None, None)
-# (loss is None in eager calls: unread). weight / pos_weight arrive prepared by kernel_operand; targets_grad says
-# whether to write dtargets; grad_in_forward (never with targets_grad) that the forward writes the unit gradient
-# (GRAD_IN_FORWARD_MAX_NUMEL).
+def _triton_unit_gradient_kernels() -> KernelBackend:
+    from .triton import UNIT_GRADIENT_KERNELS
+
+    return UNIT_GRADIENT_KERNELS
+
+
+def _tilelang_unit_gradient_kernels() -> KernelBackend:
+    from .tilelang import UNIT_GRADIENT_KERNELS
+
+    return UNIT_GRADIENT_KERNELS
+
+
+_ARGS = "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction"
+
+# kernel modules: forward(logits, targets, weight, pos_weight, reduction, targets_grad) -> loss
+#                 backward(dloss, logits, targets, weight, pos_weight, reduction, targets_grad, loss)
+#                     -> (dlogits, dtargets or None, None, None, None, None)    (loss: None, backward_reads="arguments")
+# weight / pos_weight arrive prepared by kernel_operand; targets_grad says whether to write dtargets.
 KERNEL = KernelOp(
     "bce_with_logits",
-    "Tensor logits, Tensor targets, Tensor? weight, Tensor? pos_weight, str reduction, bool targets_grad, "
-    "bool grad_in_forward",
+    f"{_ARGS}, bool targets_grad",
     n_outputs=1,
-    n_saved=1,
+    n_saved=0,
     fake_forward=_fake_forward,
     backends={
         "triton": _triton_kernels,
         "tilelang": _tilelang_kernels,
     },
+)
+
+# kernel modules: unit_gradient_forward(logits, targets, weight, pos_weight, reduction) -> (loss, unit gradient fp32)
+#                 layout.unit_gradient_backward(dloss, *args, loss, unit) -> (dlogits, None, None, None, None)
+UNIT_GRADIENT_KERNEL = KernelOp(
+    "bce_with_logits_unit_gradient",
+    _ARGS,
+    n_outputs=1,
+    n_saved=1,
+    fake_forward=_fake_unit_gradient_forward,
+    backends={
+        "triton": _triton_unit_gradient_kernels,
+        "tilelang": _tilelang_unit_gradient_kernels,
+    },
+    unread_args=("targets", "weight", "pos_weight"),
 )
 
 
@@ -223,13 +230,10 @@ def kernel_loss(
 ):
     """The loss by a kernel backend's module, for checked inputs: binary_cross_entropy_with_logits past dispatch.
     Up to grad_in_forward_max_numel logits, the forward also writes the logits' gradient (see the constant)."""
-    chosen, n = backend, logits.numel()
     if weight is not None or pos_weight is not None:
         weight, pos_weight = kernel_operand(weight, logits.shape), kernel_operand(pos_weight, logits.shape)
     grad_enabled = torch.is_grad_enabled()
     targets_grad = grad_enabled and targets.requires_grad
-    grad_in_forward = grad_enabled and logits.requires_grad and not targets_grad and n <= grad_in_forward_max_numel
-    if grad_in_forward and not torch.compiler.is_compiling():
-        args = (logits, targets, weight, pos_weight, reduction, KERNEL.kernels(chosen), chosen)
-        return apply_eagerly(_UnitGradientFunction, _apply_unit_gradient, args, (0, 1, 2, 3))
-    return KERNEL(chosen, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward)
+    if grad_enabled and logits.requires_grad and not targets_grad and logits.numel() <= grad_in_forward_max_numel:
+        return UNIT_GRADIENT_KERNEL(backend, logits, targets, weight, pos_weight, reduction)
+    return KERNEL(backend, logits, targets, weight, pos_weight, reduction, targets_grad)

@@ -10,7 +10,8 @@ weights [B, 1] (inner C, count B), scalars and any broadcast over leading and tr
 Other broadcasts (e.g. [B, 1, C] against [B, H, C]) are materialised to the logits' shape first.
 
 A forward may also write the logits' fp32 gradient for an incoming gradient of one (the unit gradient), which
-backward scales.
+backward scales: the op's second KernelOp (the package's UNIT_GRADIENT_KERNEL), whose backward, the same for both
+backends, eager and compiled, is unit_gradient_backward.
 """
 
 from __future__ import annotations
@@ -65,16 +66,21 @@ def is_scalar_gradient(grad: torch.Tensor) -> bool:
     return grad.dim() == 0 or all(s == 0 for s in grad.stride())
 
 
-def unit_gradient_buffer(logits: torch.Tensor, grad_in_forward: bool) -> torch.Tensor:
-    """Where a forward kernel writes the logits' fp32 gradient for an incoming gradient of one: logits-shaped when
-    grad_in_forward, else empty (the custom op's second result still has to be a tensor)."""
-    if grad_in_forward:  # empty_like: about 1 us less host time than torch.empty on the GPU machine
-        return buffers.empty_like(logits, dtype=torch.float32)
-    return buffers.empty((0,), dtype=torch.float32, device=logits.device)
+def unit_gradient_buffer(logits: torch.Tensor) -> torch.Tensor:
+    """Where a forward kernel writes the logits' fp32 gradient for an incoming gradient of one (logits-shaped)."""
+    return buffers.empty_like(logits, dtype=torch.float32)  # empty_like: about 1 us less host time than torch.empty
 
 
 def scale_unit_gradient(unit: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dlogits = grad * unit (fp32 math) in the logits' dtype: the backward of a forward that ran with grad_in_forward."""
+    """dlogits = grad * unit (fp32 math) in the logits' dtype: the backward of a forward that wrote the unit gradient."""
     if dtype == grad.dtype == torch.float32:  # the product has the logits' dtype: one ATen op, not two
         return torch.mul(unit, grad)
     return torch.mul(unit, grad, out=buffers.empty_like(unit, dtype=dtype))
+
+
+def unit_gradient_backward(grad, logits, targets, weight, pos_weight, reduction, loss, unit) -> tuple:
+    """The backward of both backends' unit-gradient forwards (KernelBackend convention: the incoming gradient, the
+    forward's arguments, its results): the logits' gradient scaled from the unit gradient, no launch of a kernel of
+    its own. It reads the logits' dtype alone; targets, weight and pos_weight arrive as None in eager calls (the op's
+    unread_args), the loss always (backward_reads="saved")."""
+    return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None

@@ -14,7 +14,7 @@ import torch
 from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..tilelang_common import TL_DTYPE, launcher
-from .layout import ABSENT, FULL, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
+from .layout import ABSENT, FULL, is_scalar_gradient, operand_mode, unit_gradient_backward, unit_gradient_buffer
 from .reference import loss_dtype
 
 THREADS = 256
@@ -279,7 +279,18 @@ def _operand(operand, x, shape):
     return flat, TL_DTYPE[flat.dtype], mode, inner
 
 
-def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward):
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad):
+    return _forward(logits, targets, weight, pos_weight, reduction, None)
+
+
+def unit_gradient_forward(logits, targets, weight, pos_weight, reduction):
+    """(the loss, the logits' fp32 gradient for an incoming gradient of one), from one forward launch."""
+    unit = unit_gradient_buffer(logits)
+    return _forward(logits, targets, weight, pos_weight, reduction, unit), unit
+
+
+def _forward(logits, targets, weight, pos_weight, reduction, unit):
+    """The loss; with `unit`, also the logits' gradient for an incoming gradient of one, in it."""
     n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
@@ -287,7 +298,9 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
     dtype = loss_dtype(logits, targets, weight, pos_weight)
     reduce = reduction != "none"
     divisor = float(n) if reduction == "mean" else 1.0
-    unit = unit_gradient_buffer(logits, grad_in_forward)
+    unit_grad = unit is not None
+    if not unit_grad:  # never written: the kernel's unit-gradient argument still has to be a tensor
+        unit = buffers.empty((0,), dtype=torch.float32, device=device)
     entry = forward_entry(
         TL_DTYPE[x.dtype],
         TL_DTYPE[y.dtype],
@@ -297,23 +310,22 @@ def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_i
         w_mode,
         pw_mode,
         reduce,
-        grad_in_forward,
+        unit_grad,
     )
     kernel = launcher(entry, device)
     if not reduce:
         loss = buffers.empty(logits.shape, dtype=dtype, device=device)
         kernel(x, y, w, pw, w_inner, pw_inner, divisor, loss.view(-1), unit.view(-1))
-        return loss, unit
+        return loss
     partials = buffers.empty((-(-n // BLOCK),), dtype=torch.float32, device=device)
     kernel(x, y, w, pw, w_inner, pw_inner, divisor, partials, unit.view(-1))
     loss = buffers.empty((), dtype=dtype, device=device)
     launcher(sum_entry(TL_DTYPE[dtype]), device)(partials, divisor, loss.view(1))
-    return loss, unit
+    return loss
 
 
-def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit):
-    if grad_in_forward:
-        return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None, None, None
+def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss=None):
+    """(dlogits, dtargets or None, None...) from the arguments alone (loss: None, backward_reads="arguments")."""
     n, device = logits.numel(), logits.device
     x, y = _flat(logits), _flat(targets)
     w, w_dtype, w_mode, w_inner = _operand(weight, x, logits.shape)
@@ -337,7 +349,10 @@ def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad,
     kernel = launcher(entry, device)
     # without targets_grad the kernel never writes DY: targets stand in for it
     kernel(g, x, y, w, pw, w_inner, pw_inner, g_divisor, dlogits.view(-1), dtargets.view(-1) if targets_grad else y)
-    return dlogits, dtargets, None, None, None, None, None
+    return dlogits, dtargets, None, None, None, None
 
 
-KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="saved")
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="arguments")
+UNIT_GRADIENT_KERNELS = KernelBackend(
+    forward=unit_gradient_forward, backward=unit_gradient_backward, backward_reads="saved"
+)

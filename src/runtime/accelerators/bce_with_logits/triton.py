@@ -22,7 +22,7 @@ from ..backends import sm_count
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
-from .layout import ABSENT, is_scalar_gradient, operand_mode, scale_unit_gradient, unit_gradient_buffer
+from .layout import ABSENT, is_scalar_gradient, operand_mode, unit_gradient_backward, unit_gradient_buffer
 from .reference import loss_dtype
 
 
@@ -293,13 +293,14 @@ def _operands(logits, weight, pos_weight):
     return (weight, pos_weight), (w_inner, w_count, pw_inner, pw_count), (w_mode, pw_mode)
 
 
-def forward(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, launches=LARGE_LAUNCHES):
-    unit = unit_gradient_buffer(logits, grad_in_forward)
-    return _forward(logits, targets, weight, pos_weight, reduction, unit if grad_in_forward else None, launches), unit
-
-
-def infer(logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, launches=LARGE_LAUNCHES):
+def forward(logits, targets, weight, pos_weight, reduction, targets_grad, launches=LARGE_LAUNCHES):
     return _forward(logits, targets, weight, pos_weight, reduction, None, launches)
+
+
+def unit_gradient_forward(logits, targets, weight, pos_weight, reduction, launches=LARGE_LAUNCHES):
+    """(the loss, the logits' fp32 gradient for an incoming gradient of one), from one forward launch."""
+    unit = unit_gradient_buffer(logits)
+    return _forward(logits, targets, weight, pos_weight, reduction, unit, launches), unit
 
 
 def _forward(logits, targets, weight, pos_weight, reduction, unit, launches: LargeLaunches):
@@ -326,12 +327,8 @@ def _forward(logits, targets, weight, pos_weight, reduction, unit, launches: Lar
     return loss
 
 
-def backward(
-    grad, logits, targets, weight, pos_weight, reduction, targets_grad, grad_in_forward, loss, unit,
-    launches=LARGE_LAUNCHES,
-):  # fmt: skip
-    if grad_in_forward:
-        return scale_unit_gradient(unit, grad, logits.dtype), None, None, None, None, None, None
+def backward(grad, logits, targets, weight, pos_weight, reduction, targets_grad, loss=None, launches=LARGE_LAUNCHES):
+    """(dlogits, dtargets or None, None...) from the arguments alone (loss: None, backward_reads="arguments")."""
     n = logits.numel()
     x, y = logits.contiguous(), targets.contiguous()
     (w, pw), maps, (w_mode, pw_mode) = _operands(logits, weight, pos_weight)
@@ -346,7 +343,10 @@ def backward(
         W_MODE=w_mode, PW_MODE=pw_mode, G_SCALAR=g_scalar, TARGETS_GRAD=targets_grad,
         REVERSE=launch.reverse, NUM_STAGES=launch.stages, BLOCK=launch.block, num_warps=launch.num_warps,
     )  # fmt: skip
-    return dlogits, dtargets, None, None, None, None, None
+    return dlogits, dtargets, None, None, None, None
 
 
-KERNELS = KernelBackend(forward=forward, backward=backward, infer=infer, backward_reads="saved")
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="arguments")
+UNIT_GRADIENT_KERNELS = KernelBackend(
+    forward=unit_gradient_forward, backward=unit_gradient_backward, backward_reads="saved"
+)

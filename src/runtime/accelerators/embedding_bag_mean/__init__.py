@@ -4,18 +4,23 @@ Fixed-hotness 2-D indices [B, L] or ragged 1-D indices with offsets; padding ent
 of each mean; an empty bag gives zeros. The kernel backends sum in fp32 and reduce the weight
 gradient without atomics (segments.py says how); `sparse=True` gives a coalesced sparse COO
 weight gradient, as nn.EmbeddingBag(sparse=True) does (torch's is uncoalesced: same tensor).
+
+Each backend declares two KernelBackends (its module's KERNELS and SPARSE_KERNELS: the same forward, a dense or a
+sparse weight gradient), behind two KernelOps. SPARSE_KERNEL is declared with in_graphs=False: a sparse gradient
+cannot be a custom op's result here (torch.compile does not trace sparse tensors, and the backward custom op
+declares each gradient dense and shaped like its argument, while a sparse gradient's nnz is known only once its
+backward has run), so under torch.compile a sparse call runs eagerly outside the graph (a graph break), through the
+same KernelOp eager path.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
-from ..kernel_op import KernelOp, no_double_backward
+from ..kernel_op import KernelOp
 from .collection import embedding_bag_collection
 from .reference import check_indices_, embedding_bag_mean_reference
 from .spec import SPEC, TILELANG_MAX_DIM
@@ -49,15 +54,28 @@ def _tilelang_kernels() -> KernelBackend:
     return KERNELS
 
 
+def _triton_sparse_kernels() -> KernelBackend:
+    from .triton import SPARSE_KERNELS
+
+    return SPARSE_KERNELS
+
+
+def _tilelang_sparse_kernels() -> KernelBackend:
+    from .tilelang import SPARSE_KERNELS
+
+    return SPARSE_KERNELS
+
+
+_ARGS = "Tensor weight, Tensor indices, Tensor? offsets, int padding_idx, bool include_last_offset, bool check_indices"
+
 # kernel modules: forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
 #                     -> (out [B, D], scale [B] fp32, bag_of [N] int32 for ragged bags, else empty)
 #                 backward(grad_out, *args, out, scale, bag_of) -> (dense grad_weight, None x 5)
-#                 backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of)
-#                     -> sparse COO grad_weight
+#                 backward_sparse(grad_out, *args, None, scale, bag_of) -> (sparse COO grad_weight, None x 5)
 # padding_idx is -1 for "no padding"; a negative one is normalised first.
 KERNEL = KernelOp(
     "embedding_bag_mean",
-    "Tensor weight, Tensor indices, Tensor? offsets, int padding_idx, bool include_last_offset, bool check_indices",
+    _ARGS,
     n_outputs=1,
     n_saved=2,
     fake_forward=_fake_forward,
@@ -66,60 +84,18 @@ KERNEL = KernelOp(
         "tilelang": _tilelang_kernels,
     },
 )
-
-
-@functools.cache
-def _sparse_kernels(backend: str):
-    """The backend's kernel module, for its forward and backward_sparse (imported on first use: the package imports
-    without triton or tilelang)."""
-    if backend == "triton":
-        from . import triton as kernels
-    else:
-        from . import tilelang as kernels
-    return kernels
-
-
-class _SparseGradient(torch.autograd.Function):
-    """The kernels' forward with a sparse weight gradient.
-
-    KernelOp's backward returns one dense gradient per tensor argument, and its torch.compile path
-    declares the gradient shaped like the argument, so a sparse COO gradient (whose nnz is only
-    known after the backward runs) cannot go through it; this op has its own Function for it.
-    """
-
-    @staticmethod
-    def forward(ctx, backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
-        kernels = _sparse_kernels(backend)
-        out, scale, bag_of = kernels.forward(weight, indices, offsets, padding_idx, include_last_offset, check_indices)
-        ctx.save_for_backward(weight, indices, offsets, scale, bag_of)
-        ctx.kernels, ctx.padding_idx, ctx.include_last_offset, ctx.backend = (
-            kernels,
-            padding_idx,
-            include_last_offset,
-            backend,
-        )
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        weight, indices, offsets, scale, bag_of = ctx.saved_tensors
-        grad = ctx.kernels.backward_sparse(
-            grad_out, weight, indices, offsets, ctx.padding_idx, ctx.include_last_offset, scale, bag_of
-        )
-        return no_double_backward(
-            "embedding_bag_mean", ctx.backend, (None, grad, None, None, None, None, None), (weight,)
-        )
-
-
-def _sparse_call(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices):
-    return _SparseGradient.apply(backend, weight, indices, offsets, padding_idx, include_last_offset, check_indices)
-
-
-@functools.cache
-def _sparse_call_outside_graphs():
-    """_sparse_call, run eagerly under torch.compile (a sparse gradient's nnz is data-dependent: a graph
-    break). Made on first use: torch.compiler.disable imports torch._dynamo, over a second at import."""
-    return torch.compiler.disable(_sparse_call)
+SPARSE_KERNEL = KernelOp(
+    "embedding_bag_mean_sparse",
+    _ARGS,
+    n_outputs=1,
+    n_saved=2,
+    fake_forward=None,
+    backends={
+        "triton": _triton_sparse_kernels,
+        "tilelang": _tilelang_sparse_kernels,
+    },
+    in_graphs=False,  # see the module docstring
+)
 
 
 def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
@@ -219,6 +195,5 @@ def embedding_bag_mean(
         check_indices_(weight, indices, offsets, include_last_offset)
     pad = -1 if padding is None else padding
     if sparse and weight.requires_grad and torch.is_grad_enabled():
-        call = _sparse_call_outside_graphs() if torch.compiler.is_compiling() else _sparse_call
-        return call(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
+        return SPARSE_KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)
     return KERNEL(chosen, weight, indices, offsets, pad, include_last_offset, check_indices)

@@ -6,6 +6,20 @@ entries, from 0 to len(values)). The result [B, sum D_t] holds table t's bag mea
 what embedding_bag_mean gives per table (an empty bag gives zeros, padding entries are left out of the mean).
 A KeyedJaggedTensor (anything with .values(), .offsets() and .keys()) may stand in for `values` (offsets then None).
 The config key is `embedding_bag_mean`, the single-table op's.
+
+The Triton backend's entry points are declared as a KernelBackend (collection_triton.KERNELS), reached through the
+loader _triton_kernels as every op's are (the TileLang backend has none: the spec's reasons send its calls
+elsewhere). No KernelOp runs them; _Collection, an autograd.Function of its own, applies that declaration's forward
+and backward, and under torch.compile a call runs outside the graph (a graph break), for these reasons:
+- the tables are a list of any length: KernelOp's eager path saves and passes a fixed number of tensor arguments
+  (its schema's), and autograd sees a table only as an argument of its own, so the Function takes them spread
+  (*weights); a custom op could take them as `Tensor[]`, but KernelOp's schema, saving and gradient plumbing do not
+  carry a tensor list;
+- the kernels read the tables through their kernel form (Tables: each table's address in a device array, built once
+  per layout and cached, so that a captured CUDA graph replays no host-to-device copy); a compiled graph could not
+  hold it as a plain value, and building it in a custom op's body would copy to the device on every call;
+- the backward returns each table's gradient as a view of one flat buffer; a custom op's outputs may not alias one
+  another, so the backward op would copy every table's gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ import torch.nn.functional as F
 
 from ..backends import Backend, select_backend
 from ..checks import check_bool, check_same_device, check_tensor
+from ..kernel_backend import KernelBackend
 from .spec import SPEC
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -156,12 +171,19 @@ def _check_no_bags(values: torch.Tensor, offsets: torch.Tensor) -> None:
         _check_offsets(offsets.tolist(), 0)
 
 
-@functools.cache
-def _collection_kernels():
-    """The collection's Triton kernel module (imported on first use: the package imports without triton)."""
-    from . import collection_triton
+def _triton_kernels() -> KernelBackend:
+    from .collection_triton import KERNELS
 
-    return collection_triton
+    return KERNELS
+
+
+BACKENDS = {"triton": _triton_kernels}  # backend -> the loader of its KernelBackend
+
+
+@functools.cache
+def _kernels(backend: str) -> KernelBackend:
+    """The backend's KernelBackend (its loader called on first use: the package imports without triton)."""
+    return BACKENDS[backend]()
 
 
 _tables_cache: dict = {}
@@ -174,28 +196,34 @@ def _tables(weights, pads: tuple[int, ...]):
     key = (tuple((w.data_ptr(), tuple(w.shape), tuple(w.stride())) for w in weights), pads, weights[0].device)
     meta = _tables_cache.get(key)
     if meta is None:
+        from .collection_triton import tables
+
         if len(_tables_cache) >= _TABLES_CACHE_SIZE:
             _tables_cache.pop(next(iter(_tables_cache)))
-        meta = _tables_cache[key] = _collection_kernels().tables(weights, pads)
+        meta = _tables_cache[key] = tables(weights, pads)
     return meta
 
 
 class _Collection(torch.autograd.Function):
+    """The Triton KernelBackend's forward and backward (see the module docstring for why no KernelOp runs them)."""
+
     @staticmethod
     def forward(ctx, pads, check_indices, values, offsets, *weights):
-        kernels = _collection_kernels()
+        kernels = _kernels("triton")
         meta = _tables(weights, pads)
         out, scale, bag_of, keys = kernels.forward(weights, values, offsets, meta, check_indices)
         ctx.save_for_backward(scale, bag_of, keys, *weights)
-        ctx.meta = meta
+        ctx.meta, ctx.check_indices = meta, check_indices
         ctx.mark_non_differentiable(scale, bag_of, keys)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         scale, bag_of, keys, *weights = ctx.saved_tensors
-        kernels = _collection_kernels()
-        grads = kernels.backward(grad_out, weights, ctx.meta, scale, bag_of, keys)
+        # values, offsets and out are not read (backward_reads="saved"; values and offsets are not saved)
+        grads, *_ = _kernels("triton").backward(
+            grad_out, weights, None, None, ctx.meta, ctx.check_indices, None, scale, bag_of, keys
+        )
         return (None, None, None, None, *grads)
 
 

@@ -3,7 +3,10 @@ weight gradient from one sort and one (two-launch) segmented reduction.
 
 forward(weights, values, offsets, meta, check_indices) -> (out [B, sum D], scale [T*B] fp32, bag_of [N] int32,
                                                            keys [N] global row of each entry, or -1)
-backward(grad_out, weights, meta, scale, bag_of, keys) -> one dense gradient per table (views of one buffer)
+backward(grad_out, weights, values, offsets, meta, check_indices, out, scale, bag_of, keys)
+    -> (one dense gradient per table (views of one buffer), None, None, None, None); reads neither values, offsets
+       nor out (the caller passes None for them)
+declared at the end as KERNELS (a KernelBackend: the package's collection.py says why no KernelOp runs it)
 
 `meta` (Tables) holds, per table, as device arrays: the table's base address (an int64 data_ptr: the kernel casts it
 to a pointer, so no table is copied or concatenated), row stride, width, first output column, padding row, first row
@@ -24,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
 from .configs import BLOCK_J, CHUNK
@@ -291,8 +295,9 @@ def forward(weights, values, offsets, meta: Tables, check_indices: bool):
     return out, scale, bag_of, keys
 
 
-def backward(grad_out, weights, meta: Tables, scale, bag_of, keys):
-    """One dense gradient per table: views of one flat buffer, filled by one sort and one reduction."""
+def backward(grad_out, weights, values, offsets, meta: Tables, check_indices, out, scale, bag_of, keys):
+    """One dense gradient per table: views of one flat buffer, filled by one sort and one reduction (the module
+    docstring gives the arguments, KernelBackend's calling convention)."""
     device = grad_out.device
     dtype = weights[0].dtype
     batch = grad_out.shape[0]
@@ -325,4 +330,7 @@ def backward(grad_out, weights, meta: Tables, scale, bag_of, keys):
     for n, d in zip(meta.rows, meta.dims):
         grads.append(flat[at : at + n * d].view(n, d))
         at += n * d
-    return grads
+    return grads, None, None, None, None
+
+
+KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="saved")

@@ -420,11 +420,15 @@ def backward(grad_out, weight, indices, offsets, padding_idx, include_last_offse
     return grad, None, None, None, None, None
 
 
-def backward_sparse(grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of):
+def backward_sparse(
+    grad_out, weight, indices, offsets, padding_idx, include_last_offset, check_indices, out, scale, bag_of
+):
+    """backward with a coalesced sparse COO weight gradient (out: None, backward_reads="saved")."""
     rows, values = _reduce(
         grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, sparse=True
     )
-    return sparse_gradient(rows, values, weight.shape[0])
+    return sparse_gradient(rows, values, weight.shape[0]), None, None, None, None, None
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward)
+SPARSE_KERNELS = KernelBackend(forward=forward, backward=backward_sparse, backward_reads="saved")

@@ -378,13 +378,15 @@ def backward(
 
 
 def backward_sparse(
-    grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of,
+    grad_out, weight, indices, offsets, padding_idx, include_last_offset, check_indices, out, scale, bag_of,
     launch: GradientLaunch = GRADIENT,
 ):  # fmt: skip
+    """backward with a coalesced sparse COO weight gradient (out: None, backward_reads="saved")."""
     rows, values = _reduce(
         grad_out, weight, indices, offsets, padding_idx, include_last_offset, scale, bag_of, True, launch
     )
-    return sparse_gradient(rows, values, weight.shape[0])
+    return sparse_gradient(rows, values, weight.shape[0]), None, None, None, None, None
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward)
+SPARSE_KERNELS = KernelBackend(forward=forward, backward=backward_sparse, backward_reads="saved")
