@@ -5,7 +5,9 @@ Peers are not timed (they are the same in both trees).
 Usage (GPU machine, repository root; the other tree's `src` unpacked beside it, e.g. with
 `git archive <commit> src | tar -x -C before`):
     python tools/compare_sources.py --before before/src --after src --out DIR [--cases OP[:SHAPE] ...] [--mode both]
+        [--gpus N]
 Writes DIR/<tree>--<op>--<shape>.json per run and DIR/comparison.md; a case is an op with all its shapes or one shape.
+--gpus N deals the cases to N GPUs in turn (both trees of a case run on the same GPU, one after the other).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # each op's target shapes (norms, flash_attention, gated delta rule, embedding bag, bce, swiglu, mhc)
@@ -39,20 +43,26 @@ DEFAULT_CASES = [
 SLOWER = 1.03  # within 3% is run-to-run noise on the GPU machine
 
 
-def _environment(tree: Path) -> dict[str, str]:
-    """This process's environment with `tree` first on PYTHONPATH in place of any other copy of the package."""
+def _environment(tree: Path, gpu: int | None = None) -> dict[str, str]:
+    """This process's environment with `tree` first on PYTHONPATH in place of any other copy of the package (and
+    only `gpu` visible, where given)."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "runtime").is_dir()]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree.resolve()), *paths])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree.resolve()), *paths])}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
 
 
-def run_case(tree: Path, label: str, case: str, mode: str, out: Path, timeout: float) -> Path | None:
+def run_case(
+    tree: Path, label: str, case: str, mode: str, out: Path, timeout: float, gpu: int | None = None
+) -> Path | None:
     op, _, shape = case.partition(":")
     path = out / f"{label}--{op}--{shape or 'all'}.json"
     command = [sys.executable, "-m", "runtime.benchmark", "--operator", op, "--shape", shape or "all"]
     command += ["--backends", "triton,tilelang", "--no-peers", "--mode", mode, "--json", str(path)]
-    print(f"== {label}: {op} {shape or 'all'}", flush=True)
+    print(f"== {label}: {op} {shape or 'all'}" + ("" if gpu is None else f" (GPU {gpu})"), flush=True)
     try:
-        subprocess.run(command, env=_environment(tree), timeout=timeout, check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(command, env=_environment(tree, gpu), timeout=timeout, check=False, stdout=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         print(f"   timed out after {timeout:.0f} s", flush=True)
     return path if path.exists() else None
@@ -91,14 +101,26 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="OP or OP:SHAPE")
     parser.add_argument("--mode", default="both", choices=["fwd", "fwd+bwd", "both"])
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--gpus", type=int, default=1, help="deal the cases to this many GPUs")
     args = parser.parse_args()
+    if args.gpus < 1:
+        parser.error(f"--gpus: expected an int >= 1, got {args.gpus}")
     args.out.mkdir(parents=True, exist_ok=True)
-    pairs = []
-    for case in args.cases:
-        before = run_case(args.before, "before", case, args.mode, args.out, args.timeout)
-        after = run_case(args.after, "after", case, args.mode, args.out, args.timeout)
-        pairs.append((before, after))
-        (args.out / "comparison.md").write_text(comparison_table(pairs))  # after every case: a cut call keeps it
+    pairs: dict[int, tuple[Path | None, Path | None]] = {}
+    lock = threading.Lock()
+
+    def run_cases(gpu: int) -> None:
+        for index in range(gpu, len(args.cases), args.gpus):
+            device = None if args.gpus == 1 else gpu
+            case = args.cases[index]
+            before = run_case(args.before, "before", case, args.mode, args.out, args.timeout, device)
+            after = run_case(args.after, "after", case, args.mode, args.out, args.timeout, device)
+            with lock:  # the table after every case, in the cases' order: a cut call keeps it
+                pairs[index] = (before, after)
+                (args.out / "comparison.md").write_text(comparison_table([pairs[i] for i in sorted(pairs)]))
+
+    with ThreadPoolExecutor(args.gpus) as pool:
+        list(pool.map(run_cases, range(args.gpus)))
     print((args.out / "comparison.md").read_text())
 
 

@@ -41,3 +41,27 @@ def test_the_compared_tree_replaces_the_package_on_the_path(tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'mine'}:{tmp_path / 'site'}")
     paths = tool._environment(tmp_path / "other")["PYTHONPATH"].split(":")
     assert paths == [str((tmp_path / "other").resolve()), str(tmp_path / "site")]
+
+
+def test_cases_dealt_to_gpus_keep_their_order_in_the_table(tmp_path, monkeypatch):
+    """--gpus 2: case i runs both trees on GPU i % 2; the table lists the cases in the order given."""
+    tool = _tool()
+    runs = []
+
+    def fake_run_case(tree, label, case, mode, out, timeout, gpu=None):
+        runs.append((case, label, gpu))
+        shape = case.partition(":")[2]
+        path = out / f"{label}--{shape}.json"
+        rows = [{"op": "rms_norm", "shape": shape, "mode": "fwd", "impl": "triton", "status": "ok",
+                 "gpu_ms": {"median": 0.1}}]  # fmt: skip
+        path.write_text(json.dumps({"rows": rows}))
+        return path
+
+    monkeypatch.setattr(tool, "run_case", fake_run_case)
+    cases = [f"rms_norm:{shape}" for shape in ("a", "b", "c")]
+    argv = ["compare_sources.py", "--before", "x", "--after", "y", "--out", str(tmp_path), "--gpus", "2", "--cases"]
+    monkeypatch.setattr("sys.argv", argv + cases)
+    tool.main()
+    assert sorted(runs) == sorted((c, label, i % 2) for i, c in enumerate(cases) for label in ("before", "after"))
+    table = (tmp_path / "comparison.md").read_text().splitlines()[2:]
+    assert [line.split(" | ")[1] for line in table] == ["a", "b", "c"]
