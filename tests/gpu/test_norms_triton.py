@@ -1,9 +1,13 @@
 """The Triton row-norm kernels on CUDA: outputs and every gradient vs float64 (outputs poisoned by conftest)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
+from runtime.accelerators.layer_norm import triton as layer_norm_triton
+from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -106,6 +110,30 @@ def test_layer_norm_triton_compiled():
         assert torch.equal(grad, grad_eager)
 
 
+class RecordedLaunches:
+    """A stand-in for sum_partials' kernel: records each launch's grid, then launches the kernel itself."""
+
+    def __init__(self, kernel=norms_triton.PARAMETER_BACKWARD.sum_partials_kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def _sum_partials_launches(op, rows, width) -> list:
+    """The grids of sum_partials' launches in one backward of the op's Triton module at rows x width, with the
+    default launch choices (those of the public op's eager backward, Python's or the native node's)."""
+    recorder = RecordedLaunches()
+    launch = dataclasses.replace(norms_triton.PARAMETER_BACKWARD, sum_partials_kernel=recorder)
+    x = torch.randn(rows, width, dtype=bf16, device="cuda")
+    parameters = [torch.randn(width, dtype=bf16, device="cuda")] * (2 if op == "layer_norm" else 1)
+    module, eps = {"rms_norm": (rms_norm_triton, 1e-6), "layer_norm": (layer_norm_triton, 1e-5)}[op]
+    args = (x, *parameters, eps)
+    module.backward(torch.randn_like(x), *args, *module.forward(*args), launch=launch)
+    return recorder.grids
+
+
 def _norm_step(op, rows=8192, width=128):
     """step() runs the op forward and backward on the triton backend and returns every gradient; step.check(grads)
     compares them with float64."""
@@ -136,14 +164,12 @@ def _assert_equal(tag, got, expected):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-def test_one_launch_backward_under_cuda_graphs_and_streams(op, monkeypatch):
+def test_one_launch_backward_under_cuda_graphs_and_streams(op):
     """8192x128: the backward's last program adds the partials (no sum_partials launch), counting on a counter kept
     per stream, or one per call while a graph is captured. Eager runs repeat bit for bit; so do two graphs captured
     on one stream, replayed many times, alone and concurrently on two streams, with eager calls in between; and
     eager calls on two streams at once. Every counter is back at zero afterwards."""
-    launches = []
-    kernel = norms_triton._sum_partials_kernel
-    monkeypatch.setattr(kernel, "_launch", lambda grid, *a, **kw: launches.append(grid))
+    assert not _sum_partials_launches(op, 8192, 128), "the 8192x128 backward takes the two-launch path"
     step = _norm_step(op)
     expected = step()
     step.check(expected)
@@ -187,6 +213,5 @@ def test_one_launch_backward_under_cuda_graphs_and_streams(op, monkeypatch):
         for got in results:
             _assert_equal(f"concurrent eager {i}", got, expected)
     torch.cuda.synchronize()
-    assert not launches, "the 8192x128 backward took the two-launch path"
     for counter, *_ in norms_triton._scratch.values():
         assert counter.item() == 0

@@ -248,14 +248,13 @@ def test_autotune_is_a_key_of_the_hydra_accelerators_group():
 
 
 def test_autotune_off_keeps_the_static_decision_on_cuda(monkeypatch):
-    # a CUDA device where both kernel backends can run (its capability answered here): the decision is a table
+    # a CUDA device where both kernel backends can run (its capability passed here): the decision is a table
     # of measurements with autotuning on, the static priority's choice with it off
-    monkeypatch.setattr(backends, "_capability", lambda index: (9, 0))
     monkeypatch.delenv("TAAC_AUTOTUNE", raising=False)
-    cuda = torch.device("cuda", 0)
+    cuda, hopper = torch.device("cuda", 0), (9, 0)
     x = torch.empty(4, 8)
     decide = lambda config: backends._decide_or_tune(
-        RMS_SPEC, "auto", config, cuda, norm_key(x), {"x": x, "weight": None}
+        RMS_SPEC, "auto", config, cuda, norm_key(x), {"x": x, "weight": None}, hopper
     )  # noqa: E731
     assert isinstance(decide(acc.AcceleratorConfig()), Tuned)
     assert decide(acc.AcceleratorConfig(autotune=False)) == "triton"
@@ -263,9 +262,15 @@ def test_autotune_off_keeps_the_static_decision_on_cuda(monkeypatch):
     assert decide(acc.AcceleratorConfig()) == "triton"
     monkeypatch.delenv("TAAC_AUTOTUNE")
     assert (
-        backends._decide_or_tune(RMS_SPEC, "tilelang", acc.AcceleratorConfig(), cuda, norm_key(x), {"x": x})
+        backends._decide_or_tune(RMS_SPEC, "tilelang", acc.AcceleratorConfig(), cuda, norm_key(x), {"x": x}, hopper)
         == "tilelang"
     )
+    # an older GPU: the tilelang backend's reason names its capability
+    turing = (7, 5)
+    with pytest.raises(acc.BackendUnavailableError, match="compute capability 7.5 is below 8.0"):
+        backends._decide_or_tune(
+            RMS_SPEC, "tilelang", acc.AcceleratorConfig(fallback="error"), cuda, norm_key(x), {"x": x}, turing
+        )
     assert backends._decide_or_tune(RMS_SPEC, "auto", acc.AcceleratorConfig(), CPU, norm_key(x), {"x": x}) == "triton"
 
 

@@ -254,19 +254,22 @@ def test_varlen_backward_without_queries_or_keys_is_zero():
 
 
 @pytest.mark.parametrize("d", [16, 64])
-def test_varlen_backward_lays_delta_and_lse_out_in_the_query_blocks(monkeypatch, d):
+def test_varlen_backward_lays_delta_and_lse_out_in_the_query_blocks(d):
     """The backward loads a query block's delta and log-sum-exp by TMA from row (dq_first_block + m) * block_m of
     [H, blocks * block_m]: whole blocks, whatever row a sequence starts at (a TMA copy whose innermost coordinate is not
     16-byte aligned faults). The preprocess gets those buffers, zeroed (the rows between sequences are read, masked),
     and the block row of each packed row."""
     calls = {}
-    monkeypatch.setattr(fa, "launcher", lambda entry, device: lambda *args: calls.setdefault(entry[0][0], args))
+
+    def launch(entry, device):
+        return lambda *args: calls.setdefault(entry[0][0], args)
+
     lengths = [37, 0, 130, 1, 5]  # sequences from rows 37, 167 and 168: not multiples of 4
     cu = offsets(lengths)
     total, h = int(cu[-1]), 3
     q, k = torch.randn(total, h, d, dtype=torch.bfloat16), torch.randn(total, 1, d, dtype=torch.bfloat16)
     o, lse = torch.randn_like(q), torch.randn(h, total)
-    fa.varlen_backward(torch.randn_like(q), q, k, k, cu, cu, 130, 130, True, 0.25, 0.0, None, o, lse)
+    fa.varlen_backward(torch.randn_like(q), q, k, k, cu, cu, 130, 130, True, 0.25, 0.0, None, o, lse, launch=launch)
     *_, delta, lse2, rows = calls["flash_attention_prep"]
     block_m = fa.BWD_CONFIGS[d].block_m
     blocks = -(-total // block_m) + len(lengths)

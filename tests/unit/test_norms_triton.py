@@ -126,16 +126,15 @@ def test_forward_without_autograd_matches_the_differentiable_forward(op, shape, 
     assert torch.equal(inferred, trained.detach())
 
 
-def _count_sum_partials_launches(monkeypatch) -> list:
-    kernel = norms_triton._sum_partials_kernel
-    launches, interpret = [], kernel._interpret
+class RecordedLaunches:
+    """A stand-in for sum_partials' kernel: records each launch's grid, then launches the kernel itself."""
 
-    def counted(grid, *args, **constexprs):
-        launches.append(grid)
-        return interpret(grid, *args, **constexprs)
+    def __init__(self, kernel=norms_triton.PARAMETER_BACKWARD.sum_partials_kernel):
+        self.kernel, self.grids = kernel, []
 
-    monkeypatch.setattr(kernel, "_interpret", counted)
-    return launches
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
 
 
 def _norm_inputs(op, rows, width, dtype):
@@ -149,6 +148,12 @@ def _norm_inputs(op, rows, width, dtype):
 KERNELS = {"rms_norm": rms_norm_triton, "layer_norm": layer_norm_triton}
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
 SEVERAL_PROGRAMS = norms_triton.ParameterBackwardLaunch(max_programs=5)
+
+
+def recorded(launch):
+    """(launch with its sum_partials kernel recording its launches, the grids it records)."""
+    recorder = RecordedLaunches()
+    return dataclasses.replace(launch, sum_partials_kernel=recorder), recorder.grids
 
 
 def kernel_grads(op, x, params, dy, launch):
@@ -172,24 +177,24 @@ def check_kernel_grads(op, x, params, dy, grads):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-def test_one_launch_backward_with_several_programs(op, monkeypatch):
+def test_one_launch_backward_with_several_programs(op):
     """The last of several persistent programs (each looping over tiles) adds every program's partials: the
     gradients match float64 and the two-launch path (sum_partials), and repeat bit for bit; the counter is back at
     zero after each backward, so a second backward gives the same bits."""
-    launches = _count_sum_partials_launches(monkeypatch)
+    several_programs, launches = recorded(SEVERAL_PROGRAMS)
     x, params, dy = _norm_inputs(op, 1000, 48, bf16)  # 16 tiles over 5 programs
-    first = kernel_grads(op, x, params, dy, SEVERAL_PROGRAMS)
+    first = kernel_grads(op, x, params, dy, several_programs)
     check_kernel_grads(op, x, params, dy, first)
     counter, _ = norms_triton.backward_scratch(x.device, 0)
     assert counter.item() == 0
-    again = kernel_grads(op, x, params, dy, SEVERAL_PROGRAMS)
+    again = kernel_grads(op, x, params, dy, several_programs)
     assert counter.item() == 0
     assert not launches, "the backward took the two-launch path"
     for a, b in zip(first, again):
         assert torch.equal(a, b)
 
     # every backward adds its partials in sum_partials
-    two_launches = kernel_grads(op, x, params, dy, dataclasses.replace(SEVERAL_PROGRAMS, finish_max_steps=0))
+    two_launches = kernel_grads(op, x, params, dy, dataclasses.replace(several_programs, finish_max_steps=0))
     assert len(launches) == 1
     assert torch.equal(first[0], two_launches[0])
     for a, b in zip(first[1:], two_launches[1:]):
@@ -197,10 +202,9 @@ def test_one_launch_backward_with_several_programs(op, monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-def test_two_launch_backward(op, monkeypatch):
+def test_two_launch_backward(op):
     """Wide rows over many programs add their partials in a second launch (sum_partials): forced here."""
-    two_launches = norms_triton.ParameterBackwardLaunch(finish_max_steps=0)
-    launches = _count_sum_partials_launches(monkeypatch)
+    two_launches, launches = recorded(norms_triton.ParameterBackwardLaunch(finish_max_steps=0))
     for (rows, width), dtype, weight_dtype, bias_dtype in [((150, 48), f16, f16, f16), ((7, 200), bf16, f32, None)]:
         x = torch.randn(rows, width, dtype=dtype)
         params = {"weight": (1 + 0.5 * torch.randn(width, dtype=weight_dtype)).requires_grad_()}

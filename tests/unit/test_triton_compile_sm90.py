@@ -75,14 +75,16 @@ def kernel_modules() -> list[str]:
 
 def launched_kernels() -> dict[str, tuple[str, str]]:
     """Readable id ("rms_norm._forward_kernel") -> (module, name) of each jit function the package launches: as
-    `name[grid](...)` or handed to a LaunchPlan (`LaunchPlan(name, ...)`), in any module (the row norms' shared
-    kernels are launched by the ops' modules)."""
+    `name[grid](...)`, handed to a LaunchPlan (`LaunchPlan(name, ...)`) or the default of a parameter or field that a
+    launcher launches (`kernel: DirectLaunch = name`), in any module (the row norms' shared kernels are launched by
+    the ops' modules)."""
     launched = set()
     for info in pkgutil.walk_packages(acc.__path__, prefix="runtime.accelerators."):
         origin = importlib.util.find_spec(info.name).origin
         if origin and origin.endswith(".py"):
-            launched.update(re.findall(r"(?:\b(\w+)\[|LaunchPlan\(\s*(\w+)\s*,)", Path(origin).read_text()))
-    launched = {name for pair in launched for name in pair if name}
+            text = Path(origin).read_text()
+            launched.update(re.findall(r"(?:\b(\w+)\[|LaunchPlan\(\s*(\w+)\s*,|DirectLaunch\s*=\s*(\w+))", text))
+    launched = {name for names in launched for name in names if name}
     kernels = {}
     for module_name in kernel_modules():
         module = importlib.import_module(module_name)

@@ -140,16 +140,21 @@ def kernel_modules() -> list[types.ModuleType]:
 
 def patch_launchers(monkeypatch) -> list:
     """Patch checking_launcher into every kernel module, also where a function takes the launcher as a default
-    argument (`launch=launcher`); returns the list each launch appends its kernel's name to."""
+    argument (`launch=launcher`, keyword-only or not); returns the list each launch appends its kernel's name to."""
     launched: list = []
     stand_in = checking_launcher(launched)
     for module in kernel_modules():
         monkeypatch.setattr(module, "launcher", stand_in)
         for value in vars(module).values():
-            defaults = getattr(value, "__defaults__", None)
-            if isinstance(value, types.FunctionType) and defaults and any(d is tc.launcher for d in defaults):
+            if not isinstance(value, types.FunctionType):
+                continue
+            defaults, keyword_defaults = value.__defaults__ or (), value.__kwdefaults__ or {}
+            if any(d is tc.launcher for d in defaults):
                 patched = tuple(stand_in if d is tc.launcher else d for d in defaults)
                 monkeypatch.setattr(value, "__defaults__", patched)
+            if any(d is tc.launcher for d in keyword_defaults.values()):
+                patched = {name: stand_in if d is tc.launcher else d for name, d in keyword_defaults.items()}
+                monkeypatch.setattr(value, "__kwdefaults__", patched)
     monkeypatch.setattr(tc, "compiled", _no_compile)
     return launched
 

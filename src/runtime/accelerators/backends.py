@@ -97,8 +97,9 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def device_reasons(backend: str, device: torch.device) -> list[str]:
-    """Why the backend cannot run on this device (empty when it can)."""
+def device_reasons(backend: str, device: torch.device, capability: tuple[int, int] | None = None) -> list[str]:
+    """Why the backend cannot run on this device (empty when it can). capability: the CUDA device's compute
+    capability as (major, minor); None: the device's own."""
     if backend == "torch":
         return []
     if backend == "triton":
@@ -110,7 +111,9 @@ def device_reasons(backend: str, device: torch.device) -> list[str]:
     if backend == "tilelang":
         if device.type != "cuda":
             return [f"tensors are on {device.type}; the tilelang backend needs CUDA tensors"]
-        major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        if capability is None:
+            capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        major, minor = capability
         if (major, minor) < TILELANG_MIN_CAPABILITY:
             need = ".".join(map(str, TILELANG_MIN_CAPABILITY))
             return [f"GPU compute capability {major}.{minor} is below {need}, the oldest the tilelang kernels target"]
@@ -118,8 +121,9 @@ def device_reasons(backend: str, device: torch.device) -> list[str]:
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def environment_reasons(backend: str, device: torch.device) -> list[str]:
-    return list(library_reasons(backend)) + device_reasons(backend, device)
+def environment_reasons(backend: str, device: torch.device, capability: tuple[int, int] | None = None) -> list[str]:
+    """Why the backend cannot run here: its library, then the device (capability: as device_reasons')."""
+    return list(library_reasons(backend)) + device_reasons(backend, device, capability)
 
 
 # --------------------------------------------------------------------------- op declarations
@@ -172,17 +176,24 @@ class OpSpec:
             return self.input_priority(**autotune.accepted(self.input_priority, inputs)) or self.priority
         return self.priority
 
-    def not_supported_reasons(self, backend: str, device: torch.device, **inputs) -> list[str]:
-        """Every reason the backend cannot run these inputs here; empty means supported."""
+    def not_supported_reasons(
+        self, backend: str, device: torch.device, capability: tuple[int, int] | None = None, /, **inputs
+    ) -> list[str]:
+        """Every reason the backend cannot run these inputs here; empty means supported. capability: the CUDA
+        device's compute capability (None: the device's own)."""
         if backend == "torch":
             return []
-        return environment_reasons(backend, device) + self.reasons(backend, **autotune.accepted(self.reasons, inputs))
+        environment = environment_reasons(backend, device, capability)
+        return environment + self.reasons(backend, **autotune.accepted(self.reasons, inputs))
 
-    def auto_candidates(self, device: torch.device, **inputs) -> tuple[tuple[str, ...], dict[str, list[str]]]:
-        """The kernel backends that can run these inputs in `"auto"`'s order, and the others' reasons."""
+    def auto_candidates(
+        self, device: torch.device, capability: tuple[int, int] | None = None, /, **inputs
+    ) -> tuple[tuple[str, ...], dict[str, list[str]]]:
+        """The kernel backends that can run these inputs in `"auto"`'s order, and the others' reasons (capability:
+        as not_supported_reasons')."""
         candidates, skipped = [], {}
         for backend in self.priority_for(**inputs):
-            reasons = self.not_supported_reasons(backend, device, **inputs)
+            reasons = self.not_supported_reasons(backend, device, capability, **inputs)
             if reasons:
                 skipped[backend] = reasons
             else:
@@ -220,14 +231,23 @@ def select_backend(
     return decided.choose(call, inputs)
 
 
-def _decide_or_tune(spec: OpSpec, requested: str, config, device: torch.device, key: Hashable, inputs: dict):
+def _decide_or_tune(
+    spec: OpSpec,
+    requested: str,
+    config,
+    device: torch.device,
+    key: Hashable,
+    inputs: dict,
+    capability: tuple[int, int] | None = None,
+):
     """The static decision, or for "auto" on CUDA with autotuning on and two or more kernel backends able to run
-    the inputs, the op's table of measured decisions for this key."""
+    the inputs, the op's table of measured decisions for this key. capability: the CUDA device's compute
+    capability (None: the device's own; select_backend passes None, once per decision key)."""
     if requested == "auto" and device.type == "cuda" and autotune.off_reason(config) is None:
-        candidates, _ = spec.auto_candidates(device, **inputs)
+        candidates, _ = spec.auto_candidates(device, capability, **inputs)
         if len(candidates) >= 2:
             return autotune.Tuned(spec.name, key, device, candidates, static=candidates[0])
-    return _decide(spec, requested, config.fallback, device, inputs)
+    return _decide(spec, requested, config.fallback, device, inputs, capability)
 
 
 # Whether Dynamo traces guard_scalar (into a constant and a guard): from torch 2.8 on. Torch 2.4 to 2.7 skip it, a
@@ -311,18 +331,26 @@ def _stand_ins(described: tuple, device: torch.device) -> dict:
 _decide_while_compiling._dynamo_marked_constant = True
 
 
-def _decide(spec: OpSpec, requested: str, fallback: str, device: torch.device, inputs: dict) -> str:
+def _decide(
+    spec: OpSpec,
+    requested: str,
+    fallback: str,
+    device: torch.device,
+    inputs: dict,
+    capability: tuple[int, int] | None = None,
+) -> str:
+    """The static decision (capability: as _decide_or_tune's)."""
     if requested not in BACKENDS:
         raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        candidates, skipped = spec.auto_candidates(device, **inputs)
+        candidates, skipped = spec.auto_candidates(device, capability, **inputs)
         if candidates:
             return candidates[0]
         logger.debug("%s: auto chose torch; %s", spec.name, skipped)
         return "torch"
-    reasons = spec.not_supported_reasons(requested, device, **inputs)
+    reasons = spec.not_supported_reasons(requested, device, capability, **inputs)
     if not reasons:
         return requested
     message = f"{spec.name}: the {requested} backend cannot run these inputs: " + "; ".join(reasons)

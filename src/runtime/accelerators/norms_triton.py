@@ -35,7 +35,7 @@ from .backends import sm_count
 from .launch_math import cdiv, next_power_of_2
 from .norms import SCALE_ABOVE as _SCALE_ABOVE
 from .norms import as_rows
-from .triton_launch import direct_launch
+from .triton_launch import DirectLaunch, direct_launch
 
 # Tuned on an H100 (bf16; 32768x4096, 8192x128, 131072x64; CUDA-graph timings): 4096-element tiles
 # beat 1024/2048 at narrow widths, 8 warps per 4096-wide row matched or beat 4 and 16, and 16 resident
@@ -110,6 +110,36 @@ def _resident_programs(device: torch.device, programs_per_sm: int) -> int:
     return sm_count(device) * programs_per_sm
 
 
+# sum_partials' kernel (one program per column block), here so that ParameterBackwardLaunch can name it
+@direct_launch
+@triton.jit(do_not_specialize=["n_parts"])
+def _sum_partials_kernel(
+    part_ptr, dw_ptr, db_ptr, n_parts, N,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < N
+    pw_ptr = part_ptr
+    if HAS_W:  # the bias's partial rows follow the weight's
+        pb_ptr = part_ptr + n_parts * N
+    else:
+        pb_ptr = part_ptr
+    acc_w = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        offsets = parts[:, None] * N + cols[None, :]
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        if HAS_W:
+            acc_w += tl.load(pw_ptr + offsets, mask=mask, other=0.0)
+        if HAS_B:
+            acc_b += tl.load(pb_ptr + offsets, mask=mask, other=0.0)
+    if HAS_W:
+        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_B:
+        tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
 @dataclass(frozen=True)
 class ParameterBackwardLaunch:
     """How a backward with parameter gradients launches.
@@ -118,10 +148,12 @@ class ParameterBackwardLaunch:
     finish_max_steps: its last program adds the partials when that takes at most this many steps of one tile per
     parameter (each step about one L2 round trip): 16 covers widths up to 128 at the H100's 264 programs. Wider rows
     take sum_partials.
+    sum_partials_kernel: the kernel sum_partials launches (tests pass one that records its launches).
     """
 
     max_programs: int = 0
     finish_max_steps: int = 16
+    sum_partials_kernel: DirectLaunch = _sum_partials_kernel
 
 
 PARAMETER_BACKWARD = ParameterBackwardLaunch()
@@ -252,41 +284,17 @@ def _reduce_blocks(width: int) -> tuple[int, int]:
     return columns, REDUCE_TILE // columns
 
 
-@direct_launch
-@triton.jit(do_not_specialize=["n_parts"])
-def _sum_partials_kernel(
-    part_ptr, dw_ptr, db_ptr, n_parts, N,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < N
-    pw_ptr = part_ptr
-    if HAS_W:  # the bias's partial rows follow the weight's
-        pb_ptr = part_ptr + n_parts * N
-    else:
-        pb_ptr = part_ptr
-    acc_w = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        offsets = parts[:, None] * N + cols[None, :]
-        mask = (parts < n_parts)[:, None] & col_mask[None, :]
-        if HAS_W:
-            acc_w += tl.load(pw_ptr + offsets, mask=mask, other=0.0)
-        if HAS_B:
-            acc_b += tl.load(pb_ptr + offsets, mask=mask, other=0.0)
-    if HAS_W:
-        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
-    if HAS_B:
-        tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
-
-
-def sum_partials(partial: torch.Tensor, dweight: torch.Tensor | None, dbias: torch.Tensor | None = None) -> None:
-    """Reduce the partials (from `partials`) into dweight and dbias (either may be None), one launch."""
+def sum_partials(
+    partial: torch.Tensor,
+    dweight: torch.Tensor | None,
+    dbias: torch.Tensor | None = None,
+    kernel: DirectLaunch = _sum_partials_kernel,
+) -> None:
+    """Reduce the partials (from `partials`) into dweight and dbias (either may be None), one launch of `kernel`."""
     rows, width = partial.shape
     n_parts = rows // ((dweight is not None) + (dbias is not None))
     columns, parts = _reduce_blocks(width)
-    _sum_partials_kernel[(cdiv(width, columns),)](
+    kernel[(cdiv(width, columns),)](
         partial,
         partial if dweight is None else dweight,
         partial if dbias is None else dbias,

@@ -176,7 +176,7 @@ def backward_launch(
         dict(CENTRE=mean is not None, HAS_W=weight is not None, HAS_B=bias is not None, FINISH=finish,
              BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
         (counter, partial) if finish else (),
-        (sum_partials, partial, dweight, dbias) if n_params and not finish else (),
+        (sum_partials, partial, dweight, dbias, launch.sum_partials_kernel) if n_params and not finish else (),
     )  # fmt: skip
 
 

@@ -332,9 +332,11 @@ def varlen_backward(
     lse,
     *,
     cfg: BwdConfig | None = None,
+    launch=launcher,
 ):
     """(dq, dk, dv, None x 8) of varlen_forward: gradients in the inputs' dtypes and dimension orders, dk/dv summed
-    over each kv head's query heads. cfg overrides the tile configuration (benchmark sweeps)."""
+    over each kv head's query heads. cfg overrides the tile configuration (benchmark sweeps). launch(entry, device):
+    the kernels' entry point (tests pass one that records the launches)."""
     total_q, h, d = q.shape
     hkv = k.shape[1]
     dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(v)
@@ -352,7 +354,7 @@ def varlen_backward(
     # be 16-byte aligned; a sequence's first row need not be); the rows between sequences stay 0
     delta = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
     lse2 = torch.zeros((h, blocks * cfg.block_m), dtype=torch.float32, device=q.device)
-    launcher(preprocess_entry(d, q.dtype, varlen=True, fold=needs_fold(h, 1)), q.device)(
+    launch(preprocess_entry(d, q.dtype, varlen=True, fold=needs_fold(h, 1)), q.device)(
         o.contiguous(), do, lse.contiguous(), delta, lse2, rows
     )
     if cfg.dq == "tma":
@@ -361,7 +363,7 @@ def varlen_backward(
         dq_acc = torch.zeros((h, blocks, cfg.block_m * d), dtype=torch.float32, device=q.device)
     threshold, inv_keep = dropout_args(dropout_p)
     entry = backward_entry(d, q.dtype, bool(causal), False, dropout_p > 0, cfg, varlen=True, fold=needs_fold(h, n))
-    launcher(entry, q.device)(
+    launch(entry, q.device)(
         _tma_ready(q),
         _tma_ready(k),
         _tma_ready(v),

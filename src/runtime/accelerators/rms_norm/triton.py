@@ -110,7 +110,7 @@ def backward_launch(
         dict(**_FLAGS, HAS_W=weight is not None, FINISH=finish,
              BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
         (counter, partial) if finish else (),
-        (sum_partials, partial, dweight) if n_params and not finish else (),
+        (sum_partials, partial, dweight, None, launch.sum_partials_kernel) if n_params and not finish else (),
     )  # fmt: skip
 
 
