@@ -72,10 +72,12 @@ KERNELS = {
     "output-K128-V128-bf16-varlen-l2norm": lambda: gt.output_entry(128, 128, torch.bfloat16, True, True),
     # the storing walk of fp16 inputs, forward and backward (fp16 k converted to bf16 on load, l2-normalised in the
     # walk)
-    "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gs.fp16_state_store_entry(16, 16, True, False, True, True),
-    "state-store-K64-V32-f16-l2norm": lambda: gs.fp16_state_store_entry(64, 32, False, True, True, False),
-    "state-store-K128-V128-f16-varlen-l2norm-state": lambda: gs.fp16_state_store_entry(
-        128, 128, True, False, True, True
+    "state-store-K16-V16-f16-varlen-l2norm-state": lambda: gt.storing_walk_entry(
+        16, 16, torch.float16, True, False, True, True
+    ),
+    "state-store-K64-V32-f16-l2norm": lambda: gt.storing_walk_entry(64, 32, torch.float16, False, True, True, False),
+    "state-store-K128-V128-f16-varlen-l2norm-state": lambda: gt.storing_walk_entry(
+        128, 128, torch.float16, True, False, True, True
     ),
     # the backward's own kernels at K=128 (wgmma, shared-memory fit) and at K=16 (two-warp and mma.sync products)
     "local-grad-K128-V128-bf16-varlen-l2norm": lambda: gb.local_grad_entry(128, 128, torch.bfloat16, True, True),
@@ -89,7 +91,6 @@ KERNELS = {
 }
 # the tensors each kernel must store to (one missing from the source: that store was compiled away)
 STORES = {
-    "state-output": ("O", "HT"),
     "state-store": ("States", "Corrections"),
     "store-walk": ("States", "Corrections"),
     "map-walk": ("HT",),

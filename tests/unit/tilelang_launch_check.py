@@ -171,8 +171,10 @@ def kernels_on_cpu(monkeypatch):
     launched = patch_launchers(monkeypatch)
     device_reasons = backends.device_reasons
 
-    def cpu_too(backend, device):
-        return [] if backend == "tilelang" and device.type == "cpu" else device_reasons(backend, device)
+    def cpu_too(backend, device, capability=None):
+        if backend == "tilelang" and device.type == "cpu":
+            return []
+        return device_reasons(backend, device, capability)
 
     monkeypatch.setattr(backends, "device_reasons", cpu_too)
     # launch plans see the compile-only H100: its SM count (backends.sm_count gives 0 for the CPU, which would take
