@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from recorded_launches import RecordedLaunches
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
@@ -108,17 +109,6 @@ def test_layer_norm_triton_compiled():
     assert torch.equal(y, y_eager)
     for grad, grad_eager in zip(grads, grads_eager):
         assert torch.equal(grad, grad_eager)
-
-
-class RecordedLaunches:
-    """A stand-in for sum_partials' kernel: records each launch's grid, then launches the kernel itself."""
-
-    def __init__(self, kernel=norms_triton.PARAMETER_BACKWARD.sum_partials_kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
 
 
 def _sum_partials_launches(op, rows, width) -> list:

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from recorded_launches import RecordedLaunches
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
@@ -124,17 +125,6 @@ def test_forward_without_autograd_matches_the_differentiable_forward(op, shape, 
         trained = OPS[op](x.requires_grad_(), **params, backend="triton")
     assert inferred.grad_fn is None and trained.grad_fn is not None
     assert torch.equal(inferred, trained.detach())
-
-
-class RecordedLaunches:
-    """A stand-in for sum_partials' kernel: records each launch's grid, then launches the kernel itself."""
-
-    def __init__(self, kernel=norms_triton.PARAMETER_BACKWARD.sum_partials_kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
 
 
 def _norm_inputs(op, rows, width, dtype):
