@@ -162,13 +162,17 @@ def test_triton_looping_launches(launch, reduction):
     launches = kernels.LargeLaunches(forward=looping, forward_none=looping, backward=looping)
     x, y = logits_targets((2**22 + 3,), bf16)  # several blocks per program and a partial one
     pos_weight = 0.5 + 2 * torch.rand(1, device="cuda")
-    args = (x.detach(), y.detach(), None, kernel_operand(pos_weight, x.shape), reduction, True, False)
-    out, unit = kernels.forward(*args, launches=launches)
+    args = (x.detach(), y.detach(), None, kernel_operand(pos_weight, x.shape), reduction)
+    out = kernels.forward(*args, True, launches=launches)
     grad_out = torch.randn_like(out)
-    grads = kernels.backward(grad_out, *args, out, unit, launches=launches)[:2]
+    grads = kernels.backward(grad_out, *args, True, launches=launches)[:2]
     check_against_reference("triton", x, y, None, pos_weight, reduction, out, grads, grad_out)
-    if reduction == "mean":  # bit-identical run to run
-        assert torch.equal(kernels.infer(*args, launches=launches), out)
+    unit_out, unit = kernels.unit_gradient_forward(*args, launches=launches)
+    unit_grads = kernels.UNIT_GRADIENT_KERNELS.backward(grad_out, *args, unit_out, unit)[:1]
+    check_against_reference("triton", x, y, None, pos_weight, reduction, unit_out, unit_grads, grad_out)
+    if reduction == "mean":  # bit-identical run to run, with or without the unit gradient written
+        assert torch.equal(unit_out, out)
+        assert torch.equal(kernels.forward(*args, True, launches=launches), out)
 
 
 @pytest.mark.parametrize(
