@@ -34,6 +34,7 @@ from . import buffers
 from .backends import sm_count
 from .launch_math import cdiv, next_power_of_2
 from .norms import SCALE_ABOVE as _SCALE_ABOVE
+from .norms import SQUARES_ABOVE as _SQUARES_ABOVE
 from .norms import as_rows
 from .triton_launch import DirectLaunch, direct_launch
 
@@ -48,16 +49,22 @@ INTERPRETER_PROGRAMS = 2  # backward programs under TRITON_INTERPRET=1 (exercise
 
 
 SCALE_ABOVE = tl.constexpr(_SCALE_ABOVE)  # see norms.SCALE_ABOVE
+SQUARES_ABOVE = tl.constexpr(_SQUARES_ABOVE)
 
 
 @triton.jit
 def rsqrt_mean_square(x, divisor, eps):
     """rsqrt(sum(x^2) / divisor + eps) of each row of a tile, without overflow: a row whose largest |x| is m > 2^50
-    takes rsqrt(sum((x / m)^2) / divisor + eps / m^2) / m. One register reduction more; no memory traffic."""
-    m = tl.max(tl.abs(x), axis=1)
-    inv = 1.0 / tl.where(m > SCALE_ABOVE, m, 1.0)
-    scaled = x * inv[:, None]
-    return tl.rsqrt(tl.sum(scaled * scaled, axis=1) / divisor + eps * inv * inv) * inv
+    takes rsqrt(sum((x / m)^2) / divisor + eps / m^2) / m. Only a tile with a row whose squares add up past
+    norms.SQUARES_ABOVE (or to inf) looks for m: the others cannot have one, and take one reduction."""
+    squares = tl.sum(x * x, axis=1)
+    rstd = tl.rsqrt(squares / divisor + eps)
+    if tl.max((squares > SQUARES_ABOVE).to(tl.int32), axis=0) > 0:  # NaN compares false
+        m = tl.max(tl.abs(x), axis=1)
+        inv = 1.0 / tl.where(m > SCALE_ABOVE, m, 1.0)
+        scaled = x * inv[:, None]
+        rstd = tl.rsqrt(tl.sum(scaled * scaled, axis=1) / divisor + eps * inv * inv) * inv
+    return rstd
 
 
 @triton.jit
