@@ -20,7 +20,6 @@ Imported only by the tilelang kernel modules, so the package imports without til
 import tilelang.language as T
 from tvm.script.ir_builder import IRBuilder
 
-from .norms import SQUARES_ABOVE
 from .tilelang_common import ACCUM, RowPlan, load_rows, row_layout, scaled_squares, store_rows
 
 
@@ -93,19 +92,12 @@ def forward_kernel(
                     mean[i] = mean[i] / N
                 for i, j in T.Parallel(BM, NP):
                     x[i, j] = T.if_then_else(j < N, x[i, j] - mean[i], 0.0)
-            if residual or BM == 1:
+            if residual:
                 for i, j in T.Parallel(BM, NP):
                     sq[i, j] = x[i, j] * x[i, j]
-                T.reduce_sum(sq, rstd, dim=1)
-                if not residual:
-                    # one row a block: its largest |x| is looked for only when its squares add up past SQUARES_ABOVE
-                    inv[0] = 1.0
-                    if rstd[0] > SQUARES_ABOVE:  # NaN compares false
-                        scaled_squares(x, sq, inv)
-                        T.reduce_sum(sq, rstd, dim=1)
             else:
                 scaled_squares(x, sq, inv)
-                T.reduce_sum(sq, rstd, dim=1)
+            T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
                 if residual:
                     rstd[i] = T.rsqrt(rstd[i] / N + eps)
