@@ -19,6 +19,7 @@ f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 # (rows, V, k, dtype): a few rows of a long vocabulary take the split path, many rows one program each
 CASES = {
     "1x1000-k5-f32": (1, 1000, 5, f32),
+    "2x1000-k1000-f32": (2, 1000, 1000, f32),  # the whole row
     "7x50257-k50-bf16": (7, 50257, 50, bf16),
     "300x50257-k2048-f16": (300, 50257, 2048, f16),
     "64x1M-k64-bf16": (64, 2**20, 64, bf16),
@@ -67,6 +68,11 @@ def test_top_k_ties_and_all_equal_rows(backend):
         check_top_k(tied, k, True, backend)
         check_top_k(tied, k, False, backend)
     check_top_k(torch.full((2, 2**20), 0.25, device="cuda"), 300, True, backend)
+    equal = torch.full((2, 1000), 0.5, device="cuda")  # k = the whole row
+    check_top_k(equal, 1000, True, backend)
+    check_top_k(equal, 1000, False, backend)
+    # an all-equal split row at k = 2048: its candidates merged in three rounds
+    check_top_k(torch.full((1, 2**24), 0.5, device="cuda"), 2048, True, backend)
     ties = torch.randint(0, 2, (1, 2**24), device="cuda").to(f16)
     for k in (100, 2048):  # split rows, all ties: the candidates merged once at k = 100, in three rounds at 2048
         check_top_k(ties, k, True, backend)

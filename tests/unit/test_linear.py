@@ -333,10 +333,11 @@ def test_tilelang_backward_folds_the_dbias_sums_after_the_row_walk(activation, t
 @requires_nvcc
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernel cannot run here")
 @pytest.mark.slow
-@pytest.mark.parametrize("activation, m, n", [("gelu", 16500, 16), ("swiglu", 300, 24), ("relu", 70, 200)])
+@pytest.mark.parametrize("activation, m, n", [("gelu", 300, 16), ("swiglu", 300, 24), ("relu", 70, 200)])
 def test_tilelang_backward_pass_runs_on_the_cpu_and_matches_float64(activation, m, n):
     """The elementwise kernel's generated CUDA run on the CPU (tools/tilelang_on_cpu.py): d_preact and the dbias
-    partials against float64. 16500 rows of 64 over 256 groups: programs of one and of two row steps."""
+    partials against float64 (programs of several row steps, with rows past the end, on the GPU tier: more row
+    tiles than groups takes more than 256 programs of 128 threads, each a thread here)."""
     import importlib.util
     from pathlib import Path
 
