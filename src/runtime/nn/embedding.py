@@ -100,6 +100,11 @@ class EmbeddingBagCollection(nn.Module):
         self.backend = backend
         self.tables = nn.ModuleDict()
         for name, (num_embeddings, dim) in tables.items():
+            if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) for table {name!r} "
+                    f"(its num_embeddings), got {padding_idx}"
+                )
             table = nn.Module()
             table.weight = nn.Parameter(torch.randn(num_embeddings, dim) * init_std)
             if padding_idx is not None:
