@@ -209,3 +209,11 @@ def test_module(backend):
     assert torch.equal(out, keyed)
     with pytest.raises(ValueError, match="keys"):
         module(StandIn(["region", "user", "tags"], values, offsets))
+
+
+@pytest.mark.parametrize("padding_idx", [7, -8])
+def test_module_rejects_a_padding_row_outside_a_table(padding_idx):
+    """padding_idx must be a row of every table: an error naming it and the table, not an IndexError from zeroing
+    the row."""
+    with pytest.raises(ValueError, match=r"padding_idx: expected a value in \[-7, 7\) for table 'region'"):
+        EmbeddingBagCollection({"user": (11, 8), "region": (7, 16)}, padding_idx=padding_idx)

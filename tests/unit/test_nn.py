@@ -128,6 +128,15 @@ def test_norms_feedforward_bag_and_loss_match_torch():
         assert_close("BCE", loss, ref, 1e-5)
 
 
+@pytest.mark.parametrize("padding_idx", [10, -11])
+def test_embedding_bag_rejects_a_padding_row_outside_the_table(padding_idx):
+    """As nn.EmbeddingBag: padding_idx in [-num_embeddings, num_embeddings), else an error naming it (not an
+    IndexError from zeroing the row, nor -11 taken as the last row)."""
+    with pytest.raises(ValueError, match=r"padding_idx: expected a value in \[-10, 10\)"):
+        EmbeddingBagMean(10, 4, padding_idx=padding_idx)
+    assert EmbeddingBagMean(10, 4, padding_idx=-10).padding_idx == 0
+
+
 @pytest.mark.slow
 def test_embedding_bag_with_index_checks_compiles_in_a_full_graph():
     """check_indices=True under torch.compile(fullgraph=True): the check is an op of the graph (reading its flag on

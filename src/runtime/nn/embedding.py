@@ -36,8 +36,13 @@ class EmbeddingBagMean(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += num_embeddings  # as nn.EmbeddingBag
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), "
+                    f"got {padding_idx}"
+                )
+            padding_idx %= num_embeddings  # a negative one counts from the end, as nn.EmbeddingBag
         self.padding_idx = padding_idx
         self.init_std = init_std
         self.include_last_offset = include_last_offset
@@ -95,6 +100,11 @@ class EmbeddingBagCollection(nn.Module):
         self.backend = backend
         self.tables = nn.ModuleDict()
         for name, (num_embeddings, dim) in tables.items():
+            if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) for table {name!r} "
+                    f"(its num_embeddings), got {padding_idx}"
+                )
             table = nn.Module()
             table.weight = nn.Parameter(torch.randn(num_embeddings, dim) * init_std)
             if padding_idx is not None:
