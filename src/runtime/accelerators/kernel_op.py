@@ -328,8 +328,9 @@ def no_double_backward(op: str, backend: str, grads: tuple, inputs: tuple) -> tu
         return grads
     message = (
         f"{op}: double backward is not supported on the {backend} backend: its backward is a kernel that autograd does "
-        "not record, so the gradients it returned (with create_graph=True) cannot be differentiated again; compute "
-        "second derivatives with backend='torch'"
+        "not record, so the gradients it returned (with create_graph=True) cannot be differentiated again; "
+        "backend='torch' differentiates twice where the torch ops it calls do (torch's attention kernels and "
+        "F.embedding_bag do not)"
     )
     edges = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     gradients = [grads[i] if grads[i].requires_grad else grads[i].detach().requires_grad_() for i in present]
