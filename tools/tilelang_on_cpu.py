@@ -8,7 +8,7 @@ with --tsan (ThreadSanitizer), their barriers: a shared-memory access left unord
 It models neither warps nor the GPU's memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp
 specialisation) are out of its reach: the GPU tier stays the judge.
 
-    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear [--tsan]
+    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm [--tsan]
 
 linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
 a bias) against autograd in float64.
@@ -16,6 +16,7 @@ sampling: top_k of the TileLang backend against the exact reference (random, tie
 zeros / infinities, both directions, each dtype, split rows and their candidates merged in rounds, k = 2048; the
 select with and without its threshold filter, and its fallback where more entries pass than the scratch holds) and
 sample's ids against reference.restricted_draw.
+add_norm: the add_rms_norm / add_layer_norm forward on fp32 rows near 1e30 (squares past fp32) and ordinary ones.
 Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
 """
 
@@ -59,6 +60,7 @@ class CpuKernel:
         threads, name = int(found.group(1)), found.group(2)
         params = [p.replace("__restrict__", "").strip().rsplit(" ", 1) for p in found.group(3).split(",")]
         self.names = [name for _, name in params]
+        self.types = {name: kind for kind, name in params}
         args = ", ".join(f"({t})args[{i}]" if "*" in t else f"*({t}*)args[{i}]" for i, (t, _) in enumerate(params))
         code = (
             '#include "tilelang_simt_shim.h"\n#define __align__(n) alignas(n)\n'
@@ -102,12 +104,12 @@ class CpuKernel:
                     if hasattr(dim, "name"):
                         values[dim.name] = size
             else:
-                values[param.name] = int(arg)
+                values[param.name] = arg
         pointers = (ctypes.c_void_p * len(self.names))()
         for i, name in enumerate(self.names):
             value = values[name]
             if not isinstance(value, ctypes.c_void_p):
-                value = ctypes.c_int(value)
+                value = ctypes.c_float(value) if self.types[name] == "float" else ctypes.c_int(int(value))
                 keep.append(value)
                 value = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
             pointers[i] = value.value
@@ -280,7 +282,51 @@ def check_linear(tsan: bool) -> bool:
     return not failures
 
 
-CHECKS = {"sampling": check_sampling, "linear": check_linear}
+# --------------------------------------------------------------------------- add_norm
+
+
+def add_norm_huge_row_problems(width: int, centre: bool, tsan: bool = False) -> list:
+    """The add-norm forward kernel (fp32, with a weight; centre: add_layer_norm, with a bias) on rows near 1e30 and
+    ordinary ones: y against float64 of the sum within 1e-5 per row, relative to the row's largest |y|. Returns the
+    problems found (none: it agrees)."""
+    from runtime.accelerators.add_norm import tilelang as kernels
+    from runtime.accelerators.tilelang_common import plan_for
+
+    rows = plan_for(torch.float32, width).block_rows
+    entry = kernels.kernel_entries(torch.float32, width, torch.float32, torch.float32 if centre else None, centre)[0]
+    kernel = CpuKernel(entry, {"add_norm_fwd": lambda v: (-(-v["n_rows"] // rows), 1)}, tsan)
+    scales = torch.tensor([1e30, 1.0, 3e28, 1e32, 0.01, 2e31, 1e16], dtype=torch.float64)[:, None]
+    total64 = (torch.randn(len(scales), width, dtype=torch.float64) + (3.0 if centre else 0.0)) * scales
+    x, residual = (total64 / 2).float(), (total64 / 2).float()
+    weight, bias = 1 + 0.5 * torch.randn(width), torch.randn(width)
+    y, total, rstd, mean = (torch.empty_like(x), torch.empty_like(x), torch.empty(len(x)), torch.empty(len(x)))
+    eps = 1e-5
+    kernel(x, residual, weight, bias if centre else torch.zeros(1), y, total, mean, rstd, eps)
+    s = total.double()
+    centred = s - s.mean(-1, keepdim=True) if centre else s
+    y64 = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps) * weight.double()
+    y64 = y64 + bias.double() if centre else y64
+    errors = (y.double() - y64).abs().amax(-1) / y64.abs().amax(-1)
+    problems = [] if torch.equal(total, x + residual) else ["the sum differs from x + residual"]
+    return problems + [
+        f"row x{scale:g}: y {error:.2g} from float64"
+        for scale, error in zip(scales.flatten().tolist(), errors.tolist())
+        if not error <= 1e-5
+    ]
+
+
+def check_add_norm(tsan: bool) -> bool:
+    torch.manual_seed(0)
+    failures = []
+    for width, centre in ((64, False), (64, True), (4096, False), (200, True)):
+        problems = add_norm_huge_row_problems(width, centre, tsan)
+        label = f"add_{'layer' if centre else 'rms'}_norm forward, rows near 1e30, width {width}"
+        print(label, "ok" if not problems else "DIFFERS: " + ", ".join(problems), flush=True)
+        failures += [label] if problems else []
+    return not failures
+
+
+CHECKS = {"sampling": check_sampling, "linear": check_linear, "add_norm": check_add_norm}
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ template <class A, class B> inline auto max(A a, B b) { using C = std::common_ty
 template <class A, class B> inline auto min(A a, B b) { using C = std::common_type_t<A, B>; return C(b) < C(a) ? C(b) : C(a); }
 inline float max(float a, float b) { return std::fmax(a, b); }
 inline float min(float a, float b) { return std::fmin(a, b); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // exact here; the GPU's is within 2 ulp
 template <class T> inline void AtomicAdd(T* p, T v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T AtomicAddRet(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 // The vector types, bf16 pairs and block reduction of TileLang's generated elementwise code (row tiles in fragments).

@@ -6,13 +6,12 @@ import importlib
 import pytest
 import torch
 
+from huge_rows import ADD_NORMS, ROW_SCALES, check_add_norm_huge, huge_rows, reference64
 from runtime.accelerators import l2norm, layer_norm, rms_norm, use_accelerators
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
 PARAMS = {"rms_norm": ("weight",), "layer_norm": ("weight", "bias"), "l2norm": ()}
-# huge rows between ordinary ones, so that a tile holds both kinds
-ROW_SCALES = [1e30, 1.0, 3e28, 1e32, 0.01, 2e31, 1e16]
 CASES = [(torch.float32, 200), (torch.float32, 4095), (torch.bfloat16, 200)]
 
 
@@ -31,29 +30,18 @@ def _tilelang_kernels_compiled_in_parallel():
                 wanted += kernels.kernel_entries(dtype, width, dtype, dtype, device)
             else:
                 wanted += kernels.kernel_entries(dtype, width)
+        add_norm = importlib.import_module("runtime.accelerators.add_norm.tilelang")
+        wanted += add_norm.kernel_entries(dtype, width, dtype, None, False, device)
+        wanted += add_norm.kernel_entries(dtype, width, dtype, dtype, True, device)
     precompile(wanted, device)
-
-
-def reference64(op, x, weight=None, bias=None):
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
-    if weight is not None:
-        y = y * weight
-    return y if bias is None else y + bias
 
 
 @pytest.mark.parametrize("dtype, width", CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_huge_rows_are_normalised(op, backend, dtype, width):
-    scales = torch.tensor(ROW_SCALES, dtype=torch.float64, device="cuda")[:, None]
     offset = 3.0 if op == "layer_norm" else 0.0  # centred values near 1e30 overflow too
-    x = ((torch.randn(len(ROW_SCALES), width, dtype=torch.float64, device="cuda") + offset) * scales).to(dtype)
+    x = huge_rows(width, offset, device="cuda").to(dtype)
     x.requires_grad_()
     params = {name: (1 + 0.5 * torch.randn(width, device="cuda")).to(dtype).requires_grad_() for name in PARAMS[op]}
     dy = torch.randn(x.shape, device="cuda", dtype=dtype)
@@ -73,3 +61,16 @@ def test_huge_rows_are_normalised(op, backend, dtype, width):
         assert_close(f"{tag} dx", grads[0][row], grads64[0][row], gradient_tolerance(dtype))
     for name, grad, grad64 in zip(params, grads[1:], grads64[1:]):
         assert_close(f"{op} {backend} {dtype} {width} d{name}", grad, grad64, gradient_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype, width", CASES, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+@pytest.mark.parametrize("name", list(ADD_NORMS))
+def test_add_norm_of_huge_rows_is_normalised(name, backend, dtype, width):
+    rows = huge_rows(width, offset=3.0 if name == "add_layer_norm" else 0.0, device="cuda")
+    x = (rows / 2).to(dtype).requires_grad_()
+    residual = (rows / 2).to(dtype).requires_grad_()
+    params = {
+        key: (1 + 0.5 * torch.randn(width, device="cuda")).to(dtype).requires_grad_() for key in ADD_NORMS[name][2]
+    }
+    check_add_norm_huge(name, backend, x, residual, params, RTOL[dtype], gradient_tolerance(dtype))

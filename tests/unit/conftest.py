@@ -54,6 +54,21 @@ InterpreterBuilder.create_fp_to_fp = _rounding_fp32_to_bf16(InterpreterBuilder.c
 NVCC = shutil.which("nvcc")
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: TileLang kernels cannot be compiled here")
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
+requires_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ is not on PATH: generated kernels cannot run here"
+)
+
+
+def tilelang_on_cpu():
+    """tools/tilelang_on_cpu.py as a module: TileLang's generated CUDA run on the CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "tilelang_on_cpu.py"
+    spec = importlib.util.spec_from_file_location("tilelang_on_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import runtime.accelerators as acc
-from conftest import SM90A, requires_nvcc
+from conftest import SM90A, requires_gxx, requires_nvcc, tilelang_on_cpu
 from runtime.accelerators import add_layer_norm, add_rms_norm, norms_triton
 from runtime.accelerators.add_norm import triton as add_norm_triton
 from runtime.accelerators.buffers import poison_outputs
@@ -436,3 +436,14 @@ def test_modules_match_torch_norms_and_their_state_dicts():
         torch.testing.assert_close(y, torch.nn.RMSNorm(8, eps=1e-6)(x + residual))
     assert AddLayerNorm(8, elementwise_affine=False).state_dict() == {}
     assert list(AddLayerNorm(8, bias=False).state_dict()) == ["weight"]
+
+
+@requires_nvcc
+@requires_gxx
+@pytest.mark.slow
+@pytest.mark.parametrize("width, centre", [(64, False), (200, True)], ids=["rms-64", "layer-200"])
+def test_tilelang_forward_normalises_rows_near_1e30_on_the_cpu(width, centre):
+    """The TileLang forward's generated CUDA run on the CPU (tools/tilelang_on_cpu.py) on fp32 rows whose squares pass
+    fp32's range, between ordinary rows: each row normalised as float64 does, as in the plain norms."""
+    torch.manual_seed(0)
+    assert tilelang_on_cpu().add_norm_huge_row_problems(width, centre) == []

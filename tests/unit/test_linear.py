@@ -4,14 +4,13 @@ sm_90a, autocast, dispatch, fallback reasons and errors, and the runtime.nn.Line
 
 import math
 import re
-import shutil
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SM90A, requires_nvcc
+from conftest import SM90A, requires_gxx, requires_nvcc, tilelang_on_cpu
 from runtime.accelerators import explain, linear
 from runtime.accelerators.backends import BackendFallbackWarning, BackendUnavailableError
 from runtime.accelerators.config import use_accelerators
@@ -331,22 +330,15 @@ def test_tilelang_backward_folds_the_dbias_sums_after_the_row_walk(activation, t
 
 
 @requires_nvcc
-@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernel cannot run here")
+@requires_gxx
 @pytest.mark.slow
 @pytest.mark.parametrize("activation, m, n", [("gelu", 300, 16), ("swiglu", 300, 24), ("relu", 70, 200)])
 def test_tilelang_backward_pass_runs_on_the_cpu_and_matches_float64(activation, m, n):
     """The elementwise kernel's generated CUDA run on the CPU (tools/tilelang_on_cpu.py): d_preact and the dbias
     partials against float64 (programs of several row steps, with rows past the end, on the GPU tier: more row
     tiles than groups takes more than 256 programs of 128 threads, each a thread here)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools" / "tilelang_on_cpu.py"
-    spec = importlib.util.spec_from_file_location("tilelang_on_cpu", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     torch.manual_seed(0)
-    assert tool.linear_backward_problems(m, n, activation) == []
+    assert tilelang_on_cpu().linear_backward_problems(m, n, activation) == []
 
 
 # --------------------------------------------------------------------------- dispatch, reasons and errors

@@ -4,36 +4,16 @@ every gradient, on the torch backend and the Triton kernels (under TRITON_INTERP
 import pytest
 import torch
 
+from huge_rows import ADD_NORMS, ROW_SCALES, check_add_norm_huge, huge_rows, reference64
 from runtime.accelerators import l2norm, layer_norm, rms_norm, use_accelerators
 from runtime.accelerators.buffers import poison_outputs
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
-# rows of ordinary size between huge ones, so that a tile holds both kinds
-ROW_SCALES = [1e30, 1.0, 3e28, 1e32, 0.01, 2e31, 1e16]
-
-
-def reference64(op, x, weight=None, bias=None):
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
-    if weight is not None:
-        y = y * weight
-    return y if bias is None else y + bias
-
-
-def huge_rows(width: int, offset: float = 0.0) -> torch.Tensor:
-    """Rows of randn times each scale of ROW_SCALES; `offset` (relative) moves each row's mean away from zero."""
-    scales = torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None]
-    return ((torch.randn(len(ROW_SCALES), width, dtype=torch.float64) + offset) * scales).float()
 
 
 def check_huge(op, backend, width, offset=0.0, params=()):
-    x = huge_rows(width, offset).requires_grad_()
+    x = huge_rows(width, offset).float().requires_grad_()
     kwargs = {}
     if "weight" in params:
         kwargs["weight"] = (1 + 0.5 * torch.randn(width)).requires_grad_()
@@ -85,3 +65,13 @@ def test_ordinary_rows_are_unchanged_by_the_scaling(op, backend):
         assert torch.equal(y, plain)
     else:
         assert_close(f"{op} y", y, plain, RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(ADD_NORMS))
+def test_add_norm_of_huge_rows_is_normalised(name, backend):
+    rows = huge_rows(300, offset=3.0 if name == "add_layer_norm" else 0.0).float()
+    x = (rows / 2).requires_grad_()
+    residual = (rows / 2).requires_grad_()
+    params = {key: (1 + 0.5 * torch.randn(300)).requires_grad_() for key in ADD_NORMS[name][2]}
+    check_add_norm_huge(name, backend, x, residual, params, RTOL[torch.float32], gradient_tolerance(torch.float32))

@@ -3,16 +3,13 @@ sort, draw; each dtype, largest True and False) lowered and compiled for sm_90a 
 k are runtime arguments. A small case runs the generated CUDA on the CPU (tools/tilelang_on_cpu.py, a thread per CUDA
 thread) against the reference; the GPU tier (tests/gpu/test_sampling.py) checks the results on the GPU."""
 
-import importlib.util
 import math
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SM90A, requires_nvcc
+from conftest import SM90A, requires_gxx, requires_nvcc, tilelang_on_cpu
 
 kernels = pytest.importorskip(
     "runtime.accelerators.sampling.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -71,28 +68,15 @@ def test_kernel_compiles_for_sm90a(name):
         assert "AtomicAddRet" in source and "AtomicAdd(" in source  # the slot counter and the histograms
 
 
-def _cpu_tool():
-    path = Path(__file__).resolve().parents[2] / "tools" / "tilelang_on_cpu.py"
-    spec = importlib.util.spec_from_file_location("tilelang_on_cpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def cpu_launch():
     """One launcher for the module's CPU runs: each kernel is compiled once."""
-    tool = _cpu_tool()
+    tool = tilelang_on_cpu()
     return tool.cpu_launcher(tool.SAMPLING_GRIDS)
 
 
-runs_on_the_cpu = pytest.mark.skipif(
-    shutil.which("g++") is None, reason="g++ is not on PATH: the generated kernels cannot run here"
-)
-
-
 @requires_nvcc
-@runs_on_the_cpu
+@requires_gxx
 @pytest.mark.slow
 def test_generated_kernels_run_on_the_cpu_and_match_the_reference(cpu_launch):
     """The generated CUDA of the select (over the row and over candidates), sort and draw kernels, run on the CPU by
@@ -121,7 +105,7 @@ def test_generated_kernels_run_on_the_cpu_and_match_the_reference(cpu_launch):
 
 
 @requires_nvcc
-@runs_on_the_cpu
+@requires_gxx
 @pytest.mark.slow
 def test_generated_select_with_and_without_the_filter_on_the_cpu(cpu_launch):
     """The select's threshold filter on the CPU (rows of two 4096-entry steps): how many entries pass its bound (about

@@ -4,8 +4,8 @@ one persistent backward builder, the op chosen by flags. Plans, row tiles and th
     centre    subtract the row mean first (layer_norm, add_layer_norm)
     l2        rstd of the sum of squares, not of their mean, and no parameters (l2norm; its backward, one tile per
               block from the output y, is its own: l2norm.tilelang)
-    residual  norm the sum x + residual, which is stored too, with squares not rescaled (add_norm); its backward adds
-              dnew and works from xhat also when not centred
+    residual  norm the sum x + residual, which is stored too (add_norm); its backward adds dnew and works from xhat
+              also when not centred
     w_dtype, b_dtype  a weight, a bias; None: absent (the kernel then takes a 1-element fp32 placeholder)
 
 An argument annotated None is not one of the kernel's (the ops that never take it), and tiles a kernel leaves unused
@@ -92,16 +92,10 @@ def forward_kernel(
                     mean[i] = mean[i] / N
                 for i, j in T.Parallel(BM, NP):
                     x[i, j] = T.if_then_else(j < N, x[i, j] - mean[i], 0.0)
-            if residual:
-                for i, j in T.Parallel(BM, NP):
-                    sq[i, j] = x[i, j] * x[i, j]
-            else:
-                scaled_squares(x, sq, inv)
+            scaled_squares(x, sq, inv)
             T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
-                if residual:
-                    rstd[i] = T.rsqrt(rstd[i] / N + eps)
-                elif l2:
+                if l2:
                     rstd[i] = T.rsqrt(rstd[i] + eps * inv[i] * inv[i]) * inv[i]
                 else:
                     rstd[i] = T.rsqrt(rstd[i] / N + eps * inv[i] * inv[i]) * inv[i]
