@@ -3,6 +3,7 @@ of each norm, and the check of add_rms_norm / add_layer_norm on them."""
 
 import torch
 
+from norm_reference import reference64
 from runtime.accelerators import add_layer_norm, add_rms_norm, use_accelerators
 from runtime.accelerators.testing import assert_close
 
@@ -13,19 +14,6 @@ ADD_NORMS = {
     "add_rms_norm": (add_rms_norm, "rms_norm", ("weight",)),
     "add_layer_norm": (add_layer_norm, "layer_norm", ("weight", "bias")),
 }
-
-
-def reference64(op, x, weight=None, bias=None):
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
-    if weight is not None:
-        y = y * weight
-    return y if bias is None else y + bias
 
 
 def huge_rows(width: int, offset: float = 0.0, device: str = "cpu") -> torch.Tensor:

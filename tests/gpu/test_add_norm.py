@@ -6,6 +6,7 @@ torch.compile, and repeatable parameter gradients."""
 import pytest
 import torch
 
+from norm_reference import reference64
 from runtime.accelerators import add_layer_norm, add_rms_norm, use_accelerators
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -13,6 +14,7 @@ f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 BACKENDS = ("triton", "tilelang")
 OPS = {"rms": add_rms_norm, "layer": add_layer_norm}
 EPS = {"rms": 1e-6, "layer": 1e-5}
+NORM = {"rms": "rms_norm", "layer": "layer_norm"}
 # (op, shape, x dtype, weight dtype, bias dtype): every dtype, rows 1 / 37 / 1000 / 10000 (past one wave of the
 # persistent backward), widths 48 / 200 / 1000 / 4095 / 8192, parameters of x's dtype, fp32, absent
 CASES = {
@@ -62,16 +64,7 @@ def textbook(op, x, residual, weight=None, bias=None, dtype=torch.float64):
     the norm of that rounded sum; the rounding passes gradients straight through, as a cast does."""
     exact = x + residual
     total = exact + (exact.to(dtype).double() - exact).detach()
-    if op == "rms":
-        y = total * torch.rsqrt(total.square().mean(-1, keepdim=True) + EPS[op])
-    else:
-        centred = total - total.mean(-1, keepdim=True)
-        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + EPS[op])
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y, total
+    return reference64(NORM[op], total, weight, bias, EPS[op]), total
 
 
 def make_params(width, weight_dtype, bias_dtype):

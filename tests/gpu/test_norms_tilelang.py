@@ -12,6 +12,7 @@ import importlib
 import pytest
 import torch
 
+from norm_reference import DEFAULT_EPS, reference64
 from runtime.accelerators import l2norm, layer_norm, rms_norm, use_accelerators
 from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
@@ -19,7 +20,6 @@ f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = {"f32": f32, "bf16": bf16, "f16": f16}
 WIDTHS = (48, 200, 1000, 4095, 8192)
 OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "l2norm": 1e-6}
 # parameter variants as (weight, bias); "x" takes x's dtype, "f32" is mixed precision when x is not fp32
 VARIANTS = {
     "rms_norm": [("x", None), ("f32", None), (None, None)],
@@ -82,24 +82,8 @@ def _no_fallback():
         yield
 
 
-def reference64(op, x, weight=None, bias=None, eps=None):
-    eps = EPS[op] if eps is None else eps
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
-
-
 def call(op, x, params, eps=None):
-    eps = EPS[op] if eps is None else eps
+    eps = DEFAULT_EPS[op] if eps is None else eps
     if op == "l2norm":
         return l2norm(x, eps, backend="tilelang")
     return OPS[op](x, **params, eps=eps, backend="tilelang")
@@ -201,9 +185,9 @@ def test_empty_batch(op):
     x = torch.randn(0, 48, device="cuda")
     module = kernels(op)
     args = list(params[op].values())
-    results = module.forward(x, *args, EPS[op])
+    results = module.forward(x, *args, DEFAULT_EPS[op])
     assert results[0].shape == (0, 48) and all(r.shape == (0,) for r in results[1:])
-    grads = module.backward(torch.randn(0, 48, device="cuda"), x, *args, EPS[op], *results)
+    grads = module.backward(torch.randn(0, 48, device="cuda"), x, *args, DEFAULT_EPS[op], *results)
     assert grads[0].shape == (0, 48)
     for p, g in zip(args, grads[1:]):
         assert torch.equal(g, torch.zeros_like(p))

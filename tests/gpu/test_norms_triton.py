@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from norm_reference import reference64
 from recorded_launches import RecordedLaunches
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.layer_norm import triton as layer_norm_triton
@@ -22,21 +23,6 @@ VARIANTS = {
     "layer_norm": [(None, None), ("x", "x"), ("f32", "f32"), ("x", None), (None, "f32")],
     "l2norm": [(None, None)],
 }
-
-
-def reference64(op, x, weight=None, bias=None):
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
 
 
 def check_op(op, shape, dtype, weight_dtype=None, bias_dtype=None):

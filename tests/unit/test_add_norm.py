@@ -11,6 +11,7 @@ import torch
 
 import runtime.accelerators as acc
 from conftest import SM90A, requires_gxx, requires_nvcc, tilelang_on_cpu
+from norm_reference import reference64
 from runtime.accelerators import add_layer_norm, add_rms_norm, norms_triton
 from runtime.accelerators.add_norm import triton as add_norm_triton
 from runtime.accelerators.buffers import poison_outputs
@@ -19,22 +20,13 @@ from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 OPS = {"rms": add_rms_norm, "layer": add_layer_norm}
 EPS = {"rms": 1e-6, "layer": 1e-5}
+NORM = {"rms": "rms_norm", "layer": "layer_norm"}
 
 
 def textbook(op, x, residual, weight=None, bias=None, eps=None):
     """(y, x + residual) in float64 from the formulas."""
-    eps = EPS[op] if eps is None else eps
     total = x + residual
-    if op == "rms":
-        y = total / torch.sqrt(total.square().mean(-1, keepdim=True) + eps)
-    else:
-        centred = total - total.mean(-1, keepdim=True)
-        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y, total
+    return reference64(NORM[op], total, weight, bias, EPS[op] if eps is None else eps), total
 
 
 def make_inputs(op, shape, dtype, weight_dtype=None, bias_dtype=None, strided=False):

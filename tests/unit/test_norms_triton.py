@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from norm_reference import reference64
 from recorded_launches import RecordedLaunches
 from runtime.accelerators import l2norm, layer_norm, norms_triton, rms_norm
 from runtime.accelerators.buffers import poison_outputs
@@ -18,22 +19,6 @@ from runtime.accelerators.testing import RTOL, assert_close, gradient_tolerance
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm, "l2norm": l2norm}
-
-
-def reference64(op, x, weight=None, bias=None):
-    """Textbook float64 math (the ops' default eps)."""
-    if op == "rms_norm":
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
-    elif op == "l2norm":
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-    else:
-        centred = x - x.mean(-1, keepdim=True)
-        y = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-5)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
 
 
 def check_op(op, shape, dtype, weight_dtype=None, bias_dtype=None, strided=False):
