@@ -32,8 +32,8 @@ def check_norm_inputs(
 # inputs near 1e30 have squares past fp32's 3.4e38). Below it the squares of the widest kernel row (2^14 values, each
 # at most 2^100) add up to at most 2^114, and the row takes the plain formula exactly (a scale of 1).
 SCALE_ABOVE = 2.0**50
-# A row whose sum of squares is at most this has no |value| above SCALE_ABOVE (its scale is 1): kernels look for
-# the largest |value| only in tiles with a row above it, so the common row pays one reduction, not two.
+# A row whose sum of squares is at most this has no |value| above SCALE_ABOVE (its scale is 1): the Triton kernels
+# look for the largest |value| only in tiles with a row above it, so the common row pays one reduction, not two.
 SQUARES_ABOVE = SCALE_ABOVE**2
 
 
