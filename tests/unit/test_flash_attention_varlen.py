@@ -298,6 +298,18 @@ def test_layout_errors():
         flash_attention(q, k, v[:4], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_offsets_under_inference_mode(backend):
+    # inference tensors have no version counter: the offsets are read (and checked) on every call
+    with torch.inference_mode():
+        q, k, v, cu_q, cu_k = packed([2, 5], [3, 4], 2, 1, 16)
+        out = flash_attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend)
+        assert_close("o", out, textbook(q, k, v, cu_q, cu_k, causal=True), RTOL_ATTENTION_FP32)
+        cu_k[1] = 8
+        with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing offsets"):
+            flash_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend)
+
+
 # --------------------------------------------------------------------------- TileLang, compiled for sm_90a
 
 

@@ -127,10 +127,13 @@ def _longest(cu: torch.Tensor) -> torch.Tensor:
 
 def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> tuple[int, int]:
     """Check both offset tensors and return their longest sequences' lengths: one synchronisation, none for the pair
-    checked last when passed again unchanged (every attention layer of a model takes the same offsets)."""
+    checked last when passed again unchanged (every attention layer of a model takes the same offsets). Inference
+    tensors (made under torch.inference_mode) have no version counter to tell whether they changed in place: they are
+    read on every call."""
     global _checked
-    key = (total_q, total_k, cu_q._version, cu_k._version)
-    if _checked and _checked[0]() is cu_q and _checked[1]() is cu_k and _checked[2] == key:
+    remember = not (cu_q.is_inference() or cu_k.is_inference())
+    key = (total_q, total_k, cu_q._version, cu_k._version) if remember else None
+    if remember and _checked and _checked[0]() is cu_q and _checked[1]() is cu_k and _checked[2] == key:
         return _checked[3]
     stats = []
     for cu in (cu_q, cu_k):
@@ -150,7 +153,8 @@ def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
             raise ValueError(
                 f"{name}: expected the last offset to equal the packed length {rows} = {total}, got {last}"
             )
-    _checked = (weakref.ref(cu_q), weakref.ref(cu_k), key, (long_q, long_k))
+    if remember:
+        _checked = (weakref.ref(cu_q), weakref.ref(cu_k), key, (long_q, long_k))
     return long_q, long_k
 
 
