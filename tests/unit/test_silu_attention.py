@@ -343,6 +343,18 @@ def test_value_checks_run_again_after_an_in_place_change():
         silu_attention(q, k, v, cu, **kwargs, backend="torch")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_value_checks_under_inference_mode(backend):
+    # inference tensors have no version counter: the offsets and targets are checked on every call
+    with torch.inference_mode():
+        q, k, v, cu, kwargs = make([3, 4], 2, 16, targets=[1, 2], grad=False)
+        out = silu_attention(q, k, v, cu, **kwargs, backend=backend)
+        assert_close("o", out, oracle(q, k, v, cu, kwargs), RTOL_ATTENTION_FP32)
+        kwargs["num_targets"][1] = 5
+        with pytest.raises(ValueError, match="num_targets: expected at most each sequence's length"):
+            silu_attention(q, k, v, cu, **kwargs, backend=backend)
+
+
 def test_compiles_fullgraph_with_gradients():
     q, k, v, cu, kwargs = make([5, 0, 9], 2, 16, pos="shared", time="per-head", targets=[1, 0, 2])
 

@@ -210,8 +210,11 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
     global _checked
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
+    # inference tensors (made under torch.inference_mode) have no version counter: they are checked on every call
+    remember = not (cu_seqlens.is_inference() or (num_targets is not None and num_targets.is_inference()))
     if (
-        _checked
+        remember
+        and _checked
         and _same(_checked[0], cu_seqlens)
         and _same(_checked[1], num_targets)
         and _checked[2:] == (max_seqlen, total)
@@ -249,7 +252,8 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
                 raise ValueError(
                     f"num_targets: expected at most each sequence's length; one sequence has {-values[5]} more targets than tokens"
                 )
-    _checked = (_identity(cu_seqlens), _identity(num_targets), max_seqlen, total)
+    if remember:
+        _checked = (_identity(cu_seqlens), _identity(num_targets), max_seqlen, total)
 
 
 def _autocast(q, k, v):
