@@ -128,6 +128,16 @@ def test_hstu_block_matches_a_padded_float64_layer(backend, dtype, bound, bucket
         assert _rel(param.grad, expected) < 2 * bound, name
 
 
+@pytest.mark.parametrize("offsets", [[0], [0, 0, 0]], ids=["no-sequence", "empty-sequences"])
+def test_hstu_block_takes_no_tokens(offsets):
+    block = HSTUBlock(32, 2, time_buckets=4)
+    x = torch.randn(0, 32, requires_grad=True)
+    out = block(x, torch.tensor(offsets, dtype=torch.int32), 1, torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert x.grad.shape == (0, 32)
+
+
 def test_hstu_block_errors_name_the_argument():
     with pytest.raises(
         ValueError, match="head_dim: None takes d_model // n_heads, but n_heads=5 does not divide d_model=24"

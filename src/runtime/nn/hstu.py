@@ -114,7 +114,7 @@ class HSTUBlock(nn.Module):
             dropout_p=self.attn_dropout if self.training else 0.0,
             backend=self.backend,
         )
-        gated = self.output_norm(a.reshape(total, -1)) * u
+        gated = self.output_norm(a.reshape(total, self.n_heads * self.head_dim)) * u
         return self.residual(self.out(gated), x)
 
     def extra_repr(self) -> str:
