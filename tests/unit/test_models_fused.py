@@ -2,6 +2,7 @@
 composition and as textbook float64 math, the same random stream for dropout, unchanged state_dict keys, full-graph
 torch.compile."""
 
+import dataclasses
 import math
 
 import pytest
@@ -211,3 +212,23 @@ def test_transformer_block_on_the_triton_kernels_matches_textbook_math(causal):
     (dx,) = torch.autograd.grad((out.double() * weight).sum(), [x16])
     (dx_ref,) = torch.autograd.grad((ref * weight).sum(), [x64])
     assert_close("block fp16 dx", dx, dx_ref, 1e-2)
+
+
+@pytest.mark.parametrize("sparse_collection", [False, True], ids=["tables", "collection"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_take_a_batch_of_no_examples(name, sparse_collection):
+    data = _data()
+    batch = data.train_batch(0, 6)
+    empty = dataclasses.replace(
+        batch, **{f.name: getattr(batch, f.name)[:0] for f in dataclasses.fields(batch) if _per_example(batch, f.name)}
+    )
+    model = MODELS[name](data.spec, d_model=16, n_heads=2, n_layers=2, sparse_collection=sparse_collection)
+    with use_accelerators(**TORCH):
+        out = model(empty)
+        out.sum().backward()
+    assert out.shape == (0,)
+
+
+def _per_example(batch, name: str) -> bool:
+    value = getattr(batch, name)
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == batch.label.shape[0]

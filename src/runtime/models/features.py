@@ -101,12 +101,12 @@ class FeatureEncoder(nn.Module):
             # key-major jagged input: field after field, each example's bag of `hotness` slots (0: empty, padding)
             values = batch.sparse.transpose(0, 1).reshape(-1)
             offsets = torch.arange(0, values.numel() + 1, hotness, device=values.device)
-            fields = self.sparse(values, offsets).view(b, n_fields, -1)
+            fields = self.sparse(values, offsets).unflatten(-1, (n_fields, -1))
             if self.sparse_projection is not None:
                 fields = self.sparse_projection(fields)
         else:
             ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
-            fields = self.sparse(ids.view(b * n_fields, hotness)).view(b, n_fields, -1)
+            fields = self.sparse(ids.view(b * n_fields, hotness)).unflatten(0, (b, n_fields))
         dense = self.dense(batch.dense).to(fields.dtype)
         return torch.cat([fields, dense[:, None]], dim=1)
 
