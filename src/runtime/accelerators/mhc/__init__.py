@@ -113,7 +113,7 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     _check_shape("alpha", alpha, (3,), x)
     _check_shape("bias", bias, (m,), x)
     check_eps(eps)
-    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+    if not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool) or sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
     chosen = select_backend(
         SPEC,
