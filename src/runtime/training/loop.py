@@ -35,7 +35,7 @@ from .config import (
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects, gather_rows
-from .loggers import MetricLogger
+from .loggers import MetricLogger, history_rows
 from .metrics import validation_metrics
 from .progress import ProgressBar
 
@@ -287,7 +287,8 @@ class Trainer:
             if self.run.is_main:
                 checkpoint.remove_partial_writes(path.parent)
             self.load(path, state)
-        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main)
+        history = history_rows(self.metrics) if cfg.trainer.resume else None
+        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main, history=history)
         self.graphed_step = None
         if graphed:
             device_learning_rates(self.optimizer, self.device)
