@@ -228,3 +228,25 @@ def test_a_missing_experiment_fails_and_lists_the_presets():
     assert "Could not find 'experiment/cpu_smal'" in message and "cpu_small" in message.split("Available options")[1], (
         message
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.device=cpu"], "it needs a CUDA device, the run is on cpu (trainer.device=cpu)"),
+        (["model=hstu"], "data.jagged: packed batches change their token count"),
+        (
+            ["trainer.compile=true", "trainer.compile_mode=reduce-overhead"],
+            "trainer.compile_mode=reduce-overhead makes CUDA graphs of its own",
+        ),
+    ],
+)
+def test_a_cuda_graph_the_config_rules_out_is_refused_at_composition(overrides, expected):
+    from runtime.training.config import check_train_config
+
+    with pytest.raises(ValueError) as error:
+        check_train_config(_compose("trainer.cuda_graph=true", *overrides))
+    message = str(error.value)
+    assert message.startswith("trainer.cuda_graph=true cannot run: ") and expected in message, message
+    assert message.endswith("; set trainer.cuda_graph=false or auto")
+    assert check_train_config(_compose("trainer.cuda_graph=auto", *overrides)).trainer.cuda_graph == "auto"
