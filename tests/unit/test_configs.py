@@ -190,6 +190,11 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("data.prefetch=-1", "data.prefetch: expected an integer >= 0, got -1"),
         ("data.seq_len=0", "data.seq_len: expected an integer >= 1, got 0"),
         ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
+        (
+            "data=parquet",
+            "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got None",
+        ),
+        ("data.source=parquet", "data.path: expected the directory of train.parquet and val.parquet for data=parquet"),
         ("+trainer.unknown_key=3", "trainer.unknown_key: no such key in trainer; expected one of [steps, log_every"),
         ("+model.d_modl=32", "model.d_modl: no such key in model; expected one of [_target_, d_model"),
         (

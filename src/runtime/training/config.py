@@ -133,6 +133,11 @@ class DataSchema:
             ("n_users", 1),
         ):
             _at_least(f"data.{key}", getattr(self, key), least)
+        if self.source is DataSource.parquet and not self.path:
+            raise ValueError(
+                "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got "
+                f"{self.path!r}"
+            )
 
 
 @dataclass
