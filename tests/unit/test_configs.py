@@ -190,6 +190,11 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("data.prefetch=-1", "data.prefetch: expected an integer >= 0, got -1"),
         ("data.seq_len=0", "data.seq_len: expected an integer >= 1, got 0"),
         ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
+        (
+            "data=parquet",
+            "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got None",
+        ),
+        ("data.source=parquet", "data.path: expected the directory of train.parquet and val.parquet for data=parquet"),
         ("+trainer.unknown_key=3", "trainer.unknown_key: no such key in trainer; expected one of [steps, log_every"),
         ("+model.d_modl=32", "model.d_modl: no such key in model; expected one of [_target_, d_model"),
         (
@@ -228,3 +233,25 @@ def test_a_missing_experiment_fails_and_lists_the_presets():
     assert "Could not find 'experiment/cpu_smal'" in message and "cpu_small" in message.split("Available options")[1], (
         message
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.device=cpu"], "it needs a CUDA device, the run is on cpu (trainer.device=cpu)"),
+        (["model=hstu"], "data.jagged: packed batches change their token count"),
+        (
+            ["trainer.compile=true", "trainer.compile_mode=reduce-overhead"],
+            "trainer.compile_mode=reduce-overhead makes CUDA graphs of its own",
+        ),
+    ],
+)
+def test_a_cuda_graph_the_config_rules_out_is_refused_at_composition(overrides, expected):
+    from runtime.training.config import check_train_config
+
+    with pytest.raises(ValueError) as error:
+        check_train_config(_compose("trainer.cuda_graph=true", *overrides))
+    message = str(error.value)
+    assert message.startswith("trainer.cuda_graph=true cannot run: ") and expected in message, message
+    assert message.endswith("; set trainer.cuda_graph=false or auto")
+    assert check_train_config(_compose("trainer.cuda_graph=auto", *overrides)).trainer.cuda_graph == "auto"

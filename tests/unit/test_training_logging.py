@@ -136,3 +136,40 @@ def test_log_lines_print_above_the_progress_bar_not_through_it(monkeypatch, caps
     finally:
         root.removeHandler(handler)
     assert "a log line" in capsys.readouterr().out  # printed by the bar's console, not into the bar's line
+
+
+def _csv_rows(path) -> list[tuple[int, str]]:
+    with open(path, newline="") as file:
+        return [(int(r["step"]), "log" if r["loss"] else "val") for r in csv.DictReader(file)]
+
+
+def test_resuming_after_a_crash_keeps_one_row_per_step_in_metrics_csv(tmp_path, monkeypatch):
+    """A run killed after logging steps beyond its last checkpoint: the resumed run logs those steps again, and
+    metrics.csv keeps each once (the rows of the uninterrupted run)."""
+    overrides = ("trainer.steps=6", "trainer.log_every=1", "trainer.checkpoint_every=2", "trainer.val_every=3")
+    Trainer(_compose(*overrides), tmp_path / "whole").fit()
+    crashed = Trainer(_compose(*overrides), tmp_path / "run")
+    real_step = crashed.train_step
+
+    def crash_at_step_4(batch):
+        if crashed.step == 3:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    monkeypatch.setattr(crashed, "train_step", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit()
+    assert _csv_rows(tmp_path / "run" / "metrics.csv")[-2:] == [(3, "log"), (3, "val")]  # past the checkpoint at 2
+    Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'run'}"), tmp_path / "run").fit()
+    assert _csv_rows(tmp_path / "run" / "metrics.csv") == _csv_rows(tmp_path / "whole" / "metrics.csv")
+
+
+def test_resuming_into_a_new_directory_carries_the_metrics_history_into_metrics_csv(tmp_path):
+    overrides = ("trainer.steps=6", "trainer.log_every=1", "trainer.checkpoint_every=3", "trainer.val_every=2")
+    Trainer(_compose(*overrides), tmp_path / "whole").fit()
+    Trainer(_compose(*overrides), tmp_path / "first").fit(until=3)
+    resumed = Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'first'}"), tmp_path / "second").fit()
+    assert _csv_rows(tmp_path / "second" / "metrics.csv") == _csv_rows(tmp_path / "whole" / "metrics.csv")
+    with open(tmp_path / "second" / "metrics.csv", newline="") as file:
+        logs = [r for r in csv.DictReader(file) if r["loss"]]
+    assert [float(r["loss"]) for r in logs] == pytest.approx([e["loss"] for e in resumed["log"]])

@@ -133,6 +133,11 @@ class DataSchema:
             ("n_users", 1),
         ):
             _at_least(f"data.{key}", getattr(self, key), least)
+        if self.source is DataSource.parquet and not self.path:
+            raise ValueError(
+                "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got "
+                f"{self.path!r}"
+            )
 
 
 @dataclass
@@ -333,12 +338,35 @@ def register_configs() -> None:
 register_configs()
 
 
+JAGGED_GRAPH_BLOCKER = "data.jagged: packed batches change their token count and max_seqlen from step to step"
+
+
+def compile_mode_graph_blocker(cfg) -> str | None:
+    """Why trainer.compile_mode cannot run inside the whole-step CUDA graph (None: it can)."""
+    if cfg.trainer.compile and cfg.trainer.compile_mode in COMPILE_MODES_WITH_GRAPHS:
+        return (
+            f"trainer.compile_mode={cfg.trainer.compile_mode} makes CUDA graphs of its own, which cannot be captured "
+            "inside the step's; take compile_mode=max-autotune-no-cudagraphs (or default)"
+        )
+    return None
+
+
 def check_train_config(cfg: DictConfig) -> TrainSchema:
     """Every bound of the schema on a composed train config, and no key the schema lacks; each error names the
     key and what it expects. Returns the config as schema objects."""
     _no_unknown_keys(cfg, TrainSchema, "")
     checked = OmegaConf.to_object(cfg)
-    data_jagged(cfg)
+    jagged = data_jagged(cfg)
+    if checked.trainer.cuda_graph == "true":  # what the config alone rules out; the trainer checks the rest
+        reasons = [JAGGED_GRAPH_BLOCKER] if jagged else []
+        if checked.trainer.device is DeviceChoice.cpu:
+            reasons.append("it needs a CUDA device, the run is on cpu (trainer.device=cpu)")
+        if blocker := compile_mode_graph_blocker(cfg):
+            reasons.append(blocker)
+        if reasons:
+            raise ValueError(
+                "trainer.cuda_graph=true cannot run: " + "; ".join(reasons) + "; set trainer.cuda_graph=false or auto"
+            )
     return checked
 
 

@@ -5,10 +5,12 @@ never stops training."""
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 from pathlib import Path
 
+from .checkpoint import write_atomically
 from .config import LoggerKind
 
 logger = logging.getLogger("runtime.training")
@@ -29,11 +31,31 @@ CSV_COLUMNS = (
 
 
 class CsvLogger:
-    """<run dir>/metrics.csv: one row per call, the columns CSV_COLUMNS (empty where a row has no value)."""
+    """<run dir>/metrics.csv: one row per call, the columns CSV_COLUMNS (empty where a row has no value).
 
-    def __init__(self, run_dir: Path) -> None:
+    history (a resumed run: the checkpoint's rows, as history_rows gives them): at the first row the file is rewritten
+    to hold exactly those rows before it, so rows a killed run logged after its last checkpoint are not kept beside the
+    resumed run's, and a run resumed into another directory starts its file with the rows before the checkpoint."""
+
+    def __init__(self, run_dir: Path, history: list[tuple[int, dict]] | None = None) -> None:
         self.path = Path(run_dir) / "metrics.csv"
+        self.history = history
+        self.file = None
+        self.writer = None
+        if history is None:
+            self._open()
+
+    def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.history is not None:
+            text = io.StringIO(newline="")
+            writer = csv.DictWriter(text, CSV_COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            for step, values in self.history:
+                writer.writerow({**values, "step": step})
+            data = text.getvalue().encode()
+            write_atomically(self.path, lambda file: file.write(data))
+            self.history = None
         new = not self.path.exists()
         self.file = open(self.path, "a", newline="")  # noqa: SIM115 - kept open for the run
         self.writer = csv.DictWriter(self.file, CSV_COLUMNS, extrasaction="ignore")
@@ -41,11 +63,14 @@ class CsvLogger:
             self.writer.writeheader()
 
     def write(self, step: int, values: dict) -> None:
+        if self.file is None:
+            self._open()
         self.writer.writerow({**values, "step": step})
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class TensorBoardLogger:
@@ -72,16 +97,28 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def history_rows(metrics: dict) -> list[tuple[int, dict]]:
+    """The (step, values) rows a run's metrics (metrics.json's "log" and "validation") were logged as, in the order
+    the loop writes them: by step, a step's training entry before its validation."""
+    rows = [(entry["step"], 0, entry) for entry in metrics["log"]]
+    rows += [(entry["step"], 1, entry) for entry in metrics["validation"]]
+    return [(step, entry) for step, _, entry in sorted(rows, key=lambda row: row[:2])]
+
+
 class MetricLogger:
     """The configured logger behind a guard: the first exception it raises is logged as a warning and the logger is
-    disabled for the rest of the run."""
+    disabled for the rest of the run. history: a resumed run's rows so far (see CsvLogger)."""
 
-    def __init__(self, kind: LoggerKind | str, run_dir: Path, enabled: bool = True) -> None:
+    def __init__(
+        self, kind: LoggerKind | str, run_dir: Path, enabled: bool = True, history: list[tuple[int, dict]] | None = None
+    ) -> None:
         kind = kind if isinstance(kind, LoggerKind) else LoggerKind(str(kind))
         self.kind = kind
         self.sink = None
-        if enabled and kind is not LoggerKind.none:
-            self.sink = (CsvLogger if kind is LoggerKind.csv else TensorBoardLogger)(run_dir)
+        if enabled and kind is LoggerKind.csv:
+            self.sink = CsvLogger(run_dir, history)
+        elif enabled and kind is LoggerKind.tensorboard:
+            self.sink = TensorBoardLogger(run_dir)
 
     def write(self, step: int, values: dict) -> None:
         self._guarded("write", lambda: self.sink.write(step, values))

@@ -22,12 +22,13 @@ from runtime.nn import BCEWithLogitsLoss, EmbeddingBagCollection, EmbeddingBagMe
 
 from . import checkpoint, resume
 from .config import (
-    COMPILE_MODES_WITH_GRAPHS,
+    JAGGED_GRAPH_BLOCKER,
     Precision,
     ResumeFallback,
     ResumeOverrides,
     accelerator_config,
     check_train_config,
+    compile_mode_graph_blocker,
     cuda_graph_choice,
     data_jagged,
     warmup_steps,
@@ -35,7 +36,7 @@ from .config import (
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects, gather_rows
-from .loggers import MetricLogger
+from .loggers import MetricLogger, history_rows
 from .metrics import validation_metrics
 from .progress import ProgressBar
 
@@ -114,9 +115,6 @@ def _torch_clip(parameters, grads, max_norm: float | None) -> torch.Tensor:
     return nn.utils.clip_grad_norm_(parameters, max_norm)
 
 
-JAGGED_GRAPH_BLOCKER = "data.jagged: packed batches change their token count and max_seqlen from step to step"
-
-
 def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
     """Why the whole step cannot be one CUDA graph in this run (empty: it can). Padded batches from both data sources
     have the same shapes (fixed batch size, histories padded to data.seq_len); jagged ones do not."""
@@ -129,11 +127,8 @@ def graph_blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
         reasons.append(
             "DistributedDataParallel (torchrun) is not captured (its gradient all-reduce hooks run on the host)"
         )
-    if cfg.trainer.compile and cfg.trainer.compile_mode in COMPILE_MODES_WITH_GRAPHS:
-        reasons.append(
-            f"trainer.compile_mode={cfg.trainer.compile_mode} makes CUDA graphs of its own, which cannot be captured "
-            "inside the step's; take compile_mode=max-autotune-no-cudagraphs (or default)"
-        )
+    if blocker := compile_mode_graph_blocker(cfg):
+        reasons.append(blocker)
     return reasons
 
 
@@ -287,7 +282,8 @@ class Trainer:
             if self.run.is_main:
                 checkpoint.remove_partial_writes(path.parent)
             self.load(path, state)
-        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main)
+        history = history_rows(self.metrics) if cfg.trainer.resume else None
+        self.metric_logger = MetricLogger(cfg.logger.kind, self.run_dir, enabled=self.run.is_main, history=history)
         self.graphed_step = None
         if graphed:
             device_learning_rates(self.optimizer, self.device)
