@@ -199,6 +199,19 @@ def test_a_corrupt_file_is_ignored_with_a_warning_and_rewritten(cache_dir):
     assert entry["winner"] == "triton"
 
 
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe\x00 not text", b"[" * 100_000], ids=["not utf-8", "nested past the recursion limit"]
+)
+def test_an_undecodable_file_is_ignored_with_a_warning(cache_dir, content):
+    path = cache_dir / "autotune.json"
+    path.write_bytes(content)
+    timer = FakeTimer(1.0, 2.0)
+    with pytest.warns(RuntimeWarning, match="ignoring the corrupt decisions file"):
+        assert _tuned(timer, DecisionFile(path)).choose(acc.rms_norm, _rms_inputs()) == "triton"
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    assert entry["winner"] == "triton"
+
+
 def test_writes_merge_with_what_another_process_wrote(cache_dir):
     path = cache_dir / "autotune.json"
     first, second = DecisionFile(path), DecisionFile(path)

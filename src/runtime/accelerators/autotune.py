@@ -138,14 +138,14 @@ class DecisionFile:
 
     def _read(self) -> dict[str, dict]:
         try:
-            text = self.path.read_text()
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}
         except OSError as error:
             warnings.warn(f"autotune: cannot read {self.path} ({error}); measuring again", RuntimeWarning, stacklevel=2)
             return {}
         try:
-            data = json.loads(text)
+            data = json.loads(raw)  # raises UnicodeDecodeError (a ValueError) on bytes that are not text
             if (
                 not isinstance(data, dict)
                 or data.get("format") != FILE_FORMAT
@@ -153,7 +153,7 @@ class DecisionFile:
             ):
                 raise ValueError(f"expected an object with format {FILE_FORMAT} and entries")
             return {key: entry for key, entry in data["entries"].items() if _valid_entry(entry)}
-        except ValueError as error:  # json.JSONDecodeError is a ValueError
+        except (ValueError, RecursionError) as error:  # json.JSONDecodeError is a ValueError; deep nesting recurses
             warnings.warn(
                 f"autotune: ignoring the corrupt decisions file {self.path} ({error}); it is rewritten with new measurements",
                 RuntimeWarning,
