@@ -212,6 +212,27 @@ def test_an_undecodable_file_is_ignored_with_a_warning(cache_dir, content):
     assert entry["winner"] == "triton"
 
 
+def test_a_file_that_cannot_be_read_is_not_overwritten(cache_dir, monkeypatch, caplog):
+    path = cache_dir / "autotune.json"
+    _tuned(FakeTimer(2.0, 1.0), DecisionFile(path)).choose(acc.rms_norm, _rms_inputs(37))
+    kept = path.read_bytes()
+    read_bytes = type(path).read_bytes
+
+    def unreadable(self):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_bytes(self)
+
+    monkeypatch.setattr(type(path), "read_bytes", unreadable)
+    timer = FakeTimer(1.0, 2.0)
+    with pytest.warns(RuntimeWarning, match="cannot read"), caplog.at_level(logging.WARNING, "runtime.accelerators"):
+        assert _tuned(timer, DecisionFile(path)).choose(acc.rms_norm, _rms_inputs(300)) == "triton"
+    assert timer.calls == 2  # measured, and the decision holds for this process
+    assert "cannot read" in caplog.text and "left as it is" in caplog.text
+    monkeypatch.undo()
+    assert path.read_bytes() == kept  # the decisions another run measured are still there
+
+
 def test_writes_merge_with_what_another_process_wrote(cache_dir):
     path = cache_dir / "autotune.json"
     first, second = DecisionFile(path), DecisionFile(path)

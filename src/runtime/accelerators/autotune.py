@@ -136,14 +136,16 @@ class DecisionFile:
         self.path = Path(path)
         self._entries: dict[str, dict] | None = None
 
-    def _read(self) -> dict[str, dict]:
+    def _read(self) -> dict[str, dict] | None:
+        """The valid entries on disk: none where there is no file or a corrupt one; None where it cannot be read (it
+        may hold good decisions: put() leaves it alone)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}
         except OSError as error:
             warnings.warn(f"autotune: cannot read {self.path} ({error}); measuring again", RuntimeWarning, stacklevel=2)
-            return {}
+            return None
         try:
             data = json.loads(raw)  # raises UnicodeDecodeError (a ValueError) on bytes that are not text
             if (
@@ -163,7 +165,8 @@ class DecisionFile:
 
     def entries(self) -> dict[str, dict]:
         if self._entries is None:
-            self._entries = self._read()
+            read = self._read()
+            self._entries = read if read is not None else {}
         return self._entries
 
     def get(self, key: str) -> dict | None:
@@ -172,7 +175,13 @@ class DecisionFile:
     def put(self, key: str, entry: dict) -> None:
         entries = self.entries()
         entries[key] = entry
-        merged = {**self._read_quietly(), **entries}
+        on_disk = self._read_quietly()
+        if on_disk is None:
+            logger.warning(
+                "autotune: cannot read %s, so it is left as it is; the decision holds for this process only", self.path
+            )
+            return
+        merged = {**on_disk, **entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
@@ -186,8 +195,9 @@ class DecisionFile:
         except OSError as error:
             logger.warning("autotune: cannot write %s (%s); the decision holds for this process only", self.path, error)
 
-    def _read_quietly(self) -> dict[str, dict]:
-        """What is on disk now (another process may have added decisions); a corrupt file counts as empty."""
+    def _read_quietly(self) -> dict[str, dict] | None:
+        """What is on disk now (another process may have added decisions); a corrupt file counts as empty, one that
+        cannot be read as None."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._read()
