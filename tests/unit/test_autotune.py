@@ -377,6 +377,20 @@ def test_explain_shows_versions_measured_times_and_winners_else_the_static_reaso
     assert "measured" not in acc.explain("layer_norm").replace("measuring", "")
 
 
+def test_entries_of_the_wrong_shape_are_skipped_by_explain_and_auto(cache_dir):
+    path = cache_dir / "autotune.json"
+    _tuned(FakeTimer(2.0, 1.0), None).choose(acc.rms_norm, _rms_inputs())
+    data = json.loads(path.read_text())
+    (key, good), bad = next(iter(data["entries"].items())), {}
+    for field, value in [("times_ms", {"torch": "fast"}), ("failed", ["triton"]), ("shape", 7), ("key", None)]:
+        bad[f"{key} {field}"] = {**good, field: value}
+    path.write_text(json.dumps({**data, "entries": {**data["entries"], **bad}}))
+    autotune.forget()
+    text = acc.explain("rms_norm")
+    assert text.count("  measured ") == 1 and "torch 1.0000 ms, triton 2.0000 ms -> torch" in text
+    assert list(autotune.decision_file().entries()) == [key]
+
+
 def test_cli_prints_the_report(cache_dir, capsys):
     cli_main(["--op", "swiglu", "--device", "cpu"])
     out = capsys.readouterr().out

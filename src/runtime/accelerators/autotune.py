@@ -204,7 +204,17 @@ class DecisionFile:
 
 
 def _valid_entry(entry) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("winner"), str) and isinstance(entry.get("times_ms"), dict)
+    """Whether an entry has the fields "auto" and explain() read, of their types (a hand-edited or foreign file)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("winner"), str):
+        return False
+    times, failed = entry.get("times_ms"), entry.get("failed", {})
+    return (
+        isinstance(times, dict)
+        and all(isinstance(ms, (int, float)) and not isinstance(ms, bool) for ms in times.values())
+        and isinstance(failed, dict)
+        and all(isinstance(why, str) for why in failed.values())
+        and all(isinstance(entry.get(name, ""), str) for name in ("op", "shape", "key"))
+    )
 
 
 _files: dict[Path, DecisionFile] = {}  # one per path; cleared by forget()
