@@ -395,3 +395,24 @@ def test_cli_prints_the_report(cache_dir, capsys):
     cli_main(["--op", "swiglu", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "swiglu: configured 'auto'" in out and "GPU: none" in out and "auto: static priority" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--op", "nope"], "argument --op: unknown op 'nope'; expected one of "),
+        (["--device", "bogus"], "argument --device: 'bogus' is not a device"),
+        (["--device", "cuda:x"], "argument --device: 'cuda:x' is not a device"),
+    ],
+)
+def test_cli_names_the_bad_argument_without_a_traceback(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_on_a_cuda_device_without_cuda_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--device", "cuda"])
+    assert exit_.value.code == 2 and "argument --device: CUDA is not available here" in capsys.readouterr().err
