@@ -7,6 +7,7 @@ second kernel backend where a measurement needs two that can run.
 
 import json
 import logging
+import tempfile
 
 import pytest
 import torch
@@ -231,6 +232,17 @@ def test_a_file_that_cannot_be_read_is_not_overwritten(cache_dir, monkeypatch, c
     assert "cannot read" in caplog.text and "left as it is" in caplog.text
     monkeypatch.undo()
     assert path.read_bytes() == kept  # the decisions another run measured are still there
+
+
+def test_without_a_home_directory_the_file_lives_in_the_temporary_folder(monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("TAAC_CACHE", raising=False)
+    monkeypatch.setattr(autotune.Path, "home", staticmethod(no_home))
+    with pytest.warns(RuntimeWarning, match="no home directory"):
+        path = autotune.default_path()
+    assert path == autotune.Path(tempfile.gettempdir()) / "taac-runtime" / "autotune.json"
 
 
 def test_writes_merge_with_what_another_process_wrote(cache_dir):

@@ -125,7 +125,19 @@ def environment(device: torch.device) -> dict:
 
 def default_path() -> Path:
     folder = os.environ.get(CACHE_DIR_ENV)
-    return (Path(folder) if folder else Path.home() / ".cache" / "taac-runtime") / "autotune.json"
+    if folder:
+        return Path(folder) / "autotune.json"
+    try:
+        home = Path.home()
+    except RuntimeError:  # no $HOME and no password entry for this user (a container run under an arbitrary uid)
+        fallback = Path(tempfile.gettempdir()) / "taac-runtime"
+        warnings.warn(
+            f"autotune: no home directory; the decisions file is {fallback / 'autotune.json'} (set {CACHE_DIR_ENV})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fallback / "autotune.json"
+    return home / ".cache" / "taac-runtime" / "autotune.json"
 
 
 class DecisionFile:
