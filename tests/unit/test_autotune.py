@@ -8,6 +8,7 @@ second kernel backend where a measurement needs two that can run.
 import json
 import logging
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -253,6 +254,28 @@ def test_writes_merge_with_what_another_process_wrote(cache_dir):
     _tuned(FakeTimer(1.0, 2.0), second).choose(acc.rms_norm, _rms_inputs(300))
     winners = sorted(e["winner"] for e in json.loads(path.read_text())["entries"].values())
     assert winners == ["torch", "triton"]
+
+
+def test_two_writers_at_once_keep_both_decisions(cache_dir, monkeypatch):
+    """The second writer reads and writes while the first is between its reading and its rename: without a lock
+    around the read-merge-rename, the first renames over the second's decision."""
+    path = cache_dir / "autotune.json"
+    first, second = DecisionFile(path), DecisionFile(path)
+    entry = {"winner": "torch", "times_ms": {"torch": 1.0}}
+    replace, racer = autotune.os.replace, []
+
+    def replace_after_the_other_writer(src, dst):
+        if not racer:
+            racer.append(threading.Thread(target=second.put, args=("b", entry)))
+            racer[0].start()
+            racer[0].join(timeout=0.5)  # with a lock it waits for this write to finish
+        replace(src, dst)
+
+    monkeypatch.setattr(autotune.os, "replace", replace_after_the_other_writer)
+    first.put("a", entry)
+    racer[0].join(timeout=10)
+    assert not racer[0].is_alive()
+    assert sorted(json.loads(path.read_text())["entries"]) == ["a", "b"]
 
 
 # --------------------------------------------------------------------------- when "auto" does not measure

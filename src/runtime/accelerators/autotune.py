@@ -35,6 +35,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+try:
+    import fcntl
+except ImportError:  # Windows: writes are atomic, but not serialized between processes
+    fcntl = None
+
 logger = logging.getLogger("runtime.accelerators")
 
 CACHE_DIR_ENV = "TAAC_CACHE"  # the folder of autotune.json (default ~/.cache/taac-runtime)
@@ -187,25 +192,41 @@ class DecisionFile:
     def put(self, key: str, entry: dict) -> None:
         entries = self.entries()
         entries[key] = entry
-        on_disk = self._read_quietly()
-        if on_disk is None:
-            logger.warning(
-                "autotune: cannot read %s, so it is left as it is; the decision holds for this process only", self.path
-            )
-            return
-        merged = {**on_disk, **entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as file:
-                    json.dump({"format": FILE_FORMAT, "entries": merged}, file, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            with self._locked():  # another process's read-merge-rename in between would drop one of the two decisions
+                on_disk = self._read_quietly()
+                if on_disk is None:
+                    logger.warning(
+                        "autotune: cannot read %s, so it is left as it is; the decision holds for this process only",
+                        self.path,
+                    )
+                    return
+                merged = {**on_disk, **entries}
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w") as file:
+                        json.dump({"format": FILE_FORMAT, "entries": merged}, file, indent=1, sort_keys=True)
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    os.unlink(tmp)
+                    raise
         except OSError as error:
             logger.warning("autotune: cannot write %s (%s); the decision holds for this process only", self.path, error)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """An exclusive lock on <file>.lock beside the file, held while reading, merging and renaming (none where
+        fcntl is missing: Windows)."""
+        if fcntl is None:
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _read_quietly(self) -> dict[str, dict] | None:
         """What is on disk now (another process may have added decisions); a corrupt file counts as empty, one that
