@@ -71,6 +71,10 @@ def test_well_formed_rows_load_with_and_without_the_spec(tmp_path):
             "column dense, row 1: dense feature inf is not finite",
         ),
         (
+            {"dense": pa.array([[0.5, 1.5], [2.0, -1e39], [0.0, 0.0]], pa.list_(pa.float64()))},
+            "column dense, row 1: dense feature -1e+39 is beyond float32 (the model's dtype); expected |x| <= 3.4",
+        ),
+        (
             {"dense": pa.array([[0.5, 1.5], [2.0], [0.0, 0.0]], pa.list_(pa.float32()))},
             "column dense, row 1: 1 values; expected n_dense=2 in every row",
         ),

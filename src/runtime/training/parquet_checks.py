@@ -120,6 +120,15 @@ def check_structure(table, path: str | Path) -> None:
         _fail(
             path, "dense", _row_of(dense.value_lengths().to_numpy(), bad), f"dense feature {values[bad]} is not finite"
         )
+    limit = float(np.finfo(np.float32).max)  # the loader casts to float32: larger values would turn into inf
+    bad = _first(np.abs(values) > limit)
+    if bad is not None:
+        _fail(
+            path,
+            "dense",
+            _row_of(dense.value_lengths().to_numpy(), bad),
+            f"dense feature {values[bad]:g} is beyond float32 (the model's dtype); expected |x| <= {limit:.4g}",
+        )
     for name in (*SCALAR_IDS, *optional):
         _check_ids(path, name, _values(_array(table, name)), lambda i: i)
     for name in (*ID_LISTS, *sparse_columns(table)):
