@@ -163,6 +163,26 @@ def test_update_page_replaces_only_the_generated_section(tmp_path):
     assert text.count(report.BEGIN) == 1
 
 
+def test_a_page_whose_section_has_no_end_marker_is_left_alone(tmp_path):
+    """Appending a second section there left the first opening line behind: the next update replaced everything from
+    it to the new end marker, hand-written text included."""
+    page = tmp_path / "op.md"
+    original = f"# op\n\n{report.BEGIN}\nold table\n\n## Notes\n\nhand-written text\n"
+    page.write_text(original)
+    with pytest.raises(ValueError, match=rf"{page}: .*no {report.END} after it"):
+        report.update_page(page, "| table v2 |")
+    assert page.read_text() == original
+
+
+def test_update_page_replaces_the_page_whole_or_not_at_all(tmp_path):
+    """A write that fails part way (here: text that cannot be encoded) used to leave the page truncated."""
+    page = tmp_path / "op.md"
+    page.write_text("# op\n\nhand-written text\n")
+    with pytest.raises(UnicodeEncodeError):
+        report.update_page(page, "| table \ud800 |")
+    assert page.read_text() == "# op\n\nhand-written text\n" and [p.name for p in tmp_path.iterdir()] == ["op.md"]
+
+
 def test_table_lists_each_rows_kernels(capsys):
     row = {"op": "rms_norm", "shape": "8192x128", "dtype": "bfloat16", "mode": "fwd", "impl": "triton", "kind": "backend",
            "status": "ok", "kernels": [{"kernel": "_rms_forward_kernel", "us": 5.25, "per_call": 1.0}]}  # fmt: skip

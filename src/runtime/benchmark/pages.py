@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 
 END = "<!-- /results -->"
@@ -28,16 +29,46 @@ def begin_marker(generator: str) -> str:
 def update_page(page: Path, section: str, generator: str) -> None:
     """Replace the generated section of a hand-written page, from its `<!-- results: ... -->` line to `END`, with
     `section` (the opening line then names `generator`); the page keeps everything else. A page without the
-    section gets it appended."""
+    section gets it appended; a page with an opening line but no `END` after it is refused (where the section ends is
+    unknown). The page is replaced whole (written beside it, then renamed): a failed write leaves it as it was."""
+    page = Path(page)
     text = page.read_text() if page.exists() else ""
     block = f"{begin_marker(generator)}\n{section}\n{END}"
     begin = _ANY_BEGIN.search(text)
     end = text.find(END, begin.end()) if begin else -1
-    if begin and end >= 0:
+    if begin and end < 0:
+        line = text.count("\n", 0, begin.start()) + 1
+        raise ValueError(
+            f"{page}: line {line} opens the generated section ({begin.group()}) but there is no {END} after it; "
+            f"add it where the section ends, then run again"
+        )
+    if begin:
         text = text[: begin.start()] + block + text[end + len(END) :]
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
-    page.write_text(text)
+    _write_whole(page, text)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write text to a temporary file in path's folder, then rename it over path (atomic on POSIX)."""
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+        if path.exists():
+            os.chmod(temporary, path.stat().st_mode & 0o7777)
+        else:
+            os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def link_from_page(path: str | Path, page: str | Path | None) -> str:
