@@ -169,3 +169,27 @@ def test_auto_rows_get_their_ratio_to_the_fastest_backend_and_a_summary():
 
 def test_without_auto_rows_there_is_no_auto_column(results):
     assert "auto" not in report.figures(results)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("{not json", r"r\.json: not valid JSON"),
+        ("[]", r"r\.json: expected a benchmark result \(a JSON object\), got list"),
+        (json.dumps({"rows": []}), r"r\.json: missing keys \['command', 'environment', 'device'\]"),
+        (json.dumps(_result([])), r"r\.json: holds no rows"),
+        (
+            json.dumps(_result([{"shape": "8x8", "mode": "fwd", "impl": "triton"}])),
+            r"r\.json: row 0 lacks \['status'\]",
+        ),
+    ],
+)
+def test_a_bad_results_file_is_named_and_the_page_kept(tmp_path, content, expected):
+    """An empty result used to replace the page's figures with an empty table; the others stopped with a bare
+    KeyError or JSONDecodeError naming no file."""
+    (tmp_path / "r.json").write_text(content)
+    page = tmp_path / "op.md"
+    page.write_text(f"# op\n\n{report.BEGIN}\nold figures\n{report.END}\n")
+    with pytest.raises(SystemExit, match=expected):
+        report.main([str(tmp_path / "r.json"), "--page", str(page)])
+    assert "old figures" in page.read_text()

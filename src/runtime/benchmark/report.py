@@ -199,6 +199,34 @@ def _with_kept_path(result: dict, path: str) -> dict:
     return {**result, "command": re.sub(r"--json \S+", f"--json {path}", result["command"])}
 
 
+RESULT_KEYS = ("command", "environment", "device", "rows")
+ROW_KEYS = ("shape", "mode", "impl", "status")
+
+
+def load_result(path: str) -> dict:
+    """A benchmark result JSON file, checked for what the report reads; a bad one stops the report (SystemExit) with
+    a message naming the file, before any page or plot is written."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise SystemExit(f"{path}: cannot be read ({error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(result, dict):
+        raise SystemExit(f"{path}: expected a benchmark result (a JSON object), got {type(result).__name__}")
+    missing = [key for key in RESULT_KEYS if key not in result]
+    if missing:
+        raise SystemExit(f"{path}: missing keys {missing}; expected the JSON that taac-benchmark --json writes")
+    rows = result["rows"]
+    if not isinstance(rows, list) or not rows:
+        raise SystemExit(f"{path}: holds no rows; expected at least one measured case")
+    for index, row in enumerate(rows):
+        lacking = [key for key in ROW_KEYS if key not in row] if isinstance(row, dict) else list(ROW_KEYS)
+        if lacking:
+            raise SystemExit(f"{path}: row {index} lacks {lacking}; every row needs {list(ROW_KEYS)}")
+    return result
+
+
 def update_page(page: Path, section: str) -> None:
     """Replace the generated results section of a hand-written op page (appended if the page has none)."""
     pages.update_page(page, section, GENERATOR)
@@ -211,7 +239,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="write the plot of ours beside the peers to this PNG file")
     parser.add_argument("--full", action="store_true", help="print every column of every row instead")
     args = parser.parse_args(argv)
-    results = [_with_kept_path(json.loads(Path(p).read_text()), p) for p in args.json]
+    results = [_with_kept_path(load_result(p), p) for p in args.json]
     if args.full:
         print(markdown(results))
         return 0
