@@ -175,7 +175,7 @@ def test_without_auto_rows_there_is_no_auto_column(results):
     "content, expected",
     [
         ("{not json", r"r\.json: not valid JSON"),
-        ("[]", r"r\.json: expected a benchmark result \(a JSON object\), got list"),
+        ("[]", r"r\.json: expected a result \(a JSON object\), got list"),
         (json.dumps({"rows": []}), r"r\.json: missing keys \['command', 'environment', 'device'\]"),
         (json.dumps(_result([])), r"r\.json: holds no rows"),
         (

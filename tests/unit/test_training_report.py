@@ -285,3 +285,20 @@ def test_update_page_appends_the_section_to_a_page_without_one(tmp_path):
         text
         == f"# Training step\n\nhand-written\n\n{pages.begin_marker('runtime.training.report')}\n| v2 |\n{pages.END}\n"
     )
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("{not json", r"r\.json: not valid JSON"),
+        ("[]", r"r\.json: expected a result \(a JSON object\), got list"),
+        (json.dumps({"environment": {}}), r"r\.json: missing keys \['runs'\]"),
+    ],
+)
+def test_a_bad_results_file_is_named_and_the_page_kept(tmp_path, content, expected):
+    (tmp_path / "r.json").write_text(content)
+    page = tmp_path / "training.md"
+    page.write_text(f"# training\n\n{pages.begin_marker(report.GENERATOR)}\nold figures\n{pages.END}\n")
+    with pytest.raises(SystemExit, match=expected):
+        report.main([str(tmp_path / "r.json"), "--page", str(page)])
+    assert "old figures" in page.read_text()

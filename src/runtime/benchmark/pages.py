@@ -8,6 +8,7 @@ and no process-wide backend switch are needed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -69,6 +70,23 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def read_result(path: str | Path, keys: tuple[str, ...], written_by: str) -> dict:
+    """A result JSON file that holds at least `keys`; a bad one stops the report (SystemExit) with a message naming
+    the file, before any page or plot is written. written_by: the command that writes such files."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise SystemExit(f"{path}: cannot be read ({error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(result, dict):
+        raise SystemExit(f"{path}: expected a result (a JSON object), got {type(result).__name__}")
+    missing = [key for key in keys if key not in result]
+    if missing:
+        raise SystemExit(f"{path}: missing keys {missing}; expected the JSON that {written_by} writes")
+    return result
 
 
 def link_from_page(path: str | Path, page: str | Path | None) -> str:

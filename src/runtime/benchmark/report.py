@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 from pathlib import Path
 
@@ -204,19 +203,8 @@ ROW_KEYS = ("shape", "mode", "impl", "status")
 
 
 def load_result(path: str) -> dict:
-    """A benchmark result JSON file, checked for what the report reads; a bad one stops the report (SystemExit) with
-    a message naming the file, before any page or plot is written."""
-    try:
-        result = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise SystemExit(f"{path}: cannot be read ({error})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SystemExit(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(result, dict):
-        raise SystemExit(f"{path}: expected a benchmark result (a JSON object), got {type(result).__name__}")
-    missing = [key for key in RESULT_KEYS if key not in result]
-    if missing:
-        raise SystemExit(f"{path}: missing keys {missing}; expected the JSON that taac-benchmark --json writes")
+    """A benchmark result JSON file, checked for what the report reads (pages.read_result), with at least one row."""
+    result = pages.read_result(path, RESULT_KEYS, "taac-benchmark --json")
     rows = result["rows"]
     if not isinstance(rows, list) or not rows:
         raise SystemExit(f"{path}: holds no rows; expected at least one measured case")

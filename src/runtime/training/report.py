@@ -14,7 +14,6 @@ The page's section between its results markers is replaced (runtime.benchmark.pa
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -391,7 +390,12 @@ def plot(runs: list[Run], path: Path) -> Path:
 
 def load(paths: list[str], page: str | None = None) -> list[Run]:
     return [
-        Run(i, path, pages.link_from_page(path, page) if page else path, json.loads(Path(path).read_text()))
+        Run(
+            i,
+            path,
+            pages.link_from_page(path, page) if page else path,
+            pages.read_result(path, ("runs",), "python -m runtime.training.benchmark"),
+        )
         for i, path in enumerate(paths, 1)
     ]
 
