@@ -206,3 +206,39 @@ def test_user_ids_are_optional_and_checked(tmp_path):
         )
     with pytest.raises(ValueError, match=r"column user_id"):
         read_batch(_write(tmp_path / "b.parquet", user_id=pa.array(["u", "v", "w"])), read_spec(tmp_path / "a.parquet"))
+
+
+def test_an_inferred_spec_meets_the_minimums_of_a_stored_one(tmp_path):
+    """Columns of only 0 ids ("none") infer a vocabulary of 1, not 0; all-empty dense rows are refused by name."""
+    zeros = pa.array([[0, 0, 0], [0], [0, 0]], INTS)
+    path = _write(
+        tmp_path / "z.parquet",
+        spec=None,
+        seq_actions=zeros,
+        seq_categories=zeros,
+        target_category=pa.array([0, 0, 0], pa.int64()),
+        sparse_city=pa.array([[], [], []], INTS),
+    )
+    spec = read_spec(path)
+    assert (spec.n_actions, spec.n_categories, spec.sparse_fields) == (1, 1, {"city": 1})
+    assert read_batch(path, spec).seq_actions.sum() == 0
+    path = _write(tmp_path / "d.parquet", spec=None, dense=pa.array([[], [], []], pa.list_(pa.float32())))
+    with pytest.raises(ValueError, match=r"d\.parquet: column dense: every row is empty; expected n_dense >= 1"):
+        read_spec(path)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"target_item": pa.array([4, 2**62, 1], pa.int64())}, f"column target_item: id {2**62} makes the inferred"),
+        ({"sparse_city": pa.array([[3], [1, 2**40], []], INTS)}, f"vocabulary sparse_fields.city={2**40}, beyond"),
+    ],
+)
+def test_an_inferred_vocabulary_too_large_to_allocate_is_named(tmp_path, changes, expected):
+    path = _write(tmp_path / "t.parquet", spec=None, **changes)
+    with pytest.raises(ValueError, match="beyond the largest embedding table") as error:
+        read_spec(path)
+    assert str(error.value).startswith(f"{path}: ") and expected in str(error.value), error.value
+    stored = _write(tmp_path / "s.parquet", spec={**SPEC, "n_items": 2**62})
+    with pytest.raises(ValueError, match=rf"taac\.spec: n_items={2**62} is beyond the largest embedding table"):
+        read_spec(stored)

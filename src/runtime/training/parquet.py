@@ -31,7 +31,7 @@ import torch
 
 from runtime.models import FeatureSpec, PCVRBatch
 
-from .parquet_checks import check_against_spec, check_structure, parse_spec
+from .parquet_checks import MAX_VOCAB, check_against_spec, check_structure, parse_spec
 
 SPEC_KEY = b"taac.spec"
 SEQUENCE_COLUMNS = ("seq_items", "seq_categories", "seq_actions")
@@ -118,7 +118,10 @@ def _padded(column, width: int, keep_last: bool) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(out), torch.from_numpy(np.minimum(lengths, width))
 
 
-def _infer_spec(table) -> FeatureSpec:
+def _infer_spec(table, path: str | Path) -> FeatureSpec:
+    """The spec of a table without `taac.spec`: vocabularies from the largest ids (at least 1: a column of only
+    0 ids, "none", still gets a table), seq_len and hotness from the longest lists, n_dense from the dense rows."""
+
     def max_id(name: str) -> int:
         values = table.column(name)
         values = values.combine_chunks().flatten() if "list" in str(values.type) else values
@@ -128,14 +131,33 @@ def _infer_spec(table) -> FeatureSpec:
         lengths = table.column(name).combine_chunks().value_lengths().to_numpy()
         return int(lengths.max()) if len(lengths) else 0
 
+    def vocabulary(key: str, *columns: str) -> int:
+        largest = {name: max_id(name) for name in columns}
+        column = max(largest, key=largest.get)
+        if largest[column] > MAX_VOCAB:
+            raise ValueError(
+                f"{path}: column {column}: id {largest[column]} makes the inferred vocabulary {key}={largest[column]}, "
+                f"beyond the largest embedding table ({MAX_VOCAB} rows); expected ids remapped to 1..N "
+                f"(or the spec in the schema metadata {SPEC_KEY.decode()})"
+            )
+        return max(1, largest[column])
+
+    n_dense = longest("dense")
+    if n_dense == 0:
+        raise ValueError(
+            f"{path}: column dense: every row is empty; expected n_dense >= 1 values per row "
+            "(the same count in every row)"
+        )
     fields = [c for c in table.column_names if c.startswith("sparse_")]
     return FeatureSpec(
-        n_items=max(max_id("seq_items"), max_id("target_item")),
-        n_categories=max(max_id("seq_categories"), max_id("target_category")),
-        n_actions=max_id("seq_actions"),
-        sparse_fields={c.removeprefix("sparse_"): max_id(c) for c in fields},
+        n_items=vocabulary("n_items", "seq_items", "target_item"),
+        n_categories=vocabulary("n_categories", "seq_categories", "target_category"),
+        n_actions=vocabulary("n_actions", "seq_actions"),
+        sparse_fields={
+            c.removeprefix("sparse_"): vocabulary(f"sparse_fields.{c.removeprefix('sparse_')}", c) for c in fields
+        },
         sparse_hotness=max(1, *(longest(c) for c in fields)) if fields else 1,
-        n_dense=longest("dense"),
+        n_dense=n_dense,
         seq_len=max(1, longest("seq_items")),
     )
 
@@ -155,7 +177,7 @@ def _spec(schema, path: str | Path, table=None) -> FeatureSpec:
         return parse_spec(metadata[SPEC_KEY], path, SPEC_KEY.decode())
     table = _read(path) if table is None else table
     check_structure(table, path)  # the inference reads the ids
-    return _infer_spec(table)
+    return _infer_spec(table, path)
 
 
 def read_spec(path: str | Path) -> FeatureSpec:

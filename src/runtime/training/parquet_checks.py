@@ -18,6 +18,10 @@ SCALAR_IDS = ("target_item", "target_category")
 OPTIONAL_IDS = ("user_id",)
 ID_LISTS = ("seq_items", "seq_categories", "seq_actions")
 SPEC_MINIMUM = {"n_items": 1, "n_categories": 1, "n_actions": 1, "sparse_hotness": 1, "n_dense": 1, "seq_len": 1}
+VOCABULARIES = ("n_items", "n_categories", "n_actions")
+# the most rows one embedding table may have: beyond it the table could not be allocated (2**31 rows of even
+# 8 float32 values are 64 GiB) and the int32 offsets of the packed lookups would overflow
+MAX_VOCAB = 2**31 - 1
 
 
 def _pa():
@@ -207,4 +211,11 @@ def parse_spec(raw: bytes, path: str | Path, key: str) -> FeatureSpec:
         raise ValueError(
             f"{where}: sparse_fields must map each field name to its vocabulary size (an integer >= 1), got {fields!r}"
         )
+    sizes = {**{name: values[name] for name in VOCABULARIES}, **{f"sparse_fields.{k}": v for k, v in fields.items()}}
+    for name, size in sizes.items():
+        if size > MAX_VOCAB:
+            raise ValueError(
+                f"{where}: {name}={size} is beyond the largest embedding table ({MAX_VOCAB} rows); "
+                "expected ids remapped to 1..N"
+            )
     return FeatureSpec.from_dict(values)
