@@ -191,6 +191,10 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("data.seq_len=0", "data.seq_len: expected an integer >= 1, got 0"),
         ("data.n_items=0", "data.n_items: expected an integer >= 1, got 0"),
         (
+            "data.n_items=2",
+            "data.n_items: expected at least data.n_categories=64 (every synthetic category holds an item), got 2",
+        ),
+        (
             "data=parquet",
             "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got None",
         ),

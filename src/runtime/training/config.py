@@ -133,6 +133,11 @@ class DataSchema:
             ("n_users", 1),
         ):
             _at_least(f"data.{key}", getattr(self, key), least)
+        if self.source is DataSource.synthetic and self.n_items < self.n_categories:
+            raise ValueError(
+                f"data.n_items: expected at least data.n_categories={self.n_categories} (every synthetic category "
+                f"holds an item), got {self.n_items}"
+            )
         if self.source is DataSource.parquet and not self.path:
             raise ValueError(
                 "data.path: expected the directory of train.parquet and val.parquet for data=parquet, got "
