@@ -209,7 +209,7 @@ def test_user_ids_are_optional_and_checked(tmp_path):
 
 
 def test_an_inferred_spec_meets_the_minimums_of_a_stored_one(tmp_path):
-    """Columns of only 0 ids ("none") infer a vocabulary of 1, not 0; all-empty dense rows are refused by name."""
+    """Columns of only 0 ids ("none") infer a vocabulary of 1, not 0; all-empty dense rows, no dense features."""
     zeros = pa.array([[0, 0, 0], [0], [0, 0]], INTS)
     path = _write(
         tmp_path / "z.parquet",
@@ -223,8 +223,8 @@ def test_an_inferred_spec_meets_the_minimums_of_a_stored_one(tmp_path):
     assert (spec.n_actions, spec.n_categories, spec.sparse_fields) == (1, 1, {"city": 1})
     assert read_batch(path, spec).seq_actions.sum() == 0
     path = _write(tmp_path / "d.parquet", spec=None, dense=pa.array([[], [], []], pa.list_(pa.float32())))
-    with pytest.raises(ValueError, match=r"d\.parquet: column dense: every row is empty; expected n_dense >= 1"):
-        read_spec(path)
+    spec = read_spec(path)  # no dense features: the models take none
+    assert spec.n_dense == 0 and read_batch(path, spec).dense.shape == (3, 0)
 
 
 @pytest.mark.parametrize(

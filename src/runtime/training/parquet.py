@@ -120,7 +120,7 @@ def _padded(column, width: int, keep_last: bool) -> tuple[torch.Tensor, torch.Te
 
 def _infer_spec(table, path: str | Path) -> FeatureSpec:
     """The spec of a table without `taac.spec`: vocabularies from the largest ids (at least 1: a column of only
-    0 ids, "none", still gets a table), seq_len and hotness from the longest lists, n_dense from the dense rows."""
+    0 ids, "none", still gets a table), seq_len and hotness from the longest lists, n_dense from the dense rows (0 where they are empty)."""
 
     def max_id(name: str) -> int:
         values = table.column(name)
@@ -142,12 +142,6 @@ def _infer_spec(table, path: str | Path) -> FeatureSpec:
             )
         return max(1, largest[column])
 
-    n_dense = longest("dense")
-    if n_dense == 0:
-        raise ValueError(
-            f"{path}: column dense: every row is empty; expected n_dense >= 1 values per row "
-            "(the same count in every row)"
-        )
     fields = [c for c in table.column_names if c.startswith("sparse_")]
     return FeatureSpec(
         n_items=vocabulary("n_items", "seq_items", "target_item"),
@@ -157,7 +151,7 @@ def _infer_spec(table, path: str | Path) -> FeatureSpec:
             c.removeprefix("sparse_"): vocabulary(f"sparse_fields.{c.removeprefix('sparse_')}", c) for c in fields
         },
         sparse_hotness=max(1, *(longest(c) for c in fields)) if fields else 1,
-        n_dense=n_dense,
+        n_dense=longest("dense"),  # 0: no dense features (the models take none)
         seq_len=max(1, longest("seq_items")),
     )
 

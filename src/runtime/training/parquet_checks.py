@@ -17,7 +17,7 @@ SCALAR_NUMBERS = ("label",)
 SCALAR_IDS = ("target_item", "target_category")
 OPTIONAL_IDS = ("user_id",)
 ID_LISTS = ("seq_items", "seq_categories", "seq_actions")
-SPEC_MINIMUM = {"n_items": 1, "n_categories": 1, "n_actions": 1, "sparse_hotness": 1, "n_dense": 1, "seq_len": 1}
+SPEC_MINIMUM = {"n_items": 1, "n_categories": 1, "n_actions": 1, "sparse_hotness": 1, "n_dense": 0, "seq_len": 1}
 VOCABULARIES = ("n_items", "n_categories", "n_actions")
 # the most rows one embedding table may have: beyond it the table could not be allocated (2**31 rows of even
 # 8 float32 values are 64 GiB) and the int32 offsets of the packed lookups would overflow
