@@ -120,7 +120,8 @@ def _padded(column, width: int, keep_last: bool) -> tuple[torch.Tensor, torch.Te
 
 def _infer_spec(table, path: str | Path) -> FeatureSpec:
     """The spec of a table without `taac.spec`: vocabularies from the largest ids (at least 1: a column of only
-    0 ids, "none", still gets a table), seq_len and hotness from the longest lists, n_dense from the dense rows (0 where they are empty)."""
+    0 ids, "none", still gets a table), seq_len and hotness from the longest lists, n_dense from the dense rows (0
+    where they are empty)."""
 
     def max_id(name: str) -> int:
         values = table.column(name)
