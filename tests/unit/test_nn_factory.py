@@ -1,6 +1,9 @@
 """runtime.nn modules: device= and dtype= as torch's modules take them, torch's state_dicts loaded unchanged (and
 then the same outputs as the torch module), and L2Norm."""
 
+import io
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -130,3 +133,20 @@ def test_l2norm_follows_the_config():
         L2Norm()(torch.randn(2, 8))
     with use_accelerators(default="tilelang", fallback="error"):
         assert L2Norm(backend="torch")(torch.randn(2, 8)).shape == (2, 8)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_modules_pickle_whole_and_still_load_torch_keys(name):
+    module = FACTORIES[name]()
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for key, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    again = pickle.loads(pickle.dumps(module))
+    assert again.state_dict().keys() == module.state_dict().keys()
+    if isinstance(module, MultiHeadAttention):  # the unpickled module still takes nn.MultiheadAttention's keys
+        theirs = nn.MultiheadAttention(8, 2, bias=True, batch_first=True)
+        loaded.load_state_dict(theirs.state_dict())
+        assert torch.equal(loaded.out.weight, theirs.out_proj.weight)
