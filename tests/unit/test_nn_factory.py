@@ -150,3 +150,20 @@ def test_modules_pickle_whole_and_still_load_torch_keys(name):
         theirs = nn.MultiheadAttention(8, 2, bias=True, batch_first=True)
         loaded.load_state_dict(theirs.state_dict())
         assert torch.equal(loaded.out.weight, theirs.out_proj.weight)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_meta_built_modules_are_initialised_by_to_empty_and_reset_parameters(name):
+    """The deferred-init recipe: build on meta, to_empty on the device, then every module's reset_parameters."""
+    module = FACTORIES[name](device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for param in module.parameters():
+            param.fill_(float("nan"))
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    fresh = FACTORIES[name]()
+    for key, value in module.state_dict().items():
+        assert torch.isfinite(value).all(), key
+        if value.numel() > 1 and value.unique().numel() == 1:  # a constant initialisation is the constructor's
+            assert torch.equal(value, fresh.state_dict()[key]), key
