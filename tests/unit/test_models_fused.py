@@ -253,3 +253,19 @@ def test_models_built_on_meta_load_a_checkpoint_or_initialise(name):
                 module.reset_parameters()
         assert torch.isfinite(loaded(batch)).all()
     assert torch.equal(loaded.features.field_offsets, model.features.field_offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_cast_with_to_read_the_float32_batch(name, dtype):
+    """model.to(dtype) (or .double() / .bfloat16()) on the batches the data layer gives (float32 dense features)."""
+    data = _data()
+    batch = data.train_batch(0, 6)
+    torch.manual_seed(0)
+    model = MODELS[name](data.spec, d_model=16, n_heads=2, n_layers=2, ffn_mult=2, head_hidden=24).eval()
+    with use_accelerators(**TORCH):
+        ref = model(batch)
+        out = model.to(dtype)(batch)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float64 else 0.1
+    torch.testing.assert_close(out.float(), ref, rtol=tolerance, atol=tolerance)

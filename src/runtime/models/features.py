@@ -130,7 +130,7 @@ class FeatureEncoder(nn.Module):
         else:
             ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
             fields = self.sparse(ids.view(b * n_fields, hotness)).unflatten(0, (b, n_fields))
-        dense = self.dense(batch.dense).to(fields.dtype)
+        dense = self.dense(batch.dense.to(self.dense.weight.dtype)).to(fields.dtype)  # float32 data, any model dtype
         return torch.cat([fields, dense[:, None]], dim=1)
 
 
