@@ -232,3 +232,40 @@ def test_models_take_a_batch_of_no_examples(name, sparse_collection):
 def _per_example(batch, name: str) -> bool:
     value = getattr(batch, name)
     return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == batch.label.shape[0]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_built_on_meta_load_a_checkpoint_or_initialise(name):
+    """Deferred init: on the meta device, to_empty, then a state_dict (or every reset_parameters) makes the model
+    whole, its buffers out of the state_dict included."""
+    data = _data()
+    batch = data.train_batch(0, 6)
+    kwargs = dict(d_model=16, n_heads=2, n_layers=2, ffn_mult=2, head_hidden=24)
+    model = MODELS[name](data.spec, **kwargs).eval()
+    with torch.device("meta"):
+        loaded = MODELS[name](data.spec, **kwargs)
+    loaded = loaded.to_empty(device="cpu").eval()
+    loaded.load_state_dict(model.state_dict())
+    with use_accelerators(**TORCH):
+        torch.testing.assert_close(loaded(batch), model(batch), rtol=0, atol=0)
+        for module in loaded.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        assert torch.isfinite(loaded(batch)).all()
+    assert torch.equal(loaded.features.field_offsets, model.features.field_offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_cast_with_to_read_the_float32_batch(name, dtype):
+    """model.to(dtype) (or .double() / .bfloat16()) on the batches the data layer gives (float32 dense features)."""
+    data = _data()
+    batch = data.train_batch(0, 6)
+    torch.manual_seed(0)
+    model = MODELS[name](data.spec, d_model=16, n_heads=2, n_layers=2, ffn_mult=2, head_hidden=24).eval()
+    with use_accelerators(**TORCH):
+        ref = model(batch)
+        out = model.to(dtype)(batch)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float64 else 0.1
+    torch.testing.assert_close(out.float(), ref, rtol=tolerance, atol=tolerance)

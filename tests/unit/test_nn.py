@@ -240,3 +240,16 @@ def test_hyper_connection_starts_near_a_residual():
 def test_hyper_connection_rejects_no_streams():
     with pytest.raises(ValueError, match="streams: expected at least 1, got 0"):
         HyperConnection(torch.nn.Identity(), 0, 8)
+
+
+def test_bce_loss_keeps_float64_as_torch_does():
+    logits = _x(6).requires_grad_()
+    targets = torch.rand(6, dtype=D)
+    ours = BCEWithLogitsLoss(pos_weight=2.0)
+    theirs = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0], dtype=D))
+    with use_accelerators(**TORCH):
+        loss = ours(logits, targets)
+        assert loss.dtype == D
+        torch.testing.assert_close(loss, theirs(logits, targets))
+        assert torch.autograd.gradcheck(lambda x: ours(x, targets), (logits,))
+        assert ours(logits.detach().to(torch.bfloat16), targets).dtype == torch.float32

@@ -1,6 +1,9 @@
 """runtime.nn modules: device= and dtype= as torch's modules take them, torch's state_dicts loaded unchanged (and
 then the same outputs as the torch module), and L2Norm."""
 
+import io
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,7 @@ from runtime.nn import (
     AddRMSNorm,
     BCEWithLogitsLoss,
     CrossAttention,
+    EmbeddingBagCollection,
     EmbeddingBagMean,
     GatedDeltaBlock,
     GatedDeltaRuleMixer,
@@ -36,6 +40,7 @@ FACTORIES = {
     "AddLayerNorm": lambda **f: AddLayerNorm(8, **f),
     "Linear": lambda **f: Linear(8, 4, activation="swiglu", **f),
     "EmbeddingBagMean": lambda **f: EmbeddingBagMean(10, 4, padding_idx=0, **f),
+    "EmbeddingBagCollection": lambda **f: EmbeddingBagCollection({"a": (10, 4), "b": (6, 3)}, padding_idx=-1, **f),
     "MultiHeadAttention": lambda **f: MultiHeadAttention(8, 2, bias=True, **f),
     "CrossAttention": lambda **f: CrossAttention(8, 2, **f),
     "SwiGLUFeedForward": lambda **f: SwiGLUFeedForward(8, 6, bias=True, **f),
@@ -130,3 +135,37 @@ def test_l2norm_follows_the_config():
         L2Norm()(torch.randn(2, 8))
     with use_accelerators(default="tilelang", fallback="error"):
         assert L2Norm(backend="torch")(torch.randn(2, 8)).shape == (2, 8)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_modules_pickle_whole_and_still_load_torch_keys(name):
+    module = FACTORIES[name]()
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for key, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    again = pickle.loads(pickle.dumps(module))
+    assert again.state_dict().keys() == module.state_dict().keys()
+    if isinstance(module, MultiHeadAttention):  # the unpickled module still takes nn.MultiheadAttention's keys
+        theirs = nn.MultiheadAttention(8, 2, bias=True, batch_first=True)
+        loaded.load_state_dict(theirs.state_dict())
+        assert torch.equal(loaded.out.weight, theirs.out_proj.weight)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_meta_built_modules_are_initialised_by_to_empty_and_reset_parameters(name):
+    """The deferred-init recipe: build on meta, to_empty on the device, then every module's reset_parameters."""
+    module = FACTORIES[name](device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for param in module.parameters():
+            param.fill_(float("nan"))
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    fresh = FACTORIES[name]()
+    for key, value in module.state_dict().items():
+        assert torch.isfinite(value).all(), key
+        if value.numel() > 1 and value.unique().numel() == 1:  # a constant initialisation is the constructor's
+            assert torch.equal(value, fresh.state_dict()[key]), key

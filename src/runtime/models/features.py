@@ -51,12 +51,35 @@ class FeatureEncoder(nn.Module):
             if width != d_model:
                 self.sparse_projection = nn.Linear(width, d_model)
         else:
-            offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
-            self.register_buffer("field_offsets", offsets.view(1, -1, 1), persistent=False)
+            self.register_buffer("field_offsets", torch.empty(1, len(vocab), 1, dtype=torch.long), persistent=False)
+            self._fill_field_offsets()
             self.sparse = EmbeddingBagMean(
                 sum(vocab) + 1, d_model, padding_idx=0, init_std=INIT_STD, check_indices=False
             )
         self.dense = nn.Linear(spec.n_dense, d_model)
+
+    def _fill_field_offsets(self) -> None:
+        """field_offsets: where each sparse field's ids start in the shared table. A buffer out of the state_dict,
+        so it is refilled wherever to_empty may have left it uninitialised: reset_parameters and load_state_dict."""
+        if not self.sparse_collection:
+            vocab = list(self.spec.sparse_fields.values())
+            offsets = torch.tensor([0] + vocab[:-1]).cumsum(0)
+            with torch.no_grad():
+                self.field_offsets.copy_(offsets.view(1, -1, 1))
+
+    def reset_parameters(self) -> None:
+        """The tables this module holds directly: normal with std INIT_STD, padding rows zero; field_offsets
+        refilled. (The sparse bags and dense projection reset their own.)"""
+        for table in (self.items, self.categories, self.actions, self.positions):
+            nn.init.normal_(table.weight, std=INIT_STD)
+            if table.padding_idx is not None:
+                with torch.no_grad():
+                    table.weight[table.padding_idx].zero_()
+        self._fill_field_offsets()
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._fill_field_offsets()
 
     @property
     def n_context(self) -> int:
@@ -107,7 +130,7 @@ class FeatureEncoder(nn.Module):
         else:
             ids = torch.where(batch.sparse > 0, batch.sparse + self.field_offsets, 0)
             fields = self.sparse(ids.view(b * n_fields, hotness)).unflatten(0, (b, n_fields))
-        dense = self.dense(batch.dense).to(fields.dtype)
+        dense = self.dense(batch.dense.to(self.dense.weight.dtype)).to(fields.dtype)  # float32 data, any model dtype
         return torch.cat([fields, dense[:, None]], dim=1)
 
 

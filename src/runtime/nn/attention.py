@@ -34,21 +34,26 @@ def _check_heads(d_model: int, n_heads: int) -> None:
         raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model}, got {n_heads}")
 
 
-def _torch_keys(module: nn.Module, split: dict[str, int]):
+class _TorchKeys:
     """A load_state_dict pre-hook: nn.MultiheadAttention's keys become this module's: in_proj_weight/in_proj_bias
     (q, k, v rows of E each, in that order) split over the projections in `split` (name -> rows in units of E),
-    out_proj.* -> out.*."""
+    out_proj.* -> out.*. A module-level class, not a closure, so that a module holding it pickles (torch.save)."""
 
-    def hook(state_dict, prefix, *_):
+    def __init__(self, split: dict[str, int]) -> None:
+        self.split = split
+
+    def __call__(self, state_dict, prefix, *_) -> None:
         for kind in ("weight", "bias"):
             packed = state_dict.pop(f"{prefix}in_proj_{kind}", None)
             if packed is not None:
-                parts = packed.split([packed.shape[0] // 3 * rows for rows in split.values()])
-                state_dict.update({f"{prefix}{name}.{kind}": part for name, part in zip(split, parts)})
+                parts = packed.split([packed.shape[0] // 3 * rows for rows in self.split.values()])
+                state_dict.update({f"{prefix}{name}.{kind}": part for name, part in zip(self.split, parts)})
             if f"{prefix}out_proj.{kind}" in state_dict:
                 state_dict[f"{prefix}out.{kind}"] = state_dict.pop(f"{prefix}out_proj.{kind}")
 
-    module._register_load_state_dict_pre_hook(hook)
+
+def _torch_keys(module: nn.Module, split: dict[str, int]) -> None:
+    module._register_load_state_dict_pre_hook(_TorchKeys(split))
 
 
 class MultiHeadAttention(nn.Module):

@@ -80,7 +80,7 @@ class EmbeddingBagCollection(nn.Module):
     tables: name -> (num_embeddings, dim), in the order the input lists them; state_dict keys are
     `tables.<name>.weight`. Call with (values, offsets) in TorchRec's key-major layout, or with a
     KeyedJaggedTensor whose keys() are the table names in this order. padding_idx: a row of every table
-    left out of the means (it starts at zero).
+    left out of the means (it starts at zero). device and dtype place every table, as torch's modules take them.
     """
 
     def __init__(
@@ -91,11 +91,14 @@ class EmbeddingBagCollection(nn.Module):
         init_std: float = 0.02,
         check_indices: bool = True,
         backend: Backend | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         if not tables:
             raise ValueError("tables: expected at least one table (name -> (num_embeddings, dim))")
         self.padding_idx = padding_idx
+        self.init_std = init_std
         self.check_indices = check_indices
         self.backend = backend
         self.tables = nn.ModuleDict()
@@ -106,11 +109,17 @@ class EmbeddingBagCollection(nn.Module):
                     f"(its num_embeddings), got {padding_idx}"
                 )
             table = nn.Module()
-            table.weight = nn.Parameter(torch.randn(num_embeddings, dim) * init_std)
-            if padding_idx is not None:
-                with torch.no_grad():
-                    table.weight[padding_idx].zero_()
+            table.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
             self.tables[name] = table
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every table normal with std init_std, its padding row zero."""
+        for weight in self.weights():
+            nn.init.normal_(weight, std=self.init_std)
+            if self.padding_idx is not None:
+                with torch.no_grad():
+                    weight[self.padding_idx].zero_()
 
     @property
     def names(self) -> list[str]:

@@ -57,12 +57,19 @@ class GatedDeltaRuleMixer(nn.Module):
         self.qkv = Linear(d_model, 3 * width, bias=False, activation="silu", backend=backend, **factory)  # silu fused
         self.gate = Linear(d_model, width, bias=False, backend=backend, **factory)
         self.decay_beta = Linear(d_model, 2 * n_heads, bias=False, backend=backend, **factory)
-        # decay rates spread over heads (as in Mamba-2 / Gated DeltaNet): A in [1, 16], dt in [1e-3, 1e-1]
-        self.A_log = nn.Parameter(torch.log(torch.empty(n_heads, **factory).uniform_(1, 16)))
-        dt = torch.exp(torch.empty(n_heads, **factory).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.A_log = nn.Parameter(torch.empty(n_heads, **factory))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads, **factory))
+        self.reset_parameters()
         self.norm = RMSNorm(self.head_dim, backend=backend, **factory)
         self.out = Linear(width, d_model, bias=False, backend=backend, **factory)
+
+    def reset_parameters(self) -> None:
+        """A_log and dt_bias (the projections and the norm reset their own): decay rates spread over heads (as in
+        Mamba-2 / Gated DeltaNet), A in [1, 16], dt in [1e-3, 1e-1]."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

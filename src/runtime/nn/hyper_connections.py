@@ -43,12 +43,21 @@ class HyperConnection(nn.Module):
         )
         m = streams * streams + 2 * streams
         factory = {"device": device, "dtype": dtype}
-        self.phi = nn.Parameter(torch.randn(streams * width, m, **factory) * (streams * width) ** -0.5)
-        self.alpha = nn.Parameter(torch.full((3,), 0.01, **factory))
-        pre = torch.full((streams,), -math.log(streams - 1) if streams > 1 else 4.0, **factory)  # sigmoid = 1/n
-        post = torch.zeros(streams, **factory)  # 2 * sigmoid(0) = 1
-        res = 4.0 * torch.eye(streams, **factory)  # Sinkhorn of exp(4 I): mostly the identity
-        self.bias = nn.Parameter(torch.cat([pre, post, res.flatten()]))
+        self.phi = nn.Parameter(torch.empty(streams * width, m, **factory))
+        self.alpha = nn.Parameter(torch.empty(3, **factory))
+        self.bias = nn.Parameter(torch.empty(m, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """phi, alpha and bias (the block resets its own): near a plain residual."""
+        n = self.streams
+        with torch.no_grad():
+            self.phi.normal_(std=self.phi.shape[0] ** -0.5)
+            self.alpha.fill_(0.01)
+            pre = torch.full((n,), -math.log(n - 1) if n > 1 else 4.0)  # sigmoid = 1/n
+            post = torch.zeros(n)  # 2 * sigmoid(0) = 1
+            res = 4.0 * torch.eye(n)  # Sinkhorn of exp(4 I): mostly the identity
+            self.bias.copy_(torch.cat([pre, post, res.flatten()]))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         h_in, h_post, h_res = mhc_pre(

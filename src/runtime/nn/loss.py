@@ -10,7 +10,8 @@ from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logit
 
 
 class BCEWithLogitsLoss(nn.Module):
-    """As nn.BCEWithLogitsLoss. Logits are taken in float32 (a bf16 loss is too coarse to train on)."""
+    """As nn.BCEWithLogitsLoss. Logits are taken in float32 at least (a bf16 loss is too coarse to train on); float64
+    stays float64."""
 
     def __init__(
         self,
@@ -28,6 +29,11 @@ class BCEWithLogitsLoss(nn.Module):
         self.register_buffer("pos_weight", weight, persistent=False)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
         return binary_cross_entropy_with_logits(
-            logits.float(), targets.float(), pos_weight=self.pos_weight, reduction=self.reduction, backend=self.backend
+            logits.to(dtype),
+            targets.to(dtype),
+            pos_weight=self.pos_weight,
+            reduction=self.reduction,
+            backend=self.backend,
         )
