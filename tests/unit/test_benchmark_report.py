@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from report_pages import assert_bad_result_keeps_page
 from runtime.benchmark import report
 from runtime.benchmark.comparison import compare
 
@@ -187,9 +188,4 @@ def test_without_auto_rows_there_is_no_auto_column(results):
 def test_a_bad_results_file_is_named_and_the_page_kept(tmp_path, content, expected):
     """An empty result used to replace the page's figures with an empty table; the others stopped with a bare
     KeyError or JSONDecodeError naming no file."""
-    (tmp_path / "r.json").write_text(content)
-    page = tmp_path / "op.md"
-    page.write_text(f"# op\n\n{report.BEGIN}\nold figures\n{report.END}\n")
-    with pytest.raises(SystemExit, match=expected):
-        report.main([str(tmp_path / "r.json"), "--page", str(page)])
-    assert "old figures" in page.read_text()
+    assert_bad_result_keeps_page(report.main, report.GENERATOR, tmp_path, content, expected)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from report_pages import assert_bad_result_keeps_page
 from runtime.benchmark import pages
 from runtime.training import report
 
@@ -296,9 +297,4 @@ def test_update_page_appends_the_section_to_a_page_without_one(tmp_path):
     ],
 )
 def test_a_bad_results_file_is_named_and_the_page_kept(tmp_path, content, expected):
-    (tmp_path / "r.json").write_text(content)
-    page = tmp_path / "training.md"
-    page.write_text(f"# training\n\n{pages.begin_marker(report.GENERATOR)}\nold figures\n{pages.END}\n")
-    with pytest.raises(SystemExit, match=expected):
-        report.main([str(tmp_path / "r.json"), "--page", str(page)])
-    assert "old figures" in page.read_text()
+    assert_bad_result_keeps_page(report.main, report.GENERATOR, tmp_path, content, expected)
