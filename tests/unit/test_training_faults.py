@@ -212,7 +212,11 @@ def test_a_path_that_is_not_a_checkpoint_gets_a_clear_message(tmp_path):
 
 def test_leftover_partial_writes_are_removed_at_the_next_start(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    leftovers = [tmp_path / "checkpoints" / "step_0000100.pt.tmp", tmp_path / "metrics.json.tmp"]
+    leftovers = [
+        tmp_path / "checkpoints" / "step_0000100.pt.tmp",
+        tmp_path / "metrics.json.tmp",
+        tmp_path / "metrics.csv.tmp",
+    ]
     for path in leftovers:
         path.write_bytes(b"partial")
     kept = [tmp_path / "checkpoints" / "notes.txt", tmp_path / "user.tmp"]  # not written by a run: left alone

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
+
+from runtime import files
 
 END = "<!-- /results -->"
 _ANY_BEGIN = re.compile(r"<!-- results:[^\n]*?-->")
@@ -47,29 +48,8 @@ def update_page(page: Path, section: str, generator: str) -> None:
         text = text[: begin.start()] + block + text[end + len(END) :]
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
-    _write_whole(page, text)
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write text to a temporary file in path's folder, then rename it over path (atomic on POSIX)."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(text)
-        if path.exists():
-            os.chmod(temporary, path.stat().st_mode & 0o7777)
-        else:
-            os.chmod(temporary, 0o666 & ~_umask())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    data = text.encode()
+    files.write_atomically(page, lambda file: file.write(data))
 
 
 def read_result(path: str | Path, keys: tuple[str, ...], written_by: str) -> dict:

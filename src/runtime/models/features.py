@@ -7,6 +7,7 @@ from torch import nn
 
 from runtime.accelerators.embedding_bag_mean import embedding_bag_mean
 from runtime.nn import EmbeddingBagCollection, EmbeddingBagMean, LayerNorm, SwiGLUFeedForward
+from runtime.nn.embedding import init_table_
 
 from .inputs import FeatureSpec, PCVRBatch
 
@@ -36,10 +37,7 @@ class FeatureEncoder(nn.Module):
         self.categories = nn.Embedding(spec.n_categories + 1, d_model, padding_idx=0)
         self.actions = nn.Embedding(spec.n_actions + 1, d_model, padding_idx=0)
         self.positions = nn.Embedding(max_positions, d_model)
-        for table in (self.items, self.categories, self.actions, self.positions):
-            nn.init.normal_(table.weight, std=INIT_STD)
-            if table.padding_idx is not None:
-                table.weight.data[table.padding_idx].zero_()
+        self._init_tables()
         vocab = list(spec.sparse_fields.values())
         self.sparse_collection = sparse_collection
         self.sparse_projection = None
@@ -70,12 +68,12 @@ class FeatureEncoder(nn.Module):
     def reset_parameters(self) -> None:
         """The tables this module holds directly: normal with std INIT_STD, padding rows zero; field_offsets
         refilled. (The sparse bags and dense projection reset their own.)"""
-        for table in (self.items, self.categories, self.actions, self.positions):
-            nn.init.normal_(table.weight, std=INIT_STD)
-            if table.padding_idx is not None:
-                with torch.no_grad():
-                    table.weight[table.padding_idx].zero_()
+        self._init_tables()
         self._fill_field_offsets()
+
+    def _init_tables(self) -> None:
+        for table in (self.items, self.categories, self.actions, self.positions):
+            init_table_(table.weight, INIT_STD, table.padding_idx)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)

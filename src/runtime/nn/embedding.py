@@ -12,6 +12,23 @@ from runtime.accelerators.embedding_bag_mean import embedding_bag_collection, em
 from runtime.accelerators.embedding_bag_mean.collection import is_keyed_jagged
 
 
+def check_padding_idx(padding_idx: int | None, num_embeddings: int, of: str = "(num_embeddings)") -> None:
+    """padding_idx within [-num_embeddings, num_embeddings), as nn.EmbeddingBag takes it; of: what num_embeddings
+    is, for the message."""
+    if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) {of}, got {padding_idx}"
+        )
+
+
+def init_table_(weight: torch.Tensor, std: float, padding_idx: int | None) -> None:
+    """A table's initial values: normal with std `std`, its padding row (where given) zero."""
+    nn.init.normal_(weight, std=std)
+    if padding_idx is not None:
+        with torch.no_grad():
+            weight[padding_idx].zero_()
+
+
 class EmbeddingBagMean(nn.Module):
     """As nn.EmbeddingBag(mode="mean"): indices [bags, hotness] (or 1-D with offsets) -> [bags, dim].
 
@@ -36,12 +53,8 @@ class EmbeddingBagMean(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        check_padding_idx(padding_idx, num_embeddings)
         if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(
-                    f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), "
-                    f"got {padding_idx}"
-                )
             padding_idx %= num_embeddings  # a negative one counts from the end, as nn.EmbeddingBag
         self.padding_idx = padding_idx
         self.init_std = init_std
@@ -53,10 +66,7 @@ class EmbeddingBagMean(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.init_std)
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                self.weight[self.padding_idx].zero_()
+        init_table_(self.weight, self.init_std, self.padding_idx)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         return embedding_bag_mean(
@@ -103,11 +113,7 @@ class EmbeddingBagCollection(nn.Module):
         self.backend = backend
         self.tables = nn.ModuleDict()
         for name, (num_embeddings, dim) in tables.items():
-            if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(
-                    f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) for table {name!r} "
-                    f"(its num_embeddings), got {padding_idx}"
-                )
+            check_padding_idx(padding_idx, num_embeddings, f"for table {name!r} (its num_embeddings)")
             table = nn.Module()
             table.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
             self.tables[name] = table
@@ -116,10 +122,7 @@ class EmbeddingBagCollection(nn.Module):
     def reset_parameters(self) -> None:
         """Every table normal with std init_std, its padding row zero."""
         for weight in self.weights():
-            nn.init.normal_(weight, std=self.init_std)
-            if self.padding_idx is not None:
-                with torch.no_grad():
-                    weight[self.padding_idx].zero_()
+            init_table_(weight, self.init_std, self.padding_idx)
 
     @property
     def names(self) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import re
 from pathlib import Path
@@ -12,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime import files
+
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)\.pt$")
-PARTIAL_PATTERN = re.compile(r"step_\d+\.pt\.tmp|metrics\.json\.tmp")
+PARTIAL_PATTERN = re.compile(r"step_\d+\.pt\.tmp|metrics\.(json|csv)\.tmp")
 REQUIRED_KEYS = ("step", "data_position", "world_size", "model", "optimizer", "scheduler", "rng", "metrics", "config")
 logger = logging.getLogger("runtime.training")
 
@@ -40,19 +41,11 @@ class CheckpointError(ValueError):
 
 
 def write_atomically(path: Path, write) -> None:
-    """write(file) into PATH.tmp, flushed to disk, then renamed over path: a crash mid-write leaves the previous
-    file intact (and a *.tmp that remove_partial_writes deletes at the next start). A full disk is an OSError
-    that names the path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """files.write_atomically (a crash mid-write leaves a *.tmp that remove_partial_writes deletes at the next start);
+    a full disk is an OSError that names the path and what to do."""
     try:
-        with open(tmp, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
+        files.write_atomically(path, write)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
         if error.errno == errno.ENOSPC:
             raise OSError(
                 errno.ENOSPC,
@@ -144,8 +137,8 @@ def resolve(resume: str, fallback_previous: bool = False) -> tuple[Path, dict]:
 
 
 def remove_partial_writes(directory: Path) -> None:
-    """Delete what a killed write left behind: step_N.pt.tmp and metrics.json.tmp, never renamed into place (other
-    *.tmp files are not ours and stay)."""
+    """Delete what a killed write left behind: step_N.pt.tmp, metrics.json.tmp and metrics.csv.tmp, never renamed
+    into place (other *.tmp files are not ours and stay)."""
     if directory.is_dir():
         for leftover in sorted(p for p in directory.iterdir() if PARTIAL_PATTERN.fullmatch(p.name)):
             logger.warning("removing %s, left by an interrupted write", leftover)
