@@ -61,7 +61,11 @@ def test_rms_norm(monkeypatch, with_weight):
     x, dy = torch.randn(6, WIDTH), torch.randn(6, WIDTH)
     weight = torch.randn(WIDTH) if with_weight else None
     handed, run, (dx, dweight, _) = handed_and_run(
-        monkeypatch, "rms_norm", (x, weight, 1e-6), lambda module, _: module.backward(dy, x, weight, 1e-6, None, None)
+        monkeypatch,
+        "rms_norm",
+        (x, weight, 1e-6),
+        # args[4]: the rstd native_forward's forward writes and the node saves
+        lambda module, handed: module.backward(dy, x, weight, 1e-6, None, handed.args[4]),
     )
     stand_ins = [(dy, GRAD), (dx, GRAD_OF[0]), (dweight, GRAD_OF[1])]
     assert_same_launch(handed, run, stand_ins)
@@ -76,7 +80,8 @@ def test_layer_norm(monkeypatch, with_weight, with_bias):
         monkeypatch,
         "layer_norm",
         (x, weight, bias, 1e-5),
-        lambda module, _: module.backward(dy, x, weight, bias, 1e-5, None, None, None),
+        # args[3], args[4]: the mean and rstd native_forward's forward writes and the node saves
+        lambda module, handed: module.backward(dy, x, weight, bias, 1e-5, None, handed.args[3], handed.args[4]),
     )
     stand_ins = [(dy, GRAD), (dx, GRAD_OF[0]), (dweight, GRAD_OF[1]), (dbias, GRAD_OF[2])]
     assert_same_launch(handed, run, stand_ins)
@@ -86,8 +91,45 @@ def test_l2norm(monkeypatch):
     x, dy, y = torch.randn(6, WIDTH), torch.randn(6, WIDTH), torch.randn(6, WIDTH)
 
     def backward(module, handed: LaunchPlan):
-        rstd = handed.args[3]  # the buffer native_forward's forward writes and the node saves
+        rstd = handed.args[4]  # the buffer native_forward's forward writes and the node saves
         return module.backward(dy, x, 1e-6, y, rstd)
 
     handed, run, (dx, _) = handed_and_run(monkeypatch, "l2norm", (x, 1e-6), backward)
     assert_same_launch(handed, run, [(dy, GRAD), (y, OUTPUT), (dx, GRAD_OF[0])])
+
+
+class Attacher(Recorder):
+    """A Recorder whose plans attach: records each attach (output, inputs, launch) and attaches nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attached: list = []
+
+    def plan(self, output_dtype, inputs, launch: LaunchPlan):
+        super().plan(output_dtype, inputs, launch)
+        return "plan"
+
+    def attach(self, plan, output, inputs, launch: LaunchPlan) -> bool:
+        self.attached.append((output, inputs, launch))
+        return True
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_the_node_holds_the_statistics_forward_wrote(op):
+    """native_forward's launch reads the buffers its forward writes the statistics into (the node saves them with
+    its other tensor arguments): fp32, one per row, the statistics forward returns, bit for bit; y is forward's."""
+    module = importlib.import_module(f"runtime.accelerators.{op}.triton")
+    x = torch.randn(3, 5, WIDTH).transpose(0, 1)  # rows that are not a view: the forward's copy is what both read
+    args = (x, torch.randn(WIDTH), *((torch.randn(WIDTH),) if op == "layer_norm" else ()), 1e-5)
+    attacher = Attacher()
+    y = module.native_forward(*args, native=attacher)
+    ((output, inputs, launch),) = attacher.attached
+    assert output is y and launch is attacher.launches[0]
+    assert all(a is b for a, b in zip(inputs, args[:-1], strict=True))
+    y_forward, *stats = module.forward(*args)
+    handed = launch.args[3:5] if op == "layer_norm" else launch.args[4:5]
+    assert len(handed) == len(stats)
+    for got, want in zip(handed, stats):
+        assert got.dtype == torch.float32 and got.shape == (15,)
+        assert torch.equal(got, want)
+    assert torch.equal(y, y_forward)

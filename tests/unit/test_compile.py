@@ -141,7 +141,8 @@ def test_compiled_norms_dropout_and_mhc_on_the_torch_backend():
 
 
 SAVING = {  # op -> (its KernelOp's module and name, a call on the triton backend, the results its backward reads)
-    "rms_norm": ("rms_norm.KERNEL", lambda x: acc.rms_norm(x, backend="triton"), "arguments"),
+    "rms_norm": ("rms_norm.KERNEL", lambda x: acc.rms_norm(x, backend="triton"), "saved"),
+    "gelu": ("activation.GELU_KERNEL", lambda x: acc.gelu(x, backend="triton"), "arguments"),
     "bce_with_logits": (
         "bce_with_logits.UNIT_GRADIENT_KERNEL",
         lambda x: acc.binary_cross_entropy_with_logits(x, torch.rand_like(x), backend="triton"),

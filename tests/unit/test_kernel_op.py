@@ -75,11 +75,13 @@ def test_bce_gradient_from_the_forward_saves_the_logits_and_that_gradient_alone(
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-def test_backward_that_reads_no_result_gets_the_arguments_alone(op, monkeypatch):
-    """The Triton norms recompute their statistics (backward_reads="arguments"): an eager forward runs infer and
-    saves the arguments alone; backward gets None for every result, and the gradients of the custom ops' path."""
+def test_backward_that_reads_the_saved_statistics(op, monkeypatch):
+    """The Triton norms' backward reads the statistics forward stores (backward_reads="saved"): an eager forward saves
+    the arguments and those statistics, not y; backward gets None for y and forward's statistics, and gives the
+    gradients of the custom ops' path."""
     kernel_op = {"rms_norm": RMS_NORM, "layer_norm": LAYER_NORM}[op]
     kernels = kernel_op.kernels("triton")
+    assert kernels.backward_reads == "saved"
     x = torch.randn(5, 48, requires_grad=True)
     params = {"weight": torch.randn(48, requires_grad=True)}
     if op == "layer_norm":
@@ -87,12 +89,14 @@ def test_backward_that_reads_no_result_gets_the_arguments_alone(op, monkeypatch)
     received = spy_on_backward(monkeypatch, kernel_op, "triton")
     y = getattr(acc, op)(x, **params, backend="triton")
     saved = y.grad_fn.saved_tensors
-    assert len(saved) == 1 + len(params) and all(a is b for a, b in zip(saved, (x, *params.values())))
+    n_stats = 2 if op == "layer_norm" else 1
+    assert len(saved) == 1 + len(params) + n_stats and all(a is b for a, b in zip(saved, (x, *params.values())))
+    assert all(t.shape == (5,) and t.dtype == torch.float32 for t in saved[-n_stats:])
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x, *params.values()], dy)
-    n_results = 3 if op == "layer_norm" else 2
-    assert received[0][-n_results:] == (None,) * n_results
-    # the results the custom ops pass (the forward's mean / rstd) change nothing
+    results = received[0][-1 - n_stats :]
+    assert results[0] is None and all(a is b for a, b in zip(results[1:], saved[-n_stats:]))
+    # the results the custom ops pass (forward's y too) give the same gradients
     args = (x.detach(), *(p.detach() for p in params.values()), 1e-5 if op == "layer_norm" else 1e-6)
     results = kernels.forward(*args)
     for got, want in zip(grads, kernels.backward(dy, *args, *results)):

@@ -47,7 +47,7 @@ def extension_cache(tmp_path_factory) -> Path:
     return folder
 
 
-# The scenario: a backward kernel of 12 parameters as rms_norm's (7 pointers, 4 int32, eps), attached to y.
+# The scenario: a backward kernel of 12 parameters (7 pointers, 4 int32, an fp32), attached to y.
 SCENARIO = """
 import ctypes, json, os, sys, torch
 from runtime.accelerators import buffers

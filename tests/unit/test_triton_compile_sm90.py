@@ -120,8 +120,9 @@ def norms():
     _backward(acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias), acc.l2norm(_randn(8, 4, 32)))
     with torch.no_grad():  # the partials added in a second launch, as wide rows do on a GPU
         dy = _randn(8, 256, grad=False)
-        rms_norm_triton.backward(dy, x, weight, 1e-6, None, None, launch=TWO_LAUNCH_BACKWARD)
-        layer_norm_triton.backward(dy, x, weight, bias, 1e-5, None, None, None, launch=TWO_LAUNCH_BACKWARD)
+        rstd = torch.rand(8)  # the statistics the forward stores, fp32 per row
+        rms_norm_triton.backward(dy, x, weight, 1e-6, None, rstd, launch=TWO_LAUNCH_BACKWARD)
+        layer_norm_triton.backward(dy, x, weight, bias, 1e-5, None, torch.randn(8), rstd, launch=TWO_LAUNCH_BACKWARD)
     with torch.no_grad():  # the forward kernels without the statistics (infer), and with them (the custom ops' path)
         acc.rms_norm(x, weight), acc.layer_norm(x, weight, bias)
         rms_norm_triton.forward(x, weight, 1e-6), layer_norm_triton.forward(x, weight, bias, 1e-5)

@@ -29,7 +29,8 @@ def check_norm_inputs(
 
 
 # A row whose largest |value| exceeds this is divided by it before its squares are summed, in every backend (fp32
-# inputs near 1e30 have squares past fp32's 3.4e38). Below it the squares of the widest kernel row (2^14 values, each
+# inputs near 1e30 have squares past fp32's 3.4e38; the TileLang kernels divide by a power of two within 4x of it,
+# tilelang_common.scaled_squares). Below it the squares of the widest kernel row (2^14 values, each
 # at most 2^100) add up to at most 2^114, and the row takes the plain formula exactly (a scale of 1).
 SCALE_ABOVE = 2.0**50
 # A row whose sum of squares is at most this has no |value| above SCALE_ABOVE (its scale is 1): the Triton kernels

@@ -6,6 +6,10 @@ compile-time flags. Tiles, launches and partial sums: norms_triton.
             (x_ptr, rstd_ptr) and runs one tile per program, last tile first (see l2norm.triton)
     HAS_W, HAS_B  a weight, a bias
 
+The backward reads the rstd (and, with CENTRE, the mean) that the forward stored (STORE_STATS) rather than working
+them out again from x: 4 or 8 bytes a row, against a second row reduction for rows whose squares pass 2^100 and a
+tile-wide vote on it in every step of the persistent loop.
+
 Each op passes None for the parameters its kernel does not take: Triton compiles a None argument as a constexpr, so an
 op's compiled kernel takes the same parameters, in the same order, as a kernel of its own would (a native node passes
 them in that order). The launches: the ops' forward launchers and their `backward_launch`.
@@ -63,12 +67,13 @@ def row_norm_forward(
 @direct_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def row_norm_backward(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, dw_ptr, db_ptr, counter_ptr, n_rows, N, stride_dy, stride_x, eps,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, dw_ptr, db_ptr, counter_ptr,
+    n_rows, N, stride_dy, stride_x,
     CENTRE: tl.constexpr, L2: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, FINISH: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """dx, and the partial sums of dweight / dbias (norms_triton). rstd is worked out again from x (as the forward
-    does: no memory traffic), but where L2: x_ptr is then the output y, and rstd is read."""
+    """dx, and the partial sums of dweight / dbias (norms_triton), from the forward's stored rstd and (CENTRE) mean
+    (mean_ptr None without CENTRE). Where L2, x_ptr is the output y."""
     if L2:  # last tile first: those are the rows of y that forward wrote last
         rows = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
@@ -92,15 +97,14 @@ def row_norm_backward(
             rows = tile * ROWS + tl.arange(0, ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            if CENTRE:
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
             rows = rows.to(tl.int64)
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if CENTRE:
-                _, x, rstd = row_statistics(x, mask, N, eps)
-            else:
-                rstd = rms_rstd(x, N, eps)
-            rstd = rstd[:, None]
-            xhat = x * rstd
+            # x - mean is not zero in the padding columns, but dy (and so g) is: no sum sees them
+            xhat = (x - mean) * rstd if CENTRE else x * rstd
             g = dy * w if HAS_W else dy
             if CENTRE:
                 mean_g = tl.sum(g, axis=1) / N

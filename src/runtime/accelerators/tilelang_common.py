@@ -296,15 +296,27 @@ def store_rows(tile, Dst, row0, n_rows, width):
             Dst[row0 + i, j] = tile[i, j]
 
 
+EXPONENT_BITS = 0x7F800000  # of an fp32
+
+
 @T.macro
 def scaled_squares(x, sq, inv):
-    """sq = (x inv)^2 where inv[i] is 1 / row i's largest |x| when that exceeds norms.SCALE_ABOVE, else 1: squares
-    that cannot overflow fp32, for rsqrt(mean(sq) + eps inv^2) inv. One register reduction (the max) more."""
+    """sq = (x inv)^2 where inv[i] is 1 when row i's largest |x|, m, is at most norms.SCALE_ABOVE, else the power of two
+    2^(1 - e) for m in [2^e, 2^(e+1)) (scaled |x| below 4): squares that cannot overflow fp32, for
+    rsqrt(mean(sq) + eps inv^2) inv. One register reduction (the max) more. A power of two scales exactly, and is
+    taken from m's exponent bits, not by dividing: fp32 division's slow-path call cost layer_norm's forward 6
+    registers (48 -> 54 at 4096 columns: 4 blocks of 256 threads per SM instead of 5; see docs/tuning/norms.md).
+    m = inf gives inv = 0 (a NaN row, as 1 / m did)."""
     for i, j in T.Parallel(x.shape[0], x.shape[1]):
         sq[i, j] = T.abs(x[i, j])
     T.reduce_max(sq, inv, dim=1)
     for i in T.Parallel(x.shape[0]):
-        inv[i] = 1.0 / T.if_then_else(inv[i] > SCALE_ABOVE, inv[i], 1.0)
+        # 2^(1 - e)'s exponent field is 255 - (e + 127): all exponent bits less m's
+        inv[i] = T.if_then_else(
+            inv[i] > SCALE_ABOVE,
+            T.reinterpret(T.int32(EXPONENT_BITS) - (T.reinterpret(inv[i], "int32") & EXPONENT_BITS), "float32"),
+            1.0,
+        )
     for i, j in T.Parallel(x.shape[0], x.shape[1]):
         sq[i, j] = (x[i, j] * inv[i]) * (x[i, j] * inv[i])
 

@@ -85,7 +85,7 @@ def backward_launch(x, rstd, dy, stride_dy: int, y, stride_y: int, dx) -> Launch
     return LaunchPlan(
         row_norm_backward,
         (n_tiles(n_rows, tiles),),
-        (dy, y, None, rstd, dx, None, None, None, None, n_rows, width, stride_dy, stride_y, None),
+        (dy, y, None, None, rstd, dx, None, None, None, None, n_rows, width, stride_dy, stride_y),
         dict(**_FLAGS, FINISH=False, BLOCK_N=tiles.block, ROWS=tiles.rows, num_warps=tiles.warps),
     )
 
