@@ -9,7 +9,14 @@ sequence and head-dim columns past D read as zero: D is padded to a power of two
             visible (causal, targets, past the sequence) or dropped; cast to the input dtype
     T.gemm  acc += a V
 
-The biases are read as fp32 [H, P] / [H, T] tensors (the launcher expands a shared [P] bias). Dropout draws
+The epilogue is most of the kernel's instructions, so it is kept short: the head's time-bias row and the block's
+query timestamps go to shared memory once per program, and per key block its timestamps and the 2 * 64 - 1
+position-bias entries its distances reach; the visibility mask runs only on key blocks that straddle the diagonal,
+the sequence's end or the first candidate (elsewhere every score is visible; rows past the sequence are computed,
+never stored); silu is one tanh.approx (FAST_SILU_PRELUDE). About 27 SASS instructions a score against 151 with
+every bias read from global memory, every score masked and silu by expf and a division: 2.2-3.1x faster forward.
+
+The biases arrive as fp32 [H, P] / [H, T] tensors (the launcher expands a shared [P] bias). Dropout draws
 flash_attention's counter-based hash (its CUDA prelude) with the pair index sequence * H + head and local indices,
 the Triton kernels' bits. Sequence count, lengths, heads and bias sizes are dynamic: one compiled kernel per
 (head dim, dtype, flags).
@@ -43,6 +50,21 @@ def _time_bucket(tq, tk, n_buckets):
     return T.call_pure_extern("int32", "taac_time_bucket", tq, tk, n_buckets)
 
 
+# silu(x) * scale with one MUFU op (tanh.approx.f32, max relative error about 2^-11, below bf16's
+# rounding) instead of expf's range reduction, MUFU.EX2, an IEEE division (MUFU.RCP, FCHK, a slow-path call)
+FAST_SILU_PRELUDE = """
+__device__ __forceinline__ float taac_silu_scaled(float x, float scale) {
+  float h = 0.5f * x, t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+  return fmaf(h, t, h) * scale;  // x * sigmoid(x) = h + h tanh(h), h = x / 2
+}
+"""
+
+
+def _silu_scaled(x, scale):
+    return T.call_pure_extern("float32", "taac_silu_scaled", x, scale)
+
+
 def padded_dim(dim: int) -> int:
     """The head dim of the kernels' tiles: a power of two, at least 16 (the extra columns read as zero)."""
     return max(16, next_power_of_2(dim))
@@ -50,12 +72,14 @@ def padded_dim(dim: int) -> int:
 
 def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool):
     bM, bN = BLOCK_M, BLOCK_N
+    assert bM == bN  # the causal diagonal lies in the last key block only
     dp = padded_dim(dim)
+    n_dist = bM + bN  # distances i - j + bN - 1 of a tile: 0 .. bM + bN - 2 (one slot unused)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = T.dynamic(
         "total, heads, n_offsets, n_counts, pos_heads, pos_len, time_heads, time_len, n_times"
     )
 
-    prelude = (DROPOUT_PRELUDE if dropout else "") + (TIME_BUCKET_PRELUDE if time else "") or None
+    prelude = (DROPOUT_PRELUDE if dropout else "") + (TIME_BUCKET_PRELUDE if time else "") + FAST_SILU_PRELUDE
 
     @T.prim_func
     def silu_attention_fwd(
@@ -80,6 +104,10 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
             Q_s = T.alloc_shared((bM, dp), dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
+            pb_s = T.alloc_shared((n_dist,), ACCUM)  # this key block's position bias by i - j + bN - 1
+            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)  # the head's time-bias row
+            tq_s = T.alloc_shared((bM,), "int64")
+            tk_s = T.alloc_shared((bN,), "int64")
             s = T.alloc_fragment((bM, bN), ACCUM)
             p = T.alloc_fragment((bM, bN), dtype)
             acc = T.alloc_fragment((bM, dp), ACCUM)
@@ -89,41 +117,55 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
             first_target = n - NT[bz] if targets else n
             q0 = bx * bM
             seed = T.cast(Seed[0], "int32") if dropout else 0
-            # causal: the last query of this block sees keys < q0 + bM; a block past the sequence's end loops over none
             seen = T.min(n, q0 + bM) if causal else n
             n_key_blocks = T.if_then_else(q0 < n, T.ceildiv(seen, bN), 0)
+            t_eff = T.min(t_len, MAX_TIME_BUCKETS)
+            scale = inv_max * inv_keep if dropout else inv_max
 
             for i, d in T.Parallel(bM, dp):
                 Q_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), Q[start + q0 + i, by, d], T.cast(0, dtype))
+            if time:
+                for b in T.Parallel(MAX_TIME_BUCKETS + 1):
+                    tb_s[b] = TB[by, T.min(b, t_eff - 1)]
+                for i in T.Parallel(bM):
+                    tq_s[i] = TS[start + T.if_then_else(q0 + i < n, q0 + i, 0)]
             T.fill(acc, 0)
             for kb in T.serial(n_key_blocks):
                 k0 = kb * bN
                 for j, d in T.Parallel(bN, dp):
                     K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
                     V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
+                if pos:
+                    for u in T.Parallel(n_dist):
+                        pb_s[u] = PB[by, T.min(T.abs(q0 - k0 + u - (bN - 1)), p_len - 1)]
+                if time:
+                    for j in T.Parallel(bN):
+                        tk_s[j] = TS[start + T.if_then_else(k0 + j < n, k0 + j, 0)]
                 T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bM, bN):
-                    qi = q0 + i
-                    kj = k0 + j
-                    x = s[i, j] * alpha
-                    if pos:
-                        x = x + PB[by, T.min(T.abs(qi - kj), p_len - 1)]
-                    if time:
-                        # rows past the sequence read its first timestamp (their scores are masked)
-                        tq = TS[start + T.if_then_else(qi < n, qi, 0)]
-                        tk = TS[start + T.if_then_else(kj < n, kj, 0)]
-                        x = x + TB[by, _time_bucket(tq, tk, T.min(t_len, MAX_TIME_BUCKETS))]
-                    visible = (qi < n) and (kj < n)
-                    if causal:
-                        visible = visible and (kj <= qi)
-                    if targets:
-                        visible = visible and ((kj < first_target) or (qi == kj))
-                    if dropout:
-                        visible = visible and dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
-                        x_scale = inv_max * inv_keep
-                    else:
-                        x_scale = inv_max
-                    p[i, j] = T.if_then_else(visible, T.cast(x / (1.0 + T.exp(-x)) * x_scale, dtype), T.cast(0, dtype))
+                # conditions inline (flash_attention's forward: a thread-dependent boolean name breaks ThreadSync)
+                if dropout or (k0 + bN > n) or (causal and k0 + bN > q0 + 1) or (targets and k0 + bN > first_target):
+                    for i, j in T.Parallel(bM, bN):
+                        x = s[i, j] * alpha
+                        if pos:
+                            x = x + pb_s[i - j + bN - 1]
+                        if time:
+                            x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
+                        visible = k0 + j < n
+                        if causal:
+                            visible = visible and (k0 + j <= q0 + i)
+                        if targets:
+                            visible = visible and ((k0 + j < first_target) or (q0 + i == k0 + j))
+                        if dropout:
+                            visible = visible and dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
+                        p[i, j] = T.if_then_else(visible, T.cast(_silu_scaled(x, scale), dtype), T.cast(0, dtype))
+                else:  # every score visible (rows past the sequence are never stored)
+                    for i, j in T.Parallel(bM, bN):
+                        x = s[i, j] * alpha
+                        if pos:
+                            x = x + pb_s[i - j + bN - 1]
+                        if time:
+                            x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
+                        p[i, j] = T.cast(_silu_scaled(x, scale), dtype)
                 T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(bM, dp):
                 if (q0 + i < n) and (d < dim):
