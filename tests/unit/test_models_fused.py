@@ -109,6 +109,26 @@ def test_block_forward_is_run_blocks_of_one():
         assert torch.equal(block(x), join(*block.step(x, None)))
 
 
+@pytest.mark.parametrize("change", ["replaced by a LayerNorm", "hooked"])
+def test_a_replaced_or_hooked_feed_forward_norm_is_called(change):
+    """The fused add + norm read the norm's weight without calling it: a LayerNorm put in its place crashed (no
+    `backend`) and a forward hook on it never ran."""
+    block = TransformerBlock(16, 2, 32).double().eval()
+    x, calls = _x(2, 5, 16), []
+    if change == "hooked":
+        norm = block.ffn.branch.norm
+    else:
+        norm = block.ffn.branch.norm = torch.nn.LayerNorm(16, dtype=torch.float64)
+        torch.nn.init.normal_(norm.weight)
+    norm.register_forward_hook(lambda module, inputs, output: calls.append(inputs[0]))
+    with use_accelerators(**TORCH):
+        out = block(x)
+        stream = x + block.mix.branch.layer(block.mix.branch.norm(x))
+        expected = stream + block.ffn.branch.layer(norm(stream))
+    assert len(calls) == 2 and torch.equal(calls[0], calls[1])  # the block's call, then the one above
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_state_dict_keys_are_unchanged():
     assert sorted(TransformerBlock(8, 2, 16).state_dict()) == [
         "ffn.branch.layer.down.weight", "ffn.branch.layer.gate_up.weight", "ffn.branch.norm.weight",

@@ -36,7 +36,7 @@ def join(x: torch.Tensor, pending: Pending | None) -> torch.Tensor:
     return x if pending is None else pending.add(pending.branch, x)
 
 
-def join_norm(x: torch.Tensor, pending: Pending | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+def join_norm(x: torch.Tensor, pending: Pending | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(stream), stream) of x with its pending add done: one add_rms_norm where dropout draws nothing."""
     if pending is None:
         return norm(x), x
@@ -163,7 +163,7 @@ def run_blocks(
     x: torch.Tensor,
     key_lengths: torch.Tensor | None = None,
     *,
-    norm: RMSNorm | None = None,
+    norm: nn.Module | None = None,
 ):
     """The blocks (TransformerBlock / GatedDeltaBlock) in turn, each one's last residual add joined with the next
     one's first norm. Returns the stream, or with `norm`, (norm(stream), stream): the last add joined with it."""

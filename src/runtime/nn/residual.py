@@ -29,14 +29,21 @@ class DropoutAdd(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return dropout_add(x.to(residual.dtype), residual, self.p, self.training, backend=self.backend)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s), s) with s = residual + dropout(x, p): one add_rms_norm (on the norm's backend) where dropout
-        draws nothing (eval, or p == 0). Where it draws a mask, this module's dropout_add and then the norm, so that
-        the random stream is the one the unfused `norm(self(x, residual))` draws."""
-        if self.training and self.p > 0.0:
+        draws nothing (eval, or p == 0) and `norm` is this package's RMSNorm as built. Otherwise this module's
+        dropout_add and then a call of `norm`: the random stream is the one the unfused `norm(self(x, residual))`
+        draws, and a norm the user replaced (another class) or hooked (forward hooks) runs as such."""
+        if (self.training and self.p > 0.0) or not _fusable(norm):
             total = self(x, residual)
             return norm(total), total
         return add_rms_norm(x.to(residual.dtype), residual, norm.weight, norm.eps, backend=norm.backend)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, backend={self.backend}"
+
+
+def _fusable(norm: nn.Module) -> bool:
+    """The fused add_rms_norm reads norm's weight and eps in place of calling it: only for an RMSNorm itself (not a
+    subclass, which may compute something else) without forward hooks, which a call would run."""
+    return type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
