@@ -144,6 +144,23 @@ def test_triton_gradient_of_one_output(op, which):
 
 
 @pytest.mark.parametrize("op", list(OPS))
+def test_triton_only_parameters_require_grad(op):
+    """x and residual without grad, the weight (and bias) with: the new residual requires no grad, as on the torch
+    backend, and the parameters' gradients are right."""
+    x, residual, params = make_inputs(op, (5, 24), f32, f32, f32)
+    x, residual = x.detach(), residual.detach()
+    y, total = OPS[op](x, residual, **params, backend="triton")
+    y_ref, total_ref = OPS[op](x, residual, **params, backend="torch")
+    assert not total.requires_grad and not total_ref.requires_grad and y.requires_grad
+    assert_close(f"{op} new_residual", total, total_ref, RTOL[f32])
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, list(params.values()), dy)
+    grads_ref = torch.autograd.grad(y_ref, list(params.values()), dy)
+    for name, grad, grad_ref in zip(params, grads, grads_ref):
+        assert_close(f"{op} d{name}", grad, grad_ref, gradient_tolerance(f32))
+
+
+@pytest.mark.parametrize("op", list(OPS))
 def test_triton_forward_without_autograd_matches(op):
     """With nothing to differentiate the kernel module's infer runs (no statistics): the same outputs, bit for bit."""
     x, residual, params = make_inputs(op, (37, 200), bf16, f32, f32)

@@ -463,6 +463,21 @@ def test_triton_chunked_backward_with_strong_decay_in_a_partial_chunk(grad_wy):
         assert_close(f"d{n}", grad, ref_grad, 1e-4)
 
 
+def test_triton_chunked_with_only_q_requiring_grad_gives_a_final_state_without_grad():
+    """The final state does not depend on q: with only q requiring grad it requires none (as on the torch backend),
+    and dq is right with both outputs passed to autograd."""
+    inputs = make_inputs(1, 11, 2, 2, 16, 16, state=True)
+    inputs["q"].requires_grad_()
+    o, state = call(FUNCTIONS["chunk"], inputs, "triton", output_final_state=True)
+    ref, ref_state = call(FUNCTIONS["chunk"], inputs, "torch", output_final_state=True)
+    assert not state.requires_grad and not ref_state.requires_grad and o.requires_grad
+    assert_close("final state", state, ref_state, 1e-4)
+    grad_out = torch.randn_like(o)
+    (dq,) = torch.autograd.grad([o for o in (o, state) if o.requires_grad], [inputs["q"]], [grad_out])
+    (ref_dq,) = torch.autograd.grad(ref, [inputs["q"]], [grad_out])
+    assert_close("dq", dq, ref_dq, 2e-4)
+
+
 # --------------------------------------------------------------------------- step 5's variants (Tuning.grad_wy)
 
 # shape: (B, T, H, HV, K, V); GVA: HV = 2H. The GPU tier runs both variants at every case of gdr_checks.CASES.

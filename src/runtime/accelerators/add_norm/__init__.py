@@ -111,7 +111,8 @@ def add_rms_norm(
     )
     if chosen == "torch" or x.numel() == 0:
         return add_rms_norm_reference(x, residual, weight, eps)
-    return RMS_KERNEL(chosen, x, residual, weight, float(eps))
+    y, total = RMS_KERNEL(chosen, x, residual, weight, float(eps))
+    return y, _sum_output(total, x, residual)
 
 
 def add_layer_norm(
@@ -139,4 +140,12 @@ def add_layer_norm(
     )
     if chosen == "torch" or x.numel() == 0:
         return add_layer_norm_reference(x, residual, weight, bias, eps)
-    return LAYER_KERNEL(chosen, x, residual, weight, bias, float(eps))
+    y, total = LAYER_KERNEL(chosen, x, residual, weight, bias, float(eps))
+    return y, _sum_output(total, x, residual)
+
+
+def _sum_output(total: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """x + residual as the kernels return it, detached where neither x nor residual requires grad (only the norm's
+    weight or bias does): the sum does not depend on them, so it requires no grad, as in the torch backend (the kernel
+    op marks every output of its autograd node differentiable)."""
+    return total if x.requires_grad or residual.requires_grad else total.detach()

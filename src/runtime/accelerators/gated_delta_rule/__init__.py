@@ -299,7 +299,13 @@ def _run(
     if chosen == "torch" or q.numel() == 0 or v.numel() == 0:
         return reference(*args, cu_seqlens if host_cu is None else host_cu)
     o, final_state = kernel(chosen, *args, host_cu)
-    return o, (final_state if output_final_state else None)
+    if not output_final_state:
+        return o, None
+    # the final state does not depend on q: with only q requiring grad it requires none, as on the torch backend
+    # (the kernel's autograd node marks every output differentiable)
+    if not any(t is not None and t.requires_grad for t in (k, v, g, beta, initial_state)):
+        final_state = final_state.detach()
+    return o, final_state
 
 
 def chunk_gated_delta_rule(
