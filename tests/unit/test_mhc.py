@@ -135,7 +135,7 @@ def test_errors_name_the_argument():
         mhc_pre(x, phi, alpha, bias[:5])
     with pytest.raises(ValueError, match="sinkhorn_iters: expected an integer >= 1, got 0"):
         mhc_pre(x, phi, alpha, bias, sinkhorn_iters=0)
-    with pytest.raises(ValueError, match="sinkhorn_iters: expected an integer >= 1, got True"):
+    with pytest.raises(TypeError, match="sinkhorn_iters: expected an integer >= 1, got bool True"):
         mhc_pre(x, phi, alpha, bias, sinkhorn_iters=True)
     with pytest.raises(ValueError, match="x: expected at least 2 dimension"):
         mhc_pre(x[0, 0], phi, alpha, bias)

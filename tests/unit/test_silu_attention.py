@@ -321,8 +321,11 @@ ERRORS = {
     "pos-empty": (dict(position_bias=torch.randn(0)), ValueError, "position_bias: expected shape"),
     "time-3d": (dict(time_bias=torch.randn(2, 2, 5)), ValueError, "time_bias: expected shape"),
     "time-int": (dict(time_bias=torch.ones(5, dtype=torch.int64)), TypeError, "time_bias: expected a floating-point"),
-    "alpha-str": (dict(alpha="0.1"), TypeError, "alpha: expected a float or None"),
-    "dropout": (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+    "alpha-str": (dict(alpha="0.1"), TypeError, "alpha: expected a finite float"),
+    "alpha-nan": (dict(alpha=float("nan")), ValueError, "alpha: expected a finite float, got nan"),
+    "alpha-inf": (dict(alpha=float("inf")), ValueError, "alpha: expected a finite float, got inf"),
+    "dropout-bool": (dict(dropout_p=True), TypeError, "dropout_p: expected a dropout probability"),
+    "dropout": (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a dropout probability in \[0, 1\)"),
     "causal-str": (dict(causal="no"), TypeError, r"causal: expected a bool \(True or False\), got str 'no'"),
     "causal-none": (dict(causal=None), TypeError, r"causal: expected a bool \(True or False\), got NoneType"),
 }

@@ -25,6 +25,7 @@ and backward, and under torch.compile a call runs outside the graph (a graph bre
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -82,11 +83,12 @@ def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...
         if pad is None:
             normalised.append(None)
             continue
-        if isinstance(pad, bool) or not isinstance(pad, int):
+        n = weight.shape[0]
+        if isinstance(pad, bool) or not isinstance(pad, numbers.Integral):
             raise TypeError(
                 f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}"
             )
-        n = weight.shape[0]
+        pad = int(pad)
         if not -n <= pad < n:
             raise ValueError(
                 f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}"
