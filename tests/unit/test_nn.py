@@ -306,3 +306,34 @@ def test_a_norm_without_weight_checks_the_width_it_was_built_for(cls):
         with pytest.raises(ValueError, match=r"x: expected the last dimension of size 8"):
             norm(torch.randn(3, 16))
     assert cls((8,)).weight.shape == (8,)  # a one-element normalized_shape, as torch's modules take it
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: EmbeddingBagMean(10, 4, padding_idx=True),
+            TypeError,
+            "padding_idx: expected an int or None, got bool",
+        ),
+        (
+            lambda: EmbeddingBagMean(10, 4, padding_idx=3.0),
+            TypeError,
+            "padding_idx: expected an int or None, got float",
+        ),
+        (lambda: BCEWithLogitsLoss(reduction="avg"), ValueError, "reduction: expected one of 'none', 'mean', 'sum'"),
+        (lambda: BCEWithLogitsLoss(pos_weight=[2.0]), TypeError, "pos_weight: expected a number or None, got list"),
+    ],
+    ids=["padding-bool", "padding-float", "bce-reduction", "bce-pos-weight-list"],
+)
+def test_embedding_and_loss_arguments_are_checked_when_built(make, error, message):
+    # padding_idx=True was taken as row 1; a bad reduction failed only at the first forward
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_embedding_bag_takes_a_numpy_padding_row():
+    np = pytest.importorskip("numpy")
+    bag = EmbeddingBagMean(10, 4, padding_idx=np.int64(-1))
+    assert bag.padding_idx == 9 and type(bag.padding_idx) is int
+    assert torch.equal(bag.weight[9], torch.zeros(4))
