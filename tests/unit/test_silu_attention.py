@@ -368,3 +368,13 @@ def test_compiles_fullgraph_with_gradients():
     out = torch.compile(step, fullgraph=True)(q, k, v, kwargs["position_bias"], kwargs["time_bias"])
     ref = oracle(q, k, v, cu, kwargs)
     check_all(out, ref, q, k, v, kwargs, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
+
+
+def test_a_call_without_targets_after_one_whose_targets_were_freed():
+    # the checked-values memo held a weak reference to the last num_targets; once that tensor was freed the weak
+    # reference returned None, which matched num_targets=None and then crashed reading None._version
+    q, k, v, cu, kwargs = make([3, 4], 2, 16, targets=[1, 2], grad=False)
+    silu_attention(q, k, v, cu, **kwargs, backend="torch")
+    del kwargs["num_targets"]  # the targets tensor of the first call is freed here
+    out = silu_attention(q, k, v, cu, **kwargs, backend="torch")
+    assert_close("o", out, oracle(q, k, v, cu, kwargs), RTOL_ATTENTION_FP32)

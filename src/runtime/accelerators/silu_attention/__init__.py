@@ -203,7 +203,9 @@ def _identity(x) -> tuple:
 
 def _same(checked: tuple, x) -> bool:
     ref, version = checked
-    return (x is None and ref is None) or (ref is not None and ref() is x and version == x._version)
+    if x is None:  # a dead weakref also returns None: only "no tensor last time" matches no tensor now
+        return ref is None
+    return ref is not None and ref() is x and version == x._version
 
 
 def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total: int) -> None:
