@@ -75,7 +75,11 @@ def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
 
 def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...]:
     """padding_idx (None, one int for every table, or one int-or-None per table), normalised per table."""
-    per_table = list(padding_idx) if isinstance(padding_idx, Sequence) else [padding_idx] * len(weights)
+    per_table = (  # a str is a Sequence too: one bad entry for every table, not one entry per character
+        list(padding_idx)
+        if isinstance(padding_idx, Sequence) and not isinstance(padding_idx, str)
+        else [padding_idx] * len(weights)
+    )
     if len(per_table) != len(weights):
         raise ValueError(f"padding_idx: expected one entry per table ({len(weights)}), got {len(per_table)}")
     normalised = []
