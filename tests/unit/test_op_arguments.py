@@ -148,3 +148,12 @@ def test_numpy_scalars_are_taken_as_the_python_numbers_they_equal():
 def test_a_bool_dropout_probability_is_an_error(call):
     with pytest.raises(TypeError, match="p: expected a dropout probability"):
         call()
+
+
+def test_a_numpy_bool_flag_is_named_as_numpy_in_the_error():
+    np = pytest.importorskip("numpy")
+    # numpy's bool type is named "bool": the message read "expected a bool (True or False), got bool np.True_"
+    with pytest.raises(
+        TypeError, match=r"training: expected a bool \(True or False\), got numpy\.bool.* \(pass bool\(value\)\)"
+    ):
+        dropout_add(torch.randn(4), torch.randn(4), 0.5, np.bool_(True))

@@ -53,7 +53,10 @@ def check_bool(name: str, value) -> None:
     """A flag: True or False. Anything else (a string, 1, None) is an error rather than read by its truth value.
     While compiling, a flag may arrive as a SymBool, which is a bool too."""
     if type(value) is not bool and not isinstance(value, torch.SymBool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+        kind = type(value).__name__
+        if type(value).__module__ == "numpy":  # numpy's bool is named "bool" too: "expected a bool, got bool" misleads
+            kind = f"numpy.{kind} (pass bool(value))"
+        raise TypeError(f"{name}: expected a bool (True or False), got {kind} {value!r}")
 
 
 def check_eps(eps) -> None:
