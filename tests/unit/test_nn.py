@@ -337,3 +337,11 @@ def test_embedding_bag_takes_a_numpy_padding_row():
     bag = EmbeddingBagMean(10, 4, padding_idx=np.int64(-1))
     assert bag.padding_idx == 9 and type(bag.padding_idx) is int
     assert torch.equal(bag.weight[9], torch.zeros(4))
+
+
+@pytest.mark.parametrize("head_dim, error", [(0, ValueError), (-4, ValueError), (4.0, TypeError)])
+def test_gated_delta_mixer_checks_an_explicit_head_dim(head_dim, error):
+    # head_dim=0 was read as "not given" (d_model // n_heads taken silently); a negative one failed inside Linear
+    with pytest.raises(error, match="head_dim: expected None or an int >= 1"):
+        GatedDeltaRuleMixer(8, 2, head_dim=head_dim)
+    assert GatedDeltaRuleMixer(8, 2, head_dim=16).head_dim == 16
