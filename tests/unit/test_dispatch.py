@@ -104,6 +104,18 @@ def test_config_rejects_unknown_values(kwargs, message):
         acc.AcceleratorConfig(**kwargs)
 
 
+def test_config_ops_must_be_a_mapping():
+    # a list of op names (what "these ops on triton" might be written as) raised AttributeError from inside the config
+    with pytest.raises(TypeError, match=r"accelerators.ops: expected a mapping of op name -> backend, got list"):
+        acc.AcceleratorConfig(ops=["rms_norm"])
+    with pytest.raises(TypeError, match=r"^ops: expected a mapping of op name -> backend, got list"):
+        with acc.use_accelerators(ops=["rms_norm"]):
+            pass
+    with pytest.raises(TypeError, match=r"config: expected an AcceleratorConfig or None, got dict"):
+        with acc.use_accelerators({"default": "torch"}):
+            pass
+
+
 def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
     config = acc.AcceleratorConfig.from_mapping(
         {"default": "triton", "ops": {"rms_norm": None, "l2norm": "torch"}, "fallback": "error"}

@@ -157,6 +157,9 @@ def test_errors(backend):
         embedding_bag_collection(weights[0], values, offsets, backend=backend)
     with pytest.raises(ValueError, match="padding_idx: expected a value in"):
         embedding_bag_collection(weights, values, offsets, padding_idx=7, backend=backend)
+    # a string is a Sequence: it was read as one entry per character ("expected one entry per table")
+    with pytest.raises(TypeError, match="padding_idx: expected an int, None or a list of them, got str for table 0"):
+        embedding_bag_collection(weights, values, offsets, padding_idx="0", backend=backend)
     with pytest.raises(ValueError, match="offsets: required"):
         embedding_bag_collection(weights, values, backend=backend)
     bad = values.clone()

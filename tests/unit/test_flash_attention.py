@@ -269,7 +269,7 @@ Q, K = (1, 4, 5, 16), (1, 2, 6, 16)
         (dict(key_lengths=torch.tensor([-1])), ValueError, r"key_lengths: expected values in \[0, 6\]"),
         (dict(attn_mask=torch.ones(5, 6)), TypeError, "attn_mask: expected a bool tensor"),
         (dict(attn_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError, "attn_mask: expected a shape broadcastable"),
-        (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a dropout probability in \[0, 1\)"),
         (dict(dropout_p=-0.1), ValueError, "dropout_p"),
         (dict(scale="big"), TypeError, "scale: expected a float > 0 or None, got str"),
         (dict(scale=0.0), ValueError, "scale: expected a finite float > 0 or None, got 0.0"),

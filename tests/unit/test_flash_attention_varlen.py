@@ -262,8 +262,8 @@ def _call(lengths_q=(2, 3), lengths_k=(2, 3), d=16, **kwargs):
         ),
         (dict(max_seqlen_q=2), ValueError, r"max_seqlen_q: 2 is smaller than the longest sequence \(3\)"),
         (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k: expected None or an int >= 0"),
-        (dict(max_seqlen_q=3.0), ValueError, "max_seqlen_q: expected None or an int"),
-        (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+        (dict(max_seqlen_q=3.0), TypeError, "max_seqlen_q: expected None or an int"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a dropout probability in \[0, 1\)"),
     ],
     ids=[
         "k-missing",

@@ -135,7 +135,7 @@ def test_errors_name_the_argument():
         mhc_pre(x, phi, alpha, bias[:5])
     with pytest.raises(ValueError, match="sinkhorn_iters: expected an integer >= 1, got 0"):
         mhc_pre(x, phi, alpha, bias, sinkhorn_iters=0)
-    with pytest.raises(ValueError, match="sinkhorn_iters: expected an integer >= 1, got True"):
+    with pytest.raises(TypeError, match="sinkhorn_iters: expected an integer >= 1, got bool True"):
         mhc_pre(x, phi, alpha, bias, sinkhorn_iters=True)
     with pytest.raises(ValueError, match="x: expected at least 2 dimension"):
         mhc_pre(x[0, 0], phi, alpha, bias)
@@ -175,3 +175,17 @@ def test_tilelang_kernels_compile_for_sm90a():
         f"blockIdx.y) * {kernels.BLOCK_TOKENS})" not in post_forward
         and f"blockIdx.x) * {kernels.BLOCK_TOKENS})" in post_forward
     )
+
+
+def test_reference_sinkhorn_keeps_an_underflowed_row_zero_as_the_kernels_do():
+    # logits spread by more than exp's range: the second row and column underflow to zero. The kernels divide by
+    # max(sum, 1e-30) and keep them zero; the reference divided by the zero sum and gave NaN for the whole matrix
+    from runtime.accelerators.mhc.reference import sinkhorn
+
+    logits = torch.tensor([[[0.0, -200.0], [-200.0, -400.0]]])
+    out = sinkhorn(logits, 20)
+    assert torch.equal(out, torch.tensor([[[1.0, 0.0], [0.0, 0.0]]]))
+    torch.manual_seed(3)
+    x, phi, alpha, bias = torch.randn(3, 2, 8), torch.randn(16, 8), torch.tensor([80.0, 110.0, 130.0]), torch.randn(8)
+    _, _, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
+    assert torch.isfinite(h_res).all()

@@ -253,3 +253,95 @@ def test_bce_loss_keeps_float64_as_torch_does():
         torch.testing.assert_close(loss, theirs(logits, targets))
         assert torch.autograd.gradcheck(lambda x: ours(x, targets), (logits,))
         assert ours(logits.detach().to(torch.bfloat16), targets).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: MultiHeadAttention(8, 2, dropout=1.5),
+            ValueError,
+            r"dropout: expected a dropout probability in \[0, 1\)",
+        ),
+        (lambda: MultiHeadAttention(8, 2, dropout=-0.1), ValueError, r"dropout: expected a dropout probability"),
+        (lambda: MultiHeadAttention(8, 2, causal="yes"), TypeError, r"causal: expected a bool"),
+        (lambda: CrossAttention(8, 2, dropout=1.0), ValueError, r"dropout: expected a dropout probability in \[0, 1\)"),
+        (lambda: DropoutAdd("0.1"), TypeError, "p: expected a dropout probability"),
+        (lambda: DropoutAdd(True), TypeError, "p: expected a dropout probability"),
+        (lambda: LayerNorm((2, 8)), ValueError, r"dim: expected the width of the last dimension .* got \(2, 8\)"),
+        (lambda: RMSNorm(0), ValueError, "dim: expected an int >= 1"),
+        (lambda: RMSNorm(8.0), TypeError, "dim: expected an int >= 1"),
+        (lambda: RMSNorm(8, eps=-1.0), ValueError, "eps: expected a finite float >= 0"),
+        (lambda: LayerNorm(8, eps=math.nan), ValueError, "eps: expected a finite float >= 0"),
+        (lambda: LayerNorm(8, elementwise_affine="no"), TypeError, "elementwise_affine: expected a bool"),
+    ],
+    ids=[
+        "mha-dropout-high",
+        "mha-dropout-negative",
+        "mha-causal-str",
+        "cross-dropout-one",
+        "dropout-add-str",
+        "dropout-add-bool",
+        "layer-norm-2d-shape",
+        "rms-norm-zero",
+        "rms-norm-float",
+        "rms-norm-eps",
+        "layer-norm-eps-nan",
+        "layer-norm-affine-str",
+    ],
+)
+def test_module_arguments_are_checked_when_the_module_is_built(make, error, message):
+    # before, these built a module that failed only at a later forward (or, for attention dropout, never in eval)
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("cls", [RMSNorm, LayerNorm])
+def test_a_norm_without_weight_checks_the_width_it_was_built_for(cls):
+    # as torch's nn.RMSNorm / nn.LayerNorm(elementwise_affine=False): a width other than dim is an error, not a
+    # silent normalisation over another width
+    norm = cls(8, elementwise_affine=False)
+    with use_accelerators(**TORCH):
+        assert norm(torch.randn(3, 8)).shape == (3, 8)
+        with pytest.raises(ValueError, match=r"x: expected the last dimension of size 8"):
+            norm(torch.randn(3, 16))
+    assert cls((8,)).weight.shape == (8,)  # a one-element normalized_shape, as torch's modules take it
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: EmbeddingBagMean(10, 4, padding_idx=True),
+            TypeError,
+            "padding_idx: expected an int or None, got bool",
+        ),
+        (
+            lambda: EmbeddingBagMean(10, 4, padding_idx=3.0),
+            TypeError,
+            "padding_idx: expected an int or None, got float",
+        ),
+        (lambda: BCEWithLogitsLoss(reduction="avg"), ValueError, "reduction: expected one of 'none', 'mean', 'sum'"),
+        (lambda: BCEWithLogitsLoss(pos_weight=[2.0]), TypeError, "pos_weight: expected a number or None, got list"),
+    ],
+    ids=["padding-bool", "padding-float", "bce-reduction", "bce-pos-weight-list"],
+)
+def test_embedding_and_loss_arguments_are_checked_when_built(make, error, message):
+    # padding_idx=True was taken as row 1; a bad reduction failed only at the first forward
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_embedding_bag_takes_a_numpy_padding_row():
+    np = pytest.importorskip("numpy")
+    bag = EmbeddingBagMean(10, 4, padding_idx=np.int64(-1))
+    assert bag.padding_idx == 9 and type(bag.padding_idx) is int
+    assert torch.equal(bag.weight[9], torch.zeros(4))
+
+
+@pytest.mark.parametrize("head_dim, error", [(0, ValueError), (-4, ValueError), (4.0, TypeError)])
+def test_gated_delta_mixer_checks_an_explicit_head_dim(head_dim, error):
+    # head_dim=0 was read as "not given" (d_model // n_heads taken silently); a negative one failed inside Linear
+    with pytest.raises(error, match="head_dim: expected None or an int >= 1"):
+        GatedDeltaRuleMixer(8, 2, head_dim=head_dim)
+    assert GatedDeltaRuleMixer(8, 2, head_dim=16).head_dim == 16

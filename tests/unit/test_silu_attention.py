@@ -321,8 +321,11 @@ ERRORS = {
     "pos-empty": (dict(position_bias=torch.randn(0)), ValueError, "position_bias: expected shape"),
     "time-3d": (dict(time_bias=torch.randn(2, 2, 5)), ValueError, "time_bias: expected shape"),
     "time-int": (dict(time_bias=torch.ones(5, dtype=torch.int64)), TypeError, "time_bias: expected a floating-point"),
-    "alpha-str": (dict(alpha="0.1"), TypeError, "alpha: expected a float or None"),
-    "dropout": (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+    "alpha-str": (dict(alpha="0.1"), TypeError, "alpha: expected a finite float"),
+    "alpha-nan": (dict(alpha=float("nan")), ValueError, "alpha: expected a finite float, got nan"),
+    "alpha-inf": (dict(alpha=float("inf")), ValueError, "alpha: expected a finite float, got inf"),
+    "dropout-bool": (dict(dropout_p=True), TypeError, "dropout_p: expected a dropout probability"),
+    "dropout": (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a dropout probability in \[0, 1\)"),
     "causal-str": (dict(causal="no"), TypeError, r"causal: expected a bool \(True or False\), got str 'no'"),
     "causal-none": (dict(causal=None), TypeError, r"causal: expected a bool \(True or False\), got NoneType"),
 }
@@ -365,3 +368,13 @@ def test_compiles_fullgraph_with_gradients():
     out = torch.compile(step, fullgraph=True)(q, k, v, kwargs["position_bias"], kwargs["time_bias"])
     ref = oracle(q, k, v, cu, kwargs)
     check_all(out, ref, q, k, v, kwargs, RTOL_ATTENTION_FP32, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
+
+
+def test_a_call_without_targets_after_one_whose_targets_were_freed():
+    # the checked-values memo held a weak reference to the last num_targets; once that tensor was freed the weak
+    # reference returned None, which matched num_targets=None and then crashed reading None._version
+    q, k, v, cu, kwargs = make([3, 4], 2, 16, targets=[1, 2], grad=False)
+    silu_attention(q, k, v, cu, **kwargs, backend="torch")
+    del kwargs["num_targets"]  # the targets tensor of the first call is freed here
+    out = silu_attention(q, k, v, cu, **kwargs, backend="torch")
+    assert_close("o", out, oracle(q, k, v, cu, kwargs), RTOL_ATTENTION_FP32)

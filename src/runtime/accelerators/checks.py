@@ -53,7 +53,10 @@ def check_bool(name: str, value) -> None:
     """A flag: True or False. Anything else (a string, 1, None) is an error rather than read by its truth value.
     While compiling, a flag may arrive as a SymBool, which is a bool too."""
     if type(value) is not bool and not isinstance(value, torch.SymBool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+        kind = type(value).__name__
+        if type(value).__module__ == "numpy":  # numpy's bool is named "bool" too: "expected a bool, got bool" misleads
+            kind = f"numpy.{kind} (pass bool(value))"
+        raise TypeError(f"{name}: expected a bool (True or False), got {kind} {value!r}")
 
 
 def check_eps(eps) -> None:
@@ -72,6 +75,37 @@ def check_scale(scale) -> None:
         raise TypeError(f"scale: expected a float > 0 or None, got {type(scale).__name__}")
     if not 0.0 < scale < math.inf:  # also rejects NaN
         raise ValueError(f"scale: expected a finite float > 0 or None, got {scale}")
+
+
+def as_int(name: str, value, *, least: int, expected: str):
+    """An integer argument >= least: numpy's and other Integral numbers as a Python int; a Python int (or a SymInt
+    while compiling) as it is. A bool, a float or anything else is a TypeError naming the argument."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+        value = int(value)
+    if value < least:
+        raise ValueError(f"{name}: expected {expected}, got {value}")
+    return value
+
+
+def as_probability(name: str, value) -> float:
+    """A dropout probability: a real number (numpy's too, not a bool) in [0, 1), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a dropout probability (a float in [0, 1)), got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:  # also rejects NaN
+        raise ValueError(f"{name}: expected a dropout probability in [0, 1), got {value}")
+    return float(value)
+
+
+def as_finite_float(name: str, value) -> float:
+    """A finite real number (numpy's too, not a bool) as a Python float: NaN or an infinity would turn every output
+    into NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a finite float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+    return float(value)
 
 
 def dtype_reasons(name: str, tensor: torch.Tensor, allowed=KERNEL_DTYPES) -> list[str]:

@@ -46,6 +46,10 @@ class AcceleratorConfig:
 
     def __post_init__(self) -> None:
         _check_backend("default", self.default)
+        if not isinstance(self.ops, Mapping):
+            raise TypeError(
+                f"accelerators.ops: expected a mapping of op name -> backend, got {type(self.ops).__name__} {self.ops!r}"
+            )
         for op, backend in self.ops.items():
             if op not in OP_NAMES:
                 raise ValueError(f"accelerators.ops: unknown op {op!r}; expected one of {', '.join(OP_NAMES)}")
@@ -114,6 +118,10 @@ def use_accelerators(
     >>> with use_accelerators(default="triton", ops={"flash_attention": "tilelang"}, fallback="error"):
     ...     model(batch)
     """
+    if config is not None and not isinstance(config, AcceleratorConfig):
+        raise TypeError(f"config: expected an AcceleratorConfig or None, got {type(config).__name__}")
+    if ops is not None and not isinstance(ops, Mapping):
+        raise TypeError(f"ops: expected a mapping of op name -> backend, got {type(ops).__name__} {ops!r}")
     base = config if config is not None else active_config()
     merged = AcceleratorConfig(
         default=default if default is not None else base.default,

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_probability, check_bool
 from runtime.accelerators.flash_attention import flash_attention
 
 from .linear import Linear
@@ -80,9 +81,10 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         _check_heads(d_model, n_heads)
+        check_bool("causal", causal)
         self.n_heads = n_heads
         self.causal = causal
-        self.dropout = dropout
+        self.dropout = as_probability("dropout", dropout)
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
         self.qkv = Linear(d_model, 3 * d_model, bias=bias, backend=backend, **factory)
@@ -144,7 +146,7 @@ class CrossAttention(nn.Module):
         super().__init__()
         _check_heads(d_model, n_heads)
         self.n_heads = n_heads
-        self.dropout = dropout
+        self.dropout = as_probability("dropout", dropout)
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
         self.q = Linear(d_model, d_model, bias=bias, backend=backend, **factory)

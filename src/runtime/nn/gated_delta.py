@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_int
 from runtime.accelerators.gated_delta_rule import chunk_gated_delta_rule
 from runtime.accelerators.l2norm import l2norm
 from runtime.accelerators.swiglu import swiglu
@@ -49,8 +50,10 @@ class GatedDeltaRuleMixer(nn.Module):
             raise ValueError(
                 f"n_heads: expected a positive divisor of d_model={d_model} (or give head_dim), got {n_heads}"
             )
+        if head_dim is not None:  # 0 was read as "not given" and a negative one failed deep in Linear
+            head_dim = as_int("head_dim", head_dim, least=1, expected="None or an int >= 1")
         self.n_heads = n_heads
-        self.head_dim = head_dim or d_model // n_heads
+        self.head_dim = head_dim if head_dim is not None else d_model // n_heads
         self.backend = backend
         width = n_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_probability, check_bool
 from runtime.accelerators.silu_attention import silu_attention
 
 from .linear import Linear
@@ -59,8 +60,8 @@ class HSTUBlock(nn.Module):
         for name, value in (("position_buckets", position_buckets), ("time_buckets", time_buckets)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an integer >= 0 (0: no such bias), got {value!r}")
-        if not 0.0 <= attn_dropout < 1.0:
-            raise ValueError(f"attn_dropout: expected a probability in [0, 1), got {attn_dropout!r}")
+        attn_dropout = as_probability("attn_dropout", attn_dropout)
+        check_bool("causal", causal)
         factory = {"device": device, "dtype": dtype}
         self.n_heads, self.head_dim = n_heads, head_dim
         self.causal = causal

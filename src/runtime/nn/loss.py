@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
 from runtime.accelerators.bce_with_logits import binary_cross_entropy_with_logits
+from runtime.accelerators.bce_with_logits.reference import REDUCTIONS
 
 
 class BCEWithLogitsLoss(nn.Module):
@@ -23,6 +26,10 @@ class BCEWithLogitsLoss(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+        if pos_weight is not None and (isinstance(pos_weight, bool) or not isinstance(pos_weight, numbers.Real)):
+            raise TypeError(f"pos_weight: expected a number or None, got {type(pos_weight).__name__}")
         self.reduction = reduction
         self.backend = backend
         weight = None if pos_weight is None else torch.tensor([float(pos_weight)], device=device, dtype=dtype)

@@ -8,6 +8,7 @@ from torch import nn
 
 from runtime.accelerators.add_norm import add_layer_norm, add_rms_norm
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_int, check_bool, check_eps
 from runtime.accelerators.l2norm import l2norm
 from runtime.accelerators.layer_norm import layer_norm
 from runtime.accelerators.rms_norm import rms_norm
@@ -15,7 +16,11 @@ from runtime.accelerators.rms_norm import rms_norm
 
 class _AffineNorm(nn.Module):
     """What the affine norms share: eps, the pinned backend, a weight of ones (and for the LayerNorms a bias of
-    zeros) over the last dimension as nn.RMSNorm / nn.LayerNorm hold them (their state_dicts load unchanged)."""
+    zeros) over the last dimension as nn.RMSNorm / nn.LayerNorm hold them (their state_dicts load unchanged).
+
+    dim: the width of the last dimension, an int >= 1 or a one-element normalized_shape as torch's modules take it.
+    Without a weight (elementwise_affine=False) the input's last dimension is still checked against it, as torch's
+    modules do."""
 
     def __init__(
         self,
@@ -28,6 +33,18 @@ class _AffineNorm(nn.Module):
         dtype,
     ) -> None:
         super().__init__()
+        if isinstance(dim, (tuple, list, torch.Size)):
+            if len(dim) != 1:
+                raise ValueError(
+                    f"dim: expected the width of the last dimension (an int, or a one-element normalized_shape), got "
+                    f"{tuple(dim)}: the op normalises over the last dimension only"
+                )
+            (dim,) = dim
+        dim = as_int("dim", dim, least=1, expected="an int >= 1 (the width of the last dimension)")
+        check_eps(eps)
+        check_bool("elementwise_affine", elementwise_affine)
+        check_bool("bias", bias)
+        self.dim = dim
         self.eps = eps
         self.backend = backend
         factory = dict(device=device, dtype=dtype)
@@ -40,9 +57,16 @@ class _AffineNorm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def _check_width(self, x: torch.Tensor) -> None:
+        """Without a weight nothing else ties x's width to dim (the op checks a weight's shape against x)."""
+        if self.weight is None and isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != self.dim:
+            raise ValueError(
+                f"x: expected the last dimension of size {self.dim} ({type(self).__name__}(dim={self.dim})), got shape "
+                f"{tuple(x.shape)}"
+            )
+
     def extra_repr(self) -> str:
-        dim = None if self.weight is None else self.weight.shape[0]
-        return f"{dim}, eps={self.eps}, backend={self.backend}"
+        return f"{self.dim}, eps={self.eps}, backend={self.backend}"
 
 
 class RMSNorm(_AffineNorm):
@@ -61,6 +85,7 @@ class RMSNorm(_AffineNorm):
         super().__init__(dim, eps, elementwise_affine, False, backend, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
@@ -81,6 +106,7 @@ class LayerNorm(_AffineNorm):
         super().__init__(dim, eps, elementwise_affine, bias, backend, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
 
 
@@ -90,6 +116,7 @@ class L2Norm(nn.Module):
 
     def __init__(self, eps: float = 1e-6, *, backend: Backend | None = None) -> None:
         super().__init__()
+        check_eps(eps)
         self.eps = eps
         self.backend = backend
 
@@ -117,6 +144,7 @@ class AddRMSNorm(_AffineNorm):
         super().__init__(dim, eps, elementwise_affine, False, backend, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_width(x)
         return add_rms_norm(x, residual, self.weight, self.eps, backend=self.backend)
 
 
@@ -138,4 +166,5 @@ class AddLayerNorm(_AffineNorm):
         super().__init__(dim, eps, elementwise_affine, bias, backend, device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_width(x)
         return add_layer_norm(x, residual, self.weight, self.bias, self.eps, backend=self.backend)

@@ -7,6 +7,7 @@ from torch import nn
 
 from runtime.accelerators.add_norm import add_rms_norm
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_probability
 from runtime.accelerators.dropout_add import dropout_add
 
 from .norms import RMSNorm
@@ -21,9 +22,7 @@ class DropoutAdd(nn.Module):
 
     def __init__(self, p: float = 0.0, *, backend: Backend | None = None) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"p: expected a dropout probability in [0, 1), got {p!r}")
-        self.p = p
+        self.p = as_probability("p", p)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,10 @@ x + residual (still differentiable) and draws nothing.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import as_probability, check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -79,11 +77,7 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     if residual.dtype != x.dtype:
         raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
     check_same_device("residual", residual, "x", x)
-    if type(p) is not float and (isinstance(p, bool) or not isinstance(p, numbers.Real)):  # numpy floats are Real
-        raise TypeError(f"p: expected a dropout probability (a float in [0, 1)), got {type(p).__name__}")
-    if not 0.0 <= p < 1.0:  # also rejects NaN
-        raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
-    return float(p)
+    return as_probability("p", p)
 
 
 def dropout_add(

@@ -15,6 +15,8 @@ same KernelOp eager path.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..backends import Backend, select_backend
@@ -138,8 +140,9 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
     if padding_idx is None:
         return None
     num_embeddings = weight.shape[0]
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):  # numpy ints are Integral
         raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__}")
+    padding_idx = int(padding_idx)
     if not -num_embeddings <= padding_idx < num_embeddings:
         raise ValueError(
             f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), got {padding_idx}"

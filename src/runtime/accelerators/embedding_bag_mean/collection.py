@@ -25,6 +25,7 @@ and backward, and under torch.compile a call runs outside the graph (a graph bre
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -74,7 +75,11 @@ def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
 
 def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...]:
     """padding_idx (None, one int for every table, or one int-or-None per table), normalised per table."""
-    per_table = list(padding_idx) if isinstance(padding_idx, Sequence) else [padding_idx] * len(weights)
+    per_table = (  # a str is a Sequence too: one bad entry for every table, not one entry per character
+        list(padding_idx)
+        if isinstance(padding_idx, Sequence) and not isinstance(padding_idx, str)
+        else [padding_idx] * len(weights)
+    )
     if len(per_table) != len(weights):
         raise ValueError(f"padding_idx: expected one entry per table ({len(weights)}), got {len(per_table)}")
     normalised = []
@@ -82,11 +87,12 @@ def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...
         if pad is None:
             normalised.append(None)
             continue
-        if isinstance(pad, bool) or not isinstance(pad, int):
+        n = weight.shape[0]
+        if isinstance(pad, bool) or not isinstance(pad, numbers.Integral):
             raise TypeError(
                 f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}"
             )
-        n = weight.shape[0]
+        pad = int(pad)
         if not -n <= pad < n:
             raise ValueError(
                 f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}"

@@ -15,7 +15,7 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_scale, check_tensor
+from ..checks import as_probability, check_bool, check_same_device, check_scale, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -157,13 +157,14 @@ KERNEL = KernelOp(
 )
 
 
-def _check_dropout_and_scale(dropout_p, scale) -> None:
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+def _check_dropout_and_scale(dropout_p, scale) -> float:
+    """Returns dropout_p as a float."""
     check_scale(scale)
+    return as_probability("dropout_p", dropout_p)
 
 
-def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
+def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> float:
+    """Validate the arguments; returns dropout_p as a float."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
         if x.dim() != 4:
@@ -212,7 +213,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> None:
             ) from None
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask: expected at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
-    _check_dropout_and_scale(dropout_p, scale)
+    return _check_dropout_and_scale(dropout_p, scale)
 
 
 _last_lengths: tuple = (None, -1, {})  # (weakref to the last key_lengths seen, its version, what was done for it)
@@ -321,7 +322,7 @@ def flash_attention(
             max_seqlen_k,
             backend,
         )
-    _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
+    dropout_p = _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))
     chosen = select_backend(
@@ -364,8 +365,10 @@ def _flash_attention_packed(
     backend,
 ) -> torch.Tensor:
     """flash_attention on packed sequences (cu_seqlens; see varlen.py)."""
-    varlen.check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask)
-    _check_dropout_and_scale(dropout_p, scale)
+    max_seqlen_q, max_seqlen_k = varlen.check_layout(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask
+    )
+    dropout_p = _check_dropout_and_scale(dropout_p, scale)
     max_seqlen_q, max_seqlen_k = varlen.max_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q, k, v = _autocast(q, k, v)
     deterministic = needs_deterministic_backward(q, k, v)

@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..autocast import autocast_enabled
-from ..checks import check_same_device, check_tensor
+from ..checks import as_int, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 
@@ -64,8 +64,9 @@ KERNEL = KernelOp(
 )
 
 
-def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask) -> None:
-    """Shapes, dtypes and devices of a packed call (no value is read)."""
+def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_lengths, attn_mask) -> tuple:
+    """Shapes, dtypes and devices of a packed call (no value is read); returns (max_seqlen_q, max_seqlen_k) as ints
+    (or None where not given)."""
     for name, given, other in (
         ("cu_seqlens_q", cu_seqlens_q, "cu_seqlens_k"),
         ("cu_seqlens_k", cu_seqlens_k, "cu_seqlens_q"),
@@ -112,9 +113,12 @@ def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets like cu_seqlens_q (one sequence of keys per sequence of "
             f"queries), got {cu_seqlens_k.numel()}"
         )
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{name}: expected None or an int >= 0 (the longest sequence's length), got {value!r}")
+    return tuple(
+        None
+        if value is None
+        else as_int(name, value, least=0, expected="None or an int >= 0 (the longest sequence's length)")
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+    )
 
 
 _checked: tuple = ()  # (weakrefs and versions of the last cu_seqlens pair read, their totals, the longest lengths)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_eps, check_same_device, check_tensor, dtype_reasons
+from ..checks import as_int, check_eps, check_same_device, check_tensor, dtype_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import mhc_post_reference, mhc_pre_reference
@@ -113,8 +113,7 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
     _check_shape("alpha", alpha, (3,), x)
     _check_shape("bias", bias, (m,), x)
     check_eps(eps)
-    if not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool) or sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters: expected an integer >= 1, got {sinkhorn_iters!r}")
+    sinkhorn_iters = as_int("sinkhorn_iters", sinkhorn_iters, least=1, expected="an integer >= 1")
     chosen = select_backend(
         SPEC,
         backend,

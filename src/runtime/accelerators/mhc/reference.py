@@ -17,6 +17,10 @@ import torch
 
 from ..checks import compute_dtype
 
+# the least row or column sum divided by, as the kernels take it: a row or column whose entries all underflow exp
+# (logits spread by more than ~100) stays zero instead of 0 / 0 = NaN
+TINY = 1e-30
+
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """exp(logits) over the last two dims, then `iters` rounds of row then column normalisation.
@@ -25,8 +29,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """
     matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
-        matrix = matrix / matrix.sum(-1, keepdim=True)
-        matrix = matrix / matrix.sum(-2, keepdim=True)
+        matrix = matrix / matrix.sum(-1, keepdim=True).clamp_min(TINY)
+        matrix = matrix / matrix.sum(-2, keepdim=True).clamp_min(TINY)
     return matrix
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_tensor
+from ..checks import as_finite_float, as_int, as_probability, check_bool, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -175,10 +175,11 @@ def _check_inputs(
         raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1] of offsets from 0 to total, got {got}")
     n = cu_seqlens.shape[0] - 1
     _check_index("cu_seqlens", cu_seqlens, "(N + 1 offsets)", n + 1, q)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise TypeError(f"max_seqlen: expected a non-negative int (the longest sequence's length), got {max_seqlen!r}")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-        raise TypeError(f"alpha: expected a float or None, got {type(alpha).__name__}")
+    max_seqlen = as_int(
+        "max_seqlen", max_seqlen, least=0, expected="a non-negative int (the longest sequence's length)"
+    )
+    if alpha is not None:
+        alpha = as_finite_float("alpha", alpha)
     check_bool("causal", causal)  # a string or None would be read by its truth value
     if num_targets is not None:
         _check_index("num_targets", num_targets, "(one count per sequence)", n, q)
@@ -188,9 +189,9 @@ def _check_inputs(
         raise ValueError("time_bias: given without timestamps; pass timestamps (int64 [total], seconds) too")
     if timestamps is not None:
         _check_index("timestamps", timestamps, "(one per token: [total])", total, q)
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    dropout_p = as_probability("dropout_p", dropout_p)
     _check_values(cu_seqlens, num_targets, max_seqlen, total)
+    return max_seqlen, alpha, dropout_p
 
 
 _checked: tuple = ()  # (weakrefs and versions of the last cu_seqlens / num_targets checked, max_seqlen, total)
@@ -202,7 +203,9 @@ def _identity(x) -> tuple:
 
 def _same(checked: tuple, x) -> bool:
     ref, version = checked
-    return (x is None and ref is None) or (ref is not None and ref() is x and version == x._version)
+    if x is None:  # a dead weakref also returns None: only "no tensor last time" matches no tensor now
+        return ref is None
+    return ref is not None and ref() is x and version == x._version
 
 
 def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total: int) -> None:
@@ -289,7 +292,7 @@ def silu_attention(
     timestamps int [total] (seconds). dropout_p is applied whenever > 0 (pass 0 in eval); its seed comes from
     torch's generator of q's device. Returns [total, H, D] in q's dtype.
     """
-    _check_inputs(
+    max_seqlen, alpha, dropout_p = _check_inputs(
         q, k, v, cu_seqlens, max_seqlen, alpha, causal, num_targets, position_bias, time_bias, timestamps, dropout_p
     )
     q, k, v = _autocast(q, k, v)
