@@ -65,6 +65,17 @@ def _silu_scaled(x, scale):
     return T.call_pure_extern("float32", "taac_silu_scaled", x, scale)
 
 
+def _biased(score, alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos: bool, time: bool):
+    """alpha * score plus the biases of a tile's query i and key j, from the shared-memory tables (pb_s by
+    i - j + BLOCK_N - 1)."""
+    x = score * alpha
+    if pos:
+        x = x + pb_s[i - j + BLOCK_N - 1]
+    if time:
+        x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
+    return x
+
+
 def padded_dim(dim: int) -> int:
     """The head dim of the kernels' tiles: a power of two, at least 16 (the extra columns read as zero)."""
     return max(16, next_power_of_2(dim))
@@ -145,11 +156,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
                 # conditions inline (flash_attention's forward: a thread-dependent boolean name breaks ThreadSync)
                 if dropout or (k0 + bN > n) or (causal and k0 + bN > q0 + 1) or (targets and k0 + bN > first_target):
                     for i, j in T.Parallel(bM, bN):
-                        x = s[i, j] * alpha
-                        if pos:
-                            x = x + pb_s[i - j + bN - 1]
-                        if time:
-                            x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
+                        x = _biased(s[i, j], alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos, time)
                         visible = k0 + j < n
                         if causal:
                             visible = visible and (k0 + j <= q0 + i)
@@ -160,11 +167,7 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
                         p[i, j] = T.if_then_else(visible, T.cast(_silu_scaled(x, scale), dtype), T.cast(0, dtype))
                 else:  # every score visible (rows past the sequence are never stored)
                     for i, j in T.Parallel(bM, bN):
-                        x = s[i, j] * alpha
-                        if pos:
-                            x = x + pb_s[i - j + bN - 1]
-                        if time:
-                            x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
+                        x = _biased(s[i, j], alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos, time)
                         p[i, j] = T.cast(_silu_scaled(x, scale), dtype)
                 T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(bM, dp):
