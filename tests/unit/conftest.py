@@ -71,6 +71,14 @@ def tilelang_on_cpu():
     return module
 
 
+def pytest_collection_modifyitems(items):
+    """The files that hold slow tests run first, each file's tests in their order (its module fixtures are set up
+    once): with -n auto the workers then end together on short tests, instead of one waiting on a long test that
+    was collected last."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dispatch():
     """Each test starts with no cached backend decisions or emitted fallback warnings."""
