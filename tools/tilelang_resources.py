@@ -26,7 +26,7 @@ import torch
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
-# case -> (kernel module, kernel_entries arguments): the benchmark shapes' widths
+# case -> (kernel module, kernel_entries arguments): the benchmark shapes' widths, silu_attention's head dims
 CASES = {
     "add_layer_norm-4096-bf16": ("add_norm", (bf16, 4096, bf16, bf16, True)),
     "add_layer_norm-256-bf16": ("add_norm", (bf16, 256, bf16, bf16, True)),
@@ -34,6 +34,9 @@ CASES = {
     "add_rms_norm-256-bf16": ("add_norm", (bf16, 256, bf16, None, False)),
     "layer_norm-4096-bf16": ("layer_norm", (bf16, 4096, bf16, bf16)),
     "rms_norm-4096-bf16": ("rms_norm", (bf16, 4096, bf16)),
+    # causal with both biases: (head dim, dtype, causal, targets, position bias, time bias, dropout)
+    "silu_attention-d32-bf16": ("silu_attention", (32, bf16, True, False, True, True, False)),
+    "silu_attention-d64-bf16": ("silu_attention", (64, bf16, True, False, True, True, False)),
 }
 
 
@@ -110,7 +113,7 @@ def main() -> None:
     if args.source:
         args.source.mkdir(parents=True, exist_ok=True)
     header = (
-        f"{'case':26s} {'kernel':16s} {'thr':>4s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'blk/SM':>6s} {'grid':>4s}"
+        f"{'case':26s} {'kernel':24s} {'thr':>4s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'blk/SM':>6s} {'grid':>4s}"
     )
     print(header + f" {'SASS':>5s} {'calls':>5s} {'LDG128':>6s} {'LDG<16B':>7s} {'BAR':>4s} {'SHFL':>4s}")
     for case in args.cases or CASES:
@@ -129,7 +132,7 @@ def main() -> None:
             threads, grid_blocks = int(bounds.group(1)), bounds.group(2) or "-"
             blocks = blocks_per_sm(threads, p.get("registers", 255), p["smem"])
             print(
-                f"{case:26s} {key[0]:16s} {threads:4d} {p.get('registers', -1):4d} {p.get('spill', -1):5d}"
+                f"{case:26s} {key[0]:24s} {threads:4d} {p.get('registers', -1):4d} {p.get('spill', -1):5d}"
                 f" {p['smem']:6d} {blocks:6d} {grid_blocks:>4s} {p['instructions']:5d} {p['calls']:5d} {p['ldg128']:6d}"
                 f" {p['ldg_narrow']:7d} {p['bar']:4d} {p['shfl']:4d}"
             )

@@ -2,8 +2,8 @@
 
 Forward: one specialisation with every feature (causal, targets, both biases, dropout) at a padded head dim, and the
 plain kernel at the widest. Backward (dk/dv, dq and, with a bias, the bias kernel): head dim 32 causal with both
-biases, 64 with targets and dropout, 128 fp16 without a bias, and the bias kernel with every feature. The GPU tier
-checks the numbers."""
+biases, 64 with targets and dropout, 128 fp16 without a bias, 16 fp16 not causal with targets and a position bias, and
+the bias kernel with every feature. The GPU tier checks the numbers."""
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ BACKWARD_CASES = {
     "d32-bf16-causal-pos-time": (32, torch.bfloat16, True, False, True, True, False),
     "d64-bf16-causal-targets-dropout": (64, torch.bfloat16, True, True, False, False, True),
     "d128-f16-full": (128, torch.float16, False, False, False, False, False),
+    # not causal: the edge tiles are the sequence's end and the candidates only
+    "d16-f16-targets-pos": (16, torch.float16, False, True, True, False, False),
 }
 BACKWARD = {
     f"{name}-{kernel}": (lambda case=case, kernel=kernel: kernels.backward_entry(kernel, *case))
@@ -73,6 +75,8 @@ def test_backward_compiles_for_sm90a(name):
     # the forward's dropout bits and time buckets, recomputed: not stored
     assert ("taac_dropout_bits" in source) == ("dropout" in name)
     assert ("taac_time_bucket" in source) == ("time" in name)
+    # silu' from the forward's tanh.approx helper, not expf and a division
+    assert "taac_dsilu_scaled" in source and "expf" not in source
     _assert_no_bounds_guards(name, source)
 
 
@@ -86,7 +90,7 @@ def _assert_no_bounds_guards(name, source):
 
 def test_backward_entries_differ_per_kernel_and_flags():
     keys = {entry()[0] for entry in BACKWARD.values()}
-    assert len(keys) == len(BACKWARD) == 8
+    assert len(keys) == len(BACKWARD) == 11
     key, _ = kernels.backward_entry("bias", 32, torch.bfloat16, True, False, True, True, False)
     assert key[0] == "silu_attention_bwd_bias"
     with pytest.raises(KeyError):

@@ -419,20 +419,28 @@ def attention_varlen():
 
 def silu_attention():
     """The forward and the three backward kernels through the kernel module's launchers (bf16 on the CPU: see
-    _attention): bf16 at head dim 32 with every feature (targets, both biases, dropout), fp32 at 64 not causal with a
-    shared position bias, bf16 at 128 causal without biases."""
+    _attention) with the flags a GPU launch sets (inline PTX: clz and tanh.approx): bf16 at head dim 32 with every
+    feature (targets, both biases, dropout), fp32 at 64 not causal with a shared position bias, bf16 at 128 causal
+    without biases; and the forward at the benchmark's flags (bf16, 32, causal, both biases, no targets or dropout)."""
     from runtime.accelerators.silu_attention import triton as silu_triton
 
+    forward_module = importlib.import_module("runtime.accelerators.silu_attention.triton_forward")
     cu = torch.tensor([0, 0, 70, 270], dtype=torch.int32)
-    for d, dtype, causal, features in ((32, bf16, True, True), (64, f32, False, False), (128, bf16, True, None)):
-        q, k, v, do = (torch.randn(270, 4, d).to(dtype) for _ in range(4))
-        targets = torch.tensor([0, 5, 9], dtype=torch.int32) if features else None
-        position = None if features is None else torch.randn(4, 300) if features else torch.randn(300).expand(4, -1)
-        time, timestamps = (torch.randn(4, 20), torch.randint(0, 10**6, (270,))) if features else (None, None)
-        args = (cu, targets, position, time, timestamps, torch.tensor([1234]) if features else None, 200, d**-0.5,
-                causal, 0.1 if features else 0.0)  # fmt: skip
-        silu_triton.forward(q, k, v, *args)
-        silu_triton.backward(do, q, k, v, *args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward_module, "triton_interpret", lambda: False)
+        for d, dtype, causal, features in ((32, bf16, True, True), (64, f32, False, False), (128, bf16, True, None)):
+            q, k, v, do = (torch.randn(270, 4, d).to(dtype) for _ in range(4))
+            targets = torch.tensor([0, 5, 9], dtype=torch.int32) if features else None
+            position = None if features is None else torch.randn(4, 300) if features else torch.randn(300).expand(4, -1)
+            time, timestamps = (torch.randn(4, 20), torch.randint(0, 10**6, (270,))) if features else (None, None)
+            args = (cu, targets, position, time, timestamps, torch.tensor([1234]) if features else None, 200,
+                    d**-0.5, causal, 0.1 if features else 0.0)  # fmt: skip
+            silu_triton.forward(q, k, v, *args)
+            silu_triton.backward(do, q, k, v, *args)
+        q, k, v = (torch.randn(270, 4, 32).to(bf16) for _ in range(3))
+        timestamps = torch.randint(0, 10**6, (270,))
+        silu_triton.forward(q, k, v, cu, None, torch.randn(4, 300), torch.randn(4, 20), timestamps, None, 200,
+                            32**-0.5, True, 0.0)  # fmt: skip
 
 
 def _delta_rule_inputs(B, T, H, HV, K, V, sequences=None, dtype=bf16):
@@ -712,6 +720,17 @@ def test_the_sampling_select_compiles_with_and_without_the_filter(compiled):
         for c in map(constexprs, (launch for launch, _ in compiled["sampling.triton_filter._filter_segment"]))
     }
     assert {(4096, 1, 0, False), (16384, 2, 0, False), (4096, 1, 4, False), (4096, 1, 4, True)} <= filters
+
+
+def test_silu_attention_compiles_the_gpu_path(compiled):
+    """The silu_attention case records a GPU launch's flags: inline PTX (clz for the time buckets) everywhere,
+    tanh.approx for 16-bit inputs only; and the forward's unmasked loop at the benchmark's flags."""
+    launches = [constexprs(launch) for kernel, runs in compiled.items() if kernel.startswith("silu_attention.")
+                for launch, _ in runs]  # fmt: skip
+    assert launches and all(c["PTX"] for c in launches)
+    assert {c["TANH_APPROX"] for c in launches} == {False, True}
+    forward = [constexprs(launch) for launch, _ in compiled["silu_attention.triton_forward._fwd_kernel"]]
+    assert any(c["CAUSAL"] and c["HAS_TIME"] and not c["DROPOUT"] and not c["HAS_TARGETS"] for c in forward)
 
 
 def test_the_dq_kernel_compiles_writing_delta(compiled):

@@ -14,12 +14,17 @@ distances into position buckets with torch (fixed order), as the Triton backward
 Dropout regenerates the forward's bits: flash_attention's counter-based hash with the pair index sequence * H + head
 and local indices, which depend on neither the tile sizes nor the tile orientation.
 
-The forward: tilelang_forward.py; the backward: tilelang_backward.py.
+The forward: tilelang_forward.py; the backward: tilelang_backward.py; what they share to recompute a score tile:
+tilelang_scores.py.
 """
 
+import torch
+
 from ..kernel_backend import KernelBackend
+from ..tilelang_common import Entry
 from .tilelang_backward import BLOCK_B, TIME_SLOTS, backward, backward_entry
-from .tilelang_forward import BLOCK_M, BLOCK_N, MAX_TIME_BUCKETS, THREADS, forward, forward_entry
+from .tilelang_forward import forward, forward_entry
+from .tilelang_scores import BLOCK_M, BLOCK_N, MAX_TIME_BUCKETS, THREADS
 
 __all__ = [
     "BLOCK_B",
@@ -32,7 +37,17 @@ __all__ = [
     "backward_entry",
     "forward",
     "forward_entry",
+    "kernel_entries",
 ]
+
+
+def kernel_entries(
+    dim: int, dtype: torch.dtype, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool
+) -> list[Entry]:
+    """The forward and backward kernels of one specialisation (the bias kernel where a bias is given)."""
+    flags = (causal, targets, pos, time, dropout)
+    kinds = ("dkdv", "dq", "bias") if pos or time else ("dkdv", "dq")
+    return [forward_entry(dim, dtype, *flags), *(backward_entry(kind, dim, dtype, *flags) for kind in kinds)]
 
 
 KERNELS = KernelBackend(forward=forward, backward=backward, backward_reads="arguments")

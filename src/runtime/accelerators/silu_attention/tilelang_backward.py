@@ -1,69 +1,81 @@
 """silu_attention's TileLang backward: the dk/dv, dq and bias-gradient kernel builders and their launcher (see
-tilelang.py). Each kernel recomputes its score tiles exactly as the forward does (tilelang_forward.py: the same
-guarded copies, epilogue, visibility and dropout call), then, in fp32 on the tile:
+tilelang.py). Each kernel recomputes its score tiles with the forward's code (tilelang_scores.py: the same guarded
+copies, staged biases, biased score, visibility and dropout call), then, in fp32 on the tile:
 
     a  = silu(s) / max_seqlen (x 1 / (1 - p) where kept), zero where not visible or dropped
     ds = (do v^T) * silu'(s) / max_seqlen (x 1 / (1 - p)), zero likewise;  silu'(s) = sig (1 + s (1 - sig))
+
+As in the forward, the head's time-bias row goes to shared memory once per program, and the tile's timestamps and
+the 2 * 64 - 1 position-bias entries its distances reach once per tile (the bias kernel's band has one distance
+table for all its tiles); silu and silu' come from one tanh.approx (sig = 0.5 + 0.5 tanh(s / 2)), the same bits of
+a as the forward's. The visibility mask runs only on the tiles edge_tile() names (straddling the diagonal, the
+sequence's end or the first candidate; every tile with dropout). Elsewhere nothing needs hiding, including rows and
+columns past the sequence: their Q/K/V/dO read as zero, so dp = dO V^T is zero there and so is ds (dq, dk, the bias
+sums), and a, which is not zero there, meets only zero dO rows in dv += a dO (dk/dv) or is never formed (dq, bias).
 """
 
 import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
+from ..flash_attention.tilelang_dropout import SEED, dropout_args
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
 from .bias_folds import fold_distances
-from .tilelang_forward import (
+from .tilelang_forward import _fp32_bias, _rows
+from .tilelang_scores import (
     BLOCK_M,
     BLOCK_N,
     MAX_TIME_BUCKETS,
+    N_DIST,
     THREADS,
-    TIME_BUCKET_PRELUDE,
-    _fp32_bias,
-    _rows,
-    _time_bucket,
+    Tables,
+    Visibility,
+    biased_score,
+    dsilu_scaled,
+    edge_tile,
     padded_dim,
+    prelude,
+    silu_scaled,
+    stage_position_bias,
+    stage_time_row,
+    stage_timestamps,
+    time_bucket,
+    visible,
 )
 
 BLOCK_B = 64  # the bias kernel's square tiles: 2 * BLOCK_B diagonal slots, one per thread
 TIME_SLOTS = 64  # per-band time-gradient slots: buckets 0..62 (MAX_TIME_BUCKETS) and one never reached
-assert THREADS == 2 * BLOCK_B and TIME_SLOTS <= THREADS and MAX_TIME_BUCKETS < TIME_SLOTS
+# the bias kernel's tiles index the staged position bias as the others' do (tilelang_scores.N_DIST)
+assert THREADS == 2 * BLOCK_B and BLOCK_B == BLOCK_M == BLOCK_N
+assert TIME_SLOTS <= THREADS and MAX_TIME_BUCKETS < TIME_SLOTS
 
 
-def _prelude(time: bool, dropout: bool):
-    return (DROPOUT_PRELUDE if dropout else "") + (TIME_BUCKET_PRELUDE if time else "") or None
+@T.macro
+def _score_grads(ds, s, dp, tables, vis, q0, k0, scale, masked: bool):
+    """ds = dp * silu'(biased s) * scale in ds's dtype on [queries i, keys j] tiles, zero where not visible (masked)
+    or everywhere visible."""
+    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+        x = biased_score(tables, s[i, j], i, j)
+        if masked:
+            ds[i, j] = T.if_then_else(
+                visible(vis, q0, k0, i, j), T.cast(dp[i, j] * dsilu_scaled(x, scale), ds.dtype), T.cast(0, ds.dtype)
+            )
+        else:
+            ds[i, j] = T.cast(dp[i, j] * dsilu_scaled(x, scale), ds.dtype)
 
 
-def _silu_grads(x, dp, visible, scale, dtype):
-    """(a, ds) of one element in the product dtype and fp32: x the biased score, dp = <do_i, v_j>."""
-    sig = 1.0 / (1.0 + T.exp(-x))
-    a = T.if_then_else(visible, T.cast(x * sig * scale, dtype), T.cast(0, dtype))
-    ds = T.if_then_else(visible, dp * sig * (1.0 + x * (1.0 - sig)) * scale, T.cast(0, ACCUM))
-    return a, ds
-
-
-def _tile_terms(args, s_qk, by, bz, start, n, first_target, qi, kj, q0, k0, i, j, flags):
-    """(biased score, visible, scale) of query qi = q0 + i and key kj = k0 + j, as the forward's epilogue computes
-    them. args: (PB, TB, TS, alpha, inv_max, seed, heads, p_len, t_len, threshold, inv_keep)."""
-    PB, TB, TS, alpha, inv_max, seed, heads, p_len, t_len, threshold, inv_keep = args
-    causal, targets, pos, time, dropout = flags
-    x = s_qk * alpha
-    if pos:
-        x = x + PB[by, T.min(T.abs(qi - kj), p_len - 1)]
-    if time:
-        tq = TS[start + T.if_then_else(qi < n, qi, 0)]
-        tk = TS[start + T.if_then_else(kj < n, kj, 0)]
-        x = x + TB[by, _time_bucket(tq, tk, T.min(t_len, MAX_TIME_BUCKETS))]
-    visible = (qi < n) & (kj < n)
-    if causal:
-        visible = visible & (kj <= qi)
-    if targets:
-        visible = visible & ((kj < first_target) | (qi == kj))
-    scale = inv_max
-    if dropout:
-        visible = visible & dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
-        scale = inv_max * inv_keep
-    return x, visible, scale
+@T.macro
+def _score_grads_transposed(a, ds, s, dp, tables, vis, q0, k0, scale, masked: bool):
+    """a = silu(biased s) * scale and ds as _score_grads on [keys j, queries i] tiles."""
+    for j, i in T.Parallel(BLOCK_N, BLOCK_M):
+        x = biased_score(tables, s[j, i], i, j)
+        if masked:  # a tanh under each condition (edge tiles only): one for both took 28 more registers
+            seen = visible(vis, q0, k0, i, j)
+            a[j, i] = T.if_then_else(seen, T.cast(silu_scaled(x, scale), a.dtype), T.cast(0, a.dtype))
+            ds[j, i] = T.if_then_else(seen, T.cast(dp[j, i] * dsilu_scaled(x, scale), ds.dtype), T.cast(0, ds.dtype))
+        else:
+            a[j, i] = T.cast(silu_scaled(x, scale), a.dtype)
+            ds[j, i] = T.cast(dp[j, i] * dsilu_scaled(x, scale), ds.dtype)
 
 
 def _signature():
@@ -79,7 +91,6 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
     bM, bN = BLOCK_M, BLOCK_N
     dp = padded_dim(dim)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = _signature()
-    flags = (causal, targets, pos, time, dropout)
 
     @T.prim_func
     def silu_attention_bwd_dkdv(
@@ -101,12 +112,16 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
             bx, by, bz = program_of(pid, n_blocks, heads)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
             Q_s = T.alloc_shared((bM, dp), dtype)
             dO_s = T.alloc_shared((bM, dp), dtype)
+            pb_s = T.alloc_shared((N_DIST,), ACCUM)
+            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)
+            tq_s = T.alloc_shared((bM,), "int64")
+            tk_s = T.alloc_shared((bN,), "int64")
             s = T.alloc_fragment((bN, bM), ACCUM)  # scores, transposed: keys x queries
             dpt = T.alloc_fragment((bN, bM), ACCUM)  # V dO^T
             a = T.alloc_fragment((bN, bM), dtype)
@@ -119,7 +134,10 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             first_target = n - NT[bz] if targets else n
             k0 = bx * bN
             seed = T.cast(Seed[0], "int32") if dropout else 0
-            args = (PB, TB, TS, alpha, inv_max, seed, heads, p_len, t_len, threshold, inv_keep)
+            t_eff = T.min(t_len, MAX_TIME_BUCKETS)
+            scale = inv_max * inv_keep if dropout else inv_max
+            tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
+            vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
             # causal: query blocks before this key block see none of it; a block past the sequence's end loops none
             m_first = k0 // bM if causal else 0
             n_steps = T.if_then_else(k0 < n, T.ceildiv(n, bM) - m_first, 0)
@@ -127,6 +145,9 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             for j, d in T.Parallel(bN, dp):
                 K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
                 V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
+            if time:
+                stage_time_row(tb_s, TB, by, t_eff)
+                stage_timestamps(tk_s, TS, start, k0, n)
             T.fill(dk, 0)
             T.fill(dv, 0)
             for step in T.serial(n_steps):
@@ -134,14 +155,17 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
                 for i, d in T.Parallel(bM, dp):
                     Q_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), Q[start + q0 + i, by, d], T.cast(0, dtype))
                     dO_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), dO[start + q0 + i, by, d], T.cast(0, dtype))
+                if pos:
+                    stage_position_bias(pb_s, PB, by, q0, k0, p_len)
+                if time:
+                    stage_timestamps(tq_s, TS, start, q0, n)
                 T.gemm(K_s, Q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(V_s, dO_s, dpt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for j, i in T.Parallel(bN, bM):
-                    x, visible, scale = _tile_terms(
-                        args, s[j, i], by, bz, start, n, first_target, q0 + i, k0 + j, q0, k0, i, j, flags
-                    )
-                    a[j, i], ds_ji = _silu_grads(x, dpt[j, i], visible, scale, dtype)
-                    ds[j, i] = T.cast(ds_ji, dtype)
+                # query rows past the sequence: dO and Q read as zero, so a dO and ds Q add nothing
+                if edge_tile(vis, q0, k0):
+                    _score_grads_transposed(a, ds, s, dpt, tables, vis, q0, k0, scale, True)
+                else:
+                    _score_grads_transposed(a, ds, s, dpt, tables, vis, q0, k0, scale, False)
                 T.gemm(a, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
             for j, d in T.Parallel(bN, dp):
@@ -157,7 +181,6 @@ def dq_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time
     bM, bN = BLOCK_M, BLOCK_N
     dp = padded_dim(dim)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = _signature()
-    flags = (causal, targets, pos, time, dropout)
 
     @T.prim_func
     def silu_attention_bwd_dq(
@@ -178,12 +201,16 @@ def dq_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
             bx, by, bz = program_of(pid, n_blocks, heads)
             Q_s = T.alloc_shared((bM, dp), dtype)
             dO_s = T.alloc_shared((bM, dp), dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
+            pb_s = T.alloc_shared((N_DIST,), ACCUM)
+            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)
+            tq_s = T.alloc_shared((bM,), "int64")
+            tk_s = T.alloc_shared((bN,), "int64")
             s = T.alloc_fragment((bM, bN), ACCUM)
             dpm = T.alloc_fragment((bM, bN), ACCUM)  # dO V^T
             ds = T.alloc_fragment((bM, bN), dtype)
@@ -194,27 +221,36 @@ def dq_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time
             first_target = n - NT[bz] if targets else n
             q0 = bx * bM
             seed = T.cast(Seed[0], "int32") if dropout else 0
-            args = (PB, TB, TS, alpha, inv_max, seed, heads, p_len, t_len, threshold, inv_keep)
+            t_eff = T.min(t_len, MAX_TIME_BUCKETS)
+            scale = inv_max * inv_keep if dropout else inv_max
+            tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
+            vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
             seen = T.min(n, q0 + bM) if causal else n
             n_key_blocks = T.if_then_else(q0 < n, T.ceildiv(seen, bN), 0)
 
             for i, d in T.Parallel(bM, dp):
                 Q_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), Q[start + q0 + i, by, d], T.cast(0, dtype))
                 dO_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), dO[start + q0 + i, by, d], T.cast(0, dtype))
+            if time:
+                stage_time_row(tb_s, TB, by, t_eff)
+                stage_timestamps(tq_s, TS, start, q0, n)
             T.fill(dq, 0)
             for kb in T.serial(n_key_blocks):
                 k0 = kb * bN
                 for j, d in T.Parallel(bN, dp):
                     K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
                     V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
+                if pos:
+                    stage_position_bias(pb_s, PB, by, q0, k0, p_len)
+                if time:
+                    stage_timestamps(tk_s, TS, start, k0, n)
                 T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(dO_s, V_s, dpm, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bM, bN):
-                    x, visible, scale = _tile_terms(
-                        args, s[i, j], by, bz, start, n, first_target, q0 + i, k0 + j, q0, k0, i, j, flags
-                    )
-                    _, ds_ij = _silu_grads(x, dpm[i, j], visible, scale, dtype)
-                    ds[i, j] = T.cast(ds_ij, dtype)
+                # query rows past the sequence are never stored
+                if edge_tile(vis, q0, k0):
+                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, True)
+                else:
+                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, False)
                 T.gemm(ds, K_s, dq, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(bM, dp):
                 if (q0 + i < n) and (d < dim):
@@ -234,7 +270,6 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
     dp = padded_dim(dim)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = _signature()
     n_seqs, n_bands = T.dynamic("n_seqs, n_bands")
-    flags = (causal, targets, pos, time, dropout)
 
     @T.prim_func
     def silu_attention_bwd_bias(
@@ -256,7 +291,7 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_bands * heads * (n_offsets - 1), threads=THREADS, prelude=_prelude(time, dropout)) as pid:
+        with T.Kernel(n_bands * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
             bx, by, bz = program_of(pid, n_bands, heads)
             Q_s = T.alloc_shared((bB, dp), dtype)
             dO_s = T.alloc_shared((bB, dp), dtype)
@@ -264,7 +299,13 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             V_s = T.alloc_shared((bB, dp), dtype)
             # rows padded by one column: a thread per row (histogram) or per diagonal reads without bank conflicts
             ds_s = T.alloc_shared((bB, bB + 1), ACCUM)
+            # the epilogue writes a fragment, copied to ds_s after: written there directly, next to the staged tables'
+            # reads, it took a barrier per element (ThreadSync sees one shared buffer)
+            ds = T.alloc_fragment((bB, bB), ACCUM)
             hist_s = T.alloc_shared((bB, TIME_SLOTS + 1), ACCUM)
+            pb_s = T.alloc_shared((N_DIST,), ACCUM)
+            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)
+            tq_s = T.alloc_shared((bB,), "int64")
             tk_s = T.alloc_shared((bB,), "int64")
             s = T.alloc_fragment((bB, bB), ACCUM)
             dpm = T.alloc_fragment((bB, bB), ACCUM)
@@ -276,13 +317,19 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             n = CU[bz + 1] - start
             first_target = n - NT[bz] if targets else n
             seed = T.cast(Seed[0], "int32") if dropout else 0
-            args = (PB, TB, TS, alpha, inv_max, seed, heads, p_len, t_len, threshold, inv_keep)
             t = bx if causal else bx - (n_blocks - 1)
             seq_blocks = T.ceildiv(n, bB)
             mb_first = T.max(t, 0)
             n_tiles = T.max(seq_blocks + T.min(t, 0) - mb_first, 0)
             t_eff = T.min(t_len, MAX_TIME_BUCKETS)
+            scale = inv_max * inv_keep if dropout else inv_max
+            tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
+            vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
 
+            if pos:  # every tile of the band has q0 - k0 = t * bB: one table of distances
+                stage_position_bias(pb_s, PB, by, t * bB, 0, p_len)
+            if time:
+                stage_time_row(tb_s, TB, by, t_eff)
             acc[0] = 0.0
             if time:
                 for r, b in T.Parallel(bB, TIME_SLOTS):
@@ -297,16 +344,16 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
                     K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
                     V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
                 if time:
-                    for j in T.Parallel(bB):
-                        tk_s[j] = TS[start + T.if_then_else(k0 + j < n, k0 + j, 0)]
+                    stage_timestamps(tq_s, TS, start, q0, n)
+                    stage_timestamps(tk_s, TS, start, k0, n)
                 T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(dO_s, V_s, dpm, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bB, bB):
-                    x, visible, scale = _tile_terms(
-                        args, s[i, j], by, bz, start, n, first_target, q0 + i, k0 + j, q0, k0, i, j, flags
-                    )
-                    _, ds_ij = _silu_grads(x, dpm[i, j], visible, scale, dtype)
-                    ds_s[i, j] = ds_ij
+                # every element is summed: past the sequence dO or V reads as zero, so dp and ds are zero there
+                if edge_tile(vis, q0, k0):
+                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, True)
+                else:
+                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, False)
+                T.copy(ds, ds_s[0:bB, 0:bB])
                 T.sync_threads()
                 if pos:  # thread u: diagonal u, element (r, r - u + bB - 1) of each row r that holds one
                     for r in T.serial(bB):
@@ -314,10 +361,10 @@ def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
                             acc[0] += ds_s[r, r - tx + bB - 1]
                 if time:  # thread r < bB: row r into its histogram row
                     if tx < bB:
-                        tq[0] = TS[start + T.if_then_else(q0 + tx < n, q0 + tx, 0)]
+                        tq[0] = tq_s[tx]
                         for c in T.serial(bB):
-                            hist_s[tx, _time_bucket(tq[0], tk_s[c], t_eff)] += ds_s[tx, c]
-                T.sync_threads()  # ds_s and tk_s are written again by the next tile
+                            hist_s[tx, time_bucket(tq[0], tk_s[c], t_eff)] += ds_s[tx, c]
+                T.sync_threads()  # ds_s, tq_s and tk_s are written again by the next tile
             if pos:
                 PosPart[bz, by, bx, tx] = acc[0]
             if time:

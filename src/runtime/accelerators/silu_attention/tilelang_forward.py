@@ -13,8 +13,9 @@ The epilogue is most of the kernel's instructions, so it is kept short: the head
 query timestamps go to shared memory once per program, and per key block its timestamps and the 2 * 64 - 1
 position-bias entries its distances reach; the visibility mask runs only on key blocks that straddle the diagonal,
 the sequence's end or the first candidate (elsewhere every score is visible; rows past the sequence are computed,
-never stored); silu is one tanh.approx (FAST_SILU_PRELUDE). About 27 SASS instructions a score against 151 with
-every bias read from global memory, every score masked and silu by expf and a division: 2.2-3.1x faster forward.
+never stored); silu is one tanh.approx. About 27 SASS instructions a score against 151 with every bias read from
+global memory, every score masked and silu by expf and a division: 2.2-3.1x faster forward. That code is
+tilelang_scores.py, which the backward shares.
 
 The biases arrive as fp32 [H, P] / [H, T] tensors (the launcher expands a shared [P] bias). Dropout draws
 flash_attention's counter-based hash (its CUDA prelude) with the pair index sequence * H + head and local indices,
@@ -26,71 +27,47 @@ import tilelang.language as T
 import torch
 
 from .. import buffers
-from ..flash_attention.tilelang_dropout import DROPOUT_PRELUDE, SEED, dropout_args, dropout_keep
-from ..launch_math import next_power_of_2
+from ..flash_attention.tilelang_dropout import SEED, dropout_args
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
-
-BLOCK_M, BLOCK_N, THREADS = 64, 64, 128
-MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
-
-
-# The time bucket as a CUDA helper in the kernel's prelude: written as a TileLang expression, its repeated
-# subexpressions (the int64 difference in the log2 and its corrections) left TileLang's simplifier running for minutes.
-TIME_BUCKET_PRELUDE = """
-// min(floor(log2(1 + |dt|)), n_buckets - 1) for int64 timestamps: 63 - clz is floor(log2) of a positive integer
-__device__ __forceinline__ int taac_time_bucket(long long tq, long long tk, int n_buckets) {
-  unsigned long long x = (unsigned long long)(tq > tk ? tq - tk : tk - tq) + 1ull;
-  int b = 63 - __clzll((long long)x);
-  return b < n_buckets - 1 ? b : n_buckets - 1;
-}
-"""
-
-
-def _time_bucket(tq, tk, n_buckets):
-    return T.call_pure_extern("int32", "taac_time_bucket", tq, tk, n_buckets)
-
-
-# silu(x) * scale with one MUFU op (tanh.approx.f32, max relative error about 2^-11, below bf16's
-# rounding) instead of expf's range reduction, MUFU.EX2, an IEEE division (MUFU.RCP, FCHK, a slow-path call)
-FAST_SILU_PRELUDE = """
-__device__ __forceinline__ float taac_silu_scaled(float x, float scale) {
-  float h = 0.5f * x, t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-  return fmaf(h, t, h) * scale;  // x * sigmoid(x) = h + h tanh(h), h = x / 2
-}
-"""
+from .tilelang_scores import (
+    BLOCK_M,
+    BLOCK_N,
+    MAX_TIME_BUCKETS,
+    N_DIST,
+    THREADS,
+    Tables,
+    Visibility,
+    biased_score,
+    edge_tile,
+    padded_dim,
+    prelude,
+    silu_scaled,
+    stage_position_bias,
+    stage_time_row,
+    stage_timestamps,
+    visible,
+)
 
 
-def _silu_scaled(x, scale):
-    return T.call_pure_extern("float32", "taac_silu_scaled", x, scale)
-
-
-def _biased(score, alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos: bool, time: bool):
-    """alpha * score plus the biases of a tile's query i and key j, from the shared-memory tables (pb_s by
-    i - j + BLOCK_N - 1)."""
-    x = score * alpha
-    if pos:
-        x = x + pb_s[i - j + BLOCK_N - 1]
-    if time:
-        x = x + tb_s[_time_bucket(tq_s[i], tk_s[j], t_eff)]
-    return x
-
-
-def padded_dim(dim: int) -> int:
-    """The head dim of the kernels' tiles: a power of two, at least 16 (the extra columns read as zero)."""
-    return max(16, next_power_of_2(dim))
+@T.macro
+def _probabilities(p, s, tables, vis, q0, k0, scale, masked: bool):
+    """p = silu(biased s) * scale in p's dtype, zero where not visible (masked) or everywhere visible."""
+    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+        x = biased_score(tables, s[i, j], i, j)
+        if masked:
+            p[i, j] = T.if_then_else(
+                visible(vis, q0, k0, i, j), T.cast(silu_scaled(x, scale), p.dtype), T.cast(0, p.dtype)
+            )
+        else:
+            p[i, j] = T.cast(silu_scaled(x, scale), p.dtype)
 
 
 def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool):
     bM, bN = BLOCK_M, BLOCK_N
-    assert bM == bN  # the causal diagonal lies in the last key block only
     dp = padded_dim(dim)
-    n_dist = bM + bN  # distances i - j + bN - 1 of a tile: 0 .. bM + bN - 2 (one slot unused)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = T.dynamic(
         "total, heads, n_offsets, n_counts, pos_heads, pos_len, time_heads, time_len, n_times"
     )
-
-    prelude = (DROPOUT_PRELUDE if dropout else "") + (TIME_BUCKET_PRELUDE if time else "") + FAST_SILU_PRELUDE
 
     @T.prim_func
     def silu_attention_fwd(
@@ -110,13 +87,13 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude) as pid:
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
             bx, by, bz = program_of(pid, n_blocks, heads)
             Q_s = T.alloc_shared((bM, dp), dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
-            pb_s = T.alloc_shared((n_dist,), ACCUM)  # this key block's position bias by i - j + bN - 1
-            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)  # the head's time-bias row
+            pb_s = T.alloc_shared((N_DIST,), ACCUM)
+            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)
             tq_s = T.alloc_shared((bM,), "int64")
             tk_s = T.alloc_shared((bN,), "int64")
             s = T.alloc_fragment((bM, bN), ACCUM)
@@ -132,14 +109,14 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
             n_key_blocks = T.if_then_else(q0 < n, T.ceildiv(seen, bN), 0)
             t_eff = T.min(t_len, MAX_TIME_BUCKETS)
             scale = inv_max * inv_keep if dropout else inv_max
+            tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
+            vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
 
             for i, d in T.Parallel(bM, dp):
                 Q_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), Q[start + q0 + i, by, d], T.cast(0, dtype))
             if time:
-                for b in T.Parallel(MAX_TIME_BUCKETS + 1):
-                    tb_s[b] = TB[by, T.min(b, t_eff - 1)]
-                for i in T.Parallel(bM):
-                    tq_s[i] = TS[start + T.if_then_else(q0 + i < n, q0 + i, 0)]
+                stage_time_row(tb_s, TB, by, t_eff)
+                stage_timestamps(tq_s, TS, start, q0, n)
             T.fill(acc, 0)
             for kb in T.serial(n_key_blocks):
                 k0 = kb * bN
@@ -147,28 +124,15 @@ def forward_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool,
                     K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
                     V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
                 if pos:
-                    for u in T.Parallel(n_dist):
-                        pb_s[u] = PB[by, T.min(T.abs(q0 - k0 + u - (bN - 1)), p_len - 1)]
+                    stage_position_bias(pb_s, PB, by, q0, k0, p_len)
                 if time:
-                    for j in T.Parallel(bN):
-                        tk_s[j] = TS[start + T.if_then_else(k0 + j < n, k0 + j, 0)]
+                    stage_timestamps(tk_s, TS, start, k0, n)
                 T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                # conditions inline (flash_attention's forward: a thread-dependent boolean name breaks ThreadSync)
-                if dropout or (k0 + bN > n) or (causal and k0 + bN > q0 + 1) or (targets and k0 + bN > first_target):
-                    for i, j in T.Parallel(bM, bN):
-                        x = _biased(s[i, j], alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos, time)
-                        visible = k0 + j < n
-                        if causal:
-                            visible = visible and (k0 + j <= q0 + i)
-                        if targets:
-                            visible = visible and ((k0 + j < first_target) or (q0 + i == k0 + j))
-                        if dropout:
-                            visible = visible and dropout_keep(seed, bz * heads + by, q0, k0, i, j, threshold)
-                        p[i, j] = T.if_then_else(visible, T.cast(_silu_scaled(x, scale), dtype), T.cast(0, dtype))
-                else:  # every score visible (rows past the sequence are never stored)
-                    for i, j in T.Parallel(bM, bN):
-                        x = _biased(s[i, j], alpha, i, j, pb_s, tb_s, tq_s, tk_s, t_eff, pos, time)
-                        p[i, j] = T.cast(_silu_scaled(x, scale), dtype)
+                # rows past the sequence are computed, never stored
+                if edge_tile(vis, q0, k0):
+                    _probabilities(p, s, tables, vis, q0, k0, scale, True)
+                else:
+                    _probabilities(p, s, tables, vis, q0, k0, scale, False)
                 T.gemm(p, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(bM, dp):
                 if (q0 + i < n) and (d < dim):

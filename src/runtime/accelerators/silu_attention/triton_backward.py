@@ -19,6 +19,7 @@ from .triton_forward import (
     _rows,
     _scores,
     _sequence,
+    _sigmoid,
     _store_rows,
     _strides,
     _time_bucket,
@@ -77,6 +78,8 @@ def _bwd_dkdv_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     DROPOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One key block; tiles are [keys, queries] (transposed scores), so no register tile is transposed into a dot."""
@@ -105,8 +108,8 @@ def _bwd_dkdv_kernel(
             tq = _times(TS, start, offs_m, n, HAS_TIME)
             kq = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
             sc = _scores(kq, h, offs_m[None, :], offs_n[:, None], tq[None, :], tk[:, None], PB, TB, sph, spp, sth, stt,
-                         P, T, alpha, HAS_POS, HAS_TIME)  # fmt: skip
-            sig = tl.sigmoid(sc)
+                         P, T, alpha, HAS_POS, HAS_TIME, PTX)  # fmt: skip
+            sig = _sigmoid(sc, TANH_APPROX)
             visible = _visible(offs_m[None, :], offs_n[:, None], n, first_target, CAUSAL, HAS_TARGETS)
             scale = inv_max
             if DROPOUT:
@@ -162,6 +165,8 @@ def _ds_tile(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     DROPOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """(ds [queries, keys] fp32, k): the score gradient of one tile, zero where not visible, and the key tile."""
@@ -170,7 +175,7 @@ def _ds_tile(
     tk = _times(TS, start, offs_n, n, HAS_TIME)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     sc = _scores(qk, h, offs_m[:, None], offs_n[None, :], tq[:, None], tk[None, :], PB, TB, sph, spp, sth, stt,
-                 P, T, alpha, HAS_POS, HAS_TIME)  # fmt: skip
+                 P, T, alpha, HAS_POS, HAS_TIME, PTX)  # fmt: skip
     visible = _visible(offs_m[:, None], offs_n[None, :], n, first_target, CAUSAL, HAS_TARGETS)
     scale = inv_max
     if DROPOUT:
@@ -178,7 +183,7 @@ def _ds_tile(
         visible = visible & keep
         scale = inv_max * inv_keep
     da = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = tl.where(visible, da * _dsilu(sc, tl.sigmoid(sc)) * scale, 0.0)
+    ds = tl.where(visible, da * _dsilu(sc, _sigmoid(sc, TANH_APPROX)) * scale, 0.0)
     return ds, k
 
 
@@ -227,6 +232,8 @@ def _bwd_dq_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     DROPOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -286,6 +293,8 @@ def _bwd_dq_kernel(
                 HAS_POS,
                 HAS_TIME,
                 DROPOUT,
+                PTX,
+                TANH_APPROX,
                 DOT_PRECISION,
             )
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -337,6 +346,8 @@ def _bwd_bias_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     DROPOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Band `band` of one (sequence, head): the tiles (query block mb, key block mb - t) with t = band (causal) or
@@ -408,6 +419,8 @@ def _bwd_bias_kernel(
             HAS_POS,
             HAS_TIME,
             DROPOUT,
+            PTX,
+            TANH_APPROX,
             DOT_PRECISION,
         )
         if HAS_POS:
@@ -415,7 +428,7 @@ def _bwd_bias_kernel(
             pos_acc += tl.sum(tl.where(on_diag, along, 0.0), axis=0)
         if HAS_TIME:
             tk = _times(TS, start, start_n + offs_b, n, HAS_TIME)
-            bucket = _time_bucket(tl.abs(tq[:, None] - tk[None, :]), T)
+            bucket = _time_bucket(tl.abs(tq[:, None] - tk[None, :]), T, PTX)
             # only the buckets this tile holds (few where timestamps rise along the sequence)
             low = tl.min(tl.min(bucket, axis=1), axis=0)
             high = tl.max(tl.max(bucket, axis=1), axis=0)
