@@ -163,7 +163,9 @@ def test_triton_interpreter_persistent_forward(activation, with_bias, flatten, s
     z = torch.full((37, weight.shape[0]), float("nan"), dtype=f16)
     saved = activation in SAVES_PREACT
     z = z if saved else torch.empty(0, dtype=f16)
-    triton_persistent.launch(x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT, flatten, subtile)
+    triton_persistent.launch(
+        x, weight, bias, y, z, activation, saved, SMALL_PERSISTENT._replace(subtile=subtile), flatten
+    )
     assert_close(f"persistent {activation} y", y, textbook(x, weight, bias, activation), RTOL[f16])
     portable_y, portable_z = linear_triton.forward(x, weight, bias, activation, persistent=False)
     if saved:
@@ -188,7 +190,7 @@ def test_the_persistent_variant_is_for_compiled_hopper_launches_only():
 
     x, weight, _ = make_inputs(37, 64, 64, f16, "gelu")
     assert not triton_persistent.hopper_ready(x, weight)  # the CPU, under the interpreter
-    assert persistent_forward_config(131072, 1024, 256) == GemmConfig(128, 128, 64, 8, 4, 8)
+    assert persistent_forward_config(131072, 1024, 256) == GemmConfig(128, 128, 64, 8, 3, 8, True, 2, 128)
     assert persistent_forward_config(4096, 512, 256, swiglu=True).block_n == 64
     assert persistent_forward_config(37, 24, 40).block_n == 32
     assert persistent_pays(131072, 1024, 256, False, 132)  # 8192 tiles

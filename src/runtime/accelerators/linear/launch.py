@@ -25,12 +25,19 @@ _cached = functools.lru_cache(maxsize=4096)
 
 
 class GemmConfig(NamedTuple):
+    """A forward GEMM's tiles and launch. The last three are the persistent kernel's only: subtile, the epilogue in
+    two column halves; per_sm, programs an SM; max_registers, a register cap a thread (None: the compiler's choice),
+    which two programs of 8 warps need to share an SM (at most 128)."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     group_m: int
+    subtile: bool = False
+    per_sm: int = 1
+    max_registers: int | None = None
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -110,12 +117,13 @@ def backward_config(m: int, n: int, launch: BackwardLaunch = BACKWARD) -> RowsCo
 def persistent_forward_config(m: int, n: int, k: int, swiglu: bool = False) -> GemmConfig:
     """Tiles of the Hopper persistent TMA forward (triton_persistent.py). Its shared memory holds num_stages x and w
     tiles plus the y (and z) tiles the epilogue stores through descriptors, so it takes 128 x 128 where the portable
-    kernel takes 128 x 256 (4 stages: 128 KiB of operands, 64 KiB of output tiles). On an H200, 128 x 256 at 3 stages
-    was 5-23% slower at the PCVR shapes and 2% faster at K = N = 4096 (docs/tuning/linear.md)."""
+    kernel takes 128 x 256. Two programs an SM at 3 stages, the epilogue in column halves and at most 128 registers
+    a thread: one program's epilogue (ALU-bound with gelu) runs beside the other's main loop; on an H200 that was
+    5-8% faster than one program at 4 stages with gelu at every benchmark shape (docs/tuning/linear.md)."""
     block_k = min(64, _pow2_at_least(k, 16))
     if swiglu:  # two accumulators, two w tiles a stage
         return GemmConfig(128, min(64, _pow2_at_least(n, 16)), block_k, 8, 4, 8)
-    return GemmConfig(128, min(128, _pow2_at_least(n, 16)), block_k, 8, 4, 8)
+    return GemmConfig(128, min(128, _pow2_at_least(n, 16)), block_k, 8, 3, 8, subtile=True, per_sm=2, max_registers=128)
 
 
 def persistent_pays(m: int, n: int, k: int, swiglu: bool, sm_count: int) -> bool:

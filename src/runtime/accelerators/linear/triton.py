@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
-from ..backends import sm_count
+from ..backends import sm_count, triton_interpret
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
@@ -42,7 +42,7 @@ from .launch import (
     persistent_pays,
 )
 from .reference import SAVES_PREACT
-from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient_tile
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gradient_tile, _sigmoid
 
 
 @direct_launch
@@ -50,7 +50,7 @@ from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gra
 def _linear_forward(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu)."""
     pid = tl.program_id(0)
@@ -101,11 +101,11 @@ def _linear_forward(
             z_ptrs = z_ptr + row_offsets * (2 * N) + cols[None, :]
             tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=mask)
             tl.store(z_ptrs + N, acc_up.to(z_ptr.dtype.element_ty), mask=mask)
-        out = acc * tl.sigmoid(acc) * acc_up
+        out = acc * _sigmoid(acc, PTX) * acc_up
     else:
         if SAVE:
             tl.store(z_ptr + row_offsets * N + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
-        out = _activate(acc, ACT)
+        out = _activate(acc, ACT, PTX)
     tl.store(y_ptr + row_offsets * N + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -113,7 +113,7 @@ def _linear_forward(
 @triton.jit
 def _linear_backward_act(
     dy_ptr, z_ptr, y_ptr, dz_ptr, partial_ptr, M, N, STEPS,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """dz = dy * act'(z) over STEPS row tiles of BLOCK_M rows, column sums of dz into partial[program row, :].
     N: the columns of dy (F for swiglu, whose z and dz have 2N). The sums accumulate tile by tile in a [BLOCK_M,
@@ -128,7 +128,7 @@ def _linear_backward_act(
         rows = (pid_m * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & in_n[None, :]
         row_offsets = rows.to(tl.int64)[:, None]
-        dz, du = _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT)
+        dz, du = _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT, PTX)
         dz_ptrs = dz_ptr + row_offsets * (2 * N if ACT == SWIGLU else N) + cols[None, :]
         tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -170,7 +170,7 @@ def _launch_forward(x, weight, bias, activation, save: bool, cfg: GemmConfig | N
     _linear_forward[grid](
         x, weight, x if bias is None else _contiguous(bias), y, z, m, n, k,
         HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[activation], SAVE=saved, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PTX=not triton_interpret(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y, z
@@ -202,7 +202,7 @@ def preact_gradient(
     _linear_backward_act[(groups, cdiv(n, cfg.block_n))](
         dy, z if activation != "relu" else dy, y if activation == "relu" else dy, dz, partial, m, n, cfg.steps,
         HAS_BIAS=with_bias, ACT=ACTIVATION_CODES[activation], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
+        PTX=not triton_interpret(), num_warps=cfg.num_warps,
     )  # fmt: skip
     return dz, partial.sum(0) if with_bias else None
 

@@ -1,5 +1,9 @@
 """The linear kernels' activation codes and the epilogue's activation, shared by the forward kernels (the portable
-one in triton.py and the Hopper one in triton_persistent.py)."""
+one in triton.py and the Hopper one in triton_persistent.py), and the activations' derivatives for the backward pass.
+
+PTX (a constexpr, True where the kernel is compiled for a GPU, False under the interpreter) takes the reciprocal and
+exp2 from one MUFU instruction each (rcp.approx.ftz, ex2.approx.ftz: about 1 and 2 ulp, denormals flushed) instead
+of the division's and exp's range checks: the GEMM epilogue is ALU-bound (docs/tuning/linear.md)."""
 
 import triton
 import triton.language as tl
@@ -16,39 +20,90 @@ SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
 TANH_C: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 TANH_A: tl.constexpr = tl.constexpr(0.044715)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# erfc(u) ~ t (A1 + t (A2 + t (A3 + t (A4 + t A5)))) exp(-u^2), t = 1 / (1 + ERFC_P u), u >= 0: Abramowitz and Stegun
+# 7.1.26, absolute error below 1.5e-7
+ERFC_P: tl.constexpr = tl.constexpr(0.3275911)
+ERFC_A1: tl.constexpr = tl.constexpr(0.254829592)
+ERFC_A2: tl.constexpr = tl.constexpr(-0.284496736)
+ERFC_A3: tl.constexpr = tl.constexpr(1.421413741)
+ERFC_A4: tl.constexpr = tl.constexpr(-1.453152027)
+ERFC_A5: tl.constexpr = tl.constexpr(1.061405429)
 
 
 @triton.jit
-def _activate(z, ACT: tl.constexpr):
+def _reciprocal(x, PTX: tl.constexpr):
+    if PTX:
+        out = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        out = 1.0 / x
+    return out
+
+
+@triton.jit
+def _exp2(x, PTX: tl.constexpr):
+    if PTX:
+        out = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        out = tl.math.exp2(x)
+    return out
+
+
+@triton.jit
+def _sigmoid(x, PTX: tl.constexpr):
+    return _reciprocal(1.0 + _exp2(x * -LOG2E, PTX), PTX)
+
+
+@triton.jit
+def _gelu_parts(z, PTX: tl.constexpr):
+    """(1 + erf(z / sqrt 2), exp(-z^2 / 2)) in fp32. The erf is a rational approximation of erfc with one reciprocal
+    and the exp that the derivative needs anyway: about half the instructions of libdevice's erff, which made the GEMM
+    epilogue ALU-bound (docs/tuning/linear.md). Its absolute error is that of erff's formula in fp32 (about 4e-7 in
+    gelu), and for z < 0 it forms 1 + erf(z) = erfc(-z) directly, without the cancellation of 1 + erf."""
+    u = tl.abs(z) * SQRT_HALF
+    t = _reciprocal(1.0 + ERFC_P * u, PTX)
+    gauss = _exp2(u * u * -LOG2E, PTX)
+    erfc = t * (ERFC_A1 + t * (ERFC_A2 + t * (ERFC_A3 + t * (ERFC_A4 + t * ERFC_A5)))) * gauss
+    return tl.where(z >= 0, 2.0 - erfc, erfc), gauss
+
+
+@triton.jit
+def _activate(z, ACT: tl.constexpr, PTX: tl.constexpr):
     if ACT == RELU:
         out = tl.maximum(z, 0.0)
     elif ACT == GELU:
-        out = 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
+        one_plus_erf, _ = _gelu_parts(z, PTX)
+        out = 0.5 * z * one_plus_erf
     elif ACT == GELU_TANH:  # 0.5 z (1 + tanh(u)) = z sigmoid(2u)
-        out = z * tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
+        out = z * _sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C), PTX)
     elif ACT == SILU:
-        out = z * tl.sigmoid(z)
+        out = z * _sigmoid(z, PTX)
     else:
         out = z
     return out
 
 
 @triton.jit
-def _derivative(z, ACT: tl.constexpr):
+def _derivative(z, ACT: tl.constexpr, PTX: tl.constexpr):
     """d act(z) / dz for gelu, gelu_tanh and silu."""
     if ACT == GELU:
-        out = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF)) + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+        one_plus_erf, gauss = _gelu_parts(z, PTX)
+        out = 0.5 * one_plus_erf + z * INV_SQRT_2PI * gauss
     elif ACT == GELU_TANH:
-        s = tl.sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C))
+        s = _sigmoid((z + z * z * z * TANH_A) * (2.0 * TANH_C), PTX)
         out = s + z * s * (1.0 - s) * (2.0 * TANH_C) * (1.0 + z * z * (3.0 * TANH_A))
     else:
-        s = tl.sigmoid(z)
+        s = _sigmoid(z, PTX)
         out = s * (1.0 + z * (1.0 - s))
     return out
 
 
 @triton.jit
-def _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT: tl.constexpr):
+def _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT: tl.constexpr, PTX: tl.constexpr):
     """(d_preact, d_up) of a [rows, cols] tile in fp32, from dy [M, N] and what the forward saved: z [M, 2N] for
     swiglu (d_preact: the gate half, d_up: the up half), y for relu, else z (d_up is d_preact again)."""
     dy = tl.load(dy_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -56,7 +111,7 @@ def _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT:
         z_ptrs = z_ptr + row_offsets * (2 * N) + cols[None, :]
         g = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(z_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
+        s = _sigmoid(g, PTX)
         dz = dy * u * s * (1.0 + g * (1.0 - s))
         du = dy * g * s
     elif ACT == RELU:
@@ -65,6 +120,6 @@ def _preact_gradient_tile(dy_ptr, z_ptr, y_ptr, row_offsets, cols, mask, N, ACT:
         du = dz
     else:
         z = tl.load(z_ptr + row_offsets * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dz = dy * _derivative(z, ACT)
+        dz = dy * _derivative(z, ACT, PTX)
         du = dz
     return dz, du

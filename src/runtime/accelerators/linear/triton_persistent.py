@@ -27,7 +27,7 @@ from ..backends import sm_count, triton_interpret
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .launch import GemmConfig, persistent_flattens, persistent_forward_config
-from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate
+from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _sigmoid
 
 try:
     from triton.runtime import _allocation
@@ -41,7 +41,7 @@ def _linear_forward_persistent(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, PROGRAMS,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] (N = F for swiglu, whose weight has 2N rows); z: the pre-activation [M, N] ([M, 2N] for swiglu).
     SUBTILE: the epilogue in two [BLOCK_M, BLOCK_N / 2] halves, each activated and stored on its own."""
@@ -86,23 +86,37 @@ def _linear_forward_persistent(
         if SUBTILE:
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             left_up, right_up = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _store_epilogue(y_desc, z_desc, z_up_desc, left, left_up, off_m, off_n, ACT, SAVE, dtype)
-            _store_epilogue(y_desc, z_desc, z_up_desc, right, right_up, off_m, off_n + BLOCK_N // 2, ACT, SAVE, dtype)
+            _store_epilogue(y_desc, z_desc, z_up_desc, left, left_up, off_m, off_n, ACT, SAVE, PTX, dtype)
+            _store_epilogue(
+                y_desc, z_desc, z_up_desc, right, right_up, off_m, off_n + BLOCK_N // 2, ACT, SAVE, PTX, dtype
+            )
         else:
-            _store_epilogue(y_desc, z_desc, z_up_desc, acc, acc_up, off_m, off_n, ACT, SAVE, dtype)
+            _store_epilogue(y_desc, z_desc, z_up_desc, acc, acc_up, off_m, off_n, ACT, SAVE, PTX, dtype)
 
 
 @triton.jit
-def _store_epilogue(y_desc, z_desc, z_up_desc, acc, acc_up, off_m, off_n, ACT: tl.constexpr, SAVE: tl.constexpr, dtype):
+def _store_epilogue(
+    y_desc,
+    z_desc,
+    z_up_desc,
+    acc,
+    acc_up,
+    off_m,
+    off_n,
+    ACT: tl.constexpr,
+    SAVE: tl.constexpr,
+    PTX: tl.constexpr,
+    dtype,
+):
     """Stores the pre-activation (where saved) and the activated tile at (off_m, off_n)."""
     if SAVE:
         z_desc.store([off_m, off_n], acc.to(dtype))
         if ACT == SWIGLU:
             z_up_desc.store([off_m, off_n], acc_up.to(dtype))
     if ACT == SWIGLU:
-        out = acc * tl.sigmoid(acc) * acc_up
+        out = acc * _sigmoid(acc, PTX) * acc_up
     else:
-        out = _activate(acc, ACT)
+        out = _activate(acc, ACT, PTX)
     y_desc.store([off_m, off_n], out.to(dtype))
 
 
@@ -143,24 +157,21 @@ def programs(m: int, n: int, cfg: GemmConfig, device: torch.device, per_sm: int 
     return max(1, min(tiles, per_sm * sm_count(device) or 3))
 
 
-def launch(
-    x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None,
-    subtile: bool = False, per_sm: int = 1,
-):  # fmt: skip
-    """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default; flatten:
-    persistent_flattens's by default; subtile: the epilogue in two column halves (not yet measured on a GPU);
-    per_sm: programs an SM (2 lets one program's epilogue overlap the other's main loop where registers and shared
-    memory leave room for two: not yet measured on a GPU)."""
+def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None):
+    """Run the persistent kernel into y (and z where saved). cfg: persistent_forward_config's by default (its
+    subtile, per_sm and max_registers included); flatten: persistent_flattens's by default."""
     k, n = x.shape[-1], y.shape[-1]
     m = y.numel() // n  # x and y: [..., K] and [..., N], contiguous
     swiglu = activation == "swiglu"
     cfg = cfg or persistent_forward_config(m, n, k, swiglu)
     flatten = persistent_flattens(k, swiglu) if flatten is None else flatten
-    count = programs(m, n, cfg, x.device, per_sm)
+    count = programs(m, n, cfg, x.device, cfg.per_sm)
+    registers = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
     _ensure_scratch_allocator()
     _linear_forward_persistent[(count,)](
         x, weight, x if bias is None else bias, y, z, m, n, k, count,
         HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[activation], SAVE=saved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FLATTEN=flatten, SUBTILE=subtile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLATTEN=flatten, SUBTILE=cfg.subtile, PTX=not triton_interpret(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **registers,
     )  # fmt: skip
