@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -43,6 +44,7 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
@@ -55,6 +57,18 @@ struct SumOp { template <class T> T operator()(T a, T b) const { return a + b; }
 struct MaxOp { template <class T> T operator()(T a, T b) const { return max(a, b); } };
 struct MinOp { template <class T> T operator()(T a, T b) const { return min(a, b); } };
 template <int count> struct NamedBarrier {};
+// bar.sync id, count: a barrier of the block's first `count` threads (those that reach it), one per id and block
+inline std::mutex g_partial_lock;
+inline std::barrier<>* g_partial[16] = {};
+inline void __sync_thread_partial(int id, int count) {
+  std::barrier<>* bar;
+  {
+    std::lock_guard<std::mutex> guard(g_partial_lock);
+    if (!g_partial[id]) g_partial[id] = new std::barrier<>(count);
+    bar = g_partial[id];
+  }
+  bar->arrive_and_wait();
+}
 alignas(16) static unsigned char g_exchange[1024 * 8];
 // x of the thread whose index differs from this one's in `offset`; every thread of the block calls it (a warp
 // shuffle or a shared-memory exchange on the GPU, here a block-wide slot array between two barriers)
@@ -87,5 +101,9 @@ template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
       for (int t = 0; t < threads; ++t)
         pool.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
       for (auto& th : pool) th.join();
+      for (auto*& partial : tl::g_partial) {
+        delete partial;
+        partial = nullptr;
+      }
     }
 }
