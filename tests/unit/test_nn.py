@@ -132,7 +132,7 @@ def test_norms_feedforward_bag_and_loss_match_torch():
 def test_embedding_bag_rejects_a_padding_row_outside_the_table(padding_idx):
     """As nn.EmbeddingBag: padding_idx in [-num_embeddings, num_embeddings), else an error naming it (not an
     IndexError from zeroing the row, nor -11 taken as the last row)."""
-    with pytest.raises(ValueError, match=r"padding_idx: expected a value in \[-10, 10\)"):
+    with pytest.raises(ValueError, match=r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\)"):
         EmbeddingBagMean(10, 4, padding_idx=padding_idx)
     assert EmbeddingBagMean(10, 4, padding_idx=-10).padding_idx == 0
 
@@ -314,12 +314,12 @@ def test_a_norm_without_weight_checks_the_width_it_was_built_for(cls):
         (
             lambda: EmbeddingBagMean(10, 4, padding_idx=True),
             TypeError,
-            "padding_idx: expected an int or None, got bool",
+            r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\), got bool True",
         ),
         (
             lambda: EmbeddingBagMean(10, 4, padding_idx=3.0),
             TypeError,
-            "padding_idx: expected an int or None, got float",
+            r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\), got float 3.0",
         ),
         (lambda: BCEWithLogitsLoss(reduction="avg"), ValueError, "reduction: expected one of 'none', 'mean', 'sum'"),
         (lambda: BCEWithLogitsLoss(pos_weight=[2.0]), TypeError, "pos_weight: expected a number or None, got list"),
