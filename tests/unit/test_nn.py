@@ -103,6 +103,23 @@ def test_cross_attention_matches_textbook_math():
     assert_close("cross-attention", out, ref, 1e-10)
 
 
+def test_attention_modules_reject_padded_arguments_with_packed_sequences_and_the_reverse():
+    """key_lengths was dropped silently with packed sequences, and max_seqlen without them."""
+    self_attn, cross = MultiHeadAttention(16, 2), CrossAttention(16, 2)
+    cu, lengths = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([1, 2])
+    with use_accelerators(**TORCH):
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            self_attn(torch.randn(7, 16), lengths, cu_seqlens=cu, max_seqlen=4)
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            cross(torch.randn(2, 16), torch.randn(7, 16), lengths, context_cu_seqlens=cu, context_max_seqlen=4)
+        with pytest.raises(ValueError, match="max_seqlen_q: only taken with cu_seqlens_q and cu_seqlens_k"):
+            self_attn(torch.randn(2, 5, 16), max_seqlen=5)
+        with pytest.raises(ValueError, match="max_seqlen_k: only taken with cu_seqlens_q and cu_seqlens_k"):
+            cross(torch.randn(2, 1, 16), torch.randn(2, 5, 16), context_max_seqlen=5)
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            TransformerBlock(16, 2, 32)(torch.randn(7, 16), lengths, cu, 4)
+
+
 def test_norms_feedforward_bag_and_loss_match_torch():
     x = _x(5, 37)
     with use_accelerators(**TORCH):
