@@ -120,6 +120,17 @@ def test_attention_modules_reject_padded_arguments_with_packed_sequences_and_the
             TransformerBlock(16, 2, 32)(torch.randn(7, 16), lengths, cu, 4)
 
 
+def test_gated_delta_modules_name_packed_input_as_the_error():
+    """They take padded batches: packed input failed with 'takes 2 positional arguments' or 'not enough values to
+    unpack'."""
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with use_accelerators(**TORCH):
+        with pytest.raises(ValueError, match=r"cu_seqlens: GatedDeltaBlock takes padded batches \[B, L, d\] only"):
+            GatedDeltaBlock(16, 2, 32)(torch.randn(7, 16), None, cu, 4)
+        with pytest.raises(ValueError, match=r"x: expected a padded batch \[B, T, d_model\], got shape \(7, 16\)"):
+            GatedDeltaRuleMixer(16, 2)(torch.randn(7, 16))
+
+
 def test_norms_feedforward_bag_and_loss_match_torch():
     x = _x(5, 37)
     with use_accelerators(**TORCH):
