@@ -263,6 +263,23 @@ def test_hstu_trains_and_lowers_the_loss(tmp_path):
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, losses
 
 
+def test_an_hstu_prediction_does_not_depend_on_the_examples_batched_with_it():
+    # silu_attention divides by max_seqlen: a per-batch value would change a row's logit with its batch-mates (and
+    # the validation metrics with data.val_batch_size)
+    from runtime.models import HSTUPCVR
+
+    data = SyntheticPCVR(seed=0, seq_len=64, n_items=200, n_categories=8, val_size=10, jagged=True)
+    torch.manual_seed(0)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32).double().eval()
+    batch = data.train_batch(0, 8)
+    batch.dense = batch.dense.double()
+    assert len({int(n) for n in batch.seq_lengths}) > 1
+    with torch.no_grad(), use_accelerators(default="torch"):
+        together = model(batch)
+        alone = torch.cat([model(batch.slice(i, i + 1)) for i in range(len(batch))])
+    torch.testing.assert_close(alone, together, rtol=1e-12, atol=1e-12)
+
+
 class _PaddedView:
     """The same examples as `data`, padded to the spec's seq_len."""
 

@@ -56,6 +56,9 @@ class HSTUPCVR(nn.Module):
         )
         self.norm = RMSNorm(d_model)
         self.head = PredictionHead(d_model + context_width, head_hidden)
+        # silu_attention divides by max_seqlen: the longest history any batch can hold (plus its target), not the
+        # batch's own longest, so that an example's prediction does not depend on the examples batched with it
+        self.max_seqlen = spec.seq_len + 1
 
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
         """Conversion logits [B] of a jagged batch."""
@@ -74,6 +77,6 @@ class HSTUPCVR(nn.Module):
             timestamps = append_targets(batch.seq_timestamps, torch.where(lengths > 0, last, 0), batch.seq_offsets)[0]
         num_targets = torch.ones_like(cu_seqlens[1:])
         for block in self.blocks:
-            x = block(x, cu_seqlens, batch.max_seqlen + 1, timestamps, num_targets)
+            x = block(x, cu_seqlens, self.max_seqlen, timestamps, num_targets)
         readout = self.norm(x[cu_seqlens[1:].long() - 1])
         return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))
