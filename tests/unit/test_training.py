@@ -569,3 +569,20 @@ def test_clip_grad_norm_matches_torch_bit_for_bit(max_norm, dtypes):
     assert torch.equal(norm, expected)
     for a, b in zip(ours, theirs):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+
+
+def _trained_rates(tmp_path, *overrides: str) -> tuple[list[float], list[float]]:
+    """(the learning rate of each optimizer step, the lr of each log entry) of a short run logging every step."""
+    trainer = Trainer(_compose("trainer.steps=6", "trainer.log_every=1", *overrides), tmp_path)
+    used = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))
+    logged = [entry["lr"] for entry in trainer.fit()["log"]]
+    return used, logged
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_the_schedule_decays_to_min_lr_ratio_at_the_last_step(warmup, tmp_path):
+    used, _ = _trained_rates(tmp_path, "optim.lr=1e-3", "optim.min_lr_ratio=0.25", f"optim.warmup_steps={warmup}")
+    assert len(used) == 6
+    assert used[warmup] == pytest.approx(1e-3) and used[-1] == pytest.approx(0.25e-3)
+    assert all(a > b for a, b in zip(used[warmup:], used[warmup + 1 :], strict=False))

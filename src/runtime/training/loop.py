@@ -69,10 +69,10 @@ def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up, then cosine decay to min_ratio at the last step."""
+    """Linear warm-up, then cosine decay to min_ratio at the last step (step total - 1: steps count from 0)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
