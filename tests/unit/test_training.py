@@ -586,3 +586,8 @@ def test_the_schedule_decays_to_min_lr_ratio_at_the_last_step(warmup, tmp_path):
     assert len(used) == 6
     assert used[warmup] == pytest.approx(1e-3) and used[-1] == pytest.approx(0.25e-3)
     assert all(a > b for a, b in zip(used[warmup:], used[warmup + 1 :], strict=False))
+
+
+def test_each_log_entry_shows_the_learning_rate_its_step_trained_with(tmp_path):
+    used, logged = _trained_rates(tmp_path, "optim.warmup_steps=2")
+    assert logged == pytest.approx(used, rel=1e-12)

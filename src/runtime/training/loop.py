@@ -497,7 +497,8 @@ class Trainer:
             "step": self.step,
             "loss": sum(losses) / len(losses),
             "grad_norm": float(grad_norm),
-            "lr": float(self.scheduler.get_last_lr()[0]),
+            # the rate this step trained with (the scheduler has already stepped to the next one)
+            "lr": self.scheduler.base_lrs[0] * self.scheduler.lr_lambdas[0](self.step - 1),
             "samples_per_s": speed,
             "step_ms": 1000 * elapsed / steps,
         }
