@@ -173,6 +173,12 @@ class ModelSchema:
             _at_least(f"model.{key}", getattr(self, key), least)
         if self.sparse_dim is not None:
             _at_least("model.sparse_dim", self.sparse_dim, 1)
+            if not self.sparse_collection:
+                raise ValueError(
+                    "model.sparse_dim: expected null with model.sparse_collection=false (it is the width of the "
+                    "per-field tables of sparse_collection=true; the shared table is d_model wide), got "
+                    f"{self.sparse_dim}"
+                )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}"
