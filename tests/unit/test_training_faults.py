@@ -251,6 +251,23 @@ def test_a_new_run_in_a_run_directory_with_outputs_is_refused_and_leaves_them_in
     assert resumed.step == 4 and len(resumed.fit()["losses"]) == 6
 
 
+def test_a_run_directory_without_checkpoints_is_refused_without_suggesting_to_resume_it(tmp_path):
+    # a run stopped before its first checkpoint leaves metrics.csv rows: resuming it would fail (no checkpoint)
+    run_dir = tmp_path / "run"
+    trainer = Trainer(_compose("trainer.steps=4", "trainer.log_every=1", "trainer.checkpoint_every=0"), run_dir)
+    for _ in range(2):
+        trainer.train_step(trainer.data.train_batch(trainer.data_position, 8))
+        trainer.metric_logger.write(trainer.step, {"loss": 0.5})
+    trainer.metric_logger.close()
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose("trainer.steps=4"), run_dir)
+    message = str(error.value)
+    assert f"{run_dir} already holds the outputs of a run (metrics.csv)" in message, message
+    assert "trainer.resume" not in message and "no checkpoint to resume from" in message, message
+    with pytest.raises(FileNotFoundError):
+        Trainer(_compose("trainer.steps=4", f"trainer.resume={run_dir}"), tmp_path / "next")
+
+
 def test_resuming_an_earlier_checkpoint_into_its_own_run_directory_is_refused_and_keeps_the_later_ones(tmp_path):
     run_dir = tmp_path / "run"
     _trained(run_dir, "trainer.keep_checkpoints=0")

@@ -196,10 +196,17 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
                 found.append(csv.name)
     if not found:
         return None
+    # without a checkpoint there is nothing to resume from: only another directory (or removing the files) helps
+    resumable = checkpoint.checkpoints(run_dir / "checkpoints")
+    options = (
+        f"continue that run with trainer.resume={run_dir}, or write this one to another directory (hydra.run.dir=...)"
+        if resumable
+        else "that run wrote no checkpoint to resume from: write this one to another directory (hydra.run.dir=...), "
+        "or remove those files"
+    )
     return (
         f"{run_dir} already holds the outputs of a run ({', '.join(found)}), which this run would overwrite or mix its "
-        f"own into: continue that run with trainer.resume={run_dir}, or write this one to another directory "
-        "(hydra.run.dir=...)"
+        f"own into: {options}"
     )
 
 
