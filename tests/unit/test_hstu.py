@@ -280,6 +280,24 @@ def test_an_hstu_prediction_does_not_depend_on_the_examples_batched_with_it():
     torch.testing.assert_close(alone, together, rtol=1e-12, atol=1e-12)
 
 
+def test_hstu_reads_a_batch_whose_histories_are_all_empty():
+    from runtime.models import HSTUPCVR
+
+    data = SyntheticPCVR(seed=0, seq_len=20, n_items=200, n_categories=8, val_size=10, jagged=True)
+    batch = data.train_batch(0, 3)
+    for name in ("seq_items", "seq_categories", "seq_actions", "seq_timestamps"):
+        setattr(batch, name, getattr(batch, name)[:0])
+    batch.seq_lengths = torch.zeros_like(batch.seq_lengths)
+    batch.seq_offsets, batch.max_seqlen = torch.zeros_like(batch.seq_offsets), 0
+    torch.manual_seed(0)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32).eval()
+    with torch.no_grad(), use_accelerators(default="torch"):
+        together = model(batch)
+        alone = torch.cat([model(batch.slice(i, i + 1)) for i in range(len(batch))])
+    assert together.shape == (3,) and torch.isfinite(together).all()
+    torch.testing.assert_close(alone, together)
+
+
 class _PaddedView:
     """The same examples as `data`, padded to the spec's seq_len."""
 
