@@ -182,6 +182,8 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("model.head_hidden=0", "model.head_hidden: expected an integer >= 1, got 0"),
         ("model.mhc_streams=-1", "model.mhc_streams: expected an integer >= 0, got -1"),
         ("model.dropout=1.0", "model.dropout: expected a value in [0, 1), got 1.0"),
+        ("seed=18446744073709551616", "seed: expected an integer in [0, 2**32), got 18446744073709551616"),
+        ("seed=-1", "seed: expected an integer in [0, 2**32), got -1"),
         ("model.sparse_dim=8", "model.sparse_dim: expected null with model.sparse_collection=false (it is the width"),
         ("trainer.steps=0", "trainer.steps: expected an integer >= 1, got 0"),
         ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints: expected an integer >= 0, got -1"),

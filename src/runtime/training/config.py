@@ -280,6 +280,9 @@ class LoggerSchema:
     kind: LoggerKind = LoggerKind.csv
 
 
+SEED_LIMIT = 2**32  # torch.manual_seed overflows on seeds past 64 bits; the Parquet reader multiplies the seed
+
+
 @dataclass
 class TrainSchema:
     seed: int = 0
@@ -291,6 +294,8 @@ class TrainSchema:
     logger: LoggerSchema = field(default_factory=LoggerSchema)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed: expected an integer in [0, 2**32), got {self.seed}")
         warmup, steps = self.optim.warmup_steps, self.trainer.steps
         if warmup and warmup >= steps:
             raise ValueError(
