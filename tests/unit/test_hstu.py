@@ -298,6 +298,24 @@ def test_hstu_reads_a_batch_whose_histories_are_all_empty():
     torch.testing.assert_close(alone, together)
 
 
+def test_hstu_bias_tables_get_no_weight_decay():
+    from omegaconf import OmegaConf
+
+    from runtime.models import HSTUPCVR
+    from runtime.training.loop import make_optimizer
+
+    data = SyntheticPCVR(seed=0, seq_len=20, n_items=200, n_categories=8, val_size=10, jagged=True)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32)
+    optim = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.98], "eps": 1e-8})
+    decay, no_decay = make_optimizer(model, optim, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    block = model.blocks[0]
+    decayed = {id(p) for p in decay["params"]}
+    assert id(block.position_bias) not in decayed and id(block.time_bias) not in decayed
+    assert id(block.uvqk.weight) in decayed and id(block.out.weight) in decayed
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
 class _PaddedView:
     """The same examples as `data`, padded to the spec's seq_len."""
 

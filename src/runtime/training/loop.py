@@ -44,14 +44,16 @@ logger = logging.getLogger("runtime.training")
 
 
 def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool = False) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
+    """AdamW with weight decay on matrices only: not embeddings, norms or biases (a parameter named *bias, such as
+    HSTU's [heads, buckets] position and time bias tables, is a bias whatever its shape). capturable: for a
     CUDA-graphed step (which then needs device_learning_rates)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
     embeddings |= {id(w) for m in model.modules() if isinstance(m, EmbeddingBagCollection) for w in m.weights()}
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+            matrix = param.dim() >= 2 and id(param) not in embeddings and not name.endswith("bias")
+            (decay if matrix else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable
