@@ -507,6 +507,25 @@ def test_training_benchmark_rejects_layouts_that_do_not_exist(layouts):
         benchmark.main([f"layouts={layouts}", "dry_run=true", "overrides=['trainer.device=cpu']"])
 
 
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("warmup=200", "warmup: expected an integer in [0, steps=200) (the steps after it are timed), got 200"),
+        ("warmup=-1", "warmup: expected an integer in [0, steps=200) (the steps after it are timed), got -1"),
+        ("steps=0", "steps: expected an integer >= 1, got 0"),
+        ("profile_steps=-2", "profile_steps: expected an integer >= 0, got -2"),
+        ("loss_bound=-0.1", "loss_bound: expected a value in [0, inf), got -0.1"),
+        ("time_budget_s=-5", "time_budget_s: expected a value in [0, inf), got -5.0"),
+    ],
+)
+def test_training_benchmark_refuses_counts_that_would_time_nothing_or_misjudge(override, expected):
+    from runtime.training import benchmark
+
+    with pytest.raises(ValueError) as error:
+        benchmark.main([override, "dry_run=true", "overrides=['trainer.device=cpu']"])
+    assert str(error.value) == expected
+
+
 def test_training_benchmark_dry_run_shows_the_layouts_and_skips_graphed_jagged_runs(capsys):
     from runtime.training import benchmark
 

@@ -335,6 +335,14 @@ class BenchmarkSchema:
     profile_steps: int = 0  # > 0: after timing, profile this many steps (host vs kernel time, top kernels)
 
     def __post_init__(self) -> None:
+        _at_least("steps", self.steps, 1)
+        _at_least("profile_steps", self.profile_steps, 0)
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(
+                f"warmup: expected an integer in [0, steps={self.steps}) (the steps after it are timed), got {self.warmup}"
+            )
+        _in_range("loss_bound", self.loss_bound, 0.0, math.inf, high_open=True)
+        _in_range("time_budget_s", self.time_budget_s, 0.0, math.inf, high_open=True)
         named = set(self.layouts)
         if self.layouts != ["default"] and (
             not named <= {"padded", "jagged"} or len(named) < len(self.layouts) or not named
