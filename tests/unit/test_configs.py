@@ -187,6 +187,10 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         ("model.sparse_dim=8", "model.sparse_dim: expected null with model.sparse_collection=false (it is the width"),
         ("trainer.steps=0", "trainer.steps: expected an integer >= 1, got 0"),
         ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints: expected an integer >= 0, got -1"),
+        (
+            "trainer.resume=",
+            "trainer.resume: expected a checkpoint file or a run directory, or null for a new run; got ''",
+        ),
         ("trainer.cpu_threads=0", "trainer.cpu_threads: expected an integer >= 1, got 0"),
         ("trainer.val_every=-5", "trainer.val_every: expected an integer >= 0, got -5"),
         ("trainer.checkpoint_every=-1", "trainer.checkpoint_every: expected an integer >= 0, got -1"),

@@ -244,6 +244,11 @@ class TrainerSchema:
             _at_least(f"trainer.{key}", getattr(self, key), 0)
         if self.cpu_threads is not None:
             _at_least("trainer.cpu_threads", self.cpu_threads, 1)
+        if self.resume is not None and not self.resume.strip():
+            # an empty value (`trainer.resume=$RUN` with RUN unset) would start a new run instead of resuming
+            raise ValueError(
+                f"trainer.resume: expected a checkpoint file or a run directory, or null for a new run; got {self.resume!r}"
+            )
         self.cuda_graph = cuda_graph_choice(self.cuda_graph)
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(
