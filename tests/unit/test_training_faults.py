@@ -188,6 +188,21 @@ def test_a_corrupt_newest_checkpoint_names_the_previous_one_and_the_fallback_tak
         )
 
 
+def test_a_run_resumed_before_its_corrupt_newest_checkpoint_keeps_the_checkpoints_it_writes(tmp_path):
+    # the corrupt step_4 is the newest file until the resumed run reaches step 4: pruning to keep_checkpoints=1 by
+    # step number kept it and deleted the valid step_3 just written
+    run_dir = tmp_path / "run"
+    _trained(run_dir)
+    newest = run_dir / "checkpoints" / "step_0000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    overrides = ["trainer.steps=4", f"trainer.resume={run_dir}", "trainer.resume_fallback=previous"]
+    free = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
+    resumed = Trainer(_compose(*overrides, *free), run_dir)
+    assert resumed.step == 2
+    resumed.fit(until=3)
+    assert checkpoint.load(run_dir / "checkpoints" / "step_0000003.pt")["step"] == 3
+
+
 def test_a_path_that_is_not_a_checkpoint_gets_a_clear_message(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint")

@@ -368,7 +368,7 @@ class Trainer:
                 "config": OmegaConf.to_yaml(self.cfg),
             }
             checkpoint.save(path, state)
-            checkpoint.prune(self.checkpoint_dir, self.cfg.trainer.keep_checkpoints)
+            checkpoint.prune(self.checkpoint_dir, self.cfg.trainer.keep_checkpoints, self.step)
             logger.info("saved %s", path)
         return path
 
