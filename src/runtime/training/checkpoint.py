@@ -145,6 +145,9 @@ def remove_partial_writes(directory: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def prune(directory: Path, keep: int) -> None:
-    for old in checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink()
+def prune(directory: Path, keep: int, step: int) -> None:
+    """Keep the newest `keep` checkpoints up to `step` (the one just written). Later ones, left by a run resumed
+    from before its corrupt newest checkpoint, are not counted: they would push out the checkpoints it writes."""
+    if keep > 0:
+        for old in [p for p in checkpoints(directory) if step_of(p) <= step][:-keep]:
+            old.unlink()
