@@ -301,6 +301,22 @@ def test_resuming_an_earlier_checkpoint_into_its_own_run_directory_is_refused_an
     assert {path: path.read_bytes() for path in directory.iterdir()} == written
 
 
+def test_resuming_a_renamed_copy_of_an_earlier_checkpoint_inside_the_run_directory_is_refused_too(tmp_path):
+    """A copy named without its step (run/best.pt) is an earlier checkpoint all the same: its step comes from the file."""
+    run_dir = tmp_path / "run"
+    _trained(run_dir, "trainer.keep_checkpoints=0")
+    directory = run_dir / "checkpoints"
+    copy = run_dir / "best.pt"
+    copy.write_bytes((directory / "step_0000002.pt").read_bytes())
+    written = {path: path.read_bytes() for path in [*directory.iterdir(), run_dir / "metrics.json"]}
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose("trainer.steps=4", "trainer.checkpoint_every=1", f"trainer.resume={copy}"), run_dir)
+    assert f"{run_dir} holds checkpoints after best.pt (step_0000004.pt)" in str(error.value), error.value
+    assert {path: path.read_bytes() for path in [*directory.iterdir(), run_dir / "metrics.json"]} == written
+    (directory / "step_0000004.pt").unlink()  # with nothing later, the copy continues the run in its directory
+    assert Trainer(_compose("trainer.steps=4", f"trainer.resume={copy}"), run_dir).fit()["losses"]
+
+
 # ------------------------------------------------------------------ a resumed run with another config
 
 

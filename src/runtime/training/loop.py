@@ -179,10 +179,10 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
     run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
     overwritten or pruned."""
     if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
-        named = checkpoint.CHECKPOINT_PATTERN.fullmatch(Path(resume).name)
+        step = checkpoint.recorded_step(Path(resume)) if Path(resume).is_file() else None
         found = checkpoint.checkpoints(run_dir / "checkpoints")
-        later = [p.name for p in found if named and checkpoint.step_of(p) > int(named.group(1))]
-        if Path(resume).is_file() and later:
+        later = [p.name for p in found if step is not None and checkpoint.step_of(p) > step]
+        if later:
             return (
                 f"trainer.resume: {run_dir} holds checkpoints after {Path(resume).name} ({', '.join(later)}), which "
                 "this run would overwrite or prune: resume it into another directory (hydra.run.dir=...), or resume "
