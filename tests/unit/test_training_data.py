@@ -264,3 +264,6 @@ def test_a_file_without_sparse_fields_loads_and_trains(tmp_path):
         logits = model(batch)
     logits.sum().backward()
     assert logits.shape == (3,) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="model.sparse_collection: true needs sparse features"):
+        BaselinePCVR(read_spec(tmp_path / "m.parquet"), d_model=8, n_heads=2, n_layers=1, head_hidden=8,
+                     sparse_collection=True)  # fmt: skip
