@@ -30,6 +30,7 @@ static std::barrier<>* g_barrier = nullptr;
 #else
 static ucontext_t g_scheduler;
 static std::vector<ucontext_t> g_fibers;
+static std::vector<char> g_at_partial;  // per fiber: waiting at a barrier of part of the block (bar.sync id, count)
 #define __syncthreads() swapcontext(&g_fibers[threadIdx.x], &g_scheduler)
 #endif
 #define __global__
@@ -76,6 +77,7 @@ template <int count> struct NamedBarrier {};
 inline std::mutex g_partial_lock;
 inline std::barrier<>* g_partial[16] = {};
 inline void __sync_thread_partial(int id, int count) {
+#ifdef __SANITIZE_THREAD__
   std::barrier<>* bar;
   {
     std::lock_guard<std::mutex> guard(g_partial_lock);
@@ -83,6 +85,12 @@ inline void __sync_thread_partial(int id, int count) {
     bar = g_partial[id];
   }
   bar->arrive_and_wait();
+#else
+  // fibers run in turn to their next barrier: every participant reaches this one before any passes it
+  g_at_partial[threadIdx.x] = 1;
+  swapcontext(&g_fibers[threadIdx.x], &g_scheduler);
+  g_at_partial[threadIdx.x] = 0;
+#endif
 }
 alignas(16) static unsigned char g_exchange[1024 * 8];
 // x of the thread whose index differs from this one's in `offset`; every thread of the block calls it (a warp
@@ -162,15 +170,25 @@ template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
         makecontext(&g_fibers[t], run_fiber<F>, 0);
       }
       g_finished.assign(threads, false);
+      g_at_partial.assign(threads, 0);
       for (int running = threads; running > 0;) {
-        int waiting = 0;
+        // while some wait at a barrier of part of the block, only they go on: the others wait at __syncthreads
+        bool partial = false;
+        for (int t = 0; t < threads; ++t) partial |= !g_finished[t] && g_at_partial[t];
+        int returned = 0;
         for (int t = 0; t < threads; ++t) {
-          if (g_finished[t]) continue;
+          if (g_finished[t] || (partial && !g_at_partial[t])) continue;
           threadIdx.x = t;
           swapcontext(&g_scheduler, &g_fibers[t]);
-          waiting += !g_finished[t];
+          returned += g_finished[t];
         }
-        if (waiting > 0 && waiting < running) {  // with threads, a barrier that some never reach waits forever
+        int waiting = 0, at_block_barrier = 0;
+        for (int t = 0; t < threads; ++t) {
+          waiting += !g_finished[t];
+          at_block_barrier += !g_finished[t] && !g_at_partial[t];
+        }
+        // with threads, a __syncthreads that some never reach waits forever
+        if (returned > 0 && at_block_barrier > 0) {
           std::fprintf(stderr, "block (%d, %d): %d of %d threads returned while the others wait at __syncthreads\n",
                        bx, by, running - waiting, running);
           std::abort();
