@@ -9,7 +9,7 @@ barriers: a shared-memory access left unordered by __syncthreads is reported. It
 memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp specialisation) are out of its reach: the GPU
 tier stays the judge.
 
-    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm [--tsan]
+    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm|mhc [--tsan]
 
 linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
 a bias) against autograd in float64.
@@ -18,6 +18,8 @@ zeros / infinities, both directions, each dtype, split rows and their candidates
 select with and without its threshold filter, and its fallback where more entries pass than the scratch holds) and
 sample's ids against reference.restricted_draw.
 add_norm: the add_rms_norm / add_layer_norm forward on fp32 rows near 1e30 (squares past fp32) and ordinary ones.
+mhc: mhc_pre's forward, backward and dphi kernels (fp32) against autograd of the reference in float64, on ordinary
+inputs and on res logits spread past exp's range.
 Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
 """
 
@@ -329,7 +331,75 @@ def check_add_norm(tsan: bool) -> bool:
     return not failures
 
 
-CHECKS = {"sampling": check_sampling, "linear": check_linear, "add_norm": check_add_norm}
+# --------------------------------------------------------------------------- mhc
+
+
+def mhc_pre_problems(x, phi, alpha, bias, eps: float, iters: int = 20, rtol: float = 1e-4, tsan: bool = False) -> list:
+    """mhc_pre's TileLang kernels on fp32 x [tokens, n, C] and weights: the outputs within rtol (relative RMS) of
+    autograd of the reference in float64, the gradients of x, phi, alpha and bias (random incoming gradients) within
+    2 * rtol. Returns the problems found (none: it agrees)."""
+    from runtime.accelerators.mhc import tilelang as kernels
+    from runtime.accelerators.mhc.layout import allocate_pre
+    from runtime.accelerators.mhc.reference import mhc_pre_reference
+    from runtime.accelerators.testing import relative_rms_error
+
+    n, C = x.shape[-2], x.shape[-1]
+    tokens, m, splits = x.shape[0], n * n + 2 * n, 3
+    blocks = -(-tokens // kernels.pre_block_tokens(n))
+    grids = {
+        "mhc_pre_fwd": lambda v: (blocks, 1),
+        "mhc_pre_bwd": lambda v: (blocks, 1),
+        "mhc_dphi": lambda v: (-(-n * C // kernels.BLOCK_K), splits),
+    }
+    out = allocate_pre(x)
+    CpuKernel(kernels.pre_entry(x, phi), grids, tsan)(
+        out.streams, phi, alpha, bias, out.h_in, out.h_post, out.h_res.view(tokens, n * n), out.h, out.r, eps, iters
+    )
+    doubled = [t.double().requires_grad_() for t in (x, phi, alpha, bias)]
+    refs = mhc_pre_reference(*doubled, eps, iters)
+    incoming = [torch.randn(r.shape, dtype=torch.float64) for r in refs]
+    ref_grads = torch.autograd.grad(refs, doubled, incoming)
+    dx, dg = torch.empty_like(out.streams), torch.empty(tokens, m)
+    partial = torch.empty(blocks, m + 3)
+    d_h_in, d_h_post, d_h_res = (g.float().reshape(tokens, -1).contiguous() for g in incoming)
+    CpuKernel(kernels.pre_backward_entry(x, phi), grids, tsan)(
+        out.streams, phi, alpha, bias, out.h, out.r, d_h_in, d_h_post, d_h_res, dx, dg, partial, iters
+    )
+    dphi = torch.empty(splits, n * C, m)
+    CpuKernel(kernels.dphi_entry(x, phi, splits), grids, tsan)(out.streams, dg, dphi)
+    sums = partial.sum(0)
+    results = {"h_in": out.h_in, "H_post": out.h_post, "H_res": out.h_res}
+    results |= {"dx": dx.view(x.shape), "dphi": dphi.sum(0), "dalpha": sums[m:], "dbias": sums[:m]}
+    problems = []
+    for (name, value), ref in zip(results.items(), (*refs, *ref_grads)):
+        bound = rtol if name[0] != "d" else 2 * rtol
+        error = relative_rms_error(value, ref)
+        if not error <= bound:
+            problems.append(f"{name}: relative RMS error {error:.3g} (bound {bound:.1e})")
+    return problems
+
+
+def check_mhc(tsan: bool) -> bool:
+    torch.manual_seed(0)
+    failures = []
+    for n, C, tokens, case in ((4, 40, 37, "ordinary"), (3, 24, 40, "alpha 1e3"), (4, 40, 20, "a low row")):
+        m = n * n + 2 * n
+        x, phi = torch.randn(tokens, n, C), torch.randn(n * C, m) / (n * C) ** 0.5
+        alpha, bias = torch.tensor([0.8, 1.1, 1000.0 if case == "alpha 1e3" else 1.3]), 0.3 * torch.randn(m)
+        if case == "alpha 1e3":  # logits exact in fp32 (streams of +-1, rstd 1 with eps = 0, phi in 1/64ths)
+            x, phi = x.sign(), (64 * phi).round() / 64
+        if case == "a low row":
+            bias[2 * n : 3 * n] -= 300
+        problems = mhc_pre_problems(x, phi, alpha, bias, 0.0 if case == "alpha 1e3" else 1e-6, tsan=tsan)
+        label = f"mhc_pre forward and backward, n={n} C={C} tokens={tokens}, {case}"
+        print(label, "ok" if not problems else "DIFFERS: " + ", ".join(problems), flush=True)
+        failures += [label] if problems else []
+        if tsan:
+            break
+    return not failures
+
+
+CHECKS = {"sampling": check_sampling, "linear": check_linear, "add_norm": check_add_norm, "mhc": check_mhc}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -29,6 +30,7 @@ static std::barrier<>* g_barrier = nullptr;
 #else
 static ucontext_t g_scheduler;
 static std::vector<ucontext_t> g_fibers;
+static std::vector<char> g_at_partial;  // per fiber: waiting at a barrier of part of the block (bar.sync id, count)
 #define __syncthreads() swapcontext(&g_fibers[threadIdx.x], &g_scheduler)
 #endif
 #define __global__
@@ -58,6 +60,7 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
@@ -70,6 +73,25 @@ struct SumOp { template <class T> T operator()(T a, T b) const { return a + b; }
 struct MaxOp { template <class T> T operator()(T a, T b) const { return max(a, b); } };
 struct MinOp { template <class T> T operator()(T a, T b) const { return min(a, b); } };
 template <int count> struct NamedBarrier {};
+// bar.sync id, count: a barrier of the block's first `count` threads (those that reach it), one per id and block
+inline std::mutex g_partial_lock;
+inline std::barrier<>* g_partial[16] = {};
+inline void __sync_thread_partial(int id, int count) {
+#ifdef __SANITIZE_THREAD__
+  std::barrier<>* bar;
+  {
+    std::lock_guard<std::mutex> guard(g_partial_lock);
+    if (!g_partial[id]) g_partial[id] = new std::barrier<>(count);
+    bar = g_partial[id];
+  }
+  bar->arrive_and_wait();
+#else
+  // fibers run in turn to their next barrier: every participant reaches this one before any passes it
+  g_at_partial[threadIdx.x] = 1;
+  swapcontext(&g_fibers[threadIdx.x], &g_scheduler);
+  g_at_partial[threadIdx.x] = 0;
+#endif
+}
 alignas(16) static unsigned char g_exchange[1024 * 8];
 // x of the thread whose index differs from this one's in `offset`; every thread of the block calls it (a warp
 // shuffle or a shared-memory exchange on the GPU, here a block-wide slot array between two barriers)
@@ -103,6 +125,10 @@ template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
       for (int t = 0; t < threads; ++t)
         pool.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
       for (auto& th : pool) th.join();
+      for (auto*& partial : tl::g_partial) {
+        delete partial;
+        partial = nullptr;
+      }
     }
 }
 #else
@@ -144,15 +170,25 @@ template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
         makecontext(&g_fibers[t], run_fiber<F>, 0);
       }
       g_finished.assign(threads, false);
+      g_at_partial.assign(threads, 0);
       for (int running = threads; running > 0;) {
-        int waiting = 0;
+        // while some wait at a barrier of part of the block, only they go on: the others wait at __syncthreads
+        bool partial = false;
+        for (int t = 0; t < threads; ++t) partial |= !g_finished[t] && g_at_partial[t];
+        int returned = 0;
         for (int t = 0; t < threads; ++t) {
-          if (g_finished[t]) continue;
+          if (g_finished[t] || (partial && !g_at_partial[t])) continue;
           threadIdx.x = t;
           swapcontext(&g_scheduler, &g_fibers[t]);
-          waiting += !g_finished[t];
+          returned += g_finished[t];
         }
-        if (waiting > 0 && waiting < running) {  // with threads, a barrier that some never reach waits forever
+        int waiting = 0, at_block_barrier = 0;
+        for (int t = 0; t < threads; ++t) {
+          waiting += !g_finished[t];
+          at_block_barrier += !g_finished[t] && !g_at_partial[t];
+        }
+        // with threads, a __syncthreads that some never reach waits forever
+        if (returned > 0 && at_block_barrier > 0) {
           std::fprintf(stderr, "block (%d, %d): %d of %d threads returned while the others wait at __syncthreads\n",
                        bx, by, running - waiting, running);
           std::abort();

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_mhc import check_against_float64, make_inputs  # noqa: E402
+from test_mhc import check_against_float64, extreme_inputs, make_inputs  # noqa: E402
 
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 CASES = [  # (n, C, leading dims, dtype): every n, odd widths, fp32 and bf16, several leading dims
@@ -23,6 +23,12 @@ CASES = [  # (n, C, leading dims, dtype): every n, odd widths, fp32 and bf16, se
     (7, 40, (70,), torch.bfloat16),
     (1, 64, (33,), torch.float32),
 ]
+EXTREME_CASES = [  # (n, C, leading dims, dtype, alpha_res, low_row): res logits spread past exp's fp32 range
+    (4, 1280, (2, 300), torch.bfloat16, 1e3, False),
+    (4, 200, (77,), torch.float32, 1e4, False),
+    (3, 96, (45,), torch.float32, 1.0, True),
+    (8, 64, (3, 7), torch.bfloat16, 1e4, True),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +43,7 @@ def _compile_tilelang_kernels():
         return
     device = torch.device("cuda", torch.cuda.current_device())
     entries = []
-    for n, C, _, dtype in CASES:
+    for n, C, _, dtype, *_ in CASES + EXTREME_CASES:
         x = torch.empty(1, n, C, dtype=dtype, device=device)
         phi = torch.empty(n * C, n * n + 2 * n, dtype=dtype, device=device)
         splits = kernels._token_splits(device, n, C)
@@ -53,3 +59,17 @@ def _compile_tilelang_kernels():
 def test_mhc_matches_float64(backend, n, C, lead, dtype):
     inputs = {k: v.detach().cuda().requires_grad_() for k, v in make_inputs(n, C, lead, dtype, seed=C).items()}
     check_against_float64(inputs, backend, BOUND[dtype])
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+@pytest.mark.parametrize(
+    "n, C, lead, dtype, alpha_res, low_row",
+    EXTREME_CASES,
+    ids=[f"n{c[0]}-C{c[1]}-{str(c[3])[6:]}-{'low-row' if c[5] else f'alpha{c[4]:g}'}" for c in EXTREME_CASES],
+)
+def test_mhc_at_extreme_logits_matches_float64(backend, n, C, lead, dtype, alpha_res, low_row):
+    """Logits thousands apart, or a row of them 300 below the rest: exact in fp32 and bf16 (see extreme_inputs), so
+    float64 sees the logits the kernels see."""
+    inputs = extreme_inputs(n, C, lead, alpha_res, low_row, dtype, seed=C)
+    inputs = {k: v.detach().cuda().requires_grad_() for k, v in inputs.items()}
+    check_against_float64(inputs, backend, BOUND[dtype], eps=0.0)

@@ -1,5 +1,7 @@
 """mHC: the reference against float64 math, the Triton kernels under the interpreter, errors."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -23,15 +25,37 @@ def make_inputs(n, C, lead, dtype=torch.float32, seed=0):
     }
 
 
-def pre_block_post(inputs, backend):
+def extreme_inputs(n, C, lead, alpha_res, low_row=False, dtype=torch.float32, seed=0):
+    """Inputs whose res logits spread past exp's fp32 range (alpha_res ~ 1e3: thousands; low_row: the first row of
+    logits 300 below the rest) and are exact in fp32 and bf16: streams of +-1 (rstd 1 with eps = 0), phi and bias
+    in multiples of 1/64, so that v @ phi, alpha * h and the logits round nowhere. Float64 then sees the logits the
+    kernels see: at alpha 1e4 a rounding of 1e-7 in h would move a logit by 1e-3, near a tie the gradients as much.
+    Use with eps = 0."""
+    generator = torch.Generator().manual_seed(seed)
+    m = n * n + 2 * n
+    bias = torch.round(16 * torch.randn(m, generator=generator)) / 64
+    if low_row:
+        bias[2 * n : 3 * n] -= 300
+    values = {
+        "x": (2 * torch.randint(0, 2, (*lead, n, C), generator=generator) - 1).float(),
+        "phi": torch.round(64 * torch.randn(n * C, m, generator=generator) / (n * C) ** 0.5) / 64,
+        "alpha": torch.tensor([0.75, 1.25, alpha_res]),
+        "bias": bias,
+        "y": torch.randn(*lead, C, generator=generator),
+    }
+    return {name: value.to(dtype).requires_grad_() for name, value in values.items()}
+
+
+def pre_block_post(inputs, backend, eps=1e-6):
     """pre, a stand-in block (h_in * y), post: every output and every gradient path is used."""
-    h_in, h_post, h_res = mhc_pre(inputs["x"], inputs["phi"], inputs["alpha"], inputs["bias"], backend=backend)
+    x, phi, alpha, bias = (inputs[k] for k in ("x", "phi", "alpha", "bias"))
+    h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, eps, backend=backend)
     return h_in, h_post, h_res, mhc_post(inputs["x"], h_in * inputs["y"], h_post, h_res, backend=backend)
 
 
-def check_against_float64(inputs, backend, rtol):
+def check_against_float64(inputs, backend, rtol, eps=1e-6):
     doubled = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
-    outs, refs = pre_block_post(inputs, backend), pre_block_post(doubled, "torch")
+    outs, refs = pre_block_post(inputs, backend, eps), pre_block_post(doubled, "torch", eps)
     for name, out, ref in zip(("h_in", "H_post", "H_res", "x_next"), outs, refs):
         assert_close(name, out, ref, rtol)
     grads_out = [torch.randn_like(r) for r in refs]
@@ -45,6 +69,7 @@ def check_against_float64(inputs, backend, rtol):
 def test_reference_matches_the_definition_in_float64():
     inputs = {k: v.detach().double() for k, v in make_inputs(4, 24, (3,)).items()}
     x, phi, alpha, bias = inputs["x"], inputs["phi"], inputs["alpha"], inputs["bias"]
+    bias[8:12] -= 300  # the first row of H_res's logits (the log-domain Sinkhorn equals the textbook one)
     h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
     for t in range(3):
         v = x[t].flatten()
@@ -52,6 +77,7 @@ def test_reference_matches_the_definition_in_float64():
         pre = 1 / (1 + torch.exp(-(alpha[0] * h[:4] + bias[:4])))
         post = 2 / (1 + torch.exp(-(alpha[1] * h[4:8] + bias[4:8])))
         matrix = torch.exp(alpha[2] * h[8:] + bias[8:]).view(4, 4)
+        assert matrix[0].max() < 1e-100  # far below fp32's range, inside float64's
         for _ in range(20):
             matrix = matrix / matrix.sum(1, keepdim=True)
             matrix = matrix / matrix.sum(0, keepdim=True)
@@ -177,15 +203,60 @@ def test_tilelang_kernels_compile_for_sm90a():
     )
 
 
-def test_reference_sinkhorn_keeps_an_underflowed_row_zero_as_the_kernels_do():
-    # logits spread by more than exp's range: the second row and column underflow to zero. The kernels divide by
-    # max(sum, 1e-30) and keep them zero; the reference divided by the zero sum and gave NaN for the whole matrix
+def test_reference_sinkhorn_restores_rows_and_columns_that_underflow_exp():
+    # logits spread by more than exp's fp32 range: exp(logits) is the rank-one exp(-200 i) exp(-200 j), which one
+    # round scales to 1/2 everywhere; in fp32 its second row and column would underflow to zero
     from runtime.accelerators.mhc.reference import sinkhorn
 
     logits = torch.tensor([[[0.0, -200.0], [-200.0, -400.0]]])
-    out = sinkhorn(logits, 20)
-    assert torch.equal(out, torch.tensor([[[1.0, 0.0], [0.0, 0.0]]]))
-    torch.manual_seed(3)
-    x, phi, alpha, bias = torch.randn(3, 2, 8), torch.randn(16, 8), torch.tensor([80.0, 110.0, 130.0]), torch.randn(8)
-    _, _, h_res = mhc_pre(x, phi, alpha, bias, backend="torch")
-    assert torch.isfinite(h_res).all()
+    assert torch.equal(sinkhorn(logits, 20), torch.full((1, 2, 2), 0.5))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_stay_finite_when_logits_spread_past_exp_range(backend):
+    # alpha 1e3 on ordinary inputs: logits thousands apart, whole rows and columns of exp(logits) zero in fp32
+    torch.manual_seed(0)
+    n, C = 4, 64
+    x = torch.randn(8, n, C, requires_grad=True)
+    phi = (torch.randn(n * C, n * n + 2 * n) * 0.5).requires_grad_()
+    alpha = torch.tensor([1.0, 1.0, 1000.0], requires_grad=True)
+    bias = torch.zeros(n * n + 2 * n, requires_grad=True)
+    h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, backend=backend)
+    assert torch.allclose(h_res.sum(-2), torch.ones(8, n))
+    (h_in.sum() + h_post.sum() + (h_res * torch.randn_like(h_res)).sum()).backward()
+    for name, value in (("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias)):
+        assert torch.isfinite(value.grad).all(), f"d{name} is not finite"
+
+
+EXTREME = [(1e3, False), (1e4, False), (1.0, True)]
+EXTREME_IDS = ["alpha1e3", "alpha1e4", "low-row"]
+
+
+@pytest.mark.parametrize("alpha_res, low_row", EXTREME, ids=EXTREME_IDS)
+def test_reference_at_extreme_logits_matches_float64(alpha_res, low_row):
+    check_against_float64(extreme_inputs(4, 40, (3, 5), alpha_res, low_row), "torch", 1e-4, eps=0.0)
+
+
+@pytest.mark.parametrize(
+    "n, C, lead, alpha_res, low_row",
+    [(4, 40, (3,), *case) for case in EXTREME] + [(3, 24, (5,), 1e4, False), (8, 16, (5,), 1.0, True)],
+    ids=[f"n4-{name}" for name in EXTREME_IDS] + ["n3-alpha1e4", "n8-low-row"],
+)
+def test_triton_at_extreme_logits_matches_float64(n, C, lead, alpha_res, low_row):
+    check_against_float64(extreme_inputs(n, C, lead, alpha_res, low_row), "triton", 1e-4, eps=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha_res, low_row", EXTREME, ids=EXTREME_IDS)
+def test_tilelang_at_extreme_logits_runs_on_the_cpu_and_matches_float64(alpha_res, low_row):
+    """mhc_pre's forward, backward and dphi kernels from their generated CUDA run on the CPU (tools/tilelang_on_cpu.py);
+    n = 3: 32 tokens a block, 40 tokens (a partial second block). (conftest imported here: the GPU tier imports this
+    module beside its own conftest.)"""
+    from conftest import NVCC, tilelang_on_cpu
+
+    if NVCC is None or shutil.which("g++") is None:
+        pytest.skip("nvcc and g++ are needed to run the generated kernels on the CPU")
+    pytest.importorskip("tilelang")
+    inputs = extreme_inputs(3, 24, (40,), alpha_res, low_row)
+    x, phi, alpha, bias = (inputs[k].detach() for k in ("x", "phi", "alpha", "bias"))
+    assert tilelang_on_cpu().mhc_pre_problems(x, phi, alpha, bias, eps=0.0) == []

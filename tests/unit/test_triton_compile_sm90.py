@@ -49,6 +49,7 @@ from runtime.accelerators.layer_norm import triton as layer_norm_triton
 from runtime.accelerators.linear import launch as linear_launch
 from runtime.accelerators.linear import triton as linear_triton
 from runtime.accelerators.linear import triton_persistent as linear_persistent_triton
+from runtime.accelerators.mhc import triton as mhc_triton
 from runtime.accelerators.rms_norm import triton as rms_norm_triton
 from runtime.accelerators.testing import differentiable
 from runtime.accelerators.triton_launch import DirectLaunch
@@ -265,7 +266,13 @@ def embedding_bag_radix():
 
 
 def mhc():
-    # n = 4 at a C multiple of 16 (vector loads), n = 8 (the widest tiles), C = 1000 (element-by-element loads)
+    # n = 4 at a C multiple of 16 (vector loads), n = 8 (the widest tiles), C = 1000 (element-by-element loads); with
+    # a GPU launch's flags (inline PTX)
+    with _launched_as_on_a_gpu(mhc_triton):
+        _mhc_cases()
+
+
+def _mhc_cases():
     for n, C in ((4, 256), (8, 256), (4, 1000)):
         m = n * n + 2 * n
         x = _randn(2, 33, n, C)

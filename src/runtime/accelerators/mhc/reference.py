@@ -17,21 +17,16 @@ import torch
 
 from ..checks import compute_dtype
 
-# the least row or column sum divided by, as the kernels take it: a row or column whose entries all underflow exp
-# (logits spread by more than ~100) stays zero instead of 0 / 0 = NaN
-TINY = 1e-30
-
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """exp(logits) over the last two dims, then `iters` rounds of row then column normalisation.
 
-    The per-matrix max is subtracted first: a uniform scale that normalisation removes exactly.
+    Computed in the log domain (a normalisation is a logsumexp subtraction) and exponentiated once at the end: logits
+    spread past exp's range would underflow whole rows or columns to zero, leaving 0 / 0 in the backward.
     """
-    matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
-        matrix = matrix / matrix.sum(-1, keepdim=True).clamp_min(TINY)
-        matrix = matrix / matrix.sum(-2, keepdim=True).clamp_min(TINY)
-    return matrix
+        logits = logits.log_softmax(-1).log_softmax(-2)
+    return logits.exp()
 
 
 def mhc_coefficients(x, phi, alpha, bias, eps: float, sinkhorn_iters: int):

@@ -2,9 +2,9 @@
 
 The same algorithm as the Triton kernels (see triton.py): h = r * (v @ phi) is saved per token as
 [tokens, M] fp32 (M = n*n + 2n); the small per-token work (sigmoids, the n x n Sinkhorn iterations
-and their backward) runs in shared memory with one thread per (token, row); the backward recomputes
-Sinkhorn iterate k from exp(res logits) instead of storing the iterates. Tokens are a dynamic
-dimension: one compiled kernel per (dtypes, n, C).
+and their backward) runs in shared memory with one thread per (token, row); Sinkhorn runs in the log
+domain (see reference.sinkhorn) and the backward recomputes iterate k from the res logits instead of
+storing the iterates. Tokens are a dynamic dimension: one compiled kernel per (dtypes, n, C).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from .layout import allocate_pre, token_streams
 BLOCK_TOKENS = 16
 BLOCK_K = 64
 THREADS = 128
-TINY = 1e-30
 
 
 def pre_block_tokens(n: int) -> int:
@@ -35,7 +34,7 @@ def pre_block_tokens(n: int) -> int:
 
 @T.macro
 def _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n: int, M: int, MP: int, BT: int):
-    """Load h for the block's tokens; H_pre and the post sigmoid; first_s = exp(res logits - max)."""
+    """Load h for the block's tokens; H_pre and the post sigmoid; first_s = the res logits."""
     for t, m in T.Parallel(BT, MP):
         h_s[t, m] = T.if_then_else((row0 + t < tokens) and (m < M), Hs[row0 + t, m], 0.0)
     for t, i in T.Parallel(BT, n):
@@ -43,33 +42,31 @@ def _coefficients(Hs, Alpha, Bias, h_s, pre_s, post_s, first_s, row0, tokens, n:
         post_s[t, i] = 1.0 / (1.0 + T.exp(-(Alpha[1] * h_s[t, n + i] + Bias[n + i])))
     for t, e in T.Parallel(BT, n * n):
         first_s[t, e] = Alpha[2] * h_s[t, 2 * n + e] + Bias[2 * n + e]
-    for t in T.Parallel(BT):
+
+
+@T.macro
+def _normalise(matrix, n: int, BT: int, outer: int, inner: int):
+    """Each row (outer, inner = n, 1) or column (1, n) of the log matrix minus its logsumexp, a thread per token row or
+    column. (entry - peak) first: exact for the entries near the peak, the ones that decide the softmax."""
+    for t, a in T.Parallel(BT, n):
         peak = T.alloc_var(ACCUM)
-        peak = first_s[t, 0]
-        for e in T.serial(1, n * n):
-            peak = T.max(peak, first_s[t, e])
-        for e in T.serial(n * n):
-            first_s[t, e] = T.exp(first_s[t, e] - peak)
+        total = T.alloc_var(ACCUM)
+        peak = matrix[t, a * outer]
+        for b in T.serial(1, n):
+            peak = T.max(peak, matrix[t, a * outer + b * inner])
+        total = 0.0
+        for b in T.serial(n):
+            total += T.exp(matrix[t, a * outer + b * inner] - peak)
+        for b in T.serial(n):
+            matrix[t, a * outer + b * inner] = (matrix[t, a * outer + b * inner] - peak) - T.log(total)
 
 
 @T.macro
 def _sinkhorn_step(matrix, n: int, BT: int):
-    """One round in place: rows to sum 1, then columns (a thread per token row / column). The sums stay in
-    registers: a shared one, written and read back in one loop body, asks TileLang for a barrier inside the loop's guard."""
-    for t, i in T.Parallel(BT, n):
-        total = T.alloc_var(ACCUM)
-        total = 0.0
-        for j in T.serial(n):
-            total += matrix[t, i * n + j]
-        for j in T.serial(n):
-            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(total, TINY)
-    for t, j in T.Parallel(BT, n):
-        total = T.alloc_var(ACCUM)
-        total = 0.0
-        for i in T.serial(n):
-            total += matrix[t, i * n + j]
-        for i in T.serial(n):
-            matrix[t, i * n + j] = matrix[t, i * n + j] / T.max(total, TINY)
+    """One round in place in the log domain: rows to logsumexp 0, then columns. The sums stay in registers: a shared
+    one, written and read back in one loop body, asks TileLang for a barrier inside the loop's guard."""
+    _normalise(matrix, n, BT, n, 1)
+    _normalise(matrix, n, BT, 1, n)
 
 
 @T.macro
@@ -150,7 +147,7 @@ def pre_forward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                     HPost[row0 + t, i] = 2.0 * post_s[t, i]
             for t, e in T.Parallel(BT, n * n):
                 if row0 + t < tokens:
-                    HRes[row0 + t, e] = matrix[t, e]
+                    HRes[row0 + t, e] = T.exp(matrix[t, e])
             for cb in T.serial(T.ceildiv(C, BK)):
                 T.clear(out)
                 for t, c in T.Parallel(BT, BK):
@@ -200,8 +197,6 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
             result = T.alloc_shared((BT, NN), ACCUM)
             grad = T.alloc_shared((BT, NN), ACCUM)
             d_rows = T.alloc_shared((BT, NN), ACCUM)
-            row_sums = T.alloc_shared((BT, n), ACCUM)
-            col_sums = T.alloc_shared((BT, n), ACCUM)
             d_pre = T.alloc_shared((BT, n), ACCUM)
             dg_s = T.alloc_shared((BT, MP), ACCUM)
             phi_s = T.alloc_shared((BK, MP), phi_dtype)
@@ -228,7 +223,9 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 for t in T.Parallel(BT):
                     d_pre[t, i] = part_sum[t]
 
-            # back through the Sinkhorn rounds, last first, recomputing each round's input
+            # back through the Sinkhorn rounds, last first, recomputing each round's input. The gradient is carried
+            # with respect to the log iterates: a logsumexp subtraction's backward takes the softmax times the row
+            # (column) sum of the gradient, and nothing is divided by a sum that can underflow
             for t, e in T.Parallel(BT, NN):
                 grad[t, e] = T.if_then_else(row0 + t < tokens, DHRes[row0 + t, e], 0.0)
             for back in T.serial(iters):
@@ -239,38 +236,40 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                 T.sync_threads()
                 for k in T.serial(iters - 1 - back):
                     _sinkhorn_step(iterate, n, BT)
+                _normalise(iterate, n, BT, n, 1)
                 for t, i in T.Parallel(BT, n):
+                    for j in T.serial(n):
+                        rows_normal[t, i * n + j] = T.exp(iterate[t, i * n + j])
+                for t, j in T.Parallel(BT, n):
+                    peak = T.alloc_var(ACCUM)
                     total = T.alloc_var(ACCUM)
+                    peak = iterate[t, j]
+                    for i in T.serial(1, n):
+                        peak = T.max(peak, iterate[t, i * n + j])
                     total = 0.0
-                    for j in T.serial(n):
-                        total += iterate[t, i * n + j]
-                    total = T.max(total, TINY)
-                    row_sums[t, i] = total
-                    for j in T.serial(n):
-                        rows_normal[t, i * n + j] = iterate[t, i * n + j] / total
+                    for i in T.serial(n):
+                        total += T.exp(iterate[t, i * n + j] - peak)
+                    for i in T.serial(n):
+                        result[t, i * n + j] = T.exp(iterate[t, i * n + j] - peak) / total
+                # through the column normalisation; on the first round back, d H_res to d log H_res first
                 for t, j in T.Parallel(BT, n):
                     total = T.alloc_var(ACCUM)
                     total = 0.0
                     for i in T.serial(n):
-                        total += rows_normal[t, i * n + j]
-                    total = T.max(total, TINY)
-                    col_sums[t, j] = total
+                        e = i * n + j
+                        total += T.if_then_else(back == 0, grad[t, e] * result[t, e], grad[t, e])
                     for i in T.serial(n):
-                        result[t, i * n + j] = rows_normal[t, i * n + j] / total
-                for t, j in T.Parallel(BT, n):  # through the column normalisation
-                    dot = T.alloc_var(ACCUM)
-                    dot = 0.0
-                    for i in T.serial(n):
-                        dot += grad[t, i * n + j] * result[t, i * n + j]
-                    for i in T.serial(n):
-                        d_rows[t, i * n + j] = (grad[t, i * n + j] - dot) / col_sums[t, j]
+                        e = i * n + j
+                        d_rows[t, e] = T.if_then_else(back == 0, grad[t, e] * result[t, e], grad[t, e]) - (
+                            result[t, e] * total
+                        )
                 for t, i in T.Parallel(BT, n):  # through the row normalisation
-                    dot = T.alloc_var(ACCUM)
-                    dot = 0.0
+                    total = T.alloc_var(ACCUM)
+                    total = 0.0
                     for j in T.serial(n):
-                        dot += d_rows[t, i * n + j] * rows_normal[t, i * n + j]
+                        total += d_rows[t, i * n + j]
                     for j in T.serial(n):
-                        grad[t, i * n + j] = (d_rows[t, i * n + j] - dot) / row_sums[t, i]
+                        grad[t, i * n + j] = d_rows[t, i * n + j] - rows_normal[t, i * n + j] * total
 
             # d logits, then dg = r * alpha * d logits; dr = sum(dh * h) / r
             for t, m in T.Parallel(BT, MP):
@@ -284,7 +283,7 @@ def pre_backward_kernel(dtype: str, phi_dtype: str, n: int, C: int):
                     * (1.0 - post_s[t, i])
                 )
             for t, e in T.Parallel(BT, NN):
-                dg_s[t, 2 * n + e] = grad[t, e] * first_s[t, e]
+                dg_s[t, 2 * n + e] = grad[t, e]
             T.sync_threads()  # the loops above and below map threads differently onto dg_s
             for t, m in T.Parallel(BT, MP):
                 if row0 + t >= tokens:

@@ -6,7 +6,8 @@ per-token gates (a thread per token's n x n matrix), then dx and dphi on a (stre
 Layout: x is viewed as [tokens, n*C] (stream i of token t at x[t, i*C:(i+1)*C]); h, the normalised
 projection, is kept per token as [tokens, M] fp32 with M = n*n + 2n (pre | post | res, row-major).
 The forward saves h and r = rsqrt(mean(v^2) + eps); the backward recomputes the coefficients from h
-and the Sinkhorn iterates from exp(res logits) (O(iters^2) tiny steps instead of stored iterates).
+and the Sinkhorn iterates from the res logits (O(iters^2) tiny steps instead of stored iterates).
+Sinkhorn runs in the log domain (see reference.sinkhorn): finite for any finite logits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import buffers
+from ..backends import triton_interpret
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
@@ -25,7 +27,7 @@ from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
-TINY = tl.constexpr(1e-30)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ PRE_BACKWARD = PreBackwardLaunch()
 
 @triton.jit
 def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr):
-    """H_pre [BT, NP], the post sigmoid [BT, NP] and A0 = exp(res logits - max) [BT, NP, NP] (zero off the n x n block)."""
+    """H_pre [BT, NP], the post sigmoid [BT, NP] and the res logits [BT, NP, NP] (-inf off the n x n block)."""
     i = tl.arange(0, NP)
     j = tl.arange(0, NP)
     i_mask = i < n
@@ -63,17 +65,41 @@ def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr)
     res_logit = a2 * tl.load(h + rows[:, None, None] * M + res_index[None, :, :], mask=mask3, other=0.0)
     res_logit += tl.load(bias + res_index, mask=valid, other=0.0)[None, :, :]
     res_logit = tl.where(valid[None, :, :], res_logit, float("-inf"))
-    peak = tl.max(tl.max(res_logit, 2), 1)
-    a_first = tl.where(valid[None, :, :], tl.exp(res_logit - peak[:, None, None]), 0.0)
-    return tl.sigmoid(pre_logit), tl.sigmoid(post_logit), a_first
+    return tl.sigmoid(pre_logit), tl.sigmoid(post_logit), res_logit
 
 
 @triton.jit
-def _sinkhorn_step(matrix):
-    """One Sinkhorn iteration, rows then columns normalised to sum 1, with one division per row or column rather
-    than per entry: the backward runs O(iters^2) of these to recompute the iterates (as the forward ran them)."""
-    matrix = matrix * (1.0 / tl.maximum(tl.sum(matrix, 2), TINY))[:, :, None]
-    return matrix * (1.0 / tl.maximum(tl.sum(matrix, 1), TINY))[:, None, :]
+def _log(x, PTX: tl.constexpr):
+    """Natural log, on the GPU from one MUFU op: libdevice's logf takes registers enough to spill the gates kernel."""
+    if PTX:
+        out = LN2 * tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        out = tl.log(x)
+    return out
+
+
+@triton.jit
+def _normalise(logits, AXIS: tl.constexpr, n: tl.constexpr, NP: tl.constexpr, PTX: tl.constexpr):
+    """logits [BT, NP, NP] minus their logsumexp along AXIS, and its exp (the softmax): -inf and 0 off the n x n
+    block, where a row or column of padding alone gives NaN."""
+    i = tl.arange(0, NP)
+    valid = ((i[:, None] < n) & (i[None, :] < n))[None, :, :]
+    peak = tl.expand_dims(tl.max(logits, AXIS), AXIS)
+    scaled = tl.exp(logits - peak)
+    total = tl.expand_dims(tl.sum(scaled, AXIS), AXIS)
+    # (logits - peak) first: exact for the entries near the peak, the ones that decide the softmax
+    normal = tl.where(valid, (logits - peak) - _log(total, PTX), float("-inf"))
+    return normal, tl.where(valid, scaled * (1.0 / total), 0.0)
+
+
+@triton.jit
+def _sinkhorn_step(logits, n: tl.constexpr, NP: tl.constexpr, PTX: tl.constexpr):
+    """One Sinkhorn iteration in the log domain: rows, then columns, to logsumexp 0."""
+    logits, _ = _normalise(logits, 2, n, NP, PTX)
+    logits, _ = _normalise(logits, 1, n, NP, PTX)
+    return logits
 
 
 @triton.jit
@@ -104,6 +130,7 @@ def _pre_forward_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     PRECISION: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_mask = rows < tokens
@@ -129,16 +156,16 @@ def _pre_forward_kernel(
     tl.store(h + rows[:, None] * M + cols[None, :], acc * rstd[:, None], mask=row_mask[:, None] & (cols < M)[None, :])
     tl.debug_barrier()  # the coefficients below read back h written by other threads of this program
 
-    pre, post_sigmoid, matrix = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
+    pre, post_sigmoid, logits = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
     for _ in range(iters):
-        matrix = _sinkhorn_step(matrix)
+        logits = _sinkhorn_step(logits, n, NP, PTX)
     i = tl.arange(0, NP)
     tl.store(h_post + rows[:, None] * n + i[None, :], 2 * post_sigmoid, mask=row_mask[:, None] & (i < n)[None, :])
     res_index = i[:, None] * n + i[None, :]
     valid = (i[:, None] < n) & (i[None, :] < n)
     tl.store(
         h_res + rows[:, None, None] * (n * n) + res_index[None, :, :],
-        matrix,
+        tl.exp(logits),
         mask=row_mask[:, None, None] & valid[None, :, :],
     )
 
@@ -212,6 +239,7 @@ def _pre_backward_gates_kernel(
     n: tl.constexpr,
     NP: tl.constexpr,
     BT: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """The per-token part from d H_pre, d H_post and d H_res: dg = d(v @ phi) [tokens, M], H_pre [tokens, n] and
     scale [tokens] (the rstd term of dx) for the dx kernel, and per-program partial sums [programs, M + 3] of dbias
@@ -229,7 +257,7 @@ def _pre_backward_gates_kernel(
     mask3 = row_mask[:, None, None] & valid[None, :, :]
 
     # back through the sigmoids and the Sinkhorn iterations (recomputing iterate k from the first)
-    pre, post_sigmoid, a_first = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
+    pre, post_sigmoid, first = _gates(h, bias, alpha, rows, row_mask, M, n, NP)
     d_pre_logit = tl.where(
         mask2, tl.load(d_pre + rows[:, None] * n + i[None, :], mask=mask2, other=0.0) * pre * (1 - pre), 0.0
     )
@@ -239,19 +267,18 @@ def _pre_backward_gates_kernel(
     grad_matrix = tl.load(dh_res + rows[:, None, None] * (n * n) + res_index[None, :, :], mask=mask3, other=0.0).to(
         tl.float32
     )
+    # the gradient is carried with respect to the log iterates: a logsumexp subtraction's backward takes the softmax
+    # times the row (column) sum of the gradient, and nothing is divided by a sum that can underflow
     for back in range(iters):
-        iterate = a_first
+        iterate = first
         for _ in range(iters - 1 - back):
-            iterate = _sinkhorn_step(iterate)
-        row_sums = tl.maximum(tl.sum(iterate, 2), TINY)
-        rows_normal = iterate / row_sums[:, :, None]
-        col_sums = tl.maximum(tl.sum(rows_normal, 1), TINY)
-        result = rows_normal / col_sums[:, None, :]
-        d_rows_normal = (grad_matrix - tl.sum(grad_matrix * result, 1)[:, None, :]) / col_sums[:, None, :]
-        d_rows_normal = tl.where(valid[None, :, :], d_rows_normal, 0.0)
-        grad_matrix = (d_rows_normal - tl.sum(d_rows_normal * rows_normal, 2)[:, :, None]) / row_sums[:, :, None]
-        grad_matrix = tl.where(valid[None, :, :], grad_matrix, 0.0)
-    d_res_logit = tl.where(mask3, grad_matrix * a_first, 0.0)
+            iterate = _sinkhorn_step(iterate, n, NP, PTX)
+        rows_log, rows_normal = _normalise(iterate, 2, n, NP, PTX)
+        _, result = _normalise(rows_log, 1, n, NP, PTX)
+        grad_matrix = tl.where(back == 0, grad_matrix * result, grad_matrix)  # d H_res to d log H_res
+        grad_matrix -= result * tl.sum(grad_matrix, 1)[:, None, :]
+        grad_matrix -= rows_normal * tl.sum(grad_matrix, 2)[:, :, None]
+    d_res_logit = tl.where(mask3, grad_matrix, 0.0)
 
     # d h = alpha * d logits; partial sums for dbias (d logits) and dalpha (d logits * h)
     base = h + rows[:, None] * M
@@ -469,6 +496,7 @@ def pre_forward(x, phi, alpha, bias, eps, sinkhorn_iters):
         BT=BLOCK_TOKENS,
         BK=BLOCK_K,
         PRECISION=_precision(x),
+        PTX=not triton_interpret(),
     )
     return out.results
 
@@ -533,6 +561,7 @@ def pre_backward(
         n=n,
         NP=pow2_at_least(n, 2),
         BT=block_tokens,
+        PTX=not triton_interpret(),
     )
     splits, per_split = dx_splits(tokens, n, C, launch)
     dx = buffers.empty(xs.shape, dtype=x.dtype, device=x.device)
