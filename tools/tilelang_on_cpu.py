@@ -9,7 +9,7 @@ barriers: a shared-memory access left unordered by __syncthreads is reported. It
 memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp specialisation) are out of its reach: the GPU
 tier stays the judge.
 
-    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm|mhc [--tsan]
+    PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm|mhc|silu_attention [--tsan]
 
 linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
 a bias) against autograd in float64.
@@ -20,10 +20,11 @@ sample's ids against reference.restricted_draw.
 add_norm: the add_rms_norm / add_layer_norm forward on fp32 rows near 1e30 (squares past fp32) and ordinary ones.
 mhc: mhc_pre's forward, backward and dphi kernels (fp32) against autograd of the reference in float64, on ordinary
 inputs and on res logits spread past exp's range.
+silu_attention: the dk/dv kernel's bias-gradient sums (its macros, grid and query-block loop, fed given ds tiles in
+place of its tensor-core products) reduced by the launcher, against float64 sums; causal or not, each bias alone and
+both, bf16 and fp16, empty and multi-block sequences; repeatable bit for bit.
 Needs g++ (C++20) and nvcc (TileLang compiles the kernel first). Slow on few cores: a minute or more per kernel shape.
 """
-
-from __future__ import annotations
 
 import argparse
 import ctypes
@@ -399,7 +400,144 @@ def check_mhc(tsan: bool) -> bool:
     return not failures
 
 
-CHECKS = {"sampling": check_sampling, "linear": check_linear, "add_norm": check_add_norm, "mhc": check_mhc}
+# --------------------------------------------------------------------------- silu_attention
+
+
+def silu_bias_sums_kernel(causal: bool, pos: bool, time: bool, dtype: str):
+    """The bias-gradient sums of silu_attention's dk/dv kernel (its macros, grid and loop over query blocks) fed with
+    ds tiles from a dense DS [sequence, head, query, key] (the dk/dv kernel forms them with tensor-core products,
+    which this tool cannot run)."""
+    import tilelang.language as T
+
+    from runtime.accelerators.silu_attention import tilelang_backward as bw
+    from runtime.accelerators.silu_attention.tilelang_scores import (
+        BLOCK_M,
+        BLOCK_N,
+        MAX_TIME_BUCKETS,
+        THREADS,
+        TIME_BUCKET_PRELUDE,
+        stage_timestamps,
+    )
+    from runtime.accelerators.tilelang_common import program_of
+
+    n_seqs, heads, padded, n_offsets, n_times, pos_part_len, time_part_len = T.dynamic(
+        "n_seqs, heads, padded, n_offsets, n_times, pos_part_len, time_part_len"
+    )
+
+    @T.prim_func
+    def silu_attention_bias_sums(
+        DS: T.Tensor((n_seqs, heads, padded, padded), dtype),
+        CU: T.Tensor((n_offsets,), "int32"),
+        TS: T.Tensor((n_times,), "int64"),
+        PosPart: T.Tensor((pos_part_len,), "float32"),
+        TimePart: T.Tensor((time_part_len,), "float32"),
+        n_blocks: T.int32,
+        t_len: T.int32,
+    ):
+        code = TIME_BUCKET_PRELUDE + bw.TIME_HISTOGRAM_PRELUDE
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=code) as pid:
+            bx, by, bz = program_of(pid, n_blocks, heads)
+            sums = bw.bias_sums(pos, time, PosPart, TimePart, (bz * heads + by) * n_blocks + bx, n_blocks, dtype)
+            tq_s = T.alloc_shared((BLOCK_M,), "int64")
+            tk_s = T.alloc_shared((BLOCK_N,), "int64")
+            start = CU[bz]
+            n = CU[bz + 1] - start
+            k0 = bx * BLOCK_N
+            t_eff = T.min(t_len, MAX_TIME_BUCKETS)
+            m_first, n_steps = bw.query_steps(causal, k0, n)
+            if time:
+                stage_timestamps(tk_s, TS, start, k0, n)
+            bw.bias_sums_begin(sums)
+            for step in T.serial(n_steps):
+                q0 = (m_first + step) * BLOCK_M
+                if time:
+                    stage_timestamps(tq_s, TS, start, q0, n)
+                for j, i in T.Parallel(BLOCK_N, BLOCK_M):
+                    sums.ds_s[j, i] = DS[bz, by, q0 + i, k0 + j]
+                T.sync_threads()
+                bw.bias_sums_add_tile(sums, tq_s, tk_s, t_eff, step)
+            bw.bias_sums_end(sums, n_steps, n_blocks)
+
+    return silu_attention_bias_sums
+
+
+def silu_bias_sums_problems(causal, pos, time, lengths, dtype=torch.bfloat16, heads=2, p_len=300, t_len=70, tsan=False):
+    """The dk/dv kernel's bias partial sums, run on the CPU from random ds in dtype (zero where not visible, and past
+    each sequence), reduced by the launcher's reduce_bias_parts, against the float64 sums per position bucket and
+    time bucket; and the partial sums bit for bit the same on a second run. Returns the problems found."""
+    from runtime.accelerators.silu_attention.reference import time_buckets, visible_mask
+    from runtime.accelerators.silu_attention.tilelang_backward import TIME_SLOTS, reduce_bias_parts
+    from runtime.accelerators.silu_attention.tilelang_scores import BLOCK_N
+    from runtime.accelerators.tilelang_common import TL_DTYPE
+
+    n_blocks = -(-max(lengths) // BLOCK_N)
+    padded = n_blocks * BLOCK_N
+    n = len(lengths)
+    key = ("silu_attention_bias_sums", causal, pos, time, dtype)
+    grid = {key[0]: lambda v: (v["n_blocks"] * v["heads"] * (v["n_offsets"] - 1), 1)}
+    kernel = CpuKernel((key, lambda _: silu_bias_sums_kernel(causal, pos, time, TL_DTYPE[dtype])), grid, tsan)
+    ds = torch.zeros(n, heads, padded, padded, dtype=torch.float64)
+    stamps = []
+    for s, length in enumerate(lengths):
+        ds[s, :, :length, :length] = torch.randn(heads, length, length, dtype=torch.float64) * visible_mask(
+            length, causal, None, "cpu"
+        )
+        # bursts of equal timestamps and jumps up to 2^40 s: equal, near and far buckets, past the table's end
+        steps = torch.randint(0, 2, (length,)) * torch.randint(0, 1 << 12, (length,)) ** torch.randint(1, 4, (length,))
+        stamps.append(1_700_000_000 + steps.cumsum(0))
+    ds = ds.to(dtype).contiguous()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ts = torch.cat(stamps) if sum(lengths) else torch.zeros(1, dtype=torch.int64)
+    runs = []
+    for _ in range(2):
+        pos_part = torch.full((n, heads, n_blocks, n_blocks + 1, BLOCK_N), math.nan) if pos else torch.zeros(1)
+        time_part = torch.full((n, heads, n_blocks, TIME_SLOTS), math.nan) if time else torch.zeros(1)
+        kernel(ds, cu, ts, pos_part.view(-1), time_part.view(-1), n_blocks, t_len)
+        runs.append((pos_part, time_part))
+    problems = []
+    if not all(torch.equal(a, b) for a, b in zip(*runs)):
+        problems.append("the partial sums differ between two runs")
+    position_bias = torch.zeros(heads, p_len) if pos else None
+    time_bias = torch.zeros(heads, t_len) if time else None
+    dpos, dtime = reduce_bias_parts(*runs[0], causal, position_bias, time_bias)
+    dpos_ref, dtime_ref = torch.zeros(heads, p_len, dtype=torch.float64), torch.zeros(heads, t_len, dtype=torch.float64)
+    for s, (length, t_s) in enumerate(zip(lengths, stamps)):
+        g = ds[s, :, :length, :length].double()
+        i, j = torch.arange(length).view(-1, 1), torch.arange(length).view(1, -1)
+        dpos_ref.index_add_(1, (i - j).abs().clamp_max(p_len - 1).flatten(), g.flatten(1))
+        bucket = time_buckets((t_s.view(-1, 1) - t_s.view(1, -1)).abs(), t_len)
+        dtime_ref.index_add_(1, bucket.flatten(), g.flatten(1))
+    for name, value, ref in (("dposition_bias", dpos, dpos_ref), ("dtime_bias", dtime, dtime_ref)):
+        if value is None:
+            continue
+        error = (value.double() - ref).abs().max().item()
+        bound = 1e-5 * (1 + ref.abs().max().item())
+        if not error <= bound:
+            problems.append(f"{name}: max error {error:.3g} (bound {bound:.3g})")
+    return problems
+
+
+def check_silu_attention(tsan: bool) -> bool:
+    torch.manual_seed(0)
+    failures = []
+    bf16, f16 = torch.bfloat16, torch.float16
+    cases = [(True, True, True, [0, 1, 37, 200, 130, 64], bf16), (False, True, True, [63, 200, 5], f16)]
+    cases += [(True, True, False, [150, 7], bf16), (False, False, True, [150, 64], bf16)]
+    for causal, pos, time, lengths, dtype in cases[:1] if tsan else cases:
+        problems = silu_bias_sums_problems(causal, pos, time, lengths, dtype, tsan=tsan)
+        label = f"silu_attention bias sums, causal={causal} position={pos} time={time} lengths={lengths} {dtype}"
+        print(label, "ok" if not problems else "DIFFERS: " + ", ".join(problems), flush=True)
+        failures += [label] if problems else []
+    return not failures
+
+
+CHECKS = {
+    "sampling": check_sampling,
+    "linear": check_linear,
+    "add_norm": check_add_norm,
+    "mhc": check_mhc,
+    "silu_attention": check_silu_attention,
+}
 
 
 def main() -> int:

@@ -34,6 +34,8 @@ static std::vector<char> g_at_partial;  // per fiber: waiting at a barrier of pa
 #define __syncthreads() swapcontext(&g_fibers[threadIdx.x], &g_scheduler)
 #endif
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(a, b)
 #define __restrict__ __restrict
 #define CUDART_INF_F INFINITY
@@ -52,6 +54,7 @@ template <class A, class B> inline auto max(A a, B b) { using C = std::common_ty
 template <class A, class B> inline auto min(A a, B b) { using C = std::common_type_t<A, B>; return C(b) < C(a) ? C(b) : C(a); }
 inline float max(float a, float b) { return std::fmax(a, b); }
 inline float min(float a, float b) { return std::fmin(a, b); }
+inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // exact here; the GPU's is within 2 ulp
 template <class T> inline void AtomicAdd(T* p, T v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T AtomicAddRet(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }

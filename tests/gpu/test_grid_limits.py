@@ -114,7 +114,7 @@ def test_silu_attention_with_more_than_65535_sequences(backend):
     out = silu_attention(q, k, v, cu_dev, max_seqlen=max_len, position_bias=pos, backend=backend)
     dout = torch.randn_like(out)
     *grads, dpos = torch.autograd.grad(out, (q, k, v, pos), dout)
-    assert torch.isfinite(dpos).all()  # the bias kernel ran over every sequence (its sums are not compared here)
+    assert torch.isfinite(dpos).all()  # the bias sums ran over every sequence (not compared here)
     for first, last in ((0, 3), (n - 3, n)):  # sequences [first, last): their rows and offsets from 0
         lo, hi = int(cu[first]), int(cu[last])
         sub = [t.detach()[lo:hi].double().requires_grad_() for t in (q, k, v)]

@@ -1,9 +1,12 @@
-"""silu_attention's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc.
+"""silu_attention's TileLang kernels, compile-only: lowered and compiled for sm_90a with the local nvcc; and the dk/dv
+kernel's bias-gradient sums run on the CPU (tools/tilelang_on_cpu.py) from given ds tiles.
 
 Forward: one specialisation with every feature (causal, targets, both biases, dropout) at a padded head dim, and the
-plain kernel at the widest. Backward (dk/dv, dq and, with a bias, the bias kernel): head dim 32 causal with both
-biases, 64 with targets and dropout, 128 fp16 without a bias, 16 fp16 not causal with targets and a position bias, and
-the bias kernel with every feature. The GPU tier checks the numbers."""
+plain kernel at the widest. Backward (dk/dv with the bias sums, and dq): head dim 32 causal with both biases, 64 with
+targets and dropout, 128 fp16 without a bias, 16 fp16 not causal with targets and a position bias, and dk/dv with
+every feature at the widest. The GPU tier checks the numbers."""
+
+import shutil
 
 import pytest
 import torch
@@ -32,13 +35,11 @@ BACKWARD_CASES = {
 BACKWARD = {
     f"{name}-{kernel}": (lambda case=case, kernel=kernel: kernels.backward_entry(kernel, *case))
     for name, case in BACKWARD_CASES.items()
-    # the bias kernel runs only where a bias is given
-    for kernel in ("dkdv", "dq", "bias")
-    if kernel != "bias" or case[4] or case[5]
+    for kernel in ("dkdv", "dq")
 }
-# the bias kernel once more with every feature: non-causal bands, targets, dropout, fp16, the widest head dim
-BACKWARD["d128-f16-full-targets-pos-time-dropout-bias"] = lambda: kernels.backward_entry(
-    "bias", 128, torch.float16, False, True, True, True, True
+# dk/dv once more with every feature (the bias sums beside the widest tiles): not causal, targets, dropout, fp16
+BACKWARD["d128-f16-full-targets-pos-time-dropout-dkdv"] = lambda: kernels.backward_entry(
+    "dkdv", 128, torch.float16, False, True, True, True, True
 )
 
 
@@ -90,11 +91,11 @@ def _assert_no_bounds_guards(name, source):
 
 def test_backward_entries_differ_per_kernel_and_flags():
     keys = {entry()[0] for entry in BACKWARD.values()}
-    assert len(keys) == len(BACKWARD) == 11
-    key, _ = kernels.backward_entry("bias", 32, torch.bfloat16, True, False, True, True, False)
-    assert key[0] == "silu_attention_bwd_bias"
-    with pytest.raises(KeyError):
-        kernels.backward_entry("dz", 32, torch.bfloat16, True, False, False, False, False)
+    assert len(keys) == len(BACKWARD) == 9
+    key, _ = kernels.backward_entry("dkdv", 32, torch.bfloat16, True, False, True, True, False)
+    assert key[0] == "silu_attention_bwd_dkdv"
+    with pytest.raises(KeyError):  # the bias sums are the dk/dv kernel's: no kernel of their own
+        kernels.backward_entry("bias", 32, torch.bfloat16, True, False, True, True, False)
 
 
 def test_tilelang_backend_declares_a_backward():
@@ -105,41 +106,36 @@ def test_tilelang_backend_declares_a_backward():
 
 
 def _kernel_parts(ds, times, causal, max_seqlen, n_time_buckets):
-    """The bias kernel's partial sums as its docstring lays them out, computed with torch from per-sequence score
-    gradients ds [H, n, n]: band t of tiles (mb, mb - t), diagonal slot u = i - j - t * B + B - 1, time buckets."""
+    """The dk/dv kernel's partial sums as dkdv_kernel's docstring lays them out, computed with torch from
+    per-sequence score gradients ds [H, n, n]: per key block kb, slot s of its query-block loop (first block kb when
+    causal, else 0) holds the distances (q0 - k0) + v - (B - 1), v < B, of the tile (q0, k0) and of the previous
+    tile's upper half; per key block, the sums per time bucket."""
     from runtime.accelerators.silu_attention.reference import time_buckets
 
-    b = kernels.BLOCK_B
+    b = kernels.BLOCK_N
     n_blocks = -(-max_seqlen // b)
-    n_bands = n_blocks if causal else 2 * n_blocks - 1
     h = ds[0].shape[0]
-    pos = torch.zeros(len(ds), h, n_bands, 2 * b, dtype=torch.float64)
-    time = torch.zeros(len(ds), h, n_bands, kernels.TIME_SLOTS, dtype=torch.float64)
-    r = torch.arange(b).view(-1, 1)
-    c = torch.arange(b).view(1, -1)
+    pos = torch.zeros(len(ds), h, n_blocks, n_blocks + 1, b, dtype=torch.float64)
+    time = torch.zeros(len(ds), h, n_blocks, kernels.TIME_SLOTS, dtype=torch.float64)
     for s, (g, t_s) in enumerate(zip(ds, times)):
         n = g.shape[-1]
-        blocks = -(-n // b)
-        padded = torch.zeros(h, blocks * b, blocks * b, dtype=torch.float64)
-        padded[:, :n, :n] = g
-        stamps = torch.zeros(blocks * b, dtype=torch.int64)
-        stamps[:n] = t_s
-        for band in range(n_bands):
-            t = band if causal else band - (n_blocks - 1)
-            for mb in range(max(t, 0), blocks + min(t, 0)):
-                rows, cols = slice(mb * b, (mb + 1) * b), slice((mb - t) * b, (mb - t + 1) * b)
-                tile = padded[:, rows, cols]
-                pos[s, :, band].index_add_(1, (r - c + b - 1).flatten(), tile.flatten(1))
-                dt = (stamps[rows].view(-1, 1) - stamps[cols].view(1, -1)).abs()
-                bucket = time_buckets(dt, min(n_time_buckets, kernels.MAX_TIME_BUCKETS))
-                time[s, :, band].index_add_(1, bucket.flatten(), tile.flatten(1))
+        bucket = time_buckets((t_s.view(-1, 1) - t_s.view(1, -1)).abs(), min(n_time_buckets, kernels.MAX_TIME_BUCKETS))
+        i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        for kb in range(-(-n // b)):
+            first = kb if causal else 0
+            rows, cols = slice(first * b, n), slice(kb * b, (kb + 1) * b)
+            # distance i - j as slot * B + v: its offset from the lowest distance of the loop's first tile
+            offset = (i - j)[rows, cols] - (first - kb) * b + (b - 1)
+            tile = g[:, rows, cols].flatten(1)
+            pos[s, :, kb].view(h, -1).index_add_(1, offset.flatten(), tile)
+            time[s, :, kb].index_add_(1, bucket[rows, cols].flatten(), tile)
     return pos, time
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("p_len, t_len", [(50, 5), (300, 70)])
 def test_bias_parts_fold_into_the_bias_gradients(causal, p_len, t_len):
-    """The host half of the bias gradients: partial sums laid out as the bias kernel writes them reduce to the
+    """The host half of the bias gradients: partial sums laid out as the dk/dv kernel writes them reduce to the
     gradients summed directly per position bucket and time bucket."""
     from runtime.accelerators.silu_attention.reference import time_buckets, visible_mask
     from runtime.accelerators.silu_attention.tilelang_backward import reduce_bias_parts
@@ -163,6 +159,25 @@ def test_bias_parts_fold_into_the_bias_gradients(causal, p_len, t_len):
         dtime_ref.index_add_(1, bucket.flatten(), g.flatten(1))
     torch.testing.assert_close(dpos, dpos_ref)
     torch.testing.assert_close(dtime, dtime_ref)
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "causal, pos, time, lengths, dtype",
+    [(True, True, True, [0, 1, 37, 200, 130, 64], torch.bfloat16), (False, True, True, [63, 200, 5], torch.float16)],
+    ids=["causal-bf16", "full-f16"],
+)
+def test_bias_sums_run_on_the_cpu_and_match_float64(causal, pos, time, lengths, dtype):
+    """The dk/dv kernel's bias-sum code (its macros, grid and query-block loop; ds tiles given, not computed) from
+    the generated CUDA run on the CPU, reduced by the launcher's host half, against float64 sums; repeatable bit for
+    bit. Sequences of several key blocks, empty ones, one of 64 tokens (no partial block)."""
+    from conftest import tilelang_on_cpu
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to run the generated kernels on the CPU")
+    torch.manual_seed(0)
+    assert tilelang_on_cpu().silu_bias_sums_problems(causal, pos, time, lengths, dtype) == []
 
 
 def test_every_kernel_is_built_unchecked():

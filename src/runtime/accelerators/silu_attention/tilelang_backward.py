@@ -1,18 +1,20 @@
-"""silu_attention's TileLang backward: the dk/dv, dq and bias-gradient kernel builders and their launcher (see
-tilelang.py). Each kernel recomputes its score tiles with the forward's code (tilelang_scores.py: the same guarded
-copies, staged biases, biased score, visibility and dropout call), then, in fp32 on the tile:
+"""silu_attention's TileLang backward: the dk/dv (with the bias-gradient sums) and dq kernel builders and their
+launcher (see tilelang.py). Each kernel recomputes its score tiles with the forward's code (tilelang_scores.py: the
+same guarded copies, staged biases, biased score, visibility and dropout call), then, in fp32 on the tile:
 
     a  = silu(s) / max_seqlen (x 1 / (1 - p) where kept), zero where not visible or dropped
     ds = (do v^T) * silu'(s) / max_seqlen (x 1 / (1 - p)), zero likewise;  silu'(s) = sig (1 + s (1 - sig))
 
 As in the forward, the head's time-bias row goes to shared memory once per program, and the tile's timestamps and
-the 2 * 64 - 1 position-bias entries its distances reach once per tile (the bias kernel's band has one distance
-table for all its tiles); silu and silu' come from one tanh.approx (sig = 0.5 + 0.5 tanh(s / 2)), the same bits of
-a as the forward's. The visibility mask runs only on the tiles edge_tile() names (straddling the diagonal, the
-sequence's end or the first candidate; every tile with dropout). Elsewhere nothing needs hiding, including rows and
-columns past the sequence: their Q/K/V/dO read as zero, so dp = dO V^T is zero there and so is ds (dq, dk, the bias
-sums), and a, which is not zero there, meets only zero dO rows in dv += a dO (dk/dv) or is never formed (dq, bias).
+the 2 * 64 - 1 position-bias entries its distances reach once per tile; silu and silu' come from one tanh.approx
+(sig = 0.5 + 0.5 tanh(s / 2)), the same bits of a as the forward's. The visibility mask runs only on the tiles
+edge_tile() names (straddling the diagonal, the sequence's end or the first candidate; every tile with dropout).
+Elsewhere nothing needs hiding, including rows and columns past the sequence: their Q/K/V/dO read as zero, so
+dp = dO V^T is zero there and so is ds (dq, dk, the bias sums), and a, which is not zero there, meets only zero dO
+rows in dv += a dO (dk/dv) or is never formed (dq).
 """
+
+from typing import NamedTuple
 
 import tilelang.language as T
 import torch
@@ -20,7 +22,7 @@ import torch
 from .. import buffers
 from ..flash_attention.tilelang_dropout import SEED, dropout_args
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
-from .bias_folds import fold_distances
+from .bias_folds import fold_flat_distances
 from .tilelang_forward import _fp32_bias, _rows
 from .tilelang_scores import (
     BLOCK_M,
@@ -39,14 +41,34 @@ from .tilelang_scores import (
     stage_position_bias,
     stage_time_row,
     stage_timestamps,
-    time_bucket,
     visible,
 )
 
-BLOCK_B = 64  # the bias kernel's square tiles: 2 * BLOCK_B diagonal slots, one per thread
-TIME_SLOTS = 64  # per-band time-gradient slots: buckets 0..62 (MAX_TIME_BUCKETS) and one never reached
-# the bias kernel's tiles index the staged position bias as the others' do (tilelang_scores.N_DIST)
-assert THREADS == 2 * BLOCK_B and BLOCK_B == BLOCK_M == BLOCK_N
+# The histogram as a CUDA helper: written in TileLang, its read-modify-write of a computed shared index got a barrier
+# per element (ThreadSync cannot tell that each thread keeps to its own row). Runs of equal buckets (timestamps
+# rising along the sequence) are added in a register first: fewer dependent shared-memory round trips.
+TIME_HISTOGRAM_PRELUDE = """
+// adds the 64 entries of ds (one key's row of a tile, queries in order) into hist by time bucket, in a fixed order
+template <class Grad>
+__device__ __forceinline__ void taac_time_histogram_row(float* __restrict__ hist, const Grad* __restrict__ ds,
+                                                        const int64_t* __restrict__ tq, int64_t tk, int n_buckets) {
+  int bucket = taac_time_bucket(tq[0], tk, n_buckets);
+  float run = static_cast<float>(ds[0]);
+  for (int i = 1; i < 64; ++i) {
+    int b = taac_time_bucket(tq[i], tk, n_buckets);
+    if (b != bucket) {
+      hist[bucket] += run;
+      bucket = b;
+      run = 0.0f;
+    }
+    run += static_cast<float>(ds[i]);
+  }
+  hist[bucket] += run;
+}
+"""
+TIME_SLOTS = 64  # per-program time-gradient slots: buckets 0..62 (MAX_TIME_BUCKETS) and one never reached
+# the bias sums: thread u < BLOCK_N walks diagonals u and u + BLOCK_N of a tile, thread BLOCK_N + r its key row r
+assert THREADS == 2 * BLOCK_N and BLOCK_M == BLOCK_N
 assert TIME_SLOTS <= THREADS and MAX_TIME_BUCKETS < TIME_SLOTS
 
 
@@ -78,6 +100,117 @@ def _score_grads_transposed(a, ds, s, dp, tables, vis, q0, k0, scale, masked: bo
             ds[j, i] = T.cast(dp[j, i] * dsilu_scaled(x, scale), ds.dtype)
 
 
+def query_steps(causal: bool, k0, n):
+    """(first query block, number of query blocks) a dk/dv program from key k0 loops over: causal, the blocks before
+    its key block see none of it; a key block past the sequence's end loops over none."""
+    m_first = k0 // BLOCK_M if causal else 0
+    return m_first, T.if_then_else(k0 < n, T.ceildiv(n, BLOCK_M) - m_first, 0)
+
+
+class BiasSums(NamedTuple):
+    """A dk/dv program's bias-gradient state: the tile's ds in shared memory ([keys, queries], rows padded to an odd
+    number of words against bank conflicts), the time histogram (a row per key row), the flat outputs and this
+    program's offsets into them, and per-thread registers.
+
+    ds_s holds ds as the dk product takes it, in the inputs' dtype, added in fp32: keeping the fp32 ds of the
+    epilogue for it (a fragment copied after, or stored from the epilogue) took 30-40 more registers (D=32: 161 ->
+    195-204, three blocks an SM -> two). The sums then round each ds as dk's product does (bf16: 2^-9 relative)."""
+
+    ds_s: object
+    hist_s: object
+    PosPart: object
+    TimePart: object
+    pos_row: object
+    time_row: object
+    lo: object
+    hi: object
+    carry: object
+    pos: bool
+    time: bool
+
+
+def bias_sums(pos: bool, time: bool, PosPart, TimePart, program, n_blocks, dtype: str) -> BiasSums:
+    """Allocates a program's BiasSums (inside T.Kernel); program: its index (sequence * heads + head) * n_blocks +
+    key block; dtype: ds's (the inputs')."""
+    return BiasSums(
+        T.alloc_shared((BLOCK_N, BLOCK_M + 2), dtype),
+        T.alloc_shared((BLOCK_N, TIME_SLOTS + 1), ACCUM) if time else None,
+        PosPart,
+        TimePart,
+        T.cast(program, "int64") * ((n_blocks + 1) * BLOCK_N),
+        T.cast(program, "int64") * TIME_SLOTS,
+        T.alloc_local((1,), ACCUM),
+        T.alloc_local((1,), ACCUM),
+        T.alloc_local((1,), ACCUM),
+        pos,
+        time,
+    )
+
+
+@T.macro
+def bias_sums_begin(b: BiasSums):
+    b.carry[0] = 0.0
+    if b.time:
+        for r, c in T.Parallel(BLOCK_N, TIME_SLOTS):
+            b.hist_s[r, c] = 0.0
+
+
+@T.macro
+def bias_sums_add_tile(b: BiasSums, tq_s, tk_s, t_eff, step):
+    """Adds the tile in b.ds_s (written and synchronised by the caller), step `step` of the program's loop.
+
+    Position: diagonal u of a [keys j, queries i] tile holds i - j = u - (BLOCK_N - 1); thread u < BLOCK_N walks
+    the rows j in order, whose element in column (j + u + 1) mod BLOCK_N lies on diagonal u (where j + u + 1 wraps)
+    or u + BLOCK_N (where not): 64 elements a thread. The next tile's distances start BLOCK_N further, so diagonal
+    u + BLOCK_N here continues as diagonal u there: slot `step` of the program's row gets this tile's diagonal u plus
+    the previous tile's u + BLOCK_N, and the last slot the last tile's upper half.
+    Time: thread BLOCK_N + r adds key row r into row r of the histogram (TIME_HISTOGRAM_PRELUDE)."""
+    tx = T.get_thread_binding()
+    # one if-else: as two ifs, ThreadSync put a barrier between them and the halves ran one after the other
+    if tx < BLOCK_N:
+        if b.pos:
+            b.lo[0] = 0.0
+            b.hi[0] = 0.0
+            for j in T.serial(BLOCK_N):
+                x = T.cast(b.ds_s[j, (j + tx + 1) % BLOCK_N], ACCUM)
+                wraps = j + tx + 1 >= BLOCK_N
+                b.lo[0] += T.if_then_else(wraps, x, T.float32(0))
+                b.hi[0] += T.if_then_else(wraps, T.float32(0), x)
+            b.PosPart[b.pos_row + step * BLOCK_N + tx] = b.lo[0] + b.carry[0]
+            b.carry[0] = b.hi[0]
+    else:
+        if b.time:
+            T.call_extern(
+                "handle",
+                "taac_time_histogram_row",
+                T.access_ptr(b.hist_s[tx - BLOCK_N, 0], "rw", TIME_SLOTS),
+                T.access_ptr(b.ds_s[tx - BLOCK_N, 0], "r", BLOCK_M),
+                T.access_ptr(tq_s[0], "r", BLOCK_M),
+                tk_s[tx - BLOCK_N],
+                t_eff,
+            )
+    T.sync_threads()  # ds_s and the timestamps are written again for the next tile
+
+
+@T.macro
+def bias_sums_end(b: BiasSums, n_steps, n_blocks):
+    """Writes the program's last slots: the last tile's upper diagonals, zeros past them (a row has n_blocks + 1
+    slots), and the histogram's columns added in row order."""
+    tx = T.get_thread_binding()
+    if b.pos:
+        if tx < BLOCK_N:
+            b.PosPart[b.pos_row + n_steps * BLOCK_N + tx] = b.carry[0]
+            for e in T.serial(n_blocks - n_steps):
+                b.PosPart[b.pos_row + (n_steps + 1 + e) * BLOCK_N + tx] = T.float32(0)
+    if b.time:
+        T.sync_threads()  # the histogram's clearing, where the program has no tile
+        if tx < TIME_SLOTS:
+            b.lo[0] = 0.0
+            for r in T.serial(BLOCK_N):
+                b.lo[0] += b.hist_s[r, tx]
+            b.TimePart[b.time_row + tx] = b.lo[0]
+
+
 def _signature():
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = T.dynamic(
         "total, heads, n_offsets, n_counts, pos_heads, pos_len, time_heads, time_len, n_times"
@@ -87,10 +220,16 @@ def _signature():
 
 def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool):
     """One program per (key block, head, sequence): loops over the query blocks that can see the key block; tiles are
-    [keys, queries] so that dk += ds Q and dv += a dO take the fragments as A operands."""
+    [keys, queries] so that dk += ds Q and dv += a dO take the fragments as A operands. With a bias it also writes
+    the bias gradients' partial sums of its key block (flat, program by program): PosPart[program, slot, v] (n_blocks
+    + 1 slots of BLOCK_N), the sum of ds over distance i - j = (q0 of the slot's step - k0) + v - (BLOCK_N - 1)
+    (slot n_steps: the previous step's q0 + BLOCK_N), and TimePart[program, b], the sum of ds per time bucket b
+    (bias_sums_add_tile gives the orders; no atomics)."""
     bM, bN = BLOCK_M, BLOCK_N
     dp = padded_dim(dim)
     total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = _signature()
+    pos_part_len, time_part_len = T.dynamic("pos_part_len, time_part_len")
+    bias = pos or time
 
     @T.prim_func
     def silu_attention_bwd_dkdv(
@@ -105,6 +244,8 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         TS: T.Tensor((n_times,), "int64"),
         dK: T.Tensor((total, heads, dim), dtype),
         dV: T.Tensor((total, heads, dim), dtype),
+        PosPart: T.Tensor((pos_part_len,), ACCUM),
+        TimePart: T.Tensor((time_part_len,), ACCUM),
         n_blocks: T.int32,
         alpha: T.float32,
         inv_max: T.float32,
@@ -112,8 +253,11 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
         threshold: T.int32,
         inv_keep: T.float32,
     ):
-        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
+        code = prelude(time, dropout) + (TIME_HISTOGRAM_PRELUDE if time else "")
+        with T.Kernel(n_blocks * heads * (n_offsets - 1), threads=THREADS, prelude=code) as pid:
             bx, by, bz = program_of(pid, n_blocks, heads)
+            if bias:
+                sums = bias_sums(pos, time, PosPart, TimePart, (bz * heads + by) * n_blocks + bx, n_blocks, dtype)
             K_s = T.alloc_shared((bN, dp), dtype)
             V_s = T.alloc_shared((bN, dp), dtype)
             Q_s = T.alloc_shared((bM, dp), dtype)
@@ -138,9 +282,7 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
             scale = inv_max * inv_keep if dropout else inv_max
             tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
             vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
-            # causal: query blocks before this key block see none of it; a block past the sequence's end loops none
-            m_first = k0 // bM if causal else 0
-            n_steps = T.if_then_else(k0 < n, T.ceildiv(n, bM) - m_first, 0)
+            m_first, n_steps = query_steps(causal, k0, n)
 
             for j, d in T.Parallel(bN, dp):
                 K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
@@ -150,6 +292,8 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
                 stage_timestamps(tk_s, TS, start, k0, n)
             T.fill(dk, 0)
             T.fill(dv, 0)
+            if bias:
+                bias_sums_begin(sums)
             for step in T.serial(n_steps):
                 q0 = (m_first + step) * bM
                 for i, d in T.Parallel(bM, dp):
@@ -168,6 +312,12 @@ def dkdv_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, ti
                     _score_grads_transposed(a, ds, s, dpt, tables, vis, q0, k0, scale, False)
                 T.gemm(a, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                if bias:
+                    T.copy(ds, sums.ds_s[0:bN, 0:bM])
+                    T.sync_threads()
+                    bias_sums_add_tile(sums, tq_s, tk_s, t_eff, step)
+            if bias:
+                bias_sums_end(sums, n_steps, n_blocks)
             for j, d in T.Parallel(bN, dp):
                 if (k0 + j < n) and (d < dim):
                     dK[start + k0 + j, by, d] = T.cast(dk[j, d] * alpha, dtype)
@@ -259,134 +409,15 @@ def dq_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time
     return silu_attention_bwd_dq
 
 
-def bias_kernel(dim: int, dtype: str, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool):
-    """One program per (band, head, sequence), as the Triton bias kernel: band t holds the tiles (query block mb, key
-    block mb - t), t = band (causal) or band - (n_blocks - 1). Writes PosPart[sequence, head, band, u], the sum of ds
-    over the band's diagonals i - j = t * BLOCK_B + u - (BLOCK_B - 1) (thread u walks diagonal u, in row order), and
-    TimePart[sequence, head, band, b], the sum of ds per time bucket b (thread r adds row r's elements in column
-    order into its own row of a shared histogram; thread b then adds bucket b's column in row order): fixed orders,
-    no atomics."""
-    bB = BLOCK_B
-    dp = padded_dim(dim)
-    total, heads, n_offsets, n_counts, ph, p_len, th, t_len, n_times = _signature()
-    n_seqs, n_bands = T.dynamic("n_seqs, n_bands")
-
-    @T.prim_func
-    def silu_attention_bwd_bias(
-        Q: T.Tensor((total, heads, dim), dtype),
-        K: T.Tensor((total, heads, dim), dtype),
-        V: T.Tensor((total, heads, dim), dtype),
-        dO: T.Tensor((total, heads, dim), dtype),
-        CU: T.Tensor((n_offsets,), "int32"),
-        NT: T.Tensor((n_counts,), "int32"),
-        PB: T.Tensor((ph, p_len), ACCUM),
-        TB: T.Tensor((th, t_len), ACCUM),
-        TS: T.Tensor((n_times,), "int64"),
-        PosPart: T.Tensor((n_seqs, heads, n_bands, 2 * bB), ACCUM),
-        TimePart: T.Tensor((n_seqs, heads, n_bands, TIME_SLOTS), ACCUM),
-        n_blocks: T.int32,
-        alpha: T.float32,
-        inv_max: T.float32,
-        Seed: T.Tensor((1,), SEED),
-        threshold: T.int32,
-        inv_keep: T.float32,
-    ):
-        with T.Kernel(n_bands * heads * (n_offsets - 1), threads=THREADS, prelude=prelude(time, dropout)) as pid:
-            bx, by, bz = program_of(pid, n_bands, heads)
-            Q_s = T.alloc_shared((bB, dp), dtype)
-            dO_s = T.alloc_shared((bB, dp), dtype)
-            K_s = T.alloc_shared((bB, dp), dtype)
-            V_s = T.alloc_shared((bB, dp), dtype)
-            # rows padded by one column: a thread per row (histogram) or per diagonal reads without bank conflicts
-            ds_s = T.alloc_shared((bB, bB + 1), ACCUM)
-            # the epilogue writes a fragment, copied to ds_s after: written there directly, next to the staged tables'
-            # reads, it took a barrier per element (ThreadSync sees one shared buffer)
-            ds = T.alloc_fragment((bB, bB), ACCUM)
-            hist_s = T.alloc_shared((bB, TIME_SLOTS + 1), ACCUM)
-            pb_s = T.alloc_shared((N_DIST,), ACCUM)
-            tb_s = T.alloc_shared((MAX_TIME_BUCKETS + 1,), ACCUM)
-            tq_s = T.alloc_shared((bB,), "int64")
-            tk_s = T.alloc_shared((bB,), "int64")
-            s = T.alloc_fragment((bB, bB), ACCUM)
-            dpm = T.alloc_fragment((bB, bB), ACCUM)
-            acc = T.alloc_local((1,), ACCUM)  # this thread's diagonal (position) or bucket (time)
-            tq = T.alloc_local((1,), "int64")
-
-            tx = T.get_thread_binding()
-            start = CU[bz]
-            n = CU[bz + 1] - start
-            first_target = n - NT[bz] if targets else n
-            seed = T.cast(Seed[0], "int32") if dropout else 0
-            t = bx if causal else bx - (n_blocks - 1)
-            seq_blocks = T.ceildiv(n, bB)
-            mb_first = T.max(t, 0)
-            n_tiles = T.max(seq_blocks + T.min(t, 0) - mb_first, 0)
-            t_eff = T.min(t_len, MAX_TIME_BUCKETS)
-            scale = inv_max * inv_keep if dropout else inv_max
-            tables = Tables(pb_s, tb_s, tq_s, tk_s, alpha, t_eff, pos, time)
-            vis = Visibility(n, first_target, causal, targets, dropout, seed, bz * heads + by, threshold)
-
-            if pos:  # every tile of the band has q0 - k0 = t * bB: one table of distances
-                stage_position_bias(pb_s, PB, by, t * bB, 0, p_len)
-            if time:
-                stage_time_row(tb_s, TB, by, t_eff)
-            acc[0] = 0.0
-            if time:
-                for r, b in T.Parallel(bB, TIME_SLOTS):
-                    hist_s[r, b] = 0.0
-            for step in T.serial(n_tiles):
-                q0 = (mb_first + step) * bB
-                k0 = q0 - t * bB
-                for i, d in T.Parallel(bB, dp):
-                    Q_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), Q[start + q0 + i, by, d], T.cast(0, dtype))
-                    dO_s[i, d] = T.if_then_else((q0 + i < n) and (d < dim), dO[start + q0 + i, by, d], T.cast(0, dtype))
-                for j, d in T.Parallel(bB, dp):
-                    K_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), K[start + k0 + j, by, d], T.cast(0, dtype))
-                    V_s[j, d] = T.if_then_else((k0 + j < n) and (d < dim), V[start + k0 + j, by, d], T.cast(0, dtype))
-                if time:
-                    stage_timestamps(tq_s, TS, start, q0, n)
-                    stage_timestamps(tk_s, TS, start, k0, n)
-                T.gemm(Q_s, K_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(dO_s, V_s, dpm, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                # every element is summed: past the sequence dO or V reads as zero, so dp and ds are zero there
-                if edge_tile(vis, q0, k0):
-                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, True)
-                else:
-                    _score_grads(ds, s, dpm, tables, vis, q0, k0, scale, False)
-                T.copy(ds, ds_s[0:bB, 0:bB])
-                T.sync_threads()
-                if pos:  # thread u: diagonal u, element (r, r - u + bB - 1) of each row r that holds one
-                    for r in T.serial(bB):
-                        if (r - tx + bB - 1 >= 0) and (r - tx + bB - 1 < bB):
-                            acc[0] += ds_s[r, r - tx + bB - 1]
-                if time:  # thread r < bB: row r into its histogram row
-                    if tx < bB:
-                        tq[0] = tq_s[tx]
-                        for c in T.serial(bB):
-                            hist_s[tx, time_bucket(tq[0], tk_s[c], t_eff)] += ds_s[tx, c]
-                T.sync_threads()  # ds_s, tq_s and tk_s are written again by the next tile
-            if pos:
-                PosPart[bz, by, bx, tx] = acc[0]
-            if time:
-                T.sync_threads()  # the histogram's clearing, where the band holds no tile
-                if tx < TIME_SLOTS:
-                    acc[0] = 0.0
-                    for r in T.serial(bB):
-                        acc[0] += hist_s[r, tx]
-                    TimePart[bz, by, bx, tx] = acc[0]
-
-    return silu_attention_bwd_bias
-
-
 # --------------------------------------------------------------------------- entries and launcher
 
-_BUILDERS = {"dkdv": dkdv_kernel, "dq": dq_kernel, "bias": bias_kernel}
+_BUILDERS = {"dkdv": dkdv_kernel, "dq": dq_kernel}
 
 
 def backward_entry(
     kernel: str, dim: int, dtype: torch.dtype, causal: bool, targets: bool, pos: bool, time: bool, dropout: bool
 ) -> Entry:
-    """kernel: "dkdv", "dq" or "bias"."""
+    """kernel: "dkdv" or "dq"."""
     key = (f"silu_attention_bwd_{kernel}", dim, dtype, causal, targets, pos, time, dropout)
     build = _BUILDERS[kernel]
     return key, lambda _: Unchecked(build(dim, TL_DTYPE[dtype], causal, targets, pos, time, dropout))
@@ -410,46 +441,42 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
     )  # fmt: skip
     scalars = (float(alpha), 1.0 / max_seqlen if max_seqlen else 0.0)
     dropout_launch = (seed if seed is not None else placeholder(device, torch.int64), threshold, inv_keep)
-    dpos = dtime = None
-    if total and n and n_blocks:
+    launched = bool(total and n and n_blocks)
+    # every element is written by the dk/dv kernel; without a launch the sums below read zeros
+    alloc = buffers.empty if launched else torch.zeros
+    pos_part = time_part = placeholder(device)
+    if position_bias is not None:
+        pos_part = alloc((n, h, n_blocks, n_blocks + 1, BLOCK_N), dtype=torch.float32, device=device)
+    if time_bias is not None:
+        time_part = alloc((n, h, n_blocks, TIME_SLOTS), dtype=torch.float32, device=device)
+    if launched:
         check_program_count(n_blocks * h * n, "cu_seqlens")
         launcher(backward_entry("dkdv", d, q.dtype, *flags), device)(
-            *tensors, dk, dv, n_blocks, *scalars, *dropout_launch
+            *tensors, dk, dv, pos_part.view(-1), time_part.view(-1), n_blocks, *scalars, *dropout_launch
         )
         launcher(backward_entry("dq", d, q.dtype, *flags), device)(*tensors, dq, n_blocks, *scalars, *dropout_launch)
-    if position_bias is not None or time_bias is not None:
-        dpos, dtime = _bias_gradients(
-            tensors, scalars, dropout_launch, flags, position_bias, time_bias, max_seqlen, n, h
-        )
+    dpos, dtime = reduce_bias_parts(pos_part, time_part, bool(causal), position_bias, time_bias)
     return dq, dk, dv, None, None, dpos, dtime, None, None, None, None, None, None
 
 
-def _bias_gradients(tensors, scalars, dropout_launch, flags, position_bias, time_bias, max_seqlen, n, h):
-    """(dposition_bias [H, P] or None, dtime_bias [H, T] or None): the bias kernel's partial sums, added over the
-    sequences and folded into buckets in a fixed order (as the Triton backward does)."""
-    q = tensors[0]
-    causal = flags[0]
-    n_blocks = -(-max_seqlen // BLOCK_B)
-    n_bands = n_blocks if causal else max(2 * n_blocks - 1, 0)
-    # zeros: with no band (no token) the sums below still read these
-    pos_part = torch.zeros((n, h, n_bands, 2 * BLOCK_B), dtype=torch.float32, device=q.device)
-    time_part = torch.zeros((n, h, n_bands, TIME_SLOTS), dtype=torch.float32, device=q.device)
-    if q.shape[0] and n and n_bands:
-        check_program_count(n_bands * h * n, "cu_seqlens")
-        launcher(backward_entry("bias", q.shape[2], q.dtype, *flags), q.device)(
-            *tensors, pos_part, time_part, n_blocks, *scalars, *dropout_launch
-        )
-    return reduce_bias_parts(pos_part, time_part, causal, position_bias, time_bias)
-
-
 def reduce_bias_parts(pos_part, time_part, causal: bool, position_bias, time_bias):
-    """(dposition_bias [H, P] or None, dtime_bias [H, T] or None) from the bias kernel's partial sums pos_part
-    [N, H, bands, 2 * BLOCK_B] and time_part [N, H, bands, TIME_SLOTS] (its docstring gives their layout)."""
+    """(dposition_bias [H, P] or None, dtime_bias [H, T] or None) from the dk/dv kernel's partial sums pos_part
+    [N, H, n_blocks, n_blocks + 1, BLOCK_N] and time_part [N, H, n_blocks, TIME_SLOTS] (dkdv_kernel gives their
+    layout), added over sequences and key blocks and folded into buckets in a fixed order."""
     dpos = dtime = None
     if position_bias is not None:
-        n_bands = pos_part.shape[2]
-        first_band = 0 if causal else -(n_bands // 2)  # non-causal: bands t = -(n_blocks - 1) .. n_blocks - 1
-        dpos = fold_distances(pos_part.sum(0), BLOCK_B, first_band, position_bias.shape[1]).to(position_bias.dtype)
+        part = pos_part.sum(0)  # [H, key block, slot, v]
+        h, n_blocks, _, b = part.shape
+        if causal or n_blocks == 0:  # slot s: distances s * b + v - (b - 1), whatever the key block
+            flat, first_d = part.sum(1).flatten(1), -(b - 1)
+        else:
+            # slot s of key block kb holds distances (s - kb) * b + v - (b - 1): sheared so that one column holds
+            # one distance, index s - kb + n_blocks - 1, then added over the key blocks
+            padded = torch.nn.functional.pad(part, (0, 0, n_blocks - 1, n_blocks - 1))
+            s_h, s_kb, s_slot, _ = padded.stride()
+            sheared = padded.as_strided((h, n_blocks, 2 * n_blocks, b), (s_h, s_kb + s_slot, s_slot, 1))
+            flat, first_d = sheared.sum(1).flatten(1), -(n_blocks - 1) * b - (b - 1)
+        dpos = fold_flat_distances(flat, first_d, position_bias.shape[1]).to(position_bias.dtype)
     if time_bias is not None:
         buckets = min(time_bias.shape[1], MAX_TIME_BUCKETS)
         dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=time_part.device)
