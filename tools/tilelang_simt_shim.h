@@ -17,6 +17,8 @@ static std::barrier<>* g_barrier = nullptr;
 alignas(1024) static unsigned char g_shmem[1 << 17];
 #define __syncthreads() g_barrier->arrive_and_wait()
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(a, b)
 #define __restrict__ __restrict
 #define CUDART_INF_F INFINITY
