@@ -2,11 +2,12 @@
 elementwise over fragments with block reductions, on the CPU, from the CUDA source TileLang generates for sm_90a: no
 GPU needed.
 
-The source is compiled with g++ against tilelang_simt_shim.h (one std::thread per CUDA thread, a std::barrier per
-block, the blocks one after another) and called through ctypes on CPU tensors. It checks the kernels' logic and,
-with --tsan (ThreadSanitizer), their barriers: a shared-memory access left unordered by __syncthreads is reported.
-It models neither warps nor the GPU's memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp
-specialisation) are out of its reach: the GPU tier stays the judge.
+The source is compiled with g++ against tilelang_simt_shim.h (each CUDA thread a fiber run to its next barrier in
+turn, the blocks one after another; with --tsan one std::thread per CUDA thread and a std::barrier per block) and
+called through ctypes on CPU tensors. It checks the kernels' logic and, with --tsan (ThreadSanitizer), their
+barriers: a shared-memory access left unordered by __syncthreads is reported. It models neither warps nor the GPU's
+memory model, and tile operations (T.gemm, T.copy to shared, TMA, warp specialisation) are out of its reach: the GPU
+tier stays the judge.
 
     PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm [--tsan]
 
@@ -81,7 +82,9 @@ class CpuKernel:
     @staticmethod
     def _build(code: str, tsan: bool) -> str:
         os.makedirs(BUILD, exist_ok=True)
-        digest = hashlib.sha1((code + str(tsan)).encode()).hexdigest()[:16]
+        with open(os.path.join(HERE, "tilelang_simt_shim.h")) as f:
+            shim = f.read()
+        digest = hashlib.sha1((code + shim + str(tsan)).encode()).hexdigest()[:16]
         library = os.path.join(BUILD, f"{digest}.so")
         if not os.path.exists(library):
             path = os.path.join(BUILD, f"{digest}.cpp")

@@ -1,6 +1,9 @@
 // CPU stand-ins for the CUDA built-ins of TileLang kernels written thread by thread, and of the elementwise code it
-// generates for fragments (tools/tilelang_on_cpu.py): one std::thread per CUDA thread, a std::barrier per block for
-// __syncthreads, the blocks one after another.
+// generates for fragments (tools/tilelang_on_cpu.py), the blocks one after another. Each CUDA thread of a block is a
+// fiber (ucontext) on the calling thread, run in turn to its next __syncthreads: a round over the fibers is one
+// barrier phase, without the OS scheduling a thousand threads through every barrier. Under ThreadSanitizer
+// (__SANITIZE_THREAD__, --tsan) each CUDA thread is a std::thread and __syncthreads a std::barrier, so that
+// accesses left unordered by the barriers are reported.
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -9,13 +12,25 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+#ifndef __SANITIZE_THREAD__
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+#include <ucontext.h>
+#endif
 typedef unsigned int uint;
 typedef unsigned char uchar;
 struct Dim { int x = 0, y = 0, z = 0; };
 thread_local Dim threadIdx, blockIdx;
-static std::barrier<>* g_barrier = nullptr;
 alignas(1024) static unsigned char g_shmem[1 << 17];
+#ifdef __SANITIZE_THREAD__
+static std::barrier<>* g_barrier = nullptr;
 #define __syncthreads() g_barrier->arrive_and_wait()
+#else
+static ucontext_t g_scheduler;
+static std::vector<ucontext_t> g_fibers;
+#define __syncthreads() swapcontext(&g_fibers[threadIdx.x], &g_scheduler)
+#endif
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -79,6 +94,7 @@ struct AllReduce {
   }
 };
 }  // namespace tl
+#ifdef __SANITIZE_THREAD__
 template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
   for (int by = 0; by < gy; ++by)
     for (int bx = 0; bx < gx; ++bx) {
@@ -91,3 +107,60 @@ template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
       for (auto& th : pool) th.join();
     }
 }
+#else
+constexpr size_t kFiberStack = 1 << 18;
+static void* g_body = nullptr;
+static std::vector<bool> g_finished;
+template <class F> static void run_fiber() {
+  (*static_cast<F*>(g_body))();
+  g_finished[threadIdx.x] = true;  // then uc_link: back to the scheduler
+}
+static char* fiber_stacks(int threads) {  // kept for later launches; a guard page below each stack
+  static char* stacks = nullptr;
+  static int count = 0;
+  if (threads > count) {
+    if (stacks) munmap(stacks, count * (kFiberStack + 4096));
+    stacks = static_cast<char*>(
+        mmap(nullptr, threads * (kFiberStack + 4096), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0));
+    if (stacks == MAP_FAILED) { std::perror("fiber stacks"); std::abort(); }
+    for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kFiberStack + 4096), 4096, PROT_NONE);
+    count = threads;
+  }
+  return stacks;
+}
+template <class F> void launch_blocks(int gx, int gy, int threads, F body) {
+  char* stacks = fiber_stacks(threads);
+  g_body = &body;
+  g_fibers.resize(threads);
+  for (int by = 0; by < gy; ++by)
+    for (int bx = 0; bx < gx; ++bx) {
+      std::memset(g_shmem, 0xAB, sizeof(g_shmem));  // garbage, as on the GPU
+      blockIdx.x = bx;
+      blockIdx.y = by;
+      for (int t = 0; t < threads; ++t) {
+        getcontext(&g_fibers[t]);
+        g_fibers[t].uc_stack.ss_sp = stacks + t * (kFiberStack + 4096) + 4096;
+        g_fibers[t].uc_stack.ss_size = kFiberStack;
+        g_fibers[t].uc_link = &g_scheduler;
+        makecontext(&g_fibers[t], run_fiber<F>, 0);
+      }
+      g_finished.assign(threads, false);
+      for (int running = threads; running > 0;) {
+        int waiting = 0;
+        for (int t = 0; t < threads; ++t) {
+          if (g_finished[t]) continue;
+          threadIdx.x = t;
+          swapcontext(&g_scheduler, &g_fibers[t]);
+          waiting += !g_finished[t];
+        }
+        if (waiting > 0 && waiting < running) {  // with threads, a barrier that some never reach waits forever
+          std::fprintf(stderr, "block (%d, %d): %d of %d threads returned while the others wait at __syncthreads\n",
+                       bx, by, running - waiting, running);
+          std::abort();
+        }
+        running = waiting;
+      }
+    }
+}
+#endif

@@ -14,11 +14,13 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     )
 
 import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
+from filelock import FileLock  # noqa: E402
 from triton.runtime.interpreter import InterpreterBuilder, TensorHandle  # noqa: E402
 
 from runtime.accelerators.backends import clear_decisions  # noqa: E402
@@ -69,6 +71,21 @@ def tilelang_on_cpu():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder of the whole run filled by build(folder) once: with -n, by the first xdist worker that asks, the others
+    waiting for it (a module fixture would be built once per worker)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
+    with FileLock(f"{folder}.lock"):
+        if not folder.exists():
+            partial = folder.with_name(f"{name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            build(partial)
+            partial.rename(folder)
+    return folder
 
 
 def pytest_collection_modifyitems(items):

@@ -228,6 +228,14 @@ def test_tilelang_takes_packed_sequences_with_gradients():
     assert q.grad is not None and k.grad is not None
 
 
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_max_seqlen_without_packed_sequences_is_an_error(name):
+    """A padded call ignored it: a user who meant packed sequences but forgot cu_seqlens got no hint."""
+    q = torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match=rf"{name}: only taken with cu_seqlens_q and cu_seqlens_k .*, got 5"):
+        flash_attention(q, q, q, backend="torch", **{name: 5})
+
+
 def _call(lengths_q=(2, 3), lengths_k=(2, 3), d=16, **kwargs):
     q, k, v, cu_q, cu_k = packed(list(lengths_q), list(lengths_k), 2, 1, d)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch") | kwargs

@@ -263,6 +263,59 @@ def test_hstu_trains_and_lowers_the_loss(tmp_path):
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, losses
 
 
+def test_an_hstu_prediction_does_not_depend_on_the_examples_batched_with_it():
+    # silu_attention divides by max_seqlen: a per-batch value would change a row's logit with its batch-mates (and
+    # the validation metrics with data.val_batch_size)
+    from runtime.models import HSTUPCVR
+
+    data = SyntheticPCVR(seed=0, seq_len=64, n_items=200, n_categories=8, val_size=10, jagged=True)
+    torch.manual_seed(0)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32).double().eval()
+    batch = data.train_batch(0, 8)
+    batch.dense = batch.dense.double()
+    assert len({int(n) for n in batch.seq_lengths}) > 1
+    with torch.no_grad(), use_accelerators(default="torch"):
+        together = model(batch)
+        alone = torch.cat([model(batch.slice(i, i + 1)) for i in range(len(batch))])
+    torch.testing.assert_close(alone, together, rtol=1e-12, atol=1e-12)
+
+
+def test_hstu_reads_a_batch_whose_histories_are_all_empty():
+    from runtime.models import HSTUPCVR
+
+    data = SyntheticPCVR(seed=0, seq_len=20, n_items=200, n_categories=8, val_size=10, jagged=True)
+    batch = data.train_batch(0, 3)
+    for name in ("seq_items", "seq_categories", "seq_actions", "seq_timestamps"):
+        setattr(batch, name, getattr(batch, name)[:0])
+    batch.seq_lengths = torch.zeros_like(batch.seq_lengths)
+    batch.seq_offsets, batch.max_seqlen = torch.zeros_like(batch.seq_offsets), 0
+    torch.manual_seed(0)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32).eval()
+    with torch.no_grad(), use_accelerators(default="torch"):
+        together = model(batch)
+        alone = torch.cat([model(batch.slice(i, i + 1)) for i in range(len(batch))])
+    assert together.shape == (3,) and torch.isfinite(together).all()
+    torch.testing.assert_close(alone, together)
+
+
+def test_hstu_bias_tables_get_no_weight_decay():
+    from omegaconf import OmegaConf
+
+    from runtime.models import HSTUPCVR
+    from runtime.training.loop import make_optimizer
+
+    data = SyntheticPCVR(seed=0, seq_len=20, n_items=200, n_categories=8, val_size=10, jagged=True)
+    model = HSTUPCVR(data.spec, d_model=16, n_heads=2, n_layers=1, head_hidden=32)
+    optim = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.98], "eps": 1e-8})
+    decay, no_decay = make_optimizer(model, optim, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    block = model.blocks[0]
+    decayed = {id(p) for p in decay["params"]}
+    assert id(block.position_bias) not in decayed and id(block.time_bias) not in decayed
+    assert id(block.uvqk.weight) in decayed and id(block.out.weight) in decayed
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
 class _PaddedView:
     """The same examples as `data`, padded to the spec's seq_len."""
 

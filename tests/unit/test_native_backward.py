@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import built_once
 from runtime.accelerators import buffers, native
 from runtime.accelerators.native import build
 
@@ -35,16 +36,18 @@ def fake_driver(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def extension_cache(tmp_path_factory) -> Path:
-    """A cache holding the extension built once for this module's tests."""
-    folder = tmp_path_factory.mktemp("native_cache")
+def _build_extension(folder: Path) -> None:
     os.environ["TAAC_NATIVE_CACHE"] = str(folder)
     try:
         build.load_extension()
     finally:
         del os.environ["TAAC_NATIVE_CACHE"]
-    return folder
+
+
+@pytest.fixture(scope="module")
+def extension_cache(tmp_path_factory) -> Path:
+    """A cache holding the extension built once for this run's tests."""
+    return built_once(tmp_path_factory, "native_cache", _build_extension)
 
 
 # The scenario: a backward kernel of 12 parameters (7 pointers, 4 int32, an fp32), attached to y.

@@ -103,6 +103,34 @@ def test_cross_attention_matches_textbook_math():
     assert_close("cross-attention", out, ref, 1e-10)
 
 
+def test_attention_modules_reject_padded_arguments_with_packed_sequences_and_the_reverse():
+    """key_lengths was dropped silently with packed sequences, and max_seqlen without them."""
+    self_attn, cross = MultiHeadAttention(16, 2), CrossAttention(16, 2)
+    cu, lengths = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([1, 2])
+    with use_accelerators(**TORCH):
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            self_attn(torch.randn(7, 16), lengths, cu_seqlens=cu, max_seqlen=4)
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            cross(torch.randn(2, 16), torch.randn(7, 16), lengths, context_cu_seqlens=cu, context_max_seqlen=4)
+        with pytest.raises(ValueError, match="max_seqlen_q: only taken with cu_seqlens_q and cu_seqlens_k"):
+            self_attn(torch.randn(2, 5, 16), max_seqlen=5)
+        with pytest.raises(ValueError, match="max_seqlen_k: only taken with cu_seqlens_q and cu_seqlens_k"):
+            cross(torch.randn(2, 1, 16), torch.randn(2, 5, 16), context_max_seqlen=5)
+        with pytest.raises(ValueError, match="key_lengths: not taken with cu_seqlens"):
+            TransformerBlock(16, 2, 32)(torch.randn(7, 16), lengths, cu, 4)
+
+
+def test_gated_delta_modules_name_packed_input_as_the_error():
+    """They take padded batches: packed input failed with 'takes 2 positional arguments' or 'not enough values to
+    unpack'."""
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with use_accelerators(**TORCH):
+        with pytest.raises(ValueError, match=r"cu_seqlens: GatedDeltaBlock takes padded batches \[B, L, d\] only"):
+            GatedDeltaBlock(16, 2, 32)(torch.randn(7, 16), None, cu, 4)
+        with pytest.raises(ValueError, match=r"x: expected a padded batch \[B, T, d_model\], got shape \(7, 16\)"):
+            GatedDeltaRuleMixer(16, 2)(torch.randn(7, 16))
+
+
 def test_norms_feedforward_bag_and_loss_match_torch():
     x = _x(5, 37)
     with use_accelerators(**TORCH):
@@ -132,7 +160,7 @@ def test_norms_feedforward_bag_and_loss_match_torch():
 def test_embedding_bag_rejects_a_padding_row_outside_the_table(padding_idx):
     """As nn.EmbeddingBag: padding_idx in [-num_embeddings, num_embeddings), else an error naming it (not an
     IndexError from zeroing the row, nor -11 taken as the last row)."""
-    with pytest.raises(ValueError, match=r"padding_idx: expected a value in \[-10, 10\)"):
+    with pytest.raises(ValueError, match=r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\)"):
         EmbeddingBagMean(10, 4, padding_idx=padding_idx)
     assert EmbeddingBagMean(10, 4, padding_idx=-10).padding_idx == 0
 
@@ -314,12 +342,12 @@ def test_a_norm_without_weight_checks_the_width_it_was_built_for(cls):
         (
             lambda: EmbeddingBagMean(10, 4, padding_idx=True),
             TypeError,
-            "padding_idx: expected an int or None, got bool",
+            r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\), got bool True",
         ),
         (
             lambda: EmbeddingBagMean(10, 4, padding_idx=3.0),
             TypeError,
-            "padding_idx: expected an int or None, got float",
+            r"padding_idx: expected None or an int in \[-10, 10\) \(num_embeddings\), got float 3.0",
         ),
         (lambda: BCEWithLogitsLoss(reduction="avg"), ValueError, "reduction: expected one of 'none', 'mean', 'sum'"),
         (lambda: BCEWithLogitsLoss(pos_weight=[2.0]), TypeError, "pos_weight: expected a number or None, got list"),

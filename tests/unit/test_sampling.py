@@ -419,6 +419,38 @@ def test_kernel_and_reference_give_minus_one_for_a_row_with_nan():
     assert torch.equal(restricted_draw(values, indices, keep_k, temperature, top_p, uniforms), ids)
 
 
+def test_kernel_and_reference_give_minus_one_for_a_row_of_minus_infinity():
+    """On CUDA no host sync checks the logits: a row whose survivors are all -inf (softmax 0 / 0) gets -1, as NaN."""
+    logits = torch.randn(3, 64)
+    logits[1] = -math.inf
+    keep_k, temperature, top_p = torch.full((3,), 8, dtype=torch.int32), torch.ones(3), torch.ones(3)
+    uniforms = torch.rand(3)
+    ids = kernels.sample_forward(logits, keep_k, 8, temperature, top_p, uniforms)
+    assert ids[1] == -1 and (ids[[0, 2]] >= 0).all()
+    assert torch.equal(sample_reference(logits, keep_k, 8, temperature, top_p, uniforms), ids)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_at_a_temperature_below_float32_range_is_greedy(backend):
+    """A temperature that rounds to 0 in float32 turns negative logits into -inf: the row is still defined."""
+    logits = -1.0 - torch.rand(3, 20)
+    ids = sample(logits, temperature=1e-50, top_k=4, backend=backend)
+    assert torch.equal(ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("top_k_value", [None, 3])
+def test_sample_rejects_a_row_of_minus_infinity_on_the_cpu(backend, top_k_value):
+    logits = torch.randn(4, 9)
+    logits[2] = -math.inf
+    logits[3, :7] = -math.inf  # two finite logits left: a valid row
+    with pytest.raises(ValueError, match=r"logits: every logit of row 2 is -inf"):
+        sample(logits, top_k=top_k_value, backend=backend)
+    logits[2, 4] = 0.0
+    ids = sample(logits, top_k=top_k_value, backend="torch")
+    assert ids[2] == 4 and ids[3] in (7, 8)
+
+
 def test_sample_without_top_k_runs_torch_with_the_reason():
     logits = torch.randn(4, 50)
     with pytest.warns(BackendFallbackWarning, match="need top_k"):
@@ -585,6 +617,11 @@ def test_auto_takes_triton_under_the_interpreter():
         ),
         (lambda: sample(torch.randn(2, 5), top_k=torch.tensor([1, 9])), ValueError, r"top_k: .* in every row"),
         (lambda: sample(torch.tensor([[0.0, math.nan]])), ValueError, r"logits: contains NaN"),
+        (
+            lambda: sample(torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]])),
+            ValueError,
+            r"logits: every logit of row 1 is -inf",
+        ),
         (lambda: sample(torch.randn(2, 5), generator=3), TypeError, r"generator: expected a torch.Generator"),
     ],
 )

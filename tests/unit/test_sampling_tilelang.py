@@ -1,6 +1,6 @@
 """The sampling ops' TileLang kernels, compile-only: every specialisation (select over the row and over candidates,
 sort, draw; each dtype, largest True and False) lowered and compiled for sm_90a with the local nvcc. Rows, widths and
-k are runtime arguments. A small case runs the generated CUDA on the CPU (tools/tilelang_on_cpu.py, a thread per CUDA
+k are runtime arguments. A small case runs the generated CUDA on the CPU (tools/tilelang_on_cpu.py, a fiber per CUDA
 thread) against the reference; the GPU tier (tests/gpu/test_sampling.py) checks the results on the GPU."""
 
 import math
@@ -80,7 +80,7 @@ def cpu_launch():
 @pytest.mark.slow
 def test_generated_kernels_run_on_the_cpu_and_match_the_reference(cpu_launch):
     """The generated CUDA of the select (over the row and over candidates), sort and draw kernels, run on the CPU by
-    tools/tilelang_on_cpu.py (a thread per CUDA thread): ties across segments and merging rounds, and one draw."""
+    tools/tilelang_on_cpu.py (a fiber per CUDA thread): ties across segments and merging rounds, and one draw."""
     from runtime.accelerators.sampling.reference import restricted_draw, top_k_reference
 
     launch = cpu_launch

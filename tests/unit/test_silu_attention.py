@@ -313,6 +313,7 @@ ERRORS = {
     "timestamps-length": (dict(timestamps=torch.arange(6)), ValueError, r"timestamps: expected shape \(7,\)"),
     "timestamps-float": (dict(timestamps=torch.rand(7)), TypeError, "timestamps: expected dtype int32 or int64"),
     "time-bias-alone": (dict(timestamps=None), ValueError, "time_bias: given without timestamps"),
+    "timestamps-alone": (dict(time_bias=None), ValueError, "timestamps: given without time_bias"),
     "pos-heads": (
         dict(position_bias=torch.randn(3, 7)),
         ValueError,

@@ -507,6 +507,25 @@ def test_training_benchmark_rejects_layouts_that_do_not_exist(layouts):
         benchmark.main([f"layouts={layouts}", "dry_run=true", "overrides=['trainer.device=cpu']"])
 
 
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("warmup=200", "warmup: expected an integer in [0, steps=200) (the steps after it are timed), got 200"),
+        ("warmup=-1", "warmup: expected an integer in [0, steps=200) (the steps after it are timed), got -1"),
+        ("steps=0", "steps: expected an integer >= 1, got 0"),
+        ("profile_steps=-2", "profile_steps: expected an integer >= 0, got -2"),
+        ("loss_bound=-0.1", "loss_bound: expected a value in [0, inf), got -0.1"),
+        ("time_budget_s=-5", "time_budget_s: expected a value in [0, inf), got -5.0"),
+    ],
+)
+def test_training_benchmark_refuses_counts_that_would_time_nothing_or_misjudge(override, expected):
+    from runtime.training import benchmark
+
+    with pytest.raises(ValueError) as error:
+        benchmark.main([override, "dry_run=true", "overrides=['trainer.device=cpu']"])
+    assert str(error.value) == expected
+
+
 def test_training_benchmark_dry_run_shows_the_layouts_and_skips_graphed_jagged_runs(capsys):
     from runtime.training import benchmark
 
@@ -569,3 +588,25 @@ def test_clip_grad_norm_matches_torch_bit_for_bit(max_norm, dtypes):
     assert torch.equal(norm, expected)
     for a, b in zip(ours, theirs):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+
+
+def _trained_rates(tmp_path, *overrides: str) -> tuple[list[float], list[float]]:
+    """(the learning rate of each optimizer step, the lr of each log entry) of a short run logging every step."""
+    trainer = Trainer(_compose("trainer.steps=6", "trainer.log_every=1", *overrides), tmp_path)
+    used = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))
+    logged = [entry["lr"] for entry in trainer.fit()["log"]]
+    return used, logged
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_the_schedule_decays_to_min_lr_ratio_at_the_last_step(warmup, tmp_path):
+    used, _ = _trained_rates(tmp_path, "optim.lr=1e-3", "optim.min_lr_ratio=0.25", f"optim.warmup_steps={warmup}")
+    assert len(used) == 6
+    assert used[warmup] == pytest.approx(1e-3) and used[-1] == pytest.approx(0.25e-3)
+    assert all(a > b for a, b in zip(used[warmup:], used[warmup + 1 :], strict=False))
+
+
+def test_each_log_entry_shows_the_learning_rate_its_step_trained_with(tmp_path):
+    used, logged = _trained_rates(tmp_path, "optim.warmup_steps=2")
+    assert logged == pytest.approx(used, rel=1e-12)

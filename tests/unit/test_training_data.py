@@ -242,3 +242,28 @@ def test_an_inferred_vocabulary_too_large_to_allocate_is_named(tmp_path, changes
     stored = _write(tmp_path / "s.parquet", spec={**SPEC, "n_items": 2**62})
     with pytest.raises(ValueError, match=rf"taac\.spec: n_items={2**62} is beyond the largest embedding table"):
         read_spec(stored)
+
+
+def test_a_file_without_sparse_fields_loads_and_trains(tmp_path):
+    from runtime.accelerators import use_accelerators
+    from runtime.models import BaselinePCVR
+
+    columns = {name: values for name, values in _columns().items() if not name.startswith("sparse_")}
+    pq.write_table(pa.table(columns), tmp_path / "s.parquet")
+    spec = read_spec(tmp_path / "s.parquet")
+    assert spec.sparse_fields == {}
+    batch = read_batch(tmp_path / "s.parquet", spec)
+    assert batch.sparse.shape[:2] == (3, 0) and batch.seq_lengths.tolist() == [3, 1, 2]
+    stored = {**SPEC, "sparse_fields": {}}
+    table = pa.table(columns).replace_schema_metadata({b"taac.spec": json.dumps(stored).encode()})
+    pq.write_table(table, tmp_path / "m.parquet")
+    batch = read_batch(tmp_path / "m.parquet", read_spec(tmp_path / "m.parquet"))
+    assert batch.sparse.shape == (3, 0, 2)
+    model = BaselinePCVR(read_spec(tmp_path / "m.parquet"), d_model=8, n_heads=2, n_layers=1, head_hidden=8)
+    with use_accelerators(default="torch"):
+        logits = model(batch)
+    logits.sum().backward()
+    assert logits.shape == (3,) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="model.sparse_collection: true needs sparse features"):
+        BaselinePCVR(read_spec(tmp_path / "m.parquet"), d_model=8, n_heads=2, n_layers=1, head_hidden=8,
+                     sparse_collection=True)  # fmt: skip

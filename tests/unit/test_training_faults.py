@@ -188,6 +188,21 @@ def test_a_corrupt_newest_checkpoint_names_the_previous_one_and_the_fallback_tak
         )
 
 
+def test_a_run_resumed_before_its_corrupt_newest_checkpoint_keeps_the_checkpoints_it_writes(tmp_path):
+    # the corrupt step_4 is the newest file until the resumed run reaches step 4: pruning to keep_checkpoints=1 by
+    # step number kept it and deleted the valid step_3 just written
+    run_dir = tmp_path / "run"
+    _trained(run_dir)
+    newest = run_dir / "checkpoints" / "step_0000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    overrides = ["trainer.steps=4", f"trainer.resume={run_dir}", "trainer.resume_fallback=previous"]
+    free = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
+    resumed = Trainer(_compose(*overrides, *free), run_dir)
+    assert resumed.step == 2
+    resumed.fit(until=3)
+    assert checkpoint.load(run_dir / "checkpoints" / "step_0000003.pt")["step"] == 3
+
+
 def test_a_path_that_is_not_a_checkpoint_gets_a_clear_message(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint")
@@ -251,6 +266,23 @@ def test_a_new_run_in_a_run_directory_with_outputs_is_refused_and_leaves_them_in
     assert resumed.step == 4 and len(resumed.fit()["losses"]) == 6
 
 
+def test_a_run_directory_without_checkpoints_is_refused_without_suggesting_to_resume_it(tmp_path):
+    # a run stopped before its first checkpoint leaves metrics.csv rows: resuming it would fail (no checkpoint)
+    run_dir = tmp_path / "run"
+    trainer = Trainer(_compose("trainer.steps=4", "trainer.log_every=1", "trainer.checkpoint_every=0"), run_dir)
+    for _ in range(2):
+        trainer.train_step(trainer.data.train_batch(trainer.data_position, 8))
+        trainer.metric_logger.write(trainer.step, {"loss": 0.5})
+    trainer.metric_logger.close()
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose("trainer.steps=4"), run_dir)
+    message = str(error.value)
+    assert f"{run_dir} already holds the outputs of a run (metrics.csv)" in message, message
+    assert "trainer.resume" not in message and "no checkpoint to resume from" in message, message
+    with pytest.raises(FileNotFoundError):
+        Trainer(_compose("trainer.steps=4", f"trainer.resume={run_dir}"), tmp_path / "next")
+
+
 def test_resuming_an_earlier_checkpoint_into_its_own_run_directory_is_refused_and_keeps_the_later_ones(tmp_path):
     run_dir = tmp_path / "run"
     _trained(run_dir, "trainer.keep_checkpoints=0")
@@ -267,6 +299,22 @@ def test_resuming_an_earlier_checkpoint_into_its_own_run_directory_is_refused_an
     # into another directory the earlier checkpoint resumes, and the run directory it came from is left as it was
     assert Trainer(_compose("trainer.steps=4", *resume), tmp_path / "branch").fit()["losses"]
     assert {path: path.read_bytes() for path in directory.iterdir()} == written
+
+
+def test_resuming_a_renamed_copy_of_an_earlier_checkpoint_inside_the_run_directory_is_refused_too(tmp_path):
+    """A copy named without its step (run/best.pt) is an earlier checkpoint all the same: its step comes from the file."""
+    run_dir = tmp_path / "run"
+    _trained(run_dir, "trainer.keep_checkpoints=0")
+    directory = run_dir / "checkpoints"
+    copy = run_dir / "best.pt"
+    copy.write_bytes((directory / "step_0000002.pt").read_bytes())
+    written = {path: path.read_bytes() for path in [*directory.iterdir(), run_dir / "metrics.json"]}
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose("trainer.steps=4", "trainer.checkpoint_every=1", f"trainer.resume={copy}"), run_dir)
+    assert f"{run_dir} holds checkpoints after best.pt (step_0000004.pt)" in str(error.value), error.value
+    assert {path: path.read_bytes() for path in [*directory.iterdir(), run_dir / "metrics.json"]} == written
+    (directory / "step_0000004.pt").unlink()  # with nothing later, the copy continues the run in its directory
+    assert Trainer(_compose("trainer.steps=4", f"trainer.resume={copy}"), run_dir).fit()["losses"]
 
 
 # ------------------------------------------------------------------ a resumed run with another config

@@ -102,3 +102,14 @@ def test_validation_metrics_with_users():
     assert set(metrics) == {"val_auc", "val_logloss", "val_ne", "val_calibration", "val_gauc"}
     assert metrics["val_gauc"] == pytest.approx(reference_gauc(logits, labels, users), abs=1e-12)
     assert metrics["val_logloss"] == pytest.approx(log_loss(logits, labels))
+
+
+def test_a_nan_score_gives_nan_auc_and_gauc_not_a_number_that_looks_valid():
+    scores = torch.tensor([0.2, float("nan"), 0.7, 0.1, 0.9, 0.4])
+    labels = torch.tensor([0.0, 1, 1, 0, 1, 0])
+    users = torch.tensor([1, 1, 1, 2, 2, 2])  # user 1 holds the NaN; user 2 is clean
+    assert math.isnan(roc_auc(scores, labels))
+    per_user, _ = grouped_auc(scores, labels, users)
+    assert math.isnan(per_user[0]) and per_user[1] == 1.0
+    assert math.isnan(gauc(scores, labels, users))  # not user 2's AUC alone, as if user 1 had one class
+    assert math.isnan(validation_metrics(scores, labels, users)["val_auc"])

@@ -37,6 +37,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import runtime
 import runtime.accelerators as acc
+from conftest import built_once
 from runtime.accelerators import norms_triton
 from runtime.accelerators.add_norm import triton as add_norm_triton
 from runtime.accelerators.embedding_bag_mean import radix_sort
@@ -676,9 +677,13 @@ def compile_cases(cases: dict, tmp: Path) -> dict[str, list[tuple[dict, dict]]]:
     return by_kernel
 
 
+def _compile_into(folder: Path) -> None:
+    (folder / "compiled.pkl").write_bytes(pickle.dumps(compile_cases(CASES, folder)))
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
-    return compile_cases(CASES, tmp_path_factory.mktemp("sm90"))
+    return pickle.loads((built_once(tmp_path_factory, "sm90", _compile_into) / "compiled.pkl").read_bytes())
 
 
 def constexprs(launch: dict) -> dict:

@@ -89,6 +89,24 @@ def as_int(name: str, value, *, least: int, expected: str):
     return value
 
 
+def as_padding_idx(padding_idx, num_embeddings: int, table: str = "") -> int | None:
+    """None, or a row of the table in [-num_embeddings, num_embeddings) as nn.EmbeddingBag takes it (numpy's ints too,
+    not a bool: True would be read as row 1), returned in [0, num_embeddings). table names the table for the message
+    where there are several."""
+    if padding_idx is None:
+        return None
+    n = num_embeddings
+    message = (
+        f"padding_idx: expected None or an int in [-{n}, {n}) (num_embeddings{f' of {table}' if table else ''}), "
+        f"got {type(padding_idx).__name__} {padding_idx!r}"
+    )
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(message)
+    if not -n <= padding_idx < n:
+        raise ValueError(message)
+    return int(padding_idx) % n
+
+
 def as_probability(name: str, value) -> float:
     """A dropout probability: a real number (numpy's too, not a bool) in [0, 1), as a Python float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -43,6 +43,11 @@ class FeatureEncoder(nn.Module):
         self.sparse_projection = None
         # ids come from the data layer, which validates them once: no per-call range check (a device sync)
         if sparse_collection:
+            if not spec.sparse_fields:
+                raise ValueError(
+                    "model.sparse_collection: true needs sparse features (a table per field), and the data has none; "
+                    "set it to false"
+                )
             width = sparse_dim or d_model
             tables = {name: (size + 1, width) for name, size in spec.sparse_fields.items()}
             self.sparse = EmbeddingBagCollection(tables, padding_idx=0, init_std=INIT_STD, check_indices=False)

@@ -56,6 +56,9 @@ class HSTUPCVR(nn.Module):
         )
         self.norm = RMSNorm(d_model)
         self.head = PredictionHead(d_model + context_width, head_hidden)
+        # silu_attention divides by max_seqlen: the longest history any batch can hold (plus its target), not the
+        # batch's own longest, so that an example's prediction does not depend on the examples batched with it
+        self.max_seqlen = spec.seq_len + 1
 
     def forward(self, batch: PCVRBatch) -> torch.Tensor:
         """Conversion logits [B] of a jagged batch."""
@@ -70,10 +73,13 @@ class HSTUPCVR(nn.Module):
         x, cu_seqlens = append_targets(history, target, batch.seq_offsets)
         timestamps = None
         if batch.seq_timestamps is not None:
-            last = batch.seq_timestamps[(batch.seq_offsets[1:].long() - 1).clamp_min(0)]
-            timestamps = append_targets(batch.seq_timestamps, torch.where(lengths > 0, last, 0), batch.seq_offsets)[0]
+            # each history's last timestamp (0 for an empty history: a leading zero keeps the gather in range
+            # when the batch has no event at all)
+            shifted = torch.cat([batch.seq_timestamps.new_zeros(1), batch.seq_timestamps])
+            last = torch.where(lengths > 0, shifted[batch.seq_offsets[1:].long()], 0)
+            timestamps = append_targets(batch.seq_timestamps, last, batch.seq_offsets)[0]
         num_targets = torch.ones_like(cu_seqlens[1:])
         for block in self.blocks:
-            x = block(x, cu_seqlens, batch.max_seqlen + 1, timestamps, num_targets)
+            x = block(x, cu_seqlens, self.max_seqlen, timestamps, num_targets)
         readout = self.norm(x[cu_seqlens[1:].long() - 1])
         return self.head(torch.cat([readout.to(context.dtype), context], dim=-1))

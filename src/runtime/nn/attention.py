@@ -105,6 +105,7 @@ class MultiHeadAttention(nn.Module):
                 k,
                 v,
                 causal=self.causal,
+                key_lengths=key_lengths,  # not taken with packed sequences: the op says so
                 cu_seqlens_q=cu_seqlens,
                 cu_seqlens_k=cu_seqlens,
                 max_seqlen_q=max_seqlen,
@@ -120,6 +121,8 @@ class MultiHeadAttention(nn.Module):
             v,
             causal=self.causal,
             key_lengths=key_lengths,
+            max_seqlen_q=max_seqlen,  # only taken with packed sequences: the op says so
+            max_seqlen_k=max_seqlen,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
         )
@@ -170,6 +173,7 @@ class CrossAttention(nn.Module):
                 q,
                 k,
                 v,
+                key_lengths=key_lengths,
                 cu_seqlens_q=one_each,
                 cu_seqlens_k=context_cu_seqlens,
                 max_seqlen_q=1,
@@ -181,6 +185,12 @@ class CrossAttention(nn.Module):
         q = _split_heads(self.q(x), self.n_heads)
         k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
         o = flash_attention(
-            q, k, v, key_lengths=key_lengths, dropout_p=self.dropout if self.training else 0.0, backend=self.backend
+            q,
+            k,
+            v,
+            key_lengths=key_lengths,
+            max_seqlen_k=context_max_seqlen,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend,
         )
         return self.out(_merge_heads(o))

@@ -103,6 +103,10 @@ class _MixThenFeedForward(nn.Module):
         max_seqlen (see MultiHeadAttention)."""
         args = (key_lengths,) if self.mix_reads_lengths else ()
         if cu_seqlens is not None:
+            if not self.mix_reads_lengths:
+                raise ValueError(
+                    f"cu_seqlens: {type(self).__name__} takes padded batches [B, L, d] only, not packed sequences"
+                )
             args = (key_lengths, cu_seqlens, max_seqlen)
         if isinstance(self.mix, HyperConnection):
             return self.ffn(self.mix(join(x, pending), *args)), None

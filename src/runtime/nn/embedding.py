@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_padding_idx
 from runtime.accelerators.embedding_bag_mean import embedding_bag_collection, embedding_bag_mean
 from runtime.accelerators.embedding_bag_mean.collection import is_keyed_jagged
-
-
-def check_padding_idx(padding_idx: int | None, num_embeddings: int, of: str = "(num_embeddings)") -> None:
-    """padding_idx within [-num_embeddings, num_embeddings), as nn.EmbeddingBag takes it; of: what num_embeddings
-    is, for the message. A bool or a float is an error (True would be read as row 1)."""
-    if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral)):
-        raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__} {padding_idx!r}")
-    if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(
-            f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) {of}, got {padding_idx}"
-        )
 
 
 def init_table_(weight: torch.Tensor, std: float, padding_idx: int | None) -> None:
@@ -56,10 +45,7 @@ class EmbeddingBagMean(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        check_padding_idx(padding_idx, num_embeddings)
-        if padding_idx is not None:
-            padding_idx = int(padding_idx) % num_embeddings  # a negative one counts from the end, as nn.EmbeddingBag
-        self.padding_idx = padding_idx
+        self.padding_idx = as_padding_idx(padding_idx, num_embeddings)  # a negative one counts from the end
         self.init_std = init_std
         self.include_last_offset = include_last_offset
         self.sparse = sparse
@@ -110,16 +96,16 @@ class EmbeddingBagCollection(nn.Module):
         super().__init__()
         if not tables:
             raise ValueError("tables: expected at least one table (name -> (num_embeddings, dim))")
-        self.padding_idx = padding_idx if padding_idx is None else int(padding_idx)
         self.init_std = init_std
         self.check_indices = check_indices
         self.backend = backend
         self.tables = nn.ModuleDict()
         for name, (num_embeddings, dim) in tables.items():
-            check_padding_idx(padding_idx, num_embeddings, f"for table {name!r} (its num_embeddings)")
+            as_padding_idx(padding_idx, num_embeddings, f"table {name!r}")
             table = nn.Module()
             table.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
             self.tables[name] = table
+        self.padding_idx = padding_idx if padding_idx is None else int(padding_idx)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

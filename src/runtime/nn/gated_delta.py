@@ -75,6 +75,8 @@ class GatedDeltaRuleMixer(nn.Module):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"x: expected a padded batch [B, T, d_model], got shape {tuple(x.shape)}")
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
         q, k, v = (z.view(b, t, h, d) for z in self.qkv(x).chunk(3, dim=-1))

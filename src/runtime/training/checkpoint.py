@@ -92,6 +92,18 @@ def step_of(path: Path) -> int:
     return int(CHECKPOINT_PATTERN.search(path.name).group(1))
 
 
+def recorded_step(path: Path) -> int | None:
+    """The step of the checkpoint file at path: from its name where it is step_N.pt, else from the file (memory-mapped:
+    only the step is read); None when the file cannot be read (resolve() then names the problem)."""
+    named = CHECKPOINT_PATTERN.fullmatch(path.name)
+    if named:
+        return int(named.group(1))
+    try:
+        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["step"])
+    except Exception:  # truncated or foreign files fail in many ways
+        return None
+
+
 def _candidates(resume: str) -> list[Path]:
     """trainer.resume as checkpoints to try, newest first: the file itself and the older ones beside it, or
     a run directory's checkpoints."""
@@ -145,6 +157,9 @@ def remove_partial_writes(directory: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def prune(directory: Path, keep: int) -> None:
-    for old in checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink()
+def prune(directory: Path, keep: int, step: int) -> None:
+    """Keep the newest `keep` checkpoints up to `step` (the one just written). Later ones, left by a run resumed
+    from before its corrupt newest checkpoint, are not counted: they would push out the checkpoints it writes."""
+    if keep > 0:
+        for old in [p for p in checkpoints(directory) if step_of(p) <= step][:-keep]:
+            old.unlink()

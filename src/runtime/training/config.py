@@ -173,6 +173,12 @@ class ModelSchema:
             _at_least(f"model.{key}", getattr(self, key), least)
         if self.sparse_dim is not None:
             _at_least("model.sparse_dim", self.sparse_dim, 1)
+            if not self.sparse_collection:
+                raise ValueError(
+                    "model.sparse_dim: expected null with model.sparse_collection=false (it is the width of the "
+                    "per-field tables of sparse_collection=true; the shared table is d_model wide), got "
+                    f"{self.sparse_dim}"
+                )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model: expected a positive multiple of model.n_heads={self.n_heads}, got {self.d_model}"
@@ -238,6 +244,11 @@ class TrainerSchema:
             _at_least(f"trainer.{key}", getattr(self, key), 0)
         if self.cpu_threads is not None:
             _at_least("trainer.cpu_threads", self.cpu_threads, 1)
+        if self.resume is not None and not self.resume.strip():
+            # an empty value (`trainer.resume=$RUN` with RUN unset) would start a new run instead of resuming
+            raise ValueError(
+                f"trainer.resume: expected a checkpoint file or a run directory, or null for a new run; got {self.resume!r}"
+            )
         self.cuda_graph = cuda_graph_choice(self.cuda_graph)
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(
@@ -274,6 +285,9 @@ class LoggerSchema:
     kind: LoggerKind = LoggerKind.csv
 
 
+SEED_LIMIT = 2**32  # torch.manual_seed overflows on seeds past 64 bits; the Parquet reader multiplies the seed
+
+
 @dataclass
 class TrainSchema:
     seed: int = 0
@@ -285,6 +299,8 @@ class TrainSchema:
     logger: LoggerSchema = field(default_factory=LoggerSchema)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed: expected an integer in [0, 2**32), got {self.seed}")
         warmup, steps = self.optim.warmup_steps, self.trainer.steps
         if warmup and warmup >= steps:
             raise ValueError(
@@ -324,6 +340,14 @@ class BenchmarkSchema:
     profile_steps: int = 0  # > 0: after timing, profile this many steps (host vs kernel time, top kernels)
 
     def __post_init__(self) -> None:
+        _at_least("steps", self.steps, 1)
+        _at_least("profile_steps", self.profile_steps, 0)
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(
+                f"warmup: expected an integer in [0, steps={self.steps}) (the steps after it are timed), got {self.warmup}"
+            )
+        _in_range("loss_bound", self.loss_bound, 0.0, math.inf, high_open=True)
+        _in_range("time_budget_s", self.time_budget_s, 0.0, math.inf, high_open=True)
         named = set(self.layouts)
         if self.layouts != ["default"] and (
             not named <= {"padded", "jagged"} or len(named) < len(self.layouts) or not named

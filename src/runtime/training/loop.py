@@ -44,14 +44,16 @@ logger = logging.getLogger("runtime.training")
 
 
 def make_optimizer(model: nn.Module, cfg, device: torch.device, capturable: bool = False) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: not embeddings, norms or biases. capturable: for a
+    """AdamW with weight decay on matrices only: not embeddings, norms or biases (a parameter named *bias, such as
+    HSTU's [heads, buckets] position and time bias tables, is a bias whatever its shape). capturable: for a
     CUDA-graphed step (which then needs device_learning_rates)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, EmbeddingBagMean))}
     embeddings |= {id(w) for m in model.modules() if isinstance(m, EmbeddingBagCollection) for w in m.weights()}
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+            matrix = param.dim() >= 2 and id(param) not in embeddings and not name.endswith("bias")
+            (decay if matrix else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda", capturable=capturable
@@ -69,10 +71,10 @@ def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up, then cosine decay to min_ratio at the last step."""
+    """Linear warm-up, then cosine decay to min_ratio at the last step (step total - 1: steps count from 0)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -177,10 +179,10 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
     run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
     overwritten or pruned."""
     if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
-        named = checkpoint.CHECKPOINT_PATTERN.fullmatch(Path(resume).name)
+        step = checkpoint.recorded_step(Path(resume)) if Path(resume).is_file() else None
         found = checkpoint.checkpoints(run_dir / "checkpoints")
-        later = [p.name for p in found if named and checkpoint.step_of(p) > int(named.group(1))]
-        if Path(resume).is_file() and later:
+        later = [p.name for p in found if step is not None and checkpoint.step_of(p) > step]
+        if later:
             return (
                 f"trainer.resume: {run_dir} holds checkpoints after {Path(resume).name} ({', '.join(later)}), which "
                 "this run would overwrite or prune: resume it into another directory (hydra.run.dir=...), or resume "
@@ -196,10 +198,17 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
                 found.append(csv.name)
     if not found:
         return None
+    # without a checkpoint there is nothing to resume from: only another directory (or removing the files) helps
+    resumable = checkpoint.checkpoints(run_dir / "checkpoints")
+    options = (
+        f"continue that run with trainer.resume={run_dir}, or write this one to another directory (hydra.run.dir=...)"
+        if resumable
+        else "that run wrote no checkpoint to resume from: write this one to another directory (hydra.run.dir=...), "
+        "or remove those files"
+    )
     return (
         f"{run_dir} already holds the outputs of a run ({', '.join(found)}), which this run would overwrite or mix its "
-        f"own into: continue that run with trainer.resume={run_dir}, or write this one to another directory "
-        "(hydra.run.dir=...)"
+        f"own into: {options}"
     )
 
 
@@ -359,7 +368,7 @@ class Trainer:
                 "config": OmegaConf.to_yaml(self.cfg),
             }
             checkpoint.save(path, state)
-            checkpoint.prune(self.checkpoint_dir, self.cfg.trainer.keep_checkpoints)
+            checkpoint.prune(self.checkpoint_dir, self.cfg.trainer.keep_checkpoints, self.step)
             logger.info("saved %s", path)
         return path
 
@@ -497,7 +506,8 @@ class Trainer:
             "step": self.step,
             "loss": sum(losses) / len(losses),
             "grad_norm": float(grad_norm),
-            "lr": float(self.scheduler.get_last_lr()[0]),
+            # the rate this step trained with (the scheduler has already stepped to the next one)
+            "lr": self.scheduler.base_lrs[0] * self.scheduler.lr_lambdas[0](self.step - 1),
             "samples_per_s": speed,
             "step_ms": 1000 * elapsed / steps,
         }

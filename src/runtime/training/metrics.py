@@ -7,6 +7,8 @@
 - calibration: mean predicted probability over mean label (1.0 is calibrated);
 - GAUC: the impression-weighted mean of per-user AUCs over the users with both classes (users with one class have
   no AUC and are skipped; NaN when no user has both).
+
+A NaN score makes AUC and GAUC NaN (a diverged model is not given a number that looks valid).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def grouped_auc(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor
     rank_sum = torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add_(0, group_id, rank * y)
     n_neg = count - n_pos
     auc = (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-    return torch.where((n_pos > 0) & (n_neg > 0), auc, torch.nan), count
+    # a NaN score has no rank (the sort puts it last, as if the highest): its group's AUC is NaN
+    n_nan = torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add_(0, group_id, s.isnan().to(s.dtype))
+    return torch.where((n_pos > 0) & (n_neg > 0) & (n_nan == 0), auc, torch.nan), count
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -65,7 +69,10 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def gauc(scores: torch.Tensor, labels: torch.Tensor, users: torch.Tensor) -> float:
-    """Impression-weighted mean of per-user AUC over the users with both classes; NaN when there is none."""
+    """Impression-weighted mean of per-user AUC over the users with both classes; NaN when there is none, or when a
+    score is NaN."""
+    if bool(scores.isnan().any()):
+        return float("nan")
     auc, count = grouped_auc(scores, labels, users)
     valid = ~torch.isnan(auc)
     total = count[valid].sum()

@@ -189,13 +189,11 @@ def read_batch(path: str | Path, spec: FeatureSpec, table=None) -> PCVRBatch:
     n = table.num_rows
     column = table.column("dense").combine_chunks()
     dense = torch.from_numpy(column.flatten().to_numpy().astype(np.float32)).view(n, spec.n_dense)
-    sparse = torch.stack(
-        [_padded(table.column(f"sparse_{f}"), spec.sparse_hotness, keep_last=False)[0] for f in spec.sparse_fields],
-        dim=1,
-    )
+    fields = [_padded(table.column(f"sparse_{f}"), spec.sparse_hotness, keep_last=False)[0] for f in spec.sparse_fields]
+    sparse = torch.stack(fields, dim=1) if fields else torch.zeros(n, 0, spec.sparse_hotness, dtype=torch.long)
     seq = {name: _padded(table.column(name), spec.seq_len, keep_last=True) for name in SEQUENCE_COLUMNS}
     return PCVRBatch(
-        sparse=sparse if spec.sparse_fields else torch.zeros(n, 0, spec.sparse_hotness, dtype=torch.long),
+        sparse=sparse,
         dense=dense,
         seq_items=seq["seq_items"][0],
         seq_categories=seq["seq_categories"][0],

@@ -15,12 +15,10 @@ same KernelOp eager path.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ..backends import Backend, select_backend
-from ..checks import check_bool, check_same_device, check_tensor
+from ..checks import as_padding_idx, check_bool, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .collection import embedding_bag_collection
@@ -137,17 +135,7 @@ def _check_inputs(weight, indices, offsets, padding_idx, include_last_offset, sp
         ("check_indices", check_indices),
     ):
         check_bool(name, flag)
-    if padding_idx is None:
-        return None
-    num_embeddings = weight.shape[0]
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):  # numpy ints are Integral
-        raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__}")
-    padding_idx = int(padding_idx)
-    if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(
-            f"padding_idx: expected a value in [-{num_embeddings}, {num_embeddings}) (num_embeddings), got {padding_idx}"
-        )
-    return padding_idx % num_embeddings
+    return as_padding_idx(padding_idx, weight.shape[0])
 
 
 def embedding_bag_mean(

@@ -25,14 +25,13 @@ and backward, and under torch.compile a call runs outside the graph (a graph bre
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..backends import Backend, select_backend
-from ..checks import check_bool, check_same_device, check_tensor
+from ..checks import as_padding_idx, check_bool, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
 from .spec import SPEC
 
@@ -82,23 +81,9 @@ def _paddings(padding_idx, weights: list[torch.Tensor]) -> tuple[int | None, ...
     )
     if len(per_table) != len(weights):
         raise ValueError(f"padding_idx: expected one entry per table ({len(weights)}), got {len(per_table)}")
-    normalised = []
-    for t, (pad, weight) in enumerate(zip(per_table, weights)):
-        if pad is None:
-            normalised.append(None)
-            continue
-        n = weight.shape[0]
-        if isinstance(pad, bool) or not isinstance(pad, numbers.Integral):
-            raise TypeError(
-                f"padding_idx: expected an int, None or a list of them, got {type(pad).__name__} for table {t}"
-            )
-        pad = int(pad)
-        if not -n <= pad < n:
-            raise ValueError(
-                f"padding_idx: expected a value in [-{n}, {n}) for table {t} (its num_embeddings), got {pad}"
-            )
-        normalised.append(pad % n)
-    return tuple(normalised)
+    return tuple(
+        as_padding_idx(pad, weight.shape[0], f"table {t}") for t, (pad, weight) in enumerate(zip(per_table, weights))
+    )
 
 
 def _check_inputs(weights, values, offsets, padding_idx, check_indices):

@@ -322,6 +322,9 @@ def flash_attention(
             max_seqlen_k,
             backend,
         )
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None:
+            raise ValueError(f"{name}: only taken with cu_seqlens_q and cu_seqlens_k (packed sequences), got {value}")
     dropout_p = _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale)
     q, k, v = _autocast(q, k, v)
     key = (q.dtype, q.shape[-1], attn_mask is not None, dropout_p > 0, needs_deterministic_backward(q, k, v))

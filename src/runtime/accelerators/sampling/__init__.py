@@ -192,10 +192,11 @@ def sample(
     (descending probability, then ascending id), so the same generator state gives the same ids on every backend up
     to floating-point ties at the CDF boundaries.
 
-    NaN logits: on the CPU a ValueError naming logits (checked on every eager call; compiled calls treat them as CUDA
-    calls do). On CUDA the check costs no host sync:
+    NaN logits, or a row whose logits are all -inf: on the CPU a ValueError naming logits (checked on every eager
+    call; compiled calls treat them as CUDA calls do). On CUDA the check costs no host sync:
     a row with a NaN among its top-k survivors (NaN ranks above every number, so any NaN in the row when top_k is
-    None or the row holds fewer than top_k numbers above it) gets the id -1; test `ids < 0` where it matters.
+    None or the row holds fewer than top_k numbers above it), or whose logits are all -inf, gets the id -1; test
+    `ids < 0` where it matters.
     """
     check_tensor("logits", logits)
     if logits.dim() != 2:
@@ -244,8 +245,13 @@ def sample(
             raise ValueError(
                 f"generator: expected a generator on {device.type} like logits, got one on {generator.device.type}"
             )
-    if device.type == "cpu" and not torch.compiler.is_compiling() and bool(torch.isnan(logits).any()):
-        raise ValueError("logits: contains NaN (the distribution is undefined)")
+    if device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(torch.isnan(logits).any()):
+            raise ValueError("logits: contains NaN (the distribution is undefined)")
+        all_neg_inf = (logits == -math.inf).all(-1)
+        if bool(all_neg_inf.any()):
+            row = int(all_neg_inf.nonzero()[0, 0])
+            raise ValueError(f"logits: every logit of row {row} is -inf (the distribution is undefined)")
     uniforms = torch.rand(rows, generator=generator, device=device)
     logits = logits.detach()
     key = (logits.dtype, max_k is None, max_k is not None and max_k <= MAX_K, width <= MAX_WIDTH)

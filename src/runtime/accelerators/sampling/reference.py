@@ -60,7 +60,8 @@ def restricted_draw(
     softmax(values / temperature[b]) over those, restricted to the prefix up to and including the first position
     whose cumulative probability reaches top_p[b], renormalised, inverted at uniforms[b] in [0, 1): the first kept
     position whose cumulative probability exceeds uniforms[b] times the kept mass. A row with a NaN among its first
-    keep_k candidates gives -1. The kernels compute the same steps in the same order."""
+    keep_k candidates, or whose candidates are all -inf, gives -1. The kernels compute the same steps in the same
+    order."""
     compute = torch.promote_types(values.dtype, torch.float32)
     width = values.shape[-1]
     positions = torch.arange(width, device=values.device)
@@ -76,8 +77,8 @@ def restricted_draw(
     first = torch.where(c > target, positions, width).amin(-1, keepdim=True)
     pick = torch.minimum(first, last)  # past the last kept only when rounding puts the target at the mass
     ids = indices.gather(-1, pick).squeeze(-1)
-    has_nan = (torch.isnan(values) & in_k).any(-1)
-    return torch.where(has_nan, torch.full_like(ids, -1), ids)
+    undefined = (torch.isnan(values) & in_k).any(-1) | (values[:, 0] == -torch.inf)  # the best is -inf: all are
+    return torch.where(undefined, torch.full_like(ids, -1), ids)
 
 
 def sample_reference(

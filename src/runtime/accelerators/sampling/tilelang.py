@@ -484,10 +484,11 @@ def draw_kernel(dtype: str, threads: int = DRAW_THREADS, per_thread: int = DRAW_
             ints[tx] = count
             block_reduce(floats, tx, threads, _max)
             block_reduce(ints, tx, threads, _add)
-            has_nan = T.alloc_var("bool")
+            undefined = T.alloc_var("bool")
             z_max = T.alloc_var("float32")
             z_max = floats[0]
-            has_nan = ints[0] > 0
+            # the best survivor (sorted first) is -inf: all are, and softmax is 0 / 0
+            undefined = ints[0] > 0 or T.cast(Values[row, 0], "float32") == -T.infinity("float32")
             # p = exp(z - max) / sum, then the cumulative sum
             local = T.float32(0)
             for j in T.unroll(per_thread):
@@ -532,7 +533,7 @@ def draw_kernel(dtype: str, threads: int = DRAW_THREADS, per_thread: int = DRAW_
             block_reduce(ints, tx, threads, _min)
             if tx == 0:
                 pick = T.min(ints[0], last)  # past the last kept only when rounding puts the target at the mass
-                Ids[row] = T.if_then_else(has_nan, T.int64(-1), Indices[row, pick])
+                Ids[row] = T.if_then_else(undefined, T.int64(-1), Indices[row, pick])
 
     return sampling_draw
 

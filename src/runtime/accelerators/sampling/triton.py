@@ -181,6 +181,8 @@ def _draw(
     values = tl.load(values_ptr + row * width + offs, mask=in_k, other=0.0).to(tl.float32)
     has_nan = tl.max((in_k & (values != values)).to(tl.int32), 0) > 0
     z = tl.where(in_k, values / tl.load(temperature_ptr + row), -float("inf"))
+    # the best survivor (sorted first) is -inf: all are, and softmax is 0 / 0
+    undefined = has_nan | (tl.load(values_ptr + row * width).to(tl.float32) == -float("inf"))
     e = tl.exp(z - tl.max(z, 0))
     p = e / tl.sum(e, 0)
     c = tl.cumsum(p, 0)
@@ -191,7 +193,7 @@ def _draw(
     first = tl.min(tl.where(c > target, offs, K_PAD), 0)
     pick = tl.minimum(first, last)
     picked = tl.load(indices_ptr + row * width + pick)
-    tl.store(ids_ptr + row, tl.where(has_nan, -1, picked))
+    tl.store(ids_ptr + row, tl.where(undefined, -1, picked))
 
 
 def _warps(k_pad: int) -> int:

@@ -187,6 +187,8 @@ def _check_inputs(
     _check_bias("time_bias", time_bias, h, q)
     if time_bias is not None and timestamps is None:
         raise ValueError("time_bias: given without timestamps; pass timestamps (int64 [total], seconds) too")
+    if timestamps is not None and time_bias is None:  # they only index the time bias: alone they would do nothing
+        raise ValueError("timestamps: given without time_bias; pass time_bias ([T] or [H, T]) too, or no timestamps")
     if timestamps is not None:
         _check_index("timestamps", timestamps, "(one per token: [total])", total, q)
     dropout_p = as_probability("dropout_p", dropout_p)
