@@ -151,10 +151,10 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
-def programs(m: int, n: int, cfg: GemmConfig, device: torch.device, per_sm: int = 1) -> int:
-    """per_sm programs an SM (a few under the interpreter, which has none), never more than there are tiles."""
+def programs(m: int, n: int, cfg: GemmConfig, device: torch.device) -> int:
+    """cfg.per_sm programs an SM (a few under the interpreter, which has none), never more than there are tiles."""
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    return max(1, min(tiles, per_sm * sm_count(device) or 3))
+    return max(1, min(tiles, cfg.per_sm * sm_count(device) or 3))
 
 
 def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | None = None, flatten: bool | None = None):
@@ -165,7 +165,7 @@ def launch(x, weight, bias, y, z, activation, saved: bool, cfg: GemmConfig | Non
     swiglu = activation == "swiglu"
     cfg = cfg or persistent_forward_config(m, n, k, swiglu)
     flatten = persistent_flattens(k, swiglu) if flatten is None else flatten
-    count = programs(m, n, cfg, x.device, cfg.per_sm)
+    count = programs(m, n, cfg, x.device)
     registers = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
     _ensure_scratch_allocator()
     _linear_forward_persistent[(count,)](
