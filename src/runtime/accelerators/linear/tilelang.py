@@ -297,9 +297,23 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
 # --------------------------------------------------------------------------- entries and launchers
 
 
+def default_blocks_per_sm(k: int) -> int:
+    """Two blocks an SM up to K = 512 (on the H200 at M = 131072 gelu: 1.16-1.38x the one-block launch at K = 64-512,
+    swiglu 1.45x at K = 256), one above (K = 4096: 0.85x); docs/tuning/linear.md."""
+    return 2 if k <= 512 else 1
+
+
 def forward_entry(
-    dtype: torch.dtype, n: int, k: int, activation: str | None, has_bias: bool, save: bool, blocks_per_sm: int = 1
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    activation: str | None,
+    has_bias: bool,
+    save: bool,
+    blocks_per_sm: int | None = None,
 ) -> Entry:
+    """blocks_per_sm: 1 or 2 (forward_kernel); None: default_blocks_per_sm(k)."""
+    blocks_per_sm = default_blocks_per_sm(k) if blocks_per_sm is None else blocks_per_sm
     name = TL_DTYPE[dtype]
     save = save and activation in SAVES_PREACT
     key = ("linear_fwd", name, n, k, activation, has_bias, save, blocks_per_sm)
@@ -312,7 +326,13 @@ def backward_entry(dtype: torch.dtype, n: int, activation: str, has_bias: bool) 
 
 
 def kernel_entries(
-    dtype: torch.dtype, n: int, k: int, activation: str | None, has_bias: bool, save: bool, blocks_per_sm: int = 1
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    activation: str | None,
+    has_bias: bool,
+    save: bool,
+    blocks_per_sm: int | None = None,
 ) -> list[Entry]:
     """The forward (saving the pre-activation for backward or not) and the backward's elementwise pass."""
     entries = [forward_entry(dtype, n, k, activation, has_bias, save, blocks_per_sm)]
@@ -324,7 +344,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _launch_forward(x, weight, bias, activation, save: bool, blocks_per_sm: int):
+def _launch_forward(x, weight, bias, activation, save: bool, blocks_per_sm: int | None):
     x, weight = _contiguous(x), _contiguous(weight)
     *lead, k = x.shape
     n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
@@ -339,15 +359,24 @@ def _launch_forward(x, weight, bias, activation, save: bool, blocks_per_sm: int)
 
 
 def forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, blocks_per_sm: int = 1
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    blocks_per_sm: int | None = None,
 ):
     """x [..., K], weight [N, K] (swiglu: [2F, K]), bias or None -> (y [..., N or F], z: what backward reads).
-    blocks_per_sm: 1, or 2 for the launch that shares an SM between two blocks (forward_kernel)."""
+    blocks_per_sm: 1, or 2 for the launch that shares an SM between two blocks (forward_kernel); None: by K
+    (default_blocks_per_sm)."""
     return _launch_forward(x, weight, bias, activation, True, blocks_per_sm)
 
 
 def infer(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, blocks_per_sm: int = 1
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    blocks_per_sm: int | None = None,
 ):
     return _launch_forward(x, weight, bias, activation, False, blocks_per_sm)[0]
 
