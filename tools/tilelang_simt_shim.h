@@ -34,6 +34,8 @@ static std::vector<char> g_at_partial;  // per fiber: waiting at a barrier of pa
 #define __syncthreads() swapcontext(&g_fibers[threadIdx.x], &g_scheduler)
 #endif
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(a, b)
 #define __restrict__ __restrict
 #define CUDART_INF_F INFINITY

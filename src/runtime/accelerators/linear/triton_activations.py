@@ -8,6 +8,8 @@ of the division's and exp's range checks: the GEMM epilogue is ALU-bound (docs/t
 import triton
 import triton.language as tl
 
+from . import constants
+
 NONE: tl.constexpr = tl.constexpr(0)
 RELU: tl.constexpr = tl.constexpr(1)
 GELU: tl.constexpr = tl.constexpr(2)
@@ -16,19 +18,17 @@ SILU: tl.constexpr = tl.constexpr(4)
 SWIGLU: tl.constexpr = tl.constexpr(5)
 ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "swiglu": 5}
 
-SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
-INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
-TANH_C: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
-TANH_A: tl.constexpr = tl.constexpr(0.044715)
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-# erfc(u) ~ t (A1 + t (A2 + t (A3 + t (A4 + t A5)))) exp(-u^2), t = 1 / (1 + ERFC_P u), u >= 0: Abramowitz and Stegun
-# 7.1.26, absolute error below 1.5e-7
-ERFC_P: tl.constexpr = tl.constexpr(0.3275911)
-ERFC_A1: tl.constexpr = tl.constexpr(0.254829592)
-ERFC_A2: tl.constexpr = tl.constexpr(-0.284496736)
-ERFC_A3: tl.constexpr = tl.constexpr(1.421413741)
-ERFC_A4: tl.constexpr = tl.constexpr(-1.453152027)
-ERFC_A5: tl.constexpr = tl.constexpr(1.061405429)
+SQRT_HALF: tl.constexpr = tl.constexpr(constants.SQRT_HALF)
+INV_SQRT_2PI: tl.constexpr = tl.constexpr(constants.INV_SQRT_2PI)
+TANH_C: tl.constexpr = tl.constexpr(constants.TANH_C)
+TANH_A: tl.constexpr = tl.constexpr(constants.TANH_A)
+LOG2E: tl.constexpr = tl.constexpr(constants.LOG2E)
+ERFC_P: tl.constexpr = tl.constexpr(constants.ERFC_P)
+ERFC_A1: tl.constexpr = tl.constexpr(constants.ERFC_A1)
+ERFC_A2: tl.constexpr = tl.constexpr(constants.ERFC_A2)
+ERFC_A3: tl.constexpr = tl.constexpr(constants.ERFC_A3)
+ERFC_A4: tl.constexpr = tl.constexpr(constants.ERFC_A4)
+ERFC_A5: tl.constexpr = tl.constexpr(constants.ERFC_A5)
 
 
 @triton.jit
