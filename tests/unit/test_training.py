@@ -610,3 +610,17 @@ def test_the_schedule_decays_to_min_lr_ratio_at_the_last_step(warmup, tmp_path):
 def test_each_log_entry_shows_the_learning_rate_its_step_trained_with(tmp_path):
     used, logged = _trained_rates(tmp_path, "optim.warmup_steps=2")
     assert logged == pytest.approx(used, rel=1e-12)
+
+
+def test_training_benchmark_eager_runs_leave_a_compile_mode_override_to_the_compiled_ones(capsys):
+    from runtime.training import benchmark
+    from runtime.training.config import check_train_config
+
+    results = benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[torch]", "dry_run=true",
+                              "overrides=['trainer.device=cpu','trainer.compile_mode=max-autotune-no-cudagraphs']"])  # fmt: skip
+    plan = {run["name"]: run["overrides"] for run in results["plan"]}
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        eager = check_train_config(compose("train", overrides=plan["baseline / torch"]))
+        compiled = check_train_config(compose("train", overrides=plan["baseline / torch / torch.compile"]))
+    assert (eager.trainer.compile, eager.trainer.compile_mode) == (False, "default")
+    assert (compiled.trainer.compile, compiled.trainer.compile_mode) == (True, "max-autotune-no-cudagraphs")

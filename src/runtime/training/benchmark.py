@@ -249,9 +249,12 @@ def planned_variants(bench, cuda: bool) -> list[tuple[str, str, str]]:
 
 
 MODES = {
-    "eager": ("", ["trainer.compile=false", "trainer.cuda_graph=false"]),
+    "eager": ("", ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=false"]),
     "compile": (" / torch.compile", ["trainer.compile=true", "trainer.cuda_graph=false"]),
-    "cuda_graph": (" / CUDA graph", ["trainer.compile=false", "trainer.cuda_graph=true"]),
+    "cuda_graph": (
+        " / CUDA graph",
+        ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=true"],
+    ),
     "tuned": (
         " / max-autotune + CUDA graph",
         ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"],
