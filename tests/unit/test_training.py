@@ -624,3 +624,39 @@ def test_training_benchmark_eager_runs_leave_a_compile_mode_override_to_the_comp
         compiled = check_train_config(compose("train", overrides=plan["baseline / torch / torch.compile"]))
     assert (eager.trainer.compile, eager.trainer.compile_mode) == (False, "default")
     assert (compiled.trainer.compile, compiled.trainer.compile_mode) == (True, "max-autotune-no-cudagraphs")
+
+
+def test_resume_steps_the_optimizer_as_this_run_does_not_as_the_checkpoints_run_did(tmp_path):
+    """A checkpoint written by a CUDA-graphed run (capturable, fused AdamW, learning rates as device tensors, float
+    step counters) resumed on the CPU, and the other way round: the optimizer keeps the options this run built it
+    with (a capturable=False group cannot run in a captured step) and a float learning rate."""
+    from runtime.training import checkpoint
+
+    overrides = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.val_every=0"]
+    straight = Trainer(_compose(*overrides), tmp_path / "straight").fit()
+    fresh = Trainer(_compose(*overrides), tmp_path / "fresh").optimizer
+    Trainer(_compose(*overrides), tmp_path / "run").fit(until=2)
+    path, state = checkpoint.resolve(str(tmp_path / "run"))
+    for group in state["optimizer"]["param_groups"]:
+        lr = torch.tensor(group["lr"], dtype=torch.float64)  # float64: the same rate as the straight run's
+        group.update(capturable=True, fused=True, foreach=False, lr=lr)
+    for param_state in state["optimizer"]["state"].values():
+        param_state["step"] = param_state["step"].to(torch.float32)
+    checkpoint.save(path, state)
+    resumed = Trainer(_compose(*overrides, f"trainer.resume={path}"), tmp_path / "resumed")
+    options = ("fused", "foreach", "capturable", "differentiable")
+    for group, built in zip(resumed.optimizer.param_groups, fresh.param_groups, strict=True):
+        assert {key: group[key] for key in options} == {key: built[key] for key in options}
+        assert type(group["lr"]) is float
+    assert resumed.fit()["losses"] == straight["losses"]
+
+    # a capturable, tensor-rate optimizer (what a graphed run builds) loading an eager run's checkpoint
+    model = torch.nn.Linear(3, 2)
+    graphed = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), capturable=True)
+    eager = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    eager.step()
+    from runtime.training.loop import with_step_implementation
+
+    graphed.load_state_dict(with_step_implementation(eager.state_dict(), graphed))
+    assert graphed.param_groups[0]["capturable"] and graphed.state[model.weight]["step"].dtype == torch.float32

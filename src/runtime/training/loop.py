@@ -70,6 +70,23 @@ def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device
             group["lr"] = torch.tensor(float(lr), device=device)
 
 
+# how the optimizer steps, not what it computes: this run's (fused on CUDA, capturable when graphed), whatever the run
+# that wrote a checkpoint had (it may have run on another device, or without the CUDA graph)
+STEP_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def with_step_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state_dict to load into `optimizer`, its groups taking `optimizer`'s STEP_IMPLEMENTATION options,
+    and the learning rate as a float (a CUDA-graphed run saved device tensors; device_learning_rates makes them again
+    where this run is graphed). Loading it then also places the step counters where this run's AdamW reads them."""
+    groups = []
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=False):
+        groups.append({**saved_group, **{key: group[key] for key in STEP_IMPLEMENTATION if key in group}})
+        if isinstance(groups[-1]["lr"], torch.Tensor):
+            groups[-1]["lr"] = float(groups[-1]["lr"])
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups) :]}
+
+
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warm-up, then cosine decay to min_ratio at the last step (step total - 1: steps count from 0)."""
     if step < warmup:
@@ -398,7 +415,7 @@ class Trainer:
                 f"trainer.resume: the weights in {path} do not fit this model ({str(error).splitlines()[0]} ...); "
                 f"the model settings that differ cannot be applied:\n{resume.describe(changed)}"
             ) from error
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(with_step_implementation(state["optimizer"], self.optimizer))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.data_position = state["step"], state["data_position"]
         for key in ("losses", "log", "validation"):
