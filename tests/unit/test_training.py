@@ -660,3 +660,11 @@ def test_resume_steps_the_optimizer_as_this_run_does_not_as_the_checkpoints_run_
 
     graphed.load_state_dict(with_step_implementation(eager.state_dict(), graphed))
     assert graphed.param_groups[0]["capturable"] and graphed.state[model.weight]["step"].dtype == torch.float32
+
+
+def test_training_benchmark_dry_run_checks_each_runs_config_as_the_run_would():
+    from runtime.training import benchmark
+
+    with pytest.raises(ValueError, match="trainer.grad_clip: expected a value > 0"):
+        benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[]", "dry_run=true",
+                        "overrides=['trainer.device=cpu','trainer.grad_clip=-1']"])  # fmt: skip
