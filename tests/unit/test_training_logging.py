@@ -281,3 +281,19 @@ def test_resumed_tensorboard_events_read_back_without_duplicates(tmp_path, monke
     assert [event.step for event in events.Scalars("val/auc")] == [2, 4, 6]
     logged = json.loads((tmp_path / "metrics.json").read_text())["log"]
     assert [event.value for event in events.Scalars("train/loss")] == pytest.approx([e["loss"] for e in logged])
+
+
+def test_a_run_directory_with_tensorboard_events_is_refused_to_a_new_run(tmp_path, fake_tensorboard):
+    """As with metrics.csv rows: a run stopped before its first checkpoint leaves TensorBoard events, which a new run
+    into the directory would mix its own into. A logger that has written nothing leaves no event file."""
+    run_dir = tmp_path / "run"
+    overrides = ("logger=tensorboard", "trainer.log_every=1", "trainer.checkpoint_every=0")
+    trainer = Trainer(_compose(*overrides), run_dir)
+    assert not (run_dir / "tensorboard").exists()
+    trainer.train_step(trainer.data.train_batch(trainer.data_position, 8))
+    trainer.metric_logger.write(trainer.step, {"loss": 0.5})
+    trainer.metric_logger.close()
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose(*overrides), run_dir)
+    message = str(error.value)
+    assert f"{run_dir} already holds the outputs of a run (tensorboard/)" in message, message

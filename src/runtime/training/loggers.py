@@ -73,15 +73,20 @@ class CsvLogger:
             self.file.close()
 
 
-class TensorBoardLogger:
-    """TensorBoard scalars in <run dir>/tensorboard (train/<key>, val/<key>).
+def has_event_files(directory: Path) -> bool:
+    """Whether directory holds TensorBoard event files (TensorBoardLogger writes one once it has a row)."""
+    return directory.is_dir() and any(path.name.startswith("events.") for path in directory.iterdir())
 
-    history (a resumed run: the checkpoint's rows, as history_rows gives them, the last at the checkpoint's step): the
-    writer opens at the first row. Where the directory holds earlier event files, it starts with a purge from the step
-    after the checkpoint's (or from this row's step, if earlier), which TensorBoard applies to the earlier files, so the
-    rows a killed run logged after its last checkpoint are not shown beside the resumed run's; the history rows from
-    that step are written again. Into a directory without event files (a run resumed into another directory) every
-    history row is written first."""
+
+class TensorBoardLogger:
+    """TensorBoard scalars in <run dir>/tensorboard (train/<key>, val/<key>), the event file opened at the first row.
+
+    history (a resumed run: the checkpoint's rows, as history_rows gives them, the last at the checkpoint's step): where
+    the directory holds earlier event files, the file starts with a purge from the step after the checkpoint's (or
+    from the first row's, if earlier), which TensorBoard applies to the earlier files, so the rows a killed run logged
+    after its last checkpoint are not shown beside the resumed run's; the history rows from that step are written
+    again. Into a directory without event files (a run resumed into another directory) every history row is written
+    first."""
 
     def __init__(self, run_dir: Path, history: list[tuple[int, dict]] | None = None) -> None:
         try:
@@ -95,18 +100,15 @@ class TensorBoardLogger:
         self.directory = Path(run_dir) / "tensorboard"
         self.history = history
         self.writer = None
-        if history is None:
-            self.writer = SummaryWriter(str(self.directory))
 
     def _open(self, step: int) -> None:
         history, self.history = self.history, None
-        earlier = self.directory.is_dir() and any(p.name.startswith("events.") for p in self.directory.iterdir())
         purge_step = None
-        if earlier:
-            purge_step = min(step, max((row_step for row_step, _ in history), default=0) + 1)
+        if history is not None and has_event_files(self.directory):
+            purge_step = min(step, max((row_step + 1 for row_step, _ in history), default=step))
             history = [(row_step, values) for row_step, values in history if row_step >= purge_step]
         self.writer = self.summary_writer(str(self.directory), purge_step=purge_step)
-        for row_step, values in history:
+        for row_step, values in history or []:
             self._add(row_step, values)
 
     def write(self, step: int, values: dict) -> None:

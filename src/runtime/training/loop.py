@@ -36,7 +36,7 @@ from .config import (
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects, gather_rows
-from .loggers import MetricLogger, history_rows
+from .loggers import MetricLogger, has_event_files, history_rows
 from .metrics import validation_metrics
 from .progress import ProgressBar
 
@@ -191,8 +191,8 @@ def _precision_name(precision: Precision, device: torch.device) -> str:
 
 
 def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
-    """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json
-    or metrics.csv rows, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
+    """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json,
+    metrics.csv rows or TensorBoard events, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
     run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
     overwritten or pruned."""
     if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
@@ -213,6 +213,8 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
         with open(csv) as file:
             if file.readline() and file.readline():  # a row after the header
                 found.append(csv.name)
+    if has_event_files(run_dir / "tensorboard"):
+        found.append("tensorboard/")
     if not found:
         return None
     # without a checkpoint there is nothing to resume from: only another directory (or removing the files) helps
