@@ -668,3 +668,15 @@ def test_training_benchmark_dry_run_checks_each_runs_config_as_the_run_would():
     with pytest.raises(ValueError, match="trainer.grad_clip: expected a value > 0"):
         benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[]", "dry_run=true",
                         "overrides=['trainer.device=cpu','trainer.grad_clip=-1']"])  # fmt: skip
+
+
+def test_step_matmul_flops_of_hstu_count_its_own_layer():
+    """An HSTU layer: the u, v, q, k projection and the output one at heads * head_dim, causal pointwise attention,
+    no feed-forward (model.ffn_mult is unused)."""
+    from runtime.training.flops import step_matmul_flops
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=["model=hstu", "model.head_dim=24", "data.seq_len=99", "data.batch_size=8"])
+    d, width, length, layers = 64, 4 * 24, 100, 2
+    per_token = 4 * d * width + width * d + 2 * length * width // 2  # projections; q k^T and p v, causal
+    assert step_matmul_flops(cfg) == 3 * 2 * 8 * length * layers * per_token
