@@ -43,7 +43,7 @@ from omegaconf import OmegaConf
 from runtime.accelerators import BackendFallbackWarning
 from runtime.accelerators.backends import clear_decisions
 
-from .config import config_dir, data_jagged, model_layouts
+from .config import check_train_config, config_dir, data_jagged, model_layouts
 from .data import build_data
 from .distributed import Run
 from .flops import measured_bf16_matmul_rate, step_matmul_flops
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan = [run for run in plan if not run.skipped]
         if bench.dry_run:
             for run in plan:
-                compose("train", overrides=run.overrides)  # every run's config composes (and validates)
+                check_train_config(compose("train", overrides=run.overrides))  # as each run's Trainer checks it
                 print(f"{run.name}: [{run.data_layout} batches] {' '.join(run.overrides)}", flush=True)
             results["plan"] = [{"name": r.name, "layout": r.data_layout, "overrides": r.overrides} for r in plan]
             return results
@@ -249,9 +249,12 @@ def planned_variants(bench, cuda: bool) -> list[tuple[str, str, str]]:
 
 
 MODES = {
-    "eager": ("", ["trainer.compile=false", "trainer.cuda_graph=false"]),
+    "eager": ("", ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=false"]),
     "compile": (" / torch.compile", ["trainer.compile=true", "trainer.cuda_graph=false"]),
-    "cuda_graph": (" / CUDA graph", ["trainer.compile=false", "trainer.cuda_graph=true"]),
+    "cuda_graph": (
+        " / CUDA graph",
+        ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=true"],
+    ),
     "tuned": (
         " / max-autotune + CUDA graph",
         ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"],

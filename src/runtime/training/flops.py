@@ -1,9 +1,9 @@
 """Matmul FLOPs of one training step, counted from the model config (for MFU), and the measured bf16 matmul rate.
 
 A step is forward + backward, the backward two matmuls per forward one: 3x the forward's matmul FLOPs (2 per
-multiply-add). Counted: every block's projections and feed-forward on the padded token grid, and the sequence mixing
-(attention scores and values, or the chunked gated delta rule); not counted: the per-example head, the context
-projection and the target attention (one query per example), under 1% at the presets' sizes.
+multiply-add). Counted: every block's projections and feed-forward (HSTU layers have none) on the padded token grid,
+and the sequence mixing (attention scores and values, or the chunked gated delta rule); not counted: the per-example
+head, the context projection and the target attention (one query per example), under 1% at the presets' sizes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def forward_matmul_flops(cfg) -> float:
         mixing = heads * (GDR_CHUNK * 2 * head_dim + 3 * head_dim * head_dim)
         per_token = projections + ffn + mixing
         return 2.0 * tokens * layers * per_token
+    if kind == "HSTUPCVR":
+        # no feed-forward: u, v, q and k in one projection of heads * head_dim columns each, then out; causal
+        # pointwise attention (scores and values) at that width
+        width = heads * (model.get("head_dim") or head_dim)
+        return 2.0 * tokens * layers * (5 * d * width + length * width)
     projections = 4 * d * d  # qkv and out
     scores = 2 * length * d  # q k^T and p v over every key (multiply-adds per query token, all heads)
     if kind != "BaselinePCVR":

@@ -3,6 +3,9 @@
 The sum is rounded to the inputs' dtype (it is returned as the new residual stream) and the norm is taken of that
 rounded sum, as the unfused `s = x + residual; norm(s)` computes it. Both outputs are differentiable: the gradient
 reaching the sum is the norm's backward of dy plus the gradient of the new residual, and x and residual both get it.
+
+x and residual have one shape and dtype, under autocast too (a mix is refused naming residual, not promoted); weight
+and bias may be in another (fp32 with bf16 x): the outputs take x's dtype, the gradients their input's.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ def check_add_norm_inputs(x, residual, eps, weight=None, bias=None) -> None:
     if residual.shape != x.shape:
         raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.dtype != x.dtype:
-        raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+        raise TypeError(
+            f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}; cast both to one dtype first "
+            f"(under autocast too: eager x + residual would give {torch.promote_types(x.dtype, residual.dtype)})"
+        )
     check_same_device("residual", residual, "x", x)
 
 

@@ -7,6 +7,9 @@ backward reuses the forward's seed tensor (an argument of the op, saved for back
 torch.manual_seed repeats a run, no host sync is needed, and the op runs on its kernel backends
 inside CUDA graphs: every replay draws a new seed, hence a new mask. Not training, or p == 0, is
 x + residual (still differentiable) and draws nothing.
+
+x and residual have one shape and dtype, under autocast too (which casts neither): a mix is refused naming residual,
+not promoted as eager residual + x would.
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     if residual.shape != x.shape:
         raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.dtype != x.dtype:
-        raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+        raise TypeError(
+            f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}; cast both to one dtype first "
+            f"(under autocast too: eager residual + x would give {torch.promote_types(x.dtype, residual.dtype)})"
+        )
     check_same_device("residual", residual, "x", x)
     return as_probability("p", p)
 

@@ -1,4 +1,5 @@
-"""swiglu(gate, up): silu(gate) * up, elementwise over tensors of any (equal) shape."""
+"""swiglu(gate, up): silu(gate) * up, elementwise over tensors of one shape and dtype (under autocast too, which casts
+neither: a mix is refused naming up, not promoted as eager silu(gate) * up would)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
     if up.shape != gate.shape:
         raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
     if up.dtype != gate.dtype:
-        raise TypeError(f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}")
+        raise TypeError(
+            f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}; cast both to one dtype first "
+            f"(under autocast too: eager silu(gate) * up would give {torch.promote_types(gate.dtype, up.dtype)})"
+        )
     check_same_device("up", up, "gate", gate)
 
 
