@@ -114,6 +114,11 @@ def test_config_ops_must_be_a_mapping():
     with pytest.raises(TypeError, match=r"config: expected an AcceleratorConfig or None, got dict"):
         with acc.use_accelerators({"default": "torch"}):
             pass
+    # from_mapping (the Hydra group's path) read ops with dict(): "dictionary update sequence element #0 ..."
+    with pytest.raises(TypeError, match=r"accelerators.ops: expected a mapping of op name -> backend, got list"):
+        acc.AcceleratorConfig.from_mapping({"ops": ["rms_norm"]})
+    with pytest.raises(TypeError, match=r"accelerators: expected a mapping with the keys default, ops, .*got list"):
+        acc.AcceleratorConfig.from_mapping(["default"])
 
 
 def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
