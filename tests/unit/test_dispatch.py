@@ -133,6 +133,9 @@ def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
 def test_unknown_backend_argument_is_an_error():
     with pytest.raises(ValueError, match="rms_norm: unknown backend 'cuda'"):
         acc.rms_norm(_x(), backend="cuda")
+    # an unhashable one failed in the decision cache's lookup: "unhashable type: 'list'"
+    with pytest.raises(ValueError, match=r"rms_norm: unknown backend \['torch'\]"):
+        acc.rms_norm(_x(), backend=["torch"])
 
 
 def test_decisions_are_cached_per_key():
