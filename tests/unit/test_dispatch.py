@@ -217,6 +217,8 @@ def test_explain_with_sample_inputs_adds_input_reasons():
     assert "x has dtype float64" in text and "runs torch" in text
     with pytest.raises(ValueError, match="unknown op 'norm'"):
         acc.explain("norm")
+    with pytest.raises(ValueError, match=r"unknown op \['rms_norm'\]; expected one of"):  # was "unhashable type"
+        acc.explain(["rms_norm"])
     with pytest.raises(ValueError, match="need the op"):
         acc.explain(x=_x())
 

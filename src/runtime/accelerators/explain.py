@@ -23,7 +23,7 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
     With `op` and sample `inputs` (the op's tensor arguments by name, e.g. explain("rms_norm", x=x)),
     the input reasons (dtype, width, mask kind...) are added to the environment ones.
     """
-    if op is not None and op not in REGISTRY:
+    if op is not None and (not isinstance(op, str) or op not in REGISTRY):  # a list of names is unhashable
         raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(sorted(REGISTRY))}")
     if inputs and op is None:
         raise ValueError("explain: sample inputs need the op they belong to (op=...)")
