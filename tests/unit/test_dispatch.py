@@ -223,6 +223,17 @@ def test_explain_with_sample_inputs_adds_input_reasons():
         acc.explain(x=_x())
 
 
+def test_explain_for_a_device_that_is_not_here_is_an_error_naming_it(monkeypatch):
+    # was torch's AssertionError "Torch not compiled with CUDA enabled" (or its RuntimeError without a driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"device: cuda is not available here \(torch.cuda.is_available\(\) is False\)"
+    ):
+        acc.explain("rms_norm", device="cuda")
+    with pytest.raises(ValueError, match=r"device: 'gpu' is not a device; expected cpu, cuda or cuda:N"):
+        acc.explain("rms_norm", device="gpu")
+
+
 def test_explain_follows_the_fallback_rule():
     with acc.use_accelerators(default="tilelang"):
         assert "rms_norm: configured 'tilelang' -> runs torch (fallback)" in acc.explain("rms_norm")
