@@ -266,8 +266,15 @@ def test_hyper_connection_starts_near_a_residual():
 
 
 def test_hyper_connection_rejects_no_streams():
-    with pytest.raises(ValueError, match="streams: expected at least 1, got 0"):
+    with pytest.raises(ValueError, match="streams: expected an int >= 1 .*, got 0"):
         HyperConnection(torch.nn.Identity(), 0, 8)
+    # a float reached torch.empty: "empty() takes 1 positional argument but 2 were given"
+    with pytest.raises(TypeError, match="streams: expected an int >= 1 .*, got float 2.5"):
+        HyperConnection(torch.nn.Identity(), 2.5, 8)
+    with pytest.raises(TypeError, match="width: expected an int >= 1 .*, got float 8.0"):
+        HyperConnection(torch.nn.Identity(), 2, 8.0)
+    with pytest.raises(ValueError, match="width: expected an int >= 1 .*, got 0"):
+        HyperConnection(torch.nn.Identity(), 2, 0)
 
 
 def test_bce_loss_keeps_float64_as_torch_does():

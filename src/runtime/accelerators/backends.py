@@ -223,7 +223,11 @@ def select_backend(
     config = _config._stack[-1]  # _config.active_config(), inline (this runs on every call of every op)
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, config.autotune, device, key)
-    decided = _decisions.get(cache_key)
+    try:
+        decided = _decisions.get(cache_key)
+    except TypeError:  # an unhashable backend argument (a list...) is not a backend: say so, not "unhashable type"
+        _check_requested(spec, requested)
+        raise
     if decided is None:
         decided = _decisions[cache_key] = _decide_or_tune(spec, requested, config, device, key, inputs)
     if decided.__class__ is str:
@@ -331,6 +335,11 @@ def _stand_ins(described: tuple, device: torch.device) -> dict:
 _decide_while_compiling._dynamo_marked_constant = True
 
 
+def _check_requested(spec: OpSpec, requested) -> None:
+    if requested not in BACKENDS:
+        raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
+
+
 def _decide(
     spec: OpSpec,
     requested: str,
@@ -340,8 +349,7 @@ def _decide(
     capability: tuple[int, int] | None = None,
 ) -> str:
     """The static decision (capability: as _decide_or_tune's)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
+    _check_requested(spec, requested)
     if requested == "torch":
         return "torch"
     if requested == "auto":
