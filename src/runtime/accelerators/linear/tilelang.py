@@ -325,16 +325,9 @@ def backward_entry(dtype: torch.dtype, n: int, activation: str, has_bias: bool) 
     return ("linear_bwd", name, n, activation, has_bias), lambda info: backward_kernel(name, n, activation, has_bias)
 
 
-def kernel_entries(
-    dtype: torch.dtype,
-    n: int,
-    k: int,
-    activation: str | None,
-    has_bias: bool,
-    save: bool,
-    blocks_per_sm: int | None = None,
-) -> list[Entry]:
-    """The forward (saving the pre-activation for backward or not) and the backward's elementwise pass."""
+def kernel_entries(dtype, n, k, activation, has_bias, save, blocks_per_sm=None) -> list[Entry]:
+    """The forward (saving the pre-activation for backward or not; arguments as forward_entry's) and the backward's
+    elementwise pass."""
     entries = [forward_entry(dtype, n, k, activation, has_bias, save, blocks_per_sm)]
     return entries + ([backward_entry(dtype, n, activation, has_bias)] if activation is not None else [])
 
