@@ -114,7 +114,7 @@ def test_config_ops_must_be_a_mapping():
     with pytest.raises(TypeError, match=r"config: expected an AcceleratorConfig or None, got dict"):
         with acc.use_accelerators({"default": "torch"}):
             pass
-    # from_mapping (the Hydra group's path) read ops with dict(): "dictionary update sequence element #0 ..."
+    # from_mapping (the Hydra group's path) read ops with dict(), which failed on a list of names with a cryptic message
     with pytest.raises(TypeError, match=r"accelerators.ops: expected a mapping of op name -> backend, got list"):
         acc.AcceleratorConfig.from_mapping({"ops": ["rms_norm"]})
     with pytest.raises(TypeError, match=r"accelerators: expected a mapping with the keys default, ops, .*got list"):
