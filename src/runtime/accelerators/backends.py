@@ -142,8 +142,9 @@ class OpSpec:
     reasons:    (backend, **inputs) -> list of reasons this backend cannot run these inputs,
                 beyond the environment (dtype, width, mask kind, gradients...)
     input_priority: (**inputs) -> another order for inputs where the benchmarks show it winning, or None
-                (priority); its docstring says where. Like reasons, it may read only what the op's decision
-                key holds.
+                (priority); its docstring says where. It may name "torch" where the torch path is itself one
+                tuned library call (linear without an activation: cuBLAS); measured "auto" then times it too.
+                Like reasons, it may read only what the op's decision key holds.
     widths:     the tensor inputs whose last size reasons or input_priority read: a feature width (row width,
                 head dim, embedding dim), which a graph compiled with torch.compile specialises on
 

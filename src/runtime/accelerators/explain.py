@@ -40,7 +40,9 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         else:
             reasons = {b: environment_reasons(b, device) for b in KERNEL_BACKENDS}
             priority, note = spec.priority, _priority_note(spec)
+        reasons["torch"] = []  # an input priority may name torch (linear without an activation)
         auto = next((b for b in priority if not reasons[b]), "torch")
+        order = priority if "torch" in priority else (*priority, "torch")
         configured = config.backend_for(name)
         if configured == "auto":
             runs = auto
@@ -52,9 +54,7 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
                 if config.fallback == "torch"
                 else "nothing: raises BackendUnavailableError (fallback 'error')"
             )
-        lines.append(
-            f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}"
-        )
+        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(order)}{note}")
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
         lines += _auto_lines(name, device, config, [b for b in priority if not reasons[b]])
