@@ -2,12 +2,12 @@
 one in triton.py and the Hopper one in triton_persistent.py), and the activations' derivatives for the backward pass.
 
 PTX (a constexpr, True where the kernel is compiled for a GPU, False under the interpreter) takes the reciprocal and
-exp2 from one MUFU instruction each (rcp.approx.ftz, ex2.approx.ftz: about 1 and 2 ulp, denormals flushed) instead
-of the division's and exp's range checks: the GEMM epilogue is ALU-bound (docs/tuning/linear.md)."""
+exp2 from one MUFU instruction each (triton_mufu): the GEMM epilogue is ALU-bound (docs/tuning/linear.md)."""
 
 import triton
 import triton.language as tl
 
+from ..triton_mufu import mufu_exp2, mufu_reciprocal
 from . import constants
 
 NONE: tl.constexpr = tl.constexpr(0)
@@ -32,30 +32,8 @@ ERFC_A5: tl.constexpr = tl.constexpr(constants.ERFC_A5)
 
 
 @triton.jit
-def _reciprocal(x, PTX: tl.constexpr):
-    if PTX:
-        out = tl.inline_asm_elementwise(
-            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        out = 1.0 / x
-    return out
-
-
-@triton.jit
-def _exp2(x, PTX: tl.constexpr):
-    if PTX:
-        out = tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        out = tl.math.exp2(x)
-    return out
-
-
-@triton.jit
 def _sigmoid(x, PTX: tl.constexpr):
-    return _reciprocal(1.0 + _exp2(x * -LOG2E, PTX), PTX)
+    return mufu_reciprocal(1.0 + mufu_exp2(x * -LOG2E, PTX), PTX)
 
 
 @triton.jit
@@ -65,8 +43,8 @@ def _gelu_parts(z, PTX: tl.constexpr):
     epilogue ALU-bound (docs/tuning/linear.md). Its absolute error is that of erff's formula in fp32 (about 4e-7 in
     gelu), and for z < 0 it forms 1 + erf(z) = erfc(-z) directly, without the cancellation of 1 + erf."""
     u = tl.abs(z) * SQRT_HALF
-    t = _reciprocal(1.0 + ERFC_P * u, PTX)
-    gauss = _exp2(u * u * -LOG2E, PTX)
+    t = mufu_reciprocal(1.0 + ERFC_P * u, PTX)
+    gauss = mufu_exp2(u * u * -LOG2E, PTX)
     erfc = t * (ERFC_A1 + t * (ERFC_A2 + t * (ERFC_A3 + t * (ERFC_A4 + t * ERFC_A5)))) * gauss
     return tl.where(z >= 0, 2.0 - erfc, erfc), gauss
 
