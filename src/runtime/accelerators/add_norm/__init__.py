@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor
+from ..checks import check_like, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
@@ -92,14 +92,7 @@ LAYER_KERNEL = KernelOp(
 def check_add_norm_inputs(x, residual, eps, weight=None, bias=None) -> None:
     check_norm_inputs(x, eps, weight, bias)
     check_tensor("residual", residual)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(
-            f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}; cast both to one dtype first "
-            f"(under autocast too: eager x + residual would give {torch.promote_types(x.dtype, residual.dtype)})"
-        )
-    check_same_device("residual", residual, "x", x)
+    check_like("residual", residual, "x", x, "x + residual")
 
 
 def add_rms_norm(

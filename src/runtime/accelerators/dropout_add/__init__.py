@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_probability, check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import as_probability, check_bool, check_like, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -75,14 +75,7 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     """Validate the arguments; returns p as a float."""
     check_tensor("x", x)
     check_tensor("residual", residual)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(
-            f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}; cast both to one dtype first "
-            f"(under autocast too: eager residual + x would give {torch.promote_types(x.dtype, residual.dtype)})"
-        )
-    check_same_device("residual", residual, "x", x)
+    check_like("residual", residual, "x", x, "residual + x")
     return as_probability("p", p)
 
 

@@ -3,8 +3,9 @@ the accumulator fragment, then the backward's elementwise pass; the two backward
 
 Forward: each block computes a block_m x block_n output tile, pipelining x and w tiles over K into shared memory
 (T.Pipelined, T.copy); the epilogue adds the bias and applies the activation on the fp32 accumulator (T.Parallel) and
-writes through shared memory. The activations, here and in the backward pass, are the Triton kernels' (PRELUDE). For swiglu a block holds two accumulators, weight rows j (gate) and F + j (up), in two
-fragments (two T.gemm into one fragment can break under Hopper warp specialisation). The row count M is dynamic; the
+writes through shared memory. The activations, here and in the backward pass, are the Triton kernels' (PRELUDE).
+For swiglu a block holds two accumulators, weight rows j (gate) and F + j (up), in two fragments (two T.gemm into
+one fragment can break under Hopper warp specialisation). The row count M is dynamic; the
 compile cache is keyed by (dtype, N, K, activation, bias, whether the pre-activation is saved).
 
 What is saved for backward is what the Triton module saves (see its docstring): the pre-activation in the input dtype

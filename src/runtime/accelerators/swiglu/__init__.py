@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import check_like, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import swiglu_reference
@@ -60,14 +60,7 @@ KERNEL = KernelOp(
 def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_tensor("gate", gate)
     check_tensor("up", up)
-    if up.shape != gate.shape:
-        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
-    if up.dtype != gate.dtype:
-        raise TypeError(
-            f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}; cast both to one dtype first "
-            f"(under autocast too: eager silu(gate) * up would give {torch.promote_types(gate.dtype, up.dtype)})"
-        )
-    check_same_device("up", up, "gate", gate)
+    check_like("up", up, "gate", gate, "silu(gate) * up")
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
