@@ -11,8 +11,8 @@ tier stays the judge.
 
     PYTHONPATH=$PWD/src python tools/tilelang_on_cpu.py sampling|linear|add_norm|mhc|silu_attention [--tsan]
 
-linear: the backward's elementwise kernel (every activation, programs of one and of two row steps, with and without
-a bias) against autograd in float64.
+linear: the activations of the kernels' CUDA prelude in fp32 against float64, and the backward's elementwise kernel
+(every activation, programs of one and of two row steps, with and without a bias) against autograd in float64.
 sampling: top_k of the TileLang backend against the exact reference (random, tied, all-equal, sorted, NaN / signed
 zeros / infinities, both directions, each dtype, split rows and their candidates merged in rounds, k = 2048; the
 select with and without its threshold filter, and its fallback where more entries pass than the scratch holds) and
@@ -262,6 +262,49 @@ def linear_backward_problems(m: int, n: int, activation: str, with_bias: bool = 
     return problems
 
 
+def linear_activation_problems() -> list:
+    """The activations of the linear kernels' CUDA prelude (gelu, gelu', sigmoid) compiled for the CPU (exact 1 / x
+    and exp2f in place of the GPU's rcp.approx and ex2.approx) on fp32 z over [-12, 12], against float64: gelu and
+    gelu' within 5e-7 (the rational erfc's 1.5e-7 on erf, halved and scaled by |z|, and fp32 rounding), sigmoid
+    within 1.2e-7, and for z in [-8, -1] gelu within 1.5e-2 of float64 relatively (1 + erf formed as erfc(-z), not
+    by a cancelling sum: the sum in fp32 loses every digit below z = -5.5). Returns the problems found."""
+    from runtime.accelerators.linear.tilelang import PRELUDE
+
+    code = (
+        '#include "tilelang_simt_shim.h"\n'
+        + PRELUDE
+        + """
+extern "C" void activations(const float* z, float* out, int n) {
+  for (int i = 0; i < n; ++i) {
+    out[i] = taac_gelu(z[i]);
+    out[n + i] = taac_dgelu(z[i]);
+    out[2 * n + i] = taac_sigmoid(z[i]);
+  }
+}
+"""
+    )
+    lib = ctypes.CDLL(CpuKernel._build(code, tsan=False))
+    z = torch.linspace(-12, 12, 240001)
+    out = torch.full((3, len(z)), math.nan)
+    lib.activations(ctypes.c_void_p(z.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(len(z)))
+    z64 = z.double()
+    one_plus_erf = torch.special.erfc(-z64 * math.sqrt(0.5))
+    gelu = 0.5 * z64 * one_plus_erf
+    dgelu = 0.5 * one_plus_erf + z64 * torch.exp(-0.5 * z64 * z64) / math.sqrt(2 * math.pi)
+    problems = []
+    for name, got, ref, bound in zip(
+        ("gelu", "gelu'", "sigmoid"), out, (gelu, dgelu, torch.sigmoid(z64)), (5e-7, 5e-7, 1.2e-7)
+    ):
+        error = (got.double() - ref).abs().max()
+        if not error <= bound:
+            problems.append(f"{name} {error:.3g} from float64")
+    tail = (z >= -8) & (z <= -1)
+    relative = ((out[0].double() - gelu).abs() / gelu.abs())[tail].max()
+    if not relative <= 1.5e-2:
+        problems.append(f"gelu {relative:.3g} from float64 relatively for z in [-8, -1]")
+    return problems
+
+
 def check_linear(tsan: bool) -> bool:
     from runtime.accelerators.linear import tilelang as kernels
 
@@ -279,6 +322,9 @@ def check_linear(tsan: bool) -> bool:
     if tsan:
         case(300, 40, "gelu")
         return not failures
+    problems = linear_activation_problems()
+    print("linear activations in fp32", "ok" if not problems else "DIFFERS: " + ", ".join(problems), flush=True)
+    failures += ["linear activations"] if problems else []
     for activation in ("gelu", "gelu_tanh", "silu", "relu", "swiglu"):
         case(9001, 200, activation)  # 282 row tiles over 256 groups: programs of one and of two steps
     case(70, 16, "gelu")

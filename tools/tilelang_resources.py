@@ -26,12 +26,18 @@ import torch
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
-# case -> (kernel module, kernel_entries arguments): the benchmark shapes' widths, silu_attention's head dims
+# case -> (kernel module, kernel_entries arguments): the benchmark shapes' widths, silu_attention's head dims, linear's
+# benchmark shape
 CASES = {
     "add_layer_norm-4096-bf16": ("add_norm", (bf16, 4096, bf16, bf16, True)),
     "add_layer_norm-256-bf16": ("add_norm", (bf16, 256, bf16, bf16, True)),
     "add_rms_norm-4096-bf16": ("add_norm", (bf16, 4096, bf16, None, False)),
     "add_rms_norm-256-bf16": ("add_norm", (bf16, 256, bf16, None, False)),
+    # (dtype, N, K, activation, bias, save the pre-activation[, blocks an SM]): the inference and the training
+    # forward at K = 256, and the inference forward's launch for two blocks an SM
+    "linear-gelu-256x1024-bf16": ("linear", (bf16, 1024, 256, "gelu", True, False)),
+    "linear-gelu-256x1024-save-bf16": ("linear", (bf16, 1024, 256, "gelu", True, True)),
+    "linear-gelu-256x1024-2sm-bf16": ("linear", (bf16, 1024, 256, "gelu", True, False, 2)),
     "layer_norm-4096-bf16": ("layer_norm", (bf16, 4096, bf16, bf16)),
     "rms_norm-4096-bf16": ("rms_norm", (bf16, 4096, bf16)),
     # causal with both biases: (head dim, dtype, causal, targets, position bias, time bias, dropout)

@@ -239,3 +239,30 @@ def test_the_op_takes_the_persistent_kernel_at_the_benchmark_shape(monkeypatch):
             y = linear(x, w, b, "gelu", backend="triton")
         assert_close(f"op gelu {m} rows", y, textbook(x, w, b, "gelu"), RTOL[bf16])
     assert launched == [torch.Size([131072, 256])]
+
+
+# (dtype, M, K, F or N, activation): ragged rows, a partial K block, every epilogue kind
+TWO_BLOCKS_CASES = [
+    (bf16, 4097, 256, 1024, "gelu"),
+    (f16, 1000, 40, 200, "silu"),
+    (bf16, 8200, 64, 256, None),
+    (bf16, 4096, 512, 1024, "swiglu"),
+    (f16, 37, 128, 512, "gelu_tanh"),
+]
+
+
+@pytest.mark.parametrize("case", TWO_BLOCKS_CASES, ids=[_id((*c, True)) for c in TWO_BLOCKS_CASES])
+def test_tilelang_two_blocks_an_sm_forward_against_float64(case):
+    """The TileLang forward launched for two blocks an SM (smaller tiles, a register split): the result, and the
+    saved pre-activation that backward reads, against float64."""
+    from runtime.accelerators.linear import tilelang as kernels
+
+    dtype, m, k, n, activation = case
+    rows = 2 * n if activation == "swiglu" else n
+    x, w, b = make_inputs(dtype, m, k, rows, True)
+    y, z = kernels.forward(x, w, b, activation, blocks_per_sm=2)
+    assert_close(f"two blocks {case} y", y, textbook(x, w, b, activation), RTOL[dtype])
+    if z.numel():
+        assert_close(f"two blocks {case} z", z, textbook(x, w, b, None), RTOL[dtype])
+    infer = kernels.infer(x, w, b, activation, blocks_per_sm=2)
+    assert_close(f"two blocks {case} infer", infer, textbook(x, w, b, activation), RTOL[dtype])

@@ -266,3 +266,15 @@ def test_a_cuda_graph_the_config_rules_out_is_refused_at_composition(overrides, 
     assert message.startswith("trainer.cuda_graph=true cannot run: ") and expected in message, message
     assert message.endswith("; set trainer.cuda_graph=false or auto")
     assert check_train_config(_compose("trainer.cuda_graph=auto", *overrides)).trainer.cuda_graph == "auto"
+
+
+def test_a_compile_mode_without_compile_is_refused_at_composition():
+    from runtime.training.config import check_train_config
+
+    with pytest.raises(ValueError) as error:
+        check_train_config(_compose("trainer.compile_mode=max-autotune-no-cudagraphs"))
+    message = str(error.value)
+    assert "trainer.compile_mode=max-autotune-no-cudagraphs" in message and "trainer.compile is false" in message
+    assert check_train_config(_compose("trainer.compile_mode=default")).trainer.compile_mode == "default"
+    compiled = check_train_config(_compose("trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"))
+    assert compiled.trainer.compile_mode == "max-autotune-no-cudagraphs"

@@ -114,6 +114,11 @@ def test_config_ops_must_be_a_mapping():
     with pytest.raises(TypeError, match=r"config: expected an AcceleratorConfig or None, got dict"):
         with acc.use_accelerators({"default": "torch"}):
             pass
+    # from_mapping (the Hydra group's path) read ops with dict(), which failed on a list of names with a cryptic message
+    with pytest.raises(TypeError, match=r"accelerators.ops: expected a mapping of op name -> backend, got list"):
+        acc.AcceleratorConfig.from_mapping({"ops": ["rms_norm"]})
+    with pytest.raises(TypeError, match=r"accelerators: expected a mapping with the keys default, ops, .*got list"):
+        acc.AcceleratorConfig.from_mapping(["default"])
 
 
 def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
@@ -128,6 +133,9 @@ def test_config_from_mapping_drops_null_overrides_and_rejects_unknown_keys():
 def test_unknown_backend_argument_is_an_error():
     with pytest.raises(ValueError, match="rms_norm: unknown backend 'cuda'"):
         acc.rms_norm(_x(), backend="cuda")
+    # an unhashable one failed in the decision cache's lookup: "unhashable type: 'list'"
+    with pytest.raises(ValueError, match=r"rms_norm: unknown backend \['torch'\]"):
+        acc.rms_norm(_x(), backend=["torch"])
 
 
 def test_decisions_are_cached_per_key():
@@ -209,8 +217,21 @@ def test_explain_with_sample_inputs_adds_input_reasons():
     assert "x has dtype float64" in text and "runs torch" in text
     with pytest.raises(ValueError, match="unknown op 'norm'"):
         acc.explain("norm")
+    with pytest.raises(ValueError, match=r"unknown op \['rms_norm'\]; expected one of"):  # was "unhashable type"
+        acc.explain(["rms_norm"])
     with pytest.raises(ValueError, match="need the op"):
         acc.explain(x=_x())
+
+
+def test_explain_for_a_device_that_is_not_here_is_an_error_naming_it(monkeypatch):
+    # was torch's AssertionError "Torch not compiled with CUDA enabled" (or its RuntimeError without a driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"device: cuda is not available here \(torch.cuda.is_available\(\) is False\)"
+    ):
+        acc.explain("rms_norm", device="cuda")
+    with pytest.raises(ValueError, match=r"device: 'gpu' is not a device; expected cpu, cuda or cuda:N"):
+        acc.explain("rms_norm", device="gpu")
 
 
 def test_explain_follows_the_fallback_rule():

@@ -321,6 +321,23 @@ def test_kernel_lengths_cast_once_per_unchanged_tensor():
     assert _kernel_lengths(frozen) is not _kernel_lengths(frozen)
 
 
+def test_lengths_cast_under_inference_mode_are_not_reused_for_training():
+    """An evaluation under torch.inference_mode, then a training step with the same key_lengths: the int32 cast made
+    in inference mode is an inference tensor, which autograd cannot save ("Inference tensors cannot be saved for
+    backward")."""
+    q, k, v = make(2, 2, 1, 9, 11, 16, requires_grad=False)
+    lengths = torch.tensor([11, 4])  # int64: cast for the kernels
+    with torch.inference_mode():
+        flash_attention(q, k, v, key_lengths=lengths, backend="triton")
+    assert not _kernel_lengths(lengths).is_inference()
+    q.requires_grad_()
+    out = flash_attention(q, k, v, key_lengths=lengths, backend="triton")
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    q64 = q.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(attention_float64(q64, k, v, key_lengths=lengths).sum(), q64)
+    assert_close("dq", dq, ref, 2 * RTOL_ATTENTION_FP32)
+
+
 def test_triton_reads_lengths_changed_in_place():
     q, k, v = make(2, 2, 1, 9, 11, 16, requires_grad=False)
     lengths = torch.tensor([11, 4])

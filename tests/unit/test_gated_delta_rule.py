@@ -168,6 +168,26 @@ def test_torch_backend_in_low_precision_is_close_to_float64(function, dtype):
     assert_close("final_state", state, ref_state, rtol)
 
 
+@pytest.mark.parametrize("function", ["chunk", "recurrent"])
+def test_torch_backend_under_autocast_computes_in_the_inputs_dtype(function):
+    """autocast does not lower the op's float32 math, as it does not the kernels' (the reference's matmuls ran in
+    bfloat16: o and the state 3e-3 from float64, past the fp32 bound)."""
+    inputs = {name: x.requires_grad_() for name, x in make_inputs(2, 63, 2, 4, 16, 16, state=True).items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, state = call(FUNCTIONS[function], inputs, "torch", output_final_state=True)
+    reference = doubled(inputs)
+    ref, ref_state = call(FUNCTIONS["recurrent"], reference, "torch", output_final_state=True)
+    assert o.dtype == torch.float32 and state.dtype == torch.float32
+    assert_close("o", o, ref, 1e-4)
+    assert_close("final_state", state, ref_state, 1e-4)
+    grads = torch.autograd.grad([o, state], list(inputs.values()), [torch.ones_like(o), torch.ones_like(state)])
+    ref_grads = torch.autograd.grad(
+        [ref, ref_state], list(reference.values()), [torch.ones_like(ref), torch.ones_like(ref_state)]
+    )
+    for name, grad, ref_grad in zip(inputs, grads, ref_grads):
+        assert_close(f"d{name}", grad, ref_grad, 2e-4)
+
+
 @pytest.mark.parametrize("K, V", [(32, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_traced_placeholder_has_the_triton_forwards_shapes_and_dtypes(dtype, K, V):

@@ -297,6 +297,27 @@ def test_tilelang_backward_binds_its_row_steps_once(activation, tmp_path):
     assert "div_s64" not in sass and resources.profile(report, sass)["calls"] == 0
 
 
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_forward_for_two_blocks_an_sm(tmp_path):
+    """blocks_per_sm=2: 128 x 128 tiles, launch bounds for two blocks of 384 threads (80 registers a thread), the
+    consumer warpgroups raised only to what the producer gives back (104), and no spills at that budget."""
+    import tilelang
+
+    from runtime.accelerators.linear import tilelang as kernels
+    from runtime.accelerators.tilelang_common import device_info
+
+    resources = _tilelang_resources()
+    assert kernels.forward_tiles(1024, 256, False, blocks_per_sm=2)[:2] == (128, 128)
+    key, build = kernels.forward_entry(bf16, 1024, 256, "gelu", True, True, blocks_per_sm=2)
+    source = tilelang.compile(build(device_info(None)), target=SM90A).get_kernel_source()
+    assert "__launch_bounds__(384, 2)" in source
+    assert "warpgroup_reg_dealloc<24>" in source and "warpgroup_reg_alloc<104>" in source
+    report, sass = resources.compile_source(source, tmp_path)
+    found = resources.profile(report, sass)
+    assert found["registers"] <= 80 and found["spill"] == 0
+
+
 def _loop_body(source: str, header: str) -> str:
     """The body of the first C loop whose header starts with `header`, braces matched."""
     start = source.index("{", source.index(header))
@@ -341,6 +362,14 @@ def test_tilelang_backward_pass_runs_on_the_cpu_and_matches_float64(activation, 
     tiles than groups takes more than 256 programs of 128 threads, each a thread here)."""
     torch.manual_seed(0)
     assert tilelang_on_cpu().linear_backward_problems(m, n, activation) == []
+
+
+@requires_gxx
+def test_tilelang_activations_match_float64():
+    """The activations of the TileLang kernels' CUDA prelude (gelu from the rational erfc, its derivative, sigmoid)
+    compiled for the CPU, in fp32 against float64 (tools/tilelang_on_cpu.py states the bounds)."""
+    pytest.importorskip("tilelang")
+    assert tilelang_on_cpu().linear_activation_problems() == []
 
 
 # --------------------------------------------------------------------------- dispatch, reasons and errors

@@ -110,6 +110,25 @@ def test_triton_matches_float64_reference(n, C, lead):
     check_against_float64(make_inputs(n, C, lead), "triton", 1e-4)
 
 
+def test_torch_backend_under_autocast_computes_in_the_inputs_dtype():
+    """autocast does not lower the op's float32 math, as it does not the kernels' (v @ phi and H_res @ x ran in
+    bfloat16: errors of 1e-3 in the outputs and gradients)."""
+    inputs = make_inputs(4, 40, (3,))
+    doubled = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = pre_block_post(inputs, "torch")
+    refs = pre_block_post(doubled, "torch")
+    for name, out, ref in zip(("h_in", "H_post", "H_res", "x_next"), outs, refs):
+        assert out.dtype == torch.float32
+        assert_close(name, out, ref, 1e-5)
+    grads = torch.autograd.grad(
+        outs, list(inputs.values()), [torch.ones_like(o) for o in outs]
+    )  # backward: no autocast
+    ref_grads = torch.autograd.grad(refs, list(doubled.values()), [torch.ones_like(r) for r in refs])
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        assert_close(f"d{name}", grad, ref, 2e-5)
+
+
 @pytest.mark.parametrize("programs, shares", [(40, (4, 3)), (1024, (10, 1))], ids=["uneven-shares", "a-block-a-share"])
 @pytest.mark.slow
 def test_triton_backward_over_token_shares(programs, shares):

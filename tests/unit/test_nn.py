@@ -266,8 +266,15 @@ def test_hyper_connection_starts_near_a_residual():
 
 
 def test_hyper_connection_rejects_no_streams():
-    with pytest.raises(ValueError, match="streams: expected at least 1, got 0"):
+    with pytest.raises(ValueError, match="streams: expected an int >= 1 .*, got 0"):
         HyperConnection(torch.nn.Identity(), 0, 8)
+    # a float reached torch.empty: "empty() takes 1 positional argument but 2 were given"
+    with pytest.raises(TypeError, match="streams: expected an int >= 1 .*, got float 2.5"):
+        HyperConnection(torch.nn.Identity(), 2.5, 8)
+    with pytest.raises(TypeError, match="width: expected an int >= 1 .*, got float 8.0"):
+        HyperConnection(torch.nn.Identity(), 2, 8.0)
+    with pytest.raises(ValueError, match="width: expected an int >= 1 .*, got 0"):
+        HyperConnection(torch.nn.Identity(), 2, 0)
 
 
 def test_bce_loss_keeps_float64_as_torch_does():
@@ -373,3 +380,20 @@ def test_gated_delta_mixer_checks_an_explicit_head_dim(head_dim, error):
     with pytest.raises(error, match="head_dim: expected None or an int >= 1"):
         GatedDeltaRuleMixer(8, 2, head_dim=head_dim)
     assert GatedDeltaRuleMixer(8, 2, head_dim=16).head_dim == 16
+
+
+@pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "float"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bce_loss_follows_the_logits_whatever_the_modules_dtype(convert, backend):
+    """As nn.BCEWithLogitsLoss: converting the module (its pos_weight buffer) changes neither the loss dtype nor the
+    backend that runs it (fallback=error: a float64 pos_weight would keep the kernels from it)."""
+    ours = getattr(BCEWithLogitsLoss(pos_weight=2.0, backend=backend), convert)()
+    theirs = getattr(torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0])), convert)()
+    cases = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+    cases += [(D, D)] if backend == "torch" else []  # the kernels take no float64 logits
+    for dtype, expected in cases:
+        logits, targets = torch.randn(37, dtype=dtype), torch.rand(37, dtype=dtype).round()
+        with use_accelerators(fallback="error"):
+            loss = ours(logits, targets)
+        assert loss.dtype == expected, (dtype, loss.dtype)
+        torch.testing.assert_close(loss, theirs(logits.to(expected), targets.to(expected)))

@@ -244,6 +244,19 @@ def test_embedding_bag_inputs_as_torch(layout):
     assert_close(layout, model[0](ids, offsets), expected, 1e-12)
 
 
+def test_embedding_bag_called_with_torch_keywords():
+    """A model calling its bag as nn.EmbeddingBag.forward allows (per_sample_weights=None) still runs once replaced;
+    weights are refused as torch refuses them for mode='mean'."""
+    bag = nn.EmbeddingBag(30, 5, mode="mean").double()
+    ids, offsets = torch.tensor([3, 7, 3, 9, 1]), torch.tensor([0, 2])
+    expected = bag(ids, offsets, per_sample_weights=None)
+    model = nn.Sequential(bag)
+    replace_modules(model, backend="torch")
+    assert_close("per_sample_weights=None", model[0](ids, offsets, per_sample_weights=None), expected, 1e-12)
+    with pytest.raises(ValueError, match="per_sample_weights: .*mode='sum'"):
+        model[0](ids, offsets, torch.ones(5, dtype=D))
+
+
 def test_the_report_is_readable():
     report = replace_modules(nn.Sequential(nn.Linear(3, 3), nn.SiLU()))
     assert isinstance(report, ReplaceReport)

@@ -149,6 +149,18 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert q.grad.dtype == torch.float32 and kwargs["position_bias"].grad.dtype == torch.float32
 
 
+def test_autocast_leaves_the_reference_math_alone():
+    """Under autocast the torch path computes from the autocast-dtype inputs as the kernels do (fp32 scores and
+    sums), not with autocast's half matmuls inside the reference."""
+    q, k, v, cu, kwargs = make([120, 80], 2, 32, pos="per-head", time="shared")
+    half = [t.detach().half() for t in (q, k, v)]
+    expected = silu_attention(*half, cu, **kwargs, backend="torch")
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = silu_attention(q, k, v, cu, **kwargs, backend="torch")
+    assert out.dtype == torch.float16
+    assert torch.equal(out, expected)
+
+
 # --------------------------------------------------------------------------- Triton under the interpreter
 
 LENGTHS = [0, 1, 5, 17]

@@ -610,3 +610,73 @@ def test_the_schedule_decays_to_min_lr_ratio_at_the_last_step(warmup, tmp_path):
 def test_each_log_entry_shows_the_learning_rate_its_step_trained_with(tmp_path):
     used, logged = _trained_rates(tmp_path, "optim.warmup_steps=2")
     assert logged == pytest.approx(used, rel=1e-12)
+
+
+def test_training_benchmark_eager_runs_leave_a_compile_mode_override_to_the_compiled_ones(capsys):
+    from runtime.training import benchmark
+    from runtime.training.config import check_train_config
+
+    results = benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[torch]", "dry_run=true",
+                              "overrides=['trainer.device=cpu','trainer.compile_mode=max-autotune-no-cudagraphs']"])  # fmt: skip
+    plan = {run["name"]: run["overrides"] for run in results["plan"]}
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        eager = check_train_config(compose("train", overrides=plan["baseline / torch"]))
+        compiled = check_train_config(compose("train", overrides=plan["baseline / torch / torch.compile"]))
+    assert (eager.trainer.compile, eager.trainer.compile_mode) == (False, "default")
+    assert (compiled.trainer.compile, compiled.trainer.compile_mode) == (True, "max-autotune-no-cudagraphs")
+
+
+def test_resume_steps_the_optimizer_as_this_run_does_not_as_the_checkpoints_run_did(tmp_path):
+    """A checkpoint written by a CUDA-graphed run (capturable, fused AdamW, learning rates as device tensors, float
+    step counters) resumed on the CPU, and the other way round: the optimizer keeps the options this run built it
+    with (a capturable=False group cannot run in a captured step) and a float learning rate."""
+    from runtime.training import checkpoint
+
+    overrides = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.val_every=0"]
+    straight = Trainer(_compose(*overrides), tmp_path / "straight").fit()
+    fresh = Trainer(_compose(*overrides), tmp_path / "fresh").optimizer
+    Trainer(_compose(*overrides), tmp_path / "run").fit(until=2)
+    path, state = checkpoint.resolve(str(tmp_path / "run"))
+    for group in state["optimizer"]["param_groups"]:
+        lr = torch.tensor(group["lr"], dtype=torch.float64)  # float64: the same rate as the straight run's
+        group.update(capturable=True, fused=True, foreach=False, lr=lr)
+    for param_state in state["optimizer"]["state"].values():
+        param_state["step"] = param_state["step"].to(torch.float32)
+    checkpoint.save(path, state)
+    resumed = Trainer(_compose(*overrides, f"trainer.resume={path}"), tmp_path / "resumed")
+    options = ("fused", "foreach", "capturable", "differentiable")
+    for group, built in zip(resumed.optimizer.param_groups, fresh.param_groups, strict=True):
+        assert {key: group[key] for key in options} == {key: built[key] for key in options}
+        assert type(group["lr"]) is float
+    assert resumed.fit()["losses"] == straight["losses"]
+
+    # a capturable, tensor-rate optimizer (what a graphed run builds) loading an eager run's checkpoint
+    model = torch.nn.Linear(3, 2)
+    graphed = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), capturable=True)
+    eager = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    eager.step()
+    from runtime.training.loop import with_step_implementation
+
+    graphed.load_state_dict(with_step_implementation(eager.state_dict(), graphed))
+    assert graphed.param_groups[0]["capturable"] and graphed.state[model.weight]["step"].dtype == torch.float32
+
+
+def test_training_benchmark_dry_run_checks_each_runs_config_as_the_run_would():
+    from runtime.training import benchmark
+
+    with pytest.raises(ValueError, match="trainer.grad_clip: expected a value > 0"):
+        benchmark.main(["models=[baseline]", "presets=[torch]", "compiled=[]", "dry_run=true",
+                        "overrides=['trainer.device=cpu','trainer.grad_clip=-1']"])  # fmt: skip
+
+
+def test_step_matmul_flops_of_hstu_count_its_own_layer():
+    """An HSTU layer: the u, v, q, k projection and the output one at heads * head_dim, causal pointwise attention,
+    no feed-forward (model.ffn_mult is unused)."""
+    from runtime.training.flops import step_matmul_flops
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=["model=hstu", "model.head_dim=24", "data.seq_len=99", "data.batch_size=8"])
+    d, width, length, layers = 64, 4 * 24, 100, 2
+    per_token = 4 * d * width + width * d + 2 * length * width // 2  # projections; q k^T and p v, causal
+    assert step_matmul_flops(cfg) == 3 * 2 * 8 * length * layers * per_token

@@ -6,6 +6,8 @@ import io
 import json
 import logging
 import sys
+import types
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -173,3 +175,125 @@ def test_resuming_into_a_new_directory_carries_the_metrics_history_into_metrics_
     with open(tmp_path / "second" / "metrics.csv", newline="") as file:
         logs = [r for r in csv.DictReader(file) if r["loss"]]
     assert [float(r["loss"]) for r in logs] == pytest.approx([e["loss"] for e in resumed["log"]])
+
+
+class _FakeSummaryWriter:
+    """torch.utils.tensorboard.SummaryWriter's calls, recorded per writer in `runs` (one events file each): the purge
+    step it opened with and each (tag, step, value)."""
+
+    runs: list[dict] = []
+
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+        directory = Path(log_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"events.out.tfevents.{len(self.runs)}").touch()
+        self.run = {"purge_step": purge_step, "scalars": []}
+        self.runs.append(self.run)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run["scalars"].append((tag, step, value))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _shown_scalars(runs: list[dict]) -> list[tuple[str, int]]:
+    """(tag, step) of every scalar TensorBoard shows from the writers' files in order: a writer's purge step hides
+    what the earlier files hold from that step on."""
+    shown = []
+    for run in runs:
+        if run["purge_step"] is not None:
+            shown = [(tag, step) for tag, step in shown if step < run["purge_step"]]
+        shown += [(tag, step) for tag, step, _ in run["scalars"]]
+    return sorted(shown)
+
+
+@pytest.fixture
+def fake_tensorboard(monkeypatch):
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = type("SummaryWriter", (_FakeSummaryWriter,), {"runs": []})
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    return module.SummaryWriter.runs
+
+
+def _crash_after_step(trainer, step: int, monkeypatch) -> None:
+    real_step = trainer.train_step
+
+    def crash(batch):
+        if trainer.step == step:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    monkeypatch.setattr(trainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+
+
+def test_resuming_after_a_crash_shows_each_tensorboard_step_once(tmp_path, monkeypatch, fake_tensorboard):
+    overrides = ("logger=tensorboard", "trainer.steps=6", "trainer.log_every=1", "trainer.checkpoint_every=2")
+    Trainer(_compose(*overrides, "trainer.val_every=3"), tmp_path / "whole").fit()
+    whole = _shown_scalars(fake_tensorboard)
+    fake_tensorboard.clear()
+    _crash_after_step(Trainer(_compose(*overrides, "trainer.val_every=3"), tmp_path / "run"), 3, monkeypatch)
+    assert max(step for _, step in _shown_scalars(fake_tensorboard)) == 3  # past the checkpoint at 2
+    resume = f"trainer.resume={tmp_path / 'run'}"
+    Trainer(_compose(*overrides, "trainer.val_every=3", resume), tmp_path / "run").fit()
+    assert [run["purge_step"] for run in fake_tensorboard] == [None, 3]
+    assert _shown_scalars(fake_tensorboard) == whole
+
+
+def test_resuming_into_a_new_directory_carries_the_history_into_tensorboard(tmp_path, fake_tensorboard):
+    overrides = ("logger=tensorboard", "trainer.steps=6", "trainer.log_every=1", "trainer.checkpoint_every=3")
+    Trainer(_compose(*overrides), tmp_path / "whole").fit()
+    whole = _shown_scalars(fake_tensorboard)
+    Trainer(_compose(*overrides), tmp_path / "first").fit(until=3)
+    fake_tensorboard.clear()
+    Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'first'}"), tmp_path / "second").fit()
+    assert [run["purge_step"] for run in fake_tensorboard] == [None]
+    assert _shown_scalars(fake_tensorboard) == whole
+
+
+def test_resuming_a_finished_run_validates_once_more_in_tensorboard(tmp_path, fake_tensorboard):
+    """The final validation comes after the final checkpoint: resumed from it, the run validates again at its step,
+    which replaces the first run's validation there and keeps its training row."""
+    overrides = ("logger=tensorboard", "trainer.steps=4", "trainer.log_every=1")
+    Trainer(_compose(*overrides), tmp_path / "run").fit()
+    whole = _shown_scalars(fake_tensorboard)
+    Trainer(_compose(*overrides, f"trainer.resume={tmp_path / 'run'}"), tmp_path / "run").fit()
+    assert [run["purge_step"] for run in fake_tensorboard] == [None, 4]
+    assert _shown_scalars(fake_tensorboard) == whole
+
+
+def test_resumed_tensorboard_events_read_back_without_duplicates(tmp_path, monkeypatch):
+    """The real SummaryWriter and TensorBoard's own reader, which applies the purge."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = ("logger=tensorboard", "trainer.steps=6", "trainer.log_every=1", "trainer.checkpoint_every=2")
+    _crash_after_step(Trainer(_compose(*overrides), tmp_path), 3, monkeypatch)
+    Trainer(_compose(*overrides, f"trainer.resume={tmp_path}"), tmp_path).fit()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [event.step for event in events.Scalars("val/auc")] == [2, 4, 6]
+    logged = json.loads((tmp_path / "metrics.json").read_text())["log"]
+    assert [event.value for event in events.Scalars("train/loss")] == pytest.approx([e["loss"] for e in logged])
+
+
+def test_a_run_directory_with_tensorboard_events_is_refused_to_a_new_run(tmp_path, fake_tensorboard):
+    """As with metrics.csv rows: a run stopped before its first checkpoint leaves TensorBoard events, which a new run
+    into the directory would mix its own into. A logger that has written nothing leaves no event file."""
+    run_dir = tmp_path / "run"
+    overrides = ("logger=tensorboard", "trainer.log_every=1", "trainer.checkpoint_every=0")
+    trainer = Trainer(_compose(*overrides), run_dir)
+    assert not (run_dir / "tensorboard").exists()
+    trainer.train_step(trainer.data.train_batch(trainer.data_position, 8))
+    trainer.metric_logger.write(trainer.step, {"loss": 0.5})
+    trainer.metric_logger.close()
+    with pytest.raises(ValueError) as error:
+        Trainer(_compose(*overrides), run_dir)
+    message = str(error.value)
+    assert f"{run_dir} already holds the outputs of a run (tensorboard/)" in message, message

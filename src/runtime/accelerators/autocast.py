@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -32,3 +34,11 @@ def autocast_to_float32(device_type: str, *tensors: torch.Tensor | None) -> tupl
     if not autocast_enabled(device_type):
         return tensors
     return tuple([t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors])
+
+
+def without_autocast(device_type: str):
+    """A context with autocast off on `device_type` (none where it is off): for the torch path of an op that computes
+    in its inputs' dtypes, as its kernels do, whose reference's matmuls autocast would otherwise run in its dtype."""
+    if not autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)

@@ -142,8 +142,9 @@ class OpSpec:
     reasons:    (backend, **inputs) -> list of reasons this backend cannot run these inputs,
                 beyond the environment (dtype, width, mask kind, gradients...)
     input_priority: (**inputs) -> another order for inputs where the benchmarks show it winning, or None
-                (priority); its docstring says where. Like reasons, it may read only what the op's decision
-                key holds.
+                (priority); its docstring says where. It may name "torch" where the torch path is itself one
+                tuned library call (linear without an activation: cuBLAS); measured "auto" then times it too.
+                Like reasons, it may read only what the op's decision key holds.
     widths:     the tensor inputs whose last size reasons or input_priority read: a feature width (row width,
                 head dim, embedding dim), which a graph compiled with torch.compile specialises on
 
@@ -223,7 +224,11 @@ def select_backend(
     config = _config._stack[-1]  # _config.active_config(), inline (this runs on every call of every op)
     requested = backend if backend is not None else config.backend_for(spec.name)
     cache_key = (spec.name, requested, config.fallback, config.autotune, device, key)
-    decided = _decisions.get(cache_key)
+    try:
+        decided = _decisions.get(cache_key)
+    except TypeError:  # an unhashable backend argument (a list...) is not a backend: say so, not "unhashable type"
+        _check_requested(spec, requested)
+        raise
     if decided is None:
         decided = _decisions[cache_key] = _decide_or_tune(spec, requested, config, device, key, inputs)
     if decided.__class__ is str:
@@ -331,6 +336,11 @@ def _stand_ins(described: tuple, device: torch.device) -> dict:
 _decide_while_compiling._dynamo_marked_constant = True
 
 
+def _check_requested(spec: OpSpec, requested) -> None:
+    if requested not in BACKENDS:
+        raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
+
+
 def _decide(
     spec: OpSpec,
     requested: str,
@@ -340,8 +350,7 @@ def _decide(
     capability: tuple[int, int] | None = None,
 ) -> str:
     """The static decision (capability: as _decide_or_tune's)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"{spec.name}: unknown backend {requested!r}; expected one of {BACKENDS}")
+    _check_requested(spec, requested)
     if requested == "torch":
         return "torch"
     if requested == "auto":

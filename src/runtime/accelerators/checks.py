@@ -31,6 +31,19 @@ def check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.
         raise ValueError(f"{name}: expected a tensor on {ref.device} like {ref_name}, got one on {value.device}")
 
 
+def check_like(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor, eager: str) -> None:
+    """An elementwise partner of ref: its shape, dtype and device. A dtype mix is refused, under autocast too (which
+    casts neither); `eager` is the torch expression the message says would have promoted it."""
+    if value.shape != ref.shape:
+        raise ValueError(f"{name}: expected the shape of {ref_name} {tuple(ref.shape)}, got {tuple(value.shape)}")
+    if value.dtype != ref.dtype:
+        raise TypeError(
+            f"{name}: expected the dtype of {ref_name} ({ref.dtype}), got {value.dtype}; cast both to one dtype first "
+            f"(under autocast too: eager {eager} would give {torch.promote_types(ref.dtype, value.dtype)})"
+        )
+    check_same_device(name, value, ref_name, ref)
+
+
 def check_feature_param(name: str, value, x: torch.Tensor) -> None:
     """A per-feature parameter (norm weight or bias): 1-D of x's last size, on x's device."""
     if value is None:

@@ -69,10 +69,20 @@ class AcceleratorConfig:
     def from_mapping(cls, values: Mapping) -> "AcceleratorConfig":
         """Build from a plain or OmegaConf mapping with the keys default, ops, fallback and autotune (ops entries may
         be null)."""
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                "accelerators: expected a mapping with the keys default, ops, fallback and autotune, got "
+                f"{type(values).__name__}"
+            )
         unknown = set(values) - {"default", "ops", "fallback", "autotune"}
         if unknown:
             raise ValueError(f"accelerators: unknown keys {sorted(unknown)}; expected default, ops, fallback, autotune")
-        ops = {op: backend for op, backend in dict(values.get("ops") or {}).items() if backend is not None}
+        ops = values.get("ops") or {}
+        if not isinstance(ops, Mapping):  # AcceleratorConfig's own check, before dict() reads a list as pairs
+            raise TypeError(
+                f"accelerators.ops: expected a mapping of op name -> backend, got {type(ops).__name__} {ops!r}"
+            )
+        ops = {op: backend for op, backend in ops.items() if backend is not None}
         return cls(
             default=values.get("default", "auto"),
             ops=ops,

@@ -23,11 +23,11 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
     With `op` and sample `inputs` (the op's tensor arguments by name, e.g. explain("rms_norm", x=x)),
     the input reasons (dtype, width, mask kind...) are added to the environment ones.
     """
-    if op is not None and op not in REGISTRY:
+    if op is not None and (not isinstance(op, str) or op not in REGISTRY):  # a list of names is unhashable
         raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(sorted(REGISTRY))}")
     if inputs and op is None:
         raise ValueError("explain: sample inputs need the op they belong to (op=...)")
-    device = torch.device(device) if device is not None else _inputs_device(inputs) or default_device()
+    device = _device(device) if device is not None else _inputs_device(inputs) or default_device()
     config = active_config()
     mode = "; deterministic algorithms: on" if torch.are_deterministic_algorithms_enabled() else ""
     lines = [f"device: {device}; fallback rule: {config.fallback}{mode}", _versions(device), native.describe()]
@@ -40,7 +40,9 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
         else:
             reasons = {b: environment_reasons(b, device) for b in KERNEL_BACKENDS}
             priority, note = spec.priority, _priority_note(spec)
+        reasons["torch"] = []  # an input priority may name torch (linear without an activation)
         auto = next((b for b in priority if not reasons[b]), "torch")
+        order = priority if "torch" in priority else (*priority, "torch")
         configured = config.backend_for(name)
         if configured == "auto":
             runs = auto
@@ -52,13 +54,25 @@ def explain(op: str | None = None, device: torch.device | str | None = None, **i
                 if config.fallback == "torch"
                 else "nothing: raises BackendUnavailableError (fallback 'error')"
             )
-        lines.append(
-            f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(priority)} > torch{note}"
-        )
+        lines.append(f"{name}: configured {configured!r} -> runs {runs}; auto priority {' > '.join(order)}{note}")
         for backend in KERNEL_BACKENDS:
             lines.append(f"  {backend}: " + ("available" if not reasons[backend] else "; ".join(reasons[backend])))
         lines += _auto_lines(name, device, config, [b for b in priority if not reasons[b]])
     return "\n".join(lines)
+
+
+def _device(name) -> torch.device:
+    """The device asked for, which must be on this machine (its name and capability are read)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {name!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: cuda is not available here (torch.cuda.is_available() is False); use 'cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: no {device} here, this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def _versions(device: torch.device) -> str:

@@ -57,7 +57,15 @@ class EmbeddingBagMean(nn.Module):
     def reset_parameters(self) -> None:
         init_table_(self.weight, self.init_std, self.padding_idx)
 
-    def forward(self, indices: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, indices: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: None = None
+    ) -> torch.Tensor:
+        """per_sample_weights: None only, taken as nn.EmbeddingBag.forward takes it (a replaced bag's callers pass
+        it); torch too refuses weights for mode='mean'."""
+        if per_sample_weights is not None:
+            raise ValueError(
+                "per_sample_weights: expected None; weights are only taken by mode='sum' bags, and this is a mean"
+            )
         return embedding_bag_mean(
             self.weight,
             indices,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_int
 from runtime.accelerators.mhc import mhc_post, mhc_pre
 
 
@@ -32,8 +33,8 @@ class HyperConnection(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if streams < 1:
-            raise ValueError(f"streams: expected at least 1, got {streams}")
+        streams = as_int("streams", streams, least=1, expected="an int >= 1 (the number of residual streams)")
+        width = as_int("width", width, least=1, expected="an int >= 1 (the width C of each stream)")
         self.block, self.streams, self.sinkhorn_iters, self.eps, self.backend = (
             block,
             streams,

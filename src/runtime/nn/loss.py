@@ -14,7 +14,8 @@ from runtime.accelerators.bce_with_logits.reference import REDUCTIONS
 
 class BCEWithLogitsLoss(nn.Module):
     """As nn.BCEWithLogitsLoss. Logits are taken in float32 at least (a bf16 loss is too coarse to train on); float64
-    stays float64."""
+    stays float64. The loss follows the logits, whatever the pos_weight buffer's dtype (`.double()` or `.half()` of
+    the module change it, not the loss), as in torch."""
 
     def __init__(
         self,
@@ -37,10 +38,13 @@ class BCEWithLogitsLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(logits.dtype, torch.float32)
+        pos_weight = self.pos_weight
+        if pos_weight is not None and pos_weight.dtype != dtype:
+            pos_weight = pos_weight.to(dtype)
         return binary_cross_entropy_with_logits(
             logits.to(dtype),
             targets.to(dtype),
-            pos_weight=self.pos_weight,
+            pos_weight=pos_weight,
             reduction=self.reduction,
             backend=self.backend,
         )

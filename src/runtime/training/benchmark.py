@@ -9,13 +9,14 @@ user tuning for speed would pick, torch.compile(mode="max-autotune-no-cudagraphs
 the whole-step CUDA graph with the fused, capturable AdamW (max-autotune's own CUDA graphs cannot nest inside
 the step's graph, so its no-cudagraphs form is the one captured).
 
-Reported per run: the mean step time after `warmup` steps (forward, loss, backward, clipping, AdamW), samples/s,
-real (unpadded) history tokens/s, MFU (the step's matmul FLOPs counted from the config, flops.py, over the step
-time, against a measured bf16 matmul rate), peak memory, the first step's time (compilation) and the capture
-step's (graphed runs), the loss curve against the all-torch eager run of the same model (`loss_bound`: the largest
-difference of the mean loss over the last 50 steps) and every fallback to torch that happened (a requested backend
-that could not run an op), so no run silently times torch instead. `dry_run=true` composes every run's config and
-prints the plan without training.
+Reported per run: the mean step time after `warmup` steps (forward, loss, backward, clipping, AdamW), samples/s, real
+(unpadded) history tokens/s, MFU (the step's matmul FLOPs over the step time, against a measured bf16 matmul rate; the
+FLOPs are counted by flops.py from the config and the timed batches, averaged per step: jagged batches at their real
+sequence lengths, padded ones on the padded grid they compute), peak memory, the first step's time (compilation) and
+the capture step's (graphed runs), the loss curve against the all-torch eager run of the same model (`loss_bound`: the
+largest difference of the mean loss over the last 50 steps) and every fallback to torch that happened (a requested
+backend that could not run an op), so no run silently times torch instead. `dry_run=true` composes every run's config
+and prints the plan without training.
 
 `layouts=[padded,jagged]` runs every planned run once per data layout the model reads, side by side: jagged batches
 are packed (`cu_seqlens`, no padding; attention through varlen flash_attention), padded ones hold the same samples
@@ -43,10 +44,10 @@ from omegaconf import OmegaConf
 from runtime.accelerators import BackendFallbackWarning
 from runtime.accelerators.backends import clear_decisions
 
-from .config import config_dir, data_jagged, model_layouts
+from .config import check_train_config, config_dir, data_jagged, model_layouts
 from .data import build_data
 from .distributed import Run
-from .flops import measured_bf16_matmul_rate, step_matmul_flops
+from .flops import appended_tokens, batch_step_matmul_flops, measured_bf16_matmul_rate
 from .loop import JAGGED_GRAPH_BLOCKER, Trainer
 from .profiling import profile_steps
 
@@ -87,9 +88,10 @@ def run_one(
     timed = len(batches) - warmup
     step_s = (end - timed_from) / timed if timed > 0 else float("nan")
     # real tokens: each example's history events (+ the target token of the causal models), no padding
-    extra = 0 if str(train_cfg.model._target_).endswith("BaselinePCVR") else 1
+    extra = appended_tokens(train_cfg)
     real_tokens = sum(int(b.seq_lengths.sum()) + extra * len(b) for b in batches[warmup:])
-    flops = step_matmul_flops(train_cfg)
+    # the matmul FLOPs of the batches timed, per step: jagged ones at their real lengths, padded ones on their grid
+    flops = sum(batch_step_matmul_flops(train_cfg, b) for b in batches[warmup:]) / timed if timed > 0 else float("nan")
     graph = trainer.graphed_step
     capture_step = graph.warmup if graph is not None else None
     profiled = {}
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan = [run for run in plan if not run.skipped]
         if bench.dry_run:
             for run in plan:
-                compose("train", overrides=run.overrides)  # every run's config composes (and validates)
+                check_train_config(compose("train", overrides=run.overrides))  # as each run's Trainer checks it
                 print(f"{run.name}: [{run.data_layout} batches] {' '.join(run.overrides)}", flush=True)
             results["plan"] = [{"name": r.name, "layout": r.data_layout, "overrides": r.overrides} for r in plan]
             return results
@@ -249,9 +251,12 @@ def planned_variants(bench, cuda: bool) -> list[tuple[str, str, str]]:
 
 
 MODES = {
-    "eager": ("", ["trainer.compile=false", "trainer.cuda_graph=false"]),
+    "eager": ("", ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=false"]),
     "compile": (" / torch.compile", ["trainer.compile=true", "trainer.cuda_graph=false"]),
-    "cuda_graph": (" / CUDA graph", ["trainer.compile=false", "trainer.cuda_graph=true"]),
+    "cuda_graph": (
+        " / CUDA graph",
+        ["trainer.compile=false", "trainer.compile_mode=default", "trainer.cuda_graph=true"],
+    ),
     "tuned": (
         " / max-autotune + CUDA graph",
         ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs", "trainer.cuda_graph=true"],

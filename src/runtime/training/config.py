@@ -254,6 +254,11 @@ class TrainerSchema:
             raise ValueError(
                 f"trainer.compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
             )
+        if not self.compile and self.compile_mode != "default":
+            raise ValueError(
+                f"trainer.compile_mode={self.compile_mode} applies to a compiled model only, and trainer.compile is "
+                "false: set trainer.compile=true to compile in that mode, or leave trainer.compile_mode=default"
+            )
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise ValueError(
                 f"trainer.grad_clip: expected a value > 0, or null to switch clipping off; got {self.grad_clip}"

@@ -73,10 +73,22 @@ class CsvLogger:
             self.file.close()
 
 
-class TensorBoardLogger:
-    """TensorBoard scalars in <run dir>/tensorboard (train/<key>, val/<key>)."""
+def has_event_files(directory: Path) -> bool:
+    """Whether directory holds TensorBoard event files (TensorBoardLogger writes one once it has a row)."""
+    return directory.is_dir() and any(path.name.startswith("events.") for path in directory.iterdir())
 
-    def __init__(self, run_dir: Path) -> None:
+
+class TensorBoardLogger:
+    """TensorBoard scalars in <run dir>/tensorboard (train/<key>, val/<key>), the event file opened at the first row.
+
+    history (a resumed run: the checkpoint's rows, as history_rows gives them, the last at the checkpoint's step): where
+    the directory holds earlier event files, the file starts with a purge from the step after the checkpoint's (or
+    from the first row's, if earlier), which TensorBoard applies to the earlier files, so the rows a killed run logged
+    after its last checkpoint are not shown beside the resumed run's; the history rows from that step are written
+    again. Into a directory without event files (a run resumed into another directory) every history row is written
+    first."""
+
+    def __init__(self, run_dir: Path, history: list[tuple[int, dict]] | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
@@ -84,17 +96,36 @@ class TensorBoardLogger:
                 f"logger=tensorboard needs the tensorboard package ({error}); install the extra: "
                 "pip install 'taac-runtime[tensorboard]', or choose logger=csv"
             ) from None
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.summary_writer = SummaryWriter
+        self.directory = Path(run_dir) / "tensorboard"
+        self.history = history
+        self.writer = None
+
+    def _open(self, step: int) -> None:
+        history, self.history = self.history, None
+        purge_step = None
+        if history is not None and has_event_files(self.directory):
+            purge_step = min(step, max((row_step + 1 for row_step, _ in history), default=step))
+            history = [(row_step, values) for row_step, values in history if row_step >= purge_step]
+        self.writer = self.summary_writer(str(self.directory), purge_step=purge_step)
+        for row_step, values in history or []:
+            self._add(row_step, values)
 
     def write(self, step: int, values: dict) -> None:
+        if self.writer is None:
+            self._open(step)
+        self._add(step, values)
+        self.writer.flush()
+
+    def _add(self, step: int, values: dict) -> None:
         for key, value in values.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 tag = f"val/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
                 self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def history_rows(metrics: dict) -> list[tuple[int, dict]]:
@@ -107,7 +138,7 @@ def history_rows(metrics: dict) -> list[tuple[int, dict]]:
 
 class MetricLogger:
     """The configured logger behind a guard: the first exception it raises is logged as a warning and the logger is
-    disabled for the rest of the run. history: a resumed run's rows so far (see CsvLogger)."""
+    disabled for the rest of the run. history: a resumed run's rows so far (see CsvLogger and TensorBoardLogger)."""
 
     def __init__(
         self, kind: LoggerKind | str, run_dir: Path, enabled: bool = True, history: list[tuple[int, dict]] | None = None
@@ -118,7 +149,7 @@ class MetricLogger:
         if enabled and kind is LoggerKind.csv:
             self.sink = CsvLogger(run_dir, history)
         elif enabled and kind is LoggerKind.tensorboard:
-            self.sink = TensorBoardLogger(run_dir)
+            self.sink = TensorBoardLogger(run_dir, history)
 
     def write(self, step: int, values: dict) -> None:
         self._guarded("write", lambda: self.sink.write(step, values))

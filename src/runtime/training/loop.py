@@ -36,7 +36,7 @@ from .config import (
 from .cuda_graph import GraphedStep
 from .data import batches, build_data
 from .distributed import Run, broadcast_object, gather_objects, gather_rows
-from .loggers import MetricLogger, history_rows
+from .loggers import MetricLogger, has_event_files, history_rows
 from .metrics import validation_metrics
 from .progress import ProgressBar
 
@@ -68,6 +68,23 @@ def device_learning_rates(optimizer: torch.optim.Optimizer, device: torch.device
         lr = group["lr"]
         if not (isinstance(lr, torch.Tensor) and lr.device == device):
             group["lr"] = torch.tensor(float(lr), device=device)
+
+
+# how the optimizer steps, not what it computes: this run's (fused on CUDA, capturable when graphed), whatever the run
+# that wrote a checkpoint had (it may have run on another device, or without the CUDA graph)
+STEP_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def with_step_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state_dict to load into `optimizer`, its groups taking `optimizer`'s STEP_IMPLEMENTATION options,
+    and the learning rate as a float (a CUDA-graphed run saved device tensors; device_learning_rates makes them again
+    where this run is graphed). Loading it then also places the step counters where this run's AdamW reads them."""
+    groups = []
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=False):
+        groups.append({**saved_group, **{key: group[key] for key in STEP_IMPLEMENTATION if key in group}})
+        if isinstance(groups[-1]["lr"], torch.Tensor):
+            groups[-1]["lr"] = float(groups[-1]["lr"])
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups) :]}
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -174,8 +191,8 @@ def _precision_name(precision: Precision, device: torch.device) -> str:
 
 
 def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
-    """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json
-    or metrics.csv rows, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
+    """Why a run may not write into run_dir (None: it may): the directory holds another run's checkpoints, metrics.json,
+    metrics.csv rows or TensorBoard events, which this run would overwrite, prune or mix its own into. Resuming from a checkpoint inside
     run_dir continues that run there, from its newest checkpoint: the later ones of an earlier checkpoint would be
     overwritten or pruned."""
     if resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
@@ -196,6 +213,8 @@ def other_run_outputs(run_dir: Path, resume: str | None) -> str | None:
         with open(csv) as file:
             if file.readline() and file.readline():  # a row after the header
                 found.append(csv.name)
+    if has_event_files(run_dir / "tensorboard"):
+        found.append("tensorboard/")
     if not found:
         return None
     # without a checkpoint there is nothing to resume from: only another directory (or removing the files) helps
@@ -398,7 +417,7 @@ class Trainer:
                 f"trainer.resume: the weights in {path} do not fit this model ({str(error).splitlines()[0]} ...); "
                 f"the model settings that differ cannot be applied:\n{resume.describe(changed)}"
             ) from error
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(with_step_implementation(state["optimizer"], self.optimizer))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.data_position = state["step"], state["data_position"]
         for key in ("losses", "log", "validation"):

@@ -3,6 +3,9 @@
 The sum is rounded to the inputs' dtype (it is returned as the new residual stream) and the norm is taken of that
 rounded sum, as the unfused `s = x + residual; norm(s)` computes it. Both outputs are differentiable: the gradient
 reaching the sum is the norm's backward of dy plus the gradient of the new residual, and x and residual both get it.
+
+x and residual have one shape and dtype, under autocast too (a mix is refused naming residual, not promoted); weight
+and bias may be in another (fp32 with bf16 x): the outputs take x's dtype, the gradients their input's.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor
+from ..checks import check_like, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..norms import check_norm_inputs, norm_key, norm_reasons
@@ -89,11 +92,7 @@ LAYER_KERNEL = KernelOp(
 def check_add_norm_inputs(x, residual, eps, weight=None, bias=None) -> None:
     check_norm_inputs(x, eps, weight, bias)
     check_tensor("residual", residual)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
-    check_same_device("residual", residual, "x", x)
+    check_like("residual", residual, "x", x, "x + residual")
 
 
 def add_rms_norm(

@@ -7,6 +7,9 @@ backward reuses the forward's seed tensor (an argument of the op, saved for back
 torch.manual_seed repeats a run, no host sync is needed, and the op runs on its kernel backends
 inside CUDA graphs: every replay draws a new seed, hence a new mask. Not training, or p == 0, is
 x + residual (still differentiable) and draws nothing.
+
+x and residual have one shape and dtype, under autocast too (which casts neither): a mix is refused naming residual,
+not promoted as eager residual + x would.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_probability, check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import as_probability, check_bool, check_like, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -72,11 +75,7 @@ def check_dropout_add_inputs(x: torch.Tensor, residual: torch.Tensor, p) -> floa
     """Validate the arguments; returns p as a float."""
     check_tensor("x", x)
     check_tensor("residual", residual)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
-    check_same_device("residual", residual, "x", x)
+    check_like("residual", residual, "x", x, "residual + x")
     return as_probability("p", p)
 
 

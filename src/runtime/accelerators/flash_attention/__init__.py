@@ -256,14 +256,18 @@ def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
 
 def _kernel_lengths(key_lengths: torch.Tensor) -> torch.Tensor:
     """key_lengths as the kernels read them, contiguous int32: cast once for a tensor passed again unchanged
-    (_remembered), on every call inside a graph, where the cast must be recorded."""
+    (_remembered), on every call inside a graph, where the cast must be recorded, and under torch.inference_mode
+    until a cast made outside it is kept."""
     if key_lengths.dtype == torch.int32 and key_lengths.is_contiguous():
         return key_lengths
     record = None if _in_graph(key_lengths) else _remembered(key_lengths)
     if record is None:
         return key_lengths.to(torch.int32).contiguous()
     if "int32" not in record:
-        record["int32"] = key_lengths.to(torch.int32).contiguous()
+        cast = key_lengths.to(torch.int32).contiguous()
+        if torch.is_inference_mode_enabled():  # an inference tensor, which a later training call could not save
+            return cast
+        record["int32"] = cast
     return record["int32"]
 
 

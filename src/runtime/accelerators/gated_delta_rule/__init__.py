@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autocast import without_autocast
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import check_bool, check_same_device, check_scale, check_tensor, dtype_reasons
 from ..kernel_backend import KernelBackend
@@ -297,7 +298,8 @@ def _run(
             "backend (backend='triton' or 'tilelang'), or without fullgraph=True (the call then runs eagerly)"
         )
     if chosen == "torch" or q.numel() == 0 or v.numel() == 0:
-        return reference(*args, cu_seqlens if host_cu is None else host_cu)
+        with without_autocast(q.device.type):  # the kernels' dtypes: autocast would run the matmuls in bf16
+            return reference(*args, cu_seqlens if host_cu is None else host_cu)
     o, final_state = kernel(chosen, *args, host_cu)
     if not output_final_state:
         return o, None

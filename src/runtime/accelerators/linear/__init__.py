@@ -58,7 +58,16 @@ def input_reasons(
     return reasons
 
 
-SPEC = OpSpec(name="linear", priority=("triton", "tilelang"), reasons=input_reasons, widths=("x",))
+def input_priority(activation=None) -> tuple[str, ...] | None:
+    """torch first for a plain GEMM (no activation): F.linear is cuBLAS with the bias in its epilogue, and on the H200
+    the Triton persistent kernel ran 0.89-0.93x of it from K = 256 (1.13x at K = 128), TileLang's 0.67-0.77x
+    (docs/benchmark/linear.md). Measured "auto" times all three and keeps the fastest per shape class."""
+    return ("torch", "triton", "tilelang") if activation is None else None
+
+
+SPEC = OpSpec(
+    name="linear", priority=("triton", "tilelang"), reasons=input_reasons, input_priority=input_priority, widths=("x",)
+)
 
 
 def _fake_forward(x, weight, bias, activation):

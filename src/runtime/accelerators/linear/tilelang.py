@@ -3,8 +3,9 @@ the accumulator fragment, then the backward's elementwise pass; the two backward
 
 Forward: each block computes a block_m x block_n output tile, pipelining x and w tiles over K into shared memory
 (T.Pipelined, T.copy); the epilogue adds the bias and applies the activation on the fp32 accumulator (T.Parallel) and
-writes through shared memory. For swiglu a block holds two accumulators, weight rows j (gate) and F + j (up), in two
-fragments (two T.gemm into one fragment can break under Hopper warp specialisation). The row count M is dynamic; the
+writes through shared memory. The activations, here and in the backward pass, are the Triton kernels' (PRELUDE).
+For swiglu a block holds two accumulators, weight rows j (gate) and F + j (up), in two fragments (two T.gemm into
+one fragment can break under Hopper warp specialisation). The row count M is dynamic; the
 compile cache is keyed by (dtype, N, K, activation, bias, whether the pre-activation is saved).
 
 What is saved for backward is what the Triton module saves (see its docstring): the pre-activation in the input dtype
@@ -23,62 +24,126 @@ from .. import buffers
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, launcher, placeholder
+from . import constants as C
 from .launch import ROW_GROUPS, as_rows
 from .reference import SAVES_PREACT
 
-SQRT_HALF = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
-TANH_C = 0.7978845608028654  # sqrt(2 / pi)
-TANH_A = 0.044715
+
+def _f(value: float) -> str:
+    return f"{value!r}f"
+
+
+# The reciprocal and exp2 from one MUFU op each (rcp.approx.ftz, ex2.approx.ftz: about 1 and 2 ulp, denormals
+# flushed), where an IEEE division and expf add range checks and a slow-path call: the GEMM epilogue is ALU-bound
+# (docs/tuning/linear.md). gelu's erf comes from Abramowitz and Stegun's rational erfc (constants.py: one reciprocal,
+# the exp the derivative needs anyway), and for z < 0 it forms 1 + erf(z) = erfc(-z) directly, without the
+# cancellation of 1 + erf. Compiled for the CPU (tools/tilelang_on_cpu.py) the helpers take 1 / x and exp2f.
+PRELUDE = f"""
+__device__ __forceinline__ float taac_rcp(float x) {{
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return 1.0f / x;
+#endif
+}}
+__device__ __forceinline__ float taac_ex2(float x) {{
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return exp2f(x);
+#endif
+}}
+__device__ __forceinline__ float taac_sigmoid(float x) {{ return taac_rcp(1.0f + taac_ex2(x * {_f(-C.LOG2E)})); }}
+// 1 + erf(z / sqrt 2), and exp(-z^2 / 2) in *gauss
+__device__ __forceinline__ float taac_gelu_parts(float z, float* gauss) {{
+  float u = fabsf(z) * {_f(C.SQRT_HALF)};
+  float t = taac_rcp(1.0f + {_f(C.ERFC_P)} * u);
+  *gauss = taac_ex2(u * u * {_f(-C.LOG2E)});
+  float erfc = t * ({_f(C.ERFC_A1)} + t * ({_f(C.ERFC_A2)} + t * ({_f(C.ERFC_A3)} + t * ({_f(C.ERFC_A4)}
+               + t * {_f(C.ERFC_A5)})))) * *gauss;
+  return z >= 0.0f ? 2.0f - erfc : erfc;
+}}
+__device__ __forceinline__ float taac_gelu(float z) {{
+  float gauss;
+  return 0.5f * z * taac_gelu_parts(z, &gauss);
+}}
+__device__ __forceinline__ float taac_dgelu(float z) {{
+  float gauss;
+  float one_plus_erf = taac_gelu_parts(z, &gauss);
+  return 0.5f * one_plus_erf + z * {_f(C.INV_SQRT_2PI)} * gauss;
+}}
+"""
+
+
+def _sigmoid(x):
+    return T.call_pure_extern(ACCUM, "taac_sigmoid", x)
 
 
 def _pow2_at_least(n: int, low: int) -> int:
     return max(low, 1 << max(0, (n - 1).bit_length()))
 
 
-def forward_tiles(n: int, k: int, swiglu: bool) -> tuple[int, int, int, int, int]:
-    """(block_m, block_n, block_k, threads, stages) from the static sizes (M is dynamic)."""
+def forward_tiles(n: int, k: int, swiglu: bool, blocks_per_sm: int = 1) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, threads, stages) from the static sizes (M is dynamic); blocks_per_sm 2 keeps the
+    tiles at 128 x 128 (3 stages: 96 KiB of shared memory) so that two blocks fit an SM."""
     block_k = min(64, _pow2_at_least(k, 16))
     stages = 3 if k > 2 * block_k else 2
     if swiglu:  # two 128 x 64 accumulators; block_n divides F, so the gate tile's store never reaches the up columns
         block_n = next(b for b in (64, 32, 16, 8) if n % b == 0)
         return 128, block_n, block_k, 256 if block_n >= 32 else 128, stages
-    if n >= 256 and k >= 256:
+    if n >= 256 and k >= 256 and blocks_per_sm == 1:
         return 128, 256, block_k, 256, stages
     return 128, min(128, _pow2_at_least(n, 16)), block_k, 256 if n >= 128 else 128, stages
+
+
+def consumer_registers(threads: int, blocks_per_sm: int) -> int:
+    """The registers a thread of the GEMM's consumer warpgroups may raise itself to (setmaxnreg) when blocks_per_sm
+    blocks share an SM: a block starts with its share of the 64K registers (in steps of 8 a thread) for its threads and
+    TileLang's producer warpgroup (128 threads), and the consumers can take only what the producer, cut to 24, gives
+    back; asking for more would stall."""
+    launched = 65536 // (blocks_per_sm * (threads + 128)) // 8 * 8
+    return min(240, (launched * (threads + 128) - 24 * 128) // threads // 8 * 8)
 
 
 def _activate(z, activation: str | None):
     if activation == "relu":
         return T.max(z, 0.0)
     if activation == "gelu":
-        return 0.5 * z * (1.0 + T.erf(z * SQRT_HALF))
+        return T.call_pure_extern(ACCUM, "taac_gelu", z)
     if activation == "gelu_tanh":  # 0.5 z (1 + tanh(u)) = z sigmoid(2u)
-        return z / (1.0 + T.exp(-2.0 * TANH_C * (z + TANH_A * z * z * z)))
+        return z * _sigmoid((z + C.TANH_A * z * z * z) * (2.0 * C.TANH_C))
     if activation == "silu":
-        return z / (1.0 + T.exp(-z))
+        return z * _sigmoid(z)
     return z
 
 
 def _derivative(z, activation: str):
     if activation == "gelu":
-        return 0.5 * (1.0 + T.erf(z * SQRT_HALF)) + z * INV_SQRT_2PI * T.exp(-0.5 * z * z)
+        return T.call_pure_extern(ACCUM, "taac_dgelu", z)
     if activation == "gelu_tanh":
-        s = 1.0 / (1.0 + T.exp(-2.0 * TANH_C * (z + TANH_A * z * z * z)))
-        return s + z * s * (1.0 - s) * (2.0 * TANH_C) * (1.0 + 3.0 * TANH_A * z * z)
-    s = 1.0 / (1.0 + T.exp(-z))  # silu
+        s = _sigmoid((z + C.TANH_A * z * z * z) * (2.0 * C.TANH_C))
+        return s + z * s * (1.0 - s) * (2.0 * C.TANH_C) * (1.0 + 3.0 * C.TANH_A * z * z)
+    s = _sigmoid(z)  # silu
     return s * (1.0 + z * (1.0 - s))
 
 
 # --------------------------------------------------------------------------- kernels
 
 
-def forward_kernel(dtype: str, n: int, k: int, activation: str | None, has_bias: bool, save: bool):
-    """Y [M, n] (n = F for swiglu, whose W has 2n rows); Z [M, weight rows] when saved, else a 1-element placeholder."""
+def forward_kernel(
+    dtype: str, n: int, k: int, activation: str | None, has_bias: bool, save: bool, blocks_per_sm: int = 1
+):
+    """Y [M, n] (n = F for swiglu, whose W has 2n rows); Z [M, weight rows] when saved, else a 1-element placeholder.
+    blocks_per_sm 2: tiles, launch bounds and register split for two blocks an SM, so that one block's epilogue can
+    run beside the other's main loop."""
     M = T.dynamic("M")
     swiglu = activation == "swiglu"
     rows = 2 * n if swiglu else n
-    bm, bn, bk, threads, stages = forward_tiles(n, k, swiglu)
+    bm, bn, bk, threads, stages = forward_tiles(n, k, swiglu, blocks_per_sm)
     z_shape = (M, rows) if save else (1,)
 
     @T.prim_func
@@ -91,7 +156,11 @@ def forward_kernel(dtype: str, n: int, k: int, activation: str | None, has_bias:
     ):
         # row blocks on x (gridDim.y caps at 65535 blocks: 8.4M rows); the column swizzle on this grid visits the
         # tiles in the order the row swizzle did on the (column blocks, row blocks) grid
-        with T.Kernel(T.ceildiv(M, bm), T.ceildiv(n, bn), threads=threads) as (by, bx):
+        with T.Kernel(T.ceildiv(M, bm), T.ceildiv(n, bn), threads=threads, prelude=PRELUDE) as (by, bx):
+            if blocks_per_sm > 1:
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(consumer_registers(threads, blocks_per_sm))
             X_s = T.alloc_shared((bm, bk), dtype)
             W_s = T.alloc_shared((bn, bk), dtype)
             W_up_s = T.alloc_shared((bn, bk) if swiglu else (1,), dtype)
@@ -123,7 +192,7 @@ def forward_kernel(dtype: str, n: int, k: int, activation: str | None, has_bias:
                     T.copy(Y_s, Z[by * bm, n + bx * bn])
             for i, j in T.Parallel(bm, bn):
                 if swiglu:
-                    Y_s[i, j] = T.cast(acc[i, j] / (1.0 + T.exp(-acc[i, j])) * acc_up[i, j], dtype)
+                    Y_s[i, j] = T.cast(acc[i, j] * _sigmoid(acc[i, j]) * acc_up[i, j], dtype)
                 else:
                     Y_s[i, j] = T.cast(_activate(acc[i, j], activation), dtype)
             T.copy(Y_s, Y[by * bm, bx * bn])
@@ -169,7 +238,7 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
         DZ: T.Tensor((M, width), dtype),
         Partial: T.Tensor((G, width) if has_bias else (G,), ACCUM),  # without a bias: unread, it gives G
     ):
-        with T.Kernel(T.ceildiv(n, bn), G, threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(n, bn), G, threads=threads, prelude=PRELUDE) as (bx, by):
             dz = T.alloc_fragment((bm, bn), ACCUM)
             du = T.alloc_fragment((bm, bn) if swiglu else (1,), ACCUM)
             tile_layout = _row_tile_layout(bm, bn, threads)
@@ -193,7 +262,7 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
                     if swiglu:
                         g = T.if_then_else(inside, T.cast(Z[r0 + i, bx * bn + j], ACCUM), 0.0)
                         u = T.if_then_else(inside, T.cast(Z[r0 + i, n + bx * bn + j], ACCUM), 0.0)
-                        s = 1.0 / (1.0 + T.exp(-g))
+                        s = _sigmoid(g)
                         dz[i, j] = dy * u * s * (1.0 + g * (1.0 - s))
                         du[i, j] = dy * g * s
                     elif activation == "relu":
@@ -229,11 +298,27 @@ def backward_kernel(dtype: str, n: int, activation: str, has_bias: bool):
 # --------------------------------------------------------------------------- entries and launchers
 
 
-def forward_entry(dtype: torch.dtype, n: int, k: int, activation: str | None, has_bias: bool, save: bool) -> Entry:
+def default_blocks_per_sm(k: int) -> int:
+    """Two blocks an SM up to K = 512 (on the H200 at M = 131072 gelu: 1.16-1.38x the one-block launch at K = 64-512,
+    swiglu 1.45x at K = 256), one above (K = 4096: 0.85x); docs/tuning/linear.md."""
+    return 2 if k <= 512 else 1
+
+
+def forward_entry(
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    activation: str | None,
+    has_bias: bool,
+    save: bool,
+    blocks_per_sm: int | None = None,
+) -> Entry:
+    """blocks_per_sm: 1 or 2 (forward_kernel); None: default_blocks_per_sm(k)."""
+    blocks_per_sm = default_blocks_per_sm(k) if blocks_per_sm is None else blocks_per_sm
     name = TL_DTYPE[dtype]
     save = save and activation in SAVES_PREACT
-    key = ("linear_fwd", name, n, k, activation, has_bias, save)
-    return key, lambda info: forward_kernel(name, n, k, activation, has_bias, save)
+    key = ("linear_fwd", name, n, k, activation, has_bias, save, blocks_per_sm)
+    return key, lambda info: forward_kernel(name, n, k, activation, has_bias, save, blocks_per_sm)
 
 
 def backward_entry(dtype: torch.dtype, n: int, activation: str, has_bias: bool) -> Entry:
@@ -241,31 +326,53 @@ def backward_entry(dtype: torch.dtype, n: int, activation: str, has_bias: bool) 
     return ("linear_bwd", name, n, activation, has_bias), lambda info: backward_kernel(name, n, activation, has_bias)
 
 
+def kernel_entries(dtype, n, k, activation, has_bias, save, blocks_per_sm=None) -> list[Entry]:
+    """The forward (saving the pre-activation for backward or not; arguments as forward_entry's) and the backward's
+    elementwise pass."""
+    entries = [forward_entry(dtype, n, k, activation, has_bias, save, blocks_per_sm)]
+    return entries + ([backward_entry(dtype, n, activation, has_bias)] if activation is not None else [])
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     t = t if t.is_contiguous() else t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _launch_forward(x, weight, bias, activation, save: bool):
+def _launch_forward(x, weight, bias, activation, save: bool, blocks_per_sm: int | None):
     x, weight = _contiguous(x), _contiguous(weight)
     *lead, k = x.shape
     n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
     saved = save and activation in SAVES_PREACT
     y = buffers.empty((*lead, n), dtype=x.dtype, device=x.device)
     z = buffers.empty((*lead, weight.shape[0]) if saved else (0,), dtype=x.dtype, device=x.device)
-    kernel = launcher(forward_entry(x.dtype, n, k, activation, bias is not None, save), x.device)
+    entry = forward_entry(x.dtype, n, k, activation, bias is not None, save, blocks_per_sm)
+    kernel = launcher(entry, x.device)
     b = placeholder(x.device, x.dtype) if bias is None else _contiguous(bias)
     kernel(as_rows(x), weight, b, as_rows(y), as_rows(z) if saved else placeholder(x.device, x.dtype))
     return y, z
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    """x [..., K], weight [N, K] (swiglu: [2F, K]), bias or None -> (y [..., N or F], z: what backward reads)."""
-    return _launch_forward(x, weight, bias, activation, save=True)
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    blocks_per_sm: int | None = None,
+):
+    """x [..., K], weight [N, K] (swiglu: [2F, K]), bias or None -> (y [..., N or F], z: what backward reads).
+    blocks_per_sm: 1, or 2 for the launch that shares an SM between two blocks (forward_kernel); None: by K
+    (default_blocks_per_sm)."""
+    return _launch_forward(x, weight, bias, activation, True, blocks_per_sm)
 
 
-def infer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    return _launch_forward(x, weight, bias, activation, save=False)[0]
+def infer(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    blocks_per_sm: int | None = None,
+):
+    return _launch_forward(x, weight, bias, activation, False, blocks_per_sm)[0]
 
 
 def preact_gradient(

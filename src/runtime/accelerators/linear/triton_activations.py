@@ -2,11 +2,13 @@
 one in triton.py and the Hopper one in triton_persistent.py), and the activations' derivatives for the backward pass.
 
 PTX (a constexpr, True where the kernel is compiled for a GPU, False under the interpreter) takes the reciprocal and
-exp2 from one MUFU instruction each (rcp.approx.ftz, ex2.approx.ftz: about 1 and 2 ulp, denormals flushed) instead
-of the division's and exp's range checks: the GEMM epilogue is ALU-bound (docs/tuning/linear.md)."""
+exp2 from one MUFU instruction each (triton_mufu): the GEMM epilogue is ALU-bound (docs/tuning/linear.md)."""
 
 import triton
 import triton.language as tl
+
+from ..triton_mufu import mufu_exp2, mufu_reciprocal
+from . import constants
 
 NONE: tl.constexpr = tl.constexpr(0)
 RELU: tl.constexpr = tl.constexpr(1)
@@ -16,46 +18,22 @@ SILU: tl.constexpr = tl.constexpr(4)
 SWIGLU: tl.constexpr = tl.constexpr(5)
 ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "swiglu": 5}
 
-SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
-INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
-TANH_C: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
-TANH_A: tl.constexpr = tl.constexpr(0.044715)
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-# erfc(u) ~ t (A1 + t (A2 + t (A3 + t (A4 + t A5)))) exp(-u^2), t = 1 / (1 + ERFC_P u), u >= 0: Abramowitz and Stegun
-# 7.1.26, absolute error below 1.5e-7
-ERFC_P: tl.constexpr = tl.constexpr(0.3275911)
-ERFC_A1: tl.constexpr = tl.constexpr(0.254829592)
-ERFC_A2: tl.constexpr = tl.constexpr(-0.284496736)
-ERFC_A3: tl.constexpr = tl.constexpr(1.421413741)
-ERFC_A4: tl.constexpr = tl.constexpr(-1.453152027)
-ERFC_A5: tl.constexpr = tl.constexpr(1.061405429)
-
-
-@triton.jit
-def _reciprocal(x, PTX: tl.constexpr):
-    if PTX:
-        out = tl.inline_asm_elementwise(
-            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        out = 1.0 / x
-    return out
-
-
-@triton.jit
-def _exp2(x, PTX: tl.constexpr):
-    if PTX:
-        out = tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        out = tl.math.exp2(x)
-    return out
+SQRT_HALF: tl.constexpr = tl.constexpr(constants.SQRT_HALF)
+INV_SQRT_2PI: tl.constexpr = tl.constexpr(constants.INV_SQRT_2PI)
+TANH_C: tl.constexpr = tl.constexpr(constants.TANH_C)
+TANH_A: tl.constexpr = tl.constexpr(constants.TANH_A)
+LOG2E: tl.constexpr = tl.constexpr(constants.LOG2E)
+ERFC_P: tl.constexpr = tl.constexpr(constants.ERFC_P)
+ERFC_A1: tl.constexpr = tl.constexpr(constants.ERFC_A1)
+ERFC_A2: tl.constexpr = tl.constexpr(constants.ERFC_A2)
+ERFC_A3: tl.constexpr = tl.constexpr(constants.ERFC_A3)
+ERFC_A4: tl.constexpr = tl.constexpr(constants.ERFC_A4)
+ERFC_A5: tl.constexpr = tl.constexpr(constants.ERFC_A5)
 
 
 @triton.jit
 def _sigmoid(x, PTX: tl.constexpr):
-    return _reciprocal(1.0 + _exp2(x * -LOG2E, PTX), PTX)
+    return mufu_reciprocal(1.0 + mufu_exp2(x * -LOG2E, PTX), PTX)
 
 
 @triton.jit
@@ -65,8 +43,8 @@ def _gelu_parts(z, PTX: tl.constexpr):
     epilogue ALU-bound (docs/tuning/linear.md). Its absolute error is that of erff's formula in fp32 (about 4e-7 in
     gelu), and for z < 0 it forms 1 + erf(z) = erfc(-z) directly, without the cancellation of 1 + erf."""
     u = tl.abs(z) * SQRT_HALF
-    t = _reciprocal(1.0 + ERFC_P * u, PTX)
-    gauss = _exp2(u * u * -LOG2E, PTX)
+    t = mufu_reciprocal(1.0 + ERFC_P * u, PTX)
+    gauss = mufu_exp2(u * u * -LOG2E, PTX)
     erfc = t * (ERFC_A1 + t * (ERFC_A2 + t * (ERFC_A3 + t * (ERFC_A4 + t * ERFC_A5)))) * gauss
     return tl.where(z >= 0, 2.0 - erfc, erfc), gauss
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autocast import without_autocast
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import as_int, check_eps, check_same_device, check_tensor, dtype_reasons
 from ..kernel_backend import KernelBackend
@@ -129,7 +130,8 @@ def mhc_pre(x, phi, alpha, bias, eps: float = 1e-6, sinkhorn_iters: int = 20, *,
         streams=n,
     )
     if chosen == "torch" or x.numel() == 0:
-        return mhc_pre_reference(x, phi, alpha, bias, eps, sinkhorn_iters)
+        with without_autocast(x.device.type):  # the kernels' dtypes: autocast would run v @ phi in bf16
+            return mhc_pre_reference(x, phi, alpha, bias, eps, sinkhorn_iters)
     return PRE(chosen, x, phi, alpha, bias, float(eps), sinkhorn_iters)
 
 
@@ -144,5 +146,6 @@ def mhc_post(x, y, H_post, H_res, *, backend: Backend | None = None):  # noqa: N
         SPEC, backend, x.device, (x.dtype, n), mhc_post, x=x, y=y, H_post=H_post, H_res=H_res, streams=n
     )
     if chosen == "torch" or x.numel() == 0:
-        return mhc_post_reference(x, y, H_post, H_res)
+        with without_autocast(x.device.type):  # the kernels' dtypes: autocast would run H_res @ x in bf16
+            return mhc_post_reference(x, y, H_post, H_res)
     return POST(chosen, x, y, H_post, H_res)

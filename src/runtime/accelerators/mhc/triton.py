@@ -23,11 +23,11 @@ from ..backends import triton_interpret
 from ..kernel_backend import KernelBackend
 from ..launch_math import cdiv, pow2_at_least
 from ..triton_launch import direct_launch
+from ..triton_mufu import mufu_log
 from .layout import allocate_pre, token_streams
 
 BLOCK_TOKENS = 16
 BLOCK_K = 64
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True)
@@ -69,18 +69,6 @@ def _gates(h, bias, alpha, rows, row_mask, M, n: tl.constexpr, NP: tl.constexpr)
 
 
 @triton.jit
-def _log(x, PTX: tl.constexpr):
-    """Natural log, on the GPU from one MUFU op: libdevice's logf takes registers enough to spill the gates kernel."""
-    if PTX:
-        out = LN2 * tl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        out = tl.log(x)
-    return out
-
-
-@triton.jit
 def _normalise(logits, AXIS: tl.constexpr, n: tl.constexpr, NP: tl.constexpr, PTX: tl.constexpr):
     """logits [BT, NP, NP] minus their logsumexp along AXIS, and its exp (the softmax): -inf and 0 off the n x n
     block, where a row or column of padding alone gives NaN."""
@@ -90,7 +78,7 @@ def _normalise(logits, AXIS: tl.constexpr, n: tl.constexpr, NP: tl.constexpr, PT
     scaled = tl.exp(logits - peak)
     total = tl.expand_dims(tl.sum(scaled, AXIS), AXIS)
     # (logits - peak) first: exact for the entries near the peak, the ones that decide the softmax
-    normal = tl.where(valid, (logits - peak) - _log(total, PTX), float("-inf"))
+    normal = tl.where(valid, (logits - peak) - mufu_log(total, PTX), float("-inf"))
     return normal, tl.where(valid, scaled * (1.0 / total), 0.0)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..autocast import autocast_enabled, autocast_inputs
+from ..autocast import autocast_enabled, autocast_inputs, without_autocast
 from ..backends import Backend, OpSpec, select_backend
 from ..checks import as_finite_float, as_int, as_probability, check_bool, check_same_device, check_tensor
 from ..kernel_backend import KernelBackend
@@ -321,20 +321,21 @@ def silu_attention(
         dropout_p=dropout_p,
     )
     if chosen == "torch" or q.shape[0] == 0:
-        return silu_attention_reference(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            max_seqlen,
-            alpha,
-            causal,
-            num_targets,
-            position_bias,
-            time_bias,
-            timestamps,
-            float(dropout_p),
-        )
+        with without_autocast(q.device.type):  # q, k, v are cast already; the rest in the kernels' dtypes
+            return silu_attention_reference(
+                q,
+                k,
+                v,
+                cu_seqlens,
+                max_seqlen,
+                alpha,
+                causal,
+                num_targets,
+                position_bias,
+                time_bias,
+                timestamps,
+                float(dropout_p),
+            )
     h = q.shape[1]
     cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     num_targets = num_targets.to(torch.int32).contiguous() if num_targets is not None else None

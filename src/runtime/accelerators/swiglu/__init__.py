@@ -1,11 +1,12 @@
-"""swiglu(gate, up): silu(gate) * up, elementwise over tensors of any (equal) shape."""
+"""swiglu(gate, up): silu(gate) * up, elementwise over tensors of one shape and dtype (under autocast too, which casts
+neither: a mix is refused naming up, not promoted as eager silu(gate) * up would)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import check_like, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import swiglu_reference
@@ -59,11 +60,7 @@ KERNEL = KernelOp(
 def check_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_tensor("gate", gate)
     check_tensor("up", up)
-    if up.shape != gate.shape:
-        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}")
-    check_same_device("up", up, "gate", gate)
+    check_like("up", up, "gate", gate, "silu(gate) * up")
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
