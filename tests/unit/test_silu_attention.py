@@ -189,7 +189,7 @@ def test_triton_against_float64(name):
 
 
 def test_triton_fp16_long_sequence_bias_bands():
-    """Sequences over several 64-row blocks (the bias sums carried from tile to tile, causal and not), fp16."""
+    """Sequences over several 32-row bands of the bias kernel (and several 64-row blocks), fp16."""
     q, k, v, cu, kwargs = make([70, 3, 130], 1, 16, torch.float16, pos="per-head", time="per-head", targets=[0, 1, 9])
     kwargs["position_bias"] = torch.randn(1, 150).requires_grad_()
     for causal in (True, False):

@@ -448,7 +448,7 @@ def attention_varlen():
 
 
 def silu_attention():
-    """The forward and the two backward kernels through the kernel module's launchers (bf16 on the CPU: see
+    """The forward and the three backward kernels through the kernel module's launchers (bf16 on the CPU: see
     _attention) with the flags a GPU launch sets (inline PTX: clz and tanh.approx): bf16 at head dim 32 with every
     feature (targets, both biases, dropout), fp32 at 64 not causal with a shared position bias, bf16 at 128 causal
     without biases; and the forward at the benchmark's flags (bf16, 32, causal, both biases, no targets or dropout)."""

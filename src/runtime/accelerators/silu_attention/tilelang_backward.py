@@ -22,7 +22,7 @@ import torch
 from .. import buffers
 from ..flash_attention.tilelang_dropout import SEED, dropout_args
 from ..tilelang_common import ACCUM, TL_DTYPE, Entry, Unchecked, check_program_count, launcher, placeholder, program_of
-from .bias_folds import fold_position_parts
+from .bias_folds import fold_flat_distances
 from .tilelang_forward import _fp32_bias, _rows
 from .tilelang_scores import (
     BLOCK_M,
@@ -465,7 +465,18 @@ def reduce_bias_parts(pos_part, time_part, causal: bool, position_bias, time_bia
     layout), added over sequences and key blocks and folded into buckets in a fixed order."""
     dpos = dtime = None
     if position_bias is not None:
-        dpos = fold_position_parts(pos_part, causal, position_bias.shape[1]).to(position_bias.dtype)
+        part = pos_part.sum(0)  # [H, key block, slot, v]
+        h, n_blocks, _, b = part.shape
+        if causal or n_blocks == 0:  # slot s: distances s * b + v - (b - 1), whatever the key block
+            flat, first_d = part.sum(1).flatten(1), -(b - 1)
+        else:
+            # slot s of key block kb holds distances (s - kb) * b + v - (b - 1): sheared so that one column holds
+            # one distance, index s - kb + n_blocks - 1, then added over the key blocks
+            padded = torch.nn.functional.pad(part, (0, 0, n_blocks - 1, n_blocks - 1))
+            s_h, s_kb, s_slot, _ = padded.stride()
+            sheared = padded.as_strided((h, n_blocks, 2 * n_blocks, b), (s_h, s_kb + s_slot, s_slot, 1))
+            flat, first_d = sheared.sum(1).flatten(1), -(n_blocks - 1) * b - (b - 1)
+        dpos = fold_flat_distances(flat, first_d, position_bias.shape[1]).to(position_bias.dtype)
     if time_bias is not None:
         buckets = min(time_bias.shape[1], MAX_TIME_BUCKETS)
         dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=time_part.device)

@@ -1,5 +1,4 @@
-"""silu_attention's Triton backward: the dk/dv (with the bias-gradient sums) and dq kernels and their launcher (see
-triton.py)."""
+"""silu_attention's Triton backward: the dk/dv, dq and bias-gradient kernels and their launchers (see triton.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from ..buffers import empty
 from ..flash_attention.triton_blocks import _keep, _key_block, _mix32, _pair_key, _query_block
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
-from .bias_folds import fold_position_parts
+from .bias_folds import fold_distances
 from .triton_configs import config
 from .triton_forward import (
     _common,
@@ -40,8 +39,6 @@ def _bwd_dkdv_kernel(
     DO,
     DK,
     DV,
-    POS_PART,
-    TIME_PART,
     CU,
     NT,
     PB,
@@ -76,7 +73,6 @@ def _bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    T_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_POS: tl.constexpr,
@@ -86,13 +82,7 @@ def _bwd_dkdv_kernel(
     TANH_APPROX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key block; tiles are [keys, queries] (transposed scores), so no register tile is transposed into a dot.
-
-    With a bias it also writes its key block's partial sums of ds (BLOCK_M == BLOCK_N): POS_PART[pid, slot, v]
-    (NBLOCKS + 1 slots), the sum over distance i - j = (start_m of the loop's step `slot` - start_n) + v -
-    (BLOCK_N - 1), where the tile of step `slot` gives its diagonals v and the previous tile its diagonals v + BLOCK_N
-    (slots past the last step: that tile's upper diagonals, then zeros); TIME_PART[pid, b], the sum per time bucket
-    b. Fixed orders, no atomics; the launcher adds them up."""
+    """One key block; tiles are [keys, queries] (transposed scores), so no register tile is transposed into a dot."""
     pid = tl.program_id(0)
     block = pid % NBLOCKS  # the heaviest (first) key blocks of causal attention first
     pair = pid // NBLOCKS
@@ -111,16 +101,6 @@ def _bwd_dkdv_kernel(
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         m_start = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
-        offs_v = tl.arange(0, BLOCK_N)
-        # key row j's element in query column (j + v + 1) mod BLOCK_N lies on diagonal v (i - j = v - (BLOCK_N - 1))
-        # where j + v + 1 wraps, else on diagonal v + BLOCK_N
-        diag_col = tl.arange(0, BLOCK_N)[:, None] + offs_v[None, :] + 1
-        on_low = diag_col >= BLOCK_N
-        diag_col = diag_col % BLOCK_N
-        carry = tl.zeros([BLOCK_N], dtype=tl.float32)
-        time_acc = tl.zeros([T_PAD], dtype=tl.float32)
-        pos_row = POS_PART + pid.to(tl.int64) * ((NBLOCKS + 1) * BLOCK_N)
-        step = 0
         for start_m in range(m_start, n, BLOCK_M):
             offs_m = start_m + offs_i
             q = _rows(Q, start, h, sqt, sqh, offs_m, n, offs_d, HEAD_DIM)
@@ -141,44 +121,8 @@ def _bwd_dkdv_kernel(
             da = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds = tl.where(visible, da * _dsilu(sc, sig) * scale, 0.0)
             dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-            if HAS_POS:
-                along = tl.gather(ds, diag_col, axis=1)
-                low = tl.sum(tl.where(on_low, along, 0.0), axis=0)
-                high = tl.sum(tl.where(on_low, 0.0, along), axis=0)
-                tl.store(pos_row + step * BLOCK_N + offs_v, low + carry)
-                carry = high
-            if HAS_TIME:
-                time_acc += _time_sums(ds, tq, tk, T, T_PAD, PTX)
-            step += 1
         _store_rows(DK, dk * alpha, start, h, sdkt, sdkh, offs_n, n, offs_d, HEAD_DIM)
         _store_rows(DV, dv, start, h, sdvt, sdvh, offs_n, n, offs_d, HEAD_DIM)
-        if HAS_POS:
-            tl.store(pos_row + step * BLOCK_N + offs_v, carry)
-            for slot in range(step + 1, NBLOCKS + 1):
-                tl.store(pos_row + slot * BLOCK_N + offs_v, tl.zeros([BLOCK_N], dtype=tl.float32))
-        if HAS_TIME:
-            tl.store(TIME_PART + pid.to(tl.int64) * T_PAD + tl.arange(0, T_PAD), time_acc)
-    else:  # past the sequence: its rows of the partial sums are zero
-        if HAS_POS:
-            pos_row = POS_PART + pid.to(tl.int64) * ((NBLOCKS + 1) * BLOCK_N)
-            for slot in range(0, NBLOCKS + 1):
-                tl.store(pos_row + slot * BLOCK_N + tl.arange(0, BLOCK_N), tl.zeros([BLOCK_N], dtype=tl.float32))
-        if HAS_TIME:
-            tl.store(TIME_PART + pid.to(tl.int64) * T_PAD + tl.arange(0, T_PAD), tl.zeros([T_PAD], dtype=tl.float32))
-
-
-@triton.jit
-def _time_sums(ds, tq, tk, T, T_PAD: tl.constexpr, PTX: tl.constexpr):
-    """[T_PAD]: the sums of a [keys, queries] ds tile per time bucket, over the buckets the tile holds (few where
-    timestamps rise along the sequence)."""
-    bucket = _time_bucket(tl.abs(tq[None, :] - tk[:, None]), T, PTX)
-    low = tl.min(tl.min(bucket, axis=1), axis=0)
-    high = tl.max(tl.max(bucket, axis=1), axis=0)
-    sums = tl.zeros([T_PAD], dtype=tl.float32)
-    for b in range(low, high + 1):
-        total = tl.sum(tl.sum(tl.where(bucket == b, ds, 0.0), axis=1), axis=0)
-        sums += tl.where(tl.arange(0, T_PAD) == b, total, 0.0)
-    return sums
 
 
 @triton.jit
@@ -357,6 +301,147 @@ def _bwd_dq_kernel(
         _store_rows(DQ, dq * alpha, start, h, sdqt, sdqh, offs_m, n, offs_d, HEAD_DIM)
 
 
+@direct_launch
+@triton.jit(do_not_specialize=["H", "NBLOCKS", "NBANDS", "P", "T"])
+def _bwd_bias_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    CU,
+    NT,
+    PB,
+    TB,
+    TS,
+    SEED,
+    POS_PART,
+    TIME_PART,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sdot,
+    sdoh,
+    sph,
+    spp,
+    sth,
+    stt,
+    H,
+    NBLOCKS,
+    NBANDS,
+    P,
+    T,
+    alpha,
+    inv_max,
+    dropout_p,
+    inv_keep,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    T_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Band `band` of one (sequence, head): the tiles (query block mb, key block mb - t) with t = band (causal) or
+    band - (NBLOCKS - 1). Writes POS_PART[pair, band, u], the sum of ds over the band's diagonals i - j = t * BLOCK_B
+    + u - (BLOCK_B - 1), and TIME_PART[pair, band, b], the sum of ds per time bucket b."""
+    pid = tl.program_id(0)
+    band = pid % NBANDS
+    pair = pid // NBANDS
+    s = pair // H
+    h = pair % H
+    t = band if CAUSAL else band - (NBLOCKS - 1)
+    start, n, first_target = _sequence(CU, NT, s, HAS_TARGETS)
+    n_blocks = tl.cdiv(n, BLOCK_B)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_u = tl.arange(0, 2 * BLOCK_B)
+    offs_t = tl.arange(0, T_PAD)
+    # the key column of diagonal u in row a: c = a - u + BLOCK_B - 1, inside the tile or not
+    diag_col = offs_b[:, None] - offs_u[None, :] + (BLOCK_B - 1)
+    on_diag = (diag_col >= 0) & (diag_col < BLOCK_B)
+    diag_col = tl.where(on_diag, diag_col, 0)
+    pos_acc = tl.zeros([2 * BLOCK_B], dtype=tl.float32)
+    time_acc = tl.zeros([T_PAD], dtype=tl.float32)
+    seed = tl.load(SEED) if DROPOUT else 0
+    for mb in range(tl.maximum(t, 0), n_blocks + tl.minimum(t, 0)):
+        start_m = mb * BLOCK_B
+        start_n = (mb - t) * BLOCK_B
+        offs_m = start_m + offs_b
+        q = _rows(Q, start, h, sqt, sqh, offs_m, n, offs_d, HEAD_DIM)
+        do = _rows(DO, start, h, sdot, sdoh, offs_m, n, offs_d, HEAD_DIM)
+        tq = _times(TS, start, offs_m, n, HAS_TIME)
+        drop_seed = _pair_key(seed, pair) ^ _query_block(start_m) if DROPOUT else 0
+        ds, _ = _ds_tile(
+            q,
+            do,
+            start,
+            h,
+            start_m,
+            offs_m,
+            start_n,
+            start_n + offs_b,
+            n,
+            first_target,
+            tq,
+            drop_seed,
+            K,
+            V,
+            TS,
+            PB,
+            TB,
+            skt,
+            skh,
+            svt,
+            svh,
+            sph,
+            spp,
+            sth,
+            stt,
+            P,
+            T,
+            alpha,
+            inv_max,
+            dropout_p,
+            inv_keep,
+            offs_d,
+            HEAD_DIM,
+            CAUSAL,
+            HAS_TARGETS,
+            HAS_POS,
+            HAS_TIME,
+            DROPOUT,
+            PTX,
+            TANH_APPROX,
+            DOT_PRECISION,
+        )
+        if HAS_POS:
+            along = tl.gather(ds, diag_col, axis=1)
+            pos_acc += tl.sum(tl.where(on_diag, along, 0.0), axis=0)
+        if HAS_TIME:
+            tk = _times(TS, start, start_n + offs_b, n, HAS_TIME)
+            bucket = _time_bucket(tl.abs(tq[:, None] - tk[None, :]), T, PTX)
+            # only the buckets this tile holds (few where timestamps rise along the sequence)
+            low = tl.min(tl.min(bucket, axis=1), axis=0)
+            high = tl.max(tl.max(bucket, axis=1), axis=0)
+            for b in range(low, high + 1):
+                total = tl.sum(tl.sum(tl.where(bucket == b, ds, 0.0), axis=1), axis=0)
+                time_acc += tl.where(offs_t == b, total, 0.0)
+    row = pair.to(tl.int64) * NBANDS + band
+    if HAS_POS:
+        tl.store(POS_PART + row * (2 * BLOCK_B) + offs_u, pos_acc)
+    if HAS_TIME:
+        tl.store(TIME_PART + row * T_PAD + offs_t, time_acc)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -370,21 +455,12 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
     tensors, bias_strides, scalars, flags = _common(
         q, cu_seqlens, num_targets, position_bias, time_bias, timestamps, seed, max_seqlen, alpha, causal, dropout_p
     )
-    bias = position_bias is not None or time_bias is not None
-    block_m, block_n, warps, stages = config("dkdv_bias" if bias else "dkdv", q.dtype)
-    assert block_m == block_n  # the bias sums carry a tile's upper diagonals into the next tile's lower ones
+    block_m, block_n, warps, stages = config("dkdv", q.dtype)
     n_blocks = cdiv(max_seqlen, block_n)
-    t_pad = next_power_of_2(scalars[1])
-    pos_part = time_part = dk  # not read without the bias
-    if position_bias is not None:
-        pos_part = empty((n, h, n_blocks, n_blocks + 1, block_n), dtype=torch.float32, device=q.device)
-    if time_bias is not None:
-        time_part = empty((n, h, n_blocks, t_pad), dtype=torch.float32, device=q.device)
     if n * h * n_blocks:
         _bwd_dkdv_kernel[(n * h * n_blocks,)](
-            q, k, v, do, dk, dv, pos_part, time_part, *tensors, *_strides(q, k, v, do, dk, dv), *bias_strides, h,
-            n_blocks, *scalars, BLOCK_M=block_m, BLOCK_N=block_n, T_PAD=t_pad, num_warps=warps, num_stages=stages,
-            **flags,
+            q, k, v, do, dk, dv, *tensors, *_strides(q, k, v, do, dk, dv), *bias_strides, h, n_blocks, *scalars,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
         )  # fmt: skip
     block_m, block_n, warps, stages = config("dq", q.dtype)
     n_blocks = cdiv(max_seqlen, block_m)
@@ -394,11 +470,35 @@ def backward(do, q, k, v, cu_seqlens, num_targets, position_bias, time_bias, tim
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
         )  # fmt: skip
     dpos = dtime = None
+    if position_bias is not None or time_bias is not None:
+        dpos, dtime = bias_gradients(
+            do, q, k, v, tensors, bias_strides, scalars, flags, position_bias, time_bias, max_seqlen, n, h
+        )
+    return dq, dk, dv, None, None, dpos, dtime, None, None, None, None, None, None
+
+
+def bias_gradients(do, q, k, v, tensors, bias_strides, scalars, flags, position_bias, time_bias, max_seqlen, n, h):
+    """(dposition_bias [H, P] or None, dtime_bias [H, T] or None): the bias kernel's partial sums, added over the
+    sequences and folded into buckets in a fixed order."""
+    block_b, _, warps, stages = config("bias", q.dtype)
+    n_blocks = cdiv(max_seqlen, block_b)
+    causal = flags["CAUSAL"]
+    n_bands = n_blocks if causal else max(2 * n_blocks - 1, 0)
+    t_pad = next_power_of_2(scalars[1])
+    pos_part = empty((n, h, n_bands, 2 * block_b), dtype=torch.float32, device=q.device)
+    time_part = empty((n, h, n_bands, t_pad), dtype=torch.float32, device=q.device)
+    if n * h * n_bands:
+        _bwd_bias_kernel[(n * h * n_bands,)](
+            q, k, v, do, *tensors, pos_part, time_part, *_strides(q, k, v, do), *bias_strides,
+            h, n_blocks, n_bands, *scalars, BLOCK_B=block_b, T_PAD=t_pad, num_warps=warps, num_stages=stages, **flags,
+        )  # fmt: skip
+    dpos = dtime = None
     if position_bias is not None:
-        dpos = fold_position_parts(pos_part, flags["CAUSAL"], position_bias.shape[1]).to(position_bias.dtype)
+        first_band = 0 if causal else -(n_blocks - 1)
+        dpos = fold_distances(pos_part.sum(0), block_b, first_band, position_bias.shape[1]).to(position_bias.dtype)
     if time_bias is not None:
         per_bucket = time_part.sum((0, 2))[:, : scalars[1]]
         dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device)
         dtime[:, : per_bucket.shape[1]] = per_bucket
         dtime = dtime.to(time_bias.dtype)
-    return dq, dk, dv, None, None, dpos, dtime, None, None, None, None, None, None
+    return dpos, dtime
