@@ -41,6 +41,7 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import functools
 import importlib
 import os
 import pkgutil
@@ -67,6 +68,7 @@ from runtime.accelerators import (
     embedding_bag_mean,
     flash_attention,
     layer_norm,
+    linear,
     rms_norm,
     swiglu,
     triton_launch,
@@ -218,6 +220,19 @@ def pcvr_layer_cases() -> dict:
         [table],
         torch.randn(256, 64, **bf16),
     )
+    # linear as the models call it: float16 autocast over fp32 parameters (two casts a call, as F.linear makes them);
+    # few rows, as its backward's two matmuls compute on the CPU here (launches on a GPU)
+    x = torch.randn(2, 64, **fp16, requires_grad=True)
+    weight = torch.randn(192, 64, requires_grad=True)
+    bias = torch.randn(192, requires_grad=True)
+
+    for impl, fn in (("triton", functools.partial(linear, backend="triton")), ("torch", F.linear)):
+
+        def projection(fn=fn):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return fn(x, weight, bias)
+
+        _both(out, f"linear 2x64->192 autocast {impl}", projection, [x, weight, bias], torch.randn(2, 192, **fp16))
     gdr = [torch.randn(256, 256, 4, 16, **bf16, requires_grad=True) for _ in range(3)]
     g = (-torch.rand(256, 256, 4)).to(torch.bfloat16).requires_grad_()
     beta = torch.rand(256, 256, 4, **bf16, requires_grad=True)

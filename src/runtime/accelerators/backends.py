@@ -97,6 +97,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability as (major, minor), read once per device: torch.cuda.get_device_capability
+    builds the device's whole properties object on every call, a few us on a launch's host path."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def device_reasons(backend: str, device: torch.device, capability: tuple[int, int] | None = None) -> list[str]:
     """Why the backend cannot run on this device (empty when it can). capability: the CUDA device's compute
     capability as (major, minor); None: the device's own."""
@@ -112,7 +118,7 @@ def device_reasons(backend: str, device: torch.device, capability: tuple[int, in
         if device.type != "cuda":
             return [f"tensors are on {device.type}; the tilelang backend needs CUDA tensors"]
         if capability is None:
-            capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+            capability = device_capability(device)
         major, minor = capability
         if (major, minor) < TILELANG_MIN_CAPABILITY:
             need = ".".join(map(str, TILELANG_MIN_CAPABILITY))

@@ -14,6 +14,7 @@ try:  # Triton >= 3.4: the scratch allocator of in-kernel tensor descriptors
 except ImportError:
     _allocation = None
 
+from ..backends import device_capability
 from ..buffers import empty
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
@@ -41,7 +42,7 @@ from .triton_launch_args import _flags, _packing_args, _row_shape, _seed_arg, _s
 def _has_tma(device: torch.device) -> bool:
     """TMA hardware (Hopper on) and a Triton with device-side tensor descriptors (3.4 on)."""
     descriptors = _allocation is not None and hasattr(tl, "make_tensor_descriptor")
-    return descriptors and torch.cuda.get_device_capability(device) >= (9, 0)
+    return descriptors and device_capability(device) >= (9, 0)
 
 
 def _tma_layout(x: torch.Tensor) -> bool:

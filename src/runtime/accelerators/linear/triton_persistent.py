@@ -17,13 +17,11 @@ and, compiled, a global scratch allocator (triton.set_allocator) for the descrip
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..backends import sm_count, triton_interpret
+from ..backends import device_capability, sm_count, triton_interpret
 from ..launch_math import cdiv
 from ..triton_launch import direct_launch
 from .launch import GemmConfig, persistent_flattens, persistent_forward_config
@@ -120,11 +118,6 @@ def _store_epilogue(
     y_desc.store([off_m, off_n], out.to(dtype))
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
@@ -135,8 +128,7 @@ def hopper_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     and row strides (y and z are fresh buffers, aligned)."""
     if not x.is_cuda or triton_interpret() or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    index = torch.cuda.current_device() if x.device.index is None else x.device.index
-    return _capability(index) >= (9, 0) and all(t.is_contiguous() and _aligned(t) for t in (x, weight))
+    return device_capability(x.device) >= (9, 0) and all(t.is_contiguous() and _aligned(t) for t in (x, weight))
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
