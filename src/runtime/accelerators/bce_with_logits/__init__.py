@@ -39,6 +39,8 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
         and pos_weight is None
         and type(logits) is torch.Tensor
         and type(targets) is torch.Tensor
+        and logits.layout is torch.strided
+        and targets.layout is torch.strided
         and logits.is_floating_point()
         and targets.is_floating_point()
         and targets.shape == logits.shape

@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..autocast import autocast_enabled
-from ..checks import as_int, check_same_device, check_tensor
+from ..checks import as_int, check_same_device, check_strided, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 
@@ -103,6 +103,7 @@ def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name}: expected an int32 torch.Tensor [N + 1], got {type(cu).__name__}")
+        check_strided(name, cu)
         if cu.dtype != torch.int32:
             raise TypeError(f"{name}: expected dtype int32, got {_dtype_name(cu.dtype)}")
         if cu.dim() != 1 or cu.numel() == 0:

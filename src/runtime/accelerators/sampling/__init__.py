@@ -22,7 +22,7 @@ import numbers
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import KERNEL_DTYPES, check_bool, check_tensor, dtype_reasons
+from ..checks import KERNEL_DTYPES, check_bool, check_strided, check_tensor, dtype_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import restricted_draw, sample_reference, top_k_reference
@@ -145,6 +145,7 @@ def _per_row(
     """A number or a [rows] tensor, checked with valid(value) (comparisons only: a bool for a number, a bool tensor
     for a tensor, whose values are read on the host), as a [rows] tensor of dtype on device."""
     if isinstance(value, torch.Tensor):
+        check_strided(name, value)
         integral = dtype == torch.int32
         if (value.is_floating_point() or value.dtype == torch.bool) if integral else not value.is_floating_point():
             raise TypeError(
