@@ -108,3 +108,48 @@ def test_a_sparse_argument_is_refused_by_name(layout, backend):
         with pytest.raises(TypeError, match=rf"^{name}: expected a strided \(dense\) tensor, got layout "):
             with acc.use_accelerators(default=backend):
                 call()
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def _meta_reading_calls():
+    """(argument name, a call on meta tensors of a public op that reads that argument's values on the host)."""
+    x, q4, q3 = _meta(4, 8), _meta(1, 2, 3, 4), _meta(5, 2, 16)
+    cu, table = _meta(3, dtype=torch.int64), _meta(10, 4)
+    gdr = [_meta(1, 5, 2, 16) for _ in range(3)] + [_meta(1, 5, 2), _meta(1, 5, 2)]
+    return [
+        ("targets", lambda: acc.binary_cross_entropy_with_logits(x, x, check_targets=True)),
+        ("top_k", lambda: acc.sample(x, top_k=_meta(4, dtype=torch.int64))),
+        ("temperature", lambda: acc.sample(x, temperature=_meta(4))),
+        ("indices", lambda: acc.embedding_bag_mean(table, _meta(3, 2, dtype=torch.int64))),
+        ("offsets", lambda: acc.embedding_bag_collection([table], _meta(5, dtype=torch.int64), cu)),
+        ("key_lengths", lambda: acc.flash_attention(q4, q4, q4, key_lengths=_meta(1, dtype=torch.int64))),
+        ("cu_seqlens_q", lambda: acc.flash_attention(q3, q3, q3, cu_seqlens_q=cu.int(), cu_seqlens_k=cu.int())),
+        ("cu_seqlens", lambda: acc.silu_attention(q3, q3, q3, cu, max_seqlen=3)),
+        ("cu_seqlens", lambda: acc.chunk_gated_delta_rule(*gdr, cu_seqlens=cu)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_meta_argument_whose_values_are_read_is_refused_by_name(backend):
+    """The host reads of argument values failed on meta tensors with torch's 'Cannot copy out of meta tensor' or
+    'item() cannot be called on meta tensors', naming nothing."""
+    for name, call in _meta_reading_calls():
+        with pytest.raises(
+            ValueError, match=rf"^{name}: a meta tensor has no values, and the op reads them on the host"
+        ):
+            with acc.use_accelerators(default=backend):
+                call()
+
+
+def test_ops_that_read_no_value_infer_shapes_on_meta():
+    """top_k and sample need no value for their shapes: the reference's nonzero (a size read from the values) failed."""
+    values, indices = acc.top_k(_meta(3, 7), 2)
+    assert values.shape == indices.shape == (3, 2) and indices.dtype == torch.int64 and values.is_meta
+    ids = acc.sample(_meta(3, 7), top_k=2, top_p=0.5)
+    assert ids.shape == (3,) and ids.dtype == torch.int64 and ids.is_meta
+    table = _meta(10, 4)
+    bags = acc.embedding_bag_mean(table, _meta(3, 2, dtype=torch.int64), check_indices=False)
+    assert bags.shape == (3, 4) and bags.is_meta

@@ -35,6 +35,14 @@ def check_strided(name: str, value: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {layout} (pass {name}.to_dense())")
 
 
+def check_readable(name: str, value: torch.Tensor, why: str) -> None:
+    """An argument whose values the op reads on the host (`why`: what for): a meta tensor has none, so the op cannot
+    run on it (shape inference alone would need no value). Compiled calls do not read them: their fake tensors are
+    on the inputs' real device."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name}: a meta tensor has no values, and the op reads them on the host ({why})")
+
+
 def check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if value.device != ref.device:
         raise ValueError(f"{name}: expected a tensor on {ref.device} like {ref_name}, got one on {value.device}")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import Backend, select_backend
-from ..checks import as_padding_idx, check_bool, check_same_device, check_strided, check_tensor
+from ..checks import as_padding_idx, check_bool, check_readable, check_same_device, check_strided, check_tensor
 from ..kernel_backend import KernelBackend
 from .spec import SPEC
 
@@ -111,6 +111,7 @@ def _check_inputs(weights, values, offsets, padding_idx, check_indices):
             f"offsets: expected T*B + 1 entries for T={num_tables} tables (B bags each), got {offsets.numel()}"
         )
     check_bool("check_indices", check_indices)
+    check_readable("offsets", offsets, "the bounds of the bags")
     return weights, values, offsets, _paddings(padding_idx, weights)
 
 

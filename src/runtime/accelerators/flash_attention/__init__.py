@@ -15,7 +15,15 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_probability, check_bool, check_same_device, check_scale, check_strided, check_tensor
+from ..checks import (
+    as_probability,
+    check_bool,
+    check_readable,
+    check_same_device,
+    check_scale,
+    check_strided,
+    check_tensor,
+)
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -246,6 +254,7 @@ def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
     graph or compiling, and done once for a tensor passed again unchanged (_remembered)."""
     if key_lengths.numel() == 0 or _in_graph(key_lengths):
         return
+    check_readable("key_lengths", key_lengths, "to check that they lie in [0, Lk]")
     record = _remembered(key_lengths)
     if record is not None and record.get("checked_lk") == lk:
         return

@@ -24,7 +24,16 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs, without_autocast
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_finite_float, as_int, as_probability, check_bool, check_same_device, check_strided, check_tensor
+from ..checks import (
+    as_finite_float,
+    as_int,
+    as_probability,
+    check_bool,
+    check_readable,
+    check_same_device,
+    check_strided,
+    check_tensor,
+)
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -218,6 +227,9 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
     global _checked
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
+    check_readable("cu_seqlens", cu_seqlens, "the bounds of the sequences")
+    if num_targets is not None:
+        check_readable("num_targets", num_targets, "to check them against the sequences' lengths")
     # inference tensors (made under torch.inference_mode) have no version counter: they are checked on every call
     remember = not (cu_seqlens.is_inference() or (num_targets is not None and num_targets.is_inference()))
     if (
