@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.checks import as_probability, check_bool
+from runtime.accelerators.checks import as_int, as_probability, check_bool
 from runtime.accelerators.flash_attention import flash_attention
 
 from .linear import Linear
@@ -30,9 +30,13 @@ def _packed_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x.view(x.shape[0], n_heads, x.shape[1] // n_heads)
 
 
-def _check_heads(d_model: int, n_heads: int) -> None:
-    if n_heads <= 0 or d_model % n_heads != 0:
+def _check_heads(d_model: int, n_heads: int) -> int:
+    """n_heads as an int (a float one was taken, and failed in forward's view)."""
+    d_model = as_int("d_model", d_model, least=1, expected="an int >= 1")
+    n_heads = as_int("n_heads", n_heads, least=1, expected=f"a positive divisor of d_model={d_model}")
+    if d_model % n_heads != 0:
         raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model}, got {n_heads}")
+    return n_heads
 
 
 class _TorchKeys:
@@ -80,7 +84,7 @@ class MultiHeadAttention(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _check_heads(d_model, n_heads)
+        n_heads = _check_heads(d_model, n_heads)
         check_bool("causal", causal)
         self.n_heads = n_heads
         self.causal = causal
@@ -147,8 +151,7 @@ class CrossAttention(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _check_heads(d_model, n_heads)
-        self.n_heads = n_heads
+        self.n_heads = _check_heads(d_model, n_heads)
         self.dropout = as_probability("dropout", dropout)
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
