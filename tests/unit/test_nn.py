@@ -418,6 +418,16 @@ def test_module_sizes_take_numpy_ints():
     assert Linear(np.int32(3), 4).weight.shape == (4, 3)
 
 
+def test_attention_inputs_of_the_wrong_rank_are_named():
+    """x [total, d_model] without cu_seqlens failed unpacking a projection's shape ('not enough values to unpack')."""
+    with pytest.raises(ValueError, match=r"x: expected \[B, L, d_model\] \(packed tokens"):
+        MultiHeadAttention(8, 2)(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"context: expected \[B, L, d_model\]"):
+        CrossAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"x: expected packed tokens \[total, d_model\] with cu_seqlens"):
+        MultiHeadAttention(8, 2)(torch.randn(1, 5, 8), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "float"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bce_loss_follows_the_logits_whatever_the_modules_dtype(convert, backend):

@@ -13,8 +13,13 @@ from runtime.accelerators.flash_attention import flash_attention
 from .linear import Linear
 
 
-def _split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, L, H * D] -> a [B, H, L, D] view (no copy: the op takes strided views)."""
+def _split_heads(x: torch.Tensor, n_heads: int, name: str = "x") -> torch.Tensor:
+    """[B, L, H * D] -> a [B, H, L, D] view (no copy: the op takes strided views); x is a projection of the input
+    `name`, of its rank."""
+    if x.dim() != 3:
+        raise ValueError(
+            f"{name}: expected [B, L, d_model] (packed tokens [total, d_model] take cu_seqlens), got {x.dim()}-D"
+        )
     b, length, width = x.shape
     return x.view(b, length, n_heads, width // n_heads).transpose(1, 2)
 
@@ -25,8 +30,10 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, length, h * d)
 
 
-def _packed_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[total, H * D] -> a [total, H, D] view."""
+def _packed_heads(x: torch.Tensor, n_heads: int, name: str = "x") -> torch.Tensor:
+    """[total, H * D] -> a [total, H, D] view; x is a projection of the input `name`, of its rank."""
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected packed tokens [total, d_model] with cu_seqlens, got {x.dim()}-D")
     return x.view(x.shape[0], n_heads, x.shape[1] // n_heads)
 
 
@@ -170,7 +177,7 @@ class CrossAttention(nn.Module):
     ) -> torch.Tensor:
         if context_cu_seqlens is not None:
             q = _packed_heads(self.q(x), self.n_heads)
-            k, v = (_packed_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+            k, v = (_packed_heads(t, self.n_heads, "context") for t in self.kv(context).chunk(2, dim=-1))
             one_each = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
             o = flash_attention(
                 q,
@@ -186,7 +193,7 @@ class CrossAttention(nn.Module):
             )
             return self.out(o.flatten(1))
         q = _split_heads(self.q(x), self.n_heads)
-        k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+        k, v = (_split_heads(t, self.n_heads, "context") for t in self.kv(context).chunk(2, dim=-1))
         o = flash_attention(
             q,
             k,
