@@ -188,6 +188,21 @@ def test_triton_every_sequence_empty_and_no_keys():
     assert torch.equal(q.grad, torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_sequence_keeps_q_k_and_v_in_the_graph(backend):
+    """cu_seqlens [0] (no sequence): the torch backend returned q * 0, so differentiating k or v raised 'appears to not
+    have been used in the graph' where the kernels give zero gradients (GQA: k and v have fewer heads than q)."""
+    q = torch.randn(0, 4, 16, requires_grad=True)
+    k, v = (torch.randn(0, 2, 16, requires_grad=True) for _ in range(2))
+    cu = torch.zeros(1, dtype=torch.int32)
+    out = flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend)
+    assert out.shape == (0, 4, 16)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    reference = attention_float64_varlen(q, k, v, cu, cu)
+    assert [g.shape for g in torch.autograd.grad(reference.sum(), (q, k, v))] == [q.shape, k.shape, v.shape]
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 

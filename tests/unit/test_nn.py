@@ -14,11 +14,14 @@ from runtime.nn import (
     BCEWithLogitsLoss,
     CrossAttention,
     DropoutAdd,
+    EmbeddingBagCollection,
     EmbeddingBagMean,
     GatedDeltaBlock,
     GatedDeltaRuleMixer,
+    HSTUBlock,
     HyperConnection,
     LayerNorm,
+    Linear,
     MultiHeadAttention,
     RMSNorm,
     SwiGLUFeedForward,
@@ -380,6 +383,49 @@ def test_gated_delta_mixer_checks_an_explicit_head_dim(head_dim, error):
     with pytest.raises(error, match="head_dim: expected None or an int >= 1"):
         GatedDeltaRuleMixer(8, 2, head_dim=head_dim)
     assert GatedDeltaRuleMixer(8, 2, head_dim=16).head_dim == 16
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: MultiHeadAttention(8, 2.0), TypeError, "n_heads: expected a positive divisor of d_model=8, got float"),
+        (lambda: CrossAttention(8, 2.0), TypeError, "n_heads: expected a positive divisor of d_model=8, got float"),
+        (
+            lambda: GatedDeltaRuleMixer(8, 2.0),
+            TypeError,
+            "n_heads: expected a positive divisor of d_model=8, got float",
+        ),
+        (lambda: HSTUBlock(8, "2"), TypeError, "n_heads: expected an int >= 1, got str"),
+        (lambda: HSTUBlock(8, 2, head_dim=4.0), TypeError, "head_dim: expected None or an int >= 1, got float"),
+        (lambda: HSTUBlock(8, 2, time_buckets=-1), ValueError, "time_buckets: expected an integer >= 0"),
+        (lambda: Linear(8.0, 4), TypeError, "in_features: expected an int >= 0, got float"),
+        (lambda: EmbeddingBagMean(10.0, 4), TypeError, "num_embeddings: expected an int >= 0, got float"),
+        (lambda: EmbeddingBagCollection({"user": 3}), TypeError, r"tables\['user'\]: expected a pair"),
+        (lambda: EmbeddingBagCollection({"user": (5, 2.5)}), TypeError, r"dim of tables\['user'\]: expected an int"),
+    ],
+)
+def test_module_sizes_are_checked_as_ints(make, error, message):
+    """A float head count was taken by the attention modules (failing in forward's view); other float or malformed
+    sizes failed inside torch.empty or a tuple unpacking, naming nothing."""
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_module_sizes_take_numpy_ints():
+    np = pytest.importorskip("numpy")
+    block = HSTUBlock(8, np.int64(2), position_buckets=np.int64(5))
+    assert block.n_heads == 2 and block.position_bias.shape == (2, 5)
+    assert Linear(np.int32(3), 4).weight.shape == (4, 3)
+
+
+def test_attention_inputs_of_the_wrong_rank_are_named():
+    """x [total, d_model] without cu_seqlens failed unpacking a projection's shape ('not enough values to unpack')."""
+    with pytest.raises(ValueError, match=r"x: expected \[B, L, d_model\] \(packed tokens"):
+        MultiHeadAttention(8, 2)(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"context: expected \[B, L, d_model\]"):
+        CrossAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"x: expected packed tokens \[total, d_model\] with cu_seqlens"):
+        MultiHeadAttention(8, 2)(torch.randn(1, 5, 8), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "float"])

@@ -125,6 +125,35 @@ def test_time_buckets_exact_at_powers_of_two():
     assert time_buckets(dt, 4).tolist() == [min(e, 3) for e in expected]
 
 
+# int64 extremes: differences of opposite signs far apart do not fit in int64 (up to 2^64 - 1)
+EXTREME_TIMES = [-(2**63), 2**63 - 1, 0, -1, 2**62, -(2**62) - 1, 2**63 - 2, -(2**63) + 1, 5]
+
+
+@pytest.mark.parametrize("n_buckets", [5, 64])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_time_differences_past_int64_take_the_last_bucket(backend, n_buckets):
+    """|t_i - t_j| wrapped around past int64: the torch backend indexed the time bias with a garbage bucket and the
+    Triton kernel with another. Every backend saturates the difference at 2^63 - 2, so the buckets stop at
+    min(T - 1, 62), the last bucket the kernels hold (what log2(1 + |dt|) >= 62 gives for T <= 63)."""
+    ts = torch.tensor(EXTREME_TIMES, dtype=torch.int64)
+    n = len(EXTREME_TIMES)
+    q, k, v = (torch.randn(n, 2, 16, requires_grad=True) for _ in range(3))
+    time_bias = torch.randn(2, n_buckets, requires_grad=True)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    kwargs = dict(max_seqlen=n, causal=False, time_bias=time_bias, timestamps=ts)
+    with use_accelerators(fallback="error"):
+        out = silu_attention(q, k, v, cu, **kwargs, backend=backend)
+    ref = float64_loop(q, k, v, [n], n, causal=False, time=time_bias[:, :63], ts=ts)
+    assert_close("o", out, ref, RTOL_ATTENTION_FP32)
+    do = torch.randn_like(out)
+    for name, g, g_ref in zip(
+        ("dq", "dtime_bias"),
+        torch.autograd.grad(out, (q, time_bias), do),
+        torch.autograd.grad(ref, (q, time_bias), do.double()),
+    ):
+        assert_close(name, g, g_ref, gradient_tolerance(torch.float32, RTOL_ATTENTION_FP32))
+
+
 def test_reference_dropout_keeps_expectation():
     q, k, v, cu, kwargs = make([9], 1, 8, grad=False)
     plain = silu_attention_reference(q, k, v, cu, kwargs["max_seqlen"])

@@ -8,10 +8,12 @@ every feature at the widest. The GPU tier checks the numbers."""
 
 import shutil
 
+import subprocess
+
 import pytest
 import torch
 
-from conftest import SM90A, requires_nvcc
+from conftest import SM90A, requires_gxx, requires_nvcc
 
 kernels = pytest.importorskip(
     "runtime.accelerators.silu_attention.tilelang", reason="tilelang 0.1.15 is not installed", exc_type=ImportError
@@ -186,3 +188,39 @@ def test_every_kernel_is_built_unchecked():
     for entry in [*FORWARD.values(), *BACKWARD.values()]:
         _, build = entry()
         assert isinstance(build(device_info(None)), Unchecked)
+
+
+@requires_gxx
+def test_time_bucket_helper_saturates_as_the_reference(tmp_path):
+    """The kernels' CUDA time-bucket helper, built for the host: it subtracted int64 timestamps that may wrap past
+    int64 (a bucket of -1 read outside the staged table); it saturates |dt| at 2^63 - 2 as the reference does."""
+    from runtime.accelerators.silu_attention.reference import time_buckets, time_differences
+    from runtime.accelerators.silu_attention.tilelang_scores import TIME_BUCKET_PRELUDE
+
+    times = [-(2**63), 2**63 - 1, 0, -1, 1, 2**62, -(2**62) - 1, 2**63 - 2, -(2**63) + 1, 7, -9]
+    pairs = [(a, b) for a in times for b in times]
+    rows = ", ".join(f"{{{_c_int(a)}, {_c_int(b)}}}" for a, b in pairs)
+    source = f"""#include <cstdio>
+#include <initializer_list>
+#define __device__
+#define __forceinline__ inline
+#define __clzll(x) __builtin_clzll(x)
+{TIME_BUCKET_PRELUDE}
+int main() {{
+  const long long pairs[][2] = {{{rows}}};
+  for (const auto& p : pairs) for (int t : {{5, 63}}) std::printf("%d\\n", taac_time_bucket(p[0], p[1], t));
+}}
+"""
+    (tmp_path / "bucket.cpp").write_text(source)
+    subprocess.run(["g++", "-O2", "-o", str(tmp_path / "bucket"), str(tmp_path / "bucket.cpp")], check=True)
+    got = [
+        int(line) for line in subprocess.run([str(tmp_path / "bucket")], capture_output=True, text=True).stdout.split()
+    ]
+    t = torch.tensor(pairs, dtype=torch.int64)
+    dt = time_differences(t[:, 0], t[:, 1])
+    expected = torch.stack([time_buckets(dt, 5), time_buckets(dt, 63)], 1).flatten().tolist()
+    assert got == expected
+
+
+def _c_int(value: int) -> str:
+    return "(-9223372036854775807LL - 1)" if value == -(2**63) else f"{value}LL"

@@ -20,10 +20,27 @@ def _dtype_list(dtypes) -> str:
 def check_tensor(name: str, value, *, floating: bool = True, min_dim: int = 0) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    check_strided(name, value)
     if floating and value.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating-point tensor ({_dtype_list(FLOAT_DTYPES)}), got {value.dtype}")
     if min_dim and value.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+
+
+def check_strided(name: str, value: torch.Tensor) -> None:
+    """The ops read every tensor argument through its strides: a sparse (COO, CSR...) or jagged nested tensor is
+    refused here, naming the argument, rather than failing inside torch."""
+    if value.layout is not torch.strided:
+        layout = str(value.layout).removeprefix("torch.")
+        raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {layout} (pass {name}.to_dense())")
+
+
+def check_readable(name: str, value: torch.Tensor, why: str) -> None:
+    """An argument whose values the op reads on the host (`why`: what for): a meta tensor has none, so the op cannot
+    run on it (shape inference alone would need no value). Compiled calls do not read them: their fake tensors are
+    on the inputs' real device."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name}: a meta tensor has no values, and the op reads them on the host ({why})")
 
 
 def check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -17,7 +17,14 @@ def check_norm_inputs(
 ) -> None:
     # Every call: inputs that pass everything below pass this first test too, in one frame and few tensor attribute
     # reads (each a few hundred instructions); any other input goes through the checks that name what is wrong.
-    if type(x) is torch.Tensor and x.is_floating_point() and x.dim() and type(eps) is float and 0.0 <= eps < math.inf:
+    if (
+        type(x) is torch.Tensor
+        and x.layout is torch.strided
+        and x.is_floating_point()
+        and x.dim()
+        and type(eps) is float
+        and 0.0 <= eps < math.inf
+    ):
         width, device = x.shape[-1], x.device
         if width and _is_feature_param(weight, width, device) and _is_feature_param(bias, width, device):
             return
@@ -59,6 +66,7 @@ def _is_feature_param(param, width: int, device: torch.device) -> bool:
         return True
     return (
         isinstance(param, torch.Tensor)
+        and param.layout is torch.strided
         and param.is_floating_point()
         and param.shape == (width,)
         and param.device == device

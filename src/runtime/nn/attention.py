@@ -7,14 +7,19 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.checks import as_probability, check_bool
+from runtime.accelerators.checks import as_int, as_probability, check_bool
 from runtime.accelerators.flash_attention import flash_attention
 
 from .linear import Linear
 
 
-def _split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, L, H * D] -> a [B, H, L, D] view (no copy: the op takes strided views)."""
+def _split_heads(x: torch.Tensor, n_heads: int, name: str = "x") -> torch.Tensor:
+    """[B, L, H * D] -> a [B, H, L, D] view (no copy: the op takes strided views); x is a projection of the input
+    `name`, of its rank."""
+    if x.dim() != 3:
+        raise ValueError(
+            f"{name}: expected [B, L, d_model] (packed tokens [total, d_model] take cu_seqlens), got {x.dim()}-D"
+        )
     b, length, width = x.shape
     return x.view(b, length, n_heads, width // n_heads).transpose(1, 2)
 
@@ -25,14 +30,20 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, length, h * d)
 
 
-def _packed_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[total, H * D] -> a [total, H, D] view."""
+def _packed_heads(x: torch.Tensor, n_heads: int, name: str = "x") -> torch.Tensor:
+    """[total, H * D] -> a [total, H, D] view; x is a projection of the input `name`, of its rank."""
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected packed tokens [total, d_model] with cu_seqlens, got {x.dim()}-D")
     return x.view(x.shape[0], n_heads, x.shape[1] // n_heads)
 
 
-def _check_heads(d_model: int, n_heads: int) -> None:
-    if n_heads <= 0 or d_model % n_heads != 0:
+def _check_heads(d_model: int, n_heads: int) -> int:
+    """n_heads as an int (a float one was taken, and failed in forward's view)."""
+    d_model = as_int("d_model", d_model, least=1, expected="an int >= 1")
+    n_heads = as_int("n_heads", n_heads, least=1, expected=f"a positive divisor of d_model={d_model}")
+    if d_model % n_heads != 0:
         raise ValueError(f"n_heads: expected a positive divisor of d_model={d_model}, got {n_heads}")
+    return n_heads
 
 
 class _TorchKeys:
@@ -80,7 +91,7 @@ class MultiHeadAttention(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _check_heads(d_model, n_heads)
+        n_heads = _check_heads(d_model, n_heads)
         check_bool("causal", causal)
         self.n_heads = n_heads
         self.causal = causal
@@ -147,8 +158,7 @@ class CrossAttention(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _check_heads(d_model, n_heads)
-        self.n_heads = n_heads
+        self.n_heads = _check_heads(d_model, n_heads)
         self.dropout = as_probability("dropout", dropout)
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
@@ -167,7 +177,7 @@ class CrossAttention(nn.Module):
     ) -> torch.Tensor:
         if context_cu_seqlens is not None:
             q = _packed_heads(self.q(x), self.n_heads)
-            k, v = (_packed_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+            k, v = (_packed_heads(t, self.n_heads, "context") for t in self.kv(context).chunk(2, dim=-1))
             one_each = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
             o = flash_attention(
                 q,
@@ -183,7 +193,7 @@ class CrossAttention(nn.Module):
             )
             return self.out(o.flatten(1))
         q = _split_heads(self.q(x), self.n_heads)
-        k, v = (_split_heads(t, self.n_heads) for t in self.kv(context).chunk(2, dim=-1))
+        k, v = (_split_heads(t, self.n_heads, "context") for t in self.kv(context).chunk(2, dim=-1))
         o = flash_attention(
             q,
             k,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.checks import as_padding_idx
+from runtime.accelerators.checks import as_int, as_padding_idx
 from runtime.accelerators.embedding_bag_mean import embedding_bag_collection, embedding_bag_mean
 from runtime.accelerators.embedding_bag_mean.collection import is_keyed_jagged
 
@@ -19,6 +19,15 @@ def init_table_(weight: torch.Tensor, std: float, padding_idx: int | None) -> No
     if padding_idx is not None:
         with torch.no_grad():
             weight[padding_idx].zero_()
+
+
+def _table_size(table: str, num_embeddings, dim) -> tuple[int, int]:
+    """A table's (num_embeddings, dim) as ints; table names the table in the message where there are several."""
+    where = f" of {table}" if table else ""
+    return (
+        as_int(f"num_embeddings{where}", num_embeddings, least=0, expected="an int >= 0"),
+        as_int(f"dim{where}", dim, least=0, expected="an int >= 0"),
+    )
 
 
 class EmbeddingBagMean(nn.Module):
@@ -45,6 +54,7 @@ class EmbeddingBagMean(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        num_embeddings, dim = _table_size("", num_embeddings, dim)
         self.padding_idx = as_padding_idx(padding_idx, num_embeddings)  # a negative one counts from the end
         self.init_std = init_std
         self.include_last_offset = include_last_offset
@@ -108,7 +118,10 @@ class EmbeddingBagCollection(nn.Module):
         self.check_indices = check_indices
         self.backend = backend
         self.tables = nn.ModuleDict()
-        for name, (num_embeddings, dim) in tables.items():
+        for name, size in tables.items():
+            if not isinstance(size, (tuple, list)) or len(size) != 2:
+                raise TypeError(f"tables[{name!r}]: expected a pair (num_embeddings, dim), got {size!r}")
+            num_embeddings, dim = _table_size(f"tables[{name!r}]", *size)
             as_padding_idx(padding_idx, num_embeddings, f"table {name!r}")
             table = nn.Module()
             table.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))

@@ -46,7 +46,9 @@ class GatedDeltaRuleMixer(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if n_heads <= 0 or (head_dim is None and d_model % n_heads != 0):
+        d_model = as_int("d_model", d_model, least=1, expected="an int >= 1")
+        n_heads = as_int("n_heads", n_heads, least=1, expected=f"a positive divisor of d_model={d_model}")
+        if head_dim is None and d_model % n_heads != 0:
             raise ValueError(
                 f"n_heads: expected a positive divisor of d_model={d_model} (or give head_dim), got {n_heads}"
             )

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
-from runtime.accelerators.checks import as_probability, check_bool
+from runtime.accelerators.checks import as_int, as_probability, check_bool
 from runtime.accelerators.silu_attention import silu_attention
 
 from .linear import Linear
@@ -47,19 +47,18 @@ class HSTUBlock(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if n_heads <= 0:
-            raise ValueError(f"n_heads: expected a positive integer, got {n_heads}")
+        d_model = as_int("d_model", d_model, least=1, expected="an int >= 1")
+        n_heads = as_int("n_heads", n_heads, least=1, expected="an int >= 1")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(
                     f"head_dim: None takes d_model // n_heads, but n_heads={n_heads} does not divide d_model={d_model}; pass head_dim"
                 )
             head_dim = d_model // n_heads
-        if head_dim <= 0:
-            raise ValueError(f"head_dim: expected a positive integer, got {head_dim}")
-        for name, value in (("position_buckets", position_buckets), ("time_buckets", time_buckets)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an integer >= 0 (0: no such bias), got {value!r}")
+        head_dim = as_int("head_dim", head_dim, least=1, expected="None or an int >= 1")
+        expected = "an integer >= 0 (0: no such bias)"
+        position_buckets = as_int("position_buckets", position_buckets, least=0, expected=expected)
+        time_buckets = as_int("time_buckets", time_buckets, least=0, expected=expected)
         attn_dropout = as_probability("attn_dropout", attn_dropout)
         check_bool("causal", causal)
         factory = {"device": device, "dtype": dtype}

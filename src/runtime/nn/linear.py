@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_int
 from runtime.accelerators.linear import linear
 from runtime.accelerators.linear.reference import ACTIVATIONS
 
@@ -34,13 +35,13 @@ class Linear(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features = as_int("in_features", in_features, least=0, expected="an int >= 0")
+        self.out_features = out_features = as_int("out_features", out_features, least=0, expected="an int >= 0")
         self.activation = activation
         self.backend = backend
         rows = 2 * out_features if activation == "swiglu" else out_features
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(rows, in_features, **factory))
+        self.weight = nn.Parameter(torch.empty(rows, self.in_features, **factory))
         self.bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
         self.reset_parameters()
 

@@ -17,7 +17,7 @@ import torch
 
 from ..autocast import autocast_to_float32
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_tensor, dtype_reasons, size_reasons
+from ..checks import check_bool, check_readable, check_same_device, check_tensor, dtype_reasons, size_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .layout import kernel_operand
@@ -39,6 +39,8 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
         and pos_weight is None
         and type(logits) is torch.Tensor
         and type(targets) is torch.Tensor
+        and logits.layout is torch.strided
+        and targets.layout is torch.strided
         and logits.is_floating_point()
         and targets.is_floating_point()
         and targets.shape == logits.shape
@@ -73,6 +75,7 @@ def check_bce_inputs(logits, targets, weight, pos_weight, reduction) -> None:
 
 def check_target_range(targets: torch.Tensor) -> None:
     """Targets must be probabilities (this reads the tensor: it synchronises with the device)."""
+    check_readable("targets", targets, "check_targets=True; pass check_targets=False")
     outside = ~((targets >= 0) & (targets <= 1))
     if bool(outside.any()):
         bad = targets[outside].flatten()[0].item()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import Backend, select_backend
-from ..checks import as_padding_idx, check_bool, check_same_device, check_tensor
+from ..checks import as_padding_idx, check_bool, check_same_device, check_strided, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .collection import embedding_bag_collection
@@ -101,6 +101,7 @@ SPARSE_KERNEL = KernelOp(
 def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64, got {type(value).__name__}")
+    check_strided(name, value)
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
     check_same_device(name, value, "weight", weight)

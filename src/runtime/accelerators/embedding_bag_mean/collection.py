@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import Backend, select_backend
-from ..checks import as_padding_idx, check_bool, check_same_device, check_tensor
+from ..checks import as_padding_idx, check_bool, check_readable, check_same_device, check_strided, check_tensor
 from ..kernel_backend import KernelBackend
 from .spec import SPEC
 
@@ -65,6 +65,7 @@ def _check_weights(weights) -> list[torch.Tensor]:
 def _check_index_tensor(name: str, value, weight: torch.Tensor) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64, got {type(value).__name__}")
+    check_strided(name, value)
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
     if value.dim() != 1:
@@ -110,6 +111,7 @@ def _check_inputs(weights, values, offsets, padding_idx, check_indices):
             f"offsets: expected T*B + 1 entries for T={num_tables} tables (B bags each), got {offsets.numel()}"
         )
     check_bool("check_indices", check_indices)
+    check_readable("offsets", offsets, "the bounds of the bags")
     return weights, values, offsets, _paddings(padding_idx, weights)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_readable
+
 INDEX_ERROR = (
     "embedding_bag_mean: an index is outside [0, num_embeddings) or the offsets do not rise "
     "from 0 to len(indices) (check_indices=True)"
@@ -26,6 +28,7 @@ def check_indices_(weight, indices, offsets, include_last_offset) -> None:
     """Raise on bad indices or offsets: IndexError on CPU, a device-side assert (no host sync) on CUDA. Under
     torch.compile the assert on every device (RuntimeError on CPU): it is an op of the graph, where reading the flag
     on the host would break the graph."""
+    check_readable("indices", indices, "check_indices=True; pass check_indices=False")
     bad = bad_indices(weight, indices, offsets, include_last_offset)
     if indices.device.type == "cuda" or torch.compiler.is_compiling():
         torch._assert_async(~bad, INDEX_ERROR)

@@ -15,7 +15,15 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_probability, check_bool, check_same_device, check_scale, check_tensor
+from ..checks import (
+    as_probability,
+    check_bool,
+    check_readable,
+    check_same_device,
+    check_scale,
+    check_strided,
+    check_tensor,
+)
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -191,6 +199,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> float:
             raise TypeError(
                 f"key_lengths: expected an integer torch.Tensor of shape ({b},), got {type(key_lengths).__name__}"
             )
+        check_strided("key_lengths", key_lengths)
         if key_lengths.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"key_lengths: expected dtype int32 or int64, got {_dtype_name(key_lengths.dtype)}")
         if tuple(key_lengths.shape) != (b,):
@@ -203,6 +212,7 @@ def _check_inputs(q, k, v, key_lengths, attn_mask, dropout_p, scale) -> float:
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
             got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
             raise TypeError(f"attn_mask: expected a bool tensor (True = visible), got {got}")
+        check_strided("attn_mask", attn_mask)
         check_same_device("attn_mask", attn_mask, "q", q)
         target = (b, h, q.shape[2], k.shape[2])
         try:
@@ -244,6 +254,7 @@ def _check_lengths_range(key_lengths: torch.Tensor, lk: int) -> None:
     graph or compiling, and done once for a tensor passed again unchanged (_remembered)."""
     if key_lengths.numel() == 0 or _in_graph(key_lengths):
         return
+    check_readable("key_lengths", key_lengths, "to check that they lie in [0, Lk]")
     record = _remembered(key_lengths)
     if record is not None and record.get("checked_lk") == lk:
         return

@@ -130,7 +130,7 @@ def flash_attention_varlen_reference(
         )[0].transpose(0, 1)
         for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k)
     ]
-    return torch.cat(outs) if outs else q * 0
+    return torch.cat(outs) if outs else _no_sequence(q, k, v)
 
 
 def attention_float64_varlen(
@@ -159,4 +159,10 @@ def attention_float64_varlen(
             dropout_p=dropout_p,
         )
         outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs) if outs else q.double() * 0
+    return torch.cat(outs) if outs else _no_sequence(q.double(), k, v)
+
+
+def _no_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The empty result of no packed sequence (q, k and v empty), with q, k and v in the graph (zero gradients, as
+    the kernels give); k and v may have fewer heads than q."""
+    return q * 0 + (k.sum() + v.sum()) * 0

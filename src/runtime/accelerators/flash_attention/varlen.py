@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..autocast import autocast_enabled
-from ..checks import as_int, check_same_device, check_tensor
+from ..checks import as_int, check_readable, check_same_device, check_strided, check_tensor
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 
@@ -103,6 +103,7 @@ def check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name}: expected an int32 torch.Tensor [N + 1], got {type(cu).__name__}")
+        check_strided(name, cu)
         if cu.dtype != torch.int32:
             raise TypeError(f"{name}: expected dtype int32, got {_dtype_name(cu.dtype)}")
         if cu.dim() != 1 or cu.numel() == 0:
@@ -135,6 +136,8 @@ def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
     tensors (made under torch.inference_mode) have no version counter to tell whether they changed in place: they are
     read on every call."""
     global _checked
+    check_readable("cu_seqlens_q", cu_q, "the bounds of the sequences")
+    check_readable("cu_seqlens_k", cu_k, "the bounds of the sequences")
     remember = not (cu_q.is_inference() or cu_k.is_inference())
     key = (total_q, total_k, cu_q._version, cu_k._version) if remember else None
     if remember and _checked and _checked[0]() is cu_q and _checked[1]() is cu_k and _checked[2] == key:

@@ -12,7 +12,15 @@ import torch
 
 from ..autocast import without_autocast
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import check_bool, check_same_device, check_scale, check_tensor, dtype_reasons
+from ..checks import (
+    check_bool,
+    check_readable,
+    check_same_device,
+    check_scale,
+    check_strided,
+    check_tensor,
+    dtype_reasons,
+)
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import CHUNK_SIZE, chunk_gated_delta_rule_reference, recurrent_gated_delta_rule_reference
@@ -157,6 +165,7 @@ def _check_cu_seqlens(cu_seqlens, batch: int, length: int) -> torch.Tensor | Non
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens: expected a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    check_strided("cu_seqlens", cu_seqlens)
     if (
         cu_seqlens.dim() != 1
         or cu_seqlens.is_floating_point()
@@ -172,6 +181,7 @@ def _check_cu_seqlens(cu_seqlens, batch: int, length: int) -> torch.Tensor | Non
         raise ValueError(
             f"q: with cu_seqlens the sequences are packed along T and the batch size must be 1, got B={batch}"
         )
+    check_readable("cu_seqlens", cu_seqlens, "the bounds of the sequences")
     host = cu_seqlens.detach().to("cpu", torch.int64)
     if not torch.compiler.is_compiling():  # compiled calls check the values at run time (_check_compiled_values)
         check_cu_seqlens_values(host, length)

@@ -22,7 +22,7 @@ import numbers
 import torch
 
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import KERNEL_DTYPES, check_bool, check_tensor, dtype_reasons
+from ..checks import KERNEL_DTYPES, check_bool, check_readable, check_strided, check_tensor, dtype_reasons
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from .reference import restricted_draw, sample_reference, top_k_reference
@@ -145,6 +145,7 @@ def _per_row(
     """A number or a [rows] tensor, checked with valid(value) (comparisons only: a bool for a number, a bool tensor
     for a tensor, whose values are read on the host), as a [rows] tensor of dtype on device."""
     if isinstance(value, torch.Tensor):
+        check_strided(name, value)
         integral = dtype == torch.int32
         if (value.is_floating_point() or value.dtype == torch.bool) if integral else not value.is_floating_point():
             raise TypeError(
@@ -156,6 +157,7 @@ def _per_row(
             )
         if value.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} like logits, got one on {value.device}")
+        check_readable(name, value, "to check them")
         if rows and not bool(valid(value).all()):
             raise ValueError(f"{name}: expected {expected} in every row, got {value.tolist()}")
         if value.dtype == torch.float64 and dtype == torch.float32:  # as a number past float32's range is taken

@@ -41,8 +41,9 @@ def top_k_reference(scores: torch.Tensor, k: int, largest: bool = True) -> tuple
     tied = keys == kth
     wanted = k - above.sum(-1, keepdim=True)  # >= 1 tied elements per row
     take = above | (tied & (tied.cumsum(-1) <= wanted))
-    # exactly k taken per row; nonzero lists them row by row in ascending index
-    chosen = take.reshape(-1, take.shape[-1]).nonzero()[:, 1].view(*scores.shape[:-1], k)
+    # exactly k taken per row, in ascending index: a stable sort puts them first (nonzero's output size depends on the
+    # values, which a meta tensor does not have)
+    chosen = torch.sort(take, dim=-1, descending=True, stable=True).indices[..., :k]
     order = torch.sort(keys.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
     indices = chosen.gather(-1, order)
     return scores.gather(-1, indices), indices

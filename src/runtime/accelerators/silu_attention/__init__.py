@@ -24,7 +24,16 @@ import torch
 
 from ..autocast import autocast_enabled, autocast_inputs, without_autocast
 from ..backends import Backend, OpSpec, select_backend
-from ..checks import as_finite_float, as_int, as_probability, check_bool, check_same_device, check_tensor
+from ..checks import (
+    as_finite_float,
+    as_int,
+    as_probability,
+    check_bool,
+    check_readable,
+    check_same_device,
+    check_strided,
+    check_tensor,
+)
 from ..kernel_backend import KernelBackend
 from ..kernel_op import KernelOp
 from ..seeds import draw_seed_tensor
@@ -147,6 +156,7 @@ def _check_bias(name: str, bias, h: int, q: torch.Tensor) -> None:
 def _check_index(name: str, x, expected: str, n: int, q: torch.Tensor, dtypes=(torch.int32, torch.int64)) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected an integer torch.Tensor {expected}, got {type(x).__name__}")
+    check_strided(name, x)
     if x.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(map(_dtype_name, dtypes))}, got {_dtype_name(x.dtype)}")
     if x.dim() != 1 or x.shape[0] != n:
@@ -170,6 +180,8 @@ def _check_inputs(
     total, h, d = q.shape
     if d == 0 or h == 0:
         raise ValueError(f"q: the head count and head dim must be positive; shape {tuple(q.shape)}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        check_strided("cu_seqlens", cu_seqlens)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
         got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
         raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1] of offsets from 0 to total, got {got}")
@@ -215,6 +227,9 @@ def _check_values(cu_seqlens: torch.Tensor, num_targets, max_seqlen: int, total:
     global _checked
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
+    check_readable("cu_seqlens", cu_seqlens, "the bounds of the sequences")
+    if num_targets is not None:
+        check_readable("num_targets", num_targets, "to check them against the sequences' lengths")
     # inference tensors (made under torch.inference_mode) have no version counter: they are checked on every call
     remember = not (cu_seqlens.is_inference() or (num_targets is not None and num_targets.is_inference()))
     if (

@@ -14,9 +14,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# |t_i - t_j| saturates here, so that 1 + |dt| fits in int64: a difference past int64 (timestamps of opposite signs far
+# apart) takes bucket min(T - 1, 62) on every backend, the last the kernels hold
+MAX_TIME_DIFFERENCE = 2**63 - 2
+
+
+def time_differences(t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor:
+    """|t_q - t_k| of int64 timestamps (broadcast), saturated at MAX_TIME_DIFFERENCE: int64 subtraction wraps past
+    int64, which the signs show (t_q and t_k of opposite signs, the difference of the sign of t_k)."""
+    d = t_q - t_k
+    wrapped = ((t_q ^ t_k) & (t_q ^ d)) < 0
+    d = d.abs()  # |-2^63| stays -2^63
+    return torch.where(wrapped | (d < 0), MAX_TIME_DIFFERENCE, d.clamp_max(MAX_TIME_DIFFERENCE))
+
 
 def time_buckets(dt: torch.Tensor, n_buckets: int) -> torch.Tensor:
-    """min(floor(log2(1 + dt)), n_buckets - 1) of int64 dt >= 0, exact for every int64 (float64's log2 can be one
+    """min(floor(log2(1 + dt)), n_buckets - 1) of int64 0 <= dt <= MAX_TIME_DIFFERENCE, exact (float64's log2 can be one
     off next to a power of two: corrected with integer comparisons)."""
     x = dt + 1
     b = torch.floor(torch.log2(x.double())).long().clamp(0, 61)
@@ -77,7 +90,7 @@ def silu_attention_reference(
         if time_bias is not None:
             bias = _per_head(time_bias).to(compute)
             t = timestamps[start:end].long()
-            scores = scores + bias[:, time_buckets((t.view(-1, 1) - t.view(1, -1)).abs(), bias.shape[-1])]
+            scores = scores + bias[:, time_buckets(time_differences(t.view(-1, 1), t.view(1, -1)), bias.shape[-1])]
         mask = visible_mask(n, causal, targets[s] if targets is not None else None, q.device)
         weights = torch.where(mask, F.silu(scores) / max_seqlen, torch.zeros((), dtype=compute, device=q.device))
         if dropout_p > 0:

@@ -13,15 +13,18 @@ from ..launch_math import next_power_of_2
 BLOCK_M, BLOCK_N, THREADS = 64, 64, 128
 assert BLOCK_M == BLOCK_N  # the causal diagonal crosses only tiles with q0 == k0 (edge_tile)
 N_DIST = BLOCK_M + BLOCK_N  # distances i - j + BLOCK_N - 1 of a tile: 0 .. BLOCK_M + BLOCK_N - 2 (one slot unused)
-MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
+MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| <= 2^63 - 2, where the difference saturates
 
 
 # The time bucket as a CUDA helper in the kernel's prelude: written as a TileLang expression, its repeated
 # subexpressions (the int64 difference in the log2 and its corrections) left TileLang's simplifier running for minutes.
 TIME_BUCKET_PRELUDE = """
-// min(floor(log2(1 + |dt|)), n_buckets - 1) for int64 timestamps: 63 - clz is floor(log2) of a positive integer
+// min(floor(log2(1 + |dt|)), n_buckets - 1) for int64 timestamps: |dt| exact in unsigned arithmetic (also past int64)
+// and saturated at 2^63 - 2 as the reference's time_differences; 63 - clz is floor(log2) of a positive integer
 __device__ __forceinline__ int taac_time_bucket(long long tq, long long tk, int n_buckets) {
-  unsigned long long x = (unsigned long long)(tq > tk ? tq - tk : tk - tq) + 1ull;
+  unsigned long long uq = (unsigned long long)tq, uk = (unsigned long long)tk;
+  unsigned long long d = tq > tk ? uq - uk : uk - uq;
+  unsigned long long x = (d < 0x7FFFFFFFFFFFFFFEull ? d : 0x7FFFFFFFFFFFFFFEull) + 1ull;
   int b = 63 - __clzll((long long)x);
   return b < n_buckets - 1 ? b : n_buckets - 1;
 }

@@ -19,7 +19,7 @@ Bias gradients, deterministic (no atomics): the bias kernel's program for band t
 blocks after their key block, BLOCK_B square) walks the band and sums ds along each of the tile's 2 * BLOCK_B - 1
 diagonals (signed distance i - j = t * BLOCK_B + u - (BLOCK_B - 1)), and per time bucket; it writes these partial
 sums for its (sequence, head, band), and the launcher adds them over sequences and folds distances into position
-buckets with torch (fixed order). Time buckets past 62 are never reached (|dt| < 2^63 - 1): the kernel sums at most 63.
+buckets with torch (fixed order). Time buckets past 62 are never reached (|dt| saturates at 2^63 - 2): the kernel sums at most 63.
 
 Dropout keeps (sequence s, head h, query i, key j) by flash_attention's counter-based hash (dropout.py) with the
 pair index s * H + h and local indices: forward and backward regenerate the same bits.

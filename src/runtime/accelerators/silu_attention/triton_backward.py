@@ -428,7 +428,7 @@ def _bwd_bias_kernel(
             pos_acc += tl.sum(tl.where(on_diag, along, 0.0), axis=0)
         if HAS_TIME:
             tk = _times(TS, start, start_n + offs_b, n, HAS_TIME)
-            bucket = _time_bucket(tl.abs(tq[:, None] - tk[None, :]), T, PTX)
+            bucket = _time_bucket(tq[:, None], tk[None, :], T, PTX)
             # only the buckets this tile holds (few where timestamps rise along the sequence)
             low = tl.min(tl.min(bucket, axis=1), axis=0)
             high = tl.max(tl.max(bucket, axis=1), axis=0)

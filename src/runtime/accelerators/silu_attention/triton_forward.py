@@ -13,9 +13,11 @@ from ..flash_attention import dropout
 from ..flash_attention.triton_blocks import _keep, _key_block, _mix32, _pair_key, _query_block
 from ..launch_math import cdiv, next_power_of_2
 from ..triton_launch import direct_launch
+from . import reference
 from .triton_configs import config
 
-MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| < 2^63 - 1
+MAX_TIME_BUCKETS = 63  # floor(log2(1 + |dt|)) <= 62 for |dt| <= MAX_TIME_DIFFERENCE = 2^63 - 2
+MAX_TIME_DIFFERENCE = tl.constexpr(reference.MAX_TIME_DIFFERENCE)
 
 
 def block_d(head_dim: int) -> int:
@@ -26,9 +28,13 @@ def block_d(head_dim: int) -> int:
 
 
 @triton.jit
-def _time_bucket(dt, T, PTX: tl.constexpr):
-    """min(floor(log2(1 + dt)), T - 1) of int64 dt >= 0, exact."""
-    x = dt + 1
+def _time_bucket(tq, tk, T, PTX: tl.constexpr):
+    """min(floor(log2(1 + |tq - tk|)), T - 1) of int64 timestamps, exact, |tq - tk| saturated at MAX_TIME_DIFFERENCE
+    as the reference's time_differences: the subtraction wraps past int64, which the signs show."""
+    d = tq - tk
+    wrapped = ((tq ^ tk) & (tq ^ d)) < 0
+    d = tl.abs(d)  # |-2^63| stays -2^63
+    x = tl.where(wrapped | (d < 0), MAX_TIME_DIFFERENCE, tl.minimum(d, MAX_TIME_DIFFERENCE)) + 1
     if PTX:  # 63 - the count of leading zeros is floor(log2) of a positive integer
         b = 63 - tl.inline_asm_elementwise("clz.b64 $0, $1;", "=r,l", [x], dtype=tl.int32, is_pure=True, pack=1)
     else:  # no PTX under the interpreter: the float log2 is at most one off, and x >> b is 1 exactly when b is right
@@ -86,7 +92,7 @@ def _scores(
     if HAS_POS:
         s += tl.load(PB + h * sph + tl.minimum(tl.abs(qi - kj), P - 1) * spp).to(tl.float32)
     if HAS_TIME:
-        s += tl.load(TB + h * sth + _time_bucket(tl.abs(tq - tk), T, PTX) * stt).to(tl.float32)
+        s += tl.load(TB + h * sth + _time_bucket(tq, tk, T, PTX) * stt).to(tl.float32)
     return s
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ...accelerators.silu_attention import silu_attention
-from ...accelerators.silu_attention.reference import silu_attention_reference, time_buckets
+from ...accelerators.silu_attention.reference import silu_attention_reference, time_buckets, time_differences
 from ..case import Case, tensor_bytes
 from ..peers import compiled
 
@@ -95,7 +95,7 @@ def padded_silu_attention(q, k, v, position_bias, time_bias, timestamps, padded_
     distance = (i.view(-1, 1) - i.view(1, -1)).abs().clamp_max(position_bias.shape[-1] - 1)
     scores = scores + position_bias[:, distance].float()
     t = pad(timestamps)
-    buckets = time_buckets((t.view(n, -1, 1) - t.view(n, 1, -1)).abs(), time_bias.shape[-1])  # [N, L, L]
+    buckets = time_buckets(time_differences(t.view(n, -1, 1), t.view(n, 1, -1)), time_bias.shape[-1])  # [N, L, L]
     scores = scores + time_bias[:, buckets].transpose(0, 1).float()
     real = padded_slot < total
     visible = (i.view(-1, 1) >= i.view(1, -1)) & real.view(n, 1, 1, length)
