@@ -7,7 +7,6 @@ targets and dropout, 128 fp16 without a bias, 16 fp16 not causal with targets an
 every feature at the widest. The GPU tier checks the numbers."""
 
 import shutil
-
 import subprocess
 
 import pytest
