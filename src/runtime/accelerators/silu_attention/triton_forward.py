@@ -30,11 +30,11 @@ def block_d(head_dim: int) -> int:
 @triton.jit
 def _time_bucket(tq, tk, T, PTX: tl.constexpr):
     """min(floor(log2(1 + |tq - tk|)), T - 1) of int64 timestamps, exact, |tq - tk| saturated at MAX_TIME_DIFFERENCE
-    as the reference's time_differences: the subtraction wraps past int64, which the signs show."""
-    d = tq - tk
-    wrapped = ((tq ^ tk) & (tq ^ d)) < 0
-    d = tl.abs(d)  # |-2^63| stays -2^63
-    x = tl.where(wrapped | (d < 0), MAX_TIME_DIFFERENCE, tl.minimum(d, MAX_TIME_DIFFERENCE)) + 1
+    as the reference's time_differences: the difference is exact in unsigned arithmetic, also past int64 (as the
+    TileLang prelude computes it)."""
+    uq, uk = tq.to(tl.uint64, bitcast=True), tk.to(tl.uint64, bitcast=True)
+    d = tl.where(tq > tk, uq - uk, uk - uq)
+    x = (tl.minimum(d, MAX_TIME_DIFFERENCE) + 1).to(tl.int64, bitcast=True)
     if PTX:  # 63 - the count of leading zeros is floor(log2) of a positive integer
         b = 63 - tl.inline_asm_elementwise("clz.b64 $0, $1;", "=r,l", [x], dtype=tl.int32, is_pure=True, pack=1)
     else:  # no PTX under the interpreter: the float log2 is at most one off, and x >> b is 1 exactly when b is right
