@@ -41,9 +41,11 @@ def top_k_reference(scores: torch.Tensor, k: int, largest: bool = True) -> tuple
     tied = keys == kth
     wanted = k - above.sum(-1, keepdim=True)  # >= 1 tied elements per row
     take = above | (tied & (tied.cumsum(-1) <= wanted))
-    # exactly k taken per row, in ascending index: a stable sort puts them first (nonzero's output size depends on the
-    # values, which a meta tensor does not have)
-    chosen = torch.sort(take, dim=-1, descending=True, stable=True).indices[..., :k]
+    # exactly k taken per row: each goes to its rank among the taken (ascending index), the others to a spare slot k.
+    # No nonzero: its output size depends on the values (a host sync; a meta tensor has none)
+    slot = torch.where(take, take.cumsum(-1) - 1, k)
+    positions = torch.arange(keys.shape[-1], device=keys.device).expand_as(slot)
+    chosen = slot.new_zeros(*slot.shape[:-1], k + 1).scatter_(-1, slot, positions)[..., :k]
     order = torch.sort(keys.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
     indices = chosen.gather(-1, order)
     return scores.gather(-1, indices), indices
