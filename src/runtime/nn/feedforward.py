@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from runtime.accelerators.backends import Backend
+from runtime.accelerators.checks import as_int
 
 from .linear import Linear
 
@@ -32,10 +33,13 @@ class SwiGLUFeedForward(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        # checked here so that an error names this module's arguments, not the Linear's in_/out_features
+        d_model = as_int("d_model", d_model, least=1, expected="a positive int")
+        hidden = as_int("hidden", hidden, least=1, expected="a positive int")
+        d_out = d_model if d_out is None else as_int("d_out", d_out, least=1, expected="None or a positive int")
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
         self.gate_up = Linear(d_model, hidden, bias=bias, activation="swiglu", backend=backend, **factory)
-        d_out = d_model if d_out is None else d_out
         self.down = Linear(hidden, d_out, bias=bias, backend=down_backend or backend, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,13 @@ class _AffineNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def _check_width(self, x: torch.Tensor) -> None:
-        """Without a weight nothing else ties x's width to dim (the op checks a weight's shape against x)."""
-        if self.weight is None and isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != self.dim:
+        """x's last dimension against dim, here rather than in the op: the op would blame the weight (or, without
+        one, normalise over whatever width x has)."""
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != self.dim:
+            width = "the weight's width" if self.weight is not None else f"{type(self).__name__}(dim={self.dim})"
             raise ValueError(
-                f"x: expected the last dimension of size {self.dim} ({type(self).__name__}(dim={self.dim})), got shape "
-                f"{tuple(x.shape)}"
+                f"x: expected the last dimension of size {self.dim} ({width}), got {x.shape[-1]} "
+                f"(shape {tuple(x.shape)})"
             )
 
     def extra_repr(self) -> str:
