@@ -97,20 +97,25 @@ ROWS = [("rms_norm", "8192x128"), ("layer_norm", "8192x128"), ("swiglu", "8192x4
 def test_auto_choice_is_within_5_percent_of_the_fastest_by_benchmark_gpu_time(cache_dir, op, shape):
     case = next(c for c in all_cases()[op] if c.shape == shape)
     inputs = case.make_inputs(CUDA, torch.bfloat16)
-    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-    out = case.run("auto", inputs)  # fwd+bwd class: the inputs require gradients
+    grad_out = torch.randn_like(case.run("auto", inputs))  # fwd+bwd class: the inputs require gradients
     tables = _tables(op)
     if not tables:
         pytest.skip(f"{op}: fewer than two kernel backends can run here, nothing to measure")
     ((_, chosen),) = tables[0].table.items()
-    grad_out = torch.randn_like(out)
     times, captured = {}, {}
     for backend in tables[0].candidates:
-        run = lambda backend=backend: torch.autograd.grad(case.run(backend, inputs), leaves, grad_out)  # noqa: E731
+        # leaves of its own per backend: a leaf whose gradient accumulator was made on another stream (by an earlier
+        # call whose graph is still alive) made autograd break the capture, and eager host time was compared instead
+        timed = {k: v.detach().requires_grad_(v.requires_grad) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        leaves = [v for v in timed.values() if torch.is_tensor(v) and v.requires_grad]
+        run = lambda backend=backend, timed=timed, leaves=leaves: torch.autograd.grad(  # noqa: E731
+            case.run(backend, timed), leaves, grad_out
+        )
         stats, captured[backend] = timing.gpu_time_ms(run, CUDA)
         times[backend] = stats["median"]
     (entry,) = autotune.measured_entries(op, CUDA)
     print(op, shape, "benchmark GPU ms", times, "captured", captured, "auto measured", entry["times_ms"], "->", chosen)
+    assert all(captured.values()), ("timed without a CUDA graph", captured, times)
     assert times[chosen] <= 1.05 * min(times.values()), (chosen, times, "captured", captured, entry["times_ms"])
 
 
