@@ -561,6 +561,17 @@ def gated_delta_rule_half_backward():
             gated_delta_rule(gdr_triton.Tuning(grad_wy=variant, half_backward=half))
 
 
+def gated_delta_rule_fp16_storage():
+    """fp16 inputs with their intermediates and product operands in fp16 (Tuning.fp16_storage), forward and backward,
+    at K = 16, 64 and 128 (V = 128: the WY kernel and the fused step 5 with HALF fp16, T = (I + A)^-1 in fp16)."""
+    fp16 = gdr_triton.Tuning(fp16_storage=True)
+    for shape in ((2, 200, 4, 4, 16, 16), (2, 200, 2, 4, 64, 64), (1, 200, 1, 2, 128, 128)):
+        inputs = _delta_rule_inputs(*shape, dtype=torch.float16)
+        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            inputs[name].requires_grad_()
+        _backward(*_chunk_delta_rule(inputs, fp16))
+
+
 def gated_delta_rule_one_wave():
     """gated_delta_rule as on a GPU of 132 SMs (sm_count is 0 on the CPU): the launches of grids of at most one
     program per SM, the forward walk's 4 stages and the reverse walk's BV 32 at K = 128."""
@@ -618,6 +629,7 @@ CASES = {
     "gated_delta_rule_one_wave": gated_delta_rule_one_wave,
     "gated_delta_rule_fp32_widest": gated_delta_rule_fp32_widest,
     "gated_delta_rule_split": gated_delta_rule_split,
+    "gated_delta_rule_fp16_storage": gated_delta_rule_fp16_storage,
 }
 
 
@@ -722,9 +734,9 @@ def test_the_backward_attention_kernels_compile_both_paths(compiled):
 
 
 def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compiled):
-    """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF), the others without
-    (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward, and the
-    fused one at K = 16: Tuning.half_step5)."""
+    """gated_delta_rule_half_backward compiles the backward's kernels with bf16 operands (HALF "bf16"), the others
+    without (but the single step-5 kernel, _chunk_grad_wy_kernel, which takes tf32 always: see Tuning.half_backward,
+    and the fused one at K = 16: Tuning.half_step5); gated_delta_rule_fp16_storage with fp16 operands."""
     names = (
         "triton_backward._chunk_local_grad_kernel",
         "triton_backward._state_grad_kernel",
@@ -737,7 +749,7 @@ def test_the_gated_delta_rule_backward_kernels_compile_both_operand_dtypes(compi
     )
     for name in names:
         kernel = f"gated_delta_rule.{name}"
-        assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {False, True}, kernel
+        assert {constexprs(launch)["HALF"] for launch, _ in compiled[kernel]} == {"", "bf16", "fp16"}, kernel
         on = {constexprs(launch)["K"] for launch, _ in compiled[kernel] if constexprs(launch)["HALF"]}
         expected = {64, 128} if name.endswith("_fused_kernel") else {16, 64, 128}
         assert on == expected, f"{kernel}: HALF compiled at K = {sorted(on)}, expected {sorted(expected)}"

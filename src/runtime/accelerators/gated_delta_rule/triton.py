@@ -55,8 +55,9 @@ from .triton_shared import (
     _precision,
     _storage_dot,
     _to_half,
+    half_storage,
+    half_type,
     split,
-    storage_dtype,
     walk_states,
 )
 
@@ -228,6 +229,8 @@ def _store_block(inverse, b: tl.constexpr, m: tl.constexpr, x, n_rows, ROW: tl.c
     rows = b * SUB + p
     if inverse.dtype.element_ty == tl.bfloat16:
         x = _to_half(x, tl.bfloat16)  # as the products that take it would round it (the interpreter's store truncates)
+    elif inverse.dtype.element_ty == tl.float16:
+        x = _to_half(x, tl.float16)
     tl.store(inverse + rows[:, None] * ROW + m * SUB + p[None, :], x, mask=(rows < n_rows)[:, None])
 
 
@@ -396,46 +399,48 @@ def _chunk_output_kernel(
 # accumulation), as fla does: faster than tf32 on an H100 at no cost in the bounds (docs/tuning/gated_delta_rule.md).
 
 
-def _half_wy(k: torch.Tensor, BK: int, BV: int) -> bool:
-    """HALF of the WY kernel. Only where the V blocks are at least as wide as the K blocks: Triton 3.6 on the H100
-    built the bf16 products wrongly when the u product (BV columns) was narrower than the w product before it (BK
-    columns, the same T operand): K = 64, V = 32 gave a wrong u, K = 128, V = 32 an illegal memory access."""
-    return _half_dots(k) and BV >= BK
+def _half_wy(k: torch.Tensor, BK: int, BV: int, tuning: Tuning = DEFAULT_TUNING) -> str:
+    """HALF of the WY kernel: the storage type of half inputs. Only where the V blocks are at least as wide as the K
+    blocks: Triton 3.6 on the H100 built the bf16 products wrongly when the u product (BV columns) was narrower than
+    the w product before it (BK columns, the same T operand): K = 64, V = 32 gave a wrong u, K = 128, V = 32 an
+    illegal memory access."""
+    return half_type(tuning.storage_dtype(k)) if _half_dots(k) and BV >= BK else ""
 
 
-def _inverse_dtype(k: torch.Tensor, half_wy: bool, tuning: Tuning) -> torch.dtype:
-    """The dtype prepare stores (I + A)^-1 in: bf16 where every product that takes it rounds it to bf16 first (the WY
-    kernel with HALF, `half_wy`, and step 5 of the backward: Tuning.half_inverse), so that the numbers are the same
-    and the traffic half; else fp32 (its tf32 and IEEE products keep more mantissa)."""
-    return torch.bfloat16 if half_wy and tuning.half_inverse(k) else torch.float32
+def _inverse_dtype(k: torch.Tensor, half_wy: str, tuning: Tuning) -> torch.dtype:
+    """The dtype prepare stores (I + A)^-1 in: 16 bits where every product that takes it rounds it to that type first
+    (the WY kernel with HALF, `half_wy`, and step 5 of the backward: Tuning.half_inverse), so that the numbers are the
+    same and the traffic half; else fp32 (its tf32 and IEEE products keep more mantissa)."""
+    return half_storage(half_wy) if tuning.half_inverse(k) else torch.float32
 
 
-def _wy_launch(k: torch.Tensor, V: int) -> tuple[dict, int, bool]:
+def _wy_launch(k: torch.Tensor, V: int, tuning: Tuning) -> tuple[dict, int, str]:
     """The WY kernel's launch options, its K block and HALF."""
     K = k.shape[-1]
     wide = 32 if k.dtype == torch.float32 else 64  # IEEE dots (fp32) spill at 64 columns
     # one warpgroup (wgmma dots); at K = 16 one warp (mma) was 0.6% faster (forward + backward, PCVR, H100)
     options = dict(BV=min(V, wide), num_warps=1 if K == 16 else 4)
     BK = min(K, wide)
-    return options, BK, _half_wy(k, BK, options["BV"])
+    return options, BK, _half_wy(k, BK, options["BV"], tuning)
 
 
 def saved_dtypes(k: torch.Tensor, V: int) -> tuple[torch.dtype, torch.dtype]:
     """The dtypes prepare stores w and u, and (I + A)^-1, in (for the op's traced placeholder)."""
-    return storage_dtype(k), _inverse_dtype(k, _wy_launch(k, V)[2], DEFAULT_TUNING)
+    half_wy = _wy_launch(k, V, DEFAULT_TUNING)[2]
+    return DEFAULT_TUNING.storage_dtype(k), _inverse_dtype(k, half_wy, DEFAULT_TUNING)
 
 
 def prepare(k, v, g, beta, use_qk_l2norm_in_kernel, chunks: Chunks, precision: str, tuning: Tuning = DEFAULT_TUNING):
-    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (storage_dtype), (I + A)^-1 [B*T, HV, BT]
+    """Per chunk: gamma [B*T, HV], w [B*T, HV, K], u [B*T, HV, V] (Tuning.storage_dtype), (I + A)^-1 [B*T, HV, BT]
     (_inverse_dtype), and the walks' row factors of k, e^(gamma_last - gamma) rstd [B*T, HV] (fp32)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     device = k.device
     gamma = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-    w = buffers.empty((B * T, HV, K), dtype=storage_dtype(k), device=device)
-    u = buffers.empty((B * T, HV, V), dtype=storage_dtype(k), device=device)
+    w = buffers.empty((B * T, HV, K), dtype=tuning.storage_dtype(k), device=device)
+    u = buffers.empty((B * T, HV, V), dtype=tuning.storage_dtype(k), device=device)
     k_factor = buffers.empty((B * T, HV), dtype=torch.float32, device=device)
-    options, BK, half_wy = _wy_launch(k, V)
+    options, BK, half_wy = _wy_launch(k, V, tuning)
     inverse = buffers.empty((B * T, HV, BT), dtype=_inverse_dtype(k, half_wy, tuning), device=device)
     if chunks.total > 0:
         common = dict(L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=chunks.cu is not None, PRECISION=precision)
@@ -463,7 +468,7 @@ def _output(q, k, gamma, states, corrections, scale, l2norm, chunks: Chunks, v_s
         _chunk_output_kernel[(chunks.total, HV, cdiv(V, options["BV"]))](
             q, k, gamma, states, corrections, o, chunks.cu, chunks.indices, scale, T, chunks.per_sequence,
             H=H, HV=HV, K=K, V=V, L2NORM=l2norm, IS_VARLEN=chunks.cu is not None, PRECISION=_precision(q),
-            HALF=_half_dots(q), **options,
+            HALF=half_type(states.dtype), **options,
         )  # fmt: skip
     return o
 

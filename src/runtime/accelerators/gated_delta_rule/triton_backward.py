@@ -34,6 +34,7 @@ from .triton_shared import (
     _state_buffer,
     _storage_dot,
     _walk_operand_columns,
+    half_storage,
     segment_chunks,
     split,
     walk_states,
@@ -181,7 +182,7 @@ def _state_grad_kernel(
         _state_tiles(dh0 + i_nh.to(tl.int64) * K * V, block, block_mask, dstate, dstate_hi, K, BK, V)
 
 
-def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bool):
+def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: str):
     """_chunk_local_grad_kernel over every chunk: dU_local into du; returns the walk's row factors of q and k."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
@@ -196,7 +197,7 @@ def _local_grad(q, k, gamma, grad_o, scale, l2norm, chunks: Chunks, du, half: bo
     return q_factor, k_factor
 
 
-def _state_grad(q, k, factors, gamma, w, grad_o, du, half: bool, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
+def _state_grad(q, k, factors, gamma, w, grad_o, du, half: str, chunks: Chunks, *, dht=None, dstates=None, dh0=None):
     """One _state_grad_kernel launch over the sequences of `chunks` (dU and dS' are stored when dstates is given)."""
     B, T, H, K = q.shape
     HV, V = grad_o.shape[2:]
@@ -357,12 +358,12 @@ def chunk_backward(
     half = tuning.half(q)  # every kernel's HALF but step 5's
     half_step5 = tuning.half_step5(q)
     step5 = tuning.step5(K)
-    # dS', dU and dw only ever enter products after they are stored: with HALF in bf16, as those products round them
+    # dS', dU and dw only ever enter products after they are stored: with HALF in its type, as those products round them
     # (the walk adds dU_local to K~ dS' in fp32 after one rounding; <S, dS'> for d gamma_last takes dS' rounded). dU
     # stays fp32 for a step-5 kernel without HALF, whose products are tf32 (bf16 dU: dv's error 9.5e-3 -> 1.3e-2 at
     # K 32 with the single kernel); step 5 takes dw in either dtype
-    product_dtype = torch.bfloat16 if half else torch.float32
-    du_dtype = torch.bfloat16 if half_step5 else torch.float32
+    product_dtype = half_storage(half)
+    du_dtype = half_storage(half_step5)
     dstates = _state_buffer(chunks.total, HV, K, V, device, product_dtype)
     du = buffers.empty((B * T, HV, V), dtype=du_dtype, device=device)  # dU_local, then dU
     factors = _local_grad(q, k, gamma, grad_o, scale, use_qk_l2norm_in_kernel, chunks, du, half)

@@ -32,10 +32,24 @@ def _precision(q: torch.Tensor) -> str:
 
 
 def _half_dots(q: torch.Tensor) -> bool:
-    """Whether the state walk and the output take their products on bf16 operands with fp32 accumulation, as fla
-    does (_storage_dot's HALF): for half inputs, whose w, u, states and corrections are stored in bf16 anyway (see
-    storage_dtype)."""
+    """Whether the state walk and the output take their products on 16-bit operands with fp32 accumulation, as fla
+    does (_storage_dot's HALF): for half inputs, whose w, u, states and corrections are stored in 16 bits anyway (see
+    Tuning.storage_dtype)."""
     return q.dtype != torch.float32
+
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def half_type(dtype: torch.dtype) -> str:
+    """The HALF constexpr of products whose operands are stored in `dtype`: "bf16", "fp16", or "" (fp32: products on
+    fp32 operands at PRECISION)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+
+
+def half_storage(half: str) -> torch.dtype:
+    """The dtype of tensors that only products with this HALF read: its 16-bit type, else fp32."""
+    return HALF_DTYPES.get(half, torch.float32)
 
 
 # The interpreter's bf16 dots are wrong (it multiplies the bits as integers): under it, _half_dot takes the same
@@ -85,20 +99,14 @@ def _half_dot(a, b, DTYPE: tl.constexpr, acc=None):
 
 @triton.jit
 def _storage_dot(a, b, PRECISION: tl.constexpr, HALF: tl.constexpr, acc=None):
-    """a @ b (+ acc) in fp32: with HALF on bf16 operands (tensor cores at twice the tf32 rate, half the registers),
-    else on fp32 operands at PRECISION."""
-    if HALF:
+    """a @ b (+ acc) in fp32: with HALF ("bf16" or "fp16") on operands of that type (tensor cores at twice the tf32
+    rate, half the registers), else on fp32 operands at PRECISION."""
+    if HALF == "fp16":
+        return _half_dot(a, b, tl.float16, acc)
+    elif HALF == "bf16":
         return _half_dot(a, b, tl.bfloat16, acc)
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-def storage_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype of the per-token factors w and u and of the stored states and corrections: bf16 for half inputs
-    (they are the kernels' largest traffic; the math stays fp32 but for the products of the state walk and the
-    output, on bf16 operands (_half_dots), and the recurrence itself keeps fp32 in registers), fp32 for fp32 inputs
-    (1e-4 bound)."""
-    return torch.float32 if q.dtype == torch.float32 else torch.bfloat16
 
 
 def _final_state(output_final_state: bool, n: int, HV: int, K: int, V: int, device) -> torch.Tensor:
@@ -242,7 +250,7 @@ def _state_stages(q: torch.Tensor, K: int, programs: int | None) -> int:
 def _as_operand(x, HALF: tl.constexpr):
     """A loaded tile as a product operand of _storage_dot: as loaded with HALF (bf16 tiles go to the product
     unconverted), else in fp32."""
-    if HALF:
+    if HALF == "bf16" or HALF == "fp16":
         return x
     else:
         return x.to(tl.float32)
@@ -315,11 +323,15 @@ class Tuning:
         and the errors against float64).
     segment_chunks: chunks per segment of the context-parallel split (0: never split); None: the occupancy rule
         (split.split_length) decides.
+    fp16_storage: for fp16 inputs, the stored factors, states and corrections and the products' operands in fp16, as
+        fla keeps them, instead of bf16 (about 10x closer to float64 under the interpreter; not yet run on a GPU:
+        docs/tuning/gated_delta_rule.md).
     """
 
     grad_wy: str | None = None
     half_backward: bool | None = None
     segment_chunks: int | None = None
+    fp16_storage: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_wy not in (None, "single", "fused"):
@@ -330,25 +342,33 @@ class Tuning:
         """The backward's step-5 kernel at this K: "single" or "fused"."""
         return self.grad_wy or ("fused" if K == 128 else "single")
 
-    def half(self, q: torch.Tensor) -> bool:
-        """The HALF constexpr of the backward's kernels but step 5's (half_step5) for these inputs (half inputs only,
-        _half_dots)."""
-        on = self.step5(q.shape[-1]) == "fused" if self.half_backward is None else self.half_backward
-        return on and _half_dots(q)
+    def storage_dtype(self, q: torch.Tensor) -> torch.dtype:
+        """The dtype of the per-token factors w and u and of the stored states and corrections: 16 bits for half
+        inputs (they are the kernels' largest traffic; the math stays fp32 but for the products of the state walk and
+        the output, on operands of that type (_half_dots), and the recurrence itself keeps fp32 in registers): bf16,
+        or fp16 for fp16 inputs with fp16_storage; fp32 for fp32 inputs (1e-4 bound)."""
+        if q.dtype == torch.float32:
+            return torch.float32
+        return torch.float16 if self.fp16_storage and q.dtype == torch.float16 else torch.bfloat16
 
-    def half_step5(self, q: torch.Tensor) -> bool:
+    def half(self, q: torch.Tensor) -> str:
+        """The HALF constexpr of the backward's kernels but step 5's (half_step5) for these inputs (half inputs only,
+        _half_dots): the storage type, or "" for fp32 products."""
+        on = self.step5(q.shape[-1]) == "fused" if self.half_backward is None else self.half_backward
+        return half_type(self.storage_dtype(q)) if on and _half_dots(q) else ""
+
+    def half_step5(self, q: torch.Tensor) -> str:
         """The HALF constexpr of the backward's step-5 kernel: the single kernel never takes it; the fused one as the
         other kernels (half), but not at K = 16, where Triton 3.6's sm_90 program for it (one block of k's columns)
         was wrong on the H200 with bf16 products while the interpreter's agreed with float64; the fused kernel only
         tied the single one there (docs/tuning/gated_delta_rule.md)."""
         K = q.shape[-1]
-        return self.step5(K) == "fused" and K > 16 and self.half(q)
+        return self.half(q) if self.step5(K) == "fused" and K > 16 else ""
 
     def half_inverse(self, k: torch.Tensor) -> bool:
-        """Whether step 5 takes T = (I + A)^-1 only in products that round it to bf16 (the fused kernel with HALF,
-        half_step5), so that prepare may store it in bf16 (_inverse_dtype). Both step-5 kernels take T in either
-        dtype."""
-        return self.half_step5(k)
+        """Whether step 5 takes T = (I + A)^-1 only in products that round it to 16 bits (the fused kernel with HALF,
+        half_step5), so that prepare may store it so (_inverse_dtype). Both step-5 kernels take T in either dtype."""
+        return bool(self.half_step5(k))
 
 
 DEFAULT_TUNING = Tuning()
@@ -373,7 +393,7 @@ def _walk(
         k, k_factor, gamma, w, u, h0, ht, states, corrections, chunks.cu, chunks.offsets, T, chunks.per_sequence,
         H=H, HV=HV, K=K, V=V, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         IS_VARLEN=chunks.cu is not None, PRECISION=_precision(k), STORE_STATES=states is not None,
-        TRANSITION=transition, HALF=_half_dots(k) and not transition, **options,
+        TRANSITION=transition, HALF="" if transition else half_type(u.dtype), **options,
     )  # fmt: skip
 
 
@@ -385,7 +405,7 @@ def walk_states(
     k, v, k_factor, gamma, w, u, initial_state, output_final_state, chunks: Chunks, segments: "Segments | None"
 ):
     """The inter-chunk recurrence, k_factor the walks' row factors of k (prepare): (final state, the state entering
-    each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (both in u's dtype, storage_dtype), and
+    each chunk [total, HV, K, V], the corrections U = u - w S [B*T, HV, V] (both in u's dtype, the storage dtype), and
     with segments their maps M [segments, HV, K, K] for the backward, else None)."""
     K, (HV, V), device = k.shape[-1], v.shape[2:], k.device
     final = _final_state(output_final_state, chunks.n, HV, K, V, device)
@@ -497,9 +517,11 @@ def _dot_qk(a, b, input_dtype: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl
 
 @triton.jit
 def _operand(x, HALF: tl.constexpr):
-    """x that only enters products (_storage_dot): kept in bf16 with HALF, as the products round it (half the
+    """x that only enters products (_storage_dot): kept in HALF's 16-bit type, as the products round it (half the
     registers of fp32), else in fp32."""
-    if HALF:
+    if HALF == "fp16":
+        return _to_half(x, tl.float16)
+    elif HALF == "bf16":
         return _to_half(x, tl.bfloat16)
     else:
         return x.to(tl.float32)
