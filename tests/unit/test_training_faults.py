@@ -162,6 +162,25 @@ def test_a_failing_final_validation_loses_neither_the_checkpoint_nor_the_metrics
     assert [v["step"] for v in metrics["validation"]] == [3] and len(metrics["losses"]) == 3
 
 
+def test_a_finished_run_continued_for_more_steps_keeps_its_final_validation(tmp_path):
+    # the final checkpoint is written before the final validation, so it does not hold that validation's result
+    overrides = ["trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.log_every=1"]
+    finished = Trainer(_compose("trainer.steps=3", *overrides), tmp_path).fit()
+    final = finished["validation"][-1]
+    assert final["step"] == 3
+    continued = Trainer(
+        _compose("trainer.steps=5", *overrides, "trainer.resume_overrides=allow", f"trainer.resume={tmp_path}"),
+        tmp_path,
+    ).fit()
+    assert [v["step"] for v in continued["validation"]] == [3, 5]
+    assert {k: continued["validation"][0][k] for k in ("val_auc", "val_logloss")} == {
+        k: final[k] for k in ("val_auc", "val_logloss")
+    }
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
+    validated = [row.split(",")[0] for row in rows if row.split(",")[6]]  # rows with a val_auc
+    assert validated == ["3", "5"], rows
+
+
 # ------------------------------------------------------------------ checkpoints that cannot be resumed from
 
 

@@ -293,6 +293,7 @@ class Trainer:
         )
         self.step = 0
         self.data_position = 0
+        self.final_validation_due = False  # set by load()
         torch.manual_seed(cfg.seed + 1 + self.run.rank)  # dropout streams differ between processes
         self.metrics = {
             "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -422,6 +423,9 @@ class Trainer:
         self.step, self.data_position = state["step"], state["data_position"]
         for key in ("losses", "log", "validation"):
             self.metrics[key] = list(state["metrics"][key])
+        # a run's final checkpoint is written before its final validation, which the checkpoint therefore lacks
+        saved_steps = OmegaConf.select(OmegaConf.create(state["config"]), "trainer.steps")
+        self.final_validation_due = self.step == saved_steps and not self._validated_now()
         self.metrics["resumes"] = [
             *state["metrics"].get("resumes", []),
             {"from": str(path), "step": self.step, "changes": changed},
@@ -464,6 +468,12 @@ class Trainer:
             tcfg.log_every,
         )
         stop = steps if until is None else min(until, steps)
+        if self.final_validation_due and not self._validated_now():
+            # the resumed checkpoint ended its run: that run's final validation comes first, or a run continued for
+            # more steps would drop the result the finished run wrote
+            self.write_metrics()
+            self._validate()
+            self.write_metrics()
         indices = iter(range(self.data_position + self.run.rank, 2**62, self.run.world_size))
         stream = batches(
             self.data, indices, self.cfg.data.batch_size, self.cfg.data.prefetch, pin_memory=self.device.type == "cuda"
@@ -496,14 +506,18 @@ class Trainer:
         finally:
             bar.close()
             stream.close()
-        validations = self.metrics["validation"]
-        if self.step == tcfg.steps and not (validations and validations[-1]["step"] == self.step):
+        if self.step == tcfg.steps and not self._validated_now():
             self.write_metrics()  # a resumed finished run has no final checkpoint written here
             self._validate()
         if self.run.distributed:
             self.metrics["ranks_in_sync"] = self._ranks_in_sync()
         self.write_metrics()
         return self.metrics
+
+    def _validated_now(self) -> bool:
+        """Whether the metrics hold a validation at the current step."""
+        validations = self.metrics["validation"]
+        return bool(validations) and validations[-1]["step"] == self.step
 
     def _validate(self) -> None:
         result = self.evaluate()
