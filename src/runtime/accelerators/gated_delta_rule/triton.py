@@ -328,7 +328,7 @@ def _chunk_wy_kernel(
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, value head): w = T diag(beta e^gamma) K and u = T diag(beta) V by column blocks, T and gamma as
-    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor); HALF: on bf16 operands. Also the
+    _chunk_inverse_kernel wrote them (l2norm: k's rows times their rsqrt factor); HALF: on 16-bit operands. Also the
     state walk's row factors of k, e^(gamma_last - gamma) rstd (rows past the end are not written)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)

@@ -121,7 +121,7 @@ def _state_grad_kernel(
 ):  # fmt: skip
     """The reverse walk over a sequence's chunks: dU = dU_local + K~ dS', dS = e^gamma_last dS' + Q~^T dO - w^T dU
     (du holds dU_local on entry; with STORE_GRADS it gets dU, and dstates each chunk's dS'). dS stays fp32 in
-    registers (HALF: the products on bf16 operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
+    registers (HALF: the products on 16-bit operands, as the forward walk's), as one [K, BV] tile or, with K = 2 BK,
     two [BK, BV] tiles: products of 64 state rows, as fla's reverse walk takes them (a [128, 32] tile made illegal
     memory accesses with Triton 3.6 on the H100)."""
     tl.static_assert(K <= 2 * BK)  # at most two row tiles

@@ -166,7 +166,7 @@ def _grad_wy_keys(
         heads = (rows[:, None] * HV + i_hv) * K + c + cols[None, :]
         k_operand, raw = _k_columns(k, rows, row_mask, i_h, c, H, K, BK, HALF)
         kk += _storage_dot(k_operand, tl.trans(k_operand), PRECISION, HALF)  # half inputs: exact in tf32 (bf16: HALF)
-        dw = _operand(tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0), HALF)  # bf16 where step 4 used HALF
+        dw = _operand(tl.load(dw_in + heads, mask=row_mask[:, None], other=0.0), HALF)  # 16-bit where step 4 used HALF
         kdk += tl.sum(_storage_dot(tl.trans(inverse), dw, PRECISION, HALF) * raw, 1)
         if L2NORM:
             squares += tl.sum(raw * raw, 1)

@@ -259,7 +259,7 @@ def _as_operand(x, HALF: tl.constexpr):
 @triton.jit
 def _walk_operand(x, rows, row_mask, i_h, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr):
     """A chunk's rows of q, k (heads H) or w (heads HV) as stored (0 past the end): a product operand of the state
-    walks (_as_operand), or with HALF False in fp32 for math on them."""
+    walks (_as_operand), or with HALF off ("" or False) in fp32 for math on them."""
     return _walk_operand_columns(x, rows, row_mask, i_h, H, K, 0, K, HALF)
 
 
