@@ -229,8 +229,6 @@ def _store_block(inverse, b: tl.constexpr, m: tl.constexpr, x, n_rows, ROW: tl.c
     rows = b * SUB + p
     if inverse.dtype.element_ty == tl.bfloat16:
         x = _to_half(x, tl.bfloat16)  # as the products that take it would round it (the interpreter's store truncates)
-    elif inverse.dtype.element_ty == tl.float16:
-        x = _to_half(x, tl.float16)
     tl.store(inverse + rows[:, None] * ROW + m * SUB + p[None, :], x, mask=(rows < n_rows)[:, None])
 
 

@@ -39,12 +39,13 @@ def _half_dots(q: torch.Tensor) -> bool:
 
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_HALF_TYPES = {dtype: name for name, dtype in HALF_DTYPES.items()}
 
 
 def half_type(dtype: torch.dtype) -> str:
     """The HALF constexpr of products whose operands are stored in `dtype`: "bf16", "fp16", or "" (fp32: products on
     fp32 operands at PRECISION)."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+    return _HALF_TYPES.get(dtype, "")
 
 
 def half_storage(half: str) -> torch.dtype:
