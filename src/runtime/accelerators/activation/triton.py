@@ -82,7 +82,7 @@ def _backward_tile(dy_ptr, x_ptr, dx_ptr, offs, n, ACT: tl.constexpr, MASKED: tl
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
@@ -93,7 +93,7 @@ def _forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)

@@ -82,7 +82,7 @@ def _backward_block(dout_ptr, dx_ptr, start, n, m0, m1, m2, m3, Q: tl.constexpr,
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed_ptr, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
     program = tl.program_id(0).to(tl.int64)
@@ -95,7 +95,7 @@ def _dropout_add_forward(x_ptr, r_ptr, out_ptr, n, seed_ptr, threshold, scale, B
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _dropout_add_backward(dout_ptr, dx_ptr, n, seed_ptr, threshold, scale, BLOCK: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
     program = tl.program_id(0).to(tl.int64)

@@ -46,7 +46,7 @@ from .triton_activations import ACTIVATION_CODES, SWIGLU, _activate, _preact_gra
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_forward(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -110,7 +110,7 @@ def _linear_forward(
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["M", "STEPS"])
 def _linear_backward_act(
     dy_ptr, z_ptr, y_ptr, dz_ptr, partial_ptr, M, N, STEPS,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,

@@ -34,7 +34,7 @@ except ImportError:  # a Triton without device-side descriptors
 
 
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["M", "PROGRAMS"])
 def _linear_forward_persistent(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, PROGRAMS,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr,
