@@ -11,7 +11,7 @@ from conftest import SM90A, requires_nvcc
 from runtime.accelerators import BackendFallbackWarning
 from runtime.accelerators.flash_attention import dropout, flash_attention, input_reasons
 from runtime.accelerators.flash_attention import triton as fa_triton
-from runtime.accelerators.flash_attention.reference import attention_float64_varlen
+from runtime.accelerators.flash_attention.reference import attention_float64_varlen, flash_attention_varlen_reference
 from runtime.accelerators.seeds import draw_seed_tensor
 from runtime.accelerators.testing import RTOL_ATTENTION_FP32, assert_close, gradient_tolerance
 from tma_source import misaligned_tma_copies
@@ -91,6 +91,20 @@ def test_packed_equals_the_op_on_each_sequence():
             backend="torch",
         )
         torch.testing.assert_close(out[rows], alone[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("group_scores", [1, 4 * 17 * 17, 1 << 25], ids=["one-each", "some", "all"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_backend_pads_groups_of_sequences(group_scores, causal):
+    """The torch backend pads runs of sequences to their longest and runs them together, within a budget of score
+    elements: every sequence alone, groups of some, all in one; the same results and gradients as the textbook, GQA
+    and cross attention with empty sequences on either side."""
+    lengths_q, lengths_k = [*LENGTHS, 2, 0, 9], [*KEY_LENGTHS, 0, 4, 9]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 16)
+    out = flash_attention_varlen_reference(q, k, v, cu_q, cu_k, causal, 0.0, 0.3, group_scores)
+    expected = textbook(q, k, v, cu_q, cu_k, causal, scale=0.3)
+    assert_close("torch", out, expected, RTOL_ATTENTION_FP32)
+    check_gradients(out, expected, (q, k, v))
 
 
 # --------------------------------------------------------------------------- Triton under the interpreter
