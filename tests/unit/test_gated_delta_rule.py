@@ -354,13 +354,14 @@ class _HalfRecorder:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_triton_fused_step5_takes_bf16_products_only_above_k16(monkeypatch, dtype):
+def test_triton_fused_step5_takes_16_bit_products_only_above_k16(monkeypatch, dtype):
     """The fused step-5 kernel on bf16 operands at K = 16 (its loops over k's columns one block long) was wrong on
     the H200 with Triton 3.6 (fp16, K16-V32: dk, dbeta and dg 2.5 to 9 times the errors of the same kernel under the
     interpreter; bf16: an illegal memory access): there it takes fp32 products and T = (I + A)^-1 in fp32, asked for
-    (half_backward=True) or by default, while the other kernels keep bf16 products; from K = 32 it takes bf16
-    products and T in bf16 (Tuning.half_step5). Every gradient within the GPU tier's bounds of the float64
-    recurrence either way."""
+    (half_backward=True) or by default, while the other kernels keep 16-bit products (of the input's type: fp16
+    inputs keep fp16 intermediates); from K = 32 it takes 16-bit products and T in 16 bits (Tuning.half_step5).
+    Every gradient within the GPU tier's bounds of the float64 recurrence either way."""
+    half = "fp16" if dtype == torch.float16 else "bf16"
     recorder = _HalfRecorder(gdr_wy._chunk_grad_wy_fused_kernel)
     monkeypatch.setattr(gdr_wy, "_chunk_grad_wy_fused_kernel", recorder)
     for K, half_step5 in ((16, False), (32, True)):
@@ -370,7 +371,7 @@ def test_triton_fused_step5_takes_bf16_products_only_above_k16(monkeypatch, dtyp
             q, k, v, g, beta = (inputs[n].detach() for n in ("q", "k", "v", "g", "beta"))
             chunks = gdr_triton.Chunks.of(v, None)
             inverse = gdr_triton.prepare(k, v, g, beta, False, chunks, "tf32", tuning)[3]
-            assert inverse.dtype == (torch.bfloat16 if half_step5 else torch.float32)
+            assert inverse.dtype == (dtype if half_step5 else torch.float32)
             twin = doubled(inputs)
             with poison_outputs():
                 o, state = triton_chunk(inputs, tuning, output_final_state=True)
@@ -380,9 +381,9 @@ def test_triton_fused_step5_takes_bf16_products_only_above_k16(monkeypatch, dtyp
             grads = torch.autograd.grad(
                 [o, state], list(inputs.values()), [grads_out[0].to(dtype), grads_out[1].float()]
             )
-            assert recorder.half == ["bf16" if half_step5 else ""]  # fp16 inputs too: bf16 storage by default
+            assert recorder.half == [half if half_step5 else ""]
             recorder.half.clear()
-            assert tuning.half(q) == "bf16" and bool(tuning.half_step5(q)) == half_step5  # the other kernels keep HALF
+            assert tuning.half(q) == half and bool(tuning.half_step5(q)) == half_step5  # the other kernels keep HALF
             ref_grads = torch.autograd.grad(refs, list(twin.values()), grads_out)
             bounds = {"g": 2e-2, "beta": 2e-2}  # the op's half bounds: 8e-3, dg/dbeta 2e-2
             for n, grad, ref_grad in zip(inputs, grads, ref_grads):
@@ -409,7 +410,7 @@ def test_triton_fp16_storage_keeps_fp16_inputs_intermediates_in_fp16(K, V):
     # in fp16 where the WY kernel and step 5 both round it (K = 128, V = 128: the fused step 5), else fp32
     assert inverse.dtype == (torch.float16 if K == V == 128 else torch.float32)
     errors = {}
-    for name, tuning in (("bf16", gdr_triton.Tuning()), ("fp16", fp16)):
+    for name, tuning in (("bf16", gdr_triton.Tuning(fp16_storage=False)), ("fp16", fp16)):
         leaves = {n: x.detach().requires_grad_() for n, x in inputs.items()}
         with poison_outputs():
             o, state = triton_chunk(leaves, tuning, output_final_state=True, use_qk_l2norm_in_kernel=True)

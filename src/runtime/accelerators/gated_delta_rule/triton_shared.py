@@ -325,14 +325,14 @@ class Tuning:
     segment_chunks: chunks per segment of the context-parallel split (0: never split); None: the occupancy rule
         (split.split_length) decides.
     fp16_storage: for fp16 inputs, the stored factors, states and corrections and the products' operands in fp16, as
-        fla keeps them, instead of bf16 (about 10x closer to float64 under the interpreter; not yet run on a GPU:
-        docs/tuning/gated_delta_rule.md).
+        fla keeps them (the default); False keeps them in bf16, which took fp16 outputs past the 5e-3 bound at weak
+        decay on the H200 and was no faster (docs/tuning/gated_delta_rule.md).
     """
 
     grad_wy: str | None = None
     half_backward: bool | None = None
     segment_chunks: int | None = None
-    fp16_storage: bool = False
+    fp16_storage: bool = True
 
     def __post_init__(self) -> None:
         if self.grad_wy not in (None, "single", "fused"):
