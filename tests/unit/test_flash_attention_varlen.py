@@ -96,7 +96,7 @@ def test_packed_equals_the_op_on_each_sequence():
 @pytest.mark.parametrize("group_scores", [1, 4 * 17 * 17, 1 << 25], ids=["one-each", "some", "all"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_torch_backend_pads_groups_of_sequences(group_scores, causal):
-    """The torch backend pads runs of sequences to their longest and runs them together, within a budget of score
+    """The torch backend pads groups of sequences of similar lengths and runs each group at once, within a budget of score
     elements: every sequence alone, groups of some, all in one; the same results and gradients as the textbook, GQA
     and cross attention with empty sequences on either side."""
     lengths_q, lengths_k = [*LENGTHS, 2, 0, 9], [*KEY_LENGTHS, 0, 4, 9]

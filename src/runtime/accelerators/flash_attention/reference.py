@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..packed_padding import GROUP_SCORES, Padded, packed_order, padded_groups
+
 
 def visible_mask(
     batch: int,
@@ -113,40 +115,6 @@ def _as_batch(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-# the most score elements (sequences x heads x longest query x longest key) one padded group of sequences may hold
-PADDED_GROUP_SCORES = 1 << 25
-
-
-def _padded_groups(lengths_q: list[int], lengths_k: list[int], heads: int, budget: int = PADDED_GROUP_SCORES):
-    """Consecutive runs of sequences [start, stop) whose padded score block stays within `budget` elements (a
-    sequence longer than that alone makes a group of one)."""
-    start, longest_q, longest_k = 0, 0, 0
-    for s, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        grown_q, grown_k = max(longest_q, lq), max(longest_k, lk)
-        if s > start and (s + 1 - start) * heads * grown_q * grown_k > budget:
-            yield start, s
-            start, grown_q, grown_k = s, lq, lk
-        longest_q, longest_k = grown_q, grown_k
-    if start < len(lengths_q):
-        yield start, len(lengths_q)
-
-
-def _pad(x: torch.Tensor, offsets: list[int], lengths: list[int], start: int, stop: int) -> torch.Tensor:
-    """Sequences start..stop of the packed rows x [total, H, D] as a zero-padded batch [n, H, longest, D]."""
-    rows = x[offsets[start] : offsets[stop]]
-    n, longest = stop - start, max(lengths[start:stop])
-    sequence = torch.repeat_interleave(
-        torch.arange(n, device=x.device), torch.tensor(lengths[start:stop], device=x.device), output_size=rows.shape[0]
-    )
-    position = (
-        torch.arange(rows.shape[0], device=x.device)
-        - torch.tensor(offsets[start:stop], device=x.device)[sequence]
-        + offsets[start]
-    )
-    padded = x.new_zeros(n, longest, *x.shape[1:]).index_put((sequence, position), rows)
-    return padded.transpose(1, 2), (sequence, position)
-
-
 def flash_attention_varlen_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -156,23 +124,37 @@ def flash_attention_varlen_reference(
     causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
-    group_scores: int = PADDED_GROUP_SCORES,
+    group_scores: int = GROUP_SCORES,
 ) -> torch.Tensor:
-    """The torch backend for packed sequences ([total_q, H, D]): equal to the op on each sequence alone. Runs of
-    consecutive sequences are padded to their longest and go through SDPA together, the keys past each sequence
-    hidden as key_lengths hides them: one call per group of at most `group_scores` score elements, not per sequence
-    (a Python loop over a batch's sequences took 0.34 s a training step on an H200)."""
+    """The torch backend for packed sequences ([total_q, H, D]): equal to the op on each sequence alone. Sequences
+    of similar lengths are padded to their longest and go through SDPA together, the keys past each sequence hidden
+    as key_lengths hides them: one call per group of at most `group_scores` score elements (packed_padding)."""
+    if torch.compiler.is_compiling():  # groups chosen by the lengths would specialise the graph on each batch's
+        return _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p, scale)
     offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lengths_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
     lengths_k = [b - a for a, b in zip(offsets_k, offsets_k[1:])]
-    outs = []
-    for start, stop in _padded_groups(lengths_q, lengths_k, q.shape[1], group_scores):
-        q_pad, rows_q = _pad(q, offsets_q, lengths_q, start, stop)
-        k_pad, _ = _pad(k, offsets_k, lengths_k, start, stop)
-        v_pad, _ = _pad(v, offsets_k, lengths_k, start, stop)
-        key_lengths = torch.tensor(lengths_k[start:stop], device=q.device)
+    groups, outs = [], []
+    for sequences in padded_groups(lengths_q, lengths_k, q.shape[1], group_scores):
+        rows_q = Padded(offsets_q, lengths_q, sequences, q.device)
+        rows_k = Padded(offsets_k, lengths_k, sequences, q.device)
+        q_pad, k_pad, v_pad = (rows.pad(x).transpose(1, 2) for rows, x in ((rows_q, q), (rows_k, k), (rows_k, v)))
+        key_lengths = torch.tensor([lengths_k[s] for s in sequences], device=q.device)
         out = flash_attention_reference(q_pad, k_pad, v_pad, causal, key_lengths, None, dropout_p, scale)
-        outs.append(out.transpose(1, 2)[rows_q])
+        groups.append(rows_q)
+        outs.append(out.transpose(1, 2)[rows_q.index])
+    return packed_order(groups, outs) if outs else _no_sequence(q, k, v)
+
+
+def _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p, scale) -> torch.Tensor:
+    """flash_attention_varlen_reference one sequence at a time (under torch.compile, where a new total then costs one
+    dynamic recompile at most)."""
+    outs = [
+        flash_attention_reference(
+            _as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), causal, None, None, dropout_p, scale
+        )[0].transpose(0, 1)
+        for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k)
+    ]
     return torch.cat(outs) if outs else _no_sequence(q, k, v)
 
 
