@@ -118,6 +118,23 @@ def test_reference_against_float64_loop(name):
     check_all(out, ref, q, k, v, kwargs, 1e-6, 1e-6)
 
 
+@pytest.mark.parametrize("group_scores", [1, 2 * 17 * 17, 1 << 25], ids=["one-each", "some", "all"])
+def test_reference_pads_groups_of_sequences(group_scores):
+    """The torch backend pads sequences of similar lengths together and computes each group at once, within a
+    budget of score elements: every sequence alone, groups of some, all in one; with both biases, targets and a
+    dropout keep mask per sequence, the float64 loop's output and gradients."""
+    lengths = [0, 1, 5, 17, 3, 9]
+    q, k, v, cu, kwargs = make(lengths, 2, 8, pos="per-head", time="shared", targets=[0, 1, 1, 6, 0, 2])
+    gen = torch.Generator().manual_seed(1)
+    keeps = [torch.rand(2, n, n, generator=gen) >= 0.3 for n in lengths]
+    out = silu_attention_reference(
+        q, k, v, cu, kwargs["max_seqlen"], None, True, kwargs["num_targets"], kwargs["position_bias"],
+        kwargs["time_bias"], kwargs["timestamps"], 0.3, keeps, group_scores,
+    )  # fmt: skip
+    ref = oracle(q, k, v, cu, kwargs, keep=lambda s, h, i, j: keeps[s][h, i, j], dropout_p=0.3)
+    check_all(out, ref, q, k, v, kwargs, 1e-6, 1e-6)
+
+
 def test_time_buckets_exact_at_powers_of_two():
     dt = torch.tensor([0, 1, 2, 3, 6, 7, 8, 2**53 - 2, 2**53 - 1, 2**62 - 1, 2**62, 2**63 - 2], dtype=torch.int64)
     expected = [(int(x) + 1).bit_length() - 1 for x in dt.tolist()]

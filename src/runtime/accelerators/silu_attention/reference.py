@@ -1,4 +1,5 @@
-"""silu_attention in plain torch: one sequence at a time, CPU-safe, differentiable.
+"""silu_attention in plain torch: groups of sequences padded together (one at a time under torch.compile), CPU-safe,
+differentiable.
 
 For sequence s (rows cu_seqlens[s]:cu_seqlens[s + 1]), query i and key j (local indices):
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..packed_padding import GROUP_SCORES, Padded, packed_order, padded_groups
 
 # |t_i - t_j| saturates here, so that 1 + |dt| fits in int64: a difference past int64 (timestamps of opposite signs far
 # apart) takes bucket min(T - 1, 62) on every backend, the last the kernels hold
@@ -38,20 +41,52 @@ def time_buckets(dt: torch.Tensor, n_buckets: int) -> torch.Tensor:
     return b.clamp_max(n_buckets - 1)
 
 
-def visible_mask(n: int, causal: bool, n_targets: int | None, device) -> torch.Tensor:
-    """[n, n] bool: query i sees key j. Causal: j <= i. The last n_targets tokens are candidates: a candidate key is
-    seen by itself only."""
-    i = torch.arange(n, device=device).view(-1, 1)
-    j = torch.arange(n, device=device).view(1, -1)
-    mask = j <= i if causal else torch.ones(n, n, dtype=torch.bool, device=device)
-    if n_targets:
+def _visible(i: torch.Tensor, j: torch.Tensor, n, n_targets, causal: bool) -> torch.Tensor:
+    """Query i sees key j of a sequence of n tokens whose last n_targets are candidates (n and n_targets: ints, or
+    tensors that broadcast with i and j; n_targets None or 0: no candidates). Both within the sequence; causal:
+    j <= i; a candidate key is seen by itself only."""
+    mask = (i < n) & (j < n)
+    if causal:
+        mask = mask & (j <= i)
+    if n_targets is not None:
         mask = mask & ((j < n - n_targets) | (i == j))
     return mask
+
+
+def visible_mask(n: int, causal: bool, n_targets: int | None, device) -> torch.Tensor:
+    """[n, n] bool: query i sees key j (_visible) in one sequence of n tokens."""
+    i = torch.arange(n, device=device)
+    return _visible(i.view(-1, 1), i.view(1, -1), n, n_targets or None, causal)
 
 
 def _per_head(bias: torch.Tensor) -> torch.Tensor:
     """[P] or [H, P] as [1 or H, P]."""
     return bias.unsqueeze(0) if bias.dim() == 1 else bias
+
+
+def _scores(qs, ks, alpha, position_bias, time_bias, t) -> torch.Tensor:
+    """alpha <q_i, k_j> plus the biases, [n, H, L, L], of padded sequences qs, ks [n, H, L, D] with timestamps t
+    [n, L] (None without a time bias)."""
+    scores = alpha * (qs @ ks.transpose(-1, -2))
+    if position_bias is not None:
+        bias = _per_head(position_bias).to(scores.dtype)
+        i = torch.arange(qs.shape[2], device=qs.device)
+        scores = scores + bias[:, (i.view(-1, 1) - i.view(1, -1)).abs().clamp_max(bias.shape[-1] - 1)]
+    if time_bias is not None:
+        bias = _per_head(time_bias).to(scores.dtype)
+        buckets = time_buckets(time_differences(t[:, :, None], t[:, None, :]), bias.shape[-1])
+        scores = scores + bias[:, buckets].transpose(0, 1)
+    return scores
+
+
+def _attend(scores, mask, vs, max_seqlen: int, dropout_p: float, kept) -> torch.Tensor:
+    """sum_j dropout(silu(score_ij) / max_seqlen where visible) v_j, [n, H, L, D]; kept: the keep mask or None (drawn
+    from torch's generator)."""
+    weights = torch.where(mask, F.silu(scores) / max_seqlen, torch.zeros((), dtype=scores.dtype, device=vs.device))
+    if dropout_p > 0:
+        kept = torch.rand_like(weights) >= dropout_p if kept is None else kept.to(vs.device)
+        weights = weights * kept / (1.0 - dropout_p)
+    return weights @ vs
 
 
 def silu_attention_reference(
@@ -68,35 +103,71 @@ def silu_attention_reference(
     timestamps: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     keep: list[torch.Tensor] | None = None,
+    group_scores: int = GROUP_SCORES,
 ) -> torch.Tensor:
     """out [total, H, D] in q's dtype. keep: optional per-sequence dropout keep masks [H, n, n] (True = kept; kept
-    weights are scaled by 1 / (1 - dropout_p)); without them dropout_p > 0 draws a mask from torch's generator."""
-    d = q.shape[-1]
-    alpha = d**-0.5 if alpha is None else alpha
-    compute = torch.promote_types(q.dtype, torch.float32)
+    weights are scaled by 1 / (1 - dropout_p)); without them dropout_p > 0 draws a mask from torch's generator.
+    Sequences of similar lengths are padded to their longest and computed together, at most `group_scores` score
+    elements a group (packed_padding); under torch.compile one sequence at a time, so that a new packing costs one
+    dynamic recompile at most."""
+    args = (
+        alpha if alpha is not None else q.shape[-1] ** -0.5,
+        causal,
+        position_bias,
+        time_bias,
+        max_seqlen,
+        dropout_p,
+    )
+    dtype, compute = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v = (x.to(compute) for x in (q, k, v))
     offsets = cu_seqlens.tolist()
     targets = num_targets.tolist() if num_targets is not None else None
+    if torch.compiler.is_compiling():
+        out = _per_sequence(q, k, v, offsets, targets, timestamps, keep, *args)
+    else:
+        out = _grouped(q, k, v, offsets, targets, timestamps, keep, group_scores, *args)
+    if out is None:  # no sequence at all: an empty result that keeps q, k and v in the graph
+        out = q[:0] + k[:0] + v[:0]
+    return out.to(dtype)
+
+
+def _per_sequence(q, k, v, offsets, targets, timestamps, keep, alpha, causal, pos, time, max_seqlen, dropout_p):
     outs = []
     for s in range(len(offsets) - 1):
         start, end = offsets[s], offsets[s + 1]
-        n = end - start
-        qs, ks, vs = (x[start:end].transpose(0, 1).to(compute) for x in (q, k, v))  # [H, n, D]
-        scores = alpha * (qs @ ks.transpose(-1, -2))
-        i = torch.arange(n, device=q.device).view(-1, 1)
-        j = torch.arange(n, device=q.device).view(1, -1)
-        if position_bias is not None:
-            bias = _per_head(position_bias).to(compute)
-            scores = scores + bias[:, (i - j).abs().clamp_max(bias.shape[-1] - 1)]
-        if time_bias is not None:
-            bias = _per_head(time_bias).to(compute)
-            t = timestamps[start:end].long()
-            scores = scores + bias[:, time_buckets(time_differences(t.view(-1, 1), t.view(1, -1)), bias.shape[-1])]
-        mask = visible_mask(n, causal, targets[s] if targets is not None else None, q.device)
-        weights = torch.where(mask, F.silu(scores) / max_seqlen, torch.zeros((), dtype=compute, device=q.device))
-        if dropout_p > 0:
-            kept = keep[s] if keep is not None else torch.rand_like(weights) >= dropout_p
-            weights = weights * kept.to(q.device) / (1.0 - dropout_p)
-        outs.append((weights @ vs).transpose(0, 1))
-    if not outs:  # no sequence at all: an empty result that keeps q, k and v in the graph
-        return q[:0] + k[:0] + v[:0]
-    return torch.cat(outs).to(q.dtype)
+        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
+        t = timestamps[start:end].long().unsqueeze(0) if time is not None else None
+        scores = _scores(qs, ks, alpha, pos, time, t)
+        mask = visible_mask(end - start, causal, targets[s] if targets is not None else None, q.device)
+        kept = keep[s].unsqueeze(0) if keep is not None else None
+        outs.append(_attend(scores, mask, vs, max_seqlen, dropout_p, kept)[0].transpose(0, 1))
+    return torch.cat(outs) if outs else None
+
+
+def _grouped(
+    q, k, v, offsets, targets, timestamps, keep, group_scores, alpha, causal, pos, time, max_seqlen, dropout_p
+):
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    groups, outs = [], []
+    for sequences in padded_groups(lengths, lengths, q.shape[1], group_scores):
+        rows = Padded(offsets, lengths, sequences, q.device)
+        qs, ks, vs = (rows.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, H, L, D]
+        t = rows.pad(timestamps.long()) if time is not None else None
+        scores = _scores(qs, ks, alpha, pos, time, t)
+        i = torch.arange(rows.longest, device=q.device)
+        n = torch.tensor([lengths[s] for s in sequences], device=q.device).view(-1, 1, 1)
+        n_targets = torch.tensor([targets[s] for s in sequences], device=q.device).view(-1, 1, 1) if targets else None
+        mask = _visible(i.view(1, -1, 1), i.view(1, 1, -1), n, n_targets, causal).unsqueeze(1)
+        kept = _padded_keep([keep[s] for s in sequences], rows.longest) if keep is not None else None
+        groups.append(rows)
+        outs.append(_attend(scores, mask, vs, max_seqlen, dropout_p, kept).transpose(1, 2)[rows.index])
+    return packed_order(groups, outs) if outs else None
+
+
+def _padded_keep(keeps: list[torch.Tensor], longest: int) -> torch.Tensor:
+    """Per-sequence keep masks [H, n, n] as one [N, H, longest, longest] (False past each sequence)."""
+    padded = torch.zeros(len(keeps), keeps[0].shape[0], longest, longest, dtype=torch.bool, device=keeps[0].device)
+    for s, kept in enumerate(keeps):
+        n = kept.shape[-1]
+        padded[s, :, :n, :n] = kept
+    return padded
