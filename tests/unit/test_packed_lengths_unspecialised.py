@@ -12,6 +12,10 @@ from runtime.accelerators.activation import triton as activation
 from runtime.accelerators.add_norm import triton as add_norm
 from runtime.accelerators.dropout_add import triton as dropout_add
 from runtime.accelerators.flash_attention import triton_dkdv, triton_dq, triton_forward
+from runtime.accelerators.gated_delta_rule import triton as gdr_forward
+from runtime.accelerators.gated_delta_rule import triton_backward as gdr_backward
+from runtime.accelerators.gated_delta_rule import triton_backward_wy as gdr_wy
+from runtime.accelerators.gated_delta_rule import triton_shared as gdr_shared
 from runtime.accelerators.linear import triton as linear
 from runtime.accelerators.linear import triton_persistent
 from runtime.accelerators.silu_attention import triton_backward as silu_backward
@@ -35,6 +39,16 @@ PACKED_LENGTH_ARGUMENTS = [
     (silu_forward._fwd_kernel, {"NBLOCKS"}),
     (silu_backward._bwd_dq_kernel, {"NBLOCKS"}),
     (silu_backward._bwd_dkdv_kernel, {"NBLOCKS"}),
+    (gdr_forward._chunk_inverse_kernel, {"T", "N_CHUNKS"}),
+    (gdr_forward._chunk_wy_kernel, {"T", "N_CHUNKS"}),
+    (gdr_forward._chunk_output_kernel, {"T", "N_CHUNKS"}),
+    (gdr_shared._chunk_state_kernel, {"T", "N_CHUNKS"}),
+    (gdr_backward._chunk_local_grad_kernel, {"T", "N_CHUNKS"}),
+    (gdr_backward._state_grad_kernel, {"T", "N_CHUNKS"}),
+    (gdr_backward._chunk_grad_qk_state_kernel, {"T", "N_CHUNKS"}),
+    (gdr_backward._sum_value_heads_kernel, {"ROWS"}),
+    (gdr_wy._chunk_grad_wy_kernel, {"T", "N_CHUNKS"}),
+    (gdr_wy._chunk_grad_wy_fused_kernel, {"T", "N_CHUNKS"}),
 ]
 
 
