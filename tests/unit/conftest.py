@@ -13,6 +13,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     )
 
+import inspect  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -21,6 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from filelock import FileLock  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpreterBuilder, TensorHandle  # noqa: E402
 
 from runtime.accelerators.backends import clear_decisions  # noqa: E402
@@ -52,6 +54,25 @@ def _rounding_fp32_to_bf16(method):
 
 InterpreterBuilder.cast_impl = _rounding_fp32_to_bf16(InterpreterBuilder.cast_impl)
 InterpreterBuilder.create_fp_to_fp = _rounding_fp32_to_bf16(InterpreterBuilder.create_fp_to_fp)
+
+
+_BUILTIN_NAMES: dict[object, list[str]] = {}
+
+
+def _patch_listed_builtins(pkg, builder, scope):
+    """The interpreter wraps triton.language's builtins before every launch and again at every call of a jit helper
+    inside a kernel, each time listing the package's members with inspect.getmembers (about a third of a small
+    kernel's interpreted time). Here the names of a package's builtins are listed once, on its first (unpatched)
+    listing, and each call wraps those that are still builtins: the attributes a full listing would wrap."""
+    if pkg not in _BUILTIN_NAMES:
+        _BUILTIN_NAMES[pkg] = [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+    for name in _BUILTIN_NAMES[pkg]:
+        member = getattr(pkg, name)
+        if tl.core.is_builtin(member):
+            interpreter._patch_attr(pkg, name, member, builder, scope)
+
+
+interpreter._patch_builtin = _patch_listed_builtins
 
 NVCC = shutil.which("nvcc")
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: TileLang kernels cannot be compiled here")
