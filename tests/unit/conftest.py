@@ -72,7 +72,16 @@ def _patch_listed_builtins(pkg, builder, scope):
             interpreter._patch_attr(pkg, name, member, builder, scope)
 
 
-interpreter._patch_builtin = _patch_listed_builtins
+def _listing_is_patchable() -> bool:
+    """Whether the interpreter has the internals _patch_listed_builtins was written against (Triton 3.9's); another
+    version keeps its own listing."""
+    listing = getattr(interpreter, "_patch_builtin", None)
+    names = list(inspect.signature(listing).parameters) if listing else []
+    return names == ["pkg", "builder", "scope"] and hasattr(interpreter, "_patch_attr")
+
+
+if _listing_is_patchable():
+    interpreter._patch_builtin = _patch_listed_builtins
 
 NVCC = shutil.which("nvcc")
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: TileLang kernels cannot be compiled here")
