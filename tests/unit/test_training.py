@@ -420,6 +420,31 @@ def test_training_benchmark_times_and_profiles_a_run(tmp_path):
     assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
     assert any(op["name"].startswith("aten::") for op in profile["top_host_ops"])
     assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 2
+    assert run["triton_compiles_timed"] == 0 and run["triton_kernels_compiled_timed"] == []  # torch: none
+
+
+def test_triton_compilations_records_each_compile_and_restores_the_hook():
+    """The training benchmark counts the Triton compilations of its timed steps through Triton's post-compile hook
+    (the interpreter compiles nothing, so the hook is called here as Triton calls it): names in order, an earlier
+    hook still called, and restored after the block."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from runtime.training.profiling import triton_compilations
+
+    seen = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kwargs: seen.append(kwargs["fn"].name)
+    try:
+        with triton_compilations() as compiled:
+            for name in ("_linear_forward", "_fwd_kernel"):
+                knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={})
+        assert compiled == ["_linear_forward", "_fwd_kernel"] and seen == compiled
+        knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=SimpleNamespace(name="after"), compile={})
+        assert compiled == ["_linear_forward", "_fwd_kernel"] and seen[-1] == "after"
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def test_training_benchmark_dry_run_composes_every_variant(capsys):

@@ -49,7 +49,7 @@ from .data import build_data
 from .distributed import Run
 from .flops import appended_tokens, batch_step_matmul_flops, measured_bf16_matmul_rate
 from .loop import JAGGED_GRAPH_BLOCKER, Trainer
-from .profiling import profile_steps
+from .profiling import profile_steps, triton_compilations
 
 logger = logging.getLogger("runtime.training")
 
@@ -73,18 +73,22 @@ def run_one(
     _sync(device)
     start = time.perf_counter()
     timed_from = start
-    for i, batch in enumerate(batches):
-        began = time.perf_counter()
-        if i == warmup:
-            _sync(device)
-            timed_from = began = time.perf_counter()
-        loss, _ = trainer.train_step(batch)
-        losses.append(loss)
-        if i < warmup:
-            _sync(device)
-            warmup_steps_s.append(time.perf_counter() - began)
-    _sync(device)
-    end = time.perf_counter()
+    with triton_compilations() as compiled:
+        compiled_in_warmup = None
+        for i, batch in enumerate(batches):
+            began = time.perf_counter()
+            if i == warmup:
+                _sync(device)
+                timed_from = began = time.perf_counter()
+                compiled_in_warmup = len(compiled)
+            loss, _ = trainer.train_step(batch)
+            losses.append(loss)
+            if i < warmup:
+                _sync(device)
+                warmup_steps_s.append(time.perf_counter() - began)
+        _sync(device)
+        end = time.perf_counter()
+    compiled_timed = compiled[compiled_in_warmup:] if compiled_in_warmup is not None else []
     timed = len(batches) - warmup
     step_s = (end - timed_from) / timed if timed > 0 else float("nan")
     # real tokens: each example's history events (+ the target token of the causal models), no padding
@@ -113,6 +117,9 @@ def run_one(
         "matmul_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / matmul_rate if matmul_rate else None,
         "cuda_graph_on": graph is not None,
+        # Triton compilations during the timed steps: each costs that step its compile (or disk-cache load) time
+        "triton_compiles_timed": len(compiled_timed),
+        "triton_kernels_compiled_timed": sorted(set(compiled_timed)),
         "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "parameters": trainer.metrics["parameters"],
         "precision": trainer.precision_name,
@@ -379,6 +386,9 @@ def _line(name: str, entry: dict) -> str:
             f", profiled: {prof['wall_ms_per_step']:.2f} ms wall vs {prof['kernel_ms_per_step']:.2f} ms of kernels per step, "
             f"{prof['kernel_launches_per_step']:.0f} launches"
         )
+    if entry.get("triton_compiles_timed"):
+        kernels = ", ".join(entry["triton_kernels_compiled_timed"])
+        text += f", {entry['triton_compiles_timed']} Triton compilations in the timed steps ({kernels})"
     if entry.get("peak_memory_mib"):
         text += f", peak {entry['peak_memory_mib']:.0f} MiB"
     return text

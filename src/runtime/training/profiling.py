@@ -8,11 +8,17 @@ over launches, the launch count, and the costliest kernels and host-side ops.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+try:
+    from triton import knobs as _triton_knobs
+except ImportError:  # no Triton, or one without knobs: nothing is counted
+    _triton_knobs = None
 
 
 def profile_steps(step: Callable[[int], object], steps: int, device: torch.device, top: int = 12) -> dict:
@@ -57,3 +63,27 @@ def _device_time_us(event) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def triton_compilations() -> Iterator[list[str]]:
+    """Within the block, the names of the Triton kernels compiled (or loaded from Triton's disk cache), in order, by
+    Triton's post-compile hook. A compilation in a timed training step is host time a step pays for a new
+    specialisation (e.g. a packed length's new "divisible by 16" flag); none happen under the interpreter."""
+    compiled: list[str] = []
+    runtime = getattr(_triton_knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        yield compiled
+        return
+    previous = runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        info = kwargs.get("fn")
+        compiled.append(getattr(info, "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield compiled
+    finally:
+        runtime.jit_post_compile_hook = previous
