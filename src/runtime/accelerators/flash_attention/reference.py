@@ -129,7 +129,7 @@ def flash_attention_varlen_reference(
     """The torch backend for packed sequences ([total_q, H, D]): equal to the op on each sequence alone. Sequences
     of similar lengths are padded to their longest and go through SDPA together, the keys past each sequence hidden
     as key_lengths hides them: one call per group of at most `group_scores` score elements (packed_padding)."""
-    if torch.compiler.is_compiling():  # groups chosen by the lengths would specialise the graph on each batch's
+    if torch.compiler.is_compiling():  # groups chosen by the lengths would specialise the graph on every batch
         return _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p, scale)
     offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lengths_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
@@ -137,7 +137,7 @@ def flash_attention_varlen_reference(
     groups, outs = [], []
     for sequences in padded_groups(lengths_q, lengths_k, q.shape[1], group_scores):
         rows_q = Padded(offsets_q, lengths_q, sequences, q.device)
-        rows_k = Padded(offsets_k, lengths_k, sequences, q.device)
+        rows_k = rows_q if offsets_k == offsets_q else Padded(offsets_k, lengths_k, sequences, q.device)
         q_pad, k_pad, v_pad = (rows.pad(x).transpose(1, 2) for rows, x in ((rows_q, q), (rows_k, k), (rows_k, v)))
         key_lengths = torch.tensor([lengths_k[s] for s in sequences], device=q.device)
         out = flash_attention_reference(q_pad, k_pad, v_pad, causal, key_lengths, None, dropout_p, scale)

@@ -12,6 +12,8 @@ Half-precision inputs are computed in fp32; the result takes q's dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -110,57 +112,62 @@ def silu_attention_reference(
     Sequences of similar lengths are padded to their longest and computed together, at most `group_scores` score
     elements a group (packed_padding); under torch.compile one sequence at a time, so that a new packing costs one
     dynamic recompile at most."""
-    args = (
-        alpha if alpha is not None else q.shape[-1] ** -0.5,
-        causal,
-        position_bias,
-        time_bias,
-        max_seqlen,
-        dropout_p,
-    )
+    alpha = q.shape[-1] ** -0.5 if alpha is None else alpha
     dtype, compute = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v = (x.to(compute) for x in (q, k, v))
     offsets = cu_seqlens.tolist()
     targets = num_targets.tolist() if num_targets is not None else None
+    terms = _Terms(alpha, causal, position_bias, time_bias, timestamps, max_seqlen, dropout_p, keep)
     if torch.compiler.is_compiling():
-        out = _per_sequence(q, k, v, offsets, targets, timestamps, keep, *args)
+        out = _per_sequence(q, k, v, offsets, targets, terms)
     else:
-        out = _grouped(q, k, v, offsets, targets, timestamps, keep, group_scores, *args)
+        out = _grouped(q, k, v, offsets, targets, terms, group_scores)
     if out is None:  # no sequence at all: an empty result that keeps q, k and v in the graph
         out = q[:0] + k[:0] + v[:0]
     return out.to(dtype)
 
 
-def _per_sequence(q, k, v, offsets, targets, timestamps, keep, alpha, causal, pos, time, max_seqlen, dropout_p):
+class _Terms(NamedTuple):
+    """The arguments of silu_attention_reference that both ways of walking the sequences pass on as they are."""
+
+    alpha: float
+    causal: bool
+    position_bias: torch.Tensor | None
+    time_bias: torch.Tensor | None
+    timestamps: torch.Tensor | None
+    max_seqlen: int
+    dropout_p: float
+    keep: list[torch.Tensor] | None
+
+
+def _per_sequence(q, k, v, offsets, targets, terms: _Terms):
     outs = []
     for s in range(len(offsets) - 1):
         start, end = offsets[s], offsets[s + 1]
         qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
-        t = timestamps[start:end].long().unsqueeze(0) if time is not None else None
-        scores = _scores(qs, ks, alpha, pos, time, t)
-        mask = visible_mask(end - start, causal, targets[s] if targets is not None else None, q.device)
-        kept = keep[s].unsqueeze(0) if keep is not None else None
-        outs.append(_attend(scores, mask, vs, max_seqlen, dropout_p, kept)[0].transpose(0, 1))
+        t = terms.timestamps[start:end].long().unsqueeze(0) if terms.time_bias is not None else None
+        scores = _scores(qs, ks, terms.alpha, terms.position_bias, terms.time_bias, t)
+        mask = visible_mask(end - start, terms.causal, targets[s] if targets is not None else None, q.device)
+        kept = terms.keep[s].unsqueeze(0) if terms.keep is not None else None
+        outs.append(_attend(scores, mask, vs, terms.max_seqlen, terms.dropout_p, kept)[0].transpose(0, 1))
     return torch.cat(outs) if outs else None
 
 
-def _grouped(
-    q, k, v, offsets, targets, timestamps, keep, group_scores, alpha, causal, pos, time, max_seqlen, dropout_p
-):
+def _grouped(q, k, v, offsets, targets, terms: _Terms, group_scores: int):
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     groups, outs = [], []
     for sequences in padded_groups(lengths, lengths, q.shape[1], group_scores):
         rows = Padded(offsets, lengths, sequences, q.device)
         qs, ks, vs = (rows.pad(x).transpose(1, 2) for x in (q, k, v))  # [n, H, L, D]
-        t = rows.pad(timestamps.long()) if time is not None else None
-        scores = _scores(qs, ks, alpha, pos, time, t)
+        t = rows.pad(terms.timestamps.long()) if terms.time_bias is not None else None
+        scores = _scores(qs, ks, terms.alpha, terms.position_bias, terms.time_bias, t)
         i = torch.arange(rows.longest, device=q.device)
         n = torch.tensor([lengths[s] for s in sequences], device=q.device).view(-1, 1, 1)
         n_targets = torch.tensor([targets[s] for s in sequences], device=q.device).view(-1, 1, 1) if targets else None
-        mask = _visible(i.view(1, -1, 1), i.view(1, 1, -1), n, n_targets, causal).unsqueeze(1)
-        kept = _padded_keep([keep[s] for s in sequences], rows.longest) if keep is not None else None
+        mask = _visible(i.view(1, -1, 1), i.view(1, 1, -1), n, n_targets, terms.causal).unsqueeze(1)
+        kept = _padded_keep([terms.keep[s] for s in sequences], rows.longest) if terms.keep is not None else None
         groups.append(rows)
-        outs.append(_attend(scores, mask, vs, max_seqlen, dropout_p, kept).transpose(1, 2)[rows.index])
+        outs.append(_attend(scores, mask, vs, terms.max_seqlen, terms.dropout_p, kept).transpose(1, 2)[rows.index])
     return packed_order(groups, outs) if outs else None
 
 
